@@ -1,0 +1,270 @@
+"""The algorithm contract: types, the `Algorithm` record and shared pytree math.
+
+An algorithm is a module of pure functions over explicit state (DESIGN.md §3, STYLE.md
+rules 3 and 6). The engine calls them in this order every round::
+
+    state  = server_init(params, hp, opt)                       # once
+    bc     = broadcast(state, hp)                               # what clients download
+    out_i  = client_update(ctx_i, bc, client_state_i, hp, opt)  # per client, or vmapped
+    state, diagnostics = server_update(state, outs, weights, hp, opt)
+
+`client_update` is written for ONE client and must also run under `torch.func.vmap` over
+a cohort: no `.item()`, no Python branching on tensor values, a fixed number of local
+steps with a step mask (a masked step leaves every piece of state unchanged), and
+randomness only from tensors in `ctx`. Python branching on static values (`ctx.round_idx`,
+hyperparameters) is fine: they are the same for the whole cohort.
+
+Everything here imports only torch and the standard library (STYLE.md rule 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+Params = dict[str, Tensor]
+Diagnostics = dict[str, Tensor]
+
+
+class Batch(NamedTuple):
+    """One local minibatch with a per-example weight (0 for padding)."""
+
+    x: Tensor  # [B, ...]
+    y: Tensor  # [B, ...]
+    weight: Tensor  # [B]   1.0 for a real example, 0.0 for padding
+    key: Tensor  # []     int64 seed for in-model randomness (dropout); see models.keyed_dropout
+
+
+LossFn = Callable[[Params, Batch], Tensor]
+
+
+class ClientContext(NamedTuple):
+    """What one client's local work may use, built by the engine's executor.
+
+    Local steps are laid out epoch-major: step `s` belongs to epoch `s // steps_per_epoch`.
+    Clients with fewer batches than the cohort's longest get masked (no-op) steps at the
+    end of each epoch, so `step_mask[s] == 0` means "leave the state unchanged".
+    """
+
+    loss_fn: LossFn  # (params, batch) -> weighted mean loss over the batch
+    apply_fn: Callable[[Params, Tensor], Tensor]  # (params, x) -> model output, eval mode
+    batch: Callable[[int], Batch]  # step index -> that step's minibatch
+    step_mask: Tensor  # [S] float, 1.0 = a real step
+    num_examples: Tensor  # [] float, examples in one pass over the local data
+    num_epochs: int  # E
+    steps_per_epoch: int  # K (padded), so S = E * K
+    round_idx: int  # 1-based training round (static for the cohort)
+    noise: dict[str, Tensor]  # pre-drawn N(0, 1) tensors declared by Algorithm.noise_shapes
+
+    @property
+    def num_steps(self) -> int:
+        """Total local steps S = E * K."""
+        return self.num_epochs * self.steps_per_epoch
+
+
+class ClientOut(NamedTuple):
+    """One client's result: what it uploads, its new private state, local metrics."""
+
+    upload: dict[str, Any]  # tensors/pytrees sent to the server (counted as bytes up)
+    state: Any  # new per-client state (None for stateless algorithms)
+    metrics: dict[str, Tensor]  # scalar local metrics, e.g. {"train_loss": ...}
+
+
+class ServerOptState(NamedTuple):
+    """Server optimiser moments (zeros-shaped dicts when unused)."""
+
+    first: Params  # momentum / Adam m_t
+    second: Params  # Adam/Adagrad/Yogi v_t
+    step: Tensor  # [] number of server steps taken
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Client and server optimiser settings shared by the FedOpt family.
+
+    Reddi, Charles, Zaheer, Garrett, Rush, Konečný, Kumar, McMahan. Adaptive Federated
+    Optimization. ICLR 2021. arXiv:2003.00295. The server treats the weighted mean client
+    delta (old minus new, a pseudo-gradient) as the gradient of its optimiser (Alg. 1).
+    Defaults follow FedPA Table 4 (EMNIST column) where the paper fixes them.
+    """
+
+    client_lr: float = 0.01  # eta_l; FedPA Table 6 EMNIST
+    client_momentum: float = 0.0  # heavy-ball momentum of local SGD (FedPA Table 4 uses 0.9)
+    local_epochs: int = 1  # E; passes over the local data per round
+    server_opt: str = "sgd"  # sgd | momentum | adam | adagrad | yogi
+    server_lr: float = 1.0  # eta_g; 1.0 with sgd is McMahan et al.'s FedAvg
+    server_momentum: float = 0.9  # beta for --server-opt momentum (FedPA Table 4)
+    server_beta1: float = 0.9  # Adam/Yogi beta1 (FedPA Table 4)
+    server_beta2: float = 0.99  # Adam/Yogi beta2 (FedPA Table 4)
+    server_tau: float = 1e-3  # adaptivity tau of FedAdam/FedYogi/FedAdagrad (Reddi et al. §3)
+
+    def __post_init__(self) -> None:
+        require(self.client_lr > 0, "train.client_lr", "> 0", self.client_lr)
+        require(0 <= self.client_momentum < 1, "train.client_momentum", "in [0, 1)", self.client_momentum)
+        require(self.local_epochs >= 1, "train.local_epochs", ">= 1", self.local_epochs)
+        require(self.server_opt in SERVER_OPTIMIZERS, "train.server_opt",
+                f"one of {', '.join(SERVER_OPTIMIZERS)}", self.server_opt)
+        require(self.server_lr > 0, "train.server_lr", "> 0", self.server_lr)
+        require(0 <= self.server_momentum < 1, "train.server_momentum", "in [0, 1)", self.server_momentum)
+        require(0 <= self.server_beta1 < 1, "train.server_beta1", "in [0, 1)", self.server_beta1)
+        require(0 <= self.server_beta2 < 1, "train.server_beta2", "in [0, 1)", self.server_beta2)
+        require(self.server_tau > 0, "train.server_tau", "> 0", self.server_tau)
+
+
+SERVER_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "yogi")
+
+
+class HyperparameterError(ValueError):
+    """A hyperparameter value violates its constraint (the config layer re-raises it)."""
+
+
+def require(ok: bool, key: str, constraint: str, value: object, fix: str = "") -> None:
+    """Raise HyperparameterError '<key> must be <constraint>; got <value>.' unless ok."""
+    if not ok:
+        message = f"{key} must be {constraint}; got {value!r}."
+        raise HyperparameterError(f"{message} {fix}".strip())
+
+
+class Algorithm(NamedTuple):
+    """The record every algorithm module exports as `ALGORITHM`."""
+
+    name: str
+    paper: str  # "Authors. Title. Venue year. arXiv id"
+    config_cls: type  # frozen dataclass of hyperparameters with the paper's defaults
+    server_init: Callable[..., Any]  # (params, hp, opt) -> ServerState
+    broadcast: Callable[..., Any]  # (state, hp) -> Broadcast pytree
+    client_update: Callable[..., ClientOut]  # (ctx, broadcast, client_state, hp, opt) -> ClientOut
+    server_update: Callable[..., tuple[Any, Diagnostics]]  # (state, outs[C], weights[C], hp, opt)
+    global_params: Callable[[Any], Params]  # state -> the model to evaluate and save
+    init_client_state: Callable[..., Any] | None = None  # (params, hp) -> state; None = stateless
+    noise_shapes: Callable[..., dict[str, tuple[int, ...]]] | None = None  # (params, hp, num_steps)
+    upload_nbytes: Callable[[dict[str, Any]], Tensor] | None = None  # default: dense count
+    download_nbytes: Callable[[Any], Tensor] | None = None  # default: dense count
+    supports_vmap: bool = True
+    description: str = ""
+
+
+def hyperparameter_defaults(config_cls: type) -> dict[str, object]:
+    """Return {name: default} of a hyperparameter dataclass ('required' if none)."""
+    out: dict[str, object] = {}
+    for f in fields(config_cls):
+        out[f.name] = f.default if f.default is not MISSING else "required"
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Pytree math on Params (shared once here, STYLE.md rule 1)
+# ---------------------------------------------------------------------------------------
+
+
+def tree_map(fn: Callable[..., Tensor], tree: Params, *rest: Params) -> Params:
+    """Apply fn leaf-wise over dicts with the same keys."""
+    return {k: fn(v, *(r[k] for r in rest)) for k, v in tree.items()}
+
+
+def tree_sub(a: Params, b: Params) -> Params:
+    """Return a - b leaf-wise."""
+    return {k: a[k] - b[k] for k in a}
+
+
+def tree_add(a: Params, b: Params) -> Params:
+    """Return a + b leaf-wise."""
+    return {k: a[k] + b[k] for k in a}
+
+
+def tree_scale(a: Params, c: float | Tensor) -> Params:
+    """Return c * a leaf-wise."""
+    return {k: v * c for k, v in a.items()}
+
+
+def tree_zeros_like(a: Params) -> Params:
+    """Return zeros with a's shapes."""
+    return {k: torch.zeros_like(v) for k, v in a.items()}
+
+
+def tree_where(mask: Tensor, new: Any, old: Any) -> Any:
+    """Return new where mask (a 0-d float/bool tensor) is set, else old, for any pytree.
+
+    This is how a padded (masked) local step leaves momentum and parameters unchanged.
+    """
+    if isinstance(new, dict):
+        return {k: tree_where(mask, new[k], old[k]) for k in new}
+    if isinstance(new, tuple) and hasattr(new, "_fields"):
+        return type(new)(*(tree_where(mask, n, o) for n, o in zip(new, old, strict=True)))
+    if isinstance(new, (tuple, list)):
+        return type(new)(tree_where(mask, n, o) for n, o in zip(new, old, strict=True))
+    if isinstance(new, Tensor):
+        return torch.where(mask.bool(), new, old)
+    return new
+
+
+def tree_vdot(a: Params, b: Params) -> Tensor:
+    """Return sum_k <a_k, b_k>: the inner product of the flattened trees."""
+    return sum((a[k] * b[k]).sum() for k in a)  # type: ignore[return-value]
+
+
+def tree_norm(a: Params) -> Tensor:
+    """Return the L2 norm of the flattened tree."""
+    return torch.sqrt(tree_vdot(a, a))
+
+
+def flatten(a: Params) -> Tensor:
+    """Concatenate the leaves of a (in key order) into one vector [D]."""
+    return torch.cat([v.reshape(-1) for v in a.values()])
+
+
+def unflatten(vector: Tensor, like: Params) -> Params:
+    """Split a vector [D] back into a tree shaped like `like`."""
+    out: Params = {}
+    offset = 0
+    for k, v in like.items():
+        n = v.numel()
+        out[k] = vector[offset : offset + n].reshape(v.shape)
+        offset += n
+    return out
+
+
+def weighted_mean(cohort_tree: Params, weights: Tensor) -> Params:
+    """Return sum_i w_i x_i / sum_i w_i over the leading client axis.
+
+    Args:
+        cohort_tree: leaves shaped [C, ...].
+        weights: [C] non-negative client weights (q_i = n_i in FedAvg/FedPA).
+    """
+    total = weights.sum()
+    return {
+        k: torch.tensordot(weights.to(v.dtype), v, dims=([0], [0])) / total.to(v.dtype)
+        for k, v in cohort_tree.items()
+    }
+
+
+def finite_client_mask(cohort_tree: Params) -> Tensor:
+    """Return [C] bool: True for clients whose every leaf is finite."""
+    masks = [torch.isfinite(v.reshape(v.shape[0], -1)).all(dim=1) for v in cohort_tree.values()]
+    return torch.stack(masks).all(dim=0)
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Return the bytes of every tensor in a pytree (dense float encoding)."""
+    if isinstance(tree, Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, Mapping):
+        return sum(tree_nbytes(v) for v in tree.values())
+    if isinstance(tree, (tuple, list)):
+        return sum(tree_nbytes(v) for v in tree)
+    return 0
+
+
+def mean_metric(values: Tensor, mask: Tensor) -> Tensor:
+    """Return the mean of values over entries where mask is 1 (0 if none)."""
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def isclose_zero(x: float) -> bool:
+    """True when a Python float hyperparameter is exactly zero (static branching)."""
+    return math.isclose(x, 0.0, abs_tol=0.0)

@@ -1,0 +1,125 @@
+"""Functional client and server optimisers (pure functions on Params).
+
+Client: SGD with heavy-ball momentum, `v <- m v + g; theta <- theta - lr v` (the form
+of the FedPA JAX code and of torch.optim.SGD with dampening 0; Keras' form is the same
+trajectory for a constant learning rate).
+
+Server: the generalized FedOpt step of Reddi et al. (Adaptive Federated Optimization,
+ICLR 2021, arXiv:2003.00295, Alg. 2), applied to the pseudo-gradient
+g = weighted mean of client deltas (old minus new):
+
+    sgd       theta <- theta - lr g
+    momentum  v <- beta v + g;            theta <- theta - lr v          (FedAvgM, FedPA JAX form)
+    adam      m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;  theta <- theta - lr m / (sqrt(v) + tau)
+    adagrad   v <- v + g^2;               theta <- theta - lr g / (sqrt(v) + tau)
+    yogi      m as adam;  v <- v - (1-b2) g^2 sign(v - g^2);  theta <- theta - lr m / (sqrt(v) + tau)
+
+Deviations: Paper (Alg. 2): v_{-1} >= tau^2 and no bias correction. Here: v_{-1} = 0 (the
+Reddi et al. framework code's initial accumulator, FedPA reference §4.4) and no bias
+correction (the paper's form; the TFF/Keras Adam adds one).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from fedcli.algorithms.base import (
+    ClientContext,
+    LossFn,
+    OptimConfig,
+    Params,
+    ServerOptState,
+    tree_where,
+    tree_zeros_like,
+)
+
+
+def sgd_step(params: Params, grads: Params, velocity: Params, lr: float,
+             momentum: float) -> tuple[Params, Params]:
+    """Return one SGD step: v' = m v + g, theta' = theta - lr v' (v unused when m = 0)."""
+    if momentum == 0.0:
+        return {k: p - lr * grads[k] for k, p in params.items()}, velocity
+    new_velocity = {k: momentum * velocity[k] + grads[k] for k in params}
+    return {k: p - lr * new_velocity[k] for k, p in params.items()}, new_velocity
+
+
+def server_opt_init(params: Params) -> ServerOptState:
+    """Return zero moments and step 0 for any server optimiser."""
+    return ServerOptState(first=tree_zeros_like(params), second=tree_zeros_like(params),
+                          step=torch.zeros((), dtype=torch.int64))
+
+
+def server_opt_step(params: Params, pseudo_grad: Params, state: ServerOptState,
+                    opt: OptimConfig) -> tuple[Params, ServerOptState]:
+    """Apply one server step with g = pseudo_grad (old minus new); see the module table."""
+    kind, lr, tau = opt.server_opt, opt.server_lr, opt.server_tau
+    first, second = state.first, state.second
+    if kind == "sgd":
+        new = {k: p - lr * pseudo_grad[k] for k, p in params.items()}
+    elif kind == "momentum":
+        first = {k: opt.server_momentum * first[k] + pseudo_grad[k] for k in params}
+        new = {k: p - lr * first[k] for k, p in params.items()}
+    elif kind == "adagrad":
+        second = {k: second[k] + pseudo_grad[k] ** 2 for k in params}
+        new = {k: p - lr * pseudo_grad[k] / (second[k].sqrt() + tau) for k, p in params.items()}
+    elif kind in ("adam", "yogi"):
+        b1, b2 = opt.server_beta1, opt.server_beta2
+        first = {k: b1 * first[k] + (1 - b1) * pseudo_grad[k] for k in params}
+        second = {k: _second_moment(kind, second[k], pseudo_grad[k], b2) for k in params}
+        new = {k: p - lr * first[k] / (second[k].sqrt() + tau) for k, p in params.items()}
+    else:  # pragma: no cover - OptimConfig validates the name
+        raise ValueError(f"unknown server optimiser {kind!r}")
+    return new, ServerOptState(first=first, second=second, step=state.step + 1)
+
+
+def _second_moment(kind: str, v: Tensor, g: Tensor, beta2: float) -> Tensor:
+    """Return Adam's EMA of g^2, or Yogi's additive sign-controlled update."""
+    g2 = g * g
+    if kind == "adam":
+        return beta2 * v + (1 - beta2) * g2
+    return v - (1 - beta2) * g2 * torch.sign(v - g2)
+
+
+class LocalResult(NamedTuple):
+    """What a run of local SGD returns."""
+
+    params: Params  # last iterate theta_K
+    epoch_means: list[Params]  # per epoch: mean of the post-step iterates (IASG samples)
+    mean_loss: Tensor  # [] mean minibatch loss over the real steps
+
+
+def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
+              objective: LossFn | None = None, *, average_epochs: bool = False) -> LocalResult:
+    """Run E epochs x K masked SGD(+momentum) steps on `objective` from `params`.
+
+    Momentum persists across the epochs of a round and starts at zero every round
+    (clients are stateless across rounds, as in FedPA §2.10 [TFF]). A masked step leaves
+    parameters and momentum unchanged. With `average_epochs`, each epoch also yields the
+    average of its post-step iterates (the IASG sample of FedPA Alg. 4, lines 5-10).
+    """
+    grad_and_loss = torch.func.grad_and_value(objective or ctx.loss_fn)
+    momentum = opt.client_momentum
+    velocity = tree_zeros_like(params) if momentum > 0 else {}
+    loss_sum = torch.zeros((), dtype=ctx.step_mask.dtype, device=ctx.step_mask.device)
+    epoch_means: list[Params] = []
+    for epoch in range(ctx.num_epochs):
+        running = tree_zeros_like(params) if average_epochs else {}
+        for k in range(ctx.steps_per_epoch):
+            step = epoch * ctx.steps_per_epoch + k
+            mask = ctx.step_mask[step]
+            grads, loss = grad_and_loss(params, ctx.batch(step))
+            new_params, new_velocity = sgd_step(params, grads, velocity, opt.client_lr, momentum)
+            params = tree_where(mask, new_params, params)
+            velocity = tree_where(mask, new_velocity, velocity)
+            loss_sum = loss_sum + mask * loss.detach()
+            if average_epochs:
+                running = {n: running[n] + mask * params[n] for n in params}
+        if average_epochs:
+            epoch_slice = ctx.step_mask[epoch * ctx.steps_per_epoch:(epoch + 1) * ctx.steps_per_epoch]
+            count = epoch_slice.sum().clamp_min(1.0)
+            epoch_means.append({n: v / count for n, v in running.items()})
+    mean_loss = loss_sum / ctx.step_mask.sum().clamp_min(1.0)
+    return LocalResult(params=params, epoch_means=epoch_means, mean_loss=mean_loss)

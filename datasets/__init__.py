@@ -1,0 +1,1 @@
+"""Data sources, partitioners, the on-device federated container and tasks."""

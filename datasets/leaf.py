@@ -1,0 +1,51 @@
+"""LEAF JSON loader (FEMNIST, Shakespeare, Sent140 share the format).
+
+Caldas et al. LEAF: A Benchmark for Federated Settings. arXiv:1812.01097. A LEAF file is
+one JSON object ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...],
+"y": [...]}}}``, optionally gzip-compressed. This is the only data I/O for LEAF data.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+from fedcli.errors import DataError
+
+
+def read_leaf_file(path: Path) -> dict[str, Any]:
+    """Parse one LEAF JSON(.gz) file and check its structure; DataError if malformed."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:  # type: ignore[operator]
+            doc = json.load(fh)
+    except (OSError, EOFError, ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"LEAF file {path} is not valid (gzipped) JSON: {exc}; "
+                        "re-download or re-generate it with LEAF's preprocess.sh.") from exc
+    if not isinstance(doc, dict) or not {"users", "num_samples", "user_data"} <= doc.keys():
+        raise DataError(f"LEAF file {path} lacks the keys users/num_samples/user_data; "
+                        "is it a LEAF train/test JSON?")
+    for user, count in zip(doc["users"], doc["num_samples"], strict=True):
+        record = doc["user_data"].get(user)
+        if record is None or len(record.get("x", ())) != count or len(record.get("y", ())) != count:
+            raise DataError(f"LEAF file {path}: user {user!r} does not have num_samples={count} "
+                            "examples in user_data; the file is truncated or edited.")
+    return doc
+
+
+def read_leaf_dir(directory: Path) -> dict[str, dict[str, list[Any]]]:
+    """Merge every *.json / *.json.gz file of a LEAF split folder: user -> {x, y}."""
+    files = sorted(list(directory.glob("*.json")) + list(directory.glob("*.json.gz")))
+    if not files:
+        raise DataError(f"no LEAF *.json or *.json.gz files in {directory}; "
+                        "point --data-dir at LEAF's data/<task>/data folder.")
+    merged: dict[str, dict[str, list[Any]]] = {}
+    for path in files:
+        doc = read_leaf_file(path)
+        for user in doc["users"]:
+            if user in merged:
+                raise DataError(f"user {user!r} appears in two files of {directory}.")
+            merged[user] = doc["user_data"][user]
+    return merged

@@ -1,0 +1,1 @@
+"""The fedcli command line (Typer)."""

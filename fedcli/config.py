@@ -1,0 +1,300 @@
+"""RunConfig: the typed, validated, frozen configuration of one run (STYLE.md rule 18).
+
+Built from a YAML file (`--config run.yaml`) overridden by CLI flags, validated once, then
+never changed. Sections: data, partition, algorithm, train, tracking, plus the root seed.
+Every user-facing check lives here and raises `ConfigError` with the message format of
+STYLE.md rule 11. Environment variables are read only here (FEDCLI_STORE, MLFLOW_TRACKING_URI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedcli.algorithms.base import HyperparameterError, OptimConfig
+from fedcli.errors import ConfigError
+
+EXECUTORS = ("auto", "loop", "vmap")
+SCHEMES = ("natural", "iid", "dirichlet", "shards", "labels", "quantity", "two-level")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    task: str = "femnist"  # a name from `fedcli list tasks`
+    model: str | None = None  # None = the task's default model
+    data_dir: str | None = None  # None = the bundled / default copy of the data
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionConfig:
+    scheme: str = "natural"  # natural = the data's own owners (writers, users, subjects)
+    num_clients: int | None = None  # None = every natural client
+    alpha: float | None = None  # Dirichlet concentration (dirichlet, two-level)
+    shards_per_client: int | None = None  # pathological shards
+    file: str | None = None  # a partition file written by `fedcli partition`
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    name: str = "fedavg"
+    hp: Mapping[str, Any] = field(default_factory=dict)  # resolved hyperparameters (defaults filled)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    rounds: int = 50  # R; communication rounds
+    clients_per_round: int = 10  # M; sampled uniformly without replacement each round
+    batch_size: int = 20  # B; Reddi et al. EMNIST default
+    local_epochs: int = 1  # E
+    client_lr: float = 0.01  # eta_l
+    client_momentum: float = 0.0
+    server_opt: str = "sgd"
+    server_lr: float = 1.0  # eta_g
+    server_momentum: float = 0.9
+    server_beta1: float = 0.9
+    server_beta2: float = 0.99
+    server_tau: float = 1e-3
+    eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
+    checkpoint_every: int = 0  # rounds between checkpoints; 0 = only the final model
+    executor: str = "auto"  # auto | loop | vmap
+    cohort_chunk: int | None = None  # vmap chunk size (bounds memory); None = whole cohort
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+
+    @property
+    def optim(self) -> OptimConfig:
+        """The optimiser settings algorithms receive."""
+        names = {f.name for f in dataclasses.fields(OptimConfig)}
+        return OptimConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    root: str = "fedcli-runs"  # folder of the default stores, models and checkpoints
+    store: str | None = None  # SQLAlchemy URL; None = FEDCLI_STORE or sqlite under root
+    tracking_uri: str | None = None  # MLflow URI; None = MLFLOW_TRACKING_URI or sqlite under root
+    use_mlflow: bool = True
+    experiment: str = "default"
+    run_name: str | None = None
+
+    @property
+    def store_url(self) -> str:
+        if self.store:
+            return self.store
+        env = os.environ.get("FEDCLI_STORE")
+        return env or f"sqlite:///{Path(self.root).resolve() / 'fedcli.db'}"
+
+    @property
+    def mlflow_uri(self) -> str:
+        if self.tracking_uri:
+            return self.tracking_uri
+        env = os.environ.get("MLFLOW_TRACKING_URI")
+        return env or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    seed: int = 0  # root of every random stream (cohorts, batch order, init, noise)
+    data: DataConfig = field(default_factory=DataConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the config as plain nested dicts (the stored, resolved form)."""
+        out = dataclasses.asdict(self)
+        out["algorithm"]["hp"] = dict(self.algorithm.hp)
+        return out
+
+    @property
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON of everything that determines results (not tracking)."""
+        body = {k: v for k, v in self.to_dict().items() if k != "tracking"}
+        return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+SECTIONS: Mapping[str, type] = {
+    "data": DataConfig, "partition": PartitionConfig, "algorithm": AlgorithmConfig,
+    "train": TrainConfig, "tracking": TrackingConfig,
+}
+
+
+def canonical_json(obj: object) -> str:
+    """Return sorted-key compact JSON (the form that is hashed and stored)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML mapping; ConfigError naming the file when it is malformed."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"config file {path} is not valid YAML: {first}") from exc
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections; got {type(doc).__name__}.")
+    return doc
+
+
+def suggest(name: str, options: list[str] | tuple[str, ...]) -> str:
+    """Return ' (did you mean 'x'?)' for the closest option, or ''."""
+    match = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def parse_value(text: str) -> Any:
+    """Parse a CLI value ('0.1', 'true', '[1,2]') as YAML; fall back to the string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_assignments(items: list[str], flag: str) -> dict[str, Any]:
+    """Parse ['key=value', ...] into {key: typed value}; ConfigError on a malformed item."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} must be KEY=VALUE; got {item!r}.")
+        out[key.strip()] = parse_value(value.strip())
+    return out
+
+
+def coerce(key: str, annotation: object, value: Any) -> Any:
+    """Check `value` against a dataclass field annotation (as written); int -> float is allowed."""
+    text = str(annotation)
+    if value is None:
+        if "None" in text:
+            return None
+        raise ConfigError(f"{key} must be set; got None.")
+    kinds = {part.strip() for part in text.split("|")}
+    if isinstance(value, bool):
+        if "bool" in kinds:
+            return value
+    elif isinstance(value, int) and ("int" in kinds or "float" in kinds):
+        return value if "int" in kinds else float(value)
+    elif isinstance(value, float) and "float" in kinds:
+        return value
+    elif isinstance(value, str) and "str" in kinds:
+        return value
+    elif isinstance(value, Mapping) and any(k.startswith("Mapping") or k.startswith("dict") for k in kinds):
+        return dict(value)
+    expected = " or ".join(sorted(k for k in kinds if k != "None"))
+    raise ConfigError(f"{key} must be {expected}; got {value!r}.")
+
+
+def build_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
+    """Construct one frozen section from a mapping, naming unknown keys and bad types."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown config key '{name}.{key}'{suggest(key, list(known))}.")
+        kwargs[key] = coerce(f"{name}.{key}", known[key].type, value)
+    try:
+        return cls(**kwargs)
+    except HyperparameterError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def make_hyperparameters(algo_name: str, values: Mapping[str, Any]) -> Any:
+    """Build the algorithm's hyperparameter dataclass from user values (keys without 'hp.')."""
+    from fedcli.algorithms import ALGORITHMS
+
+    if algo_name not in ALGORITHMS:
+        raise ConfigError(f"unknown algorithm {algo_name!r}{suggest(algo_name, list(ALGORITHMS))}; "
+                          f"choose one of: {', '.join(ALGORITHMS)}.")
+    cls = ALGORITHMS[algo_name].config_cls
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            valid = ", ".join(known) or "none"
+            raise ConfigError(f"unknown hyperparameter 'hp.{key}' for {algo_name}{suggest(key, list(known))}; "
+                              f"valid: {valid}.")
+        kwargs[key] = coerce(f"hp.{key}", known[key].type, value)
+    try:
+        return cls(**kwargs)
+    except HyperparameterError as exc:
+        raise ConfigError(str(exc)) from None
+    except TypeError as exc:  # a required hyperparameter is missing
+        raise ConfigError(f"{algo_name}: {exc}; pass it with --hp KEY=VALUE.") from None
+
+
+def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | None = None,
+                 hp: Mapping[str, Any] | None = None) -> RunConfig:
+    """Load YAML (optional), apply dotted CLI overrides (None = not given), validate, freeze.
+
+    Args:
+        file: a YAML file with any of the sections and `seed`.
+        overrides: {"train.rounds": 10, "seed": 3, ...}; None values are ignored.
+        hp: algorithm hyperparameters from --hp (override the file's algorithm.hp).
+    """
+    doc = read_yaml(file) if file else {}
+    for key in doc:
+        if key != "seed" and key not in SECTIONS:
+            raise ConfigError(f"unknown config section {key!r}{suggest(key, [*SECTIONS, 'seed'])}.")
+    merged: dict[str, dict[str, Any]] = {name: dict(doc.get(name) or {}) for name in SECTIONS}
+    seed = doc.get("seed", 0)
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if dotted == "seed":
+            seed = value
+            continue
+        section, _, key = dotted.partition(".")
+        merged[section][key] = value
+    hp_values = {**dict(merged["algorithm"].pop("hp", None) or {}), **dict(hp or {})}
+    algo_name = str(merged["algorithm"].get("name", AlgorithmConfig.name))
+    hyper = make_hyperparameters(algo_name, hp_values)
+    sections = {name: build_section(name, cls, merged[name]) for name, cls in SECTIONS.items()
+                if name != "algorithm"}
+    algorithm = AlgorithmConfig(name=algo_name, hp=dataclasses.asdict(hyper))
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0; got {seed!r}.")
+    cfg = RunConfig(seed=seed, algorithm=algorithm, **sections)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field and range checks that do not need data; ConfigError on the first problem."""
+    from fedcli.datasets.tasks import TASKS
+
+    t = cfg.train
+    for key, value, low in (("rounds", t.rounds, 1), ("clients_per_round", t.clients_per_round, 1),
+                            ("batch_size", t.batch_size, 1), ("eval_every", t.eval_every, 1),
+                            ("checkpoint_every", t.checkpoint_every, 0)):
+        if value < low:
+            raise ConfigError(f"train.{key} must be >= {low}; got {value!r}.")
+    if t.executor not in EXECUTORS:
+        raise ConfigError(f"train.executor must be one of {', '.join(EXECUTORS)}; got {t.executor!r}.")
+    if t.cohort_chunk is not None and t.cohort_chunk < 1:
+        raise ConfigError(f"train.cohort_chunk must be >= 1; got {t.cohort_chunk!r}.")
+    if not (t.device in ("auto", "cpu", "cuda", "mps") or t.device.startswith("cuda:")):
+        raise ConfigError(f"train.device must be auto, cpu, cuda, cuda:N or mps; got {t.device!r}.")
+    try:
+        t.optim  # noqa: B018 - constructing validates the optimiser settings
+    except HyperparameterError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.data.task not in TASKS:
+        raise ConfigError(f"unknown task {cfg.data.task!r}{suggest(cfg.data.task, list(TASKS))}; "
+                          f"choose one of: {', '.join(TASKS)}.")
+    task = TASKS[cfg.data.task]
+    if cfg.data.model is not None and cfg.data.model not in task.models:
+        raise ConfigError(f"data.model must be one of {', '.join(task.models)} for task {task.name}; "
+                          f"got {cfg.data.model!r}.")
+    if cfg.partition.scheme not in SCHEMES:
+        raise ConfigError(f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}.")

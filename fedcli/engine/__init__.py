@@ -1,0 +1,1 @@
+"""The simulation engine: round loop, cohort sampling, executors, checkpoints."""

@@ -1,0 +1,120 @@
+"""Executors: run `Algorithm.client_update` for a cohort, client by client or vmapped.
+
+Both take the same inputs and return the same stacked `ClientOut` (leading client axis C).
+`loop` is the reference: each client runs alone, with only its own K_c steps per epoch.
+`vmap` runs the cohort as one batched computation with torch.func.vmap over the padded
+plan (masked steps are exact no-ops), optionally in chunks to bound memory. The two agree
+to float tolerance on the same seed (tests/engine/test_equivalence.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from fedcli.algorithms.base import Algorithm, Batch, ClientContext, ClientOut, OptimConfig, Params
+from fedcli.datasets.federated import CohortPlan, FederatedData
+from fedcli.datasets.tasks import Task, per_example_loss
+
+
+@dataclass(frozen=True)
+class ModelFunctions:
+    """The stateless model functions a ClientContext exposes."""
+
+    apply_fn: Callable[[Params, Tensor], Tensor]  # eval mode
+    loss_fn: Callable[[Params, Batch], Tensor]  # weighted mean loss, dropout keyed by batch.key
+    data: FederatedData
+    prepare: Callable[[Tensor], Tensor]
+
+
+def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelFunctions:
+    """Build apply/loss functions around `model` with torch.func.functional_call."""
+
+    def apply_fn(params: Params, x: Tensor) -> Tensor:
+        return torch.func.functional_call(model, params, (x,))
+
+    def loss_fn(params: Params, batch: Batch) -> Tensor:
+        output = torch.func.functional_call(model, params, (batch.x,), {"key": batch.key})
+        losses = per_example_loss(task, output, batch.y)  # [B]
+        return (losses * batch.weight).sum() / batch.weight.sum().clamp_min(1.0)
+
+    return ModelFunctions(apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare)
+
+
+@dataclass(frozen=True)
+class CohortInputs:
+    """Everything per client that an executor slices: the plan, keys, noise, states."""
+
+    plan: CohortPlan
+    keys: Tensor  # [C, S] int64
+    noise: dict[str, Tensor]  # name -> [C, S, ...]
+    states: Any  # stacked per-client state pytree, or None
+
+
+def make_context(fns: ModelFunctions, index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor,
+                 num_examples: Tensor, noise: dict[str, Tensor], num_epochs: int, steps_per_epoch: int,
+                 round_idx: int) -> ClientContext:
+    """Build one client's ClientContext; batches are gathered lazily by index."""
+
+    def batch(step: int) -> Batch:
+        ix = index[step]  # [B]
+        return Batch(x=fns.prepare(fns.data.x[ix]), y=fns.data.y[ix], weight=weight[step], key=keys[step])
+
+    return ClientContext(loss_fn=fns.loss_fn, apply_fn=fns.apply_fn, batch=batch, step_mask=step_mask,
+                         num_examples=num_examples, num_epochs=num_epochs, steps_per_epoch=steps_per_epoch,
+                         round_idx=round_idx, noise=noise)
+
+
+def _client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt: OptimConfig,
+               num_epochs: int, steps_per_epoch: int, round_idx: int) -> Callable[..., tuple[Any, Any, Any]]:
+    def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
+            noise: dict[str, Tensor], state: Any) -> tuple[Any, Any, Any]:
+        ctx = make_context(fns, index, weight, step_mask, keys, num_examples, noise, num_epochs,
+                           steps_per_epoch, round_idx)
+        out = alg.client_update(ctx, broadcast, state, hp, opt)
+        return out.upload, ({} if out.state is None else out.state), out.metrics
+
+    return one
+
+
+def run_vmap(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
+             opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
+    """Run the whole cohort as one vmapped computation (chunks of chunk_size clients)."""
+    plan = inputs.plan
+    one = _client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, plan.steps_per_epoch, round_idx)
+    state_dim = None if inputs.states is None else 0
+    batched = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, state_dim), chunk_size=chunk_size)
+    upload, state, metrics = batched(plan.index, plan.weight, plan.step_mask, inputs.keys,
+                                     plan.num_examples, inputs.noise, inputs.states)
+    return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
+
+
+def run_loop(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
+             opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
+    """Run clients one by one, each on its own unpadded plan; stack the results."""
+    plan = inputs.plan
+    results = []
+    for c in range(len(plan.num_examples)):
+        own = plan.for_client(c)
+        k = own.steps_per_epoch
+        one = _client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, k, round_idx)
+        noise = {name: trim_steps(v[c], plan.num_epochs, plan.steps_per_epoch, k) for name, v in inputs.noise.items()}
+        keys = trim_steps(inputs.keys[c], plan.num_epochs, plan.steps_per_epoch, k)
+        state = None if inputs.states is None else pytree.tree_map(lambda t, c=c: t[c], inputs.states)
+        results.append(one(own.index[0], own.weight[0], own.step_mask[0], keys, own.num_examples[0], noise, state))
+    upload, state, metrics = pytree.tree_map(lambda *xs: torch.stack(xs), *results)
+    return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
+
+
+def trim_steps(t: Tensor, num_epochs: int, padded: int, own: int) -> Tensor:
+    """Keep the first `own` of `padded` steps per epoch of a [S, ...] tensor."""
+    t = t.reshape(num_epochs, padded, *t.shape[1:])[:, :own]
+    return t.reshape(num_epochs * own, *t.shape[2:])
+
+
+EXECUTORS: dict[str, Callable[..., ClientOut]] = {"loop": run_loop, "vmap": run_vmap}

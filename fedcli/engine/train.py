@@ -1,0 +1,306 @@
+"""The round loop of one run (DESIGN.md §2).
+
+    cohort  = sample(clients, rng(seed, COHORT, r))
+    plan    = FederatedData.plan(cohort, E, B, rng(seed, BATCH_ORDER, r, client))
+    outs    = executor(client_update, broadcast(state), plan, client states)
+    state   = server_update(state, outs, weights = n_i)
+    metrics = evaluate(global params) every eval_every rounds and at the last round
+    tracker.log_round(r, metrics); checkpoint every k rounds (atomic)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcli.algorithms import ALGORITHMS
+from fedcli.algorithms.base import Algorithm, HyperparameterError, tree_nbytes
+from fedcli.config import RunConfig, make_hyperparameters
+from fedcli.datasets.federated import FederatedData
+from fedcli.datasets.tasks import TASKS, Task, TaskData, TaskOptions
+from fedcli.engine import checkpoint as ckpt
+from fedcli.engine.clientstate import ClientStateStore
+from fedcli.engine.evaluation import evaluate
+from fedcli.engine.executors import EXECUTORS, CohortInputs, ModelFunctions, model_functions
+from fedcli.engine.seeding import Stream, derive_seed, numpy_rng, sample_cohort, step_keys, torch_generator
+from fedcli.errors import ConfigError, FedcliError
+
+log = logging.getLogger(__name__)
+
+
+class DivergenceError(FedcliError):
+    """A metric became NaN or inf; the run was marked failed at that round."""
+
+
+@dataclass
+class Timing:
+    """Seconds spent per phase, summed over the rounds of this process."""
+
+    train: float = 0.0
+    aggregate: float = 0.0
+    evaluate: float = 0.0
+    tracking: float = 0.0
+    rounds: int = 0
+
+    def per_round(self) -> dict[str, float]:
+        n = max(self.rounds, 1)
+        return {"train": self.train / n, "aggregate": self.aggregate / n,
+                "evaluate": self.evaluate / n, "tracking": self.tracking / n}
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    status: str
+    rounds_completed: int
+    final_metrics: dict[str, float]
+    model_path: Path | None
+    executor: str
+    timing: Timing = field(default_factory=Timing)
+    wall_s: float = 0.0
+
+
+@dataclass
+class Setup:
+    """Everything built once before the first round."""
+
+    cfg: RunConfig
+    task: Task
+    data: TaskData
+    fed: FederatedData
+    fns: ModelFunctions
+    alg: Algorithm
+    hp: Any
+    device: torch.device
+    executor: str
+    init_params: dict[str, torch.Tensor]
+
+
+def resolve_device(name: str) -> torch.device:
+    """Map auto|cpu|cuda|cuda:N|mps to a torch.device; ConfigError if unavailable."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device is {name!r} but CUDA is not available here; use --device cpu.")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("train.device is 'mps' but MPS is not available here; use --device cpu.")
+    return torch.device(name)
+
+
+def client_partition(cfg: RunConfig, data: TaskData) -> list[np.ndarray]:
+    """Return client -> example indices for the configured scheme (natural in this release)."""
+    part = cfg.partition
+    if part.scheme != "natural" or part.file is not None:
+        raise ConfigError(f"partition.scheme {part.scheme!r} / partition files are not available yet in this "
+                          "release; use --scheme natural (the data's own owners).")
+    indices = data.client_indices
+    if part.num_clients is not None:
+        if part.num_clients > len(indices):
+            raise ConfigError(f"partition.num_clients={part.num_clients} exceeds the {len(indices)} natural "
+                              f"clients of task {cfg.data.task}; lower --clients.")
+        indices = indices[: part.num_clients]
+    return indices
+
+
+def build(cfg: RunConfig) -> Setup:
+    """Load data, build the model, the algorithm and the executor; data-dependent checks."""
+    device = resolve_device(cfg.train.device)
+    task = TASKS[cfg.data.task]
+    data = task.load(TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir else None))
+    indices = client_partition(cfg, data)
+    if cfg.train.clients_per_round > len(indices):
+        raise ConfigError(f"train.clients_per_round={cfg.train.clients_per_round} exceeds the "
+                          f"{len(indices)} clients of the partition; lower --clients-per-round.")
+    with torch.random.fork_rng(devices=[]):  # model init from its own stream, global RNG untouched
+        torch.manual_seed(derive_seed(cfg.seed, Stream.INIT))
+        model = task.models[cfg.data.model or task.default_model]()
+    model = model.to(device)
+    init_params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    fed = FederatedData(data.x, data.y, indices, device)
+    alg = ALGORITHMS[cfg.algorithm.name]
+    hp = make_hyperparameters(alg.name, cfg.algorithm.hp)
+    executor = cfg.train.executor
+    if executor == "auto":
+        executor = "vmap" if alg.supports_vmap else "loop"
+    elif executor == "vmap" and not alg.supports_vmap:
+        raise ConfigError(f"{alg.name} does not support --executor vmap; use --executor loop or auto.")
+    return Setup(cfg, task, data, fed, model_functions(task, model, fed), alg, hp, device, executor, init_params)
+
+
+def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray, round_idx: int,
+               num_steps: int) -> dict[str, torch.Tensor]:
+    """Pre-draw each client's N(0, 1) noise from its own stream (shapes lead with S steps)."""
+    if setup.alg.noise_shapes is None:
+        return {}
+    shapes = setup.alg.noise_shapes(params, setup.hp, num_steps)
+    out: dict[str, torch.Tensor] = {}
+    for slot, (name, shape) in enumerate(sorted(shapes.items()), start=1):
+        draws = [torch.randn(shape, generator=torch_generator(setup.cfg.seed, Stream.NOISE, round_idx, int(c), slot))
+                 for c in cohort]
+        out[name] = torch.stack(draws).to(setup.device)
+    return out
+
+
+def run_round(setup: Setup, state: Any, store: ClientStateStore, round_idx: int, timing: Timing
+              ) -> tuple[Any, dict[str, float]]:
+    """One communication round: sample, train clients, aggregate. Returns (state, metrics)."""
+    cfg, alg, hp, opt = setup.cfg, setup.alg, setup.hp, setup.cfg.train.optim
+    start = time.perf_counter()
+    cohort = sample_cohort(setup.fed.num_clients, cfg.train.clients_per_round, seed=cfg.seed, round_idx=round_idx)
+    rngs = [numpy_rng(cfg.seed, Stream.BATCH_ORDER, round_idx, int(c)) for c in cohort]
+    plan = setup.fed.plan(cohort, num_epochs=opt.local_epochs, batch_size=cfg.train.batch_size, rngs=rngs)
+    num_steps = plan.num_epochs * plan.steps_per_epoch
+    bc = alg.broadcast(state, hp)
+    inputs = CohortInputs(plan=plan, keys=step_keys(cfg.seed, round_idx, cohort, num_steps).to(setup.device),
+                          noise=draw_noise(setup, alg.global_params(state), cohort, round_idx, num_steps),
+                          states=store.gather(cohort, setup.device))
+    outs = EXECUTORS[setup.executor](alg, setup.fns, bc, inputs, hp, opt, round_idx, cfg.train.cohort_chunk)
+    _sync(setup.device)
+    trained = time.perf_counter()
+    state, diagnostics = alg.server_update(state, outs, plan.num_examples, hp, opt)
+    store.scatter(cohort, outs.state)
+    _sync(setup.device)
+    timing.train += trained - start
+    timing.aggregate += time.perf_counter() - trained
+    weights = plan.num_examples / plan.num_examples.sum()
+    metrics = {f"client/{k}": float((v.to(weights.dtype) * weights).sum()) for k, v in outs.metrics.items()}
+    metrics["train/loss"] = metrics.pop("client/train_loss", float("nan"))
+    metrics.update({k: float(v) for k, v in diagnostics.items()})
+    up = alg.upload_nbytes(outs.upload) if alg.upload_nbytes else tree_nbytes(outs.upload)
+    down = alg.download_nbytes(bc) if alg.download_nbytes else tree_nbytes(bc)
+    metrics["comm/bytes_up"] = float(up)
+    metrics["comm/bytes_down"] = float(down) * len(cohort)
+    return state, metrics
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+ProgressFn = Callable[[int, dict[str, float]], None]
+
+
+def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
+          resume_run_id: str | None = None) -> RunResult:
+    """Run (or resume) one training run to completion, logging every round to `tracker`.
+
+    Raises:
+        ConfigError: invalid settings discovered against the data (before any round).
+        DivergenceError: a metric became non-finite; the run is marked failed first.
+    """
+    wall_start = time.perf_counter()
+    setup = build(cfg)
+    run_dir_root = Path(cfg.tracking.root)
+    try:
+        state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+    except HyperparameterError as exc:
+        raise ConfigError(str(exc)) from None
+    init_fn = None
+    if setup.alg.init_client_state is not None:
+        init_fn = lambda: setup.alg.init_client_state(setup.init_params, setup.hp)  # noqa: E731
+    store = ClientStateStore(init_fn)
+    start_round = 1
+    if resume_run_id is None:
+        run_id = tracker.start(cfg, setup.task, setup.executor)
+    else:
+        run_id = resume_run_id
+        state, start_round = _restore(tracker, run_id, setup, state, store)
+    run_dir = run_dir_root / "runs" / run_id
+    timing = Timing()
+    metrics: dict[str, float] = {}
+    last_round = start_round - 1
+    try:
+        if start_round == 1:
+            metrics = _evaluate(setup, state)
+            _log(tracker, 0, metrics, timing, progress)
+        for round_idx in range(start_round, cfg.train.rounds + 1):
+            round_start = time.perf_counter()
+            state, metrics = run_round(setup, state, store, round_idx, timing)
+            if round_idx % cfg.train.eval_every == 0 or round_idx == cfg.train.rounds:
+                eval_start = time.perf_counter()
+                metrics.update(_evaluate(setup, state))
+                timing.evaluate += time.perf_counter() - eval_start
+            metrics["time/round_s"] = time.perf_counter() - round_start
+            timing.rounds += 1
+            _check_finite(tracker, round_idx, metrics)
+            _log(tracker, round_idx, metrics, timing, progress)
+            last_round = round_idx
+            if cfg.train.checkpoint_every and round_idx % cfg.train.checkpoint_every == 0:
+                _checkpoint(tracker, run_dir, round_idx, state, store, cfg)
+        model_path = _save_model(tracker, run_dir, setup, state)
+    except KeyboardInterrupt:
+        tracker.finish("interrupted", reason=f"interrupted during round {last_round + 1}")
+        raise
+    except DivergenceError:
+        raise
+    except BaseException as exc:
+        tracker.finish("failed", reason=f"{type(exc).__name__}: {exc}"[:500])
+        raise
+    tracker.finish("finished")
+    return RunResult(run_id=run_id, status="finished", rounds_completed=last_round, final_metrics=metrics,
+                     model_path=model_path, executor=setup.executor, timing=timing,
+                     wall_s=time.perf_counter() - wall_start)
+
+
+def _evaluate(setup: Setup, state: Any) -> dict[str, float]:
+    params = setup.alg.global_params(state)
+    return evaluate(setup.task, setup.fns, params, setup.data.test_x, setup.data.test_y, setup.data.optimum)
+
+
+def _log(tracker: Any, round_idx: int, metrics: dict[str, float], timing: Timing,
+         progress: ProgressFn | None) -> None:
+    start = time.perf_counter()
+    tracker.log_round(round_idx, metrics)
+    timing.tracking += time.perf_counter() - start
+    log.info("round %d  %s", round_idx, "  ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())
+                                                  if k.startswith(("eval/", "train/"))))
+    if progress is not None:
+        progress(round_idx, metrics)
+
+
+def _check_finite(tracker: Any, round_idx: int, metrics: dict[str, float]) -> None:
+    bad = sorted(k for k, v in metrics.items() if not np.isfinite(v))
+    if bad:
+        tracker.finish("failed", reason=f"non-finite {', '.join(bad)} at round {round_idx}",
+                       diverged_at_round=round_idx)
+        raise DivergenceError(f"run diverged at round {round_idx}: {', '.join(bad)} not finite; "
+                              "lower --client-lr / --server-lr. The run is marked failed.")
+
+
+def _checkpoint(tracker: Any, run_dir: Path, round_idx: int, state: Any, store: ClientStateStore,
+                cfg: RunConfig) -> None:
+    path = run_dir / "checkpoints" / f"round-{round_idx:06d}.pt"
+    ckpt.save_checkpoint(path, round_idx=round_idx, server_state=state, client_states=store.state_dict(),
+                         config=cfg.to_dict(), seed=cfg.seed)
+    tracker.flush()
+    tracker.store.add_checkpoint(tracker.run_id, round_idx, str(path.resolve()))
+
+
+def _save_model(tracker: Any, run_dir: Path, setup: Setup, state: Any) -> Path:
+    path = run_dir / "model.pt"
+    params = ckpt.to_cpu(setup.alg.global_params(state))
+    ckpt.atomic_save({"params": params, "config": setup.cfg.to_dict(), "task": setup.task.name,
+                      "model": setup.cfg.data.model or setup.task.default_model}, path)
+    tracker.set_model_path(str(path.resolve()))
+    return path
+
+
+def _restore(tracker: Any, run_id: str, setup: Setup, state: Any, store: ClientStateStore) -> tuple[Any, int]:
+    """Load the newest checkpoint of run_id; drop its rounds after it. Returns (state, next round)."""
+    points = tracker.store.checkpoints(run_id)
+    if not points:
+        raise ConfigError(f"run {run_id} has no checkpoint to resume from; it was started without "
+                          "--checkpoint-every. Start it again instead.")
+    round_idx, path = points[-1]
+    saved = ckpt.load_checkpoint(Path(path))
+    store.load_state_dict(saved["client_states"])
+    tracker.resume(run_id, after_round=round_idx)
+    return ckpt.to_device(saved["server_state"], setup.device), round_idx + 1
