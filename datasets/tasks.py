@@ -54,6 +54,10 @@ class Task:
     default_model: str
     load: Callable[[TaskOptions], TaskData]
     prepare: Callable[[Tensor], Tensor] = field(default=lambda x: x)  # stored x -> model input
+    # Optional per-example loss (output, x, y) -> [B]; None = by `kind` (see per_example_loss).
+    # Lets e.g. linear stochastic approximation tasks define a surrogate whose gradient is the
+    # LSA direction A_i theta - b_i.
+    example_loss: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
 
 def fingerprint(*tensors: Tensor) -> str:
@@ -65,8 +69,10 @@ def fingerprint(*tensors: Tensor) -> str:
     return digest.hexdigest()
 
 
-def per_example_loss(task: Task, output: Tensor, y: Tensor) -> Tensor:
-    """Return the per-example loss [B]: cross-entropy, or 1/2 squared error for regression."""
+def per_example_loss(task: Task, output: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """Return the per-example loss [B]: task.example_loss, else cross-entropy / 1/2 squared error."""
+    if task.example_loss is not None:
+        return task.example_loss(output, x, y)
     if task.kind == "regression":
         return 0.5 * (output - y) ** 2
     return torch.nn.functional.cross_entropy(output, y, reduction="none")

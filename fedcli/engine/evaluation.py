@@ -25,7 +25,7 @@ def evaluate(task: Task, fns: ModelFunctions, params: Params, x: Tensor, y: Tens
         xb = fns.prepare(x[start : start + chunk].to(device))
         yb = y[start : start + chunk].to(device)
         output = fns.apply_fn(params, xb)
-        loss_sum += float(per_example_loss(task, output, yb).sum())
+        loss_sum += float(per_example_loss(task, output, xb, yb).sum())
         if task.kind == "classification":
             correct += int((output.argmax(dim=-1) == yb).sum())
         count += len(yb)

@@ -40,7 +40,7 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelF
 
     def loss_fn(params: Params, batch: Batch) -> Tensor:
         output = torch.func.functional_call(model, params, (batch.x,), {"key": batch.key})
-        losses = per_example_loss(task, output, batch.y)  # [B]
+        losses = per_example_loss(task, output, batch.x, batch.y)  # [B]
         return (losses * batch.weight).sum() / batch.weight.sum().clamp_min(1.0)
 
     return ModelFunctions(apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare)
