@@ -28,8 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
-
 from fedcli.algorithms import fedavg
 from fedcli.algorithms.base import (
     Algorithm,
@@ -46,6 +44,7 @@ from fedcli.algorithms.base import (
     unflatten,
 )
 from fedcli.algorithms.optim import local_sgd
+from torch import Tensor
 
 
 @dataclass(frozen=True, kw_only=True)

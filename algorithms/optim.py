@@ -24,8 +24,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
-
 from fedcli.algorithms.base import (
     ClientContext,
     LossFn,
@@ -35,6 +33,7 @@ from fedcli.algorithms.base import (
     tree_where,
     tree_zeros_like,
 )
+from torch import Tensor
 
 
 def sgd_step(params: Params, grads: Params, velocity: Params, lr: float,

@@ -14,10 +14,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
-
+import torch
+from fedcli.datasets import models
 from fedcli.datasets.leaf import read_leaf_dir
+from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
+from torch import Tensor
+
 from fedcli.errors import DataError
 
 BUNDLED_DIR = Path(__file__).parent / "data" / "femnist"
@@ -77,3 +82,36 @@ def _stack(split: dict[str, dict[str, list[object]]], writers: list[str]
         ys.append(np.asarray(split[writer]["y"], dtype=np.int64))
         ws.append(np.full(len(ys[-1]), k, dtype=np.int64))
     return np.concatenate(xs), np.concatenate(ys), np.concatenate(ws)
+
+
+
+def _load_femnist(options: TaskOptions) -> TaskData:
+    arrays = load_femnist(options.data_dir or BUNDLED_DIR)
+    x, y = torch.from_numpy(arrays.train_x), torch.from_numpy(arrays.train_y)
+    indices = [np.flatnonzero(arrays.train_writer == k) for k in range(len(arrays.writers))]
+    return TaskData(x=x, y=y, client_indices=indices, client_names=arrays.writers,
+                    test_x=torch.from_numpy(arrays.test_x), test_y=torch.from_numpy(arrays.test_y),
+                    fingerprint=fingerprint(x, y))
+
+
+def _images(x: Tensor) -> Tensor:
+    """uint8 [..., 28, 28] -> float32 [..., 1, 28, 28] in [0, 1]."""
+    return (x.to(torch.float32) / 255.0).unsqueeze(-3)
+
+
+FEMNIST = Task(
+    name="femnist",
+    description="LEAF FEMNIST, 62 classes, natural partition by writer (bundled: 105 writers)",
+    source="bundled LEAF sample (datasets/data/femnist); full LEAF via --data-dir",
+    offline=True,
+    kind="classification",
+    models=MappingProxyType({
+        "mlp": lambda: models.MLP(784, (200, 200), 62),
+        "cnn": lambda: models.ReddiCNN(62),
+    }),
+    default_model="mlp",
+    load=_load_femnist,
+    prepare=_images,
+)
+
+TASKS = (FEMNIST,)

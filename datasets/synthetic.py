@@ -14,8 +14,12 @@ A_i = X_i^T X_i / n_i (FedPA Eq. 3, pairing (b) of the reference, §1.3).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
+import torch
+from fedcli.datasets import models
+from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 
 
 @dataclass(frozen=True)
@@ -47,3 +51,32 @@ def make_least_squares(*, num_clients: int, dim: int, mean_size: int, heterogene
     optimum = np.linalg.solve(x_all.T @ x_all, x_all.T @ y_all)
     test_idx = rng.choice(len(y_all), size=min(len(y_all), 1000), replace=False)
     return LeastSquaresData(x_all, y_all, np.concatenate(owners), x_all[test_idx], y_all[test_idx], optimum)
+
+
+
+def _load_lsq(options: TaskOptions) -> TaskData:
+    rng = np.random.default_rng(options.seed)
+    data = make_least_squares(num_clients=20, dim=10, mean_size=50, heterogeneity=1.0,
+                              noise=0.1, rng=rng)
+    x = torch.as_tensor(data.x, dtype=torch.float32)
+    y = torch.as_tensor(data.y, dtype=torch.float32)
+    indices = [np.flatnonzero(data.client == k) for k in range(20)]
+    return TaskData(x=x, y=y, client_indices=indices, client_names=[f"client{k}" for k in range(20)],
+                    test_x=torch.as_tensor(data.test_x, dtype=torch.float32),
+                    test_y=torch.as_tensor(data.test_y, dtype=torch.float32),
+                    optimum=torch.as_tensor(data.optimum, dtype=torch.float32),
+                    fingerprint=fingerprint(x, y))
+
+
+LEAST_SQUARES = Task(
+    name="lsq",
+    description="synthetic federated least squares (FedPA App. A): 20 heterogeneous clients, d=11",
+    source="generated from --seed",
+    offline=True,
+    kind="regression",
+    models=MappingProxyType({"linear": lambda: models.Linear(11, 1, bias=False, squeeze=True)}),
+    default_model="linear",
+    load=_load_lsq,
+)
+
+TASKS = (LEAST_SQUARES,)

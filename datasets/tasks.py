@@ -1,7 +1,7 @@
 """Tasks: data + model factory + loss + metrics, the unit `fedcli train --task` names.
 
-A `Task` is a record of plain functions (no I/O at import). `TASKS` is the read-only
-registry; `fedcli list tasks` prints it.
+A `Task` is a record of plain functions (no I/O at import). Each data module exports its
+tasks as `TASKS: tuple[Task, ...]`; `fedcli.datasets.registry.TASKS` gathers them.
 """
 
 from __future__ import annotations
@@ -10,13 +10,10 @@ import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-
-from fedcli.datasets import models
 
 
 @dataclass(frozen=True)
@@ -76,72 +73,3 @@ def per_example_loss(task: Task, output: Tensor, x: Tensor, y: Tensor) -> Tensor
     if task.kind == "regression":
         return 0.5 * (output - y) ** 2
     return torch.nn.functional.cross_entropy(output, y, reduction="none")
-
-
-# --- femnist ---------------------------------------------------------------------------
-
-
-def _load_femnist(options: TaskOptions) -> TaskData:
-    from fedcli.datasets.femnist import BUNDLED_DIR, load_femnist
-
-    arrays = load_femnist(options.data_dir or BUNDLED_DIR)
-    x, y = torch.from_numpy(arrays.train_x), torch.from_numpy(arrays.train_y)
-    indices = [np.flatnonzero(arrays.train_writer == k) for k in range(len(arrays.writers))]
-    return TaskData(x=x, y=y, client_indices=indices, client_names=arrays.writers,
-                    test_x=torch.from_numpy(arrays.test_x), test_y=torch.from_numpy(arrays.test_y),
-                    fingerprint=fingerprint(x, y))
-
-
-def _images(x: Tensor) -> Tensor:
-    """uint8 [..., 28, 28] -> float32 [..., 1, 28, 28] in [0, 1]."""
-    return (x.to(torch.float32) / 255.0).unsqueeze(-3)
-
-
-FEMNIST = Task(
-    name="femnist",
-    description="LEAF FEMNIST, 62 classes, natural partition by writer (bundled: 105 writers)",
-    source="bundled LEAF sample (datasets/data/femnist); full LEAF via --data-dir",
-    offline=True,
-    kind="classification",
-    models=MappingProxyType({
-        "mlp": lambda: models.MLP(784, (200, 200), 62),
-        "cnn": lambda: models.ReddiCNN(62),
-    }),
-    default_model="mlp",
-    load=_load_femnist,
-    prepare=_images,
-)
-
-
-# --- synthetic least squares -------------------------------------------------------------
-
-
-def _load_lsq(options: TaskOptions) -> TaskData:
-    from fedcli.datasets.synthetic import make_least_squares
-
-    rng = np.random.default_rng(options.seed)
-    data = make_least_squares(num_clients=20, dim=10, mean_size=50, heterogeneity=1.0,
-                              noise=0.1, rng=rng)
-    x = torch.as_tensor(data.x, dtype=torch.float32)
-    y = torch.as_tensor(data.y, dtype=torch.float32)
-    indices = [np.flatnonzero(data.client == k) for k in range(20)]
-    return TaskData(x=x, y=y, client_indices=indices, client_names=[f"client{k}" for k in range(20)],
-                    test_x=torch.as_tensor(data.test_x, dtype=torch.float32),
-                    test_y=torch.as_tensor(data.test_y, dtype=torch.float32),
-                    optimum=torch.as_tensor(data.optimum, dtype=torch.float32),
-                    fingerprint=fingerprint(x, y))
-
-
-LEAST_SQUARES = Task(
-    name="lsq",
-    description="synthetic federated least squares (FedPA App. A): 20 heterogeneous clients, d=11",
-    source="generated from --seed",
-    offline=True,
-    kind="regression",
-    models=MappingProxyType({"linear": lambda: models.Linear(11, 1, bias=False, squeeze=True)}),
-    default_model="linear",
-    load=_load_lsq,
-)
-
-
-TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (FEMNIST, LEAST_SQUARES)})

@@ -271,7 +271,7 @@ def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | Non
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field and range checks that do not need data; ConfigError on the first problem."""
-    from fedcli.datasets.tasks import TASKS
+    from fedcli.datasets.registry import TASKS
 
     t = cfg.train
     for key, value, low in (("rounds", t.rounds, 1), ("clients_per_round", t.clients_per_round, 1),

@@ -24,7 +24,8 @@ from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import Algorithm, HyperparameterError, tree_nbytes
 from fedcli.config import RunConfig, make_hyperparameters
 from fedcli.datasets.federated import FederatedData
-from fedcli.datasets.tasks import TASKS, Task, TaskData, TaskOptions
+from fedcli.datasets.registry import TASKS
+from fedcli.datasets.tasks import Task, TaskData, TaskOptions
 from fedcli.engine import checkpoint as ckpt
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.evaluation import evaluate
