@@ -147,6 +147,9 @@ class Algorithm(NamedTuple):
     download_nbytes: Callable[[Any], Tensor] | None = None  # default: dense count
     supports_vmap: bool = True
     description: str = ""
+    # Bayesian algorithms: state -> (posterior mean, posterior variance), diagonal Gaussian
+    # over the flattened parameters as Params trees; used by `fedcli evaluate --predictive`.
+    posterior: Callable[[Any], tuple[Params, Params]] | None = None
 
 
 def hyperparameter_defaults(config_cls: type) -> dict[str, object]:

@@ -234,7 +234,7 @@ def make_hyperparameters(algo_name: str, values: Mapping[str, Any]) -> Any:
 
 
 def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | None = None,
-                 hp: Mapping[str, Any] | None = None) -> RunConfig:
+                 hp: Mapping[str, Any] | None = None, doc: Mapping[str, Any] | None = None) -> RunConfig:
     """Load YAML (optional), apply dotted CLI overrides (None = not given), validate, freeze.
 
     Args:
@@ -242,7 +242,7 @@ def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | Non
         overrides: {"train.rounds": 10, "seed": 3, ...}; None values are ignored.
         hp: algorithm hyperparameters from --hp (override the file's algorithm.hp).
     """
-    doc = read_yaml(file) if file else {}
+    doc = dict(doc) if doc is not None else read_yaml(file) if file else {}
     for key in doc:
         if key != "seed" and key not in SECTIONS:
             raise ConfigError(f"unknown config section {key!r}{suggest(key, [*SECTIONS, 'seed'])}.")
@@ -298,3 +298,23 @@ def validate(cfg: RunConfig) -> None:
                           f"got {cfg.data.model!r}.")
     if cfg.partition.scheme not in SCHEMES:
         raise ConfigError(f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}.")
+
+
+RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.device", "train.executor",
+                       "train.cohort_chunk", "tracking.root", "tracking.store", "tracking.tracking_uri",
+                       "tracking.use_mlflow")
+
+
+def resume_config(stored: Mapping[str, Any], overrides: Mapping[str, Any]) -> RunConfig:
+    """Rebuild a stored run's config; only rounds, checkpointing, device and tracking may change.
+
+    Raises:
+        ConfigError: when an override would change the results of the resumed run.
+    """
+    changing = sorted(k for k, v in overrides.items() if v is not None and k not in RESUMABLE_OVERRIDES)
+    if changing:
+        raise ConfigError(f"--resume continues a run with its stored config; {', '.join(changing)} cannot "
+                          "change. Start a new run instead, or drop those options.")
+    doc = {k: dict(v) if isinstance(v, Mapping) else v for k, v in stored.items()}
+    hp = dict(doc["algorithm"].pop("hp", {}) or {})
+    return build_config(doc=doc, overrides=overrides, hp=hp)

@@ -210,7 +210,7 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
     store = ClientStateStore(init_fn)
     start_round = 1
     if resume_run_id is None:
-        run_id = tracker.start(cfg, setup.task, setup.executor)
+        run_id = start_tracking(tracker, cfg, setup)
     else:
         run_id = resume_run_id
         state, start_round = _restore(tracker, run_id, setup, state, store)
@@ -251,6 +251,31 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
                      wall_s=time.perf_counter() - wall_start)
 
 
+def start_tracking(tracker: Any, cfg: RunConfig, setup: Setup) -> str:
+    """Start the run in the store and MLflow with the resolved config, tags and versions."""
+    import fedcli
+
+    return tracker.start(
+        experiment=cfg.tracking.experiment, run_name=cfg.tracking.run_name, config=cfg.to_dict(),
+        algo=cfg.algorithm.name, task=cfg.data.task, seed=cfg.seed, dataset=cfg.data.task,
+        partitioner=cfg.partition.scheme, fedcli_version=fedcli.__version__, torch_version=torch.__version__,
+        git_commit=git_commit(), tags={"fedcli.executor": setup.executor, "fedcli.device": str(setup.device),
+                                       "fedcli.model": cfg.data.model or setup.task.default_model,
+                                       "fedcli.config_hash": cfg.config_hash})
+
+
+def git_commit() -> str | None:
+    """Return the HEAD commit of the git checkout fedcli runs from, or None."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def _evaluate(setup: Setup, state: Any) -> dict[str, float]:
     params = setup.alg.global_params(state)
     return evaluate(setup.task, setup.fns, params, setup.data.test_x, setup.data.test_y, setup.data.optimum)
@@ -281,16 +306,17 @@ def _checkpoint(tracker: Any, run_dir: Path, round_idx: int, state: Any, store: 
     path = run_dir / "checkpoints" / f"round-{round_idx:06d}.pt"
     ckpt.save_checkpoint(path, round_idx=round_idx, server_state=state, client_states=store.state_dict(),
                          config=cfg.to_dict(), seed=cfg.seed)
-    tracker.flush()
-    tracker.store.add_checkpoint(tracker.run_id, round_idx, str(path.resolve()))
+    tracker.checkpoint(round_idx, str(path.resolve()))
 
 
 def _save_model(tracker: Any, run_dir: Path, setup: Setup, state: Any) -> Path:
     path = run_dir / "model.pt"
     params = ckpt.to_cpu(setup.alg.global_params(state))
-    ckpt.atomic_save({"params": params, "config": setup.cfg.to_dict(), "task": setup.task.name,
+    ckpt.atomic_save({"params": params, "server_state": ckpt.to_cpu(state), "config": setup.cfg.to_dict(),
+                      "task": setup.task.name, "algorithm": setup.alg.name,
                       "model": setup.cfg.data.model or setup.task.default_model}, path)
-    tracker.set_model_path(str(path.resolve()))
+    tracker.store.set_run_fields(tracker.run_id, model_path=str(path.resolve()))
+    tracker.log_artifact(path)
     return path
 
 
@@ -303,5 +329,5 @@ def _restore(tracker: Any, run_id: str, setup: Setup, state: Any, store: ClientS
     round_idx, path = points[-1]
     saved = ckpt.load_checkpoint(Path(path))
     store.load_state_dict(saved["client_states"])
-    tracker.resume(run_id, after_round=round_idx)
+    tracker.resume(run_id, from_round=round_idx)
     return ckpt.to_device(saved["server_state"], setup.device), round_idx + 1

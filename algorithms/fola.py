@@ -1,0 +1,277 @@
+"""FOLA: Gaussian-product aggregation with a federated online Laplace approximation.
+
+Liu, Zheng. A Bayesian Federated Learning Framework with Multivariate Gaussian Product.
+arXiv:2102.01936 v1 (2021); v3 "... with Online Laplace Approximation", TPAMI 2023. Code:
+github.com/Klitter/A-Bayesian-Federated-Learning-Framework-with-Online-Laplace-Approximation.
+
+Implements: Eq. 9, diagonal (Sec. 3.4): P_S = sum a_n P_n, mu_S = sum a_n P_n mu_n /
+(P_S + gamma) -> aggregate; Alg. 1 ClientUpdate (from mu_S, SGD on L_task + lam/2 sum
+P_S (theta - mu_S)^2) -> local_train; Eq. 14/15 (diagonal empirical Fisher of the task loss
+at every local iterate) -> fisher_increment; Eq. 17 -> client_precision; Sec. 3.5 ->
+fola_compression. fola_offline.py and fedcurv.py (Sec. 4 baselines) reuse these.
+Notation: mu_S, P_S -> state.mean, state.precision; mu_n, P_n -> upload; a_n = m_n/sum m
+over the cohort -> weights; r -> ctx.round_idx; lam, gamma, p -> hp.lam, hp.damping,
+hp.compress_p; F_n -> LocalFit.fisher.
+Deviations:
+  Paper: no values for lam, gamma, p; gamma a zero-mean prior (Eq. 18). Here: gamma = 1e-5
+  in the server mean only (the code's eps; P_S is not damped): coordinates with aggregated
+  precision << gamma are pulled towards 0 (fola.md 11.5, server/low_precision_frac).
+  Eq. 15 averages per-sample squares over all of D_n at every step. Here fisher="per_sample"
+  averages them over the step's minibatch (Batch.weight) and fisher_norm="mean" over the
+  real steps, a stochastic Eq. 15. Code/Alg. 1: fisher="batch_sq" (square of the minibatch
+  gradient), fisher_norm="sum_weighted" (steps weighted |b|/|D_n|, summed over epochs).
+  prior_form="paper": upload P_n = F_n/r + (r-1)/r P_S (Eq. 17), prior lam/2 P_S (Alg. 1).
+  "code": Omega_n = Omega_S + F_n, prior lam 0.5/r Omega_S, gamma in Omega units. Same server
+  mean (Omega = r P; gamma aside); the code's prior is the paper's times (r-1)/r (fola.md
+  4.5). Neither has a prior in round 1 (P_S = 0).
+  Code: total gradient clipped to norm 10. Paper and default here: no clip (clip_norm=0).
+  Client momentum is allowed (paper: plain SGD, momentum 0). The server sets theta = mu_S:
+  train.server_opt must be sgd with lr 1. Per-sample gradients reuse Batch.key, so under
+  dropout the examples of a step share one mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from fedcli.algorithms.base import (
+    Algorithm,
+    Batch,
+    ClientContext,
+    ClientOut,
+    Diagnostics,
+    OptimConfig,
+    Params,
+    require,
+    tree_add,
+    tree_norm,
+    tree_scale,
+    tree_sub,
+    tree_vdot,
+    tree_where,
+    tree_zeros_like,
+)
+from fedcli.algorithms.fola_compression import cohort_precision, upload_precision
+from fedcli.algorithms.optim import sgd_step
+
+FISHER_MODES = ("per_sample", "batch_sq")
+FISHER_NORMS = ("mean", "sum_weighted")
+PRIOR_FORMS = ("paper", "code")
+
+
+class Spec(NamedTuple):
+    """Every setting of the Laplace family; each config class fills one (see .spec())."""
+
+    lam: float
+    fisher: str
+    fisher_norm: str
+    prior_form: str
+    clip_norm: float
+    damping: float = 0.0
+    compress_p: float = 1.0
+    offline: bool = False  # Fisher from one extra pass after local training, no Eq. 17
+    product: bool = True  # product mean (Eq. 9); False = FedAvg mean (FedCurv)
+
+
+def validate_common(lam: float, fisher: str, fisher_norm: str, prior_form: str, clip_norm: float) -> None:
+    """Check the hyperparameters shared by fola, fola-offline and fedcurv."""
+    require(lam >= 0, "hp.lam", ">= 0", lam, "lam = 0 is aggregation only (no prior loss).")
+    require(fisher in FISHER_MODES, "hp.fisher", f"one of {', '.join(FISHER_MODES)}", fisher)
+    require(fisher_norm in FISHER_NORMS, "hp.fisher_norm", f"one of {', '.join(FISHER_NORMS)}", fisher_norm)
+    require(prior_form in PRIOR_FORMS, "hp.prior_form", f"one of {', '.join(PRIOR_FORMS)}", prior_form)
+    require(clip_norm >= 0, "hp.clip_norm", ">= 0 (0 = no clipping)", clip_norm)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FOLAConfig:
+    lam: float = 100.0  # prior weight lambda (Alg. 1); no value in the paper; code grids {0,1,100}/{100,..,1e4}
+    fisher: str = "per_sample"  # Eq. 14/15 per-sample squares; "batch_sq" = Alg. 1 / code
+    fisher_norm: str = "mean"  # Eq. 15 mean over local steps; "sum_weighted" = code (|b|/|D_n|, all epochs)
+    prior_form: str = "paper"  # Eq. 17 + Alg. 1 prior; "code" = cumulative Omega, prior 0.5/r
+    damping: float = 1e-5  # gamma of Eq. 18 as the code's eps in the server mean; no value in the paper
+    clip_norm: float = 0.0  # total-gradient norm clip; 0 = off (paper); code 10
+    compress_p: float = 1.0  # Sec. 3.5 kept fraction per layer; 1 = off (no value in the paper)
+
+    def __post_init__(self) -> None:
+        validate_common(self.lam, self.fisher, self.fisher_norm, self.prior_form, self.clip_norm)
+        require(self.damping >= 0, "hp.damping", ">= 0", self.damping)
+        require(0 < self.compress_p <= 1, "hp.compress_p", "in (0, 1] (1 = no compression)", self.compress_p)
+
+    def spec(self) -> Spec:
+        return Spec(self.lam, self.fisher, self.fisher_norm, self.prior_form, self.clip_norm,
+                    self.damping, self.compress_p)
+
+
+class ServerState(NamedTuple):
+    mean: Params  # mu_S, the global model
+    precision: Params  # P_S (prior_form="paper") or Omega_S ("code"), diagonal, zeros before round 1
+
+
+Broadcast = ServerState  # clients download (mu_S, P_S): both count as bytes down
+
+
+def server_init(params: Params, hp: FOLAConfig, opt: OptimConfig) -> ServerState:
+    """mu_S = theta_0, P_S = 0 (the code's Omega_S = 0; Alg. 1 gives no values)."""
+    require(opt.server_opt == "sgd" and opt.server_lr == 1.0, "train.server_opt/server_lr", "sgd/1.0",
+            f"{opt.server_opt}/{opt.server_lr}", "The server sets theta = mu_S (Alg. 1); it has no optimiser.")
+    return ServerState(mean=dict(params), precision=tree_zeros_like(params))
+
+
+def broadcast(state: ServerState, hp: FOLAConfig) -> Broadcast:
+    return state
+
+
+def fisher_increment(ctx: ClientContext, params: Params, batch: Batch, grads: Params, mode: str) -> Params:
+    """One step's diagonal empirical Fisher of the task loss at the current iterate.
+
+    batch_sq: g**2 with g the weighted minibatch-mean gradient (Alg. 1). per_sample:
+    sum_i w_i g_i**2 / sum_i w_i with per-example gradients g_i (Eq. 14), by a nested vmap.
+    """
+    if mode == "batch_sq":
+        return {k: g * g for k, g in grads.items()}
+
+    def example_loss(p: Params, x: Tensor, y: Tensor) -> Tensor:
+        one = torch.ones_like(batch.weight[:1])
+        return ctx.loss_fn(p, Batch(x=x.unsqueeze(0), y=y.unsqueeze(0), weight=one, key=batch.key))
+
+    per_example = torch.func.vmap(torch.func.grad(example_loss), in_dims=(None, 0, 0))(params, batch.x, batch.y)
+    w = batch.weight  # [B]
+    total = w.sum().clamp_min(1.0)
+    return {k: torch.tensordot(w.to(g.dtype), g * g, dims=([0], [0])) / total.to(g.dtype)
+            for k, g in per_example.items()}
+
+
+def _step_weight(ctx: ClientContext, batch: Batch, norm: str) -> Tensor:
+    """mean: 1 per step (divided by the step count later); sum_weighted: |b| / |D_n|."""
+    if norm == "mean":
+        return torch.ones_like(ctx.num_examples)
+    return batch.weight.sum() / ctx.num_examples
+
+
+def _clip(grads: Params, max_norm: float) -> Params:
+    """torch.nn.utils.clip_grad_norm_ on the whole tree (no-op when max_norm = 0)."""
+    if max_norm == 0.0:
+        return grads
+    return tree_scale(grads, (max_norm / (tree_norm(grads) + 1e-6)).clamp(max=1.0))
+
+
+class LocalFit(NamedTuple):
+    params: Params  # mu_n, the last local iterate
+    fisher: Params  # F_n, the normalised accumulated diagonal Fisher
+    task_loss: Tensor  # [] mean task loss over the real steps
+    prior_loss: Tensor  # [] mean lam * c_r * 1/2 sum P_S (theta - mu_S)^2 over the real steps
+
+
+def prior_coefficient(spec: Spec, round_idx: int) -> float:
+    """c_r in the prior lam * c_r * 1/2 sum P_S (theta - mu_S)^2: 1 (Alg. 1) or 1/r (code)."""
+    return 1.0 if spec.prior_form == "paper" else 1.0 / round_idx
+
+
+def local_train(ctx: ClientContext, bc: Broadcast, spec: Spec, opt: OptimConfig) -> LocalFit:
+    """Alg. 1 ClientUpdate: SGD on L_task + prior from mu_S, accumulating the online Fisher."""
+    grad_and_loss = torch.func.grad_and_value(ctx.loss_fn)
+    coef = spec.lam * prior_coefficient(spec, ctx.round_idx)
+    params = dict(bc.mean)
+    velocity = tree_zeros_like(params) if opt.client_momentum > 0 else {}
+    fisher = tree_zeros_like(params)
+    task_sum = prior_sum = torch.zeros_like(ctx.num_examples)
+    for step in range(ctx.num_steps):
+        mask, batch = ctx.step_mask[step], ctx.batch(step)
+        grads, loss = grad_and_loss(params, batch)  # task loss only: the Fisher excludes the prior
+        if not spec.offline:
+            scale = mask * _step_weight(ctx, batch, spec.fisher_norm)
+            inc = fisher_increment(ctx, params, batch, grads, spec.fisher)
+            fisher = {k: fisher[k] + scale * inc[k] for k in fisher}
+        diff = tree_sub(params, bc.mean)
+        prior_grads = {k: coef * bc.precision[k] * diff[k] for k in diff}
+        total = _clip(tree_add(grads, prior_grads), spec.clip_norm)
+        new_params, new_velocity = sgd_step(params, total, velocity, opt.client_lr, opt.client_momentum)
+        params = tree_where(mask, new_params, params)
+        velocity = tree_where(mask, new_velocity, velocity)
+        task_sum = task_sum + mask * loss.detach()
+        prior_sum = prior_sum + mask * 0.5 * tree_vdot(prior_grads, diff).detach()
+    steps = ctx.step_mask.sum().clamp_min(1.0)
+    if spec.fisher_norm == "mean":
+        fisher = tree_scale(fisher, 1.0 / steps)
+    return LocalFit(params, fisher, task_sum / steps, prior_sum / steps)
+
+
+def client_precision(fisher: Params, prior: Params, round_idx: int, prior_form: str) -> Params:
+    """Eq. 17: P_n = F_n / r + (r-1)/r P_S ("paper"); the code's Omega_n = Omega_S + F_n ("code")."""
+    r = round_idx
+    if prior_form == "code":
+        return tree_add(prior, fisher)
+    return {k: fisher[k] / r + (r - 1) / r * prior[k] for k in fisher}
+
+
+def client_update(ctx: ClientContext, bc: Broadcast, client_state: None, hp: FOLAConfig,
+                  opt: OptimConfig) -> ClientOut:
+    """Local training from mu_S, then upload (mu_n, P_n) (P_n compressed when p < 1)."""
+    spec = hp.spec()
+    fit = local_train(ctx, bc, spec, opt)
+    precision = client_precision(fit.fisher, bc.precision, ctx.round_idx, spec.prior_form)
+    return make_out(fit, precision, spec)
+
+
+def make_out(fit: LocalFit, precision: Params, spec: Spec) -> ClientOut:
+    """Upload {"mean": mu_n, "precision": P_n} (or "precision_compressed") and the metrics."""
+    upload: dict[str, object] = {"mean": fit.params, **upload_precision(precision, spec.compress_p)}
+    fisher_mean = sum(f.sum() for f in fit.fisher.values()) / sum(f.numel() for f in fit.fisher.values())
+    metrics = {"train_loss": fit.task_loss, "prior_loss": fit.prior_loss, "fisher_mean": fisher_mean}
+    return ClientOut(upload=upload, state=None, metrics=metrics)
+
+
+def aggregate(means: Params, precisions: Params, weights: Tensor, damping: float,
+              product: bool) -> tuple[Params, Params]:
+    """Eq. 9 diagonal: P_S = sum a_n P_n, mu_S = sum a_n P_n mu_n / (P_S + gamma); a_n = m_n / sum m.
+
+    With product=False the mean is FedAvg's sum a_n mu_n (the FedCurv variant).
+    """
+    a = weights / weights.sum()  # [C]
+    precision = {k: torch.tensordot(a.to(p.dtype), p, dims=([0], [0])) for k, p in precisions.items()}
+    if not product:
+        return {k: torch.tensordot(a.to(m.dtype), m, dims=([0], [0])) for k, m in means.items()}, precision
+    mean = {k: torch.tensordot(a.to(m.dtype), precisions[k] * m, dims=([0], [0])) / (precision[k] + damping)
+            for k, m in means.items()}
+    return mean, precision
+
+
+def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FOLAConfig,
+                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+    """Aggregate the cohort's (mu_n, P_n); theta = mu_S (Alg. 1)."""
+    spec = hp.spec()
+    means = outs.upload["mean"]  # [C, ...]
+    precisions = cohort_precision(outs.upload)  # [C, ...]
+    mean, precision = aggregate(means, precisions, weights, spec.damping, spec.product)
+    fedavg_mean, _ = aggregate(means, precisions, weights, 0.0, False)
+    numel = sum(p.numel() for p in precision.values())
+    low = sum((p < 10 * spec.damping).sum() for p in precision.values())  # shrinkage risk (fola.md 11.5)
+    diagnostics = {
+        "server/precision_mean": sum(p.sum() for p in precision.values()) / numel,
+        "server/low_precision_frac": low / numel,
+        "server/shift_from_fedavg": tree_norm(tree_sub(mean, fedavg_mean)) / tree_norm(fedavg_mean).clamp_min(1e-12),
+    }
+    return ServerState(mean=mean, precision=precision), diagnostics
+
+
+def global_params(state: ServerState) -> Params:
+    return state.mean
+
+
+ALGORITHM = Algorithm(
+    name="fola",
+    paper="Liu, Zheng. A Bayesian Federated Learning Framework with Multivariate Gaussian Product. "
+          "arXiv:2102.01936 (2021)",
+    config_cls=FOLAConfig,
+    server_init=server_init,
+    broadcast=broadcast,
+    client_update=client_update,
+    server_update=server_update,
+    global_params=global_params,
+    description="Gaussian-product aggregation of (mu_n, diag Fisher precision) + online Laplace prior "
+                "(--hp lam=0: aggregation only).",
+)

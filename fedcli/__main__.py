@@ -1,0 +1,3 @@
+from fedcli.cli.main import main
+
+main()

@@ -1,0 +1,238 @@
+"""The MLflow sink and the Tracker fan-out against a real SQLite-backed MLflow store."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from fedcli.errors import TrackingError
+from fedcli.tracking.keys import NonFiniteMetricsError, flatten_config
+from fedcli.tracking.mlflow_sink import MlflowSink, default_tracking_uri
+from fedcli.tracking.sinks import Tracker
+from fedcli.tracking.store import SqlStore, config_hash, default_store_url
+
+CONFIG = {
+    "seed": 4,
+    "algorithm": {"name": "fedpa", "rho": 0.01, "burn_in_rounds": 2},
+    "partition": {"scheme": "dirichlet", "alpha": 0.3, "num_clients": 20},
+    "train": {"num_rounds": 5, "client_lrs": [0.1, 0.05]},
+}
+
+
+def _values(round_idx: int) -> dict[str, float]:
+    """Different per round and key, so a point stored at the wrong step shows."""
+    return {
+        "eval/accuracy": 0.1 * round_idx + 0.05,
+        "train/loss": 3.0 - 0.25 * round_idx,
+        "comm/bytes_up": 512.0 * round_idx,
+    }
+
+
+def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def _start_tracker(tracker: Tracker, **overrides: Any) -> str:
+    arguments: dict[str, Any] = {
+        "experiment": "tracker",
+        "run_name": None,
+        "config": CONFIG,
+        "algo": "fedpa",
+        "task": "femnist",
+        "seed": 4,
+        "dataset": "femnist",
+        "partitioner": "dirichlet",
+        "fedcli_version": "0.1.0",
+        "torch_version": "2.4.0",
+        "git_commit": "0123abcd",
+        "tags": {"owner": "lab"},
+    }
+    arguments.update(overrides)
+    return tracker.start(**arguments)
+
+
+def test_sink_logs_params_tags_and_one_point_per_step(mlflow_root: Path) -> None:
+    """150 params (two batches of <= 100) and the tags are stored verbatim; after end_run every
+    metric has exactly one point per round at step = round_idx with the logged value."""
+    uri = default_tracking_uri(mlflow_root)
+    params = {f"group.p{i:03d}": str(i * 0.5) for i in range(150)}
+    sink = MlflowSink(uri, "sink-basic")
+
+    run_id = sink.start_run(run_name="fedpa-femnist-s0", params=params, tags={"fedcli.algorithm": "fedpa"})
+    for round_idx in range(4):
+        sink.log_round(round_idx, _values(round_idx))
+    sink.end_run("finished")
+
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.end_time is not None
+    assert run.data.params == params
+    assert run.data.tags["fedcli.algorithm"] == "fedpa"
+    assert run.data.tags["mlflow.runName"] == "fedpa-femnist-s0"
+    assert "mlflow.parentRunId" not in run.data.tags
+    for key in _values(0):
+        assert _history(client, run_id, key) == [(r, _values(r)[key]) for r in range(4)]
+    assert run.info.artifact_uri.startswith((mlflow_root / "mlartifacts" / "sink-basic").resolve().as_uri())
+
+
+def test_nested_run_gets_parent_tag_and_statuses_map(mlflow_root: Path) -> None:
+    """A child started with parent_run_id carries mlflow.parentRunId = parent id; fedcli statuses
+    failed and interrupted end as MLflow FAILED and KILLED."""
+    uri = default_tracking_uri(mlflow_root)
+    parent, child = MlflowSink(uri, "sweep"), MlflowSink(uri, "sweep")
+    parent_id = parent.start_run(run_name="sweep", params={}, tags={})
+
+    child_id = child.start_run(
+        run_name="trial-0", params={"algorithm.rho": "0.1"}, tags={}, parent_run_id=parent_id
+    )
+    child.end_run("failed")
+    parent.end_run("interrupted")
+
+    client = MlflowClient(uri)
+    assert client.get_run(child_id).data.tags["mlflow.parentRunId"] == parent_id
+    assert client.get_run(child_id).info.status == "FAILED"
+    assert client.get_run(parent_id).info.status == "KILLED"
+
+
+def test_sink_rejects_bad_keys_and_non_finite_values_before_logging(mlflow_root: Path) -> None:
+    """The MLflow sink applies the same key and finiteness rules as the store and queues nothing."""
+    uri = default_tracking_uri(mlflow_root)
+    sink = MlflowSink(uri, "sink-checks")
+    run_id = sink.start_run(run_name="checks", params={}, tags={})
+
+    with pytest.raises(ValueError, match=r"must be made of"):
+        sink.log_round(0, {"eval|acc": 0.5})
+    with pytest.raises(NonFiniteMetricsError, match=r"eval/loss=inf"):
+        sink.log_round(0, {"eval/accuracy": 0.5, "eval/loss": math.inf})
+    sink.end_run("finished")
+
+    assert MlflowClient(uri).get_run(run_id).data.metrics == {}
+
+
+def test_unusable_tracking_uri_is_a_tracking_error(tmp_path: Path) -> None:
+    """A SQLite tracking URI below a regular file fails with one line naming the URI and the fix."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+
+    with pytest.raises(TrackingError, match=r"could not open: .*; pass --tracking-uri .* or use --no-mlflow"):
+        MlflowSink(f"sqlite:///{blocker}/mlflow.db", "x")
+
+
+def test_tracker_writes_identical_metrics_and_linked_metadata_to_both_stores(
+    mlflow_root: Path, store: SqlStore, tmp_path: Path
+) -> None:
+    """Every (round, key, value) in the SQL store appears once in MLflow's history at step = round
+    and vice versa; the two runs point at each other; tags, params and config.json match the config."""
+    uri = default_tracking_uri(mlflow_root)
+    tracker = Tracker(store, MlflowSink(uri, "tracker"))
+
+    run_id = _start_tracker(tracker)
+    for round_idx in range(5):
+        tracker.log_round(round_idx, _values(round_idx))
+    tracker.finish("finished")
+
+    client = MlflowClient(uri)
+    record = store.get_run(run_id)
+    mlflow_run = client.get_run(record.mlflow_run_id)
+    frame = store.metrics_frame([run_id])
+    sql_points = {(row.key, row.round_idx, row.value) for row in frame.itertuples()}
+    mlflow_points = {
+        (key, step, value)
+        for key in mlflow_run.data.metrics
+        for step, value in _history(client, mlflow_run.info.run_id, key)
+    }
+    assert sql_points == mlflow_points and len(frame) == 15
+    assert (record.status, mlflow_run.info.status) == ("finished", "FINISHED")
+    tags = mlflow_run.data.tags
+    assert tags["fedcli.run_id"] == run_id and tags[
+        "fedcli.config_hash"
+    ] == record.config_hash == config_hash(CONFIG)
+    assert (tags["fedcli.algorithm"], tags["fedcli.dataset"], tags["fedcli.partitioner"]) == (
+        "fedpa",
+        "femnist",
+        "dirichlet",
+    )
+    assert (tags["fedcli.version"], tags["mlflow.source.git.commit"], tags["owner"]) == (
+        "0.1.0",
+        "0123abcd",
+        "lab",
+    )
+    assert tags["mlflow.runName"] == record.run_name
+    assert mlflow_run.data.params == flatten_config(CONFIG)
+    config_file = client.download_artifacts(mlflow_run.info.run_id, "config.json", str(tmp_path))
+    assert Path(config_file).read_text() == record.config_json and json.loads(record.config_json) == CONFIG
+
+
+def test_tracker_divergence_writes_nothing_and_marks_both_runs_failed(
+    mlflow_root: Path, store: SqlStore
+) -> None:
+    """A NaN at round 2 raises NonFiniteMetricsError (a ValueError) listing the key; round 2 is
+    absent from both stores; finish(failed, diverged_at_round=2) records it in SQL and as MLflow tag."""
+    uri = default_tracking_uri(mlflow_root)
+    tracker = Tracker(store, MlflowSink(uri, "tracker"))
+    run_id = _start_tracker(tracker)
+    tracker.log_round(0, _values(0))
+    tracker.log_round(1, _values(1))
+
+    with pytest.raises(NonFiniteMetricsError, match=r"at round 2: train/loss=nan") as info:
+        tracker.log_round(2, {**_values(2), "train/loss": math.nan})
+    tracker.finish("failed", reason=str(info.value), diverged_at_round=info.value.round_idx)
+
+    record = store.get_run(run_id)
+    mlflow_run = MlflowClient(uri).get_run(record.mlflow_run_id)
+    assert store.last_round(run_id) == 1
+    assert _history(MlflowClient(uri), record.mlflow_run_id, "eval/accuracy") == [
+        (r, _values(r)["eval/accuracy"]) for r in range(2)
+    ]
+    assert (record.status, record.diverged_at_round) == ("failed", 2)
+    assert mlflow_run.info.status == "FAILED"
+    assert mlflow_run.data.tags["fedcli.diverged_at_round"] == "2"
+
+
+def test_tracker_resume_reopens_both_runs_and_drops_rounds_after_checkpoint(
+    mlflow_root: Path, store: SqlStore, tmp_path: Path
+) -> None:
+    """A run interrupted after round 4 with a checkpoint at round 2 is resumed from 2 through an id
+    prefix: SQL keeps rounds 0..2, both runs are running again, and rounds 3..4 re-logged with new
+    values replace the old ones in SQL (MLflow keeps both points of a re-logged step)."""
+    uri = default_tracking_uri(mlflow_root)
+    first = Tracker(store, MlflowSink(uri, "tracker"))
+    run_id = _start_tracker(first)
+    for round_idx in range(5):
+        first.log_round(round_idx, _values(round_idx))
+        if round_idx == 2:
+            first.checkpoint(2, tmp_path / "ckpt-2.pt")
+    first.finish("interrupted", reason="KeyboardInterrupt")
+
+    second = Tracker(store, MlflowSink(uri, "tracker"))
+    record = second.resume(run_id[:8], from_round=2)
+
+    client = MlflowClient(uri)
+    assert (record.id, record.status, store.last_round(run_id)) == (run_id, "running", 2)
+    assert client.get_run(record.mlflow_run_id).info.status == "RUNNING"
+    for round_idx in (3, 4):
+        second.log_round(round_idx, {"eval/accuracy": 0.9})
+    second.finish("finished")
+    accuracy = store.metrics_frame([run_id], keys=["eval/accuracy"])["value"].tolist()
+    assert accuracy == [_values(r)["eval/accuracy"] for r in range(3)] + [0.9, 0.9]
+    assert client.get_run(record.mlflow_run_id).info.status == "FINISHED"
+    assert len(client.get_metric_history(record.mlflow_run_id, "eval/accuracy")) == 7
+
+
+def test_tracker_without_mlflow_writes_the_store_only(tmp_path: Path) -> None:
+    """With mlflow=None the tracker logs to SQL, records no MLflow id and ignores artifacts."""
+    with SqlStore(default_store_url(tmp_path)) as store:
+        tracker = Tracker(store)
+        run_id = _start_tracker(tracker)
+        tracker.log_round(0, _values(0))
+        tracker.log_artifact(tmp_path / "missing.png")
+        tracker.finish("finished")
+
+        record = store.get_run(run_id)
+        assert (record.status, record.mlflow_run_id, store.last_round(run_id)) == ("finished", None, 0)
+        assert record.tags == {"owner": "lab", "fedcli.dataset": "femnist", "fedcli.partitioner": "dirichlet"}

@@ -1,0 +1,265 @@
+"""MLflow sink: one MLflow run per fedcli run, through the explicit `MlflowClient` API.
+
+STYLE.md rule 15: explicit run ids only (no fluent `mlflow.log_*`, no active run);
+params are the flattened config, logged once at start in batches of at most 100; metrics
+are logged with `step = round_idx` in batches of at most 1000.
+
+Metric batches are logged with `log_batch(..., synchronous=False)`: a synchronous batch
+on a SQLite-backed store costs milliseconds per call (more with several processes on one
+file), an enqueue a fraction of a millisecond (DESIGN.md §6). The returned futures are
+kept and waited on by `flush()`, which `end_run` calls first and the `Tracker` calls at
+every checkpoint, so nothing is lost or reported late.
+
+Importing this module imports MLflow (slow); import it only when MLflow is enabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from mlflow.utils.async_logging.run_operations import RunOperations
+from sqlalchemy.engine.url import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+from fedcli.errors import TrackingError
+from fedcli.tracking.keys import check_metrics, flatten_config
+
+__all__ = ["MlflowSink", "default_tracking_uri", "flatten_config"]
+
+log = logging.getLogger(__name__)
+
+MAX_PARAMS_TAGS_PER_BATCH = 100  # MLflow per-request limits (mlflow.utils.validation)
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_TAG_VAL_LENGTH = 8000
+MAX_PENDING_BATCHES = 256  # wait on queued batches after this many, so futures do not pile up
+RUN_NAME_TAG = "mlflow.runName"
+PARENT_RUN_TAG = "mlflow.parentRunId"
+MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+_MLFLOW_FIX = "pass --tracking-uri with a reachable MLflow store or use --no-mlflow"
+
+T = TypeVar("T")
+
+
+def default_tracking_uri(root: Path = Path("fedcli-runs")) -> str:
+    """Return the default MLflow tracking URI, `sqlite:///<root>/mlflow.db`, `root` made absolute."""
+    path = Path(root).expanduser().resolve() / "mlflow.db"
+    return f"sqlite:///{path.as_posix()}"
+
+
+def _local_root(tracking_uri: str) -> Path | None:
+    """The local directory holding a `sqlite:` or `file:` tracking store, else None (a server)."""
+    if tracking_uri.startswith("sqlite:"):
+        try:
+            database = make_url(tracking_uri).database
+        except ArgumentError:
+            return None
+        if not database or database == ":memory:":
+            return None
+        return Path(database).expanduser().resolve().parent
+    if tracking_uri.startswith("file:"):
+        return Path(tracking_uri.removeprefix("file://").removeprefix("file:")).expanduser().resolve().parent
+    if "://" not in tracking_uri:  # a bare path is MLflow's file store
+        return Path(tracking_uri).expanduser().resolve().parent
+    return None
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _fit(kind: str, key: str, value: object, limit: int) -> str:
+    """`str(value)`, cut to MLflow's length limit with a warning (the full value is in config.json)."""
+    text = str(value)
+    if len(text) > limit:
+        log.warning(
+            "MLflow %s %r is %d characters; logging its first %d (config.json has it all)",
+            kind,
+            key,
+            len(text),
+            limit,
+        )
+        text = text[:limit]
+    return text
+
+
+class MlflowSink:
+    """Writes one fedcli run to MLflow; one instance per run.
+
+    Args:
+        tracking_uri: An MLflow tracking URI (`default_tracking_uri(root)`, another
+            `sqlite:///…` file, or `http://host:5000`).
+        experiment: MLflow experiment name; created if missing. On a local (`sqlite:` or
+            `file:`) store its artifacts go to `<root>/mlartifacts/<experiment>` so that
+            they work without a server.
+
+    Raises:
+        TrackingError: If the tracking store cannot be opened or written.
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str) -> None:
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self._root = _local_root(tracking_uri)
+        self._run_id: str | None = None
+        self._pending: list[RunOperations] = []
+        with self._errors("open"):
+            if self._root is not None:
+                self._root.mkdir(parents=True, exist_ok=True)
+            self._client = MlflowClient(tracking_uri=tracking_uri)
+            self.experiment_id = self._experiment_id(experiment)
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """Turn MLflow, database and file-system failures into one-line `TrackingError`s."""
+        try:
+            yield
+        except (MlflowException, SQLAlchemyError, OSError) as err:
+            text = str(getattr(err, "orig", None) or err).strip().splitlines()
+            reason = text[0] if text else type(err).__name__
+            raise TrackingError(
+                f"MLflow store {self.tracking_uri!r} could not {what}: {reason}; {_MLFLOW_FIX}"
+            ) from err
+
+    def _experiment_id(self, name: str) -> str:
+        found = self._client.get_experiment_by_name(name)
+        if found is None:
+            location = None
+            if self._root is not None:
+                slug = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+                location = (self._root / "mlartifacts" / slug).as_uri()
+            try:
+                return self._client.create_experiment(name, artifact_location=location)
+            except MlflowException:  # another process created it in between
+                found = self._client.get_experiment_by_name(name)
+                if found is None:
+                    raise
+        if found.lifecycle_stage == "deleted":
+            raise TrackingError(
+                f"MLflow experiment {name!r} is deleted in {self.tracking_uri!r}; restore it "
+                "(`mlflow experiments restore`) or pass another --experiment"
+            )
+        return found.experiment_id
+
+    @property
+    def run_id(self) -> str:
+        """The MLflow run id of this sink's run."""
+        if self._run_id is None:
+            raise RuntimeError("MlflowSink has no run; call start_run or attach first")
+        return self._run_id
+
+    def start_run(
+        self,
+        *,
+        run_name: str,
+        params: Mapping[str, object],
+        tags: Mapping[str, str],
+        parent_run_id: str | None = None,
+    ) -> str:
+        """Create the MLflow run and log its params and tags (synchronously, once).
+
+        Args:
+            run_name: Display name (`mlflow.runName`).
+            params: Flattened config (`flatten_config`), logged in batches of ≤ 100;
+                values longer than 6000 characters are cut with a warning.
+            tags: String tags, logged in batches of ≤ 100.
+            parent_run_id: MLflow run id of a sweep's parent run; sets `mlflow.parentRunId`.
+
+        Returns:
+            The MLflow run id.
+        """
+        if self._run_id is not None:
+            raise RuntimeError(f"MlflowSink already holds run {self._run_id}; use one sink per run")
+        run_tags = {RUN_NAME_TAG: run_name}
+        if parent_run_id is not None:
+            run_tags[PARENT_RUN_TAG] = parent_run_id
+        param_list = [
+            Param(key, _fit("param", key, value, MAX_PARAM_VAL_LENGTH)) for key, value in params.items()
+        ]
+        with self._errors(f"start run {run_name!r}"):
+            run = self._client.create_run(
+                self.experiment_id, start_time=int(time.time() * 1000), tags=run_tags, run_name=run_name
+            )
+            self._run_id = run.info.run_id
+            for chunk in _chunks(param_list, MAX_PARAMS_TAGS_PER_BATCH):
+                self._client.log_batch(self._run_id, params=chunk, synchronous=True)
+        self.set_tags(tags)
+        log.debug("mlflow: started run %s (%s) in experiment %s", self._run_id, run_name, self.experiment_id)
+        return self._run_id
+
+    def attach(self, run_id: str) -> None:
+        """Reattach to an existing MLflow run (for `--resume`) and set it back to RUNNING."""
+        if self._run_id is not None:
+            raise RuntimeError(f"MlflowSink already holds run {self._run_id}; use one sink per run")
+        with self._errors(f"reopen run {run_id}"):
+            self._client.update_run(run_id, status="RUNNING")
+        self._run_id = run_id
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set string tags on the run, synchronously, in batches of ≤ 100."""
+        tag_list = [RunTag(key, _fit("tag", key, value, MAX_TAG_VAL_LENGTH)) for key, value in tags.items()]
+        with self._errors(f"tag run {self.run_id}"):
+            for chunk in _chunks(tag_list, MAX_PARAMS_TAGS_PER_BATCH):
+                self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
+
+    def log_round(self, round_idx: int, metrics: Mapping[str, float]) -> None:
+        """Queue one round's metrics with `step = round_idx` (asynchronous; see `flush`).
+
+        Raises:
+            ValueError: Bad key; `NonFiniteMetricsError` for NaN/inf (nothing queued).
+        """
+        values = check_metrics(metrics, round_idx)
+        timestamp_ms = int(time.time() * 1000)
+        batch = [Metric(key, value, timestamp_ms, round_idx) for key, value in values.items()]
+        with self._errors(f"log round {round_idx} of run {self.run_id}"):
+            for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
+                operations = self._client.log_batch(self.run_id, metrics=chunk, synchronous=False)
+                if operations is not None:
+                    self._pending.append(operations)
+        if len(self._pending) >= MAX_PENDING_BATCHES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait until every queued metric batch is written; raise if any failed."""
+        pending, self._pending = self._pending, []
+        with self._errors(f"write queued metrics of run {self._run_id}"):
+            for operations in pending:
+                operations.wait()
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a local file or directory to the run's artifacts."""
+        with self._errors(f"log artifact {str(path)!r}"):
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Write `text` as the artifact `artifact_file` (e.g. `config.json`)."""
+        with self._errors(f"log artifact {artifact_file!r}"):
+            self._client.log_text(self.run_id, text, artifact_file)
+
+    def end_run(self, status: str) -> None:
+        """Flush queued metrics, then terminate the run.
+
+        Args:
+            status: fedcli status `finished`, `failed` or `interrupted` (-> MLflow
+                FINISHED, FAILED, KILLED).
+        """
+        if status not in MLFLOW_STATUS:
+            raise ValueError(f"status must be one of {', '.join(MLFLOW_STATUS)}; got {status!r}.")
+        try:
+            self.flush()
+        finally:
+            with self._errors(f"end run {self.run_id}"):
+                self._client.set_terminated(
+                    self.run_id, status=MLFLOW_STATUS[status], end_time=int(time.time() * 1000)
+                )
+        log.debug("mlflow: ended run %s as %s", self.run_id, MLFLOW_STATUS[status])
