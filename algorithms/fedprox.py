@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from fedcli.algorithms import fedavg
 from fedcli.algorithms.base import (
     Algorithm,
@@ -41,7 +43,6 @@ from fedcli.algorithms.base import (
     tree_sub,
 )
 from fedcli.algorithms.optim import local_sgd
-from torch import Tensor
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,9 +13,12 @@ Notation: mu_S, P_S -> state.mean, state.precision; mu_n, P_n -> upload; a_n = m
 over the cohort -> weights; r -> ctx.round_idx; lam, gamma, p -> hp.lam, hp.damping,
 hp.compress_p; F_n -> LocalFit.fisher.
 Deviations:
-  Paper: no values for lam, gamma, p; gamma a zero-mean prior (Eq. 18). Here: gamma = 1e-5
-  in the server mean only (the code's eps; P_S is not damped): coordinates with aggregated
-  precision << gamma are pulled towards 0 (fola.md 11.5, server/low_precision_frac).
+  Paper: no values for lam, gamma, p; Eq. 9 has no damping. Here: damping gamma = 0, and
+  coordinates where no client has curvature (P_S = 0) take FedAvg's mean (the limit of one
+  delta -> 0 added to every P_n). Code: gamma = 1e-5 in the mean only (a zero-mean prior,
+  Eq. 18; P_S undamped), which pulls coordinates with P_S << gamma to 0 (fola.md 11.5;
+  server/low_precision_frac). lam = 1 (code grid value): explicit SGD on the prior needs
+  lr lam c_r P_S < 2; the code's 100-1e4 suit its smaller batch-squared Fisher.
   Eq. 15 averages per-sample squares over all of D_n at every step. Here fisher="per_sample"
   averages them over the step's minibatch (Batch.weight) and fisher_norm="mean" over the
   real steps, a stochastic Eq. 15. Code/Alg. 1: fisher="batch_sq" (square of the minibatch
@@ -88,11 +91,11 @@ def validate_common(lam: float, fisher: str, fisher_norm: str, prior_form: str, 
 
 @dataclass(frozen=True, kw_only=True)
 class FOLAConfig:
-    lam: float = 100.0  # prior weight lambda (Alg. 1); no value in the paper; code grids {0,1,100}/{100,..,1e4}
+    lam: float = 1.0  # prior weight lambda (Alg. 1); no value in the paper; code grids {0,1,100}/{100,..,1e4}
     fisher: str = "per_sample"  # Eq. 14/15 per-sample squares; "batch_sq" = Alg. 1 / code
     fisher_norm: str = "mean"  # Eq. 15 mean over local steps; "sum_weighted" = code (|b|/|D_n|, all epochs)
     prior_form: str = "paper"  # Eq. 17 + Alg. 1 prior; "code" = cumulative Omega, prior 0.5/r
-    damping: float = 1e-5  # gamma of Eq. 18 as the code's eps in the server mean; no value in the paper
+    damping: float = 0.0  # gamma: Eq. 9 has none (paper); code eps 1e-5 (zero-mean prior in the mean)
     clip_norm: float = 0.0  # total-gradient norm clip; 0 = off (paper); code 10
     compress_p: float = 1.0  # Sec. 3.5 kept fraction per layer; 1 = off (no value in the paper)
 
@@ -145,7 +148,7 @@ def fisher_increment(ctx: ClientContext, params: Params, batch: Batch, grads: Pa
             for k, g in per_example.items()}
 
 
-def _step_weight(ctx: ClientContext, batch: Batch, norm: str) -> Tensor:
+def step_weight(ctx: ClientContext, batch: Batch, norm: str) -> Tensor:
     """mean: 1 per step (divided by the step count later); sum_weighted: |b| / |D_n|."""
     if norm == "mean":
         return torch.ones_like(ctx.num_examples)
@@ -183,7 +186,7 @@ def local_train(ctx: ClientContext, bc: Broadcast, spec: Spec, opt: OptimConfig)
         mask, batch = ctx.step_mask[step], ctx.batch(step)
         grads, loss = grad_and_loss(params, batch)  # task loss only: the Fisher excludes the prior
         if not spec.offline:
-            scale = mask * _step_weight(ctx, batch, spec.fisher_norm)
+            scale = mask * step_weight(ctx, batch, spec.fisher_norm)
             inc = fisher_increment(ctx, params, batch, grads, spec.fisher)
             fisher = {k: fisher[k] + scale * inc[k] for k in fisher}
         diff = tree_sub(params, bc.mean)
@@ -229,14 +232,21 @@ def aggregate(means: Params, precisions: Params, weights: Tensor, damping: float
               product: bool) -> tuple[Params, Params]:
     """Eq. 9 diagonal: P_S = sum a_n P_n, mu_S = sum a_n P_n mu_n / (P_S + gamma); a_n = m_n / sum m.
 
-    With product=False the mean is FedAvg's sum a_n mu_n (the FedCurv variant).
+    Where P_S + gamma is 0 (gamma = 0 and no client has curvature there) mu_S is FedAvg's
+    sum a_n mu_n, the limit of adding the same delta -> 0 to every P_n. With product=False
+    the mean is FedAvg's everywhere (the FedCurv variant).
     """
     a = weights / weights.sum()  # [C]
     precision = {k: torch.tensordot(a.to(p.dtype), p, dims=([0], [0])) for k, p in precisions.items()}
+    average = {k: torch.tensordot(a.to(m.dtype), m, dims=([0], [0])) for k, m in means.items()}
     if not product:
-        return {k: torch.tensordot(a.to(m.dtype), m, dims=([0], [0])) for k, m in means.items()}, precision
-    mean = {k: torch.tensordot(a.to(m.dtype), precisions[k] * m, dims=([0], [0])) / (precision[k] + damping)
-            for k, m in means.items()}
+        return average, precision
+    mean = {}
+    for k, m in means.items():
+        denom = precision[k] + damping
+        tiny = torch.finfo(denom.dtype).tiny
+        product_mean = torch.tensordot(a.to(m.dtype), precisions[k] * m, dims=([0], [0])) / denom.clamp_min(tiny)
+        mean[k] = torch.where(denom > tiny, product_mean, average[k])
     return mean, precision
 
 
@@ -249,10 +259,10 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FOLA
     mean, precision = aggregate(means, precisions, weights, spec.damping, spec.product)
     fedavg_mean, _ = aggregate(means, precisions, weights, 0.0, False)
     numel = sum(p.numel() for p in precision.values())
-    low = sum((p < 10 * spec.damping).sum() for p in precision.values())  # shrinkage risk (fola.md 11.5)
+    low = sum((p < max(10 * spec.damping, torch.finfo(p.dtype).tiny)).sum() for p in precision.values())
     diagnostics = {
         "server/precision_mean": sum(p.sum() for p in precision.values()) / numel,
-        "server/low_precision_frac": low / numel,
+        "server/low_precision_frac": torch.as_tensor(low, dtype=torch.float64) / numel,
         "server/shift_from_fedavg": tree_norm(tree_sub(mean, fedavg_mean)) / tree_norm(fedavg_mean).clamp_min(1e-12),
     }
     return ServerState(mean=mean, precision=precision), diagnostics

@@ -122,3 +122,112 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
             epoch_means.append({n: v / count for n, v in running.items()})
     mean_loss = loss_sum / ctx.step_mask.sum().clamp_min(1.0)
     return LocalResult(params=params, epoch_means=epoch_means, mean_loss=mean_loss)
+
+
+# ---------------------------------------------------------------------------------------
+# IVON: Shen, Daheim, Cong, Nickl, Marconi, Bazan, Yokota, Gurevych, Cremers, Khan,
+# Möllenhoff. Variational Learning is Effective for Large Deep Networks. ICML 2024.
+# arXiv:2402.17641 (Alg. 1), with the general diagonal prior and the two Lagrange-multiplier
+# terms of Möllenhoff, Swaroop, Doshi-Velez, Khan, Federated ADMM from Bayesian Duality
+# (Alg. 2). It minimises, over q = N(m, diag(sigma^2)),
+#
+#     ess * E_q[ loss(theta) + <lin, theta> - 1/2 theta^T (quad * theta) ] + KL(q || p),
+#     p = N(prior_mean, 1 / (ess * prior_prec))          (prior_prec = IVON's "weight decay")
+#
+# one step (eps ~ N(0, I) pre-drawn, M Monte-Carlo samples averaged):
+#     theta = m + sigma eps,  sigma = 1 / sqrt(ess (h + prior_prec))
+#     g_hat = grad loss(theta);  h_hat = g_hat (theta - m) / sigma^2 - quad      (Price estimator)
+#     g <- b1 g + (1 - b1) g_hat
+#     h <- b2 h + (1 - b2) h_hat + 1/2 (1 - b2)^2 (h - h_hat)^2 / (h + prior_prec)
+#     m <- m - lr (g / (1 - b1^t) + lin - quad m + prior_prec (m - prior_mean)) / (h + prior_prec)
+# The posterior precision is ess (h + prior_prec). With lin = quad = 0 and prior_mean = 0 it
+# is Shen et al.'s IVON with weight decay prior_prec. Debiasing (1 - b1^t) is Shen et al.'s
+# Alg. 1 line 6 (and the released code's default); BayesADMM's Alg. 2 as printed omits it.
+# ---------------------------------------------------------------------------------------
+
+
+class IvonState(NamedTuple):
+    """IVON's variational mean, Hessian estimate, momentum and step count."""
+
+    mean: Params  # m
+    hess: Params  # h, per-example Hessian estimate (the posterior precision is ess (h + prior_prec))
+    momentum: Params  # g, EMA of the gradients
+    count: Tensor  # [] float, steps taken (for the bias correction 1 - b1^t)
+
+
+class IvonTarget(NamedTuple):
+    """The objective IVON minimises (see the table above); lin/quad may be empty dicts (= 0)."""
+
+    ess: Tensor  # [] lambda, the effective sample size (loss scaling)
+    prior_mean: Params  # m_p
+    prior_prec: Params  # delta = 1 / (ess sigma_p^2), per parameter
+    lin: Params  # v, the linear Lagrange term ({} for none)
+    quad: Params  # u, the quadratic Lagrange term ({} for none)
+
+
+def ivon_precision(state: IvonState, target: IvonTarget) -> Params:
+    """Return the posterior precision 1 / sigma^2 = ess (h + prior_prec)."""
+    return {k: target.ess * (h + target.prior_prec[k]) for k, h in state.hess.items()}
+
+
+def ivon_sample(state: IvonState, target: IvonTarget, eps: Params) -> Params:
+    """Return theta = m + eps / sqrt(ess (h + prior_prec)) for standard-normal eps."""
+    prec = ivon_precision(state, target)
+    return {k: m + eps[k] / torch.sqrt(prec[k]) for k, m in state.mean.items()}
+
+
+def ivon_step(state: IvonState, grad: Params, grad_eps: Params, target: IvonTarget, *, lr: float,
+              beta1: float, beta2: float, debias: bool = True) -> IvonState:
+    """Return one IVON update (the table above).
+
+    Args:
+        grad: mean over the MC samples of g_hat.
+        grad_eps: mean over the MC samples of g_hat * eps (eps the standard-normal draw of
+            that sample), so that h_hat = grad_eps * sqrt(ess (h + prior_prec)) - quad.
+    """
+    count = state.count + 1
+    correction = 1.0 - beta1 ** count if debias else torch.ones_like(count)
+    mean, hess, momentum = {}, {}, {}
+    for k, m in state.mean.items():
+        h, wd = state.hess[k], target.prior_prec[k]
+        h_hat = grad_eps[k] * torch.sqrt(target.ess * (h + wd))
+        if k in target.quad:
+            h_hat = h_hat - target.quad[k]
+        momentum[k] = beta1 * state.momentum[k] + (1 - beta1) * grad[k]
+        hess[k] = beta2 * h + (1 - beta2) * h_hat + 0.5 * (1 - beta2) ** 2 * (h - h_hat) ** 2 / (h + wd)
+        direction = momentum[k] / correction + wd * (m - target.prior_mean[k])
+        if k in target.lin:
+            direction = direction + target.lin[k]
+        if k in target.quad:
+            direction = direction - target.quad[k] * m
+        mean[k] = m - lr * direction / (hess[k] + wd)
+    return IvonState(mean=mean, hess=hess, momentum=momentum, count=count)
+
+
+def local_ivon(ctx: ClientContext, state: IvonState, target: IvonTarget, *, lr: float, beta1: float,
+               beta2: float, mc_samples: int, debias: bool = True, noise_prefix: str = "ivon."
+               ) -> tuple[IvonState, Tensor]:
+    """Run the E x K masked IVON steps of a round on ctx.loss_fn; return (state, mean loss).
+
+    The standard-normal draws come from ctx.noise[noise_prefix + name][step, sample]
+    (declare shapes (S, mc_samples, *param.shape)). A masked step leaves the state unchanged.
+    The returned loss is the mean over real steps of the mean over samples of the minibatch loss.
+    """
+    grad_and_loss = torch.func.grad_and_value(ctx.loss_fn)
+    loss_sum = torch.zeros((), dtype=ctx.step_mask.dtype, device=ctx.step_mask.device)
+    for step in range(ctx.num_steps):
+        batch = ctx.batch(step)
+        grad = {k: torch.zeros_like(m) for k, m in state.mean.items()}
+        grad_eps = {k: torch.zeros_like(m) for k, m in state.mean.items()}
+        loss = torch.zeros((), dtype=loss_sum.dtype, device=loss_sum.device)
+        for j in range(mc_samples):
+            eps = {k: ctx.noise[noise_prefix + k][step, j].to(m.dtype) for k, m in state.mean.items()}
+            g, value = grad_and_loss(ivon_sample(state, target, eps), batch)
+            grad = {k: grad[k] + g[k] / mc_samples for k in grad}
+            grad_eps = {k: grad_eps[k] + g[k] * eps[k] / mc_samples for k in grad}
+            loss = loss + value.detach() / mc_samples
+        new = ivon_step(state, grad, grad_eps, target, lr=lr, beta1=beta1, beta2=beta2, debias=debias)
+        mask = ctx.step_mask[step]
+        state = tree_where(mask, new, state)
+        loss_sum = loss_sum + mask * loss
+    return state, loss_sum / ctx.step_mask.sum().clamp_min(1.0)

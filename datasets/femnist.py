@@ -91,7 +91,8 @@ def _load_femnist(options: TaskOptions) -> TaskData:
     indices = [np.flatnonzero(arrays.train_writer == k) for k in range(len(arrays.writers))]
     return TaskData(x=x, y=y, client_indices=indices, client_names=arrays.writers,
                     test_x=torch.from_numpy(arrays.test_x), test_y=torch.from_numpy(arrays.test_y),
-                    fingerprint=fingerprint(x, y))
+                    fingerprint=fingerprint(x, y),
+                    test_client_indices=[np.flatnonzero(arrays.test_writer == k) for k in range(len(arrays.writers))])
 
 
 def _images(x: Tensor) -> Tensor:

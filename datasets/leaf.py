@@ -15,8 +15,13 @@ from typing import Any
 from fedcli.errors import DataError
 
 
-def read_leaf_file(path: Path) -> dict[str, Any]:
-    """Parse one LEAF JSON(.gz) file and check its structure; DataError if malformed."""
+def read_leaf_file(path: Path, *, exact_counts: bool = True) -> dict[str, Any]:
+    """Parse one LEAF JSON(.gz) file and check its structure; DataError if malformed.
+
+    exact_counts=False accepts files whose `num_samples` disagree with the stored examples
+    (LEAF Shakespeare test files overstate it by 79, the window length - 1); then only
+    len(x) == len(y) is required, and num_samples is rewritten to the true counts.
+    """
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt", encoding="utf-8") as fh:  # type: ignore[operator]
@@ -27,15 +32,23 @@ def read_leaf_file(path: Path) -> dict[str, Any]:
     if not isinstance(doc, dict) or not {"users", "num_samples", "user_data"} <= doc.keys():
         raise DataError(f"LEAF file {path} lacks the keys users/num_samples/user_data; "
                         "is it a LEAF train/test JSON?")
+    if len(doc["users"]) != len(doc["num_samples"]):
+        raise DataError(f"LEAF file {path} lists {len(doc['users'])} users but {len(doc['num_samples'])} "
+                        "num_samples; the file is truncated or edited.")
     for user, count in zip(doc["users"], doc["num_samples"], strict=True):
         record = doc["user_data"].get(user)
-        if record is None or len(record.get("x", ())) != count or len(record.get("y", ())) != count:
+        if not isinstance(record, dict) or not isinstance(record.get("x"), list) or not isinstance(record.get("y"), list):
+            raise DataError(f"LEAF file {path}: user {user!r} has no x/y lists in user_data; the file is "
+                            "truncated or edited.")
+        if len(record["x"]) != len(record["y"]) or (exact_counts and len(record["x"]) != count):
             raise DataError(f"LEAF file {path}: user {user!r} does not have num_samples={count} "
                             "examples in user_data; the file is truncated or edited.")
+    if not exact_counts:
+        doc["num_samples"] = [len(doc["user_data"][u]["x"]) for u in doc["users"]]
     return doc
 
 
-def read_leaf_dir(directory: Path) -> dict[str, dict[str, list[Any]]]:
+def read_leaf_dir(directory: Path, *, exact_counts: bool = True) -> dict[str, dict[str, list[Any]]]:
     """Merge every *.json / *.json.gz file of a LEAF split folder: user -> {x, y}."""
     files = sorted(list(directory.glob("*.json")) + list(directory.glob("*.json.gz")))
     if not files:
@@ -43,7 +56,7 @@ def read_leaf_dir(directory: Path) -> dict[str, dict[str, list[Any]]]:
                         "point --data-dir at LEAF's data/<task>/data folder.")
     merged: dict[str, dict[str, list[Any]]] = {}
     for path in files:
-        doc = read_leaf_file(path)
+        doc = read_leaf_file(path, exact_counts=exact_counts)
         for user in doc["users"]:
             if user in merged:
                 raise DataError(f"user {user!r} appears in two files of {directory}.")

@@ -8,7 +8,8 @@ from types import MappingProxyType
 
 from fedcli.datasets.tasks import Task
 
-_TASK_MODULES = ("femnist", "synthetic")
+_TASK_MODULES = ("femnist", "synthetic", "garnet", "mnist", "torchvision_sources", "tff_h5", "shakespeare", "sent140",
+                 "mulan", "har", "vehicle", "fedprox_synthetic", "quadratic")
 
 
 def _load() -> Mapping[str, Task]:

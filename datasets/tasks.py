@@ -22,6 +22,8 @@ class TaskOptions:
 
     seed: int = 0  # synthetic generators draw from this seed
     data_dir: Path | None = None  # None = the bundled/default copy
+    download: bool = False  # fetch missing public files into data_dir (needs a network); never implicit
+    max_clients: int | None = None  # natural-client datasets: read only the first N clients in id order
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class TaskData:
     test_y: Tensor
     optimum: Tensor | None = None  # [D] flattened exact optimum where known (dist_to_opt)
     fingerprint: str = ""  # sha256 over the training tensors (partition files check it)
+    num_classes: int | None = None  # classes (or tags / vocabulary) of y; None = not a class target
+    # per-client test examples: client k -> indices into test_x (None = the task has none); `fedcli evaluate --per-client`
+    test_client_indices: list[np.ndarray] | None = None
 
 
 @dataclass(frozen=True)

@@ -70,27 +70,41 @@ ProgressFn = Callable[[int, dict[str, float]], None]
 
 @contextmanager
 def train_progress(cfg: RunConfig, quiet: bool = False) -> Iterator[ProgressFn | None]:
-    """A rich progress bar over rounds with the live round metrics (stderr)."""
+    """A rich progress bar over rounds with the live round metrics (stderr).
+
+    While the bar is shown the engine's per-round INFO lines are held back (the bar shows
+    the same numbers); `-v` still prints them.
+    """
     if quiet:
         yield None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    import logging
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"))
-    with Progress(*columns, console=console(), transient=False) as progress:
-        bar = progress.add_task(f"{cfg.algorithm.name} on {cfg.data.task}", total=cfg.train.rounds, metrics="")
-        shown: dict[str, float] = {}
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        def update(round_idx: int, metrics: dict[str, float]) -> None:
-            shown.update({k: v for k, v in metrics.items() if k in LIVE_KEYS})
-            text = "  ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in sorted(shown.items()))
-            progress.update(bar, completed=round_idx, metrics=text)
+    engine_log = logging.getLogger("fedcli.engine.train")
+    previous = engine_log.level
+    if logging.getLogger().level > logging.DEBUG:
+        engine_log.setLevel(logging.WARNING)
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[metrics]}"))
+    try:
+        with Progress(*columns, console=console(), transient=False) as progress:
+            bar = progress.add_task(f"{cfg.algorithm.name}/{cfg.data.task}", total=cfg.train.rounds, metrics="")
+            shown: dict[str, float] = {}
 
-        yield update
+            def update(round_idx: int, metrics: dict[str, float]) -> None:
+                shown.update({k: v for k, v in metrics.items() if k in LIVE_KEYS})
+                text = "  ".join(f"{LIVE_KEYS[k]} {shown[k]:.4g}" for k in LIVE_KEYS if k in shown)
+                progress.update(bar, completed=round_idx, metrics=text)
+
+            yield update
+    finally:
+        engine_log.setLevel(previous)
 
 
-LIVE_KEYS = ("eval/accuracy", "eval/loss", "train/loss", "eval/dist_to_opt", "time/round_s")
+LIVE_KEYS = {"eval/accuracy": "acc", "eval/dist_to_opt": "dist", "eval/loss": "eval_loss",
+             "train/loss": "train_loss", "time/round_s": "s/round"}
 
 
 def summarise_run(cfg: RunConfig, result: RunResult) -> None:

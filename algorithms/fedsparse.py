@@ -1,0 +1,320 @@
+"""FedSparse: hard-EM with a spike-and-slab prior; learned structured sparsity (gates).
+
+Louizos, Reisser, Soriaga, Welling. An Expectation-Maximization Perspective on Federated
+Learning. arXiv:2111.10192 (v1, 2021). Extraction: reference/fedsparse.md.
+
+Implements: Eq. 23 (theta_g = sigmoid((||w_g|| - softplus(v_g)) / T), norm detached) ->
+gate_logits; Eq. 17 in the hard-concrete form of Eq. 41 -> client_objective; Alg. 2 (w_s,
+v_s := w, v; SGD on w_s, Adamax on v_s; z_s ~ Bern(pi_s)) -> client_update; Eqs. 19/21
+(w: pseudo-gradient z_s (w - w_s)), 19/22 (v: (z_s - theta) sigmoid(v) / T) with Alg. 1's
+optimisers, then Alg. 1 line 4 (prune theta < eps) -> server_update.
+Notation: w, v -> bc.params, bc.gates; w_s, v_s -> params, gates; theta, pi_s ->
+sigmoid(gate_logits); z_s -> upload["gates"]; T, lambda0, lambda, eps, theta_0 ->
+hp.temperature, hp.lambda0, hp.drift, hp.prune_threshold, hp.init_inclusion.
+Groups (Sec. 3.1): one gate per output unit (row along dim 0: a Linear neuron, a Conv
+filter) of each parameter with >= 2 dims, its "<layer>.bias" included. The last such
+parameter (the classifier, unpruned as in App. A) and all others are ungated.
+Bytes: group values in the model dtype; per gated tensor the positions of the groups
+sent as int32 indices or a G-bit mask, whichever is smaller (up: z_s = 1 groups, which
+carries z_s; down: alive groups plus one v each); ungated tensors dense.
+Deviations:
+  Paper (Alg. 1): unweighted client sums. Here: fedavg's n_s-weighted means for w and v,
+  so gates-on FedSparse is exactly FedAvg (Adam/Adamax are nearly scale invariant).
+  Paper: server Adam(1e-3, 0.9, 0.999, 1e-8) on w. Here: the run's --server-opt (paper:
+  adam, --server-lr 1e-3 --server-beta2 0.999 --server-tau 1e-8). Adamax: torch's rule.
+  Paper: upload (z_s, z_s * w_s). Here: (z_s, z_s * (w - w_s)), the same entries.
+  Paper: Alg. 1 re-evaluates I[theta > eps] each round; Adam momentum can move a pruned
+  w_g. Here: pruning is permanent (alive mask); pruned groups stay exactly 0.
+  Paper Eq. 17: log-likelihood summed over N_s. Here: batch-mean data loss, unscaled
+  terms (2)-(4) (reference §6 #1); hp.use_per_example_regularizer divides them by n_s.
+  Terms (2)-(4) use R(z > 0) (Eq. 41), weighted by group size |g| (sum over j, Eq. 17);
+  Eqs. 40-41's typos (lambda without 1/2, w for w_j) are not reproduced.
+  theta_0 = 1 (v -> -inf): no spike mass, no gates; FedProx(mu = drift), FedAvg at 0.
+  Hard-concrete beta, gamma, zeta = 2/3, -0.1, 1.1 (ref. [21]). Uniforms u = Phi(e) from
+  the engine's N(0, 1) noise; the upload sample z_s uses step 0's second draw.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.nn.functional import logsigmoid, softplus
+
+from fedcli.algorithms import base, fedavg
+from fedcli.algorithms.base import Batch, ClientContext, ClientOut, Diagnostics, OptimConfig, Params, require
+from fedcli.algorithms.optim import server_opt_init, sgd_step
+
+HC_BETA, HC_GAMMA, HC_ZETA = 2.0 / 3.0, -0.1, 1.1  # hard-concrete constants of ref. [21]
+ADAMAX_BETA1, ADAMAX_BETA2, ADAMAX_EPS = 0.9, 0.999, 1e-8  # torch.optim.Adamax defaults (App. A)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FedSparseConfig:
+    lambda0: float = 5e-6  # L0 strength, Eq. 17; App. A "mid" (low 5e-7, high 5e-5), App. C/D's setting
+    temperature: float = 1e-3  # T of Eq. 23; App. A
+    init_inclusion: float = 0.99  # theta_0 of every group at round 0; App. A (1.0 = gates forced on)
+    prune_threshold: float = 0.1  # eps of Alg. 1 line 4; Sec. 3.1 / App. A
+    use_server_pruning: bool = True  # Alg. 1 line 4; App. D (Fig. 7) ablates it
+    ce_scale: float = 1e-4  # factor on cross-entropy term (4) of Eq. 17; App. A
+    drift: float = 0.0  # lambda of drift term (2), Eq. 17; App. A uses 0
+    gate_lr: float = 1e-3  # client Adamax learning rate on v_s; App. A
+    server_gate_lr: float = 1e-2  # server Adamax learning rate on v; App. A
+    use_output_layer_gates: bool = False  # gate the classifier too; App. A does not prune it
+    use_per_example_regularizer: bool = False  # divide terms (2)-(4) by n_s (Eq. 17 scale)
+
+    def __post_init__(self) -> None:
+        require(self.lambda0 >= 0, "hp.lambda0", ">= 0", self.lambda0, "App. A uses 5e-7, 5e-6, 5e-5.")
+        require(self.temperature > 0, "hp.temperature", "> 0", self.temperature)
+        require(0 < self.init_inclusion <= 1, "hp.init_inclusion", "in (0, 1]", self.init_inclusion)
+        require(0 <= self.prune_threshold < self.init_inclusion, "hp.prune_threshold",
+                f"in [0, hp.init_inclusion={self.init_inclusion})", self.prune_threshold)
+        require(self.ce_scale >= 0, "hp.ce_scale", ">= 0", self.ce_scale)
+        require(self.drift >= 0, "hp.drift", ">= 0", self.drift)
+        require(self.gate_lr > 0, "hp.gate_lr", "> 0", self.gate_lr)
+        require(self.server_gate_lr > 0, "hp.server_gate_lr", "> 0", self.server_gate_lr)
+
+    @property
+    def gates_forced_on(self) -> bool:
+        """theta_0 = 1: every gate is on; the prior is the slab alone (FedProx / FedAvg)."""
+        return self.init_inclusion == 1.0
+
+
+class AdamaxState(NamedTuple):
+    first: Params  # m, EMA of the gradient
+    norm: Params  # u, exponentially weighted infinity norm
+    step: Tensor  # [] real steps taken (bias correction of m)
+
+
+class ServerState(NamedTuple):
+    params: Params  # w; pruned groups are exactly 0
+    opt_state: base.ServerOptState  # server optimiser moments of w
+    gates: Params  # v per gated weight, [G]; tau = softplus(v)
+    alive: Params  # [G] 1.0 = surviving group, 0.0 = pruned (never revived)
+    gate_opt: AdamaxState  # server Adamax on v
+
+
+class Broadcast(NamedTuple):
+    params: Params  # w, sent sparse (alive groups)
+    gates: Params  # v of the alive groups
+    alive: Params  # positions of the alive groups
+
+
+def bias_key(params: Params, key: str, lead: int = 0) -> str | None:
+    """Return '<layer>.bias' if it holds one entry per output unit of `key`, else None."""
+    bias = key.removesuffix("weight") + "bias"
+    found = key.endswith("weight") and bias in params and params[bias].shape == params[key].shape[: lead + 1]
+    return bias if found else None
+
+
+def gated_layers(params: Params, hp: FedSparseConfig) -> dict[str, str | None]:
+    """Return {gated weight key: its bias key or None}; empty when gates are forced on."""
+    weights = [k for k, p in params.items() if p.dim() >= 2]
+    if not hp.use_output_layer_gates:
+        weights = weights[:-1]
+    return {} if hp.gates_forced_on else {k: bias_key(params, k) for k in weights}
+
+
+def group_sq(params: Params, layout: dict[str, str | None]) -> Params:
+    """Return ||w_g||^2 per group [G]: the unit's row plus its bias entry."""
+    return {k: params[k].flatten(1).pow(2).sum(1) + (params[b] ** 2 if b else 0.0) for k, b in layout.items()}
+
+
+def gate_logits(params: Params, gates: Params, layout: dict[str, str | None], temperature: float) -> Params:
+    """Return (||w_g|| - softplus(v_g)) / T per group; the norm is detached (Eq. 23)."""
+    norms = group_sq(params, layout)
+    return {k: (norms[k].detach().sqrt() - softplus(gates[k])) / temperature for k in layout}
+
+
+def apply_gates(params: Params, z: Params, layout: dict[str, str | None]) -> Params:
+    """Return w * z: each gated unit's row and bias scaled by its gate."""
+    out = dict(params)
+    for k, bias in layout.items():
+        out[k] = params[k] * z[k].reshape(z[k].shape + (1,) * (params[k].dim() - 1))
+        if bias:
+            out[bias] = params[bias] * z[k]
+    return out
+
+
+def server_init(params: Params, hp: FedSparseConfig, opt: OptimConfig) -> ServerState:
+    """Return w_0 and v with theta_g = theta_0 for every group: v = softplus^-1(||w_g|| - T logit theta_0)."""
+    layout = gated_layers(params, hp)
+    shift = hp.temperature * math.log(hp.init_inclusion / (1 - hp.init_inclusion)) if layout else 0.0
+    tau = {k: s.sqrt() - shift for k, s in group_sq(params, layout).items()}
+    smallest = min((float(t.min()) + shift for t in tau.values()), default=math.inf)
+    require(smallest > shift, "hp.init_inclusion", f"< sigmoid(min ||w_g|| / T) = "
+            f"{1 / (1 + math.exp(-smallest / hp.temperature)):.6g} for this model", hp.init_inclusion,
+            "tau = softplus(v) > 0 cannot reach theta_0 for the smallest unit.")
+    gates = {k: t + torch.log(-torch.expm1(-t)) for k, t in tau.items()}
+    zeros = base.tree_zeros_like(gates)
+    return ServerState(params=dict(params), opt_state=server_opt_init(params), gates=gates,
+                       alive={k: torch.ones_like(v) for k, v in gates.items()},
+                       gate_opt=AdamaxState(zeros, zeros, torch.zeros((), dtype=torch.int64)))
+
+
+def broadcast(state: ServerState, hp: FedSparseConfig) -> Broadcast:
+    """Return the pruned w, v and the alive positions (Alg. 1: the sparse model)."""
+    return Broadcast(params=state.params, gates=state.gates, alive=state.alive)
+
+
+def noise_shapes(params: Params, hp: FedSparseConfig, num_steps: int) -> dict[str, tuple[int, ...]]:
+    """Per gated layer [S, 2, G]: [s, 0] drives step s's hard-concrete, [0, 1] the upload z_s."""
+    return {f"fedsparse/{k}": (num_steps, 2, params[k].shape[0]) for k in gated_layers(params, hp)}
+
+
+def adamax_step(params: Params, grads: Params, state: AdamaxState, lr: float) -> tuple[Params, AdamaxState]:
+    """Return one Adamax step: u = max(b2 u, |g| + eps); p -= lr / (1 - b1^t) * m / u."""
+    step = state.step + 1
+    first = {k: ADAMAX_BETA1 * state.first[k] + (1 - ADAMAX_BETA1) * g for k, g in grads.items()}
+    norm = {k: torch.maximum(ADAMAX_BETA2 * state.norm[k], g.abs() + ADAMAX_EPS) for k, g in grads.items()}
+    scale = lr / (1 - ADAMAX_BETA1 ** step.to(torch.float64))
+    new = {k: p - scale.to(p.dtype) * first[k] / norm[k] for k, p in params.items()}
+    return new, AdamaxState(first, norm, step)
+
+
+def client_objective(local: tuple[Params, Params], batch: Batch, u_logit: Params, ctx: ClientContext,
+                     bc: Broadcast, prior: Params, hp: FedSparseConfig) -> tuple[Tensor, Tensor]:
+    """Return (-Eq. 41 per batch, data loss): CE(w_s * z) + lambda/2 sum P ||w_s - w||^2
+    + lambda0 sum |g| P - c sum |g| [P log theta + (1 - P) log(1 - theta)], P = R(z > 0)."""
+    params, gates = local
+    layout = gated_layers(params, hp)
+    log_alpha = gate_logits(params, gates, layout, hp.temperature)
+    z, p_on = {}, {}
+    for k, a in log_alpha.items():  # hard-concrete sample and P(z > 0) of ref. [21]
+        s = torch.sigmoid((u_logit[k] + a) / HC_BETA)
+        z[k] = (s * (HC_ZETA - HC_GAMMA) + HC_GAMMA).clamp(0.0, 1.0) * bc.alive[k]
+        p_on[k] = torch.sigmoid(a - HC_BETA * math.log(-HC_GAMMA / HC_ZETA)) * bc.alive[k]
+    data = ctx.loss_fn(apply_gates(params, z, layout), batch)
+    drift_sq = group_sq(base.tree_sub(params, bc.params), layout)
+    in_group = set(layout) | {b for b in layout.values() if b}
+    reg = sum(((params[k] - bc.params[k]) ** 2).sum() for k in params if k not in in_group) * (hp.drift / 2)
+    for k, p in p_on.items():
+        size = params[k][0].numel() + (1 if layout[k] else 0)  # |g|
+        cross = p * logsigmoid(prior[k]) + (1 - p) * logsigmoid(-prior[k])
+        reg = reg + (hp.drift / 2 * p * drift_sq[k] + size * (hp.lambda0 * p - hp.ce_scale * cross)
+                     * bc.alive[k]).sum()
+    scale = 1 / ctx.num_examples if hp.use_per_example_regularizer else 1.0
+    return data + scale * reg, data
+
+
+def client_update(ctx: ClientContext, bc: Broadcast, client_state: None, hp: FedSparseConfig,
+                  opt: OptimConfig) -> ClientOut:
+    """Alg. 2 from w_s, v_s := w, v; upload z_s ~ Bern(pi_s) and z_s * (w - w_s) (old minus new)."""
+    layout = gated_layers(bc.params, hp)
+    prior = {k: a.detach() for k, a in gate_logits(bc.params, bc.gates, layout, hp.temperature).items()}
+    dtype = ctx.step_mask.dtype
+    e = {k: ctx.noise[f"fedsparse/{k}"].to(dtype) / math.sqrt(2) for k in layout}  # [S, 2, G], N(0, 1/2)
+    u_logit = {k: torch.special.erfc(-x).log() - torch.special.erfc(x).log() for k, x in e.items()}  # logit Phi
+    grad_fn = torch.func.grad(client_objective, has_aux=True)
+    params, gates = bc.params, bc.gates
+    velocity = base.tree_zeros_like(params) if opt.client_momentum > 0 else {}
+    zeros = base.tree_zeros_like(gates)
+    adamax = AdamaxState(zeros, zeros, ctx.step_mask.new_zeros((), dtype=torch.int64))  # fresh every round
+    loss_sum = torch.zeros((), dtype=dtype, device=ctx.step_mask.device)
+    for step in range(ctx.num_steps):
+        noise = {k: u[step, 0] for k, u in u_logit.items()}
+        (g_w, g_v), data = grad_fn((params, gates), ctx.batch(step), noise, ctx, bc, prior, hp)
+        new_w, new_velocity = sgd_step(params, g_w, velocity, opt.client_lr, opt.client_momentum)
+        new_v, new_adamax = adamax_step(gates, g_v, adamax, hp.gate_lr)
+        params, velocity, gates, adamax = base.tree_where(
+            ctx.step_mask[step], (new_w, new_velocity, new_v, new_adamax), (params, velocity, gates, adamax))
+        loss_sum = loss_sum + ctx.step_mask[step] * data.detach()
+    logits = gate_logits(params, gates, layout, hp.temperature)
+    z = {k: (u_logit[k][0, 1] < a).to(dtype) * bc.alive[k] for k, a in logits.items()}  # zero-temp. sample
+    delta = apply_gates(base.tree_sub(bc.params, params), z, layout)
+    train_loss = loss_sum / ctx.step_mask.sum().clamp_min(1.0)
+    metrics = {"train_loss": train_loss, **_gate_metrics(logits, prior, z, bc, torch.zeros_like(train_loss))}
+    return ClientOut(upload={"delta": delta, "gates": z}, state=None, metrics=metrics)
+
+
+def _gate_metrics(logits: Params, prior: Params, z: Params, bc: Broadcast, zero: Tensor) -> dict[str, Tensor]:
+    """Return the mean and max TV |pi_s - theta| over alive groups (App. C) and the kept fraction."""
+    if not logits:  # theta_0 = 1: no gates, every unit is sent
+        return {"gate_tv_mean": zero, "gate_tv_max": zero, "gate_keep_frac": zero + 1}
+    alive = torch.cat([bc.alive[k] for k in logits])
+    tv = torch.cat([(torch.sigmoid(a) - torch.sigmoid(prior[k])).abs() for k, a in logits.items()])
+    count = alive.sum().clamp_min(1.0)
+    return {"gate_tv_mean": (tv * alive).sum() / count, "gate_tv_max": (tv * alive).max(),
+            "gate_keep_frac": sum((z[k].sum() for k in logits), zero) / count}
+
+
+def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FedSparseConfig,
+                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+    """Step w on sum q z (w - w_s), v on sum q (z - theta) sigmoid(v) / T; prune theta < eps.
+
+    q_s = n_s / sum n (weights). Dead groups keep w_g = 0, v_g and alive_g = 0 forever.
+    """
+    layout = gated_layers(state.params, hp)
+    base = fedavg.ServerState(params=state.params, opt_state=state.opt_state)
+    stepped, diagnostics = fedavg.apply_pseudo_gradient(base, outs.upload["delta"], weights, opt)
+    q = weights / weights.sum()  # [C]
+    theta = {k: torch.sigmoid(a) for k, a in gate_logits(state.params, state.gates, layout, hp.temperature).items()}
+    grad_v = {k: torch.sigmoid(v) / hp.temperature * (torch.tensordot(q.to(v.dtype), outs.upload["gates"][k], 1)
+                                                      - theta[k]) for k, v in state.gates.items()}
+    new_gates, gate_opt = adamax_step(state.gates, grad_v, state.gate_opt, hp.server_gate_lr)
+    gates = {k: torch.where(state.alive[k].bool(), new_gates[k], v) for k, v in state.gates.items()}
+    alive = dict(state.alive)
+    if hp.use_server_pruning:
+        logits = gate_logits(stepped.params, gates, layout, hp.temperature)
+        alive = {k: m * (torch.sigmoid(logits[k]) > hp.prune_threshold).to(m.dtype) for k, m in alive.items()}
+    params = apply_gates(stepped.params, alive, layout)
+    return (ServerState(params, stepped.opt_state, gates, alive, gate_opt),
+            {**diagnostics, **_server_metrics(params, theta, alive, layout)})
+
+
+def _server_metrics(params: Params, theta: Params, alive: Params, layout: dict[str, str | None]) -> Diagnostics:
+    """Return the pruned fraction of all parameters, the alive groups and their mean theta."""
+    pruned = sum(((1 - m) * (params[k][0].numel() + (1 if layout[k] else 0))).sum() for k, m in alive.items())
+    count = sum((m.sum() for m in alive.values()), torch.zeros(()))
+    return {"fedsparse/sparsity": torch.as_tensor(pruned / sum(p.numel() for p in params.values())),
+            "fedsparse/alive_groups": count,
+            "fedsparse/theta_mean": sum(((theta[k] * m).sum() for k, m in alive.items()), 0 * count) / count.clamp_min(1)}
+
+
+def global_params(state: ServerState) -> Params:
+    """Return the pruned global model w * I[alive] to evaluate and save."""
+    return state.params
+
+
+def _encoded_nbytes(tree: Params, sent: Params, lead: int) -> Tensor:
+    """Bytes of `tree` when only groups with sent = 1 travel (encoding: module docstring)."""
+    total = torch.zeros((), dtype=torch.float64)
+    covered: set[str] = set()
+    for k, s in sent.items():  # s [..., G]
+        bias, num_groups = bias_key(tree, k, lead), s.shape[-1]
+        group_numel = tree[k][(0,) * lead].numel() // num_groups + (1 if bias else 0)
+        count = s.to(torch.float64).sum(-1)  # groups sent, per client
+        positions = torch.clamp(4 * count, max=math.ceil(num_groups / 8))  # int32 indices or bitmask
+        total = total + (tree[k].element_size() * group_numel * count + positions).sum()
+        covered |= {k, bias or k}
+    return total + sum(t.numel() * t.element_size() for k, t in tree.items() if k not in covered)
+
+
+def upload_nbytes(upload: dict[str, Params]) -> Tensor:
+    """Bytes up, whole cohort: active groups of z_s * (w - w_s), their positions (= z_s), the rest dense."""
+    return _encoded_nbytes(upload["delta"], upload["gates"], lead=1)
+
+
+def download_nbytes(bc: Broadcast) -> Tensor:
+    """Bytes down, one client: alive groups of w with positions, v of each alive group, the rest dense."""
+    gates = sum((v.element_size() * bc.alive[k].sum() for k, v in bc.gates.items()), torch.zeros(()))
+    return _encoded_nbytes(bc.params, bc.alive, lead=0) + gates.to(torch.float64)
+
+
+ALGORITHM = base.Algorithm(
+    name="fedsparse",
+    paper="Louizos, Reisser, Soriaga, Welling. An EM Perspective on Federated Learning. arXiv:2111.10192",
+    config_cls=FedSparseConfig,
+    server_init=server_init,
+    broadcast=broadcast,
+    client_update=client_update,
+    server_update=server_update,
+    global_params=global_params,
+    noise_shapes=noise_shapes,
+    upload_nbytes=upload_nbytes,
+    download_nbytes=download_nbytes,
+    description="Spike-and-slab hard-EM: learned per-unit gates (hard-concrete), server pruning, sparse comms.",
+)

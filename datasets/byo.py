@@ -1,0 +1,175 @@
+"""Bring your own data: a .npz, .csv or .parquet file becomes a task (`--data FILE --model M`).
+
+Layout (documented in `fedcli train --help` by the CLI; checked here, with clear errors):
+
+- `.npz`: arrays `x` [N, ...] (float, or uint8 images scaled by 1/255) and `y` [N];
+  optional `client` [N] (ints or strings: the natural owner of each example) and optional
+  `x_test` / `y_test`.
+- `.csv` / `.parquet`: one row per example; column `y` (the target), optional column
+  `client`, optional column `split` with values `train` / `test`; every other column is a
+  numeric feature, in file order.
+
+Targets: an integer `y` (>= 0) is a class label (classification with max(y)+1 classes); a
+float `y` is a regression target (1/2 squared error). Examples with the same `client`
+value form one natural client, clients in sorted order of the value (use
+--scheme natural); without a `client` column, partition with iid/dirichlet/... When no test
+examples are given, a fixed 20 % of the rows (the last of `np.random.default_rng(0)
+.permutation(N)`) is held out as the test split.
+
+Models: `linear` (linear regression, or softmax regression for classes), `logreg`
+(classification only), `mlp` (two hidden layers of 200, ReLU), `cnn` (the McMahan et al.
+CNN sized to the images; needs `x` of shape [N, H, W] or [N, C, H, W] in an .npz).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fedcli.datasets import models
+from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
+from fedcli.errors import ConfigError, DataError
+
+MODELS = ("linear", "logreg", "mlp", "cnn")
+SUFFIXES = (".npz", ".csv", ".parquet")
+TEST_FRACTION = 0.2
+Arrays = dict[str, np.ndarray]
+
+
+def read_npz(path: Path) -> Arrays:
+    """Arrays x, y and the optional client, x_test, y_test of an .npz (no pickles)."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {k: archive[k] for k in archive.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise DataError(f"{path} cannot be read as .npz ({exc}); save it with numpy.savez.") from None
+    missing = [k for k in ("x", "y") if k not in arrays]
+    if missing:
+        raise DataError(f"{path} lacks array(s) {', '.join(missing)}; it needs x [N, ...] and y [N].")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise DataError(f"{path} has only one of x_test / y_test; give both or neither.")
+    return arrays
+
+
+def read_table(path: Path) -> Arrays:
+    """A .csv / .parquet table as arrays x (feature columns), y, and optional client / split."""
+    import pandas as pd
+
+    try:
+        frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    except (OSError, ValueError, ImportError, pd.errors.ParserError) as exc:
+        raise DataError(f"{path} cannot be read as {path.suffix[1:]} ({exc}).") from None
+    if "y" not in frame.columns:
+        raise DataError(f"{path} has no column 'y'; columns are {', '.join(map(str, frame.columns[:8]))}.")
+    features = [c for c in frame.columns if c not in ("y", "client", "split")]
+    bad = [c for c in features if not pd.api.types.is_numeric_dtype(frame[c])]
+    if not features or bad:
+        raise DataError(f"{path}: feature columns must be numeric; {'none given' if not features else f'not numeric: {bad[:3]}'}.")
+    arrays = {"x": frame[features].to_numpy(dtype=np.float32), "y": frame["y"].to_numpy()}
+    if "client" in frame.columns:
+        arrays["client"] = frame["client"].to_numpy()
+    if "split" in frame.columns:
+        split = frame["split"].astype(str).to_numpy()
+        if not np.isin(split, ("train", "test")).all():
+            raise DataError(f"{path}: column 'split' must hold 'train' or 'test'.")
+        test = split == "test"
+        arrays = {**{k: v[~test] for k, v in arrays.items()}, "x_test": arrays["x"][test], "y_test": arrays["y"][test]}
+    return arrays
+
+
+def _targets(path: Path, y: np.ndarray) -> tuple[np.ndarray, str]:
+    if y.ndim != 1:
+        raise DataError(f"{path}: y must be one target per example [N]; got shape {y.shape}.")
+    if np.issubdtype(y.dtype, np.integer):
+        if len(y) and y.min() < 0:
+            raise DataError(f"{path}: class labels y must be >= 0; got {int(y.min())}.")
+        return y.astype(np.int64), "classification"
+    if np.issubdtype(y.dtype, np.floating):
+        if not np.isfinite(y).all():
+            raise DataError(f"{path}: y holds NaN or inf.")
+        return y.astype(np.float32), "regression"
+    raise DataError(f"{path}: y must be integer class labels or float targets; got dtype {y.dtype}.")
+
+
+def _split(arrays: Arrays) -> Arrays:
+    """Hold out a fixed 20 % as the test split when none is given."""
+    if "x_test" in arrays:
+        return arrays
+    n = len(arrays["y"])
+    order = np.random.default_rng(0).permutation(n)
+    keep, held = np.sort(order[: n - int(round(TEST_FRACTION * n))]), np.sort(order[n - int(round(TEST_FRACTION * n)):])
+    out = {k: v[keep] for k, v in arrays.items()}
+    return {**out, "x_test": arrays["x"][held], "y_test": arrays["y"][held]}
+
+
+def _natural(client: np.ndarray | None) -> tuple[list[np.ndarray], list[str]]:
+    if client is None:
+        return [], []
+    values = np.unique(client)
+    return [np.flatnonzero(client == v) for v in values], [str(v) for v in values]
+
+
+def _model_factory(path: Path, model: str, x: np.ndarray, kind: str, num_classes: int) -> Callable[[], nn.Module]:
+    if model not in MODELS:
+        raise ConfigError(f"--model must be one of {', '.join(MODELS)} for --data; got {model!r}.")
+    features = int(np.prod(x.shape[1:]))
+    outputs = num_classes if kind == "classification" else 1
+    if model == "logreg" and kind != "classification":
+        raise ConfigError(f"--model logreg needs integer class labels y; {path} has float targets. Use linear or mlp.")
+    if model == "cnn":
+        if x.ndim not in (3, 4):
+            raise ConfigError(f"--model cnn needs images x [N, H, W] or [N, C, H, W]; {path} has x {x.shape}.")
+        channels, size = (1, x.shape[1:3]) if x.ndim == 3 else (x.shape[1], x.shape[2:4])
+        build: Callable[[], nn.Module] = lambda: models.McMahanCNN(outputs, channels, (int(size[0]), int(size[1])))  # noqa: E731
+    elif model == "mlp":
+        build = lambda: models.MLP(features, (200, 200), outputs)  # noqa: E731
+    else:
+        build = lambda: models.Linear(features, outputs)  # noqa: E731
+    return build if kind == "classification" else (lambda: models.SqueezeOutput(build()))
+
+
+def _prepare(x: np.ndarray) -> Callable[[Tensor], Tensor]:
+    scale = 1.0 / 255.0 if x.dtype == np.uint8 else 1.0
+    add_channel = x.ndim == 3
+
+    def prepare(batch: Tensor) -> Tensor:
+        out = batch.to(torch.float32) * scale
+        return out.unsqueeze(-3) if add_channel else out
+
+    return prepare
+
+
+def byo_task(path: Path, model: str) -> Task:
+    """Read and validate a bring-your-own data file; return it as a Task named byo-<stem>."""
+    path = Path(path)
+    if path.suffix not in SUFFIXES:
+        raise ConfigError(f"--data must be a {', '.join(SUFFIXES)} file; got {path.name!r}.")
+    if not path.is_file():
+        raise ConfigError(f"--data file {path} does not exist.")
+    arrays = _split(read_npz(path) if path.suffix == ".npz" else read_table(path))
+    x, x_test = np.asarray(arrays["x"]), np.asarray(arrays["x_test"])
+    if len(x) != len(arrays["y"]) or len(x_test) != len(arrays["y_test"]) or x.shape[1:] != x_test.shape[1:]:
+        raise DataError(f"{path}: x {x.shape} / y {arrays['y'].shape} / x_test {x_test.shape} do not match.")
+    if len(x) == 0 or not np.isfinite(x.astype(np.float64)).all():
+        raise DataError(f"{path}: x must be non-empty and finite.")
+    y, kind = _targets(path, np.asarray(arrays["y"]))
+    y_test, _ = _targets(path, np.asarray(arrays["y_test"]).astype(y.dtype))
+    num_classes = int(max(y.max(), y_test.max(initial=0))) + 1 if kind == "classification" else 0
+    natural, names = _natural(arrays.get("client"))
+    factory = _model_factory(path, model, x, kind, num_classes)
+    xt, yt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
+    data = TaskData(x=xt, y=yt, client_indices=natural, client_names=names, test_x=torch.from_numpy(x_test),
+                    test_y=torch.from_numpy(y_test), fingerprint=fingerprint(xt, yt),
+                    num_classes=num_classes or None)
+
+    def load(options: TaskOptions) -> TaskData:
+        return data
+
+    return Task(name=f"byo-{path.stem}", description=f"your data {path.name}: {len(y)} examples, {kind}",
+                source=str(path.resolve()), offline=True, kind=kind, models=MappingProxyType({model: factory}),
+                default_model=model, load=load, prepare=_prepare(x))

@@ -1,0 +1,104 @@
+"""Shared plumbing of the data loaders: where data lives, checksums, explicit downloads.
+
+Data that does not ship with fedcli is read from `TaskOptions.data_dir`, or else from the
+default cache folder `~/.cache/fedcli/<name>`. Nothing is ever downloaded unless the user
+asks (`TaskOptions.download=True`); a missing file is a DataError that names the folder,
+the files expected there and how to get them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tarfile
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from fedcli.datasets.tasks import TaskOptions
+from fedcli.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def default_dir(name: str) -> Path:
+    """Return the default cache folder of a data set: ~/.cache/fedcli/<name>."""
+    return Path("~/.cache/fedcli").expanduser() / name
+
+
+def data_dir(options: TaskOptions, name: str) -> Path:
+    """Return options.data_dir, or the default cache folder of `name`."""
+    return Path(options.data_dir) if options.data_dir is not None else default_dir(name)
+
+
+def missing_data(name: str, folder: Path, expected: str, how: str) -> DataError:
+    """Build the DataError for data that is not where the loader looks."""
+    return DataError(f"{name} data not found in {folder} (expected {expected}); {how}")
+
+
+def first_existing(folder: Path, *names: str) -> Path | None:
+    """Return the first of folder/name (also tried with .gz appended) that exists."""
+    for name in names:
+        for candidate in (folder / name, folder / f"{name}.gz"):
+            if candidate.exists():
+                return candidate
+    return None
+
+
+def sha256_file(path: Path) -> str:
+    """Return the hex SHA-256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def download(url: str, dest: Path, *, md5: str | None = None) -> Path:
+    """Fetch url to dest atomically (temp + rename); DataError on a network or checksum failure."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".part")
+    log.info("downloading %s -> %s", url, dest)
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, tmp.open("wb") as fh:  # noqa: S310
+            shutil.copyfileobj(response, fh)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot download {url}: {exc}; check the network or fetch the file by hand "
+                        f"into {dest.parent}.") from None
+    if md5 is not None and hashlib.md5(tmp.read_bytes()).hexdigest() != md5:  # noqa: S324 - publisher's checksum
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"download of {url} has the wrong MD5 (expected {md5}); try again.")
+    tmp.replace(dest)
+    return dest
+
+
+def extract_tar(archive: Path, folder: Path) -> None:
+    """Unpack a .tar(.gz|.bz2) archive into folder, refusing members that escape it."""
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(folder, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        raise DataError(f"cannot unpack {archive}: {exc}; delete it and download again.") from None
+
+
+def fetch_if_asked(options: TaskOptions, ready: Callable[[], bool], fetch: Callable[[], None]) -> None:
+    """Run fetch() when the data is not ready and the user asked for a download."""
+    if not ready() and options.download:
+        fetch()
+
+
+def align_clients(names: list[str], test_names: list[str], test_indices: list[np.ndarray]) -> list[np.ndarray]:
+    """Per training client (in `names` order), its test example indices; empty if it has none."""
+    by_name = dict(zip(test_names, test_indices, strict=True))
+    return [np.asarray(by_name.get(n, np.zeros(0, dtype=np.int64)), dtype=np.int64) for n in names]
+
+
+def consecutive(sizes: list[int] | np.ndarray) -> list[np.ndarray]:
+    """Client k -> the k-th run of consecutive indices, for clients stored one after another."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return [np.arange(s, s + n) for s, n in zip(starts, sizes, strict=True)]

@@ -1,0 +1,573 @@
+"""Paper-table reports from the SQL store (`fedcli report`, DESIGN.md §6, STYLE.md rule 19).
+
+`build_report(store, spec)` selects runs, groups them (by default by every config key that
+differs between runs, except the seed and the `tracking` section), and computes per run
+the quantities of the FedPA paper's Table 3 (metric@R, rounds to a threshold; definitions in
+`fedcli.tracking.metric_defs`), bytes to each threshold (FedSparse's communication table)
+and wall time; per group the mean ± std over seeds. `render_markdown`, `render_csv` and
+`render_json` turn that into text; `fedcli.tracking.plots` draws the figures.
+
+Only the SQL store is read (pandas over SQLAlchemy); nothing here needs MLflow. The output
+is deterministic: groups are sorted by their key values (numbers numerically), runs by
+(seed, id) within a group, numbers use fixed decimals, and no timestamp is written.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedcli.errors import ConfigError
+from fedcli.tracking import metric_defs as md
+from fedcli.tracking.keys import flatten_config
+from fedcli.tracking.store import RunRecord, SqlStore
+
+__all__ = ["Column", "Group", "Report", "ReportSpec", "build_report", "render_csv", "render_json",
+           "render_markdown", "resolve_key", "resolve_metric"]
+
+Curve = tuple[np.ndarray, np.ndarray]  # (rounds int64 ascending, values float64)
+PERCENT_NAMES = ("accuracy", "precision", "recall", "f1")  # metrics whose name contains one: fractions shown as %
+_IGNORED_PREFIXES = ("tracking.",)  # where results are written, not what produced them
+# Settings that do not change results (how and where a run executes, like `--resume`'s
+# allowed overrides): never a default group key, never a reason to call a group mixed.
+NON_RESULT_KEYS = frozenset({"train.checkpoint_every", "train.device", "train.executor", "train.cohort_chunk"})
+_ALIASES = {"algo": "algorithm.name", "task": "data.task", "model": "data.model", "scheme": "partition.scheme"}
+_DISPLAY = {v: k for k, v in _ALIASES.items()}
+MISSING = "—"
+
+
+@dataclass(frozen=True)
+class ReportSpec:
+    """What `fedcli report` was asked for (see DESIGN.md §9)."""
+
+    experiments: tuple[str, ...] = ()
+    runs: tuple[str, ...] = ()
+    where: Mapping[str, str] = field(default_factory=dict)
+    group_by: tuple[str, ...] | None = None  # None = every key that differs between runs
+    metric: str | None = None  # None = eval/accuracy, else eval/dist_to_opt, else eval/loss
+    thresholds: tuple[float, ...] = ()
+    at: tuple[int, ...] = ()  # () = the last round every run reached
+    window: int = 100
+    smooth: int = 10
+    command: str = "fedcli report"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a table: an id (per-run value key), its header and how to format it."""
+
+    id: str
+    header: str
+    lower_is_better: bool
+    unit: str  # "pct" | "value" | "rounds" | "bytes" | "seconds"
+
+
+@dataclass
+class Group:
+    """Runs that share the group-by values; `mixed` lists other keys that differ inside it."""
+
+    label: str
+    keys: dict[str, str]
+    runs: list[RunRecord]
+    mixed: dict[str, list[str]]
+    values: dict[str, list[float | None]] = field(default_factory=dict)  # column id -> per run
+    summary: dict[str, md.SeedSummary] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """Everything the renderers and plots need."""
+
+    spec: ReportSpec
+    store_url: str
+    metric: str
+    at: tuple[int, ...]
+    groups: list[Group]
+    tables: dict[str, list[Column]]
+    common: dict[str, str]
+    varying: list[str]
+    curves: dict[str, dict[str, Curve]]  # run id -> key -> curve
+    last_round: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def resolve_metric(name: str) -> str:
+    """`accuracy` -> `eval/accuracy`; keys with a `/` are taken as given."""
+    return name if "/" in name else f"eval/{name}"
+
+
+def resolve_key(name: str, known: Sequence[str]) -> str:
+    """Map a group-by / where key to a flattened config key.
+
+    Accepts the full key (`train.client_lr`), the aliases `algo`, `task`, `model`, `scheme`,
+    `hp.<name>` (= `algorithm.hp.<name>`), and a last component that names one key
+    (`client_lr`). Raises ConfigError with the nearest key otherwise.
+    """
+    if name in known or name == "seed":
+        return name
+    candidate = _ALIASES.get(name) or (f"algorithm.{name}" if name.startswith("hp.") else None)
+    if candidate is not None:
+        return candidate
+    tails = [k for k in known if k.rsplit(".", 1)[-1] == name]
+    if len(tails) == 1:
+        return tails[0]
+    names = {*known, *_ALIASES, *(display_key(k) for k in known), *(k.rsplit(".", 1)[-1] for k in known)}
+    near = difflib.get_close_matches(name, sorted(names), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    which = f"; it names several keys: {', '.join(tails)}" if tails else ""
+    raise ConfigError(f"unknown config key {name!r}{hint}{which}; use a key such as algo, hp.rho or train.client_lr.")
+
+
+def display_key(key: str) -> str:
+    """Short name of a flattened config key for headers (`algorithm.hp.rho` -> `hp.rho`)."""
+    if key in _DISPLAY:
+        return _DISPLAY[key]
+    if key.startswith("algorithm.hp."):
+        return key[len("algorithm."):]
+    return key[len("train."):] if key.startswith("train.") else key
+
+
+def run_config(record: RunRecord) -> dict[str, str]:
+    """The run's flattened config without tracking keys and empty-mapping placeholders."""
+    flat = flatten_config(record.config)
+    return {k: v for k, v in flat.items() if not k.startswith(_IGNORED_PREFIXES) and v != "{}"}
+
+
+def _sort_value(value: str | None) -> tuple[int, float, str]:
+    if value is None:
+        return (2, 0.0, "")
+    try:
+        return (0, float(value), value)
+    except ValueError:
+        return (1, 0.0, value)
+
+
+# --------------------------------------------------------------------------- selection and groups
+
+
+def select_runs(store: SqlStore, spec: ReportSpec) -> list[RunRecord]:
+    """Runs named by `--runs` plus those of each `--experiment` (all runs if neither), then `--where`."""
+    chosen: dict[str, RunRecord] = {}
+    for ref in spec.runs:
+        record = store.get_run(ref)
+        chosen[record.id] = record
+    for name in spec.experiments:
+        chosen.update({r.id: r for r in store.list_runs(experiment=name)})
+    if not spec.runs and not spec.experiments:
+        chosen.update({r.id: r for r in store.list_runs()})
+    if spec.where and chosen:
+        known = sorted(set().union(*(flatten_config(r.config) for r in chosen.values())))
+        fields = {"id", "experiment", "run_name", "algo", "task", "seed", "status", "config_hash"}
+        where = {key if key in fields else resolve_key(key, known): value for key, value in spec.where.items()}
+        keep = {r.id for r in store.list_runs(where=where)}
+        chosen = {k: v for k, v in chosen.items() if k in keep}
+    if not chosen:
+        raise ConfigError("no runs match; `fedcli list runs` shows what the store holds.")
+    return list(chosen.values())
+
+
+def group_runs(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> tuple[list[Group], dict[str, str], list[str]]:
+    """Group runs; return (groups sorted by key values, common config, keys varying over runs)."""
+    configs = {r.id: run_config(r) for r in records}
+    known = sorted(set().union(*configs.values()))
+    everywhere = [k for k in known if all(k in c for c in configs.values())]
+    common = {k: configs[records[0].id][k] for k in everywhere if len({c[k] for c in configs.values()}) == 1}
+    varying = [k for k in known if k not in common and k != "seed"]
+    if group_by is None:
+        keys = [k for k in varying if k not in NON_RESULT_KEYS and len({c[k] for c in configs.values() if k in c}) > 1]
+    else:
+        keys = [resolve_key(k, known) for k in group_by]
+    buckets: dict[tuple[str | None, ...], list[RunRecord]] = {}
+    for record in records:
+        cfg = {**configs[record.id], "seed": str(record.seed)}
+        buckets.setdefault(tuple(cfg.get(k) for k in keys), []).append(record)
+    groups = []
+    for values in sorted(buckets, key=lambda vs: [_sort_value(v) for v in vs]):
+        runs = sorted(buckets[values], key=lambda r: (r.seed, r.id))
+        label_keys = {display_key(k): v for k, v in zip(keys, values, strict=True) if v is not None}
+        label = ", ".join(f"{k}={v}" for k, v in label_keys.items()) or "all runs"
+        mixed = {}
+        for key in varying:
+            seen = sorted({configs[r.id].get(key, MISSING) for r in runs}, key=_sort_value)
+            if len(seen) > 1 and key not in keys and key not in NON_RESULT_KEYS:
+                mixed[key] = seen
+        groups.append(Group(label, label_keys, runs, mixed))
+    return groups, common, varying
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+REPORT_KEYS = ("comm/bytes_up", "comm/bytes_down", "time/round_s", "eval/loss")  # read besides the metric and eval/*
+
+
+def logged_keys(store: SqlStore, ids: Sequence[str]) -> list[str]:
+    """Distinct metric keys the runs logged, sorted (one indexed query)."""
+    from sqlalchemy import select
+
+    from fedcli.tracking.store import RoundMetric
+
+    stmt = select(RoundMetric.key).where(RoundMetric.run_id.in_(list(ids))).distinct()
+    with store._session("read metric keys", write=False) as session:  # noqa: SLF001 - same package
+        return sorted(session.scalars(stmt))
+
+
+def _curves(store: SqlStore, ids: Sequence[str], keys: Sequence[str]
+            ) -> tuple[dict[str, dict[str, Curve]], dict[str, int]]:
+    """Curves of `keys` per run, and each run's last round (over `time/round_s` and the keys read)."""
+    frame = store.metrics_frame(ids, keys=list(keys))
+    curves: dict[str, dict[str, Curve]] = {run_id: {} for run_id in ids}
+    last = {run_id: 0 for run_id in ids}
+    if frame.empty:
+        return curves, last
+    rounds = frame["round_idx"].to_numpy()
+    values = frame["value"].to_numpy()
+    for (run_id, key), positions in frame.groupby(["run_id", "key"], sort=False).indices.items():
+        curves[run_id][key] = (rounds[positions], values[positions])
+        last[run_id] = max(last[run_id], int(rounds[positions][-1]))
+    return curves, last
+
+
+def _is_fraction(key: str) -> bool:
+    name = key.rsplit("/", 1)[-1]
+    return any(part in name for part in PERCENT_NAMES)
+
+
+def _threshold_text(metric: str, threshold: float) -> str:
+    if _is_fraction(metric):
+        return f"{_fixed(threshold * 100, 2).rstrip('0').rstrip('.')}%"
+    return f"{threshold:g}"
+
+
+def make_tables(metric: str, at: Sequence[int], thresholds: Sequence[float], eval_keys: Sequence[str]
+                ) -> dict[str, list[Column]]:
+    """The columns of the four tables: main, communication, time, all eval metrics."""
+    name, low = metric.rsplit("/", 1)[-1], md.is_lower_better(metric)
+    unit = "pct" if _is_fraction(metric) else "value"
+    main = [Column(f"at@{r}", f"{name} @{r}R", low, unit) for r in at]
+    main += [Column(f"rounds_to@{x!r}", f"rounds to {_threshold_text(metric, x)}", True, "rounds") for x in thresholds]
+    main += [Column("best", f"best {name}", low, unit), Column("final", f"final {name}", low, unit)]
+    comm = []
+    for x in thresholds:
+        text = _threshold_text(metric, x)
+        comm += [Column(f"up_to@{x!r}", f"up to {text}", True, "bytes"),
+                 Column(f"down_to@{x!r}", f"down to {text}", True, "bytes")]
+    comm += [Column("up_total", "up, total", True, "bytes"), Column("down_total", "down, total", True, "bytes")]
+    time_cols = [Column("round_s", "per round", True, "seconds"), Column("total_s", "total", True, "seconds")]
+    evals = [Column(f"eval@{k}", k.split("/", 1)[1], md.is_lower_better(k),
+                    "pct" if _is_fraction(k) else "value") for k in eval_keys]
+    return {"main": main, "comm": comm, "time": time_cols, "eval": evals}
+
+
+def run_values(curves: Mapping[str, Curve], last_round: int, metric: str, spec: ReportSpec, at: Sequence[int],
+               eval_keys: Sequence[str]) -> dict[str, float | None]:
+    """Every table cell of one run (column id -> value or None)."""
+    empty: Curve = (np.zeros(0, np.int64), np.zeros(0))
+    rounds, values = curves.get(metric, empty)
+    low = md.is_lower_better(metric)
+    out: dict[str, float | None] = {}
+    for r in at:
+        out[f"at@{r}"] = md.window_mean(rounds, values, r, spec.window, last_round) if rounds.size else None
+    up, down = curves.get("comm/bytes_up", empty), curves.get("comm/bytes_down", empty)
+    for x in spec.thresholds:
+        hit = md.rounds_to_threshold(rounds, values, x, spec.smooth, low) if rounds.size else None
+        out[f"rounds_to@{x!r}"] = None if hit is None else float(hit)
+        out[f"up_to@{x!r}"] = None if hit is None or not up[0].size else md.cumulative_at(*up, hit)
+        out[f"down_to@{x!r}"] = None if hit is None or not down[0].size else md.cumulative_at(*down, hit)
+    out["best"] = md.best_value(rounds, values, low)
+    out["final"] = md.final_value(rounds, values)
+    out["up_total"] = md.cumulative_at(*up) if up[0].size else None
+    out["down_total"] = md.cumulative_at(*down) if down[0].size else None
+    times = curves.get("time/round_s", empty)
+    out["round_s"] = float(times[1][times[0] >= 1].mean()) if (times[0] >= 1).any() else None
+    out["total_s"] = md.cumulative_at(*times) if times[0].size else None
+    for key in eval_keys:
+        k_rounds, k_values = curves.get(key, empty)
+        out[f"eval@{key}"] = md.window_mean(k_rounds, k_values, last_round, spec.window, last_round) if k_rounds.size else None
+    return out
+
+
+def build_report(store: SqlStore, spec: ReportSpec) -> Report:
+    """Select, group and compute every number of the report (see the module docstring)."""
+    records = select_runs(store, spec)
+    groups, common, varying = group_runs(records, spec.group_by)
+    ids = [r.id for r in records]
+    logged = logged_keys(store, ids)
+    metric = resolve_metric(spec.metric) if spec.metric else next(
+        (k for k in ("eval/accuracy", "eval/dist_to_opt", "eval/loss") if k in logged), "eval/accuracy")
+    if metric not in logged:
+        shown = ", ".join(k for k in logged if k.startswith("eval/")) or "none"
+        raise ConfigError(f"metric {metric!r} is not logged by the selected runs; their eval metrics: {shown}.")
+    eval_keys = [k for k in logged if k.startswith("eval/")]
+    curves, last = _curves(store, ids, sorted({metric, *eval_keys, *(k for k in REPORT_KEYS if k in logged)}))
+    at = tuple(spec.at) or (min(last.values()),)
+    report = Report(spec, store.url, metric, at, groups, make_tables(metric, at, spec.thresholds, eval_keys),
+                    common, varying, curves, last)
+    columns = [c for cols in report.tables.values() for c in cols]
+    for group in groups:
+        per_run = [run_values(curves[r.id], last[r.id], metric, spec, at, eval_keys) for r in group.runs]
+        group.values = {c.id: [v[c.id] for v in per_run] for c in columns}
+        group.summary = {c.id: md.summarize_seeds(group.values[c.id]) for c in columns}
+    report.notes = _notes(report)
+    return report
+
+
+def _notes(report: Report) -> list[str]:
+    notes = []
+    for group in report.groups:
+        if group.mixed:
+            shown = "; ".join(f"{k}: {', '.join(v)}" for k, v in group.mixed.items())
+            notes.append(f"Group **{group.label}** mixes runs whose configs differ in more than the seed ({shown}); "
+                         "pass --group-by with these keys to separate them.")
+        seeds = [r.seed for r in group.runs]
+        if len(set(seeds)) < len(seeds):
+            notes.append(f"Group **{group.label}** holds several runs with the same seed ({sorted(seeds)}).")
+        odd = sorted({r.status for r in group.runs} - {"finished"})
+        if odd:
+            notes.append(f"Group **{group.label}** includes runs that did not finish (status {', '.join(odd)}).")
+    return notes
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _fixed(value: float, decimals: int) -> str:
+    text = f"{value:.{decimals}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
+BYTE_UNITS = ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B"))
+
+
+def byte_unit(columns_max: float) -> tuple[float, str]:
+    """The SI unit that shows the largest value of a column in 1..1000."""
+    return next(((scale, name) for scale, name in BYTE_UNITS if columns_max >= scale), (1.0, "B"))
+
+
+def format_number(value: float, unit: str, scale: float = 1.0) -> str:
+    """Fixed decimals per unit: % and values 2/4, rounds 0, bytes 2 (in `scale`), seconds 3."""
+    if unit == "pct":
+        return _fixed(value * 100, 2)
+    if unit == "rounds":
+        return _fixed(value, 0) if float(value).is_integer() else _fixed(value, 1)
+    if unit == "bytes":
+        return _fixed(value / scale, 2)
+    return _fixed(value, 3 if unit == "seconds" else 4)
+
+
+def format_cell(summary: md.SeedSummary, unit: str, scale: float, rounds_run: str) -> str:
+    """`mean ± std`, `(k/n)` when only k of n seeds have a value, `— (rounds run)` when none."""
+    if summary.mean is None or summary.std is None:
+        return f"{MISSING} ({rounds_run})" if unit in ("rounds", "bytes") else MISSING
+    text = format_number(summary.mean, unit, scale)
+    if summary.count > 1:
+        text += f" ± {format_number(summary.std, unit, scale)}"
+    if summary.count < summary.total:
+        text += f" ({summary.count}/{summary.total})"
+    return text
+
+
+def _best_groups(report: Report, column: Column, scale: float) -> set[int]:
+    """Indices of the groups holding the column's best mean (all seeds with a value), ties included."""
+    if len(report.groups) < 2:
+        return set()
+    shown = {}
+    for i, group in enumerate(report.groups):
+        s = group.summary[column.id]
+        if s.mean is not None and s.count == s.total:
+            shown[i] = float(format_number(s.mean, column.unit, scale))
+    if not shown:
+        return set()
+    best = min(shown.values()) if column.lower_is_better else max(shown.values())
+    return {i for i, v in shown.items() if v == best}
+
+
+def _rounds_run(group: Group, report: Report) -> str:
+    spans = sorted({report.last_round[r.id] for r in group.runs})
+    return f"{spans[0]} rounds" if len(spans) == 1 else f"{spans[0]}–{spans[-1]} rounds"
+
+
+def markdown_table(report: Report, columns: Sequence[Column]) -> list[str]:
+    """One markdown table: a row per group, bold best per column, arrows in the headers."""
+    scales = {}
+    for c in columns:
+        if c.unit == "bytes":
+            means = [g.summary[c.id].mean for g in report.groups if g.summary[c.id].mean is not None]
+            scales[c.id] = byte_unit(max(means, default=0.0))
+    headers = []
+    for c in columns:
+        arrow = "↓" if c.lower_is_better else "↑"
+        unit = {"pct": "%, ", "rounds": "#, ", "bytes": f"{scales.get(c.id, (1, 'B'))[1]}, ", "seconds": "s, "}.get(c.unit, "")
+        headers.append(f"{c.header} ({unit}{arrow})")
+    lines = ["| group | seeds | " + " | ".join(headers) + " |", "|---|---|" + "---:|" * len(columns)]
+    best = {c.id: _best_groups(report, c, scales.get(c.id, (1.0, ""))[0]) for c in columns}
+    for i, group in enumerate(report.groups):
+        cells = []
+        for c in columns:
+            text = format_cell(group.summary[c.id], c.unit, scales.get(c.id, (1.0, ""))[0], _rounds_run(group, report))
+            cells.append(f"**{text}**" if i in best[c.id] else text)
+        lines.append(f"| {group.label} | {len(group.runs)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# --------------------------------------------------------------------------- renderers
+
+CONVENTIONS = ("cells are mean ± sample std (ddof 1) over the group's seeds; (k/n): only k of n seeds have a "
+               "value; the best value per column is in **bold** (among groups where every seed has one); "
+               "↑/↓: higher/lower is better; — : no value (footnote under each table)")
+_TITLES = {
+    "main": "Table 3 layout",
+    "comm": "Communication: bytes to each threshold and in total",
+    "time": "Wall time",
+    "eval": "All evaluation metrics",
+}
+
+
+def _definitions(report: Report, table: str) -> str:
+    spec, metric = report.spec, report.metric
+    direction = "≤" if md.is_lower_better(metric) else "≥"
+    if table == "main":
+        return (f"{metric} @R = mean of {metric} over the evaluated rounds r with R − {spec.window} < r ≤ R "
+                f"(window {spec.window}; round 0, the initial model, never counts); {MISSING} if the run stopped "
+                f"before R. Rounds to X = the first round t ≥ {spec.smooth} whose trailing {spec.smooth}-round running "
+                f"average of {metric} is {direction} X; {MISSING} (rounds run) if never. Best = best per-round value; "
+                "final = value at the last evaluated round.")
+    if table == "comm":
+        return ("Bytes up/down to X = sum of comm/bytes_up / comm/bytes_down over rounds 1..t, t = the round the "
+                f"threshold is first reached (as above); {MISSING} (rounds run) if never. Total = over all rounds. "
+                "Units: SI (1 kB = 1000 B), one unit per column.")
+    if table == "time":
+        return "Per round = mean of time/round_s over rounds ≥ 1 (the first round includes warm-up); total = its sum."
+    return (f"Each eval/* metric averaged over the last {spec.window} rounds of each run (r > last − {spec.window}). "
+            "F1 metrics: macro = mean over labels, micro = pooled over labels; a label with no positives and no "
+            f"predictions has F1 0. {MISSING}: the run logged no such value.")
+
+
+def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> str:
+    """The report as markdown; `figures` are (caption, relative path) pairs to embed."""
+    spec = report.spec
+    experiments = sorted({r.experiment for g in report.groups for r in g.runs})
+    runs = [r for g in report.groups for r in g.runs]
+    group_by = ", ".join(spec.group_by) if spec.group_by else "every config key that differs between runs, except seed"
+    lines = [f"# fedcli report: {report.metric}", "",
+             f"- command: `{spec.command}`", f"- store: `{report.store_url}`",
+             f"- runs: {len(runs)} in {len(report.groups)} group(s); experiments: {', '.join(experiments)}",
+             f"- metric: {report.metric} ({'↓' if md.is_lower_better(report.metric) else '↑'}); "
+             f"R = {', '.join(map(str, report.at))}; window {spec.window}; smoothing {spec.smooth}",
+             f"- grouped by: {group_by}", f"- conventions: {CONVENTIONS}", ""]
+    for name, columns in report.tables.items():
+        if not columns:
+            continue
+        title = f"{report.metric} ({_TITLES[name]})" if name == "main" else _TITLES[name]
+        lines += [f"## {title}", "", *markdown_table(report, columns), "", _definitions(report, name), ""]
+    if figures:
+        lines += ["## Figures", ""]
+        lines += [f"![{caption}]({path})\n\n{caption}\n" for caption, path in figures]
+    lines += ["## Runs", "", "| group | seed | run id | status | rounds | config hash | experiment |",
+              "|---|---:|---|---|---:|---|---|"]
+    for g in report.groups:
+        for r in g.runs:
+            digest = r.tags.get("fedcli.config_hash", r.config_hash)[:12]
+            lines.append(f"| {g.label} | {r.seed} | `{r.id}` | {r.status} | {report.last_round[r.id]} | "
+                         f"`{digest}` | {r.experiment} |")
+    lines += ["", "Config hash: sha256 of the run's config without the tracking section (tag fedcli.config_hash).", ""]
+    lines += _config_section(report)
+    if report.notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _config_section(report: Report) -> list[str]:
+    lines = ["## Configuration", ""]
+    configs = {r.id: run_config(r) for g in report.groups for r in g.runs}
+
+    def values(group: Group, key: str) -> str:
+        return ", ".join(sorted({configs[r.id].get(key, MISSING) for r in group.runs}, key=_sort_value))
+
+    result_keys = [k for k in report.varying if k not in NON_RESULT_KEYS]
+    between = [k for k in result_keys if len({values(g, k) for g in report.groups}) > 1]
+    if between:
+        lines += [f"What differs between groups ({MISSING}: key absent, e.g. another algorithm's hyperparameter; "
+                  "several values: they differ inside the group, see Notes):", "",
+                  "| key | " + " | ".join(g.label for g in report.groups) + " |",
+                  "|---|" + "---|" * len(report.groups)]
+        lines += [f"| `{display_key(k)}` | " + " | ".join(values(g, k) for g in report.groups) + " |" for k in between]
+        lines.append("")
+    execution = [k for k in report.varying if k in NON_RESULT_KEYS]
+    if execution:
+        shown = "; ".join(f"`{k}`: {', '.join(sorted({c.get(k, MISSING) for c in configs.values()}, key=_sort_value))}"
+                          for k in execution)
+        lines += [f"Execution settings that differ between runs and do not change results: {shown}.", ""]
+    lines += ["Common to all runs (tracking.* omitted: it says where results go, not what produced them):", ""]
+    lines += [f"- `{k}` = {v}" for k, v in report.common.items()]
+    return [*lines, ""]
+
+
+def _rows(report: Report) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for table, columns in report.tables.items():
+        for g in report.groups:
+            for c in columns:
+                s = g.summary[c.id]
+                for stat, value in (("mean", s.mean), ("std", s.std), ("count", s.count), ("total", s.total)):
+                    rows.append({"group": g.label, "run_id": "", "seed": "", "table": table, "column": c.id,
+                                 "statistic": stat, "value": value})
+                for r, value in zip(g.runs, g.values[c.id], strict=True):
+                    rows.append({"group": g.label, "run_id": r.id, "seed": r.seed, "table": table, "column": c.id,
+                                 "statistic": "value", "value": value})
+    return rows
+
+
+def render_csv(report: Report) -> str:
+    """Tidy CSV: group, run_id, seed, table, column, statistic (mean|std|count|total|value), value."""
+    import csv
+    import io
+
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, ["group", "run_id", "seed", "table", "column", "statistic", "value"],
+                            lineterminator="\n")
+    writer.writeheader()
+    for row in _rows(report):
+        value = row["value"]
+        writer.writerow({**row, "value": "" if value is None else repr(float(value))})
+    return buffer.getvalue()
+
+
+def render_json(report: Report) -> str:
+    """JSON: the request, the definitions, one object per group (summaries) and per run (values)."""
+    spec = report.spec
+    groups = [{"label": g.label, "keys": g.keys, "seeds": [r.seed for r in g.runs], "runs": [r.id for r in g.runs],
+               "mixed": g.mixed,
+               "columns": {c: {"mean": s.mean, "std": s.std, "count": s.count, "total": s.total}
+                           for c, s in g.summary.items()}} for g in report.groups]
+    runs = [{"id": r.id, "name": r.run_name, "group": g.label, "seed": r.seed, "status": r.status,
+             "experiment": r.experiment, "rounds": report.last_round[r.id],
+             "config_hash": r.tags.get("fedcli.config_hash", r.config_hash),
+             "values": {c: v[i] for c, v in g.values.items()}}
+            for g in report.groups for i, r in enumerate(g.runs)]
+    doc = {"command": spec.command, "store": report.store_url, "metric": report.metric, "at": list(report.at),
+           "thresholds": list(spec.thresholds), "window": spec.window, "smooth": spec.smooth,
+           "columns": {t: [{"id": c.id, "header": c.header, "lower_is_better": c.lower_is_better, "unit": c.unit}
+                           for c in cols] for t, cols in report.tables.items()},
+           "groups": groups, "runs": runs, "common": report.common, "notes": report.notes}
+    return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def shared_partition(report: Report) -> dict[str, str] | None:
+    """The task and partition keys if every run shares them (scheme-made partitions also the seed)."""
+    configs = [run_config(r) for g in report.groups for r in g.runs]
+    keys = sorted({k for c in configs for k in c if k.startswith("partition.")} | {"data.task", "data.data_dir", "seed"})
+    shared = {k: configs[0].get(k, MISSING) for k in keys}
+    if shared.get("partition.scheme") == "natural" or shared.get("partition.file") not in (None, "None", MISSING):
+        shared.pop("seed")
+    if any({k: c.get(k, MISSING) for k in shared} != shared for c in configs):
+        return None
+    return shared
