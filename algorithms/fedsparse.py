@@ -12,8 +12,10 @@ Notation: w, v -> bc.params, bc.gates; w_s, v_s -> params, gates; theta, pi_s ->
 sigmoid(gate_logits); z_s -> upload["gates"]; T, lambda0, lambda, eps, theta_0 ->
 hp.temperature, hp.lambda0, hp.drift, hp.prune_threshold, hp.init_inclusion.
 Groups (Sec. 3.1): one gate per output unit (row along dim 0: a Linear neuron, a Conv
-filter) of each parameter with >= 2 dims, its "<layer>.bias" included. The last such
-parameter (the classifier, unpruned as in App. A) and all others are ungated.
+filter) of each parameter with >= 2 dims, together with the parameters right after it
+that hold one entry per unit (its bias, a norm layer's affine: true channel removal,
+reference §6 #6). The last such parameter (the classifier, unpruned as in App. A) and
+all other parameters are ungated. Embedding tables and LSTM matrices get row gates too.
 Bytes: group values in the model dtype; per gated tensor the positions of the groups
 sent as int32 indices or a G-bit mask, whichever is smaller (up: z_s = 1 groups, which
 carries z_s; down: alive groups plus one v each); ungated tensors dense.
@@ -103,39 +105,42 @@ class Broadcast(NamedTuple):
     alive: Params  # positions of the alive groups
 
 
-def bias_key(params: Params, key: str, lead: int = 0) -> str | None:
-    """Return '<layer>.bias' if it holds one entry per output unit of `key`, else None."""
-    bias = key.removesuffix("weight") + "bias"
-    found = key.endswith("weight") and bias in params and params[bias].shape == params[key].shape[: lead + 1]
-    return bias if found else None
+def followers(params: Params, key: str, lead: int = 0) -> tuple[str, ...]:
+    """Return the parameters right after `key` with one entry per unit of it (bias, norm affine)."""
+    names = list(params)
+    out: list[str] = []
+    for name in names[names.index(key) + 1:]:
+        if params[name].shape != params[key].shape[: lead + 1]:
+            break
+        out.append(name)
+    return tuple(out)
 
 
-def gated_layers(params: Params, hp: FedSparseConfig) -> dict[str, str | None]:
-    """Return {gated weight key: its bias key or None}; empty when gates are forced on."""
+def gated_layers(params: Params, hp: FedSparseConfig) -> dict[str, tuple[str, ...]]:
+    """Return {gated weight key: its followers}; empty when gates are forced on."""
     weights = [k for k, p in params.items() if p.dim() >= 2]
     if not hp.use_output_layer_gates:
         weights = weights[:-1]
-    return {} if hp.gates_forced_on else {k: bias_key(params, k) for k in weights}
+    return {} if hp.gates_forced_on else {k: followers(params, k) for k in weights}
 
 
-def group_sq(params: Params, layout: dict[str, str | None]) -> Params:
-    """Return ||w_g||^2 per group [G]: the unit's row plus its bias entry."""
-    return {k: params[k].flatten(1).pow(2).sum(1) + (params[b] ** 2 if b else 0.0) for k, b in layout.items()}
+def group_sq(params: Params, layout: dict[str, tuple[str, ...]]) -> Params:
+    """Return ||w_g||^2 per group [G]: the unit's row plus its followers' entries."""
+    return {k: params[k].flatten(1).pow(2).sum(1) + sum(params[f] ** 2 for f in fs) for k, fs in layout.items()}
 
 
-def gate_logits(params: Params, gates: Params, layout: dict[str, str | None], temperature: float) -> Params:
+def gate_logits(params: Params, gates: Params, layout: dict[str, tuple[str, ...]], temperature: float) -> Params:
     """Return (||w_g|| - softplus(v_g)) / T per group; the norm is detached (Eq. 23)."""
     norms = group_sq(params, layout)
     return {k: (norms[k].detach().sqrt() - softplus(gates[k])) / temperature for k in layout}
 
 
-def apply_gates(params: Params, z: Params, layout: dict[str, str | None]) -> Params:
-    """Return w * z: each gated unit's row and bias scaled by its gate."""
+def apply_gates(params: Params, z: Params, layout: dict[str, tuple[str, ...]]) -> Params:
+    """Return w * z: each gated unit's row and followers scaled by its gate."""
     out = dict(params)
-    for k, bias in layout.items():
+    for k, fs in layout.items():
         out[k] = params[k] * z[k].reshape(z[k].shape + (1,) * (params[k].dim() - 1))
-        if bias:
-            out[bias] = params[bias] * z[k]
+        out.update({f: params[f] * z[k] for f in fs})
     return out
 
 
@@ -189,10 +194,10 @@ def client_objective(local: tuple[Params, Params], batch: Batch, u_logit: Params
         p_on[k] = torch.sigmoid(a - HC_BETA * math.log(-HC_GAMMA / HC_ZETA)) * bc.alive[k]
     data = ctx.loss_fn(apply_gates(params, z, layout), batch)
     drift_sq = group_sq(base.tree_sub(params, bc.params), layout)
-    in_group = set(layout) | {b for b in layout.values() if b}
+    in_group = set(layout).union(*layout.values())
     reg = sum(((params[k] - bc.params[k]) ** 2).sum() for k in params if k not in in_group) * (hp.drift / 2)
     for k, p in p_on.items():
-        size = params[k][0].numel() + (1 if layout[k] else 0)  # |g|
+        size = params[k][0].numel() + len(layout[k])  # |g|
         cross = p * logsigmoid(prior[k]) + (1 - p) * logsigmoid(-prior[k])
         reg = reg + (hp.drift / 2 * p * drift_sq[k] + size * (hp.lambda0 * p - hp.ce_scale * cross)
                      * bc.alive[k]).sum()
@@ -265,9 +270,9 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FedS
             {**diagnostics, **_server_metrics(params, theta, alive, layout)})
 
 
-def _server_metrics(params: Params, theta: Params, alive: Params, layout: dict[str, str | None]) -> Diagnostics:
+def _server_metrics(params: Params, theta: Params, alive: Params, layout: dict[str, tuple[str, ...]]) -> Diagnostics:
     """Return the pruned fraction of all parameters, the alive groups and their mean theta."""
-    pruned = sum(((1 - m) * (params[k][0].numel() + (1 if layout[k] else 0))).sum() for k, m in alive.items())
+    pruned = sum(((1 - m) * (params[k][0].numel() + len(layout[k]))).sum() for k, m in alive.items())
     count = sum((m.sum() for m in alive.values()), torch.zeros(()))
     return {"fedsparse/sparsity": torch.as_tensor(pruned / sum(p.numel() for p in params.values())),
             "fedsparse/alive_groups": count,
@@ -284,12 +289,12 @@ def _encoded_nbytes(tree: Params, sent: Params, lead: int) -> Tensor:
     total = torch.zeros((), dtype=torch.float64)
     covered: set[str] = set()
     for k, s in sent.items():  # s [..., G]
-        bias, num_groups = bias_key(tree, k, lead), s.shape[-1]
-        group_numel = tree[k][(0,) * lead].numel() // num_groups + (1 if bias else 0)
+        fs, num_groups = followers(tree, k, lead), s.shape[-1]
+        group_numel = tree[k][(0,) * lead].numel() // num_groups + len(fs)
         count = s.to(torch.float64).sum(-1)  # groups sent, per client
         positions = torch.clamp(4 * count, max=math.ceil(num_groups / 8))  # int32 indices or bitmask
         total = total + (tree[k].element_size() * group_numel * count + positions).sum()
-        covered |= {k, bias or k}
+        covered |= {k, *fs}
     return total + sum(t.numel() * t.element_size() for k, t in tree.items() if k not in covered)
 
 

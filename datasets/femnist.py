@@ -12,6 +12,8 @@ background; we invert, as MNIST and the TFF EMNIST pipeline of Reddi et al. do).
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -24,6 +26,8 @@ from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from torch import Tensor
 
 from fedcli.errors import DataError
+
+log = logging.getLogger(__name__)
 
 BUNDLED_DIR = Path(__file__).parent / "data" / "femnist"
 
@@ -56,12 +60,60 @@ def verify_checksums(directory: Path) -> None:
                             "Reinstall fedcli or restore the file from git.")
 
 
-def load_femnist(directory: Path = BUNDLED_DIR) -> FemnistArrays:
-    """Load LEAF FEMNIST from directory/{train,test}; writers sorted by id."""
+CACHE_DIR = Path("~/.cache/fedcli/femnist").expanduser()
+
+
+def load_femnist(directory: Path = BUNDLED_DIR, cache_dir: Path | None = CACHE_DIR) -> FemnistArrays:
+    """Load LEAF FEMNIST from directory/{train,test}; writers sorted by id.
+
+    Decoding the JSON takes seconds, so the decoded arrays are cached as an .npz keyed by the
+    sha256 of the folder's file names, sizes and modification times (bundled data: of its
+    SHA256SUMS); a corrupt or stale cache entry is ignored and rewritten.
+    """
     if not directory.exists():
         raise DataError(f"FEMNIST folder {directory} does not exist; pass --data-dir with LEAF's "
                         "data/femnist/data folder (it holds train/ and test/).")
     verify_checksums(directory)
+    cache = None if cache_dir is None else cache_dir / f"{_folder_digest(directory)}.npz"
+    if cache is not None and cache.exists():
+        try:
+            with np.load(cache, allow_pickle=False) as npz:
+                return FemnistArrays(npz["train_x"], npz["train_y"], npz["train_writer"], npz["test_x"],
+                                     npz["test_y"], npz["test_writer"], [str(w) for w in npz["writers"]])
+        except (OSError, ValueError, KeyError):
+            log.warning("ignoring unreadable FEMNIST cache %s", cache)
+    arrays = _decode(directory)
+    if cache is not None:
+        _write_cache(cache, arrays)
+    return arrays
+
+
+def _folder_digest(directory: Path) -> str:
+    sums = directory / "SHA256SUMS"
+    digest = hashlib.sha256()
+    if sums.exists():
+        digest.update(sums.read_bytes())
+    else:
+        for path in sorted(directory.rglob("*.json*")):
+            stat = path.stat()
+            digest.update(f"{path.relative_to(directory)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:24]
+
+
+def _write_cache(cache: Path, arrays: FemnistArrays) -> None:
+    """Write the cache atomically; a read-only home only costs speed."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, train_x=arrays.train_x, train_y=arrays.train_y, train_writer=arrays.train_writer,
+                 test_x=arrays.test_x, test_y=arrays.test_y, test_writer=arrays.test_writer,
+                 writers=np.array(arrays.writers))
+        os.replace(tmp, cache)
+    except OSError as exc:
+        log.warning("could not cache decoded FEMNIST at %s: %s", cache, exc)
+
+
+def _decode(directory: Path) -> FemnistArrays:
     train = read_leaf_dir(directory / "train")
     test = read_leaf_dir(directory / "test")
     writers = sorted(train)

@@ -21,3 +21,14 @@ def _load() -> Mapping[str, Task]:
 
 
 TASKS: Mapping[str, Task] = _load()
+
+
+def resolve_task(task: str, model: str | None, data_file: str | None) -> Task:
+    """Return the named task, or the bring-your-own task of `data_file` (--data FILE --model M)."""
+    if data_file is not None:
+        from pathlib import Path
+
+        from fedcli.datasets.byo import byo_task
+
+        return byo_task(Path(data_file), model or "mlp")
+    return TASKS[task]

@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
+
 from fedcli.datasets import models
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 

@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ class Task:
     description: str
     source: str
     offline: bool  # True when the default data ships with fedcli
-    kind: str  # "classification" | "regression"
+    kind: str  # "classification" | "regression" | "multilabel" | "next_token" | "lsa"
     models: Mapping[str, Callable[[], nn.Module]]
     default_model: str
     load: Callable[[TaskOptions], TaskData]
@@ -60,6 +61,8 @@ class Task:
     # Lets e.g. linear stochastic approximation tasks define a surrogate whose gradient is the
     # LSA direction A_i theta - b_i.
     example_loss: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
+    # Optional chunkable evaluation metrics (datasets.metrics.MetricFns); None = by `kind`.
+    metrics: Any = None
 
 
 def fingerprint(*tensors: Tensor) -> str:

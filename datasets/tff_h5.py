@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from fedcli.datasets import models
+from fedcli.datasets.metrics import next_token
 from fedcli.datasets.mnist import grey_images, image_task_data
 from fedcli.datasets.sources import align_clients, data_dir, download, extract_tar, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
@@ -320,6 +321,7 @@ STACKOVERFLOW_NWP = Task(
     default_model="lstm",
     load=_load_nwp,
     example_loss=next_token_loss,
+    metrics=next_token(pad_id=PAD, special_ids=(OOV, BOS, EOS)),  # Reddi et al.: no special tokens
 )
 
 STACKOVERFLOW_LR = Task(

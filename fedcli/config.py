@@ -32,6 +32,9 @@ class DataConfig:
     task: str = "femnist"  # a name from `fedcli list tasks`
     model: str | None = None  # None = the task's default model
     data_dir: str | None = None  # None = the bundled / default copy of the data
+    file: str | None = None  # bring your own data: .npz/.csv/.parquet (see `fedcli train --help`)
+    download: bool = False  # fetch missing public files into data_dir (needs a network)
+    max_clients: int | None = None  # natural-client data sets: read only the first N clients
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +43,11 @@ class PartitionConfig:
     num_clients: int | None = None  # None = every natural client
     alpha: float | None = None  # Dirichlet concentration (dirichlet, two-level)
     shards_per_client: int | None = None  # pathological shards
+    labels_per_client: int | None = None  # NIID-Bench noniid-#labelK
+    sigma: float | None = None  # quantity skew: log-normal sigma of client sizes
+    size_alpha: float = 1.0  # two-level: Dirichlet alpha of client shares (Bayesian-ADMM paper)
+    balanced: bool = False  # dirichlet: equal client sizes (FedLab's balanced variant)
+    min_size: int = 10  # minimum examples per client (NIID-Bench redraw)
     file: str | None = None  # a partition file written by `fedcli partition`
 
 
@@ -289,11 +297,14 @@ def validate(cfg: RunConfig) -> None:
         t.optim  # noqa: B018 - constructing validates the optimiser settings
     except HyperparameterError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.data.task not in TASKS:
+    if cfg.data.file is not None:
+        if not Path(cfg.data.file).is_file():
+            raise ConfigError(f"data.file {cfg.data.file!r} does not exist; pass an .npz/.csv/.parquet file to --data.")
+    elif cfg.data.task not in TASKS:
         raise ConfigError(f"unknown task {cfg.data.task!r}{suggest(cfg.data.task, list(TASKS))}; "
                           f"choose one of: {', '.join(TASKS)}.")
-    task = TASKS[cfg.data.task]
-    if cfg.data.model is not None and cfg.data.model not in task.models:
+    task = TASKS.get(cfg.data.task)
+    if task is not None and cfg.data.file is None and cfg.data.model is not None and cfg.data.model not in task.models:
         raise ConfigError(f"data.model must be one of {', '.join(task.models)} for task {task.name}; "
                           f"got {cfg.data.model!r}.")
     if cfg.partition.scheme not in SCHEMES:

@@ -35,8 +35,8 @@ class Predictive(str, Enum):
 def evaluate(
     ctx: typer.Context,
     run: Annotated[str, typer.Argument(help="Run id, unique id prefix or run name.")],
-    checkpoint: Annotated[int | None, typer.Option(min=0, help="Evaluate the checkpoint of this round. [default: final model]")] = None,
-    task: Annotated[str | None, typer.Option(help="Evaluate on this task's data (same model). [default: the run's]",
+    checkpoint: Annotated[int | None, typer.Option(min=0, help="Evaluate the checkpoint of this round. \\[default: final model]")] = None,
+    task: Annotated[str | None, typer.Option(help="Evaluate on this task's data (same model). \\[default: the run's]",
                                              rich_help_panel=Panel.DATA)] = None,
     split: Annotated[Split, typer.Option(help="test split, or the clients' training examples.", rich_help_panel=Panel.DATA)] = Split.test,
     per_client: Annotated[bool, typer.Option("--per-client", help="Distribution over clients: mean, std, worst 10%.")] = False,
@@ -44,10 +44,10 @@ def evaluate(
                                                         "predictive (Bayesian algorithms).", rich_help_panel=Panel.ALGO)] = Predictive.mean,
     samples: Annotated[int, typer.Option(min=1, help="Posterior samples K of --predictive ensemble.", rich_help_panel=Panel.ALGO)] = 16,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the posterior samples.", rich_help_panel=Panel.ALGO)] = 0,
-    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:N] | mps. [default: the run's]")] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:N] | mps. \\[default: the run's]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. [env: FEDCLI_STORE]", rich_help_panel=Panel.TRACK)] = None,
-    tracking_uri: Annotated[str | None, typer.Option(help="MLflow URI of the run. [default: the run's]", rich_help_panel=Panel.TRACK)] = None,
+    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]", rich_help_panel=Panel.TRACK)] = None,
+    tracking_uri: Annotated[str | None, typer.Option(help="MLflow URI of the run. \\[default: the run's]", rich_help_panel=Panel.TRACK)] = None,
     no_mlflow: Annotated[bool, typer.Option("--no-mlflow", help="Store the result in the SQL store only.", rich_help_panel=Panel.TRACK)] = False,
 ) -> None:
     """Evaluate a run's global model: task metrics, calibration (NLL, Brier, ECE-15), per-client view.
@@ -92,8 +92,11 @@ def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, d
     from fedcli.engine.train import build
 
     doc = {k: dict(v) if isinstance(v, dict) else v for k, v in record.config.items()}
-    if task is not None:
-        doc["data"] = {**doc["data"], "task": task, "data_dir": None}
+    if task is not None:  # another task's data: its own natural clients, no cohort-size check against them
+        model = doc["data"].get("model") or record.tags.get("fedcli.model")
+        doc["data"] = {**doc["data"], "task": task, "data_dir": None, "model": model}
+        doc["partition"] = {**doc["partition"], "num_clients": None}
+        doc["train"] = {**doc["train"], "clients_per_round": 1}
     setup = build(resume_config(doc, {"train.device": device}))
     if checkpoint is None:
         if not record.model_path or not Path(record.model_path).exists():
@@ -112,8 +115,8 @@ def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, d
     shapes = {k: tuple(v.shape) for k, v in setup.init_params.items()}
     if shapes != {k: tuple(v.shape) for k, v in params.items()}:
         raise ConfigError(f"the model of run {record.id} does not fit task {setup.task.name!r} "
-                          f"(its {setup.cfg.data.model or setup.task.default_model} has other shapes); pick a "
-                          "task with the same inputs and classes.")
+                          f"(its model {setup.cfg.data.model or setup.task.default_model!r} has other parameter shapes "
+                          "there); pick a task with the same inputs and classes.")
     return setup, state, params, round_idx
 
 
@@ -155,8 +158,8 @@ def print_table(record: Any, round_idx: int | None, split: str, options: dict[st
     """The result as a rich table on stdout."""
     model = "final model" if options["checkpoint"] is None else f"checkpoint {options['checkpoint']}"
     how = "" if options["predictive"] == "mean" else f", ensemble of {options['samples']} posterior samples"
-    table = Table("metric", "value", title=f"run {record.id[:8]} ({record.algo}, {options['task']}): {model} "
-                  f"(round {round_idx}), {split} split{how}", title_justify="left")
+    title = f"run {record.id[:8]} ({record.algo}, {options['task']}): {model} (round {round_idx}), {split} split{how}"
+    table = Table("metric", "value")
     for key in sorted(metrics):
         table.add_row(key, f"{metrics[key]:.0f}" if key.endswith("/clients") else f"{metrics[key]:.4f}")
     notes = ["ECE: 15 equal-width confidence bins." if any(k.endswith("/ece") for k in metrics) else "",
@@ -168,4 +171,6 @@ def print_table(record: Any, round_idx: int | None, split: str, options: dict[st
              if options["client_split"] == "train" and split == "test" else ""]
     table.caption = " ".join(n for n in notes if n) or None
     table.caption_justify = "left"
-    Console(highlight=False).print(table)
+    out = Console(highlight=False)
+    out.print(title, markup=False)
+    out.print(table)

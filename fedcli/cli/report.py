@@ -39,23 +39,23 @@ def report(
                                                    rich_help_panel=SELECT)] = None,
     where: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE", help="Keep runs whose config/field matches "
                                                     "(repeatable), e.g. algo=fedpa, hp.rho=0.1.", rich_help_panel=SELECT)] = None,
-    group_by: Annotated[str | None, typer.Option(help="Comma-separated config keys, e.g. algo,hp.rho. [default: every "
+    group_by: Annotated[str | None, typer.Option(help="Comma-separated config keys, e.g. algo,hp.rho. \\[default: every "
                                                  "key that differs between runs, except seed]", rich_help_panel=SELECT)] = None,
-    metric: Annotated[str | None, typer.Option(help="accuracy or eval/accuracy, … [default: accuracy, else dist_to_opt]",
+    metric: Annotated[str | None, typer.Option(help="accuracy or eval/accuracy, … \\[default: accuracy, else dist_to_opt]",
                                                rich_help_panel=TABLES)] = None,
     thresholds: Annotated[str | None, typer.Option(help="Comma-separated thresholds for rounds-to, e.g. 0.84,0.86.",
                                                    rich_help_panel=TABLES)] = None,
-    at: Annotated[str | None, typer.Option(help="Comma-separated round limits R of metric@R. [default: the last "
+    at: Annotated[str | None, typer.Option(help="Comma-separated round limits R of metric@R. \\[default: the last "
                                            "round every run reached]", rich_help_panel=TABLES)] = None,
     window: Annotated[int, typer.Option(min=1, help="metric@R = mean over rounds (R-W, R].", rich_help_panel=TABLES)] = 100,
     smooth: Annotated[int, typer.Option(min=1, help="Running-average window S of rounds-to-threshold.",
                                         rich_help_panel=TABLES)] = 10,
     output_format: Annotated[Format, typer.Option("--format", help="md (with PNGs), csv or json.")] = Format.md,
-    output: Annotated[Path | None, typer.Option(dir_okay=False, help="Write here (PNGs beside it). [default: stdout]")] = None,
+    output: Annotated[Path | None, typer.Option(dir_okay=False, help="Write here (PNGs beside it). \\[default: stdout]")] = None,
     partition_heatmap: Annotated[bool, typer.Option("--partition-heatmap", help="Also draw a shared partition that has "
                                                     "no partition file, by loading the task's data (slow for big data).",
                                                     rich_help_panel=TABLES)] = False,
-    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. [env: FEDCLI_STORE]",
+    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]",
                                               rich_help_panel=Panel.TRACK)] = None,
 ) -> None:
     """Write the paper tables of runs in the store: metric@R, rounds to threshold, bytes, time, curves.
@@ -118,6 +118,9 @@ def canonical_command(ctx: typer.Context) -> str:
         if value is None or value == param.default or value is False or not param.opts:
             continue
         flag = max(param.opts, key=len)
+        if value is True:
+            parts.append(flag)
+            continue
         for item in value if isinstance(value, (list, tuple)) else [value]:
             parts += [flag, str(item.value if isinstance(item, Enum) else item)]
     return shlex.join(parts)
@@ -136,7 +139,7 @@ def figures(built: Report, output: Path | None, load_data: bool) -> list[tuple[s
 
 def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None, str]:
     """Clients x labels counts of the partition all runs share: from its partition file, else (with
-    `load_data`, bundled classification data only) by partitioning the task's data again."""
+    `load_data`, offline tasks with class targets only) by building the first run's setup again."""
     import json
 
     import numpy as np
@@ -155,18 +158,16 @@ def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None,
                            "its heatmap needs the data: add --partition-heatmap.")
         return None, ""
     from fedcli.config import resume_config
+    from fedcli.datasets.partition import label_histograms
     from fedcli.datasets.registry import TASKS
-    from fedcli.datasets.tasks import TaskOptions
-    from fedcli.engine.train import client_partition
+    from fedcli.engine.train import build
 
     try:
-        cfg = resume_config(built.groups[0].runs[0].config, {})
-        task = TASKS[cfg.data.task]
-        if not task.offline or cfg.data.data_dir or task.kind != "classification":
+        cfg = resume_config(built.groups[0].runs[0].config, {"train.device": "cpu"})
+        if not TASKS[cfg.data.task].offline or cfg.data.data_dir:
             return None, ""
-        data = task.load(TaskOptions(seed=cfg.seed))
-        labels, indices = data.y.numpy(), client_partition(cfg, data)
+        setup = build(cfg)  # the data and partition exactly as the runs had them
     except (FedcliError, KeyError):
         return None, ""
-    counts = np.stack([np.bincount(labels[ix], minlength=int(labels.max()) + 1) for ix in indices])
-    return counts, f"{cfg.data.task}, {cfg.partition.scheme} partition, {len(indices)} clients"
+    counts = label_histograms(setup.fed.client_indices, setup.data.y.numpy(), setup.data.num_classes)
+    return counts, f"{cfg.data.task}, {cfg.partition.scheme} partition, {setup.fed.num_clients} clients"

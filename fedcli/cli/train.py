@@ -51,6 +51,16 @@ def train(
                                               rich_help_panel=Panel.DATA)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with the task's data files. [default: bundled copy]",
                                                   rich_help_panel=Panel.DATA)] = None,
+    data: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, resolve_path=True,
+                                              help="Bring your own data: .npz (x, y[, client, x_test, y_test]) or "
+                                                   ".csv/.parquet (column y, optional client and split, the rest "
+                                                   "features); with --model linear|logreg|mlp|cnn.",
+                                              rich_help_panel=Panel.DATA)] = None,
+    download: Annotated[bool, typer.Option("--download", help="Download missing public data files (network).",
+                                           rich_help_panel=Panel.DATA)] = False,
+    max_clients: Annotated[int | None, typer.Option(min=1, help="Read only the first N natural clients of big "
+                                                               "data sets (StackOverflow).",
+                                                    rich_help_panel=Panel.DATA)] = None,
     config: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, resolve_path=True,
                                                 help="Run config (YAML); CLI options override it.")] = None,
     partition: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, resolve_path=True,
@@ -62,6 +72,10 @@ def train(
                                                 rich_help_panel=Panel.DATA)] = None,
     clients: Annotated[int | None, typer.Option(min=1, help="Number of clients. [default: all natural clients]",
                                                 rich_help_panel=Panel.DATA)] = None,
+    shards_per_client: Annotated[int | None, typer.Option(min=1, help="Shards per client (--scheme shards).",
+                                                          rich_help_panel=Panel.DATA)] = None,
+    labels_per_client: Annotated[int | None, typer.Option(min=1, help="Labels per client (--scheme labels).",
+                                                          rich_help_panel=Panel.DATA)] = None,
     rounds: Annotated[int | None, typer.Option(min=1, help="Communication rounds R. [default: 50]",
                                                rich_help_panel=Panel.TRAIN)] = None,
     clients_per_round: Annotated[int | None, typer.Option(min=1, help="Clients sampled per round M. [default: 10]",
@@ -121,7 +135,9 @@ def train(
         overrides = {
             "algorithm.name": algo, "data.task": task, "data.model": model, "data.data_dir": data_dir and str(data_dir),
             "partition.file": partition and str(partition), "partition.scheme": scheme and scheme.value,
-            "partition.alpha": alpha, "partition.num_clients": clients, "train.rounds": rounds,
+            "partition.alpha": alpha, "partition.num_clients": clients,
+            "partition.shards_per_client": shards_per_client, "partition.labels_per_client": labels_per_client,
+            "data.file": data and str(data), "data.download": download or None, "data.max_clients": max_clients, "train.rounds": rounds,
             "train.clients_per_round": clients_per_round, "train.local_epochs": local_epochs,
             "train.batch_size": batch_size, "train.client_lr": client_lr, "train.client_momentum": client_momentum,
             "train.server_opt": server_opt and server_opt.value, "train.server_lr": server_lr,

@@ -19,11 +19,11 @@ from fedcli.errors import ConfigError
 def ui(
     ctx: typer.Context,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port on 127.0.0.1.")] = 5000,
-    store: Annotated[str | None, typer.Option(help="SQL store whose runs' MLflow store to open. [env: FEDCLI_STORE]",
+    store: Annotated[str | None, typer.Option(help="SQL store whose runs' MLflow store to open. \\[env: FEDCLI_STORE]",
                                               rich_help_panel=Panel.TRACK)] = None,
-    root: Annotated[Path | None, typer.Option(help="Folder of the default stores. [default: ./fedcli-runs]",
+    root: Annotated[Path | None, typer.Option(help="Folder of the default stores. \\[default: ./fedcli-runs]",
                                               rich_help_panel=Panel.TRACK)] = None,
-    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI. [env: MLFLOW_TRACKING_URI]",
+    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI. \\[env: MLFLOW_TRACKING_URI]",
                                                      rich_help_panel=Panel.TRACK)] = None,
     print_only: Annotated[bool, typer.Option("--print-only", help="Print the URL and command instead of running it.")] = False,
 ) -> None:

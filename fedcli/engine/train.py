@@ -24,7 +24,7 @@ from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import Algorithm, HyperparameterError, tree_nbytes
 from fedcli.config import RunConfig, make_hyperparameters
 from fedcli.datasets.federated import FederatedData
-from fedcli.datasets.registry import TASKS
+from fedcli.datasets.registry import resolve_task
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions
 from fedcli.engine import checkpoint as ckpt
 from fedcli.engine.clientstate import ClientStateStore
@@ -82,6 +82,8 @@ class Setup:
     device: torch.device
     executor: str
     init_params: dict[str, torch.Tensor]
+    partition: list[np.ndarray]
+    partition_spec: Any
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,33 +97,48 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def client_partition(cfg: RunConfig, data: TaskData) -> list[np.ndarray]:
-    """Return client -> example indices for the configured scheme (natural in this release)."""
-    part = cfg.partition
-    if part.scheme != "natural" or part.file is not None:
-        raise ConfigError(f"partition.scheme {part.scheme!r} / partition files are not available yet in this "
-                          "release; use --scheme natural (the data's own owners).")
-    indices = data.client_indices
-    if part.num_clients is not None:
-        if part.num_clients > len(indices):
-            raise ConfigError(f"partition.num_clients={part.num_clients} exceeds the {len(indices)} natural "
-                              f"clients of task {cfg.data.task}; lower --clients.")
-        indices = indices[: part.num_clients]
-    return indices
+def client_partition(cfg: RunConfig, data: TaskData) -> tuple[list[np.ndarray], Any]:
+    """Return (client -> example indices, PartitionSpec) from a partition file or the scheme.
+
+    A partition file must have been made for this data (its fingerprint is checked). A scheme
+    is drawn from the run's seed; `natural` with --clients N keeps the first N natural clients.
+    """
+    from fedcli.datasets.partition import PartitionSpec, load_partition, make_partition
+
+    part, task = cfg.partition, cfg.data.task
+    if part.file is not None:
+        return load_partition(Path(part.file), dataset=task, fingerprint=data.fingerprint)
+    spec = PartitionSpec(scheme=part.scheme, num_clients=part.num_clients, alpha=part.alpha,
+                         shards_per_client=part.shards_per_client, labels_per_client=part.labels_per_client,
+                         min_size=part.min_size, seed=derive_seed(cfg.seed, Stream.PARTITION) % (2**31),
+                         balanced=part.balanced, sigma=part.sigma, size_alpha=part.size_alpha)
+    if part.scheme == "natural":
+        if not data.client_indices:
+            raise ConfigError(f"task {task} has no natural clients; choose --scheme iid|dirichlet|... .")
+        if part.num_clients is not None and part.num_clients > len(data.client_indices):
+            raise ConfigError(f"partition.num_clients={part.num_clients} exceeds the {len(data.client_indices)} "
+                              f"natural clients of task {task}; lower --clients.")
+        return data.client_indices[: part.num_clients or len(data.client_indices)], spec
+    return make_partition(spec, labels=data.y.numpy(), natural=data.client_indices or None), spec
 
 
 def build(cfg: RunConfig) -> Setup:
     """Load data, build the model, the algorithm and the executor; data-dependent checks."""
     device = resolve_device(cfg.train.device)
-    task = TASKS[cfg.data.task]
-    data = task.load(TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir else None))
-    indices = client_partition(cfg, data)
+    task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
+    data = task.load(TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir else None,
+                                 download=cfg.data.download, max_clients=cfg.data.max_clients))
+    indices, spec = client_partition(cfg, data)
     if cfg.train.clients_per_round > len(indices):
         raise ConfigError(f"train.clients_per_round={cfg.train.clients_per_round} exceeds the "
                           f"{len(indices)} clients of the partition; lower --clients-per-round.")
     with torch.random.fork_rng(devices=[]):  # model init from its own stream, global RNG untouched
         torch.manual_seed(derive_seed(cfg.seed, Stream.INIT))
-        model = task.models[cfg.data.model or task.default_model]()
+        model_name = cfg.data.model or task.default_model
+        if model_name not in task.models:
+            raise ConfigError(f"data.model must be one of {', '.join(task.models)} for task {task.name}; "
+                              f"got {model_name!r}.")
+        model = task.models[model_name]()
     model = model.to(device)
     init_params = {k: v.detach().clone() for k, v in model.named_parameters()}
     fed = FederatedData(data.x, data.y, indices, device)
@@ -132,7 +149,8 @@ def build(cfg: RunConfig) -> Setup:
         executor = "vmap" if alg.supports_vmap else "loop"
     elif executor == "vmap" and not alg.supports_vmap:
         raise ConfigError(f"{alg.name} does not support --executor vmap; use --executor loop or auto.")
-    return Setup(cfg, task, data, fed, model_functions(task, model, fed), alg, hp, device, executor, init_params)
+    return Setup(cfg, task, data, fed, model_functions(task, model, fed), alg, hp, device, executor, init_params,
+                 indices, spec)
 
 
 def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray, round_idx: int,
@@ -215,6 +233,8 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
         run_id = resume_run_id
         state, start_round = _restore(tracker, run_id, setup, state, store)
     run_dir = run_dir_root / "runs" / run_id
+    if resume_run_id is None:
+        _save_partition(tracker, run_dir, setup)
     timing = Timing()
     metrics: dict[str, float] = {}
     last_round = start_round - 1
@@ -257,7 +277,7 @@ def start_tracking(tracker: Any, cfg: RunConfig, setup: Setup) -> str:
 
     return tracker.start(
         experiment=cfg.tracking.experiment, run_name=cfg.tracking.run_name, config=cfg.to_dict(),
-        algo=cfg.algorithm.name, task=cfg.data.task, seed=cfg.seed, dataset=cfg.data.task,
+        algo=cfg.algorithm.name, task=setup.task.name, seed=cfg.seed, dataset=cfg.data.task,
         partitioner=cfg.partition.scheme, fedcli_version=fedcli.__version__, torch_version=torch.__version__,
         git_commit=git_commit(), tags={"fedcli.executor": setup.executor, "fedcli.device": str(setup.device),
                                        "fedcli.model": cfg.data.model or setup.task.default_model,
@@ -307,6 +327,17 @@ def _checkpoint(tracker: Any, run_dir: Path, round_idx: int, state: Any, store: 
     ckpt.save_checkpoint(path, round_idx=round_idx, server_state=state, client_states=store.state_dict(),
                          config=cfg.to_dict(), seed=cfg.seed)
     tracker.checkpoint(round_idx, str(path.resolve()))
+
+
+def _save_partition(tracker: Any, run_dir: Path, setup: Setup) -> None:
+    """Keep the run's client partition beside it (and in MLflow) so reports and reruns can share it."""
+    from fedcli.datasets.partition import save_partition
+
+    path = run_dir / "partition.json"
+    labels = setup.data.y.numpy() if setup.task.kind in ("classification", "multilabel") else np.zeros(len(setup.data.y))
+    save_partition(path, setup.partition, spec=setup.partition_spec, dataset=setup.task.name,
+                   fingerprint=setup.data.fingerprint, labels=labels)
+    tracker.log_artifact(path)
 
 
 def _save_model(tracker: Any, run_dir: Path, setup: Setup, state: Any) -> Path:

@@ -92,18 +92,18 @@ def test_fedpa_with_exact_moments_converges_to_global_optimum_fedavg_is_biased()
     rho, opt = 1.0, OptimConfig(server_opt="sgd", server_lr=0.3)
     hp = fedpa.FedPAConfig(rho=rho, burn_in_rounds=0)
     state = fedpa.server_init({"w": torch.zeros(dim, dtype=torch.float64)}, hp, opt)
+    client_samples = [exact_moment_samples(m, torch.linalg.inv(a), rho) for a, m in zip(precisions, means)]
     for _ in range(300):
         theta = state.params["w"]
-        deltas = [fedpa.posterior_delta(theta, exact_moment_samples(m, torch.linalg.inv(a), rho), rho)
-                  for a, m in zip(precisions, means)]
+        deltas = [fedpa.posterior_delta(theta, samples, rho) for samples in client_samples]
         outs = stack_outs([fedavg.ClientOut(upload={"delta": {"w": d}}, state=None, metrics={}) for d in deltas])
         state, _ = fedpa.server_update(state, outs, q, hp, opt)
     torch.testing.assert_close(state.params["w"], optimum, rtol=1e-9, atol=1e-9)
 
-    lr, steps = 0.05, 100
+    lr, steps = 0.1, 20
     avg_opt = OptimConfig(client_lr=lr, local_epochs=steps, server_opt="sgd", server_lr=1.0)
     avg_state = fedavg.server_init({"w": torch.zeros(dim, dtype=torch.float64)}, fedavg.FedAvgConfig(), avg_opt)
-    for _ in range(200):
+    for _ in range(120):
         outs = stack_outs([fedavg.client_update(quadratic_context(a, m, num_epochs=steps, steps_per_epoch=1,
                                                                   num_examples=n), fedavg.broadcast(avg_state, None),
                                                 None, fedavg.FedAvgConfig(), avg_opt)
@@ -120,13 +120,13 @@ def test_fedpa_with_exact_moments_converges_to_global_optimum_fedavg_is_biased()
 
 def test_burn_in_rounds_are_fedavg_exactly() -> None:
     """During rounds 1..T_burn the FedPA client runs FedAvg's update (footnote 11), so on the same seed
-    the global model after 2 burn-in rounds is bit-identical to FedAvg's (real engine, FEMNIST MLP)."""
+    the global model after 2 burn-in rounds is bit-identical to FedAvg's (real engine, least squares)."""
     from fedcli.engine.clientstate import ClientStateStore
     from fedcli.engine.train import Timing, build, run_round
 
     finals = {}
     for name, hp in (("fedavg", {}), ("fedpa", {"burn_in_rounds": 2})):
-        cfg = build_config(overrides={"algorithm.name": name, "partition.num_clients": 6, "train.clients_per_round": 3,
+        cfg = build_config(overrides={"algorithm.name": name, "data.task": "lsq", "train.clients_per_round": 3,
                                       "train.local_epochs": 2, "train.client_momentum": 0.9,
                                       "train.server_opt": "momentum"}, hp=hp)
         setup = build(cfg)
@@ -142,7 +142,8 @@ def test_fedpa_needs_a_sample_per_round() -> None:
     """l = E - burn_in_epochs must be >= 1; the engine reports it as a config error."""
     from fedcli.engine.train import build
 
-    cfg = build_config(overrides={"algorithm.name": "fedpa", "train.local_epochs": 2}, hp={"burn_in_epochs": 2})
+    cfg = build_config(overrides={"algorithm.name": "fedpa", "data.task": "lsq", "train.local_epochs": 2},
+                       hp={"burn_in_epochs": 2})
     setup = build(cfg)
     with pytest.raises(Exception, match=r"hp.burn_in_epochs must be < train.local_epochs=2"):
         setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)

@@ -59,7 +59,7 @@ def federated(sizes: tuple[int, ...], d: int = 3) -> ModelFunctions:
     return ModelFunctions(apply_fn=mlp_apply, loss_fn=mlp_loss, data=data, prepare=lambda v: v)
 
 
-def run(alg, hp, opt: OptimConfig, fns: ModelFunctions, rounds: int, executor=run_vmap, batch_size: int = 3):
+def run(alg, hp, opt: OptimConfig, fns: ModelFunctions, rounds: int, executor=run_loop, batch_size: int = 3):
     """Run rounds of `alg` on every client of fns; return (state, per-round (bytes up, bytes down))."""
     state = alg.server_init(mlp_params(), hp, opt)
     cohort, comm = np.arange(fns.data.num_clients), []
@@ -166,7 +166,7 @@ def test_client_objective_gradients_match_eq_41() -> None:
     ix = torch.arange(6)
     ctx = full_batch_ctx(mlp_loss, fns.data.x[ix], fns.data.y[ix], 1, {})
     batch = ctx.batch(0)
-    prior = fedsparse.gate_logits(w, state.gates, {"hidden.weight": "hidden.bias"}, hp.temperature)
+    prior = fedsparse.gate_logits(w, state.gates, {"hidden.weight": ("hidden.bias",)}, hp.temperature)
 
     (g_w, g_v), _ = torch.func.grad(fedsparse.client_objective, has_aux=True)(
         (w_s, v_s), batch, {"hidden.weight": torch.full((4,), 40.0, dtype=DT)}, ctx, bc, prior, hp)
@@ -248,7 +248,7 @@ def test_pruned_units_never_revive() -> None:
     gates = {"hidden.weight": torch.where(state.alive["hidden.weight"].bool(), state.gates["hidden.weight"], -30.0)}
     state = fedsparse.ServerState(params=state.params, opt_state=state.opt_state, gates=gates,
                                   alive=state.alive, gate_opt=state.gate_opt)
-    logits = fedsparse.gate_logits(state.params, state.gates, {"hidden.weight": "hidden.bias"}, hp.temperature)
+    logits = fedsparse.gate_logits(state.params, state.gates, {"hidden.weight": ("hidden.bias",)}, hp.temperature)
     assert torch.sigmoid(logits["hidden.weight"][0]) > hp.prune_threshold
     z = torch.tensor([[0.0, 1.0, 1.0, 1.0]] * 2, dtype=DT)
     for _ in range(2):
@@ -281,14 +281,31 @@ def test_byte_counters_match_a_hand_count() -> None:
 def test_loop_and_vmap_agree_with_learned_gates() -> None:
     """The loop executor runs each client alone on its own steps, vmap the padded cohort; the
     same noise and batches give the same uploads, gates and server state (T = 0.01 so that the
-    hard-concrete gates are fractional and carry gradient). 2 rounds, 3 unequal clients."""
+    hard-concrete gates are fractional and carry gradient). 2 rounds, 3 unequal clients whose
+    1, 2 and 2 batches per epoch leave padded (masked) steps in the vmapped plan."""
     hp = FedSparseConfig(temperature=0.01, lambda0=1e-3)
-    fns = federated((4, 7, 10))
-    loop_state, loop_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=run_loop)
-    vmap_state, vmap_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=run_vmap)
+    fns = federated((3, 5, 7))
+    loop_state, loop_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=run_loop, batch_size=4)
+    vmap_state, vmap_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=run_vmap, batch_size=4)
     torch.testing.assert_close(loop_state.params, vmap_state.params, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(loop_state.gates, vmap_state.gates, rtol=1e-10, atol=1e-12)
     assert loop_comm == vmap_comm
+
+
+def test_groups_are_units_with_their_bias_and_norm_affine() -> None:
+    """Shapes decide the groups: each >= 2-d parameter but the last gets one gate per row, and the
+    parameters right after it with one entry per row (bias, norm weight and bias) share that gate;
+    gate z_g = 0 zeroes the whole unit, so the channel is removed, not only its filter."""
+    params = {"conv.weight": torch.ones(4, 2, 3), "conv.bias": torch.ones(4), "norm.weight": torch.ones(4),
+              "norm.bias": torch.ones(4), "fc.weight": torch.ones(3, 4), "fc.bias": torch.ones(3),
+              "out.weight": torch.ones(2, 3), "out.bias": torch.ones(2)}
+    layout = fedsparse.gated_layers(params, FedSparseConfig())
+    assert layout == {"conv.weight": ("conv.bias", "norm.weight", "norm.bias"), "fc.weight": ("fc.bias",)}
+    assert fedsparse.gated_layers(params, FedSparseConfig(init_inclusion=1.0)) == {}
+    gated = fedsparse.apply_gates(params, {"conv.weight": torch.tensor([1.0, 0.0, 1.0, 1.0]),
+                                           "fc.weight": torch.ones(3)}, layout)
+    assert [k for k, p in gated.items() if p.eq(0).any()] == ["conv.weight", "conv.bias", "norm.weight", "norm.bias"]
+    assert all(float(gated[k][1].abs().sum()) == 0 for k in ("conv.weight", "conv.bias", "norm.weight", "norm.bias"))
 
 
 def test_init_sets_theta0_and_rejects_unreachable_models() -> None:
@@ -296,7 +313,7 @@ def test_init_sets_theta0_and_rejects_unreachable_models() -> None:
     with ||w_g|| <= T logit theta_0 would need tau <= 0, which softplus cannot give."""
     hp = FedSparseConfig()
     state = fedsparse.server_init(mlp_params(), hp, OptimConfig())
-    logits = fedsparse.gate_logits(state.params, state.gates, {"hidden.weight": "hidden.bias"}, hp.temperature)
+    logits = fedsparse.gate_logits(state.params, state.gates, {"hidden.weight": ("hidden.bias",)}, hp.temperature)
     torch.testing.assert_close(torch.sigmoid(logits["hidden.weight"]), torch.full((4,), 0.99, dtype=DT),
                                rtol=0.0, atol=1e-9)
     zero_unit = mlp_params()

@@ -262,3 +262,17 @@ def test_ensemble_predictor_of_a_bayesian_algorithm() -> None:
                                torch.Generator().manual_seed(5))
     expected = torch.stack([torch.softmax(x @ m["w"], -1) for m in members]).mean(0)
     torch.testing.assert_close(torch.softmax(noisy(x), -1), expected, rtol=0, atol=1e-12)
+
+
+def test_ui_prints_the_loopback_url_and_refuses_missing_stores(tmp_path: Path) -> None:
+    (tmp_path / "mlflow.db").touch()
+
+    shown = RUNNER.invoke(app, ["ui", "--root", str(tmp_path), "--port", "5123", "--print-only"])
+    missing = RUNNER.invoke(app, ["ui", "--root", str(tmp_path / "nothing"), "--print-only"])
+    server = RUNNER.invoke(app, ["ui", "--tracking-uri", "http://example.org:5000", "--print-only"])
+
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.splitlines()[0] == "http://127.0.0.1:5123"
+    assert f"--backend-store-uri sqlite:///{tmp_path / 'mlflow.db'} --host 127.0.0.1 --port 5123" in shown.stdout
+    assert missing.exit_code == 2 and "no MLflow store at" in missing.stderr and "Traceback" not in missing.output
+    assert server.exit_code == 2 and "already a server" in server.stderr

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from fedcli.errors import ConfigError
-from fedcli.tracking.report import ReportSpec, build_report, render_csv, render_json, render_markdown, resolve_key
+from fedcli.tracking.report import (
+    ReportSpec,
+    build_report,
+    render_csv,
+    render_json,
+    render_markdown,
+    resolve_key,
+)
 from fedcli.tracking.store import SqlStore
 
 ROUNDS = 6
