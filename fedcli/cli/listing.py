@@ -26,7 +26,7 @@ def list_command(
     what: Annotated[What, typer.Argument(help="runs | algos | tasks | recipes")],
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects (for scripts).")] = False,
     experiment: Annotated[str | None, typer.Option(help="Only runs of this experiment.")] = None,
-    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. [env: FEDCLI_STORE]",
+    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]",
                                               rich_help_panel=Panel.TRACK)] = None,
 ) -> None:
     """List runs, algorithms, tasks or sweep recipes.

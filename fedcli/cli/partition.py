@@ -37,13 +37,13 @@ def partition(
     out: Annotated[Path, typer.Option(dir_okay=False, help="Partition file to write (JSON).")],
     alpha: Annotated[float | None, typer.Option(help="Dirichlet concentration: labels (dirichlet, two-level) or "
                                                 "sizes (quantity). Smaller = more skew.")] = None,
-    clients: Annotated[int | None, typer.Option(min=1, help="Number of clients. [default: all natural clients]")] = None,
+    clients: Annotated[int | None, typer.Option(min=1, help="Number of clients. \\[default: all natural clients]")] = None,
     shards_per_client: Annotated[int | None, typer.Option(min=1, help="Shards per client (shards).")] = None,
     labels_per_client: Annotated[int | None, typer.Option(min=1, help="Classes per client (labels).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the partition (and of generated data).")] = 0,
     plot: Annotated[Path | None, typer.Option(dir_okay=False, help="Also draw the client x label heatmap "
                                               "and the size histogram to this PNG.")] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="Folder with the task's data files. [default: bundled copy]",
+    data_dir: Annotated[Path | None, typer.Option(help="Folder with the task's data files. \\[default: bundled copy]",
                                                   rich_help_panel=Panel.DATA)] = None,
     download: Annotated[bool, typer.Option(help="Fetch missing public data files into --data-dir (needs a network).",
                                            rich_help_panel=Panel.DATA)] = False,
