@@ -82,8 +82,8 @@ class Setup:
     device: torch.device
     executor: str
     init_params: dict[str, torch.Tensor]
-    partition: list[np.ndarray]
-    partition_spec: Any
+    partition: list[np.ndarray] | None = None  # client -> example indices actually used
+    partition_spec: Any = None  # the PartitionSpec that produced it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -333,6 +333,8 @@ def _save_partition(tracker: Any, run_dir: Path, setup: Setup) -> None:
     """Keep the run's client partition beside it (and in MLflow) so reports and reruns can share it."""
     from fedcli.datasets.partition import save_partition
 
+    if setup.partition is None or setup.partition_spec is None:
+        return
     path = run_dir / "partition.json"
     labels = setup.data.y.numpy() if setup.task.kind in ("classification", "multilabel") else np.zeros(len(setup.data.y))
     save_partition(path, setup.partition, spec=setup.partition_spec, dataset=setup.task.name,
