@@ -6,6 +6,7 @@ import shlex
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,18 @@ if TYPE_CHECKING:
     from fedcli.engine.train import RunResult
     from fedcli.tracking.sinks import Tracker
     from fedcli.tracking.store import RunRecord, SqlStore
+
+
+class Scheme(str, Enum):
+    """Partition schemes (fedcli.config.SCHEMES) as a CLI choice."""
+
+    natural = "natural"
+    iid = "iid"
+    dirichlet = "dirichlet"
+    shards = "shards"
+    labels = "labels"
+    quantity = "quantity"
+    two_level = "two-level"
 
 
 class Panel:

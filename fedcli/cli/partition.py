@@ -7,7 +7,6 @@ table goes to stdout (it is the result asked for); the file path goes to stderr.
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -15,18 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fedcli.cli.common import Panel
+from fedcli.cli.common import Panel, Scheme
 from fedcli.cli.errors import user_errors
-
-
-class Scheme(str, Enum):
-    natural = "natural"
-    iid = "iid"
-    dirichlet = "dirichlet"
-    shards = "shards"
-    labels = "labels"
-    quantity = "quantity"
-    two_level = "two-level"
 
 
 def partition(

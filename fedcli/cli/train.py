@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from fedcli.cli.common import Panel, find_run, open_tracker, summarise_run, train_progress
+from fedcli.cli.common import Panel, Scheme, find_run, open_tracker, summarise_run, train_progress
 from fedcli.cli.errors import user_errors
 
 
@@ -29,16 +29,6 @@ class Executor(str, Enum):
     auto = "auto"
     loop = "loop"
     vmap = "vmap"
-
-
-class Scheme(str, Enum):
-    natural = "natural"
-    iid = "iid"
-    dirichlet = "dirichlet"
-    shards = "shards"
-    labels = "labels"
-    quantity = "quantity"
-    two_level = "two-level"
 
 
 def train(
