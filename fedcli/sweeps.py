@@ -94,6 +94,7 @@ def expand(spec: Mapping[str, Any], tracking: Mapping[str, Any] | None = None) -
     aliases = short_keys()
     base = {_dotted(k, aliases): v for k, v in (spec.get("base") or {}).items()}
     grid = {_dotted(k, aliases): v if isinstance(v, list) else [v] for k, v in (spec.get("grid") or {}).items()}
+    short = {_dotted(k, aliases): k for k in (spec.get("grid") or {})}  # the names the user wrote, for labels
     seeds = spec.get("seeds", [0])
     trials, seen = [], set()
     for combo in itertools.product(*grid.values()):
@@ -107,7 +108,7 @@ def expand(spec: Mapping[str, Any], tracking: Mapping[str, Any] | None = None) -
             if cfg.config_hash in seen:
                 continue
             seen.add(cfg.config_hash)
-            label = ",".join(f"{k.split('.')[-1]}={v}" for k, v in {**dict(zip(grid, combo, strict=True))}.items()
+            label = ",".join(f"{short[k]}={v}" for k, v in zip(grid, combo, strict=True)
                              if not k.startswith("hp.") or k[3:] in hp)
             trials.append(Trial(name=f"{label or 'base'},seed={seed}", config=cfg))
     return trials

@@ -74,7 +74,10 @@ def sweep(
 
 def finished_hashes(store_url: str, experiment: str) -> set[str]:
     """Config hashes of the finished runs of an experiment."""
-    runs = open_store(store_url).list_runs(experiment=experiment)
+    store = open_store(store_url)
+    if experiment not in {r.experiment for r in store.list_runs()}:
+        return set()  # a new experiment: nothing finished yet
+    runs = store.list_runs(experiment=experiment)
     return {r.tags.get("fedcli.config_hash", "") for r in runs if r.status == "finished"}
 
 

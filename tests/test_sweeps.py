@@ -1,0 +1,43 @@
+"""Sweep expansion: grid x seeds, hp.* only where the algorithm has it, finished trials skipped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fedcli.cli.main import app
+from fedcli.errors import ConfigError
+from fedcli.sweeps import expand, load_spec
+
+
+def test_grid_expands_per_algorithm_hyperparameters_and_seeds() -> None:
+    spec = {"experiment": "e", "base": {"task": "lsq", "rounds": 2}, "grid": {"algo": ["fedavg", "fedpa"],
+                                                                            "hp.rho": [0.01, 0.1]}, "seeds": [0, 1]}
+    trials = expand(spec)
+    names = [t.name for t in trials]
+    # fedavg has no rho: 1 x 2 seeds; fedpa: 2 rho x 2 seeds
+    assert names == ["algo=fedavg,seed=0", "algo=fedavg,seed=1", "algo=fedpa,hp.rho=0.01,seed=0",
+                     "algo=fedpa,hp.rho=0.01,seed=1", "algo=fedpa,hp.rho=0.1,seed=0", "algo=fedpa,hp.rho=0.1,seed=1"]
+    assert {t.config.train.rounds for t in trials} == {2} and {t.config.tracking.experiment for t in trials} == {"e"}
+    assert len({t.config.config_hash for t in trials}) == 6
+
+
+def test_unknown_keys_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"unknown sweep key 'roundz' \(did you mean 'rounds'\?\)"):
+        expand({"experiment": "e", "base": {"roundz": 3}})
+    with pytest.raises(ConfigError, match=r"unknown recipe 'nope'"):
+        load_spec(None, "nope")
+
+
+def test_sweep_runs_then_skips_finished_trials(tmp_path: Path) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text("experiment: tiny\nbase: {task: lsq, rounds: 2, clients_per_round: 3}\n"
+                    "grid: {server_opt: [sgd, adam]}\nseeds: [0]\n")
+    args = ["sweep", str(spec), "--no-mlflow", "--root", str(tmp_path), "--store", f"sqlite:///{tmp_path / 's.db'}"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "2/2 trials finished; skipped 0" in first.stderr
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "finished (skip)" in again.stderr
