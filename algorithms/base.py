@@ -102,6 +102,7 @@ class OptimConfig:
     server_beta1: float = 0.9  # Adam/Yogi beta1 (FedPA Table 4)
     server_beta2: float = 0.99  # Adam/Yogi beta2 (FedPA Table 4)
     server_tau: float = 1e-3  # adaptivity tau of FedAdam/FedYogi/FedAdagrad (Reddi et al. §3)
+    server_bias_correction: bool = False  # Adam/Yogi moments / (1 - beta^t); Reddi et al. Alg. 2 has none
 
     def __post_init__(self) -> None:
         require(self.client_lr > 0, "train.client_lr", "> 0", self.client_lr)

@@ -132,3 +132,19 @@ def test_aggregation_is_invariant_to_client_order() -> None:
     b, _ = fedavg.server_update(state, fedavg.ClientOut({"delta": {"w": deltas[perm]}}, None, {}), q[perm],
                                 fedavg.FedAvgConfig(), opt)
     torch.testing.assert_close(a.params["w"], b.params["w"], rtol=0, atol=1e-15)
+
+
+def test_bias_corrected_server_adam_first_step_is_lr_times_sign() -> None:
+    """With bias correction, m_hat_1 = g and v_hat_1 = g^2, so the first Adam step is lr * g / (|g| + tau)."""
+    opt = OptimConfig(server_opt="adam", server_lr=0.1, server_tau=1e-3, server_bias_correction=True)
+    params = {"w": torch.tensor([1.0, -2.0], dtype=torch.float64)}
+    g = torch.tensor([0.5, -3.0], dtype=torch.float64)
+    new, _ = server_opt_step(params, {"w": g}, server_opt_init(params), opt)
+    torch.testing.assert_close(new["w"], params["w"] - 0.1 * g / (g.abs() + 1e-3), rtol=1e-12, atol=1e-14)
+
+
+def test_numbers_without_a_dot_parse_as_floats() -> None:
+    """YAML 1.1 reads `5e-5` as a string; float fields still accept it."""
+    from fedcli.config import build_config
+
+    assert build_config(overrides={"train.client_lr": "5e-3"}).train.client_lr == 5e-3
