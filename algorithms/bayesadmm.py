@@ -186,14 +186,14 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
     h_start = hp.h0 * (1 - client_state.visited) if carry else torch.full_like(client_state.visited, hp.h0)
     start = IvonState(mean=dict(bc.start), hess={k: torch.zeros_like(m) + h_start for k, m in bc.start.items()},
                       momentum=client_state.momentum if carry else tree_zeros_like(bc.start),
-                      count=client_state.steps if carry else torch.zeros_like(client_state.steps))
+                      step=client_state.steps if carry else torch.zeros_like(client_state.steps))
     final, loss = local_ivon(ctx, start, target, lr=round_lr(opt, hp, ctx.round_idx), beta1=hp.beta1,
                              beta2=hp.beta2, mc_samples=hp.mc_samples, debias=hp.debias)
     precision = ivon_precision(final, target)  # s_k = lambda (h + s_bar / lambda)
     dv, du = dual_increments(final.mean, precision, bc.mean, bc.precision, hp.dual_damping * hp.rho,
                              hp.dual_coordinates)
     state = ClientState(v={k: client_state.v[k] + dv[k] for k in dv}, u={k: client_state.u[k] + du[k] for k in du},
-                        momentum=final.momentum if carry else {}, steps=final.count if carry else client_state.steps,
+                        momentum=final.momentum if carry else {}, steps=final.step if carry else client_state.steps,
                         visited=torch.ones_like(client_state.visited))
     metrics = {"train_loss": loss, "bayesadmm_v_norm": tree_norm(state.v), "bayesadmm_u_norm": tree_norm(state.u)}
     return ClientOut(upload={"mean": final.mean, "precision": precision}, state=state, metrics=metrics)
@@ -246,5 +246,6 @@ ALGORITHM = Algorithm(
     init_client_state=init_client_state,
     noise_shapes=noise_shapes,
     download_nbytes=download_nbytes,
+    posterior=posterior,
     description="BayesADMM, diagonal Gaussians: IVON local solver, natural-parameter duals, server mixing.",
 )

@@ -24,8 +24,14 @@ Deviations:
   bayesadmm_full/clamped_eigenvalues). The server starts at the prior (m_bar = 0, S_bar =
   delta I), as Prop. 3.2 needs; the released toy starts at S = I (reference §5), not reproduced.
   Each client starts VON at q_bar; the D x D recursion and the server solves run in float64.
-  Defaults: Fig. 3b (main_onestep.py: rho = 1/K = 0.2, gamma =
-  rho, delta = 25, VON step 1.0 decayed by 1/(1 + 0.1 t)).
+  hp.step_size is VON's natural-gradient step b (b = 1: a Newton step, exact on quadratics, as the
+  exact client solves of Prop. 3.2 need); the toy code's lr is b * lam with lam = 1/(tau rho), so
+  main_onestep.py's lr = 1 is b = tau rho = 0.2 at t = 0, decayed by 1/(1 + 0.1 t) (hp.step_decay).
+  Use full batches (--batch-size >= N_k, as the paper's toys) or a smaller b with minibatches: a
+  Newton step on a minibatch Hessian minus the duals can be indefinite. For non-quadratic losses and
+  small rho the client problem has only local minima (its far-field curvature S_bar - V_k/rho can be
+  indefinite once V_k ~ the client's curvature), so Newton steps can leave the basin.
+  Defaults: Fig. 3b / main_onestep.py (rho = 1/K = 0.2, gamma = rho, delta = 25, tau = 1).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ class BayesADMMFullConfig:
     dual_damping: float = 1.0  # gamma = dual_damping * rho (Eq. 36 has gamma = rho); Fig. 3b
     delta: float = 25.0  # delta, prior precision (S_bar init delta I); Fig. 3b / main_onestep.py
     tau: float = 1.0  # tau, temperature (App. D); 1 in the toys
-    step_size: float = 1.0  # VON step b (lr_m = lr_S); main_onestep.py
+    step_size: float = 1.0  # VON step b; 1 = Newton step (exact client solves, Prop. 3.2)
     step_decay: float = 0.1  # b_t = step_size / (1 + step_decay t); main_onestep.py
     mc_samples: int = 0  # 0: delta/Laplace (laplace=True, Fig. 3b); >= 1: MC samples (Fig. 4 uses 1)
     max_params: int = 1024  # refuse models with more parameters (D x D matrices per client)
@@ -216,5 +222,6 @@ ALGORITHM = Algorithm(
     global_params=global_params,
     init_client_state=init_client_state,
     noise_shapes=noise_shapes,
+    posterior=posterior,
     description="BayesADMM, full covariance (Newton-like, VON local solver); small models only.",
 )

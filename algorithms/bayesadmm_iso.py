@@ -95,5 +95,6 @@ ALGORITHM = Algorithm(
     global_params=fedadmm.global_params,
     init_client_state=fedadmm.init_client_state,
     noise_shapes=noise_shapes,
+    posterior=posterior,
     description="BayesADMM over N(m, I): FedADMM (delta approximation) or Gaussian-smoothed ADMM (MC).",
 )

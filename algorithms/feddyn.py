@@ -49,7 +49,7 @@ from fedcli.algorithms.base import (
 
 @dataclass(frozen=True, kw_only=True)
 class FedDynConfig:
-    alpha: float = 0.01  # alpha, the dynamic-regulariser weight; Acar et al. §5 (grid {0.1, 0.01, 0.001})
+    alpha: float = 0.01  # alpha, the dynamic-regulariser weight; Acar et al. released code alpha_coef = 1e-2
 
     def __post_init__(self) -> None:
         require(self.alpha > 0, "hp.alpha", "> 0", self.alpha)
@@ -69,8 +69,9 @@ class ClientState(NamedTuple):
 def server_init(params: Params, hp: FedDynConfig, opt: OptimConfig) -> ServerState:
     """Return theta^0 = the initial parameters, h^0 = 0, m = 0."""
     fedadmm.require_closed_form_server(opt, "feddyn")
+    device = next(iter(params.values())).device
     return ServerState(params=dict(params), dual_sum=tree_zeros_like(params),
-                       clients_seen=torch.zeros((), dtype=torch.float64))
+                       clients_seen=torch.zeros((), dtype=torch.float64, device=device))
 
 
 def init_client_state(params: Params, hp: FedDynConfig) -> ClientState:

@@ -49,7 +49,7 @@ from fedcli.algorithms.optim import local_sgd
 class FedProxConfig:
     # mu >= 0, the proximal weight (Eq. 2) = the prior precision lambda of the EM view.
     # No single paper default: §5.3 tunes it per data set from {0.001, 0.01, 0.1, 1}
-    # (best: 1 on Synthetic, MNIST and FEMNIST; 0.001 / 0.01 on Shakespeare / Sent140),
+    # (best: 1 on Synthetic, MNIST and FEMNIST; 0.001 or 0.01 on the two text tasks),
     # so it is required (STYLE rule 5). mu = 0 is FedAvg.
     mu: float
 

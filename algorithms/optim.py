@@ -16,7 +16,8 @@ g = weighted mean of client deltas (old minus new):
 
 Deviations: Paper (Alg. 2): v_{-1} >= tau^2 and no bias correction. Here: v_{-1} = 0 (the
 Reddi et al. framework code's initial accumulator, FedPA reference §4.4) and no bias
-correction (the paper's form; the TFF/Keras Adam adds one).
+correction by default (the paper's form); `server_bias_correction=True` gives the
+TFF/Keras/PyTorch Adam, m / (1 - b1^t) and v / (1 - b2^t).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
+
 from fedcli.algorithms.base import (
     ClientContext,
     LossFn,
@@ -33,7 +36,6 @@ from fedcli.algorithms.base import (
     tree_where,
     tree_zeros_like,
 )
-from torch import Tensor
 
 
 def sgd_step(params: Params, grads: Params, velocity: Params, lr: float,
@@ -68,7 +70,11 @@ def server_opt_step(params: Params, pseudo_grad: Params, state: ServerOptState,
         b1, b2 = opt.server_beta1, opt.server_beta2
         first = {k: b1 * first[k] + (1 - b1) * pseudo_grad[k] for k in params}
         second = {k: _second_moment(kind, second[k], pseudo_grad[k], b2) for k in params}
-        new = {k: p - lr * first[k] / (second[k].sqrt() + tau) for k, p in params.items()}
+        c1, c2 = 1.0, 1.0
+        if opt.server_bias_correction:  # PyTorch/Keras Adam: m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t)
+            t = int(state.step) + 1  # the server step runs outside vmap, so a Python int is fine
+            c1, c2 = 1.0 - b1**t, 1.0 - b2**t
+        new = {k: p - lr * (first[k] / c1) / ((second[k] / c2).sqrt() + tau) for k, p in params.items()}
     else:  # pragma: no cover - OptimConfig validates the name
         raise ValueError(f"unknown server optimiser {kind!r}")
     return new, ServerOptState(first=first, second=second, step=state.step + 1)
@@ -152,7 +158,7 @@ class IvonState(NamedTuple):
     mean: Params  # m
     hess: Params  # h, per-example Hessian estimate (the posterior precision is ess (h + prior_prec))
     momentum: Params  # g, EMA of the gradients
-    count: Tensor  # [] float, steps taken (for the bias correction 1 - b1^t)
+    step: Tensor  # [] float, steps taken t (for the bias correction 1 - b1^t)
 
 
 class IvonTarget(NamedTuple):
@@ -185,8 +191,8 @@ def ivon_step(state: IvonState, grad: Params, grad_eps: Params, target: IvonTarg
         grad_eps: mean over the MC samples of g_hat * eps (eps the standard-normal draw of
             that sample), so that h_hat = grad_eps * sqrt(ess (h + prior_prec)) - quad.
     """
-    count = state.count + 1
-    correction = 1.0 - beta1 ** count if debias else torch.ones_like(count)
+    step = state.step + 1
+    correction = 1.0 - beta1**step if debias else torch.ones_like(step)
     mean, hess, momentum = {}, {}, {}
     for k, m in state.mean.items():
         h, wd = state.hess[k], target.prior_prec[k]
@@ -201,7 +207,7 @@ def ivon_step(state: IvonState, grad: Params, grad_eps: Params, target: IvonTarg
         if k in target.quad:
             direction = direction - target.quad[k] * m
         mean[k] = m - lr * direction / (hess[k] + wd)
-    return IvonState(mean=mean, hess=hess, momentum=momentum, count=count)
+    return IvonState(mean=mean, hess=hess, momentum=momentum, step=step)
 
 
 def local_ivon(ctx: ClientContext, state: IvonState, target: IvonTarget, *, lr: float, beta1: float,

@@ -23,7 +23,8 @@ import yaml
 from fedcli.algorithms.base import HyperparameterError, OptimConfig
 from fedcli.errors import ConfigError
 
-EXECUTORS = ("auto", "loop", "vmap")
+EXECUTORS = ("auto", "loop", "vmap", "process")
+PRECISIONS = ("fp32", "tf32", "bf16")  # issue 7: reduced precision only when asked for
 SCHEMES = ("natural", "iid", "dirichlet", "shards", "labels", "quantity", "two-level")
 
 
@@ -71,11 +72,16 @@ class TrainConfig:
     server_beta1: float = 0.9
     server_beta2: float = 0.99
     server_tau: float = 1e-3
+    server_bias_correction: bool = False  # Adam/Yogi: divide moments by 1 - beta^t (PyTorch/Keras form)
     eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
     checkpoint_every: int = 0  # rounds between checkpoints; 0 = only the final model
-    executor: str = "auto"  # auto | loop | vmap
+    executor: str = "auto"  # auto | loop | vmap | process (cohort split across CPU worker processes)
     cohort_chunk: int | None = None  # vmap chunk size (bounds memory); None = whole cohort
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    # --- issue 7 (speed)
+    workers: int | None = None  # process executor: processes training clients, main included; None = CPU cores
+    compile: bool = False  # torch.compile the vmapped client update (compile time logged; inductor cache reused)
+    precision: str = "fp32"  # fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run
 
     @property
     def optim(self) -> OptimConfig:
@@ -195,12 +201,22 @@ def coerce(key: str, annotation: object, value: Any) -> Any:
         return value if "int" in kinds else float(value)
     elif isinstance(value, float) and "float" in kinds:
         return value
+    elif isinstance(value, str) and "float" in kinds and _is_number(value):
+        return float(value)  # YAML 1.1 reads 5e-5 (no dot) as a string
     elif isinstance(value, str) and "str" in kinds:
         return value
     elif isinstance(value, Mapping) and any(k.startswith("Mapping") or k.startswith("dict") for k in kinds):
         return dict(value)
     expected = " or ".join(sorted(k for k in kinds if k != "None"))
     raise ConfigError(f"{key} must be {expected}; got {value!r}.")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def build_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
@@ -291,6 +307,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.executor must be one of {', '.join(EXECUTORS)}; got {t.executor!r}.")
     if t.cohort_chunk is not None and t.cohort_chunk < 1:
         raise ConfigError(f"train.cohort_chunk must be >= 1; got {t.cohort_chunk!r}.")
+    if t.workers is not None and t.workers < 1:
+        raise ConfigError(f"train.workers must be >= 1; got {t.workers!r}.")
+    if t.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}; got {t.precision!r}.")
     if not (t.device in ("auto", "cpu", "cuda", "mps") or t.device.startswith("cuda:")):
         raise ConfigError(f"train.device must be auto, cpu, cuda, cuda:N or mps; got {t.device!r}.")
     try:
@@ -312,7 +332,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.device", "train.executor",
-                       "train.cohort_chunk", "tracking.root", "tracking.store", "tracking.tracking_uri",
+                       "train.cohort_chunk", "train.workers", "tracking.root", "tracking.store", "tracking.tracking_uri",
                        "tracking.use_mlflow")
 
 
