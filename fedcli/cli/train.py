@@ -29,6 +29,13 @@ class Executor(str, Enum):
     auto = "auto"
     loop = "loop"
     vmap = "vmap"
+    process = "process"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    tf32 = "tf32"
+    bf16 = "bf16"
 
 
 def train(
@@ -90,8 +97,18 @@ def train(
     seed: Annotated[int | None, typer.Option(min=0, help="Root seed of every random stream. \\[default: 0]")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N | mps. \\[default: auto]",
                                                rich_help_panel=Panel.TRAIN)] = None,
-    executor: Annotated[Executor | None, typer.Option(help="Client executor; auto = vmap where supported.",
-                                                      rich_help_panel=Panel.TRAIN)] = None,
+    executor: Annotated[Executor | None, typer.Option(help="Client executor: loop | vmap | process (cohort split "
+                                                           "over CPU processes); auto picks the fastest and says "
+                                                           "which.", rich_help_panel=Panel.TRAIN)] = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="Processes training clients (--executor process), "
+                                                            "this one included. \\[default: CPU cores]",
+                                                rich_help_panel=Panel.TRAIN)] = None,
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the vmapped client update (slow "
+                                                           "first round; time logged, cache reused).",
+                                          rich_help_panel=Panel.TRAIN)] = False,
+    precision: Annotated[Precision | None, typer.Option(help="fp32 | tf32 (CUDA) | bf16 (autocast); recorded in "
+                                                             "the run config. \\[default: fp32]",
+                                                        rich_help_panel=Panel.TRAIN)] = None,
     cohort_chunk: Annotated[int | None, typer.Option(min=1, help="vmap at most this many clients at once (memory).",
                                                      rich_help_panel=Panel.TRAIN)] = None,
     eval_every: Annotated[int | None, typer.Option(min=1, help="Evaluate every K rounds (and the last). \\[default: 1]",
@@ -133,6 +150,7 @@ def train(
             "train.server_opt": server_opt and server_opt.value, "train.server_lr": server_lr,
             "train.server_momentum": server_momentum, "train.device": device,
             "train.executor": executor and executor.value, "train.cohort_chunk": cohort_chunk,
+            "train.workers": workers, "train.compile": compile or None, "train.precision": precision and precision.value,
             "train.eval_every": eval_every, "train.checkpoint_every": checkpoint_every, "seed": seed,
             "tracking.experiment": experiment, "tracking.run_name": run_name, "tracking.root": root and str(root),
             "tracking.store": store, "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None,

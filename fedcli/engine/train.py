@@ -84,6 +84,8 @@ class Setup:
     init_params: dict[str, torch.Tensor]
     partition: list[np.ndarray] | None = None  # client -> example indices actually used
     partition_spec: Any = None  # the PartitionSpec that produced it
+    runner: Any = None  # issue 7: a stateful executor (process pool, compiled vmap) used instead of EXECUTORS
+    executor_reason: str = ""  # why `executor` was chosen (logged, tagged)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -144,13 +146,11 @@ def build(cfg: RunConfig) -> Setup:
     fed = FederatedData(data.x, data.y, indices, device)
     alg = ALGORITHMS[cfg.algorithm.name]
     hp = make_hyperparameters(alg.name, cfg.algorithm.hp)
-    executor = cfg.train.executor
-    if executor == "auto":
-        executor = "vmap" if alg.supports_vmap else "loop"
-    elif executor == "vmap" and not alg.supports_vmap:
-        raise ConfigError(f"{alg.name} does not support --executor vmap; use --executor loop or auto.")
-    return Setup(cfg, task, data, fed, model_functions(task, model, fed), alg, hp, device, executor, init_params,
-                 indices, spec)
+    from fedcli.engine.workers import speed_setup  # issue 7: precision, executor choice (auto), its runner
+
+    fns, executor, why, runner = speed_setup(cfg, alg, device, fed, model_functions(task, model, fed), model)
+    log.debug("executor: %s (%s)", executor, why)
+    return Setup(cfg, task, data, fed, fns, alg, hp, device, executor, init_params, indices, spec, runner, why)
 
 
 def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray, round_idx: int,
@@ -180,7 +180,8 @@ def run_round(setup: Setup, state: Any, store: ClientStateStore, round_idx: int,
     inputs = CohortInputs(plan=plan, keys=step_keys(cfg.seed, round_idx, cohort, num_steps).to(setup.device),
                           noise=draw_noise(setup, alg.global_params(state), cohort, round_idx, num_steps),
                           states=store.gather(cohort, setup.device))
-    outs = EXECUTORS[setup.executor](alg, setup.fns, bc, inputs, hp, opt, round_idx, cfg.train.cohort_chunk)
+    execute = setup.runner or EXECUTORS[setup.executor]
+    outs = execute(alg, setup.fns, bc, inputs, hp, opt, round_idx, cfg.train.cohort_chunk)
     _sync(setup.device)
     trained = time.perf_counter()
     state, diagnostics = alg.server_update(state, outs, plan.num_examples, hp, opt)
@@ -217,6 +218,7 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
     """
     wall_start = time.perf_counter()
     setup = build(cfg)
+    log.info("executor: %s (%s)", setup.executor, setup.executor_reason)
     run_dir_root = Path(cfg.tracking.root)
     try:
         state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
@@ -265,6 +267,10 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
     except BaseException as exc:
         tracker.finish("failed", reason=f"{type(exc).__name__}: {exc}"[:500])
         raise
+    finally:
+        from fedcli.engine.workers import close_runner  # issue 7: no worker outlives its run
+
+        close_runner(setup.runner)
     tracker.finish("finished")
     return RunResult(run_id=run_id, status="finished", rounds_completed=last_round, final_metrics=metrics,
                      model_path=model_path, executor=setup.executor, timing=timing,
@@ -280,6 +286,7 @@ def start_tracking(tracker: Any, cfg: RunConfig, setup: Setup) -> str:
         algo=cfg.algorithm.name, task=setup.task.name, seed=cfg.seed, dataset=cfg.data.task,
         partitioner=cfg.partition.scheme, fedcli_version=fedcli.__version__, torch_version=torch.__version__,
         git_commit=git_commit(), tags={"fedcli.executor": setup.executor, "fedcli.device": str(setup.device),
+                                       "fedcli.executor_reason": setup.executor_reason[:250],
                                        "fedcli.model": cfg.data.model or setup.task.default_model,
                                        "fedcli.config_hash": cfg.config_hash})
 

@@ -1,4 +1,5 @@
-"""Every registered algorithm gives the same result client-by-client (`loop`) and vmapped (`vmap`).
+"""Every registered algorithm gives the same result client-by-client (`loop`), vmapped (`vmap`) and
+split over worker processes (`process`, one spawned worker + the main process on a shared pool).
 
 The vmap executor pads clients to the cohort's longest step count and masks the padding;
 a masked step must leave all state unchanged, so after two rounds (state crosses rounds,
@@ -7,6 +8,8 @@ LSA-only algorithms (which refuse other tasks in server_init) run on a Garnet ta
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from fedcli.algorithms.base import HyperparameterError
 from fedcli.config import build_config
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.train import Timing, build, run_round
+from fedcli.engine.workers import ProcessExecutor, WorkerPool
 
 LSA_TASK = "garnet-het-n10"
 
@@ -30,13 +34,23 @@ def required_hyperparameters(algo: str) -> dict:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
 
 
-def two_rounds(algo: str, executor: str, task: str, extra: dict, rounds: int = 2) -> tuple[dict, dict]:
+@pytest.fixture(scope="module")
+def pool():  # noqa: ANN201 - one worker process shared by this module's `process` runs
+    with WorkerPool(1) as workers:
+        yield workers
+
+
+def two_rounds(algo: str, executor: str, task: str, extra: dict, rounds: int = 2,
+               pool: WorkerPool | None = None) -> tuple[dict, dict]:
     hp = {"burn_in_rounds": 1} if algo == "fedpa" else {}
     hp.update(required_hyperparameters(algo))
     cfg = build_config(overrides={"algorithm.name": algo, "data.task": task, "train.executor": executor,
                                   "train.clients_per_round": 4, "train.local_epochs": 2, "train.batch_size": 16,
                                   **extra}, hp=hp)
     setup = build(cfg)
+    if executor == "process":  # the same executor, on the module's pool instead of a pool of its own
+        setup = dataclasses.replace(setup, runner=ProcessExecutor(cfg, setup.fed, workers=2, pool=pool,
+                                                                  inner=setup.runner.inner))
     state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
     init = setup.alg.init_client_state
     store = ClientStateStore(None if init is None else (lambda: init(setup.init_params, setup.hp)))
@@ -55,12 +69,14 @@ def pick_task(algo: str) -> str:
     return "lsq"
 
 
+@pytest.mark.parametrize("executor", ["vmap", "process"])
 @pytest.mark.parametrize("algo", [name for name, rec in ALGORITHMS.items() if rec.supports_vmap])
-def test_loop_and_vmap_agree(algo: str) -> None:
+def test_loop_and_vmap_agree(algo: str, executor: str, request: pytest.FixtureRequest) -> None:
     task = pick_task(algo)
     extra = {"train.client_lr": 0.01}
+    pool = request.getfixturevalue("pool") if executor == "process" else None
     loop_params, loop_states = two_rounds(algo, "loop", task, extra)
-    vmap_params, vmap_states = two_rounds(algo, "vmap", task, extra)
+    vmap_params, vmap_states = two_rounds(algo, executor, task, extra, pool=pool)
     for key in loop_params:
         torch.testing.assert_close(vmap_params[key], loop_params[key], rtol=1e-4, atol=1e-5)
     assert loop_states.keys() == vmap_states.keys()
@@ -69,12 +85,14 @@ def test_loop_and_vmap_agree(algo: str) -> None:
                         loop_states[client], vmap_states[client])
 
 
-def test_loop_and_vmap_agree_on_femnist_cnn_with_dropout() -> None:
+@pytest.mark.parametrize("executor", ["vmap", "process"])
+def test_loop_and_vmap_agree_on_femnist_cnn_with_dropout(executor: str, request: pytest.FixtureRequest) -> None:
     """Dropout masks come from per-(seed, round, client, step) keys, so even the CNN with two dropout
     layers gives the same result in both executors (one round: the CNN is compute-heavy on CPU)."""
     extra = {"data.model": "cnn", "partition.num_clients": 5, "train.clients_per_round": 2, "train.local_epochs": 1,
              "train.batch_size": 64, "train.client_momentum": 0.9}
     loop_params, _ = two_rounds("fedavg", "loop", "femnist", extra, rounds=1)
-    vmap_params, _ = two_rounds("fedavg", "vmap", "femnist", extra, rounds=1)
+    pool = request.getfixturevalue("pool") if executor == "process" else None
+    vmap_params, _ = two_rounds("fedavg", executor, "femnist", extra, rounds=1, pool=pool)
     for key in loop_params:
         torch.testing.assert_close(vmap_params[key], loop_params[key], rtol=1e-4, atol=1e-5)

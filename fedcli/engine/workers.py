@@ -1,0 +1,633 @@
+"""The `process` executor: the cohort split across persistent worker processes (CPU).
+
+On a CPU with P cores, P processes with one intra-op thread each keep every core busy on
+the client computations without the synchronisation costs of intra-op threading on small
+shapes (reference/performance.md §2.6). The main process is one of the P: it trains one
+slice of the cohort itself while P - 1 spawned workers train the others.
+
+- Workers are spawned once per run (`spawn` context, daemon processes: they die with the
+  parent) and stay alive across rounds. Each builds the run's model functions once from the
+  config; the training tensors cross once, by shared memory, so data is loaded once.
+- Per round, the cohort is split into P slices of similar step counts (sorted by steps,
+  contiguous groups chosen to balance clients x padded steps, as FedJAX's blockify and
+  pfl's LPT schedule do); each slice is trimmed to its own longest client. A worker gets
+  (broadcast, its slice of the CohortInputs) and returns the stacked ClientOut of its slice,
+  both through a per-worker shared-memory arena (one memcpy each way, a few hundred bytes
+  of pickled structure through a pipe). The parent reassembles the cohort order.
+- Inside a slice the in-process executor runs: vmap (or loop for algorithms without vmap
+  support). The per-client plan rows, step keys, noise and states are the parent's, so the
+  result equals `loop`'s to float tolerance (tests/engine/test_equivalence.py).
+
+Workers ignore SIGINT (the parent handles Ctrl-C and stops them) and exit on EOF when the
+parent disappears; `ProcessExecutor.close()` stops them at the end of a run.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import os
+import pickle
+import signal
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
+from fedcli.datasets.federated import CohortPlan, FederatedData
+from fedcli.engine.executors import EXECUTORS, CohortInputs, ModelFunctions
+from fedcli.errors import ConfigError, FedcliError
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64  # bytes; every tensor in an arena starts on a cache line (and any dtype's alignment)
+_MIN_ARENA = 1 << 20
+
+
+class WorkerError(FedcliError):
+    """A worker process failed or exited; the message carries its traceback."""
+
+
+def available_cores() -> int:
+    """Return the number of CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------- slicing the cohort
+
+
+def split_cohort(steps: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Split cohort rows into at most `parts` groups balancing (clients x longest steps).
+
+    Rows are sorted by steps (descending) and cut into contiguous groups, so each group's
+    clients have similar step counts (little padding). The largest group cost is minimised
+    by a binary search on the cost cap with a greedy fill. Returns row indices per group.
+    """
+    order = np.argsort(-steps, kind="stable")
+    sorted_steps = steps[order].astype(np.int64)
+
+    def fill(cap: int) -> list[int]:
+        cuts, start = [], 0
+        while start < len(order):
+            take = max(1, cap // max(int(sorted_steps[start]), 1))
+            start = min(len(order), start + take)
+            cuts.append(start)
+        return cuts
+
+    low, high = int(sorted_steps.max(initial=1)), int(sorted_steps.max(initial=1)) * len(order)
+    while low < high:  # smallest cap that needs at most `parts` groups
+        mid = (low + high) // 2
+        if len(fill(mid)) <= parts:
+            high = mid
+        else:
+            low = mid + 1
+    bounds = [0, *fill(low)]
+    return [order[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+
+
+def take_clients(inputs: CohortInputs, rows: np.ndarray) -> CohortInputs:
+    """Return the CohortInputs of `rows`, trimmed to the slice's longest client per epoch.
+
+    The plan is epoch-major [C, E * K, ...]; keeping the first k <= K steps of every epoch
+    keeps each client's real steps, keys and noise exactly (masked steps are no-ops).
+    """
+    plan = inputs.plan
+    epochs, padded = plan.num_epochs, plan.steps_per_epoch
+    own = int(plan.steps_per_client[rows].max())
+    index = torch.as_tensor(rows, dtype=torch.int64, device=plan.index.device)
+
+    def cut(t: Tensor) -> Tensor:  # [C, E*K, ...] -> [c, E*k, ...]
+        t = t.index_select(0, index)
+        t = t.reshape(len(rows), epochs, padded, *t.shape[2:])[:, :, :own]
+        return t.reshape(len(rows), epochs * own, *t.shape[3:])
+
+    sliced = CohortPlan(index=cut(plan.index), weight=cut(plan.weight), step_mask=cut(plan.step_mask),
+                        num_examples=plan.num_examples.index_select(0, index),
+                        steps_per_client=plan.steps_per_client[rows], num_epochs=epochs, steps_per_epoch=own)
+    states = None if inputs.states is None else pytree.tree_map(lambda t: t.index_select(0, index), inputs.states)
+    return CohortInputs(plan=sliced, keys=cut(inputs.keys), noise={k: cut(v) for k, v in inputs.noise.items()},
+                        states=states)
+
+
+def merge_outs(groups: list[np.ndarray], outs: list[ClientOut]) -> ClientOut:
+    """Concatenate per-group ClientOuts and restore the cohort order."""
+    order = torch.as_tensor(np.argsort(np.concatenate(groups), kind="stable"), dtype=torch.int64)
+    return pytree.tree_map(lambda *xs: None if xs[0] is None else torch.cat(xs).index_select(0, order), *outs)
+
+
+# ----------------------------------------------------------------------------- shared-memory transport
+
+
+class _Packer(pickle.Pickler):
+    """Pickle a message with its tensors replaced by (offset, dtype, shape) into an arena."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[tuple[int, Tensor]] = []
+        self.size = 0
+
+    def persistent_id(self, obj: object) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+        if not isinstance(obj, Tensor):
+            return None
+        offset = -(-self.size // _ALIGN) * _ALIGN
+        self.tensors.append((offset, obj))
+        self.size = offset + obj.numel() * obj.element_size()
+        return (offset, obj.dtype, tuple(obj.shape))
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, arena: Tensor, copy: bool) -> None:
+        super().__init__(file)
+        self.arena, self.copy = arena, copy
+
+    def persistent_load(self, pid: tuple[int, torch.dtype, tuple[int, ...]]) -> Tensor:
+        offset, dtype, shape = pid
+        numel = int(np.prod(shape, dtype=np.int64))
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        t = self.arena.narrow(0, offset, nbytes).view(dtype).view(shape)
+        return t.clone() if self.copy else t
+
+
+def pack(obj: Any, arena: Tensor | None) -> tuple[Tensor | None, Tensor, bytes]:
+    """Write obj's tensors into `arena` (a new, larger one if needed). Returns (new arena or None, arena, bytes)."""
+    buffer = io.BytesIO()
+    packer = _Packer(buffer)
+    packer.dump(obj)
+    new = None
+    if arena is None or arena.numel() < packer.size:
+        new = arena = torch.empty(max(_MIN_ARENA, packer.size * 3 // 2), dtype=torch.uint8).share_memory_()
+    for offset, t in packer.tensors:
+        nbytes = t.numel() * t.element_size()
+        arena.narrow(0, offset, nbytes).view(t.dtype).view(t.shape).copy_(t.detach())
+    return new, arena, buffer.getvalue()
+
+
+def unpack(data: bytes, arena: Tensor, copy: bool) -> Any:
+    """Rebuild a packed message; tensors are views of `arena` unless copy."""
+    return _Unpacker(io.BytesIO(data), arena, copy).load()
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its model functions (sent once per run)."""
+
+    cfg: Any  # RunConfig
+    x: Tensor  # training examples (shared memory)
+    y: Tensor
+    client_indices: list[np.ndarray]
+    inner: str  # in-process executor for a slice: vmap | loop
+
+
+def worker_functions(spec: WorkerSpec) -> tuple[Algorithm, ModelFunctions, Any, OptimConfig]:
+    """Build (algorithm, model functions, hyperparameters, optimiser settings) from a spec."""
+    from fedcli.algorithms import ALGORITHMS
+    from fedcli.config import make_hyperparameters
+    from fedcli.datasets.registry import resolve_task
+    from fedcli.engine.executors import model_functions
+
+    cfg = spec.cfg
+    task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
+    model = task.models[cfg.data.model or task.default_model]()  # parameters come with each broadcast
+    fed = FederatedData(spec.x, spec.y, spec.client_indices, torch.device("cpu"))
+    fns = with_precision(model_functions(task, model, fed), cfg.train.precision, torch.device("cpu"))
+    return (ALGORITHMS[cfg.algorithm.name], fns, make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp),
+            cfg.train.optim)
+
+
+def _worker_main(conn: Any) -> None:
+    """Serve bind / run messages until the parent sends None or disappears."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    bound: tuple[Algorithm, ModelFunctions, Any, OptimConfig] | None = None
+    inner = "vmap"
+    arena_in: Tensor | None = None
+    arena_out: Tensor | None = None
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        try:
+            if message[0] == "bind":
+                spec: WorkerSpec = message[1]
+                bound, inner = worker_functions(spec), spec.inner
+                conn.send(("ok", None, b""))
+                continue
+            _, new_in, data = message
+            arena_in = new_in if new_in is not None else arena_in
+            bc, inputs, round_idx, chunk = unpack(data, arena_in, copy=False)
+            alg, fns, hp, opt = bound  # type: ignore[misc]
+            out = EXECUTORS[inner](alg, fns, bc, inputs, hp, opt, round_idx, chunk)
+            new_out, arena_out, reply = pack(out, arena_out)
+            conn.send(("ok", new_out, reply))
+        except Exception:  # noqa: BLE001 - reported to the parent, which raises WorkerError
+            conn.send(("error", None, traceback.format_exc().encode()))
+
+
+class _Worker:
+    def __init__(self, context: Any) -> None:
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child,), daemon=True, name="fedcli-worker")
+        self.process.start()
+        child.close()
+        self.arena_in: Tensor | None = None
+        self.arena_out: Tensor | None = None
+
+    def receive(self) -> tuple[str, Tensor | None, bytes]:
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(timeout=1.0)
+            raise WorkerError(f"worker process {self.process.pid} exited unexpectedly (exit code "
+                              f"{self.process.exitcode}); rerun with --executor vmap to see the error "
+                              "in the main process.") from None
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout=5.0)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5.0)
+        self.conn.close()
+
+
+class WorkerPool:
+    """P - 1 persistent worker processes; reusable across runs (rebinds on a new spec)."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.workers: list[_Worker] = []
+        self.bound_token: object | None = None
+
+    def start(self) -> WorkerPool:
+        """Spawn the workers (returns at once; they import torch in the background)."""
+        if not self.workers and self.num_workers > 0:
+            context = torch.multiprocessing.get_context("spawn")
+            self.workers = [_Worker(context) for _ in range(self.num_workers)]
+        return self
+
+    def bind(self, spec: WorkerSpec, token: object) -> None:
+        """Send every worker the run's spec (data by shared memory) and wait until built."""
+        self.start()
+        for worker in self.workers:
+            worker.conn.send(("bind", spec))
+        for worker in self.workers:
+            status, _, text = worker.receive()
+            if status != "ok":
+                raise WorkerError(f"a worker failed to build the run:\n{text.decode()}")
+        self.bound_token = token
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        for worker in self.workers:
+            worker.stop()
+        self.workers = []
+        self.bound_token = None
+
+    def __enter__(self) -> WorkerPool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """Run the block with `count` intra-op threads, then restore the previous count."""
+    previous = torch.get_num_threads()
+    if previous != count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if previous != count:
+            torch.set_num_threads(previous)
+
+
+class ProcessExecutor:
+    """Callable like `run_vmap`: trains the cohort on `workers` processes (the main one included).
+
+    Workers start on the first call (or on `start()`), so building a Setup spawns nothing.
+    """
+
+    _tokens = itertools.count()
+
+    def __init__(self, cfg: Any, fed: FederatedData, *, workers: int, inner: str,
+                 pool: WorkerPool | None = None) -> None:
+        self.cfg, self.fed, self.inner = cfg, fed, inner
+        self.slots = max(1, workers)
+        self.own_pool = pool is None
+        self.pool = pool if pool is not None else WorkerPool(self.slots - 1)
+        self.slots = min(self.slots, self.pool.num_workers + 1)
+        self.token = (os.getpid(), next(self._tokens))
+
+    def start(self) -> None:
+        """Spawn the workers now (they import torch while the caller goes on)."""
+        self.pool.start()
+
+    def _ensure_bound(self) -> None:
+        if self.pool.bound_token == self.token:
+            return
+        cfg = replace(self.cfg, train=replace(self.cfg.train, executor=self.inner, workers=1))
+        spec = WorkerSpec(cfg=cfg, x=self.fed.x.share_memory_(), y=self.fed.y.share_memory_(),
+                          client_indices=self.fed.client_indices, inner=self.inner)
+        self.pool.bind(spec, self.token)
+
+    def __call__(self, alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
+                 opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
+        run_inner: Callable[..., ClientOut] = EXECUTORS[self.inner]
+        groups = split_cohort(inputs.plan.steps_per_client, self.slots)
+        if len(groups) == 1:
+            return run_inner(alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
+        self._ensure_bound()
+        remote = self.pool.workers[: len(groups) - 1]
+        for worker, rows in zip(remote, groups[1:], strict=True):
+            message = (broadcast, take_clients(inputs, rows), round_idx, chunk_size)
+            new, worker.arena_in, data = pack(message, worker.arena_in)
+            worker.conn.send(("run", new, data))
+        try:
+            with intra_op_threads(1):
+                outs = [run_inner(alg, fns, broadcast, take_clients(inputs, groups[0]), hp, opt, round_idx,
+                                  chunk_size)]
+        except Exception:
+            self._receive(remote)  # keep the pipes in step, then report the main process's error
+            raise
+        failures, replies = self._receive(remote)
+        if failures:
+            raise WorkerError(f"a worker process failed in round {round_idx}:\n{failures[0]}")
+        return merge_outs(groups, outs + replies)
+
+    @staticmethod
+    def _receive(remote: list[_Worker]) -> tuple[list[str], list[ClientOut]]:
+        """Receive every worker's reply (even after a failure): (error tracebacks, ClientOuts)."""
+        failures, replies = [], []
+        for worker in remote:
+            status, new, data = worker.receive()
+            if status != "ok":
+                failures.append(data.decode())
+                continue
+            worker.arena_out = new if new is not None else worker.arena_out
+            replies.append(unpack(data, worker.arena_out, copy=True))
+        return failures, replies
+
+    def close(self) -> None:
+        """Stop the workers this executor started (a shared pool is left to its owner)."""
+        if self.own_pool:
+            self.pool.close()
+
+
+# ----------------------------------------------------------------------------- choosing an executor
+
+PROCESS_MIN_GFLOP = 5.0  # per round; below it the pipe round trip and the spawn (~2 s once) do not pay off
+
+
+def round_gflop(model: torch.nn.Module, fns: ModelFunctions, cfg: Any, fed: FederatedData) -> float:
+    """Estimate one round's training GFLOP: 6 x forward MACs per example x examples x epochs x cohort.
+
+    Forward MACs are counted by hooks on Linear and Conv layers for one example (at least the
+    parameter count, for models that multiply raw parameters); backward = 2 x forward.
+    """
+    macs = 0.0
+
+    def count(module: torch.nn.Module, _: Any, output: Tensor) -> None:
+        nonlocal macs
+        if isinstance(module, torch.nn.Linear):
+            macs += output.numel() * module.in_features
+        elif isinstance(module, torch.nn.modules.conv._ConvNd):
+            macs += output.numel() * module.in_channels // module.groups * int(np.prod(module.kernel_size))
+
+    hooks = [m.register_forward_hook(count) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model(fns.prepare(fed.x[:1]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    macs = max(macs, float(sum(p.numel() for p in model.parameters())))
+    mean_examples = float(np.mean(fed.sizes)) if len(fed.sizes) else 0.0
+    return 6.0 * macs * mean_examples * cfg.train.local_epochs * cfg.train.clients_per_round / 1e9
+
+
+def in_process_executor(alg: Algorithm, device: torch.device, has_conv: bool, has_batchnorm: bool = False) -> str:
+    """Return the faster in-process executor: loop for convolutional models on a CPU, else vmap.
+
+    BatchNorm forces loop: its running statistics are buffers updated in place, which vmap
+    cannot carry per client (torch.func "Patching Batch Norm"); models here use GroupNorm.
+
+    Under vmap a convolution over per-client weights becomes one grouped convolution, which
+    CPU kernels run slower than the clients' own convolutions one after another (measured on
+    the Reddi CNN, 10 clients, 1 thread: vmap 3.7 s, loop 2.6 s per round).
+    """
+    if not alg.supports_vmap or has_batchnorm or (has_conv and device.type == "cpu"):
+        return "loop"
+    return "vmap"
+
+
+def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Callable[[], float],
+                    has_conv: bool = False, has_batchnorm: bool = False) -> tuple[str, str]:
+    """Return (executor, why) for train.executor (auto: the fastest for the model, cohort, device).
+
+    Rule (measured by tests/benchmarks/run.py on 2 cores, README "Speed"): P processes with one
+    thread each win for convolutional models with >= PROCESS_MIN_GFLOP per round (Reddi CNN,
+    10 clients: 1.4 s against 2.2-5.9 s for vmap with 2 threads and 2.4 s client by client);
+    for dense models the cohort vmapped in the main process wins (MLP, 10 clients: 0.060 s
+    against 0.081 s for 2 processes: the per-round pipe and copy costs are not repaid).
+    On a GPU and with --compile the cohort also runs in the main process.
+    """
+    requested, inner = cfg.train.executor, in_process_executor(alg, device, has_conv, has_batchnorm)
+    if requested == "vmap" and not alg.supports_vmap:
+        raise ConfigError(f"{alg.name} does not support --executor vmap; use --executor loop or auto.")
+    if has_batchnorm and (requested == "vmap" or cfg.train.compile):
+        raise ConfigError("the model has BatchNorm layers, whose running statistics vmap cannot keep per "
+                          "client; use GroupNorm in the model, or --executor loop (or auto).")
+    if requested == "process" and device.type != "cpu":
+        raise ConfigError(f"train.executor='process' splits the cohort over CPU processes; got device "
+                          f"{device}. Use --executor vmap (or auto) on a GPU.")
+    if cfg.train.compile and requested not in ("auto", "vmap"):
+        raise ConfigError(f"train.compile compiles the vmap executor; got train.executor={requested!r}. "
+                          "Use --executor vmap (or auto) with --compile.")
+    if cfg.train.compile and not alg.supports_vmap:
+        raise ConfigError(f"train.compile compiles the vmap executor, which {alg.name} does not support; "
+                          "drop --compile.")
+    if requested != "auto":
+        return requested, "requested"
+    if cfg.train.compile:
+        return "vmap", "--compile: the cohort vmapped and compiled in the main process"
+    if has_batchnorm:
+        why = "BatchNorm: its running statistics need the clients one by one"
+    elif inner == "loop" and alg.supports_vmap:
+        why = "convolutions run faster client by client than as vmap's grouped convolutions on a CPU"
+    else:
+        why = "the whole cohort in one vmapped computation" if inner == "vmap" else f"{alg.name} has no vmap"
+    if device.type != "cpu":
+        return inner, f"{device.type}: the whole cohort on one device ({inner})"
+    slots = min(cfg.train.workers or available_cores(), cfg.train.clients_per_round)
+    if slots < 2:
+        return inner, f"one core (or one client per round); {why}"
+    if not has_conv:
+        return inner, f"dense model: {why} (worker processes do not repay their copies)"
+    work = gflop()
+    if work < PROCESS_MIN_GFLOP:
+        return inner, f"~{work:.2g} GFLOP per round: too little to pay for worker processes; {why}"
+    return "process", f"{slots} processes x 1 thread ({inner} inside each): ~{work:.3g} GFLOP per round"
+
+
+def speed_setup(cfg: Any, alg: Algorithm, device: torch.device, fed: FederatedData, fns: ModelFunctions,
+                model: torch.nn.Module) -> tuple[ModelFunctions, str, str, Any]:
+    """Apply train.precision, choose the executor and build its runner (None = EXECUTORS[name]).
+
+    Returns (model functions, executor name, why, runner). Called once by `train.build`.
+    """
+    fns = with_precision(fns, cfg.train.precision, device)
+    has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    executor, why = choose_executor(cfg, alg, device, lambda: round_gflop(model, fns, cfg, fed), has_conv, has_bn)
+    runner: Any = None
+    if executor == "process":
+        slots = min(cfg.train.workers or available_cores(), cfg.train.clients_per_round)
+        runner = ProcessExecutor(cfg, fed, workers=slots, inner=in_process_executor(alg, device, has_conv, has_bn))
+    elif executor == "vmap" and cfg.train.compile:
+        runner = CompiledVmap()
+    return fns, executor, why, runner
+
+
+def close_runner(runner: Any) -> None:
+    """Stop a runner's worker processes, if it has any (idempotent)."""
+    if runner is not None and hasattr(runner, "close"):
+        runner.close()
+
+
+# ----------------------------------------------------------------------------- precision and compile
+
+
+def with_precision(fns: ModelFunctions, precision: str, device: torch.device) -> ModelFunctions:
+    """Return model functions for train.precision: fp32 (as is), tf32 (CUDA), bf16 (autocast).
+
+    Parameters, optimiser state and aggregation stay float32 in every mode; bf16 runs the
+    model's forward (and so its backward) under torch.autocast. TF32 sets the process's CUDA
+    matmul/cuDNN flags (they are process-wide in PyTorch).
+    """
+    if precision == "fp32":
+        return fns
+    if precision == "tf32":
+        if device.type != "cuda":
+            raise ConfigError(f"train.precision='tf32' needs a CUDA device; got device {device}. "
+                              "Use --precision bf16 on a CPU, or fp32.")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return fns
+    loss_fn, apply_fn = fns.loss_fn, fns.apply_fn
+
+    def bf16_loss(params: dict[str, Tensor], batch: Any) -> Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return loss_fn(params, batch).float()
+
+    def bf16_apply(params: dict[str, Tensor], x: Tensor) -> Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return apply_fn(params, x).float()
+
+    return replace(fns, loss_fn=bf16_loss, apply_fn=bf16_apply)
+
+
+def pad_steps(inputs: CohortInputs, multiple: int) -> CohortInputs:
+    """Round K (steps per epoch) up to a multiple of `multiple` with masked no-op steps.
+
+    Real steps keep their plan rows, keys and noise; the added steps have weight 0 and mask 0.
+    """
+    plan = inputs.plan
+    epochs, k = plan.num_epochs, plan.steps_per_epoch
+    target = -(-k // multiple) * multiple
+    if target == k:
+        return inputs
+
+    def pad(t: Tensor) -> Tensor:  # [C, E*K, ...] -> [C, E*K', ...]
+        t = t.reshape(t.shape[0], epochs, k, *t.shape[2:])
+        extra = torch.zeros(t.shape[0], epochs, target - k, *t.shape[3:], dtype=t.dtype, device=t.device)
+        return torch.cat([t, extra], dim=2).reshape(t.shape[0], epochs * target, *t.shape[3:])
+
+    padded = replace(plan, index=pad(plan.index), weight=pad(plan.weight), step_mask=pad(plan.step_mask),
+                     steps_per_epoch=target)
+    return CohortInputs(plan=padded, keys=pad(inputs.keys), noise={n: pad(v) for n, v in inputs.noise.items()},
+                        states=inputs.states)
+
+
+class CompiledVmap:
+    """`run_vmap` with the cohort's client update compiled by torch.compile (--compile).
+
+    One compiled graph per (cohort size, steps per epoch rounded up to `bucket`, chunk): the
+    local loop is unrolled, so compiling takes tens of seconds to minutes; the time is logged
+    and kept in `compile_s`. Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default
+    under the system temp folder) makes later runs of the same shapes compile faster.
+    """
+
+    def __init__(self, bucket: int = 4) -> None:
+        self.bucket = bucket
+        self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
+        self.compile_s = 0.0
+
+    def __call__(self, alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
+                 opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
+        import time
+
+        from fedcli.engine.executors import _client_fn
+
+        inputs = pad_steps(inputs, self.bucket)
+        plan = inputs.plan
+        stateful = inputs.states is not None
+        # round_idx is a static Python value of the client update: a new value is a new graph for
+        # algorithms that read it (FedPA's burn-in), none for the others
+        round_key = round_idx if _reads_round_idx(alg) else -1
+        key = (len(plan.num_examples), plan.num_epochs, plan.steps_per_epoch, chunk_size or 0, int(stateful),
+               round_key)
+        fn = self.compiled.get(key)
+        first = fn is None
+        if fn is None:
+            epochs, steps, round_no = plan.num_epochs, plan.steps_per_epoch, round_idx
+
+            def cohort(bc: Any, index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor,
+                       num_examples: Tensor, noise: dict[str, Tensor], states: Any) -> Any:
+                one = _client_fn(alg, fns, bc, hp, opt, epochs, steps, round_no)
+                return torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None),
+                                       chunk_size=chunk_size)(index, weight, step_mask, keys, num_examples,
+                                                              noise, states)
+
+            fn = self.compiled[key] = torch.compile(cohort, dynamic=False)
+        start = time.perf_counter()
+        upload, state, metrics = fn(broadcast, plan.index, plan.weight, plan.step_mask, inputs.keys,
+                                    plan.num_examples, inputs.noise, inputs.states)
+        if first:
+            seconds = time.perf_counter() - start
+            self.compile_s += seconds
+            log.info("compiled the client update for %d clients x %d steps per epoch in %.1f s",
+                     key[0], key[2], seconds)
+        return ClientOut(upload=upload, state=state if stateful else None, metrics=metrics)
+
+
+def _reads_round_idx(alg: Algorithm) -> bool:
+    """True when the algorithm's module mentions round_idx (its client update may branch on it)."""
+    import inspect
+
+    module = inspect.getmodule(alg.client_update)
+    try:
+        return module is None or "round_idx" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return True

@@ -1,0 +1,194 @@
+"""`make bench`: fedcli's speed against a plain PyTorch loop, Flower and the FLOP floor.
+
+    .venv/bin/python -m tests.benchmarks.run [--out bench-results] [--quick] [--skip flower,memory]
+
+Writes bench-results/bench.json (every measurement) and bench-results/bench.md (the tables,
+each figure beside its target, the machine, the date and the load average) and exits 1 when
+a target is missed or could not be measured (Flower missing counts: it is said, not met).
+Never part of `make test`. Everything is measured in this one invocation, so ratios compare
+runs on the same machine under the same load; absolute seconds move with the load (2x on a
+busy machine), so read the load average printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fedcli.datasets.registry import TASKS
+from fedcli.datasets.tasks import TaskOptions
+from tests.benchmarks import extras, probes, workloads
+
+WORKLOADS = (("mlp", 10), ("mlp", 50), ("cnn", 10))
+# (workload key, rounds R) in full and quick mode; seconds per round = median of rounds 2..R
+ROUNDS = {"full": {"mlp-10": 12, "mlp-50": 8, "cnn-10": 5}, "quick": {"mlp-10": 3, "mlp-50": 3, "cnn-10": 2}}
+TARGETS = {"vs_flower_mlp": 10.0, "vs_plain_mlp": 3.0, "vs_both_cnn": 1.5, "vs_floor": 1.5, "startup_s": 5.0,
+           "tracking_pct": 5.0}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def floor_seconds(model: str, examples: float, rates: probes.Throughput) -> dict[str, float]:
+    """FLOPs of one round (real examples, forward+backward) and their time at the measured peak."""
+    task = TASKS["femnist"]
+    data = task.load(TaskOptions())
+    torch.manual_seed(0)
+    per = probes.flops_per_example(task.models[model](), task.prepare(data.x[:20]), data.y[:20])
+    seconds = examples * (per["matmul"] / (rates.gemm * 1e9) + per["conv"] / (rates.conv * 1e9))
+    return {"flop_per_example": per["total"], "conv_share": per["conv"] / per["total"],
+            "examples_per_round": examples, "gflop_per_round": examples * per["total"] / 1e9, "floor_s": seconds}
+
+
+def run_workload(model: str, cohort: int, rounds: int, reps: int, flower: str | None,
+                 rates: probes.Throughput) -> dict[str, object]:
+    """Every approach on one workload, `reps` interleaved repetitions; figure = best rep's median."""
+    cores = len(os.sched_getaffinity(0))
+    approaches = {
+        f"fedcli vmap {cores}t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "vmap", cores),
+        "fedcli vmap 1t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "vmap", 1),
+        "fedcli loop 1t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "loop", 1),
+        f"fedcli process {cores}x1t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "process", cores),
+        f"plain loop {cores}t": lambda: workloads.plain_rounds(model, cohort, rounds),
+        "plain loop 1t": lambda: _one_thread(lambda: workloads.plain_rounds(model, cohort, rounds)),
+    }
+    if model == "cnn":  # opt-in reduced precision: shown, never used for the targets
+        approaches[f"fedcli process bf16 {cores}x1t"] = lambda: workloads.fedcli_rounds(
+            model, cohort, rounds, "process", cores, precision="bf16")
+    if flower is not None:
+        approaches["Flower (Ray)"] = lambda: workloads.flower_rounds(flower, model, cohort, rounds, timeout=900)
+    runs: dict[str, list[dict[str, object]]] = {name: [] for name in approaches}
+    for rep in range(reps):
+        for name, run in approaches.items():
+            log(f"{model}-{cohort} rep {rep + 1}/{reps}: {name}")
+            runs[name].append(run())
+    best = {name: min((r["median_s"] for r in rs if "median_s" in r), default=None) for name, rs in runs.items()}
+    auto = workloads.fedcli_rounds(model, cohort, 1, "auto", cores)  # one round: only the choice is kept
+    examples = statistics.mean(workloads.cohort_examples(cohort, rounds)[1:] or workloads.cohort_examples(cohort, 1))
+    fedcli = {k: v for k, v in best.items() if k.startswith("fedcli") and "bf16" not in k and v is not None}
+    plain = {k: v for k, v in best.items() if k.startswith("plain") and v is not None}
+    best_name = min(fedcli, key=fedcli.get)
+    return {"model": model, "cohort": cohort, "rounds": rounds, "runs": runs, "best_s": best,
+            "fedcli_best": best_name, "fedcli_best_s": fedcli[best_name], "plain_best_s": min(plain.values()),
+            "flower_s": best.get("Flower (Ray)"), "auto": {"executor": auto["executor"], "reason": auto["reason"]},
+            "floor": floor_seconds(model, examples, rates)}
+
+
+def _one_thread(run):  # noqa: ANN001, ANN202
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def check(targets: list[dict[str, object]], name: str, value: float | None, target: float, *, at_most: bool,
+          unit: str = "") -> None:
+    met = None if value is None else (value <= target if at_most else value >= target)
+    targets.append({"name": name, "value": value, "target": f"{'<=' if at_most else '>='} {target:g}{unit}",
+                    "status": "not measured" if met is None else "met" if met else "MISSED"})
+
+
+def evaluate_targets(results: dict[str, object]) -> list[dict[str, object]]:
+    targets: list[dict[str, object]] = []
+    for key, w in results.get("workloads", {}).items():
+        fedcli, plain, flower = w["fedcli_best_s"], w["plain_best_s"], w["flower_s"]
+        need_flower, need_plain = ((TARGETS["vs_flower_mlp"], TARGETS["vs_plain_mlp"]) if w["model"] == "mlp"
+                                   else (TARGETS["vs_both_cnn"], TARGETS["vs_both_cnn"]))
+        check(targets, f"{key}: Flower / fedcli", None if flower is None else flower / fedcli, need_flower,
+              at_most=False, unit="x")
+        check(targets, f"{key}: plain loop / fedcli", plain / fedcli, need_plain, at_most=False, unit="x")
+        check(targets, f"{key}: fedcli / FLOP floor", fedcli / w["floor"]["floor_s"], TARGETS["vs_floor"],
+              at_most=True, unit="x")
+    for row in results.get("fedpa", []):
+        if row["paper_pct"] is not None:
+            check(targets, f"FedPA overhead d={row['d']:g}", row["overhead_pct"], row["paper_pct"], at_most=True,
+                  unit="%")
+    if "tracking" in results:
+        check(targets, "tracking share of the round", results["tracking"]["share_pct"], TARGETS["tracking_pct"],
+              at_most=True, unit="%")
+    if "startup" in results:
+        check(targets, "start-up to round 1 (fedcli train, defaults)",
+              results["startup"]["default"].get("to_first_round_s"), TARGETS["startup_s"], at_most=True, unit=" s")
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--quick", action="store_true", help="tiny settings, to test the harness")
+    parser.add_argument("--skip", default="", help="comma list of: flower, workloads, fedpa, tracking, startup, memory")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per approach (default 2; quick 1)")
+    args = parser.parse_args(argv)
+    skip, mode = set(filter(None, args.skip.split(","))), "quick" if args.quick else "full"
+    reps = args.reps or (1 if args.quick else 2)
+    started = time.time()
+    results: dict[str, object] = {"machine": probes.machine(), "mode": mode, "reps": reps}
+    log(f"machine: {results['machine']}")
+    flower = None if "flower" in skip else workloads.flower_python()
+    results["flower"] = {"python": flower, "note": None if flower else
+                         ("skipped (--skip flower)" if "flower" in skip else
+                          "flwr[simulation] is not importable here or in .venv-flower: the Flower column is not "
+                          "measured (pip install -e '.[bench]' in a separate environment)")}
+    if "workloads" not in skip:
+        log("throughput probes")
+        rates = probes.throughput(0.3 if args.quick else 2.0)
+        results["throughput_gflops"] = {**rates.__dict__, "gemm_best": rates.gemm, "conv_best": rates.conv}
+        results["workloads"] = {}
+        for model, cohort in WORKLOADS:
+            key = f"{model}-{cohort}"
+            results["workloads"][key] = run_workload(model, cohort, ROUNDS[mode][key], reps, flower, rates)
+            _write(args.out, results)
+    if "fedpa" not in skip:
+        log("FedPA overhead")
+        dims = [100, 1_000] if args.quick else [100, 1_000, 10_000, 100_000, 1_000_000]
+        results["fedpa"] = extras.fedpa_overhead(dims, repeats=2 if args.quick else 5)
+    if "tracking" not in skip:
+        log("tracking overhead")
+        results["tracking"] = extras.tracking_share(3 if args.quick else 12, extras.tmpdir())
+    if "startup" not in skip:
+        log("start-up")
+        results["startup"] = {
+            "default": extras.startup(["--rounds", "1"], extras.tmpdir()),
+            "no_mlflow": extras.startup(["--rounds", "1", "--no-mlflow"], extras.tmpdir()),
+            "flower": {"to_first_round_s": _flower_startup(results)},
+        }
+    if "memory" not in skip:
+        log("memory")
+        results["memory"] = (extras.memory(num_clients=400, per_client=50, visits=60) if args.quick
+                             else extras.memory())
+    results["targets"] = evaluate_targets(results)
+    results["machine"]["load_avg_end"] = os.getloadavg()
+    results["wall_s"] = time.time() - started
+    _write(args.out, results)
+    print((args.out / "bench.md").read_text())
+    missed = [t for t in results["targets"] if t["status"] != "met"]
+    return 1 if missed else 0
+
+
+def _flower_startup(results: dict[str, object]) -> float | None:
+    values = [r.get("startup_s") for w in results.get("workloads", {}).values()
+              for r in w["runs"].get("Flower (Ray)", [])]
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
+
+
+def _write(out: Path, results: dict[str, object]) -> None:
+    from tests.benchmarks.report import markdown
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "bench.md").write_text(markdown(results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

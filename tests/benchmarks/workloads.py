@@ -1,0 +1,129 @@
+"""The three speed workloads of `make bench`, run three ways on the same machine in one invocation.
+
+Workload: the bundled FEMNIST writers (105 clients), FedAvg, 1 local epoch, batch 20, SGD
+lr 0.01, C clients per round; seconds per round = median of rounds 2..R (round 1 holds
+warm-up: first vmap trace, worker spawn), evaluation excluded.
+
+- fedcli: `run_round` with each executor (vmap with all cores as threads, vmap with one
+  thread, process, and whatever `auto` picks), the cohorts of seed 0.
+- plain PyTorch loop, as research code writes it: per client deepcopy the global model,
+  torch.optim.SGD, shuffled minibatches from tensors already in memory, weighted average of
+  the state dicts; the same cohorts and the same keyed dropout as fedcli's CNN.
+- Flower: flwr's simulation engine (Ray backend, 1 CPU per client) with its FedAvg strategy
+  (tests/benchmarks/flower_sim.py), run in the interpreter that has flwr installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedcli.config import build_config
+from fedcli.datasets.registry import TASKS
+from fedcli.datasets.tasks import TaskOptions
+from fedcli.engine.clientstate import ClientStateStore
+from fedcli.engine.seeding import sample_cohort
+from fedcli.engine.train import Timing, build, run_round
+from fedcli.engine.workers import close_runner, intra_op_threads
+
+LR, BATCH = 0.01, 20
+
+
+def median_after_first(times: list[float]) -> float:
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def fedcli_rounds(model: str, cohort: int, rounds: int, executor: str, threads: int,
+                  precision: str = "fp32") -> dict[str, object]:
+    """Time `rounds` FedAvg rounds of fedcli with one executor; returns times and what ran."""
+    cfg = build_config(overrides={"algorithm.name": "fedavg", "data.task": "femnist", "data.model": model,
+                                  "train.clients_per_round": cohort, "train.batch_size": BATCH,
+                                  "train.client_lr": LR, "train.executor": executor, "seed": 0,
+                                  "train.precision": precision})
+    setup = build(cfg)
+    state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+    store, times = ClientStateStore(None), []
+    try:
+        with intra_op_threads(threads):
+            for round_idx in range(1, rounds + 1):
+                start = time.perf_counter()
+                state, _ = run_round(setup, state, store, round_idx, Timing())
+                times.append(time.perf_counter() - start)
+    finally:
+        close_runner(setup.runner)
+    return {"executor": setup.executor, "reason": setup.executor_reason, "threads": threads, "round_s": times,
+            "median_s": median_after_first(times)}
+
+
+def cohort_examples(cohort: int, rounds: int) -> list[int]:
+    """Examples trained per round (one epoch) for the cohorts of seed 0, rounds 1..R."""
+    sizes = np.array([len(ix) for ix in TASKS["femnist"].load(TaskOptions()).client_indices])
+    return [int(sizes[sample_cohort(len(sizes), cohort, seed=0, round_idx=r)].sum()) for r in range(1, rounds + 1)]
+
+
+def plain_rounds(model: str, cohort: int, rounds: int) -> dict[str, object]:
+    """Time the per-client PyTorch loop (default intra-op threads, as research code runs)."""
+    task = TASKS["femnist"]
+    data = task.load(TaskOptions())
+    xs = [task.prepare(data.x[ix]) for ix in data.client_indices]  # in memory, prepared once
+    ys = [data.y[ix] for ix in data.client_indices]
+    torch.manual_seed(0)
+    global_model = task.models[model]()
+    times = []
+    for round_idx in range(1, rounds + 1):
+        start = time.perf_counter()
+        total, summed = 0, {k: torch.zeros_like(v) for k, v in global_model.state_dict().items()}
+        for client in sample_cohort(len(xs), cohort, seed=0, round_idx=round_idx):
+            local = copy.deepcopy(global_model)
+            opt = torch.optim.SGD(local.parameters(), lr=LR)
+            x, y = xs[client], ys[client]
+            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(round_idx * 10_000 + int(client)))
+            for step, first in enumerate(range(0, len(y), BATCH)):
+                idx = order[first:first + BATCH]
+                opt.zero_grad()
+                F.cross_entropy(local(x[idx], key=torch.tensor(step)), y[idx]).backward()
+                opt.step()
+            for k, v in local.state_dict().items():
+                summed[k] += len(y) * v
+            total += len(y)
+        global_model.load_state_dict({k: v / total for k, v in summed.items()})
+        times.append(time.perf_counter() - start)
+    return {"round_s": times, "median_s": median_after_first(times), "threads": torch.get_num_threads()}
+
+
+def flower_python() -> str | None:
+    """Return an interpreter that can import flwr (this one, or ./.venv-flower), or None."""
+    candidates = [sys.executable, str(Path(".venv-flower/bin/python").absolute())]
+    for python in candidates:
+        if Path(python).exists() and subprocess.run([python, "-c", "import flwr, ray"], capture_output=True,
+                                                    timeout=120).returncode == 0:
+            return python
+    return None
+
+
+def flower_rounds(python: str, model: str, cohort: int, rounds: int, timeout: float) -> dict[str, object]:
+    """Run tests/benchmarks/flower_sim.py in `python`; returns its per-round times and start-up."""
+    script = Path(__file__).with_name("flower_sim.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "flower.json"
+        started = time.time()
+        proc = subprocess.run([python, str(script), "--model", model, "--clients-per-round", str(cohort),
+                               "--rounds", str(rounds), "--out", str(out), "--t0", repr(started)],
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONWARNINGS": "ignore"})
+        if proc.returncode != 0 or not out.exists():
+            return {"error": (proc.stderr or proc.stdout)[-2000:]}
+        result = json.loads(out.read_text())
+    result["median_s"] = median_after_first(result["round_s"])
+    return result
