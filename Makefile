@@ -24,7 +24,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
-	$(BIN)/python -m pytest tests/benchmarks -q -p no:cacheprovider -o addopts="" --timeout=1800
+	$(BIN)/python -m tests.benchmarks.run --out bench-results
+	$(BIN)/python tests/benchmarks/bench_report.py --out bench-results/bench_report.json
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check fedcli algorithms datasets tracking tests || true
