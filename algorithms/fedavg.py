@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from torch import Tensor
+
 from fedcli.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -34,7 +36,6 @@ from fedcli.algorithms.base import (
     weighted_mean,
 )
 from fedcli.algorithms.optim import local_sgd, server_opt_init, server_opt_step
-from torch import Tensor
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
 from fedcli.algorithms import fedavg
 from fedcli.algorithms.base import (
     Algorithm,
@@ -44,7 +46,6 @@ from fedcli.algorithms.base import (
     unflatten,
 )
 from fedcli.algorithms.optim import local_sgd
-from torch import Tensor
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,11 +20,11 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
+from torch import Tensor
+
 from fedcli.datasets import models
 from fedcli.datasets.leaf import read_leaf_dir
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
-from torch import Tensor
-
 from fedcli.errors import DataError
 
 log = logging.getLogger(__name__)

@@ -22,11 +22,11 @@ def test_server_sgd_lr_one_is_example_weighted_average_of_client_models() -> Non
     clients = [(random_spd(2, 0.5, 2.0, g), torch.randn(2, generator=g, dtype=torch.float64)) for _ in sizes]
     outs = [fedavg.client_update(quadratic_context(a, m, num_epochs=4, steps_per_epoch=1, num_examples=n),
                                  fedavg.broadcast(state, None), None, fedavg.FedAvgConfig(), opt)
-            for (a, m), n in zip(clients, sizes)]
+            for (a, m), n in zip(clients, sizes, strict=False)]
     client_models = [state.params["w"] - o.upload["delta"]["w"] for o in outs]
     q = torch.tensor(sizes, dtype=torch.float64)
     new_state, _ = fedavg.server_update(state, stack_outs(outs), q, fedavg.FedAvgConfig(), opt)
-    expected = sum(qi * w for qi, w in zip(q, client_models)) / q.sum()
+    expected = sum(qi * w for qi, w in zip(q, client_models, strict=False)) / q.sum()
     torch.testing.assert_close(new_state.params["w"], expected, rtol=0, atol=1e-14)
 
 
@@ -111,12 +111,12 @@ def test_fedavg_on_least_squares_converges_to_its_fixed_point() -> None:
     for _ in range(150):
         outs = [fedavg.client_update(quadratic_context(a, m, num_epochs=steps, steps_per_epoch=1, num_examples=n),
                                      fedavg.broadcast(state, None), None, fedavg.FedAvgConfig(), opt)
-                for (a, m), n in zip(clients, sizes)]
+                for (a, m), n in zip(clients, sizes, strict=False)]
         state, _ = fedavg.server_update(state, stack_outs(outs), q, fedavg.FedAvgConfig(), opt)
     eye = torch.eye(3, dtype=torch.float64)
     ms = [eye - torch.linalg.matrix_power(eye - lr * a, steps) for a, _ in clients]
-    fixed = torch.linalg.solve(sum(qi * m for qi, m in zip(q, ms)),
-                               sum(qi * m @ mu for qi, m, (_, mu) in zip(q, ms, clients)))
+    fixed = torch.linalg.solve(sum(qi * m for qi, m in zip(q, ms, strict=False)),
+                               sum(qi * m @ mu for qi, m, (_, mu) in zip(q, ms, clients, strict=False)))
     torch.testing.assert_close(state.params["w"], fixed, rtol=1e-10, atol=1e-10)
 
 

@@ -87,12 +87,12 @@ def test_fedpa_with_exact_moments_converges_to_global_optimum_fedavg_is_biased()
     precisions = [random_spd(dim, 0.6, 3.0, g) for _ in sizes]
     means = [3.0 * torch.randn(dim, generator=g, dtype=torch.float64) for _ in sizes]
     q = torch.tensor(sizes, dtype=torch.float64)
-    optimum = torch.linalg.solve(sum(qi * a for qi, a in zip(q, precisions)),
-                                 sum(qi * a @ m for qi, a, m in zip(q, precisions, means)))
+    optimum = torch.linalg.solve(sum(qi * a for qi, a in zip(q, precisions, strict=False)),
+                                 sum(qi * a @ m for qi, a, m in zip(q, precisions, means, strict=False)))
     rho, opt = 1.0, OptimConfig(server_opt="sgd", server_lr=0.3)
     hp = fedpa.FedPAConfig(rho=rho, burn_in_rounds=0)
     state = fedpa.server_init({"w": torch.zeros(dim, dtype=torch.float64)}, hp, opt)
-    client_samples = [exact_moment_samples(m, torch.linalg.inv(a), rho) for a, m in zip(precisions, means)]
+    client_samples = [exact_moment_samples(m, torch.linalg.inv(a), rho) for a, m in zip(precisions, means, strict=False)]
     for _ in range(300):
         theta = state.params["w"]
         deltas = [fedpa.posterior_delta(theta, samples, rho) for samples in client_samples]
@@ -107,12 +107,12 @@ def test_fedpa_with_exact_moments_converges_to_global_optimum_fedavg_is_biased()
         outs = stack_outs([fedavg.client_update(quadratic_context(a, m, num_epochs=steps, steps_per_epoch=1,
                                                                   num_examples=n), fedavg.broadcast(avg_state, None),
                                                 None, fedavg.FedAvgConfig(), avg_opt)
-                           for a, m, n in zip(precisions, means, sizes)])
+                           for a, m, n in zip(precisions, means, sizes, strict=False)])
         avg_state, _ = fedavg.server_update(avg_state, outs, q, fedavg.FedAvgConfig(), avg_opt)
     eye = torch.eye(dim, dtype=torch.float64)
     ms = [eye - torch.linalg.matrix_power(eye - lr * a, steps) for a in precisions]
-    fedavg_fixed_point = torch.linalg.solve(sum(qi * m for qi, m in zip(q, ms)),
-                                            sum(qi * m @ mu for qi, m, mu in zip(q, ms, means)))
+    fedavg_fixed_point = torch.linalg.solve(sum(qi * m for qi, m in zip(q, ms, strict=False)),
+                                            sum(qi * m @ mu for qi, m, mu in zip(q, ms, means, strict=False)))
     torch.testing.assert_close(avg_state.params["w"], fedavg_fixed_point, rtol=1e-8, atol=1e-8)
     # the bias (~0.04 here) is 10^6 times the tolerance both fixed points were checked to
     assert torch.linalg.vector_norm(fedavg_fixed_point - optimum) > 0.01
