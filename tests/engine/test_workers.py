@@ -215,3 +215,5 @@ def test_padding_steps_per_epoch_with_masked_steps_changes_nothing() -> None:
     assert_trees_close(run_vmap(setup.alg, setup.fns, bc, padded, setup.hp, opt, 1),
                        run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1))
     assert dataclasses.replace(padded.plan).num_epochs == 2
+    k = inputs.plan.steps_per_epoch
+    assert pad_steps(inputs, 8, max_steps=k + 1).plan.steps_per_epoch == k + 1  # the federation's longest
