@@ -48,10 +48,9 @@ from fedcli.algorithms.base import (
     require,
     tree_norm,
     tree_vdot,
-    tree_where,
     tree_zeros_like,
 )
-from fedcli.algorithms.optim import sgd_step
+from fedcli.algorithms.optim import MaskedSGD
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,15 +120,14 @@ def proximal_sgd(ctx: ClientContext, start: Params, centre: Params, lin: Params,
         return loss + tree_vdot(lin, params) + 0.5 * prox * sq, loss.detach()
 
     grad_fn = torch.func.grad(objective, has_aux=True)
-    params, velocity = dict(start), tree_zeros_like(start) if opt.client_momentum > 0 else {}
+    sgd = MaskedSGD(start, opt.client_lr, opt.client_momentum)
     loss_sum = torch.zeros((), dtype=ctx.step_mask.dtype, device=ctx.step_mask.device)
     for step in range(ctx.num_steps):
-        grads, loss = grad_fn(params, step)
-        new_params, new_velocity = sgd_step(params, grads, velocity, opt.client_lr, opt.client_momentum)
+        grads, loss = grad_fn(sgd.params, step)
         mask = ctx.step_mask[step]
-        params, velocity = tree_where(mask, new_params, params), tree_where(mask, new_velocity, velocity)
+        sgd.step(grads, mask)
         loss_sum = loss_sum + mask * loss
-    return params, loss_sum / ctx.step_mask.sum().clamp_min(1.0)
+    return sgd.params, loss_sum / ctx.step_mask.sum().clamp_min(1.0)
 
 
 def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: FedADMMConfig,

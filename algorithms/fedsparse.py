@@ -48,7 +48,7 @@ from torch.nn.functional import logsigmoid, softplus
 
 from fedcli.algorithms import base, fedavg
 from fedcli.algorithms.base import Batch, ClientContext, ClientOut, Diagnostics, OptimConfig, Params, require
-from fedcli.algorithms.optim import server_opt_init, sgd_step
+from fedcli.algorithms.optim import MaskedSGD, server_opt_init
 
 HC_BETA, HC_GAMMA, HC_ZETA = 2.0 / 3.0, -0.1, 1.1  # hard-concrete constants of ref. [21]
 ADAMAX_BETA1, ADAMAX_BETA2, ADAMAX_EPS = 0.9, 0.999, 1e-8  # torch.optim.Adamax defaults (App. A)
@@ -214,19 +214,18 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: None, hp: Fed
     e = {k: ctx.noise[f"fedsparse/{k}"].to(dtype) / math.sqrt(2) for k in layout}  # [S, 2, G], N(0, 1/2)
     u_logit = {k: torch.special.erfc(-x).log() - torch.special.erfc(x).log() for k, x in e.items()}  # logit Phi
     grad_fn = torch.func.grad(client_objective, has_aux=True)
-    params, gates = bc.params, bc.gates
-    velocity = base.tree_zeros_like(params) if opt.client_momentum > 0 else {}
+    sgd, gates = MaskedSGD(bc.params, opt.client_lr, opt.client_momentum), bc.gates
     zeros = base.tree_zeros_like(gates)
     adamax = AdamaxState(zeros, zeros, ctx.step_mask.new_zeros((), dtype=torch.int64))  # fresh every round
     loss_sum = torch.zeros((), dtype=dtype, device=ctx.step_mask.device)
     for step in range(ctx.num_steps):
         noise = {k: u[step, 0] for k, u in u_logit.items()}
-        (g_w, g_v), data = grad_fn((params, gates), ctx.batch(step), noise, ctx, bc, prior, hp)
-        new_w, new_velocity = sgd_step(params, g_w, velocity, opt.client_lr, opt.client_momentum)
+        (g_w, g_v), data = grad_fn((sgd.params, gates), ctx.batch(step), noise, ctx, bc, prior, hp)
         new_v, new_adamax = adamax_step(gates, g_v, adamax, hp.gate_lr)
-        params, velocity, gates, adamax = base.tree_where(
-            ctx.step_mask[step], (new_w, new_velocity, new_v, new_adamax), (params, velocity, gates, adamax))
+        gates, adamax = base.tree_where(ctx.step_mask[step], (new_v, new_adamax), (gates, adamax))
+        sgd.step(g_w, ctx.step_mask[step])
         loss_sum = loss_sum + ctx.step_mask[step] * data.detach()
+    params = sgd.params
     logits = gate_logits(params, gates, layout, hp.temperature)
     z = {k: (u_logit[k][0, 1] < a).to(dtype) * bc.alive[k] for k, a in logits.items()}  # zero-temp. sample
     delta = apply_gates(base.tree_sub(bc.params, params), z, layout)

@@ -55,11 +55,10 @@ from fedcli.algorithms.base import (
     tree_scale,
     tree_sub,
     tree_vdot,
-    tree_where,
     tree_zeros_like,
 )
 from fedcli.algorithms.fola_compression import cohort_precision, upload_precision
-from fedcli.algorithms.optim import sgd_step
+from fedcli.algorithms.optim import MaskedSGD
 
 FISHER_MODES = ("per_sample", "batch_sq")
 FISHER_NORMS = ("mean", "sum_weighted")
@@ -178,12 +177,11 @@ def local_train(ctx: ClientContext, bc: Broadcast, spec: Spec, opt: OptimConfig)
     """Alg. 1 ClientUpdate: SGD on L_task + prior from mu_S, accumulating the online Fisher."""
     grad_and_loss = torch.func.grad_and_value(ctx.loss_fn)
     coef = spec.lam * prior_coefficient(spec, ctx.round_idx)
-    params = dict(bc.mean)
-    velocity = tree_zeros_like(params) if opt.client_momentum > 0 else {}
-    fisher = tree_zeros_like(params)
+    sgd = MaskedSGD(bc.mean, opt.client_lr, opt.client_momentum)
+    fisher = tree_zeros_like(bc.mean)
     task_sum = prior_sum = torch.zeros_like(ctx.num_examples)
     for step in range(ctx.num_steps):
-        mask, batch = ctx.step_mask[step], ctx.batch(step)
+        mask, batch, params = ctx.step_mask[step], ctx.batch(step), sgd.params
         grads, loss = grad_and_loss(params, batch)  # task loss only: the Fisher excludes the prior
         if not spec.offline:
             scale = mask * step_weight(ctx, batch, spec.fisher_norm)
@@ -192,15 +190,13 @@ def local_train(ctx: ClientContext, bc: Broadcast, spec: Spec, opt: OptimConfig)
         diff = tree_sub(params, bc.mean)
         prior_grads = {k: coef * bc.precision[k] * diff[k] for k in diff}
         total = _clip(tree_add(grads, prior_grads), spec.clip_norm)
-        new_params, new_velocity = sgd_step(params, total, velocity, opt.client_lr, opt.client_momentum)
-        params = tree_where(mask, new_params, params)
-        velocity = tree_where(mask, new_velocity, velocity)
+        sgd.step(total, mask)
         task_sum = task_sum + mask * loss.detach()
         prior_sum = prior_sum + mask * 0.5 * tree_vdot(prior_grads, diff).detach()
     steps = ctx.step_mask.sum().clamp_min(1.0)
     if spec.fisher_norm == "mean":
         fisher = tree_scale(fisher, 1.0 / steps)
-    return LocalFit(params, fisher, task_sum / steps, prior_sum / steps)
+    return LocalFit(sgd.params, fisher, task_sum / steps, prior_sum / steps)
 
 
 def client_precision(fisher: Params, prior: Params, round_idx: int, prior_form: str) -> Params:

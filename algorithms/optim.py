@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from fedcli.algorithms.base import (
+    Batch,
     ClientContext,
     LossFn,
     OptimConfig,
@@ -96,6 +97,63 @@ class LocalResult(NamedTuple):
     mean_loss: Tensor  # [] mean minibatch loss over the real steps
 
 
+class MaskedSGD:
+    """Masked SGD(+momentum) on an iterate it owns, `v <- m v + g; theta <- theta - lr v`.
+
+    A step with mask 0 leaves parameters and momentum unchanged; a step with mask 1 is
+    sgd_step. Steps take the *scaled* gradient s = -lr * mask * g (`coef(mask) * g`): callers
+    that differentiate coef * loss get it from the backward pass for free. The velocity is
+    kept scaled too, u = -lr v, so a step is `u <- keep u + s; theta <- theta + mask u` with
+    keep = m for a real step and 1 for a masked one (s = 0 there).
+
+    The first step is out of place (the caller's tensors are never written); later steps
+    update the owned tensors in place (add_/mul_, which have vmap batching rules), one pass
+    per tensor instead of the passes and fresh allocations of `where(mask, p - lr g, p)`:
+    on a cohort stacked under vmap the update is memory-bound and this was most of its cost
+    (tests/benchmarks). Inside torch.func.vmap, the first step's result carries the client
+    axis that the in-place steps need.
+    """
+
+    def __init__(self, params: Params, lr: float, momentum: float) -> None:
+        self.params, self.velocity = dict(params), {}
+        self.lr, self.momentum, self._owned = lr, momentum, False
+
+    def coef(self, mask: Tensor) -> Tensor:
+        """Return -lr * mask, the factor that turns a gradient into a step."""
+        return mask * -self.lr
+
+    def step(self, grads: Params, mask: Tensor) -> None:
+        """Apply one step from unscaled gradients (non-finite gradients of masked steps are ignored)."""
+        coef, real = self.coef(mask), mask.bool()
+        self.apply({k: torch.where(real, g * coef, 0.0) for k, g in grads.items()}, mask)
+
+    def apply(self, scaled: Params, mask: Tensor) -> None:
+        """Apply one step from scaled gradients s = coef(mask) * g."""
+        if self.momentum == 0.0:
+            if self._owned:
+                for k, p in self.params.items():
+                    p.add_(scaled[k])
+            else:
+                self.params = {k: p + scaled[k] for k, p in self.params.items()}
+        elif self._owned:
+            keep = 1.0 + mask * (self.momentum - 1.0)
+            for k, p in self.params.items():
+                p.add_(self.velocity[k].mul_(keep).add_(scaled[k]) * mask)
+        else:  # the velocity starts at zero, so u_1 = s (copied: s may be a view of a constant)
+            self.velocity = {k: scaled[k].clone() for k in self.params}
+            self.params = {k: p + self.velocity[k] for k, p in self.params.items()}
+        self._owned = True
+
+
+def accumulate(total: Params | None, x: Params, weight: Tensor) -> Params:
+    """Return total + weight * x, in place on `total` after the first call (total None)."""
+    if total is None:
+        return {k: v * weight for k, v in x.items()}
+    for k, v in total.items():
+        v.add_(x[k] * weight)
+    return total
+
+
 def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
               objective: LossFn | None = None, *, average_epochs: bool = False) -> LocalResult:
     """Run E epochs x K masked SGD(+momentum) steps on `objective` from `params`.
@@ -104,30 +162,34 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     (clients are stateless across rounds, as in FedPA §2.10 [TFF]). A masked step leaves
     parameters and momentum unchanged. With `average_epochs`, each epoch also yields the
     average of its post-step iterates (the IASG sample of FedPA Alg. 4, lines 5-10).
+    `params` is never written: the iterate is a copy made by the first step (MaskedSGD).
     """
-    grad_and_loss = torch.func.grad_and_value(objective or ctx.loss_fn)
-    momentum = opt.client_momentum
-    velocity = tree_zeros_like(params) if momentum > 0 else {}
+    loss_fn = objective or ctx.loss_fn
+
+    def scaled_loss(p: Params, batch: Batch, coef: Tensor) -> tuple[Tensor, Tensor]:
+        loss = loss_fn(p, batch)
+        return coef * loss, loss.detach()
+
+    scaled_grad = torch.func.grad(scaled_loss, has_aux=True)  # d(coef * loss) = coef * grad
+    sgd = MaskedSGD(params, opt.client_lr, opt.client_momentum)
     loss_sum = torch.zeros((), dtype=ctx.step_mask.dtype, device=ctx.step_mask.device)
     epoch_means: list[Params] = []
     for epoch in range(ctx.num_epochs):
-        running = tree_zeros_like(params) if average_epochs else {}
+        running: Params | None = None
         for k in range(ctx.steps_per_epoch):
             step = epoch * ctx.steps_per_epoch + k
             mask = ctx.step_mask[step]
-            grads, loss = grad_and_loss(params, ctx.batch(step))
-            new_params, new_velocity = sgd_step(params, grads, velocity, opt.client_lr, momentum)
-            params = tree_where(mask, new_params, params)
-            velocity = tree_where(mask, new_velocity, velocity)
-            loss_sum = loss_sum + mask * loss.detach()
+            scaled, loss = scaled_grad(sgd.params, ctx.batch(step), sgd.coef(mask))
+            sgd.apply(scaled, mask)
+            loss_sum = loss_sum + mask * loss
             if average_epochs:
-                running = {n: running[n] + mask * params[n] for n in params}
+                running = accumulate(running, sgd.params, mask)
         if average_epochs:
             epoch_slice = ctx.step_mask[epoch * ctx.steps_per_epoch:(epoch + 1) * ctx.steps_per_epoch]
             count = epoch_slice.sum().clamp_min(1.0)
-            epoch_means.append({n: v / count for n, v in running.items()})
+            epoch_means.append({n: v / count for n, v in (running or tree_zeros_like(params)).items()})
     mean_loss = loss_sum / ctx.step_mask.sum().clamp_min(1.0)
-    return LocalResult(params=params, epoch_means=epoch_means, mean_loss=mean_loss)
+    return LocalResult(params=sgd.params, epoch_means=epoch_means, mean_loss=mean_loss)
 
 
 # ---------------------------------------------------------------------------------------
