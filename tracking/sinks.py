@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +34,86 @@ from fedcli.tracking.store import RunRecord, SqlStore, canonical_json, config_ha
 if TYPE_CHECKING:
     from fedcli.tracking.mlflow_sink import MlflowSink
 
-__all__ = ["CONFIG_ARTIFACT", "Tracker"]
+__all__ = ["CONFIG_ARTIFACT", "BackgroundMlflow", "Tracker"]
 
 log = logging.getLogger(__name__)
 
 CONFIG_ARTIFACT = "config.json"
+
+
+class BackgroundMlflow:
+    """An `MlflowSink` opened and driven on one background thread, so MLflow never delays a round.
+
+    Importing MLflow (about 2 s) and opening its store (alembic migrations on a fresh
+    SQLite file: about 3 s more) used to sit between `fedcli train` and the first round.
+    Here the constructor only queues the sink's creation; every later call is queued in
+    order behind it on the same thread (`ThreadPoolExecutor(max_workers=1)`), and calls
+    that return something return a `Future`. Nothing is lost: `flush()` waits for every
+    queued call and raises the first failure as the sink raised it (a one-line
+    `TrackingError`), and the `Tracker` flushes at every checkpoint and at the end of the run.
+    A failure is also raised by the first `check()` after it happened (`Tracker.log_round`
+    calls it, without waiting).
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str) -> None:
+        self.tracking_uri, self.experiment = tracking_uri, experiment
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedcli-mlflow")
+        self._queued: list[Future[Any]] = []
+        self._sink: Future[MlflowSink] = self._thread.submit(self._open)
+
+    def _open(self) -> MlflowSink:
+        from fedcli.tracking.mlflow_sink import MlflowSink
+
+        return MlflowSink(self.tracking_uri, self.experiment)
+
+    def _queue(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+        def call() -> Any:
+            return getattr(self._sink.result(), method)(*args, **kwargs)  # re-raises a failed open
+
+        future = self._thread.submit(call)
+        self._queued.append(future)
+        return future
+
+    def start_run(self, **kwargs: Any) -> Future[str]:
+        """Queue `MlflowSink.start_run`; the future holds the MLflow run id."""
+        return self._queue("start_run", **kwargs)
+
+    def attach(self, run_id: str) -> None:
+        self._queue("attach", run_id)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self._queue("set_tags", dict(tags))
+
+    def log_round(self, round_idx: int, metrics: Mapping[str, float]) -> None:
+        self._queue("log_round", round_idx, dict(metrics))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._queue("log_text", text, artifact_file)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self._queue("log_artifact", path, artifact_path)
+
+    def check(self) -> None:
+        """Raise the first failure among the calls done so far (never waits)."""
+        done = [f for f in self._queued if f.done()]
+        self._queued = [f for f in self._queued if not f.done()]
+        for future in done:
+            future.result()
+
+    def flush(self) -> None:
+        """Wait for every queued call and for MLflow's own queued batches; raise the first failure."""
+        self._queue("flush")
+        queued, self._queued = self._queued, []
+        for future in queued:
+            future.result()
+
+    def end_run(self, status: str) -> None:
+        """Queue the end of the run, wait for everything, and stop the thread."""
+        self._queue("end_run", status)
+        try:
+            self.flush()
+        finally:
+            self._thread.shutdown(wait=True)
 
 
 class Tracker:
@@ -48,10 +124,11 @@ class Tracker:
         mlflow: An MLflow sink for this run, or None for `--no-mlflow`.
     """
 
-    def __init__(self, store: SqlStore, mlflow: MlflowSink | None = None) -> None:
+    def __init__(self, store: SqlStore, mlflow: MlflowSink | BackgroundMlflow | None = None) -> None:
         self.store = store
         self.mlflow = mlflow
         self._run_id: str | None = None
+        self._started: str | Future[str] | None = None  # the MLflow run id, until stored on the SQL run
 
     @property
     def run_id(self) -> str:
@@ -123,7 +200,7 @@ class Tracker:
 
     def _start_mlflow(
         self,
-        mlflow: MlflowSink,
+        mlflow: MlflowSink | BackgroundMlflow,
         config: Mapping[str, Any],
         params: Mapping[str, str],
         tags: dict[str, str],
@@ -134,18 +211,41 @@ class Tracker:
         tags.setdefault("fedcli.config_hash", config_hash(config))  # the engine passes its own hash
         tags["fedcli.run_id"] = run_id
         try:
-            mlflow_run_id = mlflow.start_run(
-                run_name=self.store.get_run(run_id).run_name,
-                params=params,
-                tags=tags,
-                parent_run_id=parent_run_id,
+            started = mlflow.start_run(
+                run_name=self.store.get_run(run_id).run_name, params=params, tags=tags, parent_run_id=parent_run_id
             )
-            self.store.set_run_fields(run_id, mlflow_run_id=mlflow_run_id)
+            self._started = started
             mlflow.log_text(canonical_json(config), CONFIG_ARTIFACT)
+            if not isinstance(started, Future):
+                self._sync_mlflow(wait=True)
         except TrackingError as err:
+            self.mlflow = None
             self.store.end_run(run_id, "failed", reason=str(err))
             raise
-        log.info("run %s started (MLflow run %s)", run_id, mlflow_run_id)
+
+    def _sync_mlflow(self, *, wait: bool) -> None:
+        """Store the MLflow run id once known; raise queued MLflow failures (waiting if `wait`).
+
+        After a failure MLflow is dropped for the rest of the run and the `TrackingError`
+        propagates; the engine then ends the run `failed` with that reason.
+        """
+        if self.mlflow is None:
+            return
+        try:
+            if isinstance(self.mlflow, BackgroundMlflow):
+                if wait:
+                    self.mlflow.flush()
+                else:
+                    self.mlflow.check()
+            started = self._started
+            if started is not None and (not isinstance(started, Future) or started.done()):
+                self._started = None
+                mlflow_run_id = started.result() if isinstance(started, Future) else started
+                self.store.set_run_fields(self.run_id, mlflow_run_id=mlflow_run_id)
+                log.info("run %s started (MLflow run %s)", self.run_id, mlflow_run_id)
+        except TrackingError:
+            self.mlflow = None
+            raise
 
     def resume(self, run_ref: str, *, from_round: int | None = None) -> RunRecord:
         """Reattach to an existing run: status back to `running`, MLflow run back to RUNNING.
@@ -186,6 +286,7 @@ class Tracker:
         self.store.log_round(self.run_id, round_idx, values)
         if self.mlflow is not None:
             self.mlflow.log_round(round_idx, values)
+            self._sync_mlflow(wait=False)
 
     def log_client_metrics(self, round_idx: int, rows: Iterable[tuple[int, str, float]]) -> None:
         """Write per-client `(client_id, key, value)` rows of one round (SQL store only)."""
@@ -196,6 +297,7 @@ class Tracker:
         self.store.add_checkpoint(self.run_id, round_idx, path)
         if self.mlflow is not None:
             self.mlflow.flush()
+            self._sync_mlflow(wait=True)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file to the MLflow run (no-op without MLflow)."""
@@ -210,6 +312,12 @@ class Tracker:
             reason: One-line cause for failed/interrupted runs (MLflow tag `fedcli.failure_reason`).
             diverged_at_round: Round with non-finite metrics (MLflow tag `fedcli.diverged_at_round`).
         """
+        try:
+            self._sync_mlflow(wait=True)
+        except TrackingError as err:  # the run ends failed, with MLflow's reason
+            self.store.end_run(self.run_id, "failed", reason=f"{reason + '; ' if reason else ''}{err}",
+                               diverged_at_round=diverged_at_round)
+            raise
         self.store.end_run(self.run_id, status, reason=reason, diverged_at_round=diverged_at_round)
         if self.mlflow is None:
             return

@@ -62,15 +62,12 @@ def tracking_config(overrides: Mapping[str, Any]) -> TrackingConfig:
 
 def open_tracker(cfg: TrackingConfig) -> Tracker:
     """Open the SQL store and, unless --no-mlflow, the MLflow sink of one run."""
-    from fedcli.tracking.sinks import Tracker
+    from fedcli.tracking.sinks import BackgroundMlflow, Tracker
 
     store = open_store(cfg.store_url)
-    sink = None
-    if cfg.use_mlflow:
-        from fedcli.tracking.mlflow_sink import MlflowSink
-
-        sink = MlflowSink(cfg.mlflow_uri, cfg.experiment)
-    return Tracker(store, sink)
+    # MLflow opens on a background thread: its import and store migrations overlap the data
+    # loading and the first rounds instead of delaying them (issue 7, start-up).
+    return Tracker(store, BackgroundMlflow(cfg.mlflow_uri, cfg.experiment) if cfg.use_mlflow else None)
 
 
 def find_run(ref: str, overrides: Mapping[str, Any]) -> RunRecord:

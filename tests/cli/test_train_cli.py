@@ -123,3 +123,19 @@ def test_run_metrics_identical_in_sql_store_and_mlflow(tmp_path: Path) -> None:
         history = sorted((m.step, m.value) for m in client.get_metric_history(record.mlflow_run_id, key))
         assert history == sorted(zip(group["round_idx"], group["value"], strict=False)), key
     assert [m.step for m in client.get_metric_history(record.mlflow_run_id, "eval/loss")] == [0, 2, 3]
+
+
+def test_unusable_mlflow_store_fails_the_run_with_one_line(tmp_path: Path) -> None:
+    """MLflow opens on a background thread (start-up, issue 7); a store it cannot open still ends
+    the command with exit 2 and one line naming the store and the fix, and the SQL run is
+    recorded `failed` with that reason, not left `running`."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = cli("-q", "train", "--task", "lsq", "--rounds", "2", "--tracking-uri",
+                 f"sqlite:///{blocker}/mlflow.db", *store_args(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    message = result.stderr.strip().splitlines()
+    assert len(message) == 1 and "could not open" in message[0] and "--no-mlflow" in message[0], message
+    runs = SqlStore(f"sqlite:///{tmp_path / 's.db'}").list_runs()
+    assert [r.status for r in runs] == ["failed"] and "could not open" in (runs[0].failure_reason or "")
