@@ -145,12 +145,12 @@ class MaskedSGD:
         self._owned = True
 
 
-def accumulate(total: Params | None, x: Params, weight: Tensor) -> Params:
-    """Return total + weight * x, in place on `total` after the first call (total None)."""
+def accumulate(total: Params | None, x: Params) -> Params:
+    """Return total + x, in place on `total` after the first call (total None: a copy of x)."""
     if total is None:
-        return {k: v * weight for k, v in x.items()}
+        return {k: v.clone() for k, v in x.items()}
     for k, v in total.items():
-        v.add_(x[k] * weight)
+        v.add_(x[k])
     return total
 
 
@@ -163,6 +163,11 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     parameters and momentum unchanged. With `average_epochs`, each epoch also yields the
     average of its post-step iterates (the IASG sample of FedPA Alg. 4, lines 5-10).
     `params` is never written: the iterate is a copy made by the first step (MaskedSGD).
+
+    The epoch average sums the iterate after every step, real or masked, and then removes
+    the masked ones: masked steps come after the real ones of their epoch (CohortPlan's
+    layout, the ClientContext contract) and leave the iterate unchanged, so each of them
+    added the epoch's last iterate. One in-place add per step, no temporary.
     """
     loss_fn = objective or ctx.loss_fn
 
@@ -183,11 +188,11 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
             sgd.apply(scaled, mask)
             loss_sum = loss_sum + mask * loss
             if average_epochs:
-                running = accumulate(running, sgd.params, mask)
-        if average_epochs:
-            epoch_slice = ctx.step_mask[epoch * ctx.steps_per_epoch:(epoch + 1) * ctx.steps_per_epoch]
-            count = epoch_slice.sum().clamp_min(1.0)
-            epoch_means.append({n: v / count for n, v in (running or tree_zeros_like(params)).items()})
+                running = accumulate(running, sgd.params)
+        if average_epochs and running is not None:
+            real = ctx.step_mask[epoch * ctx.steps_per_epoch:(epoch + 1) * ctx.steps_per_epoch].sum()
+            masked, count = ctx.steps_per_epoch - real, real.clamp_min(1.0)
+            epoch_means.append({n: (v - masked * sgd.params[n]) / count for n, v in running.items()})
     mean_loss = loss_sum / ctx.step_mask.sum().clamp_min(1.0)
     return LocalResult(params=sgd.params, epoch_means=epoch_means, mean_loss=mean_loss)
 
