@@ -131,8 +131,13 @@ class RunConfig:
 
     @property
     def config_hash(self) -> str:
-        """sha256 of the canonical JSON of everything that determines results (not tracking)."""
+        """sha256 of the canonical JSON of everything that determines results.
+
+        Left out: the tracking section and train.workers (how many processes share the
+        cohort: a resource, like the machine; `fedcli sweep --workers N` sets it per trial).
+        """
         body = {k: v for k, v in self.to_dict().items() if k != "tracking"}
+        body["train"] = {k: v for k, v in body["train"].items() if k != "workers"}
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 

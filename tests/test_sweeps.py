@@ -8,8 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
+from fedcli.engine.workers import available_cores
 from fedcli.errors import ConfigError
 from fedcli.sweeps import expand, load_spec
+from fedcli.tracking.store import SqlStore
 
 
 def test_grid_expands_per_algorithm_hyperparameters_and_seeds() -> None:
@@ -36,8 +38,11 @@ def test_sweep_runs_then_skips_finished_trials(tmp_path: Path) -> None:
     spec.write_text("experiment: tiny\nbase: {task: lsq, rounds: 2, clients_per_round: 3}\n"
                     "grid: {server_opt: [sgd, adam]}\nseeds: [0]\n")
     args = ["sweep", str(spec), "--no-mlflow", "--root", str(tmp_path), "--store", f"sqlite:///{tmp_path / 's.db'}"]
-    first = CliRunner().invoke(app, args)
+    first = CliRunner().invoke(app, [*args, "--workers", "2"])
     assert first.exit_code == 0, first.output
     assert "2/2 trials finished; skipped 0" in first.stderr
-    again = CliRunner().invoke(app, args)
-    assert again.exit_code == 0 and "finished (skip)" in again.stderr
+    # two trials at once: each child got half the cores as train.workers
+    runs = SqlStore(f"sqlite:///{tmp_path / 's.db'}").list_runs()
+    assert {r.config["train"]["workers"] for r in runs} == {max(1, available_cores() // 2)}
+    again = CliRunner().invoke(app, args)  # one at a time now: train.workers is not part of the hash
+    assert again.exit_code == 0 and again.stderr.count("finished (skip)") == 2

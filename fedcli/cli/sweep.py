@@ -63,8 +63,11 @@ def sweep(
         show(trials, done)
         if dry_run or not todo:
             return
+        from fedcli.engine.workers import available_cores
+
+        cores = max(1, available_cores() // workers)  # each trial's share of the CPU (train.workers)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            codes = list(pool.map(run_trial, todo))
+            codes = list(pool.map(lambda trial: run_trial(trial, cores), todo))
     failed = [t.name for t, code in zip(todo, codes, strict=True) if code != 0]
     console().print(f"{len(todo) - len(failed)}/{len(todo)} trials finished; skipped {len(trials) - len(todo)}.")
     if failed:
@@ -81,12 +84,18 @@ def finished_hashes(store_url: str, experiment: str) -> set[str]:
     return {r.tags.get("fedcli.config_hash", "") for r in runs if r.status == "finished"}
 
 
-def run_trial(trial: object) -> int:
-    """Run one trial as `fedcli -q train --config <resolved.yaml>` in its own process."""
-    cfg = trial.config  # type: ignore[attr-defined]
+def run_trial(trial: object, cores: int | None = None) -> int:
+    """Run one trial as `fedcli -q train --config <resolved.yaml>` in its own process.
+
+    `cores`: the trial's share of the CPU cores, given to it as train.workers unless its
+    config sets that (so N trials at once do not each start a worker per core).
+    """
+    body = trial.config.to_dict()  # type: ignore[attr-defined]
+    if cores is not None and body["train"].get("workers") is None:
+        body["train"]["workers"] = cores
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.yaml"
-        path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=True))
+        path.write_text(yaml.safe_dump(body, sort_keys=True))
         proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--config", str(path),
                                "--run-name", trial.name], capture_output=True, text=True)  # type: ignore[attr-defined]
     if proc.returncode != 0:
