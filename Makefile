@@ -23,7 +23,19 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# Flower pins older typer/rich/protobuf than fedcli: it gets its own environment, which also
+# sees .venv's packages (fedcli, torch) through a .pth file. Best effort: without it (no
+# package index), the bench runs and reports the Flower column as "not measured".
+FLOWER := .venv-flower
+$(FLOWER)/.installed: $(STAMP)
+	test -d $(FLOWER) || $(PYTHON) -m venv $(FLOWER)
+	$(BIN)/python -c "import sysconfig; print('import site; site.addsitedir(%r)' % sysconfig.get_paths()['purelib'])" \
+		> "$$($(FLOWER)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_fedcli.pth"
+	$(FLOWER)/bin/pip install --quiet "flwr[simulation]>=1.8"
+	touch $@
+
 bench: $(STAMP)
+	-$(MAKE) $(FLOWER)/.installed
 	$(BIN)/python -m tests.benchmarks.run --out bench-results
 	$(BIN)/python tests/benchmarks/bench_report.py --out bench-results/bench_report.json
 
@@ -33,4 +45,4 @@ lint: $(STAMP)
 	$(BIN)/mypy fedcli algorithms tracking
 
 clean:
-	rm -rf $(VENV) fedcli-runs .pytest_cache
+	rm -rf $(VENV) $(FLOWER) fedcli-runs .pytest_cache

@@ -53,6 +53,11 @@ def _workloads(results: dict[str, object]) -> list[str]:
     for key, w in work.items():
         lines.append(f"| {key} | {_x(w['flower_s'], w['fedcli_best_s'])} | {_x(w['plain_best_s'], w['fedcli_best_s'])} "
                      f"| {_x(w['fedcli_best_s'], w['floor']['floor_s'])} |")
+    compiled = {k: w["compile_s"] for k, w in work.items() if w.get("compile_s")}
+    if compiled:
+        lines += ["", "`--compile` (opt-in) seconds spent compiling, per repetition (the first is a cold inductor "
+                  "cache, later ones reuse it on disk): "
+                  + "; ".join(f"{k}: " + ", ".join(f"{v:.0f}" for v in vs) for k, vs in compiled.items()) + "."]
     per = {k: f"{w['floor']['flop_per_example'] / 1e6:.3g} MFLOP/example ({100 * w['floor']['conv_share']:.0f} % conv)"
            for k, w in work.items()}
     lines += ["", "FLOP counts (torch.utils.flop_counter on one SGD step): "

@@ -45,12 +45,16 @@ def median_after_first(times: list[float]) -> float:
 
 
 def fedcli_rounds(model: str, cohort: int, rounds: int, executor: str, threads: int,
-                  precision: str = "fp32") -> dict[str, object]:
-    """Time `rounds` FedAvg rounds of fedcli with one executor; returns times and what ran."""
+                  precision: str = "fp32", compile: bool = False) -> dict[str, object]:
+    """Time `rounds` FedAvg rounds of fedcli with one executor; returns times and what ran.
+
+    With `compile` (vmap + torch.compile, opt-in `--compile`) round 1 holds the compilation
+    (or, with inductor's on-disk cache warm, its loading); `compile_s` reports it.
+    """
     cfg = build_config(overrides={"algorithm.name": "fedavg", "data.task": "femnist", "data.model": model,
                                   "train.clients_per_round": cohort, "train.batch_size": BATCH,
                                   "train.client_lr": LR, "train.executor": executor, "seed": 0,
-                                  "train.precision": precision})
+                                  "train.precision": precision, "train.compile": compile or None})
     setup = build(cfg)
     state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
     store, times = ClientStateStore(None), []
@@ -63,7 +67,7 @@ def fedcli_rounds(model: str, cohort: int, rounds: int, executor: str, threads: 
     finally:
         close_runner(setup.runner)
     return {"executor": setup.executor, "reason": setup.executor_reason, "threads": threads, "round_s": times,
-            "median_s": median_after_first(times)}
+            "median_s": median_after_first(times), "compile_s": getattr(setup.runner, "compile_s", None)}
 
 
 def cohort_examples(cohort: int, rounds: int) -> list[int]:
