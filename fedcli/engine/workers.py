@@ -34,6 +34,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -537,6 +538,10 @@ def with_precision(fns: ModelFunctions, precision: str, device: torch.device) ->
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         return fns
+    if device.type == "cpu" and not _native_bf16_cpu():
+        log.warning("train.precision='bf16' on a CPU without native bf16 (no avx512_bf16/amx_bf16 flag): "
+                    "PyTorch emulates it, and its convolutions fall back to a slow reference kernel (8x slower "
+                    "than fp32 in make bench on such a CPU); use --precision fp32 here.")
     loss_fn, apply_fn = fns.loss_fn, fns.apply_fn
 
     def bf16_loss(params: dict[str, Tensor], batch: Any) -> Tensor:
@@ -548,6 +553,15 @@ def with_precision(fns: ModelFunctions, precision: str, device: torch.device) ->
             return apply_fn(params, x).float()
 
     return replace(fns, loss_fn=bf16_loss, apply_fn=bf16_apply)
+
+
+def _native_bf16_cpu() -> bool:
+    """True when /proc/cpuinfo lists avx512_bf16 or amx_bf16 (True where it cannot be read)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def pad_steps(inputs: CohortInputs, multiple: int, max_steps: int | None = None) -> CohortInputs:

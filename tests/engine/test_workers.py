@@ -206,6 +206,21 @@ def test_tf32_needs_cuda_and_bf16_stays_close_to_fp32() -> None:
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_native_bf16_warns(native: bool, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """bf16 is emulated on CPUs without avx512_bf16/amx_bf16 (its convolutions ran 8x slower than
+    fp32 in make bench there): --precision bf16 says so once, and stays silent where it is native."""
+    import fedcli.engine.workers as workers
+
+    _, setup, _, _ = lsq_round("fedavg")
+    monkeypatch.setattr(workers, "_native_bf16_cpu", lambda: native)
+    with caplog.at_level("WARNING", logger="fedcli.engine.workers"):
+        with_precision(setup.fns, "bf16", torch.device("cpu"))
+    warned = [r for r in caplog.records if "without native bf16" in r.getMessage()]
+    assert len(warned) == (0 if native else 1)
+
+
 def test_padding_steps_per_epoch_with_masked_steps_changes_nothing() -> None:
     """Extra steps at the end of every epoch have mask 0: exact no-ops (tree_where)."""
     _, setup, bc, inputs = lsq_round("fedavg", epochs=2)
