@@ -115,7 +115,8 @@ class MaskedSGD:
     """
 
     def __init__(self, params: Params, lr: float, momentum: float) -> None:
-        self.params, self.velocity = dict(params), {}
+        self.params: Params = dict(params)
+        self.velocity: Params = {}
         self.lr, self.momentum, self._owned = lr, momentum, False
 
     def coef(self, mask: Tensor) -> Tensor:

@@ -56,7 +56,7 @@ def ui(
 
 def runs_tracking_uri(store_url: str) -> str | None:
     """The MLflow URI most runs of the SQL store logged to (their stored tracking config), or None."""
-    uris = Counter()
+    uris: Counter[str] = Counter()
     for record in open_store(store_url).list_runs():
         saved = record.config.get("tracking", {})
         if record.mlflow_run_id and saved:
