@@ -64,3 +64,34 @@ def test_bag_of_words_prepare_under_vmap() -> None:
     batched = torch.func.vmap(bag_of_words)(ids)
     torch.testing.assert_close(batched, torch.stack([bag_of_words(ids[0]), bag_of_words(ids[1])]))
     assert float(batched[0, 1, 2]) == pytest.approx(0.5)  # OOV counts in the mean, then is dropped
+
+
+def test_keyed_uniform_is_uniform_deterministic_and_keyed() -> None:
+    """The dropout source (splitmix64 of (key, position)): 1e6 draws in [0, 1) with mean 1/2 and
+    variance 1/12 (within 5 standard errors), equal-width bins within 5 sigma of n/20, no lag-1 or
+    neighbouring-key correlation beyond 5/sqrt(n); the same key gives the same draws."""
+    n = 1_000_000
+    u = models.keyed_uniform(torch.tensor(7), torch.Size([n]), torch.device("cpu")).double()
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 5 * (1 / 12) ** 0.5 / n**0.5
+    assert abs(float(u.var()) - 1 / 12) < 5 * (1 / 180) ** 0.5 / n**0.5  # var of (U - 1/2)^2 is 1/180
+    counts = torch.histc(u, 20, 0.0, 1.0)
+    assert float((counts - n / 20).abs().max()) < 5 * (n / 20 * (1 - 1 / 20)) ** 0.5
+    bound = 5 / n**0.5
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < bound
+    v = models.keyed_uniform(torch.tensor(8), torch.Size([n]), torch.device("cpu")).double()
+    assert abs(float(torch.corrcoef(torch.stack([u, v]))[0, 1])) < bound
+    assert torch.equal(u, models.keyed_uniform(torch.tensor(7), torch.Size([n]), torch.device("cpu")).double())
+
+
+def test_keyed_dropout_under_vmap_equals_per_key_calls() -> None:
+    """vmap over keys gives each client the mask it gets alone (what makes loop = vmap with dropout);
+    the kept fraction is 1 - p and kept units are scaled by 1 / (1 - p)."""
+    h = torch.ones(50, 40)
+    keys = torch.arange(5, dtype=torch.int64) * 1000 + 3
+    batched = torch.func.vmap(lambda k: models.keyed_dropout(h, k, 0.25, salt=1))(keys)
+    alone = torch.stack([models.keyed_dropout(h, k, 0.25, salt=1) for k in keys])
+    assert torch.equal(batched, alone)
+    kept = alone != 0
+    assert abs(float(kept.double().mean()) - 0.75) < 5 * (0.75 * 0.25 / kept.numel()) ** 0.5
+    assert torch.allclose(alone[kept], torch.tensor(1 / 0.75))
