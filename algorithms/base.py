@@ -60,6 +60,7 @@ class ClientContext(NamedTuple):
     steps_per_epoch: int  # K (padded), so S = E * K
     round_idx: int  # 1-based training round (static for the cohort)
     noise: dict[str, Tensor]  # pre-drawn N(0, 1) tensors declared by Algorithm.noise_shapes
+    compile_step: bool = False  # --compile outside vmap: local_sgd may torch.compile its gradient step
 
     @property
     def num_steps(self) -> int:

@@ -22,7 +22,8 @@ TFF/Keras/PyTorch Adam, m / (1 - b1^t) and v / (1 - b2^t).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -155,6 +156,37 @@ def accumulate(total: Params | None, x: Params) -> Params:
     return total
 
 
+def scaled_objective(loss_fn: LossFn) -> Callable[[Params, Batch, Tensor], tuple[Tensor, Tensor]]:
+    """Return (params, batch, coef) -> (coef * loss, loss): its gradient is MaskedSGD's step."""
+
+    def scaled_loss(params: Params, batch: Batch, coef: Tensor) -> tuple[Tensor, Tensor]:
+        loss = loss_fn(params, batch)
+        return coef * loss, loss.detach()
+
+    return scaled_loss
+
+
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}  # loss function -> its compiled step
+
+
+def compiled_scaled_grad(loss_fn: LossFn) -> Callable[..., Any]:
+    """torch.compile of grad(scaled_objective(loss_fn)), built once per loss function and reused by every step.
+
+    The per-client step (forward, backward, the -lr * mask scaling) becomes one compiled graph
+    of fixed shapes (batches are padded to the batch size), so it compiles once per run in
+    seconds and is reused across steps, clients and rounds; one client's parameters stay in
+    cache. Used by local_sgd under `--compile` with the loop and process executors when the
+    algorithm trains ctx.loss_fn itself; algorithm-specific objectives (closures over the
+    round's broadcast) would recompile every round and run eagerly instead.
+    """
+    fn = _COMPILED.get(loss_fn)
+    if fn is None:
+        if len(_COMPILED) >= 8:  # one run uses one; bound what a long-lived process keeps alive
+            _COMPILED.clear()
+        fn = _COMPILED[loss_fn] = torch.compile(torch.func.grad(scaled_objective(loss_fn), has_aux=True), dynamic=False)
+    return fn
+
+
 def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
               objective: LossFn | None = None, *, average_epochs: bool = False) -> LocalResult:
     """Run E epochs x K masked SGD(+momentum) steps on `objective` from `params`.
@@ -170,13 +202,10 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     layout, the ClientContext contract) and leave the iterate unchanged, so each of them
     added the epoch's last iterate. One in-place add per step, no temporary.
     """
-    loss_fn = objective or ctx.loss_fn
-
-    def scaled_loss(p: Params, batch: Batch, coef: Tensor) -> tuple[Tensor, Tensor]:
-        loss = loss_fn(p, batch)
-        return coef * loss, loss.detach()
-
-    scaled_grad = torch.func.grad(scaled_loss, has_aux=True)  # d(coef * loss) = coef * grad
+    if ctx.compile_step and objective is None:
+        scaled_grad = compiled_scaled_grad(ctx.loss_fn)
+    else:
+        scaled_grad = torch.func.grad(scaled_objective(objective or ctx.loss_fn), has_aux=True)  # d(coef loss) = coef grad
     sgd = MaskedSGD(params, opt.client_lr, opt.client_momentum)
     loss_sum = torch.zeros((), dtype=ctx.step_mask.dtype, device=ctx.step_mask.device)
     epoch_means: list[Params] = []

@@ -80,7 +80,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     # --- issue 7 (speed)
     workers: int | None = None  # process executor: processes training clients, main included; None = CPU cores
-    compile: bool = False  # torch.compile the vmapped client update (compile time logged; inductor cache reused)
+    compile: bool = False  # torch.compile: vmap -> the cohort's update; loop/process -> each client's step
     precision: str = "fp32"  # fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run
 
     @property

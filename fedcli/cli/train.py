@@ -103,8 +103,9 @@ def train(
     workers: Annotated[int | None, typer.Option(min=1, help="Processes training clients (--executor process), "
                                                             "this one included. \\[default: CPU cores]",
                                                 rich_help_panel=Panel.TRAIN)] = None,
-    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the vmapped client update (slow "
-                                                           "first round; time logged, cache reused).",
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile: with vmap the cohort's update (slow "
+                                                           "first round), with loop/process each client's step "
+                                                           "(seconds); time logged, cache reused.",
                                           rich_help_panel=Panel.TRAIN)] = False,
     precision: Annotated[Precision | None, typer.Option(help="fp32 | tf32 (CUDA) | bf16 (autocast); recorded in "
                                                              "the run config. \\[default: fp32]",

@@ -30,6 +30,7 @@ class ModelFunctions:
     loss_fn: Callable[[Params, Batch], Tensor]  # weighted mean loss, dropout keyed by batch.key
     data: FederatedData
     prepare: Callable[[Tensor], Tensor]
+    compile_step: bool = False  # --compile with the loop/process executors: compiled per-client steps
 
 
 def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelFunctions:
@@ -58,7 +59,7 @@ class CohortInputs:
 
 def make_context(fns: ModelFunctions, index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor,
                  num_examples: Tensor, noise: dict[str, Tensor], num_epochs: int, steps_per_epoch: int,
-                 round_idx: int) -> ClientContext:
+                 round_idx: int, compile_step: bool = False) -> ClientContext:
     """Build one client's ClientContext; batches are gathered lazily by index."""
 
     def batch(step: int) -> Batch:
@@ -67,15 +68,16 @@ def make_context(fns: ModelFunctions, index: Tensor, weight: Tensor, step_mask: 
 
     return ClientContext(loss_fn=fns.loss_fn, apply_fn=fns.apply_fn, batch=batch, step_mask=step_mask,
                          num_examples=num_examples, num_epochs=num_epochs, steps_per_epoch=steps_per_epoch,
-                         round_idx=round_idx, noise=noise)
+                         round_idx=round_idx, noise=noise, compile_step=compile_step)
 
 
 def _client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt: OptimConfig,
-               num_epochs: int, steps_per_epoch: int, round_idx: int) -> Callable[..., tuple[Any, Any, Any]]:
+               num_epochs: int, steps_per_epoch: int, round_idx: int,
+               compile_step: bool = False) -> Callable[..., tuple[Any, Any, Any]]:
     def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
             noise: dict[str, Tensor], state: Any) -> tuple[Any, Any, Any]:
         ctx = make_context(fns, index, weight, step_mask, keys, num_examples, noise, num_epochs,
-                           steps_per_epoch, round_idx)
+                           steps_per_epoch, round_idx, compile_step)
         out = alg.client_update(ctx, broadcast, state, hp, opt)
         return out.upload, ({} if out.state is None else out.state), out.metrics
 
@@ -102,7 +104,7 @@ def run_loop(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohort
     for c in range(len(plan.num_examples)):
         own = plan.for_client(c)
         k = own.steps_per_epoch
-        one = _client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, k, round_idx)
+        one = _client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, k, round_idx, fns.compile_step)
         noise = {name: trim_steps(v[c], plan.num_epochs, plan.steps_per_epoch, k) for name, v in inputs.noise.items()}
         keys = trim_steps(inputs.keys[c], plan.num_epochs, plan.steps_per_epoch, k)
         state = None if inputs.states is None else pytree.tree_map(lambda t, c=c: t[c], inputs.states)
