@@ -76,7 +76,7 @@ class TrainConfig:
     eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
     checkpoint_every: int = 0  # rounds between checkpoints; 0 = only the final model
     executor: str = "auto"  # auto | loop | vmap | process (cohort split across CPU worker processes)
-    cohort_chunk: int | None = None  # vmap chunk size (bounds memory); None = whole cohort
+    cohort_chunk: int | None = None  # vmap chunk size, clients grouped by length; None = whole cohort
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     # --- issue 7 (speed)
     workers: int | None = None  # process executor: processes training clients, main included; None = CPU cores

@@ -110,7 +110,8 @@ def train(
     precision: Annotated[Precision | None, typer.Option(help="fp32 | tf32 (CUDA) | bf16 (autocast); recorded in "
                                                              "the run config. \\[default: fp32]",
                                                         rich_help_panel=Panel.TRAIN)] = None,
-    cohort_chunk: Annotated[int | None, typer.Option(min=1, help="vmap at most this many clients at once (memory).",
+    cohort_chunk: Annotated[int | None, typer.Option(min=1, help="vmap at most this many clients at once, grouped by length "
+                                                      "(bounds memory; saves padding on uneven clients).",
                                                      rich_help_panel=Panel.TRAIN)] = None,
     eval_every: Annotated[int | None, typer.Option(min=1, help="Evaluate every K rounds (and the last). \\[default: 1]",
                                                    rich_help_panel=Panel.TRAIN)] = None,

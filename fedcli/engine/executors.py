@@ -3,8 +3,8 @@
 Both take the same inputs and return the same stacked `ClientOut` (leading client axis C).
 `loop` is the reference: each client runs alone, with only its own K_c steps per epoch.
 `vmap` runs the cohort as one batched computation with torch.func.vmap over the padded
-plan (masked steps are exact no-ops), optionally in chunks to bound memory. The two agree
-to float tolerance on the same seed (tests/engine/test_equivalence.py).
+plan (masked steps are exact no-ops), optionally in chunks of similar-length clients to bound
+memory. The two agree to float tolerance on the same seed (tests/engine/test_equivalence.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
@@ -84,13 +85,54 @@ def _client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt
     return one
 
 
+def take_clients(inputs: CohortInputs, rows: np.ndarray) -> CohortInputs:
+    """Return the CohortInputs of `rows`, trimmed to the slice's longest client per epoch.
+
+    The plan is epoch-major [C, E * K, ...]; keeping the first k <= K steps of every epoch
+    keeps each client's real steps, keys and noise exactly (masked steps are no-ops).
+    """
+    plan = inputs.plan
+    epochs, padded = plan.num_epochs, plan.steps_per_epoch
+    own = int(plan.steps_per_client[rows].max())
+    index = torch.as_tensor(rows, dtype=torch.int64, device=plan.index.device)
+
+    def cut(t: Tensor) -> Tensor:  # [C, E*K, ...] -> [c, E*k, ...]
+        t = t.index_select(0, index)
+        t = t.reshape(len(rows), epochs, padded, *t.shape[2:])[:, :, :own]
+        return t.reshape(len(rows), epochs * own, *t.shape[3:])
+
+    sliced = CohortPlan(index=cut(plan.index), weight=cut(plan.weight), step_mask=cut(plan.step_mask),
+                        num_examples=plan.num_examples.index_select(0, index),
+                        steps_per_client=plan.steps_per_client[rows], num_epochs=epochs, steps_per_epoch=own)
+    states = None if inputs.states is None else pytree.tree_map(lambda t: t.index_select(0, index), inputs.states)
+    return CohortInputs(plan=sliced, keys=cut(inputs.keys), noise={k: cut(v) for k, v in inputs.noise.items()},
+                        states=states)
+
+
+def merge_outs(groups: list[np.ndarray], outs: list[ClientOut]) -> ClientOut:
+    """Concatenate per-group ClientOuts and restore the cohort order."""
+    order = torch.as_tensor(np.argsort(np.concatenate(groups), kind="stable"), dtype=torch.int64)
+    return pytree.tree_map(lambda *xs: None if xs[0] is None else torch.cat(xs).index_select(0, order), *outs)
+
+
 def run_vmap(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
              opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
-    """Run the whole cohort as one vmapped computation (chunks of chunk_size clients)."""
+    """Run the whole cohort as one vmapped computation, or in chunks of chunk_size clients.
+
+    Chunks group clients of similar length (sorted by steps per epoch, longest first) and each
+    chunk is padded only to its own longest client, so chunking bounds memory and also cuts
+    the masked no-op steps a cohort of uneven clients would otherwise compute.
+    """
     plan = inputs.plan
+    num_clients = len(plan.num_examples)
+    if chunk_size is not None and chunk_size < num_clients:
+        order = np.argsort(-plan.steps_per_client, kind="stable")
+        groups = [order[start : start + chunk_size] for start in range(0, num_clients, chunk_size)]
+        outs = [run_vmap(alg, fns, broadcast, take_clients(inputs, rows), hp, opt, round_idx) for rows in groups]
+        return merge_outs(groups, outs)
     one = _client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, plan.steps_per_epoch, round_idx)
     state_dim = None if inputs.states is None else 0
-    batched = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, state_dim), chunk_size=chunk_size)
+    batched = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, state_dim))
     upload, state, metrics = batched(plan.index, plan.weight, plan.step_mask, inputs.keys,
                                      plan.num_examples, inputs.noise, inputs.states)
     return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)

@@ -40,11 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
 from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
-from fedcli.datasets.federated import CohortPlan, FederatedData
-from fedcli.engine.executors import EXECUTORS, CohortInputs, ModelFunctions
+from fedcli.datasets.federated import FederatedData
+from fedcli.engine.executors import EXECUTORS, CohortInputs, ModelFunctions, merge_outs, take_clients
 from fedcli.errors import ConfigError, FedcliError
 
 log = logging.getLogger(__name__)
@@ -95,36 +94,6 @@ def split_cohort(steps: np.ndarray, parts: int) -> list[np.ndarray]:
             low = mid + 1
     bounds = [0, *fill(low)]
     return [order[a:b] for a, b in itertools.pairwise(bounds) if b > a]
-
-
-def take_clients(inputs: CohortInputs, rows: np.ndarray) -> CohortInputs:
-    """Return the CohortInputs of `rows`, trimmed to the slice's longest client per epoch.
-
-    The plan is epoch-major [C, E * K, ...]; keeping the first k <= K steps of every epoch
-    keeps each client's real steps, keys and noise exactly (masked steps are no-ops).
-    """
-    plan = inputs.plan
-    epochs, padded = plan.num_epochs, plan.steps_per_epoch
-    own = int(plan.steps_per_client[rows].max())
-    index = torch.as_tensor(rows, dtype=torch.int64, device=plan.index.device)
-
-    def cut(t: Tensor) -> Tensor:  # [C, E*K, ...] -> [c, E*k, ...]
-        t = t.index_select(0, index)
-        t = t.reshape(len(rows), epochs, padded, *t.shape[2:])[:, :, :own]
-        return t.reshape(len(rows), epochs * own, *t.shape[3:])
-
-    sliced = CohortPlan(index=cut(plan.index), weight=cut(plan.weight), step_mask=cut(plan.step_mask),
-                        num_examples=plan.num_examples.index_select(0, index),
-                        steps_per_client=plan.steps_per_client[rows], num_epochs=epochs, steps_per_epoch=own)
-    states = None if inputs.states is None else pytree.tree_map(lambda t: t.index_select(0, index), inputs.states)
-    return CohortInputs(plan=sliced, keys=cut(inputs.keys), noise={k: cut(v) for k, v in inputs.noise.items()},
-                        states=states)
-
-
-def merge_outs(groups: list[np.ndarray], outs: list[ClientOut]) -> ClientOut:
-    """Concatenate per-group ClientOuts and restore the cohort order."""
-    order = torch.as_tensor(np.argsort(np.concatenate(groups), kind="stable"), dtype=torch.int64)
-    return pytree.tree_map(lambda *xs: None if xs[0] is None else torch.cat(xs).index_select(0, order), *outs)
 
 
 # ----------------------------------------------------------------------------- shared-memory transport
