@@ -61,6 +61,8 @@ class ClientContext(NamedTuple):
     round_idx: int  # 1-based training round (static for the cohort)
     noise: dict[str, Tensor]  # pre-drawn N(0, 1) tensors declared by Algorithm.noise_shapes
     compile_step: bool = False  # --compile outside vmap: local_sgd may torch.compile its gradient step
+    # the `fused` executor's precomputed optim.LocalResult of this client (Algorithm.fused_local); local_sgd returns it
+    local: Any = None
 
     @property
     def num_steps(self) -> int:
@@ -132,6 +134,17 @@ def require(ok: bool, key: str, constraint: str, value: object, fix: str = "") -
         raise HyperparameterError(f"{message} {fix}".strip())
 
 
+class LocalRequest(NamedTuple):
+    """What an algorithm's client_update asks of optim.local_sgd in a round (Algorithm.fused_local).
+
+    The `fused` executor runs exactly `local_sgd(ctx, params, opt, average_epochs=...)` on the
+    task loss for the whole cohort at once and hands each client its result.
+    """
+
+    params: Params  # the starting point, the same for every client (from the broadcast)
+    average_epochs: bool = False  # also the per-epoch IASG means
+
+
 class Algorithm(NamedTuple):
     """The record every algorithm module exports as `ALGORITHM`."""
 
@@ -152,6 +165,9 @@ class Algorithm(NamedTuple):
     # Bayesian algorithms: state -> (posterior mean, posterior variance), diagonal Gaussian
     # over the flattened parameters as Params trees; used by `fedcli evaluate --predictive`.
     posterior: Callable[[Any], tuple[Params, Params]] | None = None
+    # (broadcast, hp, round_idx) -> the round's local_sgd call on the task loss, or None where
+    # client_update trains anything else; lets the `fused` executor train the cohort at once.
+    fused_local: Callable[..., LocalRequest | None] | None = None
 
 
 def hyperparameter_defaults(config_cls: type) -> dict[str, object]:

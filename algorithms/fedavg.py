@@ -27,6 +27,7 @@ from fedcli.algorithms.base import (
     Algorithm,
     ClientContext,
     ClientOut,
+    LocalRequest,
     Diagnostics,
     OptimConfig,
     Params,
@@ -70,6 +71,11 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: None, hp: Fed
     return ClientOut(upload={"delta": delta}, state=None, metrics={"train_loss": local.mean_loss})
 
 
+def fused_local(bc: Broadcast, hp: object, round_idx: int) -> LocalRequest:
+    """client_update's local_sgd call: plain local SGD from x_t (the `fused` executor)."""
+    return LocalRequest(params=bc.params)
+
+
 def apply_pseudo_gradient(state: ServerState, cohort_delta: Params, weights: Tensor,
                           opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
     """Average deltas with weights q_i / sum q and take one server optimiser step."""
@@ -99,5 +105,6 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=server_update,
     global_params=global_params,
+    fused_local=fused_local,
     description="FedAvg with a FedOpt server optimiser (--server-opt sgd|momentum|adam|adagrad|yogi).",
 )

@@ -36,6 +36,7 @@ from fedcli.algorithms.base import (
     ClientContext,
     ClientOut,
     Diagnostics,
+    LocalRequest,
     OptimConfig,
     Params,
     finite_client_mask,
@@ -131,6 +132,11 @@ def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, 
     return ClientOut(upload={"delta": delta}, state=None, metrics=metrics)
 
 
+def fused_local(bc: fedavg.Broadcast, hp: FedPAConfig, round_idx: int) -> LocalRequest:
+    """client_update's local_sgd call: FedAvg's in burn-in, with the IASG epoch means after."""
+    return LocalRequest(params=bc.params, average_epochs=round_idx > hp.burn_in_rounds)
+
+
 def server_update(state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: FedPAConfig,
                   opt: OptimConfig) -> tuple[fedavg.ServerState, Diagnostics]:
     """Drop non-finite client deltas (weight 0), then FedAvg's server step."""
@@ -158,5 +164,6 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=server_update,
     global_params=fedavg.global_params,
+    fused_local=fused_local,
     description="Posterior averaging: IASG samples, shrinkage covariance, O(l^2 d) DP delta.",
 )

@@ -202,6 +202,11 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     layout, the ClientContext contract) and leave the iterate unchanged, so each of them
     added the epoch's last iterate. One in-place add per step, no temporary.
     """
+    if ctx.local is not None:  # the `fused` executor trained the cohort already (Algorithm.fused_local)
+        if objective is not None or average_epochs != bool(ctx.local.epoch_means):
+            raise RuntimeError("the fused executor's local result does not match this local_sgd call; the "
+                               "algorithm's fused_local must describe its client_update exactly")
+        return ctx.local
     if ctx.compile_step and objective is None:
         scaled_grad = compiled_scaled_grad(ctx.loss_fn)
     else:

@@ -29,6 +29,7 @@ class Executor(str, Enum):
     auto = "auto"
     loop = "loop"
     vmap = "vmap"
+    fused = "fused"
     process = "process"
 
 

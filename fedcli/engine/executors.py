@@ -32,6 +32,7 @@ class ModelFunctions:
     data: FederatedData
     prepare: Callable[[Tensor], Tensor]
     compile_step: bool = False  # --compile with the loop/process executors: compiled per-client steps
+    dense: Any = None  # dense.DenseSpec where the `fused` executor can train the model (MLP/linear, cross-entropy)
 
 
 def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelFunctions:
@@ -45,7 +46,10 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelF
         losses = per_example_loss(task, output, batch.x, batch.y)  # [B]
         return (losses * batch.weight).sum() / batch.weight.sum().clamp_min(1.0)
 
-    return ModelFunctions(apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare)
+    from fedcli.engine.dense import dense_spec
+
+    dense = dense_spec(model) if task.kind == "classification" and task.example_loss is None else None
+    return ModelFunctions(apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare, dense=dense)
 
 
 @dataclass(frozen=True)
@@ -161,4 +165,12 @@ def trim_steps(t: Tensor, num_epochs: int, padded: int, own: int) -> Tensor:
     return t.reshape(num_epochs * own, *t.shape[2:])
 
 
-EXECUTORS: dict[str, Callable[..., ClientOut]] = {"loop": run_loop, "vmap": run_vmap}
+def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
+              opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
+    """The cohort's local SGD of a dense classifier derived by hand (engine/dense.py); else vmap."""
+    from fedcli.engine.dense import run_fused as fused
+
+    return fused(alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
+
+
+EXECUTORS: dict[str, Callable[..., ClientOut]] = {"loop": run_loop, "vmap": run_vmap, "fused": run_fused}

@@ -503,6 +503,8 @@ def with_precision(fns: ModelFunctions, precision: str, device: torch.device) ->
     """
     if precision == "fp32":
         return fns
+    if precision == "bf16":  # the fused dense trainer is fp32 only
+        fns = replace(fns, dense=None)
     if precision == "tf32":
         if device.type != "cuda":
             raise ConfigError(f"train.precision='tf32' needs a CUDA device; got device {device}. "

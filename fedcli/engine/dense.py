@@ -1,0 +1,205 @@
+"""The `fused` executor: local SGD of a whole cohort of dense classifiers, derived by hand.
+
+For the commonest case of the speed workloads (an MLP or a linear classifier trained with
+cross-entropy by local SGD on the task loss: FedAvg and its FedOpt family, FedPA) the cohort
+is trained as stacked tensors with a leading client axis, outside vmap and autograd:
+
+    forward    h_l = act(h_{l-1} W_l^T + b_l)        one baddbmm per layer for all clients
+    loss       L_c = sum_i w_i CE(z_i, y_i) / max(sum_i w_i, 1)     (the task's loss_fn)
+    backward   d_L = (softmax(z) - onehot(y)) w / max(sum w, 1)
+               d_{l-1} = (d_l W_l) * act'(h_{l-1})    (with W_l before its update)
+    update     W_l <- W_l - lr d_l^T h_{l-1}          fused into one in-place baddbmm
+               (momentum: u <- m u - lr g; W <- W + u, torch.optim.SGD's heavy ball)
+
+The gradient-and-update of a layer is a single GEMM that accumulates into the weights, so no
+gradient buffer is allocated and the parameters make one pass per step. Clients are sorted by
+their number of batches, longest first: at local step k only the clients with more than k
+batches are real, and they are a prefix of the sorted cohort, so every step works on views
+`W[:n]` of the real clients and no padded (masked) step is computed at all.
+
+The result is `optim.LocalResult` for the cohort (last iterates, IASG epoch means when asked,
+mean loss); the algorithm's own `client_update` then runs vmapped over the cohort with it
+(ClientContext.local), so everything after local training (deltas, FedPA's DP solve, metrics)
+is the algorithm's code. An algorithm opts in with `Algorithm.fused_local`, which states what
+its local_sgd call is for a round; `local_sgd` refuses a precomputed result that does not match
+the call it answers. tests/engine/test_fused.py checks fused = loop for every opting algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from fedcli.algorithms.base import Algorithm, ClientOut, LocalRequest, OptimConfig, Params
+from fedcli.algorithms.optim import LocalResult
+from fedcli.datasets.federated import CohortPlan
+from fedcli.engine.executors import CohortInputs, ModelFunctions, make_context, merge_outs, run_vmap, take_clients
+
+ACTIVATIONS = ("relu", "sigmoid", "identity")
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """A chain of affine layers with one activation between them, ending in class logits."""
+
+    layers: tuple[tuple[str, str | None], ...]  # (weight name [out, in], bias name [out] or None), input first
+    activation: str  # between layers: relu | sigmoid | identity
+
+
+def dense_spec(model: nn.Module) -> DenseSpec | None:
+    """Return the DenseSpec of an MLP, SigmoidMLP or (unsqueezed) Linear model, else None."""
+    from fedcli.datasets import models
+
+    if isinstance(model, models.MLP | models.SigmoidMLP):
+        names = [f"hidden.{i}" for i in range(len(model.hidden))] + ["out"]
+        activation = "relu" if isinstance(model, models.MLP) else "sigmoid"
+        return DenseSpec(tuple((f"{n}.weight", f"{n}.bias") for n in names), activation)
+    if isinstance(model, models.Linear) and not model.squeeze:
+        return DenseSpec((("linear.weight", "linear.bias" if model.linear.bias is not None else None),), "identity")
+    return None
+
+
+def _activate(h: Tensor, activation: str) -> Tensor:
+    if activation == "relu":
+        return h.relu_()
+    if activation == "sigmoid":
+        return h.sigmoid_()
+    return h
+
+
+def _backprop_activation(d: Tensor, h: Tensor, activation: str) -> Tensor:
+    """d * act'(pre-activation), written with the post-activation output h."""
+    if activation == "relu":  # relu's backward (autograd's own kernel): pass where the output is > 0
+        return torch.ops.aten.threshold_backward(d, h, 0.0)
+    if activation == "sigmoid":
+        return d.mul_(h * (1.0 - h))
+    return d
+
+
+def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Callable[[Tensor], Tensor],
+                    start: Params, plan: CohortPlan, opt: OptimConfig, *, average_epochs: bool) -> LocalResult:
+    """Run E epochs of local SGD(+momentum) for every client of `plan` from `start`; see the module doc.
+
+    Returns the LocalResult of every client stacked on a leading axis in the plan's client
+    order (epoch means only with `average_epochs`). Matches optim.local_sgd on ctx.loss_fn
+    client by client to float tolerance.
+    """
+    steps = np.asarray(plan.steps_per_client)
+    order = np.argsort(-steps, kind="stable")  # longest first: the real clients of step k are a prefix
+    sorted_steps = steps[order]
+    rows = torch.as_tensor(order, dtype=torch.int64, device=plan.index.device)
+    index, weight = plan.index.index_select(0, rows), plan.weight.index_select(0, rows)
+    num_clients, num_epochs, padded = len(order), plan.num_epochs, plan.steps_per_epoch
+    lr, momentum = opt.client_lr, opt.client_momentum
+    features = start[spec.layers[0][0]].shape[1]
+    params = {k: v.unsqueeze(0).repeat(num_clients, *([1] * v.dim())) for k, v in start.items()}
+    velocity = {k: torch.zeros_like(v) for k, v in params.items()} if momentum != 0.0 else {}
+    loss_sum = torch.zeros(num_clients, dtype=plan.weight.dtype, device=plan.weight.device)
+    epoch_means: list[Params] = []
+    active = [int((sorted_steps > k).sum()) for k in range(padded)]
+    for epoch in range(num_epochs):
+        running = {k: torch.zeros_like(v) for k, v in params.items()} if average_epochs else {}
+        for k in range(padded):
+            n, step = active[k], epoch * padded + k
+            ix = index[:n, step].reshape(-1)
+            x = prepare(data_x.index_select(0, ix)).reshape(n, -1, features).to(loss_sum.dtype)
+            y = data_y.index_select(0, ix).reshape(n, -1)
+            loss = _step(spec, params, velocity, x, y, weight[:n, step], n, lr, momentum)
+            loss_sum[:n] += loss
+            for name, total in running.items():
+                total[:n] += params[name][:n]
+        if average_epochs:
+            count = torch.as_tensor(sorted_steps, dtype=loss_sum.dtype, device=loss_sum.device).clamp_min(1.0)
+            epoch_means.append({k: v / count.reshape(-1, *([1] * (v.dim() - 1))) for k, v in running.items()})
+    real_steps = torch.as_tensor(sorted_steps * num_epochs, dtype=loss_sum.dtype, device=loss_sum.device)
+    unsort = torch.as_tensor(np.argsort(order, kind="stable"), dtype=torch.int64, device=rows.device)
+    result = LocalResult(params=params, epoch_means=epoch_means, mean_loss=loss_sum / real_steps.clamp_min(1.0))
+    return pytree.tree_map(lambda t: t.index_select(0, unsort), result)
+
+
+def _step(spec: DenseSpec, params: Params, velocity: Params, x: Tensor, y: Tensor, w: Tensor, n: int,
+          lr: float, momentum: float) -> Tensor:
+    """One SGD step of the first n clients in place; returns their minibatch losses [n]."""
+    hs = [x]  # inputs of each layer
+    for i, (wname, bname) in enumerate(spec.layers):
+        z = torch.bmm(hs[-1], params[wname][:n].transpose(1, 2))  # bmm + add_ beats baddbmm's broadcast bias
+        if bname is not None:
+            z.add_(params[bname][:n].unsqueeze(1))
+        hs.append(z if i == len(spec.layers) - 1 else _activate(z, spec.activation))
+    logits = hs.pop()  # [n, B, classes]
+    target = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # z_y
+    top = logits.amax(dim=-1, keepdim=True)
+    d = logits.sub_(top).exp_()  # exp(z - max), in place of the logits
+    total = d.sum(dim=-1, keepdim=True)
+    lse = total.log().add_(top).squeeze(-1)  # [n, B] log-sum-exp
+    scale = w / w.sum(dim=1, keepdim=True).clamp_min(1.0)  # [n, B]: the loss is sum_i scale_i CE_i
+    loss = ((lse - target) * scale).sum(dim=1)
+    d.div_(total)  # softmax
+    d.scatter_add_(-1, y.unsqueeze(-1), torch.full_like(target, -1.0).unsqueeze(-1))
+    d.mul_(scale.unsqueeze(-1))
+    for i in range(len(spec.layers) - 1, -1, -1):
+        wname, bname = spec.layers[i]
+        h = hs[i]
+        d_prev = (_backprop_activation(torch.bmm(d, params[wname][:n]), h, spec.activation) if i > 0 else None)
+        _update(params, velocity, wname, n, d.transpose(1, 2), h, lr, momentum)
+        if bname is not None:
+            _update(params, velocity, bname, n, d, None, lr, momentum)
+        if d_prev is not None:
+            d = d_prev
+    return loss
+
+
+def _update(params: Params, velocity: Params, name: str, n: int, d: Tensor, h: Tensor | None, lr: float,
+            momentum: float) -> None:
+    """theta <- theta - lr g (or heavy ball) with g = d h (a weight, [n, out, B] x [n, B, in]) or sum_B d (a bias)."""
+    heavy_ball = momentum != 0.0
+    target = velocity[name][:n] if heavy_ball else params[name][:n]  # u = -lr v, or theta itself
+    if h is not None:
+        target.baddbmm_(d, h, beta=momentum if heavy_ball else 1.0, alpha=-lr)
+    else:
+        if heavy_ball:
+            target.mul_(momentum)
+        target.add_(d.sum(dim=1), alpha=-lr)
+    if heavy_ball:
+        params[name][:n] += target
+
+
+def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
+              opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
+    """Train the cohort with dense_local_sgd, then vmap the algorithm's client_update over it.
+
+    Falls back to run_vmap for a round the algorithm does not fuse (fused_local absent or None)
+    or a model without a DenseSpec.
+    """
+    request: LocalRequest | None = None
+    if fns.dense is not None and alg.fused_local is not None:
+        request = alg.fused_local(broadcast, hp, round_idx)
+    if request is None:
+        return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
+    plan = inputs.plan
+    num_clients = len(plan.num_examples)
+    if chunk_size is not None and chunk_size < num_clients:
+        order = np.argsort(-plan.steps_per_client, kind="stable")
+        groups = [order[start : start + chunk_size] for start in range(0, num_clients, chunk_size)]
+        outs = [run_fused(alg, fns, broadcast, take_clients(inputs, rows), hp, opt, round_idx) for rows in groups]
+        return merge_outs(groups, outs)
+    local = dense_local_sgd(fns.dense, fns.data.x, fns.data.y, fns.prepare, request.params, plan, opt,
+                            average_epochs=request.average_epochs)
+
+    def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
+            noise: dict[str, Tensor], state: Any, result: LocalResult) -> tuple[Any, Any, Any]:
+        ctx = make_context(fns, index, weight, step_mask, keys, num_examples, noise, plan.num_epochs,
+                           plan.steps_per_epoch, round_idx)._replace(local=result)
+        out = alg.client_update(ctx, broadcast, state, hp, opt)
+        return out.upload, ({} if out.state is None else out.state), out.metrics
+
+    state_dim = None if inputs.states is None else 0
+    upload, state, metrics = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, state_dim, 0))(
+        plan.index, plan.weight, plan.step_mask, inputs.keys, plan.num_examples, inputs.noise, inputs.states, local)
+    return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
