@@ -98,9 +98,10 @@ def train(
     seed: Annotated[int | None, typer.Option(min=0, help="Root seed of every random stream. \\[default: 0]")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N | mps. \\[default: auto]",
                                                rich_help_panel=Panel.TRAIN)] = None,
-    executor: Annotated[Executor | None, typer.Option(help="Client executor: loop | vmap | process (cohort split "
-                                                           "over CPU processes); auto picks the fastest and says "
-                                                           "which.", rich_help_panel=Panel.TRAIN)] = None,
+    executor: Annotated[Executor | None, typer.Option(help="Client executor: loop | vmap | fused (hand-derived "
+                                                           "cohort SGD for dense classifiers) | process (cohort "
+                                                           "split over CPU processes); auto picks the fastest and "
+                                                           "says which.", rich_help_panel=Panel.TRAIN)] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="Processes training clients (--executor process), "
                                                             "this one included. \\[default: CPU cores]",
                                                 rich_help_panel=Panel.TRAIN)] = None,

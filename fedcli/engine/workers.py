@@ -159,7 +159,7 @@ class WorkerSpec:
     x: Tensor  # training examples (shared memory)
     y: Tensor
     client_indices: list[np.ndarray]
-    inner: str  # in-process executor for a slice: vmap | loop
+    inner: str  # in-process executor for a slice: fused | vmap | loop
 
 
 def worker_functions(spec: WorkerSpec) -> tuple[Algorithm, ModelFunctions, Any, OptimConfig]:
@@ -401,8 +401,13 @@ def round_gflop(model: torch.nn.Module, fns: ModelFunctions, cfg: Any, fed: Fede
     return 6.0 * macs * mean_examples * cfg.train.local_epochs * cfg.train.clients_per_round / 1e9
 
 
-def in_process_executor(alg: Algorithm, device: torch.device, has_conv: bool, has_batchnorm: bool = False) -> str:
-    """Return the faster in-process executor: loop for convolutional models on a CPU, else vmap.
+def in_process_executor(alg: Algorithm, device: torch.device, has_conv: bool, has_batchnorm: bool = False,
+                        dense: bool = False) -> str:
+    """Return the faster in-process executor: fused, loop for convolutional models on a CPU, else vmap.
+
+    `fused` (engine/dense.py) wherever it applies: a dense classifier (`dense`, the model
+    functions' DenseSpec) and an algorithm that declares its local SGD (Algorithm.fused_local).
+    It ran the MLP workloads of `make bench` 2x faster than vmap (README "Benchmarks").
 
     BatchNorm forces loop: its running statistics are buffers updated in place, which vmap
     cannot carry per client (torch.func "Patching Batch Norm"); models here use GroupNorm.
@@ -413,11 +418,11 @@ def in_process_executor(alg: Algorithm, device: torch.device, has_conv: bool, ha
     """
     if not alg.supports_vmap or has_batchnorm or (has_conv and device.type == "cpu"):
         return "loop"
-    return "vmap"
+    return "fused" if dense and alg.fused_local is not None else "vmap"
 
 
 def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Callable[[], float],
-                    has_conv: bool = False, has_batchnorm: bool = False) -> tuple[str, str]:
+                    has_conv: bool = False, has_batchnorm: bool = False, dense: bool = False) -> tuple[str, str]:
     """Return (executor, why) for train.executor (auto: the fastest for the model, cohort, device).
 
     Rule (measured by tests/benchmarks/run.py on 2 cores, README "Speed"): P processes with one
@@ -428,9 +433,13 @@ def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Calla
     On a GPU and with --compile the cohort also runs in the main process (vmap compiled); with
     --compile and --executor loop or process each client's step is compiled instead.
     """
-    requested, inner = cfg.train.executor, in_process_executor(alg, device, has_conv, has_batchnorm)
-    if requested == "vmap" and not alg.supports_vmap:
-        raise ConfigError(f"{alg.name} does not support --executor vmap; use --executor loop or auto.")
+    requested, inner = cfg.train.executor, in_process_executor(alg, device, has_conv, has_batchnorm, dense)
+    if requested in ("vmap", "fused") and not alg.supports_vmap:
+        raise ConfigError(f"{alg.name} does not support --executor {requested}; use --executor loop or auto.")
+    if requested == "fused" and (not dense or alg.fused_local is None):
+        raise ConfigError(f"--executor fused trains dense classifiers (mlp, logreg, linear) in fp32 with "
+                          f"{', '.join(fused_algorithms())}; {describe_unfusable(alg, dense)}. "
+                          "Use --executor auto (or vmap).")
     if has_batchnorm and cfg.train.compile:
         raise ConfigError("--compile does not handle BatchNorm layers (their running statistics are mutable "
                           "state); use GroupNorm in the model, or drop --compile.")
@@ -444,6 +453,9 @@ def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Calla
         return requested, "requested"
     if cfg.train.compile and alg.supports_vmap:
         return "vmap", "--compile: the cohort vmapped and compiled in the main process"
+    if inner == "fused":
+        return "fused", ("dense classifier: the cohort's local SGD in stacked GEMMs, each layer's gradient fused "
+                         "into its update, no padded steps (all cores as threads)")
     if has_batchnorm:
         why = "BatchNorm: its running statistics need the clients one by one"
     elif inner == "loop" and alg.supports_vmap:
@@ -463,6 +475,20 @@ def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Calla
     return "process", f"{slots} processes x 1 thread ({inner} inside each): ~{work:.3g} GFLOP per round"
 
 
+def fused_algorithms() -> list[str]:
+    """Names of the registered algorithms that the `fused` executor can train."""
+    from fedcli.algorithms import ALGORITHMS
+
+    return sorted(name for name, alg in ALGORITHMS.items() if alg.fused_local is not None)
+
+
+def describe_unfusable(alg: Algorithm, dense: bool) -> str:
+    """Say why the fused executor cannot run `alg` on this model."""
+    if alg.fused_local is None:
+        return f"{alg.name} trains its own local objective"
+    return "this model/task is not a dense classifier with cross-entropy (or --precision is bf16)"
+
+
 def speed_setup(cfg: Any, alg: Algorithm, device: torch.device, fed: FederatedData, fns: ModelFunctions,
                 model: torch.nn.Module) -> tuple[ModelFunctions, str, str, Any]:
     """Apply train.precision, choose the executor and build its runner (None = EXECUTORS[name]).
@@ -472,13 +498,15 @@ def speed_setup(cfg: Any, alg: Algorithm, device: torch.device, fed: FederatedDa
     fns = with_precision(fns, cfg.train.precision, device)
     has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    executor, why = choose_executor(cfg, alg, device, lambda: round_gflop(model, fns, cfg, fed), has_conv, has_bn)
+    dense = fns.dense is not None
+    executor, why = choose_executor(cfg, alg, device, lambda: round_gflop(model, fns, cfg, fed), has_conv, has_bn,
+                                    dense)
     runner: Any = None
     if cfg.train.compile and executor in ("loop", "process"):  # compiled per-client steps (local_sgd)
         fns = replace(fns, compile_step=True)
     if executor == "process":
         slots = min(cfg.train.workers or available_cores(), cfg.train.clients_per_round)
-        inner = "loop" if cfg.train.compile else in_process_executor(alg, device, has_conv, has_bn)
+        inner = "loop" if cfg.train.compile else in_process_executor(alg, device, has_conv, has_bn, dense)
         runner = ProcessExecutor(cfg, fed, workers=slots, inner=inner)
     elif executor == "vmap" and cfg.train.compile:
         runner = CompiledVmap(max_steps=-(-int(fed.sizes.max(initial=1)) // cfg.train.batch_size))
