@@ -63,6 +63,7 @@ class ClientContext(NamedTuple):
     compile_step: bool = False  # --compile outside vmap: local_sgd may torch.compile its gradient step
     # the `fused` executor's precomputed optim.LocalResult of this client (Algorithm.fused_local); local_sgd returns it
     local: Any = None
+    local_request: Any = None  # the LocalRequest that `local` answers
 
     @property
     def num_steps(self) -> int:
@@ -143,6 +144,7 @@ class LocalRequest(NamedTuple):
 
     params: Params  # the starting point, the same for every client (from the broadcast)
     average_epochs: bool = False  # also the per-epoch IASG means
+    prox_mu: float = 0.0  # FedProx: the objective is loss + mu/2 ||theta - params||^2 (optim.ProximalObjective)
 
 
 class Algorithm(NamedTuple):

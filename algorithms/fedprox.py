@@ -37,6 +37,7 @@ from fedcli.algorithms.base import (
     ClientOut,
     LossFn,
     OptimConfig,
+    LocalRequest,
     Params,
     require,
     tree_norm,
@@ -63,6 +64,11 @@ def proximal_term(params: Params, anchor: Params, mu: float) -> Tensor:
     return 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in params)  # type: ignore[return-value]
 
 
+def fused_local(bc: fedavg.Broadcast, hp: FedProxConfig, round_idx: int) -> LocalRequest:
+    """client_update's local_sgd call: SGD on F_k + mu/2 ||w - w^t||^2 from w^t (the `fused` executor)."""
+    return LocalRequest(params=bc.params, prox_mu=hp.mu)
+
+
 def proximal_objective(loss_fn: LossFn, anchor: Params, mu: float) -> LossFn:
     """Return h(w, batch) with value F_k(w; batch) and gradient of F_k + mu/2 ||w - w^t||^2.
 
@@ -75,6 +81,7 @@ def proximal_objective(loss_fn: LossFn, anchor: Params, mu: float) -> LossFn:
         prox = proximal_term(params, anchor, mu)
         return loss_fn(params, batch) + (prox - prox.detach())
 
+    objective.proximal_mu = mu  # type: ignore[attr-defined]  # what local_sgd checks a fused result against
     return objective
 
 
@@ -98,5 +105,6 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=fedavg.server_update,
     global_params=fedavg.global_params,
+    fused_local=fused_local,
     description="FedAvg + proximal local objective F_k(w) + mu/2 ||w - w_t||^2 (hard-EM, Gaussian prior).",
 )

@@ -203,7 +203,9 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     added the epoch's last iterate. One in-place add per step, no temporary.
     """
     if ctx.local is not None:  # the `fused` executor trained the cohort already (Algorithm.fused_local)
-        if objective is not None or average_epochs != bool(ctx.local.epoch_means):
+        mu = 0.0 if objective is None else getattr(objective, "proximal_mu", None)
+        request = ctx.local_request
+        if mu is None or request is None or mu != request.prox_mu or average_epochs != request.average_epochs:
             raise RuntimeError("the fused executor's local result does not match this local_sgd call; the "
                                "algorithm's fused_local must describe its client_update exactly")
         return ctx.local

@@ -83,11 +83,14 @@ def _backprop_activation(d: Tensor, h: Tensor, activation: str) -> Tensor:
 
 
 def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Callable[[Tensor], Tensor],
-                    start: Params, plan: CohortPlan, opt: OptimConfig, *, average_epochs: bool) -> LocalResult:
+                    start: Params, plan: CohortPlan, opt: OptimConfig, *, average_epochs: bool,
+                    prox_mu: float = 0.0) -> LocalResult:
     """Run E epochs of local SGD(+momentum) for every client of `plan` from `start`; see the module doc.
 
-    Returns the LocalResult of every client stacked on a leading axis in the plan's client
-    order (epoch means only with `average_epochs`). Matches optim.local_sgd on ctx.loss_fn
+    With `prox_mu` > 0 the objective is FedProx's loss + mu/2 ||theta - start||^2 (its gradient
+    mu (theta - start) joins the update; the reported loss stays the data loss, as in
+    optim.ProximalObjective). Returns the LocalResult of every client stacked on a leading axis
+    in the plan's client order (epoch means only with `average_epochs`). Matches optim.local_sgd on ctx.loss_fn
     client by client to float tolerance.
     """
     steps = np.asarray(plan.steps_per_client)
@@ -98,6 +101,7 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
     num_clients, num_epochs, padded = len(order), plan.num_epochs, plan.steps_per_epoch
     lr, momentum = opt.client_lr, opt.client_momentum
     features = start[spec.layers[0][0]].shape[1]
+    prox = (prox_mu, start) if prox_mu != 0.0 else None
     params = {k: v.unsqueeze(0).repeat(num_clients, *([1] * v.dim())) for k, v in start.items()}
     velocity = {k: torch.zeros_like(v) for k, v in params.items()} if momentum != 0.0 else {}
     loss_sum = torch.zeros(num_clients, dtype=plan.weight.dtype, device=plan.weight.device)
@@ -110,7 +114,7 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
             ix = index[:n, step].reshape(-1)
             x = prepare(data_x.index_select(0, ix)).reshape(n, -1, features).to(loss_sum.dtype)
             y = data_y.index_select(0, ix).reshape(n, -1)
-            loss = _step(spec, params, velocity, x, y, weight[:n, step], n, lr, momentum)
+            loss = _step(spec, params, velocity, x, y, weight[:n, step], n, lr, momentum, prox)
             loss_sum[:n] += loss
             for name, total in running.items():
                 total[:n] += params[name][:n]
@@ -124,7 +128,7 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
 
 
 def _step(spec: DenseSpec, params: Params, velocity: Params, x: Tensor, y: Tensor, w: Tensor, n: int,
-          lr: float, momentum: float) -> Tensor:
+          lr: float, momentum: float, prox: tuple[float, Params] | None = None) -> Tensor:
     """One SGD step of the first n clients in place; returns their minibatch losses [n]."""
     hs = [x]  # inputs of each layer
     for i, (wname, bname) in enumerate(spec.layers):
@@ -147,27 +151,35 @@ def _step(spec: DenseSpec, params: Params, velocity: Params, x: Tensor, y: Tenso
         wname, bname = spec.layers[i]
         h = hs[i]
         d_prev = (_backprop_activation(torch.bmm(d, params[wname][:n]), h, spec.activation) if i > 0 else None)
-        _update(params, velocity, wname, n, d.transpose(1, 2), h, lr, momentum)
+        _update(params, velocity, wname, n, d.transpose(1, 2), h, lr, momentum, prox)
         if bname is not None:
-            _update(params, velocity, bname, n, d, None, lr, momentum)
+            _update(params, velocity, bname, n, d, None, lr, momentum, prox)
         if d_prev is not None:
             d = d_prev
     return loss
 
 
 def _update(params: Params, velocity: Params, name: str, n: int, d: Tensor, h: Tensor | None, lr: float,
-            momentum: float) -> None:
-    """theta <- theta - lr g (or heavy ball) with g = d h (a weight, [n, out, B] x [n, B, in]) or sum_B d (a bias)."""
+            momentum: float, prox: tuple[float, Params] | None = None) -> None:
+    """theta <- theta - lr g (or heavy ball) with g = d h (a weight, [n, out, B] x [n, B, in]) or sum_B d (a
+    bias), plus mu (theta - anchor) under FedProx's proximal term (theta before this step)."""
     heavy_ball = momentum != 0.0
-    target = velocity[name][:n] if heavy_ball else params[name][:n]  # u = -lr v, or theta itself
-    if h is not None:
-        target.baddbmm_(d, h, beta=momentum if heavy_ball else 1.0, alpha=-lr)
-    else:
+    theta = params[name][:n]
+    target = velocity[name][:n] if heavy_ball else theta  # u = -lr v, or theta itself
+    if heavy_ball:
+        target.mul_(momentum)
+    if prox is not None:  # -lr mu (theta - anchor), from the pre-step theta
+        mu, anchor = prox
         if heavy_ball:
-            target.mul_(momentum)
+            target.add_(theta - anchor[name], alpha=-lr * mu)
+        else:
+            target.mul_(1.0 - lr * mu).add_(anchor[name], alpha=lr * mu)
+    if h is not None:
+        target.baddbmm_(d, h, alpha=-lr)
+    else:
         target.add_(d.sum(dim=1), alpha=-lr)
     if heavy_ball:
-        params[name][:n] += target
+        theta += target
 
 
 def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
@@ -190,12 +202,12 @@ def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohor
         outs = [run_fused(alg, fns, broadcast, take_clients(inputs, rows), hp, opt, round_idx) for rows in groups]
         return merge_outs(groups, outs)
     local = dense_local_sgd(fns.dense, fns.data.x, fns.data.y, fns.prepare, request.params, plan, opt,
-                            average_epochs=request.average_epochs)
+                            average_epochs=request.average_epochs, prox_mu=request.prox_mu)
 
     def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
             noise: dict[str, Tensor], state: Any, result: LocalResult) -> tuple[Any, Any, Any]:
         ctx = make_context(fns, index, weight, step_mask, keys, num_examples, noise, plan.num_epochs,
-                           plan.steps_per_epoch, round_idx)._replace(local=result)
+                           plan.steps_per_epoch, round_idx)._replace(local=result, local_request=request)
         out = alg.client_update(ctx, broadcast, state, hp, opt)
         return out.upload, ({} if out.state is None else out.state), out.metrics
 

@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,14 +53,18 @@ def run_workload(model: str, cohort: int, rounds: int, reps: int, flower: str | 
                  rates: probes.Throughput) -> dict[str, object]:
     """Every approach on one workload, `reps` interleaved repetitions; figure = best rep's median."""
     cores = len(os.sched_getaffinity(0))
-    approaches = {
+    approaches: dict[str, Callable[[], dict[str, object]]] = {}
+    if model == "mlp":  # the dense classifier's hand-derived cohort SGD (engine/dense.py), auto's pick
+        approaches[f"fedcli fused {cores}t"] = lambda: workloads.fedcli_rounds(model, cohort, rounds, "fused", cores)
+        approaches["fedcli fused 1t"] = lambda: workloads.fedcli_rounds(model, cohort, rounds, "fused", 1)
+    approaches.update({
         f"fedcli vmap {cores}t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "vmap", cores),
-        "fedcli vmap 1t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "vmap", 1),
-        "fedcli loop 1t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "loop", 1),
         f"fedcli process {cores}x1t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "process", cores),
         f"plain loop {cores}t": lambda: workloads.plain_rounds(model, cohort, rounds),
         "plain loop 1t": lambda: _one_thread(lambda: workloads.plain_rounds(model, cohort, rounds)),
-    }
+    })
+    if model == "cnn":  # client by client in one process (the MLP's is the slowest reference, left out)
+        approaches["fedcli loop 1t"] = lambda: workloads.fedcli_rounds(model, cohort, rounds, "loop", 1)
     # opt-in --compile: round 1 (the compilation) is excluded like every warm-up; compile_s is shown
     if model == "mlp":  # the vmapped round unrolls every step: minutes for a convolutional model
         approaches[f"fedcli vmap+compile {cores}t"] = lambda: workloads.fedcli_rounds(

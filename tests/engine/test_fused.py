@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.algorithms.base import OptimConfig
+from fedcli.algorithms.base import LocalRequest, OptimConfig
 from fedcli.algorithms.optim import local_sgd
 from fedcli.config import build_config
 from fedcli.datasets import models
@@ -25,7 +25,7 @@ from fedcli.engine.dense import DenseSpec, dense_local_sgd, dense_spec
 from fedcli.engine.executors import make_context
 from fedcli.engine.train import build
 from fedcli.errors import ConfigError
-from tests.engine.test_equivalence import two_rounds
+from tests.engine.test_equivalence import required_hyperparameters, two_rounds
 
 FUSED = sorted(name for name, alg in ALGORITHMS.items() if alg.fused_local is not None)
 
@@ -67,19 +67,22 @@ def test_one_step_of_softmax_regression_is_the_closed_form_gradient_step() -> No
 @pytest.mark.parametrize("model", [models.MLP(6, (5, 4), 3), models.SigmoidMLP(6, (5,), 3),
                                    models.Linear(6, 3), models.Linear(6, 3, bias=False)],
                          ids=["relu-mlp", "sigmoid-mlp", "logreg", "logreg-no-bias"])
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("momentum,mu", [(0.0, 0.0), (0.9, 0.0), (0.0, 0.7), (0.9, 0.7)])
 def test_hand_derived_training_equals_autograd_local_sgd_client_by_client(model: torch.nn.Module,
-                                                                          momentum: float) -> None:
+                                                                          momentum: float, mu: float) -> None:
     """dense_local_sgd on a cohort of uneven clients (2 epochs, padded last batches, sorted and
     unsorted internally) = optim.local_sgd through autograd run on each client alone, in float64:
-    last iterate, IASG epoch means and mean loss."""
+    last iterate, IASG epoch means and mean loss; with mu > 0 both follow FedProx's objective
+    F_k + mu/2 ||w - w_start||^2 (fedprox.proximal_objective on the autograd side)."""
+    from fedcli.algorithms.fedprox import proximal_objective
+
     model = model.double()
     spec = dense_spec(model)
     assert spec is not None
     fed, plan = cohort([9, 23, 4, 15], features=6, classes=3, batch=5, epochs=2)
     start = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = OptimConfig(client_lr=0.2, client_momentum=momentum)
-    fused = dense_local_sgd(spec, fed.x, fed.y, lambda x: x, start, plan, opt, average_epochs=True)
+    fused = dense_local_sgd(spec, fed.x, fed.y, lambda x: x, start, plan, opt, average_epochs=True, prox_mu=mu)
 
     def loss_fn(params, batch):  # noqa: ANN001, ANN202 - the executors' task loss, on this model
         out = torch.func.functional_call(model, params, (batch.x,))
@@ -91,7 +94,8 @@ def test_hand_derived_training_equals_autograd_local_sgd_client_by_client(model:
         own = plan.for_client(c)
         ctx = make_context(fns, own.index[0], own.weight[0], own.step_mask[0], torch.zeros(own.index.shape[1]),
                            own.num_examples[0], {}, plan.num_epochs, own.steps_per_epoch, 1)
-        ref = local_sgd(ctx, start, opt, average_epochs=True)
+        objective = proximal_objective(loss_fn, start, mu) if mu else None
+        ref = local_sgd(ctx, start, opt, objective, average_epochs=True)
         for name in start:
             torch.testing.assert_close(fused.params[name][c], ref.params[name], rtol=1e-10, atol=1e-12)
             for epoch in range(2):
@@ -123,7 +127,7 @@ def test_fused_in_chunks_and_in_worker_processes_agrees_with_the_loop(algo: str)
     loop_params, _ = two_rounds(algo, "loop", "synthetic-1-1", extra)
     chunk_params, _ = two_rounds(algo, "fused", "synthetic-1-1", {**extra, "train.cohort_chunk": 3})
     cfg = build_config(overrides={"algorithm.name": algo, "data.task": "synthetic-1-1", "train.executor": "process",
-                                  "train.workers": 2, **extra})
+                                  "train.workers": 2, **extra}, hp=required_hyperparameters(algo))
     setup = build(cfg)
     assert setup.runner.inner == "fused"
     with WorkerPool(1) as pool:
@@ -143,12 +147,16 @@ def test_local_sgd_refuses_a_precomputed_result_that_does_not_answer_its_call() 
     one = pytree.tree_map(lambda t: t[0], result)
     fns = type("Fns", (), {"loss_fn": None, "apply_fn": None, "data": fed, "prepare": None})()
     ctx = make_context(fns, plan.index[0], plan.weight[0], plan.step_mask[0], torch.zeros(2), plan.num_examples[0],
-                       {}, 1, 2, 1)._replace(local=one)
+                       {}, 1, 2, 1)._replace(local=one, local_request=LocalRequest(start))
     assert local_sgd(ctx, start, OptimConfig()) is one
     with pytest.raises(RuntimeError, match="does not match this local_sgd call"):
         local_sgd(ctx, start, OptimConfig(), average_epochs=True)
     with pytest.raises(RuntimeError, match="does not match this local_sgd call"):
         local_sgd(ctx, start, OptimConfig(), lambda p, b: torch.zeros(()))
+    from fedcli.algorithms.fedprox import proximal_objective
+
+    with pytest.raises(RuntimeError, match="does not match this local_sgd call"):  # answers mu = 0, not 0.5
+        local_sgd(ctx, start, OptimConfig(), proximal_objective(lambda p, b: torch.zeros(()), start, 0.5))
 
 
 def test_auto_picks_fused_for_dense_classifiers_only() -> None:
