@@ -28,6 +28,7 @@ the call it answers. tests/engine/test_fused.py checks fused = loop for every op
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,14 +85,16 @@ def _backprop_activation(d: Tensor, h: Tensor, activation: str) -> Tensor:
 
 def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Callable[[Tensor], Tensor],
                     start: Params, plan: CohortPlan, opt: OptimConfig, *, average_epochs: bool,
-                    prox_mu: float = 0.0) -> LocalResult:
+                    prox_mu: float = 0.0, sorted_output: bool = False) -> LocalResult | tuple[LocalResult, np.ndarray]:
     """Run E epochs of local SGD(+momentum) for every client of `plan` from `start`; see the module doc.
 
     With `prox_mu` > 0 the objective is FedProx's loss + mu/2 ||theta - start||^2 (its gradient
     mu (theta - start) joins the update; the reported loss stays the data loss, as in
     optim.ProximalObjective). Returns the LocalResult of every client stacked on a leading axis
-    in the plan's client order (epoch means only with `average_epochs`). Matches optim.local_sgd on ctx.loss_fn
-    client by client to float tolerance.
+    in the plan's client order (epoch means only with `average_epochs`); with `sorted_output`,
+    (result, order) with the result's row i being the plan's client order[i], which saves a copy
+    to a caller that places the rows itself. Matches optim.local_sgd on ctx.loss_fn client by
+    client to float tolerance.
     """
     steps = np.asarray(plan.steps_per_client)
     order = np.argsort(-steps, kind="stable")  # longest first: the real clients of step k are a prefix
@@ -122,8 +125,10 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
             count = torch.as_tensor(sorted_steps, dtype=loss_sum.dtype, device=loss_sum.device).clamp_min(1.0)
             epoch_means.append({k: v / count.reshape(-1, *([1] * (v.dim() - 1))) for k, v in running.items()})
     real_steps = torch.as_tensor(sorted_steps * num_epochs, dtype=loss_sum.dtype, device=loss_sum.device)
-    unsort = torch.as_tensor(np.argsort(order, kind="stable"), dtype=torch.int64, device=rows.device)
     result = LocalResult(params=params, epoch_means=epoch_means, mean_loss=loss_sum / real_steps.clamp_min(1.0))
+    if sorted_output:
+        return result, order
+    unsort = torch.as_tensor(np.argsort(order, kind="stable"), dtype=torch.int64, device=rows.device)
     return pytree.tree_map(lambda t: t.index_select(0, unsort), result)
 
 
@@ -182,6 +187,59 @@ def _update(params: Params, velocity: Params, name: str, n: int, d: Tensor, h: T
         theta += target
 
 
+def balanced_groups(steps: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Split rows into `parts` groups of near-equal total steps: longest first, each to the lightest group.
+
+    The fused trainer computes no padded step, so a group's cost is the sum of its clients'
+    steps (the classic LPT rule, within 4/3 of the best split).
+    """
+    loads, groups = [0] * parts, [[] for _ in range(parts)]
+    for row in np.argsort(-steps, kind="stable"):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(int(row))
+        loads[lightest] += int(steps[row])
+    return [np.array(sorted(g), dtype=np.int64) for g in groups if g]
+
+
+THREAD_MIN_CLIENTS = 16  # per Python thread; below it one call with intra-op threads is as fast (make bench)
+_POOL: ThreadPoolExecutor | None = None
+
+
+def cohort_local_sgd(fns: ModelFunctions, request: LocalRequest, inputs: CohortInputs, opt: OptimConfig
+                     ) -> LocalResult:
+    """dense_local_sgd for the cohort: one call, or one call per core on Python threads for big cohorts.
+
+    With T intra-op threads and at least T x THREAD_MIN_CLIENTS clients, the cohort is split by
+    total steps (balanced_groups) into T groups trained at once, each
+    with one intra-op thread: PyTorch releases the GIL inside each op, so the small elementwise
+    ops of one group overlap the GEMMs of the other (FEMNIST MLP, 50 clients, 2 cores:
+    0.078 s against 0.093 s for one call with 2 intra-op threads; 10 clients: no gain).
+    """
+    from fedcli.engine.workers import intra_op_threads
+
+    global _POOL
+    plan, threads = inputs.plan, torch.get_num_threads()
+
+    def train(sub: CohortPlan, sorted_output: bool = False) -> Any:
+        return dense_local_sgd(fns.dense, fns.data.x, fns.data.y, fns.prepare, request.params, sub, opt,
+                               average_epochs=request.average_epochs, prox_mu=request.prox_mu,
+                               sorted_output=sorted_output)
+
+    if threads < 2 or len(plan.num_examples) < threads * THREAD_MIN_CLIENTS:
+        return train(plan)
+    groups = balanced_groups(plan.steps_per_client, threads)
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fedcli-fused")
+    with intra_op_threads(1):
+        parts = list(_POOL.map(lambda rows: train(take_clients(inputs, rows).plan, True), groups))
+    device, num_clients = plan.index.device, len(plan.num_examples)
+    out = pytree.tree_map(lambda t: t.new_empty((num_clients, *t.shape[1:])), parts[0][0])
+    for rows, (part, order) in zip(groups, parts, strict=True):  # each row written once, to its cohort slot
+        slots = torch.as_tensor(rows[order], dtype=torch.int64, device=device)
+        pytree.tree_map(lambda dst, src, slots=slots: dst.index_copy_(0, slots, src), out, part)
+    return out
+
+
 def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
               opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
     """Train the cohort with dense_local_sgd, then vmap the algorithm's client_update over it.
@@ -201,8 +259,7 @@ def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohor
         groups = [order[start : start + chunk_size] for start in range(0, num_clients, chunk_size)]
         outs = [run_fused(alg, fns, broadcast, take_clients(inputs, rows), hp, opt, round_idx) for rows in groups]
         return merge_outs(groups, outs)
-    local = dense_local_sgd(fns.dense, fns.data.x, fns.data.y, fns.prepare, request.params, plan, opt,
-                            average_epochs=request.average_epochs, prox_mu=request.prox_mu)
+    local = cohort_local_sgd(fns, request, inputs, opt)
 
     def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
             noise: dict[str, Tensor], state: Any, result: LocalResult) -> tuple[Any, Any, Any]:

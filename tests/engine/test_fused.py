@@ -178,3 +178,28 @@ def test_executor_fused_on_a_model_it_cannot_train_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"scaffold trains its own local objective"):
         build(build_config(overrides={"data.task": "synthetic-1-1", "algorithm.name": "scaffold",
                                       "train.executor": "fused"}))
+
+
+def test_big_cohorts_split_over_threads_give_the_single_call_result() -> None:
+    """With 2 intra-op threads and >= 2 x THREAD_MIN_CLIENTS clients, cohort_local_sgd trains two
+    length-balanced groups on two Python threads and writes each row back to its cohort slot:
+    the same LocalResult as one dense_local_sgd call over the whole cohort."""
+    from fedcli.algorithms.base import LocalRequest
+    from fedcli.engine.dense import THREAD_MIN_CLIENTS, balanced_groups, cohort_local_sgd
+    from fedcli.engine.executors import CohortInputs
+    from fedcli.engine.workers import intra_op_threads
+
+    sizes = [3 + (7 * c) % 19 for c in range(2 * THREAD_MIN_CLIENTS + 3)]
+    fed, plan = cohort(sizes, features=6, classes=3, batch=4, epochs=2)
+    model = models.MLP(6, (5,), 3).double()
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = OptimConfig(client_lr=0.1, client_momentum=0.5)
+    fns = type("Fns", (), {"dense": dense_spec(model), "data": fed, "prepare": staticmethod(lambda x: x)})()
+    inputs = CohortInputs(plan=plan, keys=torch.zeros(plan.index.shape[:2], dtype=torch.int64), noise={}, states=None)
+    groups = balanced_groups(plan.steps_per_client, 2)
+    loads = [int(plan.steps_per_client[g].sum()) for g in groups]
+    assert sorted(np.concatenate(groups)) == list(range(len(sizes))) and max(loads) - min(loads) <= max(plan.steps_per_client)
+    with intra_op_threads(2):
+        threaded = cohort_local_sgd(fns, LocalRequest(start, average_epochs=True), inputs, opt)
+    single = dense_local_sgd(fns.dense, fed.x, fed.y, lambda x: x, start, plan, opt, average_epochs=True)
+    pytree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12), threaded, single)
