@@ -40,7 +40,14 @@ from torch.utils import _pytree as pytree
 from fedcli.algorithms.base import Algorithm, ClientOut, LocalRequest, OptimConfig, Params
 from fedcli.algorithms.optim import LocalResult
 from fedcli.datasets.federated import CohortPlan
-from fedcli.engine.executors import CohortInputs, ModelFunctions, make_context, merge_outs, run_vmap, take_clients
+from fedcli.engine.executors import (
+    CohortInputs,
+    ModelFunctions,
+    make_context,
+    merge_outs,
+    run_vmap,
+    take_clients,
+)
 
 ACTIVATIONS = ("relu", "sigmoid", "identity")
 
@@ -193,7 +200,8 @@ def balanced_groups(steps: np.ndarray, parts: int) -> list[np.ndarray]:
     The fused trainer computes no padded step, so a group's cost is the sum of its clients'
     steps (the classic LPT rule, within 4/3 of the best split).
     """
-    loads, groups = [0] * parts, [[] for _ in range(parts)]
+    loads = [0] * parts
+    groups: list[list[int]] = [[] for _ in range(parts)]
     for row in np.argsort(-steps, kind="stable"):
         lightest = loads.index(min(loads))
         groups[lightest].append(int(row))
