@@ -43,10 +43,11 @@ from fedcli.datasets.federated import CohortPlan
 from fedcli.engine.executors import (
     CohortInputs,
     ModelFunctions,
-    make_context,
-    merge_outs,
+    client_fn,
+    in_chunks,
     run_vmap,
     take_clients,
+    vmap_clients,
 )
 
 ACTIVATIONS = ("relu", "sigmoid", "identity")
@@ -260,23 +261,10 @@ def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohor
         request = alg.fused_local(broadcast, hp, round_idx)
     if request is None:
         return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
+    chunked = in_chunks(run_fused, alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
+    if chunked is not None:
+        return chunked
     plan = inputs.plan
-    num_clients = len(plan.num_examples)
-    if chunk_size is not None and chunk_size < num_clients:
-        order = np.argsort(-plan.steps_per_client, kind="stable")
-        groups = [order[start : start + chunk_size] for start in range(0, num_clients, chunk_size)]
-        outs = [run_fused(alg, fns, broadcast, take_clients(inputs, rows), hp, opt, round_idx) for rows in groups]
-        return merge_outs(groups, outs)
-    local = cohort_local_sgd(fns, request, inputs, opt)
-
-    def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
-            noise: dict[str, Tensor], state: Any, result: LocalResult) -> tuple[Any, Any, Any]:
-        ctx = make_context(fns, index, weight, step_mask, keys, num_examples, noise, plan.num_epochs,
-                           plan.steps_per_epoch, round_idx)._replace(local=result, local_request=request)
-        out = alg.client_update(ctx, broadcast, state, hp, opt)
-        return out.upload, ({} if out.state is None else out.state), out.metrics
-
-    state_dim = None if inputs.states is None else 0
-    upload, state, metrics = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, state_dim, 0))(
-        plan.index, plan.weight, plan.step_mask, inputs.keys, plan.num_examples, inputs.noise, inputs.states, local)
-    return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
+    one = client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, plan.steps_per_epoch, round_idx,
+                     local_request=request)
+    return vmap_clients(one, inputs, cohort_local_sgd(fns, request, inputs, opt))

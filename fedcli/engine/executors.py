@@ -76,17 +76,45 @@ def make_context(fns: ModelFunctions, index: Tensor, weight: Tensor, step_mask: 
                          round_idx=round_idx, noise=noise, compile_step=compile_step)
 
 
-def _client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt: OptimConfig,
+def client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt: OptimConfig,
                num_epochs: int, steps_per_epoch: int, round_idx: int,
-               compile_step: bool = False) -> Callable[..., tuple[Any, Any, Any]]:
+               compile_step: bool = False, local_request: Any = None) -> Callable[..., tuple[Any, Any, Any]]:
+    """One client's update as a function of its plan slices (and, with local_request, the
+    `fused` executor's precomputed LocalResult as an eighth argument)."""
+
     def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
-            noise: dict[str, Tensor], state: Any) -> tuple[Any, Any, Any]:
+            noise: dict[str, Tensor], state: Any, local: Any = None) -> tuple[Any, Any, Any]:
         ctx = make_context(fns, index, weight, step_mask, keys, num_examples, noise, num_epochs,
                            steps_per_epoch, round_idx, compile_step)
+        if local_request is not None:
+            ctx = ctx._replace(local=local, local_request=local_request)
         out = alg.client_update(ctx, broadcast, state, hp, opt)
         return out.upload, ({} if out.state is None else out.state), out.metrics
 
     return one
+
+
+def vmap_clients(one: Callable[..., tuple[Any, Any, Any]], inputs: CohortInputs, *extra: Any) -> ClientOut:
+    """vmap a client_fn over the cohort's plan, keys, noise, states (and extra batched inputs)."""
+    plan, state_dim = inputs.plan, None if inputs.states is None else 0
+    batched = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, state_dim) + (0,) * len(extra))
+    upload, state, metrics = batched(plan.index, plan.weight, plan.step_mask, inputs.keys,
+                                     plan.num_examples, inputs.noise, inputs.states, *extra)
+    return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
+
+
+def in_chunks(run: Callable[..., ClientOut], alg: Algorithm, fns: ModelFunctions, broadcast: Any,
+              inputs: CohortInputs, hp: Any, opt: OptimConfig, round_idx: int,
+              chunk_size: int | None) -> ClientOut | None:
+    """Run `run` on chunks of chunk_size similar-length clients (longest first) and merge the
+    results in cohort order; None when the cohort fits in one chunk."""
+    num_clients = len(inputs.plan.num_examples)
+    if chunk_size is None or chunk_size >= num_clients:
+        return None
+    order = np.argsort(-inputs.plan.steps_per_client, kind="stable")
+    groups = [order[start : start + chunk_size] for start in range(0, num_clients, chunk_size)]
+    outs = [run(alg, fns, broadcast, take_clients(inputs, rows), hp, opt, round_idx) for rows in groups]
+    return merge_outs(groups, outs)
 
 
 def take_clients(inputs: CohortInputs, rows: np.ndarray) -> CohortInputs:
@@ -127,19 +155,12 @@ def run_vmap(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohort
     chunk is padded only to its own longest client, so chunking bounds memory and also cuts
     the masked no-op steps a cohort of uneven clients would otherwise compute.
     """
+    chunked = in_chunks(run_vmap, alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
+    if chunked is not None:
+        return chunked
     plan = inputs.plan
-    num_clients = len(plan.num_examples)
-    if chunk_size is not None and chunk_size < num_clients:
-        order = np.argsort(-plan.steps_per_client, kind="stable")
-        groups = [order[start : start + chunk_size] for start in range(0, num_clients, chunk_size)]
-        outs = [run_vmap(alg, fns, broadcast, take_clients(inputs, rows), hp, opt, round_idx) for rows in groups]
-        return merge_outs(groups, outs)
-    one = _client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, plan.steps_per_epoch, round_idx)
-    state_dim = None if inputs.states is None else 0
-    batched = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, state_dim))
-    upload, state, metrics = batched(plan.index, plan.weight, plan.step_mask, inputs.keys,
-                                     plan.num_examples, inputs.noise, inputs.states)
-    return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
+    return vmap_clients(client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, plan.steps_per_epoch, round_idx),
+                        inputs)
 
 
 def run_loop(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
@@ -150,7 +171,7 @@ def run_loop(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohort
     for c in range(len(plan.num_examples)):
         own = plan.for_client(c)
         k = own.steps_per_epoch
-        one = _client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, k, round_idx, fns.compile_step)
+        one = client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, k, round_idx, fns.compile_step)
         noise = {name: trim_steps(v[c], plan.num_epochs, plan.steps_per_epoch, k) for name, v in inputs.noise.items()}
         keys = trim_steps(inputs.keys[c], plan.num_epochs, plan.steps_per_epoch, k)
         state = None if inputs.states is None else pytree.tree_map(lambda t, c=c: t[c], inputs.states)

@@ -611,7 +611,7 @@ class CompiledVmap:
                  opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
         import time
 
-        from fedcli.engine.executors import _client_fn
+        from fedcli.engine.executors import client_fn
 
         inputs = pad_steps(inputs, self.bucket, self.max_steps)
         plan = inputs.plan
@@ -628,7 +628,7 @@ class CompiledVmap:
 
             def cohort(bc: Any, index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor,
                        num_examples: Tensor, noise: dict[str, Tensor], states: Any) -> Any:
-                one = _client_fn(alg, fns, bc, hp, opt, epochs, steps, round_no)
+                one = client_fn(alg, fns, bc, hp, opt, epochs, steps, round_no)
                 return torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None),
                                        chunk_size=chunk_size)(index, weight, step_mask, keys, num_examples,
                                                               noise, states)
