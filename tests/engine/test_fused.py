@@ -180,26 +180,24 @@ def test_executor_fused_on_a_model_it_cannot_train_is_a_config_error() -> None:
                                       "train.executor": "fused"}))
 
 
-def test_big_cohorts_split_over_threads_give_the_single_call_result() -> None:
-    """With 2 intra-op threads and >= 2 x THREAD_MIN_CLIENTS clients, cohort_local_sgd trains two
-    length-balanced groups on two Python threads and writes each row back to its cohort slot:
-    the same LocalResult as one dense_local_sgd call over the whole cohort."""
+def test_big_cohorts_run_in_cache_sized_blocks_with_the_single_call_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cohort_local_sgd trains a cohort larger than a block (here 4 clients of this MLP) block by
+    block, longest clients first, and writes each row back to its cohort slot: the same
+    LocalResult as one dense_local_sgd call over the whole cohort."""
     from fedcli.algorithms.base import LocalRequest
-    from fedcli.engine.dense import THREAD_MIN_CLIENTS, balanced_groups, cohort_local_sgd
+    from fedcli.engine import dense
     from fedcli.engine.executors import CohortInputs
-    from fedcli.engine.workers import intra_op_threads
 
-    sizes = [3 + (7 * c) % 19 for c in range(2 * THREAD_MIN_CLIENTS + 3)]
+    sizes = [3 + (7 * c) % 19 for c in range(11)]
     fed, plan = cohort(sizes, features=6, classes=3, batch=4, epochs=2)
     model = models.MLP(6, (5,), 3).double()
     start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    per_client = 3 * sum(v.numel() * 8 for v in start.values())  # momentum and epoch sums: 3 copies
+    monkeypatch.setattr(dense, "BLOCK_BYTES", 4 * per_client + 1)
+    assert dense.block_size(start, momentum=True, average_epochs=True) == 4
     opt = OptimConfig(client_lr=0.1, client_momentum=0.5)
     fns = type("Fns", (), {"dense": dense_spec(model), "data": fed, "prepare": staticmethod(lambda x: x)})()
     inputs = CohortInputs(plan=plan, keys=torch.zeros(plan.index.shape[:2], dtype=torch.int64), noise={}, states=None)
-    groups = balanced_groups(plan.steps_per_client, 2)
-    loads = [int(plan.steps_per_client[g].sum()) for g in groups]
-    assert sorted(np.concatenate(groups)) == list(range(len(sizes))) and max(loads) - min(loads) <= max(plan.steps_per_client)
-    with intra_op_threads(2):
-        threaded = cohort_local_sgd(fns, LocalRequest(start, average_epochs=True), inputs, opt)
+    blocked = dense.cohort_local_sgd(fns, LocalRequest(start, average_epochs=True), inputs, opt)
     single = dense_local_sgd(fns.dense, fed.x, fed.y, lambda x: x, start, plan, opt, average_epochs=True)
-    pytree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12), threaded, single)
+    pytree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12), blocked, single)
