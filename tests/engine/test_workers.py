@@ -22,6 +22,7 @@ from fedcli.engine.workers import (
     ProcessExecutor,
     WorkerError,
     WorkerPool,
+    balanced_groups,
     choose_executor,
     close_runner,
     in_process_executor,
@@ -82,6 +83,23 @@ def test_split_cohort_covers_every_row_once_and_minimises_the_largest_group(step
     best = min(cost([ordered[a:b] for a, b in itertools.pairwise((0, *cuts, len(steps)))])
                for k in range(min(parts, len(steps))) for cuts in itertools.combinations(range(1, len(steps)), k))
     assert cost(groups) == best
+
+
+@pytest.mark.parametrize(("steps", "parts"), [([3, 1, 4, 1, 5, 9, 2, 6], 2), ([5, 5, 5], 4), ([7], 3),
+                                               ([9, 9, 8, 8, 8, 8, 8, 7, 7, 5], 2), ([2, 8, 8, 1, 1, 1, 1, 1], 3)])
+def test_balanced_groups_cover_every_row_once_within_the_lpt_bound(steps: list[int], parts: int) -> None:
+    """LPT (longest first, each to the lightest group) is within 4/3 - 1/(3 parts) of the optimal
+    largest sum of steps (Graham 1969); the optimum here by brute force over every assignment."""
+    steps_arr = np.array(steps)
+    groups = balanced_groups(steps_arr, parts)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(len(steps)))
+    assert len(groups) <= parts
+    best = min(max(sum(s for s, p in zip(steps, assign, strict=True) if p == k) for k in range(parts))
+               for assign in itertools.product(range(parts), repeat=len(steps)))
+    largest = max(int(steps_arr[g].sum()) for g in groups)
+    assert largest <= (4 / 3 - 1 / (3 * parts)) * best + 1e-9
+    if steps == [9, 9, 8, 8, 8, 8, 8, 7, 7, 5]:  # the contiguous split puts 42 vs 35 steps on the two processes
+        assert largest == 39 and max(int(steps_arr[g].sum()) for g in split_cohort(steps_arr, parts)) == 42
 
 
 def test_slices_run_separately_and_merged_equal_the_whole_cohort() -> None:
