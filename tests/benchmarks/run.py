@@ -51,55 +51,53 @@ def floor_seconds(model: str, examples: float, rates: probes.Throughput) -> dict
 
 def run_workload(model: str, cohort: int, rounds: int, reps: int, flower: str | None,
                  rates: probes.Throughput) -> dict[str, object]:
-    """Every approach on one workload, `reps` interleaved repetitions; figure = best rep's median."""
+    """Every approach on one workload, `reps` repetitions; figure = best rep's median.
+
+    Within a repetition the in-process approaches run interleaved round by round
+    (workloads.interleaved), then Flower runs in its own process.
+    """
     cores = len(os.sched_getaffinity(0))
-    approaches: dict[str, Callable[[], dict[str, object]]] = {}
+    W = workloads
+
+    def fedcli(executor: str, threads: int, **kw: object) -> Callable[[], workloads.FedcliRunner]:
+        return lambda: W.FedcliRunner(model, cohort, executor, threads, **kw)  # type: ignore[arg-type]
+
+    approaches: dict[str, Callable[[], workloads.FedcliRunner | workloads.PlainRunner]] = {}
     if model == "mlp":  # the dense classifier's hand-derived cohort SGD (engine/dense.py), auto's pick
-        approaches[f"fedcli fused {cores}t"] = lambda: workloads.fedcli_rounds(model, cohort, rounds, "fused", cores)
-        approaches["fedcli fused 1t"] = lambda: workloads.fedcli_rounds(model, cohort, rounds, "fused", 1)
-    approaches.update({
-        f"fedcli vmap {cores}t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "vmap", cores),
-        f"fedcli process {cores}x1t": lambda: workloads.fedcli_rounds(model, cohort, rounds, "process", cores),
-        f"plain loop {cores}t": lambda: workloads.plain_rounds(model, cohort, rounds),
-        "plain loop 1t": lambda: _one_thread(lambda: workloads.plain_rounds(model, cohort, rounds)),
-    })
+        approaches[f"fedcli fused {cores}t"] = fedcli("fused", cores)
+        approaches["fedcli fused 1t"] = fedcli("fused", 1)
+    approaches[f"fedcli vmap {cores}t"] = fedcli("vmap", cores)
+    approaches[f"fedcli process {cores}x1t"] = fedcli("process", cores)
+    approaches[f"plain loop {cores}t"] = lambda: W.PlainRunner(model, cohort)
+    approaches["plain loop 1t"] = lambda: W.PlainRunner(model, cohort, threads=1)
     if model == "cnn":  # client by client in one process (the MLP's is the slowest reference, left out)
-        approaches["fedcli loop 1t"] = lambda: workloads.fedcli_rounds(model, cohort, rounds, "loop", 1)
+        approaches["fedcli loop 1t"] = fedcli("loop", 1)
     # opt-in --compile: round 1 (the compilation) is excluded like every warm-up; compile_s is shown
     if model == "mlp":  # the vmapped round unrolls every step: minutes for a convolutional model
-        approaches[f"fedcli vmap+compile {cores}t"] = lambda: workloads.fedcli_rounds(
-            model, cohort, rounds, "vmap", cores, compile=True)
-    approaches[f"fedcli process+compile {cores}x1t"] = lambda: workloads.fedcli_rounds(
-        model, cohort, rounds, "process", cores, compile=True)
+        approaches[f"fedcli vmap+compile {cores}t"] = fedcli("vmap", cores, compile=True)
+    approaches[f"fedcli process+compile {cores}x1t"] = fedcli("process", cores, compile=True)
     if model == "cnn":  # opt-in reduced precision: shown, never used for the targets
-        approaches[f"fedcli process bf16 {cores}x1t"] = lambda: workloads.fedcli_rounds(
-            model, cohort, rounds, "process", cores, precision="bf16")
-    if flower is not None:
-        approaches["Flower (Ray)"] = lambda: workloads.flower_rounds(flower, model, cohort, rounds, timeout=900)
+        approaches[f"fedcli process bf16 {cores}x1t"] = fedcli("process", cores, precision="bf16")
     runs: dict[str, list[dict[str, object]]] = {name: [] for name in approaches}
+    if flower is not None:
+        runs["Flower (Ray)"] = []
     for rep in range(reps):
-        for name, run in approaches.items():
-            log(f"{model}-{cohort} rep {rep + 1}/{reps}: {name}")
-            runs[name].append(run())
+        log(f"{model}-{cohort} rep {rep + 1}/{reps}: {len(approaches)} approaches interleaved round by round")
+        for name, result in W.interleaved(approaches, rounds).items():
+            runs[name].append(result)
+        if flower is not None:
+            log(f"{model}-{cohort} rep {rep + 1}/{reps}: Flower (Ray)")
+            runs["Flower (Ray)"].append(W.flower_rounds(flower, model, cohort, rounds, timeout=900))
     best = {name: min((r["median_s"] for r in rs if "median_s" in r), default=None) for name, rs in runs.items()}
-    auto = workloads.fedcli_rounds(model, cohort, 1, "auto", cores)  # one round: only the choice is kept
-    examples = statistics.mean(workloads.cohort_examples(cohort, rounds)[1:] or workloads.cohort_examples(cohort, 1))
-    fedcli = {k: v for k, v in best.items() if k.startswith("fedcli") and "bf16" not in k and v is not None}
+    auto = W.fedcli_rounds(model, cohort, 1, "auto", cores)  # one round: only the choice is kept
+    examples = statistics.mean(W.cohort_examples(cohort, rounds)[1:] or W.cohort_examples(cohort, 1))
+    ours = {k: v for k, v in best.items() if k.startswith("fedcli") and "bf16" not in k and v is not None}
     plain = {k: v for k, v in best.items() if k.startswith("plain") and v is not None}
-    best_name = min(fedcli, key=fedcli.get)
+    best_name = min(ours, key=ours.get)  # type: ignore[arg-type]
     return {"model": model, "cohort": cohort, "rounds": rounds, "runs": runs, "best_s": best,
-            "fedcli_best": best_name, "fedcli_best_s": fedcli[best_name], "plain_best_s": min(plain.values()),
+            "fedcli_best": best_name, "fedcli_best_s": ours[best_name], "plain_best_s": min(plain.values()),
             "flower_s": best.get("Flower (Ray)"), "auto": {"executor": auto["executor"], "reason": auto["reason"]},
             "floor": floor_seconds(model, examples, rates)}
-
-
-def _one_thread(run):  # noqa: ANN001, ANN202
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run()
-    finally:
-        torch.set_num_threads(previous)
 
 
 def check(targets: list[dict[str, object]], name: str, value: float | None, target: float, *, at_most: bool,

@@ -2,10 +2,12 @@
 
 Workload: the bundled FEMNIST writers (105 clients), FedAvg, 1 local epoch, batch 20, SGD
 lr 0.01, C clients per round; seconds per round = median of rounds 2..R (round 1 holds
-warm-up: first vmap trace, worker spawn), evaluation excluded.
+warm-up: first vmap trace, worker spawn), evaluation excluded. The in-process approaches run
+interleaved round by round (`interleaved`), so that each round of every approach meets the
+same machine; Flower runs in its own process between them.
 
-- fedcli: `run_round` with each executor (vmap with all cores as threads, vmap with one
-  thread, process, and whatever `auto` picks), the cohorts of seed 0.
+- fedcli: `run_round` with each executor (fused, vmap, process, with and without
+  `--compile`, and whatever `auto` picks), the cohorts of seed 0.
 - plain PyTorch loop, as research code writes it: per client deepcopy the global model,
   torch.optim.SGD, shuffled minibatches from tensors already in memory, weighted average of
   the state dicts; the same cohorts and the same keyed dropout as fedcli's CNN.
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,70 +47,112 @@ def median_after_first(times: list[float]) -> float:
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
+class FedcliRunner:
+    """fedcli's round loop with one executor, one round at a time (for interleaved timing).
+
+    With `compile` (opt-in `--compile`) round 1 holds the compilation (or, with inductor's
+    on-disk cache warm, its loading); `compile_s` reports it.
+    """
+
+    def __init__(self, model: str, cohort: int, executor: str, threads: int, precision: str = "fp32",
+                 compile: bool = False) -> None:
+        cfg = build_config(overrides={"algorithm.name": "fedavg", "data.task": "femnist", "data.model": model,
+                                      "train.clients_per_round": cohort, "train.batch_size": BATCH,
+                                      "train.client_lr": LR, "train.executor": executor, "seed": 0,
+                                      "train.precision": precision, "train.compile": compile or None})
+        self.setup, self.threads, self.compile = build(cfg), threads, compile
+        self.state = self.setup.alg.server_init(self.setup.init_params, self.setup.hp, cfg.train.optim)
+        self.store = ClientStateStore(None)
+
+    def round(self, round_idx: int) -> float:
+        with intra_op_threads(self.threads):
+            start = time.perf_counter()
+            self.state, _ = run_round(self.setup, self.state, self.store, round_idx, Timing())
+            return time.perf_counter() - start
+
+    def result(self, times: list[float]) -> dict[str, object]:
+        median = median_after_first(times)
+        compile_s = getattr(self.setup.runner, "compile_s", None)
+        if self.compile and compile_s is None:  # per-client compiled steps: round 1 minus a typical round
+            compile_s = times[0] - median
+        return {"executor": self.setup.executor, "reason": self.setup.executor_reason, "threads": self.threads,
+                "round_s": times, "median_s": median, "compile_s": compile_s}
+
+    def close(self) -> None:
+        close_runner(self.setup.runner)
+
+
+class PlainRunner:
+    """The per-client PyTorch loop as research code writes it, one round at a time: per client
+    deepcopy the global model, torch.optim.SGD, shuffled minibatches from tensors already in
+    memory, weighted average of the state dicts. threads=None: PyTorch's default intra-op threads."""
+
+    def __init__(self, model: str, cohort: int, threads: int | None = None) -> None:
+        task = TASKS["femnist"]
+        data = task.load(TaskOptions())
+        self.xs = [task.prepare(data.x[ix]) for ix in data.client_indices]  # in memory, prepared once
+        self.ys = [data.y[ix] for ix in data.client_indices]
+        torch.manual_seed(0)
+        self.model, self.cohort = task.models[model](), cohort
+        self.threads = threads or torch.get_num_threads()
+
+    def round(self, round_idx: int) -> float:
+        with intra_op_threads(self.threads):
+            start = time.perf_counter()
+            global_model = self.model
+            total, summed = 0, {k: torch.zeros_like(v) for k, v in global_model.state_dict().items()}
+            for client in sample_cohort(len(self.xs), self.cohort, seed=0, round_idx=round_idx):
+                local = copy.deepcopy(global_model)
+                opt = torch.optim.SGD(local.parameters(), lr=LR)
+                x, y = self.xs[client], self.ys[client]
+                order = torch.randperm(len(y), generator=torch.Generator().manual_seed(round_idx * 10_000 + int(client)))
+                for step, first in enumerate(range(0, len(y), BATCH)):
+                    idx = order[first:first + BATCH]
+                    opt.zero_grad()
+                    F.cross_entropy(local(x[idx], key=torch.tensor(step)), y[idx]).backward()
+                    opt.step()
+                for k, v in local.state_dict().items():
+                    summed[k] += len(y) * v
+                total += len(y)
+            global_model.load_state_dict({k: v / total for k, v in summed.items()})
+            return time.perf_counter() - start
+
+    def result(self, times: list[float]) -> dict[str, object]:
+        return {"round_s": times, "median_s": median_after_first(times), "threads": self.threads}
+
+    def close(self) -> None:
+        pass
+
+
+def interleaved(factories: dict[str, Callable[[], FedcliRunner | PlainRunner]], rounds: int
+                ) -> dict[str, dict[str, object]]:
+    """Build every runner, then time round r of each before round r + 1 of any, rotating who goes
+    first: all approaches sample the same moments of a noisy machine (load, frequency, neighbours)."""
+    runners = {name: make() for name, make in factories.items()}
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    names = list(runners)
+    try:
+        for round_idx in range(1, rounds + 1):
+            shift = round_idx % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[name].append(runners[name].round(round_idx))
+    finally:
+        for runner in runners.values():
+            runner.close()
+    return {name: runners[name].result(times[name]) for name in names}
+
+
 def fedcli_rounds(model: str, cohort: int, rounds: int, executor: str, threads: int,
                   precision: str = "fp32", compile: bool = False) -> dict[str, object]:
-    """Time `rounds` FedAvg rounds of fedcli with one executor; returns times and what ran.
-
-    With `compile` (vmap + torch.compile, opt-in `--compile`) round 1 holds the compilation
-    (or, with inductor's on-disk cache warm, its loading); `compile_s` reports it.
-    """
-    cfg = build_config(overrides={"algorithm.name": "fedavg", "data.task": "femnist", "data.model": model,
-                                  "train.clients_per_round": cohort, "train.batch_size": BATCH,
-                                  "train.client_lr": LR, "train.executor": executor, "seed": 0,
-                                  "train.precision": precision, "train.compile": compile or None})
-    setup = build(cfg)
-    state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
-    store, times = ClientStateStore(None), []
-    try:
-        with intra_op_threads(threads):
-            for round_idx in range(1, rounds + 1):
-                start = time.perf_counter()
-                state, _ = run_round(setup, state, store, round_idx, Timing())
-                times.append(time.perf_counter() - start)
-    finally:
-        close_runner(setup.runner)
-    median = median_after_first(times)
-    compile_s = getattr(setup.runner, "compile_s", None)
-    if compile and compile_s is None:  # per-client compiled steps: round 1 minus a typical round
-        compile_s = times[0] - median
-    return {"executor": setup.executor, "reason": setup.executor_reason, "threads": threads, "round_s": times,
-            "median_s": median, "compile_s": compile_s}
+    """Time `rounds` FedAvg rounds of fedcli with one executor alone; returns times and what ran."""
+    return interleaved({"one": lambda: FedcliRunner(model, cohort, executor, threads, precision, compile)},
+                       rounds)["one"]
 
 
 def cohort_examples(cohort: int, rounds: int) -> list[int]:
     """Examples trained per round (one epoch) for the cohorts of seed 0, rounds 1..R."""
     sizes = np.array([len(ix) for ix in TASKS["femnist"].load(TaskOptions()).client_indices])
     return [int(sizes[sample_cohort(len(sizes), cohort, seed=0, round_idx=r)].sum()) for r in range(1, rounds + 1)]
-
-
-def plain_rounds(model: str, cohort: int, rounds: int) -> dict[str, object]:
-    """Time the per-client PyTorch loop (default intra-op threads, as research code runs)."""
-    task = TASKS["femnist"]
-    data = task.load(TaskOptions())
-    xs = [task.prepare(data.x[ix]) for ix in data.client_indices]  # in memory, prepared once
-    ys = [data.y[ix] for ix in data.client_indices]
-    torch.manual_seed(0)
-    global_model = task.models[model]()
-    times = []
-    for round_idx in range(1, rounds + 1):
-        start = time.perf_counter()
-        total, summed = 0, {k: torch.zeros_like(v) for k, v in global_model.state_dict().items()}
-        for client in sample_cohort(len(xs), cohort, seed=0, round_idx=round_idx):
-            local = copy.deepcopy(global_model)
-            opt = torch.optim.SGD(local.parameters(), lr=LR)
-            x, y = xs[client], ys[client]
-            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(round_idx * 10_000 + int(client)))
-            for step, first in enumerate(range(0, len(y), BATCH)):
-                idx = order[first:first + BATCH]
-                opt.zero_grad()
-                F.cross_entropy(local(x[idx], key=torch.tensor(step)), y[idx]).backward()
-                opt.step()
-            for k, v in local.state_dict().items():
-                summed[k] += len(y) * v
-            total += len(y)
-        global_model.load_state_dict({k: v / total for k, v in summed.items()})
-        times.append(time.perf_counter() - start)
-    return {"round_s": times, "median_s": median_after_first(times), "threads": torch.get_num_threads()}
 
 
 def flower_python() -> str | None:
