@@ -106,8 +106,10 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
     steps = np.asarray(plan.steps_per_client)
     order = np.argsort(-steps, kind="stable")  # longest first: the real clients of step k are a prefix
     sorted_steps = steps[order]
+    in_order = bool(np.all(order == np.arange(len(order))))  # the engine plans cohorts longest first
     rows = torch.as_tensor(order, dtype=torch.int64, device=plan.index.device)
-    index, weight = plan.index.index_select(0, rows), plan.weight.index_select(0, rows)
+    index, weight = ((plan.index, plan.weight) if in_order
+                     else (plan.index.index_select(0, rows), plan.weight.index_select(0, rows)))
     num_clients, num_epochs, padded = len(order), plan.num_epochs, plan.steps_per_epoch
     lr, momentum = opt.client_lr, opt.client_momentum
     features = start[spec.layers[0][0]].shape[1]
@@ -135,6 +137,8 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
     result = LocalResult(params=params, epoch_means=epoch_means, mean_loss=loss_sum / real_steps.clamp_min(1.0))
     if sorted_output:
         return result, order
+    if in_order:
+        return result
     unsort = torch.as_tensor(np.argsort(order, kind="stable"), dtype=torch.int64, device=rows.device)
     return pytree.tree_map(lambda t: t.index_select(0, unsort), result)
 

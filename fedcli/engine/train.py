@@ -173,6 +173,9 @@ def run_round(setup: Setup, state: Any, store: ClientStateStore, round_idx: int,
     cfg, alg, hp, opt = setup.cfg, setup.alg, setup.hp, setup.cfg.train.optim
     start = time.perf_counter()
     cohort = sample_cohort(setup.fed.num_clients, cfg.train.clients_per_round, seed=cfg.seed, round_idx=round_idx)
+    # largest local data first (ties by id): the clients still training at local step k are then a
+    # prefix of the cohort, which the fused executor uses without permuting (results do not depend on it)
+    cohort = cohort[np.argsort(-setup.fed.sizes[cohort], kind="stable")]
     rngs = [numpy_rng(cfg.seed, Stream.BATCH_ORDER, round_idx, int(c)) for c in cohort]
     plan = setup.fed.plan(cohort, num_epochs=opt.local_epochs, batch_size=cfg.train.batch_size, rngs=rngs)
     num_steps = plan.num_epochs * plan.steps_per_epoch
