@@ -114,7 +114,8 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
     lr, momentum = opt.client_lr, opt.client_momentum
     features = start[spec.layers[0][0]].shape[1]
     prox = (prox_mu, start) if prox_mu != 0.0 else None
-    params = {k: v.unsqueeze(0).repeat(num_clients, *([1] * v.dim())) for k, v in start.items()}
+    # each client's own copy of the start (copy_ of a broadcast runs on all intra-op threads; repeat does not)
+    params = {k: v.new_empty((num_clients, *v.shape)).copy_(v.expand(num_clients, *v.shape)) for k, v in start.items()}
     velocity = {k: torch.zeros_like(v) for k, v in params.items()} if momentum != 0.0 else {}
     loss_sum = torch.zeros(num_clients, dtype=plan.weight.dtype, device=plan.weight.device)
     epoch_means: list[Params] = []
