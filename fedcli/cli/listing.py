@@ -71,8 +71,14 @@ def algo_rows(**_: Any) -> list[dict[str, Any]]:
     from fedcli.algorithms import ALGORITHMS
     from fedcli.algorithms.base import hyperparameter_defaults
 
+    def executors(a: Any) -> str:  # process runs whichever of these fits, in each worker
+        names = ["loop", "vmap", "process"] if a.supports_vmap else ["loop", "process"]
+        if a.supports_vmap and a.fused_local is not None:
+            names.insert(2, "fused (dense classifiers)")
+        return ", ".join(names)
+
     return [{"id": a.name, "name": a.name, "paper": a.paper, "hyperparameters": hyperparameter_defaults(a.config_cls),
-             "executors": "loop, vmap" if a.supports_vmap else "loop", "description": a.description}
+             "executors": executors(a), "description": a.description}
             for a in ALGORITHMS.values()]
 
 

@@ -45,6 +45,7 @@ def test_train_lsq_writes_store_and_prints_run_id(tmp_path: Path) -> None:
     (["train", "--task", "lsq", "--clients-per-round", "50"], "train.clients_per_round=50 exceeds the 20 clients"),
     (["train", "--store", "sqlite:////proc/forbidden/x.db"], "not writable"),
     (["train", "--resume", "nosuchrun"], "unknown run 'nosuchrun'"),
+    (["train", "--executor", "fused", "--task", "lsq"], "--executor fused trains dense classifiers"),
 ])
 def test_user_errors_are_one_line_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     extra = [] if "--store" in args else ["--store", f"sqlite:///{tmp_path / 's.db'}"]
@@ -58,6 +59,7 @@ def test_list_algos_and_tasks_json() -> None:
     algos = {r["name"]: r for r in json.loads(cli("list", "algos", "--json").stdout)}
     assert algos["fedpa"]["hyperparameters"] == {"rho": 0.1, "burn_in_rounds": 100, "burn_in_epochs": 0}
     assert "arXiv:2010.05273" in algos["fedpa"]["paper"]
+    assert "fused" in algos["fedpa"]["executors"] and "fused" not in algos["scaffold"]["executors"]
     tasks = {r["name"]: r for r in json.loads(cli("list", "tasks", "--json").stdout)}
     assert tasks["femnist"]["offline"] is True and tasks["femnist"]["params"] > 0
 
