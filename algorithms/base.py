@@ -144,7 +144,10 @@ class LocalRequest(NamedTuple):
 
     params: Params  # the starting point, the same for every client (from the broadcast)
     average_epochs: bool = False  # also the per-epoch IASG means
-    prox_mu: float = 0.0  # FedProx: the objective is loss + mu/2 ||theta - params||^2 (optim.ProximalObjective)
+    prox_mu: float = 0.0  # FedProx: the objective is loss + mu/2 ||theta - params||^2 (fedprox.proximal_objective)
+    # SCAFFOLD: the gradient is g + linear_c, a per-client constant ([C, ...] in cohort order,
+    # scaffold.corrected_objective); None for none
+    linear: Params | None = None
 
 
 class Algorithm(NamedTuple):
@@ -167,8 +170,8 @@ class Algorithm(NamedTuple):
     # Bayesian algorithms: state -> (posterior mean, posterior variance), diagonal Gaussian
     # over the flattened parameters as Params trees; used by `fedcli evaluate --predictive`.
     posterior: Callable[[Any], tuple[Params, Params]] | None = None
-    # (broadcast, hp, round_idx) -> the round's local_sgd call on the task loss, or None where
-    # client_update trains anything else; lets the `fused` executor train the cohort at once.
+    # (broadcast, stacked client states or None, hp, round_idx) -> the round's local_sgd call, or
+    # None where client_update trains anything else; lets the `fused` executor train the cohort at once.
     fused_local: Callable[..., LocalRequest | None] | None = None
 
 

@@ -71,7 +71,7 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: None, hp: Fed
     return ClientOut(upload={"delta": delta}, state=None, metrics={"train_loss": local.mean_loss})
 
 
-def fused_local(bc: Broadcast, hp: object, round_idx: int) -> LocalRequest:
+def fused_local(bc: Broadcast, states: None, hp: object, round_idx: int) -> LocalRequest:
     """client_update's local_sgd call: plain local SGD from x_t (the `fused` executor)."""
     return LocalRequest(params=bc.params)
 

@@ -146,7 +146,7 @@ def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, 
     return ClientOut(upload={"delta": delta}, state=None, metrics=metrics)
 
 
-def fused_local(bc: fedavg.Broadcast, hp: FedPAConfig, round_idx: int) -> LocalRequest:
+def fused_local(bc: fedavg.Broadcast, states: None, hp: FedPAConfig, round_idx: int) -> LocalRequest:
     """client_update's local_sgd call: FedAvg's in burn-in, with the IASG epoch means after."""
     return LocalRequest(params=bc.params, average_epochs=round_idx > hp.burn_in_rounds)
 

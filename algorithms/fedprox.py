@@ -64,7 +64,7 @@ def proximal_term(params: Params, anchor: Params, mu: float) -> Tensor:
     return 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in params)  # type: ignore[return-value]
 
 
-def fused_local(bc: fedavg.Broadcast, hp: FedProxConfig, round_idx: int) -> LocalRequest:
+def fused_local(bc: fedavg.Broadcast, states: None, hp: FedProxConfig, round_idx: int) -> LocalRequest:
     """client_update's local_sgd call: SGD on F_k + mu/2 ||w - w^t||^2 from w^t (the `fused` executor)."""
     return LocalRequest(params=bc.params, prox_mu=hp.mu)
 

@@ -203,9 +203,13 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     added the epoch's last iterate. One in-place add per step, no temporary.
     """
     if ctx.local is not None:  # the `fused` executor trained the cohort already (Algorithm.fused_local)
-        mu = 0.0 if objective is None else getattr(objective, "proximal_mu", None)
         request = ctx.local_request
-        if mu is None or request is None or mu != request.prox_mu or average_epochs != request.average_epochs:
+        mu = 0.0 if objective is None else getattr(objective, "proximal_mu", None)
+        linear = objective is not None and getattr(objective, "linear_correction", False)
+        if linear:
+            mu = 0.0
+        if (mu is None or request is None or mu != request.prox_mu or linear != (request.linear is not None)
+                or average_epochs != request.average_epochs):
             raise RuntimeError("the fused executor's local result does not match this local_sgd call; the "
                                "algorithm's fused_local must describe its client_update exactly")
         return ctx.local

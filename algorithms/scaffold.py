@@ -43,6 +43,7 @@ from fedcli.algorithms.base import (
     ClientContext,
     ClientOut,
     Diagnostics,
+    LocalRequest,
     LossFn,
     OptimConfig,
     Params,
@@ -114,7 +115,14 @@ def corrected_objective(ctx: ClientContext, correction: Params) -> LossFn:
         linear = tree_vdot(params, correction)
         return ctx.loss_fn(params, batch) + linear - linear.detach()
 
+    objective.linear_correction = True  # type: ignore[attr-defined]  # what local_sgd checks a fused result against
     return objective
+
+
+def fused_local(bc: Broadcast, states: ClientState, hp: ScaffoldConfig, round_idx: int) -> LocalRequest:
+    """client_update's local_sgd call: SGD on g + (c - c_i) from x (the `fused` executor)."""
+    correction = {k: bc.control[k].unsqueeze(0) - states.control[k] for k in bc.control}  # [C, ...]
+    return LocalRequest(params=bc.params, linear=correction)
 
 
 def full_local_gradient(ctx: ClientContext, params: Params) -> Params:
@@ -180,5 +188,6 @@ ALGORITHM = Algorithm(
     server_update=server_update,
     global_params=fedavg.global_params,
     init_client_state=init_client_state,
+    fused_local=fused_local,
     description="Control variates c_i, c correct client drift (options I/II of Alg. 1).",
 )

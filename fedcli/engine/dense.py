@@ -92,12 +92,13 @@ def _backprop_activation(d: Tensor, h: Tensor, activation: str) -> Tensor:
 
 def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Callable[[Tensor], Tensor],
                     start: Params, plan: CohortPlan, opt: OptimConfig, *, average_epochs: bool,
-                    prox_mu: float = 0.0, sorted_output: bool = False) -> LocalResult | tuple[LocalResult, np.ndarray]:
+                    prox_mu: float = 0.0, linear: Params | None = None, sorted_output: bool = False) -> LocalResult | tuple[LocalResult, np.ndarray]:
     """Run E epochs of local SGD(+momentum) for every client of `plan` from `start`; see the module doc.
 
     With `prox_mu` > 0 the objective is FedProx's loss + mu/2 ||theta - start||^2 (its gradient
     mu (theta - start) joins the update; the reported loss stays the data loss, as in
-    optim.ProximalObjective). Returns the LocalResult of every client stacked on a leading axis
+    fedprox.proximal_objective); `linear` ([C, ...] per client, plan order) is added to every
+    gradient (SCAFFOLD's c - c_i, scaffold.corrected_objective). Returns the LocalResult of every client stacked on a leading axis
     in the plan's client order (epoch means only with `average_epochs`); with `sorted_output`,
     (result, order) with the result's row i being the plan's client order[i], which saves a copy
     to a caller that places the rows itself. Matches optim.local_sgd on ctx.loss_fn client by
@@ -114,6 +115,8 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
     lr, momentum = opt.client_lr, opt.client_momentum
     features = start[spec.layers[0][0]].shape[1]
     prox = (prox_mu, start) if prox_mu != 0.0 else None
+    if linear is not None and not in_order:
+        linear = {k: v.index_select(0, rows) for k, v in linear.items()}
     # each client's own copy of the start (copy_ of a broadcast runs on all intra-op threads; repeat does not)
     params = {k: v.new_empty((num_clients, *v.shape)).copy_(v.expand(num_clients, *v.shape)) for k, v in start.items()}
     velocity = {k: torch.zeros_like(v) for k, v in params.items()} if momentum != 0.0 else {}
@@ -127,7 +130,7 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
             ix = index[:n, step].reshape(-1)
             x = prepare(data_x.index_select(0, ix)).reshape(n, -1, features).to(loss_sum.dtype)
             y = data_y.index_select(0, ix).reshape(n, -1)
-            loss = _step(spec, params, velocity, x, y, weight[:n, step], n, lr, momentum, prox)
+            loss = _step(spec, params, velocity, x, y, weight[:n, step], n, lr, momentum, prox, linear)
             loss_sum[:n] += loss
             for name, total in running.items():
                 total[:n] += params[name][:n]
@@ -145,7 +148,8 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
 
 
 def _step(spec: DenseSpec, params: Params, velocity: Params, x: Tensor, y: Tensor, w: Tensor, n: int,
-          lr: float, momentum: float, prox: tuple[float, Params] | None = None) -> Tensor:
+          lr: float, momentum: float, prox: tuple[float, Params] | None = None,
+          linear: Params | None = None) -> Tensor:
     """One SGD step of the first n clients in place; returns their minibatch losses [n]."""
     hs = [x]  # inputs of each layer
     for i, (wname, bname) in enumerate(spec.layers):
@@ -168,18 +172,19 @@ def _step(spec: DenseSpec, params: Params, velocity: Params, x: Tensor, y: Tenso
         wname, bname = spec.layers[i]
         h = hs[i]
         d_prev = (_backprop_activation(torch.bmm(d, params[wname][:n]), h, spec.activation) if i > 0 else None)
-        _update(params, velocity, wname, n, d.transpose(1, 2), h, lr, momentum, prox)
+        _update(params, velocity, wname, n, d.transpose(1, 2), h, lr, momentum, prox, linear)
         if bname is not None:
-            _update(params, velocity, bname, n, d, None, lr, momentum, prox)
+            _update(params, velocity, bname, n, d, None, lr, momentum, prox, linear)
         if d_prev is not None:
             d = d_prev
     return loss
 
 
 def _update(params: Params, velocity: Params, name: str, n: int, d: Tensor, h: Tensor | None, lr: float,
-            momentum: float, prox: tuple[float, Params] | None = None) -> None:
+            momentum: float, prox: tuple[float, Params] | None = None, linear: Params | None = None) -> None:
     """theta <- theta - lr g (or heavy ball) with g = d h (a weight, [n, out, B] x [n, B, in]) or sum_B d (a
-    bias), plus mu (theta - anchor) under FedProx's proximal term (theta before this step)."""
+    bias), plus mu (theta - anchor) under FedProx's proximal term (theta before this step) and the
+    per-client constant linear_c under SCAFFOLD's correction."""
     heavy_ball = momentum != 0.0
     theta = params[name][:n]
     target = velocity[name][:n] if heavy_ball else theta  # u = -lr v, or theta itself
@@ -191,6 +196,8 @@ def _update(params: Params, velocity: Params, name: str, n: int, d: Tensor, h: T
             target.add_(theta - anchor[name], alpha=-lr * mu)
         else:
             target.mul_(1.0 - lr * mu).add_(anchor[name], alpha=lr * mu)
+    if linear is not None:
+        target.add_(linear[name][:n], alpha=-lr)
     if h is not None:
         target.baddbmm_(d, h, alpha=-lr)
     else:
@@ -225,9 +232,13 @@ def cohort_local_sgd(fns: ModelFunctions, request: LocalRequest, inputs: CohortI
     """
     plan = inputs.plan
 
-    def train(sub: CohortPlan, sorted_output: bool = False) -> Any:
+    def train(sub: CohortPlan, sorted_output: bool = False, rows: np.ndarray | None = None) -> Any:
+        linear = request.linear
+        if linear is not None and rows is not None:
+            at = torch.as_tensor(rows, dtype=torch.int64, device=plan.index.device)
+            linear = {k: v.index_select(0, at) for k, v in linear.items()}
         return dense_local_sgd(fns.dense, fns.data.x, fns.data.y, fns.prepare, request.params, sub, opt,
-                               average_epochs=request.average_epochs, prox_mu=request.prox_mu,
+                               average_epochs=request.average_epochs, prox_mu=request.prox_mu, linear=linear,
                                sorted_output=sorted_output)
 
     size, num_clients = block_size(request.params, momentum=opt.client_momentum != 0.0,
@@ -238,7 +249,7 @@ def cohort_local_sgd(fns: ModelFunctions, request: LocalRequest, inputs: CohortI
     out: Any = None
     for first in range(0, num_clients, size):
         rows = order[first : first + size]
-        part, within = train(take_clients(inputs, rows).plan, True)
+        part, within = train(take_clients(inputs, rows).plan, True, rows)
         if out is None:
             out = pytree.tree_map(lambda t: t.new_empty((num_clients, *t.shape[1:])), part)
         slots = torch.as_tensor(rows[within], dtype=torch.int64, device=plan.index.device)
@@ -255,7 +266,7 @@ def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohor
     """
     request: LocalRequest | None = None
     if fns.dense is not None and alg.fused_local is not None:
-        request = alg.fused_local(broadcast, hp, round_idx)
+        request = alg.fused_local(broadcast, inputs.states, hp, round_idx)
     if request is None:
         return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
     chunked = in_chunks(run_fused, alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)

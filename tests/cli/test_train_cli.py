@@ -59,7 +59,7 @@ def test_list_algos_and_tasks_json() -> None:
     algos = {r["name"]: r for r in json.loads(cli("list", "algos", "--json").stdout)}
     assert algos["fedpa"]["hyperparameters"] == {"rho": 0.1, "burn_in_rounds": 100, "burn_in_epochs": 0}
     assert "arXiv:2010.05273" in algos["fedpa"]["paper"]
-    assert "fused" in algos["fedpa"]["executors"] and "fused" not in algos["scaffold"]["executors"]
+    assert "fused" in algos["fedpa"]["executors"] and "fused" not in algos["feddyn"]["executors"]
     tasks = {r["name"]: r for r in json.loads(cli("list", "tasks", "--json").stdout)}
     assert tasks["femnist"]["offline"] is True and tasks["femnist"]["params"] > 0
 

@@ -67,14 +67,19 @@ def test_one_step_of_softmax_regression_is_the_closed_form_gradient_step() -> No
 @pytest.mark.parametrize("model", [models.MLP(6, (5, 4), 3), models.SigmoidMLP(6, (5,), 3),
                                    models.Linear(6, 3), models.Linear(6, 3, bias=False)],
                          ids=["relu-mlp", "sigmoid-mlp", "logreg", "logreg-no-bias"])
-@pytest.mark.parametrize("momentum,mu", [(0.0, 0.0), (0.9, 0.0), (0.0, 0.7), (0.9, 0.7)])
+@pytest.mark.parametrize("momentum,mu,linear", [(0.0, 0.0, False), (0.9, 0.0, False), (0.0, 0.7, False),
+                                                (0.9, 0.7, False), (0.0, 0.0, True), (0.9, 0.0, True)])
 def test_hand_derived_training_equals_autograd_local_sgd_client_by_client(model: torch.nn.Module,
-                                                                          momentum: float, mu: float) -> None:
+                                                                          momentum: float, mu: float,
+                                                                          linear: bool) -> None:
     """dense_local_sgd on a cohort of uneven clients (2 epochs, padded last batches, sorted and
     unsorted internally) = optim.local_sgd through autograd run on each client alone, in float64:
     last iterate, IASG epoch means and mean loss; with mu > 0 both follow FedProx's objective
-    F_k + mu/2 ||w - w_start||^2 (fedprox.proximal_objective on the autograd side)."""
+    F_k + mu/2 ||w - w_start||^2 (fedprox.proximal_objective on the autograd side); with `linear`
+    both follow SCAFFOLD's corrected gradient g + l_c with a per-client constant l_c
+    (scaffold.corrected_objective)."""
     from fedcli.algorithms.fedprox import proximal_objective
+    from fedcli.algorithms.scaffold import corrected_objective
 
     model = model.double()
     spec = dense_spec(model)
@@ -82,7 +87,11 @@ def test_hand_derived_training_equals_autograd_local_sgd_client_by_client(model:
     fed, plan = cohort([9, 23, 4, 15], features=6, classes=3, batch=5, epochs=2)
     start = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = OptimConfig(client_lr=0.2, client_momentum=momentum)
-    fused = dense_local_sgd(spec, fed.x, fed.y, lambda x: x, start, plan, opt, average_epochs=True, prox_mu=mu)
+    gen = torch.Generator().manual_seed(7)
+    terms = ({k: 0.3 * torch.randn((4, *v.shape), generator=gen, dtype=torch.float64) for k, v in start.items()}
+             if linear else None)
+    fused = dense_local_sgd(spec, fed.x, fed.y, lambda x: x, start, plan, opt, average_epochs=True, prox_mu=mu,
+                            linear=terms)
 
     def loss_fn(params, batch):  # noqa: ANN001, ANN202 - the executors' task loss, on this model
         out = torch.func.functional_call(model, params, (batch.x,))
@@ -95,6 +104,8 @@ def test_hand_derived_training_equals_autograd_local_sgd_client_by_client(model:
         ctx = make_context(fns, own.index[0], own.weight[0], own.step_mask[0], torch.zeros(own.index.shape[1]),
                            own.num_examples[0], {}, plan.num_epochs, own.steps_per_epoch, 1)
         objective = proximal_objective(loss_fn, start, mu) if mu else None
+        if terms is not None:
+            objective = corrected_objective(ctx, {k: v[c] for k, v in terms.items()})
         ref = local_sgd(ctx, start, opt, objective, average_epochs=True)
         for name in start:
             torch.testing.assert_close(fused.params[name][c], ref.params[name], rtol=1e-10, atol=1e-12)
@@ -160,14 +171,15 @@ def test_local_sgd_refuses_a_precomputed_result_that_does_not_answer_its_call() 
 
 
 def test_auto_picks_fused_for_dense_classifiers_only() -> None:
-    """auto: fused for softmax regression with FedAvg/FedPA; vmap for an algorithm with its own
-    objective (SCAFFOLD's corrected gradient), for a regression task and under bf16."""
+    """auto: fused for softmax regression with FedAvg/FedPA/SCAFFOLD; vmap for an algorithm with its own
+    objective (FedDyn's linear and quadratic terms), for a regression task and under bf16."""
     def chosen(**overrides: object) -> str:
         return build(build_config(overrides={"data.task": "synthetic-1-1", **overrides})).executor
 
     assert chosen() == "fused"
     assert chosen(**{"algorithm.name": "fedpa"}) == "fused"
-    assert chosen(**{"algorithm.name": "scaffold"}) == "vmap"
+    assert chosen(**{"algorithm.name": "scaffold"}) == "fused"
+    assert chosen(**{"algorithm.name": "feddyn"}) == "vmap"
     assert chosen(**{"data.task": "lsq"}) == "vmap"
     assert chosen(**{"train.precision": "bf16"}) == "vmap"
 
@@ -175,8 +187,8 @@ def test_auto_picks_fused_for_dense_classifiers_only() -> None:
 def test_executor_fused_on_a_model_it_cannot_train_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"--executor fused trains dense classifiers .*Use --executor auto"):
         build(build_config(overrides={"data.task": "lsq", "train.executor": "fused"}))
-    with pytest.raises(ConfigError, match=r"scaffold trains its own local objective"):
-        build(build_config(overrides={"data.task": "synthetic-1-1", "algorithm.name": "scaffold",
+    with pytest.raises(ConfigError, match=r"feddyn trains its own local objective"):
+        build(build_config(overrides={"data.task": "synthetic-1-1", "algorithm.name": "feddyn",
                                       "train.executor": "fused"}))
 
 
