@@ -201,6 +201,10 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     the masked ones: masked steps come after the real ones of their epoch (CohortPlan's
     layout, the ClientContext contract) and leave the iterate unchanged, so each of them
     added the epoch's last iterate. One in-place add per step, no temporary.
+
+    Under the `fused` executor, ctx.local already holds this call's result for this client
+    (engine/dense.py trained the cohort at once); it is returned after checking that the
+    executor's LocalRequest answers this call (objective, proximal mu, epoch means).
     """
     if ctx.local is not None:  # the `fused` executor trained the cohort already (Algorithm.fused_local)
         request = ctx.local_request
