@@ -1,21 +1,25 @@
 """The `fused` executor: local SGD of a whole cohort of dense classifiers, derived by hand.
 
 For the commonest case of the speed workloads (an MLP or a linear classifier trained with
-cross-entropy by local SGD on the task loss: FedAvg and its FedOpt family, FedPA) the cohort
-is trained as stacked tensors with a leading client axis, outside vmap and autograd:
+cross-entropy by local SGD: FedAvg and its FedOpt family and FedPA on the task loss, FedProx
+with its proximal term, SCAFFOLD with its control-variate correction) the cohort is trained as
+stacked tensors with a leading client axis, outside vmap and autograd:
 
-    forward    h_l = act(h_{l-1} W_l^T + b_l)        one baddbmm per layer for all clients
+    forward    h_l = act(h_{l-1} W_l^T + b_l)        one bmm (+ bias) per layer for all clients
     loss       L_c = sum_i w_i CE(z_i, y_i) / max(sum_i w_i, 1)     (the task's loss_fn)
     backward   d_L = (softmax(z) - onehot(y)) w / max(sum w, 1)
                d_{l-1} = (d_l W_l) * act'(h_{l-1})    (with W_l before its update)
     update     W_l <- W_l - lr d_l^T h_{l-1}          fused into one in-place baddbmm
-               (momentum: u <- m u - lr g; W <- W + u, torch.optim.SGD's heavy ball)
+               (momentum: u <- m u - lr g; W <- W + u, torch.optim.SGD's heavy ball;
+               FedProx adds mu (W - W_start) to g, SCAFFOLD the constant c - c_i)
 
 The gradient-and-update of a layer is a single GEMM that accumulates into the weights, so no
 gradient buffer is allocated and the parameters make one pass per step. Clients are sorted by
 their number of batches, longest first: at local step k only the clients with more than k
 batches are real, and they are a prefix of the sorted cohort, so every step works on views
-`W[:n]` of the real clients and no padded (masked) step is computed at all.
+`W[:n]` of the real clients and no padded (masked) step is computed at all (the engine
+plans cohorts longest first, so no rows move). Cohorts larger than a cache-sized block run
+block by block (cohort_local_sgd).
 
 The result is `optim.LocalResult` for the cohort (last iterates, IASG epoch means when asked,
 mean loss); the algorithm's own `client_update` then runs vmapped over the cohort with it
