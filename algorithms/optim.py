@@ -208,10 +208,8 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     """
     if ctx.local is not None:  # the `fused` executor trained the cohort already (Algorithm.fused_local)
         request = ctx.local_request
-        mu = 0.0 if objective is None else getattr(objective, "proximal_mu", None)
         linear = objective is not None and getattr(objective, "linear_correction", False)
-        if linear:
-            mu = 0.0
+        mu = 0.0 if objective is None or linear else getattr(objective, "proximal_mu", None)
         if (mu is None or request is None or mu != request.prox_mu or linear != (request.linear is not None)
                 or average_epochs != request.average_epochs):
             raise RuntimeError("the fused executor's local result does not match this local_sgd call; the "

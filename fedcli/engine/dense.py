@@ -53,8 +53,6 @@ from fedcli.engine.executors import (
     vmap_clients,
 )
 
-ACTIVATIONS = ("relu", "sigmoid", "identity")
-
 
 @dataclass(frozen=True)
 class DenseSpec:
@@ -96,17 +94,16 @@ def _backprop_activation(d: Tensor, h: Tensor, activation: str) -> Tensor:
 
 def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Callable[[Tensor], Tensor],
                     start: Params, plan: CohortPlan, opt: OptimConfig, *, average_epochs: bool,
-                    prox_mu: float = 0.0, linear: Params | None = None, sorted_output: bool = False) -> LocalResult | tuple[LocalResult, np.ndarray]:
+                    prox_mu: float = 0.0, linear: Params | None = None) -> LocalResult:
     """Run E epochs of local SGD(+momentum) for every client of `plan` from `start`; see the module doc.
 
     With `prox_mu` > 0 the objective is FedProx's loss + mu/2 ||theta - start||^2 (its gradient
     mu (theta - start) joins the update; the reported loss stays the data loss, as in
     fedprox.proximal_objective); `linear` ([C, ...] per client, plan order) is added to every
-    gradient (SCAFFOLD's c - c_i, scaffold.corrected_objective). Returns the LocalResult of every client stacked on a leading axis
-    in the plan's client order (epoch means only with `average_epochs`); with `sorted_output`,
-    (result, order) with the result's row i being the plan's client order[i], which saves a copy
-    to a caller that places the rows itself. Matches optim.local_sgd on ctx.loss_fn client by
-    client to float tolerance.
+    gradient (SCAFFOLD's c - c_i, scaffold.corrected_objective). Returns the LocalResult of
+    every client stacked on a leading axis in the plan's client order (epoch means only with
+    `average_epochs`); rows move only if the plan is not already longest first. Matches
+    optim.local_sgd on ctx.loss_fn client by client to float tolerance.
     """
     steps = np.asarray(plan.steps_per_client)
     order = np.argsort(-steps, kind="stable")  # longest first: the real clients of step k are a prefix
@@ -127,6 +124,7 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
     loss_sum = torch.zeros(num_clients, dtype=plan.weight.dtype, device=plan.weight.device)
     epoch_means: list[Params] = []
     active = [int((sorted_steps > k).sum()) for k in range(padded)]
+    count = torch.as_tensor(sorted_steps, dtype=loss_sum.dtype, device=loss_sum.device).clamp_min(1.0)
     for epoch in range(num_epochs):
         running = {k: torch.zeros_like(v) for k, v in params.items()} if average_epochs else {}
         for k in range(padded):
@@ -139,12 +137,8 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
             for name, total in running.items():
                 total[:n] += params[name][:n]
         if average_epochs:
-            count = torch.as_tensor(sorted_steps, dtype=loss_sum.dtype, device=loss_sum.device).clamp_min(1.0)
             epoch_means.append({k: v / count.reshape(-1, *([1] * (v.dim() - 1))) for k, v in running.items()})
-    real_steps = torch.as_tensor(sorted_steps * num_epochs, dtype=loss_sum.dtype, device=loss_sum.device)
-    result = LocalResult(params=params, epoch_means=epoch_means, mean_loss=loss_sum / real_steps.clamp_min(1.0))
-    if sorted_output:
-        return result, order
+    result = LocalResult(params=params, epoch_means=epoch_means, mean_loss=loss_sum / (count * num_epochs))
     if in_order:
         return result
     unsort = torch.as_tensor(np.argsort(order, kind="stable"), dtype=torch.int64, device=rows.device)
@@ -236,27 +230,23 @@ def cohort_local_sgd(fns: ModelFunctions, request: LocalRequest, inputs: CohortI
     """
     plan = inputs.plan
 
-    def train(sub: CohortPlan, sorted_output: bool = False, rows: np.ndarray | None = None) -> Any:
-        linear = request.linear
-        if linear is not None and rows is not None:
-            at = torch.as_tensor(rows, dtype=torch.int64, device=plan.index.device)
-            linear = {k: v.index_select(0, at) for k, v in linear.items()}
+    def train(sub: CohortPlan, linear: Params | None) -> LocalResult:
         return dense_local_sgd(fns.dense, fns.data.x, fns.data.y, fns.prepare, request.params, sub, opt,
-                               average_epochs=request.average_epochs, prox_mu=request.prox_mu, linear=linear,
-                               sorted_output=sorted_output)
+                               average_epochs=request.average_epochs, prox_mu=request.prox_mu, linear=linear)
 
     size, num_clients = block_size(request.params, momentum=opt.client_momentum != 0.0,
                                    average_epochs=request.average_epochs), len(plan.num_examples)
     if num_clients <= size:
-        return train(plan)
-    order = np.argsort(-plan.steps_per_client, kind="stable")
+        return train(plan, request.linear)
+    order = np.argsort(-plan.steps_per_client, kind="stable")  # each block is longest first: no rows move in it
     out: Any = None
     for first in range(0, num_clients, size):
         rows = order[first : first + size]
-        part, within = train(take_clients(inputs, rows).plan, True, rows)
+        slots = torch.as_tensor(rows, dtype=torch.int64, device=plan.index.device)
+        linear = None if request.linear is None else {k: v.index_select(0, slots) for k, v in request.linear.items()}
+        part = train(take_clients(inputs, rows).plan, linear)
         if out is None:
             out = pytree.tree_map(lambda t: t.new_empty((num_clients, *t.shape[1:])), part)
-        slots = torch.as_tensor(rows[within], dtype=torch.int64, device=plan.index.device)
         pytree.tree_map(lambda dst, src, slots=slots: dst.index_copy_(0, slots, src), out, part)
     return out
 
@@ -268,14 +258,14 @@ def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohor
     Falls back to run_vmap for a round the algorithm does not fuse (fused_local absent or None)
     or a model without a DenseSpec.
     """
-    request: LocalRequest | None = None
-    if fns.dense is not None and alg.fused_local is not None:
-        request = alg.fused_local(broadcast, inputs.states, hp, round_idx)
-    if request is None:
+    if fns.dense is None or alg.fused_local is None:
         return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
     chunked = in_chunks(run_fused, alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
     if chunked is not None:
         return chunked
+    request = alg.fused_local(broadcast, inputs.states, hp, round_idx)  # once per chunk, for its clients
+    if request is None:
+        return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx)
     plan = inputs.plan
     one = client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, plan.steps_per_epoch, round_idx,
                      local_request=request)
