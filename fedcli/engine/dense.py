@@ -268,5 +268,5 @@ def run_fused(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohor
         return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx)
     plan = inputs.plan
     one = client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, plan.steps_per_epoch, round_idx,
-                     local_request=request)
+                    local_request=request)
     return vmap_clients(one, inputs, cohort_local_sgd(fns, request, inputs, opt))

@@ -77,8 +77,8 @@ def make_context(fns: ModelFunctions, index: Tensor, weight: Tensor, step_mask: 
 
 
 def client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt: OptimConfig,
-               num_epochs: int, steps_per_epoch: int, round_idx: int,
-               compile_step: bool = False, local_request: Any = None) -> Callable[..., tuple[Any, Any, Any]]:
+              num_epochs: int, steps_per_epoch: int, round_idx: int,
+              compile_step: bool = False, local_request: Any = None) -> Callable[..., tuple[Any, Any, Any]]:
     """One client's update as a function of its plan slices (and, with local_request, the
     `fused` executor's precomputed LocalResult as an eighth argument)."""
 
