@@ -1,0 +1,135 @@
+"""The SQL results store on a real PostgreSQL server (the `pg_url` fixture, tests/pg.py).
+
+Skipped, with the reason, when PostgreSQL or the psycopg driver is not installed; see
+docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from fedcli.tracking.store import SqlStore
+
+CONFIG = {"seed": 1, "algorithm": {"name": "fedpa", "rho": 0.1}}
+
+
+def _start(store: SqlStore, **overrides: Any) -> str:
+    arguments: dict[str, Any] = {
+        "experiment": "exp",
+        "run_name": None,
+        "config": CONFIG,
+        "algo": "fedpa",
+        "task": "femnist",
+        "seed": 0,
+        "tags": {},
+        "fedcli_version": "x",
+        "torch_version": "y",
+        "git_commit": None,
+    }
+    arguments.update(overrides)
+    return store.start_run(**arguments)
+
+
+def test_run_round_trip_on_postgres(pg_url: str) -> None:
+    """Start a run, log three rounds, end it, read everything back."""
+    with SqlStore(pg_url) as store:
+        run_id = _start(store, run_name="pg-run", seed=3)
+        for round_idx in range(3):
+            store.log_round(run_id, round_idx, {"eval/accuracy": 0.5 + round_idx / 10, "train/loss": 1.0 / (1 + round_idx)})
+        store.end_run(run_id, "finished")
+
+    with SqlStore(pg_url) as store:  # a second open on an existing schema
+        runs = store.list_runs()
+        frame = store.metrics_frame([run_id])
+
+    assert [(run.id, run.run_name, run.seed, run.status) for run in runs] == [(run_id, "pg-run", 3, "finished")]
+    accuracy = frame[frame["key"] == "eval/accuracy"]
+    assert accuracy["round_idx"].tolist() == [0, 1, 2]
+    assert accuracy["value"].tolist() == pytest.approx([0.5, 0.6, 0.7])
+    assert len(frame) == 6
+
+
+def test_each_test_gets_a_new_empty_database(pg_url: str, pg_database: Callable[[], str]) -> None:
+    """`pg_url` and every `pg_database()` call are distinct, empty databases."""
+    other = pg_database()
+    assert other != pg_url
+    with SqlStore(pg_url) as first, SqlStore(other) as second:
+        _start(first)
+        assert len(first.list_runs()) == 1
+        assert second.list_runs() == []
+
+
+def _open_and_write(url: str, worker: int, experiment: str, barrier: Any, results: Any) -> None:
+    """Child process: open the store together with the others, write one run of 10 rounds."""
+    try:
+        barrier.wait(timeout=60)
+        store = SqlStore(url)
+        run_id = _start(store, experiment=experiment, run_name=f"worker-{worker}", seed=worker)
+        for round_idx in range(10):
+            store.log_round(run_id, round_idx, {"eval/accuracy": worker + round_idx / 100})
+        store.end_run(run_id, "finished")
+        store.close()
+        results.put((worker, None))
+    except BaseException as err:  # reported to the parent, which shows every worker's error
+        results.put((worker, f"{type(err).__name__}: {err}"))
+
+
+def _four_writers(url: str, experiments: list[str]) -> None:
+    """Run four `_open_and_write` processes at the same moment; assert all four runs landed."""
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(4), context.Queue()
+    processes = [
+        context.Process(target=_open_and_write, args=(url, worker, experiments[worker], barrier, results))
+        for worker in range(4)
+    ]
+    for process in processes:
+        process.start()
+    outcomes: dict[int, str | None] = {}
+    for _ in processes:
+        try:
+            worker, error = results.get(timeout=120)
+        except queue.Empty:
+            break
+        outcomes[worker] = error
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+
+    errors = {worker: error for worker, error in sorted(outcomes.items()) if error is not None}
+    assert not errors, f"concurrent writers failed: {errors}"
+    assert sorted(outcomes) == [0, 1, 2, 3], f"workers that reported: {sorted(outcomes)}"
+    with SqlStore(url) as store:
+        runs = store.list_runs()
+        frame = store.metrics_frame([run.id for run in runs])
+    assert sorted(run.run_name for run in runs) == [f"worker-{w}" for w in range(4)]
+    assert {run.status for run in runs} == {"finished"}
+    assert len(frame) == 40
+
+
+@pytest.mark.xfail(
+    reason="SqlStore.__init__'s Base.metadata.create_all races on a fresh PostgreSQL database "
+    "(concurrent CREATE TABLE: duplicate pg_type entry / relation already exists); "
+    "fix pending: serialize schema creation with an advisory lock",
+    strict=False,
+)
+def test_four_processes_open_a_fresh_postgres_database_at_once(pg_url: str) -> None:
+    """A sweep's four workers open the same fresh database at the same moment (schema creation
+    races) and each write a run, in four different experiments."""
+    _four_writers(pg_url, [f"exp-{worker}" for worker in range(4)])
+
+
+@pytest.mark.xfail(
+    reason="SqlStore._experiment_id is select-then-insert: on PostgreSQL (READ COMMITTED) concurrent "
+    "start_run calls creating the same new experiment collide on experiments.name's unique constraint",
+    strict=False,
+)
+def test_four_processes_start_runs_in_one_new_experiment_at_once(pg_url: str) -> None:
+    """The schema exists; four workers start runs in the same not-yet-existing experiment."""
+    SqlStore(pg_url).close()  # create the schema first: only the experiment creation can race
+    _four_writers(pg_url, ["sweep"] * 4)
