@@ -23,14 +23,22 @@ Deviations:
   Paper (Alg. 1): unweighted client sums. Here: fedavg's n_s-weighted means for w and v,
   so gates-on FedSparse is exactly FedAvg (Adam/Adamax are nearly scale invariant).
   Paper: server Adam(1e-3, 0.9, 0.999, 1e-8) on w. Here: the run's --server-opt (paper:
-  adam, --server-lr 1e-3 --server-beta2 0.999 --server-tau 1e-8). Adamax: torch's rule.
+  adam, --server-lr 1e-3 --server-beta2 0.999 --server-tau 1e-8). The authors' Adam is
+  PyTorch's (reference pseudo-code, App. A), bias-corrected: hp.use_server_bias_correction
+  (default on) turns train.server_bias_correction on for FedSparse's Adam/Yogi step on w.
+  Adamax: torch's rule.
   Paper: upload (z_s, z_s * w_s). Here: (z_s, z_s * (w - w_s)), the same entries.
   Paper: Alg. 1 re-evaluates I[theta > eps] each round; Adam momentum can move a pruned
   w_g. Here: pruning is permanent (alive mask); pruned groups stay exactly 0.
   Paper Eq. 17: log-likelihood summed over N_s. Here: batch-mean data loss, unscaled
   terms (2)-(4) (reference §6 #1); hp.use_per_example_regularizer divides them by n_s.
-  Terms (2)-(4) use R(z > 0) (Eq. 41), weighted by group size |g| (sum over j, Eq. 17);
-  Eqs. 40-41's typos (lambda without 1/2, w for w_j) are not reproduced.
+  Terms (2)-(4) use R(z > 0) (Eq. 41). One Bernoulli gate per group: the L0 term (3) sums
+  lambda0 P over the |g| parameters of the group (sum over j, Eq. 17), the cross-entropy
+  (4) of q(z_g) to p(z_g) appears once per group (one gate, one KL term). Weighting (4) by
+  |g| too would make it outweigh (3) by c logit(theta_0) / lambda0 = 92 at App. A's values
+  and switch every gate on, whatever lambda0 ("lambda0 dictates how sparse the final
+  model will be", App. A). Eqs. 40-41's typos (lambda without 1/2, w for w_j) are not
+  reproduced.
   theta_0 = 1 (v -> -inf): no spike mass, no gates; FedProx(mu = drift), FedAvg at 0.
   Hard-concrete beta, gamma, zeta = 2/3, -0.1, 1.1 (ref. [21]). Uniforms u = Phi(e) from
   the engine's N(0, 1) noise; the upload sample z_s uses step 0's second draw.
@@ -38,6 +46,7 @@ Deviations:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -67,6 +76,7 @@ class FedSparseConfig:
     server_gate_lr: float = 1e-2  # server Adamax learning rate on v; App. A
     use_output_layer_gates: bool = False  # gate the classifier too; App. A does not prune it
     use_per_example_regularizer: bool = False  # divide terms (2)-(4) by n_s (Eq. 17 scale)
+    use_server_bias_correction: bool = True  # PyTorch (bias-corrected) Adam on w, the authors' (App. A)
 
     def __post_init__(self) -> None:
         require(self.lambda0 >= 0, "hp.lambda0", ">= 0", self.lambda0, "App. A uses 5e-7, 5e-6, 5e-5.")
@@ -183,7 +193,7 @@ def adamax_step(params: Params, grads: Params, state: AdamaxState, lr: float) ->
 def client_objective(local: tuple[Params, Params], batch: Batch, u_logit: Params, ctx: ClientContext,
                      bc: Broadcast, prior: Params, hp: FedSparseConfig) -> tuple[Tensor, Tensor]:
     """Return (-Eq. 41 per batch, data loss): CE(w_s * z) + lambda/2 sum P ||w_s - w||^2
-    + lambda0 sum |g| P - c sum |g| [P log theta + (1 - P) log(1 - theta)], P = R(z > 0)."""
+    + lambda0 sum |g| P - c sum [P log theta + (1 - P) log(1 - theta)], P = R(z > 0), sums over groups."""
     params, gates = local
     layout = gated_layers(params, hp)
     log_alpha = gate_logits(params, gates, layout, hp.temperature)
@@ -199,7 +209,7 @@ def client_objective(local: tuple[Params, Params], batch: Batch, u_logit: Params
     for k, p in p_on.items():
         size = params[k][0].numel() + len(layout[k])  # |g|
         cross = p * logsigmoid(prior[k]) + (1 - p) * logsigmoid(-prior[k])
-        reg = reg + (hp.drift / 2 * p * drift_sq[k] + size * (hp.lambda0 * p - hp.ce_scale * cross)
+        reg = reg + (hp.drift / 2 * p * drift_sq[k] + (size * hp.lambda0 * p - hp.ce_scale * cross)
                      * bc.alive[k]).sum()
     scale = 1 / ctx.num_examples if hp.use_per_example_regularizer else 1.0
     return data + scale * reg, data
@@ -253,6 +263,8 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FedS
     """
     layout = gated_layers(state.params, hp)
     base = fedavg.ServerState(params=state.params, opt_state=state.opt_state)
+    if hp.use_server_bias_correction:
+        opt = dataclasses.replace(opt, server_bias_correction=True)
     stepped, diagnostics = fedavg.apply_pseudo_gradient(base, outs.upload["delta"], weights, opt)
     q = weights / weights.sum()  # [C]
     theta = {k: torch.sigmoid(a) for k, a in gate_logits(state.params, state.gates, layout, hp.temperature).items()}

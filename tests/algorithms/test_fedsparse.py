@@ -153,9 +153,13 @@ def test_client_rows_follow_least_squares_gd_and_upload_zero_temperature_gates()
 
 
 def test_client_objective_gradients_match_eq_41() -> None:
-    """With z clamped at 1 (u = Phi(8)) the data term has no v-gradient and, for P = R(z > 0),
-    d/dv_g [lambda/2 P ||w_sg - w_g||^2 + lambda0 |g| P - c |g| (P log theta + (1 - P) log(1 - theta))]
-      = (lambda/2 ||w_sg - w_g||^2 + |g| (lambda0 - c a_theta)) P (1 - P) (-sigmoid(v_g) / T),
+    """Eq. 17 sums its per-parameter terms over j; group g shares one gate z_g, so P_j = P_g for
+    its |g| parameters: drift sum_j lambda/2 P (w_sj - w_j)^2 = lambda/2 P ||w_sg - w_g||^2, L0
+    sum_j lambda0 P = lambda0 |g| P, while the cross-entropy of q(z_g) to p(z_g) is one term per
+    gate, -(P log theta + (1 - P) log(1 - theta)), with d/dP = -logit(theta) = -a_theta.
+    With z clamped at 1 (u = Phi(8)) the data term has no v-gradient, P = R(z > 0) =
+    sigmoid(a - beta log(-gamma / zeta)) has dP/da = P (1 - P) and da/dv = -sigmoid(v) / T:
+      d/dv_g = (lambda/2 ||w_sg - w_g||^2 + lambda0 |g| - c a_theta) P (1 - P) (-sigmoid(v_g) / T),
     and d/dw_s = grad data(w_s) + lambda P_g (w_sg - w_g) on gated rows, lambda (w_s - w) elsewhere
     (the norm inside P is detached). |g| = 3 + 1 (row plus bias)."""
     hp = FedSparseConfig(temperature=0.05, lambda0=0.02, ce_scale=0.3, drift=0.7)
@@ -178,7 +182,7 @@ def test_client_objective_gradients_match_eq_41() -> None:
     p = torch.sigmoid((norm_s - softplus(v_s["hidden.weight"])) / t - HC_BETA * math.log(-HC_GAMMA / HC_ZETA))
     diff_sq = (w_s["hidden.weight"] - w["hidden.weight"]).pow(2).sum(1) + (w_s["hidden.bias"] - w["hidden.bias"]) ** 2
     a_theta = prior["hidden.weight"]
-    expected_v = ((lam / 2 * diff_sq + size * (hp.lambda0 - hp.ce_scale * a_theta)) * p * (1 - p)
+    expected_v = ((lam / 2 * diff_sq + size * hp.lambda0 - hp.ce_scale * a_theta) * p * (1 - p)
                   * -torch.sigmoid(v_s["hidden.weight"]) / t)
     data_grad = torch.func.grad(mlp_loss)(w_s, batch)
     expected_w = {k: data_grad[k] + lam * (w_s[k] - w[k]) * (p[:, None] if k == "hidden.weight" else
@@ -332,3 +336,104 @@ def test_hyperparameters_are_validated() -> None:
         FedSparseConfig(temperature=0.0)
     with pytest.raises(HyperparameterError, match=r"hp.init_inclusion must be in \(0, 1\]; got 1.5\."):
         FedSparseConfig(init_inclusion=1.5)
+
+
+def silent_net(fan_in: tuple[int, int], width: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two gated tanh layers (groups of |g| = fan_in + 1, ||w_g|| ~ 3) and a zero classifier."""
+    g = torch.Generator().manual_seed(seed)
+    return {"h1.weight": 3 * torch.randn(fan_in[1], fan_in[0], generator=g, dtype=DT) / math.sqrt(fan_in[0]),
+            "h1.bias": torch.zeros(fan_in[1], dtype=DT),
+            "h2.weight": 3 * torch.randn(width, fan_in[1], generator=g, dtype=DT) / math.sqrt(fan_in[1]),
+            "h2.bias": torch.zeros(width, dtype=DT),
+            "out.weight": torch.zeros(1, width, dtype=DT), "out.bias": torch.zeros(1, dtype=DT)}
+
+
+def silent_apply(params: dict[str, torch.Tensor], x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
+    h = torch.tanh(x @ params["h1.weight"].T + params["h1.bias"])
+    h = torch.tanh(h @ params["h2.weight"].T + params["h2.bias"])
+    return (h @ params["out.weight"].T + params["out.bias"]).squeeze(-1)
+
+
+def silent_loss(params: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
+    return 0.5 * ((silent_apply(params, batch.x) - batch.y) ** 2 * batch.weight).sum() / batch.weight.sum()
+
+
+def sparsity_after(hp: FedSparseConfig, rounds: int = 1) -> tuple[float, list[float]]:
+    """Run FedSparse on the silent net (fan-ins 200 and 16, y = 0); return the pruned fraction of
+    all parameters and the alive fraction of each gated layer."""
+    sizes, d = (20, 30), 200
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(sum(sizes), d, generator=g, dtype=DT)
+    bounds = np.cumsum((0, *sizes))
+    data = FederatedData(x, torch.zeros(sum(sizes), dtype=DT),
+                         [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
+                         torch.device("cpu"), dtype=DT)
+    fns = ModelFunctions(apply_fn=silent_apply, loss_fn=silent_loss, data=data, prepare=lambda v: v)
+    opt = OptimConfig(client_lr=0.05, local_epochs=4, server_opt="adam", server_lr=1e-3, server_beta2=0.999,
+                      server_tau=1e-8)
+    state = fedsparse.server_init(silent_net((d, 16), 8), hp, opt)
+    cohort = np.arange(len(sizes))
+    for r in range(1, rounds + 1):
+        plan = data.plan(cohort, num_epochs=opt.local_epochs, batch_size=5,
+                         rngs=[np.random.default_rng([r, int(c)]) for c in cohort])
+        steps = plan.num_epochs * plan.steps_per_epoch
+        shapes = fedsparse.noise_shapes(state.params, hp, steps)
+        gen = torch.Generator().manual_seed(r)
+        noise = {k: torch.randn(len(cohort), *s, generator=gen) for k, s in sorted(shapes.items())}
+        inputs = CohortInputs(plan, torch.zeros(len(cohort), steps, dtype=torch.int64), noise, None)
+        outs = run_loop(fedsparse.ALGORITHM, fns, fedsparse.broadcast(state, hp), inputs, hp, opt, r)
+        state, diag = fedsparse.server_update(state, outs, plan.num_examples, hp, opt)
+    return float(diag["fedsparse/sparsity"]), [float(m.mean()) for m in state.alive.values()]
+
+
+def test_paper_lambda0_prunes_the_groups_whose_l0_cost_beats_the_cross_entropy() -> None:
+    """The classifier is 0 and y = 0, so the data term has no gradient and w never moves: only
+    terms (3)-(4) act on the gates. One gate per group, so with P = R(z_g > 0)
+      d/dP [lambda0 |g| P - c (P log theta + (1 - P) log(1 - theta))] = lambda0 |g| - c logit(theta).
+    At round 1 logit(theta_0) = log 99 and c log 99 = 4.6e-4 (c = 1e-4, App. A): clients lower P_g,
+    send z ~ Bern(pi_s) below theta, and the server lowers theta_g below eps = 0.1 (pruning g)
+    iff lambda0 |g| > 4.6e-4; otherwise they raise it. At App. A's mid lambda0 = 5e-6 that is
+    |g| > 92: layer h1 (|g| = 201) is pruned, h2 (|g| = 17) kept. A cross-entropy weighted by |g|
+    like the L0 term gives |g| (lambda0 - 4.6e-4) < 0 for every group: nothing would be pruned."""
+    sparsity, alive = sparsity_after(FedSparseConfig(lambda0=5e-6))
+
+    assert alive == [0.0, 1.0]
+    assert sparsity == pytest.approx(16 * 201 / (16 * 201 + 8 * 17 + 9))
+
+
+def test_sparsity_grows_with_lambda0() -> None:
+    """As above, pruning needs lambda0 |g| > c log 99 = 4.6e-4. App. A's low lambda0 = 5e-7 prunes
+    no group of |g| <= 201; the high 5e-5 prunes |g| > 9.2, both layers. With mid (above):
+    0 < sparsity(mid) < sparsity(high)."""
+    low, high = (sparsity_after(FedSparseConfig(lambda0=lam)) for lam in (5e-7, 5e-5))
+
+    assert low == (0.0, [1.0, 1.0])
+    assert high[1] == [0.0, 0.0]
+    assert high[0] == pytest.approx((16 * 201 + 8 * 17) / (16 * 201 + 8 * 17 + 9))
+
+
+def test_server_adam_on_w_is_pytorchs_bias_corrected_adam_by_default() -> None:
+    """The authors' server optimiser on w is PyTorch's Adam(lr 1e-3, betas (0.9, 0.999), eps 1e-8)
+    (App. A): m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t), w -= lr m_hat / (sqrt(v_hat) + eps),
+    fed the weighted mean of z (w - w_s). Checked against torch.optim.Adam itself over 2 rounds,
+    from a run config whose train.server_bias_correction is off (Reddi et al.'s FedAdam form);
+    with hp.use_server_bias_correction = False FedSparse follows the run's setting again."""
+    opt = OptimConfig(server_opt="adam", server_lr=1e-3, server_beta2=0.999, server_tau=1e-8)
+    hp = FedSparseConfig()
+    state = fedsparse.server_init(mlp_params(), hp, opt)
+    weights, z = torch.tensor([2.0, 5.0], dtype=DT), torch.ones(2, 4, dtype=DT)
+    shadow = {k: torch.nn.Parameter(p.clone()) for k, p in state.params.items()}
+    torch_adam = torch.optim.Adam(shadow.values(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    plain = state
+    for r in (1, 2):
+        g = torch.Generator().manual_seed(r)
+        deltas = {k: 0.01 * torch.randn(2, *p.shape, generator=g, dtype=DT) for k, p in state.params.items()}
+        for k, p in shadow.items():
+            p.grad = torch.tensordot(weights / weights.sum(), deltas[k], 1)
+        torch_adam.step()
+
+        state, _ = server_round(state, hp, opt, deltas, z, weights)
+        plain, _ = server_round(plain, FedSparseConfig(use_server_bias_correction=False), opt, deltas, z, weights)
+
+        torch.testing.assert_close(state.params, {k: p.detach() for k, p in shadow.items()}, rtol=0.0, atol=1e-15)
+    assert not torch.allclose(plain.params["out.weight"], state.params["out.weight"], rtol=0.0, atol=1e-6)
