@@ -529,7 +529,31 @@ def save_partition(path: Path, clients: list[np.ndarray], *, spec: PartitionSpec
 def load_partition(path: Path, *, dataset: str, fingerprint: str) -> tuple[list[np.ndarray], PartitionSpec]:
     """Read and check a partition file; ConfigError naming the file and the fix on any problem."""
     path = Path(path)
-    redo = f"regenerate it with `fedcli partition --dataset {dataset} ... --out {path}`"
+    doc = _read_partition(path, dataset=dataset)
+    if doc.get("fingerprint") != fingerprint:
+        raise ConfigError(f"partition file {path} was made for different {dataset!r} data (fingerprint "
+                          f"{str(doc.get('fingerprint'))[:12]}… ≠ {fingerprint[:12]}…): the data files, --data-dir "
+                          f"or the seed of generated data differ; {_redo(path, dataset)}.")
+    return _parse_clients(path, doc), _parse_spec(path, doc)
+
+
+def check_partition_file(path: Path, *, dataset: str | None) -> None:
+    """Every check of `load_partition` that needs no data (all but the fingerprint); ConfigError."""
+    doc = _read_partition(Path(path), dataset=dataset)
+    _parse_clients(path, doc)
+    _parse_spec(path, doc)
+
+
+def _redo(path: Path, dataset: str | None) -> str:
+    return f"regenerate it with `fedcli partition --dataset {dataset or 'NAME'} ... --out {path}`"
+
+
+def _read_partition(path: Path, *, dataset: str | None) -> dict[str, Any]:
+    """The checked JSON document of a partition file (format, version, content hash, dataset name)."""
+    redo = _redo(path, dataset)
+    if path.is_dir():
+        raise ConfigError(f"partition.file must be a partition file; got the directory {str(path)!r}. "
+                          "Pass the .json file `fedcli partition --out` wrote.")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -546,14 +570,10 @@ def load_partition(path: Path, *, dataset: str, fingerprint: str) -> tuple[list[
     claimed = doc.pop("content_sha256", None)
     if claimed != hashlib.sha256(_canonical(doc).encode()).hexdigest():
         raise ConfigError(f"partition file {path} fails its content hash: it was edited or corrupted; {redo}.")
-    if doc.get("dataset") != dataset:
+    if dataset is not None and doc.get("dataset") != dataset:
         raise ConfigError(f"partition file {path} was made for dataset {doc.get('dataset')!r}, not {dataset!r}; "
                           f"use --task {doc.get('dataset')} or {redo}.")
-    if doc.get("fingerprint") != fingerprint:
-        raise ConfigError(f"partition file {path} was made for different {dataset!r} data (fingerprint "
-                          f"{str(doc.get('fingerprint'))[:12]}… ≠ {fingerprint[:12]}…): the data files, --data-dir "
-                          f"or the seed of generated data differ; {redo}.")
-    return _parse_clients(path, doc), _parse_spec(path, doc)
+    return doc
 
 
 def _parse_clients(path: Path, doc: dict[str, Any]) -> list[np.ndarray]:
@@ -561,12 +581,17 @@ def _parse_clients(path: Path, doc: dict[str, Any]) -> list[np.ndarray]:
     try:
         clients = [np.asarray(c, dtype=np.int64) for c in doc["clients"]]
     except (KeyError, TypeError, ValueError):
-        raise ConfigError(f"partition file {path} has a malformed 'clients' list.") from None
-    flat = np.concatenate(clients) if clients else np.zeros(0, np.int64)
-    if not isinstance(n, int) or any(c.ndim != 1 for c in clients) or (len(flat) and (flat.min() < 0 or flat.max() >= n)):
-        raise ConfigError(f"partition file {path} has example indices outside 0..{n}-1.")
+        raise ConfigError(f"partition file {path} has a malformed 'clients' list; {_redo(path, doc.get('dataset'))}.") from None
+    if not clients or any(c.ndim != 1 for c in clients):
+        raise ConfigError(f"partition file {path} must hold a non-empty list of clients, each a list of example "
+                          f"indices; {_redo(path, doc.get('dataset'))}.")
+    flat = np.concatenate(clients)
+    if not isinstance(n, int) or isinstance(n, bool) or (len(flat) and (flat.min() < 0 or flat.max() >= n)):
+        raise ConfigError(f"partition file {path} has example indices outside 0..{n}-1; "
+                          f"{_redo(path, doc.get('dataset'))}.")
     if len(np.unique(flat)) != len(flat):
-        raise ConfigError(f"partition file {path} assigns some example to two clients.")
+        raise ConfigError(f"partition file {path} assigns some example to two clients; "
+                          f"{_redo(path, doc.get('dataset'))}.")
     return clients
 
 

@@ -74,7 +74,9 @@ class TrainConfig:
     server_tau: float = 1e-3
     server_bias_correction: bool = False  # Adam/Yogi: divide moments by 1 - beta^t (PyTorch/Keras form)
     eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
-    checkpoint_every: int = 0  # rounds between checkpoints; 0 = only the final model
+    checkpoint_every: int | None = None  # rounds between checkpoints; None = auto (every round while a
+    # checkpoint costs <= 3 % of a round, else spaced to cost that); 0 = only at the end and on a stop
+    keep_checkpoints: int = 3  # newest checkpoints kept per run (older ones are deleted)
     executor: str = "auto"  # auto | loop | vmap | process (cohort split across CPU worker processes)
     cohort_chunk: int | None = None  # vmap chunk size, clients grouped by length; None = whole cohort
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -133,13 +135,16 @@ class RunConfig:
     def config_hash(self) -> str:
         """sha256 of the canonical JSON of everything that determines results.
 
-        Left out: the tracking section and train.workers (how many processes share the
-        cohort: a resource, like the machine; `fedcli sweep --workers N` sets it per trial).
+        Left out: the tracking section and the `NOT_HASHED` train keys (resources and
+        bookkeeping that do not change results: how many processes share the cohort, how
+        often to checkpoint; `fedcli sweep --workers N` sets workers per trial).
         """
         body = {k: v for k, v in self.to_dict().items() if k != "tracking"}
-        body["train"] = {k: v for k, v in body["train"].items() if k != "workers"}
+        body["train"] = {k: v for k, v in body["train"].items() if k not in NOT_HASHED}
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
+
+NOT_HASHED = ("workers", "checkpoint_every", "keep_checkpoints")
 
 SECTIONS: Mapping[str, type] = {
     "data": DataConfig, "partition": PartitionConfig, "algorithm": AlgorithmConfig,
@@ -305,7 +310,8 @@ def validate(cfg: RunConfig) -> None:
     t = cfg.train
     for key, value, low in (("rounds", t.rounds, 1), ("clients_per_round", t.clients_per_round, 1),
                             ("batch_size", t.batch_size, 1), ("eval_every", t.eval_every, 1),
-                            ("checkpoint_every", t.checkpoint_every, 0)):
+                            ("checkpoint_every", 0 if t.checkpoint_every is None else t.checkpoint_every, 0),
+                            ("keep_checkpoints", t.keep_checkpoints, 1)):
         if value < low:
             raise ConfigError(f"train.{key} must be >= {low}; got {value!r}.")
     if t.executor not in EXECUTORS:
@@ -334,9 +340,40 @@ def validate(cfg: RunConfig) -> None:
                           f"got {cfg.data.model!r}.")
     if cfg.partition.scheme not in SCHEMES:
         raise ConfigError(f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}.")
+    validate_partition(cfg.partition, cfg.data)
 
 
-RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.device", "train.executor",
+# CLI flag of each partition field; a partition file fixes all of them.
+PARTITION_FLAGS = {"scheme": "--scheme", "num_clients": "--clients", "alpha": "--alpha",
+                   "shards_per_client": "--shards-per-client", "labels_per_client": "--labels-per-client",
+                   "sigma": "--sigma", "size_alpha": "--size-alpha", "balanced": "--balanced", "min_size": "--min-size"}
+
+
+def validate_partition(part: PartitionConfig, data: DataConfig) -> None:
+    """A partition file excludes the scheme options; otherwise the scheme's options must fit it.
+
+    Without this check `--partition p.json --scheme iid --clients 5` trained on the file's
+    partition but stored `scheme: iid, num_clients: 5` with the run.
+    """
+    from fedcli.datasets.partition import PartitionSpec, check_partition_file
+
+    defaults = PartitionConfig()
+    if part.file is not None:
+        given = [k for k in PARTITION_FLAGS if getattr(part, k) != getattr(defaults, k)]
+        if given:
+            values = ", ".join(f"partition.{k}={getattr(part, k)!r}" for k in given)
+            raise ConfigError(f"partition.{given[0]} must be left unset with partition.file; got {values} and "
+                              f"partition.file={part.file!r}. Drop {'/'.join(PARTITION_FLAGS[k] for k in given)}: "
+                              "the partition file fixes them.")
+        check_partition_file(Path(part.file), dataset=data.task if data.file is None else None)
+        return
+    PartitionSpec(scheme=part.scheme, num_clients=part.num_clients, alpha=part.alpha,
+                  shards_per_client=part.shards_per_client, labels_per_client=part.labels_per_client,
+                  min_size=part.min_size, balanced=part.balanced, sigma=part.sigma, size_alpha=part.size_alpha)
+
+
+RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.keep_checkpoints", "train.device",
+                       "train.executor",
                        "train.cohort_chunk", "train.workers", "tracking.root", "tracking.store", "tracking.tracking_uri",
                        "tracking.use_mlflow")
 

@@ -1,14 +1,33 @@
-"""User mistakes get one line on stderr and exit code 2, never a traceback (STYLE.md rule 13)."""
+"""User mistakes get one line on stderr and exit code 2, never a traceback (STYLE.md rule 13).
+
+Output files the user names (`partition --out`, `--plot`, `report --output`) are checked
+before any work (`check_output`) and written through a temp file beside the target that is
+renamed over it (`write_output`), so a rejected or failed command leaves nothing behind; an
+OSError on them becomes a one-line ConfigError (`output_error`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import errno
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import typer
-from rich.console import Console
+from typer.core import TyperGroup
 
-from fedcli.errors import FedcliError
+try:  # Typer >= 0.2x runs a vendored copy of Click; its exceptions are those classes
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older Typer on the click package
+    from click import exceptions as click_errors  # type: ignore[no-redef]
+from rich.console import Console
+from rich.text import Text
+
+from fedcli.errors import ConfigError, FedcliError
 
 
 @contextmanager
@@ -19,8 +38,100 @@ def user_errors(debug: bool = False) -> Iterator[None]:
     except FedcliError as exc:
         if debug:
             raise
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {exc}", markup=True)
+        print_error(str(exc))
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted; the run is marked 'interrupted' in the store.")
         raise typer.Exit(130) from None
+
+
+def print_error(message: str) -> None:
+    """Print 'error: <message>' as one line on stderr (no rich markup: messages hold '[N, ...]')."""
+    line = Text("error:", style="bold red")
+    line.append(" " + " ".join(message.split()))  # one line, whatever the message holds
+    Console(stderr=True, highlight=False, soft_wrap=True).print(line)
+
+
+def output_error(path: Path, flag: str, exc: OSError) -> ConfigError:
+    """The one-line ConfigError for an OSError on an output file the user named."""
+    code = exc.errno
+    if code == errno.ENOSPC:
+        return ConfigError(f"no space left on device: {path}; free some space or pass {flag} a path on another disk.")
+    if code in (errno.EACCES, errno.EPERM):
+        return ConfigError(f"permission denied: {path}; pass {flag} a path in a directory you can write.")
+    if code == errno.EISDIR:
+        return ConfigError(f"{flag} must be a file path; got {str(path)!r}, which is a directory. "
+                           "Name a file inside it.")
+    if code == errno.ENOTDIR:
+        return ConfigError(f"{flag} must be a path under a directory; got {str(path)!r}: not a directory "
+                           "(a parent is a file). Pick another path.")
+    return ConfigError(f"{path}: not writable ({exc.strerror or exc}); pass {flag} a path in a writable directory.")
+
+
+def check_output(path: Path | None, flag: str) -> None:
+    """Fail now, before any work, when `path` cannot be written (nothing is left behind).
+
+    A missing parent folder is fine (it is created on success); a directory at `path`, a
+    file where a parent folder should be, or a parent that refuses a file is a ConfigError.
+    """
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise output_error(path, flag, IsADirectoryError(errno.EISDIR, "Is a directory"))
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise output_error(path, flag, NotADirectoryError(errno.ENOTDIR, "Not a directory"))
+    try:  # a real probe: os.access is wrong for root, read-only mounts and /proc
+        handle, probe = tempfile.mkstemp(dir=ancestor, prefix=".fedcli-probe-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise output_error(path, flag, exc) from None
+
+
+def write_output(path: Path, data: str | bytes, flag: str) -> None:
+    """Write `data` to `path` atomically (temp file beside it, then rename); ConfigError on OSError."""
+    path = Path(path)
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(handle, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are meant to be shared
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        raise output_error(path, flag, exc) from None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The app's group class: Click usage errors (bad option values, unknown options or commands,
+    missing required options) as the same one 'error:' line and exit 2 as FedcliError, instead
+    of Typer's usage box. Wire it with `typer.Typer(cls=OneLineUsageErrors, ...)`."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError as exc:  # the help was printed already
+            sys.exit(exc.exit_code)
+        except click_errors.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            hint = f"; see '{ctx.command_path} --help'." if ctx is not None else ""
+            print_error(exc.format_message().rstrip(".") + hint)
+            sys.exit(exc.exit_code)
+        except click_errors.Abort:
+            Console(stderr=True).print("Aborted.")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
