@@ -165,6 +165,7 @@ class MlflowSink:
         params: Mapping[str, object],
         tags: Mapping[str, str],
         parent_run_id: str | None = None,
+        start_ms: int | None = None,
     ) -> str:
         """Create the MLflow run and log its params and tags (synchronously, once).
 
@@ -188,7 +189,10 @@ class MlflowSink:
         ]
         with self._errors(f"start run {run_name!r}"):
             run = self._client.create_run(
-                self.experiment_id, start_time=int(time.time() * 1000), tags=run_tags, run_name=run_name
+                self.experiment_id,
+                start_time=start_ms or int(time.time() * 1000),
+                tags=run_tags,
+                run_name=run_name,
             )
             self._run_id = run.info.run_id
             for chunk in _chunks(param_list, MAX_PARAMS_TAGS_PER_BATCH):
@@ -196,6 +200,26 @@ class MlflowSink:
         self.set_tags(tags)
         log.debug("mlflow: started run %s (%s) in experiment %s", self._run_id, run_name, self.experiment_id)
         return self._run_id
+
+    def exists(self, run_id: str) -> bool:
+        """True when the tracking store has a run with this id."""
+        try:
+            self._client.get_run(run_id)
+        except MlflowException:
+            return False
+        return True
+
+    def log_rows(self, rows: Sequence[tuple[int, str, float, int | None]]) -> None:
+        """Write `(round_idx, key, value, logged_ms)` rows synchronously (the mirror's copy of the store).
+
+        The timestamp is the time the store logged the round, so writing the same rows twice
+        gives identical points, which MLflow's SQL store keeps once.
+        """
+        now = int(time.time() * 1000)
+        batch = [Metric(key, value, logged_ms or now, round_idx) for round_idx, key, value, logged_ms in rows]
+        with self._errors(f"log rounds of run {self.run_id}"):
+            for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
+                self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
 
     def attach(self, run_id: str) -> None:
         """Reattach to an existing MLflow run (for `--resume`) and set it back to RUNNING."""

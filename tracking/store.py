@@ -21,11 +21,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import errno
 import hashlib
 import json
 import logging
 import math
+import os
 import re
+import socket
 import sqlite3
 import time
 import uuid
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import (
+    BigInteger,
     CheckConstraint,
     DateTime,
     Double,
@@ -47,6 +51,7 @@ from sqlalchemy import (
     func,
     inspect,
     select,
+    text,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult, Engine
@@ -82,8 +87,12 @@ log = logging.getLogger(__name__)
 
 RUN_STATUSES = ("running", "finished", "failed", "interrupted")
 END_STATUSES = ("finished", "failed", "interrupted")
-SETTABLE_RUN_FIELDS = frozenset({"model_path", "mlflow_run_id", "git_commit"})
+SETTABLE_RUN_FIELDS = frozenset({"model_path", "mlflow_run_id", "git_commit", "mlflow_synced_round"})
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+HEARTBEAT_S = 10.0  # a live run refreshes runs.heartbeat_at this often (fedcli.engine.lifecycle)
+STALE_S = 60.0  # a `running` run whose heartbeat is older than this reads as `interrupted`
+HOSTNAME = socket.gethostname()
+_LOCK_KEY = 0x66656463  # "fedc": the PostgreSQL advisory-lock key of schema setup
 _BEGIN_OPTION = "fedcli_sqlite_begin"  # execution option read by the SQLite "begin" hook
 _RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _HEX_RE = re.compile(r"^[0-9a-f]+$")
@@ -210,6 +219,11 @@ class Run(Base):
     model_path: Mapped[str | None] = mapped_column(Text)
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
     tags_json: Mapped[str] = mapped_column(Text)  # canonical_json(tags)
+    # run lifecycle (added after the first release; `_migrate` adds them to older stores)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UtcDateTime())  # refreshed while alive
+    host: Mapped[str | None] = mapped_column(String(255))  # where the live process runs
+    pid: Mapped[int | None]  # its process id
+    mlflow_synced_round: Mapped[int | None]  # highest round the MLflow mirror has written
 
 
 class RoundMetric(Base):
@@ -221,6 +235,7 @@ class RoundMetric(Base):
     round_idx: Mapped[int] = mapped_column(primary_key=True)
     key: Mapped[str] = mapped_column(String(250), primary_key=True)
     value: Mapped[float] = mapped_column(Double())
+    logged_ms: Mapped[int | None] = mapped_column(BigInteger())  # epoch ms (MLflow's timestamp)
 
 
 class ClientMetric(Base):
@@ -289,6 +304,43 @@ class RunRecord:
     diverged_at_round: int | None
     model_path: str | None
     mlflow_run_id: str | None
+    heartbeat_at: datetime | None = None
+    host: str | None = None
+    pid: int | None = None
+    mlflow_synced_round: int | None = None
+    stored_status: str = ""  # the status column as written; `status` is what it means now
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the run's process is (as far as the store can tell) still training it."""
+        return self.status == "running"
+
+
+def _liveness(run: Run, now: datetime) -> tuple[str, str | None]:
+    """(status, reason) of a run as it stands now: a `running` run whose process is gone is `interrupted`.
+
+    Gone means: its heartbeat is older than `STALE_S`, or it runs on this host and its pid
+    no longer exists (so a killed run reads as interrupted at once on its own machine).
+    """
+    if run.status != "running":
+        return run.status, run.failure_reason
+    beat = run.heartbeat_at or run.created_at
+    age = (now - beat).total_seconds()
+    if age > STALE_S:
+        return "interrupted", f"no heartbeat for {age:.0f} s (process killed or machine down)"
+    if run.host == HOSTNAME and run.pid is not None and not _pid_alive(run.pid):
+        return "interrupted", f"process {run.pid} on {run.host} is gone (killed)"
+    return "running", None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 # Fields of RunRecord that `list_runs(where=...)` matches directly (before config and tags).
@@ -308,7 +360,8 @@ _WHERE_FIELDS = (
 )
 
 
-def _to_record(run: Run, experiment: str) -> RunRecord:
+def _to_record(run: Run, experiment: str, now: datetime | None = None) -> RunRecord:
+    status, reason = _liveness(run, now or _utcnow())
     return RunRecord(
         id=run.id,
         experiment=experiment,
@@ -316,7 +369,7 @@ def _to_record(run: Run, experiment: str) -> RunRecord:
         algo=run.algo,
         task=run.task,
         seed=run.seed,
-        status=run.status,
+        status=status,
         config=json.loads(run.config_json),
         config_json=run.config_json,
         config_hash=run.config_hash,
@@ -326,10 +379,15 @@ def _to_record(run: Run, experiment: str) -> RunRecord:
         fedcli_version=run.fedcli_version,
         torch_version=run.torch_version,
         git_commit=run.git_commit,
-        failure_reason=run.failure_reason,
+        failure_reason=reason,
         diverged_at_round=run.diverged_at_round,
         model_path=run.model_path,
         mlflow_run_id=run.mlflow_run_id,
+        heartbeat_at=run.heartbeat_at,
+        host=run.host,
+        pid=run.pid,
+        mlflow_synced_round=run.mlflow_synced_round,
+        stored_status=run.status,
     )
 
 
@@ -450,6 +508,44 @@ def _create_engine(url: str) -> tuple[Engine, str]:
     return engine, shown
 
 
+# --------------------------------------------------------------------------- schema setup
+
+# Columns added after the first release: (table, column, SQL type). `_setup_schema` adds the
+# missing ones to an older store, in the same locked transaction that creates the tables.
+_ADDED_COLUMNS = (
+    ("runs", "heartbeat_at", "TIMESTAMP"),
+    ("runs", "host", "VARCHAR(255)"),
+    ("runs", "pid", "INTEGER"),
+    ("runs", "mlflow_synced_round", "INTEGER"),
+    ("round_metrics", "logged_ms", "BIGINT"),
+)
+
+
+def _setup_schema(conn: Any) -> None:
+    """Create missing tables and columns, once, however many processes open the store together.
+
+    One transaction under the database's own lock: `BEGIN IMMEDIATE` on SQLite (the write
+    lock, taken before reading the schema) and a transaction-scoped advisory lock on
+    PostgreSQL (`CREATE TABLE IF NOT EXISTS` alone races on the catalogue). DDL is
+    transactional on both, so a process killed half-way leaves no half-made schema.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
+    Base.metadata.create_all(conn)
+    inspector = inspect(conn)
+    for table, column, sql_type in _ADDED_COLUMNS:
+        if column not in {c["name"] for c in inspector.get_columns(table)}:
+            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
+            log.info("store: added column %s.%s (store made by an older fedcli)", table, column)
+
+
+def disk_full(err: BaseException) -> bool:
+    """True when an error (OSError or a database error) means the disk is full."""
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    return "disk is full" in str(getattr(err, "orig", None) or err).lower()
+
+
 # --------------------------------------------------------------------------- the store
 
 
@@ -473,7 +569,7 @@ class SqlStore:
         self._write_engine = self._engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
         try:
             with self._write_engine.begin() as conn:
-                Base.metadata.create_all(conn)
+                _setup_schema(conn)
         except SQLAlchemyError as err:
             self._engine.dispose()
             raise TrackingError(
@@ -501,6 +597,11 @@ class SqlStore:
             with Session(engine, expire_on_commit=False) as session, session.begin():
                 yield session
         except SQLAlchemyError as err:
+            if disk_full(err):
+                raise TrackingError(
+                    f"no space left on device for the store {self.url!r} (could not {what}); "
+                    "free disk space, then resume the run with `fedcli train --resume RUN`"
+                ) from err
             raise TrackingError(f"store {self.url!r} could not {what}: {_first_line(err)}") from err
 
     def _upsert(
@@ -572,6 +673,9 @@ class SqlStore:
             torch_version=torch_version,
             git_commit=git_commit,
             tags_json=canonical_json(_check_str_mapping("tags", tags)),
+            heartbeat_at=now,
+            host=HOSTNAME,
+            pid=os.getpid(),
         )
         with self._session("start a run", write=True) as session:
             run.experiment_id = self._experiment_id(session, experiment, now)
@@ -609,11 +713,40 @@ class SqlStore:
             run.failure_reason, run.diverged_at_round = reason, diverged_at_round
 
     def mark_running(self, run_id: str) -> None:
-        """Set an ended run back to `running` (for `--resume`), clearing its outcome fields."""
+        """Set an ended run back to `running` in this process (for `--resume`), clearing its outcome.
+
+        Raises:
+            ConfigError: The run is alive in another process (fresh heartbeat).
+        """
         with self._session(f"reopen run {run_id}", write=True) as session:
             run = self._require_run(session, run_id)
+            now = _utcnow()
+            status, _ = _liveness(run, now)
+            if status == "running" and not (run.host == HOSTNAME and run.pid == os.getpid()):
+                raise ConfigError(
+                    f"run {run_id[:8]} is still running (pid {run.pid} on {run.host}, heartbeat "
+                    f"{(now - (run.heartbeat_at or now)).total_seconds():.0f} s ago); stop it first "
+                    "or wait for it to end"
+                )
             run.status, run.ended_at = "running", None
             run.failure_reason, run.diverged_at_round = None, None
+            run.heartbeat_at, run.host, run.pid = now, HOSTNAME, os.getpid()
+
+    def heartbeat(self, run_id: str) -> None:
+        """Record that the run's process is alive now (`fedcli.engine.lifecycle` calls it every few s)."""
+        with self._session(f"heartbeat run {run_id}", write=True) as session:
+            run = self._require_run(session, run_id)
+            run.heartbeat_at = _utcnow()
+
+    def update_config(self, run_id: str, config: Mapping[str, Any], hash_: str) -> None:
+        """Replace a run's stored config and hash (a resume that changes what the run trains, e.g. rounds)."""
+        with self._session(f"update run {run_id}", write=True) as session:
+            run = self._require_run(session, run_id)
+            run.config_json, run.config_hash = canonical_json(config), hash_
+            tags = json.loads(run.tags_json)
+            if "fedcli.config_hash" in tags:
+                tags["fedcli.config_hash"] = hash_
+                run.tags_json = canonical_json(tags)
 
     def set_run_fields(self, run_id: str, **fields: str | None) -> None:
         """Set some of `model_path`, `mlflow_run_id`, `git_commit` on a run."""
@@ -642,12 +775,27 @@ class SqlStore:
             NonFiniteMetricsError: Some value is NaN/inf; nothing was written.
         """
         values = check_metrics(metrics, _check_round_idx(round_idx))
+        now = _utcnow()
+        logged_ms = int(now.timestamp() * 1000)
         rows = [
-            {"run_id": run_id, "round_idx": round_idx, "key": key, "value": value}
+            {"run_id": run_id, "round_idx": round_idx, "key": key, "value": value, "logged_ms": logged_ms}
             for key, value in values.items()
         ]
         with self._session(f"log round {round_idx} of run {run_id}", write=True) as session:
-            self._upsert(session, RoundMetric, rows, update=("value",))
+            self._upsert(session, RoundMetric, rows, update=("value", "logged_ms"))
+            run = session.get(Run, run_id)
+            if run is not None:
+                run.heartbeat_at = now
+
+    def round_rows(self, run_id: str, after: int, upto: int) -> list[tuple[int, str, float, int | None]]:
+        """Rows `(round_idx, key, value, logged_ms)` of rounds in (after, upto], by round then key."""
+        stmt = (
+            select(RoundMetric.round_idx, RoundMetric.key, RoundMetric.value, RoundMetric.logged_ms)
+            .where(RoundMetric.run_id == run_id, RoundMetric.round_idx > after, RoundMetric.round_idx <= upto)
+            .order_by(RoundMetric.round_idx, RoundMetric.key)
+        )
+        with self._session(f"read run {run_id}", write=False) as session:
+            return [tuple(row) for row in session.execute(stmt)]  # type: ignore[misc]
 
     def log_client_metrics(self, run_id: str, round_idx: int, rows: Iterable[tuple[int, str, float]]) -> None:
         """Write per-client metrics of one round, rows of `(client_id, key, value)`, in one transaction."""
@@ -682,10 +830,14 @@ class SqlStore:
     def delete_rounds_after(self, run_id: str, round_idx: int) -> int:
         """Drop round metrics, client metrics and checkpoint rows with round > `round_idx` (resume).
 
+        `round_idx = -1` drops every round (a run resumed from scratch: killed before its first
+        checkpoint).
+
         Returns:
             The number of round-metric rows deleted.
         """
-        _check_round_idx(round_idx)
+        if round_idx != -1:
+            _check_round_idx(round_idx)
         with self._session(f"truncate run {run_id}", write=True) as session:
             self._require_run(session, run_id)
             result = session.execute(
@@ -709,6 +861,15 @@ class SqlStore:
         }
         with self._session(f"record checkpoint {round_idx} of run {run_id}", write=True) as session:
             self._upsert(session, Checkpoint, [row], update=("path", "created_at"))
+
+    def delete_checkpoints(self, run_id: str, rounds: Sequence[int]) -> None:
+        """Forget the checkpoints of these rounds (retention; the files are removed by the caller)."""
+        if not rounds:
+            return
+        with self._session(f"prune checkpoints of run {run_id}", write=True) as session:
+            session.execute(
+                delete(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.round_idx.in_(list(rounds)))
+            )
 
     def checkpoints(self, run_id: str) -> list[tuple[int, str]]:
         """All checkpoints of a run as `(round_idx, path)`, by round."""
@@ -770,7 +931,7 @@ class SqlStore:
     # ----------------------------------------------------------------- queries
 
     def get_run(self, ref: str) -> RunRecord:
-        """Find one run by exact id, then exact run name, then unique id prefix.
+        """Find one run by exact id, run name, MLflow run id, then unique id prefix.
 
         Raises:
             ConfigError: If nothing matches (`unknown run 'abc'; …`) or a name or
@@ -780,6 +941,8 @@ class SqlStore:
             run = session.get(Run, ref)
             if run is None:
                 run = self._unique_match(session, ref, select(Run).where(Run.run_name == ref), "run name")
+            if run is None:  # the id MLflow shows for the run
+                run = self._unique_match(session, ref, select(Run).where(Run.mlflow_run_id == ref), "MLflow run id")
             if run is None and _HEX_RE.match(ref.lower()):
                 run = self._unique_match(
                     session, ref, select(Run).where(Run.id.startswith(ref.lower())), "run id prefix"

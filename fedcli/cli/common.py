@@ -45,10 +45,16 @@ def console() -> Console:
     return Console(stderr=True, highlight=False)
 
 
-def open_store(url: str) -> SqlStore:
-    """Open the SQL results store at url (creates it)."""
+def open_store(url: str, must_exist: bool = False) -> SqlStore:
+    """Open the SQL results store at url (creates it, unless `must_exist`: then a missing file is an error)."""
+    from fedcli.errors import ConfigError
+    from fedcli.tracking.mirror import sqlite_path
     from fedcli.tracking.store import SqlStore
 
+    path = sqlite_path(url)
+    if must_exist and path is not None and not path.exists():
+        raise ConfigError(f"no results store at {path}; pass --root or --store of the folder your runs are in "
+                          "(`fedcli train` creates it).")
     return SqlStore(url)
 
 
@@ -60,19 +66,56 @@ def tracking_config(overrides: Mapping[str, Any]) -> TrackingConfig:
     return build_section("tracking", TrackingConfig, values)  # type: ignore[no-any-return]
 
 
-def open_tracker(cfg: TrackingConfig) -> Tracker:
-    """Open the SQL store and, unless --no-mlflow, the MLflow sink of one run."""
-    from fedcli.tracking.sinks import BackgroundMlflow, Tracker
+def open_tracker(cfg: TrackingConfig, parent_run_id: str | None = None) -> Tracker:
+    """Open the SQL store and, unless --no-mlflow, the handle of the run's MLflow mirror process.
+
+    Call it only after everything the command validates is validated: it creates the store.
+    """
+    from fedcli.tracking.mirror import MirrorHandle
+    from fedcli.tracking.sinks import Tracker
 
     store = open_store(cfg.store_url)
-    # MLflow opens on a background thread: its import and store migrations overlap the data
-    # loading and the first rounds instead of delaying them (issue 7, start-up).
-    return Tracker(store, BackgroundMlflow(cfg.mlflow_uri, cfg.experiment) if cfg.use_mlflow else None)
+    mirror = None
+    if cfg.use_mlflow:
+        mirror = MirrorHandle(tracking_uri=cfg.mlflow_uri, experiment=cfg.experiment, store_url=cfg.store_url,
+                              runs_root=Path(cfg.root).resolve() / "runs", parent_run_id=parent_run_id)
+    return Tracker(store, mirror)
+
+
+def check_mlflow(cfg: TrackingConfig, optional: bool) -> TrackingConfig:
+    """Check MLflow is usable before anything is written; with `optional`, drop it (and say so) instead."""
+    import dataclasses
+    import logging
+
+    from fedcli.errors import ConfigError
+    from fedcli.tracking.mirror import preflight
+
+    if not cfg.use_mlflow:
+        return cfg
+    try:
+        preflight(cfg.mlflow_uri)
+    except ConfigError as err:
+        if not optional:
+            raise
+        logging.getLogger("fedcli").warning("%s Training with the SQL store only (--mlflow-optional).", err)
+        return dataclasses.replace(cfg, use_mlflow=False)
+    return cfg
 
 
 def find_run(ref: str, overrides: Mapping[str, Any]) -> RunRecord:
-    """Look a run up by id, name or unique id prefix in the configured store."""
-    return open_store(tracking_config(overrides).store_url).get_run(ref)
+    """Look a run up by id, name, MLflow id or unique id prefix in the configured store (never creates it)."""
+    return open_store(tracking_config(overrides).store_url, must_exist=True).get_run(ref)
+
+
+def resume_hint(cfg: Any, run_id: str) -> str:
+    """The command that continues `run_id`, with the store options it needs."""
+    track = cfg.tracking
+    extra = ""
+    if track.store:
+        extra += f" --store {shlex.quote(track.store)}"
+    elif Path(track.root).resolve() != Path("fedcli-runs").resolve():
+        extra += f" --root {shlex.quote(track.root)}"
+    return f"fedcli train --resume {run_id[:8]}{extra}"
 
 
 ProgressFn = Callable[[int, dict[str, float]], None]

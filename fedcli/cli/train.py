@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from fedcli.cli.common import Panel, Scheme, find_run, open_tracker, summarise_run, train_progress
+from fedcli.cli.common import Panel, Scheme, check_mlflow, find_run, open_tracker, summarise_run, train_progress
 from fedcli.cli.errors import user_errors
 
 
@@ -117,7 +117,11 @@ def train(
                                                      rich_help_panel=Panel.TRAIN)] = None,
     eval_every: Annotated[int | None, typer.Option(min=1, help="Evaluate every K rounds (and the last). \\[default: 1]",
                                                    rich_help_panel=Panel.TRAIN)] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(min=0, help="Checkpoint every K rounds; 0 = final model only.",
+    checkpoint_every: Annotated[int | None, typer.Option(min=0, help="Checkpoint every K rounds; 0 = only at the end "
+                                                         "and when stopped. \\[default: auto: every round while that "
+                                                         "costs <= 3 % of a round]",
+                                                         rich_help_panel=Panel.TRAIN)] = None,
+    keep_checkpoints: Annotated[int | None, typer.Option(min=1, help="Newest checkpoints kept per run. \\[default: 3]",
                                                          rich_help_panel=Panel.TRAIN)] = None,
     resume: Annotated[str | None, typer.Option(help="Continue run RUN_ID from its last checkpoint.",
                                                rich_help_panel=Panel.TRACK)] = None,
@@ -133,12 +137,19 @@ def train(
                                                      rich_help_panel=Panel.TRACK)] = None,
     no_mlflow: Annotated[bool, typer.Option("--no-mlflow", help="Log to the SQL store only.",
                                             rich_help_panel=Panel.TRACK)] = False,
+    mlflow_optional: Annotated[bool, typer.Option("--mlflow-optional", help="If MLflow cannot be reached, train with "
+                                                  "the SQL store only (warns) instead of stopping.",
+                                                  rich_help_panel=Panel.TRACK)] = False,
+    parent_run: Annotated[str | None, typer.Option(hidden=True, help="MLflow parent run (set by fedcli sweep).")] = None,
 ) -> None:
     """Train one algorithm on one task, logging every round to MLflow and the SQL store.
 
     Example: fedcli train --algo fedpa --rounds 30 --local-epochs 5 --hp burn_in_rounds=10
     """
+    import dataclasses
+
     from fedcli.config import build_config, parse_assignments, resume_config
+    from fedcli.engine.train import build
     from fedcli.engine.train import train as run_training
 
     debug = bool(ctx.obj and ctx.obj.get("debug"))
@@ -155,7 +166,8 @@ def train(
             "train.server_momentum": server_momentum, "train.device": device,
             "train.executor": executor and executor.value, "train.cohort_chunk": cohort_chunk,
             "train.workers": workers, "train.compile": compile or None, "train.precision": precision and precision.value,
-            "train.eval_every": eval_every, "train.checkpoint_every": checkpoint_every, "seed": seed,
+            "train.eval_every": eval_every, "train.checkpoint_every": checkpoint_every,
+            "train.keep_checkpoints": keep_checkpoints, "seed": seed,
             "tracking.experiment": experiment, "tracking.run_name": run_name, "tracking.root": root and str(root),
             "tracking.store": store, "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None,
         }
@@ -165,8 +177,26 @@ def train(
             cfg, resume_id = resume_config(record.config, overrides), record.id
         else:
             cfg = build_config(file=config, overrides=overrides, hp=parse_assignments(hp or [], "--hp"))
-        tracker = open_tracker(cfg.tracking)
-        with train_progress(cfg, quiet=bool(ctx.obj and ctx.obj.get("quiet"))) as progress:
-            result = run_training(cfg, tracker=tracker, progress=progress, resume_run_id=resume_id)
+        # everything is validated before anything is written: options, MLflow, then the data
+        cfg = dataclasses.replace(cfg, tracking=check_mlflow(cfg.tracking, mlflow_optional))
+        setup = build(cfg)
+        tracker = open_tracker(cfg.tracking, parent_run_id=parent_run)
+        try:
+            with train_progress(cfg, quiet=bool(ctx.obj and ctx.obj.get("quiet"))) as progress:
+                result = run_training(cfg, tracker=tracker, progress=progress, resume_run_id=resume_id, setup=setup)
+        except KeyboardInterrupt as stop:
+            stopped(cfg, tracker, stop)
         summarise_run(cfg, result)
     typer.echo(result.run_id)
+
+
+def stopped(cfg: object, tracker: object, stop: KeyboardInterrupt) -> None:
+    """Say how the run ended and how to continue it; exit 128 + the signal (130 for Ctrl-C)."""
+    from fedcli.cli.common import console, resume_hint
+
+    run_id = getattr(tracker, "_run_id", None)
+    code = getattr(stop, "exit_code", 130)
+    if run_id:
+        console().print(f"run {run_id[:8]} interrupted; its last completed round is checkpointed. "
+                        f"Continue it with: {resume_hint(cfg, run_id)}")
+    raise typer.Exit(code)

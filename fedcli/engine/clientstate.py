@@ -43,7 +43,11 @@ class ClientStateStore:
         if self._init_fn is None:
             return
         for row, client in enumerate(cohort):
-            self._states[int(client)] = pytree.tree_map(lambda t, r=row: t[r].detach().to(self._storage), stacked)
+            # clone: a row of the stacked output is a view that would keep (and checkpoint) the whole
+            # cohort's storage alive; states are then never changed in place, so a checkpoint can
+            # take a shallow copy of this dict as a consistent snapshot
+            self._states[int(client)] = pytree.tree_map(
+                lambda t, r=row: t[r].detach().to(self._storage).clone(), stacked)
 
     def state_dict(self) -> dict[int, Any]:
         return dict(self._states)

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import Algorithm, HyperparameterError, tree_nbytes
@@ -27,8 +30,10 @@ from fedcli.datasets.federated import FederatedData
 from fedcli.datasets.registry import resolve_task
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions
 from fedcli.engine import checkpoint as ckpt
+from fedcli.engine.checkpoint import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.evaluation import evaluate
+from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, graceful_signals
 from fedcli.engine.executors import EXECUTORS, CohortInputs, ModelFunctions, model_functions
 from fedcli.engine.seeding import Stream, derive_seed, numpy_rng, sample_cohort, step_keys, torch_generator
 from fedcli.errors import ConfigError, FedcliError
@@ -167,9 +172,19 @@ def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray
     return out
 
 
-def run_round(setup: Setup, state: Any, store: ClientStateStore, round_idx: int, timing: Timing
-              ) -> tuple[Any, dict[str, float]]:
-    """One communication round: sample, train clients, aggregate. Returns (state, metrics)."""
+@dataclass
+class Trained:
+    """A round after local training, before aggregation (see `train_cohort`)."""
+
+    cohort: np.ndarray
+    plan: Any
+    broadcast: Any
+    outs: Any
+    start: float
+
+
+def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: int) -> Trained:
+    """Sample the round's cohort and run its local training (no state changes: interruptible)."""
     cfg, alg, hp, opt = setup.cfg, setup.alg, setup.hp, setup.cfg.train.optim
     start = time.perf_counter()
     cohort = sample_cohort(setup.fed.num_clients, cfg.train.clients_per_round, seed=cfg.seed, round_idx=round_idx)
@@ -186,21 +201,68 @@ def run_round(setup: Setup, state: Any, store: ClientStateStore, round_idx: int,
     execute = setup.runner or EXECUTORS[setup.executor]
     outs = execute(alg, setup.fns, bc, inputs, hp, opt, round_idx, cfg.train.cohort_chunk)
     _sync(setup.device)
-    trained = time.perf_counter()
-    state, diagnostics = alg.server_update(state, outs, plan.num_examples, hp, opt)
+    return Trained(cohort, plan, bc, outs, start)
+
+
+def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Trained, round_idx: int,
+              timing: Timing) -> tuple[Any, dict[str, float]]:
+    """Drop clients whose upload is not finite, aggregate, store client states. Returns (state, metrics).
+
+    A client whose upload holds NaN/inf is left out of this round as if it had not been
+    sampled (its state is not updated) and counted in `client/dropped_nonfinite`; if every
+    client of the cohort is non-finite the run has diverged.
+    """
+    alg, hp, opt = setup.alg, setup.hp, setup.cfg.train.optim
+    cohort, plan, outs = trained.cohort, trained.plan, trained.outs
+    trained_at = time.perf_counter()
+    weights = plan.num_examples
+    finite = _finite_rows(outs.upload, len(cohort))
+    dropped = int((~finite).sum())
+    if dropped == len(cohort):
+        raise DivergenceError(f"run diverged at round {round_idx}: every client's upload is NaN/inf; "
+                              "lower --client-lr. The run is marked failed.")
+    if dropped:
+        keep = torch.nonzero(torch.as_tensor(finite)).flatten()
+        outs = _take_rows(outs, keep)
+        weights, cohort = weights[keep.to(weights.device)], cohort[finite]
+    state, diagnostics = alg.server_update(state, outs, weights, hp, opt)
     store.scatter(cohort, outs.state)
     _sync(setup.device)
-    timing.train += trained - start
-    timing.aggregate += time.perf_counter() - trained
-    weights = plan.num_examples / plan.num_examples.sum()
-    metrics = {f"client/{k}": float((v.to(weights.dtype) * weights).sum()) for k, v in outs.metrics.items()}
+    timing.train += trained_at - trained.start
+    timing.aggregate += time.perf_counter() - trained_at
+    share = weights / weights.sum()
+    metrics = {f"client/{k}": float((v.to(share.dtype) * share).sum()) for k, v in outs.metrics.items()}
     metrics["train/loss"] = metrics.pop("client/train_loss", float("nan"))
     metrics.update({k: float(v) for k, v in diagnostics.items()})
-    up = alg.upload_nbytes(outs.upload) if alg.upload_nbytes else tree_nbytes(outs.upload)
-    down = alg.download_nbytes(bc) if alg.download_nbytes else tree_nbytes(bc)
+    up = alg.upload_nbytes(trained.outs.upload) if alg.upload_nbytes else tree_nbytes(trained.outs.upload)
+    down = alg.download_nbytes(trained.broadcast) if alg.download_nbytes else tree_nbytes(trained.broadcast)
     metrics["comm/bytes_up"] = float(up)
-    metrics["comm/bytes_down"] = float(down) * len(cohort)
+    metrics["comm/bytes_down"] = float(down) * len(trained.cohort)
+    metrics["client/dropped_nonfinite"] = float(dropped)
     return state, metrics
+
+
+def run_round(setup: Setup, state: Any, store: ClientStateStore, round_idx: int, timing: Timing
+              ) -> tuple[Any, dict[str, float]]:
+    """One communication round: sample, train clients, aggregate. Returns (state, metrics)."""
+    trained = train_cohort(setup, state, store, round_idx)
+    return aggregate(setup, state, store, trained, round_idx, timing)
+
+
+def _finite_rows(upload: Any, num_clients: int) -> np.ndarray:
+    """[C] bool: True for clients whose every uploaded tensor is finite."""
+    ok = torch.ones(num_clients, dtype=torch.bool)
+    for leaf in pytree.tree_leaves(upload):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == num_clients \
+                and leaf.is_floating_point():
+            ok &= torch.isfinite(leaf.reshape(num_clients, -1)).all(dim=1).cpu()
+    return ok.numpy()
+
+
+def _take_rows(tree: Any, rows: torch.Tensor) -> Any:
+    """The pytree with only `rows` of every tensor's leading (client) axis."""
+    return pytree.tree_map(lambda t: t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor)
+                           and t.dim() > 0 else t, tree)
 
 
 def _sync(device: torch.device) -> None:
@@ -212,17 +274,23 @@ ProgressFn = Callable[[int, dict[str, float]], None]
 
 
 def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
-          resume_run_id: str | None = None) -> RunResult:
+          resume_run_id: str | None = None, setup: Setup | None = None) -> RunResult:
     """Run (or resume) one training run to completion, logging every round to `tracker`.
+
+    `setup` is `build(cfg)` when the caller built it already (the CLI does, to validate the
+    data and the options before it opens any store). The run's life (docs/architecture.md,
+    "Run lifecycle"): a heartbeat while it trains; SIGINT/SIGTERM/SIGHUP abandon the round
+    in flight, checkpoint the last completed round and mark it `interrupted`; checkpoints in
+    the background with retention; any other failure marks it `failed`.
 
     Raises:
         ConfigError: invalid settings discovered against the data (before any round).
         DivergenceError: a metric became non-finite; the run is marked failed first.
+        RunInterrupted: a signal stopped it (a KeyboardInterrupt); marked interrupted first.
     """
     wall_start = time.perf_counter()
-    setup = build(cfg)
+    setup = setup or build(cfg)
     log.info("executor: %s (%s)", setup.executor, setup.executor_reason)
-    run_dir_root = Path(cfg.tracking.root)
     try:
         state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
     except HyperparameterError as exc:
@@ -231,53 +299,99 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
     if setup.alg.init_client_state is not None:
         init_fn = lambda: setup.alg.init_client_state(setup.init_params, setup.hp)  # noqa: E731
     store = ClientStateStore(init_fn)
-    start_round = 1
-    if resume_run_id is None:
-        run_id = start_tracking(tracker, cfg, setup)
-    else:
-        run_id = resume_run_id
-        state, start_round = _restore(tracker, run_id, setup, state, store)
-    run_dir = run_dir_root / "runs" / run_id
-    if resume_run_id is None:
-        _save_partition(tracker, run_dir, setup)
-    timing = Timing()
-    metrics: dict[str, float] = {}
-    last_round = start_round - 1
-    try:
+    with graceful_signals() as signals:
+        if resume_run_id is None:
+            run_id = start_tracking(tracker, cfg, setup)
+            start_round = 1
+        else:
+            run_id = resume_run_id
+            state, start_round = _restore(tracker, run_id, setup, state, store)
+        run_dir = Path(cfg.tracking.root) / "runs" / run_id
         if start_round == 1:
-            metrics = _evaluate(setup, state)
-            _log(tracker, 0, metrics, timing, progress)
-        for round_idx in range(start_round, cfg.train.rounds + 1):
-            round_start = time.perf_counter()
-            state, metrics = run_round(setup, state, store, round_idx, timing)
-            if round_idx % cfg.train.eval_every == 0 or round_idx == cfg.train.rounds:
-                eval_start = time.perf_counter()
-                metrics.update(_evaluate(setup, state))
-                timing.evaluate += time.perf_counter() - eval_start
-            metrics["time/round_s"] = time.perf_counter() - round_start
-            timing.rounds += 1
-            _check_finite(tracker, round_idx, metrics)
-            _log(tracker, round_idx, metrics, timing, progress)
-            last_round = round_idx
-            if cfg.train.checkpoint_every and round_idx % cfg.train.checkpoint_every == 0:
-                _checkpoint(tracker, run_dir, round_idx, state, store, cfg)
-        model_path = _save_model(tracker, run_dir, setup, state)
-    except KeyboardInterrupt:
-        tracker.finish("interrupted", reason=f"interrupted during round {last_round + 1}")
-        raise
-    except DivergenceError:
-        raise
-    except BaseException as exc:
-        tracker.finish("failed", reason=f"{type(exc).__name__}: {exc}"[:500])
-        raise
-    finally:
-        from fedcli.engine.workers import close_runner  # issue 7: no worker outlives its run
+            _save_partition(tracker, run_dir, setup)
+        heartbeat = Heartbeat(tracker.store, run_id)
+        writer = CheckpointWriter(run_dir, record=tracker.checkpoint,
+                                  forget=lambda rounds: tracker.store.delete_checkpoints(run_id, rounds),
+                                  existing=tracker.store.checkpoints(run_id),
+                                  every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
+        loop = _Loop(setup, tracker, store, writer, state, start_round - 1, Timing())
+        try:
+            metrics = loop.run(signals, progress)
+            model_path = _save_model(tracker, run_dir, setup, loop.state)
+        except KeyboardInterrupt as exc:
+            loop.save_on_exit()
+            reason = f"stopped by {exc.args[0] if exc.args else 'SIGINT'} during round {loop.completed + 1}"
+            tracker.finish("interrupted", reason=reason)
+            raise
+        except DivergenceError:
+            raise
+        except BaseException as exc:
+            tracker.finish("failed", reason=f"{type(exc).__name__}: {exc}"[:500])
+            raise
+        finally:
+            heartbeat.stop()
+            with contextlib.suppress(Exception):
+                writer.close()
+            from fedcli.engine.workers import close_runner  # issue 7: no worker outlives its run
 
-        close_runner(setup.runner)
+            close_runner(setup.runner)
     tracker.finish("finished")
-    return RunResult(run_id=run_id, status="finished", rounds_completed=last_round, final_metrics=metrics,
-                     model_path=model_path, executor=setup.executor, timing=timing,
+    return RunResult(run_id=run_id, status="finished", rounds_completed=loop.completed, final_metrics=metrics,
+                     model_path=model_path, executor=setup.executor, timing=loop.timing,
                      wall_s=time.perf_counter() - wall_start)
+
+
+@dataclass
+class _Loop:
+    """The round loop of one run and what an orderly stop needs: the last completed state."""
+
+    setup: Setup
+    tracker: Any
+    store: ClientStateStore
+    writer: CheckpointWriter
+    state: Any
+    completed: int  # last round whose state, client states and metrics are all in place
+    timing: Timing
+
+    def run(self, signals: GracefulSignals, progress: ProgressFn | None) -> dict[str, float]:
+        cfg, setup = self.setup.cfg, self.setup
+        metrics: dict[str, float] = {}
+        if self.completed == 0:
+            with signals.critical():
+                metrics = _evaluate(setup, self.state)
+                _log(self.tracker, 0, metrics, self.timing, progress)
+        for round_idx in range(self.completed + 1, cfg.train.rounds + 1):
+            trained = train_cohort(setup, self.state, self.store, round_idx)  # a signal abandons it
+            with signals.critical():  # aggregation, evaluation and logging finish together
+                state, metrics = aggregate(setup, self.state, self.store, trained, round_idx, self.timing)
+                if round_idx % cfg.train.eval_every == 0 or round_idx == cfg.train.rounds:
+                    eval_start = time.perf_counter()
+                    metrics.update(_evaluate(setup, state))
+                    self.timing.evaluate += time.perf_counter() - eval_start
+                round_s = time.perf_counter() - trained.start
+                metrics["time/round_s"] = round_s
+                self.timing.rounds += 1
+                _check_finite(self.tracker, round_idx, metrics)
+                _log(self.tracker, round_idx, metrics, self.timing, progress)
+                self.state, self.completed = state, round_idx
+                if self.writer.due(round_idx, round_s) or round_idx == cfg.train.rounds:
+                    self._checkpoint()
+        self.writer.wait()
+        return metrics
+
+    def _checkpoint(self) -> None:
+        cfg = self.setup.cfg
+        self.writer.submit(self.completed, self.state, self.store.state_dict(), cfg.to_dict(), cfg.seed)
+
+    def save_on_exit(self) -> None:
+        """Checkpoint the last completed round if it is not yet (an orderly stop loses no finished round)."""
+        try:
+            self.writer.wait()
+            if self.completed > 0 and self.writer.last_round != self.completed:
+                self._checkpoint()
+                self.writer.wait()
+        except Exception as err:  # the stop goes on; the run resumes from an older checkpoint
+            log.warning("could not checkpoint round %d on the way out: %s", self.completed, err)
 
 
 def start_tracking(tracker: Any, cfg: RunConfig, setup: Setup) -> str:
@@ -331,14 +445,6 @@ def _check_finite(tracker: Any, round_idx: int, metrics: dict[str, float]) -> No
                               "lower --client-lr / --server-lr. The run is marked failed.")
 
 
-def _checkpoint(tracker: Any, run_dir: Path, round_idx: int, state: Any, store: ClientStateStore,
-                cfg: RunConfig) -> None:
-    path = run_dir / "checkpoints" / f"round-{round_idx:06d}.pt"
-    ckpt.save_checkpoint(path, round_idx=round_idx, server_state=state, client_states=store.state_dict(),
-                         config=cfg.to_dict(), seed=cfg.seed)
-    tracker.checkpoint(round_idx, str(path.resolve()))
-
-
 def _save_partition(tracker: Any, run_dir: Path, setup: Setup) -> None:
     """Keep the run's client partition beside it (and in MLflow) so reports and reruns can share it."""
     from fedcli.datasets.partition import save_partition
@@ -364,13 +470,21 @@ def _save_model(tracker: Any, run_dir: Path, setup: Setup, state: Any) -> Path:
 
 
 def _restore(tracker: Any, run_id: str, setup: Setup, state: Any, store: ClientStateStore) -> tuple[Any, int]:
-    """Load the newest checkpoint of run_id; drop its rounds after it. Returns (state, next round)."""
-    points = tracker.store.checkpoints(run_id)
-    if not points:
-        raise ConfigError(f"run {run_id} has no checkpoint to resume from; it was started without "
-                          "--checkpoint-every. Start it again instead.")
-    round_idx, path = points[-1]
-    saved = ckpt.load_checkpoint(Path(path))
-    store.load_state_dict(saved["client_states"])
-    tracker.resume(run_id, from_round=round_idx)
-    return ckpt.to_device(saved["server_state"], setup.device), round_idx + 1
+    """Reopen run_id at its newest readable checkpoint (or at round 0 if it has none).
+
+    Rows of later rounds are dropped (they are trained again, to the same values) and the
+    stored config becomes the one this resume runs (e.g. more rounds). Returns (state, next round).
+    """
+    cfg = setup.cfg
+    for round_idx, path in reversed(tracker.store.checkpoints(run_id)):
+        try:
+            saved = ckpt.load_checkpoint(Path(path))
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+            log.warning("checkpoint of round %d (%s) cannot be read (%s); trying an older one", round_idx, path, err)
+            continue
+        store.load_state_dict(saved["client_states"])
+        tracker.resume(run_id, from_round=round_idx, config=cfg.to_dict(), config_hash=cfg.config_hash)
+        return ckpt.to_device(saved["server_state"], setup.device), round_idx + 1
+    log.warning("run %s has no checkpoint; it restarts from round 0 under the same id", run_id)
+    tracker.resume(run_id, from_round=-1, config=cfg.to_dict(), config_hash=cfg.config_hash)
+    return state, 1

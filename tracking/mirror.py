@@ -1,0 +1,308 @@
+"""The MLflow mirror: a low-priority process that brings a run's MLflow copy in line with the SQL store.
+
+Why a process (docs/architecture.md, "Tracking"): MLflow on the training thread or on a
+thread of the training process cost 30-46 % of a round on 2 cores (its import, its
+schema set-up and every `log_batch` compete for the GIL and the cores), and its schema
+migrations raced when several runs started at once. The SQL store is the source of
+truth; MLflow is a copy that this process keeps up to date:
+
+- the training process writes rounds to the SQL store only and starts
+  `python -m fedcli.tracking.mirror` with `nice 19`; nothing in the round loop waits on MLflow;
+- the mirror opens MLflow under an inter-process lock (`schema_lock`: a lock file beside a
+  SQLite database, an advisory lock on PostgreSQL), so N runs starting together on a fresh
+  root set its schema up once; creates (or, on `--resume`, reattaches to) the MLflow run
+  with the stored config as params;
+- it copies rounds up to the newest checkpoint (all of them once the run has finished), with
+  the time each round was logged as MLflow's timestamp. A round after the newest checkpoint
+  is trained again on resume, so MLflow never gets it twice; and a round copied twice (the
+  mirror killed between its write and its bookkeeping) is the same point twice, which
+  MLflow's SQL store keeps once (identical key, value, step and timestamp);
+- when the run ends it uploads the run's files (config, partition, model), sets the status
+  and tags and exits; when the training process dies without ending the run (SIGKILL: the
+  mirror's stdin closes) it marks the MLflow run KILLED.
+
+`MirrorHandle` is the training process's side; `preflight` checks a tracking URI cheaply
+(no MLflow import) before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import logging
+import os
+import select
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fedcli.errors import ConfigError, TrackingError
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # how often the mirror looks for new rounds
+FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before leaving it to finish alone
+RETRY_S = 60.0  # how long a failing MLflow write is retried (a busy SQLite file, a restarting server)
+_PG_LOCK_KEY = 0x6D6C666C  # "mlfl": advisory-lock key of MLflow's schema set-up
+
+
+# --------------------------------------------------------------------------- checks before a run
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` URI, else None."""
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine.url import make_url
+
+    database = make_url(uri).database
+    if not database or database == ":memory:":
+        return None
+    return Path(database).expanduser().resolve()
+
+
+def preflight(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, with one line, when MLflow at `uri` cannot be used; creates nothing.
+
+    Raises:
+        ConfigError: unreachable server, unwritable folder, or a store left half-migrated.
+    """
+    fix = "pass --tracking-uri with a reachable MLflow store, --mlflow-optional to train without it, or --no-mlflow"
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as answer:
+                answer.read(64)
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            reason = getattr(err, "reason", None) or err
+            raise ConfigError(f"MLflow server {uri} is not reachable ({reason}); {fix}.") from None
+        return
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"MLflow store {uri}: folder {folder} is not writable; {fix}.")
+    if path.exists():
+        half = half_migrated_tables(path)
+        if half:
+            raise ConfigError(
+                f"MLflow store {path} was left half-migrated by a process killed during its set-up "
+                f"(table {half[0]}); move it aside (`mv {path} {path}.broken`) and rerun: the SQL store "
+                "keeps every run, and `fedcli sync` copies them into the new MLflow store."
+            )
+
+
+def half_migrated_tables(path: Path) -> list[str]:
+    """Alembic's temporary tables, which exist only while (or because) a migration was cut short."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as conn:
+            rows = conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table' AND name LIKE '\\_alembic\\_tmp\\_%' ESCAPE '\\'"
+            ).fetchall()
+    except sqlite3.Error:
+        return []
+    return sorted(name for (name,) in rows)
+
+
+@contextlib.contextmanager
+def schema_lock(uri: str) -> Iterator[None]:
+    """Hold an inter-process lock while MLflow creates or migrates its schema at `uri`."""
+    path = sqlite_path(uri)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{path}.lock", "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+        return
+    if uri.startswith("postgresql"):
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(uri)
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_LOCK_KEY})
+                try:
+                    yield
+                finally:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_LOCK_KEY})
+        finally:
+            engine.dispose()
+        return
+    yield
+
+
+# --------------------------------------------------------------------------- the training process's side
+
+
+class MirrorHandle:
+    """Start the mirror of one run and, at the end, wait for it (bounded)."""
+
+    def __init__(self, *, tracking_uri: str, experiment: str, store_url: str, runs_root: Path,
+                 parent_run_id: str | None = None) -> None:
+        self.tracking_uri, self.experiment, self.store_url = tracking_uri, experiment, store_url
+        self.runs_root, self.parent_run_id = runs_root, parent_run_id
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, run_id: str) -> None:
+        command = [sys.executable, "-m", "fedcli.tracking.mirror", "--store", self.store_url, "--run", run_id,
+                   "--tracking-uri", self.tracking_uri, "--experiment", self.experiment,
+                   "--run-dir", str(self.runs_root / run_id)]
+        if self.parent_run_id:
+            command += ["--parent-run", self.parent_run_id]
+        # its own session: a Ctrl-C in the terminal stops the training, while the mirror
+        # finishes copying and marks the MLflow run as the store says
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, start_new_session=True)
+
+    def finish(self, timeout_s: float = FINISH_WAIT_S) -> str | None:
+        """Tell the mirror the run ended (close its stdin) and wait; return a warning, if any."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        try:  # communicate closes the mirror's stdin: its cue that the run ended
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return (f"MLflow is still being updated in the background (pid {proc.pid}); the SQL store is "
+                    "complete, and `fedcli sync` copies what MLflow misses")
+        if proc.returncode != 0:
+            lines = [line for line in err.decode(errors="replace").splitlines() if line.strip()]
+            return (lines[-1] if lines else f"MLflow mirror exited with {proc.returncode}") + \
+                " (the SQL store is complete; `fedcli sync` copies the run into MLflow later)"
+        return None
+
+
+# --------------------------------------------------------------------------- the mirror process
+
+
+def _retry(what: str, call: Any) -> Any:
+    """Call `call()`, retrying transient failures for up to RETRY_S seconds."""
+    deadline, delay = time.monotonic() + RETRY_S, 0.2
+    while True:
+        try:
+            return call()
+        except TrackingError:
+            if time.monotonic() > deadline:
+                raise
+            log.debug("mirror: %s failed; retrying", what)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+class Mirror:
+    """Copy one run from the SQL store into MLflow (runs inside the mirror process)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from fedcli.tracking.mlflow_sink import MlflowSink
+        from fedcli.tracking.store import SqlStore
+
+        self.args = args
+        self.store = SqlStore(args.store)
+        with schema_lock(args.tracking_uri):
+            self.sink = MlflowSink(args.tracking_uri, args.experiment)
+        self.record = self.store.get_run(args.run)
+        self.synced = -1
+
+    def open_run(self) -> None:
+        """Create the MLflow run, or reattach to the one the store names (resume, `fedcli sync`)."""
+        from fedcli.tracking.keys import flatten_config
+
+        record = self.record
+        if record.mlflow_run_id is not None and self.sink.exists(record.mlflow_run_id):
+            _retry("reattach", lambda: self.sink.attach(record.mlflow_run_id))
+            self.synced = -1 if record.mlflow_synced_round is None else record.mlflow_synced_round
+            return
+        tags = {**record.tags, "fedcli.algorithm": record.algo, "fedcli.task": record.task,
+                "fedcli.version": record.fedcli_version, "fedcli.run_id": record.id,
+                "fedcli.config_hash": record.config_hash}
+        if record.git_commit:
+            tags["mlflow.source.git.commit"] = record.git_commit
+        run_id = _retry("start", lambda: self.sink.start_run(
+            run_name=record.run_name, params=flatten_config(record.config), tags=tags,
+            parent_run_id=self.args.parent_run, start_ms=int(record.created_at.timestamp() * 1000)))
+        self.store.set_run_fields(record.id, mlflow_run_id=run_id, mlflow_synced_round=None)
+        from fedcli.tracking.store import canonical_json
+
+        _retry("config", lambda: self.sink.log_text(canonical_json(record.config), "config.json"))
+
+    def safe_round(self, status: str) -> int:
+        """The last round MLflow may get now: all once finished, else the newest checkpoint."""
+        if status == "finished":
+            return self.store.last_round(self.record.id) or 0
+        points = self.store.checkpoints(self.record.id)
+        return points[-1][0] if points else -1
+
+    def copy(self, upto: int) -> None:
+        if upto <= self.synced:
+            return
+        rows = self.store.round_rows(self.record.id, self.synced, upto)
+        if rows:
+            _retry("log rounds", lambda: self.sink.log_rows(rows))
+        self.synced = upto
+        self.store.set_run_fields(self.record.id, mlflow_synced_round=upto)
+
+    def finish(self, status: str) -> None:
+        record = self.store.get_run(self.record.id)
+        for path in sorted(Path(self.args.run_dir).glob("*")):
+            if path.is_file():
+                _retry("artifact", lambda p=path: self.sink.log_artifact(p))
+        tags = {"fedcli.status": status}
+        if record.failure_reason:
+            tags["fedcli.failure_reason"] = record.failure_reason
+        if record.diverged_at_round is not None:
+            tags["fedcli.diverged_at_round"] = str(record.diverged_at_round)
+        _retry("tags", lambda: self.sink.set_tags(tags))
+        _retry("end", lambda: self.sink.end_run(status))
+
+    def run(self) -> int:
+        self.open_run()
+        parent_gone = False
+        while True:
+            record = self.store.get_run(self.record.id)
+            status = record.stored_status
+            self.copy(self.safe_round(status))
+            if status != "running":
+                self.finish(status)
+                return 0
+            if parent_gone:  # the training process died without ending the run (SIGKILL)
+                self.finish("interrupted")
+                return 0
+            readable, _, _ = select.select([sys.stdin], [], [], POLL_S)
+            if readable and not os.read(sys.stdin.fileno(), 4096):
+                parent_gone = True  # EOF: re-read the status once more before deciding
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mirror", description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--tracking-uri", required=True)
+    parser.add_argument("--experiment", required=True)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--parent-run")
+    args = parser.parse_args(argv)
+    with contextlib.suppress(OSError):
+        os.nice(19)  # never compete with the training for the cores
+    logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
+    for noisy in ("alembic", "mlflow"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        return Mirror(args).run()
+    except TrackingError as err:
+        print(f"MLflow mirror: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
