@@ -63,7 +63,8 @@ def read_table(path: Path) -> Arrays:
     try:
         frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
     except (OSError, ValueError, ImportError, pd.errors.ParserError) as exc:
-        raise DataError(f"{path} cannot be read as {path.suffix[1:]} ({exc}).") from None
+        raise DataError(f"{path} cannot be read as {path.suffix[1:]} ({exc}); it needs a header row with a "
+                        "column y and numeric feature columns.") from None
     if "y" not in frame.columns:
         raise DataError(f"{path} has no column 'y'; columns are {', '.join(map(str, frame.columns[:8]))}.")
     features = [c for c in frame.columns if c not in ("y", "client", "split")]
@@ -82,18 +83,64 @@ def read_table(path: Path) -> Arrays:
     return arrays
 
 
-def _targets(path: Path, y: np.ndarray) -> tuple[np.ndarray, str]:
+def check_arrays(path: Path, arrays: Arrays) -> None:
+    """Shapes, dtypes and values of the arrays as read, before any split: never drop a row silently.
+
+    Raises:
+        DataError: naming the file, the array, what it must be, what it is and the fix.
+    """
+    name = path.name
+    for key in ("x", "x_test"):
+        if key in arrays and arrays[key].dtype.kind not in "biuf":
+            raise DataError(f"{name}: {key} must be numeric (int, uint8 or float); got dtype {arrays[key].dtype}. "
+                            "Encode text or categories as numbers first.")
+    x, y = arrays["x"], arrays["y"]
+    if x.ndim < 2:
+        raise DataError(f"{name}: x must be [N, features...] (2-D or more); got shape {x.shape}. "
+                        "Reshape one feature per example to [N, 1].")
+    if len(x) == 0:
+        raise DataError(f"{name}: x must hold at least one example; got 0 rows. Is the file empty?")
+    checks = [("y", y, len(x), "x")]
+    if "client" in arrays:
+        checks.append(("client", arrays["client"], len(x), "x"))
+    if "x_test" in arrays:
+        x_test = arrays["x_test"]
+        if x_test.shape[1:] != x.shape[1:]:
+            raise DataError(f"{name}: x_test must have the example shape of x {x.shape[1:]}; got {x_test.shape[1:]}. "
+                            "Save both with the same features.")
+        if len(x_test) == 0:
+            raise DataError(f"{name}: x_test must hold at least one example; got 0. Leave x_test/y_test out to "
+                            f"hold out {TEST_FRACTION:.0%} of x.")
+        checks.append(("y_test", arrays["y_test"], len(x_test), "x_test"))
+    elif len(x) < 3:
+        raise DataError(f"{name}: x must hold at least 3 examples to hold out a test split; got {len(x)}. "
+                        "Add rows, or give x_test and y_test.")
+    for key, values, rows, of in checks:
+        if values.ndim != 1 or len(values) != rows:
+            raise DataError(f"{name}: {key} must have one entry per row of {of} (shape [{rows}]); got shape "
+                            f"{values.shape}. Save {key} with the same number of rows as {of}; no row is dropped.")
+    for key in ("x", "x_test"):
+        if key in arrays and arrays[key].dtype.kind == "f" and not np.isfinite(arrays[key]).all():
+            bad = int((~np.isfinite(arrays[key])).any(axis=tuple(range(1, arrays[key].ndim))).sum())
+            raise DataError(f"{name}: {key} must be finite; got NaN or inf in {bad} rows. Impute or remove them "
+                            "before training; fedcli drops no rows.")
+
+
+def _targets(path: Path, y: np.ndarray, name: str = "y") -> tuple[np.ndarray, str]:
     if y.ndim != 1:
-        raise DataError(f"{path}: y must be one target per example [N]; got shape {y.shape}.")
+        raise DataError(f"{path.name}: {name} must be one target per example [N]; got shape {y.shape}.")
     if np.issubdtype(y.dtype, np.integer):
         if len(y) and y.min() < 0:
-            raise DataError(f"{path}: class labels y must be >= 0; got {int(y.min())}.")
+            raise DataError(f"{path.name}: class labels {name} must be >= 0; got {int(y.min())}. "
+                            "Map labels to 0..C-1.")
         return y.astype(np.int64), "classification"
     if np.issubdtype(y.dtype, np.floating):
         if not np.isfinite(y).all():
-            raise DataError(f"{path}: y holds NaN or inf.")
+            raise DataError(f"{path.name}: {name} must be finite; got NaN or inf in {int((~np.isfinite(y)).sum())} "
+                            "rows. Fill or remove them; fedcli drops no rows.")
         return y.astype(np.float32), "regression"
-    raise DataError(f"{path}: y must be integer class labels or float targets; got dtype {y.dtype}.")
+    raise DataError(f"{path.name}: {name} must be integer class labels or float targets; got dtype {y.dtype}. "
+                    "Encode class names as 0..C-1.")
 
 
 def _split(arrays: Arrays) -> Arrays:
@@ -151,14 +198,15 @@ def byo_task(path: Path, model: str) -> Task:
         raise ConfigError(f"--data must be a {', '.join(SUFFIXES)} file; got {path.name!r}.")
     if not path.is_file():
         raise ConfigError(f"--data file {path} does not exist.")
-    arrays = _split(read_npz(path) if path.suffix == ".npz" else read_table(path))
+    arrays = read_npz(path) if path.suffix == ".npz" else read_table(path)
+    check_arrays(path, arrays)
+    arrays = _split(arrays)
     x, x_test = np.asarray(arrays["x"]), np.asarray(arrays["x_test"])
-    if len(x) != len(arrays["y"]) or len(x_test) != len(arrays["y_test"]) or x.shape[1:] != x_test.shape[1:]:
-        raise DataError(f"{path}: x {x.shape} / y {arrays['y'].shape} / x_test {x_test.shape} do not match.")
-    if len(x) == 0 or not np.isfinite(x.astype(np.float64)).all():
-        raise DataError(f"{path}: x must be non-empty and finite.")
     y, kind = _targets(path, np.asarray(arrays["y"]))
-    y_test, _ = _targets(path, np.asarray(arrays["y_test"]).astype(y.dtype))
+    y_test, test_kind = _targets(path, np.asarray(arrays["y_test"]), name="y_test")
+    if test_kind != kind:
+        raise DataError(f"{path.name}: y_test must be {'integer class labels' if kind == 'classification' else 'float '
+                        'targets'} like y; got dtype {arrays['y_test'].dtype}. Save y and y_test with one dtype.")
     num_classes = int(max(y.max(), y_test.max(initial=0))) + 1 if kind == "classification" else 0
     natural, names = _natural(arrays.get("client"))
     factory = _model_factory(path, model, x, kind, num_classes)

@@ -486,7 +486,14 @@ def plot_partition(clients: list[np.ndarray], labels: np.ndarray, num_classes: i
     sizes.set_ylabel("clients")
     sizes.set_title(f"{len(clients)} clients")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(handle)
+    try:  # temp file + rename: a failed write (disk full) leaves no half-written PNG
+        fig.savefig(tmp, dpi=110, format="png")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- files

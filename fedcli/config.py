@@ -329,8 +329,16 @@ def validate(cfg: RunConfig) -> None:
     except HyperparameterError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.data.file is not None:
+        from fedcli.datasets.byo import MODELS, SUFFIXES
+
         if not Path(cfg.data.file).is_file():
             raise ConfigError(f"data.file {cfg.data.file!r} does not exist; pass an .npz/.csv/.parquet file to --data.")
+        if Path(cfg.data.file).suffix not in SUFFIXES:
+            raise ConfigError(f"data.file must be a {', '.join(SUFFIXES)} file; got {cfg.data.file!r}. "
+                              "Save your arrays with numpy.savez or your table as CSV/Parquet.")
+        if cfg.data.model is not None and cfg.data.model not in MODELS:
+            raise ConfigError(f"data.model must be one of {', '.join(MODELS)} with --data; got {cfg.data.model!r}"
+                              f"{suggest(cfg.data.model, MODELS)}.")
     elif cfg.data.task not in TASKS:
         raise ConfigError(f"unknown task {cfg.data.task!r}{suggest(cfg.data.task, list(TASKS))}; "
                           f"choose one of: {', '.join(TASKS)}.")
@@ -370,6 +378,24 @@ def validate_partition(part: PartitionConfig, data: DataConfig) -> None:
     PartitionSpec(scheme=part.scheme, num_clients=part.num_clients, alpha=part.alpha,
                   shards_per_client=part.shards_per_client, labels_per_client=part.labels_per_client,
                   min_size=part.min_size, balanced=part.balanced, sigma=part.sigma, size_alpha=part.size_alpha)
+
+
+def store_file(url: str) -> Path | None:
+    """The database file of a SQLite store URL; None for other databases and in-memory SQLite."""
+    if not url.startswith("sqlite:///"):
+        return None
+    database = url.removeprefix("sqlite:///").split("?", 1)[0]
+    return None if database in ("", ":memory:") or database.startswith("file:") else Path(database).expanduser()
+
+
+def require_store(url: str) -> None:
+    """For commands that only read runs: the store must exist (opening a missing SQLite file creates it)."""
+    path = store_file(url)
+    if path is None or path.is_file():
+        return
+    what = "a directory" if path.is_dir() else "no such file"
+    raise ConfigError(f"tracking.store must be an existing results store; got {url!r} ({what}). Train a run "
+                      "into it first (fedcli train), or pass --store / set FEDCLI_STORE to the store you trained into.")
 
 
 RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.keep_checkpoints", "train.device",

@@ -65,7 +65,8 @@ def output_error(path: Path, flag: str, exc: OSError) -> ConfigError:
     if code == errno.ENOTDIR:
         return ConfigError(f"{flag} must be a path under a directory; got {str(path)!r}: not a directory "
                            "(a parent is a file). Pick another path.")
-    return ConfigError(f"{path}: not writable ({exc.strerror or exc}); pass {flag} a path in a writable directory.")
+    why = "" if code == errno.ENOENT else f" ({exc.strerror or exc})"  # ENOENT here: /proc and the like
+    return ConfigError(f"{path}: not writable{why}; pass {flag} a path in a writable directory.")
 
 
 def check_output(path: Path | None, flag: str) -> None:

@@ -56,10 +56,13 @@ def evaluate(
 
     Example: fedcli evaluate 3f2a9c --per-client --predictive ensemble --samples 32
     """
+    from fedcli.config import require_store
     from fedcli.engine.evaluation import evaluate_split
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
-        db = open_store(tracking_config({"tracking.store": store}).store_url)
+        url = tracking_config({"tracking.store": store}).store_url
+        require_store(url)  # a missing store holds no run; opening it would create it
+        db = open_store(url)
         record = db.get_run(run)
         setup, state, params, round_idx = load_model(record, db, checkpoint, task, device)
         ensemble = predictive is Predictive.ensemble

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -53,8 +54,16 @@ def _cell(value: Any) -> str:
 
 
 def run_rows(*, experiment: str | None, store: str | None) -> list[dict[str, Any]]:
-    """Runs of the store with their final metrics."""
-    db = open_store(tracking_config({"tracking.store": store}).store_url)
+    """Runs of the store with their final metrics (none, and no store created, before the first run)."""
+    import os
+
+    from fedcli.config import require_store, store_file
+
+    url = tracking_config({"tracking.store": store}).store_url
+    if store is None and not os.environ.get("FEDCLI_STORE") and not (store_file(url) or Path(".")).exists():
+        return []  # the default store is made by the first `fedcli train`
+    require_store(url)
+    db = open_store(url)
     rows = []
     for run in db.list_runs(experiment=experiment):
         last = db.metrics_frame([run.id], keys=["eval/accuracy", "eval/loss"])

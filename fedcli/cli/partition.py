@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from fedcli.cli.common import Panel, Scheme
-from fedcli.cli.errors import user_errors
+from fedcli.cli.errors import check_output, output_error, user_errors
+from fedcli.errors import ConfigError
 
 
 def partition(
@@ -23,14 +24,14 @@ def partition(
     dataset: Annotated[str, typer.Option(help="Task whose training data is split (`fedcli list tasks`).",
                                          rich_help_panel=Panel.DATA)],
     scheme: Annotated[Scheme, typer.Option(help="Partition scheme.", rich_help_panel=Panel.DATA)],
-    out: Annotated[Path, typer.Option(dir_okay=False, help="Partition file to write (JSON).")],
+    out: Annotated[Path, typer.Option(help="Partition file to write (JSON).")],
     alpha: Annotated[float | None, typer.Option(help="Dirichlet concentration: labels (dirichlet, two-level) or "
                                                 "sizes (quantity). Smaller = more skew.")] = None,
     clients: Annotated[int | None, typer.Option(min=1, help="Number of clients. \\[default: all natural clients]")] = None,
     shards_per_client: Annotated[int | None, typer.Option(min=1, help="Shards per client (shards).")] = None,
     labels_per_client: Annotated[int | None, typer.Option(min=1, help="Classes per client (labels).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the partition (and of generated data).")] = 0,
-    plot: Annotated[Path | None, typer.Option(dir_okay=False, help="Also draw the client x label heatmap "
+    plot: Annotated[Path | None, typer.Option(help="Also draw the client x label heatmap "
                                               "and the size histogram to this PNG.")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with the task's data files. \\[default: bundled copy]",
                                                   rich_help_panel=Panel.DATA)] = None,
@@ -61,13 +62,26 @@ def partition(
         spec = PartitionSpec(scheme=scheme.value, num_clients=clients, alpha=alpha, shards_per_client=shards_per_client,
                              labels_per_client=labels_per_client, min_size=min_size, seed=seed, balanced=balanced,
                              sigma=sigma, size_alpha=size_alpha)
+        check_output(out, "--out")  # before the data is loaded: a rejected command writes nothing
+        check_output(plot, "--plot")
+        if plot is not None and plot.resolve() == out.resolve():
+            raise ConfigError(f"--plot must differ from --out; got {str(plot)!r} for both. Name the PNG apart.")
         data = task.load(TaskOptions(seed=seed, data_dir=data_dir, download=download, max_clients=max_clients))
         labels = data.y.numpy()
         parts = make_partition(spec, labels=labels, natural=data.client_indices or None)
-        save_partition(out, parts, spec=spec, dataset=task.name, fingerprint=data.fingerprint, labels=labels)
         summary = summarize(parts, labels, data.num_classes)
-        if plot is not None:
-            plot_partition(parts, labels, data.num_classes, plot)
+        existed = out.exists()
+        try:
+            save_partition(out, parts, spec=spec, dataset=task.name, fingerprint=data.fingerprint, labels=labels)
+        except OSError as exc:
+            raise output_error(out, "--out", exc) from None
+        try:
+            if plot is not None:
+                plot_partition(parts, labels, data.num_classes, plot)
+        except OSError as exc:
+            if not existed:  # a failed command leaves no new file behind
+                out.unlink(missing_ok=True)
+            raise output_error(plot, "--plot", exc) from None
     Console().print(summary_table(f"{task.name} / {scheme.value}", summary))
     Console(stderr=True).print(f"wrote {out}" + (f" and {plot}" if plot is not None else ""))
 
@@ -75,7 +89,6 @@ def partition(
 def _task(name: str):  # noqa: ANN202 - a fedcli.datasets.tasks.Task
     from fedcli.config import suggest
     from fedcli.datasets.registry import TASKS
-    from fedcli.errors import ConfigError
 
     if name not in TASKS:
         raise ConfigError(f"unknown dataset {name!r}{suggest(name, list(TASKS))}; choose one of: {', '.join(TASKS)}.")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from fedcli.cli.common import Panel, console, open_store, tracking_config
-from fedcli.cli.errors import user_errors
+from fedcli.cli.errors import check_output, output_error, user_errors, write_output
 from fedcli.errors import ConfigError, FedcliError
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def report(
     smooth: Annotated[int, typer.Option(min=1, help="Running-average window S of rounds-to-threshold.",
                                         rich_help_panel=TABLES)] = 10,
     output_format: Annotated[Format, typer.Option("--format", help="md (with PNGs), csv or json.")] = Format.md,
-    output: Annotated[Path | None, typer.Option(dir_okay=False, help="Write here (PNGs beside it). \\[default: stdout]")] = None,
+    output: Annotated[Path | None, typer.Option(help="Write here (PNGs beside it). \\[default: stdout]")] = None,
     partition_heatmap: Annotated[bool, typer.Option("--partition-heatmap", help="Also draw a shared partition that has "
                                                     "no partition file, by loading the task's data (slow for big data).",
                                                     rich_help_panel=TABLES)] = False,
@@ -62,6 +62,7 @@ def report(
 
     Example: fedcli report --experiment femnist --group-by algo --thresholds 0.84,0.86 --at 500,1500 --output report.md
     """
+    from fedcli.config import require_store
     from fedcli.tracking import report as rep
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
@@ -72,16 +73,19 @@ def report(
             metric=metric, thresholds=tuple(parse_numbers("--thresholds", thresholds, float)),
             at=tuple(parse_numbers("--at", at, int)), window=window, smooth=smooth,
             command=canonical_command(ctx))
-        built = rep.build_report(open_store(tracking_config({"tracking.store": store}).store_url), spec)
+        check_output(output, "--output")  # before any work: a rejected report writes nothing
+        url = tracking_config({"tracking.store": store}).store_url
+        require_store(url)
+        built = rep.build_report(open_store(url), spec)
         if output_format is Format.md:
             text = rep.render_markdown(built, figures(built, output, partition_heatmap))
         else:
             text = rep.render_csv(built) if output_format is Format.csv else rep.render_json(built)
+        if output is not None:
+            write_output(output, text, "--output")
     if output is None:
         typer.echo(text, nl=False)
         return
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(text, encoding="utf-8")
     typer.echo(str(output))
 
 
@@ -134,7 +138,10 @@ def figures(built: Report, output: Path | None, load_data: bool) -> list[tuple[s
         console().print("no figures: pass --output FILE to write the PNGs beside the markdown.")
         return []
     counts, title = partition_counts(built, load_data)
-    return report_figures(built, output, counts, title)
+    try:
+        return report_figures(built, output, counts, title)
+    except OSError as exc:
+        raise output_error(output, "--output", exc) from None
 
 
 def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None, str]:

@@ -56,6 +56,9 @@ def ui(
 
 def runs_tracking_uri(store_url: str) -> str | None:
     """The MLflow URI most runs of the SQL store logged to (their stored tracking config), or None."""
+    from fedcli.config import require_store
+
+    require_store(store_url)
     uris: Counter[str] = Counter()
     for record in open_store(store_url).list_runs():
         saved = record.config.get("tracking", {})
