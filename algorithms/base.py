@@ -106,7 +106,8 @@ class OptimConfig:
     server_beta1: float = 0.9  # Adam/Yogi beta1 (FedPA Table 4)
     server_beta2: float = 0.99  # Adam/Yogi beta2 (FedPA Table 4)
     server_tau: float = 1e-3  # adaptivity tau of FedAdam/FedYogi/FedAdagrad (Reddi et al. §3)
-    server_bias_correction: bool = False  # Adam/Yogi moments / (1 - beta^t); Reddi et al. Alg. 2 has none
+    server_bias_correction: bool = False  # Adam/Yogi moments / (1 - beta^t) (PyTorch); Reddi et al. Alg. 2 has none
+    server_adagrad_beta1: float = 0.0  # FedAdagrad momentum beta1; 0 = Reddi et al.'s code (Keras Adagrad), Alg. 2 prints one
 
     def __post_init__(self) -> None:
         require(self.client_lr > 0, "train.client_lr", "> 0", self.client_lr)
@@ -118,6 +119,8 @@ class OptimConfig:
         require(0 <= self.server_momentum < 1, "train.server_momentum", "in [0, 1)", self.server_momentum)
         require(0 <= self.server_beta1 < 1, "train.server_beta1", "in [0, 1)", self.server_beta1)
         require(0 <= self.server_beta2 < 1, "train.server_beta2", "in [0, 1)", self.server_beta2)
+        require(0 <= self.server_adagrad_beta1 < 1, "train.server_adagrad_beta1", "in [0, 1)",
+                self.server_adagrad_beta1)
         require(self.server_tau > 0, "train.server_tau", "> 0", self.server_tau)
 
 

@@ -11,13 +11,20 @@ g = weighted mean of client deltas (old minus new):
     sgd       theta <- theta - lr g
     momentum  v <- beta v + g;            theta <- theta - lr v          (FedAvgM, FedPA JAX form)
     adam      m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;  theta <- theta - lr m / (sqrt(v) + tau)
-    adagrad   v <- v + g^2;               theta <- theta - lr g / (sqrt(v) + tau)
+    adagrad   m <- a1 m + (1-a1) g;  v <- v + g^2;  theta <- theta - lr m / (sqrt(v) + tau)
     yogi      m as adam;  v <- v - (1-b2) g^2 sign(v - g^2);  theta <- theta - lr m / (sqrt(v) + tau)
 
+with a1 = server_adagrad_beta1 (FedAdagrad's own beta1; a1 = 0 gives m = g).
 Deviations: Paper (Alg. 2): v_{-1} >= tau^2 and no bias correction. Here: v_{-1} = 0 (the
 Reddi et al. framework code's initial accumulator, FedPA reference §4.4) and no bias
-correction by default (the paper's form); `server_bias_correction=True` gives the
-TFF/Keras/PyTorch Adam, m / (1 - b1^t) and v / (1 - b2^t).
+correction by default (the paper's form); `server_bias_correction=True` gives PyTorch's
+Adam, theta <- theta - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + tau). Keras' Adam (and
+TFF's, which wraps it) is not this: it folds the corrections into the step size,
+theta <- theta - lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + tau), so its tau is not
+rescaled by sqrt(1 - b2^t); the two agree only when tau << sqrt(v_hat).
+Paper (Alg. 2, FedAdagrad as printed): momentum m_t = b1 m_{t-1} + (1-b1) Delta_t. Here:
+server_adagrad_beta1 = 0 by default, no momentum, the Keras Adagrad of the released
+framework code (v_{-1} = 0, eps = tau); set it (e.g. to 0.9, the paper's b1) for Alg. 2.
 """
 
 from __future__ import annotations
@@ -66,14 +73,17 @@ def server_opt_step(params: Params, pseudo_grad: Params, state: ServerOptState,
         first = {k: opt.server_momentum * first[k] + pseudo_grad[k] for k in params}
         new = {k: p - lr * first[k] for k, p in params.items()}
     elif kind == "adagrad":
+        a1 = opt.server_adagrad_beta1
+        first = {k: a1 * first[k] + (1 - a1) * pseudo_grad[k] for k in params} if a1 else first
+        direction = first if a1 else pseudo_grad
         second = {k: second[k] + pseudo_grad[k] ** 2 for k in params}
-        new = {k: p - lr * pseudo_grad[k] / (second[k].sqrt() + tau) for k, p in params.items()}
+        new = {k: p - lr * direction[k] / (second[k].sqrt() + tau) for k, p in params.items()}
     elif kind in ("adam", "yogi"):
         b1, b2 = opt.server_beta1, opt.server_beta2
         first = {k: b1 * first[k] + (1 - b1) * pseudo_grad[k] for k in params}
         second = {k: _second_moment(kind, second[k], pseudo_grad[k], b2) for k in params}
         c1, c2 = 1.0, 1.0
-        if opt.server_bias_correction:  # PyTorch/Keras Adam: m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t)
+        if opt.server_bias_correction:  # PyTorch Adam: m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t)
             t = int(state.step) + 1  # the server step runs outside vmap, so a Python int is fine
             c1, c2 = 1.0 - b1**t, 1.0 - b2**t
         new = {k: p - lr * (first[k] / c1) / ((second[k] / c2).sqrt() + tau) for k, p in params.items()}

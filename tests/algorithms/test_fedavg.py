@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from fedcli.algorithms import fedavg
-from fedcli.algorithms.base import OptimConfig, ServerOptState
+from fedcli.algorithms.base import HyperparameterError, OptimConfig, ServerOptState
 from fedcli.algorithms.optim import server_opt_init, server_opt_step
 from tests.quadratic import quadratic_context, random_spd, stack_outs
 
@@ -62,39 +63,81 @@ def test_masked_steps_change_nothing() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def hand_server_steps(kind: str, grads: list[float], lr: float, beta: float, b1: float, b2: float,
-                      tau: float) -> float:
-    """Scalar server recursions of Reddi et al. Alg. 2 (module docstring of algorithms/optim.py), from x = 1."""
+def reddi_alg2(kind: str, grads: list[float], lr: float, beta: float, b1: float, b2: float, tau: float) -> float:
+    """Scalar server loop of Reddi et al. (ICLR 2021) Alg. 2 as printed, from x = 1.
+
+    The paper's Delta_t is new minus old, the negated pseudo-gradient: Delta_t = -g.
+      m_t = b1 m_{t-1} + (1 - b1) Delta_t;  x_{t+1} = x_t + eta m_t / (sqrt(v_t) + tau), with
+      FedAdagrad v_t = v_{t-1} + Delta_t^2;  FedAdam v_t = b2 v_{t-1} + (1 - b2) Delta_t^2;
+      FedYogi v_t = v_{t-1} - (1 - b2) Delta_t^2 sign(v_{t-1} - Delta_t^2);  m_{-1} = v_{-1} = 0.
+    Not in Alg. 2: sgd x += eta Delta (Alg. 1 with SGD), FedAvgM u = beta u + Delta, x += eta u.
+    """
     x, m, v = 1.0, 0.0, 0.0
     for g in grads:
+        delta = -g
         if kind == "sgd":
-            x -= lr * g
-        elif kind == "momentum":
-            m = beta * m + g
-            x -= lr * m
-        elif kind == "adagrad":
-            v += g * g
-            x -= lr * g / (math.sqrt(v) + tau)
+            x += lr * delta
+            continue
+        if kind == "momentum":
+            m = beta * m + delta
+            x += lr * m
+            continue
+        m = b1 * m + (1 - b1) * delta
+        if kind == "adagrad":
+            v = v + delta**2
+        elif kind == "adam":
+            v = b2 * v + (1 - b2) * delta**2
         else:
-            m = b1 * m + (1 - b1) * g
-            v = b2 * v + (1 - b2) * g * g if kind == "adam" else v - (1 - b2) * g * g * math.copysign(1.0, v - g * g) * (v != g * g)
-            x -= lr * m / (math.sqrt(v) + tau)
+            v = v - (1 - b2) * delta**2 * float(np.sign(v - delta**2))
+        x += lr * m / (math.sqrt(v) + tau)
     return x
 
 
-@pytest.mark.parametrize("kind", ["sgd", "momentum", "adam", "adagrad", "yogi"])
-def test_server_optimisers_match_hand_computed_steps(kind: str) -> None:
-    """Three server steps on pseudo-gradients 0.5, -2, 1.5 equal the scalar recursions written out by hand."""
+@pytest.mark.parametrize(("kind", "adagrad_beta1"), [("sgd", 0.0), ("momentum", 0.0), ("adam", 0.0),
+                                                     ("adagrad", 0.0), ("adagrad", 0.6), ("yogi", 0.0)])
+def test_server_optimisers_match_reddi_alg_2(kind: str, adagrad_beta1: float) -> None:
+    """Three server steps on pseudo-gradients 0.5, -2, 1.5 equal Alg. 2 written out for a scalar.
+    FedAdagrad with train.server_adagrad_beta1 = a1 is Alg. 2 with b1 = a1; a1 = 0 (the default,
+    Keras' Adagrad in Reddi et al.'s code) is Alg. 2 with b1 = 0."""
     opt = OptimConfig(server_opt=kind, server_lr=0.3, server_momentum=0.8, server_beta1=0.6, server_beta2=0.9,
-                      server_tau=0.01)
+                      server_tau=0.01, server_adagrad_beta1=adagrad_beta1)
     params = {"w": torch.tensor([1.0], dtype=torch.float64)}
     state: ServerOptState = server_opt_init(params)
     grads = [0.5, -2.0, 1.5]
     for value in grads:
         params, state = server_opt_step(params, {"w": torch.tensor([value], dtype=torch.float64)}, state, opt)
-    expected = hand_server_steps(kind, grads, 0.3, 0.8, 0.6, 0.9, 0.01)
+    b1 = adagrad_beta1 if kind == "adagrad" else 0.6
+    expected = reddi_alg2(kind, grads, 0.3, 0.8, b1, 0.9, 0.01)
     assert state.step.item() == 3
     torch.testing.assert_close(params["w"], torch.tensor([expected], dtype=torch.float64), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kind", ["momentum", "adam", "adagrad"])
+def test_server_optimisers_match_torch_optim(kind: str) -> None:
+    """Against PyTorch's own optimisers on the pseudo-gradient, 4 steps on a vector:
+    momentum = SGD(momentum=beta, dampening=0); bias-corrected adam = Adam(betas, eps=tau);
+    adagrad (a1 = 0) = Adagrad(initial_accumulator_value=0, eps=tau)."""
+    opt = OptimConfig(server_opt=kind, server_lr=0.2, server_momentum=0.7, server_beta1=0.8, server_beta2=0.95,
+                      server_tau=1e-3, server_bias_correction=kind == "adam")
+    g = torch.Generator().manual_seed(9)
+    start = torch.randn(3, generator=g, dtype=torch.float64)
+    shadow = torch.nn.Parameter(start.clone())
+    reference = {"momentum": lambda: torch.optim.SGD([shadow], lr=0.2, momentum=0.7),
+                 "adam": lambda: torch.optim.Adam([shadow], lr=0.2, betas=(0.8, 0.95), eps=1e-3),
+                 "adagrad": lambda: torch.optim.Adagrad([shadow], lr=0.2, eps=1e-3)}[kind]()
+    params, state = {"w": start}, server_opt_init({"w": start})
+    for _ in range(4):
+        grad = torch.randn(3, generator=g, dtype=torch.float64)
+        shadow.grad = grad.clone()
+        reference.step()
+        params, state = server_opt_step(params, {"w": grad}, state, opt)
+    torch.testing.assert_close(params["w"], shadow.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_server_adagrad_beta1_is_validated() -> None:
+    """Messages name the key, the constraint and the value (STYLE rule 11)."""
+    with pytest.raises(HyperparameterError, match=r"train.server_adagrad_beta1 must be in \[0, 1\); got 1.0\."):
+        OptimConfig(server_adagrad_beta1=1.0)
 
 
 def test_fedavg_on_least_squares_converges_to_its_fixed_point() -> None:
