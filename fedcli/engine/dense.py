@@ -46,6 +46,7 @@ from fedcli.datasets.federated import CohortPlan
 from fedcli.engine.executors import (
     CohortInputs,
     ModelFunctions,
+    RowIndex,
     client_fn,
     in_chunks,
     run_vmap,
@@ -109,15 +110,14 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
     order = np.argsort(-steps, kind="stable")  # longest first: the real clients of step k are a prefix
     sorted_steps = steps[order]
     in_order = bool(np.all(order == np.arange(len(order))))  # the engine plans cohorts longest first
-    rows = torch.as_tensor(order, dtype=torch.int64, device=plan.index.device)
-    index, weight = ((plan.index, plan.weight) if in_order
-                     else (plan.index.index_select(0, rows), plan.weight.index_select(0, rows)))
+    rows = RowIndex(order)  # indices on each tensor's own device
+    index, weight = (plan.index, plan.weight) if in_order else (rows(plan.index), rows(plan.weight))
     num_clients, num_epochs, padded = len(order), plan.num_epochs, plan.steps_per_epoch
     lr, momentum = opt.client_lr, opt.client_momentum
     features = start[spec.layers[0][0]].shape[1]
     prox = (prox_mu, start) if prox_mu != 0.0 else None
     if linear is not None and not in_order:
-        linear = {k: v.index_select(0, rows) for k, v in linear.items()}
+        linear = {k: rows(v) for k, v in linear.items()}
     # each client's own copy of the start (copy_ of a broadcast runs on all intra-op threads; repeat does not)
     params = {k: v.new_empty((num_clients, *v.shape)).copy_(v.expand(num_clients, *v.shape)) for k, v in start.items()}
     velocity = {k: torch.zeros_like(v) for k, v in params.items()} if momentum != 0.0 else {}
@@ -141,8 +141,7 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
     result = LocalResult(params=params, epoch_means=epoch_means, mean_loss=loss_sum / (count * num_epochs))
     if in_order:
         return result
-    unsort = torch.as_tensor(np.argsort(order, kind="stable"), dtype=torch.int64, device=rows.device)
-    return pytree.tree_map(lambda t: t.index_select(0, unsort), result)
+    return pytree.tree_map(RowIndex(np.argsort(order, kind="stable")), result)
 
 
 def _step(spec: DenseSpec, params: Params, velocity: Params, x: Tensor, y: Tensor, w: Tensor, n: int,
@@ -242,12 +241,12 @@ def cohort_local_sgd(fns: ModelFunctions, request: LocalRequest, inputs: CohortI
     out: Any = None
     for first in range(0, num_clients, size):
         rows = order[first : first + size]
-        slots = torch.as_tensor(rows, dtype=torch.int64, device=plan.index.device)
-        linear = None if request.linear is None else {k: v.index_select(0, slots) for k, v in request.linear.items()}
+        take = RowIndex(rows)  # indices on each tensor's own device
+        linear = None if request.linear is None else {k: take(v) for k, v in request.linear.items()}
         part = train(take_clients(inputs, rows).plan, linear)
         if out is None:
             out = pytree.tree_map(lambda t: t.new_empty((num_clients, *t.shape[1:])), part)
-        pytree.tree_map(lambda dst, src, slots=slots: dst.index_copy_(0, slots, src), out, part)
+        pytree.tree_map(lambda dst, src, take=take: dst.index_copy_(0, take.on(dst.device), src), out, part)
     return out
 
 

@@ -126,25 +126,43 @@ def take_clients(inputs: CohortInputs, rows: np.ndarray) -> CohortInputs:
     plan = inputs.plan
     epochs, padded = plan.num_epochs, plan.steps_per_epoch
     own = int(plan.steps_per_client[rows].max())
-    index = torch.as_tensor(rows, dtype=torch.int64, device=plan.index.device)
+    take = RowIndex(rows)
 
     def cut(t: Tensor) -> Tensor:  # [C, E*K, ...] -> [c, E*k, ...]
-        t = t.index_select(0, index)
+        t = take(t)
         t = t.reshape(len(rows), epochs, padded, *t.shape[2:])[:, :, :own]
         return t.reshape(len(rows), epochs * own, *t.shape[3:])
 
     sliced = CohortPlan(index=cut(plan.index), weight=cut(plan.weight), step_mask=cut(plan.step_mask),
-                        num_examples=plan.num_examples.index_select(0, index),
+                        num_examples=take(plan.num_examples),
                         steps_per_client=plan.steps_per_client[rows], num_epochs=epochs, steps_per_epoch=own)
-    states = None if inputs.states is None else pytree.tree_map(lambda t: t.index_select(0, index), inputs.states)
+    states = None if inputs.states is None else pytree.tree_map(take, inputs.states)
     return CohortInputs(plan=sliced, keys=cut(inputs.keys), noise={k: cut(v) for k, v in inputs.noise.items()},
                         states=states)
 
 
+class RowIndex:
+    """Cohort rows as an int64 index built on each tensor's own device (once per device):
+    index_select and index_copy_ refuse a CPU index for a CUDA tensor. Calling it takes the rows."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.cache: dict[torch.device, Tensor] = {}
+
+    def on(self, device: torch.device) -> Tensor:
+        index = self.cache.get(device)
+        if index is None:
+            index = self.cache[device] = torch.as_tensor(self.rows, device=device)
+        return index
+
+    def __call__(self, t: Tensor) -> Tensor:
+        return t.index_select(0, self.on(t.device))
+
+
 def merge_outs(groups: list[np.ndarray], outs: list[ClientOut]) -> ClientOut:
-    """Concatenate per-group ClientOuts and restore the cohort order."""
-    order = torch.as_tensor(np.argsort(np.concatenate(groups), kind="stable"), dtype=torch.int64)
-    return pytree.tree_map(lambda *xs: None if xs[0] is None else torch.cat(xs).index_select(0, order), *outs)
+    """Concatenate per-group ClientOuts and restore the cohort order (on the outputs' device)."""
+    take = RowIndex(np.argsort(np.concatenate(groups), kind="stable"))
+    return pytree.tree_map(lambda *xs: None if xs[0] is None else take(torch.cat(xs)), *outs)
 
 
 def run_vmap(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,

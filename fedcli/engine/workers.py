@@ -24,6 +24,7 @@ parent disappears; `ProcessExecutor.close()` stops them at the end of a run.
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import logging
@@ -419,24 +420,40 @@ def round_gflop(model: torch.nn.Module, fns: ModelFunctions, cfg: Any, fed: Fede
     return 6.0 * macs * mean_examples * cfg.train.local_epochs * cfg.train.clients_per_round / 1e9
 
 
+CUDA_FUSED_MAX_CLIENTS = 32  # on CUDA, fused up to this cohort size, vmap above (see in_process_executor)
+
+
 def in_process_executor(alg: Algorithm, device: torch.device, has_conv: bool, has_batchnorm: bool = False,
-                        dense: bool = False) -> str:
-    """Return the faster in-process executor: fused, loop for convolutional models on a CPU, else vmap.
+                        dense: bool = False, clients: int | None = None) -> str:
+    """Return the faster in-process executor for the device type: fused, vmap or loop.
 
-    `fused` (engine/dense.py) wherever it applies: a dense classifier (`dense`, the model
-    functions' DenseSpec) and an algorithm that declares its local SGD (Algorithm.fused_local).
-    It ran the MLP workloads of `make bench` 2x faster than vmap (README "Benchmarks").
+    `fused` (engine/dense.py) needs a dense classifier (`dense`, the model functions'
+    DenseSpec) and an algorithm that declares its local SGD (Algorithm.fused_local).
 
-    BatchNorm forces loop: its running statistics are buffers updated in place, which vmap
-    cannot carry per client (torch.func "Patching Batch Norm"); models here use GroupNorm.
+    BatchNorm forces loop on every device: its running statistics are buffers updated in
+    place, which vmap cannot carry per client (torch.func "Patching Batch Norm"); models here
+    use GroupNorm.
 
-    Under vmap a convolution over per-client weights becomes one grouped convolution, which
-    CPU kernels run slower than the clients' own convolutions one after another (measured on
-    the Reddi CNN, 10 clients, 1 thread: vmap 3.7 s, loop 2.6 s per round).
+    CPU: fused wherever it applies (it ran the MLP workloads of `make bench` 2x faster than
+    vmap, README "Benchmarks"); convolutional models client by client (loop): under vmap a
+    convolution over per-client weights becomes one grouped convolution, which CPU kernels run
+    slower than the clients' own convolutions one after another (Reddi CNN, 10 clients,
+    1 thread: vmap 3.7 s, loop 2.6 s per round); else vmap.
+
+    CUDA (`clients`: the cohort size): vmap, and fused only for cohorts of at most
+    CUDA_FUSED_MAX_CLIENTS. Measured on an H100 (FEMNIST MLP, per round): 10 clients fused
+    0.015 s, vmap 0.042 s; 100 clients fused 0.128 s, vmap 0.052 s. fused grows about linearly
+    with the cohort (its cache-sized blocks of clients run one after another) and vmap barely,
+    so the straight lines through the two points cross near 33 clients. Convolutional models
+    run vmapped (one grouped convolution is what a GPU does well).
     """
     if not alg.supports_vmap or has_batchnorm or (has_conv and device.type == "cpu"):
         return "loop"
-    return "fused" if dense and alg.fused_local is not None else "vmap"
+    if not (dense and alg.fused_local is not None):
+        return "vmap"
+    if device.type == "cuda" and clients is not None and clients > CUDA_FUSED_MAX_CLIENTS:
+        return "vmap"
+    return "fused"
 
 
 def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Callable[[], float],
@@ -448,10 +465,13 @@ def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Calla
     10 clients: 1.4 s against 2.2-5.9 s for vmap with 2 threads and 2.4 s client by client);
     for dense models the cohort vmapped in the main process wins (MLP, 10 clients: 0.060 s
     against 0.081 s for 2 processes: the per-round pipe and copy costs are not repaid).
-    On a GPU and with --compile the cohort also runs in the main process (vmap compiled); with
+    On a GPU the cohort runs in the main process, never in worker processes: fused for dense
+    classifiers up to CUDA_FUSED_MAX_CLIENTS clients, else vmap (in_process_executor, measured
+    on an H100). With --compile the cohort runs vmapped and compiled in the main process; with
     --compile and --executor loop or process each client's step is compiled instead.
     """
-    requested, inner = cfg.train.executor, in_process_executor(alg, device, has_conv, has_batchnorm, dense)
+    requested = cfg.train.executor
+    inner = in_process_executor(alg, device, has_conv, has_batchnorm, dense, cfg.train.clients_per_round)
     if requested in ("vmap", "fused") and not alg.supports_vmap:
         raise ConfigError(f"{alg.name} does not support --executor {requested}; use --executor loop or auto.")
     if requested == "fused" and (not dense or alg.fused_local is None):
@@ -472,8 +492,9 @@ def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Calla
     if cfg.train.compile and alg.supports_vmap:
         return "vmap", "--compile: the cohort vmapped and compiled in the main process"
     if inner == "fused":
+        where = "on the GPU" if device.type != "cpu" else "(all cores as threads)"
         return "fused", ("dense classifier: the cohort's local SGD in stacked GEMMs, each layer's gradient fused "
-                         "into its update, no padded steps (all cores as threads)")
+                         f"into its update, no padded steps {where}")
     if has_batchnorm:
         why = "BatchNorm: its running statistics need the clients one by one"
     elif inner == "loop" and alg.supports_vmap:
@@ -481,7 +502,10 @@ def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Calla
     else:
         why = "the whole cohort in one vmapped computation" if inner == "vmap" else f"{alg.name} has no vmap"
     if device.type != "cpu":
-        return inner, f"{device.type}: the whole cohort on one device ({inner})"
+        if inner == "vmap" and dense and alg.fused_local is not None:
+            why = (f"{cfg.train.clients_per_round} clients > {CUDA_FUSED_MAX_CLIENTS}: vmap outruns fused on a "
+                   "GPU for large cohorts")
+        return inner, f"{device.type}: the whole cohort on one device ({why})"
     slots = min(cfg.train.workers or available_cores(), cfg.train.clients_per_round)
     if slots < 2:
         return inner, f"one core (or one client per round); {why}"
@@ -544,20 +568,17 @@ def with_precision(fns: ModelFunctions, precision: str, device: torch.device) ->
     """Return model functions for train.precision: fp32 (as is), tf32 (CUDA), bf16 (autocast).
 
     Parameters, optimiser state and aggregation stay float32 in every mode; bf16 runs the
-    model's forward (and so its backward) under torch.autocast. TF32 sets the process's CUDA
-    matmul/cuDNN flags (they are process-wide in PyTorch).
+    model's forward (and so its backward) under torch.autocast. On a CUDA device the process's
+    TF32 flags (process-wide in PyTorch) follow the precision (cuda_tf32_flags).
     """
-    if precision == "fp32":
+    if precision == "tf32" and device.type != "cuda":
+        raise ConfigError(f"train.precision='tf32' needs a CUDA device; got device {device}. "
+                          "Use --precision bf16 on a CPU, or fp32.")
+    if device.type == "cuda":
+        cuda_tf32_flags(precision)
+    if precision in ("fp32", "tf32"):
         return fns
-    if precision == "bf16":  # the fused dense trainer is fp32 only
-        fns = replace(fns, dense=None)
-    if precision == "tf32":
-        if device.type != "cuda":
-            raise ConfigError(f"train.precision='tf32' needs a CUDA device; got device {device}. "
-                              "Use --precision bf16 on a CPU, or fp32.")
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        return fns
+    fns = replace(fns, dense=None)  # bf16: the fused dense trainer is fp32 only
     if device.type == "cpu" and not _native_bf16_cpu():
         log.warning("train.precision='bf16' on a CPU without native bf16 (no avx512_bf16/amx_bf16 flag): "
                     "PyTorch emulates it, and its convolutions fall back to a slow reference kernel (8x slower "
@@ -573,6 +594,19 @@ def with_precision(fns: ModelFunctions, precision: str, device: torch.device) ->
             return apply_fn(params, x).float()
 
     return replace(fns, loss_fn=bf16_loss, apply_fn=bf16_apply)
+
+
+def cuda_tf32_flags(precision: str) -> None:
+    """Set the CUDA matmul and cuDNN TF32 flags for train.precision: on for tf32, off otherwise.
+
+    PyTorch's defaults are matmul off but cuDNN on, so without this `--precision fp32` still ran
+    convolutions in TF32 (10-bit mantissa) on Ampere and later GPUs. bf16 turns both off too:
+    the float32 work outside autocast is then float32. The flags are process-wide, so the last
+    run built in a process sets them for every run in it.
+    """
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
 
 
 def _native_bf16_cpu() -> bool:
@@ -618,10 +652,18 @@ class CompiledVmap:
     minutes (MLP, 10 clients x 9 steps: ~60 s on 2 cores); the time is logged and kept in
     `compile_s`. Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default
     under the system temp folder) makes later runs of the same shapes compile faster.
+
+    The round number is part of the key only for algorithms whose client code reads
+    `.round_idx` (FedPA's burn-in, FOLA's prior, BayesADMM's learning-rate schedule:
+    reads_round_idx); for the others one graph serves every round. Each graph is compiled from
+    its own copy of the cohort function's code object: dynamo keeps its cache per code object
+    with a limit of 8 entries (torch._dynamo.config.recompile_limit), so graphs sharing one
+    would make the 9th key (e.g. round 9 of FedPA) fall back to eager for the rest of the run.
+    `backend` is torch.compile's (tests count graphs with "eager", which compiles nothing).
     """
 
-    def __init__(self, bucket: int = 4, max_steps: int | None = None) -> None:
-        self.bucket, self.max_steps = bucket, max_steps
+    def __init__(self, bucket: int = 4, max_steps: int | None = None, backend: str = "inductor") -> None:
+        self.bucket, self.max_steps, self.backend = bucket, max_steps, backend
         self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
         self.compile_s = 0.0
 
@@ -636,7 +678,7 @@ class CompiledVmap:
         stateful = inputs.states is not None
         # round_idx is a static Python value of the client update: a new value is a new graph for
         # algorithms that read it (FedPA's burn-in), none for the others
-        round_key = round_idx if _reads_round_idx(alg) else -1
+        round_key = round_idx if reads_round_idx(alg) else -1
         key = (len(plan.num_examples), plan.num_epochs, plan.steps_per_epoch, chunk_size or 0, int(stateful),
                round_key)
         fn = self.compiled.get(key)
@@ -651,7 +693,7 @@ class CompiledVmap:
                                        chunk_size=chunk_size)(index, weight, step_mask, keys, num_examples,
                                                               noise, states)
 
-            fn = self.compiled[key] = torch.compile(cohort, dynamic=False)
+            fn = self.compiled[key] = torch.compile(own_code(cohort), dynamic=False, backend=self.backend)
         start = time.perf_counter()
         upload, state, metrics = fn(broadcast, plan.index, plan.weight, plan.step_mask, inputs.keys,
                                     plan.num_examples, inputs.noise, inputs.states)
@@ -663,12 +705,52 @@ class CompiledVmap:
         return ClientOut(upload=upload, state=state if stateful else None, metrics=metrics)
 
 
-def _reads_round_idx(alg: Algorithm) -> bool:
-    """True when the algorithm's module mentions round_idx (its client update may branch on it)."""
-    import inspect
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Return fn with a copy of its code object, so that dynamo's per-code cache (and its
+    recompile limit) is this function's alone, not shared with every closure of the same def."""
+    import types
 
-    module = inspect.getmodule(alg.client_update)
-    try:
-        return module is None or "round_idx" in inspect.getsource(module)
-    except (OSError, TypeError):
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return copy
+
+
+def reads_round_idx(alg: Algorithm) -> bool:
+    """True when the client code may read `.round_idx` (its client update may branch on it).
+
+    Looks for an attribute access `<x>.round_idx` in the syntax tree of the client update's
+    module and of every module of the same package it refers to (docstrings, comments and
+    parameters named round_idx, such as fused_local's, do not count); True where a source
+    cannot be read.
+    """
+    return _code_reads_round_idx(alg.client_update)
+
+
+@functools.cache
+def _code_reads_round_idx(client_update: Callable[..., Any]) -> bool:
+    import ast
+    import inspect
+    import sys
+
+    module = inspect.getmodule(client_update)
+    if module is None:
         return True
+    package = module.__name__.split(".")[0]
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        mod = todo.pop()
+        if mod.__name__ in seen:
+            continue
+        seen.add(mod.__name__)
+        try:
+            tree = ast.parse(inspect.getsource(mod))
+        except (OSError, TypeError, SyntaxError):
+            return True
+        if any(isinstance(node, ast.Attribute) and node.attr == "round_idx" for node in ast.walk(tree)):
+            return True
+        for value in vars(mod).values():
+            name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+            if isinstance(name, str) and name.split(".")[0] == package and name in sys.modules:
+                todo.append(sys.modules[name])
+    return False

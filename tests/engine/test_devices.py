@@ -1,0 +1,208 @@
+"""Device-facing parts of the engine that a CPU can check: row indices built on the tensors'
+own device (merge_outs, take_clients, the fused blocks), the TF32 flags of --precision, the
+compiled cohort's graph count across rounds, and the `auto` executor rule for CUDA.
+
+The tests marked `cuda` run the same code on a GPU (--cohort-chunk crashed there with
+"index is on cpu"); they skip where torch sees no CUDA device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from fedcli.algorithms import ALGORITHMS
+from fedcli.algorithms.base import ClientOut
+from fedcli.config import build_config
+from fedcli.engine.executors import RowIndex, merge_outs, run_vmap, take_clients
+from fedcli.engine.workers import (
+    CUDA_FUSED_MAX_CLIENTS,
+    CompiledVmap,
+    choose_executor,
+    cuda_tf32_flags,
+    in_process_executor,
+    reads_round_idx,
+    with_precision,
+)
+from tests.engine.test_equivalence import two_rounds
+from tests.engine.test_workers import assert_trees_close, lsq_round
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+# ----------------------------------------------------------------------------- row indices
+
+
+@pytest.mark.parametrize("sizes", [[3, 1, 2], [1] * 6, [6], [2, 4]])
+def test_merge_outs_puts_every_row_back_in_its_cohort_slot(sizes: list[int]) -> None:
+    """Groups are any partition of the cohort's rows, in any order; each group's ClientOut holds
+    its rows in group order. merge_outs returns row r of the cohort in slot r for every leaf,
+    whatever its shape and dtype, and keeps None (stateless algorithms) as None."""
+    rng = np.random.default_rng(sum(sizes) * 7 + len(sizes))
+    rows = rng.permutation(sum(sizes))
+    groups = np.split(rows, np.cumsum(sizes)[:-1])
+    upload = torch.arange(6 * 2 * 3, dtype=torch.float32).reshape(6, 2, 3)[: sum(sizes)]
+    metric = torch.arange(sum(sizes), dtype=torch.int64) * 10
+    outs = [ClientOut(upload={"w": upload[g]}, state=None, metrics={"n": metric[g]}) for g in groups]
+    merged = merge_outs(groups, outs)
+    assert merged.state is None
+    torch.testing.assert_close(merged.upload["w"], upload, rtol=0, atol=0)
+    torch.testing.assert_close(merged.metrics["n"], metric, rtol=0, atol=0)
+
+
+def test_row_index_builds_one_index_per_device_on_that_device() -> None:
+    take = RowIndex(np.array([2, 0]))
+    t = torch.arange(6.0).reshape(3, 2)
+    torch.testing.assert_close(take(t), t[[2, 0]])
+    assert take.on(t.device) is take.on(t.device) and take.on(t.device).dtype == torch.int64
+    assert take.on(torch.device("meta")).device.type == "meta"
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_take_clients_and_merge_outs_keep_cuda_tensors_on_cuda() -> None:
+    """The slice and the merge of a cohort whose plan, keys and states live on the GPU."""
+    _, setup, bc, inputs = lsq_round("scaffold", **{"train.device": "cuda"})
+    assert inputs.plan.index.device.type == "cuda" and inputs.states is not None
+    inputs = dataclasses.replace(inputs, keys=inputs.keys.cuda())
+    opt = setup.cfg.train.optim
+    whole = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1)
+    groups = [np.array([4, 0]), np.array([5, 1, 3]), np.array([2])]
+    parts = [take_clients(inputs, g) for g in groups]
+    assert all(t.device.type == "cuda" for p in parts for t in pytree.tree_leaves(p) if isinstance(t, torch.Tensor))
+    merged = merge_outs(groups, [run_vmap(setup.alg, setup.fns, bc, p, setup.hp, opt, 1) for p in parts])
+    assert_trees_close(merged, whole)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize(("executor", "task", "extra"), [
+    ("vmap", "lsq", {}),
+    ("fused", "synthetic-1-1", {"data.model": "logreg"}),
+])
+def test_cohort_chunk_on_cuda_equals_the_cpu_loop(executor: str, task: str, extra: dict,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cohort-chunk 3 (and, for fused, blocks of one client: the index_copy_ of each block's
+    rows) on the GPU: SCAFFOLD's parameters and client states equal the CPU loop's."""
+    from fedcli.engine import dense
+
+    monkeypatch.setattr(dense, "BLOCK_BYTES", 1)
+    extra = {**extra, "train.client_lr": 0.05}
+    loop_params, loop_states = two_rounds("scaffold", "loop", task, {**extra, "train.device": "cpu"})
+    gpu_params, gpu_states = two_rounds("scaffold", executor, task,
+                                        {**extra, "train.device": "cuda", "train.cohort_chunk": 3})
+    for key in loop_params:
+        torch.testing.assert_close(gpu_params[key].cpu(), loop_params[key], rtol=1e-4, atol=1e-5)
+    for client in loop_states:
+        pytree.tree_map(lambda a, b: torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5),
+                        loop_states[client], gpu_states[client])
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+@pytest.fixture
+def tf32_flags():  # noqa: ANN201 - restores the process-wide flags after the test
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def flags() -> tuple[bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+@pytest.mark.usefixtures("tf32_flags")
+def test_precision_sets_both_tf32_flags_on_cuda() -> None:
+    """PyTorch's default leaves cuDNN's TF32 on (convolutions in TF32 under --precision fp32):
+    fp32 and bf16 turn matmul and cuDNN TF32 off, tf32 turns both on. Only flags are touched, so
+    this runs without a GPU (torch.device('cuda') is just a name here)."""
+    _, setup, _, _ = lsq_round("fedavg", epochs=1)
+    cuda = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True  # PyTorch's defaults
+    assert with_precision(setup.fns, "fp32", cuda) is setup.fns
+    assert flags() == (False, False)
+    with_precision(setup.fns, "tf32", cuda)
+    assert flags() == (True, True)
+    with_precision(setup.fns, "bf16", cuda)
+    assert flags() == (False, False)
+    cuda_tf32_flags("tf32")
+    assert flags() == (True, True)
+
+
+@pytest.mark.usefixtures("tf32_flags")
+def test_precision_on_a_cpu_leaves_the_cuda_flags_alone() -> None:
+    _, setup, _, _ = lsq_round("fedavg", epochs=1)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, True
+    with_precision(setup.fns, "fp32", torch.device("cpu"))
+    with_precision(setup.fns, "bf16", torch.device("cpu"))
+    assert flags() == (True, True)
+
+
+# ----------------------------------------------------------------------------- --compile across rounds
+
+
+def test_only_client_code_that_reads_round_idx_keys_graphs_by_round() -> None:
+    """fedavg.py names round_idx only as fused_local's parameter: one graph for every round (it
+    compiled a new one each round, and dynamo fell back to eager after 8). FedPA's burn-in,
+    FOLA's prior and BayesADMM's schedule read ctx.round_idx."""
+    for name in ("fedavg", "fedprox", "scaffold", "fedlsa", "feddyn"):
+        assert not reads_round_idx(ALGORITHMS[name]), name
+    for name in ("fedpa", "fola", "bayesadmm"):
+        assert reads_round_idx(ALGORITHMS[name]), name
+
+
+@pytest.mark.parametrize(("algo", "graphs"), [("fedavg", 1), ("fedpa", 10)])
+def test_compiled_cohort_compiles_once_per_key_over_ten_rounds(algo: str, graphs: int) -> None:
+    """Ten rounds of the same cohort shapes through CompiledVmap (dynamo with the `eager` backend:
+    the graph capture of --compile, without Inductor's codegen): FedAvg captures one graph and
+    reuses it; FedPA (reads round_idx) captures one per round, each from its own code object, so
+    rounds past dynamo's recompile limit of 8 are still compiled graphs, not eager fallbacks.
+    Every round equals run_vmap's result."""
+    from torch._dynamo.utils import counters
+
+    extra = {"algorithm.hp": {"burn_in_rounds": 3}} if algo == "fedpa" else {}
+    _, setup, bc, inputs = lsq_round(algo, cohort_size=3, epochs=1, **extra)
+    torch._dynamo.reset()
+    counters.clear()
+    runner = CompiledVmap(backend="eager")
+    opt = setup.cfg.train.optim
+    for round_idx in range(1, 11):
+        got = runner(setup.alg, setup.fns, bc, inputs, setup.hp, opt, round_idx)
+        if round_idx in (1, 4, 10):
+            assert_trees_close(got, run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, round_idx))
+    assert len(runner.compiled) == graphs
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not counters["recompile_limit"] if "recompile_limit" in counters else True
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- the auto executor on CUDA
+
+
+def test_cuda_auto_rule_fused_for_small_cohorts_vmap_for_large_never_process() -> None:
+    """Measured on an H100 (FEMNIST MLP): fused 0.015 s vs vmap 0.042 s at 10 clients, vmap
+    0.052 s vs fused 0.128 s at 100. CUDA: fused up to CUDA_FUSED_MAX_CLIENTS, vmap above and
+    for convolutional models, never worker processes; the CPU rule is unchanged."""
+    fedavg, cuda, cpu = ALGORITHMS["fedavg"], torch.device("cuda"), torch.device("cpu")
+    small, large = CUDA_FUSED_MAX_CLIENTS, CUDA_FUSED_MAX_CLIENTS + 1
+    assert in_process_executor(fedavg, cuda, has_conv=False, dense=True, clients=10) == "fused"
+    assert in_process_executor(fedavg, cuda, has_conv=False, dense=True, clients=small) == "fused"
+    assert in_process_executor(fedavg, cuda, has_conv=False, dense=True, clients=large) == "vmap"
+    assert in_process_executor(fedavg, cuda, has_conv=False, dense=True, clients=100) == "vmap"
+    assert in_process_executor(fedavg, cuda, has_conv=True, clients=10) == "vmap"
+    assert in_process_executor(fedavg, cpu, has_conv=False, dense=True, clients=100) == "fused"
+    assert in_process_executor(fedavg, cpu, has_conv=True, clients=100) == "loop"
+
+    def auto(clients: int, has_conv: bool = False, dense: bool = True, device: torch.device = cuda) -> str:
+        cfg = build_config(overrides={"train.workers": 2, "train.clients_per_round": clients})
+        return choose_executor(cfg, fedavg, device, lambda: 100.0, has_conv=has_conv, dense=dense)[0]
+
+    cnn = {"has_conv": True, "dense": False}
+    assert [auto(10), auto(100), auto(10, **cnn), auto(100, **cnn)] == ["fused", "vmap", "vmap", "vmap"]
+    assert auto(100, dense=False) == "vmap"
+    assert [auto(100, device=cpu), auto(10, **cnn, device=cpu)] == ["fused", "process"]
