@@ -38,3 +38,30 @@ def pg_database(pg_server: PgServer) -> Callable[[], str]:
 def pg_url(pg_database: Callable[[], str]) -> str:
     """SQLAlchemy URL of a new empty PostgreSQL database for this test."""
     return pg_database()
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; `--device auto` is not pinned to the CPU in it")
+
+
+def pin_auto_device_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make train.device='auto' (every config's default) resolve to the CPU.
+
+    The tests check numbers, executors and worker processes as they are on a CPU; with a GPU
+    visible, `auto` would move them to CUDA (31 tests failed so under `make test` on an H100).
+    Explicit devices ('cpu', 'cuda') are untouched, so tests about devices say which they want.
+    """
+    import fedcli.engine.train as train
+
+    resolve = train.resolve_device
+    monkeypatch.setattr(train, "resolve_device", lambda name: resolve("cpu" if name == "auto" else name))
+
+
+@pytest.fixture(autouse=True)
+def _auto_device_is_the_cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test not marked `cuda` runs `--device auto` on the CPU, GPU or not (a no-op without CUDA)."""
+    if torch.cuda.is_available() and request.node.get_closest_marker("cuda") is None:
+        pin_auto_device_to_cpu(monkeypatch)

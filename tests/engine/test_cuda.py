@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from fedcli.cli.main import app
 from fedcli.tracking.store import SqlStore
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"), pytest.mark.cuda]
 RUNNER = CliRunner()
 ROUNDS = 6
 

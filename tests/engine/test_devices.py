@@ -102,6 +102,19 @@ def test_cohort_chunk_on_cuda_equals_the_cpu_loop(executor: str, task: str, extr
                         loop_states[client], gpu_states[client])
 
 
+def test_tests_pin_device_auto_to_the_cpu_even_where_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/conftest.py's autouse pin (tests not marked `cuda`): `auto` resolves to the CPU,
+    explicit devices pass through. CUDA is faked as available: resolve_device only names it."""
+    import fedcli.engine.train as train
+    from tests.conftest import pin_auto_device_to_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    pin_auto_device_to_cpu(monkeypatch)
+    assert train.resolve_device("auto") == torch.device("cpu")
+    assert train.resolve_device("cuda") == torch.device("cuda")
+    assert train.resolve_device("cpu") == torch.device("cpu")
+
+
 # ----------------------------------------------------------------------------- precision
 
 

@@ -44,7 +44,7 @@ def two_rounds(algo: str, executor: str, task: str, extra: dict, rounds: int = 2
                pool: WorkerPool | None = None) -> tuple[dict, dict]:
     hp = {"burn_in_rounds": 1} if algo == "fedpa" else {}
     hp.update(required_hyperparameters(algo))
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": task, "train.executor": executor,
+    cfg = build_config(overrides={"algorithm.name": algo, "data.task": task, "train.executor": executor, "train.device": "cpu",
                                   "train.clients_per_round": 4, "train.local_epochs": 2, "train.batch_size": 16,
                                   **extra}, hp=hp)
     setup = build(cfg)
@@ -60,7 +60,8 @@ def two_rounds(algo: str, executor: str, task: str, extra: dict, rounds: int = 2
 
 
 def pick_task(algo: str) -> str:
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": "lsq"}, hp=required_hyperparameters(algo))
+    cfg = build_config(overrides={"algorithm.name": algo, "data.task": "lsq", "train.device": "cpu"},
+                       hp=required_hyperparameters(algo))
     setup = build(cfg)
     try:
         setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)

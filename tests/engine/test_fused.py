@@ -138,7 +138,7 @@ def test_fused_in_chunks_and_in_worker_processes_agrees_with_the_loop(algo: str)
     loop_params, _ = two_rounds(algo, "loop", "synthetic-1-1", extra)
     chunk_params, _ = two_rounds(algo, "fused", "synthetic-1-1", {**extra, "train.cohort_chunk": 3})
     cfg = build_config(overrides={"algorithm.name": algo, "data.task": "synthetic-1-1", "train.executor": "process",
-                                  "train.workers": 2, **extra}, hp=required_hyperparameters(algo))
+                                  "train.workers": 2, "train.device": "cpu", **extra}, hp=required_hyperparameters(algo))
     setup = build(cfg)
     assert setup.runner.inner == "fused"
     with WorkerPool(1) as pool:
@@ -174,7 +174,7 @@ def test_auto_picks_fused_for_dense_classifiers_only() -> None:
     """auto: fused for softmax regression with FedAvg/FedPA/SCAFFOLD; vmap for an algorithm with its own
     objective (FedDyn's linear and quadratic terms), for a regression task and under bf16."""
     def chosen(**overrides: object) -> str:
-        return build(build_config(overrides={"data.task": "synthetic-1-1", **overrides})).executor
+        return build(build_config(overrides={"data.task": "synthetic-1-1", "train.device": "cpu", **overrides})).executor
 
     assert chosen() == "fused"
     assert chosen(**{"algorithm.name": "fedpa"}) == "fused"

@@ -45,7 +45,7 @@ def pool():  # noqa: ANN201 - one spawned worker shared by the tests below
 
 def lsq_round(algo: str = "fedavg", cohort_size: int = 6, epochs: int = 2, **extra: object):  # noqa: ANN201
     """Build an lsq setup and round-1 inputs (cohort, plan, keys, states) by hand."""
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": "lsq", "train.executor": "vmap",
+    cfg = build_config(overrides={"algorithm.name": algo, "data.task": "lsq", "train.executor": "vmap", "train.device": "cpu",
                                   "train.clients_per_round": cohort_size, "train.local_epochs": epochs,
                                   "train.batch_size": 16, **extra})
     setup = build(cfg)
@@ -178,8 +178,8 @@ def test_auto_picks_processes_only_for_compute_bound_cpu_rounds() -> None:
     assert choose_executor(one_core, fedavg, cpu, lambda: 100.0, has_conv=True)[0] == "loop"
     compiled = build_config(overrides={"train.compile": True, "train.workers": 2})
     assert choose_executor(compiled, fedavg, cpu, lambda: 100.0, has_conv=True)[0] == "vmap"
-    assert build(build_config(overrides={"data.task": "lsq"})).executor == "vmap"  # tiny rounds stay in-process
-    cnn = build(build_config(overrides={"data.model": "cnn", "train.workers": 2}))
+    assert build(build_config(overrides={"data.task": "lsq", "train.device": "cpu"})).executor == "vmap"  # in-process
+    cnn = build(build_config(overrides={"data.model": "cnn", "train.workers": 2, "train.device": "cpu"}))
     assert (cnn.executor, cnn.runner.inner) == ("process", "loop")
 
 
