@@ -11,11 +11,15 @@ Delta = Sigma_hat^-1 (theta_0 - mu_hat), Sigma_hat = rho_l I + (1 - rho_l) S_hat
 rho_l = 1 / (1 + (l-1) rho)) -> posterior_delta; footnote 11 (the first burn-in rounds
 run FedAvg exactly) -> client_update.
 Notation: x_0 = theta_0 -> broadcast params, x_1..x_l -> IASG samples, rho -> hp.rho,
-T_burn -> hp.burn_in_rounds, l -> E - hp.burn_in_epochs.
+T_burn -> hp.burn_in_rounds, l -> E - hp.burn_in_epochs (num_samples).
+Burn-in rounds: rounds 1..T_burn (default 100, Table 6 EMNIST-62) run FedAvg exactly, so
+a run of <= T_burn rounds is FedAvg; shorten hp.burn_in_rounds for short runs.
 Deviations:
-  Paper: one sample per local epoch, l = E. Released TFF code: the first epoch of every
-  sampling round is burn-in, l = E - 1. Here: hp.burn_in_epochs, default 0 (the paper);
-  set 1 for the released code's counting.
+  Paper (Alg. 4, footnote 11): one sample per local epoch, l = E. Released TFF code, which
+  produced the paper's tables: epoch 0 of every sampling round is burn-in ("mixin",
+  client_mixin_epochs_per_round = 1), l = E - 1. Here: the code's count, hp.burn_in_epochs
+  = 1; hp.burn_in_epochs = 0 gives the paper text's l = E. With E = 1 the one epoch is the
+  sample (l = 1), as in the TFF code, whose E = 1 delta is the epoch-0 average minus x_0.
   Paper (Alg. 1): mean of q_i Delta_i times 1/|S|. Here: normalised weighted mean with
   q_i = n_i (both released implementations).
   Robustness as in the TFF code: a client whose delta is not finite gets weight 0, and the
@@ -53,7 +57,8 @@ from fedcli.algorithms.optim import local_sgd
 class FedPAConfig:
     rho: float = 0.1  # shrinkage rho >= 0; Table 6, EMNIST-62 (0.01 for CIFAR-100 / StackOverflow)
     burn_in_rounds: int = 100  # T_burn: rounds 1..T_burn run FedAvg exactly; Table 6, EMNIST-62
-    burn_in_epochs: int = 0  # epochs per sampling round that are not samples; paper 0, TFF code 1
+    burn_in_epochs: int = 1  # epochs per sampling round that are not samples (l = E - 1); TFF code
+    #                          (client_mixin_epochs_per_round = 1, its README's 5 epochs -> 4 samples); paper text 0
 
     def __post_init__(self) -> None:
         require(self.rho >= 0, "hp.rho", ">= 0", self.rho, "Table 6 uses 0.01-0.1.")
@@ -61,9 +66,14 @@ class FedPAConfig:
         require(self.burn_in_epochs >= 0, "hp.burn_in_epochs", ">= 0", self.burn_in_epochs)
 
 
+def first_sample_epoch(hp: FedPAConfig, opt: OptimConfig) -> int:
+    """Return the first epoch that is a sample: burn_in_epochs, or 0 when E = 1 (TFF code)."""
+    return 0 if opt.local_epochs == 1 else hp.burn_in_epochs
+
+
 def num_samples(hp: FedPAConfig, opt: OptimConfig) -> int:
-    """Return l, the IASG samples per sampling round: E - burn_in_epochs."""
-    return opt.local_epochs - hp.burn_in_epochs
+    """Return l, the IASG samples per sampling round: E - burn_in_epochs (1 when E = 1)."""
+    return opt.local_epochs - first_sample_epoch(hp, opt)
 
 
 def server_init(params: Params, hp: FedPAConfig, opt: OptimConfig) -> fedavg.ServerState:
@@ -134,7 +144,7 @@ def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, 
     if ctx.round_idx <= hp.burn_in_rounds:
         return fedavg.client_update(ctx, bc, client_state, hp, opt)
     local = local_sgd(ctx, bc.params, opt, average_epochs=True)
-    samples = [flatten(s) for s in local.epoch_means[hp.burn_in_epochs:]]
+    samples = [flatten(s) for s in local.epoch_means[first_sample_epoch(hp, opt):]]
     x0 = flatten(bc.params)
     delta = unflatten(posterior_delta(x0, samples, hp.rho), bc.params)
     fedavg_delta = tree_sub(bc.params, local.params)
@@ -179,5 +189,6 @@ ALGORITHM = Algorithm(
     server_update=server_update,
     global_params=fedavg.global_params,
     fused_local=fused_local,
-    description="Posterior averaging: IASG samples, shrinkage covariance, O(l^2 d) DP delta.",
+    description=("Posterior averaging: IASG samples (l = E - 1, the released code), shrinkage covariance, "
+                 "O(l^2 d) DP delta; FedAvg exactly for the first hp.burn_in_rounds (100) rounds."),
 )

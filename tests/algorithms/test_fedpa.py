@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,19 +46,46 @@ def test_rho_zero_and_single_sample_give_iterate_mean_delta() -> None:
     torch.testing.assert_close(fedpa.posterior_delta(x0, [samples[0]], 0.7), x0 - samples[0], rtol=0, atol=0)
 
 
-def test_client_delta_with_rho_zero_is_theta_minus_mean_of_iasg_samples() -> None:
-    """On a quadratic client with E = 3 epochs of K = 4 GD steps, each IASG sample is the mean of that
-    epoch's 4 post-step iterates theta_k = mu + (I - lr A)^k (theta_0 - mu); with rho = 0 the upload is
-    theta_0 - mean of the 3 samples = theta_0 - mean of all 12 iterates."""
+def numpy_shrinkage_delta(x0: np.ndarray, samples: np.ndarray, rho: float) -> np.ndarray:
+    """Theorem 3 in numpy: Sigma_hat = rho_l I + (1 - rho_l) S, rho_l = 1 / (1 + (l - 1) rho), S the
+    unbiased sample covariance (1/(l - 1)) sum (x_j - mean)(x_j - mean)^T; Delta = Sigma_hat^-1 (x0 - mean)."""
+    num, dim = samples.shape
+    mean = samples.mean(0)
+    centred = samples - mean
+    cov = centred.T @ centred / (num - 1) if num > 1 else np.zeros((dim, dim))
+    rho_l = 1.0 / (1.0 + (num - 1) * rho)
+    return np.linalg.solve(rho_l * np.eye(dim) + (1.0 - rho_l) * cov, x0 - mean)
+
+
+@pytest.mark.parametrize(("hp", "epochs", "first"), [
+    (fedpa.FedPAConfig(rho=0.1, burn_in_rounds=1), 4, 1),  # default: the TFF code's l = E - 1
+    (fedpa.FedPAConfig(rho=0.5, burn_in_rounds=1, burn_in_epochs=0), 4, 0),  # the paper text's l = E
+    (fedpa.FedPAConfig(rho=0.3, burn_in_rounds=1, burn_in_epochs=2), 5, 2),
+    (fedpa.FedPAConfig(rho=0.1, burn_in_rounds=1), 1, 0),  # E = 1: the one epoch is the sample (TFF)
+])
+def test_client_delta_is_the_shrinkage_solve_on_the_sampled_epochs(hp: fedpa.FedPAConfig, epochs: int,
+                                                                    first: int) -> None:
+    """On a quadratic client, E epochs of K = 3 GD steps (momentum 0.6: u_k = m u_{k-1} + g_k,
+    theta_k = theta_{k-1} - lr u_k). Sample e is the mean of epoch e's 3 post-step iterates (Alg. 4);
+    epochs first..E-1 are samples (l = E - burn_in_epochs), and the upload is Theorem 3's
+    Sigma_hat^-1 (theta_0 - mean), solved densely in numpy from the iterates recomputed here."""
     g = torch.Generator().manual_seed(2)
     a, mu = random_spd(3, 0.5, 2.0, g), torch.randn(3, generator=g, dtype=torch.float64)
-    theta0, lr = torch.zeros(3, dtype=torch.float64), 0.1
-    ctx = quadratic_context(a, mu, num_epochs=3, steps_per_epoch=4, num_examples=10.0, round_idx=5)
-    hp, opt = fedpa.FedPAConfig(rho=0.0, burn_in_rounds=1), OptimConfig(client_lr=lr, local_epochs=3)
+    theta0, lr, m, steps = torch.randn(3, generator=g, dtype=torch.float64), 0.1, 0.6, 3
+    ctx = quadratic_context(a, mu, num_epochs=epochs, steps_per_epoch=steps, num_examples=10.0, round_idx=5)
+    opt = OptimConfig(client_lr=lr, client_momentum=m, local_epochs=epochs)
+
     out = fedpa.client_update(ctx, fedavg.Broadcast(params={"w": theta0}), None, hp, opt)
-    contraction = torch.eye(3, dtype=torch.float64) - lr * a
-    iterates = [mu + torch.linalg.matrix_power(contraction, k) @ (theta0 - mu) for k in range(1, 13)]
-    torch.testing.assert_close(out.upload["delta"]["w"], theta0 - torch.stack(iterates).mean(0), rtol=0, atol=1e-12)
+
+    a_np, mu_np, theta, u, iterates = a.numpy(), mu.numpy(), theta0.numpy().copy(), np.zeros(3), []
+    for _ in range(epochs * steps):
+        u = m * u + a_np @ (theta - mu_np)
+        theta = theta - lr * u
+        iterates.append(theta)
+    epoch_means = np.array(iterates).reshape(epochs, steps, 3).mean(1)
+    expected = numpy_shrinkage_delta(theta0.numpy(), epoch_means[first:], hp.rho)
+    assert fedpa.num_samples(hp, opt) == epochs - first
+    torch.testing.assert_close(out.upload["delta"]["w"], torch.from_numpy(expected), rtol=1e-10, atol=1e-12)
 
 
 def exact_moment_samples(mean: torch.Tensor, sigma: torch.Tensor, rho: float) -> list[torch.Tensor]:
