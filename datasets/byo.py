@@ -205,8 +205,9 @@ def byo_task(path: Path, model: str) -> Task:
     y, kind = _targets(path, np.asarray(arrays["y"]))
     y_test, test_kind = _targets(path, np.asarray(arrays["y_test"]), name="y_test")
     if test_kind != kind:
-        raise DataError(f"{path.name}: y_test must be {'integer class labels' if kind == 'classification' else 'float '
-                        'targets'} like y; got dtype {arrays['y_test'].dtype}. Save y and y_test with one dtype.")
+        wanted = "integer class labels" if kind == "classification" else "float targets"
+        raise DataError(f"{path.name}: y_test must be {wanted} like y; got dtype {arrays['y_test'].dtype}. "
+                        "Save y and y_test with one dtype.")
     num_classes = int(max(y.max(), y_test.max(initial=0))) + 1 if kind == "classification" else 0
     natural, names = _natural(arrays.get("client"))
     factory = _model_factory(path, model, x, kind, num_classes)
