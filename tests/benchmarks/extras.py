@@ -92,7 +92,8 @@ def tracking_share(rounds: int, root: Path) -> dict[str, float]:
     from fedcli.engine.train import train
 
     cfg = build_config(overrides={"data.task": "femnist", "train.rounds": rounds, "train.eval_every": 1,
-                                  "tracking.root": str(root), "tracking.experiment": "bench", "seed": 0})
+                                  "tracking.root": str(root), "tracking.experiment": "bench", "seed": 0,
+                                  "train.device": "cpu"})
     result = train(cfg, tracker=open_tracker(cfg.tracking))
     timing = result.timing
     loop = timing.train + timing.aggregate + timing.evaluate + timing.tracking

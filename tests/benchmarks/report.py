@@ -14,14 +14,18 @@ def _x(num: float | None, den: float | None) -> str:
 def markdown(results: dict[str, object]) -> str:
     m = results["machine"]
     lines = [f"# fedcli benchmark ({results.get('mode', 'full')})", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}, Python {m['python']}. "
+             f"Machine: {m['cpu']}, {m['cores']} cores"
+             + (f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU")
+             + f"; torch {m['torch']}, Python {m['python']}. "
              f"Date: {m['date']}. Load average at start {tuple(round(v, 2) for v in m['load_avg'])}"
              + (f", at end {tuple(round(v, 2) for v in m['load_avg_end'])}" if "load_avg_end" in m else "")
              + f". Repetitions: {results.get('reps')}; wall {_s(results.get('wall_s'), 4)} s.", ""]
     flower = results.get("flower", {})
     if flower.get("note"):
         lines += [f"**Flower: {flower['note']}.**", ""]
-    lines += _workloads(results) + _fedpa(results) + _tracking(results) + _startup(results) + _memory(results)
+    from tests.benchmarks.gpu import markdown as gpu_markdown
+
+    lines += _workloads(results) + gpu_markdown(results.get("gpu")) + _fedpa(results) + _tracking(results) + _startup(results) + _memory(results)
     if "targets" in results:
         lines += ["## Targets", "", "| target | value | required | status |", "|---|---|---|---|"]
         lines += [f"| {t['name']} | {_s(t['value'])} | {t['target']} | {t['status']} |" for t in results["targets"]]

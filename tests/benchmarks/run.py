@@ -2,6 +2,10 @@
 
     .venv/bin/python -m tests.benchmarks.run [--out bench-results] [--quick] [--skip flower,memory]
 
+With a CUDA device it also measures the GPU table (tests/benchmarks/gpu.py: fedcli's executors
+vs a plain loop on the same GPU vs that GPU's FLOP floor, the GPU named); without one the
+report says why that table is skipped.
+
 Writes bench-results/bench.json (every measurement) and bench-results/bench.md (the tables,
 each figure beside its target, the machine, the date and the load average) and exits 1 when
 a target is missed or could not be measured (Flower missing counts: it is said, not met).
@@ -25,7 +29,7 @@ import torch
 
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
-from tests.benchmarks import extras, probes, workloads
+from tests.benchmarks import extras, gpu, probes, workloads
 
 WORKLOADS = (("mlp", 10), ("mlp", 50), ("cnn", 10))
 # (workload key, rounds R) in full and quick mode; seconds per round = median of rounds 2..R
@@ -135,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--quick", action="store_true", help="tiny settings, to test the harness")
-    parser.add_argument("--skip", default="", help="comma list of: flower, workloads, fedpa, tracking, startup, memory")
+    parser.add_argument("--skip", default="",
+                        help="comma list of: flower, workloads, gpu, fedpa, tracking, startup, memory")
     parser.add_argument("--reps", type=int, default=None,
                         help="repetitions per approach (default: 3 for the MLP workloads, which take seconds, and 2 "
                              "for the CNN; quick 1)")
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     results: dict[str, object] = {"machine": probes.machine(), "mode": mode,
                                   "reps": reps if mlp_reps == reps else f"{mlp_reps} (MLP), {reps} (CNN)"}
+    results["machine"]["gpu"] = None if gpu.unavailable() else gpu.gpu_info()["name"]
     log(f"machine: {results['machine']}")
     flower = None if "flower" in skip else workloads.flower_python()
     results["flower"] = {"python": flower, "note": None if flower else
@@ -162,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             results["workloads"][key] = run_workload(model, cohort, ROUNDS[mode][key],
                                                      mlp_reps if model == "mlp" else reps, flower, rates)
             _write(args.out, results)
+    if "gpu" not in skip:
+        log("GPU workloads" if gpu.unavailable() is None else f"GPU: {gpu.unavailable()}")
+        results["gpu"] = gpu.run_gpu_workloads(mode, mlp_reps)
+        _write(args.out, results)
     if "fedpa" not in skip:
         log("FedPA overhead")
         dims = [100, 1_000] if args.quick else [100, 1_000, 10_000, 100_000, 1_000_000]

@@ -51,15 +51,17 @@ class FedcliRunner:
     """fedcli's round loop with one executor, one round at a time (for interleaved timing).
 
     With `compile` (opt-in `--compile`) round 1 holds the compilation (or, with inductor's
-    on-disk cache warm, its loading); `compile_s` reports it.
+    on-disk cache warm, its loading); `compile_s` reports it. `device` is pinned (cpu unless
+    asked), so the CPU tables stay CPU figures on a machine with a GPU.
     """
 
     def __init__(self, model: str, cohort: int, executor: str, threads: int, precision: str = "fp32",
-                 compile: bool = False) -> None:
+                 compile: bool = False, device: str = "cpu") -> None:
         cfg = build_config(overrides={"algorithm.name": "fedavg", "data.task": "femnist", "data.model": model,
                                       "train.clients_per_round": cohort, "train.batch_size": BATCH,
                                       "train.client_lr": LR, "train.executor": executor, "seed": 0,
-                                      "train.precision": precision, "train.compile": compile or None})
+                                      "train.precision": precision, "train.compile": compile or None,
+                                      "train.device": device})
         self.setup, self.threads, self.compile = build(cfg), threads, compile
         self.state = self.setup.alg.server_init(self.setup.init_params, self.setup.hp, cfg.train.optim)
         self.store = ClientStateStore(None)
@@ -85,15 +87,17 @@ class FedcliRunner:
 class PlainRunner:
     """The per-client PyTorch loop as research code writes it, one round at a time: per client
     deepcopy the global model, torch.optim.SGD, shuffled minibatches from tensors already in
-    memory, weighted average of the state dicts. threads=None: PyTorch's default intra-op threads."""
+    memory, weighted average of the state dicts. threads=None: PyTorch's default intra-op threads.
+    On `device` cuda the data and model live on the GPU and each round ends with a synchronize."""
 
-    def __init__(self, model: str, cohort: int, threads: int | None = None) -> None:
+    def __init__(self, model: str, cohort: int, threads: int | None = None, device: str = "cpu") -> None:
         task = TASKS["femnist"]
         data = task.load(TaskOptions())
-        self.xs = [task.prepare(data.x[ix]) for ix in data.client_indices]  # in memory, prepared once
-        self.ys = [data.y[ix] for ix in data.client_indices]
+        self.device = torch.device(device)
+        self.xs = [task.prepare(data.x[ix]).to(self.device) for ix in data.client_indices]  # prepared once
+        self.ys = [data.y[ix].to(self.device) for ix in data.client_indices]
         torch.manual_seed(0)
-        self.model, self.cohort = task.models[model](), cohort
+        self.model, self.cohort = task.models[model]().to(self.device), cohort
         self.threads = threads or torch.get_num_threads()
 
     def round(self, round_idx: int) -> float:
@@ -106,15 +110,18 @@ class PlainRunner:
                 opt = torch.optim.SGD(local.parameters(), lr=LR)
                 x, y = self.xs[client], self.ys[client]
                 order = torch.randperm(len(y), generator=torch.Generator().manual_seed(round_idx * 10_000 + int(client)))
+                order = order.to(self.device)
                 for step, first in enumerate(range(0, len(y), BATCH)):
                     idx = order[first:first + BATCH]
                     opt.zero_grad()
-                    F.cross_entropy(local(x[idx], key=torch.tensor(step)), y[idx]).backward()
+                    F.cross_entropy(local(x[idx], key=torch.tensor(step, device=self.device)), y[idx]).backward()
                     opt.step()
                 for k, v in local.state_dict().items():
                     summed[k] += len(y) * v
                 total += len(y)
             global_model.load_state_dict({k: v / total for k, v in summed.items()})
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             return time.perf_counter() - start
 
     def result(self, times: list[float]) -> dict[str, object]:

@@ -219,3 +219,27 @@ def test_cuda_auto_rule_fused_for_small_cohorts_vmap_for_large_never_process() -
     assert [auto(10), auto(100), auto(10, **cnn), auto(100, **cnn)] == ["fused", "vmap", "vmap", "vmap"]
     assert auto(100, dense=False) == "vmap"
     assert [auto(100, device=cpu), auto(10, **cnn, device=cpu)] == ["fused", "process"]
+
+
+# ----------------------------------------------------------------------------- make bench's GPU table
+
+
+def test_bench_gpu_table_renders_and_says_why_it_is_skipped() -> None:
+    """tests/benchmarks/gpu.py (make bench): the table with the GPU's name from a results dict, and
+    on a machine without CUDA a skip with its reason instead of measurements."""
+    from tests.benchmarks import gpu, report
+
+    if not torch.cuda.is_available():
+        skipped = gpu.run_gpu_workloads("quick", 1)
+        assert "no CUDA device" in skipped["skipped"]
+        assert "Skipped: no CUDA device" in "\n".join(gpu.markdown(skipped))
+    work = {"model": "mlp", "cohort": 100, "rounds": 3, "best_s": {"fedcli fused": 0.128, "fedcli vmap": 0.052,
+                                                                    "plain GPU loop": 1.3},
+            "fedcli_best_s": 0.052, "plain_s": 1.3, "auto": {"executor": "vmap"}, "floor": {"floor_s": 0.004}}
+    measured = {"device": {"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.1, "cuda": "12.8"},
+                "throughput_gflops": {"gemm": 51_000.0, "conv": 30_000.0}, "workloads": {"mlp-100": work}}
+    text = "\n".join(gpu.markdown(measured))
+    assert "## GPU: NVIDIA H100 80GB HBM3" in text and "| mlp-100 (R=3) | 0.004 | 0.128 | 0.052 | 1.3 | 25.00x" in text
+    machine = {"cpu": "x", "cores": 2, "torch": "2", "python": "3", "date": "d", "load_avg": (0.0, 0.0, 0.0),
+               "gpu": "NVIDIA H100 80GB HBM3"}
+    assert "GPU NVIDIA H100 80GB HBM3" in report.markdown({"machine": machine, "gpu": measured})
