@@ -11,23 +11,53 @@ A sweep spec (YAML, DESIGN.md §9)::
 Keys are config keys: dotted (`train.rounds`), short (`rounds`, `task`, `algo`, the last part
 of a dotted key when unambiguous) or `hp.<name>` for algorithm hyperparameters. A grid
 value applies only to algorithms that have that hyperparameter (so `hp.rho` does not
-multiply FedAvg's runs). Trials whose config hash already finished in the experiment are
-skipped, so an interrupted sweep resumes by running the same command again.
+multiply FedAvg's runs).
+
+A sweep owns its trials (docs/architecture.md, "Run lifecycle"):
+
+- `plan_trials` matches each trial to the experiment's runs with the same config hash: a
+  finished run is skipped, a live one (another process trains it) is never started again,
+  an interrupted or failed run is resumed from its newest checkpoint with
+  `fedcli train --resume` (a diverged one is not: it would diverge again), and only a trial
+  without a run starts a new one. Rerunning the same command therefore continues a sweep.
+- `Scheduler` starts the trials from the main thread as child processes in the sweep's
+  process group, each with PR_SET_PDEATHSIG=SIGTERM (Linux), so a SIGKILLed sweep still
+  stops its trials in order (they checkpoint and read as `interrupted`). SIGTERM, SIGINT
+  and SIGHUP to the sweep are forwarded to its running trials as SIGTERM; it waits for
+  them to checkpoint and exit, starts nothing new, and reports the signal.
+- `parent_run` makes the sweep one MLflow parent run (tags `fedcli.sweep`,
+  `fedcli.sweep_spec_hash`) whose trials are nested children; a rerun reuses it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import hashlib
 import itertools
-from collections.abc import Mapping
-from dataclasses import dataclass
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from fedcli.config import SECTIONS, RunConfig, build_config, read_yaml, suggest
 from fedcli.errors import ConfigError
 
+if TYPE_CHECKING:
+    from fedcli.tracking.mlflow_sink import MlflowSink
+    from fedcli.tracking.store import RunRecord
+
 SPEC_KEYS = ("experiment", "base", "grid", "seeds", "report", "description")
+REPORT_KEYS = ("metric", "thresholds", "at", "window", "smooth", "group_by", "output")  # `fedcli report` options
 
 RECIPES: Mapping[str, dict[str, Any]] = {
     "fedpa-vs-fedavg-femnist": {
@@ -52,7 +82,7 @@ RECIPES: Mapping[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class Trial:
-    """One run of a sweep."""
+    """One run of a sweep: a readable name (`fedpa rho=0.1 s0`, also its run name) and its config."""
 
     name: str
     config: RunConfig
@@ -86,6 +116,13 @@ def load_spec(path: Path | None, recipe: str | None) -> dict[str, Any]:
             raise ConfigError(f"unknown sweep key {key!r}{suggest(key, list(SPEC_KEYS))}; valid: {', '.join(SPEC_KEYS)}.")
     if "experiment" not in spec:
         raise ConfigError("a sweep spec needs `experiment: NAME`.")
+    report = spec.get("report")
+    if report is not None and not isinstance(report, Mapping):
+        raise ConfigError(f"report must be a mapping such as {{metric: accuracy, thresholds: [0.8]}}; got {report!r}.")
+    for key in report or {}:
+        if key not in REPORT_KEYS:
+            raise ConfigError(f"unknown report key {key!r}{suggest(key, list(REPORT_KEYS))}; "
+                              f"valid: {', '.join(REPORT_KEYS)}.")
     return spec
 
 
@@ -108,10 +145,22 @@ def expand(spec: Mapping[str, Any], tracking: Mapping[str, Any] | None = None) -
             if cfg.config_hash in seen:
                 continue
             seen.add(cfg.config_hash)
-            label = ",".join(f"{short[k]}={v}" for k, v in zip(grid, combo, strict=True)
-                             if not k.startswith("hp.") or k[3:] in hp)
-            trials.append(Trial(name=f"{label or 'base'},seed={seed}", config=cfg))
+            shown = [(short[k], v) for k, v in zip(grid, combo, strict=True)
+                     if k != "algorithm.name" and (not k.startswith("hp.") or k[3:] in hp)]
+            trials.append(Trial(name=trial_name(cfg.algorithm.name, shown, seed), config=cfg))
     return trials
+
+
+def trial_name(algo: str, shown: Sequence[tuple[str, Any]], seed: int) -> str:
+    """`fedpa rho=0.1 s0`: the algorithm, each varying grid value under its last key part, the seed."""
+    parts = [f"{key.split('.')[-1]}={value}" for key, value in shown]
+    return " ".join([algo, *parts, f"s{seed}"])
+
+
+def spec_hash(spec: Mapping[str, Any]) -> str:
+    """sha256 of what decides a sweep's trials (experiment, base, grid, seeds); its MLflow parent's tag."""
+    body = {key: spec.get(key) for key in ("experiment", "base", "grid", "seeds")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _dotted(key: str, aliases: Mapping[str, str]) -> str:
@@ -128,3 +177,356 @@ def _has_hp(algo: str, name: str) -> bool:
 
     record = ALGORITHMS.get(algo)
     return record is not None and name in {f.name for f in dataclasses.fields(record.config_cls)}
+
+
+# --------------------------------------------------------------------------- what each trial needs
+
+
+NEW, RESUME, SKIP, ELSEWHERE, DIVERGED = "new", "resume", "skip", "running elsewhere", "diverged"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a sweep does with one trial: `action` is NEW, RESUME (run `run_id`), SKIP, ELSEWHERE or DIVERGED."""
+
+    trial: Trial
+    action: str
+    run_id: str | None = None
+    note: str = ""  # e.g. "interrupted: stopped by SIGTERM during round 4"
+
+
+def plan_trials(trials: Sequence[Trial], records: Sequence[RunRecord]) -> list[Plan]:
+    """Match each trial to the runs of its config hash (`records`: the experiment's runs, oldest first).
+
+    A live run wins (never train a config twice at once), then a finished one, then the
+    newest interrupted or failed run, which is resumed; a run that diverged is not retried
+    (the same config and seed diverge again at the same round).
+    """
+    by_hash: dict[str, list[RunRecord]] = {}
+    for record in records:
+        by_hash.setdefault(record.tags.get("fedcli.config_hash") or record.config_hash, []).append(record)
+    plans = []
+    for trial in trials:
+        runs = by_hash.get(trial.config.config_hash, [])
+        alive = [r for r in runs if r.is_alive]
+        done = [r for r in runs if r.status == "finished"]
+        if alive:
+            plans.append(Plan(trial, ELSEWHERE, alive[-1].id, f"pid {alive[-1].pid} on {alive[-1].host}"))
+        elif done:
+            plans.append(Plan(trial, SKIP, done[-1].id, "finished before"))
+        elif runs and runs[-1].diverged_at_round is not None:
+            plans.append(Plan(trial, DIVERGED, runs[-1].id, f"diverged at round {runs[-1].diverged_at_round}"))
+        elif runs:
+            last = runs[-1]
+            plans.append(Plan(trial, RESUME, last.id, f"{last.status}: {last.failure_reason or 'no reason stored'}"))
+        else:
+            plans.append(Plan(trial, NEW))
+    return plans
+
+
+def trial_command(plan: Plan, config_path: Path, cores: int, parent_run: str | None) -> list[str]:
+    """The `fedcli train` command line of a planned trial (a new run, or `--resume` of its run).
+
+    `cores`: the trial's share of the CPU, given as train.workers unless its config sets it
+    (so N trials at once do not each start a worker per core); not part of the config hash.
+    """
+    cfg = plan.trial.config
+    workers = cfg.train.workers or cores
+    command = [sys.executable, "-m", "fedcli", "-q", "train"]
+    if plan.action == RESUME:
+        assert plan.run_id is not None
+        command += ["--resume", plan.run_id, "--root", cfg.tracking.root, "--workers", str(workers)]
+        if cfg.tracking.store:
+            command += ["--store", cfg.tracking.store]
+        if cfg.tracking.tracking_uri:
+            command += ["--tracking-uri", cfg.tracking.tracking_uri]
+        if not cfg.tracking.use_mlflow:
+            command.append("--no-mlflow")
+    else:
+        body = cfg.to_dict()
+        body["train"]["workers"] = workers
+        config_path.write_text(yaml.safe_dump(body, sort_keys=True))
+        command += ["--config", str(config_path), "--run-name", plan.trial.name]
+    if parent_run is not None:
+        command += ["--parent-run", parent_run]
+    return command
+
+
+# --------------------------------------------------------------------------- the trial processes
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+KILL_AFTER_S = 180.0  # a stopped trial still running this long after SIGTERM is killed (it reads interrupted)
+
+
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A `preexec_fn`: the child gets SIGTERM when the sweep dies, even by SIGKILL (Linux; no-op elsewhere).
+
+    The signal is tied to the thread that forks, so trials are started from the main thread.
+    libc is loaded here, before the fork, so the child only makes two system calls.
+    """
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+    def preexec() -> None:
+        if libc is None:
+            return
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent_pid:  # the sweep died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+@dataclass
+class TrialProcess:
+    """A running (or ended) trial: its plan, process, log files and what the store says about it."""
+
+    plan: Plan
+    proc: subprocess.Popen[bytes]
+    folder: Path
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    run_id: str | None = None
+    stopped: bool = False  # ended by the sweep's stop
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    @property
+    def status(self) -> str:
+        code = self.proc.returncode
+        if code is None:
+            return "running"
+        if code == 0:
+            return "finished"
+        return "interrupted" if self.stopped or code in {128 + s for s in STOP_SIGNALS} else "failed"
+
+    def last_error(self) -> str:
+        """The trial's last non-empty stderr line (why it failed), else its exit code."""
+        path = self.folder / "stderr.txt"
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()] \
+            if path.exists() else []
+        return lines[-1] if lines else f"exit code {self.proc.returncode}"
+
+    def printed_run_id(self) -> str | None:
+        """The run id `fedcli train` printed on stdout (only once it finished)."""
+        path = self.folder / "stdout.txt"
+        words = path.read_text(errors="replace").split() if path.exists() else []
+        return words[-1] if words and len(words[-1]) == 32 else None
+
+
+class Scheduler:
+    """Run planned trials, at most `workers` at once, as children of this (main) thread.
+
+    `run(tick)` calls `tick(processes)` about every `tick_s` seconds and after each start
+    and exit. A stop signal forwards SIGTERM to the running trials (once; `fedcli train`
+    then checkpoints its last round and exits 128 + 15), starts nothing new and returns
+    the signal number once every trial has exited.
+    """
+
+    def __init__(self, plans: Sequence[Plan], *, workers: int, cores: int, parent_run: str | None) -> None:
+        self.pending = [p for p in plans if p.action in (NEW, RESUME)]
+        self.workers, self.cores, self.parent_run = workers, cores, parent_run
+        self.processes: list[TrialProcess] = []
+        self.signum: int | None = None
+        self._forwarded_at: float | None = None
+        self._tmp = Path(tempfile.mkdtemp(prefix="fedcli-sweep-"))
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signum = self.signum or signum
+
+    def start(self, plan: Plan) -> TrialProcess:
+        folder = self._tmp / f"trial-{len(self.processes)}"
+        folder.mkdir()
+        command = trial_command(plan, folder / "run.yaml", self.cores, self.parent_run)
+        with open(folder / "stdout.txt", "wb") as out, open(folder / "stderr.txt", "wb") as err:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    preexec_fn=die_with_parent(os.getpid()))
+        process = TrialProcess(plan, proc, folder, run_id=plan.run_id)
+        self.processes.append(process)
+        return process
+
+    def run(self, tick: Callable[[list[TrialProcess]], None], tick_s: float = 1.0) -> int | None:
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        try:
+            last_tick = 0.0
+            while self.pending or self.running:
+                changed = self._step()
+                if changed or time.monotonic() - last_tick >= tick_s:
+                    tick(self.processes)
+                    last_tick = time.monotonic()
+                time.sleep(0.1)
+            tick(self.processes)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return self.signum
+
+    @property
+    def running(self) -> list[TrialProcess]:
+        return [p for p in self.processes if p.proc.returncode is None]
+
+    def _step(self) -> bool:
+        """Reap exited trials, forward a stop, start pending trials; True when something changed."""
+        changed = False
+        for process in self.running:
+            if process.proc.poll() is not None:
+                process.ended, changed = time.monotonic(), True
+        if self.signum is not None:
+            self._stop()
+            return changed
+        while self.pending and len(self.running) < self.workers:
+            self.start(self.pending.pop(0))
+            changed = True
+        return changed
+
+    def _stop(self) -> None:
+        """Forward SIGTERM once (a second signal while a trial checkpoints would cut its checkpoint short).
+
+        A Ctrl-C in the terminal already reached every process of the foreground group, the
+        trials included, so a SIGINT is forwarded only when the sweep is not that group.
+        """
+        now = time.monotonic()
+        if self._forwarded_at is None:
+            self._forwarded_at = now
+            forward = not (self.signum == signal.SIGINT and in_terminal_foreground())
+            for process in self.running:
+                process.stopped = True
+                if forward:
+                    with_suppressed_lookup(process.proc.send_signal, signal.SIGTERM)
+        elif now - self._forwarded_at > KILL_AFTER_S:
+            for process in self.running:
+                with_suppressed_lookup(process.proc.kill)
+
+    def cleanup(self) -> None:
+        """Remove the trials' temporary files (configs, captured output)."""
+        import shutil
+
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def in_terminal_foreground() -> bool:
+    """True when this process's group is the foreground group of its controlling terminal."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def with_suppressed_lookup(call: Callable[..., object], *args: object) -> None:
+    """Signal a process that may just have exited."""
+    try:
+        call(*args)
+    except ProcessLookupError:
+        pass
+
+
+# --------------------------------------------------------------------------- what the store says
+
+
+METRIC_KEYS = ("eval/accuracy", "eval/dist_to_opt", "eval/loss")  # shown when the spec names no report metric
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """One line of the sweep's live and final tables."""
+
+    name: str
+    status: str  # finished, failed, interrupted, running, waiting, running elsewhere, diverged, not started
+    round_idx: int | None  # last round logged
+    rounds: int
+    metric: float | None  # latest value of the table's metric
+    elapsed_s: float | None  # of this sweep's process; None for trials it did not run
+    run_id: str | None
+    note: str = ""
+
+
+def trial_rows(store: Any, experiment: str, plans: Sequence[Plan], processes: Sequence[TrialProcess],
+               metric_keys: Sequence[str], stopped: bool = False) -> tuple[list[TrialRow], str]:
+    """Rows of every planned trial, rounds and metric read from the store; and the metric key shown."""
+    from fedcli.tracking.store import HOSTNAME
+
+    records = experiment_runs(store, experiment)
+    by_pid = {(r.host, r.pid, r.tags.get("fedcli.config_hash")): r.id for r in records}
+    for process in processes:
+        if process.run_id is None:
+            key = (HOSTNAME, process.proc.pid, process.plan.trial.config.config_hash)
+            process.run_id = by_pid.get(key) or process.printed_run_id()
+    by_plan = {id(p.plan): p for p in processes}
+    ids = [i for i in (by_plan[id(p)].run_id if id(p) in by_plan else p.run_id for p in plans) if i]
+    frame = store.metrics_frame(ids, keys=list(metric_keys)) if ids else None
+    key = next((k for k in metric_keys if frame is not None and (frame["key"] == k).any()), metric_keys[0])
+    latest = {} if frame is None else frame[frame["key"] == key].groupby("run_id")["value"].last().to_dict()
+    rows = []
+    for plan in plans:
+        process = by_plan.get(id(plan))
+        run_id = process.run_id if process else plan.run_id
+        status, note = _row_status(plan, process, stopped)
+        rows.append(TrialRow(plan.trial.name, status, store.last_round(run_id) if run_id else None,
+                             plan.trial.config.train.rounds, latest.get(run_id), process and process.elapsed_s,
+                             run_id, note))
+    return rows, key
+
+
+def experiment_runs(store: Any, experiment: str) -> list[RunRecord]:
+    """The experiment's runs, oldest first; none for an experiment the store does not know yet."""
+    try:
+        return list(store.list_runs(experiment=experiment))
+    except ConfigError:  # unknown experiment: a new sweep
+        return []
+
+
+def _row_status(plan: Plan, process: TrialProcess | None, stopped: bool) -> tuple[str, str]:
+    if process is not None:
+        status = process.status
+        return status, process.last_error() if status == "failed" else ("resumed" if plan.action == RESUME else "")
+    if plan.action in (NEW, RESUME):
+        return ("not started" if stopped else "waiting"), ("to resume" if plan.action == RESUME else "")
+    return {SKIP: "finished (skip)", ELSEWHERE: ELSEWHERE, DIVERGED: "diverged (skip)"}[plan.action], plan.note
+
+
+# --------------------------------------------------------------------------- the MLflow parent run
+
+
+SWEEP_TAG, SPEC_HASH_TAG = "fedcli.sweep", "fedcli.sweep_spec_hash"
+
+
+def parent_run(tracking_uri: str, spec: Mapping[str, Any]) -> MlflowSink:
+    """Open the sweep's MLflow parent run: the experiment's run tagged with this spec, else a new one.
+
+    Raises:
+        TrackingError: MLflow cannot be opened or written.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from fedcli.errors import TrackingError
+    from fedcli.tracking.mirror import schema_lock
+    from fedcli.tracking.mlflow_sink import MlflowSink
+
+    experiment, digest = spec["experiment"], spec_hash(spec)
+    with schema_lock(tracking_uri):  # N processes on a fresh root set MLflow's schema up once
+        sink = MlflowSink(tracking_uri, experiment)
+    quoted = experiment.replace("\\", "\\\\").replace("'", "\\'")
+    try:
+        found = MlflowClient(tracking_uri=tracking_uri).search_runs(
+            [sink.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{quoted}' AND tags.`{SPEC_HASH_TAG}` = '{digest}'",
+            order_by=["attributes.start_time ASC"], max_results=1)
+    except MlflowException as err:
+        raise TrackingError(f"MLflow store {tracking_uri!r} could not be searched: {err}; "
+                            "pass --tracking-uri with a reachable MLflow store or use --no-mlflow") from err
+    if found:
+        sink.attach(found[0].info.run_id)
+        return sink
+    sink.start_run(run_name=f"sweep {experiment}", params={},
+                   tags={SWEEP_TAG: experiment, SPEC_HASH_TAG: digest, "fedcli.kind": "sweep"})
+    sink.log_text(yaml.safe_dump(dict(spec), sort_keys=False), "sweep.yaml")
+    return sink

@@ -20,8 +20,8 @@ def test_grid_expands_per_algorithm_hyperparameters_and_seeds() -> None:
     trials = expand(spec)
     names = [t.name for t in trials]
     # fedavg has no rho: 1 x 2 seeds; fedpa: 2 rho x 2 seeds
-    assert names == ["algo=fedavg,seed=0", "algo=fedavg,seed=1", "algo=fedpa,hp.rho=0.01,seed=0",
-                     "algo=fedpa,hp.rho=0.01,seed=1", "algo=fedpa,hp.rho=0.1,seed=0", "algo=fedpa,hp.rho=0.1,seed=1"]
+    assert names == ["fedavg s0", "fedavg s1", "fedpa rho=0.01 s0", "fedpa rho=0.01 s1", "fedpa rho=0.1 s0",
+                     "fedpa rho=0.1 s1"]
     assert {t.config.train.rounds for t in trials} == {2} and {t.config.tracking.experiment for t in trials} == {"e"}
     assert len({t.config.config_hash for t in trials}) == 6
 
@@ -40,7 +40,7 @@ def test_sweep_runs_then_skips_finished_trials(tmp_path: Path) -> None:
     args = ["sweep", str(spec), "--no-mlflow", "--root", str(tmp_path), "--store", f"sqlite:///{tmp_path / 's.db'}"]
     first = CliRunner().invoke(app, [*args, "--workers", "2"])
     assert first.exit_code == 0, first.output
-    assert "2/2 trials finished; skipped 0" in first.stderr
+    assert "sweep done: 2 finished." in first.stderr
     # two trials at once: each child got half the cores as train.workers
     runs = SqlStore(f"sqlite:///{tmp_path / 's.db'}").list_runs()
     assert {r.config["train"]["workers"] for r in runs} == {max(1, available_cores() // 2)}
