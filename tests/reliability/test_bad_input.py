@@ -1,0 +1,432 @@
+"""A catalog of user mistakes across every command, run through the real CLI.
+
+Each mistake runs in a fresh temporary working directory (`--root` inside it) and must:
+exit with code 2, print exactly one non-empty line on stderr starting with "error:" and
+naming the problem, print nothing on stdout, show no traceback, and leave the directory
+exactly as it was (every path, size and mtime; for a copied pre-existing store also its
+bytes and its SQL content). A few run as a real `python -m fedcli` process too.
+
+Cases the lead's rewrite fixes are `xfail(strict=True, raises=PendingLead)`: the error line
+itself is checked as a hard failure first, so only the "written before validation" or the
+"Click usage box" part may fail; a strict xfail flips to a failure once it is fixed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from fedcli.cli.main import app
+
+ROOT = "runs"  # --root, relative to the case's working directory
+STORE = "trained/fedcli.db"  # the copied pre-existing store, relative to the working directory
+PARTITION = "trained/p.json"  # a valid lsq partition (iid, 5 clients) beside it
+
+
+class PendingLead(AssertionError):
+    """The error line is right, but the command wrote or printed before validating (lead's files)."""
+
+
+LEAD_USAGE = pytest.mark.xfail(strict=True, raises=PendingLead,
+                               reason="needs lead: one-line Click usage errors "
+                                      "(fedcli/cli/main.py: typer.Typer(cls=OneLineUsageErrors))")
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """One user mistake: the argv ({store}, {run}, {cwd} filled in), a substring of the error line,
+    files to create first, and whether the trained store is copied in."""
+
+    args: tuple[str, ...]
+    needle: str
+    make: Callable[[Path], None] | None = None
+    store: bool = False
+    patch: str | None = None  # "enospc": os.replace fails with ENOSPC (a full disk)
+    marks: tuple = field(default=())
+
+
+# ----------------------------------------------------------------------------- file makers
+
+
+def text(name: str, body: str) -> Callable[[Path], None]:
+    return lambda d: (d / name).write_text(body)
+
+
+def npz(name: str = "d.npz", **arrays: np.ndarray) -> Callable[[Path], None]:
+    return lambda d: np.savez(d / name, **arrays)
+
+
+def edited_partition(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def make(d: Path) -> None:
+        doc = json.loads((d / PARTITION).read_text())
+        edit(doc)
+        (d / "bad.json").write_text(json.dumps(doc))
+    return make
+
+
+X10 = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
+Y10 = np.arange(10) % 2
+X_NAN = X10.copy()
+X_NAN[3, 1] = np.nan
+NOT_A_DIR = text("afile", "x")  # a regular file where a folder is expected
+
+
+def train(*args: str) -> tuple[str, ...]:
+    return ("train", *args, "--root", ROOT)
+
+
+def sweep(*args: str) -> tuple[str, ...]:
+    return ("sweep", *args, "--root", ROOT)
+
+
+# ----------------------------------------------------------------------------- the catalog
+
+M = Mistake
+CASES: dict[str, Mistake] = {
+    # --- train: names, values, hyperparameters
+    "train-unknown-algo": M(train("--algo", "fedpx"), "unknown algorithm 'fedpx' (did you mean 'fedprox'?)"),
+    "train-unknown-task": M(train("--task", "lsqq"), "unknown task 'lsqq' (did you mean 'lsq'?)"),
+    "train-model-not-of-task": M(train("--task", "lsq", "--model", "cnn"), "data.model must be one of"),
+    "train-hp-not-key-value": M(train("--hp", "rho"), "--hp must be KEY=VALUE"),
+    "train-hp-out-of-range": M(train("--algo", "fedpa", "--hp", "rho=-1"), "hp.rho must be >= 0"),
+    "train-hp-unknown-key": M(train("--algo", "fedpa", "--hp", "rhoo=0.1"), "unknown hyperparameter 'hp.rhoo'"),
+    "train-hp-wrong-type": M(train("--algo", "fedpa", "--hp", "rho=abc"), "hp.rho must be"),
+    "train-device-unknown": M(train("--task", "lsq", "--device", "tpu"), "train.device must be auto, cpu"),
+    "train-client-lr-negative": M(train("--task", "lsq", "--client-lr", "-1"), "train.client_lr must be > 0"),
+    "train-server-momentum-1.5": M(train("--task", "lsq", "--server-momentum", "1.5"), "train.server_momentum"),
+    "train-cohort-larger-than-clients": M(train("--task", "lsq", "--clients-per-round", "100000"),
+                                          "train.clients_per_round=100000 exceeds"),
+    "train-rounds-zero": M(train("--rounds", "0"), "'--rounds'", marks=(LEAD_USAGE,)),
+    "train-rounds-not-int": M(train("--rounds", "abc"), "'--rounds'", marks=(LEAD_USAGE,)),
+    "train-scheme-unknown": M(train("--scheme", "dirichlett"), "'--scheme'", marks=(LEAD_USAGE,)),
+    "train-option-typo": M(train("--roundz", "3"), "--roundz", marks=(LEAD_USAGE,)),
+    "train-seed-negative": M(train("--seed", "-1"), "'--seed'", marks=(LEAD_USAGE,)),
+    "train-executor-fused-on-lsq": M(train("--task", "lsq", "--executor", "fused", "--no-mlflow"),
+                                     "--executor fused"),
+    # --- train: config files
+    "config-missing": M(train("--config", "nope.yaml"), "nope.yaml", marks=(LEAD_USAGE,)),
+    "config-malformed-yaml": M(train("--config", "c.yaml"), "is not valid YAML", text("c.yaml", "train: [rounds: 3\n")),
+    "config-unknown-key": M(train("--config", "c.yaml"), "unknown config key 'train.roundz' (did you mean 'rounds'?)", text("c.yaml", "train: {roundz: 3}\n")),
+    "config-unknown-section": M(train("--config", "c.yaml"), "unknown config section 'trian'",
+                                text("c.yaml", "trian: {rounds: 3}\n")),
+    "config-wrong-type": M(train("--config", "c.yaml"), "train.rounds must be int; got 'ten'",
+                           text("c.yaml", "train: {rounds: ten}\n")),
+    "config-not-a-mapping": M(train("--config", "c.yaml"), "must be a mapping", text("c.yaml", "- train\n- data\n")),
+    "config-seed-negative": M(train("--config", "c.yaml"), "seed must be an integer >= 0", text("c.yaml", "seed: -3\n")),
+    "config-executor-unknown": M(train("--config", "c.yaml"), "train.executor must be one of",
+                                 text("c.yaml", "train: {executor: warp}\n")),
+    "config-precision-unknown": M(train("--config", "c.yaml"), "train.precision must be one of",
+                                  text("c.yaml", "train: {precision: fp8}\n")),
+    # --- train: partitions
+    "partition-file-and-scheme": M(train("--task", "lsq", "--partition", PARTITION, "--scheme", "iid"),
+                                   "Drop --scheme", store=True),
+    "partition-file-and-clients": M(train("--task", "lsq", "--partition", PARTITION, "--clients", "5"),
+                                    "partition.num_clients=5", store=True),
+    "partition-file-and-alpha": M(train("--task", "lsq", "--partition", PARTITION, "--alpha", "0.1"),
+                                  "Drop --alpha", store=True),
+    "partition-file-not-json": M(train("--task", "lsq", "--partition", "bad.json"), "is not valid JSON",
+                                 text("bad.json", '{"clients": [[0, 1]')),
+    "partition-file-not-fedcli": M(train("--task", "lsq", "--partition", "bad.json"), "is not a fedcli partition file",
+                                   text("bad.json", '{"a": 1}')),
+    "partition-file-edited": M(train("--task", "lsq", "--partition", "bad.json"), "fails its content hash",
+                               edited_partition(lambda doc: doc["clients"][0].pop()), store=True),
+    "partition-file-other-dataset": M(train("--task", "quadratic-2d", "--partition", PARTITION),
+                                      "was made for dataset 'lsq'", store=True),
+    "scheme-alpha-negative": M(train("--task", "lsq", "--scheme", "dirichlet", "--clients", "5", "--alpha", "-0.5"),
+                               "partition.alpha must be > 0"),
+    "scheme-dirichlet-without-alpha": M(train("--task", "lsq", "--scheme", "dirichlet", "--clients", "5"),
+                                        "partition.alpha must be set"),
+    "scheme-shards-without-count": M(train("--task", "lsq", "--scheme", "shards", "--clients", "5"),
+                                     "partition.shards_per_client must be set"),
+    "scheme-iid-with-alpha": M(train("--task", "lsq", "--scheme", "iid", "--clients", "5", "--alpha", "0.5"),
+                               "partition.alpha is not used by scheme 'iid'"),
+    "scheme-iid-without-clients": M(train("--task", "lsq", "--scheme", "iid"), "partition.num_clients must be set"),
+    "scheme-more-clients-than-examples": M(train("--task", "lsq", "--scheme", "iid", "--clients", "100000",
+                                                 "--no-mlflow"), "exceeds the"),
+    "natural-more-clients-than-owners": M(train("--task", "lsq", "--clients", "50", "--no-mlflow"),
+                                          "exceeds the 20 natural clients"),
+    # --- train: runs and stores
+    "resume-unknown-run-no-store": M(train("--resume", "nosuchrun", "--no-mlflow"), "no results store at"),
+    "resume-unknown-run": M(train("--resume", "nosuchrun", "--store", "sqlite:///{cwd}/" + STORE),
+                            "unknown run 'nosuchrun'", store=True),
+    "resume-changes-algo": M(train("--resume", "{run}", "--algo", "fedpa", "--store", "sqlite:///{cwd}/" + STORE),
+                             "algorithm.name cannot change", store=True),
+    "store-not-a-url": M(train("--task", "lsq", "--store", "notaurl", "--no-mlflow"), "not a valid SQLAlchemy URL"),
+    "store-unwritable": M(train("--task", "lsq", "--store", "sqlite:////proc/forbidden/x.db", "--no-mlflow"),
+                          "not writable"),
+    # --- train: bring your own data
+    "data-wrong-suffix": M(train("--data", "d.txt"), "data.file must be a .npz, .csv, .parquet file",
+                           text("d.txt", "1,2\n")),
+    "data-missing-file": M(train("--data", "nope.npz"), "nope.npz", marks=(LEAD_USAGE,)),
+    "data-unknown-model": M(train("--data", "d.npz", "--model", "resnet"), "data.model must be one of linear",
+                            npz(x=X10, y=Y10)),
+    "data-x-y-lengths": M(train("--data", "d.npz", "--no-mlflow"), "y must have one entry per row of x",
+                          npz(x=X10, y=Y10[:8])),
+    "data-client-length": M(train("--data", "d.npz", "--no-mlflow"), "client must have one entry per row of x",
+                            npz(x=X10, y=Y10, client=np.arange(4))),
+    "data-x-test-without-y-test": M(train("--data", "d.npz", "--no-mlflow"), "only one of x_test / y_test",
+                                    npz(x=X10, y=Y10, x_test=X10)),
+    "data-y-strings": M(train("--data", "d.npz", "--no-mlflow"), "y must be integer class labels or float targets",
+                        npz(x=X10, y=np.array(["cat", "dog"] * 5))),
+    "data-x-nan": M(train("--data", "d.npz", "--no-mlflow"), "x must be finite", npz(x=X_NAN, y=Y10)),
+    "data-x-one-dimensional": M(train("--data", "d.npz", "--no-mlflow"), "x must be [N, features...]",
+                                npz(x=np.arange(10.0), y=Y10)),
+    "data-float-labels-logreg": M(train("--data", "d.npz", "--model", "logreg", "--no-mlflow"),
+                                  "--model logreg needs integer class labels", npz(x=X10, y=Y10 + 0.5)),
+    "data-y-test-float-y-int": M(train("--data", "d.npz", "--no-mlflow"), "y_test must be integer class labels",
+                                 npz(x=X10, y=Y10, x_test=X10[:2], y_test=np.array([0.5, 1.0]))),
+    "data-csv-empty": M(train("--data", "d.csv", "--no-mlflow"), "cannot be read as csv", text("d.csv", "")),
+    "data-csv-text-feature": M(train("--data", "d.csv", "--no-mlflow"), "feature columns must be numeric",
+                               text("d.csv", "a,y\nred,0\nblue,1\nred,1\n")),
+    "data-csv-missing-label": M(train("--data", "d.csv", "--no-mlflow"), "y must be finite",
+                                text("d.csv", "a,y\n1.0,0.5\n2.0,\n3.0,1.5\n4.0,2.5\n")),
+    # --- partition
+    "partition-unknown-dataset": M(("partition", "--dataset", "mnistt", "--scheme", "iid", "--clients", "5", "--out",
+                                    "p.json"), "unknown dataset 'mnistt' (did you mean 'mnist'?)"),
+    "partition-missing-out": M(("partition", "--dataset", "lsq", "--scheme", "iid"), "'--out'", marks=(LEAD_USAGE,)),
+    "partition-dirichlet-without-alpha": M(("partition", "--dataset", "synthetic-iid", "--scheme", "dirichlet",
+                                            "--clients", "5", "--out", "p.json"), "partition.alpha must be set"),
+    "partition-alpha-negative": M(("partition", "--dataset", "synthetic-iid", "--scheme", "dirichlet", "--clients", "5",
+                                   "--alpha", "-0.5", "--out", "p.json"), "partition.alpha must be > 0"),
+    "partition-quantity-alpha-and-sigma": M(("partition", "--dataset", "lsq", "--scheme", "quantity", "--clients", "5",
+                                             "--alpha", "1", "--sigma", "1", "--out", "p.json"), "exactly one of"),
+    "partition-too-many-clients": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "100000",
+                                     "--out", "p.json"), "partition.num_clients=100000 exceeds"),
+    "partition-natural-too-many": M(("partition", "--dataset", "lsq", "--scheme", "natural", "--clients", "50",
+                                     "--out", "p.json"), "exceeds the 20 natural clients"),
+    "partition-labels-on-regression": M(("partition", "--dataset", "lsq", "--scheme", "labels", "--clients", "5",
+                                         "--labels-per-client", "2", "--out", "p.json"), "needs class labels"),
+    "partition-min-size-zero": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--min-size",
+                                  "0", "--out", "p.json"), "'--min-size'", marks=(LEAD_USAGE,)),
+    "partition-data-dir-missing": M(("partition", "--dataset", "mnist", "--data-dir", "{cwd}/nope", "--scheme", "iid",
+                                     "--clients", "5", "--out", "p.json"), "MNIST data not found"),
+    "partition-out-proc": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out", "/proc/x"),
+                            "/proc/x: not writable"),
+    "partition-out-directory": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out",
+                                  "{cwd}"), "which is a directory"),
+    "partition-out-under-a-file": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out",
+                                     "afile/p.json"), "not a directory", NOT_A_DIR),
+    "partition-plot-proc": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out", "p.json",
+                              "--plot", "/proc/p.png"), "/proc/p.png: not writable"),
+    "partition-plot-is-out": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out",
+                                "p.json", "--plot", "p.json"), "--plot must differ from --out"),
+    "partition-disk-full": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out", "p.json"),
+                             "no space left on device", patch="enospc"),
+    # --- sweep
+    "sweep-no-spec": M(sweep(), "needs a SPEC.yaml or --recipe NAME"),
+    "sweep-unknown-recipe": M(sweep("--recipe", "fedopt-lsqq"), "unknown recipe 'fedopt-lsqq' (did you mean "
+                              "'fedopt-lsq'?)"),
+    "sweep-spec-missing": M(sweep("nope.yaml"), "nope.yaml", marks=(LEAD_USAGE,)),
+    "sweep-spec-malformed": M(sweep("s.yaml"), "is not valid YAML", text("s.yaml", "experiment: [x\n")),
+    "sweep-spec-unknown-key": M(sweep("s.yaml"), "unknown sweep key 'gird' (did you mean 'grid'?)",
+                                text("s.yaml", "experiment: e\ngird: {algo: [fedavg]}\n")),
+    "sweep-spec-no-experiment": M(sweep("s.yaml"), "needs `experiment: NAME`", text("s.yaml", "grid: {algo: [fedavg]}\n")),
+    "sweep-grid-unknown-key": M(sweep("s.yaml"), "unknown sweep key 'roundz'",
+                                text("s.yaml", "experiment: e\nbase: {task: lsq}\ngrid: {roundz: [1, 2]}\n")),
+    "sweep-grid-unknown-algo": M(sweep("s.yaml"), "unknown algorithm 'fedpx'",
+                                 text("s.yaml", "experiment: e\nbase: {task: lsq}\ngrid: {algo: [fedavg, fedpx]}\n")),
+    "sweep-base-rounds-zero": M(sweep("s.yaml"), "train.rounds must be >= 1",
+                                text("s.yaml", "experiment: e\nbase: {task: lsq, rounds: 0}\n")),
+    "sweep-spec-not-a-mapping": M(sweep("s.yaml"), "must be a mapping", text("s.yaml", "- fedavg\n")),
+    "sweep-backend-ray": M(sweep("--recipe", "fedopt-lsq", "--backend", "ray"), "--backend ray is not available"),
+    "sweep-workers-zero": M(sweep("--recipe", "fedopt-lsq", "--workers", "0"), "'--workers'", marks=(LEAD_USAGE,)),
+    # --- evaluate
+    "evaluate-no-store": M(("evaluate", "nosuchrun"), "tracking.store must be an existing results store"),
+    "evaluate-unknown-run": M(("evaluate", "nosuchrun", "--store", "sqlite:///{cwd}/" + STORE),
+                              "unknown run 'nosuchrun'", store=True),
+    "evaluate-missing-checkpoint": M(("evaluate", "{run}", "--checkpoint", "7", "--store", "sqlite:///{cwd}/" + STORE),
+                                     "has no checkpoint of round 7", store=True),
+    "evaluate-unknown-task": M(("evaluate", "{run}", "--task", "lsqq", "--store", "sqlite:///{cwd}/" + STORE),
+                               "unknown task 'lsqq'", store=True),
+    "evaluate-task-model-mismatch": M(("evaluate", "{run}", "--task", "mnist", "--store", "sqlite:///{cwd}/" + STORE),
+                                      "data.model must be one of", store=True),
+    "evaluate-device-unknown": M(("evaluate", "{run}", "--device", "tpu", "--store", "sqlite:///{cwd}/" + STORE),
+                                 "train.device must be", store=True),
+    "evaluate-ensemble-without-posterior": M(("evaluate", "{run}", "--predictive", "ensemble", "--store",
+                                              "sqlite:///{cwd}/" + STORE), "needs a posterior", store=True),
+    "evaluate-store-is-directory": M(("evaluate", "{run}", "--store", "sqlite:///{cwd}/trained"), "(a directory)",
+                                     store=True),
+    "evaluate-samples-zero": M(("evaluate", "{run}", "--samples", "0"), "'--samples'", marks=(LEAD_USAGE,)),
+    # --- report
+    "report-no-store": M(("report",), "tracking.store must be an existing results store"),
+    "report-output-proc": M(("report", "--store", "sqlite:///{cwd}/" + STORE, "--output", "/proc/x"),
+                            "/proc/x: not writable", store=True),
+    "report-output-directory": M(("report", "--store", "sqlite:///{cwd}/" + STORE, "--output", "{cwd}/trained"),
+                                 "which is a directory", store=True),
+    "report-output-under-a-file": M(("report", "--output", "afile/r.md"), "not a directory", NOT_A_DIR),
+    "report-disk-full": M(("report", "--store", "sqlite:///{cwd}/" + STORE, "--format", "json", "--output", "r.json"),
+                          "no space left on device", store=True, patch="enospc"),
+    "report-thresholds-not-numbers": M(("report", "--thresholds", "high"), "--thresholds must be comma-separated numbers"),
+    "report-at-zero": M(("report", "--at", "0"), "--at rounds must be >= 1"),
+    "report-at-fraction": M(("report", "--at", "1.5"), "--at must be comma-separated integers"),
+    "report-where-not-key-value": M(("report", "--where", "algo"), "--where must be KEY=VALUE"),
+    "report-where-unknown-key": M(("report", "--where", "algoo=fedavg", "--store", "sqlite:///{cwd}/" + STORE),
+                                  "unknown config key 'algoo' (did you mean 'algo'?)", store=True),
+    "report-group-by-unknown-key": M(("report", "--group-by", "nosuch", "--store", "sqlite:///{cwd}/" + STORE),
+                                     "unknown config key 'nosuch'", store=True),
+    "report-unknown-run": M(("report", "--runs", "nosuchrun", "--store", "sqlite:///{cwd}/" + STORE),
+                            "unknown run 'nosuchrun'", store=True),
+    "report-unknown-experiment": M(("report", "--experiment", "nosuch", "--store", "sqlite:///{cwd}/" + STORE),
+                                   "unknown experiment 'nosuch'", store=True),
+    "report-metric-not-logged": M(("report", "--metric", "accuracy", "--store", "sqlite:///{cwd}/" + STORE),
+                                  "is not logged by the selected runs", store=True),
+    "report-format-unknown": M(("report", "--format", "xml"), "'--format'", marks=(LEAD_USAGE,)),
+    "report-window-zero": M(("report", "--window", "0"), "'--window'", marks=(LEAD_USAGE,)),
+    # --- list
+    "list-unknown-what": M(("list", "runz"), "runz", marks=(LEAD_USAGE,)),
+    "list-store-missing": M(("list", "runs", "--store", "sqlite:///{cwd}/missing.db"),
+                            "tracking.store must be an existing results store"),
+    "list-store-in-proc": M(("list", "runs", "--store", "sqlite:////proc/x/fedcli.db"),
+                            "tracking.store must be an existing results store"),
+    "list-store-not-a-url": M(("list", "runs", "--store", "notaurl"), "not a valid SQLAlchemy URL"),
+    "list-unknown-experiment": M(("list", "runs", "--experiment", "nosuch", "--store", "sqlite:///{cwd}/" + STORE),
+                                 "unknown experiment 'nosuch'", store=True),
+    # --- ui
+    "ui-port-zero": M(("ui", "--port", "0", "--root", ROOT), "'--port'", marks=(LEAD_USAGE,)),
+    "ui-tracking-uri-is-server": M(("ui", "--tracking-uri", "http://127.0.0.1:5000", "--root", ROOT),
+                                   "is already a server"),
+    "ui-no-mlflow-store": M(("ui", "--print-only", "--root", ROOT), "no MLflow store at"),
+    "ui-store-missing": M(("ui", "--print-only", "--store", "sqlite:///{cwd}/missing.db", "--root", ROOT),
+                          "tracking.store must be an existing results store"),
+    "ui-store-without-mlflow-runs": M(("ui", "--print-only", "--store", "sqlite:///{cwd}/" + STORE, "--root", ROOT),
+                                      "no MLflow store at", store=True),
+    # --- the app
+    "unknown-command": M(("trian",), "trian", marks=(LEAD_USAGE,)),
+}
+
+# Also run as a real process: stdout/stderr of the installed entry point, not CliRunner's capture.
+SUBPROCESS_CASES = ("data-x-y-lengths", "partition-out-proc", "report-output-proc")  # tracebacks before
+
+
+# ----------------------------------------------------------------------------- fixtures and checks
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A folder with a store holding one finished 1-round lsq run, and a valid lsq partition file.
+
+    The run trains in this process; the store is then copied with SQLite's backup API, so the
+    copy is one self-contained file (no -wal beside it) that no open connection touches.
+    """
+    folder = tmp_path_factory.mktemp("trained")
+    source = folder / "train-root"
+    result = CliRunner().invoke(app, ["-q", "train", "--task", "lsq", "--rounds", "1", "--clients-per-round", "2",
+                                      "--no-mlflow", "--root", str(source), "--store", f"sqlite:///{source / 'a.db'}"])
+    assert result.exit_code == 0, result.output
+    run_id = result.stdout.strip().splitlines()[-1]
+    with sqlite3.connect(source / "a.db") as src, sqlite3.connect(folder / "fedcli.db") as dst:
+        src.backup(dst)
+    src.close()
+    dst.close()
+    result = CliRunner().invoke(app, ["partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5",
+                                      "--out", str(folder / "p.json")])
+    assert result.exit_code == 0, result.output
+    return folder, run_id
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.delenv("FEDCLI_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+
+
+def prepare(case: Mistake, cwd: Path, trained: tuple[Path, str]) -> list[str]:
+    folder, run_id = trained
+    if case.store:
+        shutil.copytree(folder, cwd / "trained", ignore=shutil.ignore_patterns("train-root", "*.db-wal", "*.db-shm"))
+    if case.make is not None:
+        case.make(cwd)
+    return [a.replace("{cwd}", str(cwd)).replace("{run}", run_id) for a in case.args]
+
+
+def snapshot(cwd: Path) -> dict[str, tuple[int, int] | str]:
+    """Every path under cwd: (size, mtime) for files, 'dir' for folders (their mtime moves with probes).
+    SQLite's -wal/-shm beside a pre-existing store are left out (its content is compared instead)."""
+    pre_existing = {p.name for p in cwd.rglob("*.db")}
+    out: dict[str, tuple[int, int] | str] = {}
+    for path in sorted(cwd.rglob("*")):
+        if path.name.endswith(("-wal", "-shm")) and path.name[:-4] in pre_existing:
+            continue
+        stat = path.stat()
+        out[str(path.relative_to(cwd))] = "dir" if path.is_dir() else (stat.st_size, stat.st_mtime_ns)
+    return out
+
+
+def store_content(cwd: Path) -> tuple[bytes, str] | None:
+    path = cwd / STORE
+    if not path.exists():
+        return None
+    with sqlite3.connect(path) as conn:
+        dump = "\n".join(conn.iterdump())
+    conn.close()
+    return path.read_bytes(), dump
+
+
+def check(case: Mistake, code: int, stdout: str, stderr: str, before: dict, after: dict,
+          store_before: object, store_after: object) -> None:
+    assert "Traceback" not in stdout + stderr, stderr
+    assert code == 2, f"exit code {code}; stderr: {stderr!r}"
+    assert case.needle in stderr, f"{case.needle!r} not in stderr {stderr!r}"
+    assert stdout == "", f"stdout must be empty; got {stdout!r}"
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if len(lines) != 1 or not lines[0].startswith("error:"):
+        raise PendingLead(f"stderr must be one 'error:' line; got {len(lines)} lines: {stderr!r}")
+    changed = sorted(set(before) ^ set(after)) + sorted(k for k in before if k in after and before[k] != after[k])
+    if changed:
+        raise PendingLead(f"a rejected command changed the working directory: {changed}")
+    if store_before != store_after:
+        raise PendingLead("a rejected command changed the pre-existing store")
+
+
+def enospc(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=c.marks, id=n) for n, c in CASES.items()])
+def test_mistake_is_one_line_exit_2_and_writes_nothing(name: str, workdir: Path, trained: tuple[Path, str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    case = CASES[name]
+    args = prepare(case, workdir, trained)
+    before, store_before = snapshot(workdir), store_content(workdir)
+    if case.patch == "enospc":
+        monkeypatch.setattr(os, "replace", enospc)
+    result = CliRunner().invoke(app, args)
+    monkeypatch.undo()
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"{type(result.exception).__name__}: {result.exception}")  # a bug: shown, not hidden
+    check(case, result.exit_code, result.stdout, result.stderr, before, snapshot(workdir), store_before,
+          store_content(workdir))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=CASES[n].marks, id=n) for n in SUBPROCESS_CASES])
+def test_mistake_in_a_real_process(name: str, workdir: Path, trained: tuple[Path, str]) -> None:
+    case = CASES[name]
+    args = prepare(case, workdir, trained)
+    before, store_before = snapshot(workdir), store_content(workdir)
+    env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
+    proc = subprocess.run([sys.executable, "-m", "fedcli", *args], capture_output=True, text=True, cwd=workdir,
+                          env={**env, "COLUMNS": "100"}, timeout=110)
+    check(case, proc.returncode, proc.stdout, proc.stderr, before, snapshot(workdir), store_before,
+          store_content(workdir))
+
+
+def test_catalog_covers_every_command() -> None:
+    assert len(CASES) >= 60
+    commands = {c.args[0] for c in CASES.values()}
+    assert {"train", "partition", "sweep", "evaluate", "report", "list", "ui"} <= commands
