@@ -31,6 +31,14 @@ Deviations:
   Newton step on a minibatch Hessian minus the duals can be indefinite. For non-quadratic losses and
   small rho the client problem has only local minima (its far-field curvature S_bar - V_k/rho can be
   indefinite once V_k ~ the client's curvature), so Newton steps can leave the basin.
+  Steps: the toy code's von_fullcov has separate rates, S <- (1 - r_S/lam) S + r_S (E[H] - V +
+  S_bar/lam), m <- m - r_m S^-1 (E[g] + v - V m + S_bar (m - m_bar)/lam), r = lr / (1 + 0.1 t):
+  b_S = r_S / lam -> step_size / (1 + step_decay t), b_m = r_m / lam -> mean_step_ratio * b_S.
+  Fig. 4 (main_illustration.py: lr_m = 0.01, lr_S = 0.005, lam = 1/(tau rho) = 5, 10,000 MC
+  steps) is step_size = 0.001, mean_step_ratio = 2. Its client solves are inexact on purpose:
+  for rho < 1 the client objective of Eq. 34 can be indefinite (far-field curvature
+  S_bar - V_k/rho), and exact (Newton, b = 1) solves then leave the basin; with the small
+  decaying steps the iteration converges to the MAP.
   Defaults: Fig. 3b / main_onestep.py (rho = 1/K = 0.2, gamma = rho, delta = 25, tau = 1).
 """
 
@@ -64,13 +72,14 @@ class BayesADMMFullConfig:
     delta: float = 25.0  # delta, prior precision (S_bar init delta I); Fig. 3b / main_onestep.py
     tau: float = 1.0  # tau, temperature (App. D); 1 in the toys
     step_size: float = 1.0  # VON step b; 1 = Newton step (exact client solves, Prop. 3.2)
-    step_decay: float = 0.1  # b_t = step_size / (1 + step_decay t); main_onestep.py
+    step_decay: float = 0.1  # b_t = step_size / (1 + step_decay t); main_onestep.py, main_illustration.py
+    mean_step_ratio: float = 1.0  # b_m / b_S (mean / precision steps); 1 main_onestep.py, 2 Fig. 4's code
     mc_samples: int = 0  # 0: delta/Laplace (laplace=True, Fig. 3b); >= 1: MC samples (Fig. 4 uses 1)
     max_params: int = 1024  # refuse models with more parameters (D x D matrices per client)
     precision_floor: float = 1e-3  # clamp eig(S_bar) >= precision_floor * delta (guard)
 
     def __post_init__(self) -> None:
-        for key in ("rho", "dual_damping", "delta", "tau", "step_size"):
+        for key in ("rho", "dual_damping", "delta", "tau", "step_size", "mean_step_ratio"):
             require(getattr(self, key) > 0, f"hp.{key}", "> 0", getattr(self, key))
         require(self.step_decay >= 0, "hp.step_decay", ">= 0", self.step_decay)
         require(self.mc_samples >= 0, "hp.mc_samples", ">= 0", self.mc_samples)
@@ -154,10 +163,10 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
         grads, values = zip(*(grad_fn(theta, step) for theta in thetas), strict=True)
         g = torch.stack(grads).mean(0).to(wide)
         H = torch.stack([hess_fn(theta, step) for theta in thetas]).mean(0).to(wide)
-        b = hp.step_size / (1 + hp.step_decay * t)
+        b = hp.step_size / (1 + hp.step_decay * t)  # b_S; the mean's step is b_m = mean_step_ratio * b_S
         S_new = (1 - b) * S + b * (lam * (H - V_t) + S_bar)
         direction = lam * (g + v_t - V_t @ m) + S_bar @ (m - m_bar)
-        m_new = m - b * torch.linalg.solve(S_new, direction)
+        m_new = m - hp.mean_step_ratio * b * torch.linalg.solve(S_new, direction)
         mask = ctx.step_mask[step].bool()
         m, S, t = torch.where(mask, m_new, m), torch.where(mask, S_new, S), t + mask.to(wide)
         loss_sum = loss_sum + ctx.step_mask[step] * torch.stack(values).mean().detach()
