@@ -55,6 +55,7 @@ class ReportSpec:
     window: int = 100
     smooth: int = 10
     command: str = "fedcli report"
+    include_unfinished: bool = False  # False: only finished runs (interrupted/failed/running are left out)
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,33 @@ def select_runs(store: SqlStore, spec: ReportSpec) -> list[RunRecord]:
         chosen = {k: v for k, v in chosen.items() if k in keep}
     if not chosen:
         raise ConfigError("no runs match; `fedcli list runs` shows what the store holds.")
+    if not spec.include_unfinished:
+        finished = {k: v for k, v in chosen.items() if v.status == "finished"}
+        if not finished:
+            states = ", ".join(sorted({r.status for r in chosen.values()}))
+            raise ConfigError(f"none of the {len(chosen)} matching runs finished (status {states}); "
+                              "pass --include-unfinished to report them anyway.")
+        chosen = finished
     return list(chosen.values())
+
+
+def drop_repeats(records: Sequence[RunRecord]) -> tuple[list[RunRecord], list[str]]:
+    """Keep the newest run of each config hash (same config, same seed); return (kept, notes on the rest).
+
+    Two runs with the same config and seed are one experiment run twice (a rerun after a
+    fix, a sweep started twice); counting both would report one seed as two.
+    """
+    newest: dict[str, RunRecord] = {}
+    for record in sorted(records, key=lambda r: (r.created_at, r.id)):
+        newest[record.config_hash] = record
+    kept = [r for r in records if newest[r.config_hash].id == r.id]
+    notes = []
+    for record in records:
+        if newest[record.config_hash].id != record.id:
+            notes.append(f"Run `{record.id[:8]}` repeats the config and seed of the newer run "
+                         f"`{newest[record.config_hash].id[:8]}` (config hash {record.config_hash[:10]}); "
+                         "only the newer one is counted.")
+    return kept, sorted(notes)
 
 
 def group_runs(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> tuple[list[Group], dict[str, str], list[str]]:
@@ -297,7 +324,7 @@ def run_values(curves: Mapping[str, Curve], last_round: int, metric: str, spec: 
 
 def build_report(store: SqlStore, spec: ReportSpec) -> Report:
     """Select, group and compute every number of the report (see the module docstring)."""
-    records = select_runs(store, spec)
+    records, repeats = drop_repeats(select_runs(store, spec))
     groups, common, varying = group_runs(records, spec.group_by)
     ids = [r.id for r in records]
     logged = logged_keys(store, ids)
@@ -316,7 +343,7 @@ def build_report(store: SqlStore, spec: ReportSpec) -> Report:
         per_run = [run_values(curves[r.id], last[r.id], metric, spec, at, eval_keys) for r in group.runs]
         group.values = {c.id: [v[c.id] for v in per_run] for c in columns}
         group.summary = {c.id: md.summarize_seeds(group.values[c.id]) for c in columns}
-    report.notes = _notes(report)
+    report.notes = _notes(report) + repeats
     return report
 
 
