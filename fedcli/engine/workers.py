@@ -442,10 +442,11 @@ def in_process_executor(alg: Algorithm, device: torch.device, has_conv: bool, ha
 
     CUDA (`clients`: the cohort size): vmap, and fused only for cohorts of at most
     CUDA_FUSED_MAX_CLIENTS. Measured on an H100 (FEMNIST MLP, per round): 10 clients fused
-    0.015 s, vmap 0.042 s; 100 clients fused 0.128 s, vmap 0.052 s. fused grows about linearly
-    with the cohort (its cache-sized blocks of clients run one after another) and vmap barely,
-    so the straight lines through the two points cross near 33 clients. Convolutional models
-    run vmapped (one grouped convolution is what a GPU does well).
+    0.015 s, vmap 0.042 s; 100 clients fused 0.128 s, vmap 0.052 s. fused grew 8.5x with the
+    cohort (presumably because its CPU-cache-sized blocks of clients, dense.BLOCK_BYTES, run one
+    after another) and vmap 1.2x, so the straight lines through the two points cross near 33
+    clients. Convolutional models run vmapped (one grouped convolution is what a GPU does well).
+    make bench's GPU table also times fused as one block, to retune this where it wins.
     """
     if not alg.supports_vmap or has_batchnorm or (has_conv and device.type == "cpu"):
         return "loop"
