@@ -15,6 +15,7 @@ equal (rho = (I - Gamma) sum_c q_c (theta*^c - theta*) = (I - Gamma) Abar^-1 (bb
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils import _pytree as pytree
@@ -86,16 +87,54 @@ def run(alg, agents, theta0, rounds, hp, opt, weights, states=None, on_round=Non
     return state
 
 
+def np_round_map(a_bar: torch.Tensor, b_bar: torch.Tensor, lr: float, h: int, q: torch.Tensor | None):
+    """The noise-free FedLSA round in numpy, written from the step itself (not from fedcli):
+    theta -> sum_c q_c theta_H^c with theta_{k+1}^c = theta_k^c - lr (Abar^c theta_k^c - bbar^c).
+    It is affine, theta -> M theta + r; returns (M, r) by running it on 0 and on the unit vectors."""
+    a, b = a_bar.numpy(), b_bar.numpy()
+    w = np.full(len(a), 1.0 / len(a)) if q is None else q.numpy() / q.numpy().sum()
+
+    def one_round(theta: np.ndarray) -> np.ndarray:
+        out = np.zeros_like(theta)
+        for c in range(len(a)):
+            local = theta.copy()
+            for _ in range(h):
+                local = local - lr * (a[c] @ local - b[c])
+            out += w[c] * local
+        return out
+
+    r = one_round(np.zeros(a.shape[-1]))
+    return np.stack([one_round(e) - r for e in np.eye(a.shape[-1])], axis=1), r
+
+
+def np_fixed_point(a_bar, b_bar, lr: float, h: int, q=None) -> torch.Tensor:  # noqa: ANN001
+    """theta_inf = (I - M)^-1 r, the fixed point of the affine round map (a contraction here)."""
+    m, r = np_round_map(a_bar, b_bar, lr, h, q)
+    return torch.from_numpy(np.linalg.solve(np.eye(len(r)) - m, r))
+
+
+def np_solution(a_bar, b_bar, q=None) -> torch.Tensor:  # noqa: ANN001
+    """theta* of the averaged system (sum_c q_c Abar^c) theta = sum_c q_c bbar^c, in numpy."""
+    a, b = a_bar.numpy(), b_bar.numpy()
+    w = np.full(len(a), 1.0 / len(a)) if q is None else q.numpy() / q.numpy().sum()
+    return torch.from_numpy(np.linalg.solve(np.einsum("c,cde->de", w, a), w @ b))
+
+
 @pytest.mark.parametrize("weighting", ["uniform", "examples"])
 def test_fedlsa_fixed_point_is_the_closed_form_bias(weighting: str) -> None:
     """Heterogeneous Abar^c, H = 5, eta = 0.2, n = (1, 3, 2): after 25 rounds from 0 the iterate
-    equals theta* + (I - Gammabar)^-1 rho (module docstring) with q = 1/N or q = n / sum n; the
-    bias is large (> 0.05) so that the check can fail."""
+    equals the fixed point (I - M)^-1 r of the affine round map theta -> M theta + r, built in
+    numpy from the local step itself (np_round_map), with q = 1/N or q = n / sum n; fedlsa's
+    closed forms theta* and (I - Gammabar)^-1 rho (module docstring) agree with it. The bias is
+    large (> 0.05) so that the check can fail."""
     a_bar, b_bar = lsa_problem(0)
     n = torch.tensor([1.0, 3.0, 2.0], dtype=DT)
     q = None if weighting == "uniform" else n
     lr, h = 0.2, 5
-    expected = fedlsa.lsa_solution(a_bar, b_bar, q) + fedlsa.fedlsa_bias(a_bar, b_bar, lr, h, q)
+    expected = np_fixed_point(a_bar, b_bar, lr, h, q)
+    torch.testing.assert_close(fedlsa.lsa_solution(a_bar, b_bar, q), np_solution(a_bar, b_bar, q), rtol=0, atol=1e-12)
+    torch.testing.assert_close(fedlsa.fedlsa_bias(a_bar, b_bar, lr, h, q), expected - np_solution(a_bar, b_bar, q),
+                               rtol=0.0, atol=1e-10)
     hp, opt = fedlsa.FedLSAConfig(weighting=weighting), OptimConfig(client_lr=lr)
 
     final = run(ALGORITHMS["fedlsa"], [agent(a, b, h) for a, b in zip(a_bar, b_bar, strict=True)],
@@ -111,19 +150,20 @@ def test_fedlsa_bias_vanishes_for_one_step_or_equal_matrices(h: int, equal_a: bo
     point of the (contracting) round map: 3 rounds from theta* stay at theta*. With H = 5 and
     heterogeneous Abar^c, theta* moves, so the check can fail."""
     a_bar, b_bar = lsa_problem(1, equal_a=equal_a)
-    theta_star = fedlsa.lsa_solution(a_bar, b_bar)
+    theta_star = np_solution(a_bar, b_bar)
     hp, opt, n = fedlsa.FedLSAConfig(), OptimConfig(client_lr=0.2), torch.ones(N, dtype=DT)
 
     final = run(ALGORITHMS["fedlsa"], [agent(a, b, h) for a, b in zip(a_bar, b_bar, strict=True)],
                 theta_star, 3, hp, opt, n)
     hetero_a, hetero_b = lsa_problem(1)
     moved = run(ALGORITHMS["fedlsa"], [agent(a, b, 5) for a, b in zip(hetero_a, hetero_b, strict=True)],
-                fedlsa.lsa_solution(hetero_a, hetero_b), 1, hp, opt, n)
+                np_solution(hetero_a, hetero_b), 1, hp, opt, n)
 
     torch.testing.assert_close(fedlsa.fedlsa_bias(a_bar, b_bar, 0.2, h), torch.zeros(D, dtype=DT),
                                rtol=0.0, atol=1e-13)
+    torch.testing.assert_close(np_fixed_point(a_bar, b_bar, 0.2, h), theta_star, rtol=0.0, atol=1e-11)
     torch.testing.assert_close(final.params[P], theta_star, rtol=0.0, atol=1e-12)
-    assert float((moved.params[P] - fedlsa.lsa_solution(hetero_a, hetero_b)).norm()) > 1e-2
+    assert float((moved.params[P] - np_solution(hetero_a, hetero_b)).norm()) > 1e-2
 
 
 def test_fedlsa_bias_finite_horizon_and_one_shot_limit() -> None:
@@ -131,14 +171,19 @@ def test_fedlsa_bias_finite_horizon_and_one_shot_limit() -> None:
     (the finite-T form, fedlsa.md §3.3). As H -> inf, Gamma_c -> 0 and the bias tends to
     (1/N) sum_c theta*^c - theta* (one-shot averaging, fedlsa.md §2.1)."""
     a_bar, b_bar = lsa_problem(2)
-    theta_star = fedlsa.lsa_solution(a_bar, b_bar)
+    theta_star = np_solution(a_bar, b_bar)
     hp, opt = fedlsa.FedLSAConfig(), OptimConfig(client_lr=0.1)
     local = torch.linalg.solve(a_bar, b_bar.unsqueeze(-1)).squeeze(-1)
+    m, r = np_round_map(a_bar, b_bar, 0.1, 4, None)
+    expected = theta_star.numpy()
+    for _ in range(3):
+        expected = m @ expected + r
 
     final = run(ALGORITHMS["fedlsa"], [agent(a, b, 4) for a, b in zip(a_bar, b_bar, strict=True)],
                 theta_star, 3, hp, opt, torch.ones(N, dtype=DT))
 
-    torch.testing.assert_close(final.params[P] - theta_star, fedlsa.fedlsa_bias(a_bar, b_bar, 0.1, 4, rounds=3),
+    torch.testing.assert_close(final.params[P], torch.from_numpy(expected), rtol=0.0, atol=1e-12)
+    torch.testing.assert_close(fedlsa.fedlsa_bias(a_bar, b_bar, 0.1, 4, rounds=3), torch.from_numpy(expected) - theta_star,
                                rtol=0.0, atol=1e-12)
     torch.testing.assert_close(fedlsa.fedlsa_bias(a_bar, b_bar, 0.1, 3000), local.mean(0) - theta_star,
                                rtol=0.0, atol=1e-10)
@@ -153,7 +198,7 @@ def test_scafflsa_fixed_point_is_the_true_solution(weighting: str) -> None:
     a_bar, b_bar = lsa_problem(0)
     n = torch.tensor([1.0, 3.0, 2.0], dtype=DT)
     q = torch.ones(N, dtype=DT) if weighting == "uniform" else n
-    theta_star = fedlsa.lsa_solution(a_bar, b_bar, q)
+    theta_star = np_solution(a_bar, b_bar, q)
     hp, opt = scafflsa.SCAFFLSAConfig(weighting=weighting), OptimConfig(client_lr=0.2)
     states: dict[int, scafflsa.ClientState] = {}
     sums: list[torch.Tensor] = []
@@ -162,7 +207,7 @@ def test_scafflsa_fixed_point_is_the_true_solution(weighting: str) -> None:
                 torch.zeros(D, dtype=DT), 45, hp, opt, n, states,
                 on_round=lambda st: sums.append(sum(q[c] * s.xi[P] for c, s in st.items())))
 
-    assert float(fedlsa.fedlsa_bias(a_bar, b_bar, 0.2, 5, q).norm()) > 0.05
+    assert float((np_fixed_point(a_bar, b_bar, 0.2, 5, q) - theta_star).norm()) > 0.05  # FedLSA's bias
     torch.testing.assert_close(final.params[P], theta_star, rtol=0.0, atol=1e-10)
     for c in range(N):
         torch.testing.assert_close(states[c].xi[P], a_bar[c] @ theta_star - b_bar[c], rtol=0.0, atol=1e-9)
