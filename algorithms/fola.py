@@ -31,6 +31,11 @@ Deviations:
   Client momentum is allowed (paper: plain SGD, momentum 0). The server sets theta = mu_S:
   train.server_opt must be sgd with lr 1. Per-sample gradients reuse Batch.key, so under
   dropout the examples of a step share one mask.
+  Posterior (for `fedcli evaluate --predictive ensemble`): Eq. 9's global Gaussian
+  N(mu_S, diag(P_S)^-1) -> posterior, with the server precision as kept (Omega_S for
+  prior_form="code"), at the scale of the per-example Fisher (Eq. 15 averages; not times
+  the data size). Where P_S = 0 (no client curvature, the product is improper) the
+  variance is returned as 0: samples keep the mean there.
 """
 
 from __future__ import annotations
@@ -268,6 +273,13 @@ def global_params(state: ServerState) -> Params:
     return state.mean
 
 
+def posterior(state: ServerState) -> tuple[Params, Params]:
+    """Return Eq. 9's global Gaussian as (mu_S, 1 / P_S); variance 0 where P_S = 0."""
+    var = {k: torch.where(p > 0, 1.0 / p.clamp_min(torch.finfo(p.dtype).tiny), torch.zeros_like(p))
+           for k, p in state.precision.items()}
+    return state.mean, var
+
+
 ALGORITHM = Algorithm(
     name="fola",
     paper="Liu, Zheng. A Bayesian Federated Learning Framework with Multivariate Gaussian Product. "
@@ -278,6 +290,7 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=server_update,
     global_params=global_params,
+    posterior=posterior,
     description="Gaussian-product aggregation of (mu_n, diag Fisher precision) + online Laplace prior "
                 "(--hp lam=0: aggregation only).",
 )

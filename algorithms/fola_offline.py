@@ -76,5 +76,6 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=fola.server_update,
     global_params=fola.global_params,
+    posterior=fola.posterior,
     description="FOLA with the Fisher taken once at the end of local training (no online accumulation).",
 )

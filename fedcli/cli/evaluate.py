@@ -22,6 +22,9 @@ from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError
 
 
+SAMPLES = 16  # default K of --predictive ensemble
+
+
 class Split(str, Enum):
     test = "test"
     train = "train"
@@ -42,7 +45,7 @@ def evaluate(
     per_client: Annotated[bool, typer.Option("--per-client", help="Distribution over clients: mean, std, worst 10%.")] = False,
     predictive: Annotated[Predictive, typer.Option(help="mean = the global model; ensemble = Monte Carlo posterior "
                                                         "predictive (Bayesian algorithms).", rich_help_panel=Panel.ALGO)] = Predictive.mean,
-    samples: Annotated[int, typer.Option(min=1, help="Posterior samples K of --predictive ensemble.", rich_help_panel=Panel.ALGO)] = 16,
+    samples: Annotated[int, typer.Option(min=1, help="Posterior samples K of --predictive ensemble.", rich_help_panel=Panel.ALGO)] = SAMPLES,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the posterior samples.", rich_help_panel=Panel.ALGO)] = 0,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:N] | mps. \\[default: the run's]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
@@ -60,6 +63,11 @@ def evaluate(
     from fedcli.engine.evaluation import evaluate_split
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
+        if predictive is not Predictive.ensemble and (samples != SAMPLES or seed != 0):
+            flag = "--samples" if samples != SAMPLES else "--seed"
+            raise ConfigError(f"{flag} applies to --predictive ensemble only; got {flag} "
+                              f"{samples if flag == '--samples' else seed} with --predictive {predictive.value}. "
+                              f"Add --predictive ensemble, or drop {flag}.")
         url = tracking_config({"tracking.store": store}).store_url
         require_store(url)  # a missing store holds no run; opening it would create it
         db = open_store(url)
@@ -133,7 +141,7 @@ def make_predictor(setup: Any, state: Any, params: dict[str, Any], samples: int 
         return lambda xb: setup.fns.apply_fn(params, xb)
     if setup.alg.posterior is None:
         raise ConfigError(f"--predictive ensemble needs a posterior, and algorithm {setup.alg.name!r} keeps none "
-                          "(FOLA, BayesADMM and FedPA with kept moments do); use --predictive mean.")
+                          "(fola, fola-offline and the bayesadmm variants do); use --predictive mean.")
     mean, var = setup.alg.posterior(state)
     members = sample_posterior(mean, var, samples, torch.Generator().manual_seed(seed))
     return ensemble_predict(setup.task, setup.fns.apply_fn, members)

@@ -443,3 +443,32 @@ def test_toy_equal_covariances_product_is_the_average_in_the_valley() -> None:
     torch.testing.assert_close(torch.tensor(toy["prod"], dtype=F64), torch.tensor(toy["avg"], dtype=F64),
                                rtol=0, atol=1e-15)
     assert toy["density"]["avg"] < 0.1 * toy["density"]["mu1"]
+
+
+def test_posterior_is_the_eq9_gaussian_product() -> None:
+    """Eq. 9 makes the global posterior the product of the clients' Gaussians N(a_n, A_n^-1) with
+    weights alpha_n: precision sum alpha_n A_n, mean (sum alpha_n A_n)^-1 sum alpha_n A_n a_n (exact
+    Laplace clients, as in the test above). posterior() returns that mean and the variances
+    1 / sum alpha_n A_n; a coordinate where every A_n is 0 (improper product) gets variance 0, so
+    posterior samples (engine's sample_posterior) stay finite. fola and fola-offline both offer it;
+    FedCurv (FedAvg mean, not a product) does not."""
+    from fedcli.engine.evaluation import sample_posterior
+
+    clients = random_quads(3, seed=3, exact_hessian=True)
+    for q in clients:
+        q.A[4], q.b[4] = 0.0, 0.0
+    hp, opt = fola_offline.FOLAOfflineConfig(damping=0.0), OptimConfig(client_lr=1.0)
+    state = fola.server_init(params_of(torch.zeros(5, dtype=F64)), hp, opt)
+    alpha = SIZES / SIZES.sum()
+    precision = sum(a * q.A for a, q in zip(alpha, clients, strict=True))
+    mean = sum(a * q.A * q.a for a, q in zip(alpha, clients, strict=True))[:4] / precision[:4]
+
+    state = run_round("fola-offline", hp, state, clients, SIZES, round_idx=1, opt=opt, num_epochs=60)
+    post_mean, post_var = ALGORITHMS["fola-offline"].posterior(state)
+
+    torch.testing.assert_close(flatten(post_mean)[:4], mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(flatten(post_var), torch.cat([1.0 / precision[:4], torch.zeros(1, dtype=F64)]),
+                               rtol=1e-12, atol=0)
+    members = sample_posterior(post_mean, post_var, 3, torch.Generator().manual_seed(0))
+    assert all(torch.isfinite(flatten(m)).all() for m in members)
+    assert ALGORITHMS["fola"].posterior is fola.posterior and ALGORITHMS["fedcurv"].posterior is None
