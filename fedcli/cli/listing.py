@@ -13,6 +13,7 @@ from rich.table import Table
 
 from fedcli.cli.common import Panel, open_store, tracking_config
 from fedcli.cli.errors import user_errors
+from fedcli.errors import ConfigError
 
 
 class What(str, Enum):
@@ -35,6 +36,10 @@ def list_command(
     Example: fedcli list runs --experiment demo --json
     """
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
+        if what is not What.runs and (experiment is not None or store is not None):
+            flag = "--experiment" if experiment is not None else "--store"
+            raise ConfigError(f"{flag} applies to `fedcli list runs` only; got `fedcli list {what.value} {flag}`. "
+                              f"Drop {flag}, or list runs.")
         rows = ROWS[what](experiment=experiment, store=store)
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))

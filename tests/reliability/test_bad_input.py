@@ -172,6 +172,9 @@ CASES: dict[str, Mistake] = {
     "data-missing-file": M(train("--data", "nope.npz"), "nope.npz", marks=(LEAD_USAGE,)),
     "data-unknown-model": M(train("--data", "d.npz", "--model", "resnet"), "data.model must be one of linear",
                             npz(x=X10, y=Y10)),
+    "data-with-task": M(train("--data", "d.npz", "--task", "lsq"), "data.task must be left unset with data.file",
+                        npz(x=X10, y=Y10)),
+    "data-with-data-dir": M(train("--data", "d.npz", "--data-dir", "elsewhere"), "Drop --data-dir", npz(x=X10, y=Y10)),
     "data-x-y-lengths": M(train("--data", "d.npz", "--no-mlflow"), "y must have one entry per row of x",
                           npz(x=X10, y=Y10[:8])),
     "data-client-length": M(train("--data", "d.npz", "--no-mlflow"), "client must have one entry per row of x",
@@ -258,6 +261,9 @@ CASES: dict[str, Mistake] = {
                                               "sqlite:///{cwd}/" + STORE), "needs a posterior", store=True),
     "evaluate-store-is-directory": M(("evaluate", "{run}", "--store", "sqlite:///{cwd}/trained"), "(a directory)",
                                      store=True),
+    "evaluate-samples-without-ensemble": M(("evaluate", "{run}", "--samples", "32", "--store",
+                                            "sqlite:///{cwd}/" + STORE), "--samples applies to --predictive ensemble",
+                                           store=True),
     "evaluate-samples-zero": M(("evaluate", "{run}", "--samples", "0"), "'--samples'", marks=(LEAD_USAGE,)),
     # --- report
     "report-no-store": M(("report",), "tracking.store must be an existing results store"),
@@ -286,6 +292,8 @@ CASES: dict[str, Mistake] = {
     "report-window-zero": M(("report", "--window", "0"), "'--window'", marks=(LEAD_USAGE,)),
     # --- list
     "list-unknown-what": M(("list", "runz"), "runz", marks=(LEAD_USAGE,)),
+    "list-algos-with-experiment": M(("list", "algos", "--experiment", "demo"), "--experiment applies to `fedcli list "
+                                    "runs` only"),
     "list-store-missing": M(("list", "runs", "--store", "sqlite:///{cwd}/missing.db"),
                             "tracking.store must be an existing results store"),
     "list-store-in-proc": M(("list", "runs", "--store", "sqlite:////proc/x/fedcli.db"),
