@@ -21,7 +21,6 @@ from fedcli.cli.common import Panel, console, open_store, tracking_config
 from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError
 
-
 SAMPLES = 16  # default K of --predictive ensemble
 
 
