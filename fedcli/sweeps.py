@@ -92,8 +92,8 @@ def short_keys() -> dict[str, str]:
     """Map unambiguous short names (`rounds`, `task`) to dotted config keys."""
     names: dict[str, list[str]] = {}
     for section, cls in SECTIONS.items():
-        for field in dataclasses.fields(cls):
-            names.setdefault(field.name, []).append(f"{section}.{field.name}")
+        for item in dataclasses.fields(cls):
+            names.setdefault(item.name, []).append(f"{section}.{item.name}")
     out = {name: dotted[0] for name, dotted in names.items() if len(dotted) == 1}
     out.update({"algo": "algorithm.name", "model": "data.model", "scheme": "partition.scheme",
                 "clients": "partition.num_clients", "alpha": "partition.alpha"})

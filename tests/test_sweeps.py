@@ -45,4 +45,32 @@ def test_sweep_runs_then_skips_finished_trials(tmp_path: Path) -> None:
     runs = SqlStore(f"sqlite:///{tmp_path / 's.db'}").list_runs()
     assert {r.config["train"]["workers"] for r in runs} == {max(1, available_cores() // 2)}
     again = CliRunner().invoke(app, args)  # one at a time now: train.workers is not part of the hash
-    assert again.exit_code == 0 and again.stderr.count("finished (skip)") == 2
+    assert again.exit_code == 0 and "sweep done: 2 finished (skip)." in again.stderr
+
+
+def test_plan_matches_trials_to_runs_of_their_config_hash(tmp_path: Path) -> None:
+    """finished -> skip; alive in a process (this one) -> running elsewhere, never started again;
+    interrupted (newest of several) -> resume that run; diverged -> not retried; no run -> new."""
+    from fedcli.sweeps import DIVERGED, ELSEWHERE, NEW, RESUME, SKIP, plan_trials
+
+    trials = expand({"experiment": "p", "base": {"task": "lsq", "rounds": 2},
+                     "grid": {"server_opt": ["sgd", "momentum", "adam", "adagrad", "yogi"]}})
+    db = SqlStore(f"sqlite:///{tmp_path / 'p.db'}")
+
+    def start(trial_idx: int) -> str:
+        cfg = trials[trial_idx].config
+        return db.start_run(experiment="p", run_name=trials[trial_idx].name, config=cfg.to_dict(), algo="fedavg",
+                            task="lsq", seed=0, tags={"fedcli.config_hash": cfg.config_hash}, fedcli_version="t",
+                            torch_version="t", git_commit=None)
+
+    db.end_run(start(0), "finished")
+    start(1)  # alive: running in this process
+    db.end_run(start(2), "failed", reason="older attempt")
+    newest = start(2)
+    db.end_run(newest, "interrupted", reason="stopped by SIGTERM during round 4")
+    db.end_run(start(3), "failed", reason="non-finite", diverged_at_round=3)
+
+    plans = plan_trials(trials, db.list_runs(experiment="p"))
+
+    assert [p.action for p in plans] == [SKIP, ELSEWHERE, RESUME, DIVERGED, NEW]
+    assert plans[2].run_id == newest and "SIGTERM" in plans[2].note

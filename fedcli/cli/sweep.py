@@ -132,9 +132,14 @@ def live_display(read: Callable[..., tuple[list, str]]) -> Iterator[Callable[[li
     """A live table of the trials on a terminal (stderr); else a progress line every PLAIN_EVERY_S."""
     out = console()
     if not out.is_terminal:
-        last = [time.monotonic()]
+        last, announced = [time.monotonic()], set()
 
         def plain(processes: list) -> None:
+            for p in processes:
+                if p.ended is not None and id(p) not in announced:
+                    announced.add(id(p))
+                    why = f": {p.last_error()}" if p.status == "failed" else ""
+                    out.print(f"trial {p.plan.trial.name} {p.status} after {p.elapsed_s:.0f}s{why}", highlight=False)
             if time.monotonic() - last[0] >= PLAIN_EVERY_S:
                 last[0] = time.monotonic()
                 rows, _ = read()
@@ -150,10 +155,11 @@ def live_display(read: Callable[..., tuple[list, str]]) -> Iterator[Callable[[li
 
 
 def show_plan(plans: Sequence[Any]) -> None:
-    table = Table("trial", "config hash", "plan", title=f"{len(plans)} trials")
+    table = Table("trial", "config hash", "plan", "why", title=f"{len(plans)} trials")
     for plan in plans:
-        action = {"new": "to run", "resume": f"resume {plan.run_id[:8] if plan.run_id else ''}"}.get(plan.action, plan.action)
-        table.add_row(plan.trial.name, plan.trial.config.config_hash[:10], f"{action} {plan.note}".strip())
+        action = {"new": "to run", "resume": f"resume {(plan.run_id or '')[:8]}", "skip": "finished (skip)",
+                  "diverged": "diverged (skip)"}.get(plan.action, plan.action)
+        table.add_row(plan.trial.name, plan.trial.config.config_hash[:10], action, plan.note)
     console().print(table)
 
 
