@@ -20,6 +20,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,8 @@ class Mistake:
     needle: str
     make: Callable[[Path], None] | None = None
     store: bool = False
-    patch: str | None = None  # "enospc": os.replace fails with ENOSPC (a full disk)
+    patch: str | None = None  # "enospc": os.replace fails (a full disk); "eacces": no file can be created
+    # (tests run as root here, where chmod does not stop writes)
     marks: tuple = field(default=())
 
 
@@ -274,6 +276,7 @@ CASES: dict[str, Mistake] = {
     "report-output-under-a-file": M(("report", "--output", "afile/r.md"), "not a directory", NOT_A_DIR),
     "report-disk-full": M(("report", "--store", "sqlite:///{cwd}/" + STORE, "--format", "json", "--output", "r.json"),
                           "no space left on device", store=True, patch="enospc"),
+    "report-output-permission-denied": M(("report", "--output", "r.md"), "permission denied: r.md", patch="eacces"),
     "report-thresholds-not-numbers": M(("report", "--thresholds", "high"), "--thresholds must be comma-separated numbers"),
     "report-at-zero": M(("report", "--at", "0"), "--at rounds must be >= 1"),
     "report-at-fraction": M(("report", "--at", "1.5"), "--at must be comma-separated integers"),
@@ -400,8 +403,10 @@ def check(case: Mistake, code: int, stdout: str, stderr: str, before: dict, afte
         raise PendingLead("a rejected command changed the pre-existing store")
 
 
-def enospc(*args: object, **kwargs: object) -> None:
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+def failing(code: int) -> Callable[..., None]:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError(code, os.strerror(code))
+    return fail
 
 
 @pytest.mark.timeout(120)
@@ -412,7 +417,9 @@ def test_mistake_is_one_line_exit_2_and_writes_nothing(name: str, workdir: Path,
     args = prepare(case, workdir, trained)
     before, store_before = snapshot(workdir), store_content(workdir)
     if case.patch == "enospc":
-        monkeypatch.setattr(os, "replace", enospc)
+        monkeypatch.setattr(os, "replace", failing(errno.ENOSPC))
+    elif case.patch == "eacces":
+        monkeypatch.setattr(tempfile, "mkstemp", failing(errno.EACCES))
     result = CliRunner().invoke(app, args)
     monkeypatch.undo()
     if result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -438,3 +445,14 @@ def test_catalog_covers_every_command() -> None:
     assert len(CASES) >= 60
     commands = {c.args[0] for c in CASES.values()}
     assert {"train", "partition", "sweep", "evaluate", "report", "list", "ui"} <= commands
+
+
+@pytest.mark.parametrize(("code", "words"), [(errno.ENOSPC, "no space left on device: out/r.md"),
+                                             (errno.EACCES, "permission denied: out/r.md"),
+                                             (errno.EISDIR, "which is a directory"),
+                                             (errno.EROFS, "out/r.md: not writable (Read-only file system)")])
+def test_output_errors_say_what_happened_to_which_path(code: int, words: str) -> None:
+    from fedcli.cli.errors import output_error
+
+    message = str(output_error(Path("out/r.md"), "--output", OSError(code, os.strerror(code))))
+    assert words in message and "--output" in message and "\n" not in message
