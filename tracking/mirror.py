@@ -237,8 +237,12 @@ class Mirror:
         _retry("config", lambda: self.sink.log_text(canonical_json(record.config), "config.json"))
 
     def safe_round(self, status: str) -> int:
-        """The last round MLflow may get now: all once finished, else the newest checkpoint."""
-        if status == "finished":
+        """The last round MLflow may get now: all once finished or failed, else the newest checkpoint.
+
+        A failed run's curve up to the failure is what one wants to see; an interrupted or
+        running one gets only rounds that a resume will not train again.
+        """
+        if status in ("finished", "failed"):
             return self.store.last_round(self.record.id) or 0
         points = self.store.checkpoints(self.record.id)
         return points[-1][0] if points else -1

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from fedcli.errors import TrackingError
 from fedcli.tracking.keys import NonFiniteMetricsError, flatten_config
+from fedcli.tracking.mirror import MirrorHandle
 from fedcli.tracking.mlflow_sink import MlflowSink, default_tracking_uri
 from fedcli.tracking.sinks import Tracker
 from fedcli.tracking.store import SqlStore, config_hash, default_store_url
@@ -35,6 +36,12 @@ def _values(round_idx: int) -> dict[str, float]:
 
 def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def _mirror(uri: str, store: SqlStore, tmp_path: Path) -> MirrorHandle:
+    """The real MLflow mirror process of a run (fedcli.tracking.mirror)."""
+    return MirrorHandle(tracking_uri=uri, experiment="tracker", store_url=store.url.replace("***", ""),
+                        runs_root=tmp_path / "runs")
 
 
 def _start_tracker(tracker: Tracker, **overrides: Any) -> str:
@@ -129,7 +136,7 @@ def test_tracker_writes_identical_metrics_and_linked_metadata_to_both_stores(
     """Every (round, key, value) in the SQL store appears once in MLflow's history at step = round
     and vice versa; the two runs point at each other; tags, params and config.json match the config."""
     uri = default_tracking_uri(mlflow_root)
-    tracker = Tracker(store, MlflowSink(uri, "tracker"))
+    tracker = Tracker(store, _mirror(uri, store, tmp_path))
 
     run_id = _start_tracker(tracker)
     for round_idx in range(5):
@@ -169,12 +176,13 @@ def test_tracker_writes_identical_metrics_and_linked_metadata_to_both_stores(
 
 
 def test_tracker_divergence_writes_nothing_and_marks_both_runs_failed(
-    mlflow_root: Path, store: SqlStore
+    mlflow_root: Path, store: SqlStore, tmp_path: Path
 ) -> None:
     """A NaN at round 2 raises NonFiniteMetricsError (a ValueError) listing the key; round 2 is
-    absent from both stores; finish(failed, diverged_at_round=2) records it in SQL and as MLflow tag."""
+    absent from both stores; finish(failed, diverged_at_round=2) records it in SQL and as MLflow tag;
+    MLflow gets the failed run's curve up to the failure."""
     uri = default_tracking_uri(mlflow_root)
-    tracker = Tracker(store, MlflowSink(uri, "tracker"))
+    tracker = Tracker(store, _mirror(uri, store, tmp_path))
     run_id = _start_tracker(tracker)
     tracker.log_round(0, _values(0))
     tracker.log_round(1, _values(1))
@@ -197,31 +205,35 @@ def test_tracker_divergence_writes_nothing_and_marks_both_runs_failed(
 def test_tracker_resume_reopens_both_runs_and_drops_rounds_after_checkpoint(
     mlflow_root: Path, store: SqlStore, tmp_path: Path
 ) -> None:
-    """A run interrupted after round 4 with a checkpoint at round 2 is resumed from 2 through an id
-    prefix: SQL keeps rounds 0..2, both runs are running again, and rounds 3..4 re-logged with new
-    values replace the old ones in SQL (MLflow keeps both points of a re-logged step)."""
+    """A run killed after round 4 with a checkpoint at round 2 is resumed from 2 through an id
+    prefix: SQL keeps rounds 0..2, both runs are running again; MLflow had only rounds 0..2 (the
+    mirror copies an unfinished run up to its newest checkpoint), so after rounds 3..4 are logged
+    again it holds exactly one point per round, with the new values."""
     uri = default_tracking_uri(mlflow_root)
-    first = Tracker(store, MlflowSink(uri, "tracker"))
+    first = Tracker(store, _mirror(uri, store, tmp_path))
     run_id = _start_tracker(first)
     for round_idx in range(5):
         first.log_round(round_idx, _values(round_idx))
         if round_idx == 2:
             first.checkpoint(2, tmp_path / "ckpt-2.pt")
-    first.finish("interrupted", reason="KeyboardInterrupt")
-
-    second = Tracker(store, MlflowSink(uri, "tracker"))
-    record = second.resume(run_id[:8], from_round=2)
-
+    first.finish("interrupted", reason="SIGKILL")
     client = MlflowClient(uri)
+    mlflow_id = store.get_run(run_id).mlflow_run_id
+    assert [s for s, _ in _history(client, mlflow_id, "eval/accuracy")] == [0, 1, 2]
+    assert client.get_run(mlflow_id).info.status == "KILLED"
+
+    second = Tracker(store, _mirror(uri, store, tmp_path))
+    record = second.resume(run_id[:8], from_round=2)
     assert (record.id, record.status, store.last_round(run_id)) == (run_id, "running", 2)
-    assert client.get_run(record.mlflow_run_id).info.status == "RUNNING"
     for round_idx in (3, 4):
         second.log_round(round_idx, {"eval/accuracy": 0.9})
     second.finish("finished")
     accuracy = store.metrics_frame([run_id], keys=["eval/accuracy"])["value"].tolist()
-    assert accuracy == [_values(r)["eval/accuracy"] for r in range(3)] + [0.9, 0.9]
-    assert client.get_run(record.mlflow_run_id).info.status == "FINISHED"
-    assert len(client.get_metric_history(record.mlflow_run_id, "eval/accuracy")) == 7
+    expected = [_values(r)["eval/accuracy"] for r in range(3)] + [0.9, 0.9]
+    assert accuracy == expected
+    assert store.get_run(run_id).mlflow_run_id == mlflow_id
+    assert client.get_run(mlflow_id).info.status == "FINISHED"
+    assert _history(client, mlflow_id, "eval/accuracy") == list(enumerate(expected))
 
 
 def test_tracker_without_mlflow_writes_the_store_only(tmp_path: Path) -> None:
