@@ -74,7 +74,9 @@ def find_bindir() -> Path:
     initdb = shutil.which("initdb")
     if initdb is not None:
         candidates.append(Path(os.path.realpath(initdb)).parent)
-    candidates += [Path(d) for d in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_version_key, reverse=True)]
+    candidates += [
+        Path(d) for d in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_version_key, reverse=True)
+    ]
     for bindir in candidates:
         if all(os.access(bindir / tool, os.X_OK) for tool in ("initdb", "pg_ctl", "postgres")):
             return bindir
@@ -188,8 +190,18 @@ class PgServer:
                 try:
                     server._run(
                         "pg_ctl",
-                        ["-D", str(data), "-l", str(workdir / "server.log"), "-w", "-t", str(START_TIMEOUT_S),
-                         "-o", options, "start"],
+                        [
+                            "-D",
+                            str(data),
+                            "-l",
+                            str(workdir / "server.log"),
+                            "-w",
+                            "-t",
+                            str(START_TIMEOUT_S),
+                            "-o",
+                            options,
+                            "start",
+                        ],
                     )
                 except RuntimeError:
                     if attempt == 2:

@@ -40,14 +40,20 @@ def test_run_round_trip_on_postgres(pg_url: str) -> None:
     with SqlStore(pg_url) as store:
         run_id = _start(store, run_name="pg-run", seed=3)
         for round_idx in range(3):
-            store.log_round(run_id, round_idx, {"eval/accuracy": 0.5 + round_idx / 10, "train/loss": 1.0 / (1 + round_idx)})
+            store.log_round(
+                run_id,
+                round_idx,
+                {"eval/accuracy": 0.5 + round_idx / 10, "train/loss": 1.0 / (1 + round_idx)},
+            )
         store.end_run(run_id, "finished")
 
     with SqlStore(pg_url) as store:  # a second open on an existing schema
         runs = store.list_runs()
         frame = store.metrics_frame([run_id])
 
-    assert [(run.id, run.run_name, run.seed, run.status) for run in runs] == [(run_id, "pg-run", 3, "finished")]
+    assert [(run.id, run.run_name, run.seed, run.status) for run in runs] == [
+        (run_id, "pg-run", 3, "finished")
+    ]
     accuracy = frame[frame["key"] == "eval/accuracy"]
     assert accuracy["round_idx"].tolist() == [0, 1, 2]
     assert accuracy["value"].tolist() == pytest.approx([0.5, 0.6, 0.7])
@@ -64,27 +70,42 @@ def test_each_test_gets_a_new_empty_database(pg_url: str, pg_database: Callable[
         assert second.list_runs() == []
 
 
-def _open_and_write(url: str, worker: int, experiment: str, barrier: Any, results: Any) -> None:
-    """Child process: open the store together with the others, write one run of 10 rounds."""
+def _open_and_write(
+    url: str, worker: int, experiments: list[str], together: str, barrier: Any, results: Any
+) -> None:
+    """Child process: open the store, write one run of 10 rounds in each of `experiments`.
+
+    `together` is the step all workers take at the same moment: "open" (the store, once) or
+    "start_run" (each run, so that several new experiments are created concurrently)."""
     try:
-        barrier.wait(timeout=60)
+        if together == "open":
+            barrier.wait(timeout=60)
         store = SqlStore(url)
-        run_id = _start(store, experiment=experiment, run_name=f"worker-{worker}", seed=worker)
-        for round_idx in range(10):
-            store.log_round(run_id, round_idx, {"eval/accuracy": worker + round_idx / 100})
-        store.end_run(run_id, "finished")
+        for experiment in experiments:
+            if together == "start_run":
+                barrier.wait(timeout=60)
+            run_id = _start(
+                store, experiment=experiment, run_name=f"{experiment}-worker-{worker}", seed=worker
+            )
+            for round_idx in range(10):
+                store.log_round(run_id, round_idx, {"eval/accuracy": worker + round_idx / 100})
+            store.end_run(run_id, "finished")
         store.close()
         results.put((worker, None))
     except BaseException as err:  # reported to the parent, which shows every worker's error
+        barrier.abort()  # the others stop waiting for this worker at their next barrier
         results.put((worker, f"{type(err).__name__}: {err}"))
 
 
-def _four_writers(url: str, experiments: list[str]) -> None:
-    """Run four `_open_and_write` processes at the same moment; assert all four runs landed."""
+def _four_writers(url: str, experiments: list[list[str]], together: str) -> None:
+    """Run four `_open_and_write` processes (worker w writes in `experiments[w]`); assert every
+    run and round landed."""
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(4), context.Queue()
     processes = [
-        context.Process(target=_open_and_write, args=(url, worker, experiments[worker], barrier, results))
+        context.Process(
+            target=_open_and_write, args=(url, worker, experiments[worker], together, barrier, results)
+        )
         for worker in range(4)
     ]
     for process in processes:
@@ -107,9 +128,11 @@ def _four_writers(url: str, experiments: list[str]) -> None:
     with SqlStore(url) as store:
         runs = store.list_runs()
         frame = store.metrics_frame([run.id for run in runs])
-    assert sorted(run.run_name for run in runs) == [f"worker-{w}" for w in range(4)]
+    expected = sorted(f"{experiment}-worker-{w}" for w in range(4) for experiment in experiments[w])
+    assert sorted(run.run_name for run in runs) == expected
+    assert {run.experiment for run in runs} == {e for names in experiments for e in names}
     assert {run.status for run in runs} == {"finished"}
-    assert len(frame) == 40
+    assert len(frame) == 10 * len(expected)
 
 
 @pytest.mark.xfail(
@@ -121,7 +144,7 @@ def _four_writers(url: str, experiments: list[str]) -> None:
 def test_four_processes_open_a_fresh_postgres_database_at_once(pg_url: str) -> None:
     """A sweep's four workers open the same fresh database at the same moment (schema creation
     races) and each write a run, in four different experiments."""
-    _four_writers(pg_url, [f"exp-{worker}" for worker in range(4)])
+    _four_writers(pg_url, [[f"exp-{worker}"] for worker in range(4)], together="open")
 
 
 @pytest.mark.xfail(
@@ -130,6 +153,6 @@ def test_four_processes_open_a_fresh_postgres_database_at_once(pg_url: str) -> N
     strict=False,
 )
 def test_four_processes_start_runs_in_one_new_experiment_at_once(pg_url: str) -> None:
-    """The schema exists; four workers start runs in the same not-yet-existing experiment."""
-    SqlStore(pg_url).close()  # create the schema first: only the experiment creation can race
-    _four_writers(pg_url, ["sweep"] * 4)
+    """Four workers, each with the store open, start runs in the same not-yet-existing experiment
+    at the same moment, three times over (three chances for the race)."""
+    _four_writers(pg_url, [["sweep-a", "sweep-b", "sweep-c"]] * 4, together="start_run")
