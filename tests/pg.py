@@ -113,6 +113,21 @@ def _server_user() -> pwd.struct_passwd | None:
     )
 
 
+def _workdir_parent(user: pwd.struct_passwd | None) -> str:
+    """Where to make the cluster's directory: the temp dir (not pytest's tmp_path, private to
+    us), unless the server's user could not reach it or the unix socket path would be too long
+    (about 107 bytes), then /tmp."""
+    parent = tempfile.gettempdir()
+    if len(parent) > 60:
+        return "/tmp"
+    if user is not None:
+        path = Path(parent).resolve()
+        for folder in (path, *path.parents):
+            if not os.stat(folder).st_mode & 0o001:  # others may not traverse it
+                return "/tmp"
+    return parent
+
+
 @dataclass
 class PgServer:
     """One PostgreSQL server the tests may create databases on.
@@ -169,9 +184,7 @@ class PgServer:
         began = time.monotonic()
         bindir = find_bindir()
         user = _server_user()
-        # tempfile.gettempdir() (not pytest's tmp_path, which is private to us) so that the
-        # `postgres` user can reach the directory; it owns everything below it.
-        workdir = Path(tempfile.mkdtemp(prefix="fedcli-pg-"))
+        workdir = Path(tempfile.mkdtemp(prefix="fedcli-pg-", dir=_workdir_parent(user)))
         server = cls(url="", owned=True, workdir=workdir, bindir=bindir, _user=user)
         try:
             data, sockets = workdir / "data", workdir / "sock"
