@@ -96,9 +96,9 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int, hint:
     try:
         with live_display(read) as tick:
             signum = scheduler.run(tick)
+        rows, key = read(signum is not None)  # before cleanup: a failed trial's row quotes its stderr
     finally:
         scheduler.cleanup()
-    rows, key = read(signum is not None)
     console().print(rows_table(rows, key, "results"))
     failed = [r for r in rows if r.status in ("failed", "diverged (skip)")]
     for row in failed:
@@ -142,9 +142,10 @@ def live_display(read: Callable[..., tuple[list, str]]) -> Iterator[Callable[[li
                     out.print(f"trial {p.plan.trial.name} {p.status} after {p.elapsed_s:.0f}s{why}", highlight=False)
             if time.monotonic() - last[0] >= PLAIN_EVERY_S:
                 last[0] = time.monotonic()
-                rows, _ = read()
-                out.print("sweep: " + "; ".join(f"{r.name} {r.status} {r.round_idx or 0}/{r.rounds}"
-                                                for r in rows if r.status in ("running", "waiting")), highlight=False)
+                active = [r for r in read()[0] if r.status in ("running", "waiting")]
+                if active:
+                    out.print("sweep: " + "; ".join(f"{r.name} {r.status} {r.round_idx or 0}/{r.rounds}"
+                                                    for r in active), highlight=False)
 
         yield plain
         return
@@ -167,7 +168,7 @@ def rows_table(rows: Sequence[Any], key: str, title: str) -> Table:
     table = Table("trial", "status", "round", key, "elapsed", "run", title=title)
     for r in rows:
         table.add_row(r.name, r.status, f"{r.round_idx if r.round_idx is not None else '—'}/{r.rounds}",
-                      "—" if r.metric is None else f"{r.metric:.4f}",
+                      "—" if r.metric is None else f"{r.metric:.4g}",
                       "—" if r.elapsed_s is None else f"{r.elapsed_s:.0f}s", (r.run_id or "—")[:8])
     return table
 
