@@ -47,7 +47,8 @@ def read_npz(path: Path) -> Arrays:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {k: archive[k] for k in archive.files}
     except (OSError, ValueError, EOFError) as exc:
-        raise DataError(f"{path} cannot be read as .npz ({exc}); save it with numpy.savez.") from None
+        why = "it is not a NumPy archive, or it holds Python objects (never unpickled)" if "pickle" in str(exc) else exc
+        raise DataError(f"{path} cannot be read as .npz ({why}); save plain arrays with numpy.savez.") from None
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
         raise DataError(f"{path} lacks array(s) {', '.join(missing)}; it needs x [N, ...] and y [N].")
@@ -65,6 +66,9 @@ def read_table(path: Path) -> Arrays:
     except (OSError, ValueError, ImportError, pd.errors.ParserError) as exc:
         raise DataError(f"{path} cannot be read as {path.suffix[1:]} ({exc}); it needs a header row with a "
                         "column y and numeric feature columns.") from None
+    if frame.empty:
+        raise DataError(f"{path.name}: the table must hold at least one example row; got {len(frame)} rows and "
+                        f"columns {list(map(str, frame.columns[:8]))}. Is the file empty or truncated?")
     if "y" not in frame.columns:
         raise DataError(f"{path} has no column 'y'; columns are {', '.join(map(str, frame.columns[:8]))}.")
     features = [c for c in frame.columns if c not in ("y", "client", "split")]
@@ -100,6 +104,8 @@ def check_arrays(path: Path, arrays: Arrays) -> None:
                         "Reshape one feature per example to [N, 1].")
     if len(x) == 0:
         raise DataError(f"{name}: x must hold at least one example; got 0 rows. Is the file empty?")
+    if x[0].size == 0:
+        raise DataError(f"{name}: x must have at least one feature per example; got shape {x.shape}.")
     checks = [("y", y, len(x), "x")]
     if "client" in arrays:
         checks.append(("client", arrays["client"], len(x), "x"))
@@ -119,6 +125,10 @@ def check_arrays(path: Path, arrays: Arrays) -> None:
         if values.ndim != 1 or len(values) != rows:
             raise DataError(f"{name}: {key} must have one entry per row of {of} (shape [{rows}]); got shape "
                             f"{values.shape}. Save {key} with the same number of rows as {of}; no row is dropped.")
+    client = arrays.get("client")
+    if client is not None and client.dtype.kind == "f" and np.isnan(client).any():
+        raise DataError(f"{name}: client must name an owner for every row; got {int(np.isnan(client).sum())} missing. "
+                        "Fill them, or drop the client column and partition with --scheme iid/dirichlet.")
     for key in ("x", "x_test"):
         if key in arrays and arrays[key].dtype.kind == "f" and not np.isfinite(arrays[key]).all():
             bad = int((~np.isfinite(arrays[key])).any(axis=tuple(range(1, arrays[key].ndim))).sum())

@@ -138,6 +138,26 @@ class PartitionSpec:
             raise ConfigError(f"partition.balanced applies to scheme 'dirichlet' only; got scheme {scheme!r}.")
 
 
+MIN_SIZE_SCHEMES = ("dirichlet", "quantity", "two-level")  # the schemes that redraw until clients reach min_size
+
+
+def check_unused_defaults(spec: PartitionSpec) -> None:
+    """min_size and size_alpha set away from their defaults must be used by the scheme.
+
+    PartitionSpec cannot tell a default from a choice, so the CLI and the run config call this
+    (for user input) and partition files do not (their specs hold the defaults of every scheme).
+    """
+    defaults = {f.name: f.default for f in fields(PartitionSpec)}
+    uses_min_size = spec.scheme in MIN_SIZE_SCHEMES and not spec.balanced
+    if spec.min_size != defaults["min_size"] and not uses_min_size:
+        raise ConfigError(f"partition.min_size is not used by scheme {spec.scheme!r}"
+                          f"{' with balanced' if spec.balanced else ''}; got {spec.min_size!r}. Remove it, or use "
+                          "scheme dirichlet / quantity / two-level (which redraw until every client has min_size).")
+    if spec.size_alpha != defaults["size_alpha"] and spec.scheme != "two-level":
+        raise ConfigError(f"partition.size_alpha is not used by scheme {spec.scheme!r}; got {spec.size_alpha!r}. "
+                          "Remove it, or use scheme two-level.")
+
+
 def _check_range(key: str, value: int | None, low: int, fix: str = "") -> None:
     if value is None:
         return

@@ -161,7 +161,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping; ConfigError naming the file when it is malformed."""
     try:
         doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"config file {path} is not valid YAML: {first}") from exc
     if doc is None:
@@ -192,6 +192,9 @@ def parse_assignments(items: list[str], flag: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"{flag} must be KEY=VALUE; got {item!r}.")
+        if key.strip() in out:
+            raise ConfigError(f"{flag} {key.strip()} must be given once; got {key.strip()}={out[key.strip()]!r} and "
+                              f"{item!r}. Keep one.")
         out[key.strip()] = parse_value(value.strip())
     return out
 
@@ -280,6 +283,10 @@ def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | Non
     for key in doc:
         if key != "seed" and key not in SECTIONS:
             raise ConfigError(f"unknown config section {key!r}{suggest(key, [*SECTIONS, 'seed'])}.")
+    for name in SECTIONS:
+        if not isinstance(doc.get(name) or {}, Mapping):
+            raise ConfigError(f"config section {name!r} must be a mapping of keys to values; got "
+                              f"{doc[name]!r}. Write it as `{name}: {{key: value}}`.")
     merged: dict[str, dict[str, Any]] = {name: dict(doc.get(name) or {}) for name in SECTIONS}
     seed = doc.get("seed", 0)
     for dotted, value in (overrides or {}).items():
@@ -290,7 +297,11 @@ def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | Non
             continue
         section, _, key = dotted.partition(".")
         merged[section][key] = value
-    hp_values = {**dict(merged["algorithm"].pop("hp", None) or {}), **dict(hp or {})}
+    file_hp = merged["algorithm"].pop("hp", None) or {}
+    if not isinstance(file_hp, Mapping):
+        raise ConfigError(f"algorithm.hp must be a mapping of hyperparameters; got {file_hp!r}. "
+                          "Write it as `hp: {rho: 0.1}`.")
+    hp_values = {**dict(file_hp), **dict(hp or {})}
     algo_name = str(merged["algorithm"].get("name", AlgorithmConfig.name))
     hyper = make_hyperparameters(algo_name, hp_values)
     sections = {name: build_section(name, cls, merged[name]) for name, cls in SECTIONS.items()
@@ -372,7 +383,7 @@ def validate_partition(part: PartitionConfig, data: DataConfig) -> None:
     Without this check `--partition p.json --scheme iid --clients 5` trained on the file's
     partition but stored `scheme: iid, num_clients: 5` with the run.
     """
-    from fedcli.datasets.partition import PartitionSpec, check_partition_file
+    from fedcli.datasets.partition import PartitionSpec, check_partition_file, check_unused_defaults
 
     defaults = PartitionConfig()
     if part.file is not None:
@@ -384,9 +395,10 @@ def validate_partition(part: PartitionConfig, data: DataConfig) -> None:
                               "the partition file fixes them.")
         check_partition_file(Path(part.file), dataset=data.task if data.file is None else None)
         return
-    PartitionSpec(scheme=part.scheme, num_clients=part.num_clients, alpha=part.alpha,
-                  shards_per_client=part.shards_per_client, labels_per_client=part.labels_per_client,
-                  min_size=part.min_size, balanced=part.balanced, sigma=part.sigma, size_alpha=part.size_alpha)
+    check_unused_defaults(PartitionSpec(
+        scheme=part.scheme, num_clients=part.num_clients, alpha=part.alpha, shards_per_client=part.shards_per_client,
+        labels_per_client=part.labels_per_client, min_size=part.min_size, balanced=part.balanced, sigma=part.sigma,
+        size_alpha=part.size_alpha))
 
 
 def store_file(url: str) -> Path | None:

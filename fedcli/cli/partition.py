@@ -50,6 +50,7 @@ def partition(
     """
     from fedcli.datasets.partition import (
         PartitionSpec,
+        check_unused_defaults,
         make_partition,
         plot_partition,
         save_partition,
@@ -62,6 +63,7 @@ def partition(
         spec = PartitionSpec(scheme=scheme.value, num_clients=clients, alpha=alpha, shards_per_client=shards_per_client,
                              labels_per_client=labels_per_client, min_size=min_size, seed=seed, balanced=balanced,
                              sigma=sigma, size_alpha=size_alpha)
+        check_unused_defaults(spec)
         check_output(out, "--out")  # before the data is loaded: a rejected command writes nothing
         check_output(plot, "--plot")
         if plot is not None and plot.resolve() == out.resolve():

@@ -66,6 +66,9 @@ def report(
     from fedcli.tracking import report as rep
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
+        if metric is not None and not metric.strip():
+            raise ConfigError("--metric must be a metric name such as accuracy or eval/loss; got ''. "
+                              "Drop --metric for the default.")
         run_refs = tuple(part for item in runs or [] for part in item.split(",") if part)
         spec = rep.ReportSpec(
             experiments=tuple(experiment or ()), runs=run_refs, where=parse_where(where or []),
@@ -100,6 +103,8 @@ def parse_numbers(flag: str, text: str | None, kind: type) -> list[Any]:
                           f"got {text!r}.") from None
     if kind is int and any(v < 1 for v in values):
         raise ConfigError(f"{flag} rounds must be >= 1; got {text!r}.")
+    if any(v != v or v in (float("inf"), float("-inf")) for v in values):
+        raise ConfigError(f"{flag} must be finite numbers; got {text!r}.")
     return values
 
 
