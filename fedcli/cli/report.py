@@ -69,7 +69,12 @@ def report(
         if metric is not None and not metric.strip():
             raise ConfigError("--metric must be a metric name such as accuracy or eval/loss; got ''. "
                               "Drop --metric for the default.")
-        run_refs = tuple(part for item in runs or [] for part in item.split(",") if part)
+        run_refs = tuple(part.strip() for item in runs or [] for part in item.split(",") if part.strip())
+        for flag, given, parsed in (("--runs", runs, run_refs), ("--group-by", group_by, (group_by or "").split(","))):
+            if given is not None and not any(str(p).strip() for p in parsed):
+                raise ConfigError(f"{flag} must name at least one {'run' if flag == '--runs' else 'config key'}; "
+                                  f"got {given if isinstance(given, str) else ','.join(given)!r}. Drop {flag} for the "
+                                  "default.")
         spec = rep.ReportSpec(
             experiments=tuple(experiment or ()), runs=run_refs, where=parse_where(where or []),
             group_by=tuple(k.strip() for k in group_by.split(",") if k.strip()) if group_by else None,

@@ -302,6 +302,8 @@ CASES: dict[str, Mistake] = {
     "report-thresholds-not-numbers": M(("report", "--thresholds", "high"), "--thresholds must be comma-separated numbers"),
     "report-thresholds-nan": M(("report", "--thresholds", "0.5,nan"), "--thresholds must be finite numbers"),
     "report-metric-empty": M(("report", "--metric", ""), "--metric must be a metric name"),
+    "report-runs-empty": M(("report", "--runs", ","), "--runs must name at least one run"),
+    "report-group-by-empty": M(("report", "--group-by", " , "), "--group-by must name at least one config key"),
     "report-at-zero": M(("report", "--at", "0"), "--at rounds must be >= 1"),
     "report-at-fraction": M(("report", "--at", "1.5"), "--at must be comma-separated integers"),
     "report-where-not-key-value": M(("report", "--where", "algo"), "--where must be KEY=VALUE"),
