@@ -456,10 +456,10 @@ def trial_rows(store: Any, experiment: str, plans: Sequence[Plan], processes: Se
 
     records = experiment_runs(store, experiment)
     by_pid = {(r.host, r.pid, r.tags.get("fedcli.config_hash")): r.id for r in records}
-    for process in processes:
-        if process.run_id is None:
-            key = (HOSTNAME, process.proc.pid, process.plan.trial.config.config_hash)
-            process.run_id = by_pid.get(key) or process.printed_run_id()
+    for started in processes:
+        if started.run_id is None:  # a new run: the store knows it by the trial process's pid
+            pid_key = (HOSTNAME, started.proc.pid, started.plan.trial.config.config_hash)
+            started.run_id = by_pid.get(pid_key) or started.printed_run_id()
     by_plan = {id(p.plan): p for p in processes}
     ids = [i for i in (by_plan[id(p)].run_id if id(p) in by_plan else p.run_id for p in plans) if i]
     frame = store.metrics_frame(ids, keys=list(metric_keys)) if ids else None
@@ -471,8 +471,8 @@ def trial_rows(store: Any, experiment: str, plans: Sequence[Plan], processes: Se
         run_id = process.run_id if process else plan.run_id
         status, note = _row_status(plan, process, stopped)
         rows.append(TrialRow(plan.trial.name, status, store.last_round(run_id) if run_id else None,
-                             plan.trial.config.train.rounds, latest.get(run_id), process and process.elapsed_s,
-                             run_id, note))
+                             plan.trial.config.train.rounds, latest.get(run_id),
+                             None if process is None else process.elapsed_s, run_id, note))
     return rows, key
 
 
