@@ -21,12 +21,13 @@ sent as int32 indices or a G-bit mask, whichever is smaller (up: z_s = 1 groups,
 carries z_s; down: alive groups plus one v each); ungated tensors dense.
 Deviations:
   Paper (Alg. 1): unweighted client sums. Here: fedavg's n_s-weighted means for w and v,
-  so gates-on FedSparse is exactly FedAvg (Adam/Adamax are nearly scale invariant).
-  Paper: server Adam(1e-3, 0.9, 0.999, 1e-8) on w. Here: the run's --server-opt (paper:
-  adam, --server-lr 1e-3 --server-beta2 0.999 --server-tau 1e-8). The authors' Adam is
-  PyTorch's (reference pseudo-code, App. A), bias-corrected: hp.use_server_bias_correction
-  (default on) turns train.server_bias_correction on for FedSparse's Adam/Yogi step on w.
-  Adamax: torch's rule.
+  so gates-on FedSparse is exactly FedAvg (Adam/Adamax are nearly scale invariant; with
+  adam, FedAvg with train.server_bias_correction on).
+  Paper: server Adam(1e-3, 0.9, 0.999, 1e-8) on w. Here: the run's train.server_opt (paper:
+  adam, server_lr 1e-3, server_beta1 0.9, server_beta2 0.999, server_tau 1e-8). App. A's
+  Adam is Kingma & Ba's [16] with its default hyperparameters, whose Alg. 1 is
+  bias-corrected (as torch.optim.Adam): hp.use_server_bias_correction (default on) turns
+  train.server_bias_correction on for FedSparse's Adam/Yogi step on w. Adamax: torch's rule.
   Paper: upload (z_s, z_s * w_s). Here: (z_s, z_s * (w - w_s)), the same entries.
   Paper: Alg. 1 re-evaluates I[theta > eps] each round; Adam momentum can move a pruned
   w_g. Here: pruning is permanent (alive mask); pruned groups stay exactly 0.
@@ -76,7 +77,7 @@ class FedSparseConfig:
     server_gate_lr: float = 1e-2  # server Adamax learning rate on v; App. A
     use_output_layer_gates: bool = False  # gate the classifier too; App. A does not prune it
     use_per_example_regularizer: bool = False  # divide terms (2)-(4) by n_s (Eq. 17 scale)
-    use_server_bias_correction: bool = True  # PyTorch (bias-corrected) Adam on w, the authors' (App. A)
+    use_server_bias_correction: bool = True  # bias-corrected server Adam on w: App. A's Adam of Kingma & Ba [16]
 
     def __post_init__(self) -> None:
         require(self.lambda0 >= 0, "hp.lambda0", ">= 0", self.lambda0, "App. A uses 5e-7, 5e-6, 5e-5.")
