@@ -89,6 +89,8 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
     folder = path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"MLflow store {uri}: {folder} is a file, not a folder; {fix}.")
     if not os.access(folder, os.W_OK):
         raise ConfigError(f"MLflow store {uri}: folder {folder} is not writable; {fix}.")
     if path.exists():

@@ -689,7 +689,11 @@ class SqlStore:
         found = session.scalars(select(Experiment.id).where(Experiment.name == name)).first()
         if found is not None:
             return found
-        row = Experiment(name=name, created_at=now)
+        if session.get_bind().dialect.name == "postgresql":  # two writers may both miss the select
+            stmt = postgresql.insert(Experiment).values(name=name, created_at=now)
+            session.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
+            return session.scalars(select(Experiment.id).where(Experiment.name == name)).one()
+        row = Experiment(name=name, created_at=now)  # SQLite: BEGIN IMMEDIATE already serialises writers
         session.add(row)
         session.flush()
         return row.id

@@ -135,23 +135,12 @@ def _four_writers(url: str, experiments: list[list[str]], together: str) -> None
     assert len(frame) == 10 * len(expected)
 
 
-@pytest.mark.xfail(
-    reason="SqlStore.__init__'s Base.metadata.create_all races on a fresh PostgreSQL database "
-    "(concurrent CREATE TABLE: duplicate pg_type entry / relation already exists); "
-    "fix pending: serialize schema creation with an advisory lock",
-    strict=False,
-)
 def test_four_processes_open_a_fresh_postgres_database_at_once(pg_url: str) -> None:
     """A sweep's four workers open the same fresh database at the same moment (schema creation
     races) and each write a run, in four different experiments."""
     _four_writers(pg_url, [[f"exp-{worker}"] for worker in range(4)], together="open")
 
 
-@pytest.mark.xfail(
-    reason="SqlStore._experiment_id is select-then-insert: on PostgreSQL (READ COMMITTED) concurrent "
-    "start_run calls creating the same new experiment collide on experiments.name's unique constraint",
-    strict=False,
-)
 def test_four_processes_start_runs_in_one_new_experiment_at_once(pg_url: str) -> None:
     """Four workers, each with the store open, start runs in the same not-yet-existing experiment
     at the same moment, three times over (three chances for the race)."""
