@@ -35,7 +35,8 @@ PERCENT_NAMES = ("accuracy", "precision", "recall", "f1")  # metrics whose name 
 _IGNORED_PREFIXES = ("tracking.",)  # where results are written, not what produced them
 # Settings that do not change results (how and where a run executes, like `--resume`'s
 # allowed overrides): never a default group key, never a reason to call a group mixed.
-NON_RESULT_KEYS = frozenset({"train.checkpoint_every", "train.device", "train.executor", "train.cohort_chunk"})
+NON_RESULT_KEYS = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.device", "train.executor",
+                             "train.cohort_chunk", "train.workers", "train.threads"})
 _ALIASES = {"algo": "algorithm.name", "task": "data.task", "model": "data.model", "scheme": "partition.scheme"}
 _DISPLAY = {v: k for k, v in _ALIASES.items()}
 MISSING = "—"

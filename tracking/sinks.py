@@ -72,6 +72,8 @@ class Tracker:
         git_commit: str | None = None,
         tags: Mapping[str, str] | None = None,
         run_id: str | None = None,
+        requested: Mapping[str, Any] | None = None,
+        config_hash: str | None = None,
     ) -> str:
         """Start the run in the SQL store (status `running`, heartbeat now), then its MLflow mirror.
 
@@ -82,14 +84,14 @@ class Tracker:
         self._run_id = self.store.start_run(
             experiment=experiment, run_name=run_name, config=config, algo=algo, task=task, seed=seed,
             tags=sql_tags, fedcli_version=fedcli_version, torch_version=torch_version,
-            git_commit=git_commit, run_id=run_id,
+            git_commit=git_commit, run_id=run_id, requested=requested, config_hash=config_hash,
         )
         if self.mirror is not None:
             self.mirror.start(self._run_id)
         return self._run_id
 
     def resume(self, run_ref: str, *, from_round: int | None = None, config: Mapping[str, Any] | None = None,
-               config_hash: str | None = None) -> RunRecord:
+               config_hash: str | None = None, requested: Mapping[str, Any] | None = None) -> RunRecord:
         """Reattach to an existing run: status back to `running` in this process, MLflow mirror restarted.
 
         Args:
@@ -109,7 +111,7 @@ class Tracker:
         if from_round is not None:
             self.store.delete_rounds_after(record.id, from_round)
         if config is not None and config_hash is not None:
-            self.store.update_config(record.id, config, config_hash)
+            self.store.update_config(record.id, config, config_hash, requested)
         self._run_id = record.id
         if self.mirror is not None:
             self.mirror.start(record.id)

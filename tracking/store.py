@@ -224,6 +224,7 @@ class Run(Base):
     host: Mapped[str | None] = mapped_column(String(255))  # where the live process runs
     pid: Mapped[int | None]  # its process id
     mlflow_synced_round: Mapped[int | None]  # highest round the MLflow mirror has written
+    requested_json: Mapped[str | None] = mapped_column(Text)  # the config as asked for (config_json: as run)
 
 
 class RoundMetric(Base):
@@ -309,6 +310,7 @@ class RunRecord:
     pid: int | None = None
     mlflow_synced_round: int | None = None
     stored_status: str = ""  # the status column as written; `status` is what it means now
+    requested: dict[str, Any] | None = None  # the config as asked for (auto, None); `config` is as it ran
 
     @property
     def is_alive(self) -> bool:
@@ -388,6 +390,7 @@ def _to_record(run: Run, experiment: str, now: datetime | None = None) -> RunRec
         pid=run.pid,
         mlflow_synced_round=run.mlflow_synced_round,
         stored_status=run.status,
+        requested=json.loads(run.requested_json) if run.requested_json else None,
     )
 
 
@@ -518,6 +521,7 @@ _ADDED_COLUMNS = (
     ("runs", "pid", "INTEGER"),
     ("runs", "mlflow_synced_round", "INTEGER"),
     ("round_metrics", "logged_ms", "BIGINT"),
+    ("runs", "requested_json", "TEXT"),
 )
 
 
@@ -644,8 +648,14 @@ class SqlStore:
         torch_version: str,
         git_commit: str | None,
         run_id: str | None = None,
+        requested: Mapping[str, Any] | None = None,
+        config_hash: str | None = None,
     ) -> str:
         """Create a run with status `running`, and its experiment if missing.
+
+        `config` is the config as it runs (defaults resolved: model, device, executor, number
+        of clients); `requested` the config as asked for (kept for `--resume`) and
+        `config_hash` its identity (default: the SHA-256 of `config`'s canonical JSON).
 
         `config` (plain data) is stored as canonical JSON with its SHA-256; `run_name`
         defaults to `f"{algo}-{task}-s{seed}-{run_id[:6]}"`; `run_id` (32 lowercase hex,
@@ -667,7 +677,8 @@ class SqlStore:
             seed=int(seed),
             status="running",
             config_json=config_text,
-            config_hash=hashlib.sha256(config_text.encode("utf-8")).hexdigest(),
+            config_hash=config_hash or hashlib.sha256(config_text.encode("utf-8")).hexdigest(),
+            requested_json=None if requested is None else canonical_json(requested),
             created_at=now,
             fedcli_version=fedcli_version,
             torch_version=torch_version,
@@ -742,11 +753,14 @@ class SqlStore:
             run = self._require_run(session, run_id)
             run.heartbeat_at = _utcnow()
 
-    def update_config(self, run_id: str, config: Mapping[str, Any], hash_: str) -> None:
+    def update_config(self, run_id: str, config: Mapping[str, Any], hash_: str,
+                      requested: Mapping[str, Any] | None = None) -> None:
         """Replace a run's stored config and hash (a resume that changes what the run trains, e.g. rounds)."""
         with self._session(f"update run {run_id}", write=True) as session:
             run = self._require_run(session, run_id)
             run.config_json, run.config_hash = canonical_json(config), hash_
+            if requested is not None:
+                run.requested_json = canonical_json(requested)
             tags = json.loads(run.tags_json)
             if "fedcli.config_hash" in tags:
                 tags["fedcli.config_hash"] = hash_

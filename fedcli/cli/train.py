@@ -174,7 +174,7 @@ def train(
         resume_id = None
         if resume:
             record = find_run(resume, overrides)
-            cfg, resume_id = resume_config(record.config, overrides), record.id
+            cfg, resume_id = resume_config(record.requested or record.config, overrides), record.id
         else:
             cfg = build_config(file=config, overrides=overrides, hp=parse_assignments(hp or [], "--hp"))
         # everything is validated before anything is written: options, MLflow, then the data

@@ -399,13 +399,40 @@ def start_tracking(tracker: Any, cfg: RunConfig, setup: Setup) -> str:
     import fedcli
 
     return tracker.start(
-        experiment=cfg.tracking.experiment, run_name=cfg.tracking.run_name, config=cfg.to_dict(),
+        experiment=cfg.tracking.experiment, run_name=cfg.tracking.run_name, config=resolved_config(setup),
+        requested=cfg.to_dict(), config_hash=cfg.config_hash,
         algo=cfg.algorithm.name, task=setup.task.name, seed=cfg.seed, dataset=cfg.data.task,
         partitioner=cfg.partition.scheme, fedcli_version=fedcli.__version__, torch_version=torch.__version__,
         git_commit=git_commit(), tags={"fedcli.executor": setup.executor, "fedcli.device": str(setup.device),
                                        "fedcli.executor_reason": setup.executor_reason[:250],
                                        "fedcli.model": cfg.data.model or setup.task.default_model,
                                        "fedcli.config_hash": cfg.config_hash})
+
+
+def resolved_config(setup: Setup) -> dict[str, Any]:
+    """The run's config as it runs: every `auto`/None that the set-up decided, filled in.
+
+    Stored as the run's config and logged as its MLflow params, so that two runs that differ
+    only in what `auto` chose can be told apart; the request itself (what `--resume` and the
+    config hash use) is stored beside it.
+    """
+    cfg = setup.cfg
+    out = cfg.to_dict()
+    out["data"]["model"] = cfg.data.model or setup.task.default_model
+    out["train"]["device"] = str(setup.device)
+    out["train"]["executor"] = setup.executor
+    out["train"]["threads"] = torch.get_num_threads()
+    if setup.partition is not None:
+        out["partition"]["num_clients"] = len(setup.partition)
+    spec = setup.partition_spec
+    if cfg.partition.file is not None and spec is not None:  # the file fixes the scheme and its options
+        for key in ("scheme", "alpha", "shards_per_client", "labels_per_client", "min_size", "balanced", "sigma",
+                    "size_alpha"):
+            if hasattr(spec, key):
+                out["partition"][key] = getattr(spec, key)
+    if setup.runner is not None and hasattr(setup.runner, "slots"):  # the process executor's processes
+        out["train"]["workers"] = setup.runner.slots
+    return out
 
 
 def git_commit() -> str | None:
@@ -483,8 +510,10 @@ def _restore(tracker: Any, run_id: str, setup: Setup, state: Any, store: ClientS
             log.warning("checkpoint of round %d (%s) cannot be read (%s); trying an older one", round_idx, path, err)
             continue
         store.load_state_dict(saved["client_states"])
-        tracker.resume(run_id, from_round=round_idx, config=cfg.to_dict(), config_hash=cfg.config_hash)
+        tracker.resume(run_id, from_round=round_idx, config=resolved_config(setup), config_hash=cfg.config_hash,
+                       requested=cfg.to_dict())
         return ckpt.to_device(saved["server_state"], setup.device), round_idx + 1
     log.warning("run %s has no checkpoint; it restarts from round 0 under the same id", run_id)
-    tracker.resume(run_id, from_round=-1, config=cfg.to_dict(), config_hash=cfg.config_hash)
+    tracker.resume(run_id, from_round=-1, config=resolved_config(setup), config_hash=cfg.config_hash,
+                   requested=cfg.to_dict())
     return state, 1

@@ -164,3 +164,22 @@ def test_unreachable_mlflow_server_fails_before_anything_is_written(tmp_path: Pa
                                str(tmp_path / "r"), "--tracking-uri", "http://127.0.0.1:9", "--mlflow-optional"],
                               capture_output=True, text=True, timeout=120)
     assert optional.returncode == 0 and "SQL store only" in " ".join(optional.stderr.split())
+
+
+def test_stored_config_is_what_ran_and_resume_uses_the_request(tmp_path: Path) -> None:
+    """The run's config holds the resolved model, device, executor, threads and clients (not auto/None);
+    the request is kept beside it, and the config hash is the request's (so sweeps match trials)."""
+    from fedcli.config import build_config
+
+    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "2", "--root",
+                           str(tmp_path), "--no-mlflow"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    record = store(tmp_path).list_runs()[0]
+    train = record.config["train"]
+    assert (record.config["data"]["model"], train["device"], train["executor"]) == ("linear", "cpu", "vmap")
+    assert train["threads"] >= 1 and record.config["partition"]["num_clients"] == 20
+    assert record.requested is not None and record.requested["train"]["executor"] == "auto"
+    assert record.requested["data"]["model"] is None
+    overrides = {"data.task": "lsq", "train.clients_per_round": 4, "train.rounds": 2, "tracking.root": str(tmp_path),
+                 "tracking.use_mlflow": False}
+    assert record.config_hash == build_config(overrides=overrides).config_hash
