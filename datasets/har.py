@@ -111,6 +111,7 @@ HAR = Task(
                              "mlp": lambda: models.MLP(WINDOW * len(CHANNELS), (200, 200), len(ACTIVITIES))}),
     default_model="cnn",
     load=load_har,
+    reads_max_clients=True,  # the loader keeps the first --max-clients clients
 )
 
 TASKS = (HAR,)

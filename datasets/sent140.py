@@ -92,6 +92,7 @@ SENT140 = Task(
     models=MappingProxyType({"lstm": lambda: models.TextLSTM(VOCAB_SIZE + 1, 2)}),
     default_model="lstm",
     load=load_sent140,
+    reads_max_clients=True,  # the loader keeps the first --max-clients clients
 )
 
 TASKS = (SENT140,)

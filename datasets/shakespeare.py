@@ -98,6 +98,7 @@ SHAKESPEARE = Task(
     default_model="lstm",
     load=load_shakespeare,
     prepare=_ids,
+    reads_max_clients=True,  # the loader keeps the first --max-clients clients
 )
 
 TASKS = (SHAKESPEARE,)

@@ -63,6 +63,7 @@ class Task:
     example_loss: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
     # Optional chunkable evaluation metrics (datasets.metrics.MetricFns); None = by `kind`.
     metrics: Any = None
+    reads_max_clients: bool = False  # True when `load` honours TaskOptions.max_clients (big natural-client data)
 
 
 def fingerprint(*tensors: Tensor) -> str:

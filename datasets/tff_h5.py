@@ -147,6 +147,7 @@ EMNIST = Task(
     default_model="cnn",
     load=_load_emnist,
     prepare=grey_images,
+    reads_max_clients=True,  # the loader keeps the first --max-clients clients
 )
 
 
@@ -184,6 +185,7 @@ CIFAR100 = Task(
     default_model="resnet18-gn",
     load=_load_cifar100,
     prepare=cifar_images,
+    reads_max_clients=True,  # the loader keeps the first --max-clients clients
 )
 
 
@@ -322,6 +324,7 @@ STACKOVERFLOW_NWP = Task(
     load=_load_nwp,
     example_loss=next_token_loss,
     metrics=next_token(pad_id=PAD, special_ids=(OOV, BOS, EOS)),  # Reddi et al.: no special tokens
+    reads_max_clients=True,  # the loader keeps the first --max-clients clients
 )
 
 STACKOVERFLOW_LR = Task(
@@ -335,6 +338,7 @@ STACKOVERFLOW_LR = Task(
     load=_load_lr,
     prepare=bag_of_words,
     example_loss=multilabel_loss,
+    reads_max_clients=True,  # the loader keeps the first --max-clients clients
 )
 
 TASKS = (EMNIST, CIFAR100, STACKOVERFLOW_NWP, STACKOVERFLOW_LR)

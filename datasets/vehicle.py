@@ -97,6 +97,7 @@ VEHICLE = Task(
                              "mlp": lambda: models.MLP(NUM_FEATURES, (64,), 2)}),
     default_model="logreg",
     load=load_vehicle,
+    reads_max_clients=True,  # the loader keeps the first --max-clients clients
 )
 
 TASKS = (VEHICLE,)

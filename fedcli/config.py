@@ -363,12 +363,25 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"unknown task {cfg.data.task!r}{suggest(cfg.data.task, list(TASKS))}; "
                           f"choose one of: {', '.join(TASKS)}.")
     task = TASKS.get(cfg.data.task)
+    if task is not None and cfg.data.file is None:
+        require_max_clients_support(task, cfg.data.max_clients)
     if task is not None and cfg.data.file is None and cfg.data.model is not None and cfg.data.model not in task.models:
         raise ConfigError(f"data.model must be one of {', '.join(task.models)} for task {task.name}; "
                           f"got {cfg.data.model!r}.")
     if cfg.partition.scheme not in SCHEMES:
         raise ConfigError(f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}.")
     validate_partition(cfg.partition, cfg.data)
+
+
+def require_max_clients_support(task: Any, max_clients: int | None) -> None:
+    """--max-clients only for tasks whose loader reads it (else it would be ignored without a word)."""
+    from fedcli.datasets.registry import TASKS
+
+    if max_clients is None or task.reads_max_clients:
+        return
+    readers = ", ".join(name for name, t in TASKS.items() if t.reads_max_clients)
+    raise ConfigError(f"data.max_clients is not used by task {task.name!r}; got {max_clients!r}. Drop --max-clients "
+                      f"(it applies to {readers}); --clients N keeps the first N natural clients of any task.")
 
 
 # CLI flag of each partition field; a partition file fixes all of them.

@@ -48,6 +48,7 @@ def partition(
 
     Example: fedcli partition --dataset mnist --scheme dirichlet --alpha 0.1 --clients 10 --out mnist-dir01.json
     """
+    from fedcli.config import require_max_clients_support
     from fedcli.datasets.partition import (
         PartitionSpec,
         check_unused_defaults,
@@ -64,6 +65,7 @@ def partition(
                              labels_per_client=labels_per_client, min_size=min_size, seed=seed, balanced=balanced,
                              sigma=sigma, size_alpha=size_alpha)
         check_unused_defaults(spec)
+        require_max_clients_support(task, max_clients)
         check_output(out, "--out")  # before the data is loaded: a rejected command writes nothing
         check_output(plot, "--plot")
         if plot is not None and plot.resolve() == out.resolve():

@@ -117,6 +117,8 @@ CASES: dict[str, Mistake] = {
     "train-seed-negative": M(train("--seed", "-1"), "'--seed'", marks=(LEAD_USAGE,)),
     "train-executor-fused-on-lsq": M(train("--task", "lsq", "--executor", "fused", "--no-mlflow"),
                                      "--executor fused"),
+    "train-max-clients-ignored": M(train("--task", "lsq", "--max-clients", "5"),
+                                   "data.max_clients is not used by task 'lsq'"),
     # --- train: config files
     "config-missing": M(train("--config", "nope.yaml"), "nope.yaml", marks=(LEAD_USAGE,)),
     "config-malformed-yaml": M(train("--config", "c.yaml"), "is not valid YAML", text("c.yaml", "train: [rounds: 3\n")),
@@ -239,6 +241,8 @@ CASES: dict[str, Mistake] = {
     "partition-size-alpha-unused": M(("partition", "--dataset", "synthetic-iid", "--scheme", "dirichlet", "--clients",
                                       "5", "--alpha", "0.5", "--size-alpha", "2", "--out", "p.json"),
                                      "partition.size_alpha is not used by scheme 'dirichlet'"),
+    "partition-max-clients-ignored": M(("partition", "--dataset", "lsq", "--scheme", "natural", "--max-clients", "5",
+                                        "--out", "p.json"), "data.max_clients is not used by task 'lsq'"),
     "partition-out-proc": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out", "/proc/x"),
                             "/proc/x: not writable"),
     "partition-out-directory": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out",
