@@ -136,6 +136,24 @@ def check_arrays(path: Path, arrays: Arrays) -> None:
                             "before training; fedcli drops no rows.")
 
 
+def has_client(path: Path) -> bool | None:
+    """Whether the file names an owner per example (array / column `client`), read cheaply from
+    the archive listing or the header; None when it cannot be read (loading reports why)."""
+    try:
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                return "client" in archive.files
+        if path.suffix == ".csv":
+            import pandas as pd
+
+            return "client" in pd.read_csv(path, nrows=0).columns
+        import pyarrow.parquet as pq
+
+        return "client" in pq.read_schema(path).names
+    except (OSError, ValueError, EOFError, ImportError):
+        return None
+
+
 def _targets(path: Path, y: np.ndarray, name: str = "y") -> tuple[np.ndarray, str]:
     if y.ndim != 1:
         raise DataError(f"{path.name}: {name} must be one target per example [N]; got shape {y.shape}.")

@@ -340,7 +340,7 @@ def validate(cfg: RunConfig) -> None:
     except HyperparameterError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.data.file is not None:
-        from fedcli.datasets.byo import MODELS, SUFFIXES
+        from fedcli.datasets.byo import MODELS, SUFFIXES, has_client
 
         if not Path(cfg.data.file).is_file():
             raise ConfigError(f"data.file {cfg.data.file!r} does not exist; pass an .npz/.csv/.parquet file to --data.")
@@ -359,6 +359,9 @@ def validate(cfg: RunConfig) -> None:
         if cfg.data.model is not None and cfg.data.model not in MODELS:
             raise ConfigError(f"data.model must be one of {', '.join(MODELS)} with --data; got {cfg.data.model!r}"
                               f"{suggest(cfg.data.model, MODELS)}.")
+        if cfg.partition.file is None and cfg.partition.scheme == "natural" and has_client(Path(cfg.data.file)) is False:
+            raise ConfigError(f"partition.scheme 'natural' needs a client array or column in {Path(cfg.data.file).name};"
+                              " got none. Pass --scheme iid --clients N (or dirichlet, shards, ...), or add `client`.")
     elif cfg.data.task not in TASKS:
         raise ConfigError(f"unknown task {cfg.data.task!r}{suggest(cfg.data.task, list(TASKS))}; "
                           f"choose one of: {', '.join(TASKS)}.")

@@ -89,6 +89,11 @@ def train(*args: str) -> tuple[str, ...]:
     return ("train", *args, "--root", ROOT)
 
 
+def byo(file: str, *args: str) -> tuple[str, ...]:
+    """Train on your own data with a scheme that needs no client column (the file's checks come first)."""
+    return train("--data", file, "--scheme", "iid", "--clients", "2", "--no-mlflow", *args)
+
+
 def sweep(*args: str) -> tuple[str, ...]:
     return ("sweep", *args, "--root", ROOT)
 
@@ -188,33 +193,35 @@ CASES: dict[str, Mistake] = {
     "data-with-task": M(train("--data", "d.npz", "--task", "lsq"), "data.task must be left unset with data.file",
                         npz(x=X10, y=Y10)),
     "data-with-data-dir": M(train("--data", "d.npz", "--data-dir", "elsewhere"), "Drop --data-dir", npz(x=X10, y=Y10)),
-    "data-no-features": M(train("--data", "d.npz", "--no-mlflow"), "x must have at least one feature",
+    "data-no-features": M(byo("d.npz"), "x must have at least one feature",
                           npz(x=np.zeros((10, 0)), y=Y10)),
-    "data-npz-not-an-archive": M(train("--data", "d.npz", "--no-mlflow"), "cannot be read as .npz",
+    "data-npz-not-an-archive": M(byo("d.npz"), "cannot be read as .npz",
                                  text("d.npz", "hello")),
-    "data-csv-header-only": M(train("--data", "d.csv", "--no-mlflow"), "must hold at least one example row",
+    "data-csv-header-only": M(byo("d.csv"), "must hold at least one example row",
                               text("d.csv", "a,y\n")),
-    "data-client-missing": M(train("--data", "d.npz", "--no-mlflow"), "client must name an owner for every row",
+    "data-client-missing": M(byo("d.npz"), "client must name an owner for every row",
                              npz(x=X10, y=Y10, client=np.where(Y10 == 0, 1.0, np.nan))),
-    "data-x-y-lengths": M(train("--data", "d.npz", "--no-mlflow"), "y must have one entry per row of x",
+    "data-natural-without-client": M(train("--data", "d.npz"), "needs a client array or column in d.npz",
+                                     npz(x=X10, y=Y10)),
+    "data-x-y-lengths": M(byo("d.npz"), "y must have one entry per row of x",
                           npz(x=X10, y=Y10[:8])),
-    "data-client-length": M(train("--data", "d.npz", "--no-mlflow"), "client must have one entry per row of x",
+    "data-client-length": M(byo("d.npz"), "client must have one entry per row of x",
                             npz(x=X10, y=Y10, client=np.arange(4))),
-    "data-x-test-without-y-test": M(train("--data", "d.npz", "--no-mlflow"), "only one of x_test / y_test",
+    "data-x-test-without-y-test": M(byo("d.npz"), "only one of x_test / y_test",
                                     npz(x=X10, y=Y10, x_test=X10)),
-    "data-y-strings": M(train("--data", "d.npz", "--no-mlflow"), "y must be integer class labels or float targets",
+    "data-y-strings": M(byo("d.npz"), "y must be integer class labels or float targets",
                         npz(x=X10, y=np.array(["cat", "dog"] * 5))),
-    "data-x-nan": M(train("--data", "d.npz", "--no-mlflow"), "x must be finite", npz(x=X_NAN, y=Y10)),
-    "data-x-one-dimensional": M(train("--data", "d.npz", "--no-mlflow"), "x must be [N, features...]",
+    "data-x-nan": M(byo("d.npz"), "x must be finite", npz(x=X_NAN, y=Y10)),
+    "data-x-one-dimensional": M(byo("d.npz"), "x must be [N, features...]",
                                 npz(x=np.arange(10.0), y=Y10)),
-    "data-float-labels-logreg": M(train("--data", "d.npz", "--model", "logreg", "--no-mlflow"),
+    "data-float-labels-logreg": M(byo("d.npz", "--model", "logreg"),
                                   "--model logreg needs integer class labels", npz(x=X10, y=Y10 + 0.5)),
-    "data-y-test-float-y-int": M(train("--data", "d.npz", "--no-mlflow"), "y_test must be integer class labels",
+    "data-y-test-float-y-int": M(byo("d.npz"), "y_test must be integer class labels",
                                  npz(x=X10, y=Y10, x_test=X10[:2], y_test=np.array([0.5, 1.0]))),
-    "data-csv-empty": M(train("--data", "d.csv", "--no-mlflow"), "cannot be read as csv", text("d.csv", "")),
-    "data-csv-text-feature": M(train("--data", "d.csv", "--no-mlflow"), "feature columns must be numeric",
+    "data-csv-empty": M(byo("d.csv"), "cannot be read as csv", text("d.csv", "")),
+    "data-csv-text-feature": M(byo("d.csv"), "feature columns must be numeric",
                                text("d.csv", "a,y\nred,0\nblue,1\nred,1\n")),
-    "data-csv-missing-label": M(train("--data", "d.csv", "--no-mlflow"), "y must be finite",
+    "data-csv-missing-label": M(byo("d.csv"), "y must be finite",
                                 text("d.csv", "a,y\n1.0,0.5\n2.0,\n3.0,1.5\n4.0,2.5\n")),
     # --- partition
     "partition-unknown-dataset": M(("partition", "--dataset", "mnistt", "--scheme", "iid", "--clients", "5", "--out",
