@@ -271,7 +271,19 @@ class Mirror:
         _retry("tags", lambda: self.sink.set_tags(tags))
         _retry("end", lambda: self.sink.end_run(status))
 
+    def run_once(self) -> int:
+        """Copy an ended (or dead) run once and end its MLflow run as the store says (`fedcli sync`)."""
+        record = self.store.get_run(self.record.id)
+        if record.status == "running":
+            raise TrackingError(f"run {record.id[:8]} is still training; its own mirror keeps MLflow in line")
+        self.open_run()
+        self.copy(self.safe_round(record.status))
+        self.finish(record.status)
+        return 0
+
     def run(self) -> int:
+        if self.args.once:
+            return self.run_once()
         self.open_run()
         parent_gone = False
         while True:
@@ -297,9 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiment", required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--parent-run")
+    parser.add_argument("--once", action="store_true", help="copy an ended run once and exit (fedcli sync)")
     args = parser.parse_args(argv)
-    with contextlib.suppress(OSError):
-        os.nice(19)  # never compete with the training for the cores
+    if not args.once:
+        with contextlib.suppress(OSError):
+            os.nice(19)  # never compete with the training for the cores
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
     for noisy in ("alembic", "mlflow"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

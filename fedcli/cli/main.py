@@ -11,6 +11,7 @@ from fedcli.cli.evaluate import evaluate
 from fedcli.cli.listing import list_command
 from fedcli.cli.report import report
 from fedcli.cli.sweep import sweep
+from fedcli.cli.sync import sync
 from fedcli.cli.train import train
 from fedcli.cli.ui import ui
 
@@ -49,6 +50,7 @@ app.command("sweep")(sweep)
 app.command("evaluate")(evaluate)
 app.command("report")(report)
 app.command("ui")(ui)
+app.command("sync")(sync)
 
 try:  # `fedcli partition` lives in its own module (issue 3)
     from fedcli.cli.partition import partition

@@ -86,19 +86,63 @@ def fedpa_overhead(dims: list[int], repeats: int = 5, steps: int = 100, batch: i
     return rows
 
 
-def tracking_share(rounds: int, root: Path) -> dict[str, float]:
-    """Train the MLP workload with the SQL store + MLflow, evaluating every round."""
-    from fedcli.cli.common import open_tracker
-    from fedcli.engine.train import train
+def _cli_round_times(args: list[str], root: Path) -> list[float]:
+    """Run `fedcli train ARGS` (a fresh --root) and return its time/round_s of rounds 1..R from the store."""
+    import subprocess
+    import sys
 
-    cfg = build_config(overrides={"data.task": "femnist", "train.rounds": rounds, "train.eval_every": 1,
-                                  "tracking.root": str(root), "tracking.experiment": "bench", "seed": 0,
-                                  "train.device": "cpu"})
-    result = train(cfg, tracker=open_tracker(cfg.tracking))
-    timing = result.timing
-    loop = timing.train + timing.aggregate + timing.evaluate + timing.tracking
-    return {"rounds": rounds, "executor": result.executor, "tracking_s_per_round": timing.tracking / max(rounds, 1),
-            "round_s": loop / max(rounds, 1), "share_pct": 100 * timing.tracking / loop}
+    from fedcli.tracking.store import SqlStore
+
+    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), *args],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"fedcli train failed: {proc.stderr.strip().splitlines()[-1:]}")
+    store = SqlStore(f"sqlite:///{root / 'fedcli.db'}")
+    run = store.list_runs()[-1]
+    frame = store.metrics_frame([run.id], keys=["time/round_s"])
+    return [float(v) for v in frame.sort_values("round_idx")["value"]]
+
+
+def component_cost(base: list[str], with_args: list[str], without_args: list[str], reps: int,
+                   root: Path, first: int = 10) -> dict[str, float]:
+    """Round wall time of `fedcli train` with vs without a component, as users run it (CLI, fresh root).
+
+    The two variants alternate (with, without, with, ...) so both meet the same machine; each
+    figure is the median over repetitions of the mean round time (rounds 1..R, and rounds
+    1..`first`, where start-up work such as MLflow's import competes hardest).
+    """
+    means: dict[str, list[float]] = {"with": [], "without": [], "with_first": [], "without_first": []}
+    for rep in range(reps):
+        for name, extra in (("with", with_args), ("without", without_args)):
+            times = _cli_round_times([*base, *extra], root / f"{name}-{rep}")
+            means[name].append(statistics.fmean(times))
+            means[f"{name}_first"].append(statistics.fmean(times[:first]))
+    out = {k: statistics.median(v) for k, v in means.items()}
+    out["overhead_pct"] = 100 * (out["with"] / out["without"] - 1)
+    out["overhead_first_pct"] = 100 * (out["with_first"] / out["without_first"] - 1)
+    out["reps"] = reps
+    return out
+
+
+def tracking_share(rounds: int, root: Path) -> dict[str, dict[str, float]]:
+    """MLflow's cost: round wall time with the default MLflow sink vs `--no-mlflow`, 10 and 50 clients.
+
+    FEMNIST MLP, FedAvg, fused executor, a fresh root each time (so MLflow's first-time set-up
+    falls inside the run), measured from round 1 on.
+    """
+    out = {}
+    for clients in (10, 50):
+        base = ["--algo", "fedavg", "--task", "femnist", "--rounds", str(rounds), "--clients-per-round",
+                str(clients), "--device", "cpu"]
+        out[f"clients_{clients}"] = component_cost(base, [], ["--no-mlflow"], 3, root / f"mlflow-{clients}")
+    return out
+
+
+def checkpoint_cost(rounds: int, root: Path) -> dict[str, float]:
+    """The default checkpoints' cost on the demo (FedPA, examples/fedpa-femnist-demo.yaml) vs none."""
+    base = ["--config", str(Path(__file__).resolve().parents[2] / "examples" / "fedpa-femnist-demo.yaml"),
+            "--rounds", str(rounds), "--no-mlflow", "--device", "cpu"]
+    return component_cost(base, [], ["--checkpoint-every", "0"], 3, root / "checkpoints")
 
 
 _PROBE = textwrap.dedent('''
@@ -112,13 +156,13 @@ _PROBE = textwrap.dedent('''
             run = spec.loader.exec_module
             def exec_module(module):
                 run(module)
-                inner = module.run_round
-                def run_round(*args, **kwargs):
-                    if not getattr(run_round, "seen", False):
-                        run_round.seen = True
+                inner = module.train_cohort
+                def train_cohort(*args, **kwargs):
+                    if not getattr(train_cohort, "seen", False):
+                        train_cohort.seen = True
                         print(f"FEDCLI_FIRST_ROUND {time.time()!r}", file=sys.stderr, flush=True)
                     return inner(*args, **kwargs)
-                module.run_round = run_round
+                module.train_cohort = train_cohort
             spec.loader.exec_module = exec_module
             return spec
     sys.meta_path.insert(0, _FirstRound())

@@ -183,3 +183,18 @@ def test_stored_config_is_what_ran_and_resume_uses_the_request(tmp_path: Path) -
     overrides = {"data.task": "lsq", "train.clients_per_round": 4, "train.rounds": 2, "tracking.root": str(tmp_path),
                  "tracking.use_mlflow": False}
     assert record.config_hash == build_config(overrides=overrides).config_hash
+
+
+def test_sync_copies_runs_into_mlflow_once_however_often_it_runs(tmp_path: Path) -> None:
+    """A run trained with --no-mlflow is copied by `fedcli sync`; a second sync adds nothing."""
+    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "3", "--root",
+                           str(tmp_path), "--no-mlflow"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run_id = store(tmp_path).list_runs()[0].id
+    for _ in range(2):
+        synced = subprocess.run([sys.executable, "-m", "fedcli", "sync", "--root", str(tmp_path)],
+                                capture_output=True, text=True, timeout=300)
+        assert synced.returncode == 0, synced.stderr
+        rows, distinct, status = mlflow_points(tmp_path)
+        assert rows == distinct == len(store(tmp_path).metrics_frame([run_id]))
+        assert status == {run_id: "FINISHED"}
