@@ -224,6 +224,24 @@ def plan_trials(trials: Sequence[Trial], records: Sequence[RunRecord]) -> list[P
     return plans
 
 
+SETTLE_S = 5.0  # how long a sweep waits for runs alive elsewhere to end before it plans them as running
+
+
+def plan_settled(trials: Sequence[Trial], read_runs: Callable[[], list[RunRecord]],
+                 settle_s: float = SETTLE_S) -> list[Plan]:
+    """`plan_trials`, giving runs alive in another process up to `settle_s` seconds to end first.
+
+    A sweep killed a moment ago leaves its trials a second or two to checkpoint and read
+    `interrupted`; a rerun started right away should resume them, not skip them as running.
+    """
+    deadline = time.monotonic() + settle_s
+    while True:
+        plans = plan_trials(trials, read_runs())
+        if time.monotonic() >= deadline or not any(p.action == ELSEWHERE for p in plans):
+            return plans
+        time.sleep(0.5)
+
+
 def trial_command(plan: Plan, config_path: Path, cores: int, parent_run: str | None) -> list[str]:
     """The `fedcli train` command line of a planned trial (a new run, or `--resume` of its run).
 

@@ -69,7 +69,7 @@ def sweep(
         track, report_path = trials[0].config.tracking, report_output(body, trials[0].config.tracking.root)
         check_output(report_path, "report.output")
         db = open_store(track.store_url)
-        plans = sweeps.plan_trials(trials, sweeps.experiment_runs(db, track.experiment))
+        plans = sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(db, track.experiment))
         show_plan(plans)
         if dry_run:
             return

@@ -4,8 +4,8 @@ its trials real `fedcli train` children, killed and signalled for real, the stor
 - a 2x1 sweep with --workers 2 finishes every trial, as nested MLflow children of one parent
   run; a rerun skips them, and a rerun that has a trial to resume reuses that parent;
 - SIGKILL of the sweep stops its trials in order (PR_SET_PDEATHSIG: they checkpoint, read
-  `interrupted`, and no process is left); a rerun resumes each from its checkpoint under the
-  same run id (round 1 is not trained again) and finishes, one run per config hash;
+  `interrupted`, and no process is left); a rerun started at once resumes each from its
+  checkpoint under the same run id (round 1 is not trained again), one run per config hash;
 - a rerun while a trial is alive in another process does not start it again; SIGTERM to the
   sweep stops it with exit code 143 and checkpointed, interrupted trials.
 
@@ -29,14 +29,17 @@ import pytest
 from fedcli.tracking.store import RunRecord, SqlStore
 
 T = TypeVar("T")
+ROUNDS_NEVER_REACHED = 100_000  # a trial that is stopped, never finished
 START_S = 240.0  # how long a sweep may take to get its trials going on a busy 2-core box
 pytestmark = pytest.mark.timeout(600)
 
 
-def write_spec(folder: Path, experiment: str, rounds: int, server_opts: list[str]) -> Path:
+def write_spec(folder: Path, experiment: str, rounds: int, server_opts: list[str], local_epochs: int = 1) -> Path:
+    """lsq trials: ~25 ms a round; 2 local epochs of batch 5 make it ~50-150 ms (time to kill mid-way)."""
     path = folder / f"{experiment}.yaml"
     path.write_text(f"experiment: {experiment}\n"
-                    f"base: {{task: lsq, rounds: {rounds}, clients_per_round: 4}}\n"
+                    f"base: {{task: lsq, rounds: {rounds}, clients_per_round: 4, local_epochs: {local_epochs}, "
+                    f"batch_size: 5}}\n"
                     f"grid: {{server_opt: [{', '.join(server_opts)}]}}\nseeds: [0]\n")
     return path
 
@@ -141,41 +144,39 @@ def test_sweep_finishes_all_trials_as_mlflow_children_and_rerun_skips_or_reuses_
     assert len(client.search_runs([experiment], "")) == 3  # parent + 2 children: nothing new
 
 
-def test_sigkilled_sweep_stops_its_trials_and_rerun_resumes_them_from_checkpoints(tmp_path: Path) -> None:
-    """SIGKILL the sweep once a trial is at round >= 2: every trial process ends within seconds and
-    its run is stored `interrupted` (it took SIGTERM, not a kill); the rerun continues each run under
-    its id from its checkpoint (round 1's rows keep their first logging time) and finishes."""
-    spec = write_spec(tmp_path, "kill", rounds=40, server_opts=["sgd", "adam"])
+def test_sigkilled_sweep_stops_its_trials_and_an_immediate_rerun_resumes_them(tmp_path: Path) -> None:
+    """SIGKILL the sweep once a trial is at round >= 2 and rerun it at once: every trial process
+    ends within seconds, stopped by SIGTERM (PR_SET_PDEATHSIG) and so stored `interrupted` with a
+    checkpoint, which the rerun's plan shows; the rerun continues each run under its id from its
+    checkpoint (round 1's rows keep their first logging time), one run per config hash, and finishes."""
+    spec = write_spec(tmp_path, "kill", rounds=60, server_opts=["sgd", "adam"], local_epochs=2)
     proc = sweep(tmp_path, spec, "--no-mlflow", "--workers", "2")
     wait_for("a trial at round 2", run_at_round(tmp_path, 2))
     trials = children(proc.pid)
-    assert len(trials) == 2
-    proc.kill()
-    proc.wait(timeout=30)
-    wait_for("the trial processes to end", lambda: all(gone(pid) for pid in trials), timeout=60)
-    before = {r.id: r for r in runs(tmp_path)}
-    assert before and {r.stored_status for r in before.values()} == {"interrupted"}
     db = store(tmp_path)
-    for run_id in before:  # its last completed round is checkpointed (none completed: no checkpoint)
-        assert ([c for c, _ in db.checkpoints(run_id)][-1:] or [0])[0] == (db.last_round(run_id) or 0)
-    round_one = {run_id: db.round_rows(run_id, 0, 1) for run_id in before if db.checkpoints(run_id)}
-    assert round_one  # the trial seen at round 2 at least
+    round_one = {r.id: db.round_rows(r.id, 0, 1) for r in db.list_runs() if (db.last_round(r.id) or 0) >= 2}
+    assert len(trials) == 2 and round_one
 
-    code, err = finish(sweep(tmp_path, spec, "--no-mlflow", "--workers", "2"))
+    proc.kill()
+    rerun = sweep(tmp_path, spec, "--no-mlflow", "--workers", "2")
+    wait_for("the killed sweep's trials to end", lambda: all(gone(pid) for pid in trials), timeout=60)
+    code, err = finish(rerun)
+
     assert code == 0, err
+    assert "running elsewhere" not in err
     after = one_run_per_hash(runs(tmp_path))
     assert len(after) == 2 and {r.status for r in after.values()} == {"finished"}
-    for run_id in before:
-        assert store(tmp_path).get_run(run_id).status == "finished"  # the same run, continued
-        assert sorted(set(store(tmp_path).metrics_frame([run_id])["round_idx"])) == list(range(41))
     for run_id, rows in round_one.items():
-        assert store(tmp_path).round_rows(run_id, 0, 1) == rows  # resumed from its checkpoint: round 1 kept
+        assert f"resume {run_id[:8]}" in err and "stopped by SIGTERM" in err  # the same run, continued
+        assert store(tmp_path).round_rows(run_id, 0, 1) == rows  # from its checkpoint: round 1 not redone
+    for record in after.values():
+        assert sorted(set(store(tmp_path).metrics_frame([record.id])["round_idx"])) == list(range(61))
 
 
 def test_rerun_leaves_a_live_trial_alone_and_sigterm_stops_the_sweep_with_143(tmp_path: Path) -> None:
     """While sweep A trains its trial, sweep B with the same spec shows it running elsewhere and
     starts nothing; SIGTERM to A is forwarded, A exits 143, the trial is interrupted and checkpointed."""
-    spec = write_spec(tmp_path, "live", rounds=400, server_opts=["sgd"])
+    spec = write_spec(tmp_path, "live", rounds=ROUNDS_NEVER_REACHED, server_opts=["sgd"])
     first = sweep(tmp_path, spec, "--no-mlflow")
     live = wait_for("the trial at round 2", run_at_round(tmp_path, 2))
 
@@ -189,4 +190,4 @@ def test_rerun_leaves_a_live_trial_alone_and_sigterm_stops_the_sweep_with_143(tm
     assert "sweep stopped by SIGTERM" in err and "fedcli sweep" in err  # the rerun hint
     stopped = store(tmp_path).get_run(live.id)
     assert stopped.stored_status == "interrupted" and "SIGTERM" in (stopped.failure_reason or "")
-    assert store(tmp_path).checkpoints(live.id)[-1][0] == store(tmp_path).last_round(live.id) < 400
+    assert store(tmp_path).checkpoints(live.id)[-1][0] == store(tmp_path).last_round(live.id) < ROUNDS_NEVER_REACHED
