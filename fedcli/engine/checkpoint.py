@@ -14,6 +14,7 @@ default `auto` cadence written after every round unless writing one takes longer
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -47,15 +48,32 @@ def to_device(tree: Any, device: torch.device) -> Any:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save to a temp file beside `path`, fsync, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """torch.save to a temp file beside `path`, fsync, then rename over `path`.
+
+    The object is serialised in memory first and written with plain file writes, so a full
+    disk is an `OSError(ENOSPC)` (torch's zip writer reports it as an opaque RuntimeError);
+    any failure leaves `path` as it was and removes the temp file.
+
+    Raises:
+        TrackingError: the file could not be written (the message names the path and, for a
+            full disk, says "no space left on device").
+    """
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}.", dir=path.parent)
+    except OSError as err:
+        raise TrackingError(_os_message(err, path)) from err
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
+            fh.write(buffer.getbuffer())
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise TrackingError(_os_message(err, path)) from err
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -147,10 +165,7 @@ class CheckpointWriter:
     def _write(self, round_idx: int, snapshot: dict[str, Any]) -> None:
         start = time.perf_counter()
         path = checkpoint_path(self.folder.parent, round_idx)
-        try:
-            atomic_save(snapshot, path)
-        except OSError as err:
-            raise TrackingError(_os_message(err, path)) from err
+        atomic_save(snapshot, path)
         self._record(round_idx, str(path.resolve()))
         self._write_s = time.perf_counter() - start
         with self._lock:
@@ -185,6 +200,6 @@ def _os_message(err: OSError, path: Path) -> str:
     import errno
 
     if err.errno == errno.ENOSPC:
-        return (f"no space left on device: could not write checkpoint {path}; free disk space, then resume "
+        return (f"no space left on device: could not write {path}; free disk space, then resume "
                 "with `fedcli train --resume RUN` (the previous checkpoint is intact)")
-    return f"could not write checkpoint {path}: {err.strerror or err}; check the folder's permissions and space"
+    return f"could not write {path}: {err.strerror or err}; check the folder's permissions and free space"

@@ -198,3 +198,37 @@ def test_sync_copies_runs_into_mlflow_once_however_often_it_runs(tmp_path: Path)
         rows, distinct, status = mlflow_points(tmp_path)
         assert rows == distinct == len(store(tmp_path).metrics_frame([run_id]))
         assert status == {run_id: "FINISHED"}
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # noqa: ANN201 - a generator fixture
+    """A 3 MB tmpfs (root only); resized with `remount`. Skipped where mounting is not allowed."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip() or 'not root'}); "
+                    "the disk-full test needs root (CI runs as root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_while_checkpointing_says_so_in_one_line_and_resumes(small_disk: Path) -> None:
+    """FEMNIST MLP checkpoints (0.8 MB each) fill a 3 MB disk: one line naming 'no space left on device',
+    no traceback, the store consistent; with space again the run resumes and finishes."""
+    root = small_disk / "runs"
+    args = ["--algo", "fedavg", "--task", "femnist", "--rounds", "12", "--clients-per-round", "3", "--no-mlflow",
+            "--checkpoint-every", "1", "--keep-checkpoints", "3"]
+    proc = fedcli(root, *args)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "no space left on device" in " ".join(err.split()) and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if line.strip()]) <= 3, err  # one message (rich may wrap it)
+    record = store(root).list_runs()[0]
+    assert record.status in ("failed", "interrupted")
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    resumed = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), "--resume",
+                              record.id, "--no-mlflow"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert store(root).get_run(record.id).status == "finished" and store(root).last_round(record.id) == 12
