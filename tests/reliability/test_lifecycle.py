@@ -232,3 +232,23 @@ def test_disk_full_while_checkpointing_says_so_in_one_line_and_resumes(small_dis
                               record.id, "--no-mlflow"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert store(root).get_run(record.id).status == "finished" and store(root).last_round(record.id) == 12
+
+
+def test_parallel_starts_on_fresh_postgresql_databases(tmp_path: Path, pg_database) -> None:  # noqa: ANN001
+    """4 runs started together with the results store AND MLflow on fresh PostgreSQL databases: all finish
+    (MLflow's schema set-up and fedcli's table creation each happen once, under advisory locks)."""
+    store_url, mlflow_url = pg_database(), pg_database()
+    procs = [fedcli(tmp_path, *TINY, "--rounds", "3", "--seed", str(seed), "--store", store_url,
+                    "--tracking-uri", mlflow_url) for seed in range(4)]
+    outs = [proc.communicate(timeout=600) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0] * 4, [err for _, err in outs]
+    runs = SqlStore(store_url).list_runs()
+    assert sorted(r.status for r in runs) == ["finished"] * 4
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_url)
+    for run in runs:
+        mlflow_run = client.get_run(run.mlflow_run_id)
+        assert mlflow_run.info.status == "FINISHED"
+        steps = [m.step for m in client.get_metric_history(run.mlflow_run_id, "eval/loss")]
+        assert sorted(steps) == [0, 1, 2, 3]
