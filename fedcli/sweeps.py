@@ -13,7 +13,7 @@ of a dotted key when unambiguous) or `hp.<name>` for algorithm hyperparameters. 
 value applies only to algorithms that have that hyperparameter (so `hp.rho` does not
 multiply FedAvg's runs).
 
-A sweep owns its trials (docs/architecture.md, "Run lifecycle"):
+A sweep owns its trials:
 
 - `plan_trials` matches each trial to the experiment's runs with the same config hash: a
   finished run is skipped, a live one (another process trains it) is never started again,
@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -367,7 +368,8 @@ class Scheduler:
         return process
 
     def run(self, tick: Callable[[list[TrialProcess]], None], tick_s: float = 1.0) -> int | None:
-        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        in_main = threading.current_thread() is threading.main_thread()  # only it may set handlers
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS} if in_main else {}
         try:
             last_tick = 0.0
             while self.pending or self.running:
