@@ -82,6 +82,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     # --- issue 7 (speed)
     workers: int | None = None  # process executor: processes training clients, main included; None = CPU cores
+    threads: int | None = None  # intra-op threads of this process; None = the cores it may use (affinity, quota)
     compile: bool = False  # torch.compile: vmap -> the cohort's update; loop/process -> each client's step
     precision: str = "fp32"  # fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run
 
@@ -144,7 +145,7 @@ class RunConfig:
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
-NOT_HASHED = ("workers", "checkpoint_every", "keep_checkpoints")
+NOT_HASHED = ("workers", "threads", "checkpoint_every", "keep_checkpoints")
 
 SECTIONS: Mapping[str, type] = {
     "data": DataConfig, "partition": PartitionConfig, "algorithm": AlgorithmConfig,
@@ -331,6 +332,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.cohort_chunk must be >= 1; got {t.cohort_chunk!r}.")
     if t.workers is not None and t.workers < 1:
         raise ConfigError(f"train.workers must be >= 1; got {t.workers!r}.")
+    if t.threads is not None and t.threads < 1:
+        raise ConfigError(f"train.threads must be >= 1; got {t.threads!r}.")
     if t.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}; got {t.precision!r}.")
     if not (t.device in ("auto", "cpu", "cuda", "mps") or t.device.startswith("cuda:")):
@@ -435,7 +438,8 @@ def require_store(url: str) -> None:
                       "into it first (fedcli train), or pass --store / set FEDCLI_STORE to the store you trained into.")
 
 
-RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.keep_checkpoints", "train.device",
+RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.keep_checkpoints", "train.threads",
+                       "train.device",
                        "train.executor",
                        "train.cohort_chunk", "train.workers", "tracking.root", "tracking.store", "tracking.tracking_uri",
                        "tracking.use_mlflow")

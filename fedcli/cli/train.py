@@ -105,6 +105,9 @@ def train(
     workers: Annotated[int | None, typer.Option(min=1, help="Processes training clients (--executor process), "
                                                             "this one included. \\[default: CPU cores]",
                                                 rich_help_panel=Panel.TRAIN)] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="Intra-op threads of the training process (recorded). "
+                                                           "\\[default: the CPUs this process may use: affinity and "
+                                                           "cgroup quota]", rich_help_panel=Panel.TRAIN)] = None,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile: with vmap the cohort's update (slow "
                                                            "first round), with loop/process each client's step "
                                                            "(seconds); time logged, cache reused.",
@@ -165,7 +168,7 @@ def train(
             "train.server_opt": server_opt and server_opt.value, "train.server_lr": server_lr,
             "train.server_momentum": server_momentum, "train.device": device,
             "train.executor": executor and executor.value, "train.cohort_chunk": cohort_chunk,
-            "train.workers": workers, "train.compile": compile or None, "train.precision": precision and precision.value,
+            "train.workers": workers, "train.threads": threads, "train.compile": compile or None, "train.precision": precision and precision.value,
             "train.eval_every": eval_every, "train.checkpoint_every": checkpoint_every,
             "train.keep_checkpoints": keep_checkpoints, "seed": seed,
             "tracking.experiment": experiment, "tracking.run_name": run_name, "tracking.root": root and str(root),

@@ -132,6 +132,9 @@ def client_partition(cfg: RunConfig, data: TaskData) -> tuple[list[np.ndarray], 
 def build(cfg: RunConfig) -> Setup:
     """Load data, build the model, the algorithm and the executor; data-dependent checks."""
     device = resolve_device(cfg.train.device)
+    from fedcli.engine.workers import available_cores
+
+    torch.set_num_threads(cfg.train.threads or available_cores())  # issue: two threads on a loaded 2-core box
     task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
     data = task.load(TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir else None,
                                  download=cfg.data.download, max_clients=cfg.data.max_clients))

@@ -58,11 +58,35 @@ class WorkerError(FedcliError):
 
 
 def available_cores() -> int:
-    """Return the number of CPU cores this process may run on."""
+    """Return the number of CPU cores this process may use: its affinity, capped by a cgroup CPU quota.
+
+    A container or a batch job limited to 1.5 CPUs by `cpu.max` gets 1 (rounded down, at least
+    1), however many cores the machine has; intra-op threads beyond that only wait on each other.
+    """
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, int(quota))) if quota is not None else cores
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """CPUs allowed by the cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), or None when unlimited."""
+    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
+                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            text = open(quota_file).read().split()
+            if period_file is None:
+                quota, period = text[0], text[1]
+            else:
+                quota, period = text[0], open(period_file).read().strip()
+        except (OSError, IndexError):
+            continue
+        if quota in ("max", "-1"):
+            return None
+        return float(quota) / float(period)
+    return None
 
 
 # ----------------------------------------------------------------------------- slicing the cohort
