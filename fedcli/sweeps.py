@@ -507,7 +507,8 @@ def experiment_runs(store: Any, experiment: str) -> list[RunRecord]:
 def _row_status(plan: Plan, process: TrialProcess | None, stopped: bool) -> tuple[str, str]:
     if process is not None:
         status = process.status
-        return status, process.last_error() if status == "failed" else ("resumed" if plan.action == RESUME else "")
+        return status, process.last_error() if status in ("failed", "interrupted") else (
+            "resumed" if plan.action == RESUME else "")
     if plan.action in (NEW, RESUME):
         return ("not started" if stopped else "waiting"), ("to resume" if plan.action == RESUME else "")
     return {SKIP: "finished (skip)", ELSEWHERE: ELSEWHERE, DIVERGED: "diverged (skip)"}[plan.action], plan.note

@@ -74,3 +74,20 @@ def test_plan_matches_trials_to_runs_of_their_config_hash(tmp_path: Path) -> Non
 
     assert [p.action for p in plans] == [SKIP, ELSEWHERE, RESUME, DIVERGED, NEW]
     assert plans[2].run_id == newest and "SIGTERM" in plans[2].note
+
+
+def test_failed_trial_exits_1_with_its_last_stderr_line_and_is_not_retried(tmp_path: Path) -> None:
+    """client_lr = 1e5 on least squares diverges: the sweep exits 1 naming the trial and quoting the
+    trial's error line; a rerun does not train it again (same config and seed diverge again)."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text("experiment: div\nbase: {task: lsq, rounds: 3, clients_per_round: 3}\n"
+                    "grid: {client_lr: [100000.0]}\nseeds: [0]\n")
+    args = ["sweep", str(spec), "--no-mlflow", "--root", str(tmp_path)]
+
+    first = CliRunner().invoke(app, args)
+    again = CliRunner().invoke(app, args)
+
+    said = " ".join(first.stderr.split())  # rich wraps long lines at 80 columns here
+    assert first.exit_code == 1 and "failed: fedavg client_lr=100000.0 s0: error: run diverged at round" in said
+    assert again.exit_code == 1 and "diverged (skip)" in again.stderr
+    assert len(SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}").list_runs()) == 1

@@ -100,9 +100,10 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int, hint:
     finally:
         scheduler.cleanup()
     console().print(rows_table(rows, key, "results"))
-    failed = [r for r in rows if r.status in ("failed", "diverged (skip)")]
+    bad = ("failed", "diverged (skip)") if signum else ("failed", "diverged (skip)", "interrupted")
+    failed = [r for r in rows if r.status in bad]  # interrupted without a stop of the sweep: killed from outside
     for row in failed:
-        console().print(f"[red]failed:[/] {row.name}: {row.note}", markup=True, highlight=False)
+        console().print(f"[red]{row.status}:[/] {row.name}: {row.note}", markup=True, highlight=False)
     if report_path is not None and any(r.status.startswith("finished") for r in rows):
         write_report(db, body, [r.run_id for r in rows if r.status.startswith("finished") and r.run_id], report_path)
         typer.echo(str(report_path))
@@ -112,7 +113,10 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int, hint:
 
 
 def summary(rows: Sequence[Any], signum: int | None, hint: str, failed: int) -> int:
-    """Print the one-line outcome; return 128 + signal when stopped, 1 when a trial failed, else 0."""
+    """Print the one-line outcome; return 128 + signal when stopped, 1 when a trial did not finish, else 0.
+
+    Trials running in another process are not this sweep's to finish: they do not fail it.
+    """
     import signal
 
     counts: dict[str, int] = {}
@@ -123,7 +127,9 @@ def summary(rows: Sequence[Any], signum: int | None, hint: str, failed: int) -> 
         console().print(f"sweep stopped by {signal.Signals(signum).name}: {text}. "
                         f"Stopped trials are checkpointed; continue with: {hint}", highlight=False)
         return 128 + signum
-    console().print(f"sweep done: {text}.", highlight=False)
+    elsewhere = counts.get("running elsewhere", 0)
+    later = f" Rerun when the {elsewhere} running elsewhere end to include them: {hint}" if elsewhere else ""
+    console().print(f"sweep done: {text}.{later}", highlight=False)
     return 1 if failed else 0
 
 
