@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,52 @@ def check_output(path: Path | None, flag: str) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise output_error(path, flag, exc) from None
+
+
+@contextmanager
+def all_or_nothing(*paths: Path | None) -> Iterator[None]:
+    """On any error inside, remove those of `paths` and of their parent folders that did not exist before."""
+    given = [Path(p) for p in paths if p is not None]
+    new_files = [p for p in given if not p.exists()]
+    new_dirs = sorted({a for p in given for a in p.parents if not a.exists()}, key=lambda d: -len(d.parts))
+    try:
+        yield
+    except BaseException:
+        for leftover in new_files:
+            with suppress(OSError):
+                leftover.unlink(missing_ok=True)
+        for folder in new_dirs:  # deepest first; a folder something else wrote into stays
+            with suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+@contextmanager
+def staging_dir(output: Path, flag: str) -> Iterator[Path]:
+    """A temp folder beside `output` for the files that go with it (report PNGs); always removed.
+
+    Draw into it, then `publish` it: a failure half-way leaves no half-written file beside `output`.
+    """
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.staging-"))
+    except OSError as exc:
+        raise output_error(output, flag, exc) from None
+    try:
+        yield folder
+    except OSError as exc:
+        raise output_error(output, flag, exc) from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def publish(folder: Path, destination: Path, flag: str) -> None:
+    """Move every file of a staging folder into `destination` (a rename on the same file system)."""
+    for item in sorted(folder.iterdir()):
+        try:
+            os.replace(item, destination / item.name)
+        except OSError as exc:
+            raise output_error(destination / item.name, flag, exc) from None
 
 
 def write_output(path: Path, data: str | bytes, flag: str) -> None:

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedcli.cli.common import Panel, Scheme
-from fedcli.cli.errors import check_output, output_error, user_errors
+from fedcli.cli.errors import all_or_nothing, check_output, output_error, user_errors
 from fedcli.errors import ConfigError
 
 
@@ -74,18 +74,16 @@ def partition(
         labels = data.y.numpy()
         parts = make_partition(spec, labels=labels, natural=data.client_indices or None)
         summary = summarize(parts, labels, data.num_classes)
-        existed = out.exists()
-        try:
-            save_partition(out, parts, spec=spec, dataset=task.name, fingerprint=data.fingerprint, labels=labels)
-        except OSError as exc:
-            raise output_error(out, "--out", exc) from None
-        try:
-            if plot is not None:
-                plot_partition(parts, labels, data.num_classes, plot)
-        except OSError as exc:
-            if not existed:  # a failed command leaves no new file behind
-                out.unlink(missing_ok=True)
-            raise output_error(plot, "--plot", exc) from None
+        with all_or_nothing(out, plot):  # a failed write (disk full) leaves no new file or folder
+            try:
+                save_partition(out, parts, spec=spec, dataset=task.name, fingerprint=data.fingerprint, labels=labels)
+            except OSError as exc:
+                raise output_error(out, "--out", exc) from None
+            try:
+                if plot is not None:
+                    plot_partition(parts, labels, data.num_classes, plot)
+            except OSError as exc:
+                raise output_error(plot, "--plot", exc) from None
     Console().print(summary_table(f"{task.name} / {scheme.value}", summary))
     Console(stderr=True).print(f"wrote {out}" + (f" and {plot}" if plot is not None else ""))
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from fedcli.cli.common import Panel, console, open_store, tracking_config
-from fedcli.cli.errors import check_output, output_error, user_errors, write_output
+from fedcli.cli.errors import all_or_nothing, check_output, publish, staging_dir, user_errors, write_output
 from fedcli.errors import ConfigError, FedcliError
 
 if TYPE_CHECKING:
@@ -85,12 +85,7 @@ def report(
         url = tracking_config({"tracking.store": store}).store_url
         require_store(url)
         built = rep.build_report(open_store(url), spec)
-        if output_format is Format.md:
-            text = rep.render_markdown(built, figures(built, output, partition_heatmap))
-        else:
-            text = rep.render_csv(built) if output_format is Format.csv else rep.render_json(built)
-        if output is not None:
-            write_output(output, text, "--output")
+        text = write_report(built, output, output_format, partition_heatmap)
     if output is None:
         typer.echo(text, nl=False)
         return
@@ -140,18 +135,26 @@ def canonical_command(ctx: typer.Context) -> str:
     return shlex.join(parts)
 
 
-def figures(built: Report, output: Path | None, load_data: bool) -> list[tuple[str, str]]:
-    """Draw the PNGs beside `output` (none when the markdown goes to stdout)."""
+def write_report(built: Report, output: Path | None, output_format: Format, load_data: bool) -> str:
+    """Render the report; with --output write it (and the markdown's PNGs) all or nothing."""
+    from fedcli.tracking import report as rep
     from fedcli.tracking.plots import report_figures
 
+    if output_format is not Format.md:
+        text = rep.render_csv(built) if output_format is Format.csv else rep.render_json(built)
+        if output is not None:
+            with all_or_nothing(output):
+                write_output(output, text, "--output")
+        return text
     if output is None:
         console().print("no figures: pass --output FILE to write the PNGs beside the markdown.")
-        return []
+        return rep.render_markdown(built, [])
     counts, title = partition_counts(built, load_data)
-    try:
-        return report_figures(built, output, counts, title)
-    except OSError as exc:
-        raise output_error(output, "--output", exc) from None
+    with all_or_nothing(output), staging_dir(output, "--output") as staging:
+        text = rep.render_markdown(built, report_figures(built, staging / output.name, counts, title))
+        write_output(output, text, "--output")
+        publish(staging, output.parent, "--output")
+    return text
 
 
 def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None, str]:

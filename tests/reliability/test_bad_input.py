@@ -13,6 +13,7 @@ itself is checked as a hard failure first, so only the "written before validatio
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +57,8 @@ class Mistake:
     make: Callable[[Path], None] | None = None
     store: bool = False
     patch: str | None = None  # "enospc": os.replace fails (a full disk); "eacces": no file can be created
-    # (tests run as root here, where chmod does not stop writes)
+    # (tests run as root here, where chmod does not stop writes); "full" / "readonly": ./disk is a real
+    # tmpfs that is full / mounted read-only (skipped where mounting is not allowed)
     marks: tuple = field(default=())
 
 
@@ -262,6 +265,11 @@ CASES: dict[str, Mistake] = {
                                 "p.json", "--plot", "p.json"), "--plot must differ from --out"),
     "partition-disk-full": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out", "p.json"),
                              "no space left on device", patch="enospc"),
+    "partition-out-on-full-disk": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out",
+                                     "disk/p.json"), "no space left on device: disk/p.json", patch="full"),
+    "partition-out-on-read-only-disk": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5",
+                                          "--out", "disk/p.json"), "disk/p.json: not writable (Read-only file system)",
+                                         patch="readonly"),
     # --- sweep
     "sweep-no-spec": M(sweep(), "needs a SPEC.yaml or --recipe NAME"),
     "sweep-unknown-recipe": M(sweep("--recipe", "fedopt-lsqq"), "unknown recipe 'fedopt-lsqq' (did you mean "
@@ -310,6 +318,8 @@ CASES: dict[str, Mistake] = {
     "report-disk-full": M(("report", "--store", "sqlite:///{cwd}/" + STORE, "--format", "json", "--output", "r.json"),
                           "no space left on device", store=True, patch="enospc"),
     "report-output-permission-denied": M(("report", "--output", "r.md"), "permission denied: r.md", patch="eacces"),
+    "report-output-on-full-disk": M(("report", "--store", "sqlite:///{cwd}/" + STORE, "--output", "disk/r.md"),
+                                    "no space left on device: disk/r.md", store=True, patch="full"),
     "report-thresholds-not-numbers": M(("report", "--thresholds", "high"), "--thresholds must be comma-separated numbers"),
     "report-thresholds-nan": M(("report", "--thresholds", "0.5,nan"), "--thresholds must be finite numbers"),
     "report-metric-empty": M(("report", "--metric", ""), "--metric must be a metric name"),
@@ -440,6 +450,23 @@ def check(case: Mistake, code: int, stdout: str, stderr: str, before: dict, afte
         raise PendingLead("a rejected command changed the pre-existing store")
 
 
+@contextmanager
+def tiny_disk(cwd: Path, kind: str) -> Iterator[None]:
+    """Mount a 64 kB tmpfs at cwd/disk, filled to the last byte ("full") or read-only ("readonly")."""
+    disk = cwd / "disk"
+    disk.mkdir()
+    options = "size=64k" + (",ro" if kind == "readonly" else "")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not allowed here")
+    try:
+        if kind == "full":
+            with open(disk / "fill", "wb") as fh, contextlib.suppress(OSError):
+                fh.write(b"\0" * 128 * 1024)
+        yield
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def failing(code: int) -> Callable[..., None]:
     def fail(*args: object, **kwargs: object) -> None:
         raise OSError(code, os.strerror(code))
@@ -452,6 +479,11 @@ def test_mistake_is_one_line_exit_2_and_writes_nothing(name: str, workdir: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     case = CASES[name]
     args = prepare(case, workdir, trained)
+    with tiny_disk(workdir, case.patch) if case.patch in ("full", "readonly") else contextlib.nullcontext():
+        run_in_process(case, args, workdir, monkeypatch)
+
+
+def run_in_process(case: Mistake, args: list[str], workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     before, store_before = snapshot(workdir), store_content(workdir)
     if case.patch == "enospc":
         monkeypatch.setattr(os, "replace", failing(errno.ENOSPC))
