@@ -270,6 +270,8 @@ CASES: dict[str, Mistake] = {
     "partition-out-on-read-only-disk": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5",
                                           "--out", "disk/p.json"), "disk/p.json: not writable (Read-only file system)",
                                          patch="readonly"),
+    "partition-plot-on-full-disk": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--out",
+                                      "p.json", "--plot", "disk/p.png"), "no space left on device", patch="full"),
     # --- sweep
     "sweep-no-spec": M(sweep(), "needs a SPEC.yaml or --recipe NAME"),
     "sweep-unknown-recipe": M(sweep("--recipe", "fedopt-lsqq"), "unknown recipe 'fedopt-lsqq' (did you mean "
@@ -320,6 +322,9 @@ CASES: dict[str, Mistake] = {
     "report-output-permission-denied": M(("report", "--output", "r.md"), "permission denied: r.md", patch="eacces"),
     "report-output-on-full-disk": M(("report", "--store", "sqlite:///{cwd}/" + STORE, "--output", "disk/r.md"),
                                     "no space left on device: disk/r.md", store=True, patch="full"),
+    "report-new-folder-on-full-disk": M(("report", "--store", "sqlite:///{cwd}/" + STORE, "--format", "csv",
+                                         "--output", "disk/sub/r.csv"), "no space left on device", store=True,
+                                        patch="full"),
     "report-thresholds-not-numbers": M(("report", "--thresholds", "high"), "--thresholds must be comma-separated numbers"),
     "report-thresholds-nan": M(("report", "--thresholds", "0.5,nan"), "--thresholds must be finite numbers"),
     "report-metric-empty": M(("report", "--metric", ""), "--metric must be a metric name"),
