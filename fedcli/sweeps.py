@@ -345,8 +345,11 @@ class Scheduler:
     the signal number once every trial has exited.
     """
 
-    def __init__(self, plans: Sequence[Plan], *, workers: int, cores: int, parent_run: str | None) -> None:
+    def __init__(self, plans: Sequence[Plan], *, workers: int, cores: int, parent_run: str | None,
+                 recheck: Callable[[Plan], Plan] | None = None) -> None:
+        self.plans = list(plans)  # as planned, each replaced by its recheck when its turn comes
         self.pending = [p for p in plans if p.action in (NEW, RESUME)]
+        self.recheck = recheck  # plans a trial again right before it starts (another process may have taken it)
         self.workers, self.cores, self.parent_run = workers, cores, parent_run
         self.processes: list[TrialProcess] = []
         self.signum: int | None = None
@@ -398,7 +401,12 @@ class Scheduler:
             self._stop()
             return changed
         while self.pending and len(self.running) < self.workers:
-            self.start(self.pending.pop(0))
+            plan = self.pending.pop(0)
+            if self.recheck is not None:
+                fresh = self.recheck(plan)
+                self.plans[self.plans.index(plan)] = plan = fresh
+            if plan.action in (NEW, RESUME):
+                self.start(plan)
             changed = True
         return changed
 

@@ -36,11 +36,13 @@ def test_unknown_keys_are_named() -> None:
 def test_sweep_runs_then_skips_finished_trials(tmp_path: Path) -> None:
     spec = tmp_path / "s.yaml"
     spec.write_text("experiment: tiny\nbase: {task: lsq, rounds: 2, clients_per_round: 3}\n"
-                    "grid: {server_opt: [sgd, adam]}\nseeds: [0]\n")
+                    "grid: {server_opt: [sgd, adam]}\nseeds: [0]\nreport: {metric: dist_to_opt}\n")
     args = ["sweep", str(spec), "--no-mlflow", "--root", str(tmp_path), "--store", f"sqlite:///{tmp_path / 's.db'}"]
     first = CliRunner().invoke(app, [*args, "--workers", "2"])
     assert first.exit_code == 0, first.output
     assert "sweep done: 2 finished." in first.stderr
+    report = tmp_path / "reports" / "tiny.md"  # the spec's report block, default path, printed on stdout
+    assert first.stdout.strip() == str(report) and "eval/dist_to_opt" in report.read_text()
     # two trials at once: each child got half the cores as train.workers
     runs = SqlStore(f"sqlite:///{tmp_path / 's.db'}").list_runs()
     assert {r.config["train"]["workers"] for r in runs} == {max(1, available_cores() // 2)}
@@ -91,3 +93,17 @@ def test_failed_trial_exits_1_with_its_last_stderr_line_and_is_not_retried(tmp_p
     assert first.exit_code == 1 and "failed: fedavg client_lr=100000.0 s0: error: run diverged at round" in said
     assert again.exit_code == 1 and "diverged (skip)" in again.stderr
     assert len(SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}").list_runs()) == 1
+
+
+def test_scheduler_plans_a_trial_again_right_before_starting_it() -> None:
+    """A trial another process took after the sweep planned it (rerun while this sweep runs) is not started."""
+    from fedcli.sweeps import ELSEWHERE, NEW, Plan, Scheduler
+
+    trial = expand({"experiment": "r", "base": {"task": "lsq", "rounds": 2}})[0]
+    taken = Plan(trial, ELSEWHERE, "f" * 32, "pid 1 on another host")
+    scheduler = Scheduler([Plan(trial, NEW)], workers=1, cores=1, parent_run=None, recheck=lambda plan: taken)
+
+    stopped_by = scheduler.run(lambda processes: None)
+    scheduler.cleanup()
+
+    assert stopped_by is None and scheduler.processes == [] and scheduler.plans == [taken]

@@ -90,9 +90,16 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int, hint:
         check_mlflow(track, optional=False)
         parent = sweeps.parent_run(track.mlflow_uri, body)
     cores = max(1, available_cores() // workers)  # each trial's share of the CPU (train.workers)
-    scheduler = sweeps.Scheduler(plans, workers=workers, cores=cores, parent_run=parent and parent.run_id)
     keys = [resolve_metric(body["report"]["metric"])] if (body.get("report") or {}).get("metric") else list(sweeps.METRIC_KEYS)
-    read = lambda stopped=False: sweeps.trial_rows(db, track.experiment, plans, scheduler.processes, keys, stopped)  # noqa: E731
+
+    def recheck(plan: sweeps.Plan) -> sweeps.Plan:  # right before a trial starts: has another process taken it?
+        return sweeps.plan_trials([plan.trial], sweeps.experiment_runs(db, track.experiment))[0]
+
+    def read(stopped: bool = False) -> tuple[list[Any], str]:
+        return sweeps.trial_rows(db, track.experiment, scheduler.plans, scheduler.processes, keys, stopped)
+
+    scheduler = sweeps.Scheduler(plans, workers=workers, cores=cores, parent_run=parent and parent.run_id,
+                                 recheck=recheck)
     try:
         with live_display(read) as tick:
             signum = scheduler.run(tick)
@@ -189,9 +196,9 @@ def report_output(body: Mapping[str, Any], root: str) -> Path | None:
 
 def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Path) -> None:
     """Write the `fedcli report` markdown (and figures) of the sweep's finished runs."""
-    from fedcli.cli.errors import write_output
-    from fedcli.cli.report import figures
+    from fedcli.cli.errors import output_error, write_output
     from fedcli.tracking import report as rep
+    from fedcli.tracking.plots import report_figures
 
     block = body["report"]
     numbers = lambda key: tuple(block.get(key) or ())  # noqa: E731
@@ -202,7 +209,11 @@ def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Pat
                           group_by=tuple(group_by.split(",")) if isinstance(group_by, str) else group_by,
                           command=command)
     built = rep.build_report(db, spec)
-    write_output(path, rep.render_markdown(built, figures(built, path, False)), "report.output")
+    try:
+        drawn = report_figures(built, path, None, "")  # PNGs beside the markdown, as `fedcli report --output`
+    except OSError as exc:
+        raise output_error(path, "report.output", exc) from None
+    write_output(path, rep.render_markdown(built, drawn), "report.output")
 
 
 def rerun_hint(ctx: typer.Context, spec: Path | None, recipe: str | None) -> str:
