@@ -6,9 +6,11 @@ naming the problem, print nothing on stdout, show no traceback, and leave the di
 exactly as it was (every path, size and mtime; for a copied pre-existing store also its
 bytes and its SQL content). A few run as a real `python -m fedcli` process too.
 
-Cases the lead's rewrite fixes are `xfail(strict=True, raises=PendingLead)`: the error line
-itself is checked as a hard failure first, so only the "written before validation" or the
-"Click usage box" part may fail; a strict xfail flips to a failure once it is fixed.
+Click's own usage errors (bad option values, unknown options and commands, missing files
+of `exists=True` options) print Typer's multi-line usage box until fedcli/cli/main.py builds
+the app with `cls=OneLineUsageErrors`; those cases are `xfail(strict=True, raises=PendingLead)`.
+Their exit code, message and empty stdout are still hard checks: only the line count may
+fail, and the strict xfail turns into a failure (remove the marker) once main.py is wired.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ PARTITION = "trained/p.json"  # a valid lsq partition (iid, 5 clients) beside it
 
 
 class PendingLead(AssertionError):
-    """The error line is right, but the command wrote or printed before validating (lead's files)."""
+    """The error is right, but it is not one 'error:' line or something was written (lead's files)."""
 
 
 LEAD_USAGE = pytest.mark.xfail(strict=True, raises=PendingLead,
@@ -49,8 +51,8 @@ LEAD_USAGE = pytest.mark.xfail(strict=True, raises=PendingLead,
 
 @dataclass(frozen=True)
 class Mistake:
-    """One user mistake: the argv ({store}, {run}, {cwd} filled in), a substring of the error line,
-    files to create first, and whether the trained store is copied in."""
+    """One user mistake: the argv ({run} and {cwd} filled in), a substring of the error line,
+    files to create first, and whether the trained store is copied in (to ./trained)."""
 
     args: tuple[str, ...]
     needle: str
