@@ -72,7 +72,8 @@ class TrainConfig:
     server_beta1: float = 0.9
     server_beta2: float = 0.99
     server_tau: float = 1e-3
-    server_bias_correction: bool = False  # Adam/Yogi: divide moments by 1 - beta^t (PyTorch/Keras form)
+    server_bias_correction: bool = False  # Adam/Yogi: divide moments by 1 - beta^t (PyTorch's Adam form)
+    server_adagrad_beta1: float = 0.0  # FedAdagrad momentum b1: 0 = Reddi et al.'s code (Keras Adagrad), 0.9 = Alg. 2
     eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
     checkpoint_every: int | None = None  # rounds between checkpoints; None = auto (every round while a
     # checkpoint costs <= 3 % of a round, else spaced to cost that); 0 = only at the end and on a stop

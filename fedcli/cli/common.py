@@ -107,15 +107,33 @@ def find_run(ref: str, overrides: Mapping[str, Any]) -> RunRecord:
     return open_store(tracking_config(overrides).store_url, must_exist=True).get_run(ref)
 
 
+def command_name() -> str:
+    """How to call fedcli again: `fedcli` when that is this program on PATH, else its full path.
+
+    After `make demo`, `.venv/bin` is usually not on PATH, so a bare `fedcli …` hint would fail.
+    """
+    import shutil
+
+    on_path = shutil.which("fedcli")
+    here = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0].endswith("fedcli") else None
+    if here is None:
+        here = Path(sys.executable).with_name("fedcli")
+    if on_path and Path(on_path).resolve() == here.resolve():
+        return "fedcli"
+    return str(here) if here.exists() else "fedcli"
+
+
+def store_options(cfg: Any) -> str:
+    """The options that point another command at this run's stores (empty for the defaults)."""
+    track = cfg.tracking
+    if track.store or Path(track.root).resolve() != Path("fedcli-runs").resolve():
+        return f" --store {shlex.quote(track.store_url)}"  # every command that reads runs takes --store
+    return ""
+
+
 def resume_hint(cfg: Any, run_id: str) -> str:
     """The command that continues `run_id`, with the store options it needs."""
-    track = cfg.tracking
-    extra = ""
-    if track.store:
-        extra += f" --store {shlex.quote(track.store)}"
-    elif Path(track.root).resolve() != Path("fedcli-runs").resolve():
-        extra += f" --root {shlex.quote(track.root)}"
-    return f"fedcli train --resume {run_id[:8]}{extra}"
+    return f"{command_name()} train --resume {run_id[:8]}{store_options(cfg)}"
 
 
 ProgressFn = Callable[[int, dict[str, float]], None]
@@ -123,41 +141,89 @@ ProgressFn = Callable[[int, dict[str, float]], None]
 
 @contextmanager
 def train_progress(cfg: RunConfig, quiet: bool = False) -> Iterator[ProgressFn | None]:
-    """A rich progress bar over rounds with the live round metrics (stderr).
+    """Show training progress on stderr: a live bar on a terminal, a plain line every 10 s otherwise.
 
-    While the bar is shown the engine's per-round INFO lines are held back (the bar shows
-    the same numbers); `-v` still prints them.
+    The bar leads with the round count and the ETA, so a narrow terminal keeps them, and
+    metrics are dropped before those; without a terminal (nohup, a cluster job, `2> log`) a
+    plain line `round 12/40 (30 %)  acc 0.61  0.31 s/round  ETA 8 s` goes out every 10 s and
+    at the last round. While it is shown the engine's per-round INFO lines are held back (it
+    shows the same numbers); `-v` still prints them.
     """
     if quiet:
         yield None
         return
     import logging
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     engine_log = logging.getLogger("fedcli.engine.train")
     previous = engine_log.level
     if logging.getLogger().level > logging.DEBUG:
         engine_log.setLevel(logging.WARNING)
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("{task.fields[metrics]}"))
+    out = console()
     try:
-        with Progress(*columns, console=console(), transient=False) as progress:
-            bar = progress.add_task(f"{cfg.algorithm.name}/{cfg.data.task}", total=cfg.train.rounds, metrics="")
-            shown: dict[str, float] = {}
-
-            def update(round_idx: int, metrics: dict[str, float]) -> None:
-                shown.update({k: v for k, v in metrics.items() if k in LIVE_KEYS})
-                text = "  ".join(f"{LIVE_KEYS[k]} {shown[k]:.4g}" for k in LIVE_KEYS if k in shown)
-                progress.update(bar, completed=round_idx, metrics=text)
-
-            yield update
+        if out.is_terminal:
+            with _bar(cfg, out) as update:
+                yield update
+        else:
+            yield _plain_lines(cfg, out)
     finally:
         engine_log.setLevel(previous)
 
 
-LIVE_KEYS = {"eval/accuracy": "acc", "eval/dist_to_opt": "dist", "eval/loss": "eval_loss",
-             "train/loss": "train_loss", "time/round_s": "s/round"}
+@contextmanager
+def _bar(cfg: RunConfig, out: Console) -> Iterator[ProgressFn]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (MofNCompleteColumn(), TimeRemainingColumn(compact=True, elapsed_when_finished=True),
+               BarColumn(bar_width=None if out.width >= 120 else 12),
+               TextColumn("[bold]{task.description}"), TextColumn("{task.fields[metrics]}"))
+    with Progress(*columns, console=out, transient=False, expand=False) as progress:
+        bar = progress.add_task(f"{cfg.algorithm.name}/{cfg.data.task}", total=cfg.train.rounds, metrics="")
+        shown: dict[str, float] = {}
+
+        def update(round_idx: int, metrics: dict[str, float]) -> None:
+            shown.update({k: v for k, v in metrics.items() if k in LIVE_KEYS})
+            progress.update(bar, completed=round_idx, metrics=_metrics_text(shown, out.width - 45))
+
+        yield update
+
+
+def _plain_lines(cfg: RunConfig, out: Console, every_s: float = 10.0) -> ProgressFn:
+    import time
+
+    start = time.monotonic()
+    last = [start]
+    shown: dict[str, float] = {}
+    total = cfg.train.rounds
+
+    def update(round_idx: int, metrics: dict[str, float]) -> None:
+        shown.update({k: v for k, v in metrics.items() if k in LIVE_KEYS})
+        now = time.monotonic()
+        if round_idx < total and now - last[0] < every_s:
+            return
+        last[0] = now
+        done = max(round_idx, 1)
+        eta = (now - start) / done * (total - round_idx)
+        out.print(f"round {round_idx}/{total} ({100 * round_idx // total} %)  {_metrics_text(shown, 200)}"
+                  f"  ETA {eta:.0f} s", soft_wrap=True, highlight=False)
+
+    return update
+
+
+def _metrics_text(shown: Mapping[str, float], width: int) -> str:
+    """The live metrics, most important first, cut to whole items that fit `width` characters."""
+    parts, used = [], 0
+    for key, label in LIVE_KEYS.items():
+        if key in shown:
+            item = f"{label} {shown[key]:.4g}"
+            if used + len(item) + 2 > max(width, 12) and parts:
+                break
+            parts.append(item)
+            used += len(item) + 2
+    return "  ".join(parts)
+
+
+LIVE_KEYS = {"eval/accuracy": "acc", "eval/dist_to_opt": "dist", "time/round_s": "s/round", "eval/loss": "eval_loss",
+             "train/loss": "train_loss"}
 
 
 def summarise_run(cfg: RunConfig, result: RunResult) -> None:
@@ -166,16 +232,19 @@ def summarise_run(cfg: RunConfig, result: RunResult) -> None:
     metrics = result.final_metrics
     shown = [f"{k}={metrics[k]:.4f}" for k in ("eval/accuracy", "eval/loss", "eval/dist_to_opt") if k in metrics]
     split = result.timing.per_round()
-    out.print(f"[bold green]run {result.run_id} finished[/] after {result.rounds_completed} rounds "
+    out.print(f"[bold green]run {result.run_id[:8]} finished[/] after {result.rounds_completed} rounds "
               f"in {result.wall_s:.1f}s ({result.executor} executor): " + "  ".join(shown))
     out.print("per round: " + "  ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
-    out.print(f"store:   {cfg.tracking.store_url}")
+    out.print(f"store:   {cfg.tracking.store_url}", soft_wrap=True)
     if result.model_path:
-        out.print(f"model:   {result.model_path}")
+        out.print(f"model:   {result.model_path}", soft_wrap=True)
+    fedcli, where = command_name(), store_options(cfg)
     if cfg.tracking.use_mlflow:
-        out.print(f"browse:  mlflow ui --backend-store-uri {shlex.quote(cfg.tracking.mlflow_uri)}   (or: fedcli ui)")
-    store_opt = "" if cfg.tracking.store is None else f" --store {shlex.quote(cfg.tracking.store)}"
-    out.print(f"report:  fedcli report --runs {result.run_id[:8]}{store_opt} --output report.md")
+        out.print(f"browse:  {fedcli} ui{where}", soft_wrap=True)
+    out.print(f"report:  {fedcli} report --runs {result.run_id[:8]}{where} --output report.md", soft_wrap=True)
+    if fedcli != "fedcli":
+        out.print(f"(or put {Path(fedcli).parent} on PATH: export PATH=\"{Path(fedcli).parent}:$PATH\")",
+                  soft_wrap=True)
 
 
 def stdout_is_terminal() -> bool:

@@ -26,19 +26,34 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import torch
+
+        import fedcli
+
+        typer.echo(f"fedcli {fedcli.__version__} (torch {torch.__version__})")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def root(
     ctx: typer.Context,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log DEBUG detail to stderr.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Log warnings only.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for user errors too.")] = False,
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print the version and exit.")] = False,
 ) -> None:
     """Configure logging once for every command."""
     from rich.logging import RichHandler
 
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]",
-                        handlers=[RichHandler(show_path=False, rich_tracebacks=False)], force=True)
+    from rich.console import Console
+
+    # logs go to stderr (stdout carries only results, e.g. the run id); no wrapping without a terminal
+    handler = RichHandler(console=Console(stderr=True, soft_wrap=True), show_path=False, rich_tracebacks=False)
+    logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]", handlers=[handler], force=True)
     for noisy in ("alembic", "mlflow", "urllib3", "matplotlib", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     ctx.obj = {"debug": debug, "quiet": quiet}
