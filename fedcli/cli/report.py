@@ -66,19 +66,10 @@ def report(
     from fedcli.tracking import report as rep
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
-        if metric is not None and not metric.strip():
-            raise ConfigError("--metric must be a metric name such as accuracy or eval/loss; got ''. "
-                              "Drop --metric for the default.")
-        run_refs = tuple(part.strip() for item in runs or [] for part in item.split(",") if part.strip())
-        for flag, given, parsed in (("--runs", runs, run_refs), ("--group-by", group_by, (group_by or "").split(","))):
-            if given is not None and not any(str(p).strip() for p in parsed):
-                raise ConfigError(f"{flag} must name at least one {'run' if flag == '--runs' else 'config key'}; "
-                                  f"got {given if isinstance(given, str) else ','.join(given)!r}. Drop {flag} for the "
-                                  "default.")
         spec = rep.ReportSpec(
-            experiments=tuple(experiment or ()), runs=run_refs, where=parse_where(where or []),
-            group_by=tuple(k.strip() for k in group_by.split(",") if k.strip()) if group_by else None,
-            metric=metric, thresholds=tuple(parse_numbers("--thresholds", thresholds, float)),
+            experiments=tuple(experiment or ()), runs=parse_list("--runs", runs, "run"), where=parse_where(where or []),
+            group_by=parse_list("--group-by", [group_by], "config key") if group_by is not None else None,
+            metric=parse_metric(metric), thresholds=tuple(parse_numbers("--thresholds", thresholds, float)),
             at=tuple(parse_numbers("--at", at, int)), window=window, smooth=smooth,
             command=canonical_command(ctx))
         check_output(output, "--output")  # before any work: a rejected report writes nothing
@@ -106,6 +97,21 @@ def parse_numbers(flag: str, text: str | None, kind: type) -> list[Any]:
     if any(v != v or v in (float("inf"), float("-inf")) for v in values):
         raise ConfigError(f"{flag} must be finite numbers; got {text!r}.")
     return values
+
+
+def parse_list(flag: str, items: list[str] | None, what: str) -> tuple[str, ...]:
+    """['a,b', 'c'] -> ('a', 'b', 'c'); a flag given but naming nothing (',') is a ConfigError."""
+    parts = tuple(part.strip() for item in items or [] for part in item.split(",") if part.strip())
+    if items and not parts:
+        raise ConfigError(f"{flag} must name at least one {what}; got {','.join(items)!r}. Drop {flag} for the default.")
+    return parts
+
+
+def parse_metric(metric: str | None) -> str | None:
+    if metric is not None and not metric.strip():
+        raise ConfigError("--metric must be a metric name such as accuracy or eval/loss; got ''. "
+                          "Drop --metric for the default.")
+    return metric
 
 
 def parse_where(items: list[str]) -> dict[str, str]:
