@@ -145,6 +145,26 @@ def schema_lock(uri: str) -> Iterator[None]:
     yield
 
 
+def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
+    """The run's MLflow params: its resolved config flattened, hyperparameters as `hp.<name>`.
+
+    Where the run's stores live (`tracking.root/store/tracking_uri`) is left out: it says
+    nothing about the run and differs between machines.
+    """
+    from fedcli.tracking.keys import flatten_config
+
+    body = {k: v for k, v in config.items() if k not in ("algorithm", "tracking")}
+    algorithm = dict(config.get("algorithm") or {})
+    hp = dict(algorithm.pop("hp", None) or {})
+    params = flatten_config({**body, "algorithm": algorithm})
+    params.update({f"hp.{k}": v for k, v in flatten_config(hp).items()})
+    tracking = config.get("tracking") or {}
+    for key in ("experiment", "run_name"):
+        if tracking.get(key) is not None:
+            params[f"tracking.{key}"] = str(tracking[key])
+    return params
+
+
 # --------------------------------------------------------------------------- the training process's side
 
 
@@ -218,8 +238,6 @@ class Mirror:
 
     def open_run(self) -> None:
         """Create the MLflow run, or reattach to the one the store names (resume, `fedcli sync`)."""
-        from fedcli.tracking.keys import flatten_config
-
         record = self.record
         if record.mlflow_run_id is not None and self.sink.exists(record.mlflow_run_id):
             _retry("reattach", lambda: self.sink.attach(record.mlflow_run_id))
@@ -231,7 +249,7 @@ class Mirror:
         if record.git_commit:
             tags["mlflow.source.git.commit"] = record.git_commit
         run_id = _retry("start", lambda: self.sink.start_run(
-            run_name=record.run_name, params=flatten_config(record.config), tags=tags,
+            run_name=record.run_name, params=mlflow_params(record.config), tags=tags,
             parent_run_id=self.args.parent_run, start_ms=int(record.created_at.timestamp() * 1000)))
         self.store.set_run_fields(record.id, mlflow_run_id=run_id, mlflow_synced_round=None)
         from fedcli.tracking.store import canonical_json

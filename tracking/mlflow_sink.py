@@ -42,6 +42,14 @@ MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VAL_LENGTH = 6000
 MAX_TAG_VAL_LENGTH = 8000
 MAX_PENDING_BATCHES = 256  # wait on queued batches after this many, so futures do not pile up
+KIND_TAG = "mlflow.experimentKind"  # MLflow 3's UI opens "custom_model_development" on the runs table
+EXPERIMENT_TAGS = {
+    KIND_TAG: "custom_model_development",
+    "mlflow.note.content": "Federated-learning runs logged by fedcli: one run per `fedcli train`, metrics by "
+                           "communication round (step = round; round 0 is the initial model), params = the run's "
+                           "resolved config with the algorithm's hyperparameters as `hp.*`. The SQL results store "
+                           "is the source of truth; `fedcli report` turns it into tables.",
+}
 RUN_NAME_TAG = "mlflow.runName"
 PARENT_RUN_TAG = "mlflow.parentRunId"
 MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
@@ -139,11 +147,14 @@ class MlflowSink:
                 slug = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
                 location = (self._root / "mlartifacts" / slug).as_uri()
             try:
-                return self._client.create_experiment(name, artifact_location=location)
+                return self._client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
             except MlflowException:  # another process created it in between
                 found = self._client.get_experiment_by_name(name)
                 if found is None:
                     raise
+        if found.lifecycle_stage != "deleted" and found.tags.get(KIND_TAG) is None:  # made by an older fedcli
+            for key, value in EXPERIMENT_TAGS.items():
+                self._client.set_experiment_tag(found.experiment_id, key, value)
         if found.lifecycle_stage == "deleted":
             raise TrackingError(
                 f"MLflow experiment {name!r} is deleted in {self.tracking_uri!r}; restore it "

@@ -317,7 +317,8 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
                                   forget=lambda rounds: tracker.store.delete_checkpoints(run_id, rounds),
                                   existing=tracker.store.checkpoints(run_id),
                                   every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
-        loop = _Loop(setup, tracker, store, writer, state, start_round - 1, Timing())
+        loop = _Loop(setup, tracker, store, writer, state, start_round - 1, Timing(),
+                     _cumulative(tracker.store, run_id, start_round - 1))
         try:
             metrics = loop.run(signals, progress)
             model_path = _save_model(tracker, run_dir, setup, loop.state)
@@ -344,6 +345,19 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
                      wall_s=time.perf_counter() - wall_start)
 
 
+CUMULATIVE = {"comm/bytes_up": "comm/cum_bytes_up", "comm/bytes_down": "comm/cum_bytes_down",
+              "time/round_s": "time/cum_train_s"}
+
+
+def _cumulative(store: Any, run_id: str, completed: int) -> dict[str, float]:
+    """The cumulative totals a resumed run continues from (its round `completed`)."""
+    if completed <= 0:
+        return {}
+    frame = store.metrics_frame([run_id], keys=list(CUMULATIVE.values()))
+    frame = frame[frame["round_idx"] == completed]
+    return {str(k): float(v) for k, v in zip(frame["key"], frame["value"], strict=True)}
+
+
 @dataclass
 class _Loop:
     """The round loop of one run and what an orderly stop needs: the last completed state."""
@@ -355,6 +369,7 @@ class _Loop:
     state: Any
     completed: int  # last round whose state, client states and metrics are all in place
     timing: Timing
+    cumulative: dict[str, float]  # comm/cum_bytes_* totals up to `completed`
 
     def run(self, signals: GracefulSignals, progress: ProgressFn | None) -> dict[str, float]:
         cfg, setup = self.setup.cfg, self.setup
@@ -373,10 +388,13 @@ class _Loop:
                     self.timing.evaluate += time.perf_counter() - eval_start
                 round_s = time.perf_counter() - trained.start
                 metrics["time/round_s"] = round_s
+                for key in CUMULATIVE:  # comm/bytes_up -> comm/cum_bytes_up: x-axes of accuracy vs bytes
+                    metrics[CUMULATIVE[key]] = self.cumulative.get(CUMULATIVE[key], 0.0) + metrics[key]
                 self.timing.rounds += 1
                 _check_finite(self.tracker, round_idx, metrics)
                 _log(self.tracker, round_idx, metrics, self.timing, progress)
                 self.state, self.completed = state, round_idx
+                self.cumulative = {v: metrics[v] for v in CUMULATIVE.values()}
                 if self.writer.due(round_idx, round_s) or round_idx == cfg.train.rounds:
                     self._checkpoint()
         self.writer.wait()
