@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from fedcli.cli.errors import OneLineUsageErrors
+
 from fedcli.cli.evaluate import evaluate
 from fedcli.cli.listing import list_command
 from fedcli.cli.report import report
@@ -16,6 +18,7 @@ from fedcli.cli.train import train
 from fedcli.cli.ui import ui
 
 app = typer.Typer(
+    cls=OneLineUsageErrors,  # usage mistakes (bad option values, unknown options) as one line, exit 2
     name="fedcli",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,

@@ -44,11 +44,6 @@ class PendingLead(AssertionError):
     """The error is right, but it is not one 'error:' line or something was written (lead's files)."""
 
 
-LEAD_USAGE = pytest.mark.xfail(strict=True, raises=PendingLead,
-                               reason="needs lead: one-line Click usage errors "
-                                      "(fedcli/cli/main.py: typer.Typer(cls=OneLineUsageErrors))")
-
-
 @dataclass(frozen=True)
 class Mistake:
     """One user mistake: the argv ({run} and {cwd} filled in), a substring of the error line,
@@ -120,17 +115,17 @@ CASES: dict[str, Mistake] = {
     "train-server-momentum-1.5": M(train("--task", "lsq", "--server-momentum", "1.5"), "train.server_momentum"),
     "train-cohort-larger-than-clients": M(train("--task", "lsq", "--clients-per-round", "100000"),
                                           "train.clients_per_round=100000 exceeds"),
-    "train-rounds-zero": M(train("--rounds", "0"), "'--rounds'", marks=(LEAD_USAGE,)),
-    "train-rounds-not-int": M(train("--rounds", "abc"), "'--rounds'", marks=(LEAD_USAGE,)),
-    "train-scheme-unknown": M(train("--scheme", "dirichlett"), "'--scheme'", marks=(LEAD_USAGE,)),
-    "train-option-typo": M(train("--roundz", "3"), "--roundz", marks=(LEAD_USAGE,)),
-    "train-seed-negative": M(train("--seed", "-1"), "'--seed'", marks=(LEAD_USAGE,)),
+    "train-rounds-zero": M(train("--rounds", "0"), "'--rounds'"),
+    "train-rounds-not-int": M(train("--rounds", "abc"), "'--rounds'"),
+    "train-scheme-unknown": M(train("--scheme", "dirichlett"), "'--scheme'"),
+    "train-option-typo": M(train("--roundz", "3"), "--roundz"),
+    "train-seed-negative": M(train("--seed", "-1"), "'--seed'"),
     "train-executor-fused-on-lsq": M(train("--task", "lsq", "--executor", "fused", "--no-mlflow"),
                                      "--executor fused"),
     "train-max-clients-ignored": M(train("--task", "lsq", "--max-clients", "5"),
                                    "data.max_clients is not used by task 'lsq'"),
     # --- train: config files
-    "config-missing": M(train("--config", "nope.yaml"), "nope.yaml", marks=(LEAD_USAGE,)),
+    "config-missing": M(train("--config", "nope.yaml"), "nope.yaml"),
     "config-malformed-yaml": M(train("--config", "c.yaml"), "is not valid YAML", text("c.yaml", "train: [rounds: 3\n")),
     "config-unknown-key": M(train("--config", "c.yaml"), "unknown config key 'train.roundz' (did you mean 'rounds'?)", text("c.yaml", "train: {roundz: 3}\n")),
     "config-unknown-section": M(train("--config", "c.yaml"), "unknown config section 'trian'",
@@ -192,7 +187,7 @@ CASES: dict[str, Mistake] = {
     # --- train: bring your own data
     "data-wrong-suffix": M(train("--data", "d.txt"), "data.file must be a .npz, .csv, .parquet file",
                            text("d.txt", "1,2\n")),
-    "data-missing-file": M(train("--data", "nope.npz"), "nope.npz", marks=(LEAD_USAGE,)),
+    "data-missing-file": M(train("--data", "nope.npz"), "nope.npz"),
     "data-unknown-model": M(train("--data", "d.npz", "--model", "resnet"), "data.model must be one of linear",
                             npz(x=X10, y=Y10)),
     "data-with-task": M(train("--data", "d.npz", "--task", "lsq"), "data.task must be left unset with data.file",
@@ -231,7 +226,7 @@ CASES: dict[str, Mistake] = {
     # --- partition
     "partition-unknown-dataset": M(("partition", "--dataset", "mnistt", "--scheme", "iid", "--clients", "5", "--out",
                                     "p.json"), "unknown dataset 'mnistt' (did you mean 'mnist'?)"),
-    "partition-missing-out": M(("partition", "--dataset", "lsq", "--scheme", "iid"), "'--out'", marks=(LEAD_USAGE,)),
+    "partition-missing-out": M(("partition", "--dataset", "lsq", "--scheme", "iid"), "'--out'"),
     "partition-dirichlet-without-alpha": M(("partition", "--dataset", "synthetic-iid", "--scheme", "dirichlet",
                                             "--clients", "5", "--out", "p.json"), "partition.alpha must be set"),
     "partition-alpha-negative": M(("partition", "--dataset", "synthetic-iid", "--scheme", "dirichlet", "--clients", "5",
@@ -245,7 +240,7 @@ CASES: dict[str, Mistake] = {
     "partition-labels-on-regression": M(("partition", "--dataset", "lsq", "--scheme", "labels", "--clients", "5",
                                          "--labels-per-client", "2", "--out", "p.json"), "needs class labels"),
     "partition-min-size-zero": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--min-size",
-                                  "0", "--out", "p.json"), "'--min-size'", marks=(LEAD_USAGE,)),
+                                  "0", "--out", "p.json"), "'--min-size'"),
     "partition-data-dir-missing": M(("partition", "--dataset", "mnist", "--data-dir", "{cwd}/nope", "--scheme", "iid",
                                      "--clients", "5", "--out", "p.json"), "MNIST data not found"),
     "partition-min-size-unused": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--min-size",
@@ -278,7 +273,7 @@ CASES: dict[str, Mistake] = {
     "sweep-no-spec": M(sweep(), "needs a SPEC.yaml or --recipe NAME"),
     "sweep-unknown-recipe": M(sweep("--recipe", "fedopt-lsqq"), "unknown recipe 'fedopt-lsqq' (did you mean "
                               "'fedopt-lsq'?)"),
-    "sweep-spec-missing": M(sweep("nope.yaml"), "nope.yaml", marks=(LEAD_USAGE,)),
+    "sweep-spec-missing": M(sweep("nope.yaml"), "nope.yaml"),
     "sweep-spec-malformed": M(sweep("s.yaml"), "is not valid YAML", text("s.yaml", "experiment: [x\n")),
     "sweep-spec-unknown-key": M(sweep("s.yaml"), "unknown sweep key 'gird' (did you mean 'grid'?)",
                                 text("s.yaml", "experiment: e\ngird: {algo: [fedavg]}\n")),
@@ -291,7 +286,7 @@ CASES: dict[str, Mistake] = {
                                 text("s.yaml", "experiment: e\nbase: {task: lsq, rounds: 0}\n")),
     "sweep-spec-not-a-mapping": M(sweep("s.yaml"), "must be a mapping", text("s.yaml", "- fedavg\n")),
     "sweep-backend-ray": M(sweep("--recipe", "fedopt-lsq", "--backend", "ray"), "--backend ray is not available"),
-    "sweep-workers-zero": M(sweep("--recipe", "fedopt-lsq", "--workers", "0"), "'--workers'", marks=(LEAD_USAGE,)),
+    "sweep-workers-zero": M(sweep("--recipe", "fedopt-lsq", "--workers", "0"), "'--workers'"),
     # --- evaluate
     "evaluate-no-store": M(("evaluate", "nosuchrun"), "tracking.store must be an existing results store"),
     "evaluate-unknown-run": M(("evaluate", "nosuchrun", "--store", "sqlite:///{cwd}/" + STORE),
@@ -311,7 +306,7 @@ CASES: dict[str, Mistake] = {
     "evaluate-samples-without-ensemble": M(("evaluate", "{run}", "--samples", "32", "--store",
                                             "sqlite:///{cwd}/" + STORE), "--samples applies to --predictive ensemble",
                                            store=True),
-    "evaluate-samples-zero": M(("evaluate", "{run}", "--samples", "0"), "'--samples'", marks=(LEAD_USAGE,)),
+    "evaluate-samples-zero": M(("evaluate", "{run}", "--samples", "0"), "'--samples'"),
     # --- report
     "report-no-store": M(("report",), "tracking.store must be an existing results store"),
     "report-output-proc": M(("report", "--store", "sqlite:///{cwd}/" + STORE, "--output", "/proc/x"),
@@ -345,10 +340,10 @@ CASES: dict[str, Mistake] = {
                                    "unknown experiment 'nosuch'", store=True),
     "report-metric-not-logged": M(("report", "--metric", "accuracy", "--store", "sqlite:///{cwd}/" + STORE),
                                   "is not logged by the selected runs", store=True),
-    "report-format-unknown": M(("report", "--format", "xml"), "'--format'", marks=(LEAD_USAGE,)),
-    "report-window-zero": M(("report", "--window", "0"), "'--window'", marks=(LEAD_USAGE,)),
+    "report-format-unknown": M(("report", "--format", "xml"), "'--format'"),
+    "report-window-zero": M(("report", "--window", "0"), "'--window'"),
     # --- list
-    "list-unknown-what": M(("list", "runz"), "runz", marks=(LEAD_USAGE,)),
+    "list-unknown-what": M(("list", "runz"), "runz"),
     "list-algos-with-experiment": M(("list", "algos", "--experiment", "demo"), "--experiment applies to `fedcli list "
                                     "runs` only"),
     "list-store-missing": M(("list", "runs", "--store", "sqlite:///{cwd}/missing.db"),
@@ -359,7 +354,7 @@ CASES: dict[str, Mistake] = {
     "list-unknown-experiment": M(("list", "runs", "--experiment", "nosuch", "--store", "sqlite:///{cwd}/" + STORE),
                                  "unknown experiment 'nosuch'", store=True),
     # --- ui
-    "ui-port-zero": M(("ui", "--port", "0", "--root", ROOT), "'--port'", marks=(LEAD_USAGE,)),
+    "ui-port-zero": M(("ui", "--port", "0", "--root", ROOT), "'--port'"),
     "ui-tracking-uri-is-server": M(("ui", "--tracking-uri", "http://127.0.0.1:5000", "--root", ROOT),
                                    "is already a server"),
     "ui-no-mlflow-store": M(("ui", "--print-only", "--root", ROOT), "no MLflow store at"),
@@ -368,7 +363,7 @@ CASES: dict[str, Mistake] = {
     "ui-store-without-mlflow-runs": M(("ui", "--print-only", "--store", "sqlite:///{cwd}/" + STORE, "--root", ROOT),
                                       "no MLflow store at", store=True),
     # --- the app
-    "unknown-command": M(("trian",), "trian", marks=(LEAD_USAGE,)),
+    "unknown-command": M(("trian",), "trian"),
 }
 
 # Also run as a real process: stdout/stderr of the installed entry point, not CliRunner's capture.
