@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from fedcli.cli.errors import OneLineUsageErrors
-
 from fedcli.cli.evaluate import evaluate
 from fedcli.cli.listing import list_command
 from fedcli.cli.report import report
