@@ -13,7 +13,15 @@ from typing import Annotated
 
 import typer
 
-from fedcli.cli.common import Panel, Scheme, check_mlflow, find_run, open_tracker, summarise_run, train_progress
+from fedcli.cli.common import (
+    Panel,
+    Scheme,
+    check_mlflow,
+    find_run,
+    open_tracker,
+    summarise_run,
+    train_progress,
+)
 from fedcli.cli.errors import user_errors
 
 

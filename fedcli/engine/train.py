@@ -33,8 +33,8 @@ from fedcli.engine import checkpoint as ckpt
 from fedcli.engine.checkpoint import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.evaluation import evaluate
-from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, graceful_signals
 from fedcli.engine.executors import EXECUTORS, CohortInputs, ModelFunctions, model_functions
+from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, graceful_signals
 from fedcli.engine.seeding import Stream, derive_seed, numpy_rng, sample_cohort, step_keys, torch_generator
 from fedcli.errors import ConfigError, FedcliError
 

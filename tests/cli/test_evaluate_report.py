@@ -158,7 +158,7 @@ def test_report_says_which_keys_differ_inside_a_forced_group(trained: tuple[str,
     assert "| task=lsq | 4 |" in markdown
     assert "mixes runs whose configs differ in more than the seed (" in markdown
     assert "algorithm.name: fedavg, fedpa)" in markdown
-    assert "differ between runs and do not change results: `train.checkpoint_every`: 0, 4." in markdown
+    assert "differ between runs and do not change results: `train.checkpoint_every`: 4, None." in markdown
 
 
 @pytest.mark.parametrize(("args", "message"), [
