@@ -68,12 +68,17 @@ class GracefulSignals:
     def __init__(self) -> None:
         self._pending: int | None = None
         self._depth = 0
+        self._stopping = False
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if self._stopping:  # a second Ctrl-C/SIGTERM must not cut the checkpoint of the orderly stop
+            log.warning("already stopping: writing the last checkpoint (SIGKILL stops at once)")
+            return
         if self._depth > 0:
             self._pending = self._pending or signum
             return
+        self._stopping = True
         raise RunInterrupted(signum)
 
     def install(self) -> None:
@@ -97,6 +102,7 @@ class GracefulSignals:
             self._depth -= 1
         if self._depth == 0 and self._pending is not None:
             signum, self._pending = self._pending, None
+            self._stopping = True
             raise RunInterrupted(signum)
 
 
