@@ -104,6 +104,9 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path: Path, kill_at: i
     killed = store(root).get_run(run_id)
     assert killed.status == "interrupted"  # the store tells a killed run from a live one at once
     assert (store(root).last_round(run_id) or 0) < int(rounds)
+    report = subprocess.run([sys.executable, "-m", "fedcli", "report", "--runs", run_id, "--store",
+                             f"sqlite:///{root / 'fedcli.db'}"], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 2 and "--include-unfinished" in " ".join(report.stderr.split())
 
     resumed = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), "--resume",
                               run_id[:8]], capture_output=True, text=True, timeout=300)
@@ -252,3 +255,18 @@ def test_parallel_starts_on_fresh_postgresql_databases(tmp_path: Path, pg_databa
         assert mlflow_run.info.status == "FINISHED"
         steps = [m.step for m in client.get_metric_history(run.mlflow_run_id, "eval/loss")]
         assert sorted(steps) == [0, 1, 2, 3]
+
+
+def test_an_mlflow_store_left_half_migrated_is_named_with_its_fix(tmp_path: Path) -> None:
+    """A process killed inside MLflow's schema migration leaves alembic's temporary table behind;
+    the next run says so in one line, with the fix, before writing anything."""
+    tmp_path.mkdir(exist_ok=True)
+    with sqlite3.connect(tmp_path / "mlflow.db") as conn:
+        conn.execute("CREATE TABLE _alembic_tmp_params (key TEXT)")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = subprocess.run([sys.executable, "-m", "fedcli", "train", *TINY, "--root", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "half-migrated" in message and "_alembic_tmp_params" in message
+    assert "mv " in message and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
