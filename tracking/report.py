@@ -4,7 +4,9 @@
 differs between runs, except the seed and the `tracking` section), and computes per run
 the quantities of the FedPA paper's Table 3 (metric@R, rounds to a threshold; definitions in
 `fedcli.tracking.metric_defs`), bytes to each threshold (FedSparse's communication table)
-and wall time; per group the mean ± std over seeds. `render_markdown`, `render_csv` and
+and wall time; per group the mean ± std over seeds. Unless asked, the metric@R window and
+the running-average length fit the run: W = max(1, min(100, R // 10)) and
+S = max(1, min(10, R // 10)) for R = the last round every run reached. `render_markdown`, `render_csv` and
 `render_json` turn that into text; `fedcli.tracking.plots` draws the figures.
 
 Only the SQL store is read (pandas over SQLAlchemy); nothing here needs MLflow. The output
@@ -17,7 +19,7 @@ from __future__ import annotations
 import difflib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,8 +29,8 @@ from fedcli.tracking import metric_defs as md
 from fedcli.tracking.keys import flatten_config
 from fedcli.tracking.store import RunRecord, SqlStore
 
-__all__ = ["Column", "Group", "Report", "ReportSpec", "build_report", "render_csv", "render_json",
-           "render_markdown", "resolve_key", "resolve_metric"]
+__all__ = ["Column", "Group", "Report", "ReportSpec", "build_report", "default_smooth", "default_window",
+           "group_label", "render_csv", "render_json", "render_markdown", "resolve_key", "resolve_metric"]
 
 Curve = tuple[np.ndarray, np.ndarray]  # (rounds int64 ascending, values float64)
 PERCENT_NAMES = ("accuracy", "precision", "recall", "f1")  # metrics whose name contains one: fractions shown as %
@@ -53,10 +55,24 @@ class ReportSpec:
     metric: str | None = None  # None = eval/accuracy, else eval/dist_to_opt, else eval/loss
     thresholds: tuple[float, ...] = ()
     at: tuple[int, ...] = ()  # () = the last round every run reached
-    window: int = 100
-    smooth: int = 10
+    window: int | None = None  # None = default_window(rounds run)
+    smooth: int | None = None  # None = default_smooth(rounds run)
     command: str = "fedcli report"
     include_unfinished: bool = False  # False: only finished runs (interrupted/failed/running are left out)
+
+
+def default_window(rounds_run: int) -> int:
+    """Default metric@R window W = max(1, min(100, R // 10)), R = the rounds every run ran.
+
+    A tenth of the run, capped at the FedPA paper's 100 rounds, so a 12-round test run is
+    not averaged over a window longer than itself.
+    """
+    return max(1, min(100, rounds_run // 10))
+
+
+def default_smooth(rounds_run: int) -> int:
+    """Default running-average window S = max(1, min(10, R // 10)) (the paper's 10 from R = 100)."""
+    return max(1, min(10, rounds_run // 10))
 
 
 @dataclass(frozen=True)
@@ -85,7 +101,7 @@ class Group:
 class Report:
     """Everything the renderers and plots need."""
 
-    spec: ReportSpec
+    spec: ReportSpec  # as asked, with window and smooth resolved to numbers
     store_url: str
     metric: str
     at: tuple[int, ...]
@@ -202,32 +218,59 @@ def drop_repeats(records: Sequence[RunRecord]) -> tuple[list[RunRecord], list[st
     return kept, sorted(notes)
 
 
+def _value(config: Mapping[str, str], key: str) -> str | None:
+    """A flattened config value, with an unset key (`data.file=None`) the same as an absent one."""
+    value = config.get(key)
+    return None if value == "None" else value
+
+
+def group_label(keys: Sequence[str], values: Sequence[str | None]) -> str:
+    """`fedpa rho=0.1`: the algorithm's name first and bare, then the other keys' short names.
+
+    A short name is the key's last component (`algorithm.hp.rho` -> `rho`) unless two keys
+    share it, then its display name (`hp.rho`). Keys without a value are left out.
+    """
+    shown = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
+    tails = [k.rsplit(".", 1)[-1] for k, _ in shown]
+    parts = [v for k, v in shown if k == "algorithm.name"]
+    for (key, value), tail in zip(shown, tails, strict=True):
+        if key != "algorithm.name":
+            parts.append(f"{tail if tails.count(tail) == 1 else display_key(key)}={value}")
+    return " ".join(parts) or "all runs"
+
+
 def group_runs(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> tuple[list[Group], dict[str, str], list[str]]:
-    """Group runs; return (groups sorted by key values, common config, keys varying over runs)."""
+    """Group runs; return (groups sorted by key values, common config, keys varying over runs).
+
+    By default the groups are split by every key whose value differs between runs, except
+    the seed and `NON_RESULT_KEYS`, among the runs that have it: another algorithm's
+    hyperparameter does not split groups, and neither does a key that is unset (None) in
+    some runs and absent from others (a key added to the config since an older run).
+    """
     configs = {r.id: run_config(r) for r in records}
     known = sorted(set().union(*configs.values()))
     everywhere = [k for k in known if all(k in c for c in configs.values())]
     common = {k: configs[records[0].id][k] for k in everywhere if len({c[k] for c in configs.values()}) == 1}
     varying = [k for k in known if k not in common and k != "seed"]
     if group_by is None:
-        keys = [k for k in varying if k not in NON_RESULT_KEYS and len({c[k] for c in configs.values() if k in c}) > 1]
+        keys = [k for k in varying if k not in NON_RESULT_KEYS and len({_value(c, k) for c in configs.values() if k in c}) > 1]
+        keys.sort(key=lambda k: k != "algorithm.name")  # groups sort by algorithm first, as they read
     else:
         keys = [resolve_key(k, known) for k in group_by]
     buckets: dict[tuple[str | None, ...], list[RunRecord]] = {}
     for record in records:
         cfg = {**configs[record.id], "seed": str(record.seed)}
-        buckets.setdefault(tuple(cfg.get(k) for k in keys), []).append(record)
+        buckets.setdefault(tuple(_value(cfg, k) for k in keys), []).append(record)
     groups = []
     for values in sorted(buckets, key=lambda vs: [_sort_value(v) for v in vs]):
         runs = sorted(buckets[values], key=lambda r: (r.seed, r.id))
         label_keys = {display_key(k): v for k, v in zip(keys, values, strict=True) if v is not None}
-        label = ", ".join(f"{k}={v}" for k, v in label_keys.items()) or "all runs"
         mixed = {}
         for key in varying:
-            seen = sorted({configs[r.id].get(key, MISSING) for r in runs}, key=_sort_value)
+            seen = sorted({_value(configs[r.id], key) or MISSING for r in runs}, key=_sort_value)
             if len(seen) > 1 and key not in keys and key not in NON_RESULT_KEYS:
                 mixed[key] = seen
-        groups.append(Group(label, label_keys, runs, mixed))
+        groups.append(Group(group_label(keys, values), label_keys, runs, mixed))
     return groups, common, varying
 
 
@@ -336,7 +379,10 @@ def build_report(store: SqlStore, spec: ReportSpec) -> Report:
         raise ConfigError(f"metric {metric!r} is not logged by the selected runs; their eval metrics: {shown}.")
     eval_keys = [k for k in logged if k.startswith("eval/")]
     curves, last = _curves(store, ids, sorted({metric, *eval_keys, *(k for k in REPORT_KEYS if k in logged)}))
-    at = tuple(spec.at) or (min(last.values()),)
+    rounds_run = min(last.values())
+    at = tuple(spec.at) or (rounds_run,)
+    asked = spec
+    spec = replace(spec, window=spec.window or default_window(rounds_run), smooth=spec.smooth or default_smooth(rounds_run))
     report = Report(spec, store.url, metric, at, groups, make_tables(metric, at, spec.thresholds, eval_keys),
                     common, varying, curves, last)
     columns = [c for cols in report.tables.values() for c in cols]
@@ -344,8 +390,22 @@ def build_report(store: SqlStore, spec: ReportSpec) -> Report:
         per_run = [run_values(curves[r.id], last[r.id], metric, spec, at, eval_keys) for r in group.runs]
         group.values = {c.id: [v[c.id] for v in per_run] for c in columns}
         group.summary = {c.id: md.summarize_seeds(group.values[c.id]) for c in columns}
-    report.notes = _notes(report) + repeats
+    report.notes = _notes(report) + _window_notes(asked, rounds_run) + repeats
     return report
+
+
+def _window_notes(asked: ReportSpec, rounds_run: int) -> list[str]:
+    """Warnings for an explicit --window / --smooth longer than the rounds every run ran."""
+    notes = []
+    if asked.window is not None and asked.window > rounds_run:
+        notes.append(f"Warning: --window {asked.window} exceeds the {rounds_run} rounds every run ran: metric@R "
+                     f"averages all rounds 1..R. Drop --window for the default "
+                     f"({default_window(rounds_run)} here: max(1, min(100, rounds // 10))).")
+    if asked.smooth is not None and asked.smooth > rounds_run:
+        notes.append(f"Warning: --smooth {asked.smooth} exceeds the {rounds_run} rounds every run ran: no "
+                     "running average is defined before round S, so rounds to a threshold is — for such runs. "
+                     f"Drop --smooth for the default ({default_smooth(rounds_run)} here).")
+    return notes
 
 
 def _notes(report: Report) -> list[str]:
@@ -518,7 +578,7 @@ def _config_section(report: Report) -> list[str]:
     configs = {r.id: run_config(r) for g in report.groups for r in g.runs}
 
     def values(group: Group, key: str) -> str:
-        return ", ".join(sorted({configs[r.id].get(key, MISSING) for r in group.runs}, key=_sort_value))
+        return ", ".join(sorted({_value(configs[r.id], key) or MISSING for r in group.runs}, key=_sort_value))
 
     result_keys = [k for k in report.varying if k not in NON_RESULT_KEYS]
     between = [k for k in result_keys if len({values(g, k) for g in report.groups}) > 1]

@@ -47,9 +47,13 @@ def report(
                                                    rich_help_panel=TABLES)] = None,
     at: Annotated[str | None, typer.Option(help="Comma-separated round limits R of metric@R. \\[default: the last "
                                            "round every run reached]", rich_help_panel=TABLES)] = None,
-    window: Annotated[int, typer.Option(min=1, help="metric@R = mean over rounds (R-W, R].", rich_help_panel=TABLES)] = 100,
-    smooth: Annotated[int, typer.Option(min=1, help="Running-average window S of rounds-to-threshold.",
-                                        rich_help_panel=TABLES)] = 10,
+    window: Annotated[int | None, typer.Option(min=1, help="metric@R = mean over rounds (R-W, R]. \\[default: "
+                                               "max(1, min(100, R // 10)), R = rounds every run ran]",
+                                               rich_help_panel=TABLES)] = None,
+    smooth: Annotated[int | None, typer.Option(min=1, help="Running-average window S of rounds-to-threshold. "
+                                               "\\[default: max(1, min(10, R // 10))]", rich_help_panel=TABLES)] = None,
+    include_unfinished: Annotated[bool, typer.Option("--include-unfinished", help="Also report runs that did not "
+                                                     "finish (interrupted, failed, running).", rich_help_panel=SELECT)] = False,
     output_format: Annotated[Format, typer.Option("--format", help="md (with PNGs), csv or json.")] = Format.md,
     output: Annotated[Path | None, typer.Option(help="Write here (PNGs beside it). \\[default: stdout]")] = None,
     partition_heatmap: Annotated[bool, typer.Option("--partition-heatmap", help="Also draw a shared partition that has "
@@ -57,6 +61,8 @@ def report(
                                                     rich_help_panel=TABLES)] = False,
     store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]",
                                               rich_help_panel=Panel.TRACK)] = None,
+    root: Annotated[Path | None, typer.Option(help="Folder of the default store (<root>/fedcli.db). "
+                                              "\\[default: ./fedcli-runs]", rich_help_panel=Panel.TRACK)] = None,
 ) -> None:
     """Write the paper tables of runs in the store: metric@R, rounds to threshold, bytes, time, curves.
 
@@ -71,9 +77,9 @@ def report(
             group_by=parse_list("--group-by", [group_by], "config key") if group_by is not None else None,
             metric=parse_metric(metric), thresholds=tuple(parse_numbers("--thresholds", thresholds, float)),
             at=tuple(parse_numbers("--at", at, int)), window=window, smooth=smooth,
-            command=canonical_command(ctx))
+            include_unfinished=include_unfinished, command=canonical_command(ctx))
         check_output(output, "--output")  # before any work: a rejected report writes nothing
-        url = tracking_config({"tracking.store": store}).store_url
+        url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
         require_store(url)
         built = rep.build_report(open_store(url), spec)
         text = write_report(built, output, output_format, partition_heatmap)

@@ -103,11 +103,11 @@ def test_report_tables_match_metrics_recomputed_from_the_store(trained: tuple[st
     markdown = _report(url, root / "out" / "report.md", "--thresholds", f"{threshold},0.0001")
 
     header, rows = _table(markdown, "eval/dist_to_opt (Table 3 layout)")
-    assert sorted(rows) == ["algo=fedavg", "algo=fedpa"]
+    assert sorted(rows) == ["fedavg", "fedpa"]
     assert header[2] == f"dist_to_opt @{AT}R (↓)"
     for algo in ("fedavg", "fedpa"):
         want = _expected_cells(frame, ids, algo, threshold)
-        cells = rows[f"algo={algo}"]
+        cells = rows[algo]
         assert cells[0] == "2"  # seeds
         assert cells[1] == want["at"]
         assert cells[2] == want["hit"]
@@ -116,7 +116,7 @@ def test_report_tables_match_metrics_recomputed_from_the_store(trained: tuple[st
     comm_header, comm = _table(markdown, "Communication: bytes to each threshold and in total")
     scale = {"B": 1.0, "kB": 1e3, "MB": 1e6}[re.search(r"\((\w+), ↓\)", comm_header[2]).group(1)]
     ups = [u for u in _expected_cells(frame, ids, "fedavg", threshold)["up_raw"] if u is not None]
-    assert comm["algo=fedavg"][1].startswith(f"{np.mean(ups) / scale:.2f}")
+    assert comm["fedavg"][1].startswith(f"{np.mean(ups) / scale:.2f}")
 
 
 def test_report_is_byte_identical_and_draws_valid_pngs(trained: tuple[str, Path, dict[str, str]]) -> None:
@@ -144,11 +144,11 @@ def test_report_json_and_csv_carry_the_same_numbers(trained: tuple[str, Path, di
     csv = pd.read_csv(root / "r.csv") if (root / "r.csv").exists() else None
     text = _report(url, root / "r.csv", "--format", "csv")
 
-    group = next(g for g in doc["groups"] if g["label"] == "algo=fedpa")
+    group = next(g for g in doc["groups"] if g["label"] == "fedpa")
     finals = [_series(frame, ids[f"fedpa-{s}"], "eval/dist_to_opt").iloc[-1] for s in (0, 1)]
     assert group["columns"]["final"]["mean"] == pytest.approx(np.mean(finals), abs=1e-12)
     assert group["seeds"] == [0, 1] and csv is None
-    assert "algo=fedpa,,,main,final,mean," in text
+    assert "fedpa,,,main,final,mean," in text
 
 
 def test_report_says_which_keys_differ_inside_a_forced_group(trained: tuple[str, Path, dict[str, str]]) -> None:

@@ -62,7 +62,7 @@ def _row(markdown: str, heading: str, label: str) -> list[str]:
 def test_default_groups_ignore_seed_tracking_and_execution_settings(store: SqlStore) -> None:
     report = build_report(store, ReportSpec(thresholds=(0.5,), at=(4,), window=2, smooth=2))
 
-    assert [g.label for g in report.groups] == ["algo=fedavg", "algo=fedpa"]
+    assert [g.label for g in report.groups] == ["fedavg", "fedpa"]
     assert [r.seed for r in report.groups[0].runs] == [0, 1]
     assert report.groups[0].mixed == {}  # train.executor differs but does not change results
     assert report.metric == "eval/accuracy"
@@ -77,8 +77,8 @@ def test_table_cells_follow_the_definitions(store: SqlStore) -> None:
     report = build_report(store, ReportSpec(thresholds=(0.5, 0.95), at=(4, 6), window=2, smooth=2))
     markdown = render_markdown(report)
 
-    fedavg = _row(markdown, "eval/accuracy (Table 3 layout)", "algo=fedavg")
-    fedpa = _row(markdown, "eval/accuracy (Table 3 layout)", "algo=fedpa")
+    fedavg = _row(markdown, "eval/accuracy (Table 3 layout)", "fedavg")
+    fedpa = _row(markdown, "eval/accuracy (Table 3 layout)", "fedpa")
     std = np.std([0.6, 0.5], ddof=1) * 100
     assert fedavg[:3] == ["2", f"55.00 ± {std:.2f}", "**70.00 ± 14.14**"]  # bold: the only group with every seed
     assert fedpa[:3] == ["2", "**90.00 ± 0.00**", "90.00 (1/2)"]  # the 4-round run never reached R = 6
@@ -95,9 +95,9 @@ def test_bytes_to_threshold_and_totals(store: SqlStore) -> None:
 
     heading = "Communication: bytes to each threshold and in total"
     assert "up to 50% (kB, ↓)" in markdown
-    assert _row(markdown, heading, "algo=fedavg")[1] == f"8.00 ± {np.std([6, 10], ddof=1):.2f}"
-    assert _row(markdown, heading, "algo=fedpa")[1] == "**3.00 ± 0.00**"
-    assert _row(markdown, heading, "algo=fedavg")[3] == "21.00 ± 0.00"
+    assert _row(markdown, heading, "fedavg")[1] == f"8.00 ± {np.std([6, 10], ddof=1):.2f}"
+    assert _row(markdown, heading, "fedpa")[1] == "**3.00 ± 0.00**"
+    assert _row(markdown, heading, "fedavg")[3] == "21.00 ± 0.00"
 
 
 def test_forced_grouping_names_the_keys_that_differ(store: SqlStore) -> None:
@@ -136,6 +136,57 @@ def test_same_store_same_text_and_scripting_formats(store: SqlStore) -> None:
 
     assert first == second
     assert "fedcli report --at 4" in first and "20" not in first.split("\n", 3)[1]  # no timestamp in the header
-    assert '"label": "algo=fedpa"' in as_json
+    assert '"label": "fedpa"' in as_json
     assert as_csv.splitlines()[0] == "group,run_id,seed,table,column,statistic,value"
-    assert "algo=fedpa,,,main,at@4,mean,0.9" in as_csv
+    assert "fedpa,,,main,at@4,mean,0.9" in as_csv
+
+
+def test_labels_lead_with_the_algorithm_and_unset_or_execution_keys_never_split(tmp_path: Path) -> None:
+    """rho differs among FedPA runs -> `fedpa rho=0.1`, `fedpa rho=0.3`; `data.file` is None in one
+    run and absent in another (an older run), `train.workers` differs: neither splits a group
+    nor makes one mixed."""
+    with SqlStore(f"sqlite:///{tmp_path / 's.db'}") as sql:
+        old = _config("fedpa", 0, rho=0.1)
+        new = {**_config("fedpa", 1, rho=0.1), "data": {"task": "toy", "file": None}}
+        new["train"] = {**new["train"], "workers": 4}
+        for config in (old, new, _config("fedpa", 0, rho=0.3), _config("fedavg", 0)):
+            _add(sql, config, [0.0, 0.5, 0.6, 0.7, 0.7, 0.7, 0.7])
+
+        report = build_report(sql, ReportSpec(at=(4,)))
+
+    assert [g.label for g in report.groups] == ["fedavg", "fedpa rho=0.1", "fedpa rho=0.3"]
+    assert [len(g.runs) for g in report.groups] == [1, 2, 1]
+    assert all(not g.mixed for g in report.groups)
+    assert report.groups[1].keys == {"algo": "fedpa", "hp.rho": "0.1"}
+
+
+def test_window_and_smooth_default_to_the_run_length_and_long_windows_warn(store: SqlStore) -> None:
+    """Runs of 6 (and 4) rounds: R = 4, so W = max(1, min(100, 4 // 10)) = 1 and S = 1. An
+    explicit --window 50 is kept, with a warning note; --smooth 2 fits and gives none."""
+    from fedcli.tracking.report import default_smooth, default_window
+
+    default = build_report(store, ReportSpec(at=(4,)))
+    long = build_report(store, ReportSpec(at=(4,), window=50, smooth=2))
+
+    assert (default.spec.window, default.spec.smooth) == (1, 1)
+    assert [default_window(r) for r in (4, 25, 500, 5000)] == [1, 2, 50, 100]
+    assert [default_smooth(r) for r in (4, 25, 500)] == [1, 2, 10]
+    assert not any(n.startswith("Warning") for n in default.notes)
+    assert (long.spec.window, long.spec.smooth) == (50, 2)
+    assert [n for n in long.notes if n.startswith("Warning")] == [
+        "Warning: --window 50 exceeds the 4 rounds every run ran: metric@R averages all rounds 1..R. "
+        "Drop --window for the default (1 here: max(1, min(100, rounds // 10)))."]
+    assert "window 50; smoothing 2" in render_markdown(long)
+
+
+def test_unfinished_runs_only_when_asked(tmp_path: Path) -> None:
+    with SqlStore(f"sqlite:///{tmp_path / 's.db'}") as sql:
+        run_id = _add(sql, _config("fedavg", 0), [0.0, 0.5, 0.6])
+        sql.end_run(run_id, "interrupted")
+
+        with pytest.raises(ConfigError, match="pass --include-unfinished"):
+            build_report(sql, ReportSpec())
+        report = build_report(sql, ReportSpec(include_unfinished=True))
+
+    assert [r.id for r in report.groups[0].runs] == [run_id]
+    assert any("did not finish (status interrupted)" in n for n in report.notes)
