@@ -36,7 +36,7 @@ class Predictive(str, Enum):
 
 def evaluate(
     ctx: typer.Context,
-    run: Annotated[str, typer.Argument(help="Run id, unique id prefix or run name.")],
+    run: Annotated[str, typer.Argument(help="Run id, unique id prefix, run name or MLflow run id.")],
     checkpoint: Annotated[int | None, typer.Option(min=0, help="Evaluate the checkpoint of this round. \\[default: final model]")] = None,
     task: Annotated[str | None, typer.Option(help="Evaluate on this task's data (same model). \\[default: the run's]",
                                              rich_help_panel=Panel.DATA)] = None,
@@ -49,6 +49,8 @@ def evaluate(
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:N] | mps. \\[default: the run's]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]", rich_help_panel=Panel.TRACK)] = None,
+    root: Annotated[Path | None, typer.Option(help="Folder of the default store (<root>/fedcli.db). \\[default: ./fedcli-runs]",
+                                              rich_help_panel=Panel.TRACK)] = None,
     tracking_uri: Annotated[str | None, typer.Option(help="MLflow URI of the run. \\[default: the run's]", rich_help_panel=Panel.TRACK)] = None,
     no_mlflow: Annotated[bool, typer.Option("--no-mlflow", help="Store the result in the SQL store only.", rich_help_panel=Panel.TRACK)] = False,
 ) -> None:
@@ -67,7 +69,7 @@ def evaluate(
             raise ConfigError(f"{flag} applies to --predictive ensemble only; got {flag} "
                               f"{samples if flag == '--samples' else seed} with --predictive {predictive.value}. "
                               f"Add --predictive ensemble, or drop {flag}.")
-        url = tracking_config({"tracking.store": store}).store_url
+        url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
         require_store(url)  # a missing store holds no run; opening it would create it
         db = open_store(url)
         record = db.get_run(run)

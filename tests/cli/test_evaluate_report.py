@@ -216,6 +216,26 @@ def test_evaluate_per_client_on_training_examples(trained: tuple[str, Path, dict
     assert doc["client_split"] == "train"
 
 
+def test_evaluate_finds_a_run_by_mlflow_id_under_root(trained: tuple[str, Path, dict[str, str]], tmp_path: Path) -> None:
+    """`--root R` reads R/fedcli.db; the run is named by the id MLflow shows for it."""
+    import sqlite3
+    from contextlib import closing
+
+    url, _, ids = trained
+    with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as source, \
+            closing(sqlite3.connect(tmp_path / "fedcli.db")) as copy:
+        source.backup(copy)  # the store may be in WAL mode: a file copy can miss rows
+    mlflow_id = "0123456789abcdef0123456789abcdef"
+    with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
+        store.set_run_fields(ids["fedavg-1"], mlflow_run_id=mlflow_id)
+
+    result = RUNNER.invoke(app, ["evaluate", mlflow_id, "--json", "--no-mlflow", "--root", str(tmp_path)])
+
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["id"] == ids["fedavg-1"] and doc["round_idx"] == ROUNDS
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--checkpoint", "5"], "has no checkpoint of round 5; it has rounds [4, 8, 12]"),
     (["--predictive", "ensemble"], "--predictive ensemble needs a posterior, and algorithm 'fedavg' keeps none"),
