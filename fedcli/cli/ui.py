@@ -1,24 +1,42 @@
-"""`fedcli ui`: the MLflow UI on the runs' tracking store, bound to loopback."""
+"""`fedcli ui`: the MLflow UI on the runs' tracking store, bound to loopback.
+
+The server runs with one worker (MLflow's default of 4 processes is too many beside a
+training run on a laptop), and the URL is printed only once the server answers `/health`,
+pointing at the runs table of the experiment of interest. SIGINT or SIGTERM stops the
+server's whole process group before this command exits, so no worker is left behind.
+
+Over the 150-line budget of STYLE.md rule 1: starting, waiting for and stopping a server
+process is this command's whole job, and it has no engine to delegate to.
+"""
 
 from __future__ import annotations
 
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from fedcli.cli.common import Panel, console, open_store, tracking_config
 from fedcli.cli.errors import user_errors
-from fedcli.errors import ConfigError
+from fedcli.errors import ConfigError, TrackingError
+
+READY_TIMEOUT_S = 120.0  # a cold MLflow start (imports, store migration check) on a busy laptop
 
 
 def ui(
     ctx: typer.Context,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port on 127.0.0.1.")] = 5000,
+    experiment: Annotated[str | None, typer.Option(help="Open this MLflow experiment's runs. \\[default: the "
+                                                   "experiment of the newest run in the store]")] = None,
+    open_browser: Annotated[bool, typer.Option("--open", help="Open the URL in a browser once the server answers.")] = False,
     store: Annotated[str | None, typer.Option(help="SQL store whose runs' MLflow store to open. \\[env: FEDCLI_STORE]",
                                               rich_help_panel=Panel.TRACK)] = None,
     root: Annotated[Path | None, typer.Option(help="Folder of the default stores. \\[default: ./fedcli-runs]",
@@ -30,9 +48,9 @@ def ui(
     """Start the MLflow UI on the runs' tracking store (127.0.0.1 only) and print its URL.
 
     The runs show their params (the flattened config), metric curves by round, tags and the
-    stored model and config as artifacts.
+    stored model and config as artifacts. The URL is printed once the server answers.
 
-    Example: fedcli ui --store sqlite:///fedcli-runs/fedcli.db --port 5000
+    Example: fedcli ui --root fedcli-runs --port 5000 --open
     """
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
         cfg = tracking_config({"tracking.root": root and str(root), "tracking.tracking_uri": tracking_uri,
@@ -44,14 +62,155 @@ def ui(
         if database is not None and not database.exists():
             raise ConfigError(f"no MLflow store at {database}: the runs were trained with --no-mlflow or under "
                               "another --root; pass --tracking-uri or --store.")
+        if print_only and open_browser:
+            raise ConfigError("--open needs the server running; got --open with --print-only. Drop one of them.")
         mlflow = shutil.which("mlflow") or str(Path(sys.executable).with_name("mlflow"))
-        command = [mlflow, "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
-    typer.echo(f"http://127.0.0.1:{port}")
-    if print_only:
-        typer.echo(" ".join(command))
-        return
-    console().print(f"MLflow UI on {uri} (Ctrl-C stops it): {' '.join(command)}")
-    raise typer.Exit(subprocess.call(command))
+        command = [mlflow, "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port),
+                   "--workers", "1"]
+        base = f"http://127.0.0.1:{port}"
+        if print_only:
+            typer.echo(runs_url(base, experiment_id(uri, experiment, cfg.store_url)))
+            typer.echo(" ".join(command))
+            return
+        require_free_port(port)
+        code = serve(command, base, lambda: runs_url(base, experiment_id(uri, experiment, cfg.store_url)),
+                     open_browser)
+    raise typer.Exit(code)
+
+
+def runs_url(base: str, experiment: str | None) -> str:
+    """The runs table of `experiment` (an MLflow experiment id), or the UI's start page."""
+    return f"{base}/#/experiments/{experiment}?workflowType=machine_learning" if experiment else base
+
+
+def experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
+    """The MLflow id of experiment `name`, else of the newest run's experiment in the SQL store.
+
+    Without `name`, None when nothing can be found (the URL then opens MLflow's start page).
+
+    Raises:
+        ConfigError: `name` is not an experiment of the MLflow store.
+    """
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    if name is not None:
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            known = sorted(e.name for e in client.search_experiments())
+            raise ConfigError(f"--experiment must name an MLflow experiment of {uri}; got {name!r}. "
+                              f"It has: {', '.join(known) or 'none'}.")
+        return str(found.experiment_id)
+    newest = _newest_run(store_url)
+    if newest is not None and newest.mlflow_run_id:
+        try:
+            return str(client.get_run(newest.mlflow_run_id).info.experiment_id)
+        except Exception:  # noqa: BLE001 - a run mirrored elsewhere: fall back to the name
+            pass
+    found = client.get_experiment_by_name(newest.experiment) if newest is not None else None
+    if found is None:
+        recent = client.search_experiments(max_results=1, order_by=["last_update_time DESC"])
+        found = recent[0] if recent else None
+    return None if found is None else str(found.experiment_id)
+
+
+def _newest_run(store_url: str) -> Any:
+    from fedcli.config import store_file
+
+    path = store_file(store_url)
+    if path is not None and not path.is_file():
+        return None
+    runs = open_store(store_url).list_runs()
+    return runs[-1] if runs else None
+
+
+def require_free_port(port: int) -> None:
+    """ConfigError when something listens on 127.0.0.1:port (its /health would look like ours)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise ConfigError(f"--port {port} is in use on 127.0.0.1; pass another --port (or open "
+                              f"http://127.0.0.1:{port} if that is an MLflow UI already).")
+
+
+class _Stop(Exception):
+    """SIGINT or SIGTERM arrived: stop the server and exit."""
+
+
+def serve(command: list[str], base: str, find_url: Callable[[], str], open_browser: bool) -> int:
+    """Run the server, print the runs URL once /health answers, and stop it on SIGINT/SIGTERM."""
+    import webbrowser
+
+    try:  # the server's own output goes to stderr: stdout carries only the URL
+        out: Any = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stderr (tests): keep the server's
+        out = None
+    server = subprocess.Popen(command, start_new_session=True, stdout=out)  # own group: stopped as a whole
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stop
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        console().print("starting MLflow UI…")
+        url = find_url()
+        wait_ready(f"{base}/health", server)
+        typer.echo(url)
+        console().print(f"MLflow UI (Ctrl-C stops it): {' '.join(command)}", soft_wrap=True)
+        if open_browser:
+            webbrowser.open(url)
+        return server.wait()
+    except _Stop:
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stop_group(server)
+
+
+def wait_ready(health: str, server: subprocess.Popen[bytes], timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Poll `health` until it answers 200; TrackingError if the server exits or the time runs out."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise TrackingError(f"the MLflow server exited with code {server.returncode} before it answered "
+                                f"{health}; its messages are above.")
+        try:
+            with urllib.request.urlopen(health, timeout=2) as response:  # noqa: S310 - loopback http
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TrackingError(f"the MLflow server did not answer {health} within {timeout_s:.0f} s; stopped it.")
+
+
+def stop_group(server: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM the server's process group, SIGKILL what is left after `grace_s`, and reap the server."""
+    import os
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:  # the whole group is gone
+            break
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if server.poll() is not None and not _group_alive(server.pid):
+                return
+            time.sleep(0.1)
+    server.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    import os
+
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def runs_tracking_uri(store_url: str) -> str | None:

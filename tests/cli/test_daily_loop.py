@@ -8,8 +8,15 @@ real two-round `fedcli train` wrote, with the MLflow server actually started and
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from fedcli.cli.listing import short_ids
@@ -65,3 +72,50 @@ def test_list_algos_refuses_root() -> None:
     result = RUNNER.invoke(app, ["list", "algos", "--root", "somewhere"])
 
     assert result.exit_code == 2 and "--root applies to `fedcli list runs` only" in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _processes_with(text: str) -> list[str]:
+    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in listing.splitlines() if text in line and "ps -eo" not in line]
+
+
+@pytest.mark.timeout(150)
+def test_ui_serves_the_experiments_runs_table_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """A real 2-round run logs to MLflow; `fedcli ui` prints the runs-table URL of its experiment
+    only once the server answers, both the URL and /health answer 200, and SIGTERM stops the
+    command and every server process (one worker, MLflow's own process group)."""
+    env = {**os.environ, "FEDCLI_STORE": "", "MLFLOW_TRACKING_URI": ""}
+    env = {k: v for k, v in env.items() if v}
+    trained = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "lsq", "--rounds", "2",
+                              "--root", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert trained.returncode == 0, trained.stderr
+    port = _free_port()
+    from mlflow import MlflowClient
+
+    experiment = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_experiment_by_name("default")
+
+    ui = subprocess.Popen([sys.executable, "-m", "fedcli", "ui", "--root", str(tmp_path), "--port", str(port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = ui.stdout.readline().strip()  # printed only once /health answers
+        with urllib.request.urlopen(url, timeout=10) as page, \
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as health:
+            statuses = (page.status, health.status)
+        assert _processes_with(f"--port {port} --workers 1")
+    finally:
+        ui.send_signal(signal.SIGTERM)
+        code = ui.wait(timeout=30)
+    stderr = ui.stderr.read()
+
+    assert url == f"http://127.0.0.1:{port}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+    assert statuses == (200, 200)
+    assert code == 0 and "starting MLflow UI…" in stderr and "Traceback" not in stderr
+    assert _processes_with(f"--port {port}") == []
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
