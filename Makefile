@@ -15,10 +15,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/fedcli train --algo fedpa --config examples/fedpa-femnist-demo.yaml
 	@echo
-	@echo "Results: ./fedcli-runs (SQL store fedcli.db, MLflow store mlflow.db, models under runs/)"
+	@echo "Results: ./fedcli-runs (SQL store fedcli.db, MLflow store mlflow.db, models and checkpoints under runs/)"
 	@echo "  $(BIN)/fedcli list runs"
 	@echo "  $(BIN)/fedcli report --experiment demo --output report.md"
 	@echo "  $(BIN)/fedcli ui        # MLflow UI on http://127.0.0.1:5000"
+	@echo "(.venv/bin is not on your PATH: 'source .venv/bin/activate' lets you type plain 'fedcli')"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
