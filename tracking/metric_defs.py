@@ -15,7 +15,9 @@ Definitions (FedPA, Al-Shedivat et al. 2021, Table 3 caption and reference/fedpa
   `TIE_RTOL` absorbs floating-point rounding of the window mean.
 - metric@R (`window` = W): `mean{ v_s : R - W < s <= R, s >= 1 }`; None when the run stopped
   before round R or no round of the window was logged.
-- bytes to round t: the sum of the per-round byte counts of rounds 1..t.
+- bytes to round t: the sum of the per-round byte counts of rounds 1..t (`cumulative_at`;
+  `cumulative` gives it at every logged round, the x-axis of the bytes and time figures
+  when a run did not log comm/cum_bytes_* or time/cum_train_s).
 - over seeds: mean, sample standard deviation (ddof = 1; 0 for one seed) and the number of
   seeds with a value out of all seeds.
 """
@@ -32,6 +34,7 @@ __all__ = [
     "TIE_RTOL",
     "SeedSummary",
     "best_value",
+    "cumulative",
     "cumulative_at",
     "final_value",
     "is_lower_better",
@@ -164,6 +167,12 @@ def cumulative_at(rounds: np.ndarray, values: np.ndarray, at: int | None = None)
     rounds, values = _checked(rounds, values)
     keep = rounds >= 1 if at is None else (rounds >= 1) & (rounds <= at)
     return float(values[keep].sum())
+
+
+def cumulative(rounds: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Running sum of per-round values over rounds 1..t at each logged round t (0 at round 0)."""
+    rounds, values = _checked(rounds, values)
+    return np.cumsum(np.where(rounds >= 1, values, 0.0))
 
 
 @dataclass(frozen=True)

@@ -277,7 +277,9 @@ def group_runs(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> 
 # --------------------------------------------------------------------------- numbers
 
 
-REPORT_KEYS = ("comm/bytes_up", "comm/bytes_down", "time/round_s", "eval/loss")  # read besides the metric and eval/*
+# read besides the metric and eval/*: the tables' inputs and the x-axes of the bytes and time figures
+REPORT_KEYS = ("comm/bytes_up", "comm/bytes_down", "time/round_s", "eval/loss", "comm/cum_bytes_up",
+               "comm/cum_bytes_down", "time/cum_train_s")
 
 
 def logged_keys(store: SqlStore, ids: Sequence[str]) -> list[str]:

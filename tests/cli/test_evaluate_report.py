@@ -126,13 +126,18 @@ def test_report_is_byte_identical_and_draws_valid_pngs(trained: tuple[str, Path,
 
     assert first.replace("/a/", "/b/") == second  # only the --output path in the header differs
     pngs = sorted(p.name for p in (root / "a").glob("*.png"))
-    assert pngs == ["report-eval_dist_to_opt.png", "report-eval_loss.png"]
+    assert pngs == ["report-eval_dist_to_opt-vs-bytes.png", "report-eval_dist_to_opt-vs-time.png",
+                    "report-eval_dist_to_opt.png", "report-eval_loss.png"]
     for name in pngs:
         assert f"]({name})" in first
         with Image.open(root / "a" / name) as image:
             image.verify()
             assert image.format == "PNG" and image.size[0] > 100
+            assert round(image.info["dpi"][0]) >= 200
         assert (root / "a" / name).read_bytes() == (root / "b" / name).read_bytes()
+        svg = name.replace(".png", ".svg")
+        assert (root / "a" / svg).read_bytes() == (root / "b" / svg).read_bytes()
+        assert b"<dc:date>" not in (root / "a" / svg).read_bytes()
     for run_id in _frame(url, trained[2]).run_id.unique():
         assert f"`{run_id}`" in first
 

@@ -130,3 +130,13 @@ def test_direction_of_metrics(key: str, lower: bool) -> None:
 def test_unsorted_rounds_are_rejected() -> None:
     with pytest.raises(ValueError, match="strictly increasing"):
         md.running_average(np.array([2, 1]), np.array([0.0, 1.0]), smooth=1)
+
+
+def test_cumulative_sums_rounds_one_to_t_at_every_logged_round() -> None:
+    """bytes b_r logged at rounds 0, 1, 2, 4: cumulative = [0, b_1, b_1+b_2, b_1+b_2+b_4]
+    (round 0, the initial model, sends nothing even if a value is logged there)."""
+    rounds, values = _curve([0, 1, 2, 4], [7.0, 10.0, 20.0, 40.0])
+
+    np.testing.assert_allclose(md.cumulative(rounds, values), [0.0, 10.0, 10.0 + 20.0, 10.0 + 20.0 + 40.0],
+                               rtol=0, atol=0)
+    assert md.cumulative(rounds, values)[-1] == md.cumulative_at(rounds, values)
