@@ -211,7 +211,8 @@ def _plain_lines(cfg: RunConfig, out: Console, every_s: float = 10.0) -> Progres
 
 def _metrics_text(shown: Mapping[str, float], width: int) -> str:
     """The live metrics, most important first, cut to whole items that fit `width` characters."""
-    parts, used = [], 0
+    parts: list[str] = []
+    used = 0
     for key, label in LIVE_KEYS.items():
         if key in shown:
             item = f"{label} {shown[key]:.4g}"

@@ -28,6 +28,11 @@ except ImportError:  # pragma: no cover - older Typer on the click package
 from rich.console import Console
 from rich.text import Text
 
+try:  # the vendored Click keeps Abort in typer.exceptions, not in its exceptions module
+    from typer.exceptions import Abort as _Abort
+except ImportError:  # pragma: no cover - older Typer on the click package
+    from click.exceptions import Abort as _Abort  # type: ignore[assignment]
+
 from fedcli.errors import ConfigError, FedcliError
 
 
@@ -179,7 +184,7 @@ class OneLineUsageErrors(TyperGroup):
             hint = f"; see '{ctx.command_path} --help'." if ctx is not None else ""
             print_error(exc.format_message().rstrip(".") + hint)
             sys.exit(exc.exit_code)
-        except click_errors.Abort:
+        except _Abort:  # Ctrl-C outside a run (Click turns KeyboardInterrupt into Abort)
             Console(stderr=True).print("Aborted.")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
