@@ -30,7 +30,6 @@ __all__ = ["axis_label", "learning_curves", "metric_vs_cost", "partition_heatmap
 _DPI = 200
 _PNG_METADATA = {"Software": None}
 _SVG_METADATA = {"Date": None}
-_SVG_RC = {"svg.hashsalt": "fedcli-report"}  # deterministic element ids
 _NAMES = {"accuracy": "accuracy", "loss": "loss", "dist_to_opt": "distance to optimum", "macro_f1": "macro F1",
           "micro_f1": "micro F1", "nll": "NLL", "ece": "ECE", "brier": "Brier score", "perplexity": "perplexity"}
 # x-axes of metric_vs_cost: (cumulative keys, per-round keys they sum, axis title, unit kind)
@@ -71,7 +70,7 @@ def _save(fig: Any, path: Path) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=_DPI, metadata=_PNG_METADATA)
-    with matplotlib.rc_context(_SVG_RC):
+    with matplotlib.rc_context({"svg.hashsalt": "fedcli-report"}):  # else element ids are random
         fig.savefig(path.with_suffix(".svg"), metadata=_SVG_METADATA)
 
 

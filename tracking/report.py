@@ -227,6 +227,9 @@ def _value(config: Mapping[str, str], key: str) -> str | None:
 def group_label(keys: Sequence[str], values: Sequence[str | None]) -> str:
     """`fedpa rho=0.1`: the algorithm's name first and bare, then the other keys' short names.
 
+    `group_runs` puts the algorithm first also when it is not a group key but all the
+    group's runs share it (`fedpa rho=0.1` for FedPA runs that differ only in rho).
+
     A short name is the key's last component (`algorithm.hp.rho` -> `rho`) unless two keys
     share it, then its display name (`hp.rho`). Keys without a value are left out.
     """
@@ -270,7 +273,12 @@ def group_runs(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> 
             seen = sorted({_value(configs[r.id], key) or MISSING for r in runs}, key=_sort_value)
             if len(seen) > 1 and key not in keys and key not in NON_RESULT_KEYS:
                 mixed[key] = seen
-        groups.append(Group(group_label(keys, values), label_keys, runs, mixed))
+        algos = {configs[r.id].get("algorithm.name") for r in runs}
+        if "algorithm.name" not in keys and len(algos) == 1:  # the label still names the algorithm
+            label = group_label(["algorithm.name", *keys], [algos.pop(), *values])
+        else:
+            label = group_label(keys, values)
+        groups.append(Group(label, label_keys, runs, mixed))
     return groups, common, varying
 
 

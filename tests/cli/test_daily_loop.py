@@ -74,6 +74,31 @@ def test_list_algos_refuses_root() -> None:
     assert result.exit_code == 2 and "--root applies to `fedcli list runs` only" in result.stderr
 
 
+def test_report_under_root_with_run_length_defaults_and_unfinished_runs_on_request(tmp_path: Path) -> None:
+    """Two finished FedPA runs (rho 0.1, 0.3) of 2 rounds and one interrupted FedAvg run:
+    the default report covers the finished ones, labelled algorithm first, with W = S = 1
+    (2 rounds // 10, at least 1); --include-unfinished adds the interrupted one; --window 50
+    is kept and warned about."""
+    ids = ["a" * 32, "b" * 32, "c" * 32]
+    with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
+        _add(store, ids[0], "fedpa", 0.1, "one")
+        _add(store, ids[1], "fedpa", 0.3, "two")
+        _add(store, ids[2], "fedavg", None, "three")
+        store.end_run(ids[2], "interrupted")
+
+    finished = RUNNER.invoke(app, ["report", "--root", str(tmp_path)])
+    everything = RUNNER.invoke(app, ["report", "--root", str(tmp_path), "--include-unfinished", "--window", "50"])
+
+    assert finished.exit_code == 0, finished.output
+    assert "window 1; smoothing 1" in finished.stdout
+    assert "| fedpa rho=0.1 | 1 |" in finished.stdout and "| fedpa rho=0.3 | 1 |" in finished.stdout
+    assert ids[2] not in finished.stdout
+    assert everything.exit_code == 0, everything.output
+    assert "| fedavg | 1 |" in everything.stdout and "did not finish (status interrupted)" in everything.stdout
+    assert "Warning: --window 50 exceeds the 2 rounds every run ran" in everything.stdout
+    assert f"- command: `fedcli report --window 50 --include-unfinished --root {tmp_path}`" in everything.stdout
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -111,7 +111,7 @@ def test_forced_grouping_names_the_keys_that_differ(store: SqlStore) -> None:
 def test_where_accepts_aliases_and_selection_errors(store: SqlStore) -> None:
     report = build_report(store, ReportSpec(where={"hp.rho": "0.1"}, at=(4,)))
 
-    assert [g.label for g in report.groups] == ["all runs"]
+    assert [g.label for g in report.groups] == ["fedpa"]  # one algorithm: named though not a group key
     assert {r.algo for r in report.groups[0].runs} == {"fedpa"}
     with pytest.raises(ConfigError, match=r"unknown config key 'rhoo' \(did you mean"):
         resolve_key("rhoo", ["algorithm.hp.rho", "train.client_lr"])
