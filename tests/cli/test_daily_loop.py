@@ -106,8 +106,8 @@ def _free_port() -> int:
 
 
 def _processes_with(text: str) -> list[str]:
-    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in listing.splitlines() if text in line and "ps -eo" not in line]
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in listing.splitlines() if text in line and "ps -ww" not in line]
 
 
 @pytest.mark.timeout(150)
@@ -124,6 +124,9 @@ def test_ui_serves_the_experiments_runs_table_and_stops_cleanly_on_sigterm(tmp_p
     from mlflow import MlflowClient
 
     experiment = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_experiment_by_name("default")
+    named = RUNNER.invoke(app, ["ui", "--root", str(tmp_path), "--port", str(port), "--experiment", "default",
+                                "--print-only"])
+    unknown = RUNNER.invoke(app, ["ui", "--root", str(tmp_path), "--experiment", "nope", "--print-only"])
 
     ui = subprocess.Popen([sys.executable, "-m", "fedcli", "ui", "--root", str(tmp_path), "--port", str(port)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -139,6 +142,8 @@ def test_ui_serves_the_experiments_runs_table_and_stops_cleanly_on_sigterm(tmp_p
     stderr = ui.stderr.read()
 
     assert url == f"http://127.0.0.1:{port}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+    assert named.exit_code == 0 and named.stdout.splitlines()[0] == url
+    assert unknown.exit_code == 2 and "--experiment must name an MLflow experiment" in unknown.stderr
     assert statuses == (200, 200)
     assert code == 0 and "starting MLflow UI…" in stderr and "Traceback" not in stderr
     assert _processes_with(f"--port {port}") == []
