@@ -6,8 +6,8 @@ the quantities of the FedPA paper's Table 3 (metric@R, rounds to a threshold; de
 `fedcli.tracking.metric_defs`), bytes to each threshold (FedSparse's communication table)
 and wall time; per group the mean ± std over seeds. Unless asked, the metric@R window and
 the running-average length fit the run: W = max(1, min(100, R // 10)) and
-S = max(1, min(10, R // 10)) for R = the last round every run reached. `render_markdown`, `render_csv` and
-`render_json` turn that into text; `fedcli.tracking.plots` draws the figures.
+S = max(1, min(10, R // 10)) for R = the last round every run reached. `render_markdown`,
+`render_csv` and `render_json` turn that into text; `fedcli.tracking.plots` draws the figures.
 
 Only the SQL store is read (pandas over SQLAlchemy); nothing here needs MLflow. The output
 is deterministic: groups are sorted by their key values (numbers numerically), runs by
@@ -227,11 +227,10 @@ def _value(config: Mapping[str, str], key: str) -> str | None:
 def group_label(keys: Sequence[str], values: Sequence[str | None]) -> str:
     """`fedpa rho=0.1`: the algorithm's name first and bare, then the other keys' short names.
 
-    `group_runs` puts the algorithm first also when it is not a group key but all the
-    group's runs share it (`fedpa rho=0.1` for FedPA runs that differ only in rho).
-
     A short name is the key's last component (`algorithm.hp.rho` -> `rho`) unless two keys
     share it, then its display name (`hp.rho`). Keys without a value are left out.
+    `group_runs` puts the algorithm first also when it is not a group key but all the
+    group's runs share it (`fedpa rho=0.1` for FedPA runs that differ only in rho).
     """
     shown = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
     tails = [k.rsplit(".", 1)[-1] for k, _ in shown]
@@ -392,7 +391,8 @@ def build_report(store: SqlStore, spec: ReportSpec) -> Report:
     rounds_run = min(last.values())
     at = tuple(spec.at) or (rounds_run,)
     asked = spec
-    spec = replace(spec, window=spec.window or default_window(rounds_run), smooth=spec.smooth or default_smooth(rounds_run))
+    spec = replace(spec, window=default_window(rounds_run) if spec.window is None else spec.window,
+                   smooth=default_smooth(rounds_run) if spec.smooth is None else spec.smooth)
     report = Report(spec, store.url, metric, at, groups, make_tables(metric, at, spec.thresholds, eval_keys),
                     common, varying, curves, last)
     columns = [c for cols in report.tables.values() for c in cols]
