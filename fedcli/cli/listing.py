@@ -69,7 +69,8 @@ def runs_table(rows: list[dict[str, Any]], width: int) -> Table:
     """Runs with short ids and the hyperparameters that differ, in columns that fit `width`.
 
     Columns join in order of importance (RUN_PRIORITY) while the table still fits; the name
-    is always shown, in the width left (12 to 32 characters), cut with an ellipsis, never wrapped. `--json` keeps every field and the full ids.
+    is always shown, in the width left (12 to 32 characters), cut with an ellipsis, never
+    wrapped. `--json` keeps every field and the full ids.
     """
     shorts = short_ids([row["id"] for row in rows])
     hp = differing_hyperparameters([row["_hp"] for row in rows])
@@ -86,7 +87,8 @@ def runs_table(rows: list[dict[str, Any]], width: int) -> Table:
              if c in shown]
     table = Table(title="fedcli runs")
     for column in order:
-        table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=sizes[column] if column == "name" else None,
+        table.add_column(column, no_wrap=True, overflow="ellipsis",
+                         max_width=sizes[column] if column == "name" else None,
                          justify="right" if column in ("seed", "rounds", "accuracy") else "left")
     for i in range(len(rows)):
         table.add_row(*(cells[c][i] for c in order))
@@ -133,7 +135,8 @@ def run_rows(*, experiment: str | None, store: str | None, root: Path | None) ->
     from fedcli.tracking.keys import flatten_config
 
     url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
-    if store is None and root is None and not os.environ.get("FEDCLI_STORE") and not (store_file(url) or Path(".")).exists():
+    made = (store_file(url) or Path(".")).exists()
+    if store is None and root is None and not os.environ.get("FEDCLI_STORE") and not made:
         return []  # the default store is made by the first `fedcli train`
     require_store(url)
     db = open_store(url)
