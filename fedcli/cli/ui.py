@@ -86,12 +86,25 @@ def runs_url(base: str, experiment: str | None) -> str:
 def experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
     """The MLflow id of experiment `name`, else of the newest run's experiment in the SQL store.
 
-    Without `name`, None when nothing can be found (the URL then opens MLflow's start page).
+    None when it cannot be found or MLflow cannot be read (the URL then opens MLflow's
+    start page, with a warning if reading failed).
 
     Raises:
         ConfigError: `name` is not an experiment of the MLflow store.
     """
+    try:
+        return _experiment_id(uri, name, store_url)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - only the URL's precision depends on it
+        console().print(f"[yellow]warning:[/] could not look the experiment up in {uri}: "
+                        f"{(str(err).splitlines() or [type(err).__name__])[0]}", soft_wrap=True)
+        return None
+
+
+def _experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
     client = MlflowClient(tracking_uri=uri)
     if name is not None:
@@ -105,7 +118,7 @@ def experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
     if newest is not None and newest.mlflow_run_id:
         try:
             return str(client.get_run(newest.mlflow_run_id).info.experiment_id)
-        except Exception:  # noqa: BLE001 - a run mirrored elsewhere: fall back to the name
+        except MlflowException:  # a run mirrored to another MLflow store: fall back to the name
             pass
     found = client.get_experiment_by_name(newest.experiment) if newest is not None else None
     if found is None:
