@@ -405,8 +405,15 @@ def build_report(store: SqlStore, spec: ReportSpec) -> Report:
 
 
 def _window_notes(asked: ReportSpec, rounds_run: int) -> list[str]:
-    """Warnings for an explicit --window / --smooth longer than the rounds every run ran."""
+    """Where the window and smoothing came from when defaulted; warnings for explicit ones
+    longer than the rounds every run ran."""
     notes = []
+    defaulted = [f"{flag} {rule(rounds_run)}" for flag, value, rule in
+                 (("window", asked.window, default_window), ("smoothing", asked.smooth, default_smooth)) if value is None]
+    if defaulted:
+        notes.append(f"{' and '.join(defaulted).capitalize()}: the default for runs of {rounds_run} rounds "
+                     "(window = max(1, min(100, R // 10)), smoothing = max(1, min(10, R // 10)), R = the last round "
+                     "every run reached); pass --window / --smooth to choose.")
     if asked.window is not None and asked.window > rounds_run:
         notes.append(f"Warning: --window {asked.window} exceeds the {rounds_run} rounds every run ran: metric@R "
                      f"averages all rounds 1..R. Drop --window for the default "

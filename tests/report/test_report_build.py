@@ -172,6 +172,8 @@ def test_window_and_smooth_default_to_the_run_length_and_long_windows_warn(store
     assert [default_window(r) for r in (4, 25, 500, 5000)] == [1, 2, 50, 100]
     assert [default_smooth(r) for r in (4, 25, 500)] == [1, 2, 10]
     assert not any(n.startswith("Warning") for n in default.notes)
+    assert any(n.startswith("Window 1 and smoothing 1: the default for runs of 4 rounds") for n in default.notes)
+    assert not any("the default for runs" in n for n in long.notes)
     assert (long.spec.window, long.spec.smooth) == (50, 2)
     assert [n for n in long.notes if n.startswith("Warning")] == [
         "Warning: --window 50 exceeds the 4 rounds every run ran: metric@R averages all rounds 1..R. "
