@@ -205,7 +205,7 @@ def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Pat
     group_by = block.get("group_by")
     command = shlex.join(["fedcli", "report", "--runs", ",".join(i[:8] for i in run_ids), "--store", db.url])
     spec = rep.ReportSpec(runs=tuple(run_ids), metric=block.get("metric"), thresholds=numbers("thresholds"),
-                          at=numbers("at"), window=block.get("window", 100), smooth=block.get("smooth", 10),
+                          at=numbers("at"), window=block.get("window"), smooth=block.get("smooth"),
                           group_by=tuple(group_by.split(",")) if isinstance(group_by, str) else group_by,
                           command=command)
     built = rep.build_report(db, spec)
