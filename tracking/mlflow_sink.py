@@ -212,6 +212,14 @@ class MlflowSink:
         log.debug("mlflow: started run %s (%s) in experiment %s", self._run_id, run_name, self.experiment_id)
         return self._run_id
 
+    def find_run(self, fedcli_run_id: str) -> str | None:
+        """The MLflow run of this experiment tagged with this fedcli run id, if any."""
+        with self._errors(f"search runs of {self.experiment!r}"):
+            found = self._client.search_runs(
+                [self.experiment_id], filter_string=f"tags.`fedcli.run_id` = '{fedcli_run_id}'", max_results=1
+            )
+        return found[0].info.run_id if found else None
+
     def exists(self, run_id: str) -> bool:
         """True when the tracking store has a run with this id."""
         try:

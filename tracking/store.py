@@ -568,9 +568,11 @@ class SqlStore:
             cannot be created or written (one line naming the URL and the fix).
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, setup_schema: bool = True) -> None:
         self._engine, self.url = _create_engine(url)
         self._write_engine = self._engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+        if not setup_schema:  # a reader of an existing store (the MLflow mirror): take no write lock
+            return
         try:
             with self._write_engine.begin() as conn:
                 _setup_schema(conn)
