@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 5.0  # how often the mirror looks for new rounds (the run's end wakes it at once)
 FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before leaving it to finish alone
+READY_WAIT_S = 300.0  # how long a run waits for MLflow's set-up before its first round
 RETRY_S = 60.0  # how long a failing MLflow write is retried (a busy SQLite file, a restarting server)
 _PG_LOCK_KEY = 0x6D6C666C  # "mlfl": advisory-lock key of MLflow's schema set-up
 
@@ -169,7 +170,15 @@ def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
 
 
 class MirrorHandle:
-    """Start the mirror of one run and, at the end, wait for it (bounded)."""
+    """The training process's handle on its run's mirror: spawn early, start, wait at the end.
+
+    `spawn()` starts the process before the data loads: it imports MLflow (seconds of CPU)
+    while the training process loads data, and touches no store. `start(run_id)` then sends
+    it the run; it opens MLflow (creating its schema under the lock), creates or reattaches
+    the MLflow run and answers "ready", which `start` waits for, so that all of MLflow's
+    set-up happens before round 1 and none of it competes with a round. `abort()` (the
+    command failed validation) ends it before it wrote anything.
+    """
 
     def __init__(self, *, tracking_uri: str, experiment: str, store_url: str, runs_root: Path,
                  parent_run_id: str | None = None) -> None:
@@ -177,16 +186,49 @@ class MirrorHandle:
         self.runs_root, self.parent_run_id = runs_root, parent_run_id
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, run_id: str) -> None:
-        command = [sys.executable, "-m", "fedcli.tracking.mirror", "--store", self.store_url, "--run", run_id,
+    def spawn(self) -> MirrorHandle:
+        command = [sys.executable, "-m", "fedcli.tracking.mirror", "--store", self.store_url,
                    "--tracking-uri", self.tracking_uri, "--experiment", self.experiment,
-                   "--run-dir", str(self.runs_root / run_id)]
+                   "--runs-root", str(self.runs_root)]
         if self.parent_run_id:
             command += ["--parent-run", self.parent_run_id]
         # its own session: a Ctrl-C in the terminal stops the training, while the mirror
         # finishes copying and marks the MLflow run as the store says
-        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, start_new_session=True)
+        return self
+
+    def abort(self) -> None:
+        """End a spawned mirror that was never started (it has written nothing)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                proc.communicate(timeout=10)
+
+    def start(self, run_id: str, timeout_s: float = READY_WAIT_S) -> None:
+        """Hand the run to the mirror and wait until MLflow is set up for it.
+
+        Raises:
+            TrackingError: the mirror could not open MLflow (the message is its reason).
+        """
+        if self._proc is None:
+            self.spawn()
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(f"{run_id}\n".encode())
+            proc.stdin.flush()
+        except OSError:
+            pass  # it died: the read below says why
+        readable, _, _ = select.select([proc.stdout], [], [], timeout_s)
+        line = proc.stdout.readline().decode().strip() if readable else ""
+        if line != "ready":
+            self._proc = None
+            proc.kill()
+            _, err = proc.communicate()
+            lines = [x for x in err.decode(errors="replace").splitlines() if x.strip()]
+            reason = lines[-1] if lines else f"no answer in {timeout_s:.0f} s"
+            raise TrackingError(f"{reason.removeprefix('MLflow mirror: ')}")
 
     def finish(self, timeout_s: float = FINISH_WAIT_S) -> str | None:
         """Tell the mirror the run ended (close its stdin) and wait; return a warning, if any."""
@@ -230,6 +272,13 @@ class Mirror:
         from fedcli.tracking.store import SqlStore
 
         self.args = args
+        if args.run is None:  # spawned early: MLflow is imported; wait for the run (EOF: never started)
+            line = sys.stdin.readline().strip()
+            if not line:
+                raise SystemExit(0)
+            args.run = line
+        if getattr(args, "run_dir", None) is None:
+            args.run_dir = str(Path(args.runs_root) / args.run)
         # never take the store's write lock while the run trains: at idle priority the mirror
         # could be descheduled holding it, and the training process's next round would wait
         self.store = SqlStore(args.store, setup_schema=False)
@@ -312,6 +361,7 @@ class Mirror:
         if self.args.once:
             return self.run_once()
         self.open_run()
+        print("ready", flush=True)  # the training process starts round 1 now
         parent_gone = False
         while True:
             record = self.store.get_run(self.record.id)
@@ -344,10 +394,11 @@ def _idle_priority() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mirror", description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True)
-    parser.add_argument("--run", required=True)
+    parser.add_argument("--run", help="the run; default: read its id from stdin (spawned early)")
     parser.add_argument("--tracking-uri", required=True)
     parser.add_argument("--experiment", required=True)
-    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--run-dir")
+    parser.add_argument("--runs-root")
     parser.add_argument("--parent-run")
     parser.add_argument("--once", action="store_true", help="copy an ended run once and exit (fedcli sync)")
     args = parser.parse_args(argv)
@@ -356,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
     for noisy in ("alembic", "mlflow"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    import fedcli.tracking.mlflow_sink  # noqa: F401 - the slow import, while the training process loads data
+
     try:
         return Mirror(args).run()
     except TrackingError as err:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedcli.errors import TrackingError
 from fedcli.tracking.keys import check_metrics
 from fedcli.tracking.store import RunRecord, SqlStore
 
@@ -86,9 +87,19 @@ class Tracker:
             tags=sql_tags, fedcli_version=fedcli_version, torch_version=torch_version,
             git_commit=git_commit, run_id=run_id, requested=requested, config_hash=config_hash,
         )
-        if self.mirror is not None:
-            self.mirror.start(self._run_id)
+        self._start_mirror()
         return self._run_id
+
+    def _start_mirror(self) -> None:
+        """Hand the run to its MLflow mirror; a failure ends the run `failed` with MLflow's reason."""
+        if self.mirror is None:
+            return
+        try:
+            self.mirror.start(self.run_id)
+        except TrackingError as err:
+            self.mirror = None
+            self.store.end_run(self.run_id, "failed", reason=f"MLflow: {err}")
+            raise
 
     def resume(self, run_ref: str, *, from_round: int | None = None, config: Mapping[str, Any] | None = None,
                config_hash: str | None = None, requested: Mapping[str, Any] | None = None) -> RunRecord:
@@ -113,8 +124,7 @@ class Tracker:
         if config is not None and config_hash is not None:
             self.store.update_config(record.id, config, config_hash, requested)
         self._run_id = record.id
-        if self.mirror is not None:
-            self.mirror.start(record.id)
+        self._start_mirror()
         log.info("run %s resumed%s", record.id, "" if from_round is None else f" after round {from_round}")
         return self.store.get_run(record.id)
 

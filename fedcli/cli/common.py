@@ -15,6 +15,7 @@ from rich.console import Console
 if TYPE_CHECKING:
     from fedcli.config import RunConfig, TrackingConfig
     from fedcli.engine.train import RunResult
+    from fedcli.tracking.mirror import MirrorHandle
     from fedcli.tracking.sinks import Tracker
     from fedcli.tracking.store import RunRecord, SqlStore
 
@@ -66,20 +67,26 @@ def tracking_config(overrides: Mapping[str, Any]) -> TrackingConfig:
     return build_section("tracking", TrackingConfig, values)  # type: ignore[no-any-return]
 
 
-def open_tracker(cfg: TrackingConfig, parent_run_id: str | None = None) -> Tracker:
-    """Open the SQL store and, unless --no-mlflow, the handle of the run's MLflow mirror process.
+def spawn_mirror(cfg: TrackingConfig, parent_run_id: str | None = None) -> MirrorHandle | None:
+    """Start the run's MLflow mirror process now (it imports MLflow, writes nothing), unless --no-mlflow."""
+    from fedcli.tracking.mirror import MirrorHandle
+
+    if not cfg.use_mlflow:
+        return None
+    return MirrorHandle(tracking_uri=cfg.mlflow_uri, experiment=cfg.experiment, store_url=cfg.store_url,
+                        runs_root=Path(cfg.root).resolve() / "runs", parent_run_id=parent_run_id).spawn()
+
+
+def open_tracker(cfg: TrackingConfig, mirror: MirrorHandle | None = None) -> Tracker:
+    """Open the SQL store and pair it with the run's MLflow mirror (None: --no-mlflow).
 
     Call it only after everything the command validates is validated: it creates the store.
     """
-    from fedcli.tracking.mirror import MirrorHandle
     from fedcli.tracking.sinks import Tracker
 
-    store = open_store(cfg.store_url)
-    mirror = None
-    if cfg.use_mlflow:
-        mirror = MirrorHandle(tracking_uri=cfg.mlflow_uri, experiment=cfg.experiment, store_url=cfg.store_url,
-                              runs_root=Path(cfg.root).resolve() / "runs", parent_run_id=parent_run_id)
-    return Tracker(store, mirror)
+    if mirror is None and cfg.use_mlflow:
+        mirror = spawn_mirror(cfg)
+    return Tracker(open_store(cfg.store_url), mirror)
 
 
 def check_mlflow(cfg: TrackingConfig, optional: bool) -> TrackingConfig:

@@ -19,6 +19,7 @@ from fedcli.cli.common import (
     check_mlflow,
     find_run,
     open_tracker,
+    spawn_mirror,
     summarise_run,
     train_progress,
 )
@@ -190,8 +191,14 @@ def train(
             cfg = build_config(file=config, overrides=overrides, hp=parse_assignments(hp or [], "--hp"))
         # everything is validated before anything is written: options, MLflow, then the data
         cfg = dataclasses.replace(cfg, tracking=check_mlflow(cfg.tracking, mlflow_optional))
-        setup = build(cfg)
-        tracker = open_tracker(cfg.tracking, parent_run_id=parent_run)
+        mirror = spawn_mirror(cfg.tracking, parent_run)  # imports MLflow while the data loads
+        try:
+            setup = build(cfg)
+        except BaseException:
+            if mirror is not None:
+                mirror.abort()
+            raise
+        tracker = open_tracker(cfg.tracking, mirror)
         try:
             with train_progress(cfg, quiet=bool(ctx.obj and ctx.obj.get("quiet"))) as progress:
                 result = run_training(cfg, tracker=tracker, progress=progress, resume_run_id=resume_id, setup=setup)
