@@ -47,7 +47,7 @@ from fedcli.errors import ConfigError, TrackingError
 
 log = logging.getLogger(__name__)
 
-POLL_S = 5.0  # how often the mirror looks for new rounds (the run's end wakes it at once)
+POLL_S = 10.0  # how often the mirror looks for new rounds (the run's end wakes it at once)
 FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before leaving it to finish alone
 READY_WAIT_S = 300.0  # how long a run waits for MLflow's set-up before its first round
 RETRY_S = 60.0  # how long a failing MLflow write is retried (a busy SQLite file, a restarting server)
