@@ -360,8 +360,9 @@ class Mirror:
     def run(self) -> int:
         if self.args.once:
             return self.run_once()
-        self.open_run()
-        print("ready", flush=True)  # the training process starts round 1 now
+        print("ready", flush=True)  # MLflow is imported and its store set up: round 1 may start
+        _idle_priority()  # from here on, never compete with a round (the set-up ran at normal priority)
+        self.open_run()  # a few small writes: latency, not CPU
         parent_gone = False
         while True:
             record = self.store.get_run(self.record.id)
@@ -402,8 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-run")
     parser.add_argument("--once", action="store_true", help="copy an ended run once and exit (fedcli sync)")
     args = parser.parse_args(argv)
-    if not args.once:
-        _idle_priority()
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
     for noisy in ("alembic", "mlflow"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
