@@ -1,6 +1,6 @@
 """The algorithm contract: types, the `Algorithm` record and shared pytree math.
 
-An algorithm is a module of pure functions over explicit state (DESIGN.md §3, STYLE.md
+An algorithm is a module of pure functions over explicit state (docs/architecture.md §3, docs/style.md
 rules 3 and 6). The engine calls them in this order every round::
 
     state  = server_init(params, hp, opt)                       # once
@@ -14,7 +14,7 @@ steps with a step mask (a masked step leaves every piece of state unchanged), an
 randomness only from tensors in `ctx`. Python branching on static values (`ctx.round_idx`,
 hyperparameters) is fine: they are the same for the whole cohort.
 
-Everything here imports only torch and the standard library (STYLE.md rule 1).
+Everything here imports only torch and the standard library (docs/style.md rule 1).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def hyperparameter_defaults(config_cls: type) -> dict[str, object]:
 
 
 # ---------------------------------------------------------------------------------------
-# Pytree math on Params (shared once here, STYLE.md rule 1)
+# Pytree math on Params (shared once here, docs/style.md rule 1)
 # ---------------------------------------------------------------------------------------
 
 

@@ -3,7 +3,7 @@
 Every model's `forward(x, key=None)` takes an optional int64 0-d `key`: when given, dropout
 draws its mask from a counter-based hash of (key, position) (`keyed_dropout`), so the
 same (seed, round, client, step) gives the same mask whether clients run one by one or
-as one vmapped cohort (STYLE.md rule 8). `key=None` is evaluation mode (no dropout).
+as one vmapped cohort (docs/style.md rule 8). `key=None` is evaluation mode (no dropout).
 No BatchNorm anywhere: its running statistics are mutable state vmap cannot carry
 (reference/performance.md §2.2); models normalise with GroupNorm where they need to.
 """

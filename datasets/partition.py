@@ -1,4 +1,4 @@
-"""Partitioners: split a data set's examples into federated clients (STYLE.md rule 16).
+"""Partitioners: split a data set's examples into federated clients (docs/style.md rule 16).
 
 Every partitioner is a pure, eager function of (labels or natural owners, hyperparameters,
 `rng`) that returns `list[np.ndarray]`, client k -> sorted int64 example indices. They are
@@ -92,7 +92,7 @@ class PartitionSpec:
     balanced: bool = False  # dirichlet only: equal client sizes (FedLab client-inner Dirichlet)
     sigma: float | None = None  # quantity only: log-normal sigma of client sizes (FedLab unbalance_sgm)
     size_alpha: float = 1.0  # two-level only: alpha_1 of client shares (Bayes-ADMM data_generators.py)
-    max_tries: int = 100  # bound on whole-draw redraws (STYLE.md rule 16)
+    max_tries: int = 100  # bound on whole-draw redraws (docs/style.md rule 16)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

@@ -1,9 +1,9 @@
-"""RunConfig: the typed, validated, frozen configuration of one run (STYLE.md rule 18).
+"""RunConfig: the typed, validated, frozen configuration of one run (docs/style.md rule 18).
 
 Built from a YAML file (`--config run.yaml`) overridden by CLI flags, validated once, then
 never changed. Sections: data, partition, algorithm, train, tracking, plus the root seed.
 Every user-facing check lives here and raises `ConfigError` with the message format of
-STYLE.md rule 11. Environment variables are read only here (FEDCLI_STORE, MLFLOW_TRACKING_URI).
+docs/style.md rule 11. Environment variables are read only here (FEDCLI_STORE, MLFLOW_TRACKING_URI).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Error types shared by every layer (STYLE.md rule 11).
+"""Error types shared by every layer (docs/style.md rule 11).
 
 `ConfigError` is a user mistake (bad option, unknown name, malformed file): the CLI prints
 one line and exits 2. `DataError` and `TrackingError` are runtime failures outside the

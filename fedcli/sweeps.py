@@ -1,6 +1,6 @@
 """Sweeps: expand a grid (algorithms x hyperparameters x seeds) into run configs and run them.
 
-A sweep spec (YAML, DESIGN.md §9)::
+A sweep spec (YAML, docs/architecture.md §9)::
 
     experiment: femnist-fedpa-vs-fedavg
     base: {task: femnist, rounds: 200, clients_per_round: 10, local_epochs: 5}

@@ -1,4 +1,4 @@
-"""Import rules of STYLE.md rules 1, 8 and 10, checked by parsing the source.
+"""Import rules of docs/style.md rules 1, 8 and 10, checked by parsing the source.
 
 - algorithms/ imports only torch, the stdlib modules dataclasses/math/types/typing/
   collections.abc/__future__ and fedcli.algorithms (never tracking, the CLI, I/O, logging, time);

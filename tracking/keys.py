@@ -1,6 +1,6 @@
 """Metric-key and metric-value checks shared by both sinks, and config flattening.
 
-STYLE.md rule 15: metric keys are `<split>/<name>` made of `[A-Za-z0-9_./ -]`, with no
+docs/style.md rule 15: metric keys are `<split>/<name>` made of `[A-Za-z0-9_./ -]`, with no
 `//` and no leading `/`; NaN and inf are never logged. Both the SQL store and the MLflow
 sink call `check_metrics`, so a key or value MLflow would reject (or silently mangle) is
 also rejected by the store, and the two stores never disagree.

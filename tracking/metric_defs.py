@@ -2,7 +2,7 @@
 
 Pure NumPy over one run's curve, given as `rounds` (int, ascending, unique) and `values`
 (float, same length): the rounds at which the metric was logged and its values there.
-Round 0 is the initial model (STYLE.md rule 2); it is plotted but never enters a window,
+Round 0 is the initial model (docs/style.md rule 2); it is plotted but never enters a window,
 a running average, a best or a final value, because the papers count rounds 1..R.
 
 Definitions (FedPA, Al-Shedivat et al. 2021, Table 3 caption and reference/fedpa.md §4.5):

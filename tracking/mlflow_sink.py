@@ -1,12 +1,12 @@
 """MLflow sink: one MLflow run per fedcli run, through the explicit `MlflowClient` API.
 
-STYLE.md rule 15: explicit run ids only (no fluent `mlflow.log_*`, no active run);
+docs/style.md rule 15: explicit run ids only (no fluent `mlflow.log_*`, no active run);
 params are the flattened config, logged once at start in batches of at most 100; metrics
 are logged with `step = round_idx` in batches of at most 1000.
 
 Metric batches are logged with `log_batch(..., synchronous=False)`: a synchronous batch
 on a SQLite-backed store costs milliseconds per call (more with several processes on one
-file), an enqueue a fraction of a millisecond (DESIGN.md §6). The returned futures are
+file), an enqueue a fraction of a millisecond (docs/architecture.md §6). The returned futures are
 kept and waited on by `flush()`, which `end_run` calls first and the `Tracker` calls at
 every checkpoint, so nothing is lost or reported late.
 

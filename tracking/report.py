@@ -1,4 +1,4 @@
-"""Paper-table reports from the SQL store (`fedcli report`, DESIGN.md §6, STYLE.md rule 19).
+"""Paper-table reports from the SQL store (`fedcli report`, docs/architecture.md §6, docs/style.md rule 19).
 
 `build_report(store, spec)` selects runs, groups them (by default by every config key that
 differs between runs, except the seed and the `tracking` section), and computes per run
@@ -46,7 +46,7 @@ MISSING = "—"
 
 @dataclass(frozen=True)
 class ReportSpec:
-    """What `fedcli report` was asked for (see DESIGN.md §9)."""
+    """What `fedcli report` was asked for (see docs/architecture.md §9)."""
 
     experiments: tuple[str, ...] = ()
     runs: tuple[str, ...] = ()

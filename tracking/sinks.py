@@ -1,6 +1,6 @@
 """`Tracker`: one per run; writes every round to the SQL store and keeps MLflow in line with it.
 
-STYLE.md rule 15 sketches a `Sink` protocol. The two stores have different duties here:
+docs/style.md rule 15 sketches a `Sink` protocol. The two stores have different duties here:
 the SQL store is the source of truth (rounds, client metrics, checkpoints, the run's life)
 and is written by the training process, one transaction per round; MLflow is a copy made
 by a separate low-priority process (`fedcli.tracking.mirror`), so that MLflow never

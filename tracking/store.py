@@ -1,6 +1,6 @@
 """The SQL results store: experiments, runs, per-round metrics, checkpoints, evaluations.
 
-This store is the source of truth for `fedcli report` (STYLE.md rule 15/19). It accepts
+This store is the source of truth for `fedcli report` (docs/style.md rule 15/19). It accepts
 any SQLAlchemy URL; the default is a SQLite file under `./fedcli-runs/` in WAL mode so
 that several `fedcli train … &` processes can write the same file at once:
 

@@ -33,7 +33,7 @@ class Scheme(str, Enum):
 
 
 class Panel:
-    """Help panels of STYLE.md rule 12."""
+    """Help panels of docs/style.md rule 12."""
 
     DATA = "Data"
     ALGO = "Algorithm"

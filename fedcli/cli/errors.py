@@ -1,4 +1,4 @@
-"""User mistakes get one line on stderr and exit code 2, never a traceback (STYLE.md rule 13).
+"""User mistakes get one line on stderr and exit code 2, never a traceback (docs/style.md rule 13).
 
 Output files the user names (`partition --out`, `--plot`, `report --output`) are checked
 before any work (`check_output`) and written through a temp file beside the target that is

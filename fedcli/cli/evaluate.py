@@ -1,7 +1,7 @@
 """`fedcli evaluate`: metrics, calibration and the per-client view of a run's stored global model.
 
-A little over the 150-line budget of STYLE.md rule 1: the options are the contract of
-DESIGN.md §9 (plus --task, --seed, --device, --tracking-uri, --no-mlflow); the command body
+A little over the 150-line budget of docs/style.md rule 1: the options are the contract of
+docs/architecture.md §9 (plus --task, --seed, --device, --tracking-uri, --no-mlflow); the command body
 stays short and the work is in `fedcli.engine.evaluation`.
 """
 

@@ -1,6 +1,6 @@
 """`fedcli list runs|algos|tasks|recipes`: what exists, as a table or JSON for scripts.
 
-Over the 150-line budget of STYLE.md rule 1 by the runs table: git-style short ids, the
+Over the 150-line budget of docs/style.md rule 1 by the runs table: git-style short ids, the
 hyperparameters that tell runs apart, and columns chosen to fit the terminal (80 columns
 without one) are presentation of this command alone, so they live here.
 """

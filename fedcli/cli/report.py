@@ -1,7 +1,7 @@
 """`fedcli report`: the papers' tables (metric@R, rounds to accuracy, bytes, time) and curves from the store.
 
-A little over the 150-line budget of STYLE.md rule 1: the option list is the contract of
-DESIGN.md §9, and the partition heatmap needs the data layer, which `fedcli.tracking` must
+A little over the 150-line budget of docs/style.md rule 1: the option list is the contract of
+docs/architecture.md §9, and the partition heatmap needs the data layer, which `fedcli.tracking` must
 not import; everything else is in `fedcli.tracking.report` and `fedcli.tracking.plots`.
 """
 

@@ -1,6 +1,6 @@
 """`fedcli sweep`: run a grid of configurations x seeds; a rerun continues it (fedcli.sweeps).
 
-Over the 150-line budget of STYLE.md rule 1 by the live table and the end-of-sweep report:
+Over the 150-line budget of docs/style.md rule 1 by the live table and the end-of-sweep report:
 both are output of this command only; planning, processes and signals are in fedcli.sweeps.
 """
 

@@ -1,7 +1,7 @@
 """`fedcli train`: train one algorithm on one task, logging every round.
 
-Longer than the 150-line budget of STYLE.md rule 1 because the option list is the
-user-facing contract of DESIGN.md §9 (every option with its help and default); the body
+Longer than the 150-line budget of docs/style.md rule 1 because the option list is the
+user-facing contract of docs/architecture.md §9 (every option with its help and default); the body
 itself stays a few lines: build the config, open the tracker, call the engine, summarise.
 """
 

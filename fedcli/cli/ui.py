@@ -5,7 +5,7 @@ training run on a laptop), and the URL is printed only once the server answers `
 pointing at the runs table of the experiment of interest. SIGINT or SIGTERM stops the
 server's whole process group before this command exits, so no worker is left behind.
 
-Over the 150-line budget of STYLE.md rule 1: starting, waiting for and stopping a server
+Over the 150-line budget of docs/style.md rule 1: starting, waiting for and stopping a server
 process is this command's whole job, and it has no engine to delegate to.
 """
 

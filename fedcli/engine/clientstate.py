@@ -2,7 +2,7 @@
 
 Memory grows with clients visited x state size, not with a dense N x d tensor on the
 device: states live on `storage_device` (CPU by default) and only the cohort's are stacked
-and moved to the run's device each round (DESIGN.md §3).
+and moved to the run's device each round (docs/architecture.md §3).
 """
 
 from __future__ import annotations

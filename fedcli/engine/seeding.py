@@ -1,6 +1,6 @@
 """Deterministic RNG plumbing: one independent stream per (seed, purpose, round, client).
 
-STYLE.md rule 8. Results depend only on the config and the seed, never on the executor,
+docs/style.md rule 8. Results depend only on the config and the seed, never on the executor,
 the cohort order or the cohort size: each client's batch order and noise come from its
 own stream keyed by (seed, stream, round_idx, client_id).
 """

@@ -1,4 +1,4 @@
-"""The round loop of one run (DESIGN.md §2).
+"""The round loop of one run (docs/architecture.md §2).
 
     cohort  = sample(clients, rng(seed, COHORT, r))
     plan    = FederatedData.plan(cohort, E, B, rng(seed, BATCH_ORDER, r, client))

@@ -1,4 +1,4 @@
-"""Metric-key rules (STYLE.md rule 15), value checks and config flattening."""
+"""Metric-key rules (docs/style.md rule 15), value checks and config flattening."""
 
 from __future__ import annotations
 

@@ -1,0 +1,114 @@
+"""The repository explains itself: code cites docs/ only, and every citation points somewhere.
+
+- no tracked .py file cites the design notes that lived outside the repository (their
+  content is in docs/architecture.md and docs/style.md, with the same numbering);
+- every `docs/<name>.md` a .py file names exists;
+- `docs/architecture.md §N` has a `## N.` heading, `docs/architecture.md, "Name"` a heading
+  that starts with Name, and `docs/style.md rule N` (or `rules N and M`, `rule N/M`) a
+  `### Rule N:` heading;
+- relative links between the docs (files and `#anchors`) resolve.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+OLD_NOTES = re.compile(r"\b(?:DESIGN|STYLE)\.md\b")  # the notes outside the repo (not docs/*.md)
+DOC_PATH = re.compile(r"\bdocs/[A-Za-z0-9_./-]+?\.md\b")
+ARCH_SECTION = re.compile(r"docs/architecture\.md,?\s*§\s*(\d+)")
+ARCH_NAMED = re.compile(r"docs/architecture\.md,?\s*\(?\"([^\"]+)\"")
+STYLE_RULES = re.compile(r"docs/style\.md\s+rules?\s+(\d+(?:\s*(?:,|/|and)\s*\d+)*)")
+SKIP_DIRS = {".git", ".venv", "build", "fedcli-runs", "mlruns", "__pycache__", "node_modules"}
+
+
+def python_files() -> list[Path]:
+    """Tracked .py files (git ls-files), or every .py file outside build/venv folders without git."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--", "*.py"], cwd=ROOT, capture_output=True, timeout=30,
+                             check=True).stdout
+        files = [ROOT / name for name in out.decode().split("\0") if name]
+    except (OSError, subprocess.SubprocessError):
+        files = [p for p in ROOT.rglob("*.py") if not SKIP_DIRS & set(p.relative_to(ROOT).parts)
+                 and not any(part.startswith(".") or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts)]
+    return sorted(p for p in files if p.is_file())
+
+
+def headings(doc: Path) -> list[str]:
+    return [line.lstrip("#").strip() for line in doc.read_text(encoding="utf-8").splitlines() if line.startswith("#")]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def citations() -> list[tuple[Path, str]]:
+    return [(path, path.read_text(encoding="utf-8")) for path in python_files()]
+
+
+def where(path: Path, text: str, pos: int) -> str:
+    return f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, pos) + 1}"
+
+
+def test_no_python_file_cites_the_notes_outside_the_repo() -> None:
+    this = Path(__file__).resolve()
+    found = [where(path, text, m.start()) + f": {m.group(0)}" for path, text in citations() if path != this
+             for m in OLD_NOTES.finditer(text) if text[max(0, m.start() - 5) : m.start()] != "docs/"]
+    assert not found, "cite docs/architecture.md §N / docs/style.md rule N instead:\n" + "\n".join(found)
+
+
+def test_cited_docs_exist() -> None:
+    missing = [where(path, text, m.start()) + f": {m.group(0)}" for path, text in citations()
+               for m in DOC_PATH.finditer(text) if not (ROOT / m.group(0)).is_file()]
+    assert not missing, "\n".join(missing)
+
+
+def test_cited_sections_and_rules_exist() -> None:
+    arch, style = headings(DOCS / "architecture.md"), headings(DOCS / "style.md")
+    sections = {m.group(1) for h in arch if (m := re.match(r"(\d+)\.\s", h))}
+    names = [re.sub(r"^\d+\.\s*", "", h).lower() for h in arch]
+    rules = {m.group(1) for h in style if (m := re.match(r"Rule (\d+):", h))}
+    bad = []
+    for path, text in citations():
+        for m in ARCH_SECTION.finditer(text):
+            if m.group(1) not in sections:
+                bad.append(where(path, text, m.start()) + f": no '## {m.group(1)}.' in docs/architecture.md")
+        for m in ARCH_NAMED.finditer(text):
+            if not any(name.startswith(m.group(1).lower()) for name in names):
+                bad.append(where(path, text, m.start()) + f": no heading {m.group(1)!r} in docs/architecture.md")
+        for m in STYLE_RULES.finditer(text):
+            for number in re.findall(r"\d+", m.group(1)):
+                if number not in rules:
+                    bad.append(where(path, text, m.start()) + f": no 'Rule {number}:' in docs/style.md")
+    assert not bad, "\n".join(bad)
+
+
+def test_style_keeps_rules_1_to_19_and_architecture_sections_1_to_9() -> None:
+    """Old citations used these numbers; the docs keep them."""
+    rules = [int(m.group(1)) for h in headings(DOCS / "style.md") if (m := re.match(r"Rule (\d+):", h))]
+    sections = [int(m.group(1)) for h in headings(DOCS / "architecture.md") if (m := re.match(r"(\d+)\.\s", h))]
+    assert rules == list(range(1, 20))
+    assert sections == list(range(1, 10))
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+def test_links_between_docs_resolve(doc: Path) -> None:
+    text = doc.read_text(encoding="utf-8")
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file_part, _, anchor = target.partition("#")
+        linked = (doc.parent / file_part).resolve() if file_part else doc
+        if not linked.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in {slug(h) for h in headings(linked)}:
+            bad.append(f"{target}: no such heading")
+    assert not bad, f"{doc.name}: " + "; ".join(bad)
