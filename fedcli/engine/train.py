@@ -327,7 +327,9 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
             reason = f"stopped by {exc.args[0] if exc.args else 'SIGINT'} during round {loop.completed + 1}"
             tracker.finish("interrupted", reason=reason)
             raise
-        except DivergenceError:
+        except DivergenceError as exc:
+            if tracker.store.get_run(run_id).stored_status == "running":  # not yet marked (aggregate's check)
+                tracker.finish("failed", reason=str(exc)[:500], diverged_at_round=loop.completed + 1)
             raise
         except BaseException as exc:
             tracker.finish("failed", reason=f"{type(exc).__name__}: {exc}"[:500])

@@ -65,3 +65,19 @@ def test_a_round_where_every_client_is_nan_is_a_divergence() -> None:
         outs = _poison(outs, row)
     with pytest.raises(DivergenceError, match="every client's upload is NaN/inf"):
         aggregate(setup, state, store, trained.__class__(**{**trained.__dict__, "outs": outs}), 1, Timing())
+
+
+def test_a_run_whose_cohort_is_all_nan_ends_failed_with_its_round(tmp_path) -> None:  # noqa: ANN001
+    """Through the real CLI: a client lr of 1e30 makes every upload non-finite in round 1; the run exits 2
+    and is stored `failed` with diverged_at_round = 1 (it was left `running`)."""
+    import subprocess
+    import sys
+
+    from fedcli.tracking.store import SqlStore
+
+    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "lsq", "--client-lr", "1e30",
+                           "--local-epochs", "5", "--rounds", "3", "--root", str(tmp_path), "--no-mlflow"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    record = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}").list_runs()[0]
+    assert (record.stored_status, record.diverged_at_round) == ("failed", 1)
