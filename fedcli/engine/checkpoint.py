@@ -79,15 +79,19 @@ def atomic_save(obj: Any, path: Path) -> None:
         raise
 
 
-def save_checkpoint(path: Path, *, round_idx: int, server_state: Any, client_states: dict[int, Any],
-                    config: dict[str, Any], seed: int) -> None:
-    """Write everything needed to resume exactly after `round_idx`."""
-    atomic_save({"format_version": FORMAT_VERSION, "round_idx": round_idx, "seed": seed, "config": config,
-                 "server_state": to_cpu(server_state), "client_states": to_cpu(client_states)}, path)
+def checkpoint_payload(*, round_idx: int, server_state: Any, client_states: dict[int, Any],
+                       config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Everything needed to resume exactly after `round_idx`, as a snapshot on the CPU.
+
+    The server state is copied (the caller goes on to the next round); client states are
+    taken as they are: the client-state store replaces them, never changes them in place.
+    """
+    return {"format_version": FORMAT_VERSION, "round_idx": round_idx, "seed": seed, "config": config,
+            "server_state": pytree.tree_map(_cpu_copy, server_state), "client_states": dict(client_states)}
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint written by save_checkpoint onto the CPU."""
+    """Load a checkpoint (a `checkpoint_payload` written by `CheckpointWriter`) onto the CPU."""
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
@@ -156,8 +160,8 @@ class CheckpointWriter:
                seed: int) -> None:
         """Snapshot the state now; write it on the background thread (after the previous write)."""
         self.wait()  # at most one write in flight: memory stays bounded, errors surface a round later
-        snapshot = {"format_version": FORMAT_VERSION, "round_idx": round_idx, "seed": seed, "config": config,
-                    "server_state": pytree.tree_map(_cpu_copy, state), "client_states": dict(client_states)}
+        snapshot = checkpoint_payload(round_idx=round_idx, server_state=state, client_states=client_states,
+                                      config=config, seed=seed)
         self._since = 0
         self.last_round = round_idx
         self._pending = self._pool.submit(self._write, round_idx, snapshot)
@@ -192,8 +196,7 @@ class CheckpointWriter:
 def _cpu_copy(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
-    out = t.detach().to("cpu", copy=True)
-    return out
+    return t.detach().to("cpu", copy=True)
 
 
 def _os_message(err: OSError, path: Path) -> str:
