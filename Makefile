@@ -1,10 +1,10 @@
-# fedcli: make demo | make test | make bench | make lint  (each creates .venv if missing)
+# fedcli: make demo | make test | make bench | make reproduce | make lint  (each creates .venv if missing)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench reproduce lint clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ bench: $(STAMP)
 	-$(MAKE) $(FLOWER)/.installed
 	$(BIN)/python -m tests.benchmarks.run --out bench-results
 	$(BIN)/python tests/benchmarks/bench_report.py --out bench-results/bench_report.json
+
+# Every paper recipe (fedcli sweep --recipe NAME), reports into reproductions/ (docs/reproductions.md).
+# RECIPES="fedpa-toy fola-toy" runs only those.
+reproduce: $(STAMP)
+	$(BIN)/python -m fedcli.recipes.reproduce --out reproductions $(if $(RECIPES),--only $(RECIPES))
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check fedcli algorithms datasets tracking tests || true

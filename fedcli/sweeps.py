@@ -57,29 +57,8 @@ if TYPE_CHECKING:
     from fedcli.tracking.mlflow_sink import MlflowSink
     from fedcli.tracking.store import RunRecord
 
-SPEC_KEYS = ("experiment", "base", "grid", "seeds", "report", "description")
-REPORT_KEYS = ("metric", "thresholds", "at", "window", "smooth", "group_by", "output")  # `fedcli report` options
-
-RECIPES: Mapping[str, dict[str, Any]] = {
-    "fedpa-vs-fedavg-femnist": {
-        "description": "FedPA vs FedAvg on the bundled FEMNIST writers (MLP, 5 local epochs), 2 seeds",
-        "experiment": "fedpa-vs-fedavg-femnist",
-        "base": {"task": "femnist", "rounds": 60, "clients_per_round": 10, "local_epochs": 5,
-                 "client_lr": 0.05, "client_momentum": 0.9, "server_opt": "momentum", "server_lr": 0.5},
-        "grid": {"algo": ["fedavg", "fedpa"], "hp.burn_in_rounds": [20], "hp.rho": [0.1]},
-        "seeds": [0, 1],
-        "report": {"metric": "accuracy", "thresholds": [0.6, 0.7], "at": [30, 60]},
-    },
-    "fedopt-lsq": {
-        "description": "FedAvg with the five server optimisers on federated least squares (dist_to_opt)",
-        "experiment": "fedopt-lsq",
-        "base": {"task": "lsq", "rounds": 50, "clients_per_round": 5, "local_epochs": 2, "client_lr": 0.01},
-        "grid": {"server_opt": ["sgd", "momentum", "adam", "adagrad", "yogi"]},
-        "seeds": [0],
-        "report": {"metric": "dist_to_opt"},
-    },
-}
-
+SPEC_KEYS = ("experiment", "base", "grid", "variants", "seeds", "report", "description", "paper", "smoke", "study")
+REPORT_KEYS = ("metric", "thresholds", "at", "window", "smooth", "group_by", "output", "columns")  # `fedcli report` options
 
 @dataclass(frozen=True)
 class Trial:
@@ -101,22 +80,38 @@ def short_keys() -> dict[str, str]:
     return out
 
 
-def load_spec(path: Path | None, recipe: str | None) -> dict[str, Any]:
-    """Read a spec file or a built-in recipe; check its top-level keys."""
+def load_spec(path: Path | None, recipe: str | None, *, smoke: bool = False) -> dict[str, Any]:
+    """Read a spec file or a built-in recipe (fedcli.recipes); check its top-level keys.
+
+    `smoke` applies the spec's `smoke:` overrides (fedcli.recipes.smoke_spec).
+    """
+    from fedcli import recipes
+
     if recipe is not None:
-        if recipe not in RECIPES:
-            raise ConfigError(f"unknown recipe {recipe!r}{suggest(recipe, list(RECIPES))}; "
-                              "`fedcli sweep --list-recipes` lists them.")
-        spec = dict(RECIPES[recipe])
+        try:
+            spec = recipes.read_recipe(recipe)
+        except KeyError:
+            raise ConfigError(f"unknown recipe {recipe!r}{suggest(recipe, recipes.recipe_names())}; "
+                              "`fedcli sweep --list-recipes` lists them.") from None
     elif path is not None:
         spec = read_yaml(path)
     else:
         raise ConfigError("fedcli sweep needs a SPEC.yaml or --recipe NAME.")
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"a sweep spec must be a mapping of {', '.join(SPEC_KEYS)}; got {type(spec).__name__}.")
     for key in spec:
         if key not in SPEC_KEYS:
             raise ConfigError(f"unknown sweep key {key!r}{suggest(key, list(SPEC_KEYS))}; valid: {', '.join(SPEC_KEYS)}.")
     if "experiment" not in spec:
         raise ConfigError("a sweep spec needs `experiment: NAME`.")
+    if smoke:
+        if not spec.get("smoke") and not spec.get("study"):
+            raise ConfigError("--smoke needs a spec with a `smoke:` block (e.g. {base: {rounds: 2}, seeds: [0]}).")
+        spec = recipes.smoke_spec(spec)
+    variants = spec.get("variants")
+    if variants is not None and not (isinstance(variants, list) and all(isinstance(v, Mapping) for v in variants)):
+        raise ConfigError("variants must be a list of mappings such as [{label: FedAvg-1E, algo: fedavg, "
+                          f"local_epochs: 1}}]; got {variants!r}.")
     report = spec.get("report")
     if report is not None and not isinstance(report, Mapping):
         raise ConfigError(f"report must be a mapping such as {{metric: accuracy, thresholds: [0.8]}}; got {report!r}.")
@@ -128,15 +123,21 @@ def load_spec(path: Path | None, recipe: str | None) -> dict[str, Any]:
 
 
 def expand(spec: Mapping[str, Any], tracking: Mapping[str, Any] | None = None) -> list[Trial]:
-    """Return the validated trials of a spec, in grid order then seed order."""
+    """Return the validated trials of a spec, in variant order, then grid order, then seed order.
+
+    Each of `variants` (named overrides, e.g. FedPA's FedAvg-1E / FedAvg-ME / FedPA-ME) is crossed
+    with the grid and the seeds; a variant's keys win over the grid's, the grid's over `base`.
+    """
     aliases = short_keys()
     base = {_dotted(k, aliases): v for k, v in (spec.get("base") or {}).items()}
     grid = {_dotted(k, aliases): v if isinstance(v, list) else [v] for k, v in (spec.get("grid") or {}).items()}
     short = {_dotted(k, aliases): k for k in (spec.get("grid") or {})}  # the names the user wrote, for labels
     seeds = spec.get("seeds", [0])
+    variants = [(v.get("label"), {_dotted(k, aliases): x for k, x in v.items() if k != "label"})
+                for v in spec.get("variants") or [{}]]
     trials, seen = [], set()
-    for combo in itertools.product(*grid.values()):
-        values = {**base, **dict(zip(grid, combo, strict=True))}
+    for (label, variant), combo in itertools.product(variants, itertools.product(*grid.values())):
+        values = {**base, **dict(zip(grid, combo, strict=True)), **variant}
         algo = values.get("algorithm.name", "fedavg")
         hp = {k[3:]: v for k, v in values.items() if k.startswith("hp.") and _has_hp(algo, k[3:])}
         overrides = {k: v for k, v in values.items() if not k.startswith("hp.")}
@@ -147,8 +148,8 @@ def expand(spec: Mapping[str, Any], tracking: Mapping[str, Any] | None = None) -
                 continue
             seen.add(cfg.config_hash)
             shown = [(short[k], v) for k, v in zip(grid, combo, strict=True)
-                     if k != "algorithm.name" and (not k.startswith("hp.") or k[3:] in hp)]
-            trials.append(Trial(name=trial_name(cfg.algorithm.name, shown, seed), config=cfg))
+                     if k != "algorithm.name" and k not in variant and (not k.startswith("hp.") or k[3:] in hp)]
+            trials.append(Trial(name=trial_name(label or cfg.algorithm.name, shown, seed), config=cfg))
     return trials
 
 

@@ -59,6 +59,7 @@ class ReportSpec:
     smooth: int | None = None  # None = default_smooth(rounds run)
     command: str = "fedcli report"
     include_unfinished: bool = False  # False: only finished runs (interrupted/failed/running are left out)
+    columns: tuple[str, ...] = ()  # more logged keys for the last table (e.g. fedsparse/sparsity), final-window mean
 
 
 def default_window(rounds_run: int) -> int:
@@ -386,7 +387,10 @@ def build_report(store: SqlStore, spec: ReportSpec) -> Report:
     if metric not in logged:
         shown = ", ".join(k for k in logged if k.startswith("eval/")) or "none"
         raise ConfigError(f"metric {metric!r} is not logged by the selected runs; their eval metrics: {shown}.")
-    eval_keys = [k for k in logged if k.startswith("eval/")]
+    missing = [k for k in spec.columns if k not in logged]
+    if missing:
+        raise ConfigError(f"column {missing[0]!r} is not logged by the selected runs; logged keys: {', '.join(logged)}.")
+    eval_keys = [k for k in logged if k.startswith("eval/")] + [k for k in spec.columns if not k.startswith("eval/")]
     curves, last = _curves(store, ids, sorted({metric, *eval_keys, *(k for k in REPORT_KEYS if k in logged)}))
     rounds_run = min(last.values())
     at = tuple(spec.at) or (rounds_run,)
@@ -532,7 +536,7 @@ _TITLES = {
     "main": "Table 3 layout",
     "comm": "Communication: bytes to each threshold and in total",
     "time": "Wall time",
-    "eval": "All evaluation metrics",
+    "eval": "All evaluation metrics (and the requested columns)",
 }
 
 
@@ -551,7 +555,7 @@ def _definitions(report: Report, table: str) -> str:
                 "Units: SI (1 kB = 1000 B), one unit per column.")
     if table == "time":
         return "Per round = mean of time/round_s over rounds ≥ 1 (the first round includes warm-up); total = its sum."
-    return (f"Each eval/* metric averaged over the last {spec.window} rounds of each run (r > last − {spec.window}). "
+    return (f"Each eval/* metric (and each requested column) averaged over the last {spec.window} rounds of each run (r > last − {spec.window}). "
             "F1 metrics: macro = mean over labels, micro = pooled over labels; a label with no positives and no "
             f"predictions has F1 0. {MISSING}: the run logged no such value.")
 

@@ -184,9 +184,9 @@ def task_rows(**_: Any) -> list[dict[str, Any]]:
 
 def recipe_rows(**_: Any) -> list[dict[str, Any]]:
     """Built-in sweep recipes (fedcli sweep --recipe NAME)."""
-    from fedcli.sweeps import RECIPES
+    from fedcli.recipes import read_recipe, recipe_names
 
-    return [{"id": name, "name": name, "description": r["description"]} for name, r in RECIPES.items()]
+    return [{"id": name, "name": name, "description": read_recipe(name)["description"]} for name in recipe_names()]
 
 
 ROWS = {What.runs: run_rows, What.algos: algo_rows, What.tasks: task_rows, What.recipes: recipe_rows}

@@ -52,6 +52,8 @@ def report(
                                                rich_help_panel=TABLES)] = None,
     smooth: Annotated[int | None, typer.Option(min=1, help="Running-average window S of rounds-to-threshold. "
                                                "\\[default: max(1, min(10, R // 10))]", rich_help_panel=TABLES)] = None,
+    columns: Annotated[str | None, typer.Option(help="Comma-separated logged keys for the last table, e.g. "
+                                                "fedsparse/sparsity.", rich_help_panel=TABLES)] = None,
     include_unfinished: Annotated[bool, typer.Option("--include-unfinished", help="Also report runs that did not "
                                                      "finish (interrupted, failed, running).", rich_help_panel=SELECT)] = False,
     output_format: Annotated[Format, typer.Option("--format", help="md (with PNGs), csv or json.")] = Format.md,
@@ -77,7 +79,8 @@ def report(
             group_by=parse_list("--group-by", [group_by], "config key") if group_by is not None else None,
             metric=parse_metric(metric), thresholds=tuple(parse_numbers("--thresholds", thresholds, float)),
             at=tuple(parse_numbers("--at", at, int)), window=window, smooth=smooth,
-            include_unfinished=include_unfinished, command=canonical_command(ctx))
+            include_unfinished=include_unfinished, command=canonical_command(ctx),
+            columns=parse_list("--columns", [columns], "metric key") if columns else ())
         check_output(output, "--output")  # before any work: a rejected report writes nothing
         url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
         require_store(url)

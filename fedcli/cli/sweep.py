@@ -39,6 +39,10 @@ def sweep(
     backend: Annotated[Backend, typer.Option(help="local processes, or a Ray cluster (needs fedcli[ray]).")] = Backend.local,
     address: Annotated[str | None, typer.Option(help="Ray cluster address (with --backend ray).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the trials and what a run would do with each.")] = False,
+    smoke: Annotated[bool, typer.Option("--smoke", help="The spec's seconds-long `smoke:` version (experiment NAME-smoke).")
+                     ] = False,
+    output: Annotated[Path | None, typer.Option(help="Write the report here (PNGs beside it). \\[default: the spec's "
+                                                "report.output, else <root>/reports/<experiment>.md]")] = None,
     root: Annotated[Path | None, typer.Option(help="Folder of the default stores. \\[default: ./fedcli-runs]",
                                               rich_help_panel=Panel.TRACK)] = None,
     store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]",
@@ -54,15 +58,23 @@ def sweep(
     from fedcli import sweeps
 
     if list_recipes:
-        for name, body in sweeps.RECIPES.items():
-            typer.echo(f"{name}\t{body['description']}")
+        from fedcli.recipes import read_recipe, recipe_names
+
+        for name in recipe_names():
+            body = read_recipe(name)
+            typer.echo(f"{name}\t{body['description']}" + (f" [{body['paper']}]" if body.get("paper") else ""))
         return
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
         if backend is Backend.ray:
             raise ConfigError("--backend ray is not available in this release; use --backend local --workers N.")
         tracking = {"tracking.root": root and str(root), "tracking.store": store,
                     "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None}
-        body = sweeps.load_spec(spec, recipe)
+        body = sweeps.load_spec(spec, recipe, smoke=smoke)
+        if output is not None:
+            body["report"] = {**(body.get("report") or {}), "output": str(output)}
+        if body.get("study"):
+            run_study(body, root, dry_run, smoke)
+            return
         trials = sweeps.expand(body, {k: v for k, v in tracking.items() if v is not None})
         if not trials:
             raise ConfigError("the sweep spec expands to no trials; give `grid` values or `seeds`.")
@@ -75,6 +87,20 @@ def sweep(
             return
         code = run_plans(db, body, plans, workers, rerun_hint(ctx, spec, recipe), report_path)
     raise typer.Exit(code)
+
+
+def run_study(body: Mapping[str, Any], root: Path | None, dry_run: bool, smoke: bool) -> None:
+    """A `study:` recipe: compute and write its report (fedcli.studies); no runs, no store."""
+    from fedcli.studies import load_study
+
+    path = report_output({**body, "report": body.get("report") or {}}, str(root or "fedcli-runs"), always=True)
+    check_output(path, "report.output")
+    if dry_run:
+        console().print(f"study {body['study']}: would write {path}", highlight=False)
+        return
+    console().print(f"study {body['study']} ({body.get('description', '')}) ...", highlight=False)
+    load_study(body["study"])(path, smoke=smoke)
+    typer.echo(str(path))
 
 
 def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int, hint: str, report_path: Path | None) -> int:
@@ -186,11 +212,12 @@ def rows_table(rows: Sequence[Any], key: str, title: str) -> Table:
     return table
 
 
-def report_output(body: Mapping[str, Any], root: str) -> Path | None:
+def report_output(body: Mapping[str, Any], root: str, *, always: bool = False) -> Path | None:
     """Where the spec's `report:` block writes: its `output`, else <root>/reports/<experiment>.md."""
     block = body.get("report")
-    if not block:
+    if not block and not always:
         return None
+    block = block or {}
     return Path(block.get("output") or Path(root) / "reports" / f"{body['experiment']}.md")
 
 
@@ -207,7 +234,7 @@ def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Pat
     spec = rep.ReportSpec(runs=tuple(run_ids), metric=block.get("metric"), thresholds=numbers("thresholds"),
                           at=numbers("at"), window=block.get("window"), smooth=block.get("smooth"),
                           group_by=tuple(group_by.split(",")) if isinstance(group_by, str) else group_by,
-                          command=command)
+                          command=command, columns=tuple(block.get("columns") or ()))
     built = rep.build_report(db, spec)
     try:
         drawn = report_figures(built, path, None, "")  # PNGs beside the markdown, as `fedcli report --output`
