@@ -240,7 +240,16 @@ def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Pat
         drawn = report_figures(built, path, None, "")  # PNGs beside the markdown, as `fedcli report --output`
     except OSError as exc:
         raise output_error(path, "report.output", exc) from None
-    write_output(path, rep.render_markdown(built, drawn), "report.output")
+    write_output(path, recipe_preamble(body, rep.render_markdown(built, drawn)), "report.output")
+
+
+def recipe_preamble(body: Mapping[str, Any], markdown: str) -> str:
+    """Put the sweep's description and the paper claim it reruns under the report's title."""
+    lines = markdown.split("\n")
+    extra = [f"**{body['description']}**" if body.get("description") else "",
+             f"Reruns: {body['paper']}." if body.get("paper") else ""]
+    extra = [line for line in extra if line]
+    return "\n".join([lines[0], "", "\n\n".join(extra), *lines[1:]]) if extra else markdown
 
 
 def rerun_hint(ctx: typer.Context, spec: Path | None, recipe: str | None) -> str:
