@@ -181,10 +181,14 @@ def live_display(read: Callable[..., tuple[list, str]]) -> Iterator[Callable[[li
                     out.print(f"trial {p.plan.trial.name} {p.status} after {p.elapsed_s:.0f}s{why}", highlight=False)
             if time.monotonic() - last[0] >= PLAIN_EVERY_S:
                 last[0] = time.monotonic()
-                active = [r for r in read()[0] if r.status in ("running", "waiting")]
-                if active:
-                    out.print("sweep: " + "; ".join(f"{r.name} {r.status} {r.round_idx or 0}/{r.rounds}"
-                                                    for r in active), highlight=False)
+                rows = read()[0]
+                running = [r for r in rows if r.status == "running"]
+                waiting = sum(r.status == "waiting" for r in rows)
+                if running or waiting:
+                    done = sum(r.status.startswith(("finished", "failed", "diverged", "interrupted")) for r in rows)
+                    out.print(f"sweep: {done}/{len(rows)} done; " + "; ".join(
+                        f"{r.name} {r.round_idx or 0}/{r.rounds}" for r in running) + f"; {waiting} waiting",
+                        highlight=False)
 
         yield plain
         return
