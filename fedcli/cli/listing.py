@@ -19,6 +19,7 @@ from rich.table import Table
 
 from fedcli.cli.common import Panel, open_store, tracking_config
 from fedcli.cli.errors import user_errors
+from fedcli.cli.hpdoc import algo_detail, algo_detail_rows
 from fedcli.errors import ConfigError
 
 
@@ -32,6 +33,8 @@ class What(str, Enum):
 def list_command(
     ctx: typer.Context,
     what: Annotated[What, typer.Argument(help="runs | algos | tasks | recipes")],
+    name: Annotated[str | None, typer.Argument(help="With algos: one algorithm, each hyperparameter with its "
+                                               "default and meaning.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects (for scripts).")] = False,
     experiment: Annotated[str | None, typer.Option(help="Only runs of this experiment.")] = None,
     store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]",
@@ -41,7 +44,7 @@ def list_command(
 ) -> None:
     """List runs, algorithms, tasks or sweep recipes.
 
-    Example: fedcli list runs --experiment demo --json
+    Example: fedcli list runs --experiment demo --json; fedcli list algos fedpa
     """
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
         given = [flag for flag, value in (("--experiment", experiment), ("--store", store), ("--root", root))
@@ -49,17 +52,25 @@ def list_command(
         if what is not What.runs and given:
             raise ConfigError(f"{given[0]} applies to `fedcli list runs` only; got `fedcli list {what.value} "
                               f"{given[0]}`. Drop {given[0]}, or list runs.")
-        rows = ROWS[what](experiment=experiment, store=store, root=root)
+        if name is not None and what is not What.algos:
+            raise ConfigError(f"a NAME applies to `fedcli list algos NAME` only; got `fedcli list {what.value} "
+                              f"{name}`. Drop {name!r}, or list algos.")
+        rows = (algo_detail_rows(name) if name is not None
+                else ROWS[what](experiment=experiment, store=store, root=root))
     if as_json:
         typer.echo(json.dumps([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
                               indent=2, default=str))
         return
     out = Console()
+    if name is not None:
+        out.print(algo_detail(rows[0]))
+        return
     out.print(runs_table(rows, out.width) if what is What.runs else plain_table(what, rows))
 
 
 def plain_table(what: What, rows: list[dict[str, Any]]) -> Table:
-    table = Table(*COLUMNS[what], title=f"fedcli {what.value}")
+    caption = "fedcli list algos NAME: each hyperparameter's meaning" if what is What.algos else None
+    table = Table(*COLUMNS[what], title=f"fedcli {what.value}", caption=caption)
     for row in rows:
         table.add_row(*(_cell(row.get(c)) for c in COLUMNS[what]))
     return table
