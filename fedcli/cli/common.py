@@ -183,7 +183,7 @@ def _bar(cfg: RunConfig, out: Console) -> Iterator[ProgressFn]:
     columns = (MofNCompleteColumn(), TimeRemainingColumn(compact=True, elapsed_when_finished=True),
                BarColumn(bar_width=None if out.width >= 120 else 12),
                TextColumn("[bold]{task.description}"), TextColumn("{task.fields[metrics]}"))
-    with Progress(*columns, console=out, transient=False, expand=False) as progress:
+    with Progress(*columns, console=out, transient=False, expand=False) as progress, _logs_through(out):
         bar = progress.add_task(f"{cfg.algorithm.name}/{cfg.data.task}", total=cfg.train.rounds, metrics="")
         shown: dict[str, float] = {}
 
@@ -192,6 +192,30 @@ def _bar(cfg: RunConfig, out: Console) -> Iterator[ProgressFn]:
             progress.update(bar, completed=round_idx, metrics=_metrics_text(shown, out.width - 45))
 
         yield update
+
+
+@contextmanager
+def _logs_through(out: Console) -> Iterator[None]:
+    """Print log records through `out`, the live bar's console, while the bar is shown.
+
+    The log handler's own console writes to the real stderr (rich unwraps the bar's stderr
+    proxy), so a record logged under a live bar landed at the end of the bar's line
+    ("... s/round 0.06383[15:40:50] INFO") and the bar was drawn again below it. Through the
+    bar's console the record goes above the bar and the bar stays one line.
+    """
+    import logging
+
+    from rich.logging import RichHandler
+
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, RichHandler)]
+    previous = [h.console for h in handlers]
+    for handler in handlers:
+        handler.console = out
+    try:
+        yield
+    finally:
+        for handler, own in zip(handlers, previous, strict=True):
+            handler.console = own
 
 
 def _plain_lines(cfg: RunConfig, out: Console, every_s: float = 10.0) -> ProgressFn:

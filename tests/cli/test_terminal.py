@@ -23,3 +23,27 @@ def test_stdout_is_only_the_run_id_and_progress_is_plain_lines_on_stderr(tmp_pat
 def test_version() -> None:
     proc = subprocess.run([sys.executable, "-m", "fedcli", "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("fedcli ")
+
+
+def test_log_records_under_the_live_bar_go_through_the_bar_console() -> None:
+    """A record logged while the bar is live is printed by the bar's console (above the bar), not
+    written to the real stderr at the end of the bar's line; the handler gets its console back."""
+    import io
+    import logging
+
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    from fedcli.cli.common import _logs_through
+
+    own, bar = Console(file=io.StringIO()), Console(file=io.StringIO(), width=80)
+    handler = RichHandler(console=own)
+    logging.getLogger().addHandler(handler)
+    try:
+        with _logs_through(bar):
+            logging.getLogger("fedcli.test").warning("run abc finished")
+        logging.getLogger("fedcli.test").warning("after the bar")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert "run abc finished" in bar.file.getvalue() and "run abc finished" not in own.file.getvalue()
+    assert handler.console is own and "after the bar" in own.file.getvalue()
