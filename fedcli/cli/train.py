@@ -83,6 +83,9 @@ def train(
                                                           rich_help_panel=Panel.DATA)] = None,
     labels_per_client: Annotated[int | None, typer.Option(min=1, help="Labels per client (--scheme labels).",
                                                           rich_help_panel=Panel.DATA)] = None,
+    min_size: Annotated[int | None, typer.Option(min=1, help="Redraw until every client has this many examples "
+                                                 "(dirichlet, quantity, two-level). \\[default: 10]",
+                                                 rich_help_panel=Panel.DATA)] = None,
     rounds: Annotated[int | None, typer.Option(min=1, help="Communication rounds R. \\[default: 50]",
                                                rich_help_panel=Panel.TRAIN)] = None,
     clients_per_round: Annotated[int | None, typer.Option(min=1, help="Clients sampled per round M. \\[default: 10]",
@@ -171,6 +174,7 @@ def train(
             "partition.file": partition and str(partition), "partition.scheme": scheme and scheme.value,
             "partition.alpha": alpha, "partition.num_clients": clients,
             "partition.shards_per_client": shards_per_client, "partition.labels_per_client": labels_per_client,
+            "partition.min_size": min_size,
             "data.file": data and str(data), "data.download": download or None, "data.max_clients": max_clients, "train.rounds": rounds,
             "train.clients_per_round": clients_per_round, "train.local_epochs": local_epochs,
             "train.batch_size": batch_size, "train.client_lr": client_lr, "train.client_momentum": client_momentum,
