@@ -16,13 +16,14 @@ noise variance s^2) has covariance ~ s^2 / (B K) A^-1 once K exceeds SGD's mixin
 al. 2017), so s^2 = B K aims the samples at N(mu, A^-1); the report gives the measured ratio. A
 reference column runs the same DP on exact N(mu, A^-1) samples (the JAX code's post_avg_exact),
 which separates the estimator from the sampler.
-Size: ~280 lines, over the ~250 of a study; it also holds the least-squares client that
-fedpa_table1 reuses (least_squares_loss, lsq_context).
+Size: ~300 lines, over the ~250 of a study: it also holds the least-squares client that
+fedpa_table1 reuses (least_squares_loss, lsq_context), the exact-sample reference and seven checks.
 Deviations:
   Paper: make_regression data, d = 10, 100, 1000; lr, batch, steps per sample, noise, repeats not
   stated. Here: datasets/synthetic.make_least_squares (per-feature scales and shifts: a
   non-identity A, where FedAvg's identity covariance is biased), d = 10 (+ ones column) only
-  (minutes on 2 CPU cores; at d = 100 this A's condition number ~1e4 would need far longer runs), B = 10 (Fig. 4's batch), K = 50, lr 0.02, s = sqrt(B K), R = 32.
+  (minutes on 2 CPU cores; at d = 100 this A's condition number ~1e4 would need far longer
+  runs), B = 10 (Fig. 4's batch), K = 50, lr 0.02, s = sqrt(B K), R = 32.
   Paper: L2 norm of the bias, Frobenius norm of the covariance. Here: the same, the bias debiased
   for finite R, both relative to the exact delta so that thetas at different distances average.
 """
@@ -98,7 +99,8 @@ def least_squares_loss(params: Params, batch: Batch) -> Tensor:
     return 0.5 * (batch.weight * residual * residual).mean()
 
 
-def lsq_context(batch: Callable[[int], Batch], *, num_epochs: int, steps_per_epoch: int, dtype: torch.dtype) -> ClientContext:
+def lsq_context(batch: Callable[[int], Batch], *, num_epochs: int, steps_per_epoch: int,
+                dtype: torch.dtype) -> ClientContext:
     """Return a ClientContext on least_squares_loss whose step s uses batch(s) (num_examples unused: 1)."""
     return ClientContext(loss_fn=least_squares_loss, apply_fn=lambda p, x: x @ p["w"], batch=batch,
                          step_mask=torch.ones(num_epochs * steps_per_epoch, dtype=dtype),
@@ -113,7 +115,7 @@ def make_problems(s: Settings) -> Problems:
                               rng=numpy_rng(s.seed, Stream.PARTITION))
     pad = lambda v: torch.nn.utils.rnn.pad_sequence(  # noqa: E731
         [torch.as_tensor(v[data.client == p]) for p in range(s.num_problems)], batch_first=True)
-    x, y, sizes = pad(data.x), pad(data.y), torch.as_tensor(np.bincount(data.client))  # [P, N, D], [P, N], [P]
+    x, y, sizes = pad(data.x), pad(data.y), torch.as_tensor(np.bincount(data.client))  # [P, N, D] [P, N] [P]
     precision = x.transpose(1, 2) @ x / sizes[:, None, None]
     optimum = torch.linalg.solve(precision, (x.transpose(1, 2) @ y[..., None])[..., 0] / sizes[:, None])
     return Problems(x, y, sizes, precision, optimum)
@@ -124,7 +126,8 @@ def exact_delta(precision: Tensor, optimum: Tensor, theta: Tensor) -> Tensor:
     return torch.einsum("...ij,...j->...i", precision, theta - optimum)
 
 
-def client_deltas(x: Tensor, y: Tensor, theta0: Tensor, index: Tensor, s: Settings) -> tuple[Tensor, Tensor, Tensor]:
+def client_deltas(x: Tensor, y: Tensor, theta0: Tensor, index: Tensor,
+                  s: Settings) -> tuple[Tensor, Tensor, Tensor]:
     """Return FedAvg's [G, D] and FedPA's [G, rho, D] deltas and the IASG samples [E_max, D] of one run.
 
     index: [S_max, B] the example indices of every step (vmap over runs and problems).
@@ -137,7 +140,8 @@ def client_deltas(x: Tensor, y: Tensor, theta0: Tensor, index: Tensor, s: Settin
         def batch_at(k: int, o: int = done * s.steps_per_sample) -> Batch:  # step k of this segment
             return Batch(x[index[o + k]], y[index[o + k]], ones, key)
 
-        ctx = lsq_context(batch_at, num_epochs=epochs - done, steps_per_epoch=s.steps_per_sample, dtype=x.dtype)
+        ctx = lsq_context(batch_at, num_epochs=epochs - done, steps_per_epoch=s.steps_per_sample,
+                          dtype=x.dtype)
         local = local_sgd(ctx, params, OptimConfig(client_lr=s.client_lr, local_epochs=epochs - done),
                           average_epochs=True)
         params, done = local.params, epochs
@@ -167,12 +171,14 @@ def estimate(s: Settings) -> Estimates:
     shape = (s.num_problems, s.num_inits, s.num_streams)
     theta = torch.stack([torch.randn(s.num_inits, num_dims, generator=torch_generator(s.seed, Stream.INIT, p),
                                      dtype=torch.float64) for p in range(s.num_problems)])  # [P, T, D]
-    index = torch.stack([torch.randint(int(pr.sizes[p]), (steps, s.batch_size), dtype=torch.int32,
-                                       generator=torch_generator(s.seed, Stream.BATCH_ORDER, p, t, r)) + p * width
-                         for p, t, r in itertools.product(*map(range, shape))])  # [P T R, S, B] rows of x_flat
+    index = torch.stack([  # [P T R, S, B] rows of x_flat: problem p's examples start at p * width
+        torch.randint(int(pr.sizes[p]), (steps, s.batch_size), dtype=torch.int32,
+                      generator=torch_generator(s.seed, Stream.BATCH_ORDER, p, t, r)) + p * width
+        for p, t, r in itertools.product(*map(range, shape))])
     x_flat, y_flat = pr.x.reshape(-1, num_dims), pr.y.reshape(-1)
     theta_lanes = theta[:, :, None].expand(*shape, -1).reshape(-1, num_dims)  # [P T R, D]
-    avg, pa, samples = torch.func.vmap(lambda t, i: client_deltas(x_flat, y_flat, t, i, s))(theta_lanes, index)
+    runs = torch.func.vmap(lambda t, i: client_deltas(x_flat, y_flat, t, i, s))
+    avg, pa, samples = runs(theta_lanes, index)
     oracle = oracle_deltas(pr, theta_lanes, s)
     exact = exact_delta(pr.precision[:, None], pr.optimum[:, None], theta)  # [P, T, D]
     per_lane = torch.func.vmap(torch.func.vmap(bias_variance))
@@ -190,9 +196,12 @@ def oracle_deltas(pr: Problems, theta_lanes: Tensor, s: Settings) -> Tensor:
     chol = torch.linalg.cholesky(pr.precision).repeat_interleave(lanes // s.num_problems, 0)  # A = L L^T
     eps = torch.randn(lanes, num_dims, s.epochs[-1], generator=torch_generator(s.seed, Stream.NOISE),
                       dtype=torch.float64)
-    samples = pr.optimum.repeat_interleave(lanes // s.num_problems, 0)[:, None] + torch.linalg.solve_triangular(
-        chol.mT, eps, upper=True).mT  # mu + L^-T eps: covariance A^-1, [P T R, E_max, D]
-    one = lambda t, z: torch.stack([fedpa.posterior_delta(t, list(z[:c]), s.fixed_rho) for c in s.num_samples])  # noqa: E731
+    mean = pr.optimum.repeat_interleave(lanes // s.num_problems, 0)[:, None]
+    samples = mean + torch.linalg.solve_triangular(chol.mT, eps, upper=True).mT  # mu + L^-T eps ~ N(mu, A^-1)
+
+    def one(t: Tensor, z: Tensor) -> Tensor:  # z: [E_max, D]
+        return torch.stack([fedpa.posterior_delta(t, list(z[:c]), s.fixed_rho) for c in s.num_samples])
+
     return torch.func.vmap(one)(theta_lanes, samples)
 
 
@@ -205,26 +214,29 @@ def run(out: Path, *, smoke: bool = False) -> None:
               f"FedPA exact samples rho={s.fixed_rho:g}"]
     tables = {}
     for k, name in enumerate(("bias", "variance")):
-        rows = [[steps[g], counts[g], float(est.fedavg[k][g]), *map(float, est.fedpa[k][g]), float(est.oracle[k][g])]
-                for g in range(len(steps))]
+        rows = [[steps[g], counts[g], float(est.fedavg[k][g]), *map(float, est.fedpa[k][g]),
+                 float(est.oracle[k][g])] for g in range(len(steps))]
         tables[name] = markdown_table(header, rows)
     png = save_figure(_plot(est, s, steps), out, "fig3")
     lines = [
         "**Claim** (FedPA, App. A.1, Fig. 3): with more local steps FedAvg's delta bias grows and its "
         "variance falls (3a); FedPA's bias consistently falls, its variance first rises and then falls at a "
         "fixed rho (3b); at a fixed number of steps rho trades bias for variance (3c).", "",
-        f"**Setup:** {s.num_problems} least-squares clients of `make_least_squares` (d = {s.dim} + ones column, "
-        f"~500 points, noise sqrt(B K)), {s.num_inits} initial thetas ~ N(0, I) each, {s.num_streams} seeded "
-        f"batch streams per theta; SGD lr {s.client_lr}, batch B = {s.batch_size}, K = {s.steps_per_sample} "
-        f"steps per IASG sample (one epoch), first epoch burn-in (l = E - 1; l = 1 at E = 1), seed {s.seed}. "
-        "Exact delta A (theta - mu), A = X^T X / n. Bias = ||E Delta_hat - Delta|| / ||Delta|| (debiased for R), "
-        "variance = ||Cov Delta_hat||_F / ||Delta||^2, means over problems and thetas.",
+        f"**Setup:** {s.num_problems} least-squares clients of `make_least_squares` (d = {s.dim} + ones "
+        f"column, ~500 points, noise sqrt(B K)), {s.num_inits} initial thetas ~ N(0, I) each, "
+        f"{s.num_streams} seeded batch streams per theta; SGD lr {s.client_lr}, batch B = {s.batch_size}, "
+        f"K = {s.steps_per_sample} steps per IASG sample (one epoch), first epoch burn-in (l = E - 1; l = 1 "
+        f"at E = 1), seed {s.seed}. "
+        "Exact delta A (theta - mu), A = X^T X / n. Bias = ||E Delta_hat - Delta|| / ||Delta|| (debiased "
+        "for R), variance = ||Cov Delta_hat||_F / ||Delta||^2, means over problems and thetas.",
         f"IASG calibration tr(S_hat A) / D = {est.calibration:.3f} (1: samples ~ N(mu, A^-1)); the identity "
         f"covariance's limit theta - mu (FedAvg as K -> infinity) has bias {est.identity_bias:.3f}.", "",
-        "**Bias** (relative):", "", *tables["bias"], "", "**Variance** (relative):", "", *tables["variance"], "",
+        "**Bias** (relative):", "", *tables["bias"], "",
+        "**Variance** (relative):", "", *tables["variance"], "",
         f"![Fig. 3: bias and variance vs local steps and rho]({png})", "", *_checks(est, s, steps), "",
-        "Note: on noisy data the last iterate of constant-lr SGD tends to SGD's stationary spread (about lr s^2 / (2B) "
-        "per coordinate), not to 0, so FedAvg's variance need not fall with S; the paper does not state its data noise."]
+        "Note: on noisy data the last iterate of constant-lr SGD tends to SGD's stationary spread (about "
+        "lr s^2 / (2B) per coordinate), not to 0, so FedAvg's variance need not fall with S; the paper does "
+        "not state its data noise."]
     write_report(out, "FedPA Fig. 3: bias and variance of client deltas", lines, recipe="fedpa-bias",
                  smoke=smoke, started=started)
 
@@ -246,12 +258,14 @@ def _checks(est: Estimates, s: Settings, steps: list[int]) -> list[str]:
         check_line(f"FedPA's variance ({rho}) first rises, then falls (Fig. 3b)", up_down(pa_v),
                    f"l = 1..{s.num_samples[-1]}: {fmt(pa_v)}; rises then falls for rho in "
                    f"{[r for k, r in enumerate(s.rhos) if up_down(est.fedpa[1][1:, k])]}"),
-        check_line(f"At S = {steps[g]}, rho trades bias for variance: the lowest-bias rho beats rho = 0 at a higher "
-                   "variance, and the largest rho has the largest variance (Fig. 3c)",
-                   bool(bias_c[best] < bias_c[0] and var_c[best] > var_c[0] and int(var_c.argmax()) == len(s.rhos) - 1),
+        check_line(f"At S = {steps[g]}, rho trades bias for variance: the lowest-bias rho beats rho = 0 at a "
+                   "higher variance, and the largest rho has the largest variance (Fig. 3c)",
+                   bool(bias_c[best] < bias_c[0] and var_c[best] > var_c[0]
+                        and int(var_c.argmax()) == len(s.rhos) - 1),
                    f"rho = {', '.join(f'{r:g}' for r in s.rhos)}: bias {fmt(bias_c)}; variance {fmt(var_c)}"),
-        check_line(f"FedPA's delta ({rho}) approaches the exact delta with more steps while FedAvg's does not "
-                   "(App. A.1)", bool(pa_b[-1] < est.fedpa[0][0, j] and pa_b[-1] < fa_b[-1] and fa_b[-1] >= fa_b[0]),
+        check_line(f"FedPA's delta ({rho}) approaches the exact delta with more steps while FedAvg's does "
+                   "not (App. A.1)",
+                   bool(pa_b[-1] < est.fedpa[0][0, j] and pa_b[-1] < fa_b[-1] and fa_b[-1] >= fa_b[0]),
                    f"S = {steps[0]} -> {steps[-1]}: FedPA {est.fedpa[0][0, j]:.3f} -> {pa_b[-1]:.3f}, "
                    f"FedAvg {fa_b[0]:.3f} -> {fa_b[-1]:.3f}"),
         check_line(f"On exact posterior samples the DP delta's bias ({rho}) falls as l grows (Theorem 3)",
@@ -260,14 +274,15 @@ def _checks(est: Estimates, s: Settings, steps: list[int]) -> list[str]:
 
 
 def _plot(est: Estimates, s: Settings, steps: list[int]) -> object:
-    """Fig. 3's three panels: (a) FedAvg and (b) FedPA vs local steps, (c) FedPA vs rho; bias over variance."""
+    """Fig. 3's panels: (a) FedAvg, (b) FedPA vs local steps, (c) FedPA vs rho; bias above variance."""
     fig = figure(12.0, 6.5)
     axes, g = fig.subplots(2, 3), s.epochs.index(s.fixed_epochs)
     for k, name in enumerate(("bias", "variance")):
         left, mid, right = axes[k]
         left.plot(steps, est.fedavg[k], "o-", color="C0", label="FedAvg")
         for j, rho in enumerate(s.rhos):
-            mid.plot(steps, est.fedpa[k][:, j], "o-", lw=2.5 if rho == s.fixed_rho else 1, label=f"rho={rho:g}")
+            width = 2.5 if rho == s.fixed_rho else 1.0
+            mid.plot(steps, est.fedpa[k][:, j], "o-", lw=width, label=f"rho={rho:g}")
         mid.plot(steps, est.oracle[k], "k--", label=f"exact samples, rho={s.fixed_rho:g}")
         right.plot(s.rhos, est.fedpa[k][g], "o-", color="C3")
         right.set_xscale("symlog", linthresh=min(r for r in s.rhos if r > 0))
@@ -277,7 +292,8 @@ def _plot(est: Estimates, s: Settings, steps: list[int]) -> object:
         left.set(xscale="log", ylabel=f"relative {name}")
         mid.set_xscale("log")
     titles = ("(a) FedAvg vs local steps", "(b) FedPA vs local steps", f"(c) FedPA vs rho at S = {steps[g]}")
-    for top, bottom, title, label in zip(axes[0], axes[1], titles, ("local steps S",) * 2 + ("rho",), strict=True):
+    labels = ("local steps S", "local steps S", "rho")
+    for top, bottom, title, label in zip(axes[0], axes[1], titles, labels, strict=True):
         top.set_title(title)
         bottom.set_xlabel(label)
     axes[0, 1].legend(fontsize=7)
