@@ -120,9 +120,9 @@ def run(out: Path, *, smoke: bool = False) -> None:
         "inversion is ~10x slower than FedAvg at 10K and infeasible beyond.", "",
         f"**Setup:** one client update, {EPOCHS} epochs x {steps} steps of batch "
         f"{NUM_POINTS // STEPS_PER_EPOCH} (x ~ N(0, I / d), lr 0.1), l = {EPOCHS} samples, rho = {RHO}, "
-        f"float32, seed 0; median of {repeats} timed calls per method and d, one untimed warm-up call per method (at d = {dims[0]}); CPU with "
-        f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, 1-min load average {load:.1f} at "
-        "the start (other processes share the machine).", "",
+        f"float32, seed 0; median of {repeats} timed calls per method and d, one untimed warm-up call per "
+        f"method (at d = {dims[0]}); CPU with {os.cpu_count()} cores, {torch.get_num_threads()} torch "
+        f"threads, 1-min load average {load:.1f} at the start (other processes share the machine).", "",
         "**This machine** (ms, median; % relative to FedAvg; \"DP step alone\" times "
         "fedpa.posterior_delta on its own, the rest of FedPA's extra time is IASG's per-step iterate "
         "averaging; the last column is the ratio of the fastest readings, less sensitive to other load):", "",
