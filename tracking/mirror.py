@@ -337,6 +337,8 @@ class Mirror:
         for path in sorted(Path(self.args.run_dir).glob("*")):
             if path.is_file():
                 _retry("artifact", lambda p=path: self.sink.log_artifact(p))
+        if status == "finished":
+            self.log_model(self.store.last_round(record.id) or 0)
         tags = {"fedcli.status": status}
         if record.failure_reason:
             tags["fedcli.failure_reason"] = record.failure_reason
@@ -346,6 +348,28 @@ class Mirror:
         _retry("end", lambda: self.sink.end_run(status))
         _retry("record", lambda: self.store.set_run_fields(
             self.record.id, mlflow_run_id=self.mlflow_run_id, mlflow_synced_round=self.synced))
+
+    def log_model(self, step: int) -> None:
+        """Log the final model as an MLflow model (engine/served.py); a warning if it cannot be.
+
+        The run's results do not depend on it: `model.pt` is already among its artifacts.
+        """
+        path = Path(self.args.run_dir) / "model.pt"
+        if not path.is_file():
+            return
+        try:
+            import torch
+
+            from fedcli import __version__
+            from fedcli.engine.served import served_model
+
+            module, example = served_model(torch.load(path, map_location="cpu", weights_only=False))
+            requirements = [f"torch=={torch.__version__.split('+')[0]}", f"fedcli=={__version__}"]
+            _retry("model", lambda: self.sink.log_model(module, example=example, step=step,
+                                                        requirements=requirements))
+        except Exception as err:  # noqa: BLE001 - any failure here leaves the run complete
+            log.warning("the final model was not logged as an MLflow model (%s); model.pt is among the "
+                        "run's artifacts", str(err).splitlines()[0] if str(err) else type(err).__name__)
 
     def run_once(self) -> int:
         """Copy an ended (or dead) run once and end its MLflow run as the store says (`fedcli sync`)."""

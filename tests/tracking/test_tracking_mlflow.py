@@ -248,3 +248,48 @@ def test_tracker_without_mlflow_writes_the_store_only(tmp_path: Path) -> None:
         record = store.get_run(run_id)
         assert (record.status, record.mlflow_run_id, store.last_round(run_id)) == ("finished", None, 0)
         assert record.tags == {"owner": "lab", "fedcli.dataset": "femnist", "fedcli.partitioner": "dirichlet"}
+
+
+@pytest.mark.timeout(180)
+def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tmp_path: Path) -> None:
+    """A real `fedcli train` (mnist, 1 round, MLflow on): the run's experiment holds one READY
+    logged model whose source is the run, linked as the run's output at the last round; loaded
+    with `mlflow.pytorch.load_model` it maps stored rows (uint8 pixels) to the same logits as
+    the task's module with model.pt's parameters on prepared inputs (computed here with
+    torch.func, not with fedcli's served wrapper); its signature is uint8 (-1, 28, 28) ->
+    float32 (-1, 10); the empty "Default" experiment of the new store is deleted."""
+    import os
+    import subprocess
+    import sys
+
+    import mlflow
+    import torch
+
+    from fedcli.datasets.registry import resolve_task
+
+    env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
+    trained = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "mnist", "--scheme", "iid",
+                              "--clients", "10", "--rounds", "1", "--root", str(tmp_path)],
+                             capture_output=True, text=True, env=env, timeout=170)
+    assert trained.returncode == 0, trained.stderr
+    fedcli_id = trained.stdout.strip()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("default")
+    (run,) = client.search_runs([experiment.experiment_id])
+    (logged,) = client.search_logged_models(experiment_ids=[experiment.experiment_id])
+    saved = torch.load(tmp_path / "runs" / fedcli_id / "model.pt", map_location="cpu", weights_only=False)
+    task = resolve_task("mnist", None, None)
+    rows = saved["example"]
+    expected = torch.func.functional_call(task.models[saved["model"]]().eval(), saved["params"], (task.prepare(rows),))
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    loaded = mlflow.pytorch.load_model(logged.model_uri)
+    info = mlflow.models.get_model_info(logged.model_uri)
+
+    assert logged.source_run_id == run.info.run_id and logged.status.name == "READY"
+    assert [(out.model_id, out.step) for out in run.outputs.model_outputs] == [(logged.model_id, 1)]
+    assert rows.dtype == torch.uint8 and rows.shape == (2, 28, 28)
+    assert torch.allclose(loaded(rows), expected, atol=1e-6)
+    assert info.signature.inputs.to_dict()[0]["tensor-spec"] == {"dtype": "uint8", "shape": (-1, 28, 28)}
+    assert info.signature.outputs.to_dict()[0]["tensor-spec"] == {"dtype": "float32", "shape": (-1, 10)}
+    assert client.get_experiment("0").lifecycle_stage == "deleted"
