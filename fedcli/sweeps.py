@@ -244,18 +244,42 @@ def plan_settled(trials: Sequence[Trial], read_runs: Callable[[], list[RunRecord
         time.sleep(0.5)
 
 
-def trial_command(plan: Plan, config_path: Path, cores: int, parent_run: str | None) -> list[str]:
+def trial_command(plan: Plan, config_path: Path, cores: int, parent_run: str | None,
+                  threads: int | None = None) -> list[str]:
     """The `fedcli train` command line of a planned trial (a new run, or `--resume` of its run).
 
     `cores`: the trial's share of the CPU, given as train.workers unless its config sets it
     (so N trials at once do not each start a worker per core); not part of the config hash.
+    `threads` (the Ray backend): train.threads likewise; None leaves it to `fedcli train`.
+    A new run's config is written to `config_path` (trial_config_text).
     """
+    text = trial_config_text(plan, cores, threads)
+    if text is not None:
+        config_path.write_text(text)
+    return [sys.executable, "-m", "fedcli", "-q", "train", *trial_args(plan, config_path, cores, parent_run, threads)]
+
+
+def trial_config_text(plan: Plan, cores: int, threads: int | None = None) -> str | None:
+    """The YAML config a new trial's `fedcli train --config` reads; None for a resumed one."""
+    if plan.action == RESUME:
+        return None
+    body = plan.trial.config.to_dict()
+    body["train"]["workers"] = plan.trial.config.train.workers or cores
+    if threads is not None:
+        body["train"]["threads"] = plan.trial.config.train.threads or threads
+    return yaml.safe_dump(body, sort_keys=True)
+
+
+def trial_args(plan: Plan, config_path: Path | str, cores: int, parent_run: str | None,
+               threads: int | None = None) -> list[str]:
+    """The arguments after `fedcli train` of trial_command."""
     cfg = plan.trial.config
     workers = cfg.train.workers or cores
-    command = [sys.executable, "-m", "fedcli", "-q", "train"]
     if plan.action == RESUME:
         assert plan.run_id is not None
-        command += ["--resume", plan.run_id, "--root", cfg.tracking.root, "--workers", str(workers)]
+        command = ["--resume", plan.run_id, "--root", cfg.tracking.root, "--workers", str(workers)]
+        if threads is not None:
+            command += ["--threads", str(cfg.train.threads or threads)]
         if cfg.tracking.store:
             command += ["--store", cfg.tracking.store]
         if cfg.tracking.tracking_uri:
@@ -263,10 +287,7 @@ def trial_command(plan: Plan, config_path: Path, cores: int, parent_run: str | N
         if not cfg.tracking.use_mlflow:
             command.append("--no-mlflow")
     else:
-        body = cfg.to_dict()
-        body["train"]["workers"] = workers
-        config_path.write_text(yaml.safe_dump(body, sort_keys=True))
-        command += ["--config", str(config_path), "--run-name", plan.trial.name]
+        command = ["--config", str(config_path), "--run-name", plan.trial.name]
     if parent_run is not None:
         command += ["--parent-run", parent_run]
     return command
@@ -329,6 +350,15 @@ class TrialProcess:
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()] \
             if path.exists() else []
         return lines[-1] if lines else f"exit code {self.proc.returncode}"
+
+    def locate(self, records: Sequence[RunRecord]) -> str | None:
+        """The id of the run this process trains: the store's run of its host, pid and config hash,
+        else the id it printed."""
+        from fedcli.tracking.store import HOSTNAME
+
+        key = (HOSTNAME, self.proc.pid, self.plan.trial.config.config_hash)
+        found = [r.id for r in records if (r.host, r.pid, r.tags.get("fedcli.config_hash")) == key]
+        return found[-1] if found else self.printed_run_id()
 
     def printed_run_id(self) -> str | None:
         """The run id `fedcli train` printed on stdout (only once it finished)."""
@@ -394,10 +424,7 @@ class Scheduler:
 
     def _step(self) -> bool:
         """Reap exited trials, forward a stop, start pending trials; True when something changed."""
-        changed = False
-        for process in self.running:
-            if process.proc.poll() is not None:
-                process.ended, changed = time.monotonic(), True
+        changed = self._reap()
         if self.signum is not None:
             self._stop()
             return changed
@@ -409,6 +436,14 @@ class Scheduler:
             if plan.action in (NEW, RESUME):
                 self.start(plan)
             changed = True
+        return changed
+
+    def _reap(self) -> bool:
+        """Note the trials that exited since the last step; True when one did."""
+        changed = False
+        for process in self.running:
+            if process.proc.poll() is not None:
+                process.ended, changed = time.monotonic(), True
         return changed
 
     def _stop(self) -> None:
@@ -480,15 +515,14 @@ class TrialRow:
 
 def trial_rows(store: Any, experiment: str, plans: Sequence[Plan], processes: Sequence[TrialProcess],
                metric_keys: Sequence[str], stopped: bool = False) -> tuple[list[TrialRow], str]:
-    """Rows of every planned trial, rounds and metric read from the store; and the metric key shown."""
-    from fedcli.tracking.store import HOSTNAME
+    """Rows of every planned trial, rounds and metric read from the store; and the metric key shown.
 
+    `processes`: TrialProcess, or any object with its attributes (fedcli.sweep_ray.RayTrial).
+    """
     records = experiment_runs(store, experiment)
-    by_pid = {(r.host, r.pid, r.tags.get("fedcli.config_hash")): r.id for r in records}
     for started in processes:
         if started.run_id is None:  # a new run: the store knows it by the trial process's pid
-            pid_key = (HOSTNAME, started.proc.pid, started.plan.trial.config.config_hash)
-            started.run_id = by_pid.get(pid_key) or started.printed_run_id()
+            started.run_id = started.locate(records)
     by_plan = {id(p.plan): p for p in processes}
     ids = [i for i in (by_plan[id(p)].run_id if id(p) in by_plan else p.run_id for p in plans) if i]
     frame = store.metrics_frame(ids, keys=list(metric_keys)) if ids else None

@@ -1,7 +1,8 @@
 """`fedcli sweep`: run a grid of configurations x seeds; a rerun continues it (fedcli.sweeps).
 
 Over the 150-line budget of docs/style.md rule 1 by the live table and the end-of-sweep report:
-both are output of this command only; planning, processes and signals are in fedcli.sweeps.
+both are output of this command only; planning, processes and signals are in fedcli.sweeps,
+the Ray backend (`--backend ray`, docs/scaling.md) in fedcli.sweep_ray.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import shlex
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,9 +36,16 @@ def sweep(
                                                 help="Sweep spec (YAML): experiment, base, grid, seeds, report.")] = None,
     recipe: Annotated[str | None, typer.Option(help="Run a built-in recipe instead of a spec file.")] = None,
     list_recipes: Annotated[bool, typer.Option("--list-recipes", help="List the built-in recipes and exit.")] = False,
-    workers: Annotated[int, typer.Option(min=1, help="Trials run at once, each in its own process.")] = 1,
+    workers: Annotated[int | None, typer.Option(min=1, help="Trials run at once, each in its own process. \\[default: "
+                                                       "1; with --backend ray as many as the cluster holds]")] = None,
     backend: Annotated[Backend, typer.Option(help="local processes, or a Ray cluster (needs fedcli[ray]).")] = Backend.local,
-    address: Annotated[str | None, typer.Option(help="Ray cluster address (with --backend ray).")] = None,
+    address: Annotated[str | None, typer.Option(help="Ray cluster: auto, HOST:PORT or ray://HOST:PORT (with --backend "
+                                                "ray). \\[default: RAY_ADDRESS, else this machine's `ray start` "
+                                                "cluster, else a new local Ray]")] = None,
+    cpus_per_trial: Annotated[int | None, typer.Option(min=1, help="CPUs of each trial's Ray task (its train.workers "
+                                                       "and threads; with --backend ray). \\[default: 1]")] = None,
+    gpus_per_trial: Annotated[float | None, typer.Option(min=0, help="GPUs of each trial's Ray task, e.g. 0.5 (with "
+                                                         "--backend ray). \\[default: 0]")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the trials and what a run would do with each.")] = False,
     smoke: Annotated[bool, typer.Option("--smoke", help="The spec's seconds-long `smoke:` version (experiment NAME-smoke).")
                      ] = False,
@@ -54,6 +62,7 @@ def sweep(
     """Run the trials of a sweep spec not finished yet; a rerun resumes interrupted ones.
 
     Example: fedcli sweep --recipe fedpa-vs-fedavg-femnist --workers 2
+    On a Ray cluster: fedcli sweep spec.yaml --backend ray --address HEAD:6379 --store postgresql+psycopg://...
     """
     from fedcli import sweeps
 
@@ -65,8 +74,12 @@ def sweep(
             typer.echo(f"{name}\t{body['description']}" + (f" [{body['paper']}]" if body.get("paper") else ""))
         return
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
-        if backend is Backend.ray:
-            raise ConfigError("--backend ray is not available in this release; use --backend local --workers N.")
+        if backend is Backend.local:
+            for flag, value in (("--address", address), ("--cpus-per-trial", cpus_per_trial),
+                                ("--gpus-per-trial", gpus_per_trial)):
+                if value is not None:
+                    raise ConfigError(f"{flag} applies to --backend ray; add --backend ray, or drop {flag} "
+                                      "(the local backend takes --workers N).")
         tracking = {"tracking.root": root and str(root), "tracking.store": store,
                     "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None}
         body = sweeps.load_spec(spec, recipe, smoke=smoke)
@@ -80,13 +93,29 @@ def sweep(
             raise ConfigError("the sweep spec expands to no trials; give `grid` values or `seeds`.")
         track, report_path = trials[0].config.tracking, report_output(body, trials[0].config.tracking.root)
         check_output(report_path, "report.output")
-        db = open_store(track.store_url)
-        plans = sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(db, track.experiment))
-        show_plan(plans)
-        if dry_run:
-            return
-        code = run_plans(db, body, plans, workers, rerun_hint(ctx, spec, recipe), report_path)
+        with cluster_of(backend, address, cpus_per_trial, gpus_per_trial) as cluster:  # before anything is written
+            if cluster is not None:
+                from fedcli.sweep_ray import absolute_root
+
+                trials = absolute_root(trials)
+                cluster.check(track)
+            db = open_store(track.store_url)
+            plans = sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(db, track.experiment))
+            show_plan(plans)
+            if dry_run:
+                return
+            code = run_plans(db, body, plans, workers, rerun_hint(ctx, spec, recipe), report_path, cluster)
     raise typer.Exit(code)
+
+
+def cluster_of(backend: Backend, address: str | None, cpus: int | None,
+               gpus: float | None) -> AbstractContextManager[Any]:
+    """The connected Ray cluster for --backend ray (fedcli.sweep_ray.connect), else None."""
+    if backend is Backend.local:
+        return nullcontext(None)
+    from fedcli.sweep_ray import connect
+
+    return connect(address, cpus or 1, gpus or 0.0)
 
 
 def run_study(body: Mapping[str, Any], root: Path | None, dry_run: bool, smoke: bool) -> None:
@@ -103,8 +132,12 @@ def run_study(body: Mapping[str, Any], root: Path | None, dry_run: bool, smoke: 
     typer.echo(str(path))
 
 
-def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int, hint: str, report_path: Path | None) -> int:
-    """Run what the plans say, showing the trials; print results and report; return the exit code."""
+def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None, hint: str, report_path: Path | None,
+              cluster: Any = None) -> int:
+    """Run what the plans say, showing the trials; print results and report; return the exit code.
+
+    `cluster`: a fedcli.sweep_ray.RayCluster to run the trials on, else local processes.
+    """
     from fedcli import sweeps
     from fedcli.cli.common import check_mlflow
     from fedcli.engine.workers import available_cores
@@ -115,7 +148,6 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int, hint:
     if track.use_mlflow and todo:
         check_mlflow(track, optional=False)
         parent = sweeps.parent_run(track.mlflow_uri, body)
-    cores = max(1, available_cores() // workers)  # each trial's share of the CPU (train.workers)
     keys = [resolve_metric(body["report"]["metric"])] if (body.get("report") or {}).get("metric") else list(sweeps.METRIC_KEYS)
 
     def recheck(plan: sweeps.Plan) -> sweeps.Plan:  # right before a trial starts: has another process taken it?
@@ -124,8 +156,13 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int, hint:
     def read(stopped: bool = False) -> tuple[list[Any], str]:
         return sweeps.trial_rows(db, track.experiment, scheduler.plans, scheduler.processes, keys, stopped)
 
-    scheduler = sweeps.Scheduler(plans, workers=workers, cores=cores, parent_run=parent and parent.run_id,
-                                 recheck=recheck)
+    if cluster is None:
+        cores = max(1, available_cores() // (workers or 1))  # each trial's share of the CPU (train.workers)
+        scheduler = sweeps.Scheduler(plans, workers=workers or 1, cores=cores, parent_run=parent and parent.run_id,
+                                     recheck=recheck)
+    else:
+        scheduler = cluster.scheduler(plans, workers=workers, parent_run=parent and parent.run_id, recheck=recheck,
+                                      read_runs=lambda: sweeps.experiment_runs(db, track.experiment), track=track)
     try:
         with live_display(read) as tick:
             signum = scheduler.run(tick)
@@ -259,8 +296,9 @@ def recipe_preamble(body: Mapping[str, Any], markdown: str) -> str:
 def rerun_hint(ctx: typer.Context, spec: Path | None, recipe: str | None) -> str:
     """The command that continues this sweep (its spec and tracking options)."""
     parts = ["fedcli", "sweep", str(spec)] if spec else ["fedcli", "sweep", "--recipe", str(recipe)]
-    for name in ("workers", "root", "store", "tracking_uri"):
+    for name in ("workers", "backend", "address", "cpus_per_trial", "gpus_per_trial", "root", "store", "tracking_uri"):
         value = ctx.params.get(name)
-        if value is not None and not (name == "workers" and value == 1):
-            parts += [f"--{name.replace('_', '-')}", str(value)]
+        value = value.value if isinstance(value, Enum) else value
+        if value is not None and not (name == "workers" and value == 1) and not (name == "backend" and value == "local"):
+            parts += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
     return shlex.join(parts + (["--no-mlflow"] if ctx.params.get("no_mlflow") else []))

@@ -1,0 +1,98 @@
+"""The Ray task of one sweep trial: run its `fedcli train` command on the node it landed on.
+
+`fedcli sweep --backend ray` (fedcli/sweep_ray.py, docs/scaling.md) submits `run_trial` once per
+trial. It writes the trial's config (sent as text, not as a path on the driver's disk) to a
+temporary folder of the node, runs the same command line as the local backend
+(fedcli.sweeps.trial_command) with this node's Python, and returns its exit code and the
+tail of its output. A cancelled task (the sweep was stopped: `ray.cancel` raises
+KeyboardInterrupt here) forwards SIGTERM to the trial and waits for it to checkpoint and exit,
+so its run reads `interrupted` and a rerun resumes it; a trial that outlives its worker gets
+SIGTERM from the kernel (PR_SET_PDEATHSIG, as fedcli.sweeps.die_with_parent).
+
+Standard library only: a Ray worker imports this module to run the task, and importing
+fedcli.sweeps (torch) there would cost every worker seconds and memory for nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+CONFIG_TOKEN = "{config}"  # replaced in the command by the path of the trial's config on the node
+KILL_AFTER_S = 180.0  # as fedcli.sweeps.KILL_AFTER_S: a stopped trial still running this long is killed
+TAIL_LINES = 20
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def run_trial(args: Sequence[str], config_text: str | None, cwd: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """Run `python -m fedcli -q train ARGS` here; return its exit code, output tails, host and pid.
+
+    Args:
+        args: what follows `fedcli -q train` (fedcli.sweeps.trial_args), CONFIG_TOKEN for the
+            config file's path.
+        config_text: the YAML of a new trial's config; None for a resumed one.
+        cwd: the sweep's working folder, used where this node has it (relative data paths),
+            else the temporary folder.
+        env: variables set for the trial (the sweep's store and MLflow URIs).
+    """
+    with tempfile.TemporaryDirectory(prefix="fedcli-trial-") as tmp:
+        folder = Path(tmp)
+        config = folder / "run.yaml"
+        if config_text is not None:
+            config.write_text(config_text)
+        command = [sys.executable, "-m", "fedcli", "-q", "train",
+                   *(str(config) if a == CONFIG_TOKEN else a for a in args)]
+        with open(folder / "stdout.txt", "wb") as out, open(folder / "stderr.txt", "wb") as err:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    cwd=cwd if os.path.isdir(cwd) else tmp, env={**os.environ, **env},
+                                    preexec_fn=_die_with_parent(os.getpid()))
+        stopped = False
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:  # ray.cancel: stop the trial in order (it checkpoints and exits 143)
+            stopped = True
+            code = _stop(proc)
+        return {"code": code, "stopped": stopped, "host": socket.gethostname(), "pid": proc.pid,
+                "stdout": _tail(folder / "stdout.txt"), "stderr": _tail(folder / "stderr.txt")}
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    """SIGTERM once, wait up to KILL_AFTER_S, then SIGKILL; return the exit code."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    while True:
+        try:
+            return proc.wait(timeout=KILL_AFTER_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        except KeyboardInterrupt:  # a second cancel: keep waiting, a second SIGTERM would cut the checkpoint
+            continue
+
+
+def _tail(path: Path) -> list[str]:
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return [line for line in lines if line.strip()][-TAIL_LINES:]
+
+
+def _die_with_parent(parent_pid: int) -> Any:
+    """A `preexec_fn`: SIGTERM to the trial when this worker dies (Linux; no-op elsewhere)."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+    def preexec() -> None:
+        if libc is None:
+            return
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
