@@ -23,7 +23,7 @@ import yaml
 from fedcli.algorithms.base import HyperparameterError, OptimConfig
 from fedcli.errors import ConfigError
 
-EXECUTORS = ("auto", "loop", "vmap", "fused", "process")
+EXECUTORS = ("auto", "loop", "vmap", "fused", "process", "distributed")  # distributed: under torchrun
 PRECISIONS = ("fp32", "tf32", "bf16")  # issue 7: reduced precision only when asked for
 SCHEMES = ("natural", "iid", "dirichlet", "shards", "labels", "quantity", "two-level")
 

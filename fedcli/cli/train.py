@@ -40,6 +40,7 @@ class Executor(str, Enum):
     vmap = "vmap"
     fused = "fused"
     process = "process"
+    distributed = "distributed"
 
 
 class Precision(str, Enum):
@@ -112,8 +113,10 @@ def train(
                                                rich_help_panel=Panel.TRAIN)] = None,
     executor: Annotated[Executor | None, typer.Option(help="Client executor: loop | vmap | fused (hand-derived "
                                                            "cohort SGD for dense classifiers) | process (cohort "
-                                                           "split over CPU processes); auto picks the fastest and "
-                                                           "says which.", rich_help_panel=Panel.TRAIN)] = None,
+                                                           "split over CPU processes) | distributed (one run over "
+                                                           "torchrun's ranks: torchrun --nproc-per-node K -m fedcli "
+                                                           "train ... --executor distributed); auto picks the "
+                                                           "fastest and says which.", rich_help_panel=Panel.TRAIN)] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="Processes training clients (--executor process), "
                                                             "this one included. \\[default: CPU cores]",
                                                 rich_help_panel=Panel.TRAIN)] = None,
@@ -161,14 +164,21 @@ def train(
 
     Example: fedcli train --algo fedpa --rounds 30 --local-epochs 5 --hp burn_in_rounds=10
     """
+    import contextlib
     import dataclasses
 
     from fedcli.config import build_config, parse_assignments, resume_config
+    from fedcli.engine import distributed
     from fedcli.engine.train import build
     from fedcli.engine.train import train as run_training
+    from fedcli.errors import ConfigError
 
     debug = bool(ctx.obj and ctx.obj.get("debug"))
-    with user_errors(debug):
+    with user_errors(debug), contextlib.ExitStack() as group:
+        peers = group.enter_context(distributed.process_group()) if executor is Executor.distributed else None
+        if peers is not None and not peers.is_leader:  # ranks 1..K-1 train slices of rank 0's run, write nothing
+            distributed.serve(peers)
+            return
         overrides = {
             "algorithm.name": algo, "data.task": task, "data.model": model, "data.data_dir": data_dir and str(data_dir),
             "partition.file": partition and str(partition), "partition.scheme": scheme and scheme.value,
@@ -194,10 +204,13 @@ def train(
         else:
             cfg = build_config(file=config, overrides=overrides, hp=parse_assignments(hp or [], "--hp"))
         # everything is validated before anything is written: options, MLflow, then the data
+        if cfg.train.executor == "distributed" and peers is None:  # from --config or the resumed run
+            raise ConfigError(f"train.executor='distributed' needs `--executor distributed` on the command line. "
+                              f"{distributed.NOT_LAUNCHED}")
         cfg = dataclasses.replace(cfg, tracking=check_mlflow(cfg.tracking, mlflow_optional))
         mirror = spawn_mirror(cfg.tracking, parent_run)  # imports MLflow while the data loads
         try:
-            setup = build(cfg)
+            setup = build(cfg, peers=peers)
         except BaseException:
             if mirror is not None:
                 mirror.abort()
@@ -208,6 +221,8 @@ def train(
                 result = run_training(cfg, tracker=tracker, progress=progress, resume_run_id=resume_id, setup=setup)
         except KeyboardInterrupt as stop:
             stopped(cfg, tracker, stop)
+        except distributed.RankLost as lost:
+            raise distributed.RankLost(f"run {getattr(tracker, '_run_id', '')[:8]}: {lost}") from None
         summarise_run(cfg, result)
     typer.echo(result.run_id)
 

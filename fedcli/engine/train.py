@@ -129,12 +129,20 @@ def client_partition(cfg: RunConfig, data: TaskData) -> tuple[list[np.ndarray], 
     return make_partition(spec, labels=data.y.numpy(), natural=data.client_indices or None), spec
 
 
-def build(cfg: RunConfig) -> Setup:
-    """Load data, build the model, the algorithm and the executor; data-dependent checks."""
+def build(cfg: RunConfig, *, peers: Any = None) -> Setup:
+    """Load data, build the model, the algorithm and the executor; data-dependent checks.
+
+    `peers` is this process's `distributed.Peers` under `--executor distributed` (torchrun).
+    """
     device = resolve_device(cfg.train.device)
     from fedcli.engine.workers import available_cores
 
-    torch.set_num_threads(cfg.train.threads or available_cores())  # issue: two threads on a loaded 2-core box
+    threads = cfg.train.threads or available_cores()  # issue: two threads on a loaded 2-core box
+    if cfg.train.executor == "distributed":  # this rank's GPU (LOCAL_RANK) and share of its host's cores
+        from fedcli.engine.distributed import placement
+
+        device, threads = placement(cfg, device, peers)
+    torch.set_num_threads(threads)
     task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
     data = task.load(TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir else None,
                                  download=cfg.data.download, max_clients=cfg.data.max_clients))
@@ -156,7 +164,8 @@ def build(cfg: RunConfig) -> Setup:
     hp = make_hyperparameters(alg.name, cfg.algorithm.hp)
     from fedcli.engine.workers import speed_setup  # issue 7: precision, executor choice (auto), its runner
 
-    fns, executor, why, runner = speed_setup(cfg, alg, device, fed, model_functions(task, model, fed), model)
+    fns, executor, why, runner = speed_setup(cfg, alg, device, fed, model_functions(task, model, fed), model,
+                                             peers)
     log.debug("executor: %s (%s)", executor, why)
     return Setup(cfg, task, data, fed, fns, alg, hp, device, executor, init_params, indices, spec, runner, why)
 

@@ -557,10 +557,11 @@ def describe_unfusable(alg: Algorithm, dense: bool) -> str:
 
 
 def speed_setup(cfg: Any, alg: Algorithm, device: torch.device, fed: FederatedData, fns: ModelFunctions,
-                model: torch.nn.Module) -> tuple[ModelFunctions, str, str, Any]:
+                model: torch.nn.Module, peers: Any = None) -> tuple[ModelFunctions, str, str, Any]:
     """Apply train.precision, choose the executor and build its runner (None = EXECUTORS[name]).
 
-    Returns (model functions, executor name, why, runner). Called once by `train.build`.
+    Returns (model functions, executor name, why, runner). Called once by `train.build`;
+    `peers` (engine/distributed.py) is the process group of `--executor distributed`.
     """
     fns = with_precision(fns, cfg.train.precision, device)
     has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
@@ -569,9 +570,19 @@ def speed_setup(cfg: Any, alg: Algorithm, device: torch.device, fed: FederatedDa
     executor, why = choose_executor(cfg, alg, device, lambda: round_gflop(model, fns, cfg, fed), has_conv, has_bn,
                                     dense)
     runner: Any = None
-    if cfg.train.compile and executor in ("loop", "process"):  # compiled per-client steps (local_sgd)
+    if cfg.train.compile and executor in ("loop", "process", "distributed"):  # compiled per-client steps
         fns = replace(fns, compile_step=True)
-    if executor == "process":
+    if executor == "distributed":  # the cohort split over the ranks, the in-process executor inside each
+        from fedcli.engine.distributed import DistributedExecutor
+
+        inner = "loop" if cfg.train.compile else in_process_executor(alg, device, has_conv, has_bn, dense,
+                                                                     cfg.train.clients_per_round)
+        if peers is None:  # `fedcli evaluate` / `report` rebuild a distributed run's data and model in one process
+            executor, why = inner, "a distributed run rebuilt in one process (no process group)"
+        else:
+            runner = DistributedExecutor(cfg, inner, peers)
+            why = f"{peers.world_size} ranks x {torch.get_num_threads()} thread(s) ({inner} inside each)"
+    elif executor == "process":
         slots = min(cfg.train.workers or available_cores(), cfg.train.clients_per_round)
         inner = "loop" if cfg.train.compile else in_process_executor(alg, device, has_conv, has_bn, dense)
         runner = ProcessExecutor(cfg, fed, workers=slots, inner=inner)
