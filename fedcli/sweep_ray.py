@@ -133,12 +133,12 @@ def check_cluster(nodes: Sequence[Mapping[str, Any]], track: TrackingConfig, cpu
     """
     if len(nodes) > 1:
         if track.store_url.startswith("sqlite"):
-            raise ConfigError(f"the store {track.store_url!r} is a SQLite file, which the trials on the other "
-                              f"{len(nodes) - 1} nodes of the Ray cluster cannot share; pass --store "
+            raise ConfigError(f"the store {track.store_url!r} is a SQLite file, but the trials run on the "
+                              f"{len(nodes)} nodes of the Ray cluster, which cannot share it; pass --store "
                               "postgresql+psycopg://USER@HOST/DB (or set FEDCLI_STORE) with a database every node reaches.")
         if track.use_mlflow and urlsplit(track.mlflow_uri).scheme in ("", "file", "sqlite"):
-            raise ConfigError(f"the MLflow tracking URI {track.mlflow_uri!r} is a local file, which the trials on the "
-                              f"other {len(nodes) - 1} nodes of the Ray cluster cannot share; pass --tracking-uri "
+            raise ConfigError(f"the MLflow tracking URI {track.mlflow_uri!r} is a local file, but the trials run on "
+                              f"the {len(nodes)} nodes of the Ray cluster, which cannot share it; pass --tracking-uri "
                               "http://HOST:5000 (an `mlflow server` every node reaches) or --no-mlflow.")
     sizes = [(n.get("Resources", {}).get("CPU", 0.0), n.get("Resources", {}).get("GPU", 0.0)) for n in nodes]
     if not any(cpu >= cpus and gpu >= gpus for cpu, gpu in sizes):
