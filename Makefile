@@ -2,15 +2,20 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# The extras installed into .venv: EXTRAS=dev,ray adds Ray (the Ray sweep backend's tests run then; .ci/run).
+EXTRAS ?= dev
+comma  := ,
+STAMP  := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: demo test bench reproduce lint clean
+.PHONY: install demo test bench reproduce lint clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
+
+install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/fedcli train --algo fedpa --config examples/fedpa-femnist-demo.yaml
