@@ -285,7 +285,7 @@ CASES: dict[str, Mistake] = {
     "sweep-base-rounds-zero": M(sweep("s.yaml"), "train.rounds must be >= 1",
                                 text("s.yaml", "experiment: e\nbase: {task: lsq, rounds: 0}\n")),
     "sweep-spec-not-a-mapping": M(sweep("s.yaml"), "must be a mapping", text("s.yaml", "- fedavg\n")),
-    "sweep-backend-ray": M(sweep("--recipe", "fedopt-lsq", "--backend", "ray"), "--backend ray is not available"),
+    "sweep-address-without-ray": M(sweep("--recipe", "fedopt-lsq", "--address", "auto"), "--address applies to --backend ray"),
     "sweep-workers-zero": M(sweep("--recipe", "fedopt-lsq", "--workers", "0"), "'--workers'"),
     # --- evaluate
     "evaluate-no-store": M(("evaluate", "nosuchrun"), "tracking.store must be an existing results store"),
