@@ -20,6 +20,7 @@ from fedcli.cli.common import (
     find_run,
     open_tracker,
     spawn_mirror,
+    store_options,
     summarise_run,
     train_progress,
 )
@@ -222,7 +223,8 @@ def train(
         except KeyboardInterrupt as stop:
             stopped(cfg, tracker, stop)
         except distributed.RankLost as lost:
-            raise distributed.RankLost(f"run {getattr(tracker, '_run_id', '')[:8]}: {lost}") from None
+            raise distributed.lost_hint(lost, getattr(tracker, "_run_id", None), peers.world_size if peers else 1,
+                                        store_options(cfg)) from None
         summarise_run(cfg, result)
     typer.echo(result.run_id)
 

@@ -114,13 +114,13 @@ class Peers:
     def receive(self, device: torch.device) -> Any:
         """Ranks 1..K-1: the next message from rank 0, its tensors on `device`."""
         box: list[Any] = [None]
-        self._guard(lambda: dist.scatter_object_list(box, None, src=0), "waiting for rank 0")
+        self._guard(lambda: dist.scatter_object_list(box, None, src=0), "while waiting for work")
         return _load(box[0], device)
 
     def reply(self, message: Any) -> None:
         """Ranks 1..K-1: send rank 0 this round's reply."""
         data = _dump(message)
-        self._guard(lambda: dist.gather_object(data, None, dst=0), "replying to rank 0")
+        self._guard(lambda: dist.gather_object(data, None, dst=0), "while replying")
 
     def stop(self) -> None:
         """Rank 0: tell the other ranks the run is over (idempotent; nothing to tell a lost group)."""
@@ -138,15 +138,23 @@ class Peers:
         except RuntimeError as err:  # DistBackendError, DistNetworkError: a peer died, hangs or is unreachable
             self.lost = True
             who = "rank 0" if not self.is_leader else f"another of the {self.world_size} ranks"
-            raise RankLost(f"lost contact with {who} {during} ({_first_line(err)}); every rank stops. "
-                           "The run is marked failed; `fedcli train --resume RUN` continues it from its "
-                           "newest checkpoint.") from None
+            raise RankLost(f"lost contact with {who} {during} ({_first_line(err)}); every rank stops.") from None
+
+
+def lost_hint(lost: RankLost, run_id: str | None, world_size: int, store_options: str = "") -> RankLost:
+    """The RankLost of rank 0 with what became of the run and the commands that continue it."""
+    if not run_id:
+        return lost
+    resume = f"train --resume {run_id[:8]}{store_options}"
+    return RankLost(f"{lost} Run {run_id[:8]} is marked failed; continue it from its newest checkpoint with "
+                    f"`torchrun --nproc-per-node {world_size} -m fedcli {resume} --executor distributed` "
+                    f"(or in one process: `fedcli {resume} --executor auto`).")
 
 
 def _first_line(err: BaseException) -> str:
     text = str(err).split("\n", 1)[0]
     text = text.split("] ", 1)[-1] if text.startswith("[") else text  # gloo's "[file.cc:123] " prefix
-    return text[:160]
+    return text.split(". ", 1)[0][:160]
 
 
 def _dump(message: Any) -> bytes:

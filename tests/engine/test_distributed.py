@@ -1,0 +1,190 @@
+"""`--executor distributed`: one run over torch.distributed ranks equals the single-process run.
+
+Two Gloo ranks on loopback (torch.multiprocessing spawn, and once `torchrun` itself). Rank 0
+plans every client's round from the run's seed and sends each rank its slice with the
+clients' states (engine/distributed.py); the client code sees the same inputs as in one
+process, so after two rounds (state crosses rounds, client sizes differ) the global
+parameters, the client states and every round's metrics equal the single-process `loop`
+reference to float tolerance, for every registered algorithm.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.utils import _pytree as pytree
+from typer.testing import CliRunner
+
+from fedcli.algorithms import ALGORITHMS
+from fedcli.cli.main import app
+from fedcli.config import build_config
+from fedcli.engine.clientstate import ClientStateStore
+from fedcli.engine.train import Timing, build, run_round
+from fedcli.tracking.store import SqlStore
+
+REPO = Path(__file__).resolve().parents[2]
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, port: int, world: int = 2) -> dict[str, str]:
+    """What torchrun sets for each rank (single host)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+
+
+def cases() -> list[tuple[str, str, dict]]:
+    """(algorithm, task, extra overrides): every algorithm on lsq (LSA-only ones on a Garnet task),
+    and FedAvg on a small FEMNIST MLP, where each rank runs the `fused` executor."""
+    from tests.engine.test_equivalence import pick_task
+
+    out = [(algo, pick_task(algo), {}) for algo in ALGORITHMS]
+    out.append(("fedavg", "femnist", {"partition.num_clients": 6, "train.client_momentum": 0.9}))
+    return out
+
+
+def two_rounds(algo: str, task: str, extra: dict, executor: str, peers: object = None) -> tuple[dict, dict, list]:
+    """Run two rounds; return (global params, client states, per-round metrics without timings)."""
+    from tests.engine.test_equivalence import required_hyperparameters
+
+    hp = {"burn_in_rounds": 1} if algo == "fedpa" else {}
+    hp.update(required_hyperparameters(algo))
+    cfg = build_config(overrides={"algorithm.name": algo, "data.task": task, "train.executor": executor,
+                                  "train.device": "cpu", "train.clients_per_round": 4, "train.local_epochs": 2,
+                                  "train.batch_size": 16, "train.client_lr": 0.01, **extra}, hp=hp)
+    setup = build(cfg, peers=peers)
+    assert setup.executor == executor or executor != "distributed"
+    state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+    init = setup.alg.init_client_state
+    store = ClientStateStore(None if init is None else (lambda: init(setup.init_params, setup.hp)))
+    history = []
+    for round_idx in (1, 2):
+        state, metrics = run_round(setup, state, store, round_idx, Timing())
+        history.append({k: v for k, v in metrics.items() if not k.startswith("time/")})
+    return setup.alg.global_params(state), store.state_dict(), history
+
+
+def _equivalence_rank(rank: int, port: int) -> None:
+    """One rank of test_every_algorithm_equals_the_single_process_run (spawned)."""
+    from fedcli.engine.distributed import process_group, serve
+
+    os.environ.update(rank_env(rank, port))
+    torch.set_num_threads(1)
+    with process_group(timeout_s=120) as peers:
+        if not peers.is_leader:
+            serve(peers)
+            return
+        for algo, task, extra in cases():
+            ref_params, ref_states, ref_metrics = two_rounds(algo, task, extra, "loop")
+            params, states, metrics = two_rounds(algo, task, extra, "distributed", peers)
+            for key in ref_params:
+                torch.testing.assert_close(params[key], ref_params[key], **TOL, msg=lambda m, a=algo: f"{a}: {m}")
+            assert states.keys() == ref_states.keys(), algo
+            for client in ref_states:
+                pytree.tree_map(lambda a, b: torch.testing.assert_close(b, a, **TOL), ref_states[client],
+                                states[client])
+            for got, want in zip(metrics, ref_metrics, strict=True):
+                assert got.keys() == want.keys(), algo
+                for key in want:
+                    assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (algo, key)
+
+
+def test_every_algorithm_equals_the_single_process_run() -> None:
+    """Two ranks (Gloo, loopback): for every algorithm, two rounds of 4 clients split over the
+    ranks give the single-process loop's parameters, client states and metrics."""
+    mp.spawn(_equivalence_rank, args=(free_port(),), nprocs=2, join=True)
+
+
+def test_outside_torchrun_it_exits_2_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    result = CliRunner().invoke(app, ["train", "--task", "lsq", "--executor", "distributed", "--no-mlflow",
+                                      "--root", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "torchrun --nproc-per-node K -m fedcli train" in result.stderr and "Traceback" not in result.output
+    assert result.stderr.count("error:") == 1
+    assert not (tmp_path / "fedcli.db").exists()
+
+
+def fedcli(*args: str, env: dict | None = None, **kwargs: object) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fedcli", "-q", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, **kwargs)
+
+
+TRAIN = ["train", "--task", "lsq", "--algo", "scaffold", "--clients-per-round", "5", "--local-epochs", "2"]
+
+
+def test_torchrun_launch_makes_one_run_equal_to_the_single_process_run(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m fedcli train ... --executor distributed`: one run id on stdout,
+    one run in the SQL store and in MLflow (only rank 0 tracks), one run folder, and the same
+    per-round metrics as `fedcli train` in one process."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [*TRAIN, "--rounds", "3", "--tracking-uri", uri]
+    launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "fedcli", "-q", *common, "--root", str(tmp_path / "dist"),
+                             "--executor", "distributed"], cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    single = fedcli(*common, "--root", str(tmp_path / "one"))
+    out, err = single.communicate(timeout=120)
+    assert single.returncode == 0, err[-3000:]
+    run_ids = launch.stdout.split()
+    assert len(run_ids) == 1, launch.stdout
+    store = SqlStore(f"sqlite:///{tmp_path / 'dist' / 'fedcli.db'}")
+    runs = store.list_runs()
+    assert [r.id for r in runs] == run_ids and runs[0].status == "finished"
+    assert runs[0].tags.get("fedcli.executor") == "distributed" and runs[0].config["train"]["workers"] == 2
+    assert [p.name for p in (tmp_path / "dist" / "runs").iterdir()] == run_ids
+    experiments = MlflowClient(uri).search_experiments()
+    mlflow_runs = MlflowClient(uri).search_runs([e.experiment_id for e in experiments])
+    assert len(mlflow_runs) == 2  # this run and the single-process one: one each
+    dist_frame = store.metrics_frame(run_ids)
+    one = SqlStore(f"sqlite:///{tmp_path / 'one' / 'fedcli.db'}")
+    one_frame = one.metrics_frame([one.list_runs()[0].id])
+    keep = lambda f: f[~f["key"].str.startswith("time/")].sort_values(["key", "round_idx"])  # noqa: E731
+    a, b = keep(dist_frame), keep(one_frame)
+    assert a["key"].tolist() == b["key"].tolist() and a["round_idx"].tolist() == b["round_idx"].tolist()
+    assert a["value"].to_numpy() == pytest.approx(b["value"].to_numpy(), rel=1e-4, abs=1e-6)
+
+
+def test_a_lost_rank_fails_the_run_with_one_line_and_it_resumes(tmp_path: Path) -> None:
+    """Rank 1 is killed (SIGKILL) mid-run: rank 0 ends with one `error:` line naming the lost
+    rank and exit code 2, the run is marked failed, and `--resume` continues it from its newest
+    checkpoint (in one process) to the end."""
+    port = free_port()
+    args = [*TRAIN, "--rounds", "100000", "--no-mlflow", "--root", str(tmp_path), "--executor", "distributed"]
+    ranks = [fedcli(*args, env=rank_env(rank, port)) for rank in (0, 1)]
+    deadline = time.monotonic() + 90
+    while not list((tmp_path / "runs").glob("*/checkpoints/round-*.pt")) and time.monotonic() < deadline:
+        assert ranks[0].poll() is None, ranks[0].communicate()
+        time.sleep(0.05)
+    ranks[1].send_signal(signal.SIGKILL)
+    out, err = ranks[0].communicate(timeout=60)
+    ranks[1].communicate(timeout=10)
+    assert ranks[0].returncode == 2, err[-3000:]
+    assert "Traceback" not in err and err.count("error:") == 1, err[-3000:]
+    assert "lost contact with another of the 2 ranks" in " ".join(err.split())
+    store = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
+    (run,) = store.list_runs()
+    assert run.status == "failed"
+    last = max(r for r, _ in store.checkpoints(run.id))
+    resumed = fedcli("train", "--resume", run.id, "--root", str(tmp_path), "--executor", "auto", "--no-mlflow",
+                     "--rounds", str(last + 2))
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err[-3000:]
+    assert store.get_run(run.id).status == "finished"
