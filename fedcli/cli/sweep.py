@@ -38,7 +38,8 @@ def sweep(
     list_recipes: Annotated[bool, typer.Option("--list-recipes", help="List the built-in recipes and exit.")] = False,
     workers: Annotated[int | None, typer.Option(min=1, help="Trials run at once, each in its own process. \\[default: "
                                                        "1; with --backend ray as many as the cluster holds]")] = None,
-    backend: Annotated[Backend, typer.Option(help="local processes, or a Ray cluster (needs fedcli[ray]).")] = Backend.local,
+    backend: Annotated[Backend, typer.Option(help="local processes, or a Ray cluster (pip install "
+                                                   "'fedcli\\[ray]'; docs/scaling.md).")] = Backend.local,
     address: Annotated[str | None, typer.Option(help="Ray cluster: auto, HOST:PORT or ray://HOST:PORT (with --backend "
                                                 "ray). \\[default: RAY_ADDRESS, else this machine's `ray start` "
                                                 "cluster, else a new local Ray]")] = None,
