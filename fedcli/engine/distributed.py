@@ -46,13 +46,15 @@ does; they say where this process runs, not how the run is configured.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import logging
 import os
+import signal
+import threading
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -216,7 +218,7 @@ def join(timeout_s: float = TIMEOUT_S) -> Peers:
     return Peers(rank, world, local_rank, local_world)
 
 
-@contextmanager
+@contextlib.contextmanager
 def process_group(timeout_s: float = TIMEOUT_S) -> Iterator[Peers]:
     """Join, yield this rank's Peers; on the way out rank 0 stops the others, and the group is left."""
     peers = join(timeout_s)
@@ -283,8 +285,9 @@ class DistributedExecutor:
         device = inputs.keys.device
         try:
             own = run_inner(alg, fns, broadcast, take_clients(inputs, groups[0]), hp, opt, round_idx, chunk_size)
-        except Exception:
-            self.peers.collect(device, during)  # keep the collectives in step, then report rank 0's error
+        except BaseException:  # an error, or a signal that abandons the round (train.py): first take the
+            with contextlib.suppress(RankLost):  # replies, so that the next collective (stop) is in step
+                self.peers.collect(device, during)
             raise
         replies = self.peers.collect(device, during)[1 : len(groups)]
         for rank, (status, value) in enumerate(replies, start=1):
@@ -300,6 +303,18 @@ def serve(peers: Peers) -> None:
     """Ranks 1..K-1: build each run rank 0 announces and train its slices until rank 0 says stop."""
     from fedcli.engine.train import build
 
+    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
+        _serve(peers, build)
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it stops the run in order
+    try:
+        _serve(peers, build)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _serve(peers: Peers, build: Callable[..., Any]) -> None:
+    """Answer rank 0's messages: config (build the run), work (train the slice), idle, stop."""
     setup: Any = None
     inner, failure = "loop", "the run's config never arrived"
     while True:
