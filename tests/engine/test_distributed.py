@@ -164,8 +164,8 @@ def test_torchrun_launch_makes_one_run_equal_to_the_single_process_run(tmp_path:
 
 def test_a_lost_rank_fails_the_run_with_one_line_and_it_resumes(tmp_path: Path) -> None:
     """Rank 1 is killed (SIGKILL) mid-run: rank 0 ends with one `error:` line naming the lost
-    rank and exit code 2, the run is marked failed, and `--resume` continues it from its newest
-    checkpoint (in one process) to the end."""
+    rank and exit code 2, the run is marked failed, and `--resume` on two new ranks continues it
+    from its newest checkpoint to the end."""
     port = free_port()
     args = [*TRAIN, "--rounds", "100000", "--no-mlflow", "--root", str(tmp_path), "--executor", "distributed"]
     ranks = [fedcli(*args, env=rank_env(rank, port)) for rank in (0, 1)]
@@ -183,8 +183,11 @@ def test_a_lost_rank_fails_the_run_with_one_line_and_it_resumes(tmp_path: Path) 
     (run,) = store.list_runs()
     assert run.status == "failed"
     last = max(r for r, _ in store.checkpoints(run.id))
-    resumed = fedcli("train", "--resume", run.id, "--root", str(tmp_path), "--executor", "auto", "--no-mlflow",
-                     "--rounds", str(last + 2))
-    out, err = resumed.communicate(timeout=120)
-    assert resumed.returncode == 0, err[-3000:]
+    port = free_port()
+    resumed = [fedcli("train", "--resume", run.id, "--root", str(tmp_path), "--executor", "distributed",
+                      "--no-mlflow", "--rounds", str(last + 2), env=rank_env(rank, port)) for rank in (0, 1)]
+    outs = [rank.communicate(timeout=120) for rank in resumed]
+    assert [rank.returncode for rank in resumed] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    assert outs[0][0].split() == [run.id] and outs[1] == ("", "")  # rank 1 prints nothing
     assert store.get_run(run.id).status == "finished"
+    assert sorted(store.metrics_frame([run.id], keys=["train/loss"])["round_idx"]) == list(range(1, last + 3))
