@@ -191,3 +191,18 @@ def test_a_lost_rank_fails_the_run_with_one_line_and_it_resumes(tmp_path: Path) 
     assert outs[0][0].split() == [run.id] and outs[1] == ("", "")  # rank 1 prints nothing
     assert store.get_run(run.id).status == "finished"
     assert sorted(store.metrics_frame([run.id], keys=["train/loss"])["round_idx"]) == list(range(1, last + 3))
+
+
+def test_a_user_error_on_rank_0_stops_every_rank(tmp_path: Path) -> None:
+    """A data-dependent mistake found by rank 0 (more clients per round than clients): rank 0 prints
+    the usual one line and exits 2; rank 1, waiting for the run's config, is told to stop and exits
+    0 without output; nothing is written."""
+    port = free_port()
+    args = ["train", "--task", "lsq", "--clients-per-round", "50", "--no-mlflow", "--root", str(tmp_path),
+            "--executor", "distributed"]
+    ranks = [fedcli(*args, env=rank_env(rank, port)) for rank in (0, 1)]
+    (out0, err0), (out1, err1) = (rank.communicate(timeout=60) for rank in ranks)
+    assert [rank.returncode for rank in ranks] == [2, 0], err0 + err1
+    assert "train.clients_per_round=50 exceeds the 20 clients" in err0 and "Traceback" not in err0 + err1
+    assert (out0, out1, err1) == ("", "", "")
+    assert not (tmp_path / "fedcli.db").exists()
