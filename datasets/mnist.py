@@ -146,6 +146,7 @@ MNIST = Task(
     default_model="mlp",
     load=_load_mnist,
     prepare=grey_images,
+    client_lr=0.1,  # as femnist (docs/architecture.md §5: measured on the README's Dirichlet split)
 )
 
 TASKS = (MNIST,)

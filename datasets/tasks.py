@@ -64,6 +64,7 @@ class Task:
     # Optional chunkable evaluation metrics (datasets.metrics.MetricFns); None = by `kind`.
     metrics: Any = None
     reads_max_clients: bool = False  # True when `load` honours TaskOptions.max_clients (big natural-client data)
+    client_lr: float = 0.01  # the default train.client_lr (eta_l) on this task; tuned where the task says so
 
 
 def fingerprint(*tensors: Tensor) -> str:

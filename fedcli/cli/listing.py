@@ -188,7 +188,8 @@ def task_rows(**_: Any) -> list[dict[str, Any]]:
     for task in TASKS.values():
         params = num_parameters(task.models[task.default_model]())
         rows.append({"id": task.name, "name": task.name, "model": task.default_model,
-                     "models": ", ".join(task.models), "params": params, "source": task.source,
+                     "models": ", ".join(task.models), "params": params, "client_lr": task.client_lr,
+                     "source": task.source,
                      "offline": task.offline, "kind": task.kind, "description": task.description})
     return rows
 
@@ -204,6 +205,6 @@ ROWS = {What.runs: run_rows, What.algos: algo_rows, What.tasks: task_rows, What.
 COLUMNS = {
     What.runs: ("id", "name", "status", "algo", "task", "experiment", "seed", "rounds", "accuracy"),
     What.algos: ("name", "paper", "hyperparameters", "executors"),
-    What.tasks: ("name", "model", "params", "source", "offline", "description"),
+    What.tasks: ("name", "model", "params", "client_lr", "source", "offline", "description"),
     What.recipes: ("name", "description"),
 }

@@ -337,7 +337,7 @@ def _serve(peers: Peers, build: Callable[..., Any]) -> None:
             continue
         _, broadcast, inputs, round_idx, chunk_size = message
         try:
-            out = EXECUTORS[inner](setup.alg, setup.fns, broadcast, inputs, setup.hp, setup.cfg.train.optim,
+            out = EXECUTORS[inner](setup.alg, setup.fns, broadcast, inputs, setup.hp, setup.opt,
                                    round_idx, chunk_size)
             reply: tuple[str, Any] = ("ok", out)
         except Exception:  # noqa: BLE001 - reported to rank 0, which raises RankError

@@ -24,7 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.algorithms.base import Algorithm, HyperparameterError, tree_nbytes
+from fedcli.algorithms.base import Algorithm, HyperparameterError, OptimConfig, tree_nbytes
 from fedcli.config import RunConfig, make_hyperparameters
 from fedcli.datasets.federated import FederatedData
 from fedcli.datasets.registry import resolve_task
@@ -91,6 +91,7 @@ class Setup:
     partition_spec: Any = None  # the PartitionSpec that produced it
     runner: Any = None  # issue 7: a stateful executor (process pool, compiled vmap) used instead of EXECUTORS
     executor_reason: str = ""  # why `executor` was chosen (logged, tagged)
+    opt: OptimConfig = field(default_factory=OptimConfig)  # cfg.train's optimiser, client_lr None -> the task's
 
 
 def resolve_device(name: str) -> torch.device:
@@ -167,7 +168,8 @@ def build(cfg: RunConfig, *, peers: Any = None) -> Setup:
     fns, executor, why, runner = speed_setup(cfg, alg, device, fed, model_functions(task, model, fed), model,
                                              peers)
     log.debug("executor: %s (%s)", executor, why)
-    return Setup(cfg, task, data, fed, fns, alg, hp, device, executor, init_params, indices, spec, runner, why)
+    return Setup(cfg, task, data, fed, fns, alg, hp, device, executor, init_params, indices, spec, runner, why,
+                 cfg.train.optim(task.client_lr))
 
 
 def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray, round_idx: int,
@@ -197,7 +199,7 @@ class Trained:
 
 def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: int) -> Trained:
     """Sample the round's cohort and run its local training (no state changes: interruptible)."""
-    cfg, alg, hp, opt = setup.cfg, setup.alg, setup.hp, setup.cfg.train.optim
+    cfg, alg, hp, opt = setup.cfg, setup.alg, setup.hp, setup.opt
     start = time.perf_counter()
     cohort = sample_cohort(setup.fed.num_clients, cfg.train.clients_per_round, seed=cfg.seed, round_idx=round_idx)
     # largest local data first (ties by id): the clients still training at local step k are then a
@@ -224,7 +226,7 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     sampled (its state is not updated) and counted in `client/dropped_nonfinite`; if every
     client of the cohort is non-finite the run has diverged.
     """
-    alg, hp, opt = setup.alg, setup.hp, setup.cfg.train.optim
+    alg, hp, opt = setup.alg, setup.hp, setup.opt
     cohort, plan, outs = trained.cohort, trained.plan, trained.outs
     trained_at = time.perf_counter()
     weights = plan.num_examples
@@ -304,7 +306,7 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
     setup = setup or build(cfg)
     log.info("executor: %s (%s)", setup.executor, setup.executor_reason)
     try:
-        state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+        state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     except HyperparameterError as exc:
         raise ConfigError(str(exc)) from None
     init_fn = None
@@ -454,6 +456,7 @@ def resolved_config(setup: Setup) -> dict[str, Any]:
     out["train"]["device"] = str(setup.device)
     out["train"]["executor"] = setup.executor
     out["train"]["threads"] = torch.get_num_threads()
+    out["train"]["client_lr"] = setup.opt.client_lr
     if setup.partition is not None:
         out["partition"]["num_clients"] = len(setup.partition)
     spec = setup.partition_spec

@@ -219,7 +219,7 @@ def worker_functions(spec: WorkerSpec) -> tuple[Algorithm, ModelFunctions, Any, 
     if cfg.train.compile and spec.inner == "loop":
         fns = replace(fns, compile_step=True)
     return (ALGORITHMS[cfg.algorithm.name], fns, make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp),
-            cfg.train.optim)
+            cfg.train.optim(task.client_lr))
 
 
 def _worker_main(conn: Any) -> None:

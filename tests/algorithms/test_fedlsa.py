@@ -232,7 +232,7 @@ def garnet_setup(algo: str, executor: str, **overrides: object):  # noqa: ANN201
     cfg = build_config(overrides={"algorithm.name": algo, "data.task": "garnet-het-n10", "train.executor": executor,
                                   "train.client_lr": 0.5, **overrides})
     setup = build(cfg)
-    state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+    state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     init = setup.alg.init_client_state
     store = ClientStateStore(None if init is None else (lambda: init(setup.init_params, setup.hp)))
     return setup, state, store
@@ -281,7 +281,7 @@ def test_lsa_algorithms_refuse_other_tasks_and_settings() -> None:
     cfg = build_config(overrides={"algorithm.name": "fedlsa", "data.task": "lsq"})
     setup = build(cfg)
     with pytest.raises(HyperparameterError, match=r"data.task must be a linear stochastic approximation task"):
-        setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+        setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     theta = {P: torch.zeros(D, dtype=DT)}
     with pytest.raises(HyperparameterError, match=r"train.client_momentum must be 0 for fedlsa .*; got 0.9\."):
         fedlsa.server_init(theta, fedlsa.FedLSAConfig(), OptimConfig(client_momentum=0.9))

@@ -158,7 +158,7 @@ def test_burn_in_rounds_are_fedavg_exactly() -> None:
                                       "train.local_epochs": 2, "train.client_momentum": 0.9,
                                       "train.server_opt": "momentum"}, hp=hp)
         setup = build(cfg)
-        state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+        state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
         for round_idx in (1, 2):
             state, _ = run_round(setup, state, ClientStateStore(None), round_idx, Timing())
         finals[name] = setup.alg.global_params(state)
@@ -174,7 +174,7 @@ def test_fedpa_needs_a_sample_per_round() -> None:
                        hp={"burn_in_epochs": 2})
     setup = build(cfg)
     with pytest.raises(Exception, match=r"hp.burn_in_epochs must be < train.local_epochs=2"):
-        setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+        setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     with pytest.raises(ConfigError, match=r"hp.rho must be >= 0; got -1"):
         build_config(overrides={"algorithm.name": "fedpa"}, hp={"rho": -1})
 

@@ -125,7 +125,7 @@ def run_rounds(algo: str, hp: dict[str, float], executor: str, rounds: int = 2) 
                                   "train.local_epochs": 2, "train.client_momentum": 0.9, "train.client_lr": 0.02,
                                   "train.clients_per_round": 5, "train.batch_size": 16}, hp=hp)
     setup = build(cfg)
-    state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+    state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     store, history = ClientStateStore(None), []
     for r in range(1, rounds + 1):
         state, metrics = run_round(setup, state, store, r, Timing())

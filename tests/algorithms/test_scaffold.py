@@ -222,7 +222,7 @@ def test_loop_and_vmap_executors_agree(option: str) -> None:
                                       "train.local_epochs": 2, "train.client_lr": 0.02, "train.client_momentum": 0.5},
                            hp={"option": option})
         setup = build(cfg)
-        state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+        state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
         store = ClientStateStore(lambda s=setup: s.alg.init_client_state(s.init_params, s.hp))
         for r in (1, 2):
             state, _ = run_round(setup, state, store, r, Timing())

@@ -64,7 +64,7 @@ def fedpa_overhead(dims: list[int], repeats: int = 5, steps: int = 100, batch: i
     """Return per d: ms of FedAvg's and FedPA's client update and FedPA's overhead (%)."""
     cfg = build_config(overrides={"algorithm.name": "fedpa", "train.local_epochs": 5, "train.client_lr": 1e-3},
                        hp={"burn_in_rounds": 0})
-    opt = cfg.train.optim
+    opt = cfg.train.optim(default_client_lr=1e-3)  # client_lr is set above; the default is unused
     fedavg, fedpa = ALGORITHMS["fedavg"], ALGORITHMS["fedpa"]
     hp_avg, hp_pa = make_hyperparameters("fedavg", {}), make_hyperparameters("fedpa", {"burn_in_rounds": 0})
     rows = []
@@ -235,7 +235,7 @@ def memory(num_clients: int = 3400, per_client: int = 200, visits: int = 300,
     runs = []
     for cohort, chunk in ((10, None), (50, None), (50, 10)):
         setup = synthetic_setup(num_clients, per_client, cohort, chunk, algo)
-        state = setup.alg.server_init(setup.init_params, setup.hp, setup.cfg.train.optim)
+        state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
         store = ClientStateStore(lambda s=setup: s.alg.init_client_state(s.init_params, s.hp))
         state_bytes = tree_nbytes(setup.alg.init_client_state(setup.init_params, setup.hp))
         base = _rss_mb()[0]

@@ -63,7 +63,7 @@ class FedcliRunner:
                                       "train.precision": precision, "train.compile": compile or None,
                                       "train.device": device})
         self.setup, self.threads, self.compile = build(cfg), threads, compile
-        self.state = self.setup.alg.server_init(self.setup.init_params, self.setup.hp, cfg.train.optim)
+        self.state = self.setup.alg.server_init(self.setup.init_params, self.setup.hp, self.setup.opt)
         self.store = ClientStateStore(None)
 
     def round(self, round_idx: int) -> float:

@@ -139,3 +139,32 @@ def test_unusable_mlflow_store_fails_the_run_with_one_line(tmp_path: Path) -> No
     message = " ".join(result.stderr.split())
     assert "is a file, not a folder" in message and "--no-mlflow" in message, message
     assert not (tmp_path / "s.db").exists() and not (tmp_path / "runs").exists()
+
+
+def test_client_lr_defaults_to_the_tasks_and_the_run_records_it(tmp_path: Path) -> None:
+    """No --client-lr: each task's tuned default runs (0.1 on femnist and mnist, where 0.01 learnt
+    nothing in 50 rounds; 0.01 on lsq, where 0.1 diverges) and the resolved config records it,
+    while the request keeps None; an explicit --client-lr wins."""
+    tasks = {r["name"]: r for r in json.loads(cli("list", "tasks", "--json").stdout)}
+    assert (tasks["femnist"]["client_lr"], tasks["mnist"]["client_lr"], tasks["lsq"]["client_lr"]) == (0.1, 0.1, 0.01)
+    for task, extra, want in (("lsq", [], 0.01), ("femnist", ["--clients", "4"], 0.1),
+                              ("lsq", ["--client-lr", "0.03"], 0.03)):
+        result = cli("-q", "train", "--task", task, "--rounds", "1", "--clients-per-round", "2", "--no-mlflow",
+                     *extra, *store_args(tmp_path))
+        assert result.exit_code == 0, result.output
+        run = SqlStore(f"sqlite:///{tmp_path / 's.db'}").get_run(result.stdout.split()[-1])
+        assert run.config["train"]["client_lr"] == want, (task, extra)
+        assert run.requested["train"]["client_lr"] == (0.03 if extra[:1] == ["--client-lr"] else None)
+
+
+def test_train_takes_every_partition_option(tmp_path: Path) -> None:
+    """--size-alpha (two-level), --sigma (quantity) and --balanced (dirichlet) reach the partition
+    and the stored config, as with `fedcli partition`."""
+    for extra, key, want in ((["--scheme", "two-level", "--alpha", "0.5", "--size-alpha", "2"], "size_alpha", 2.0),
+                             (["--scheme", "quantity", "--sigma", "0.5"], "sigma", 0.5),
+                             (["--scheme", "dirichlet", "--alpha", "0.5", "--balanced"], "balanced", True)):
+        result = cli("-q", "train", "--task", "mnist", "--clients", "10", "--rounds", "1", "--clients-per-round",
+                     "2", "--no-mlflow", *extra, *store_args(tmp_path))
+        assert result.exit_code == 0, result.output
+        run = SqlStore(f"sqlite:///{tmp_path / 's.db'}").get_run(result.stdout.split()[-1])
+        assert run.config["partition"][key] == want, (extra, run.config["partition"])

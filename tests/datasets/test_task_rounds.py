@@ -74,8 +74,9 @@ def test_one_round(name: str, tmp_path: Path) -> None:
     fed = FederatedData(data.x, data.y, clients, torch.device("cpu"))
     alg = ALGORITHMS["fedavg"]
     hp = make_hyperparameters("fedavg", {})
-    setup = Setup(cfg, task, data, fed, model_functions(task, model, fed), alg, hp, torch.device("cpu"), "vmap", init)
-    state = alg.server_init(init, hp, cfg.train.optim)
+    setup = Setup(cfg, task, data, fed, model_functions(task, model, fed), alg, hp, torch.device("cpu"), "vmap", init,
+                  opt=cfg.train.optim(task.client_lr))
+    state = alg.server_init(init, hp, setup.opt)
     state, round_metrics = run_round(setup, state, ClientStateStore(None), 1, Timing())
     params = alg.global_params(state)
     assert np.isfinite(round_metrics["train/loss"])

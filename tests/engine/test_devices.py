@@ -69,7 +69,7 @@ def test_take_clients_and_merge_outs_keep_cuda_tensors_on_cuda() -> None:
     _, setup, bc, inputs = lsq_round("scaffold", **{"train.device": "cuda"})
     assert inputs.plan.index.device.type == "cuda" and inputs.states is not None
     inputs = dataclasses.replace(inputs, keys=inputs.keys.cuda())
-    opt = setup.cfg.train.optim
+    opt = setup.opt
     whole = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1)
     groups = [np.array([4, 0]), np.array([5, 1, 3]), np.array([2])]
     parts = [take_clients(inputs, g) for g in groups]
@@ -183,7 +183,7 @@ def test_compiled_cohort_compiles_once_per_key_over_ten_rounds(algo: str, graphs
     torch._dynamo.reset()
     counters.clear()
     runner = CompiledVmap(backend="eager")
-    opt = setup.cfg.train.optim
+    opt = setup.opt
     for round_idx in range(1, 11):
         got = runner(setup.alg, setup.fns, bc, inputs, setup.hp, opt, round_idx)
         if round_idx in (1, 4, 10):

@@ -51,7 +51,7 @@ def two_rounds(algo: str, executor: str, task: str, extra: dict, rounds: int = 2
     if executor == "process":  # the same executor, on the module's pool instead of a pool of its own
         setup = dataclasses.replace(setup, runner=ProcessExecutor(cfg, setup.fed, workers=2, pool=pool,
                                                                   inner=setup.runner.inner))
-    state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+    state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     init = setup.alg.init_client_state
     store = ClientStateStore(None if init is None else (lambda: init(setup.init_params, setup.hp)))
     for round_idx in range(1, rounds + 1):
@@ -64,7 +64,7 @@ def pick_task(algo: str) -> str:
                        hp=required_hyperparameters(algo))
     setup = build(cfg)
     try:
-        setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+        setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     except HyperparameterError:
         return LSA_TASK
     return "lsq"

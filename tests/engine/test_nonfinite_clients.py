@@ -17,7 +17,7 @@ def _setup(algo: str):  # noqa: ANN202
     cfg = build_config(overrides={"algorithm.name": algo, "data.task": "lsq", "train.clients_per_round": 4,
                                   "train.device": "cpu", "train.executor": "loop"})
     setup = build(cfg)
-    state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+    state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     init = None
     if setup.alg.init_client_state is not None:
         init = lambda: setup.alg.init_client_state(setup.init_params, setup.hp)  # noqa: E731
@@ -48,7 +48,7 @@ def test_a_nan_client_is_left_out_as_if_it_had_not_been_sampled(algo: str) -> No
     subset = pytree.tree_map(lambda t: t.index_select(0, keep) if isinstance(t, torch.Tensor) and t.dim() else t,
                              trained.outs)
     expected, _ = setup.alg.server_update(state, subset, trained.plan.num_examples[keep], setup.hp,
-                                          setup.cfg.train.optim)
+                                          setup.opt)
     for got, want in zip(pytree.tree_leaves(new_state), pytree.tree_leaves(expected), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert metrics["client/dropped_nonfinite"] == 1.0

@@ -49,7 +49,7 @@ def lsq_round(algo: str = "fedavg", cohort_size: int = 6, epochs: int = 2, **ext
                                   "train.clients_per_round": cohort_size, "train.local_epochs": epochs,
                                   "train.batch_size": 16, **extra})
     setup = build(cfg)
-    state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+    state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     cohort = sample_cohort(setup.fed.num_clients, cohort_size, seed=0, round_idx=1)
     plan = setup.fed.plan(cohort, num_epochs=epochs, batch_size=16,
                           rngs=[numpy_rng(0, Stream.BATCH_ORDER, 1, int(c)) for c in cohort])
@@ -106,9 +106,9 @@ def test_slices_run_separately_and_merged_equal_the_whole_cohort() -> None:
     """A slice trimmed to its own longest client keeps every client's real steps, keys and state,
     so running slices apart and merging them gives the vmapped cohort's result row for row."""
     _, setup, bc, inputs = lsq_round("scaffold")
-    whole = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, setup.cfg.train.optim, 1)
+    whole = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, 1)
     groups = [np.array([4, 0]), np.array([5, 1, 3]), np.array([2])]
-    outs = [run_vmap(setup.alg, setup.fns, bc, take_clients(inputs, g), setup.hp, setup.cfg.train.optim, 1)
+    outs = [run_vmap(setup.alg, setup.fns, bc, take_clients(inputs, g), setup.hp, setup.opt, 1)
             for g in groups]
     assert all(take_clients(inputs, g).plan.steps_per_epoch == inputs.plan.steps_per_client[g].max() for g in groups)
     assert_trees_close(merge_outs(groups, outs), whole)
@@ -134,15 +134,15 @@ def test_pack_round_trips_nested_values_and_grows_the_arena() -> None:
 def test_process_executor_matches_vmap_and_carries_client_states(pool: WorkerPool) -> None:
     cfg, setup, bc, inputs = lsq_round("scaffold")
     runner = ProcessExecutor(cfg, setup.fed, workers=2, inner="vmap", pool=pool)
-    want = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, cfg.train.optim, 1)
-    got = runner(setup.alg, setup.fns, bc, inputs, setup.hp, cfg.train.optim, 1)
+    want = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, 1)
+    got = runner(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, 1)
     assert_trees_close(got, want)
     assert pool.bound_token == runner.token and all(w.process.is_alive() for w in pool.workers)
 
 
 def test_failures_are_reported_and_leave_the_pool_usable(pool: WorkerPool) -> None:
     cfg, setup, bc, inputs = lsq_round("fedavg")
-    opt = cfg.train.optim
+    opt = setup.opt
     want = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1)
     missing_task = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="no-such-task"))
     with pytest.raises(WorkerError, match=r"(?s)a worker failed to build the run.*KeyError: 'no-such-task'"):
@@ -243,7 +243,7 @@ def test_padding_steps_per_epoch_with_masked_steps_changes_nothing() -> None:
     _, setup, bc, inputs = lsq_round("fedavg", epochs=2)
     padded = pad_steps(inputs, 8)
     assert padded.plan.steps_per_epoch % 8 == 0 and padded.plan.steps_per_epoch > inputs.plan.steps_per_epoch
-    opt = setup.cfg.train.optim
+    opt = setup.opt
     assert_trees_close(run_vmap(setup.alg, setup.fns, bc, padded, setup.hp, opt, 1),
                        run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1))
     assert dataclasses.replace(padded.plan).num_epochs == 2
@@ -264,7 +264,7 @@ def test_compiled_client_step_equals_the_eager_loop(algo: str) -> None:
     compiled = build(compiled_cfg)
     assert compiled.fns.compile_step and not setup.fns.compile_step
     assert algo == "fedavg" or compiled.hp.burn_in_rounds == 0  # round 1 runs FedPA's own update
-    opt = cfg.train.optim
+    opt = setup.opt
     eager = run_loop(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1)
     fast = run_loop(compiled.alg, compiled.fns, bc, inputs, compiled.hp, opt, 1)
     assert_trees_close(fast.upload, eager.upload)
