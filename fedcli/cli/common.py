@@ -139,8 +139,16 @@ def store_options(cfg: Any) -> str:
 
 
 def resume_hint(cfg: Any, run_id: str) -> str:
-    """The command that continues `run_id`, with the store options it needs."""
-    return f"{command_name()} train --resume {run_id[:8]}{store_options(cfg)}"
+    """The command that continues `run_id`, with the store options it needs (a distributed run:
+    under torchrun again, or in one process with another executor)."""
+    resume = f"train --resume {run_id[:8]}{store_options(cfg)}"
+    if cfg.train.executor == "distributed":
+        from fedcli.engine.distributed import launch_env
+
+        world = (launch_env() or (0, 2))[1]
+        return (f"torchrun --nproc-per-node {world} -m fedcli {resume} --executor distributed "
+                f"(or in one process: {command_name()} {resume} --executor auto)")
+    return f"{command_name()} {resume}"
 
 
 ProgressFn = Callable[[int, dict[str, float]], None]

@@ -68,7 +68,7 @@ def two_rounds(algo: str, task: str, extra: dict, executor: str, peers: object =
                                   "train.batch_size": 16, "train.client_lr": 0.01, **extra}, hp=hp)
     setup = build(cfg, peers=peers)
     assert setup.executor == executor or executor != "distributed"
-    state = setup.alg.server_init(setup.init_params, setup.hp, cfg.train.optim)
+    state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     init = setup.alg.init_client_state
     store = ClientStateStore(None if init is None else (lambda: init(setup.init_params, setup.hp)))
     history = []
@@ -206,3 +206,35 @@ def test_a_user_error_on_rank_0_stops_every_rank(tmp_path: Path) -> None:
     assert "train.clients_per_round=50 exceeds the 20 clients" in err0 and "Traceback" not in err0 + err1
     assert (out0, out1, err1) == ("", "", "")
     assert not (tmp_path / "fedcli.db").exists()
+
+
+def test_ctrl_c_under_torchrun_checkpoints_the_run_and_it_resumes(tmp_path: Path) -> None:
+    """Ctrl-C in the terminal (SIGINT to torchrun and both ranks, one process group): rank 0 ends
+    the run as in one process (last completed round checkpointed, `interrupted`, the resume
+    command printed, no traceback from fedcli), rank 1 leaves when told, and `--resume ...
+    --executor auto` continues the run under its id in one process."""
+    args = [*TRAIN, "--rounds", "100000", "--no-mlflow", "--root", str(tmp_path), "--executor", "distributed"]
+    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "fedcli", "-q", *args], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "runs").glob("*/checkpoints/round-*.pt")) and time.monotonic() < deadline:
+        assert launch.poll() is None, launch.communicate()
+        time.sleep(0.05)
+    os.killpg(launch.pid, signal.SIGINT)
+    out, err = launch.communicate(timeout=120)
+    # torchrun itself prints its SignalException's traceback on SIGINT; none may come from fedcli
+    assert not [line for line in err.splitlines() if 'File "' in line and "fedcli" in line], err[-3000:]
+    store = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
+    (run,) = store.list_runs()
+    assert run.status == "interrupted" and "SIGINT" in (run.failure_reason or ""), (run.status, run.failure_reason)
+    hint = " ".join(err.split())
+    assert f"torchrun --nproc-per-node 2 -m fedcli train --resume {run.id[:8]}" in hint, err[-3000:]
+    assert f"train --resume {run.id[:8]}" in hint and "--executor auto" in hint, err[-3000:]
+    last = max(r for r, _ in store.checkpoints(run.id))
+    one = fedcli("train", "--resume", run.id, "--root", str(tmp_path), "--executor", "auto", "--no-mlflow",
+                 "--rounds", str(last + 2))  # the hint's second form: the checkpoint is a single process's
+    out, err = one.communicate(timeout=120)
+    assert one.returncode == 0 and out.split() == [run.id], err[-3000:]
+    assert store.get_run(run.id).status == "finished"
+    assert sorted(store.metrics_frame([run.id], keys=["train/loss"])["round_idx"]) == list(range(1, last + 3))
