@@ -44,6 +44,7 @@ bench: $(STAMP)
 	-$(MAKE) $(FLOWER)/.installed
 	$(BIN)/python -m tests.benchmarks.run --out bench-results
 	$(BIN)/python tests/benchmarks/bench_report.py --out bench-results/bench_report.json
+	$(BIN)/python -m tests.benchmarks.scaleout --out bench-results
 
 # Every paper recipe (fedcli sweep --recipe NAME), reports into reproductions/ (docs/reproductions.md).
 # RECIPES="fedpa-toy fola-toy" runs only those.
