@@ -128,14 +128,16 @@ class Tracker:
         log.info("run %s resumed%s", record.id, "" if from_round is None else f" after round {from_round}")
         return self.store.get_run(record.id)
 
-    def log_round(self, round_idx: int, metrics: Mapping[str, float]) -> None:
-        """Write one round to the store in one transaction (the mirror copies it to MLflow later).
+    def log_round(self, round_idx: int, metrics: Mapping[str, float],
+                  clients: Iterable[tuple[int, str, float]] = ()) -> None:
+        """Write one round, with its per-client `(client_id, key, value)` rows, to the store in one
+        transaction (the mirror copies the round metrics to MLflow later; client rows stay in SQL).
 
         Raises:
-            NonFiniteMetricsError: (a `ValueError`) if any value is NaN/inf; nothing is written.
+            NonFiniteMetricsError: (a `ValueError`) if any round value is NaN/inf; nothing is written.
             ValueError: For a malformed metric key.
         """
-        self.store.log_round(self.run_id, round_idx, check_metrics(metrics, round_idx))
+        self.store.log_round(self.run_id, round_idx, check_metrics(metrics, round_idx), clients)
 
     def log_client_metrics(self, round_idx: int, rows: Iterable[tuple[int, str, float]]) -> None:
         """Write per-client `(client_id, key, value)` rows of one round (SQL store only)."""

@@ -787,12 +787,15 @@ class SqlStore:
 
     # ----------------------------------------------------------------- metrics
 
-    def log_round(self, run_id: str, round_idx: int, metrics: Mapping[str, float]) -> None:
-        """Write one round's metrics in one transaction; existing (run, round, key) rows are overwritten.
+    def log_round(self, run_id: str, round_idx: int, metrics: Mapping[str, float],
+                  clients: Iterable[tuple[int, str, float]] = ()) -> None:
+        """Write one round's metrics, and its per-client rows `(client_id, key, value)`, in one
+        transaction; existing rows of the same keys are overwritten. A client value that is not
+        finite is left out (that client's round metrics are not a divergence of the run).
 
         Raises:
             ValueError: Bad key or round index.
-            NonFiniteMetricsError: Some value is NaN/inf; nothing was written.
+            NonFiniteMetricsError: Some round value is NaN/inf; nothing was written.
         """
         values = check_metrics(metrics, _check_round_idx(round_idx))
         now = _utcnow()
@@ -801,8 +804,12 @@ class SqlStore:
             {"run_id": run_id, "round_idx": round_idx, "key": key, "value": value, "logged_ms": logged_ms}
             for key, value in values.items()
         ]
+        client_rows = [{"run_id": run_id, "round_idx": round_idx, "client_id": int(client), "key": check_metric_key(key),
+                        "value": float(value)} for client, key, value in clients if math.isfinite(value)]
         with self._session(f"log round {round_idx} of run {run_id}", write=True) as session:
             self._upsert(session, RoundMetric, rows, update=("value", "logged_ms"))
+            if client_rows:
+                self._upsert(session, ClientMetric, client_rows, update=("value",))
             run = session.get(Run, run_id)
             if run is not None:
                 run.heartbeat_at = now
@@ -1008,6 +1015,25 @@ class SqlStore:
             rows = session.execute(stmt.order_by(Run.created_at, Run.id)).all()
             records = [_to_record(run, name) for run, name in rows]
         return _filter_where(records, where) if where else records
+
+    def client_metrics_frame(self, run_ids: Sequence[str], keys: Sequence[str] | None = None) -> pd.DataFrame:
+        """Per-client training metrics of full run ids in long form (the clients of each round's cohort).
+
+        Returns:
+            Columns `run_id`, `round_idx` (int64), `client_id` (int64: the client's index in the
+            run's partition), `key`, `value` (float64), sorted by (run_id, key, round_idx, client_id).
+        """
+        import pandas as pd
+
+        stmt = select(ClientMetric.run_id, ClientMetric.round_idx, ClientMetric.client_id, ClientMetric.key,
+                      ClientMetric.value).where(ClientMetric.run_id.in_(list(run_ids)))
+        if keys is not None:
+            stmt = stmt.where(ClientMetric.key.in_([check_metric_key(key) for key in keys]))
+        with self._session("read client metrics", write=False) as session:
+            rows = [tuple(row) for row in session.execute(stmt)]
+        frame = pd.DataFrame(rows, columns=["run_id", "round_idx", "client_id", "key", "value"])
+        frame = frame.astype({"round_idx": "int64", "client_id": "int64", "value": "float64"})
+        return frame.sort_values(["run_id", "key", "round_idx", "client_id"], kind="stable", ignore_index=True)
 
     def metrics_frame(self, run_ids: Sequence[str], keys: Sequence[str] | None = None) -> pd.DataFrame:
         """Round metrics of full run ids in long form.

@@ -195,6 +195,7 @@ class Trained:
     broadcast: Any
     outs: Any
     start: float
+    clients: list[tuple[int, str, float]] = field(default_factory=list)  # set by `aggregate`: per-client rows
 
 
 def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: int) -> Trained:
@@ -253,7 +254,19 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     metrics["comm/bytes_up"] = float(up)
     metrics["comm/bytes_down"] = float(down) * len(trained.cohort)
     metrics["client/dropped_nonfinite"] = float(dropped)
+    trained.clients = client_rows(cohort, outs.metrics, weights)
     return state, metrics
+
+
+def client_rows(cohort: np.ndarray, local: dict[str, torch.Tensor], num_examples: torch.Tensor
+                ) -> list[tuple[int, str, float]]:
+    """Per-client rows `(client, key, value)` of the clients aggregated this round: each local
+    metric under the round key it is averaged into (`train_loss` -> `train/loss`, else `client/*`)
+    and `client/num_examples`, the client's weight."""
+    columns = {("train/loss" if k == "train_loss" else f"client/{k}"): v.detach().reshape(-1).cpu().tolist()
+               for k, v in local.items()}
+    columns["client/num_examples"] = num_examples.detach().reshape(-1).cpu().tolist()
+    return [(int(c), key, float(values[i])) for key, values in columns.items() for i, c in enumerate(cohort)]
 
 
 def run_round(setup: Setup, state: Any, store: ClientStateStore, round_idx: int, timing: Timing
@@ -405,7 +418,7 @@ class _Loop:
                     metrics[CUMULATIVE[key]] = self.cumulative.get(CUMULATIVE[key], 0.0) + metrics[key]
                 self.timing.rounds += 1
                 _check_finite(self.tracker, round_idx, metrics)
-                _log(self.tracker, round_idx, metrics, self.timing, progress)
+                _log(self.tracker, round_idx, metrics, self.timing, progress, trained.clients)
                 self.state, self.completed = state, round_idx
                 self.cumulative = {v: metrics[v] for v in CUMULATIVE.values()}
                 if self.writer.due(round_idx, round_s) or round_idx == cfg.train.rounds:
@@ -488,9 +501,9 @@ def _evaluate(setup: Setup, state: Any) -> dict[str, float]:
 
 
 def _log(tracker: Any, round_idx: int, metrics: dict[str, float], timing: Timing,
-         progress: ProgressFn | None) -> None:
+         progress: ProgressFn | None, clients: list[tuple[int, str, float]] | None = None) -> None:
     start = time.perf_counter()
-    tracker.log_round(round_idx, metrics)
+    tracker.log_round(round_idx, metrics, clients or ())
     timing.tracking += time.perf_counter() - start
     log.info("round %d  %s", round_idx, "  ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())
                                                   if k.startswith(("eval/", "train/"))))
