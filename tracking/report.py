@@ -20,6 +20,7 @@ import difflib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -567,7 +568,7 @@ def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> 
     runs = [r for g in report.groups for r in g.runs]
     group_by = ", ".join(spec.group_by) if spec.group_by else "every config key that differs between runs, except seed"
     lines = [f"# fedcli report: {report.metric}", "",
-             f"- command: `{spec.command}`", f"- store: `{report.store_url}`",
+             f"- command: `{spec.command}`", f"- store: `{shown_store(report.store_url)}`",
              f"- runs: {len(runs)} in {len(report.groups)} group(s); experiments: {', '.join(experiments)}",
              f"- metric: {report.metric} ({'↓' if md.is_lower_better(report.metric) else '↑'}); "
              f"R = {', '.join(map(str, report.at))}; window {spec.window}; smoothing {spec.smooth}",
@@ -662,7 +663,7 @@ def render_json(report: Report) -> str:
              "config_hash": r.tags.get("fedcli.config_hash", r.config_hash),
              "values": {c: v[i] for c, v in g.values.items()}}
             for g in report.groups for i, r in enumerate(g.runs)]
-    doc = {"command": spec.command, "store": report.store_url, "metric": report.metric, "at": list(report.at),
+    doc = {"command": spec.command, "store": shown_store(report.store_url), "metric": report.metric, "at": list(report.at),
            "thresholds": list(spec.thresholds), "window": spec.window, "smooth": spec.smooth,
            "columns": {t: [{"id": c.id, "header": c.header, "lower_is_better": c.lower_is_better, "unit": c.unit}
                            for c in cols] for t, cols in report.tables.items()},
@@ -680,3 +681,17 @@ def shared_partition(report: Report) -> dict[str, str] | None:
     if any({k: c.get(k, MISSING) for k in shared} != shared for c in configs):
         return None
     return shared
+
+
+def shown_store(url: str) -> str:
+    """A SQLite store URL as a report shows it: relative to the working folder when the file lies
+    under it (`sqlite:///reproductions/runs/fedcli.db`), so that a committed report names no
+    machine's paths and its command reruns from the same folder; any other URL as it is."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix):
+        return url
+    path = Path(url[len(prefix):])
+    try:
+        return prefix + str(path.relative_to(Path.cwd())) if path.is_absolute() else url
+    except ValueError:
+        return url

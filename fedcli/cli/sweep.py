@@ -272,7 +272,8 @@ def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Pat
     block = body["report"]
     numbers = lambda key: tuple(block.get(key) or ())  # noqa: E731
     group_by = block.get("group_by")
-    command = shlex.join(["fedcli", "report", "--runs", ",".join(i[:8] for i in run_ids), "--store", db.url])
+    command = shlex.join(["fedcli", "report", "--runs", ",".join(i[:8] for i in run_ids), "--store",
+                          rep.shown_store(db.url)])
     spec = rep.ReportSpec(runs=tuple(run_ids), metric=block.get("metric"), thresholds=numbers("thresholds"),
                           at=numbers("at"), window=block.get("window"), smooth=block.get("smooth"),
                           group_by=tuple(group_by.split(",")) if isinstance(group_by, str) else group_by,

@@ -192,3 +192,16 @@ def test_unfinished_runs_only_when_asked(tmp_path: Path) -> None:
 
     assert [r.id for r in report.groups[0].runs] == [run_id]
     assert any("did not finish (status interrupted)" in n for n in report.notes)
+
+
+def test_reports_show_a_sqlite_store_under_the_working_folder_relative(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A committed report names no machine's paths: the store under the working folder is shown
+    relative to it (the command still reruns from there); other stores as they are."""
+    from fedcli.tracking.report import shown_store
+
+    monkeypatch.chdir(tmp_path)
+    assert shown_store(f"sqlite:///{tmp_path / 'runs' / 'fedcli.db'}") == "sqlite:///runs/fedcli.db"
+    assert shown_store("sqlite:////elsewhere/fedcli.db") == "sqlite:////elsewhere/fedcli.db"
+    assert shown_store("sqlite:///rel/fedcli.db") == "sqlite:///rel/fedcli.db"
+    assert shown_store("postgresql+psycopg://me@db/f") == "postgresql+psycopg://me@db/f"
