@@ -350,7 +350,7 @@ class Mirror:
             self.record.id, mlflow_run_id=self.mlflow_run_id, mlflow_synced_round=self.synced))
 
     def log_model(self, step: int) -> None:
-        """Log the final model as an MLflow model (engine/served.py); a warning if it cannot be.
+        """Log the final model as an MLflow model (tracking/served.py); a warning if it cannot be.
 
         The run's results do not depend on it: `model.pt` is already among its artifacts.
         """
@@ -361,7 +361,7 @@ class Mirror:
             import torch
 
             from fedcli import __version__
-            from fedcli.engine.served import served_model
+            from fedcli.tracking.served import served_model
 
             module, example = served_model(torch.load(path, map_location="cpu", weights_only=False))
             requirements = [f"torch=={torch.__version__.split('+')[0]}", f"fedcli=={__version__}"]

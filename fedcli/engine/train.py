@@ -539,7 +539,7 @@ def _save_model(tracker: Any, run_dir: Path, setup: Setup, state: Any) -> Path:
     ckpt.atomic_save({"params": params, "server_state": ckpt.to_cpu(state), "config": setup.cfg.to_dict(),
                       "task": setup.task.name, "algorithm": setup.alg.name,
                       "model": setup.cfg.data.model or setup.task.default_model,
-                      "example": setup.data.x[:2].detach().cpu()}, path)  # MLflow model signature (engine/served.py)
+                      "example": setup.data.x[:2].detach().cpu()}, path)  # MLflow model signature (tracking/served.py)
     tracker.store.set_run_fields(tracker.run_id, model_path=str(path.resolve()))
     tracker.log_artifact(path)
     return path
