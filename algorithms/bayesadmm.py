@@ -19,7 +19,11 @@ Deviations:
   run over the cohort (K = C). Identical to Alg. 1 under full participation.
   Alg. 2: a fresh IVON every round (h = h0, g = 0). Code: momentum and step count persist across
   rounds and h restarts at 0 (client posterior reset to q_bar) after the first round:
-  hp.ivon_state = "reset" (default) | "carry" (kept in the per-client state).
+  hp.ivon_state = "reset" (default) | "carry" (kept in the per-client state). "reset" re-adds
+  lambda_k h0 to every s_k each round: while h moves little (beta2 near 1, few local steps) the
+  server's fixed point is s_bar = N h0 / tau + delta + Sum u (N = Sum_k N_k), and its weight
+  s_bar / lambda_k in IVON's step holds the clients at m_bar (a config tuned on the code's
+  "carry" may then not train at all: recipe bayesadmm-mnist).
   Alg. 2 starts at m = m_p = m_bar (0 in round 1); the code's round-1 clients start at the model's
   random initialisation: hp.start = "prior" (default) | "init".
   Debiasing g / (1 - b1^t): Shen et al. Alg. 1 and the code; Alg. 2 omits it (hp.debias).
@@ -33,7 +37,8 @@ Deviations:
   config mnist_heterog (Table 2, K = 100) is --hp rho=5 tau=0.01 delta=0.01 h0=5e-3 beta2=0.9998
   cosine_rounds=100 --client-lr 0.02 --local-epochs 10 --batch-size 64. IVON's first steps act like
   SGD with lr / h0, so a small h0 with the default --client-lr 0.01 can diverge (e.g. mnist_heterog's
-  values on FEMNIST's ReLU MLP); the defaults here train stably on lsq and FEMNIST.
+  values on FEMNIST's ReLU MLP, and its lr / h0 = 4 on the bundled MNIST's bayes-mlp, where the
+  authors' own IVON diverges too); the defaults here train stably on lsq and FEMNIST.
 """
 
 from __future__ import annotations
