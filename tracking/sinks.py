@@ -139,10 +139,6 @@ class Tracker:
         """
         self.store.log_round(self.run_id, round_idx, check_metrics(metrics, round_idx), clients)
 
-    def log_client_metrics(self, round_idx: int, rows: Iterable[tuple[int, str, float]]) -> None:
-        """Write per-client `(client_id, key, value)` rows of one round (SQL store only)."""
-        self.store.log_client_metrics(self.run_id, round_idx, rows)
-
     def checkpoint(self, round_idx: int, path: str | Path) -> None:
         """Record a checkpoint written after `round_idx` (MLflow may now copy rounds up to it)."""
         self.store.add_checkpoint(self.run_id, round_idx, path)
