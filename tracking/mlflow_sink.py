@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -318,8 +319,7 @@ class MlflowSink:
         import torch
         from mlflow.models import Model, infer_signature
 
-        with self._errors("log the model"):
-            mlflow.set_tracking_uri(self.tracking_uri)  # Model.log's client; this process serves one run
+        with self._errors("log the model"), global_tracking_uri(self.tracking_uri):  # Model.log's client
             signature = None
             if example is not None:
                 with torch.no_grad():
@@ -353,3 +353,19 @@ class MlflowSink:
                     self.run_id, status=MLFLOW_STATUS[status], end_time=int(time.time() * 1000)
                 )
         log.debug("mlflow: ended run %s as %s", self.run_id, MLFLOW_STATUS[status])
+
+
+@contextlib.contextmanager
+def global_tracking_uri(uri: str) -> Iterator[None]:
+    """`mlflow.set_tracking_uri(uri)` for the block only. MLflow also writes the URI to the
+    MLFLOW_TRACKING_URI environment variable, which every later child of this process would
+    inherit: after an in-process `fedcli sync`, the `fedcli train` runs a test or a sweep starts
+    then logged to that store instead of their own (tests/reliability failed so)."""
+    import mlflow
+
+    saved = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved)  # None unsets the variable again

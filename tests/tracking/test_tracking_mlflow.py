@@ -282,9 +282,11 @@ def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tm
     rows = saved["example"]
     expected = torch.func.functional_call(task.models[saved["model"]]().eval(), saved["params"], (task.prepare(rows),))
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    loaded = mlflow.pytorch.load_model(logged.model_uri)
-    info = mlflow.models.get_model_info(logged.model_uri)
+    from fedcli.tracking.mlflow_sink import global_tracking_uri
+
+    with global_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):  # not left in os.environ for later tests
+        loaded = mlflow.pytorch.load_model(logged.model_uri)
+        info = mlflow.models.get_model_info(logged.model_uri)
 
     assert logged.source_run_id == run.info.run_id and logged.status.name == "READY"
     assert [(out.model_id, out.step) for out in run.outputs.model_outputs] == [(logged.model_id, 1)]
@@ -293,3 +295,23 @@ def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tm
     assert info.signature.inputs.to_dict()[0]["tensor-spec"] == {"dtype": "uint8", "shape": (-1, 28, 28)}
     assert info.signature.outputs.to_dict()[0]["tensor-spec"] == {"dtype": "float32", "shape": (-1, 10)}
     assert client.get_experiment("0").lifecycle_stage == "deleted"
+
+
+def test_logging_a_model_leaves_the_environment_as_it_was(mlflow_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model.log needs MLflow's global tracking URI, which mlflow.set_tracking_uri also writes to
+    os.environ: an in-process log_model (`fedcli sync`) must not leave MLFLOW_TRACKING_URI behind
+    for the processes started after it, nor drop a user's own."""
+    import os
+
+    import torch
+
+    uri = default_tracking_uri(mlflow_root)
+    sink = MlflowSink(uri, "model-env")
+    sink.start_run(run_name="m", params={}, tags={})
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    sink.log_model(torch.nn.Linear(2, 1), example=torch.zeros(2, 2), step=1, requirements=["torch"])
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://users-own:5000")
+    sink.log_model(torch.nn.Linear(2, 1), example=torch.zeros(2, 2), step=2, requirements=["torch"])
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://users-own:5000"
+    sink.end_run("finished")
