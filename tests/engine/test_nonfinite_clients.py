@@ -81,3 +81,23 @@ def test_a_run_whose_cohort_is_all_nan_ends_failed_with_its_round(tmp_path) -> N
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     record = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}").list_runs()[0]
     assert (record.stored_status, record.diverged_at_round) == ("failed", 1)
+
+
+def test_finite_rows_is_exact_when_finite_entries_overflow_their_sum() -> None:
+    """_finite_rows sums each client's row and checks only non-finite sums entry by entry: a row of huge
+    finite values (sum = inf in float32) is kept; NaN, +inf, -inf and inf - inf (sum NaN) rows are dropped;
+    leaves that are not per-client (0-d, other leading size, integer) are ignored."""
+    from fedcli.engine.train import _finite_rows
+
+    big = torch.finfo(torch.float32).max
+    weights = torch.zeros(6, 3, 2)
+    weights[1] = big  # finite, its row sum overflows
+    weights[2, 0, 0] = math.nan
+    weights[3, 1, 1] = math.inf
+    weights[4, 2, 0] = -math.inf
+    bias = torch.zeros(6, 4, dtype=torch.float64)
+    bias[5, 0], bias[5, 1] = math.inf, -math.inf  # the row sums to NaN
+    upload = {"w": weights, "b": bias, "scalar": torch.tensor(math.nan), "count": torch.full((6,), 7),
+              "other": torch.full((2, 3), math.nan)}
+    assert _finite_rows(upload, 6).tolist() == [True, True, False, False, False, False]
+    assert _finite_rows({"none": torch.tensor(1.0)}, 3).tolist() == [True, True, True]
