@@ -20,7 +20,7 @@ Everything here imports only torch and the standard library (docs/style.md rule 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, NamedTuple
 
@@ -176,6 +176,11 @@ class Algorithm(NamedTuple):
     # (broadcast, stacked client states or None, hp, round_idx) -> the round's local_sgd call, or
     # None where client_update trains anything else; lets the `fused` executor train the cohort at once.
     fused_local: Callable[..., LocalRequest | None] | None = None
+    # (hp, round_idx) -> the value that client_update's Python branching on ctx.round_idx
+    # depends on (FedPA: whether the round is past burn-in). Programs built from the client
+    # update (--compile, --graph) are reused across rounds with equal keys; None: the round
+    # itself where the client code reads ctx.round_idx, one program for all rounds where not.
+    round_key: Callable[[Any, int], Hashable] | None = None
 
 
 def hyperparameter_defaults(config_cls: type) -> dict[str, object]:

@@ -178,6 +178,11 @@ def round_lr(opt: OptimConfig, hp: BayesADMMConfig, round_idx: int) -> float:
     return opt.client_lr * 0.5 * (1 + math.cos(math.pi * r / hp.cosine_rounds))
 
 
+def schedule_position(hp: BayesADMMConfig, round_idx: int) -> int:
+    """Algorithm.round_key: the client update reads ctx.round_idx only through round_lr's position."""
+    return min(round_idx - 1, hp.cosine_rounds) if hp.cosine_rounds else 0
+
+
 def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: BayesADMMConfig,
                   opt: OptimConfig) -> ClientOut:
     """IVON on the tempered client problem (Eq. 41), then the natural-parameter dual steps."""
@@ -252,5 +257,6 @@ ALGORITHM = Algorithm(
     noise_shapes=noise_shapes,
     download_nbytes=download_nbytes,
     posterior=posterior,
+    round_key=schedule_position,
     description="BayesADMM, diagonal Gaussians: IVON local solver, natural-parameter duals, server mixing.",
 )

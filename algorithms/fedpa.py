@@ -156,6 +156,11 @@ def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, 
     return ClientOut(upload={"delta": delta}, state=None, metrics=metrics)
 
 
+def sampling_round(hp: FedPAConfig, round_idx: int) -> bool:
+    """Algorithm.round_key: the client update branches only on whether the round is past burn-in."""
+    return round_idx > hp.burn_in_rounds
+
+
 def fused_local(bc: fedavg.Broadcast, states: None, hp: FedPAConfig, round_idx: int) -> LocalRequest:
     """client_update's local_sgd call: FedAvg's in burn-in, with the IASG epoch means after."""
     return LocalRequest(params=bc.params, average_epochs=round_idx > hp.burn_in_rounds)
@@ -189,6 +194,7 @@ ALGORITHM = Algorithm(
     server_update=server_update,
     global_params=fedavg.global_params,
     fused_local=fused_local,
+    round_key=sampling_round,
     description=("Posterior averaging: IASG samples (l = E - 1, the released code), shrinkage covariance, "
                  "O(l^2 d) DP delta; FedAvg exactly for the first hp.burn_in_rounds (100) rounds."),
 )

@@ -32,7 +32,7 @@ import os
 import pickle
 import signal
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -689,8 +689,9 @@ class CompiledVmap:
     `compile_s`. Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default
     under the system temp folder) makes later runs of the same shapes compile faster.
 
-    The round number is part of the key only for algorithms whose client code reads
-    `.round_idx` (FedPA's burn-in, FOLA's prior, BayesADMM's learning-rate schedule:
+    The round enters the key through program_round_key: FedPA's burn-in and BayesADMM's
+    learning-rate schedule through their Algorithm.round_key (two graphs for FedPA, however long
+    the run), FOLA's 1/r prior as the round itself (its client code reads `.round_idx`:
     reads_round_idx); for the others one graph serves every round. Each graph is compiled from
     its own copy of the cohort function's code object: dynamo keeps its cache per code object
     with a limit of 8 entries (torch._dynamo.config.recompile_limit), so graphs sharing one
@@ -712,9 +713,8 @@ class CompiledVmap:
         inputs = pad_steps(inputs, self.bucket, self.max_steps)
         plan = inputs.plan
         stateful = inputs.states is not None
-        # round_idx is a static Python value of the client update: a new value is a new graph for
-        # algorithms that read it (FedPA's burn-in), none for the others
-        round_key = round_idx if reads_round_idx(alg) else -1
+        # round_idx is a static Python value of the client update: a new key is a new graph
+        round_key = program_round_key(alg, hp, round_idx)
         key = (len(plan.num_examples), plan.num_epochs, plan.steps_per_epoch, chunk_size or 0, int(stateful),
                round_key)
         fn = self.compiled.get(key)
@@ -749,6 +749,15 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     return copy
+
+
+def program_round_key(alg: Algorithm, hp: Any, round_idx: int) -> Hashable:
+    """What a program built from the client update (compiled, traced, captured) is keyed by across
+    rounds: the algorithm's round_key (FedPA: past burn-in or not), else the round itself where
+    the client code reads ctx.round_idx (FOLA's 1/r prior), else one value for every round."""
+    if alg.round_key is not None:
+        return ("key", alg.round_key(hp, round_idx))
+    return round_idx if reads_round_idx(alg) else -1
 
 
 def reads_round_idx(alg: Algorithm) -> bool:

@@ -169,13 +169,14 @@ def test_only_client_code_that_reads_round_idx_keys_graphs_by_round() -> None:
         assert reads_round_idx(ALGORITHMS[name]), name
 
 
-@pytest.mark.parametrize(("algo", "graphs"), [("fedavg", 1), ("fedpa", 10)])
+@pytest.mark.parametrize(("algo", "graphs"), [("fedavg", 1), ("fedpa", 2), ("fola", 10)])
 def test_compiled_cohort_compiles_once_per_key_over_ten_rounds(algo: str, graphs: int) -> None:
     """Ten rounds of the same cohort shapes through CompiledVmap (dynamo with the `eager` backend:
     the graph capture of --compile, without Inductor's codegen): FedAvg captures one graph and
-    reuses it; FedPA (reads round_idx) captures one per round, each from its own code object, so
-    rounds past dynamo's recompile limit of 8 are still compiled graphs, not eager fallbacks.
-    Every round equals run_vmap's result."""
+    reuses it; FedPA captures two (burn-in rounds 1-3, sampling rounds 4-10: its round_key);
+    FOLA (reads round_idx, no round_key) captures one per round, each from its own code object,
+    so rounds past dynamo's recompile limit of 8 are still compiled graphs, not eager fallbacks.
+    Every round equals run_vmap's result (rounds 1, 4 and 10 checked)."""
     from torch._dynamo.utils import counters
 
     extra = {"algorithm.hp": {"burn_in_rounds": 3}} if algo == "fedpa" else {}
