@@ -135,6 +135,10 @@ def train(
                                                            "first round), with loop/process each client's step "
                                                            "(seconds); time logged, cache reused.",
                                           rich_help_panel=Panel.TRAIN)] = False,
+    graph: Annotated[bool, typer.Option("--graph", help="Trace the vmapped cohort update once per shape into one "
+                                                       "program and replay it every round; on a GPU it is captured "
+                                                       "as one CUDA graph (first round slower; time logged).",
+                                        rich_help_panel=Panel.TRAIN)] = False,
     precision: Annotated[Precision | None, typer.Option(help="fp32 | tf32 (CUDA) | bf16 (autocast); recorded in "
                                                              "the run config. \\[default: fp32]",
                                                         rich_help_panel=Panel.TRAIN)] = None,
@@ -200,7 +204,7 @@ def train(
             "train.server_opt": server_opt and server_opt.value, "train.server_lr": server_lr,
             "train.server_momentum": server_momentum, "train.device": device,
             "train.executor": executor and executor.value, "train.cohort_chunk": cohort_chunk,
-            "train.workers": workers, "train.threads": threads, "train.compile": compile or None, "train.precision": precision and precision.value,
+            "train.workers": workers, "train.threads": threads, "train.compile": compile or None, "train.graph": graph or None, "train.precision": precision and precision.value,
             "train.eval_every": eval_every, "train.checkpoint_every": checkpoint_every,
             "train.keep_checkpoints": keep_checkpoints, "seed": seed,
             "tracking.experiment": experiment, "tracking.run_name": run_name, "tracking.root": root and str(root),

@@ -378,7 +378,7 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
             close_runner(setup.runner)
     tracker.finish("finished")
     return RunResult(run_id=run_id, status="finished", rounds_completed=loop.completed, final_metrics=metrics,
-                     model_path=model_path, executor=setup.executor, timing=loop.timing,
+                     model_path=model_path, executor=executor_label(setup), timing=loop.timing,
                      wall_s=time.perf_counter() - wall_start)
 
 
@@ -450,6 +450,13 @@ class _Loop:
                 self.writer.wait()
         except Exception as err:  # the stop goes on; the run resumes from an older checkpoint
             log.warning("could not checkpoint round %d on the way out: %s", self.completed, err)
+
+
+def executor_label(setup: Setup) -> str:
+    """The executor as the summary line names it: `vmap`, `vmap + graph`, `process + compile`."""
+    train = setup.cfg.train
+    return " + ".join([setup.executor, *(name for name, on in (("compile", train.compile), ("graph", train.graph))
+                                         if on)])
 
 
 def start_tracking(tracker: Any, cfg: RunConfig, setup: Setup) -> str:

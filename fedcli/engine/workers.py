@@ -509,6 +509,13 @@ def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Calla
     if has_batchnorm and requested == "vmap":
         raise ConfigError("the model has BatchNorm layers, whose running statistics vmap cannot keep per "
                           "client; use GroupNorm in the model, or --executor loop (or auto).")
+    if cfg.train.graph:
+        why = graph_refusal(cfg, alg, requested, has_batchnorm)
+        if why is not None:
+            raise ConfigError(why)
+        return "vmap", ("requested" if requested == "vmap" else
+                        "--graph: the cohort vmapped, traced once per shape and replayed"
+                        + (" as one CUDA graph" if device.type == "cuda" else ""))
     if requested == "process" and device.type != "cpu":
         raise ConfigError(f"train.executor='process' splits the cohort over CPU processes; got device "
                           f"{device}. Use --executor vmap (or auto) on a GPU.")
@@ -540,6 +547,21 @@ def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Calla
     if work < PROCESS_MIN_GFLOP:
         return inner, f"~{work:.2g} GFLOP per round: too little to pay for worker processes; {why}"
     return "process", f"{slots} processes x 1 thread ({inner} inside each): ~{work:.3g} GFLOP per round"
+
+
+def graph_refusal(cfg: Any, alg: Algorithm, requested: str, has_batchnorm: bool) -> str | None:
+    """Why --graph cannot run this configuration (one line with the fix), or None."""
+    if cfg.train.compile:
+        return "--graph and --compile are two ways to build the round's program; choose one of them."
+    if requested not in ("auto", "vmap"):
+        return (f"--graph replays the vmapped cohort update; it does not apply to --executor {requested}. "
+                "Use --executor vmap (or auto) with --graph, or drop --graph.")
+    if not alg.supports_vmap:
+        return f"{alg.name} does not run vmapped, which --graph needs; drop --graph."
+    if has_batchnorm:
+        return ("the model has BatchNorm layers, whose running statistics vmap (and so --graph) cannot keep per "
+                "client; use GroupNorm in the model, or drop --graph.")
+    return None
 
 
 def fused_algorithms() -> list[str]:
@@ -588,6 +610,10 @@ def speed_setup(cfg: Any, alg: Algorithm, device: torch.device, fed: FederatedDa
         runner = ProcessExecutor(cfg, fed, workers=slots, inner=inner)
     elif executor == "vmap" and cfg.train.compile:
         runner = CompiledVmap(max_steps=-(-int(fed.sizes.max(initial=1)) // cfg.train.batch_size))
+    elif executor == "vmap" and cfg.train.graph:
+        from fedcli.engine.graphed import GraphedVmap
+
+        runner = GraphedVmap(device, max_steps=-(-int(fed.sizes.max(initial=1)) // cfg.train.batch_size))
     return fns, executor, why, runner
 
 
@@ -701,7 +727,7 @@ class CompiledVmap:
 
     def __init__(self, bucket: int = 4, max_steps: int | None = None, backend: str = "inductor") -> None:
         self.bucket, self.max_steps, self.backend = bucket, max_steps, backend
-        self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
+        self.compiled: dict[tuple[Hashable, ...], Callable[..., Any]] = {}
         self.compile_s = 0.0
 
     def __call__(self, alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,

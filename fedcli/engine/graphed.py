@@ -1,0 +1,229 @@
+"""`--graph`: the cohort's local training as one program, built once per shape and replayed.
+
+Eager PyTorch pays Python and dispatcher time on every op of every local step. On an H100 a
+vmapped CNN round of 10 clients was 1,894 kernel launches and 89 ms of CPU-side dispatch for
+~15 ms of GPU work: the GPU idled 70-95 % of each round (docs/architecture.md §3, "One
+program per round"). This executor takes the dispatch out of the hot path without changing the
+algorithm contract (algorithms stay pure per-client functions):
+
+1. **Trace.** The function the `vmap` executor runs (`client_fn` vmapped over the cohort, every
+   local step unrolled: forward, backward, update, keyed dropout, step masks) is traced once by
+   `torch.fx.experimental.proxy_tensor.make_fx` into a flat graph of ATen ops over its tensor
+   inputs (broadcast, plan rows, step keys, noise, client states). Python, torch.func's
+   transforms and the algorithm's own code run only while tracing. Tracing refuses what a
+   device program cannot hold: `.item()` and Python branching on tensor values raise.
+2. **Capture (CUDA).** The traced program is warmed up on a side stream and captured into one
+   CUDA graph (`torch.cuda.CUDAGraph`) whose inputs are static buffers. A round then costs a
+   few copies into those buffers, one `replay()` (every kernel of every local step in one
+   launch) and a copy of the outputs. Programs with tensors on the host (other than the
+   inputs) are not captured: a graph replays device work only.
+3. **Replay.** Each round runs the program of its key; on the CPU the traced program is called
+   directly (no capture exists there), which already drops torch.func's per-op Python.
+
+A program is built per key: cohort (or chunk) size, epochs, padded steps per epoch (K is padded
+by `pad_steps`, as `--compile` does, so FEMNIST's uneven writers need a handful of programs),
+the tensors' shapes, dtypes and devices, every non-tensor value of the inputs, and the
+algorithm's round key (`program_round_key`: FedPA builds two programs, burn-in and sampling).
+An algorithm whose client code reads `ctx.round_idx` without a round key (FOLA's 1/r prior)
+would need a program per round, which never pays: it runs eagerly, vmapped, with one warning.
+
+Fallbacks keep a run going and say so once: a program that cannot be traced runs the eager
+`vmap` executor for its key; a program that cannot be captured runs traced but uncaptured.
+The results equal the `vmap` executor's to float tolerance (tests/engine/test_graphed.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
+from fedcli.engine.executors import CohortInputs, ModelFunctions, client_fn, in_chunks, run_vmap
+from fedcli.engine.workers import pad_steps, program_round_key, reads_round_idx
+
+log = logging.getLogger(__name__)
+
+WARMUP_RUNS = 2  # before a capture: cuBLAS/cuDNN handles, workspaces and algorithm choice happen outside it
+
+
+class Untraceable(Exception):
+    """The cohort function cannot become one static program (the reason is the message)."""
+
+
+@dataclass
+class Program:
+    """One traced cohort function and, on CUDA, its captured graph with static input/output buffers."""
+
+    module: torch.fx.GraphModule
+    out_spec: pytree.TreeSpec
+    out_static: list[tuple[int, Any]]  # (position, value) of the outputs that are not tensors
+    graph: Any = None  # torch.cuda.CUDAGraph
+    static_in: list[Tensor] | None = None
+    static_out: list[Tensor] | None = None
+
+    def __call__(self, tensors: list[Tensor]) -> Any:
+        if self.graph is None:
+            outs = list(self.module(*tensors))
+        else:
+            assert self.static_in is not None and self.static_out is not None
+            for buffer, t in zip(self.static_in, tensors, strict=True):
+                buffer.copy_(t, non_blocking=True)
+            self.graph.replay()
+            # the next replay overwrites static_out (and an output may be a static input passed through)
+            outs = [t.clone() for t in self.static_out]
+        for position, value in self.out_static:
+            outs.insert(position, value)
+        return pytree.tree_unflatten(outs, self.out_spec)
+
+
+class GraphedVmap:
+    """The `vmap` executor with each key's cohort function traced once and (CUDA) captured, then
+    replayed (`--graph`); see the module docstring. `programs` maps keys to Programs (None for a
+    key that runs eagerly); `build_s` is the time spent tracing and capturing."""
+
+    def __init__(self, device: torch.device, bucket: int = 4, max_steps: int | None = None,
+                 capture: bool | None = None) -> None:
+        self.device, self.bucket, self.max_steps = device, bucket, max_steps
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.programs: dict[Hashable, Program | None] = {}
+        self.build_s = 0.0
+        self.warned: set[str] = set()
+
+    def __call__(self, alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
+                 opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
+        chunked = in_chunks(self, alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
+        if chunked is not None:
+            return chunked
+        round_key = program_round_key(alg, hp, round_idx)
+        if alg.round_key is None and reads_round_idx(alg):
+            self._warn_once(f"{alg.name}'s client code reads ctx.round_idx and declares no round_key, so each "
+                            "round would need its own program; --graph runs it eagerly (vmap) instead")
+            return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx)
+        inputs = pad_steps(inputs, self.bucket, self.max_steps)
+        plan = inputs.plan
+        stateful = inputs.states is not None
+        args = (broadcast, plan.index, plan.weight, plan.step_mask, inputs.keys, plan.num_examples, inputs.noise,
+                inputs.states)
+        leaves, spec = pytree.tree_flatten(args)
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        tensors = [leaves[i] for i in slots]
+        statics = tuple((i, _hashable(leaf)) for i, leaf in enumerate(leaves) if not isinstance(leaf, Tensor))
+        key = (str(spec), statics, tuple((tuple(t.shape), t.dtype, t.device) for t in tensors),
+               plan.num_epochs, plan.steps_per_epoch, stateful, round_key)
+        if key not in self.programs:
+            self.programs[key] = self._build(alg, fns, hp, opt, round_idx, leaves, slots, spec, stateful,
+                                             len(plan.num_examples), plan.num_epochs, plan.steps_per_epoch, tensors)
+        program = self.programs[key]
+        if program is None:
+            return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx)
+        upload, state, metrics = program(tensors)
+        return ClientOut(upload=upload, state=state if stateful else None, metrics=metrics)
+
+    def _build(self, alg: Algorithm, fns: ModelFunctions, hp: Any, opt: OptimConfig, round_idx: int,
+               leaves: list[Any], slots: list[int], spec: pytree.TreeSpec, stateful: bool, clients: int,
+               epochs: int, steps: int, tensors: list[Tensor]) -> Program | None:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        out_spec: list[pytree.TreeSpec] = []
+        out_static: list[tuple[int, Any]] = []
+
+        def cohort(*traced: Tensor) -> list[Tensor]:
+            flat = list(leaves)
+            for slot, t in zip(slots, traced, strict=True):
+                flat[slot] = t
+            bc, index, weight, step_mask, keys, num_examples, noise, states = pytree.tree_unflatten(flat, spec)
+            one = client_fn(alg, fns, bc, hp, opt, epochs, steps, round_idx)
+            upload, state, metrics = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None))(
+                index, weight, step_mask, keys, num_examples, noise, states)
+            outs, tree = pytree.tree_flatten((upload, state if stateful else None, metrics))
+            # non-tensor outputs (None, Python numbers) cannot depend on tensor values under
+            # tracing, so they are constants of the program: kept beside it, not returned by it
+            out_spec[:] = [tree]
+            out_static[:] = [(i, leaf) for i, leaf in enumerate(outs) if not isinstance(leaf, Tensor)]
+            return [leaf for leaf in outs if isinstance(leaf, Tensor)]
+
+        where = f"{clients} clients x {epochs} epoch(s) x {steps} steps"
+        start = time.perf_counter()
+        try:
+            module = make_fx(cohort)(*tensors)
+        except Exception as error:  # noqa: BLE001 - any failure to trace means: run this key eagerly
+            self._warn_once(f"--graph: {alg.name}'s client update could not be traced into one program "
+                            f"({type(error).__name__}: {_first_line(error)}); running it eagerly (vmap)")
+            return None
+        program = Program(module, out_spec[0], list(out_static))
+        if self.capture:
+            try:
+                capture(program, tensors)
+            except Exception as error:  # noqa: BLE001 - uncaptured, the traced program is still exact
+                program.graph = program.static_in = program.static_out = None
+                self._warn_once(f"--graph: the {alg.name} program could not be captured in a CUDA graph "
+                                f"({type(error).__name__}: {_first_line(error)}); replaying it uncaptured")
+        seconds = time.perf_counter() - start
+        self.build_s += seconds
+        log.info("--graph: built the %s program for %s (%d ops%s) in %.1f s", alg.name, where,
+                 sum(1 for n in module.graph.nodes if n.op == "call_function"),
+                 ", captured" if program.graph is not None else "", seconds)
+        return program
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            log.warning(message)
+
+
+def capture(program: Program, tensors: list[Tensor]) -> None:
+    """Capture `program` into a CUDA graph over static copies of `tensors` (torch.cuda.graphs:
+    warm-up on a side stream, then capture on it); sets graph, static_in and static_out."""
+    devices = {t.device for t in tensors}
+    constants = {t.device for t in _constants(program.module)}
+    if any(d.type != "cuda" for d in devices | constants) or len(devices | constants) != 1:
+        raise Untraceable(f"its tensors live on {sorted(map(str, devices | constants))}; "
+                          "a CUDA graph replays the work of one GPU")
+    with torch.cuda.device(devices.pop()):
+        _capture_on_current_device(program, tensors)
+
+
+def _capture_on_current_device(program: Program, tensors: list[Tensor]) -> None:
+    static_in = [t.clone() for t in tensors]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            program.module(*static_in)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = list(program.module(*static_in))
+    program.graph, program.static_in, program.static_out = graph, static_in, static_out
+
+
+def _constants(module: torch.fx.GraphModule) -> list[Tensor]:
+    """The tensors a traced program holds as attributes (the federated data, constant tables),
+    except 0-d ones (scalars, passed to kernels by value)."""
+    out = []
+    for node in module.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(module, str(node.target))
+            if isinstance(value, Tensor) and value.dim() > 0:
+                out.append(value)
+    return out
+
+
+def _hashable(value: Any) -> Hashable:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""
