@@ -35,7 +35,7 @@ from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.evaluation import evaluate
 from fedcli.engine.executors import EXECUTORS, CohortInputs, ModelFunctions, model_functions
 from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, graceful_signals
-from fedcli.engine.seeding import Stream, derive_seed, numpy_rng, sample_cohort, step_keys, torch_generator
+from fedcli.engine.seeding import Stream, derive_seed, numpy_rngs, sample_cohort, step_keys, torch_generator
 from fedcli.errors import ConfigError, FedcliError
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
     # largest local data first (ties by id): the clients still training at local step k are then a
     # prefix of the cohort, which the fused executor uses without permuting (results do not depend on it)
     cohort = cohort[np.argsort(-setup.fed.sizes[cohort], kind="stable")]
-    rngs = [numpy_rng(cfg.seed, Stream.BATCH_ORDER, round_idx, int(c)) for c in cohort]
+    rngs = numpy_rngs(cfg.seed, Stream.BATCH_ORDER, round_idx, cohort)
     plan = setup.fed.plan(cohort, num_epochs=opt.local_epochs, batch_size=cfg.train.batch_size, rngs=rngs)
     num_steps = plan.num_epochs * plan.steps_per_epoch
     bc = alg.broadcast(state, hp)
