@@ -34,7 +34,10 @@ from tests.benchmarks import extras, gpu, probes, workloads
 WORKLOADS = (("mlp", 10), ("mlp", 50), ("cnn", 10))
 # (workload key, rounds R) in full and quick mode; seconds per round = median of rounds 2..R
 ROUNDS = {"full": {"mlp-10": 12, "mlp-50": 8, "cnn-10": 5}, "quick": {"mlp-10": 3, "mlp-50": 3, "cnn-10": 2}}
-TARGETS = {"vs_flower_mlp": 10.0, "vs_plain_mlp": 3.0, "vs_both_cnn": 1.5, "vs_floor": 1.5, "startup_s": 5.0,
+# The speed targets of the GPU-engine issue for the CPU: the MLP >= 10x Flower and >= 3x the plain
+# loop, the CNN within 1.2x of its FLOP floor; the other ratios are reported beside their bounds
+# (what the reference itself leaves: plain loop / floor, Flower / floor), without a target.
+TARGETS = {"vs_flower_mlp": 10.0, "vs_plain_mlp": 3.0, "vs_floor_cnn": 1.2, "startup_s": 5.0,
            "tracking_pct": 5.0, "checkpoint_pct": 3.0}
 
 
@@ -79,6 +82,8 @@ def run_workload(model: str, cohort: int, rounds: int, reps: int, flower: str | 
     # opt-in --compile: round 1 (the compilation) is excluded like every warm-up; compile_s is shown
     if model == "mlp":  # the vmapped round unrolls every step: minutes for a convolutional model
         approaches[f"fedcli vmap+compile {cores}t"] = fedcli("vmap", cores, compile=True)
+    # opt-in --graph (a GPU feature; on a CPU the traced program only drops torch.func's Python)
+    approaches[f"fedcli vmap+graph {cores}t"] = fedcli("vmap", cores, graph=True)
     approaches[f"fedcli process+compile {cores}x1t"] = fedcli("process", cores, compile=True)
     if model == "cnn":  # opt-in reduced precision: shown, never used for the targets
         approaches[f"fedcli process bf16 {cores}x1t"] = fedcli("process", cores, precision="bf16")
@@ -104,8 +109,13 @@ def run_workload(model: str, cohort: int, rounds: int, reps: int, flower: str | 
             "floor": floor_seconds(model, examples, rates)}
 
 
-def check(targets: list[dict[str, object]], name: str, value: float | None, target: float, *, at_most: bool,
-          unit: str = "") -> None:
+def check(targets: list[dict[str, object]], name: str, value: float | None, target: float | None, *,
+          at_most: bool, unit: str = "", bound: float | None = None) -> None:
+    """Record a figure against its target (None: reported only, beside its bound when given)."""
+    if target is None:
+        targets.append({"name": name, "value": value, "target": "reported" if bound is None else
+                        f"bound {bound:.3g}{unit}", "status": "not measured" if value is None else "reported"})
+        return
     met = None if value is None else (value <= target if at_most else value >= target)
     targets.append({"name": name, "value": value, "target": f"{'<=' if at_most else '>='} {target:g}{unit}",
                     "status": "not measured" if met is None else "met" if met else "MISSED"})
@@ -115,13 +125,15 @@ def evaluate_targets(results: dict[str, object]) -> list[dict[str, object]]:
     targets: list[dict[str, object]] = []
     for key, w in results.get("workloads", {}).items():
         fedcli, plain, flower = w["fedcli_best_s"], w["plain_best_s"], w["flower_s"]
-        need_flower, need_plain = ((TARGETS["vs_flower_mlp"], TARGETS["vs_plain_mlp"]) if w["model"] == "mlp"
-                                   else (TARGETS["vs_both_cnn"], TARGETS["vs_both_cnn"]))
-        check(targets, f"{key}: Flower / fedcli", None if flower is None else flower / fedcli, need_flower,
-              at_most=False, unit="x")
-        check(targets, f"{key}: plain loop / fedcli", plain / fedcli, need_plain, at_most=False, unit="x")
-        check(targets, f"{key}: fedcli / FLOP floor", fedcli / w["floor"]["floor_s"], TARGETS["vs_floor"],
-              at_most=True, unit="x")
+        floor = w["floor"]["floor_s"]
+        mlp = w["model"] == "mlp"
+        check(targets, f"{key}: Flower / fedcli", None if flower is None else flower / fedcli,
+              TARGETS["vs_flower_mlp"] if mlp else None, at_most=False, unit="x",
+              bound=None if flower is None else flower / floor)
+        check(targets, f"{key}: plain loop / fedcli", plain / fedcli, TARGETS["vs_plain_mlp"] if mlp else None,
+              at_most=False, unit="x", bound=plain / floor)
+        check(targets, f"{key}: fedcli / FLOP floor", fedcli / floor, None if mlp else TARGETS["vs_floor_cnn"],
+              at_most=True, unit="x", bound=1.0)
     for row in results.get("fedpa", []):
         if row["paper_pct"] is not None:
             check(targets, f"FedPA overhead d={row['d']:g}", row["overhead_pct"], row["paper_pct"], at_most=True,

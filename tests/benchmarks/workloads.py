@@ -38,7 +38,7 @@ from fedcli.datasets.tasks import TaskOptions
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.seeding import sample_cohort
 from fedcli.engine.train import Timing, build, run_round
-from fedcli.engine.workers import close_runner, intra_op_threads
+from fedcli.engine.workers import close_runner, cuda_tf32_flags, intra_op_threads
 
 LR, BATCH = 0.01, 20
 
@@ -62,11 +62,13 @@ class FedcliRunner:
                                       "train.client_lr": LR, "train.executor": executor, "seed": 0,
                                       "train.precision": precision, "train.compile": compile or None,
                                       "train.graph": graph or None, "train.device": device})
-        self.setup, self.threads, self.compile = build(cfg), threads, compile
+        self.setup, self.threads, self.compile, self.precision = build(cfg), threads, compile, precision
         self.state = self.setup.alg.server_init(self.setup.init_params, self.setup.hp, self.setup.opt)
         self.store = ClientStateStore(None)
 
     def round(self, round_idx: int) -> float:
+        if self.setup.device.type == "cuda":  # process-wide flags: runners of other precisions interleave
+            cuda_tf32_flags(self.precision)
         with intra_op_threads(self.threads):
             start = time.perf_counter()
             self.state, _ = run_round(self.setup, self.state, self.store, round_idx, Timing())
@@ -90,7 +92,8 @@ class PlainRunner:
     memory, weighted average of the state dicts. threads=None: PyTorch's default intra-op threads.
     On `device` cuda the data and model live on the GPU and each round ends with a synchronize."""
 
-    def __init__(self, model: str, cohort: int, threads: int | None = None, device: str = "cpu") -> None:
+    def __init__(self, model: str, cohort: int, threads: int | None = None, device: str = "cpu",
+                 precision: str = "fp32") -> None:
         task = TASKS["femnist"]
         data = task.load(TaskOptions())
         self.device = torch.device(device)
@@ -99,8 +102,11 @@ class PlainRunner:
         torch.manual_seed(0)
         self.model, self.cohort = task.models[model]().to(self.device), cohort
         self.threads = threads or torch.get_num_threads()
+        self.precision = precision  # on CUDA: fp32 = TF32 off for matmuls and cuDNN, tf32 = on
 
     def round(self, round_idx: int) -> float:
+        if self.device.type == "cuda":
+            cuda_tf32_flags(self.precision)
         with intra_op_threads(self.threads):
             start = time.perf_counter()
             global_model = self.model

@@ -241,6 +241,16 @@ def test_bench_gpu_table_renders_and_says_why_it_is_skipped() -> None:
                 "throughput_gflops": {"gemm": 51_000.0, "conv": 30_000.0}, "workloads": {"mlp-100": work}}
     text = "\n".join(gpu.markdown(measured))
     assert "## GPU: NVIDIA H100 80GB HBM3" in text and "| mlp-100 (R=3) | 0.004 | 0.128 | 0.052 | 1.3 | 25.00x" in text
+    cnn = {"model": "cnn", "cohort": 10, "rounds": 3, "best_s": {"fedcli vmap": 0.08, "fedcli vmap + graph": 0.010,
+                                                                  "fedcli vmap + graph, tf32": 0.007,
+                                                                  "plain GPU loop": 0.31, "plain GPU loop, tf32": 0.1},
+           "fedcli_best_s": 0.010, "plain_s": 0.31, "auto": {"executor": "vmap"}, "floor": {"floor_s": 0.0019}}
+    targets = gpu.gpu_targets({"cnn-10": cnn})
+    assert [(t["name"], t["status"]) for t in targets] == [
+        ("cnn-10 fp32: seconds per round (--graph)", "met"), ("cnn-10 fp32: plain GPU loop / --graph", "met"),
+        ("cnn-10 tf32: seconds per round (--graph)", "MISSED"), ("cnn-10 tf32: plain GPU loop / --graph", "MISSED")]
+    text = "\n".join(gpu.markdown({**measured, "workloads": {"cnn-10": cnn}, "targets": targets}))
+    assert "| cnn-10 tf32: seconds per round (--graph) | 0.007 | <= 0.006 | MISSED |" in text
     machine = {"cpu": "x", "cores": 2, "torch": "2", "python": "3", "date": "d", "load_avg": (0.0, 0.0, 0.0),
                "gpu": "NVIDIA H100 80GB HBM3"}
     assert "GPU NVIDIA H100 80GB HBM3" in report.markdown({"machine": machine, "gpu": measured})
