@@ -30,6 +30,14 @@ class CohortPlan:
     num_epochs: int
     steps_per_epoch: int  # K, padded
 
+    def to(self, device: torch.device) -> CohortPlan:
+        """The plan's tensors on `device` (non-blocking from pinned host memory)."""
+        if self.index.device == device:
+            return self
+        return CohortPlan(self.index.to(device, non_blocking=True), self.weight.to(device, non_blocking=True),
+                          self.step_mask.to(device, non_blocking=True), self.num_examples.to(device, non_blocking=True),
+                          self.steps_per_client, self.num_epochs, self.steps_per_epoch)
+
     def for_client(self, c: int) -> CohortPlan:
         """Return client c's plan alone, trimmed to its own K_c steps per epoch."""
         k_c = int(self.steps_per_client[c])
@@ -61,8 +69,13 @@ class FederatedData:
         return len(self.client_indices)
 
     def plan(self, cohort: np.ndarray, *, num_epochs: int, batch_size: int,
-             rngs: list[np.random.Generator]) -> CohortPlan:
-        """Shuffle each client's examples once per epoch with its own rng; pad to fixed shape."""
+             rngs: list[np.random.Generator], on_host: bool = False) -> CohortPlan:
+        """Shuffle each client's examples once per epoch with its own rng; pad to fixed shape.
+
+        on_host: build the tensors in host memory (pinned where the data lives on a GPU), to be
+        moved with `CohortPlan.to` later (train.py builds the next round's plan while the GPU
+        trains the current one).
+        """
         steps = np.array([math.ceil(self.sizes[c] / batch_size) for c in cohort], dtype=np.int64)
         k = int(steps.max())
         num_clients, num_steps = len(cohort), num_epochs * k
@@ -76,12 +89,18 @@ class FederatedData:
                 index[row, epoch, : len(own)] = order
                 weight[row, epoch, : len(own)] = 1.0
                 step_mask[row, epoch, : steps[row]] = 1.0
-        to = {"device": self.device}
+        device = torch.device("cpu") if on_host else self.device
+        pin = on_host and self.device.type == "cuda"
+
+        def tensor(array: np.ndarray, dtype: torch.dtype | None = None) -> Tensor:
+            t = torch.as_tensor(array, dtype=dtype, device=device)
+            return t.pin_memory() if pin else t
+
         return CohortPlan(
-            index=torch.as_tensor(index.reshape(num_clients, num_steps, batch_size), **to),
-            weight=torch.as_tensor(weight.reshape(num_clients, num_steps, batch_size), **to).to(self.dtype),
-            step_mask=torch.as_tensor(step_mask.reshape(num_clients, num_steps), **to).to(self.dtype),
-            num_examples=torch.as_tensor(self.sizes[cohort], **to).to(self.dtype),
+            index=tensor(index.reshape(num_clients, num_steps, batch_size)),
+            weight=tensor(weight.reshape(num_clients, num_steps, batch_size), self.dtype),
+            step_mask=tensor(step_mask.reshape(num_clients, num_steps), self.dtype),
+            num_examples=tensor(self.sizes[cohort], self.dtype),
             steps_per_client=steps,
             num_epochs=num_epochs,
             steps_per_epoch=k,

@@ -92,6 +92,7 @@ class Setup:
     runner: Any = None  # issue 7: a stateful executor (process pool, compiled vmap) used instead of EXECUTORS
     executor_reason: str = ""  # why `executor` was chosen (logged, tagged)
     opt: OptimConfig = field(default_factory=OptimConfig)  # cfg.train's optimiser, client_lr None -> the task's
+    prefetched: dict[int, RoundPlan] = field(default_factory=dict)  # the next round's plan, built during this one
 
 
 def resolve_device(name: str) -> torch.device:
@@ -198,23 +199,60 @@ class Trained:
     clients: list[tuple[int, str, float]] = field(default_factory=list)  # set by `aggregate`: per-client rows
 
 
-def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: int) -> Trained:
-    """Sample the round's cohort and run its local training (no state changes: interruptible)."""
-    cfg, alg, hp, opt = setup.cfg, setup.alg, setup.hp, setup.opt
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a round's local training needs that depends only on the seed and the round (not on
+    the model state): the cohort, its CohortPlan and its step keys."""
+
+    cohort: np.ndarray
+    plan: Any  # CohortPlan
+    keys: torch.Tensor  # [C, S] int64
+
+
+def plan_round(setup: Setup, round_idx: int, on_host: bool = False) -> RoundPlan:
+    """Sample the round's cohort and build its plan and step keys (on the run's device, or in
+    pinned host memory with on_host, for a plan built ahead while the GPU trains)."""
+    cfg = setup.cfg
     cohort = sample_cohort(setup.fed.num_clients, cfg.train.clients_per_round, seed=cfg.seed, round_idx=round_idx)
     # largest local data first (ties by id): the clients still training at local step k are then a
     # prefix of the cohort, which the fused executor uses without permuting (results do not depend on it)
     cohort = cohort[np.argsort(-setup.fed.sizes[cohort], kind="stable")]
     rngs = numpy_rngs(cfg.seed, Stream.BATCH_ORDER, round_idx, cohort)
-    plan = setup.fed.plan(cohort, num_epochs=opt.local_epochs, batch_size=cfg.train.batch_size, rngs=rngs)
+    plan = setup.fed.plan(cohort, num_epochs=setup.opt.local_epochs, batch_size=cfg.train.batch_size, rngs=rngs,
+                          on_host=on_host)
+    keys = step_keys(cfg.seed, round_idx, cohort, plan.num_epochs * plan.steps_per_epoch)
+    if on_host and setup.device.type == "cuda":
+        keys = keys.pin_memory()
+    return RoundPlan(cohort, plan, keys if on_host else keys.to(setup.device))
+
+
+def overlaps_host_work(device: torch.device) -> bool:
+    """True where an executor returns while the device still trains (CUDA launches are
+    asynchronous): train_cohort then builds the next round's plan before it waits."""
+    return device.type == "cuda"
+
+
+def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: int) -> Trained:
+    """Sample the round's cohort and run its local training (no state changes: interruptible).
+
+    On a GPU the next round's cohort, plan and step keys (numpy shuffles, seed derivation: a few
+    ms of host time at 100 clients) are built while the device trains this round, before the
+    synchronisation that ends it, and copied to the device without blocking when their round comes.
+    """
+    cfg, alg, hp, opt = setup.cfg, setup.alg, setup.hp, setup.opt
+    start = time.perf_counter()
+    planned = setup.prefetched.pop(round_idx, None) or plan_round(setup, round_idx)
+    cohort, plan = planned.cohort, planned.plan.to(setup.device)
     num_steps = plan.num_epochs * plan.steps_per_epoch
     bc = alg.broadcast(state, hp)
-    inputs = CohortInputs(plan=plan, keys=step_keys(cfg.seed, round_idx, cohort, num_steps).to(setup.device),
+    inputs = CohortInputs(plan=plan, keys=planned.keys.to(setup.device, non_blocking=True),
                           noise=draw_noise(setup, alg.global_params(state), cohort, round_idx, num_steps),
                           states=store.gather(cohort, setup.device))
     execute = setup.runner or EXECUTORS[setup.executor]
     outs = execute(alg, setup.fns, bc, inputs, hp, opt, round_idx, cfg.train.cohort_chunk)
+    setup.prefetched.clear()
+    if overlaps_host_work(setup.device) and round_idx < cfg.train.rounds:
+        setup.prefetched[round_idx + 1] = plan_round(setup, round_idx + 1, on_host=True)
     _sync(setup.device)
     return Trained(cohort, plan, bc, outs, start)
 

@@ -254,3 +254,35 @@ def test_bench_gpu_table_renders_and_says_why_it_is_skipped() -> None:
     machine = {"cpu": "x", "cores": 2, "torch": "2", "python": "3", "date": "d", "load_avg": (0.0, 0.0, 0.0),
                "gpu": "NVIDIA H100 80GB HBM3"}
     assert "GPU NVIDIA H100 80GB HBM3" in report.markdown({"machine": machine, "gpu": measured})
+
+
+# ----------------------------------------------------------------------------- host work during device work
+
+
+def test_next_rounds_plan_built_during_this_round_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where executors return before the device is done (CUDA), train_cohort builds round r+1's cohort,
+    plan and step keys on the host before it waits for round r; round r+1 then takes that plan. Forced
+    on here: three rounds of SCAFFOLD give bit-identical parameters and client states, rounds 2 and 3
+    use the prefetched plans (built on the host), and nothing is built past the last round."""
+    from fedcli.engine import train
+
+    made: list[tuple[int, bool]] = []
+    real = train.plan_round
+
+    def recording(setup, round_idx: int, on_host: bool = False):  # noqa: ANN001, ANN202
+        made.append((round_idx, on_host))
+        return real(setup, round_idx, on_host)
+
+    extra = {"train.client_lr": 0.05, "train.rounds": 3}
+    monkeypatch.setattr(train, "plan_round", recording)
+    plain_params, plain_states = two_rounds("scaffold", "vmap", "lsq", extra, rounds=3)
+    assert made == [(1, False), (2, False), (3, False)]
+    made.clear()
+    monkeypatch.setattr(train, "overlaps_host_work", lambda device: True)
+    ahead_params, ahead_states = two_rounds("scaffold", "vmap", "lsq", extra, rounds=3)
+    assert made == [(1, False), (2, True), (3, True)]
+    for key in plain_params:
+        assert torch.equal(ahead_params[key], plain_params[key])
+    for client in plain_states:
+        pytree.tree_map(lambda a, b: torch.testing.assert_close(b, a, rtol=0, atol=0), plain_states[client],
+                        ahead_states[client])
