@@ -5,6 +5,8 @@ The vmap executor pads clients to the cohort's longest step count and masks the 
 a masked step must leave all state unchanged, so after two rounds (state crosses rounds,
 client sizes differ) the global parameters and per-client states agree to float tolerance.
 LSA-only algorithms (which refuse other tasks in server_init) run on a Garnet task.
+Where CUDA is present the suite also runs on the GPU (loop, vmap, vmap with --graph) against
+the CPU loop; it skips with its reason elsewhere.
 """
 
 from __future__ import annotations
@@ -113,3 +115,30 @@ def test_chunked_vmap_agrees_with_the_loop(algo: str) -> None:
     for client in loop_states:
         pytree.tree_map(lambda a, b: torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5),
                         loop_states[client], chunk_states[client])
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device: the CUDA run of the equivalence suite needs one")
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("executor", ["loop", "vmap", "vmap+graph"])
+@pytest.mark.parametrize("algo", list(ALGORITHMS))
+def test_every_algorithm_on_cuda_equals_the_cpu_loop(algo: str, executor: str) -> None:
+    """The equivalence suite with --device cuda: two rounds of every algorithm on the GPU, client by
+    client, vmapped and vmapped with --graph (captured CUDA graphs), equal the CPU loop (fp32: TF32
+    off), parameters and client states."""
+    if executor != "loop" and not ALGORITHMS[algo].supports_vmap:
+        pytest.skip(f"{algo} runs client by client only (supports_vmap=False)")
+    task = pick_task(algo)
+    extra = {"train.client_lr": 0.01}
+    cpu_params, cpu_states = two_rounds(algo, "loop", task, extra)
+    gpu = {**extra, "train.device": "cuda", **({"train.graph": True} if executor == "vmap+graph" else {})}
+    gpu_params, gpu_states = two_rounds(algo, executor.split("+")[0], task, gpu)
+    for key in cpu_params:
+        torch.testing.assert_close(gpu_params[key].cpu(), cpu_params[key], rtol=1e-4, atol=1e-5)
+    assert cpu_states.keys() == gpu_states.keys()
+    for client in cpu_states:
+        pytree.tree_map(lambda a, b: torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5),
+                        cpu_states[client], gpu_states[client])
