@@ -284,26 +284,47 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     timing.train += trained_at - trained.start
     timing.aggregate += time.perf_counter() - trained_at
     share = weights / weights.sum()
-    metrics = {f"client/{k}": float((v.to(share.dtype) * share).sum()) for k, v in outs.metrics.items()}
-    metrics["train/loss"] = metrics.pop("client/train_loss", float("nan"))
-    metrics.update({k: float(v) for k, v in diagnostics.items()})
     up = alg.upload_nbytes(trained.outs.upload) if alg.upload_nbytes else tree_nbytes(trained.outs.upload)
     down = alg.download_nbytes(trained.broadcast) if alg.download_nbytes else tree_nbytes(trained.broadcast)
-    metrics["comm/bytes_up"] = float(up)
+    # every number the round logs crosses to the host in one copy (one sync on a GPU)
+    means = {f"client/{k}": (v.to(share.dtype) * share).sum() for k, v in outs.metrics.items()}
+    columns = {("train/loss" if k == "train_loss" else f"client/{k}"): v for k, v in outs.metrics.items()}
+    columns["client/num_examples"] = weights
+    host = to_host({**means, **diagnostics, "comm/bytes_up": up}, columns)
+    metrics = {k: host[k][0] for k in means}
+    metrics["train/loss"] = metrics.pop("client/train_loss", float("nan"))
+    metrics.update({k: host[k][0] for k in diagnostics})
+    metrics["comm/bytes_up"] = host["comm/bytes_up"][0]
     metrics["comm/bytes_down"] = float(down) * len(trained.cohort)
     metrics["client/dropped_nonfinite"] = float(dropped)
-    trained.clients = client_rows(cohort, outs.metrics, weights)
+    trained.clients = client_rows(cohort, {key: host[("column", key)] for key in columns})
     return state, metrics
 
 
-def client_rows(cohort: np.ndarray, local: dict[str, torch.Tensor], num_examples: torch.Tensor
-                ) -> list[tuple[int, str, float]]:
+def to_host(scalars: dict[str, Any], columns: dict[str, torch.Tensor]) -> dict[Any, list[float]]:
+    """Python floats of scalar tensors (or numbers) and of per-client columns, copied to the host
+    in one transfer: {name: [value]} and {("column", name): [value per client]}."""
+    names: list[Any] = [*scalars, *(("column", k) for k in columns)]
+    parts = [*scalars.values(), *columns.values()]
+    flat = [p.detach().reshape(-1).to(torch.float64) if isinstance(p, torch.Tensor)
+            else torch.tensor([float(p)], dtype=torch.float64) for p in parts]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(flat):
+        by_device.setdefault(t.device, []).append(i)
+    out: dict[Any, list[float]] = {}
+    for rows in by_device.values():  # one copy per device the values live on
+        values = torch.cat([flat[i] for i in rows]).cpu().tolist()
+        start = 0
+        for i in rows:
+            out[names[i]] = values[start:start + flat[i].numel()]
+            start += flat[i].numel()
+    return out
+
+
+def client_rows(cohort: np.ndarray, columns: dict[str, list[float]]) -> list[tuple[int, str, float]]:
     """Per-client rows `(client, key, value)` of the clients aggregated this round: each local
     metric under the round key it is averaged into (`train_loss` -> `train/loss`, else `client/*`)
-    and `client/num_examples`, the client's weight."""
-    columns = {("train/loss" if k == "train_loss" else f"client/{k}"): v.detach().reshape(-1).cpu().tolist()
-               for k, v in local.items()}
-    columns["client/num_examples"] = num_examples.detach().reshape(-1).cpu().tolist()
+    and `client/num_examples`, the client's weight (`columns`: key -> one value per client)."""
     return [(int(c), key, float(values[i])) for key, values in columns.items() for i, c in enumerate(cohort)]
 
 

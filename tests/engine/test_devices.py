@@ -286,3 +286,18 @@ def test_next_rounds_plan_built_during_this_round_changes_nothing(monkeypatch: p
     for client in plain_states:
         pytree.tree_map(lambda a, b: torch.testing.assert_close(b, a, rtol=0, atol=0), plain_states[client],
                         ahead_states[client])
+
+
+def test_round_metrics_cross_to_the_host_in_one_copy_with_their_exact_values() -> None:
+    """aggregate's to_host: scalar tensors (float32, float64, int), Python numbers and per-client
+    columns come back as the floats float() / tolist() give, whatever their dtype."""
+    from fedcli.engine.train import to_host
+
+    scalars = {"a": torch.tensor(0.1, dtype=torch.float32), "b": torch.tensor(1 / 3, dtype=torch.float64),
+               "n": torch.tensor(7), "up": 123456789, "x": 2.5}
+    columns = {"loss": torch.tensor([0.25, 1e-8, 3.0]), "n_i": torch.tensor([10.0, 20.0, 30.0], dtype=torch.float64)}
+    host = to_host(scalars, columns)
+    assert {k: host[k] for k in scalars} == {k: [float(v)] for k, v in scalars.items()}
+    assert host[("column", "loss")] == columns["loss"].tolist()
+    assert host[("column", "n_i")] == columns["n_i"].tolist()
+    assert to_host({}, {}) == {}
