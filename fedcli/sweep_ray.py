@@ -92,7 +92,7 @@ def connect(address: str | None, cpus: int, gpus: float) -> Iterator[RayCluster]
         raise ConfigError(f"--backend ray needs Ray, which is not installed; install it with: {INSTALL}") from None
     if address not in (None, "auto", "local"):
         probe(address)
-    extra = {} if address else {"include_dashboard": False}  # only for an instance ray.init starts itself
+    extra: dict[str, Any] = {} if address else {"include_dashboard": False}  # only for an instance ray.init starts
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **extra)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:

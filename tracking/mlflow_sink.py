@@ -368,4 +368,4 @@ def global_tracking_uri(uri: str) -> Iterator[None]:
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(saved)  # None unsets the variable again
+        mlflow.set_tracking_uri(saved)  # type: ignore[arg-type]  # None unsets the variable again

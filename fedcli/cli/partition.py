@@ -83,6 +83,7 @@ def partition(
                 if plot is not None:
                     plot_partition(parts, labels, data.num_classes, plot)
             except OSError as exc:
+                assert plot is not None  # only plot_partition writes here
                 raise output_error(plot, "--plot", exc) from None
     Console().print(summary_table(f"{task.name} / {scheme.value}", summary))
     Console(stderr=True).print(f"wrote {out}" + (f" and {plot}" if plot is not None else ""))

@@ -124,6 +124,7 @@ def run_study(body: Mapping[str, Any], root: Path | None, dry_run: bool, smoke: 
     from fedcli.studies import load_study
 
     path = report_output({**body, "report": body.get("report") or {}}, str(root or "fedcli-runs"), always=True)
+    assert path is not None  # always=True
     check_output(path, "report.output")
     if dry_run:
         console().print(f"study {body['study']}: would write {path}", highlight=False)
