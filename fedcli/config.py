@@ -147,11 +147,15 @@ class RunConfig:
         often to checkpoint; `fedcli sweep --workers N` sets workers per trial).
         """
         body = {k: v for k, v in self.to_dict().items() if k != "tracking"}
-        body["train"] = {k: v for k, v in body["train"].items() if k not in NOT_HASHED}
+        body["train"] = {k: v for k, v in body["train"].items() if k not in NOT_HASHED
+                         and not (k in HASHED_UNLESS_DEFAULT and v == HASHED_UNLESS_DEFAULT[k])}
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
 NOT_HASHED = ("workers", "threads", "checkpoint_every", "keep_checkpoints")
+# train keys added after runs were stored: left out of the hash at their default, so a config
+# that does not use them keeps the hash it had before they existed (sweeps find its runs)
+HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False}
 
 SECTIONS: Mapping[str, type] = {
     "data": DataConfig, "partition": PartitionConfig, "algorithm": AlgorithmConfig,

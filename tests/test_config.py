@@ -18,6 +18,18 @@ def test_defaults_resolve_hyperparameters_and_hash_is_stable() -> None:
     assert a.config_hash != build_config(overrides={"algorithm.name": "fedpa", "seed": 1}).config_hash
 
 
+def test_adding_train_graph_left_every_stored_config_hash_unchanged() -> None:
+    """`train.graph` (--graph) came after runs were stored: at its default it is left out of the hash,
+    so sweeps still find their earlier runs. The two hashes below are main's before the key existed
+    (default config; scaffold with the vmap executor); with --graph the hash differs, like --compile."""
+    assert build_config().config_hash == "273f0734dc2c261d9123e9b7f71523d5baeb3dcd2fa83544fbbc7c9bcca6e82e"
+    scaffold = {"algorithm.name": "scaffold", "train.executor": "vmap"}
+    assert build_config(overrides=scaffold).config_hash == (
+        "6f08191a5c36723a11a90a59d783ba568c7d14ad2c568e0a5904f51b1422fb3c")
+    assert build_config(overrides={**scaffold, "train.graph": True}).config_hash != (
+        "6f08191a5c36723a11a90a59d783ba568c7d14ad2c568e0a5904f51b1422fb3c")
+
+
 def test_yaml_file_is_overridden_by_cli(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("seed: 3\ntrain: {rounds: 7, client_lr: 0.2}\nalgorithm: {name: fedpa, hp: {rho: 0.5}}\n")
