@@ -199,7 +199,8 @@ def _capture_on_current_device(program: Program, tensors: list[Tensor]) -> None:
             program.module(*static_in)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: CUDA calls of other threads (a checkpoint being written) do not void the capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         static_out = list(program.module(*static_in))
     program.graph, program.static_in, program.static_out = graph, static_in, static_out
 
