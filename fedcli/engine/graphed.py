@@ -6,19 +6,24 @@ vmapped CNN round of 10 clients was 1,894 kernel launches and 89 ms of CPU-side 
 program per round"). This executor takes the dispatch out of the hot path without changing the
 algorithm contract (algorithms stay pure per-client functions):
 
-1. **Trace.** The function the `vmap` executor runs (`client_fn` vmapped over the cohort, every
-   local step unrolled: forward, backward, update, keyed dropout, step masks) is traced once by
-   `torch.fx.experimental.proxy_tensor.make_fx` into a flat graph of ATen ops over its tensor
-   inputs (broadcast, plan rows, step keys, noise, client states). Python, torch.func's
-   transforms and the algorithm's own code run only while tracing. Tracing refuses what a
-   device program cannot hold: `.item()` and Python branching on tensor values raise.
-2. **Capture (CUDA).** The traced program is warmed up on a side stream and captured into one
-   CUDA graph (`torch.cuda.CUDAGraph`) whose inputs are static buffers. A round then costs a
-   few copies into those buffers, one `replay()` (every kernel of every local step in one
-   launch) and a copy of the outputs. Programs with tensors on the host (other than the
-   inputs) are not captured: a graph replays device work only.
-3. **Replay.** Each round runs the program of its key; on the CPU the traced program is called
-   directly (no capture exists there), which already drops torch.func's per-op Python.
+The cohort function is the one the `vmap` executor runs (`client_fn` vmapped over the cohort,
+every local step unrolled: forward, backward, update, keyed dropout, step masks) as a function
+of the round's flat input tensors (broadcast, plan rows, step keys, noise, client states).
+
+1. **Capture (CUDA).** That function runs eagerly twice on a side stream (warm-up: cuBLAS and
+   cuDNN handles, workspaces and algorithm choice happen outside the capture), then once more
+   inside `torch.cuda.graph`, over static copies of its inputs: the CUDA graph records every
+   kernel of every local step. A round then costs a few copies into the static buffers, one
+   `replay()` and a copy of the outputs; Python, torch.func's transforms and the algorithm's
+   own code no longer run. Building costs three eager rounds. What a graph cannot hold fails
+   the capture instead of being frozen into it: a host sync (`.item()`, a copy to or from
+   the host), and inputs on more than one device.
+2. **Trace (CPU).** Without a capture, the per-op Python is saved by tracing the function once
+   with make_fx (fake inputs, so nothing is computed while tracing) into a flat graph of ATen
+   ops, then calling that graph each round. Python branching on tensor values cannot be traced;
+   `.item()` becomes an op of the graph, evaluated on each call's inputs. A trace costs about
+   1 ms per op (FedPA's 5-epoch demo round: 8,000 ops), which is why CUDA captures the eager
+   function instead of a trace.
 
 A program is built per key: cohort (or chunk) size, epochs, padded steps per epoch (K is padded
 by `pad_steps`, as `--compile` does, so FEMNIST's uneven writers need a handful of programs),
@@ -27,17 +32,17 @@ algorithm's round key (`program_round_key`: FedPA builds two programs, burn-in a
 An algorithm whose client code reads `ctx.round_idx` without a round key (FOLA's 1/r prior)
 would need a program per round, which never pays: it runs eagerly, vmapped, with one warning.
 
-Fallbacks keep a run going and say so once: a program that cannot be traced runs the eager
-`vmap` executor for its key; a program that cannot be captured runs traced but uncaptured.
-The results equal the `vmap` executor's to float tolerance (tests/engine/test_graphed.py).
+Fallbacks keep a run going and say so once: a key that cannot be traced or captured runs the
+eager `vmap` executor. The results equal the `vmap` executor's to float tolerance
+(tests/engine/test_graphed.py; the CUDA tests there run the captured graphs where a GPU is).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,12 +63,22 @@ class Untraceable(Exception):
 
 
 @dataclass
-class Program:
-    """One traced cohort function and, on CUDA, its captured graph with static input/output buffers."""
+class Layout:
+    """Where a cohort function's outputs go: their pytree, and the non-tensor outputs (None, Python
+    numbers) that are constants of the program (under tracing and capture they cannot depend on
+    tensor values), kept beside it instead of returned by it. Filled by the first call."""
 
-    module: torch.fx.GraphModule
-    out_spec: pytree.TreeSpec
-    out_static: list[tuple[int, Any]]  # (position, value) of the outputs that are not tensors
+    spec: pytree.TreeSpec | None = None
+    static: list[tuple[int, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Program:
+    """One cohort function over the round's flat input tensors (a traced GraphModule, or the eager
+    function itself) and, on CUDA, its captured graph with static input/output buffers."""
+
+    module: Callable[..., list[Tensor]]
+    layout: Layout
     graph: Any = None  # torch.cuda.CUDAGraph
     static_in: list[Tensor] | None = None
     static_out: list[Tensor] | None = None
@@ -78,9 +93,10 @@ class Program:
             self.graph.replay()
             # the next replay overwrites static_out (and an output may be a static input passed through)
             outs = [t.clone() for t in self.static_out]
-        for position, value in self.out_static:
+        for position, value in self.layout.static:
             outs.insert(position, value)
-        return pytree.tree_unflatten(outs, self.out_spec)
+        assert self.layout.spec is not None, "filled by the trace, the warm-up or the call above"
+        return pytree.tree_unflatten(outs, self.layout.spec)
 
 
 class GraphedVmap:
@@ -89,9 +105,12 @@ class GraphedVmap:
     key that runs eagerly); `build_s` is the time spent tracing and capturing."""
 
     def __init__(self, device: torch.device, bucket: int = 4, max_steps: int | None = None,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, trace: bool | None = None) -> None:
         self.device, self.bucket, self.max_steps = device, bucket, max_steps
         self.capture = device.type == "cuda" if capture is None else capture
+        # a capture records the eager function's kernels directly (one eager run, not a trace of
+        # thousands of ops); without one, the traced program is what saves the per-op Python
+        self.trace = not self.capture if trace is None else trace
         self.programs: dict[Hashable, Program | None] = {}
         self.build_s = 0.0
         self.warned: set[str] = set()
@@ -129,47 +148,48 @@ class GraphedVmap:
     def _build(self, alg: Algorithm, fns: ModelFunctions, hp: Any, opt: OptimConfig, round_idx: int,
                leaves: list[Any], slots: list[int], spec: pytree.TreeSpec, stateful: bool, clients: int,
                epochs: int, steps: int, tensors: list[Tensor]) -> Program | None:
-        from torch.fx.experimental.proxy_tensor import make_fx
+        layout = Layout()
 
-        out_spec: list[pytree.TreeSpec] = []
-        out_static: list[tuple[int, Any]] = []
-
-        def cohort(*traced: Tensor) -> list[Tensor]:
+        def cohort(*inputs: Tensor) -> list[Tensor]:
             flat = list(leaves)
-            for slot, t in zip(slots, traced, strict=True):
+            for slot, t in zip(slots, inputs, strict=True):
                 flat[slot] = t
             bc, index, weight, step_mask, keys, num_examples, noise, states = pytree.tree_unflatten(flat, spec)
             one = client_fn(alg, fns, bc, hp, opt, epochs, steps, round_idx)
             upload, state, metrics = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None))(
                 index, weight, step_mask, keys, num_examples, noise, states)
-            outs, tree = pytree.tree_flatten((upload, state if stateful else None, metrics))
-            # non-tensor outputs (None, Python numbers) cannot depend on tensor values under
-            # tracing, so they are constants of the program: kept beside it, not returned by it
-            out_spec[:] = [tree]
-            out_static[:] = [(i, leaf) for i, leaf in enumerate(outs) if not isinstance(leaf, Tensor)]
+            outs, layout.spec = pytree.tree_flatten((upload, state if stateful else None, metrics))
+            layout.static = [(i, leaf) for i, leaf in enumerate(outs) if not isinstance(leaf, Tensor)]
             return [leaf for leaf in outs if isinstance(leaf, Tensor)]
 
         where = f"{clients} clients x {epochs} epoch(s) x {steps} steps"
         start = time.perf_counter()
-        try:
-            module = make_fx(cohort)(*tensors)
-        except Exception as error:  # noqa: BLE001 - any failure to trace means: run this key eagerly
-            self._warn_once(f"--graph: {alg.name}'s client update could not be traced into one program "
-                            f"({type(error).__name__}: {_first_line(error)}); running it eagerly (vmap)")
-            return None
-        program = Program(module, out_spec[0], list(out_static))
+        module: Callable[..., list[Tensor]] = cohort
+        ops = ""
+        if self.trace:
+            try:
+                module = trace(cohort, tensors)
+            except Exception as error:  # noqa: BLE001 - any failure to trace means: run this key eagerly
+                self._warn_once(f"--graph: {alg.name}'s client update could not be traced into one program "
+                                f"({type(error).__name__}: {_first_line(error)}); running it eagerly (vmap)")
+                return None
+            ops = f", {sum(1 for n in module.graph.nodes if n.op == 'call_function')} ops"  # type: ignore[attr-defined]
+        program = Program(module, layout)
         if self.capture:
             try:
                 capture(program, tensors)
-            except Exception as error:  # noqa: BLE001 - uncaptured, the traced program is still exact
+            except Exception as error:  # noqa: BLE001 - without a graph: the traced program, or eager vmap
                 program.graph = program.static_in = program.static_out = None
-                self._warn_once(f"--graph: the {alg.name} program could not be captured in a CUDA graph "
-                                f"({type(error).__name__}: {_first_line(error)}); replaying it uncaptured")
+                fallback = "replaying the traced program uncaptured" if self.trace else "running it eagerly (vmap)"
+                self._warn_once(f"--graph: the {alg.name} cohort update could not be captured in a CUDA graph "
+                                f"({type(error).__name__}: {_first_line(error)}); {fallback}")
+                if not self.trace:
+                    return None
         seconds = time.perf_counter() - start
         self.build_s += seconds
-        log.info("--graph: built the %s program for %s (%d ops%s) in %.1f s", alg.name, where,
-                 sum(1 for n in module.graph.nodes if n.op == "call_function"),
-                 ", captured" if program.graph is not None else "", seconds)
+        log.info("--graph: built the %s program for %s (%s%s) in %.1f s", alg.name, where,
+                 "traced" if self.trace else "eager", ops + (", captured" if program.graph is not None else ""),
+                 seconds)
         return program
 
     def _warn_once(self, message: str) -> None:
@@ -182,7 +202,8 @@ def capture(program: Program, tensors: list[Tensor]) -> None:
     """Capture `program` into a CUDA graph over static copies of `tensors` (torch.cuda.graphs:
     warm-up on a side stream, then capture on it); sets graph, static_in and static_out."""
     devices = {t.device for t in tensors}
-    constants = {t.device for t in _constants(program.module)}
+    constants = {t.device for t in _constants(program.module)} if isinstance(program.module, torch.fx.GraphModule) \
+        else set()
     if any(d.type != "cuda" for d in devices | constants) or len(devices | constants) != 1:
         raise Untraceable(f"its tensors live on {sorted(map(str, devices | constants))}; "
                           "a CUDA graph replays the work of one GPU")
@@ -199,10 +220,24 @@ def _capture_on_current_device(program: Program, tensors: list[Tensor]) -> None:
             program.module(*static_in)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # thread_local: CUDA calls of other threads (a checkpoint being written) do not void the capture
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph):
         static_out = list(program.module(*static_in))
     program.graph, program.static_in, program.static_out = graph, static_in, static_out
+
+
+def trace(cohort: Callable[..., list[Tensor]], tensors: list[Tensor]) -> torch.fx.GraphModule:
+    """make_fx of the cohort function over fake copies of `tensors` (nothing computed while
+    tracing; the data and other tensors it closes over stay real constants of the program),
+    without the per-node stack traces, which cost half of a trace."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    config = torch.fx.config
+    saved = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        return make_fx(cohort, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+    finally:
+        config.do_not_emit_stack_traces = saved
 
 
 def _constants(module: torch.fx.GraphModule) -> list[Tensor]:

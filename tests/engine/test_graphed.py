@@ -133,7 +133,7 @@ def test_a_program_that_cannot_be_traced_runs_eagerly(monkeypatch: pytest.Monkey
 
     calls = []
 
-    def refuse(fn):  # noqa: ANN001, ANN202
+    def refuse(fn, **kwargs):  # noqa: ANN001, ANN003, ANN202
         calls.append(fn)
         raise RuntimeError("data-dependent control flow")
 
@@ -148,13 +148,30 @@ def test_a_program_that_cannot_be_traced_runs_eagerly(monkeypatch: pytest.Monkey
     assert len(caplog.records) == 1 and "data-dependent control flow" in caplog.records[0].getMessage()
 
 
-def test_item_in_client_code_cannot_be_traced() -> None:
-    """What a device program cannot hold fails while tracing, not silently later: `.item()` (a host
-    sync whose value would be frozen into the program) raises under make_fx."""
-    from torch.fx.experimental.proxy_tensor import make_fx
+def test_tracing_refuses_branching_on_tensor_values_and_keeps_item_a_runtime_value() -> None:
+    """What a static program cannot hold fails while tracing, not silently later: Python branching
+    on a tensor's value raises. `.item()` becomes an op of the program, evaluated on each call's
+    inputs (not the value seen while tracing)."""
+    with pytest.raises(Exception, match="data-dependent"):
+        graphed.trace(lambda x: [x + 1 if x.sum() > 0 else x - 1], [torch.ones(3)])
+    program = graphed.trace(lambda x: [x * x.sum().item()], [torch.ones(3)])
+    assert program(torch.full((3,), 2.0))[0].tolist() == [12.0, 12.0, 12.0]
 
-    with pytest.raises(RuntimeError, match="_local_scalar_dense"):
-        make_fx(lambda x: x * x.sum().item())(torch.ones(3))
+
+@pytest.mark.parametrize(("algo", "programs"), [("scaffold", 1), ("fedpa", 2)])
+def test_the_eager_program_that_a_gpu_captures_replays_like_vmap(algo: str, programs: int) -> None:
+    """On CUDA the eager cohort function itself is captured (no trace). Here the same function runs
+    uncaptured (trace=False, capture=False) through the same static plumbing: flat inputs, statics,
+    the output layout, one program per key; every round equals run_vmap."""
+    extra = {"algorithm.hp": {"burn_in_rounds": 2}} if algo == "fedpa" else {}
+    _, setup, bc, inputs = lsq_round(algo, cohort_size=3, epochs=2, **extra)
+    runner = GraphedVmap(torch.device("cpu"), capture=False, trace=False)
+    for round_idx in range(1, 5):
+        moved = pytree.tree_map(lambda t, r=round_idx: t * (1 + 0.1 * r) if t.is_floating_point() else t, bc)
+        these = dataclasses.replace(inputs, keys=inputs.keys + 1000 * round_idx)
+        got = runner(setup.alg, setup.fns, moved, these, setup.hp, setup.opt, round_idx)
+        assert_trees_close(got, run_vmap(setup.alg, setup.fns, moved, these, setup.hp, setup.opt, round_idx))
+    assert len(runner.programs) == programs and all(p is not None for p in runner.programs.values())
 
 
 def test_capture_refuses_a_program_with_host_tensors() -> None:
