@@ -135,9 +135,9 @@ def train(
                                                            "first round), with loop/process each client's step "
                                                            "(seconds); time logged, cache reused.",
                                           rich_help_panel=Panel.TRAIN)] = False,
-    graph: Annotated[bool, typer.Option("--graph", help="Trace the vmapped cohort update once per shape into one "
-                                                       "program and replay it every round; on a GPU it is captured "
-                                                       "as one CUDA graph (first round slower; time logged).",
+    graph: Annotated[bool, typer.Option("--graph", help="Build the vmapped cohort update once per shape into one "
+                                                       "program replayed every round: a CUDA graph on a GPU, a traced "
+                                                       "ATen graph on a CPU (first round slower; time logged).",
                                         rich_help_panel=Panel.TRAIN)] = False,
     precision: Annotated[Precision | None, typer.Option(help="fp32 | tf32 (CUDA) | bf16 (autocast); recorded in "
                                                              "the run config. \\[default: fp32]",

@@ -514,8 +514,8 @@ def choose_executor(cfg: Any, alg: Algorithm, device: torch.device, gflop: Calla
         if why is not None:
             raise ConfigError(why)
         return "vmap", ("requested" if requested == "vmap" else
-                        "--graph: the cohort vmapped, traced once per shape and replayed"
-                        + (" as one CUDA graph" if device.type == "cuda" else ""))
+                        "--graph: the cohort vmapped, built once per shape and replayed"
+                        + (" as one CUDA graph" if device.type == "cuda" else " as a traced ATen graph"))
     if requested == "process" and device.type != "cpu":
         raise ConfigError(f"train.executor='process' splits the cohort over CPU processes; got device "
                           f"{device}. Use --executor vmap (or auto) on a GPU.")

@@ -8,7 +8,7 @@ TF32 off for matmuls and cuDNN, and the floor's probes run with TF32 off too, so
 GPU's fp32 rate. Seconds per round = median of rounds 2..R; every round ends with a
 torch.cuda.synchronize (run_round's, and the plain loop's own).
 
-`fedcli vmap + graph` is `--graph` (engine/graphed.py: the cohort update traced once and replayed
+`fedcli vmap + graph` is `--graph` (engine/graphed.py: the cohort update captured once and replayed
 as one CUDA graph; its build time, in round 1, is kept as build_s). The CNN also runs with
 `--precision tf32` beside a plain loop with TF32 on, since TF32 is only used where asked. The
 issue's targets (GPU_TARGETS, GPU_VS_PLAIN) are checked on the --graph figures and listed under
