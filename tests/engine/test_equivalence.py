@@ -133,12 +133,16 @@ def test_every_algorithm_on_cuda_equals_the_cpu_loop(algo: str, executor: str) -
         pytest.skip(f"{algo} runs client by client only (supports_vmap=False)")
     task = pick_task(algo)
     extra = {"train.client_lr": 0.01}
-    cpu_params, cpu_states = two_rounds(algo, "loop", task, extra)
     gpu = {**extra, "train.device": "cuda", **({"train.graph": True} if executor == "vmap+graph" else {})}
-    gpu_params, gpu_states = two_rounds(algo, executor.split("+")[0], task, gpu)
-    for key in cpu_params:
-        torch.testing.assert_close(gpu_params[key].cpu(), cpu_params[key], rtol=1e-4, atol=1e-5)
-    assert cpu_states.keys() == gpu_states.keys()
-    for client in cpu_states:
+    assert_same_run(two_rounds(algo, executor.split("+")[0], task, gpu), two_rounds(algo, "loop", task, extra))
+
+
+def assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
+    """Global parameters and every client's state agree to float tolerance (`got` may live on a GPU)."""
+    (got_params, got_states), (want_params, want_states) = got, want
+    for key in want_params:
+        torch.testing.assert_close(got_params[key].cpu(), want_params[key], rtol=1e-4, atol=1e-5)
+    assert got_states.keys() == want_states.keys()
+    for client in want_states:
         pytree.tree_map(lambda a, b: torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5),
-                        cpu_states[client], gpu_states[client])
+                        want_states[client], got_states[client])

@@ -23,21 +23,10 @@ from fedcli.algorithms import ALGORITHMS
 from fedcli.engine import graphed
 from fedcli.engine.executors import run_vmap
 from fedcli.engine.graphed import GraphedVmap, Untraceable
-from tests.engine.test_equivalence import pick_task, two_rounds
+from tests.engine.test_equivalence import assert_same_run, pick_task, two_rounds
 from tests.engine.test_workers import assert_trees_close, lsq_round
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-
-
-def assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict], device: str = "cpu") -> None:
-    """Global parameters and every client's state agree to float tolerance (got may live on `device`)."""
-    (got_params, got_states), (want_params, want_states) = got, want
-    for key in want_params:
-        torch.testing.assert_close(got_params[key].cpu(), want_params[key], rtol=1e-4, atol=1e-5)
-    assert got_states.keys() == want_states.keys()
-    for client in want_states:
-        pytree.tree_map(lambda a, b: torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5),
-                        want_states[client], got_states[client])
 
 
 @pytest.mark.parametrize("algo", [name for name, rec in ALGORITHMS.items() if rec.supports_vmap])
@@ -218,7 +207,7 @@ def test_captured_graph_on_cuda_equals_the_cpu_loop(algo: str) -> None:
     CPU loop's parameters and client states."""
     extra = {"train.client_lr": 0.01}
     assert_same_run(two_rounds(algo, "vmap", "lsq", {**extra, "train.graph": True, "train.device": "cuda"}),
-                    two_rounds(algo, "loop", "lsq", {**extra, "train.device": "cpu"}), device="cuda")
+                    two_rounds(algo, "loop", "lsq", {**extra, "train.device": "cpu"}))
 
 
 @needs_cuda
@@ -243,4 +232,4 @@ def test_captured_cnn_with_dropout_on_cuda_equals_the_cpu_loop() -> None:
              "train.batch_size": 64, "train.client_momentum": 0.9}
     assert_same_run(two_rounds("fedavg", "vmap", "femnist", {**extra, "train.graph": True, "train.device": "cuda"},
                                rounds=1),
-                    two_rounds("fedavg", "loop", "femnist", {**extra, "train.device": "cpu"}, rounds=1), device="cuda")
+                    two_rounds("fedavg", "loop", "femnist", {**extra, "train.device": "cpu"}, rounds=1))
