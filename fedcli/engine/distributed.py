@@ -205,6 +205,7 @@ def join(timeout_s: float = TIMEOUT_S) -> Peers:
     if cuda and local_rank < torch.cuda.device_count():
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
+        _import_what_binds_the_group()
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -216,6 +217,21 @@ def join(timeout_s: float = TIMEOUT_S) -> Peers:
                            "MASTER_ADDR / --rdzv-endpoint.") from None
     log.debug("rank %d of %d joined (local rank %d)", rank, world, local_rank)
     return Peers(rank, world, local_rank, local_world)
+
+
+def _import_what_binds_the_group() -> None:
+    """Import, before the group exists, the torch modules that bind `group.WORLD` when imported.
+
+    torch.distributed.nn.functional (and others) take `group=group.WORLD` as a default argument,
+    which Python evaluates at import. Imported after `init_process_group` (torch.func.grad imports
+    torch._dynamo, which imports them, at a run's first local step), they keep the live group
+    alive: `destroy_process_group` then cannot free it, Gloo's worker threads outlive it, and
+    the group is destroyed during interpreter shutdown, where it aborted rank 0 about one run in
+    four ("terminate called without an active exception" after the run had finished). Imported
+    first, they bind None.
+    """
+    import torch._dynamo  # noqa: F401 - what torch.func.grad imports lazily
+    import torch.distributed.nn.functional  # noqa: F401 - binds group.WORLD in ten defaults
 
 
 @contextlib.contextmanager

@@ -109,6 +109,35 @@ def test_every_algorithm_equals_the_single_process_run() -> None:
     mp.spawn(_equivalence_rank, args=(free_port(),), nprocs=2, join=True)
 
 
+LEAVE_GROUP = """
+import os, sys, torch
+assert "torch._dynamo" not in sys.modules  # else torch.func.grad below would not import it late
+from fedcli.engine.distributed import process_group
+with process_group(timeout_s=60):
+    torch.func.grad(lambda w: (w * w).sum())(torch.ones(3))  # a local step: imports torch._dynamo
+left = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+print(" ".join(left))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from Linux's /proc")
+def test_leaving_the_group_stops_gloo_threads_even_after_a_local_step(tmp_path: Path) -> None:
+    """`process_group` leaves no Gloo thread behind once a rank has taken a gradient step.
+
+    torch.func.grad imports torch._dynamo, which imports torch.distributed.nn.functional, whose
+    defaults bind `group.WORLD`: imported after the group exists, they kept it alive past
+    destroy_process_group, and rank 0 aborted at exit in about one torchrun launch in four."""
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", LEAVE_GROUP], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, **rank_env(rank, port)})
+             for rank in (0, 1)]
+    for rank, proc in enumerate(ranks):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (rank, err[-2000:])
+        threads = out.split()
+        assert threads and not [t for t in threads if "gloo" in t], (rank, threads)
+
+
 def test_outside_torchrun_it_exits_2_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
