@@ -75,7 +75,8 @@ def multilabel_metrics(logits: Tensor, targets: Tensor, *, k: int = 5) -> dict[s
 
 
 def token_stats(logits: Tensor, targets: Tensor, *, pad_id: int, special_ids: Sequence[int]) -> dict[str, Tensor]:
-    """Correct / counted tokens (special ids excluded) and summed non-pad cross-entropy."""
+    """Correct / counted tokens (special ids excluded) and summed non-pad cross-entropy (no autograd graph)."""
+    logits = logits.detach()  # a metric: called on training logits too, where it would keep their graph
     nll = torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
     nll = nll.view_as(targets).to(torch.float64)
     real = targets != pad_id
