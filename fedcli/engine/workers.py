@@ -608,12 +608,14 @@ def speed_setup(cfg: Any, alg: Algorithm, device: torch.device, fed: FederatedDa
         slots = min(cfg.train.workers or available_cores(), cfg.train.clients_per_round)
         inner = "loop" if cfg.train.compile else in_process_executor(alg, device, has_conv, has_bn, dense)
         runner = ProcessExecutor(cfg, fed, workers=slots, inner=inner)
-    elif executor == "vmap" and cfg.train.compile:
-        runner = CompiledVmap(max_steps=-(-int(fed.sizes.max(initial=1)) // cfg.train.batch_size))
-    elif executor == "vmap" and cfg.train.graph:
-        from fedcli.engine.graphed import GraphedVmap
+    elif executor == "vmap" and (cfg.train.compile or cfg.train.graph):
+        max_steps = -(-int(fed.sizes.max(initial=1)) // cfg.train.batch_size)  # the largest client's batches
+        if cfg.train.compile:
+            runner = CompiledVmap(max_steps=max_steps)
+        else:
+            from fedcli.engine.graphed import GraphedVmap
 
-        runner = GraphedVmap(device, max_steps=-(-int(fed.sizes.max(initial=1)) // cfg.train.batch_size))
+            runner = GraphedVmap(device, max_steps=max_steps)
     return fns, executor, why, runner
 
 
