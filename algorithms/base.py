@@ -153,6 +153,35 @@ class LocalRequest(NamedTuple):
     linear: Params | None = None
 
 
+class RunFacts(NamedTuple):
+    """The run as an algorithm's `recommend` and `degenerate` hooks see it (docs/architecture.md §3).
+
+    Built by the config layer from the requested config, before any data is loaded.
+    """
+
+    task: str  # task name ("byo" for --data FILE)
+    kind: str  # classification | regression | multilabel | next_token | lsa
+    model: str  # the model that runs (the task's default unless --model)
+    rounds: int  # R, communication rounds
+    clients_per_round: int  # M, the cohort size
+    given: frozenset[str] = frozenset()  # keys the user set ("hp.rho", "train.local_epochs")
+
+
+class Advice(NamedTuple):
+    """A run setting an algorithm recommends, applied only where the user did not set the key."""
+
+    value: object
+    why: str  # the rule and its source (paper table, released config, measured rule), one line
+
+
+class Degeneracy(NamedTuple):
+    """A configuration under which the algorithm computes another algorithm, or a key has no effect."""
+
+    code: str  # short id, recorded in the run's tag fedcli.degenerate ("fedpa:no-sampling-round")
+    message: str  # one line: what the run computes instead, and the option that fixes it
+    inert: tuple[str, ...] = ()  # config keys without effect here ("hp.rho"): a sweep over them repeats runs
+
+
 class Algorithm(NamedTuple):
     """The record every algorithm module exports as `ALGORITHM`."""
 
@@ -181,6 +210,16 @@ class Algorithm(NamedTuple):
     # update (--compile, --graph) are reused across rounds with equal keys; None: the round
     # itself where the client code reads ctx.round_idx, one program for all rounds where not.
     round_key: Callable[[Any, int], Hashable] | None = None
+    # RunFacts -> {"hp.<name>" | "train.<key>": Advice}: the settings this algorithm needs to act on
+    # this run (FedPA: local epochs, a burn-in scaled to the run). The config layer applies each to a
+    # key the user did not set and records it (tag fedcli.recommended); `fedcli list algos NAME` shows them.
+    recommend: Callable[[RunFacts], Mapping[str, Advice]] | None = None
+    # (hp, opt, RunFacts) -> [Degeneracy]: configurations that make the algorithm another one or a
+    # hyperparameter inert; `train` and `sweep` warn, the run records them (tag fedcli.degenerate).
+    degenerate: Callable[[Any, OptimConfig, RunFacts], list[Degeneracy]] | None = None
+    # what to expect with the defaults where it differs from FedAvg's (trails it, equals another algorithm),
+    # and why; `fedcli list algos NAME` prints it (docs/out-of-the-box.md)
+    caveats: str = ""
 
 
 def hyperparameter_defaults(config_cls: type) -> dict[str, object]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedcli.algorithms import fola, fola_offline
-from fedcli.algorithms.base import Algorithm
+from fedcli.algorithms.base import Algorithm, Degeneracy, OptimConfig, RunFacts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +49,15 @@ class FedCurvConfig:
                          damping=0.0, compress_p=1.0, offline=True, product=False)
 
 
+def degenerate(hp: FedCurvConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
+    """lam = 0 drops the penalty: FedAvg's mean of plain local SGD."""
+    if hp.lam == 0:
+        return [Degeneracy("fedcurv:lam-zero", "hp.lam=0 drops the Fisher penalty: the run is FedAvg (with the "
+                           "Fisher pass computed and unused); use --hp lam=1.", ("hp.fisher", "hp.fisher_norm",
+                                                                                 "hp.prior_form"))]
+    return []
+
+
 ALGORITHM = Algorithm(
     name="fedcurv",
     paper="Shoham et al. arXiv:1910.07796 (2019), as the FOLA baseline of Liu & Zheng arXiv:2102.01936",
@@ -58,5 +67,6 @@ ALGORITHM = Algorithm(
     client_update=fola_offline.client_update,
     server_update=fola.server_update,
     global_params=fola.global_params,
+    degenerate=degenerate,
     description="FedAvg mean + global offline diag-Fisher penalty lam/2 P_S (theta - mu_S)^2 (FOLA code's variant).",
 )

@@ -33,12 +33,14 @@ from torch import Tensor
 
 from fedcli.algorithms import fedadmm
 from fedcli.algorithms.base import (
+    Advice,
     Algorithm,
     ClientContext,
     ClientOut,
     Diagnostics,
     OptimConfig,
     Params,
+    RunFacts,
     require,
     tree_nbytes,
     tree_norm,
@@ -49,7 +51,8 @@ from fedcli.algorithms.base import (
 @dataclass(frozen=True, kw_only=True)
 class FedLapConfig:
     delta: float = 1.0  # delta, prior precision = proximal weight; BayesADMM code configs/mnist_heterog/fedlap
-    damping: float = 0.01  # rho, site damping (1/K there: K = 100); configs/mnist_heterog/fedlap
+    damping: float = 0.01  # rho, site damping; configs/mnist_heterog/fedlap (1/K, K = 100 clients, all every round).
+    #                        A run that does not set it gets 1/C for its cohort of C clients (`recommend`)
 
     def __post_init__(self) -> None:
         require(self.delta > 0, "hp.delta", "> 0", self.delta)
@@ -106,6 +109,14 @@ def global_params(state: ServerState) -> Params:
     return state.params
 
 
+def recommend(run: RunFacts) -> dict[str, Advice]:
+    """rho = 1/C for a cohort of C clients: the code's 1/K rule (mnist_heterog: K = 100, rho = 0.01), under
+    which round 1's w_g = Sum_k rho w_k is the cohort's mean model; with rho = 0.01 and C = 10 it is 0.1 x
+    that mean and the gradients vanish (docs/out-of-the-box.md)."""
+    return {"hp.damping": Advice(1.0 / run.clients_per_round, f"1/C for the C = {run.clients_per_round} clients "
+                                 "of a round: the released config's 1/K (K = 100 clients, full participation)")}
+
+
 ALGORITHM = Algorithm(
     name="fedlap",
     paper="Swaroop, Khan, Doshi-Velez. Connecting Federated ADMM to Bayes. ICLR 2025. arXiv:2501.17325",
@@ -117,5 +128,6 @@ ALGORITHM = Algorithm(
     global_params=global_params,
     init_client_state=fedadmm.init_client_state,
     download_nbytes=download_nbytes,
+    recommend=recommend,
     description="FedLap: isotropic-Gaussian PVI with a Laplace (delta) approximation, squared prox.",
 )

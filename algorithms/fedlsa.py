@@ -134,4 +134,7 @@ ALGORITHM = Algorithm(
     server_update=server_update,
     global_params=fedavg.global_params,
     description="Federated LSA / TD(0): H local LSA steps, then averaging; biased under heterogeneity.",
+    caveats=("FedLSA is FedAvg on a linear stochastic approximation task (Mangold et al. §3): with clients of equal "
+             "size (its uniform mean = FedAvg's example-weighted mean, as on the garnet tasks) the two runs are "
+             "identical; it is the biased baseline that SCAFFLSA corrects."),
 )

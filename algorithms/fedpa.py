@@ -12,8 +12,11 @@ rho_l = 1 / (1 + (l-1) rho)) -> posterior_delta; footnote 11 (the first burn-in 
 run FedAvg exactly) -> client_update.
 Notation: x_0 = theta_0 -> broadcast params, x_1..x_l -> IASG samples, rho -> hp.rho,
 T_burn -> hp.burn_in_rounds, l -> E - hp.burn_in_epochs (num_samples).
-Burn-in rounds: rounds 1..T_burn (default 100, Table 6 EMNIST-62) run FedAvg exactly, so
-a run of <= T_burn rounds is FedAvg; shorten hp.burn_in_rounds for short runs.
+Burn-in rounds: rounds 1..T_burn run FedAvg exactly (hp.burn_in_rounds = 100, Table 6 EMNIST-62,
+of its 1,500 rounds). A run that sets neither gets `recommend`'s FedPA-ME settings: E = 5 local
+epochs (Table 6) and T_burn = ceil(R / 15), Table 6's share of the run; with the defaults alone
+(E = 1, T_burn = 100 > R = 50) FedPA was FedAvg bit for bit. `degenerate` flags every run that
+never samples or draws one sample (l = 1: rho inert); docs/out-of-the-box.md.
 Deviations:
   Paper (Alg. 4, footnote 11): one sample per local epoch, l = E. Released TFF code, which
   produced the paper's tables: epoch 0 of every sampling round is burn-in ("mixin",
@@ -29,6 +32,7 @@ Deviations:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +40,16 @@ from torch import Tensor
 
 from fedcli.algorithms import fedavg
 from fedcli.algorithms.base import (
+    Advice,
     Algorithm,
     ClientContext,
     ClientOut,
+    Degeneracy,
     Diagnostics,
     LocalRequest,
     OptimConfig,
     Params,
+    RunFacts,
     finite_client_mask,
     flatten,
     require,
@@ -56,7 +63,8 @@ from fedcli.algorithms.optim import local_sgd
 @dataclass(frozen=True, kw_only=True)
 class FedPAConfig:
     rho: float = 0.1  # shrinkage rho >= 0; Table 6, EMNIST-62 (0.01 for CIFAR-100 / StackOverflow)
-    burn_in_rounds: int = 100  # T_burn: rounds 1..T_burn run FedAvg exactly; Table 6, EMNIST-62
+    burn_in_rounds: int = 100  # T_burn: rounds 1..T_burn run FedAvg exactly; Table 6, EMNIST-62 (of 1,500 rounds;
+    #                            unset: ceil(R / 15) for a run of R rounds, `recommend`)
     burn_in_epochs: int = 1  # epochs per sampling round that are not samples (l = E - 1); TFF code
     #                          (client_mixin_epochs_per_round = 1, its README's 5 epochs -> 4 samples); paper text 0
 
@@ -156,6 +164,38 @@ def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, 
     return ClientOut(upload={"delta": delta}, state=None, metrics=metrics)
 
 
+def recommend(run: RunFacts) -> dict[str, Advice]:
+    """FedPA-ME's settings for a run of R rounds (docs/out-of-the-box.md): E = 5 local epochs (Table 6,
+    EMNIST-62), so l = E - 1 = 4 samples, and T_burn = ceil(R / BURN_IN_DIVISOR) burn-in rounds."""
+    burn_in = math.ceil(run.rounds / BURN_IN_DIVISOR)
+    return {"train.local_epochs": Advice(5, "Table 6, EMNIST-62 (FedPA-ME): l = E - 1 = 4 IASG samples per round"),
+            "hp.burn_in_rounds": Advice(burn_in, f"ceil(R / {BURN_IN_DIVISOR}) of R = {run.rounds} rounds: "
+                                        "Table 6's EMNIST-62 burn-in, 100 of its 1,500 rounds")}
+
+
+BURN_IN_DIVISOR = 15  # Table 6 / Table 3a: T_burn = 100 of the 1,500 EMNIST-62 rounds
+
+
+def degenerate(hp: FedPAConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
+    """FedAvg when no round samples; one sample per round (l = 1) makes rho inert (footnote 5)."""
+    out = []
+    if hp.burn_in_rounds >= run.rounds:
+        out.append(Degeneracy("fedpa:all-burn-in", f"hp.burn_in_rounds={hp.burn_in_rounds} >= train.rounds="
+                              f"{run.rounds}: every round is burn-in, so the run is FedAvg exactly; lower "
+                              f"--hp burn_in_rounds (e.g. {math.ceil(run.rounds / BURN_IN_DIVISOR)}) or raise --rounds.",
+                              ("hp.rho", "hp.burn_in_epochs")))
+    elif num_samples(hp, opt) == 1:
+        out.append(Degeneracy("fedpa:one-sample", f"l = {num_samples(hp, opt)} IASG sample per round "
+                              f"(train.local_epochs={opt.local_epochs}, hp.burn_in_epochs={hp.burn_in_epochs}): the "
+                              "delta is FedAvg's on the epoch's iterate mean and hp.rho has no effect; use "
+                              f"--local-epochs {hp.burn_in_epochs + 2} or more (Table 6: 5).",
+                              ("hp.rho", "hp.burn_in_epochs") if opt.local_epochs == 1 else ("hp.rho",)))
+    elif hp.rho == 0:
+        out.append(Degeneracy("fedpa:rho-zero", "hp.rho=0 makes Sigma_hat = I: the delta is FedAvg's on the mean of "
+                              "the l samples (no covariance); use --hp rho=0.1 (Table 6, EMNIST-62)."))
+    return out
+
+
 def sampling_round(hp: FedPAConfig, round_idx: int) -> bool:
     """Algorithm.round_key: the client update branches only on whether the round is past burn-in."""
     return round_idx > hp.burn_in_rounds
@@ -195,6 +235,8 @@ ALGORITHM = Algorithm(
     global_params=fedavg.global_params,
     fused_local=fused_local,
     round_key=sampling_round,
+    recommend=recommend,
+    degenerate=degenerate,
     description=("Posterior averaging: IASG samples (l = E - 1, the released code), shrinkage covariance, "
-                 "O(l^2 d) DP delta; FedAvg exactly for the first hp.burn_in_rounds (100) rounds."),
+                 "O(l^2 d) DP delta; FedAvg exactly for the first hp.burn_in_rounds rounds."),
 )

@@ -9,8 +9,8 @@ Layout (documented in `fedcli train --help` by the CLI; checked here, with clear
   `client`, optional column `split` with values `train` / `test`; every other column is a
   numeric feature, in file order.
 
-Targets: an integer `y` (>= 0) is a class label (classification with max(y)+1 classes); a
-float `y` is a regression target (1/2 squared error). Examples with the same `client`
+Targets: an integer `y` (>= 0) is a class label (classification with max(y)+1 classes, at
+most `MAX_CLASSES`); a float `y` is a regression target (1/2 squared error). Examples with the same `client`
 value form one natural client, clients in sorted order of the value (use
 --scheme natural); without a `client` column, partition with iid/dirichlet/... When no test
 examples are given, a fixed 20 % of the rows (the last of `np.random.default_rng(0)
@@ -38,6 +38,7 @@ from fedcli.errors import ConfigError, DataError
 MODELS = ("linear", "logreg", "mlp", "cnn")
 SUFFIXES = (".npz", ".csv", ".parquet")
 TEST_FRACTION = 0.2
+MAX_CLASSES = 100_000  # class labels 0..C-1 with C at most this: the output layer has C units (10^12 asked 800 TB)
 Arrays = dict[str, np.ndarray]
 
 
@@ -161,6 +162,10 @@ def _targets(path: Path, y: np.ndarray, name: str = "y") -> tuple[np.ndarray, st
         if len(y) and y.min() < 0:
             raise DataError(f"{path.name}: class labels {name} must be >= 0; got {int(y.min())}. "
                             "Map labels to 0..C-1.")
+        if len(y) and int(y.max()) >= MAX_CLASSES:
+            raise DataError(f"{path.name}: class labels {name} must be < {MAX_CLASSES} (the model has one output per "
+                            f"class 0..max); got {int(y.max())}. Map labels to 0..C-1, e.g. with "
+                            "numpy.unique(y, return_inverse=True).")
         return y.astype(np.int64), "classification"
     if np.issubdtype(y.dtype, np.floating):
         if not np.isfinite(y).all():

@@ -105,6 +105,16 @@ class PartitionSpec:
         _check_range("min_size", self.min_size, 1, "A client with no examples cannot train.")
         _check_range("seed", self.seed, 0)
         _check_range("max_tries", self.max_tries, 1)
+        for key in ("alpha", "sigma", "size_alpha"):  # a number, and finite (inf/NaN would be drawn from, or stored)
+            value = getattr(self, key)
+            if value is not None and isinstance(value, int | float) and not isinstance(value, bool) \
+                    and not math.isfinite(value):
+                raise ConfigError(f"partition.{key} must be a finite number; got {value!r}.")
+        for key in ("alpha", "size_alpha"):
+            value = getattr(self, key)
+            if isinstance(value, int | float) and value > ALPHA_MAX:
+                raise ConfigError(f"partition.{key} must be <= {ALPHA_MAX:g}; got {value!r}. A Dirichlet that flat "
+                                  "is IID already (use --scheme iid), and numpy's draw underflows to zeros near 1e306.")
         if self.alpha is not None and not (isinstance(self.alpha, int | float) and self.alpha > 0):
             raise ConfigError(f"partition.alpha must be > 0; got {self.alpha!r}. "
                               "Smaller alpha = more skew (try 0.1); large alpha ≈ IID.")
@@ -158,11 +168,17 @@ def check_unused_defaults(spec: PartitionSpec) -> None:
                           "Remove it, or use scheme two-level.")
 
 
+INT_MAX = 2**31 - 1  # the largest integer setting (fedcli.config.INT_MAX: what the stores keep)
+ALPHA_MAX = 1e6  # Dirichlet concentrations above it are IID for every partition size here
+
+
 def _check_range(key: str, value: int | None, low: int, fix: str = "") -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
         raise ConfigError(f"partition.{key} must be an integer >= {low}; got {value!r}. {fix}".strip())
+    if value > INT_MAX:
+        raise ConfigError(f"partition.{key} must be at most {INT_MAX} (2**31 - 1); got {value!r}.")
 
 
 # ----------------------------------------------------------------------------- labels
@@ -323,6 +339,9 @@ def quantity_skew(num_examples: int, *, num_clients: int, alpha: float | None, s
             cuts = (np.cumsum(p / p.sum()) * n).astype(int)[:-1]
         else:  # FedLab lognormal_unbalance_partition, its deficit fix included
             sizes = rng.lognormal(mean=math.log(int(n / num_clients)), sigma=sigma, size=num_clients)
+            if not np.isfinite(sizes).all():
+                raise ConfigError(f"partition.sigma={sigma!r} draws client sizes too large for a float (exp of "
+                                  "sigma x N(0, 1)); use a sigma below 10 (FedLab's examples use 0.1 to 1).")
             sizes = (sizes / sizes.sum() * n).astype(int)
             diff = int(sizes.sum()) - n  # <= 0
             if diff:
@@ -486,25 +505,7 @@ def summarize(clients: list[np.ndarray], labels: np.ndarray, num_classes: int | 
 
 def plot_partition(clients: list[np.ndarray], labels: np.ndarray, num_classes: int | None, path: Path) -> None:
     """Draw the client x label count heatmap and the client size histogram to a PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    hist = label_histograms(clients, labels, num_classes)
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    heat, sizes = fig.subplots(1, 2, width_ratios=(2, 1))
-    if hist is None:
-        heat.text(0.5, 0.5, "targets have no classes", ha="center", va="center")
-    else:
-        image = heat.imshow(hist.T, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower")
-        fig.colorbar(image, ax=heat, label="examples")
-        heat.set_xlabel("client")
-        heat.set_ylabel("label")
-    heat.set_title("examples per client and label")
-    sizes.hist([len(c) for c in clients], bins=min(30, max(len(clients), 1)), color="tab:blue")
-    sizes.set_xlabel("client size (examples)")
-    sizes.set_ylabel("clients")
-    sizes.set_title(f"{len(clients)} clients")
+    fig = partition_figure(clients, labels, num_classes)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
     os.close(handle)
@@ -514,6 +515,34 @@ def plot_partition(clients: list[np.ndarray], labels: np.ndarray, num_classes: i
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def partition_figure(clients: list[np.ndarray], labels: np.ndarray, num_classes: int | None) -> Any:
+    """The figure `plot_partition` saves: every axis counts clients, labels or examples, so
+    every tick is a whole number."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    hist = label_histograms(clients, labels, num_classes)
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    heat, sizes = fig.subplots(1, 2, width_ratios=(2, 1))
+    if hist is None:
+        heat.text(0.5, 0.5, "targets have no classes", ha="center", va="center")
+    else:
+        image = heat.imshow(hist.T, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower")
+        fig.colorbar(image, ax=heat, label="examples", ticks=MaxNLocator(integer=True))
+        heat.set_xlabel("client")
+        heat.set_ylabel("label")
+    heat.set_title("examples per client and label")
+    sizes.hist([len(c) for c in clients], bins=min(30, max(len(clients), 1)), color="tab:blue")
+    sizes.set_xlabel("client size (examples)")
+    sizes.set_ylabel("clients")
+    for axis in (heat.xaxis, heat.yaxis, sizes.xaxis, sizes.yaxis):  # clients, labels, sizes: whole numbers
+        axis.set_major_locator(MaxNLocator(integer=True))
+    sizes.set_title(f"{len(clients)} clients")
+    return fig
 
 
 # ----------------------------------------------------------------------------- files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from importlib import import_module
 from types import MappingProxyType
 
@@ -12,10 +13,24 @@ _TASK_MODULES = ("femnist", "synthetic", "garnet", "mnist", "torchvision_sources
                  "mulan", "har", "vehicle", "fedprox_synthetic", "quadratic")
 
 
+# The partition a run of a task without natural clients gets when it names neither --scheme nor
+# --partition (Task.default_partition; recorded with the run as fedcli.recommended). Bundled tasks only:
+# the other tasks without natural clients read full data sets whose users choose their own split.
+DEFAULT_PARTITIONS: Mapping[str, tuple[Mapping[str, object], str]] = MappingProxyType({
+    "mnist": ({"scheme": "dirichlet", "alpha": 0.3, "num_clients": 100},
+              "the README's MNIST split, on which its client lr 0.1 was measured (docs/architecture.md §5)"),
+    "bibtex": ({"scheme": "dirichlet", "alpha": 0.3, "num_clients": 100},
+               "as mnist, over each example's primary tag (datasets/partition.py class_labels)"),
+})
+
+
 def _load() -> Mapping[str, Task]:
     records: dict[str, Task] = {}
     for module in _TASK_MODULES:
         for task in import_module(f"fedcli.datasets.{module}").TASKS:
+            if task.name in DEFAULT_PARTITIONS and task.default_partition is None:
+                spec, why = DEFAULT_PARTITIONS[task.name]
+                task = replace(task, default_partition=MappingProxyType(dict(spec)), default_partition_why=why)
             records[task.name] = task
     return MappingProxyType(dict(sorted(records.items())))
 

@@ -65,6 +65,10 @@ class Task:
     metrics: Any = None
     reads_max_clients: bool = False  # True when `load` honours TaskOptions.max_clients (big natural-client data)
     client_lr: float = 0.01  # the default train.client_lr (eta_l) on this task; tuned where the task says so
+    # partition keys (scheme, alpha, num_clients, ...) a run of this task gets when it names no scheme and no
+    # partition file: for tasks without natural clients (docs/architecture.md §5); None = natural clients
+    default_partition: Mapping[str, Any] | None = None
+    default_partition_why: str = ""  # the source of default_partition, recorded with the run
 
 
 def fingerprint(*tensors: Tensor) -> str:

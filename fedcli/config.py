@@ -12,8 +12,10 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ import yaml
 
 from fedcli.algorithms.base import HyperparameterError, OptimConfig
 from fedcli.errors import ConfigError
+from fedcli.tracking.urls import is_masked, mask_url
 
 EXECUTORS = ("auto", "loop", "vmap", "fused", "process", "distributed")  # distributed: under torchrun
 PRECISIONS = ("fp32", "tf32", "bf16")  # issue 7: reduced precision only when asked for
@@ -110,17 +113,34 @@ class TrackingConfig:
 
     @property
     def store_url(self) -> str:
-        if self.store:
-            return self.store
-        env = os.environ.get("FEDCLI_STORE")
-        return env or f"sqlite:///{Path(self.root).resolve() / 'fedcli.db'}"
+        """`store`, else FEDCLI_STORE, else `sqlite:///<root>/fedcli.db`; with its password (see `given_url`)."""
+        url = given_url("tracking.store", self.store, "FEDCLI_STORE", "--store")
+        return url or f"sqlite:///{Path(self.root).resolve() / 'fedcli.db'}"
 
     @property
     def mlflow_uri(self) -> str:
-        if self.tracking_uri:
-            return self.tracking_uri
-        env = os.environ.get("MLFLOW_TRACKING_URI")
-        return env or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"
+        """`tracking_uri`, else MLFLOW_TRACKING_URI, else `sqlite:///<root>/mlflow.db`; with its password."""
+        url = given_url("tracking.tracking_uri", self.tracking_uri, "MLFLOW_TRACKING_URI", "--tracking-uri")
+        return url or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"
+
+
+def given_url(key: str, value: str | None, env_name: str, flag: str) -> str | None:
+    """The URL a tracking key gives, or the environment's when it gives none.
+
+    A stored config holds a URL's password masked (`user:***@host`, docs/architecture.md,
+    "Security"), so a masked value (a resumed or evaluated run's, or one pasted from a hint)
+    stands for the URL with its password, which only the environment can give back.
+
+    Raises:
+        ConfigError: the value is masked and `env_name` is not set.
+    """
+    env = os.environ.get(env_name) or None
+    if value and not is_masked(value):
+        return value
+    if value and env is None:
+        raise ConfigError(f"{key} must carry its password; got {value!r} (fedcli stores and shows URLs with the "
+                          f"password masked). Pass the full URL with {flag}, or set {env_name}.")
+    return env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,11 +151,18 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # key -> "value: why" of every setting filled in by a recommendation (the algorithm's or the task's,
+    # `resolve_recommended`) rather than by the user; kept out of to_dict and the hash (the values are in
+    # the sections), recorded as the run's tag fedcli.recommended
+    recommended: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as plain nested dicts (the stored, resolved form)."""
         out = dataclasses.asdict(self)
+        out.pop("recommended")
         out["algorithm"]["hp"] = dict(self.algorithm.hp)
+        for key in ("store", "tracking_uri"):  # never a password in what is stored (docs/architecture.md, "Security")
+            out["tracking"][key] = out["tracking"][key] and mask_url(out["tracking"][key])
         return out
 
     @property
@@ -146,16 +173,28 @@ class RunConfig:
         bookkeeping that do not change results: how many processes share the cohort, how
         often to checkpoint; `fedcli sweep --workers N` sets workers per trial).
         """
-        body = {k: v for k, v in self.to_dict().items() if k != "tracking"}
-        body["train"] = {k: v for k, v in body["train"].items() if k not in NOT_HASHED
-                         and not (k in HASHED_UNLESS_DEFAULT and v == HASHED_UNLESS_DEFAULT[k])}
-        return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+        return config_hash_of(self.to_dict())
+
+
+def config_hash_of(doc: Mapping[str, Any]) -> str:
+    """`RunConfig.config_hash` of a stored config (`RunConfig.to_dict()`, e.g. a checkpoint's)."""
+    body = {k: v for k, v in doc.items() if k != "tracking"}
+    body["train"] = {k: v for k, v in body["train"].items() if k not in NOT_HASHED
+                     and not (k in HASHED_UNLESS_DEFAULT and v == HASHED_UNLESS_DEFAULT[k])}
+    added = HP_ADDED.get(str(body["algorithm"].get("name")), {})
+    body["algorithm"] = {**body["algorithm"], "hp": {k: v for k, v in (body["algorithm"].get("hp") or {}).items()
+                                                     if not (k in added and v == added[k])}}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
 NOT_HASHED = ("workers", "threads", "checkpoint_every", "keep_checkpoints")
 # train keys added after runs were stored: left out of the hash at their default, so a config
 # that does not use them keeps the hash it had before they existed (sweeps find its runs)
 HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False}
+# hyperparameters added after runs were stored, with the value that reproduces those runs (issue 24): left
+# out of the hash at that value, and given to a stored config that lacks the key (`resume_config`), so an
+# earlier run resumes as it ran and keeps its hash
+HP_ADDED: Mapping[str, Mapping[str, object]] = {"bayesadmm": {"dual_scope": "seen"}}
 
 SECTIONS: Mapping[str, type] = {
     "data": DataConfig, "partition": PartitionConfig, "algorithm": AlgorithmConfig,
@@ -210,8 +249,25 @@ def parse_assignments(items: list[str], flag: str) -> dict[str, Any]:
     return out
 
 
+INT_MAX = 2**31 - 1  # the largest integer setting: the stores keep seeds and rounds as 32-bit integers on PostgreSQL
+NAME_MAX_BYTES = 200  # experiment and run names (UTF-8): both stores and MLflow keep them; a report file is named after one
+THREADS_MAX = 1024  # train.threads and train.workers: more is a typo, not a machine
+
+
 def coerce(key: str, annotation: object, value: Any) -> Any:
-    """Check `value` against a dataclass field annotation (as written); int -> float is allowed."""
+    """Check `value` against a dataclass field annotation (as written); int -> float is allowed.
+
+    Numbers must also be storable: a float finite, an int within +-INT_MAX (docs/architecture.md §8).
+    """
+    checked = _coerce(key, annotation, value)
+    if isinstance(checked, float) and not math.isfinite(checked):
+        raise ConfigError(f"{key} must be a finite number; got {value!r}.")
+    if isinstance(checked, int) and not isinstance(checked, bool) and abs(checked) > INT_MAX:
+        raise ConfigError(f"{key} must be at most {INT_MAX} (2**31 - 1) in size; got {value!r}.")
+    return checked
+
+
+def _coerce(key: str, annotation: object, value: Any) -> Any:
     text = str(annotation)
     if value is None:
         if "None" in text:
@@ -281,6 +337,131 @@ def make_hyperparameters(algo_name: str, values: Mapping[str, Any]) -> Any:
         raise ConfigError(f"{algo_name}: {exc}; pass it with --hp KEY=VALUE.") from None
 
 
+# --------------------------------------------------------------------------- recommended settings, degeneracy
+# (docs/architecture.md §7, "Recommended settings"): an algorithm may recommend run settings for the run at
+# hand (Algorithm.recommend) and a task without natural clients names a default partition (Task.default_partition);
+# both fill only keys the user did not set, and the config holds the values that run, so the hash of a config
+# changes only where a recommendation changed what runs.
+
+
+def _facts(algo_name: str, merged: Mapping[str, Mapping[str, Any]], given: frozenset[str]) -> Any:
+    """The RunFacts of a merged (not yet validated) config: its task, model, rounds and cohort."""
+    from fedcli.algorithms.base import RunFacts
+    from fedcli.datasets.registry import TASKS
+
+    data, train = merged["data"], merged["train"]
+    task = TASKS.get(str(data.get("task", DataConfig.task))) if data.get("file") is None else None
+    model = data.get("model") or (task.default_model if task is not None else "mlp")
+
+    def whole(key: str) -> int:
+        value = train.get(key, getattr(TrainConfig, key))
+        return value if isinstance(value, int) and not isinstance(value, bool) else getattr(TrainConfig, key)
+
+    return RunFacts(task=task.name if task is not None else "byo", kind=task.kind if task is not None else "byo",
+                    model=str(model), rounds=whole("rounds"), clients_per_round=whole("clients_per_round"),
+                    given=given)
+
+
+def resolve_recommended(algo_name: str, merged: dict[str, dict[str, Any]], hp_values: dict[str, Any]) -> dict[str, str]:
+    """Fill the keys the user left unset with the task's default partition and the algorithm's advice.
+
+    Mutates `merged` (the sections) and `hp_values`; returns {key: "value: why"} of what it filled,
+    which becomes `RunConfig.recommended` (the run's tag fedcli.recommended). A name that is not a task
+    or an algorithm fills nothing (validation names it later).
+    """
+    from fedcli.algorithms import ALGORITHMS
+    from fedcli.datasets.registry import TASKS
+
+    filled: dict[str, str] = {}
+    data, part = merged["data"], merged["partition"]
+    task = TASKS.get(str(data.get("task", DataConfig.task)))
+    if task is not None and task.default_partition and data.get("file") is None and part.get("file") is None \
+            and "scheme" not in part:
+        for key, value in task.default_partition.items():
+            if key not in part:
+                part[key] = value
+                filled[f"partition.{key}"] = f"{value}: {task.default_partition_why}"
+    record = ALGORITHMS.get(algo_name)
+    if record is None or record.recommend is None:
+        return filled
+    given = frozenset({f"hp.{k}" for k in hp_values} | {f"train.{k}" for k in merged["train"]})
+    names = {f.name for f in dataclasses.fields(record.config_cls)}
+    for key, advice in record.recommend(_facts(algo_name, merged, given)).items():
+        section, _, name = key.partition(".")
+        if key in given or not ((section == "hp" and name in names) or (section == "train" and name in
+                                                                        {f.name for f in dataclasses.fields(TrainConfig)})):
+            continue
+        (hp_values if section == "hp" else merged["train"])[name] = advice.value
+        filled[key] = f"{advice.value}: {advice.why}"
+    return filled
+
+
+def degeneracies(cfg: RunConfig) -> list[Any]:
+    """The `Degeneracy` records of a validated config: where the algorithm is another one or a key is inert."""
+    from fedcli.algorithms import ALGORITHMS
+    from fedcli.datasets.registry import TASKS
+
+    record = ALGORITHMS[cfg.algorithm.name]
+    if record.degenerate is None:
+        return []
+    task = TASKS.get(cfg.data.task) if cfg.data.file is None else None
+    merged = {"data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if v is not None},
+              "train": {"rounds": cfg.train.rounds, "clients_per_round": cfg.train.clients_per_round}}
+    facts = _facts(cfg.algorithm.name, merged, frozenset())
+    opt = cfg.train.optim(task.client_lr if task is not None else 0.01)
+    return list(record.degenerate(make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp), opt, facts))
+
+
+def run_tags(cfg: RunConfig) -> dict[str, str]:
+    """The tags a run records about its settings: fedcli.recommended and fedcli.degenerate (when any).
+
+    fedcli.degenerate holds `code: message` per degeneracy, joined by " | "; `fedcli report` footnotes it.
+    """
+    tags = {}
+    if cfg.recommended:
+        tags["fedcli.recommended"] = "; ".join(f"{k}={v.split(':', 1)[0]}" for k, v in sorted(cfg.recommended.items()))
+    found = degeneracies(cfg)
+    if found:
+        tags["fedcli.degenerate"] = " | ".join(f"{d.code}: {d.message}" for d in found)[:4000]
+    return tags
+
+
+# train.* keys each server optimiser reads (algorithms/optim.py server_opt_step): the others are inert
+SERVER_OPT_KEYS: Mapping[str, tuple[str, ...]] = {
+    "sgd": (), "momentum": ("server_momentum",), "adagrad": ("server_adagrad_beta1", "server_tau"),
+    "adam": ("server_beta1", "server_beta2", "server_tau", "server_bias_correction"),
+    "yogi": ("server_beta1", "server_beta2", "server_tau", "server_bias_correction"),
+}
+
+
+def warn_degenerate(cfgs: Sequence[RunConfig], swept: Sequence[str] = ()) -> list[str]:
+    """One warning line per distinct degeneracy of `cfgs` (a run, or a sweep's trials), each naming the fix;
+    for a sweep, also one line per swept key (`swept`: dotted keys) that has no effect in some trials."""
+    lines: dict[str, None] = {}
+    inert: dict[str, list[str]] = {}
+    optimiser_keys = {k for keys in SERVER_OPT_KEYS.values() for k in keys}
+    for cfg in cfgs:
+        for d in degeneracies(cfg):
+            lines[f"{cfg.algorithm.name} is degenerate here: {d.message}"] = None
+            for key in d.inert:
+                if key in swept or f"algorithm.{key}" in swept:
+                    inert.setdefault(key, []).append(cfg.algorithm.name)
+        for key in optimiser_keys - set(SERVER_OPT_KEYS.get(cfg.train.server_opt, ())):
+            if f"train.{key}" in swept:
+                inert.setdefault(f"train.{key}", []).append(f"server_opt={cfg.train.server_opt}")
+    for key, where in inert.items():
+        lines[f"swept key {key} has no effect in {len(where)} trial(s) ({', '.join(sorted(set(where)))}): their runs "
+              "repeat each other; drop it from the grid or fix what makes it inert (above)."] = None
+    for key in sorted({k for cfg in cfgs for k in cfg.recommended if k.startswith("train.")}):
+        section, _, name = key.partition(".")
+        values = {cfg.algorithm.name: getattr(cfg.train, name) for cfg in cfgs}
+        if len(set(values.values())) > 1:
+            by = ", ".join(f"{algo} {value}" for algo, value in sorted(values.items()))
+            lines[f"trials differ in {key} through recommendations ({by}): set {name} in the spec's base to "
+                  "compare at equal settings."] = None
+    return list(lines)
+
+
 def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | None = None,
                  hp: Mapping[str, Any] | None = None, doc: Mapping[str, Any] | None = None) -> RunConfig:
     """Load YAML (optional), apply dotted CLI overrides (None = not given), validate, freeze.
@@ -291,6 +472,9 @@ def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | Non
         hp: algorithm hyperparameters from --hp (override the file's algorithm.hp).
     """
     doc = dict(doc) if doc is not None else read_yaml(file) if file else {}
+    noted = doc.pop("recommended", None) or {}  # a sweep trial's config names what its sweep recommended
+    if not isinstance(noted, Mapping):
+        raise ConfigError(f"config key 'recommended' must be a mapping of key to 'value: why'; got {noted!r}.")
     for key in doc:
         if key != "seed" and key not in SECTIONS:
             raise ConfigError(f"unknown config section {key!r}{suggest(key, [*SECTIONS, 'seed'])}.")
@@ -314,13 +498,16 @@ def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | Non
                           "Write it as `hp: {rho: 0.1}`.")
     hp_values = {**dict(file_hp), **dict(hp or {})}
     algo_name = str(merged["algorithm"].get("name", AlgorithmConfig.name))
+    recommended = {**{str(k): str(v) for k, v in noted.items()}, **resolve_recommended(algo_name, merged, hp_values)}
     hyper = make_hyperparameters(algo_name, hp_values)
     sections = {name: build_section(name, cls, merged[name]) for name, cls in SECTIONS.items()
                 if name != "algorithm"}
     algorithm = AlgorithmConfig(name=algo_name, hp=dataclasses.asdict(hyper))
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"seed must be an integer >= 0; got {seed!r}.")
-    cfg = RunConfig(seed=seed, algorithm=algorithm, **sections)
+    if seed > INT_MAX:
+        raise ConfigError(f"seed must be <= {INT_MAX} (2**31 - 1, what the stores keep); got {seed!r}.")
+    cfg = RunConfig(seed=seed, algorithm=algorithm, recommended=recommended, **sections)
     validate(cfg)
     return cfg
 
@@ -344,6 +531,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.workers must be >= 1; got {t.workers!r}.")
     if t.threads is not None and t.threads < 1:
         raise ConfigError(f"train.threads must be >= 1; got {t.threads!r}.")
+    for key, value in (("workers", t.workers), ("threads", t.threads)):
+        if value is not None and value > THREADS_MAX:
+            raise ConfigError(f"train.{key} must be <= {THREADS_MAX}; got {value!r}. Give the cores to use "
+                              f"(--{key} N), or leave it out for the cores this process may use.")
     if t.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}; got {t.precision!r}.")
     if not (t.device in ("auto", "cpu", "cuda", "mps") or t.device.startswith("cuda:")):
@@ -387,6 +578,60 @@ def validate(cfg: RunConfig) -> None:
     if cfg.partition.scheme not in SCHEMES:
         raise ConfigError(f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}.")
     validate_partition(cfg.partition, cfg.data)
+    validate_tracking(cfg.tracking)
+
+
+def check_name(key: str, value: str, flag: str) -> None:
+    """An experiment, run or trial name: 1 to NAME_MAX_BYTES bytes of UTF-8, no control characters.
+
+    One limit for every store: PostgreSQL and MLflow refuse longer names where SQLite would keep
+    them, a report file is named after the experiment (255 bytes per file name), and PostgreSQL
+    refuses NUL characters.
+    """
+    if not value.strip():
+        raise ConfigError(f"{key} must be a non-empty name; got {value!r}. Pass {flag} NAME, or leave it out.")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > NAME_MAX_BYTES:
+        raise ConfigError(f"{key} must be at most {NAME_MAX_BYTES} bytes (UTF-8); got {size} bytes "
+                          f"({value[:40]!r}...). Pass {flag} a shorter name.")
+    bad = sorted({c for c in value if ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF})
+    if bad:
+        raise ConfigError(f"{key} must not hold control characters; got {value!r} (with {bad[0]!r}). "
+                          f"Pass {flag} a name of printable characters.")
+
+
+MLFLOW_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")  # MLflow's SQL and REST stores
+
+
+def validate_tracking(track: TrackingConfig) -> None:
+    """Names, and an MLflow URI MLflow can write, before anything is (docs/architecture.md §8)."""
+    check_name("tracking.experiment", track.experiment, "--experiment")
+    if track.run_name is not None:
+        check_name("tracking.run_name", track.run_name, "--run-name")
+    for key, flag, what in (("root", "--root", "a folder"), ("store", "--store", "a SQLAlchemy URL"),
+                            ("tracking_uri", "--tracking-uri", "an MLflow URI")):
+        value = getattr(track, key)
+        if value is not None and not value.strip():  # e.g. `--store "$STORE"` with STORE unset
+            raise ConfigError(f"tracking.{key} must be {what}; got {value!r}. Pass {flag} a value, or leave it out "
+                              "for the default.")
+    if not track.use_mlflow:
+        return
+    # a stored config's URI has its password masked (given_url asks for it when MLflow is used): check its scheme
+    uri = track.tracking_uri if is_masked(track.tracking_uri) else track.mlflow_uri
+    source = "--tracking-uri" if track.tracking_uri else "MLFLOW_TRACKING_URI"
+    scheme = uri.partition(":")[0].partition("+")[0].lower() if "://" in uri or uri.startswith("databricks") else ""
+    if scheme in MLFLOW_SCHEMES:
+        return
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true") and scheme in ("", "file"):
+        return  # MLflow's folder store, allowed by the user (MLflow 3 refuses it otherwise)
+    raise ConfigError(f"tracking.tracking_uri must be an MLflow store URI such as sqlite:///PATH/mlflow.db, "
+                      f"postgresql://HOST/DB or http://HOST:PORT; got {masked(uri)!r} (from {source}). Fix {source}, "
+                      "or pass --no-mlflow.")
+
+
+def masked(url: str) -> str:
+    """`scheme://user:***@host/...`: a URL as it may be shown (no password)."""
+    return re.sub(r"(//[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 def require_max_clients_support(task: Any, max_clients: int | None) -> None:
@@ -455,6 +700,18 @@ RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.keep_che
                        "tracking.use_mlflow")
 
 
+def same_run_config(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """True when two stored configs (`RunConfig.to_dict()`) differ at most in what `--resume` may change
+    (RESUMABLE_OVERRIDES): a checkpoint written before a resume that added rounds still fits its run."""
+    def fixed(doc: Mapping[str, Any]) -> str:
+        body = {k: v for k, v in doc.items() if k != "tracking"}
+        body["train"] = {k: v for k, v in dict(body.get("train") or {}).items()
+                         if f"train.{k}" not in RESUMABLE_OVERRIDES}
+        return canonical_json(body)
+
+    return fixed(a) == fixed(b)
+
+
 def resume_config(stored: Mapping[str, Any], overrides: Mapping[str, Any]) -> RunConfig:
     """Rebuild a stored run's config; only rounds, checkpointing, device and tracking may change.
 
@@ -467,4 +724,5 @@ def resume_config(stored: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ru
                           "change. Start a new run instead, or drop those options.")
     doc = {k: dict(v) if isinstance(v, Mapping) else v for k, v in stored.items()}
     hp = dict(doc["algorithm"].pop("hp", {}) or {})
+    hp = {**HP_ADDED.get(str(doc["algorithm"].get("name", AlgorithmConfig.name)), {}), **hp}
     return build_config(doc=doc, overrides=overrides, hp=hp)

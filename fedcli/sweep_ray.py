@@ -9,7 +9,9 @@ config sent as text) on its node, the trial's `train.workers` and `train.threads
 CPUs. At most `--workers` tasks are in flight, by default as many as the cluster's nodes
 hold. A resumed trial goes preferably to the node of its run (its checkpoints may be on that
 node's disk only). Tasks are never retried by Ray: a trial whose node dies reads
-`interrupted` in the store and the next rerun resumes it.
+`interrupted` in the store and the next rerun resumes it. Trials are claimed in the store by
+the driver as with the local backend (`sweeps.TrialClaims`, through `Scheduler._step`), so a
+Ray sweep and a local one, or two Ray sweeps, of one spec split the trials.
 
 Results go to the store and MLflow URIs the driver resolved, passed to each trial, so every
 node must reach them: on a cluster of more than one node a SQLite store or a file-based
@@ -70,12 +72,12 @@ class RayCluster:
 
     def scheduler(self, plans: Sequence[sweeps.Plan], *, workers: int | None, parent_run: str | None,
                   recheck: Callable[[sweeps.Plan], sweeps.Plan], read_runs: Callable[[], list[RunRecord]],
-                  track: TrackingConfig) -> RayScheduler:
+                  track: TrackingConfig, claims: sweeps.TrialClaims | None = None) -> RayScheduler:
         env = {"FEDCLI_STORE": track.store_url}
         if track.use_mlflow:
             env["MLFLOW_TRACKING_URI"] = track.mlflow_uri
         return RayScheduler(plans, cluster=self, workers=workers or self.default_workers(), parent_run=parent_run,
-                            recheck=recheck, read_runs=read_runs, env=env, cwd=str(Path.cwd()))
+                            recheck=recheck, read_runs=read_runs, env=env, cwd=str(Path.cwd()), claims=claims)
 
 
 @contextmanager
@@ -212,8 +214,9 @@ class RayScheduler(sweeps.Scheduler):
 
     def __init__(self, plans: Sequence[sweeps.Plan], *, cluster: RayCluster, workers: int, parent_run: str | None,
                  recheck: Callable[[sweeps.Plan], sweeps.Plan], read_runs: Callable[[], list[RunRecord]],
-                 env: Mapping[str, str], cwd: str) -> None:
-        super().__init__(plans, workers=workers, cores=cluster.cpus, parent_run=parent_run, recheck=recheck)
+                 env: Mapping[str, str], cwd: str, claims: sweeps.TrialClaims | None = None) -> None:
+        super().__init__(plans, workers=workers, cores=cluster.cpus, parent_run=parent_run, recheck=recheck,
+                         claims=claims)
         self.cluster, self.read_runs, self.env, self.cwd = cluster, read_runs, dict(env), cwd
         self.processes: list[RayTrial] = []  # type: ignore[assignment]
         self._task = cluster.ray.remote(run_trial)

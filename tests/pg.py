@@ -141,6 +141,7 @@ class PgServer:
     workdir: Path | None = None
     bindir: Path | None = None
     startup_s: float = 0.0
+    _options: str = ""  # the server options it was started with (port, socket folder): `restart` reuses them
     _user: Any = None
     _created: list[str] = field(default_factory=list)
     _counter: Any = field(default_factory=itertools.count)
@@ -220,6 +221,7 @@ class PgServer:
                     if attempt == 2:
                         raise
                     continue
+                server._options = options
                 break
             server.url = f"{DRIVER}://{SUPERUSER}@127.0.0.1:{port}/postgres"
             server._admin_execute("SELECT 1")
@@ -246,6 +248,20 @@ class PgServer:
                 self._run("pg_ctl", ["-D", str(data), "-m", "immediate", "-w", "-t", "10", "stop"])
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir = None
+
+    def restart(self, down_s: float) -> None:
+        """Stop the server (fast shutdown: clients are disconnected, as in a real restart), keep it
+        down `down_s` seconds, then start it again on the same port and socket folder.
+
+        Only for a throwaway cluster (`owned`): an external server is never restarted.
+        """
+        if not self.owned or self.workdir is None:
+            raise RuntimeError("restart() needs the throwaway cluster of PgServer.start(), not an external server")
+        data = str(self.workdir / "data")
+        self._run("pg_ctl", ["-D", data, "-m", "fast", "-w", "-t", str(START_TIMEOUT_S), "stop"])
+        time.sleep(down_s)
+        self._run("pg_ctl", ["-D", data, "-l", str(self.workdir / "server.log"), "-w", "-t", str(START_TIMEOUT_S),
+                             "-o", self._options, "start"])
 
     # ----------------------------------------------------------------- databases
 

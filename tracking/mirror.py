@@ -17,9 +17,14 @@ truth; MLflow is a copy that this process keeps up to date:
   is trained again on resume, so MLflow never gets it twice; and a round copied twice (the
   mirror killed between its write and its bookkeeping) is the same point twice, which
   MLflow's SQL store keeps once (identical key, value, step and timestamp);
-- when the run ends it uploads the run's files (config, partition, model), sets the status
-  and tags and exits; when the training process dies without ending the run (SIGKILL: the
-  mirror's stdin closes) it marks the MLflow run KILLED.
+- when the run ends it uploads the run's files (config, partition, model), sets the status,
+  the tags and the store's end time and exits; when the training process dies without
+  ending the run (SIGKILL: the mirror's stdin closes) it marks the MLflow run KILLED;
+- a mirror that dies alone (killed, out of memory) is restarted by the training process at
+  its next round, and once more at the run's end if it died after the last round
+  (`MirrorHandle.check`, `finish`), with a warning naming the signal or exit code;
+- the store and MLflow URLs reach it over its stdin, never on its command line: a password
+  in them would be visible to every user in `ps` (docs/architecture.md, "Security").
 
 `MirrorHandle` is the training process's side; `preflight` checks a tracking URI cheaply
 (no MLflow import) before anything is written.
@@ -30,9 +35,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import select
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -44,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcli.errors import ConfigError, TrackingError
+from fedcli.tracking.urls import mask_url
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,7 @@ POLL_S = 10.0  # how often the mirror looks for new rounds (the run's end wakes 
 FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before leaving it to finish alone
 READY_WAIT_S = 300.0  # how long a run waits for MLflow's set-up before its first round
 RETRY_S = 60.0  # how long a failing MLflow write is retried (a busy SQLite file, a restarting server)
+MAX_RESTARTS = 3  # a mirror that dies alone is restarted at most this often per run
 _PG_LOCK_KEY = 0x6D6C666C  # "mlfl": advisory-lock key of MLflow's schema set-up
 
 
@@ -82,7 +91,7 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
                 answer.read(64)
         except (urllib.error.URLError, OSError, ValueError) as err:
             reason = getattr(err, "reason", None) or err
-            raise ConfigError(f"MLflow server {uri} is not reachable ({reason}); {fix}.") from None
+            raise ConfigError(mask_url(f"MLflow server {uri} is not reachable ({reason}); {fix}.")) from None
         return
     path = sqlite_path(uri)
     if path is None:
@@ -177,25 +186,38 @@ class MirrorHandle:
     it the run; it opens MLflow (creating its schema under the lock), creates or reattaches
     the MLflow run and answers "ready", which `start` waits for, so that all of MLflow's
     set-up happens before round 1 and none of it competes with a round. `abort()` (the
-    command failed validation) ends it before it wrote anything.
+    command failed validation) ends it before it wrote anything. `check()` (every round)
+    restarts a mirror that died alone; `finish()` ends it, restarting it first if it died.
+
+    The store URL and the tracking URI go to the process as the first line of its stdin
+    (JSON), not as arguments: a password in them would show in `ps`.
     """
 
     def __init__(self, *, tracking_uri: str, experiment: str, store_url: str, runs_root: Path,
                  parent_run_id: str | None = None) -> None:
         self.tracking_uri, self.experiment, self.store_url = tracking_uri, experiment, store_url
         self.runs_root, self.parent_run_id = runs_root, parent_run_id
+        self.run_id: str | None = None
+        self.restarts = 0
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def spawn(self) -> MirrorHandle:
-        command = [sys.executable, "-m", "fedcli.tracking.mirror", "--store", self.store_url,
-                   "--tracking-uri", self.tracking_uri, "--experiment", self.experiment,
+    def spawn(self, *, run_id: str | None = None) -> MirrorHandle:
+        """Start the mirror process; with `run_id`, one that takes over the run at once (a restart)."""
+        command = [sys.executable, "-m", "fedcli.tracking.mirror", "--experiment", self.experiment,
                    "--runs-root", str(self.runs_root)]
         if self.parent_run_id:
             command += ["--parent-run", self.parent_run_id]
+        if run_id is not None:
+            command += ["--run", run_id, "--restart"]
         # its own session: a Ctrl-C in the terminal stops the training, while the mirror
         # finishes copying and marks the MLflow run as the store says
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, start_new_session=True)
+        assert self._proc.stdin is not None
+        secrets = json.dumps({"store": self.store_url, "tracking_uri": self.tracking_uri})
+        with contextlib.suppress(OSError):  # it died at once: start/finish say why
+            self._proc.stdin.write(f"{secrets}\n".encode())
+            self._proc.stdin.flush()
         return self
 
     def abort(self) -> None:
@@ -213,6 +235,7 @@ class MirrorHandle:
         """
         if self._proc is None:
             self.spawn()
+        self.run_id = run_id
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
         try:
@@ -226,25 +249,76 @@ class MirrorHandle:
             self._proc = None
             proc.kill()
             _, err = proc.communicate()
-            lines = [x for x in err.decode(errors="replace").splitlines() if x.strip()]
-            reason = lines[-1] if lines else f"no answer in {timeout_s:.0f} s"
-            raise TrackingError(f"{reason.removeprefix('MLflow mirror: ')}")
+            reason = _own_reason(err) or f"no answer in {timeout_s:.0f} s"
+            raise TrackingError(mask_url(reason))
+
+    def check(self) -> str | None:
+        """If the mirror died while the run trains, restart it; return a warning saying so (else None).
+
+        Costs one `waitpid` when it is alive: the round loop calls it every round. The new
+        mirror reattaches to the run's MLflow run and copies from the store what is missing
+        (copies are idempotent); after MAX_RESTARTS it is left dead (`fedcli sync` copies later).
+        """
+        proc = self._proc
+        if proc is None or self.run_id is None or proc.poll() is None:
+            return None
+        why = _death(proc)
+        if self.restarts >= MAX_RESTARTS:
+            self._proc = None
+            return (f"MLflow mirror (pid {proc.pid}) {why}, the {self.restarts + 1}th time; not restarted again "
+                    "(the SQL store is complete; `fedcli sync` copies the run into MLflow later)")
+        self.restarts += 1
+        self.spawn(run_id=self.run_id)
+        assert self._proc is not None
+        return (f"MLflow mirror (pid {proc.pid}) {why}; restarted it (pid {self._proc.pid}), which copies what "
+                "MLflow misses from the store")
 
     def finish(self, timeout_s: float = FINISH_WAIT_S) -> str | None:
-        """Tell the mirror the run ended (close its stdin) and wait; return a warning, if any."""
+        """Tell the mirror the run ended (close its stdin) and wait; return a warning, if any.
+
+        A mirror that died since the last `check` is restarted first, so that MLflow gets the
+        whole run before this process exits.
+        """
+        restarted = None
+        if self._proc is not None and self._proc.poll() is not None and self.run_id is not None:
+            dead = self._proc
+            self.spawn(run_id=self.run_id)
+            restarted = f"MLflow mirror (pid {dead.pid}) {_death(dead)}; restarted it at the run's end"
         proc, self._proc = self._proc, None
         if proc is None:
             return None
         try:  # communicate closes the mirror's stdin: its cue that the run ended
             _, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            return (f"MLflow is still being updated in the background (pid {proc.pid}); the SQL store is "
-                    "complete, and `fedcli sync` copies what MLflow misses")
+            return (f"{restarted + '; ' if restarted else ''}MLflow is still being updated in the background "
+                    f"(pid {proc.pid}); the SQL store is complete, and `fedcli sync` copies what MLflow misses")
         if proc.returncode != 0:
-            lines = [line for line in err.decode(errors="replace").splitlines() if line.strip()]
-            return (lines[-1] if lines else f"MLflow mirror exited with {proc.returncode}") + \
-                " (the SQL store is complete; `fedcli sync` copies the run into MLflow later)"
-        return None
+            return (f"{restarted + '; then ' if restarted else ''}MLflow mirror (pid {proc.pid}) {_death(proc, err)} "
+                    "(the SQL store is complete; `fedcli sync` copies the run into MLflow later)")
+        return f"{restarted}, which copied the run into MLflow" if restarted else None
+
+
+def _own_reason(err: bytes) -> str | None:
+    """The mirror's own last error line ("MLflow mirror: ..."), not MLflow's log lines."""
+    lines = [x.strip() for x in err.decode(errors="replace").splitlines() if x.strip()]
+    own = [x.removeprefix("MLflow mirror: ") for x in lines if x.startswith("MLflow mirror: ")]
+    return own[-1] if own else None
+
+
+def _death(proc: subprocess.Popen[bytes], err: bytes | None = None) -> str:
+    """How a mirror process ended: "was killed by SIGKILL", "exited with code 1 (reason)"."""
+    if err is None:
+        try:
+            _, err = proc.communicate(timeout=5)  # a dead process: only its stderr left to read
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            err = b""
+    code = proc.returncode
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    reason = _own_reason(err or b"")
+    return f"exited with code {code}" + (f" ({mask_url(reason)})" if reason else "")
 
 
 # --------------------------------------------------------------------------- the mirror process
@@ -288,12 +362,16 @@ class Mirror:
         self.synced = -1
         self.mlflow_run_id: str | None = None
 
-    def open_run(self) -> None:
-        """Create the MLflow run, or reattach to the one the store names (resume, `fedcli sync`)."""
+    def open_run(self, running: bool = True) -> None:
+        """Create the MLflow run, or reattach to the one the store names (resume, `fedcli sync`, a restart).
+
+        `running`: set a reattached run back to RUNNING (a run that trains again); `fedcli sync`
+        leaves its status alone until it sets the store's.
+        """
         record = self.record
         known = record.mlflow_run_id or self.sink.find_run(record.id)  # recorded, or made by a mirror killed early
         if known is not None and self.sink.exists(known):
-            _retry("reattach", lambda: self.sink.attach(known))
+            _retry("reattach", lambda: self.sink.attach(known, running=running))
             self.mlflow_run_id = known
             # copies are idempotent (same points are kept once), so start over unless a mirror
             # that ended in order recorded how far it got
@@ -332,22 +410,49 @@ class Mirror:
         self.synced = upto
 
     def finish(self, status: str) -> None:
-        """Upload the run's files, set the outcome, end the MLflow run; then record it in the store."""
+        """Upload the run's files, set the outcome, end the MLflow run at the store's end time; record it.
+
+        Files MLflow already holds at the same size are not uploaded again, and the model is
+        logged once per final round, so a second `fedcli sync` adds nothing.
+        """
         record = self.store.get_run(self.record.id)
+        held = self.sink.artifact_sizes()
         for path in sorted(Path(self.args.run_dir).glob("*")):
-            if path.is_file():
+            if path.is_file() and held.get(path.name) != path.stat().st_size:
                 _retry("artifact", lambda p=path: self.sink.log_artifact(p))
-        if status == "finished":
-            self.log_model(self.store.last_round(record.id) or 0)
+        last = self.store.last_round(record.id) or 0
+        if status == "finished" and last not in self.sink.model_steps():
+            self.log_model(last)
         tags = {"fedcli.status": status}
         if record.failure_reason:
             tags["fedcli.failure_reason"] = record.failure_reason
         if record.diverged_at_round is not None:
             tags["fedcli.diverged_at_round"] = str(record.diverged_at_round)
         _retry("tags", lambda: self.sink.set_tags(tags))
-        _retry("end", lambda: self.sink.end_run(status))
-        _retry("record", lambda: self.store.set_run_fields(
-            self.record.id, mlflow_run_id=self.mlflow_run_id, mlflow_synced_round=self.synced))
+        _retry("end", lambda: self.sink.end_run(status, end_ms=end_ms(record)))
+        if (record.mlflow_run_id, record.mlflow_synced_round) != (self.mlflow_run_id, self.synced):
+            _retry("record", lambda: self.store.set_run_fields(
+                self.record.id, mlflow_run_id=self.mlflow_run_id, mlflow_synced_round=self.synced))
+
+    def in_line(self) -> bool:
+        """True when MLflow already holds the ended run as the store says: nothing for `fedcli sync` to do.
+
+        The recorded MLflow run exists with the store's status and end time, the mirror that
+        ended it copied every round MLflow may have, and a finished run's model is logged.
+        """
+        record = self.record
+        if record.mlflow_run_id is None or record.mlflow_synced_round is None or record.status == "running":
+            return False
+        from fedcli.tracking.mlflow_sink import MLFLOW_STATUS
+
+        state = self.sink.run_state(record.mlflow_run_id)
+        if state != (MLFLOW_STATUS[record.status], end_ms(record)):
+            return False
+        self.mlflow_run_id = record.mlflow_run_id
+        last = self.store.last_round(record.id) or 0
+        return record.mlflow_synced_round >= self.safe_round(record.status) and (
+            record.status != "finished" or not (Path(self.args.run_dir) / "model.pt").is_file()
+            or last in self.sink.model_steps(record.mlflow_run_id))
 
     def log_model(self, step: int) -> None:
         """Log the final model as an MLflow model (tracking/served.py); a warning if it cannot be.
@@ -358,15 +463,24 @@ class Mirror:
         if not path.is_file():
             return
         try:
+            import tempfile
+
             import torch
 
             from fedcli import __version__
-            from fedcli.tracking.served import served_model
+            from fedcli.tracking.served import load_served, read_model_file, write_served
 
-            module, example = served_model(torch.load(path, map_location="cpu", weights_only=False))
+            saved = read_model_file(path)  # weights_only: a file that needs code is refused, not run
+            example = saved.get("example") if isinstance(saved.get("example"), torch.Tensor) else None
             requirements = [f"torch=={torch.__version__.split('+')[0]}", f"fedcli=={__version__}"]
-            _retry("model", lambda: self.sink.log_model(module, example=example, step=step,
-                                                        requirements=requirements))
+            with tempfile.TemporaryDirectory(prefix="fedcli-model-") as folder:
+                weights = Path(folder) / "served.pt"
+                write_served(saved, weights)
+                module = load_served(weights)  # the parameters fit the task's model
+                with torch.no_grad():
+                    output = None if example is None else module(example)
+                _retry("model", lambda: self.sink.log_model(weights, example=example, output=output, step=step,
+                                                            requirements=requirements))
         except Exception as err:  # noqa: BLE001 - any failure here leaves the run complete
             log.warning("the final model was not logged as an MLflow model (%s); model.pt is among the "
                         "run's artifacts", str(err).splitlines()[0] if str(err) else type(err).__name__)
@@ -376,15 +490,20 @@ class Mirror:
         record = self.store.get_run(self.record.id)
         if record.status == "running":
             raise TrackingError(f"run {record.id[:8]} is still training; its own mirror keeps MLflow in line")
-        self.open_run()
+        self.record = record
+        if self.in_line():
+            return 0
+        self.open_run(running=False)
         self.copy(self.safe_round(record.status))
         self.finish(record.status)
-        return 0
+        return 1
 
     def run(self) -> int:
         if self.args.once:
-            return self.run_once()
-        print("ready", flush=True)  # MLflow is imported and its store set up: round 1 may start
+            self.run_once()
+            return 0
+        if not getattr(self.args, "restart", False):  # a restart: the run trains already, nobody waits
+            print("ready", flush=True)  # MLflow is imported and its store set up: round 1 may start
         _idle_priority()  # from here on, never compete with a round (the set-up ran at normal priority)
         self.open_run()  # a few small writes: latency, not CPU
         parent_gone = False
@@ -403,6 +522,22 @@ class Mirror:
                 parent_gone = True  # EOF: re-read the status once more before deciding
 
 
+def quiet_mlflow() -> None:
+    """Keep MLflow's and Alembic's INFO lines (schema set-up, input-example validation) off stderr.
+
+    Called after MLflow is imported: importing it sets its logger's level again.
+    """
+    for noisy in ("alembic", "mlflow"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def end_ms(record: Any) -> int:
+    """The run's end in MLflow's unit (ms since the epoch) as the store says: `ended_at`, else (a
+    process that died without ending it) its last heartbeat, else now."""
+    ended = record.ended_at or record.heartbeat_at
+    return int(ended.timestamp() * 1000) if ended is not None else int(time.time() * 1000)
+
+
 def _idle_priority() -> None:
     """Run only when a core would otherwise idle (Linux SCHED_IDLE), else at nice 19.
 
@@ -417,25 +552,34 @@ def _idle_priority() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The mirror process. Its first stdin line is JSON {"store": URL, "tracking_uri": URI} (secrets
+    stay off the command line); then, unless --run is given, the run id."""
     parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mirror", description=__doc__.splitlines()[0])
-    parser.add_argument("--store", required=True)
     parser.add_argument("--run", help="the run; default: read its id from stdin (spawned early)")
-    parser.add_argument("--tracking-uri", required=True)
     parser.add_argument("--experiment", required=True)
     parser.add_argument("--run-dir")
     parser.add_argument("--runs-root")
     parser.add_argument("--parent-run")
     parser.add_argument("--once", action="store_true", help="copy an ended run once and exit (fedcli sync)")
+    parser.add_argument("--restart", action="store_true", help="take over a run that trains already (its mirror died)")
     args = parser.parse_args(argv)
+    if args.restart:
+        _idle_priority()  # the run trains already: even MLflow's import must not compete with its rounds
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
-    for noisy in ("alembic", "mlflow"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        secrets = json.loads(sys.stdin.readline() or "{}")
+        args.store, args.tracking_uri = str(secrets["store"]), str(secrets["tracking_uri"])
+    except (ValueError, KeyError, TypeError):
+        print("MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
+              "tracking_uri)", file=sys.stderr)
+        return 2
     import fedcli.tracking.mlflow_sink  # noqa: F401 - the slow import, while the training process loads data
 
+    quiet_mlflow()
     try:
         return Mirror(args).run()
     except TrackingError as err:
-        print(f"MLflow mirror: {err}", file=sys.stderr)
+        print(f"MLflow mirror: {mask_url(str(err))}", file=sys.stderr)
         return 1
 
 

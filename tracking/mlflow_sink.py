@@ -33,6 +33,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from fedcli.errors import TrackingError
 from fedcli.tracking.keys import check_metrics, flatten_config
+from fedcli.tracking.urls import mask_url
 
 __all__ = ["MlflowSink", "default_tracking_uri", "flatten_config"]
 
@@ -138,7 +139,7 @@ class MlflowSink:
             text = str(getattr(err, "orig", None) or err).strip().splitlines()
             reason = text[0] if text else type(err).__name__
             raise TrackingError(
-                f"MLflow store {self.tracking_uri!r} could not {what}: {reason}; {_MLFLOW_FIX}"
+                mask_url(f"MLflow store {self.tracking_uri!r} could not {what}: {reason}; {_MLFLOW_FIX}")
             ) from err
 
     def _experiment_id(self, name: str) -> str:
@@ -161,7 +162,7 @@ class MlflowSink:
                 self._client.set_experiment_tag(found.experiment_id, key, value)
         if found.lifecycle_stage == "deleted":
             raise TrackingError(
-                f"MLflow experiment {name!r} is deleted in {self.tracking_uri!r}; restore it "
+                f"MLflow experiment {name!r} is deleted in {mask_url(self.tracking_uri)!r}; restore it "
                 "(`mlflow experiments restore`) or pass another --experiment"
             )
         return found.experiment_id
@@ -256,13 +257,34 @@ class MlflowSink:
             for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
                 self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
 
-    def attach(self, run_id: str) -> None:
-        """Reattach to an existing MLflow run (for `--resume`) and set it back to RUNNING."""
+    def attach(self, run_id: str, running: bool = True) -> None:
+        """Reattach to an existing MLflow run (for `--resume`), set back to RUNNING unless `running` is False."""
         if self._run_id is not None:
             raise RuntimeError(f"MlflowSink already holds run {self._run_id}; use one sink per run")
-        with self._errors(f"reopen run {run_id}"):
-            self._client.update_run(run_id, status="RUNNING")
+        if running:
+            with self._errors(f"reopen run {run_id}"):
+                self._client.update_run(run_id, status="RUNNING")
         self._run_id = run_id
+
+    def run_state(self, run_id: str) -> tuple[str, int | None] | None:
+        """(MLflow status, end time in ms) of a run; None when the store has no such run."""
+        try:
+            info = self._client.get_run(run_id).info
+        except MlflowException:
+            return None
+        return info.status, info.end_time
+
+    def artifact_sizes(self) -> dict[str, int | None]:
+        """Name -> size of the files at the top of this run's artifacts (what an upload would replace)."""
+        with self._errors(f"list the artifacts of run {self.run_id}"):
+            return {Path(f.path).name: f.file_size for f in self._client.list_artifacts(self.run_id) if not f.is_dir}
+
+    def model_steps(self, run_id: str | None = None) -> set[int]:
+        """The steps at which models were logged as outputs of `run_id` (default: this sink's run)."""
+        run_id = run_id or self.run_id
+        with self._errors(f"read run {run_id}"):
+            outputs = self._client.get_run(run_id).outputs
+        return {int(out.step) for out in (outputs.model_outputs if outputs else [])}
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set string tags on the run, synchronously, in batches of ≤ 100."""
@@ -305,43 +327,45 @@ class MlflowSink:
         with self._errors(f"log artifact {artifact_file!r}"):
             self._client.log_text(self.run_id, text, artifact_file)
 
-    def log_model(self, model: object, *, example: object | None, step: int,
+    def log_model(self, weights: Path, *, example: object | None, output: object | None, step: int,
                   requirements: Sequence[str]) -> str:
-        """Log `model` (an `nn.Module`) as the run's MLflow model `model`, pytorch flavour.
+        """Log the run's MLflow model `model`: a pyfunc model from code, nothing pickled.
 
-        Explicit run id (`Model.log(run_id=...)`); the signature is inferred from `example`
-        (rows of the data set) and the module's output on it; `requirements` are given, so
-        MLflow does not infer them (that imports the module in a subprocess: seconds).
-        Returns the MLflow model id (`models:/<id>` loads it).
+        The code is tracking/mlflow_model.py (MLflow copies it and runs it on load); its one
+        artifact is `weights` (`served.pt`, tracking/served.py). Explicit run id
+        (`Model.log(run_id=...)`); the signature is inferred from `example` (rows of the data
+        set, also the model's input example) and `output` (the module's output on it);
+        `requirements` are given, so MLflow does not infer them (that imports the module in a
+        subprocess: seconds). Returns the MLflow model id (`models:/<id>` loads it).
         """
-        import mlflow
-        import mlflow.pytorch
-        import torch
+        import importlib.util
+
+        import mlflow.pyfunc
         from mlflow.models import Model, infer_signature
 
+        spec = importlib.util.find_spec("fedcli.tracking.mlflow_model")
+        code = spec.origin if spec is not None else None
         with self._errors("log the model"), global_tracking_uri(self.tracking_uri):  # Model.log's client
-            signature = None
-            if example is not None:
-                with torch.no_grad():
-                    out = model(example)  # type: ignore[operator]
-                signature = infer_signature(example.numpy(), out.numpy())  # type: ignore[attr-defined]
+            if code is None:
+                raise OSError("fedcli.tracking.mlflow_model is not installed")
+            rows = None if example is None else example.numpy()  # type: ignore[attr-defined]
+            signature = None if rows is None else infer_signature(rows, output.numpy())  # type: ignore[union-attr]
             # created here, in the run's experiment: Model.log alone would put it in the active
             # (Default) experiment under ./mlruns
             logged = self._client.create_logged_model(experiment_id=self.experiment_id, name="model",
                                                       source_run_id=self.run_id)
-            # pickle, not MLflow's default pt2: pt2 needs an input example, which MLflow then
-            # validates by serving it (9 s vs 3 s per run, measured on the 2-core box under load)
-            Model.log(None, name="model", flavor=mlflow.pytorch, run_id=self.run_id, pytorch_model=model,
-                      signature=signature, pip_requirements=list(requirements), step=step,
-                      model_id=logged.model_id, serialization_format="pickle")
+            Model.log(None, name="model", flavor=mlflow.pyfunc, run_id=self.run_id, python_model=code,
+                      artifacts={"weights": str(weights)}, signature=signature, input_example=rows,
+                      pip_requirements=list(requirements), step=step, model_id=logged.model_id)
             return str(logged.model_id)
 
-    def end_run(self, status: str) -> None:
+    def end_run(self, status: str, end_ms: int | None = None) -> None:
         """Flush queued metrics, then terminate the run.
 
         Args:
             status: fedcli status `finished`, `failed` or `interrupted` (-> MLflow
                 FINISHED, FAILED, KILLED).
+            end_ms: The run's end (ms since the epoch), as the SQL store says; default now.
         """
         if status not in MLFLOW_STATUS:
             raise ValueError(f"status must be one of {', '.join(MLFLOW_STATUS)}; got {status!r}.")
@@ -350,7 +374,7 @@ class MlflowSink:
         finally:
             with self._errors(f"end run {self.run_id}"):
                 self._client.set_terminated(
-                    self.run_id, status=MLFLOW_STATUS[status], end_time=int(time.time() * 1000)
+                    self.run_id, status=MLFLOW_STATUS[status], end_time=end_ms or int(time.time() * 1000)
                 )
         log.debug("mlflow: ended run %s as %s", self.run_id, MLFLOW_STATUS[status])
 

@@ -29,6 +29,7 @@ from fedcli.errors import ConfigError
 from fedcli.tracking import metric_defs as md
 from fedcli.tracking.keys import flatten_config
 from fedcli.tracking.store import RunRecord, SqlStore
+from fedcli.tracking.urls import mask_url
 
 __all__ = ["Column", "Group", "Report", "ReportSpec", "build_report", "default_smooth", "default_window",
            "group_label", "render_csv", "render_json", "render_markdown", "resolve_key", "resolve_metric"]
@@ -433,6 +434,11 @@ def _window_notes(asked: ReportSpec, rounds_run: int) -> list[str]:
 def _notes(report: Report) -> list[str]:
     notes = []
     for group in report.groups:
+        found = sorted({d for r in group.runs for d in (r.tags.get("fedcli.degenerate") or "").split(" | ") if d})
+        if found:
+            count = sum(bool(r.tags.get("fedcli.degenerate")) for r in group.runs)
+            notes.append(f"Group **{group.label}**: {count} of {len(group.runs)} run(s) ran a degenerate configuration "
+                         f"(tag fedcli.degenerate): {'; '.join(found)}")
         if group.mixed:
             shown = "; ".join(f"{k}: {', '.join(v)}" for k, v in group.mixed.items())
             notes.append(f"Group **{group.label}** mixes runs whose configs differ in more than the seed ({shown}); "
@@ -443,7 +449,28 @@ def _notes(report: Report) -> list[str]:
         odd = sorted({r.status for r in group.runs} - {"finished"})
         if odd:
             notes.append(f"Group **{group.label}** includes runs that did not finish (status {', '.join(odd)}).")
-    return notes
+    return notes + _identical_notes(report)
+
+
+def _identical_notes(report: Report) -> list[str]:
+    """One note per set of groups whose metric curves are identical, run for run (seed order), every round:
+    their rows and curves coincide (the curve drawn last hides the others)."""
+    def signature(group: Group) -> tuple[tuple[bytes, bytes], ...] | None:
+        curves = [report.curves[r.id].get(report.metric) for r in group.runs]
+        present = [c for c in curves if c is not None and c[0].size]
+        if len(present) < len(curves):
+            return None
+        return tuple((c[0].tobytes(), c[1].tobytes()) for c in present)
+
+    same: dict[tuple[tuple[bytes, bytes], ...], list[str]] = {}
+    for group in report.groups:
+        key = signature(group)
+        if key is not None:
+            same.setdefault(key, []).append(group.label)
+    return [f"Groups {', '.join(f'**{g}**' for g in labels)} have identical {report.metric} curves (every run, every "
+            "round): they computed the same model, so their rows are equal and their curves overlap in the figures; "
+            "see their configuration differences and any degenerate-run note above."
+            for labels in same.values() if len(labels) > 1]
 
 
 # --------------------------------------------------------------------------- formatting
@@ -486,18 +513,22 @@ def format_cell(summary: md.SeedSummary, unit: str, scale: float, rounds_run: st
 
 
 def _best_groups(report: Report, column: Column, scale: float) -> set[int]:
-    """Indices of the groups holding the column's best mean (all seeds with a value), ties included."""
-    if len(report.groups) < 2:
-        return set()
+    """The index of the group whose mean beats the runner-up's by more than the seed spread (BOLD_RULE);
+    empty when fewer than two groups have every seed's value, on ties, or when the spread covers the gap.
+
+    Means and standard deviations are compared as shown (rounded to the table's decimals), so a bold cell
+    is never equal to another cell of its column.
+    """
     shown = {}
     for i, group in enumerate(report.groups):
         s = group.summary[column.id]
-        if s.mean is not None and s.count == s.total:
-            shown[i] = float(format_number(s.mean, column.unit, scale))
-    if not shown:
+        if s.mean is not None and s.std is not None and s.count == s.total:
+            shown[i] = (float(format_number(s.mean, column.unit, scale)), float(format_number(s.std, column.unit, scale)))
+    if len(shown) < 2:
         return set()
-    best = min(shown.values()) if column.lower_is_better else max(shown.values())
-    return {i for i, v in shown.items() if v == best}
+    order = sorted(shown, key=lambda i: shown[i][0], reverse=not column.lower_is_better)
+    (best, best_std), (second, second_std) = shown[order[0]], shown[order[1]]
+    return {order[0]} if abs(best - second) > max(best_std, second_std) else set()
 
 
 def _rounds_run(group: Group, report: Report) -> str:
@@ -531,8 +562,11 @@ def markdown_table(report: Report, columns: Sequence[Column]) -> list[str]:
 # --------------------------------------------------------------------------- renderers
 
 CONVENTIONS = ("cells are mean ± sample std (ddof 1) over the group's seeds; (k/n): only k of n seeds have a "
-               "value; the best value per column is in **bold** (among groups where every seed has one); "
-               "↑/↓: higher/lower is better; — : no value (footnote under each table)")
+               "value; **bold**: see the rule under each table; ↑/↓: higher/lower is better; — : no value "
+               "(footnote under each table)")
+BOLD_RULE = ("Bold: the best mean of a column, only where it beats the runner-up by more than the larger of their "
+             "two seed standard deviations (as shown; among groups where every seed has a value); no bold on ties "
+             "or when the spread covers the gap.")
 _TITLES = {
     "main": "Table 3 layout",
     "comm": "Communication: bytes to each threshold and in total",
@@ -568,7 +602,7 @@ def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> 
     runs = [r for g in report.groups for r in g.runs]
     group_by = ", ".join(spec.group_by) if spec.group_by else "every config key that differs between runs, except seed"
     lines = [f"# fedcli report: {report.metric}", "",
-             f"- command: `{spec.command}`", f"- store: `{shown_store(report.store_url)}`",
+             f"- command: `{mask_url(spec.command)}`", f"- store: `{shown_store(report.store_url)}`",
              f"- runs: {len(runs)} in {len(report.groups)} group(s); experiments: {', '.join(experiments)}",
              f"- metric: {report.metric} ({'↓' if md.is_lower_better(report.metric) else '↑'}); "
              f"R = {', '.join(map(str, report.at))}; window {spec.window}; smoothing {spec.smooth}",
@@ -577,7 +611,8 @@ def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> 
         if not columns:
             continue
         title = f"{report.metric} ({_TITLES[name]})" if name == "main" else _TITLES[name]
-        lines += [f"## {title}", "", *markdown_table(report, columns), "", _definitions(report, name), ""]
+        lines += [f"## {title}", "", *markdown_table(report, columns), "", _definitions(report, name), "",
+                  BOLD_RULE, ""]
     if figures:
         lines += ["## Figures", ""]
         lines += [f"![{caption}]({path})\n\n{caption}\n" for caption, path in figures]
@@ -599,8 +634,14 @@ def _config_section(report: Report) -> list[str]:
     lines = ["## Configuration", ""]
     configs = {r.id: run_config(r) for g in report.groups for r in g.runs}
 
+    recommended = {r.id: recommended_keys(r) for g in report.groups for r in g.runs}
+
     def values(group: Group, key: str) -> str:
         return ", ".join(sorted({_value(configs[r.id], key) or MISSING for r in group.runs}, key=_sort_value))
+
+    def marked(group: Group, key: str) -> str:
+        taken = any(key in recommended[r.id] for r in group.runs)
+        return values(group, key) + (" (recommended)" if taken else "")
 
     result_keys = [k for k in report.varying if k not in NON_RESULT_KEYS]
     between = [k for k in result_keys if len({values(g, k) for g in report.groups}) > 1]
@@ -609,8 +650,13 @@ def _config_section(report: Report) -> list[str]:
                   "several values: they differ inside the group, see Notes):", "",
                   "| key | " + " | ".join(g.label for g in report.groups) + " |",
                   "|---|" + "---|" * len(report.groups)]
-        lines += [f"| `{display_key(k)}` | " + " | ".join(values(g, k) for g in report.groups) + " |" for k in between]
+        lines += [f"| `{display_key(k)}` | " + " | ".join(marked(g, k) for g in report.groups) + " |" for k in between]
         lines.append("")
+        if any(k in keys for k in between for keys in recommended.values()):
+            lines += ["(recommended): the value the algorithm (or the task) recommends, applied because the run did "
+                      "not set the key (tag fedcli.recommended, `fedcli list algos NAME`); where such a shared setting "
+                      "(e.g. `local_epochs`) differs, the groups ran at unequal settings: set it explicitly to compare "
+                      "at equal ones.", ""]
     execution = [k for k in report.varying if k in NON_RESULT_KEYS]
     if execution:
         shown = "; ".join(f"`{k}`: {', '.join(sorted({c.get(k, MISSING) for c in configs.values()}, key=_sort_value))}"
@@ -619,6 +665,13 @@ def _config_section(report: Report) -> list[str]:
     lines += ["Common to all runs (tracking.* omitted: it says where results go, not what produced them):", ""]
     lines += [f"- `{k}` = {v}" for k, v in report.common.items()]
     return [*lines, ""]
+
+
+def recommended_keys(record: RunRecord) -> set[str]:
+    """Flattened config keys a run took from a recommendation (its tag fedcli.recommended: `hp.x=1; train.y=2`)."""
+    tag = record.tags.get("fedcli.recommended") or ""
+    keys = {item.split("=", 1)[0].strip() for item in tag.split(";") if "=" in item}
+    return {f"algorithm.{k}" if k.startswith("hp.") else k for k in keys}
 
 
 def _rows(report: Report) -> list[dict[str, Any]]:
@@ -663,7 +716,7 @@ def render_json(report: Report) -> str:
              "config_hash": r.tags.get("fedcli.config_hash", r.config_hash),
              "values": {c: v[i] for c, v in g.values.items()}}
             for g in report.groups for i, r in enumerate(g.runs)]
-    doc = {"command": spec.command, "store": shown_store(report.store_url), "metric": report.metric, "at": list(report.at),
+    doc = {"command": mask_url(spec.command), "store": shown_store(report.store_url), "metric": report.metric, "at": list(report.at),
            "thresholds": list(spec.thresholds), "window": spec.window, "smooth": spec.smooth,
            "columns": {t: [{"id": c.id, "header": c.header, "lower_is_better": c.lower_is_better, "unit": c.unit}
                            for c in cols] for t, cols in report.tables.items()},
@@ -686,10 +739,11 @@ def shared_partition(report: Report) -> dict[str, str] | None:
 def shown_store(url: str) -> str:
     """A SQLite store URL as a report shows it: relative to the working folder when the file lies
     under it (`sqlite:///reproductions/runs/fedcli.db`), so that a committed report names no
-    machine's paths and its command reruns from the same folder; any other URL as it is."""
+    machine's paths and its command reruns from the same folder; any other URL with its password
+    masked (`user:***@host`; the recorded command line likewise: docs/architecture.md, "Security")."""
     prefix = "sqlite:///"
     if not url.startswith(prefix):
-        return url
+        return mask_url(url)
     path = Path(url[len(prefix):])
     try:
         return prefix + str(path.relative_to(Path.cwd())) if path.is_absolute() else url

@@ -1,20 +1,32 @@
 """The trained global model as a plain `nn.Module` that takes the data set's stored inputs.
 
 `model.pt` holds the global parameters, not a module: fedcli trains through
-`torch.func.functional_call`. `served_model(saved)` rebuilds the task's module, loads the
+`torch.func.functional_call`. `served_model(...)` rebuilds the task's module, loads the
 parameters and wraps it with the task's `prepare` (stored inputs -> model inputs, e.g.
 uint8 pixels -> floats in [0, 1]), so that `module(x)` on rows of the data set gives the
-logits fedcli evaluates. The MLflow mirror logs this module as the run's MLflow model
-(pytorch flavour, docs/architecture.md §6); `mlflow.pytorch.load_model` returns it.
+logits fedcli evaluates.
+
+The MLflow mirror logs it as the run's MLflow model without pickling code
+(docs/architecture.md, "Security"): a pyfunc model from code (tracking/mlflow_model.py,
+MLflow's "models from code") whose one artifact, `served.pt`, holds the parameters and the
+names of the task and model in plain containers (`write_served`); loading it
+(`load_served`, `torch.load(weights_only=True)`) rebuilds the module through the task
+registry, the importable model factory. `mlflow.pyfunc.load_model(uri).predict(rows)` gives
+the logits; `.unwrap_python_model().module` is the `nn.Module`.
 """
 
 from __future__ import annotations
 
+import pickle
+import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+SERVED_FORMAT = 1  # served.pt: {"format", "params", "task", "model", "data_file"}
 
 
 class ServedModel(nn.Module):
@@ -29,25 +41,62 @@ class ServedModel(nn.Module):
         return self.net(self.prepare(x))
 
 
-def served_model(saved: Mapping[str, Any]) -> tuple[ServedModel, Tensor | None]:
-    """Return (module with the run's global parameters, a two-row input example or None).
+def served_model(params: Mapping[str, Tensor], task: str, model: str, data_file: str | None) -> ServedModel:
+    """The task's `model` module with `params` loaded, behind the task's `prepare`, in eval mode.
 
-    `saved` is a loaded `model.pt` (fedcli.engine.train._save_model). Raises KeyError or
-    ValueError when the file does not match its task's model (another fedcli version).
+    Raises:
+        ValueError: `params` do not fit the model (another fedcli version, another model).
+        KeyError: an unknown task or model name.
     """
     from fedcli.datasets.registry import resolve_task
 
-    config = saved["config"]
-    task = resolve_task(saved["task"], saved["model"], config["data"].get("file"))
+    resolved = resolve_task(task, model, data_file)
     with torch.random.fork_rng(devices=[]):
-        net = task.models[saved["model"]]()
-    params = {k: v.detach().to("cpu") for k, v in saved["params"].items()}
-    missing, unexpected = net.load_state_dict(params, strict=False)
+        net = resolved.models[model]()
+    weights = {k: v.detach().to("cpu") for k, v in params.items()}
+    missing, unexpected = net.load_state_dict(weights, strict=False)
     names = dict(net.named_parameters())
     if unexpected or any(k in names for k in missing):
-        raise ValueError(f"model.pt does not fit model {saved['model']!r}: missing {sorted(missing)[:3]}, "
+        raise ValueError(f"the parameters do not fit model {model!r}: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}")
-    module = ServedModel(net, task.prepare).eval()
+    module = ServedModel(net, resolved.prepare).eval()
     for p in module.parameters():
         p.requires_grad_(False)
-    return module, saved.get("example")
+    return module
+
+
+def read_model_file(path: Path) -> dict[str, Any]:
+    """A run's `model.pt`, read with `torch.load(weights_only=True)` (the mirror's reader; no code runs).
+
+    Raises:
+        ValueError: one line: unreadable, needing code to load, or not a fedcli model.
+    """
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        raise ValueError(f"{path} needs code to load (a pickled {found[1] if found else 'object'}); fedcli never "
+                         "runs code from a file. If you wrote it and trust it, convert it: "
+                         f"python -m fedcli.engine.checkpoint --trust {path}") from None
+    except Exception as err:  # noqa: BLE001 - a damaged file: RuntimeError, EOFError, OSError ...
+        raise ValueError(f"{path} cannot be read ({(str(err).splitlines() or [type(err).__name__])[0][:160]})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("params"), dict) or \
+            not all(isinstance(saved.get(k), str) for k in ("task", "model")):
+        raise ValueError(f"{path} is not a fedcli model.pt (no params, task and model)")
+    return saved
+
+
+def write_served(saved: Mapping[str, Any], path: Path) -> None:
+    """Write the MLflow model's artifact `served.pt` from a read `model.pt`: parameters and names only."""
+    config = saved.get("config") if isinstance(saved.get("config"), Mapping) else {}
+    data = config.get("data") if isinstance(config.get("data"), Mapping) else {}
+    torch.save({"format": SERVED_FORMAT, "params": dict(saved["params"]), "task": saved["task"],
+                "model": saved["model"], "data_file": data.get("file")}, path)
+
+
+def load_served(path: str | Path) -> ServedModel:
+    """The module of an MLflow model's `served.pt` (read with weights_only=True: no code runs)."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or saved.get("format") != SERVED_FORMAT:
+        raise ValueError(f"{path} is not a fedcli served.pt of format {SERVED_FORMAT}")
+    return served_model(saved["params"], saved["task"], saved["model"], saved.get("data_file"))

@@ -138,6 +138,8 @@ class Tracker:
             ValueError: For a malformed metric key.
         """
         self.store.log_round(self.run_id, round_idx, check_metrics(metrics, round_idx), clients)
+        if self.mirror is not None:  # one waitpid: a mirror that died alone is restarted, never waited for
+            self._warn(self.mirror.check())
 
     def checkpoint(self, round_idx: int, path: str | Path) -> None:
         """Record a checkpoint written after `round_idx` (MLflow may now copy rounds up to it)."""
@@ -156,8 +158,10 @@ class Tracker:
         """
         self.store.end_run(self.run_id, status, reason=reason, diverged_at_round=diverged_at_round)
         if self.mirror is not None:
-            warning = self.mirror.finish()
-            if warning:
-                self.warnings.append(warning)
-                log.warning("MLflow: %s", warning)
+            self._warn(self.mirror.finish())
         log.info("run %s %s", self.run_id, status)
+
+    def _warn(self, warning: str | None) -> None:
+        if warning:
+            self.warnings.append(warning)
+            log.warning("MLflow: %s", warning)

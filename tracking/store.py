@@ -14,6 +14,19 @@ that several `fedcli train … &` processes can write the same file at once:
 
 Metrics are stored in long form, one row per (run, round, key), written one transaction
 per round; re-logging a (run, round, key) overwrites it, which `--resume` relies on.
+
+One writer per run and per trial (docs/architecture.md, "Run lifecycle"): the process that
+starts or resumes a run holds its **lease** (`runs.lease`, a random token); every write it
+makes to that run is an `UPDATE … WHERE lease = <its token>` in the write's own transaction,
+so a process whose run was taken over writes nothing more and gets `RunTakenOver`. A run is
+taken over only when its owner is gone: on the same host its pid no longer exists (a stopped
+process is alive), elsewhere its heartbeat is older than `STALE_S`. Sweep trials are claimed
+the same way (`trial_claims`, `claim_trial`).
+
+A stalled process never stalls the others: opening a store only reads its schema (the write
+lock is taken only to create or migrate it), reads never lock (WAL), and a write that finds
+the file locked, or a PostgreSQL server gone, is retried for `FEDCLI_STORE_RETRY_S` (60 s)
+with a line naming the holder ("locked by pid N (running run X)") before it gives up.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import contextlib
 import dataclasses
 import difflib
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -30,6 +44,7 @@ import os
 import re
 import socket
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -53,10 +68,18 @@ from sqlalchemy import (
     select,
     text,
 )
+from sqlalchemy import update as sql_update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.engine.url import URL, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DisconnectionError,
+    InterfaceError,
+    NoSuchModuleError,
+    OperationalError,
+    SQLAlchemyError,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -71,13 +94,17 @@ __all__ = [
     "RUN_STATUSES",
     "Base",
     "Checkpoint",
+    "Claim",
     "ClientMetric",
     "Evaluation",
     "Experiment",
     "RoundMetric",
     "Run",
     "RunRecord",
+    "RunTakenOver",
     "SqlStore",
+    "StoreUnavailable",
+    "TrialClaim",
     "canonical_json",
     "config_hash",
     "default_store_url",
@@ -88,9 +115,13 @@ log = logging.getLogger(__name__)
 RUN_STATUSES = ("running", "finished", "failed", "interrupted")
 END_STATUSES = ("finished", "failed", "interrupted")
 SETTABLE_RUN_FIELDS = frozenset({"model_path", "mlflow_run_id", "git_commit", "mlflow_synced_round"})
-SQLITE_BUSY_TIMEOUT_MS = 30_000
+SQLITE_BUSY_TIMEOUT_MS = 5_000  # one attempt at SQLite's write lock (at most a quarter of the retry bound)
+_WAL_SWITCH_S = 30.0  # how long opening a new file retries its switch to WAL (`_enable_wal`)
 HEARTBEAT_S = 10.0  # a live run refreshes runs.heartbeat_at this often (fedcli.engine.lifecycle)
-STALE_S = 60.0  # a `running` run whose heartbeat is older than this reads as `interrupted`
+STALE_S = 60.0  # a `running` run of another host whose heartbeat is older than this reads as `interrupted`
+RETRY_S = 60.0  # how long a write waits for a locked SQLite file, or any call for a lost PostgreSQL server
+STALE_ENV, RETRY_ENV = "FEDCLI_STALE_S", "FEDCLI_STORE_RETRY_S"  # override the two (seconds; tests use short ones)
+TAKEN_OVER_EXIT = 75  # exit code of a process whose run another process took over (EX_TEMPFAIL)
 HOSTNAME = socket.gethostname()
 _LOCK_KEY = 0x66656463  # "fedc": the PostgreSQL advisory-lock key of schema setup
 _BEGIN_OPTION = "fedcli_sqlite_begin"  # execution option read by the SQLite "begin" hook
@@ -135,6 +166,97 @@ def default_store_url(root: Path = Path("fedcli-runs")) -> str:
 
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A duration in seconds from the environment variable `name` (default when unset).
+
+    Raises:
+        ConfigError: The value is not a number > 0.
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a number of seconds > 0; got {raw!r}. Unset it to use {default:g} s.")
+    return value
+
+
+def stale_s() -> float:
+    """`STALE_S`, or `FEDCLI_STALE_S` when set: heartbeat age after which another host's run is gone."""
+    return _env_seconds(STALE_ENV, STALE_S)
+
+
+def retry_s() -> float:
+    """`RETRY_S`, or `FEDCLI_STORE_RETRY_S` when set: how long a locked or unreachable store is retried."""
+    return _env_seconds(RETRY_ENV, RETRY_S)
+
+
+class RunTakenOver(TrackingError):
+    """This process lost its lease on a run: another process resumed it. Nothing more was written.
+
+    The CLI exits with `exit_code` (75), distinct from a failure (1) or bad input (2).
+    """
+
+    exit_code = TAKEN_OVER_EXIT
+
+    def __init__(self, run_id: str, pid: int | None, host: str | None) -> None:
+        super().__init__(f"run {run_id[:8]} was taken over by pid {pid} on host {host}; this process stopped "
+                         "writing (its rounds after the takeover are the other process's to log)")
+        self.run_id, self.pid, self.host = run_id, pid, host
+
+
+class StoreUnavailable(TrackingError):
+    """The store stayed locked, or its server unreachable, for longer than `retry_s()`."""
+
+
+class _Transient(TrackingError):
+    """A failure worth retrying: `kind` is "locked" (SQLite's write lock) or "lost" (the server connection)."""
+
+    def __init__(self, kind: str, what: str, err: BaseException) -> None:
+        super().__init__(_first_line(err))
+        self.kind, self.what = kind, what
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process from /proc/PID/stat; None
+    when /proc does not show it (no such process, no /proc, or hidden: `hidepid`)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])  # fields 3 (state) and 22 (starttime) of proc(5)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_start(pid: int | None = None) -> int | None:
+    """The start time (clock ticks since boot) of process `pid` (default: this one); None off Linux.
+
+    Stored with the pid (`runs.pid_start`, `trial_claims.pid_start`) so that a pid the kernel
+    reused for another process does not pass for the owner.
+    """
+    stat = _proc_stat(os.getpid() if pid is None else pid)
+    return None if stat is None else stat[1]
+
+
+def _pid_state(pid: int, started: int | None = None) -> str:
+    """"alive", "stopped" (SIGSTOP, a suspended job: alive) or "gone" (absent, a zombie, a reused pid).
+
+    From /proc when it shows the process; else (no /proc, or another user's process hidden by
+    `hidepid`) the kernel's answer to signal 0 decides, without the start-time check.
+    """
+    stat = _proc_stat(pid)
+    if stat is None:
+        return "alive" if _pid_alive(pid) else "gone"
+    if stat[0] in ("Z", "X") or (started is not None and stat[1] != started):
+        return "gone"
+    return "stopped" if stat[0] in ("T", "t") else "alive"
 
 
 def _first_line(err: BaseException) -> str:
@@ -225,6 +347,42 @@ class Run(Base):
     pid: Mapped[int | None]  # its process id
     mlflow_synced_round: Mapped[int | None]  # highest round the MLflow mirror has written
     requested_json: Mapped[str | None] = mapped_column(Text)  # the config as asked for (config_json: as run)
+    lease: Mapped[str | None] = mapped_column(String(32))  # token of the process that owns the run (one writer)
+    pid_start: Mapped[int | None] = mapped_column(BigInteger())  # that process's start time (a reused pid differs)
+
+
+class TrialClaim(Base):
+    """A sweep trial (experiment, config hash) claimed by the sweep process that starts it.
+
+    Taken atomically right before the trial starts (`SqlStore.claim_trial`) and released
+    when its process exits, so two sweeps of one spec split the trials between them. A
+    claim whose owner is gone (pid gone on this host, heartbeat older than `STALE_S`
+    elsewhere) is taken over.
+    """
+
+    __tablename__ = "trial_claims"
+
+    experiment: Mapped[str] = mapped_column(String(250), primary_key=True)
+    config_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int]
+    pid_start: Mapped[int | None] = mapped_column(BigInteger())
+    claimed_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    heartbeat_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A live claim on a sweep trial held by another process (`claim_trial`'s answer)."""
+
+    experiment: str
+    config_hash: str
+    host: str
+    pid: int
+    claimed_at: datetime
+
+    def __str__(self) -> str:
+        return f"claimed by the sweep pid {self.pid} on {self.host}"
 
 
 class RoundMetric(Base):
@@ -321,18 +479,28 @@ class RunRecord:
 def _liveness(run: Run, now: datetime) -> tuple[str, str | None]:
     """(status, reason) of a run as it stands now: a `running` run whose process is gone is `interrupted`.
 
-    Gone means: its heartbeat is older than `STALE_S`, or it runs on this host and its pid
-    no longer exists (so a killed run reads as interrupted at once on its own machine).
+    On this host the process decides: the run is alive while its pid exists with the start
+    time recorded (a process stopped by SIGSTOP, or a suspended laptop, is alive however old
+    its heartbeat), and gone, at once, when it does not. A run of another host is gone when
+    its heartbeat is older than `stale_s()` (`STALE_S`, 60 s).
     """
     if run.status != "running":
         return run.status, run.failure_reason
-    beat = run.heartbeat_at or run.created_at
-    age = (now - beat).total_seconds()
-    if age > STALE_S:
+    if run.host == HOSTNAME and run.pid is not None:
+        if _pid_state(run.pid, run.pid_start) == "gone":
+            return "interrupted", f"process {run.pid} on {run.host} is gone (killed)"
+        return "running", None
+    age = (now - (run.heartbeat_at or run.created_at)).total_seconds()
+    if age > stale_s():
         return "interrupted", f"no heartbeat for {age:.0f} s (process killed or machine down)"
-    if run.host == HOSTNAME and run.pid is not None and not _pid_alive(run.pid):
-        return "interrupted", f"process {run.pid} on {run.host} is gone (killed)"
     return "running", None
+
+
+def _claim_alive(claim: TrialClaim, now: datetime) -> bool:
+    """A claim's owner is alive: its pid on this host, else a heartbeat younger than `stale_s()`."""
+    if claim.host == HOSTNAME:
+        return _pid_state(claim.pid, claim.pid_start) != "gone"
+    return (now - claim.heartbeat_at).total_seconds() <= stale_s()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -436,12 +604,18 @@ def _filter_where(records: list[RunRecord], where: Mapping[str, str]) -> list[Ru
 # --------------------------------------------------------------------------- SQLite setup
 
 
-def _on_sqlite_connect(dbapi_connection: Any, connection_record: Any) -> None:
+def _sqlite_connect_hook(busy_ms: int) -> Any:
+    """The engine's "connect" listener: `_on_sqlite_connect` with this busy timeout (ms)."""
+    return lambda dbapi_connection, connection_record: _on_sqlite_connect(dbapi_connection, connection_record,
+                                                                          busy_ms)
+
+
+def _on_sqlite_connect(dbapi_connection: Any, connection_record: Any, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> None:
     """Per-connection SQLite settings; hand transaction control to SQLAlchemy."""
     dbapi_connection.isolation_level = None  # the driver emits no BEGIN; `_on_sqlite_begin` does
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout = {busy_ms}")
         _enable_wal(cursor)
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.execute("PRAGMA foreign_keys = ON")
@@ -456,7 +630,7 @@ def _enable_wal(cursor: Any) -> None:
     locked" at once, without its busy handler, when another connection is opening the same new
     file at that moment (four processes creating one store); retry within the busy timeout.
     """
-    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    deadline = time.monotonic() + _WAL_SWITCH_S
     while True:
         try:
             if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
@@ -474,6 +648,39 @@ def _on_sqlite_begin(conn: Any) -> None:
     conn.exec_driver_sql(f"BEGIN {mode}")
 
 
+def sqlite_lock_holder(db_file: Path) -> int | None:
+    """The pid of the process holding the write lock of a SQLite file, from /proc/locks (Linux).
+
+    In WAL mode a writer holds a POSIX lock on byte 120 of `<db>-shm` (SQLite's
+    WAL_WRITE_LOCK); in rollback mode, the RESERVED byte (0x40000001) of the file itself.
+    Reading /proc/locks opens neither file: closing a descriptor of the database would drop
+    this process's own SQLite locks on it. None when no other process holds it, off Linux,
+    or when the holder runs in another pid namespace.
+    """
+    targets: dict[int, int] = {}
+    for path, byte in ((Path(f"{db_file}-shm"), 120), (db_file, 0x40000001)):
+        with contextlib.suppress(OSError):
+            targets[path.stat().st_ino] = byte
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if "->" in parts:  # a waiter, not a holder
+            continue
+        try:
+            kind, mode, pid = parts[1], parts[3], int(parts[4])
+            inode = int(parts[5].rsplit(":", 1)[1])
+            start, end = int(parts[6]), (math.inf if parts[7] == "EOF" else int(parts[7]))
+        except (IndexError, ValueError):
+            continue
+        byte = targets.get(inode)
+        if kind == "POSIX" and mode == "WRITE" and byte is not None and start <= byte <= end and pid != os.getpid():
+            return pid
+    return None
+
+
 def _sqlite_file(url: URL) -> Path | None:
     """The database file of a SQLite URL, or None for in-memory and `file:` URI databases."""
     database = url.database
@@ -482,8 +689,20 @@ def _sqlite_file(url: URL) -> Path | None:
     return Path(database).expanduser()
 
 
-def _create_engine(url: str) -> tuple[Engine, str]:
-    """Parse `url`, prepare a SQLite file's directory, build the engine with its hooks."""
+def _pg_session_args(parsed: URL, busy_ms: int) -> dict[str, str]:
+    """libpq session settings of a PostgreSQL store (psycopg drivers), unless the URL sets them:
+    `lock_timeout` (a row lock held by a stopped process is waited for `busy_ms`, then retried
+    like SQLite's write lock, instead of forever) and an `application_name` naming this
+    process, which `SqlStore._holder` reads back from pg_stat_activity."""
+    if parsed.get_driver_name() not in ("psycopg", "psycopg2"):
+        return {}
+    args = {"options": f"-c lock_timeout={busy_ms}", "application_name": f"fedcli pid {os.getpid()} on {HOSTNAME}"[:63]}
+    return {key: value for key, value in args.items() if key not in parsed.query}
+
+
+def _create_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Engine, str]:
+    """Parse `url`, prepare a SQLite file's directory, build the engine with its hooks
+    (`busy_ms`: SQLite's busy timeout of one attempt at its write lock)."""
     try:
         parsed = make_url(url)
     except ArgumentError as err:
@@ -499,14 +718,13 @@ def _create_engine(url: str) -> tuple[Engine, str]:
             db_file.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise TrackingError(f"store {shown!r} is not writable: {err}; {_STORE_FIX}") from err
-    try:
-        engine = create_engine(
-            parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000} if is_sqlite else {}
-        )
+    try:  # pool_pre_ping: a connection that a restarted server dropped is replaced before use
+        engine = create_engine(parsed, connect_args={"timeout": busy_ms / 1000}) if is_sqlite \
+            else create_engine(parsed, pool_pre_ping=True, connect_args=_pg_session_args(parsed, busy_ms))
     except (ArgumentError, NoSuchModuleError, ImportError) as err:
         raise TrackingError(f"store {shown!r} cannot be used: {_first_line(err)}; {_STORE_FIX}") from err
     if is_sqlite:
-        event.listen(engine, "connect", _on_sqlite_connect)
+        event.listen(engine, "connect", _sqlite_connect_hook(busy_ms))
         event.listen(engine, "begin", _on_sqlite_begin)
     return engine, shown
 
@@ -522,7 +740,25 @@ _ADDED_COLUMNS = (
     ("runs", "mlflow_synced_round", "INTEGER"),
     ("round_metrics", "logged_ms", "BIGINT"),
     ("runs", "requested_json", "TEXT"),
+    ("runs", "lease", "VARCHAR(32)"),
+    ("runs", "pid_start", "BIGINT"),
 )
+
+
+def _schema_current(conn: Any) -> bool:
+    """True when every table and added column exists: a read, which takes no lock (`SqlStore` then
+    skips the locked set-up, so readers never wait for, nor take, SQLite's write lock)."""
+    inspector = inspect(conn)
+    tables = set(inspector.get_table_names())
+    if not set(Base.metadata.tables) <= tables:
+        return False
+    columns: dict[str, set[str]] = {}
+    for table, column, _ in _ADDED_COLUMNS:
+        if table not in columns:
+            columns[table] = {c["name"] for c in inspector.get_columns(table)}
+        if column not in columns[table]:
+            return False
+    return True
 
 
 def _setup_schema(conn: Any) -> None:
@@ -553,35 +789,71 @@ def disk_full(err: BaseException) -> bool:
 # --------------------------------------------------------------------------- the store
 
 
+def _retried(method: Any) -> Any:
+    """A public `SqlStore` method, retried whole while the store is locked or its server gone (`_retry`)."""
+
+    @functools.wraps(method)
+    def retried(self: SqlStore, *args: Any, **kwargs: Any) -> Any:
+        return self._retry(method.__name__, lambda: method(self, *args, **kwargs))
+
+    return retried
+
+
 class SqlStore:
     """The fedcli results store on any SQLAlchemy URL.
 
-    Every public method is one transaction. Methods that take a `run_id` want the full id
-    (use `get_run` to resolve a prefix or a run name first).
+    Every public method is one transaction, retried whole for up to `retry_s` seconds while
+    SQLite's write lock is held by another process or the PostgreSQL server is unreachable.
+    Methods that take a `run_id` want the full id (use `get_run` to resolve a prefix or a run
+    name first). The process that starts or resumes a run holds its lease: its later writes to
+    that run raise `RunTakenOver` once another process has resumed it.
 
     Args:
         url: A SQLAlchemy URL, e.g. `default_store_url(Path("fedcli-runs"))`,
             `sqlite:////abs/path/fedcli.db` or `postgresql+psycopg://user@host/db`.
+        setup_schema: Create or migrate the schema when it is missing or outdated (checked
+            with a read first, so opening a current store takes no lock); False for a reader
+            that must never write.
+        retry_s: How long a locked or unreachable store is retried, in seconds. Default:
+            `FEDCLI_STORE_RETRY_S`, else `RETRY_S` (60).
 
     Raises:
         TrackingError: If the URL is malformed, its driver is missing, or the database
             cannot be created or written (one line naming the URL and the fix).
     """
 
-    def __init__(self, url: str, *, setup_schema: bool = True) -> None:
-        self._engine, self.url = _create_engine(url)
+    def __init__(self, url: str, *, setup_schema: bool = True, retry_s: float | None = None) -> None:
+        self.retry_s = _env_seconds(RETRY_ENV, RETRY_S) if retry_s is None else retry_s
+        self._engine, self.url = _create_engine(url, int(min(SQLITE_BUSY_TIMEOUT_MS, self.retry_s * 250)))
         self._write_engine = self._engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+        self._sqlite = self._engine.dialect.name == "sqlite"
+        self._db_file = _sqlite_file(self._engine.url) if self._sqlite else None
+        self._leases: dict[str, str] = {}  # run id -> the lease token this process holds on it
+        self._local = threading.local()  # per thread: inside a retried call (no nested retries)
         if not setup_schema:  # a reader of an existing store (the MLflow mirror): take no write lock
             return
+        try:
+            with self._engine.connect() as conn:  # a read: no lock, answered while a writer is stopped
+                current = _schema_current(conn)
+            if not current:
+                self._retry("set up the store", self._setup_schema, kinds=("locked",))
+        except SQLAlchemyError as err:
+            self._engine.dispose()
+            raise TrackingError(f"store {self.url!r} cannot be opened: {_first_line(err)}; {_STORE_FIX}") from err
+        except TrackingError:
+            self._engine.dispose()
+            raise
+        log.debug("opened store %s", self.url)
+
+    def _setup_schema(self) -> None:
         try:
             with self._write_engine.begin() as conn:
                 _setup_schema(conn)
         except SQLAlchemyError as err:
-            self._engine.dispose()
-            raise TrackingError(
-                f"store {self.url!r} is not writable: {_first_line(err)}; {_STORE_FIX}"
-            ) from err
-        log.debug("opened store %s", self.url)
+            kind = self._transient(err)
+            if kind is not None:
+                raise _Transient(kind, "set up the store", err) from err
+            raise TrackingError(f"store {self.url!r} is not writable: {_first_line(err)}; {_STORE_FIX}") from err
 
     def __enter__(self) -> SqlStore:
         return self
@@ -597,7 +869,8 @@ class SqlStore:
 
     @contextlib.contextmanager
     def _session(self, what: str, *, write: bool) -> Iterator[Session]:
-        """One transaction; database failures become `TrackingError` naming `what`."""
+        """One transaction; database failures become `TrackingError` naming `what` (`_Transient`
+        for a locked file or a lost server, which the public methods retry)."""
         engine = self._write_engine if write else self._engine
         try:
             with Session(engine, expire_on_commit=False) as session, session.begin():
@@ -608,7 +881,131 @@ class SqlStore:
                     f"no space left on device for the store {self.url!r} (could not {what}); "
                     "free disk space, then resume the run with `fedcli train --resume RUN`"
                 ) from err
+            kind = self._transient(err)
+            if kind is not None:
+                raise _Transient(kind, what, err) from err
             raise TrackingError(f"store {self.url!r} could not {what}: {_first_line(err)}") from err
+
+    def _transient(self, err: SQLAlchemyError) -> str | None:
+        """"locked" (SQLite's write lock is held elsewhere), "lost" (the server connection), else None."""
+        if self._sqlite:
+            message = str(getattr(err, "orig", None) or err).lower()
+            return "locked" if isinstance(err, OperationalError) and ("locked" in message or "busy" in message) \
+                else None
+        if getattr(getattr(err, "orig", None), "sqlstate", None) == "55P03":  # lock_timeout: a row lock held
+            return "locked"
+        if isinstance(err, (OperationalError, InterfaceError, DisconnectionError)) \
+                or getattr(err, "connection_invalidated", False):
+            return "lost"
+        return None
+
+    def _retry(self, name: str, call: Any, *, kinds: tuple[str, ...] = ("locked", "lost")) -> Any:
+        """Run `call()` (one whole transaction), retrying a locked file or a lost server for `retry_s`.
+
+        Says once, as a warning, what it waits for ("store … is locked by pid N (running run
+        X); waiting up to 60 s"), and when the store answers again. Nested calls run once:
+        only the outermost public method retries.
+
+        Raises:
+            StoreUnavailable: Still locked or unreachable after `retry_s` seconds.
+        """
+        local = self._local
+        if getattr(local, "busy", False):
+            return call()
+        local.busy = True
+        try:
+            start, delay, waiting = time.monotonic(), 0.05, False
+            while True:
+                try:
+                    result = call()
+                except _Transient as err:
+                    if err.kind not in kinds:
+                        raise TrackingError(f"store {self.url!r} could not {err.what}: {err}; {_STORE_FIX}") from err
+                    if not waiting:
+                        log.warning("%s", self._waiting(err))
+                        waiting = True
+                    waited = time.monotonic() - start
+                    if waited >= self.retry_s:
+                        raise StoreUnavailable(self._gave_up(err, waited)) from err
+                    time.sleep(min(delay, max(0.0, self.retry_s - waited)))
+                    delay = min(delay * 2, 2.0)
+                    continue
+                if waiting:
+                    log.warning("store %s answers again after %.1f s", self.url, time.monotonic() - start)
+                return result
+        finally:
+            local.busy = False
+
+    def _holder(self) -> tuple[int | None, str]:
+        """Who holds the lock: its pid and, in words, "pid N (running run X, stopped)" (or "another
+        process" when /proc, or PostgreSQL's pg_stat_activity, does not say).
+
+        SQLite: the holder of the WAL write lock in /proc/locks. PostgreSQL: the fedcli session of
+        this database longest idle in a transaction (`application_name` "fedcli pid N on H").
+        """
+        pid, host = (sqlite_lock_holder(self._db_file) if self._db_file is not None else None), HOSTNAME
+        if not self._sqlite:
+            with contextlib.suppress(Exception), self._engine.connect() as conn:
+                name = conn.execute(text(
+                    "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%' "
+                    "AND application_name LIKE 'fedcli pid %' ORDER BY xact_start LIMIT 1")).scalar()
+                words = str(name or "").split()
+                if len(words) >= 5:
+                    pid, host = int(words[2]), words[4]
+            if pid is not None and host != HOSTNAME:
+                return pid, f"pid {pid} on {host}"
+        if pid is None:
+            return None, "another process"
+        what: str | None = None
+        with contextlib.suppress(Exception), Session(self._engine) as session:  # a read: the lock does not block it
+            found = session.scalars(select(Run.id).where(Run.host == HOSTNAME, Run.pid == pid,
+                                                        Run.status == "running")).first()
+            what = f"running run {found[:8]}" if found else None
+        if what is None:  # the program's name only: a command line may hold a password
+            with contextlib.suppress(OSError):
+                what = Path(f"/proc/{pid}/comm").read_text().strip() or None
+        details = ", ".join(x for x in (what, "stopped" if _pid_state(pid) == "stopped" else None) if x)
+        return pid, f"pid {pid}" + (f" ({details})" if details else "")
+
+    def _waiting(self, err: _Transient) -> str:
+        if err.kind == "locked":
+            return (f"store {self.url} is locked by {self._holder()[1]}; waiting up to {self.retry_s:.0f} s to "
+                    f"{err.what}")
+        return f"lost the connection to the store {self.url} ({err}); retrying for up to {self.retry_s:.0f} s"
+
+    def _gave_up(self, err: _Transient, waited: float) -> str:
+        if err.kind == "locked":
+            pid, holder = self._holder()
+            who = "PID" if pid is None else str(pid)
+            return (f"store {self.url} is locked by {holder} and stayed locked for {waited:.0f} s, so this "
+                    f"process could not {err.what}; let that process finish (`kill -CONT {who}` if it is stopped) "
+                    f"or end it, then retry ({RETRY_ENV} sets how long to wait)")
+        return (f"the store {self.url} cannot be reached ({err}) and did not come back within {waited:.0f} s, so "
+                f"this process could not {err.what}; check the database server, then retry ({RETRY_ENV} sets "
+                "how long to wait)")
+
+    def _own(self, session: Session, run_id: str, now: datetime | None = None) -> Run:
+        """The run, checked in this transaction to be still this process's (when it holds its lease).
+
+        `UPDATE runs SET heartbeat_at = now WHERE id = … AND lease = <token>`: on SQLite under
+        the write lock, on PostgreSQL taking the row's lock, so a takeover cannot slip
+        between the check and the writes that follow in the same transaction.
+
+        Raises:
+            RunTakenOver: Another process resumed the run (nothing of this transaction is written).
+        """
+        token = self._leases.get(run_id)
+        if token is None:  # not a run this process owns (a test, `fedcli evaluate`, the mirror)
+            return self._require_run(session, run_id)
+        result = session.execute(
+            sql_update(Run).where(Run.id == run_id, Run.lease == token).values(heartbeat_at=now or _utcnow())
+            .execution_options(synchronize_session=False)
+        )
+        run = self._require_run(session, run_id)
+        if cast("CursorResult[Any]", result).rowcount != 1:
+            raise RunTakenOver(run_id, run.pid, run.host)
+        return run
 
     def _upsert(
         self, session: Session, model: type[Base], rows: list[dict[str, Any]], update: Sequence[str]
@@ -669,9 +1066,9 @@ class SqlStore:
         """
         if run_id is not None and not _RUN_ID_RE.match(run_id):
             raise ValueError(f"run_id must be 32 lowercase hex characters; got {run_id!r}.")
-        run_id = run_id or uuid.uuid4().hex
+        run_id, token = run_id or uuid.uuid4().hex, uuid.uuid4().hex  # both kept across retries
         config_text, now = canonical_json(config), _utcnow()
-        run = Run(
+        fields = dict(
             id=run_id,
             run_name=run_name or f"{algo}-{task}-s{seed}-{run_id[:6]}",
             algo=algo,
@@ -689,10 +1086,18 @@ class SqlStore:
             heartbeat_at=now,
             host=HOSTNAME,
             pid=os.getpid(),
+            pid_start=process_start(),
+            lease=token,
         )
-        with self._session("start a run", write=True) as session:
-            run.experiment_id = self._experiment_id(session, experiment, now)
-            session.add(run)
+
+        def insert() -> None:
+            with self._session("start a run", write=True) as session:
+                if session.scalar(select(Run.lease).where(Run.id == run_id)) == token:
+                    return  # a retry after a commit whose answer was lost
+                session.add(Run(**fields, experiment_id=self._experiment_id(session, experiment, now)))
+
+        self._retry("start_run", insert)
+        self._leases[run_id] = token
         log.debug("store: started run %s in experiment %r", run_id, experiment)
         return run_id
 
@@ -711,6 +1116,7 @@ class SqlStore:
         session.flush()
         return row.id
 
+    @_retried
     def end_run(
         self, run_id: str, status: str, *, reason: str | None = None, diverged_at_round: int | None = None
     ) -> None:
@@ -725,41 +1131,120 @@ class SqlStore:
         if status not in END_STATUSES:
             raise ValueError(f"status must be one of {', '.join(END_STATUSES)}; got {status!r}.")
         with self._session(f"end run {run_id}", write=True) as session:
-            run = self._require_run(session, run_id)
+            run = self._own(session, run_id)
             run.status, run.ended_at = status, _utcnow()
             run.failure_reason, run.diverged_at_round = reason, diverged_at_round
 
+    @_retried
     def mark_running(self, run_id: str) -> None:
-        """Set an ended run back to `running` in this process (for `--resume`), clearing its outcome.
+        """Take the run over for `--resume`: status back to `running`, owned (leased) by this process.
+
+        Refused while the run's process is alive: on this host while its pid exists, even
+        stopped (SIGSTOP) with an old heartbeat; elsewhere while its heartbeat is younger than
+        `stale_s()`. The check and the takeover are one transaction (the row locked on
+        PostgreSQL), so two resumes of one run cannot both succeed; the previous owner, if it
+        wakes up, gets `RunTakenOver` at its next write.
 
         Raises:
-            ConfigError: The run is alive in another process (fresh heartbeat).
+            ConfigError: The run is alive in another process.
         """
+        token = uuid.uuid4().hex
         with self._session(f"reopen run {run_id}", write=True) as session:
-            run = self._require_run(session, run_id)
+            run = session.scalars(select(Run).where(Run.id == run_id).with_for_update()).first()
+            if run is None:
+                raise ConfigError(f"unknown run {run_id!r}; `fedcli list runs` shows the ids")
             now = _utcnow()
             status, _ = _liveness(run, now)
             if status == "running" and not (run.host == HOSTNAME and run.pid == os.getpid()):
+                stopped = run.host == HOSTNAME and run.pid is not None and _pid_state(run.pid) == "stopped"
+                how = (f"; the process is stopped: `kill -CONT {run.pid}` continues it, `kill {run.pid}` ends it"
+                       if stopped else "")
                 raise ConfigError(
                     f"run {run_id[:8]} is still running (pid {run.pid} on {run.host}, heartbeat "
-                    f"{(now - (run.heartbeat_at or now)).total_seconds():.0f} s ago); stop it first "
+                    f"{(now - (run.heartbeat_at or now)).total_seconds():.0f} s ago{how}); stop it first "
                     "or wait for it to end"
                 )
             run.status, run.ended_at = "running", None
             run.failure_reason, run.diverged_at_round = None, None
-            run.heartbeat_at, run.host, run.pid = now, HOSTNAME, os.getpid()
+            run.heartbeat_at, run.host, run.pid, run.pid_start = now, HOSTNAME, os.getpid(), process_start()
+            run.lease = token
+        self._leases[run_id] = token
 
+    @_retried
     def heartbeat(self, run_id: str) -> None:
         """Record that the run's process is alive now (`fedcli.engine.lifecycle` calls it every few s)."""
         with self._session(f"heartbeat run {run_id}", write=True) as session:
-            run = self._require_run(session, run_id)
+            run = self._own(session, run_id)
             run.heartbeat_at = _utcnow()
 
+    # ----------------------------------------------------------------- sweep trial claims
+
+    @staticmethod
+    def _me() -> dict[str, Any]:
+        return {"host": HOSTNAME, "pid": os.getpid(), "pid_start": process_start()}
+
+    @_retried
+    def claim_trial(self, experiment: str, config_hash: str) -> Claim | None:
+        """Claim the sweep trial (experiment, config hash) for this process, atomically.
+
+        One transaction under the write lock (SQLite) or the row's lock (PostgreSQL): a new
+        claim is inserted; a claim of this process is kept; a claim whose owner is gone (pid
+        gone on this host, heartbeat older than `stale_s()` elsewhere) is taken over.
+
+        Returns:
+            None when the trial is this process's to run now, else the live claim of the
+            process that runs it ("running elsewhere").
+        """
+        now, me = _utcnow(), self._me()
+        row = {"experiment": experiment, "config_hash": config_hash, **me, "claimed_at": now, "heartbeat_at": now}
+        with self._session("claim a sweep trial", write=True) as session:
+            insert = (sqlite if self._sqlite else postgresql).insert(TrialClaim).values(**row)
+            inserted = session.execute(insert.on_conflict_do_nothing(index_elements=["experiment", "config_hash"]))
+            if cast("CursorResult[Any]", inserted).rowcount == 1:
+                return None
+            claim = session.scalars(select(TrialClaim).where(TrialClaim.experiment == experiment,
+                                                             TrialClaim.config_hash == config_hash)
+                                    .with_for_update()).one()
+            if (claim.host, claim.pid, claim.pid_start) != (me["host"], me["pid"], me["pid_start"]) \
+                    and _claim_alive(claim, now):
+                return Claim(experiment, config_hash, claim.host, claim.pid, claim.claimed_at)
+            for name, value in row.items():  # ours already, or its owner is gone: take it
+                setattr(claim, name, value)
+        return None
+
+    @_retried
+    def release_trial(self, experiment: str, config_hash: str) -> None:
+        """Drop this process's claim on a sweep trial (its process ended, or it was not started)."""
+        me = self._me()
+        with self._session("release a sweep trial", write=True) as session:
+            session.execute(delete(TrialClaim).where(
+                TrialClaim.experiment == experiment, TrialClaim.config_hash == config_hash,
+                TrialClaim.host == me["host"], TrialClaim.pid == me["pid"]))
+
+    @_retried
+    def refresh_claims(self, experiment: str) -> None:
+        """Refresh the heartbeat of this process's claims (what tells other hosts it is alive)."""
+        me = self._me()
+        with self._session("refresh sweep claims", write=True) as session:
+            session.execute(sql_update(TrialClaim).where(
+                TrialClaim.experiment == experiment, TrialClaim.host == me["host"], TrialClaim.pid == me["pid"])
+                .values(heartbeat_at=_utcnow()).execution_options(synchronize_session=False))
+
+    @_retried
+    def live_claims(self, experiment: str) -> dict[str, Claim]:
+        """Config hash -> the live claim of another process, for the trials of an experiment."""
+        now, me = _utcnow(), self._me()
+        with self._session("read sweep claims", write=False) as session:
+            rows = session.scalars(select(TrialClaim).where(TrialClaim.experiment == experiment)).all()
+            return {c.config_hash: Claim(c.experiment, c.config_hash, c.host, c.pid, c.claimed_at) for c in rows
+                    if (c.host, c.pid) != (me["host"], me["pid"]) and _claim_alive(c, now)}
+
+    @_retried
     def update_config(self, run_id: str, config: Mapping[str, Any], hash_: str,
                       requested: Mapping[str, Any] | None = None) -> None:
         """Replace a run's stored config and hash (a resume that changes what the run trains, e.g. rounds)."""
         with self._session(f"update run {run_id}", write=True) as session:
-            run = self._require_run(session, run_id)
+            run = self._own(session, run_id)
             run.config_json, run.config_hash = canonical_json(config), hash_
             if requested is not None:
                 run.requested_json = canonical_json(requested)
@@ -768,25 +1253,28 @@ class SqlStore:
                 tags["fedcli.config_hash"] = hash_
                 run.tags_json = canonical_json(tags)
 
+    @_retried
     def set_run_fields(self, run_id: str, **fields: str | None) -> None:
         """Set some of `model_path`, `mlflow_run_id`, `git_commit` on a run."""
         unknown = sorted(set(fields) - SETTABLE_RUN_FIELDS)
         if unknown:
             raise ValueError(f"set_run_fields accepts {sorted(SETTABLE_RUN_FIELDS)}; got {unknown}.")
         with self._session(f"update run {run_id}", write=True) as session:
-            run = self._require_run(session, run_id)
+            run = self._own(session, run_id)
             for name, value in fields.items():
                 setattr(run, name, value)
 
+    @_retried
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         """Add or overwrite string tags of a run."""
         new_tags = _check_str_mapping("tags", tags)
         with self._session(f"tag run {run_id}", write=True) as session:
-            run = self._require_run(session, run_id)
+            run = self._own(session, run_id)
             run.tags_json = canonical_json({**json.loads(run.tags_json), **new_tags})
 
     # ----------------------------------------------------------------- metrics
 
+    @_retried
     def log_round(self, run_id: str, round_idx: int, metrics: Mapping[str, float],
                   clients: Iterable[tuple[int, str, float]] = ()) -> None:
         """Write one round's metrics, and its per-client rows `(client_id, key, value)`, in one
@@ -807,13 +1295,16 @@ class SqlStore:
         client_rows = [{"run_id": run_id, "round_idx": round_idx, "client_id": int(client), "key": check_metric_key(key),
                         "value": float(value)} for client, key, value in clients if math.isfinite(value)]
         with self._session(f"log round {round_idx} of run {run_id}", write=True) as session:
+            if run_id in self._leases:
+                self._own(session, run_id, now)  # first: a run taken over gets none of this round
+            else:
+                session.execute(sql_update(Run).where(Run.id == run_id).values(heartbeat_at=now)
+                                .execution_options(synchronize_session=False))
             self._upsert(session, RoundMetric, rows, update=("value", "logged_ms"))
             if client_rows:
                 self._upsert(session, ClientMetric, client_rows, update=("value",))
-            run = session.get(Run, run_id)
-            if run is not None:
-                run.heartbeat_at = now
 
+    @_retried
     def round_rows(self, run_id: str, after: int, upto: int) -> list[tuple[int, str, float, int | None]]:
         """Rows `(round_idx, key, value, logged_ms)` of rounds in (after, upto], by round then key."""
         stmt = (
@@ -824,6 +1315,7 @@ class SqlStore:
         with self._session(f"read run {run_id}", write=False) as session:
             return [tuple(row) for row in session.execute(stmt)]  # type: ignore[misc]
 
+    @_retried
     def log_client_metrics(self, run_id: str, round_idx: int, rows: Iterable[tuple[int, str, float]]) -> None:
         """Write per-client metrics of one round, rows of `(client_id, key, value)`, in one transaction."""
         _check_round_idx(round_idx)
@@ -847,13 +1339,17 @@ class SqlStore:
         if bad:
             raise NonFiniteMetricsError(bad, bad, round_idx)
         with self._session(f"log client metrics of round {round_idx}", write=True) as session:
+            if run_id in self._leases:
+                self._own(session, run_id)
             self._upsert(session, ClientMetric, records, update=("value",))
 
+    @_retried
     def last_round(self, run_id: str) -> int | None:
         """The highest round with logged metrics, or None if there is none."""
         with self._session(f"read run {run_id}", write=False) as session:
             return session.scalar(select(func.max(RoundMetric.round_idx)).where(RoundMetric.run_id == run_id))
 
+    @_retried
     def delete_rounds_after(self, run_id: str, round_idx: int) -> int:
         """Drop round metrics, client metrics and checkpoint rows with round > `round_idx` (resume).
 
@@ -866,7 +1362,7 @@ class SqlStore:
         if round_idx != -1:
             _check_round_idx(round_idx)
         with self._session(f"truncate run {run_id}", write=True) as session:
-            self._require_run(session, run_id)
+            self._own(session, run_id)
             result = session.execute(
                 delete(RoundMetric).where(RoundMetric.run_id == run_id, RoundMetric.round_idx > round_idx)
             )
@@ -878,6 +1374,7 @@ class SqlStore:
 
     # ----------------------------------------------------------------- checkpoints, evaluations
 
+    @_retried
     def add_checkpoint(self, run_id: str, round_idx: int, path: str | Path) -> None:
         """Record (or replace) the checkpoint file written after `round_idx`."""
         row = {
@@ -887,23 +1384,30 @@ class SqlStore:
             "created_at": _utcnow(),
         }
         with self._session(f"record checkpoint {round_idx} of run {run_id}", write=True) as session:
+            if run_id in self._leases:
+                self._own(session, run_id)
             self._upsert(session, Checkpoint, [row], update=("path", "created_at"))
 
+    @_retried
     def delete_checkpoints(self, run_id: str, rounds: Sequence[int]) -> None:
         """Forget the checkpoints of these rounds (retention; the files are removed by the caller)."""
         if not rounds:
             return
         with self._session(f"prune checkpoints of run {run_id}", write=True) as session:
+            if run_id in self._leases:  # before the caller removes the files: a new owner's are not ours
+                self._own(session, run_id)
             session.execute(
                 delete(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.round_idx.in_(list(rounds)))
             )
 
+    @_retried
     def checkpoints(self, run_id: str) -> list[tuple[int, str]]:
         """All checkpoints of a run as `(round_idx, path)`, by round."""
         stmt = select(Checkpoint.round_idx, Checkpoint.path).where(Checkpoint.run_id == run_id)
         with self._session(f"read checkpoints of run {run_id}", write=False) as session:
             return [(row.round_idx, row.path) for row in session.execute(stmt.order_by(Checkpoint.round_idx))]
 
+    @_retried
     def add_evaluation(
         self,
         run_id: str,
@@ -941,6 +1445,7 @@ class SqlStore:
                 ]
             )
 
+    @_retried
     def evaluations_frame(self, run_ids: Sequence[str]) -> pd.DataFrame:
         """Evaluations of the runs: columns run_id, round_idx, split, key, value, options_json, created_at."""
         import pandas as pd
@@ -957,6 +1462,7 @@ class SqlStore:
 
     # ----------------------------------------------------------------- queries
 
+    @_retried
     def get_run(self, ref: str) -> RunRecord:
         """Find one run by exact id, run name, MLflow run id, then unique id prefix.
 
@@ -986,6 +1492,7 @@ class SqlStore:
             raise ConfigError(f"{what} {ref!r} matches several runs ({shown}); pass a longer id")
         return matches[0] if matches else None
 
+    @_retried
     def list_runs(
         self, experiment: str | None = None, where: Mapping[str, str] | None = None
     ) -> list[RunRecord]:
@@ -1016,6 +1523,7 @@ class SqlStore:
             records = [_to_record(run, name) for run, name in rows]
         return _filter_where(records, where) if where else records
 
+    @_retried
     def client_metrics_frame(self, run_ids: Sequence[str], keys: Sequence[str] | None = None) -> pd.DataFrame:
         """Per-client training metrics of full run ids in long form (the clients of each round's cohort).
 
@@ -1035,6 +1543,7 @@ class SqlStore:
         frame = frame.astype({"round_idx": "int64", "client_id": "int64", "value": "float64"})
         return frame.sort_values(["run_id", "key", "round_idx", "client_id"], kind="stable", ignore_index=True)
 
+    @_retried
     def metrics_frame(self, run_ids: Sequence[str], keys: Sequence[str] | None = None) -> pd.DataFrame:
         """Round metrics of full run ids in long form.
 

@@ -131,10 +131,17 @@ def command_name() -> str:
 
 
 def store_options(cfg: Any) -> str:
-    """The options that point another command at this run's stores (empty for the defaults)."""
+    """The options that point another command at this run's stores (empty for the defaults).
+
+    A password in the URL is shown masked (`user:***@host`, docs/architecture.md, "Security"):
+    the hint then works as it is where FEDCLI_STORE holds the full URL, else the user puts the
+    password back in.
+    """
+    from fedcli.tracking.urls import mask_url
+
     track = cfg.tracking
     if track.store or Path(track.root).resolve() != Path("fedcli-runs").resolve():
-        return f" --store {shlex.quote(track.store_url)}"  # every command that reads runs takes --store
+        return f" --store {shlex.quote(mask_url(track.store_url))}"  # every command that reads runs takes --store
     return ""
 
 
@@ -268,6 +275,8 @@ LIVE_KEYS = {"eval/accuracy": "acc", "eval/dist_to_opt": "dist", "time/round_s":
 
 def summarise_run(cfg: RunConfig, result: RunResult) -> None:
     """Print the end-of-run summary: final metrics, where the run is stored, what to run next."""
+    from fedcli.tracking.urls import mask_url
+
     out = console()
     metrics = result.final_metrics
     shown = [f"{k}={metrics[k]:.4f}" for k in ("eval/accuracy", "eval/loss", "eval/dist_to_opt") if k in metrics]
@@ -275,7 +284,7 @@ def summarise_run(cfg: RunConfig, result: RunResult) -> None:
     out.print(f"[bold green]run {result.run_id[:8]} finished[/] after {result.rounds_completed} rounds "
               f"in {result.wall_s:.1f}s ({result.executor} executor): " + "  ".join(shown))
     out.print("per round: " + "  ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
-    out.print(f"store:   {cfg.tracking.store_url}", soft_wrap=True)
+    out.print(f"store:   {mask_url(cfg.tracking.store_url)}", soft_wrap=True)
     if result.model_path:
         out.print(f"model:   {result.model_path}", soft_wrap=True)
     fedcli, where = command_name(), store_options(cfg)

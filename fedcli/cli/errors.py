@@ -45,7 +45,7 @@ def user_errors(debug: bool = False) -> Iterator[None]:
         if debug:
             raise
         print_error(str(exc))
-        raise typer.Exit(2) from None
+        raise typer.Exit(getattr(exc, "exit_code", 2)) from None  # 75: the run was taken over (tracking.store)
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted; the run is marked 'interrupted' in the store.")
         raise typer.Exit(130) from None

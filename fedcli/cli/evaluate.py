@@ -78,6 +78,7 @@ def evaluate(
         predict = make_predictor(setup, state, params, samples if ensemble else None, seed)
         result = evaluate_split(setup, predict, split=split.value, per_client=per_client,
                                 params=None if ensemble else params)
+        worse = ensemble_note(setup, state, params, result.metrics, split.value) if ensemble else None
         prefix = split.value + ("/ensemble" if ensemble else "")
         metrics = {f"{prefix}/{k.split('/', 1)[1]}": v for k, v in result.metrics.items()}
         metrics.update({f"{result.client_split}/clients/{k.split('/', 1)[1]}": v for k, v in result.clients.items()})
@@ -87,6 +88,8 @@ def evaluate(
         db.add_evaluation(record.id, split=split.value, metrics=metrics, round_idx=round_idx, options=options)
     if not no_mlflow and record.mlflow_run_id:
         log_to_mlflow(record, tracking_uri, metrics, round_idx)
+    if worse:
+        console().print(f"warning: {worse}", markup=False, soft_wrap=True)
     if as_json:
         typer.echo(json.dumps({"id": record.id, "name": record.run_name, "algo": record.algo, "round_idx": round_idx,
                                "split": split.value, **options, "metrics": metrics}, indent=2, sort_keys=True))
@@ -96,9 +99,11 @@ def evaluate(
 
 def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, device: str | None
                ) -> tuple[Any, Any, dict[str, Any], int | None]:
-    """Build the run's setup (optionally on another task or device) and load its global model."""
-    import torch
+    """Build the run's setup (optionally on another task or device) and load its global model.
 
+    The file is read without running code and checked against the run's row and state
+    (fedcli.engine.checkpoint); one that does not fit is refused with one line (exit 2).
+    """
     from fedcli.config import resume_config
     from fedcli.engine import checkpoint as ckpt
     from fedcli.engine.train import build
@@ -110,25 +115,39 @@ def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, d
         doc["partition"] = {**doc["partition"], "num_clients": None}
         doc["train"] = {**doc["train"], "clients_per_round": 1}
     setup = build(resume_config(doc, {"train.device": device}))
-    if checkpoint is None:
-        if not record.model_path or not Path(record.model_path).exists():
-            raise ConfigError(f"run {record.id} has no stored final model (status {record.status}); "
-                              "evaluate one of its checkpoints with --checkpoint ROUND.")
-        saved = torch.load(record.model_path, map_location="cpu", weights_only=False)
-        round_idx = db.last_round(record.id)
-    else:
-        points = dict(db.checkpoints(record.id))
-        if checkpoint not in points:
-            raise ConfigError(f"run {record.id} has no checkpoint of round {checkpoint}; it has rounds "
-                              f"{sorted(points) or 'none'} (train with --checkpoint-every K to keep them).")
-        saved, round_idx = ckpt.load_checkpoint(Path(points[checkpoint])), checkpoint
-    state = ckpt.to_device(saved["server_state"], setup.device)
+    misfit = ConfigError(f"the model of run {record.id} does not fit task {setup.task.name!r} (its model "
+                         f"{setup.cfg.data.model or setup.task.default_model!r} has other parameter shapes there); "
+                         "pick a task with the same inputs and classes.")
+    template = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
+    client_template = None if setup.alg.init_client_state is None else setup.alg.init_client_state(setup.init_params,
+                                                                                                  setup.hp)
+    try:
+        if checkpoint is None:
+            if not record.model_path or not Path(record.model_path).exists():
+                raise ConfigError(f"run {record.id} has no stored final model (status {record.status}); "
+                                  "evaluate one of its checkpoints with --checkpoint ROUND.")
+            saved = ckpt.load_model(Path(record.model_path), f"the final model of run {record.id[:8]} "
+                                    f"({record.model_path})", server_template=template)
+            ckpt.check_identity(saved, f"the final model of run {record.id[:8]} ({record.model_path})", ckpt.MODEL_KEYS,
+                                run_id=record.id, config_hash=record.config_hash, requested=record.requested)
+            server_state, round_idx = saved["server_state"], db.last_round(record.id)
+        else:
+            points = dict(db.checkpoints(record.id))
+            if checkpoint not in points:
+                raise ConfigError(f"run {record.id} has no checkpoint of round {checkpoint}; it has rounds "
+                                  f"{sorted(points) or 'none'} (train with --checkpoint-every K to keep them).")
+            server_state, _ = ckpt.load_checkpoint(
+                Path(points[checkpoint]), f"checkpoint of round {checkpoint} ({points[checkpoint]})",
+                server_template=template, client_template=client_template, run_id=record.id,
+                config_hash=record.config_hash, requested=record.requested, round_idx=checkpoint)
+            round_idx = checkpoint
+    except ckpt.CheckpointError as err:
+        raise (misfit if task is not None and "does not fit" in str(err) else err) from None
+    state = ckpt.to_device(server_state, setup.device)
     params = setup.alg.global_params(state)
     shapes = {k: tuple(v.shape) for k, v in setup.init_params.items()}
     if shapes != {k: tuple(v.shape) for k, v in params.items()}:
-        raise ConfigError(f"the model of run {record.id} does not fit task {setup.task.name!r} "
-                          f"(its model {setup.cfg.data.model or setup.task.default_model!r} has other parameter shapes "
-                          "there); pick a task with the same inputs and classes.")
+        raise misfit
     return setup, state, params, round_idx
 
 
@@ -148,12 +167,34 @@ def make_predictor(setup: Any, state: Any, params: dict[str, Any], samples: int 
     return ensemble_predict(setup.task, setup.fns.apply_fn, members)
 
 
+def ensemble_note(setup: Any, state: Any, params: dict[str, Any], ensemble: dict[str, float], split: str) -> str | None:
+    """One line when the posterior ensemble is worse than the mean model on accuracy or loss, and why:
+    the share of weights whose posterior standard deviation exceeds their mean (issue 24)."""
+    from fedcli.engine.evaluation import evaluate_split
+
+    mean = evaluate_split(setup, lambda xb: setup.fns.apply_fn(params, xb), split=split, per_client=False,
+                          params=params).metrics
+    worse = [k for k in ("eval/accuracy", "eval/loss") if k in mean and k in ensemble
+             and (ensemble[k] < mean[k] if k == "eval/accuracy" else ensemble[k] > mean[k])]
+    if not worse:
+        return None
+    centre, var = setup.alg.posterior(state)
+    wide = sum(int((v.sqrt() > centre[k].abs()).sum()) for k, v in var.items()) / sum(v.numel() for v in var.values())
+    shown = ", ".join(f"{k.split('/')[1]} {ensemble[k]:.4g} vs {mean[k]:.4g}" for k in worse)
+    return (f"the posterior ensemble is worse than the run's mean model ({shown}): {100 * wide:.0f} % of the weights "
+            f"have a posterior std larger than their mean, so the samples leave the mean model "
+            f"({setup.alg.name}'s posterior: `fedcli list algos {setup.alg.name}`); use --predictive mean.")
+
+
 def log_to_mlflow(record: Any, tracking_uri: str | None, metrics: dict[str, float], round_idx: int | None) -> None:
     """Log `evaluate/<key>` metrics with step = the evaluated round to the run's MLflow run."""
+    from fedcli.tracking.urls import mask_url
+
     stored = record.config.get("tracking", {})
-    uri = tracking_uri or tracking_config({"tracking.root": stored.get("root"),
-                                           "tracking.tracking_uri": stored.get("tracking_uri")}).mlflow_uri
-    try:
+    uri = tracking_uri or stored.get("tracking_uri") or "the run's MLflow store"
+    try:  # a stored URI's password is masked: given_url takes MLFLOW_TRACKING_URI or says to pass --tracking-uri
+        uri = tracking_uri or tracking_config({"tracking.root": stored.get("root"),
+                                               "tracking.tracking_uri": stored.get("tracking_uri")}).mlflow_uri
         from mlflow import MlflowClient
         from mlflow.entities import Metric
 
@@ -162,7 +203,7 @@ def log_to_mlflow(record: Any, tracking_uri: str | None, metrics: dict[str, floa
         for start in range(0, len(batch), 1000):
             MlflowClient(tracking_uri=uri).log_batch(record.mlflow_run_id, metrics=batch[start : start + 1000])
     except Exception as err:  # the SQL store already holds the result; MLflow is a mirror
-        console().print(f"[yellow]warning:[/] not logged to MLflow {uri}: {str(err).splitlines()[0]}")
+        console().print(mask_url(f"[yellow]warning:[/] not logged to MLflow {uri}: {str(err).splitlines()[0]}"))
 
 
 def print_table(record: Any, round_idx: int | None, split: str, options: dict[str, Any],

@@ -112,7 +112,23 @@ def algo_detail_rows(name: str) -> list[dict[str, Any]]:
     if name not in ALGORITHMS:
         raise ConfigError(f"algorithm must be one of `fedcli list algos`; got {name!r}{suggest(name, list(ALGORITHMS))}.")
     row = next(r for r in algo_rows() if r["name"] == name)
-    return [{**row, "hyperparameter_details": hyperparameter_rows(ALGORITHMS[name].config_cls)}]
+    record = ALGORITHMS[name]
+    return [{**row, "hyperparameter_details": hyperparameter_rows(record.config_cls),
+             "recommended": recommended_rows(record), "caveats": record.caveats}]
+
+
+EXAMPLE_RUN = {"task": "femnist", "kind": "classification", "model": "mlp", "rounds": 50, "clients_per_round": 10}
+
+
+def recommended_rows(record: Any) -> list[dict[str, Any]]:
+    """The settings the algorithm recommends (Algorithm.recommend), each with its rule and the value it
+    takes on the default run (femnist, 50 rounds, 10 clients per round); [] when it recommends none."""
+    from fedcli.algorithms.base import RunFacts
+
+    if record.recommend is None:
+        return []
+    advice = record.recommend(RunFacts(**EXAMPLE_RUN))
+    return [{"key": key, "default_run": a.value, "why": a.why} for key, a in sorted(advice.items())]
 
 
 def algo_detail(row: dict[str, Any]) -> Any:
@@ -133,4 +149,16 @@ def algo_detail(row: dict[str, Any]) -> Any:
     table.add_column("meaning; source of the default", overflow="fold")
     for hp in details:
         table.add_row(hp["name"], str(hp["default"]), hp["type"], hp["description"] or "—")
-    return Group(head, Text(""), table)
+    parts: list[Any] = [head, Text(""), table]
+    if row.get("recommended"):
+        advice = Table(title="recommended for a run that does not set them (applied, recorded as fedcli.recommended)",
+                       title_justify="left")
+        advice.add_column("key", no_wrap=True)
+        advice.add_column("default run", no_wrap=True)
+        advice.add_column("rule; source", overflow="fold")
+        for item in row["recommended"]:
+            advice.add_row(item["key"], str(item["default_run"]), item["why"])
+        parts += [Text(""), advice, Text("default run: femnist, 50 rounds, 10 clients per round")]
+    if row.get("caveats"):
+        parts += [Text(""), Text.assemble(("out of the box: ", "bold"), row["caveats"])]
+    return Group(*parts)

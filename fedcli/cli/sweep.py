@@ -66,6 +66,7 @@ def sweep(
     On a Ray cluster: fedcli sweep spec.yaml --backend ray --address HEAD:6379 --store postgresql+psycopg://...
     """
     from fedcli import sweeps
+    from fedcli.config import warn_degenerate
 
     if list_recipes:
         from fedcli.recipes import read_recipe, recipe_names
@@ -92,7 +93,12 @@ def sweep(
         trials = sweeps.expand(body, {k: v for k, v in tracking.items() if v is not None})
         if not trials:
             raise ConfigError("the sweep spec expands to no trials; give `grid` values or `seeds`.")
+        sweeps.check_report_keys(body.get("report") or {}, trials)  # a bad report block fails now, not after the trials
         track, report_path = trials[0].config.tracking, report_output(body, trials[0].config.tracking.root)
+        aliases = sweeps.short_keys()  # issue 24: degenerate trials and swept keys without effect, one line each
+        swept = [k if k.startswith("hp.") or "." in k else aliases.get(k, k) for k in body.get("grid") or {}]
+        for line in warn_degenerate([t.config for t in trials], swept):
+            console().print(f"warning: {line}", markup=False, soft_wrap=True)
         check_output(report_path, "report.output")
         with cluster_of(backend, address, cpus_per_trial, gpus_per_trial) as cluster:  # before anything is written
             if cluster is not None:
@@ -100,6 +106,9 @@ def sweep(
 
                 trials = absolute_root(trials)
                 cluster.check(track)
+            if dry_run and not store_exists(track.store_url):  # a dry run writes nothing: no store, no runs yet
+                show_plan(sweeps.plan_trials(trials, []))
+                return
             db = open_store(track.store_url)
             plans = sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(db, track.experiment))
             show_plan(plans)
@@ -107,6 +116,14 @@ def sweep(
                 return
             code = run_plans(db, body, plans, workers, rerun_hint(ctx, spec, recipe), report_path, cluster)
     raise typer.Exit(code)
+
+
+def store_exists(url: str) -> bool:
+    """False for a SQLite store whose file is not there yet (opening it would create it); True otherwise."""
+    from fedcli.config import store_file
+
+    path = store_file(url)
+    return path is None or path.exists()
 
 
 def cluster_of(backend: Backend, address: str | None, cpus: int | None,
@@ -149,7 +166,8 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
     parent = None
     if track.use_mlflow and todo:
         check_mlflow(track, optional=False)
-        parent = sweeps.parent_run(track.mlflow_uri, body)
+        with quiet_mlflow():
+            parent = sweeps.parent_run(track.mlflow_uri, body)
     keys = [resolve_metric(body["report"]["metric"])] if (body.get("report") or {}).get("metric") else list(sweeps.METRIC_KEYS)
 
     def recheck(plan: sweeps.Plan) -> sweeps.Plan:  # right before a trial starts: has another process taken it?
@@ -161,27 +179,83 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
     if cluster is None:
         cores = max(1, available_cores() // (workers or 1))  # each trial's share of the CPU (train.workers)
         scheduler = sweeps.Scheduler(plans, workers=workers or 1, cores=cores, parent_run=parent and parent.run_id,
-                                     recheck=recheck)
+                                     recheck=recheck, claims=sweeps.TrialClaims(db, track.experiment))
     else:
         scheduler = cluster.scheduler(plans, workers=workers, parent_run=parent and parent.run_id, recheck=recheck,
-                                      read_runs=lambda: sweeps.experiment_runs(db, track.experiment), track=track)
+                                      read_runs=lambda: sweeps.experiment_runs(db, track.experiment), track=track,
+                                      claims=sweeps.TrialClaims(db, track.experiment))
     try:
-        with live_display(read) as tick:
-            signum = scheduler.run(tick)
-        rows, key = read(signum is not None)  # before cleanup: a failed trial's row quotes its stderr
-    finally:
-        scheduler.cleanup()
+        try:
+            with live_display(read) as tick:
+                signum = scheduler.run(tick)
+            rows, key = read(signum is not None)  # before cleanup: a failed trial's row quotes its stderr
+        finally:
+            scheduler.cleanup()
+        failed = show_results(rows, key, signum)
+        if report_path is not None and any(r.status.startswith("finished") for r in rows):
+            write_report(db, body, [r.run_id for r in rows if r.status.startswith("finished") and r.run_id], report_path)
+            typer.echo(str(report_path))
+    except BaseException:  # the store or the disk failed under the sweep (a full disk: its one line follows)
+        if parent is not None:
+            end_parent(parent, "failed", quiet=True)
+        raise
+    if parent is not None:
+        end_parent(parent, "interrupted" if signum else "failed" if failed else "finished")
+    return summary(rows, signum, hint, len(failed))
+
+
+def show_results(rows: Sequence[Any], key: str, signum: int | None) -> list[Any]:
+    """Print the results table and one line per trial that did not finish; return those rows."""
     console().print(rows_table(rows, key, "results"))
     bad = ("failed", "diverged (skip)") if signum else ("failed", "diverged (skip)", "interrupted")
     failed = [r for r in rows if r.status in bad]  # interrupted without a stop of the sweep: killed from outside
     for row in failed:
         console().print(f"[red]{row.status}:[/] {row.name}: {row.note}", markup=True, highlight=False)
-    if report_path is not None and any(r.status.startswith("finished") for r in rows):
-        write_report(db, body, [r.run_id for r in rows if r.status.startswith("finished") and r.run_id], report_path)
-        typer.echo(str(report_path))
-    if parent is not None:
-        parent.end_run("interrupted" if signum else "failed" if failed else "finished")
-    return summary(rows, signum, hint, len(failed))
+    return failed
+
+
+@contextmanager
+def quiet_mlflow() -> Iterator[None]:
+    """Hold MLflow's own log records back for the block: it logs its store's failures (a full disk)
+    as ERROR with a traceback, and ours are one line (TrackingError)."""
+    import logging
+
+    import mlflow  # noqa: F401 - its import sets the "mlflow" logger's level: set ours after it
+
+    logger = logging.getLogger("mlflow")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def end_parent(parent: Any, status: str, quiet: bool = False) -> None:
+    """End the sweep's MLflow parent run; when MLflow cannot be written (a full disk), say so in one
+    warning line (none with `quiet`: the sweep's own error line follows): the run stays open in
+    MLflow, and rerunning the sweep reuses and ends it."""
+    from fedcli.errors import FedcliError
+
+    with quiet_mlflow():
+        try:
+            parent.end_run(status)
+        except FedcliError as err:
+            if not quiet:
+                console().print(f"warning: MLflow could not end the sweep's run ({innermost(err)}); it stays open, "
+                                "and rerunning the sweep ends it.", highlight=False, soft_wrap=True)
+
+
+def innermost(err: BaseException) -> str:
+    """The first line of the innermost cause of `err`: SQLite's "database or disk is full", not the
+    note on autoflush that MLflow's SQLAlchemy session wraps it in."""
+    for _ in range(20):  # a chain of causes, not a cycle
+        cause = err.__cause__ or err.__context__ or getattr(err, "orig", None)
+        if not isinstance(cause, BaseException) or cause is err:
+            break
+        err = cause
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def summary(rows: Sequence[Any], signum: int | None, hint: str, failed: int) -> int:
@@ -297,11 +371,13 @@ def recipe_preamble(body: Mapping[str, Any], markdown: str) -> str:
 
 
 def rerun_hint(ctx: typer.Context, spec: Path | None, recipe: str | None) -> str:
-    """The command that continues this sweep (its spec and tracking options)."""
+    """The command that continues this sweep (its spec and tracking options; a URL's password masked)."""
+    from fedcli.tracking.urls import mask_url
+
     parts = ["fedcli", "sweep", str(spec)] if spec else ["fedcli", "sweep", "--recipe", str(recipe)]
     for name in ("workers", "backend", "address", "cpus_per_trial", "gpus_per_trial", "root", "store", "tracking_uri"):
         value = ctx.params.get(name)
         value = value.value if isinstance(value, Enum) else value
         if value is not None and not (name == "workers" and value == 1) and not (name == "backend" and value == "local"):
-            parts += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
+            parts += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else mask_url(str(value))]
     return shlex.join(parts + (["--no-mlflow"] if ctx.params.get("no_mlflow") else []))

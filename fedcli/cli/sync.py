@@ -3,7 +3,9 @@
 A run's own mirror process keeps MLflow in line while it trains; this command is for the
 rest: runs trained with `--no-mlflow` or `--mlflow-optional` while MLflow was down, runs
 whose mirror was killed, or a new MLflow store (e.g. after moving a broken one aside).
-Copying is idempotent: a round already in MLflow is not added twice.
+Copying is idempotent: a round already in MLflow is not added twice, and a run MLflow already
+holds as the store says is not touched (`Mirror.in_line`); with nothing to copy the command
+prints nothing. MLflow's runs keep the store's start and end times.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def sync(
 
     Example: fedcli sync --experiment demo
     """
-    from fedcli.tracking.mirror import Mirror, preflight
+    from fedcli.tracking.mirror import Mirror, preflight, quiet_mlflow
+    from fedcli.tracking.urls import mask_url
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
         cfg = tracking_config({"tracking.root": root and str(root), "tracking.store": store,
@@ -45,12 +48,12 @@ def sync(
         if runs and alive:
             raise ConfigError(f"run {alive[0]} is still training; its own mirror keeps MLflow in line.")
         preflight(cfg.mlflow_uri)
-        done = 0
-        for record in (r for r in records if r.status != "running"):
-            args = argparse.Namespace(store=cfg.store_url, run=record.id, tracking_uri=cfg.mlflow_uri,
-                                      experiment=record.experiment, parent_run=None, once=True,
-                                      run_dir=str(Path(cfg.root).resolve() / "runs" / record.id))
-            Mirror(args).run_once()
-            done += 1
-        console().print(f"{done} run(s) in MLflow at {cfg.mlflow_uri}" + (f"; {len(alive)} still training" if alive
-                                                                           else ""))
+        import fedcli.tracking.mlflow_sink  # noqa: F401 - MLflow imported, then its INFO lines off (as in the mirror)
+
+        quiet_mlflow()
+        copied = [record for record in records if record.status != "running" and Mirror(argparse.Namespace(
+            store=cfg.store_url, run=record.id, tracking_uri=cfg.mlflow_uri, experiment=record.experiment,
+            parent_run=None, once=True, run_dir=str(Path(cfg.root).resolve() / "runs" / record.id))).run_once()]
+        if copied or alive:
+            console().print(f"{len(copied)} run(s) copied into MLflow at {mask_url(cfg.mlflow_uri)}"
+                            + (f"; {len(alive)} still training" if alive else ""))

@@ -7,6 +7,8 @@ itself stays a few lines: build the config, open the tracker, call the engine, s
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -176,69 +178,108 @@ def train(
 
     Example: fedcli train --algo fedpa --rounds 30 --local-epochs 5 --hp burn_in_rounds=10
     """
-    import contextlib
     import dataclasses
 
-    from fedcli.config import build_config, parse_assignments, resume_config
-    from fedcli.engine import distributed
-    from fedcli.engine.train import build
-    from fedcli.engine.train import train as run_training
-    from fedcli.errors import ConfigError
+    from fedcli.engine.lifecycle import GracefulSignals
 
-    debug = bool(ctx.obj and ctx.obj.get("debug"))
-    with user_errors(debug), contextlib.ExitStack() as group:
-        peers = group.enter_context(distributed.process_group()) if executor is Executor.distributed else None
-        if peers is not None and not peers.is_leader:  # ranks 1..K-1 train slices of rank 0's run, write nothing
-            distributed.serve(peers)
-            return
-        overrides = {
-            "algorithm.name": algo, "data.task": task, "data.model": model, "data.data_dir": data_dir and str(data_dir),
-            "partition.file": partition and str(partition), "partition.scheme": scheme and scheme.value,
-            "partition.alpha": alpha, "partition.num_clients": clients,
-            "partition.shards_per_client": shards_per_client, "partition.labels_per_client": labels_per_client,
-            "partition.min_size": min_size, "partition.balanced": balanced or None, "partition.sigma": sigma,
-            "partition.size_alpha": size_alpha,
-            "data.file": data and str(data), "data.download": download or None, "data.max_clients": max_clients, "train.rounds": rounds,
-            "train.clients_per_round": clients_per_round, "train.local_epochs": local_epochs,
-            "train.batch_size": batch_size, "train.client_lr": client_lr, "train.client_momentum": client_momentum,
-            "train.server_opt": server_opt and server_opt.value, "train.server_lr": server_lr,
-            "train.server_momentum": server_momentum, "train.device": device,
-            "train.executor": executor and executor.value, "train.cohort_chunk": cohort_chunk,
-            "train.workers": workers, "train.threads": threads, "train.compile": compile or None, "train.graph": graph or None, "train.precision": precision and precision.value,
-            "train.eval_every": eval_every, "train.checkpoint_every": checkpoint_every,
-            "train.keep_checkpoints": keep_checkpoints, "seed": seed,
-            "tracking.experiment": experiment, "tracking.run_name": run_name, "tracking.root": root and str(root),
-            "tracking.store": store, "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None,
-        }
-        resume_id = None
-        if resume:
-            record = find_run(resume, overrides)
-            cfg, resume_id = resume_config(record.requested or record.config, overrides), record.id
-        else:
-            cfg = build_config(file=config, overrides=overrides, hp=parse_assignments(hp or [], "--hp"))
-        # everything is validated before anything is written: options, MLflow, then the data
-        if cfg.train.executor == "distributed" and peers is None:  # from --config or the resumed run
-            raise ConfigError(f"train.executor='distributed' needs `--executor distributed` on the command line. "
-                              f"{distributed.NOT_LAUNCHED}")
-        cfg = dataclasses.replace(cfg, tracking=check_mlflow(cfg.tracking, mlflow_optional))
-        mirror = spawn_mirror(cfg.tracking, parent_run)  # imports MLflow while the data loads
-        try:
+    signals = GracefulSignals(immediate=True)  # the set-up writes nothing: a signal there stops it at once
+    signals.install()
+    try:  # restored last, after the run id is printed: a signal once the run ended changes nothing
+        debug = bool(ctx.obj and ctx.obj.get("debug"))
+        with user_errors(debug), contextlib.ExitStack() as group, stops_in_set_up(signals) as set_up:
+            from fedcli.cli.common import console
+            from fedcli.config import build_config, parse_assignments, resume_config, warn_degenerate
+            from fedcli.engine import distributed
+            from fedcli.engine.train import build
+            from fedcli.engine.train import train as run_training
+            from fedcli.errors import ConfigError
+
+            peers = group.enter_context(distributed.process_group()) if executor is Executor.distributed else None
+            if peers is not None and not peers.is_leader:  # ranks 1..K-1 train slices of rank 0's run, write nothing
+                signals.restore()  # distributed.serve sets what the ranks do with signals
+                distributed.serve(peers)
+                return
+            overrides = {
+                "algorithm.name": algo, "data.task": task, "data.model": model, "data.data_dir": data_dir and str(data_dir),
+                "partition.file": partition and str(partition), "partition.scheme": scheme and scheme.value,
+                "partition.alpha": alpha, "partition.num_clients": clients,
+                "partition.shards_per_client": shards_per_client, "partition.labels_per_client": labels_per_client,
+                "partition.min_size": min_size, "partition.balanced": balanced or None, "partition.sigma": sigma,
+                "partition.size_alpha": size_alpha,
+                "data.file": data and str(data), "data.download": download or None, "data.max_clients": max_clients, "train.rounds": rounds,
+                "train.clients_per_round": clients_per_round, "train.local_epochs": local_epochs,
+                "train.batch_size": batch_size, "train.client_lr": client_lr, "train.client_momentum": client_momentum,
+                "train.server_opt": server_opt and server_opt.value, "train.server_lr": server_lr,
+                "train.server_momentum": server_momentum, "train.device": device,
+                "train.executor": executor and executor.value, "train.cohort_chunk": cohort_chunk,
+                "train.workers": workers, "train.threads": threads, "train.compile": compile or None, "train.graph": graph or None, "train.precision": precision and precision.value,
+                "train.eval_every": eval_every, "train.checkpoint_every": checkpoint_every,
+                "train.keep_checkpoints": keep_checkpoints, "seed": seed,
+                "tracking.experiment": experiment, "tracking.run_name": run_name, "tracking.root": root and str(root),
+                "tracking.store": store, "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None,
+            }
+            resume_id = None
+            if resume:
+                record = find_run(resume, overrides)
+                cfg, resume_id = resume_config(record.requested or record.config, overrides), record.id
+            else:
+                cfg = build_config(file=config, overrides=overrides, hp=parse_assignments(hp or [], "--hp"))
+                for line in warn_degenerate([cfg]):  # issue 24: a config that makes the algorithm another one
+                    console().print(f"warning: {line}", markup=False, soft_wrap=True)
+            # everything is validated before anything is written: options, MLflow, then the data
+            if cfg.train.executor == "distributed" and peers is None:  # from --config or the resumed run
+                raise ConfigError(f"train.executor='distributed' needs `--executor distributed` on the command line. "
+                                  f"{distributed.NOT_LAUNCHED}")
+            cfg = dataclasses.replace(cfg, tracking=check_mlflow(cfg.tracking, mlflow_optional))
+            set_up.mirror = mirror = spawn_mirror(cfg.tracking, parent_run)  # imports MLflow while the data loads
             setup = build(cfg, peers=peers)
-        except BaseException:
-            if mirror is not None:
-                mirror.abort()
+            signals.defer()  # the store is written from here on: a signal stops the run at its next safe point
+            set_up.done = True
+            tracker = open_tracker(cfg.tracking, mirror)
+            try:
+                with train_progress(cfg, quiet=bool(ctx.obj and ctx.obj.get("quiet"))) as progress:
+                    result = run_training(cfg, tracker=tracker, progress=progress, resume_run_id=resume_id, setup=setup,
+                                          signals=signals)
+            except KeyboardInterrupt as stop:
+                stopped(cfg, tracker, stop)
+            except distributed.RankLost as lost:
+                raise distributed.lost_hint(lost, getattr(tracker, "_run_id", None), peers.world_size if peers else 1,
+                                            store_options(cfg)) from None
+            summarise_run(cfg, result)
+        typer.echo(result.run_id)
+    finally:
+        signals.restore()
+
+
+class SetUp:
+    """What `stops_in_set_up` needs to know: the spawned MLflow mirror, and whether the set-up ended."""
+
+    mirror: object = None
+    done = False
+
+
+@contextlib.contextmanager
+def stops_in_set_up(signals: object) -> Iterator[SetUp]:
+    """A stop signal before the run is written (options, data, executor set-up) ends the command with
+    one line and exit 128 + the signal, whatever exception it surfaced as; a failed set-up ends the
+    spawned MLflow mirror (it has written nothing)."""
+    from fedcli.cli.common import console
+
+    state = SetUp()
+    try:
+        yield state
+    except BaseException as exc:
+        if state.done:
             raise
-        tracker = open_tracker(cfg.tracking, mirror)
-        try:
-            with train_progress(cfg, quiet=bool(ctx.obj and ctx.obj.get("quiet"))) as progress:
-                result = run_training(cfg, tracker=tracker, progress=progress, resume_run_id=resume_id, setup=setup)
-        except KeyboardInterrupt as stop:
-            stopped(cfg, tracker, stop)
-        except distributed.RankLost as lost:
-            raise distributed.lost_hint(lost, getattr(tracker, "_run_id", None), peers.world_size if peers else 1,
-                                        store_options(cfg)) from None
-        summarise_run(cfg, result)
-    typer.echo(result.run_id)
+        if state.mirror is not None:
+            state.mirror.abort()  # type: ignore[attr-defined]
+        pending = getattr(signals, "pending", None)
+        if pending is None or isinstance(exc, typer.Exit):
+            raise
+        import signal
+
+        console().print(f"stopped by {signal.Signals(pending).name} before the run started; nothing was written.")
+        raise typer.Exit(128 + pending) from None
 
 
 def stopped(cfg: object, tracker: object, stop: KeyboardInterrupt) -> None:

@@ -11,6 +11,7 @@ process is this command's whole job, and it has no engine to delegate to.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ import typer
 from fedcli.cli.common import Panel, console, open_store, tracking_config
 from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError, TrackingError
+from fedcli.tracking.urls import has_password, mask_url
 
 READY_TIMEOUT_S = 120.0  # a cold MLflow start (imports, store migration check) on a busy laptop
 
@@ -57,7 +59,7 @@ def ui(
                                "tracking.store": store})
         uri = tracking_uri or (runs_tracking_uri(cfg.store_url) if store else None) or cfg.mlflow_uri
         if uri.startswith(("http://", "https://")):
-            raise ConfigError(f"the tracking URI {uri} is already a server; open it in a browser.")
+            raise ConfigError(f"the tracking URI {mask_url(uri)} is already a server; open it in a browser.")
         database = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
         if database is not None and not database.exists():
             raise ConfigError(f"no MLflow store at {database}: the runs were trained with --no-mlflow or under "
@@ -65,16 +67,18 @@ def ui(
         if print_only and open_browser:
             raise ConfigError("--open needs the server running; got --open with --print-only. Drop one of them.")
         mlflow = shutil.which("mlflow") or str(Path(sys.executable).with_name("mlflow"))
-        command = [mlflow, "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port),
-                   "--workers", "1"]
+        # a password goes to the server in its environment, never on its command line (`ps` shows that)
+        secret = has_password(uri)
+        command = [mlflow, "ui", *([] if secret else ["--backend-store-uri", uri]), "--host", "127.0.0.1",
+                   "--port", str(port), "--workers", "1"]
         base = f"http://127.0.0.1:{port}"
         if print_only:
             typer.echo(runs_url(base, experiment_id(uri, experiment, cfg.store_url)))
-            typer.echo(" ".join(command))
+            typer.echo((f"MLFLOW_BACKEND_STORE_URI={mask_url(uri)} " if secret else "") + " ".join(command))
             return
         require_free_port(port)
         code = serve(command, base, lambda: runs_url(base, experiment_id(uri, experiment, cfg.store_url)),
-                     open_browser)
+                     open_browser, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": uri} if secret else None)
     raise typer.Exit(code)
 
 
@@ -97,8 +101,8 @@ def experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - only the URL's precision depends on it
-        console().print(f"[yellow]warning:[/] could not look the experiment up in {uri}: "
-                        f"{(str(err).splitlines() or [type(err).__name__])[0]}", soft_wrap=True)
+        console().print(mask_url(f"[yellow]warning:[/] could not look the experiment up in {uri}: "
+                                 f"{(str(err).splitlines() or [type(err).__name__])[0]}"), soft_wrap=True)
         return None
 
 
@@ -149,15 +153,17 @@ class _Stop(Exception):
     """SIGINT or SIGTERM arrived: stop the server and exit."""
 
 
-def serve(command: list[str], base: str, find_url: Callable[[], str], open_browser: bool) -> int:
-    """Run the server, print the runs URL once /health answers, and stop it on SIGINT/SIGTERM."""
+def serve(command: list[str], base: str, find_url: Callable[[], str], open_browser: bool,
+          env: dict[str, str] | None = None) -> int:
+    """Run the server (`env`: its environment, default this one's), print the runs URL once /health
+    answers, and stop it on SIGINT/SIGTERM."""
     import webbrowser
 
     try:  # the server's own output goes to stderr: stdout carries only the URL
         out: Any = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # a captured stderr (tests): keep the server's
         out = None
-    server = subprocess.Popen(command, start_new_session=True, stdout=out)  # own group: stopped as a whole
+    server = subprocess.Popen(command, start_new_session=True, stdout=out, env=env)  # own group: stopped as a whole
 
     def stop(signum: int, frame: Any) -> None:
         raise _Stop
@@ -235,7 +241,7 @@ def runs_tracking_uri(store_url: str) -> str | None:
     for record in open_store(store_url).list_runs():
         saved = record.config.get("tracking", {})
         if record.mlflow_run_id and saved:
-            uris[tracking_config({"tracking.root": saved.get("root"),
+            uris[tracking_config({"tracking.root": stored_root(saved.get("root"), store_url),
                                   "tracking.tracking_uri": saved.get("tracking_uri")}).mlflow_uri] += 1
     if not uris:
         return None
@@ -244,3 +250,20 @@ def runs_tracking_uri(store_url: str) -> str | None:
         console().print(f"{count} runs logged to {uri}; others to {', '.join(u for u, _ in others)} "
                         "(pass --tracking-uri to open one of those).")
     return uri
+
+
+def stored_root(root: str | None, store_url: str) -> str | None:
+    """A run's stored `tracking.root`, as a path that works from any folder.
+
+    Runs store the root as given (default `fedcli-runs`, relative to where `train` ran). When
+    the SQL store is that root's own `fedcli.db`, the root is the store file's folder, wherever
+    the command runs; otherwise a relative root is taken as relative to the current folder.
+    """
+    from fedcli.config import store_file
+
+    if root is None or Path(root).is_absolute():
+        return root
+    path = store_file(store_url)
+    if path is not None and path.name == "fedcli.db" and path.parent.name == Path(root).name:
+        return str(path.parent)
+    return root

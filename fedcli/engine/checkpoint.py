@@ -5,6 +5,20 @@ or kill never leaves a half-written checkpoint; a temporary file left by a kill 
 write is removed when the run starts or resumes. Tensors are saved on CPU so a
 checkpoint written on a GPU loads anywhere.
 
+Files never run code (docs/architecture.md, "Security"). Checkpoints and `model.pt` hold
+tensors in plain containers only (dicts, lists, tuples, numbers, strings): an algorithm's
+NamedTuple (or dataclass) states are written as `{TYPE_KEY: name, "fields": {...}}`
+(`to_plain`) and rebuilt on load from the types of the run's own freshly built state
+(`from_plain`), never from a name in the file. Everything is read with
+`torch.load(weights_only=True)`, which refuses any other pickled object; a file that needs
+more is refused with one line (`CheckpointError`). Files of format 1 (fedcli before
+checkpoint format 2 pickled the NamedTuples) still load: their only non-plain objects may
+be the run's own state NamedTuples, which are allowed for that load and cannot run code.
+
+A checkpoint also says whose it is: run id, round and config hash, checked against the
+store's row before it is used (`check_identity`); one that does not match is skipped like
+an unreadable one (docs/architecture.md, "Checkpoints").
+
 `CheckpointWriter` is what the round loop uses (docs/architecture.md, "Checkpoints"):
 checkpoints are on by default, written on a background thread from a snapshot taken
 between rounds, kept `keep` at a time (older files and rows are pruned), and in the
@@ -14,13 +28,16 @@ default `auto` cadence written after every round unless writing one takes longer
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import math
 import os
+import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,14 +46,22 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fedcli.errors import TrackingError
+from fedcli.errors import DataError, TrackingError
 
 log = logging.getLogger(__name__)
 
 AUTO_BUDGET = 0.03  # auto cadence: checkpoint writing may take up to 3 % of the rounds' time
 TEMP_PREFIX = "."  # atomic_save's temporary files: .<name>.<random>
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: plain containers, run id and config hash; 1 (read only): pickled state NamedTuples
+TYPE_KEY = "__fedcli_type__"  # to_plain's marker of a NamedTuple or dataclass node
+CHECKPOINT_KEYS = ("format_version", "round_idx", "seed", "config", "server_state", "client_states")
+MODEL_KEYS = ("params", "server_state", "config", "task", "algorithm", "model")
+
+
+class CheckpointError(DataError):
+    """A checkpoint or model file fedcli will not use: unreadable, needing code to load, or another
+    run's or round's. The message is one line naming the file and the reason."""
 
 
 def to_cpu(tree: Any) -> Any:
@@ -80,19 +105,263 @@ def atomic_save(obj: Any, path: Path) -> None:
 
 
 def checkpoint_payload(*, round_idx: int, server_state: Any, client_states: dict[int, Any],
-                       config: dict[str, Any], seed: int) -> dict[str, Any]:
+                       config: dict[str, Any], seed: int, run_id: str) -> dict[str, Any]:
     """Everything needed to resume exactly after `round_idx`, as a snapshot on the CPU.
 
     The server state is copied (the caller goes on to the next round); client states are
     taken as they are: the client-state store replaces them, never changes them in place.
+    The states are still pytrees here; `plain_payload` makes the file's form of them.
     """
-    return {"format_version": FORMAT_VERSION, "round_idx": round_idx, "seed": seed, "config": config,
+    from fedcli.config import config_hash_of
+
+    return {"format_version": FORMAT_VERSION, "round_idx": round_idx, "seed": seed, "run_id": run_id,
+            "config_hash": config_hash_of(config), "config": config,
             "server_state": pytree.tree_map(_cpu_copy, server_state), "client_states": dict(client_states)}
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint (a `checkpoint_payload` written by `CheckpointWriter`) onto the CPU."""
-    return torch.load(path, map_location="cpu", weights_only=False)
+def plain_payload(payload: dict[str, Any]) -> dict[str, Any]:
+    """`payload` with its states in plain containers (`to_plain`), ready for `atomic_save`."""
+    return {**payload, "server_state": to_plain(payload["server_state"]),
+            "client_states": {int(k): to_plain(v) for k, v in payload["client_states"].items()}}
+
+
+def to_plain(tree: Any) -> Any:
+    """A state pytree as tensors in dicts, lists and tuples: what `torch.load(weights_only=True)` reads.
+
+    A NamedTuple or dataclass node becomes `{TYPE_KEY: "module.QualName", "fields": {name: value}}`.
+
+    Raises:
+        TypeError: the state holds another kind of object (docs/style.md rule 6: states are
+            NamedTuples of tensors and Params).
+    """
+    if tree is None or isinstance(tree, (torch.Tensor, bool, int, float, str)):
+        return tree
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return {TYPE_KEY: _type_name(type(tree)), "fields": {k: to_plain(v) for k, v in tree._asdict().items()}}
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return {TYPE_KEY: _type_name(type(tree)),
+                "fields": {f.name: to_plain(getattr(tree, f.name)) for f in dataclasses.fields(tree) if f.init}}
+    if isinstance(tree, dict):
+        return {k: to_plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_plain(v) for v in tree)
+    raise TypeError(f"a checkpointed state holds a {type(tree).__name__}; states must be tensors in NamedTuples, "
+                    "dataclasses, dicts, lists and tuples (docs/style.md rule 6)")
+
+
+def from_plain(plain: Any, template: Any, what: str) -> Any:
+    """Rebuild a state `to_plain` wrote, with the node types of `template` (the run's own fresh state).
+
+    The result must have the template's structure and its tensors the template's shapes and
+    dtypes: a file of another algorithm, model or data set is refused, not half-used.
+
+    Raises:
+        CheckpointError: a type the template does not have, or another structure or shape.
+    """
+    types = _node_types(template)
+
+    def build(node: Any) -> Any:
+        if isinstance(node, dict) and TYPE_KEY in node:
+            cls = types.get(str(node[TYPE_KEY]))
+            if cls is None or not isinstance(node.get("fields"), dict):
+                raise CheckpointError(f"{what} holds a state of type {node[TYPE_KEY]!r}, which this run's algorithm "
+                                      "does not have; it is another algorithm's file")
+            try:
+                return cls(**{k: build(v) for k, v in node["fields"].items()})
+            except TypeError as err:
+                raise CheckpointError(f"{what} does not fit this run's state ({err})") from None
+        if isinstance(node, dict):
+            return {k: build(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(build(v) for v in node)
+        return node
+
+    tree = build(plain)
+    check_like(tree, template, what)
+    return tree
+
+
+def check_like(tree: Any, template: Any, what: str) -> None:
+    """Raise CheckpointError unless `tree` has the structure of `template` and tensors of its shapes and dtypes."""
+    leaves, spec = pytree.tree_flatten(tree)
+    expected, expected_spec = pytree.tree_flatten(template)
+    if spec != expected_spec:
+        raise CheckpointError(f"{what} does not fit this run's state (another structure: another algorithm, "
+                              "model or fedcli version)")
+    for leaf, want in zip(leaves, expected, strict=True):
+        if isinstance(want, torch.Tensor) and (not isinstance(leaf, torch.Tensor) or leaf.shape != want.shape
+                                              or leaf.dtype != want.dtype):
+            got = f"{tuple(leaf.shape)} {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            raise CheckpointError(f"{what} does not fit this run's state (a tensor of {got} where the run has "
+                                  f"{tuple(want.shape)} {want.dtype})")
+
+
+def read_file(path: Path, what: str, legacy_types: tuple[type, ...] = ()) -> dict[str, Any]:
+    """`torch.load(path, weights_only=True)` onto the CPU, every failure one `CheckpointError` line.
+
+    `legacy_types`: NamedTuple types a format-1 file may hold (the run's own state types; their
+    construction runs no code). Nothing else beyond tensors and plain containers is accepted.
+    """
+    import pickle
+    import re
+
+    try:
+        with torch.serialization.safe_globals(list(legacy_types)):
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        named = f" ({found[1]})" if found else ""
+        raise CheckpointError(f"{what} needs code to load: it holds a pickled object{named} besides tensors and "
+                              "plain containers, and fedcli never runs code from a file. If you wrote it and trust "
+                              f"it, convert it: python -m fedcli.engine.checkpoint --trust {path}") from None
+    except OSError as err:
+        raise CheckpointError(f"{what} cannot be read: {err.strerror or err}") from None
+    except Exception as err:  # noqa: BLE001 - torch reports a damaged file as RuntimeError, EOFError, ...
+        first = (str(err).splitlines() or [type(err).__name__])[0][:160]
+        raise CheckpointError(f"{what} is not a readable torch file ({first})") from None
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{what} holds a {type(payload).__name__}, not a fedcli checkpoint or model")
+    return payload
+
+
+def check_identity(payload: dict[str, Any], what: str, keys: tuple[str, ...], *, run_id: str, config_hash: str,
+                   requested: dict[str, Any] | None, round_idx: int | None = None) -> None:
+    """Raise CheckpointError unless `payload` has `keys` and is the file of this run (and round).
+
+    The config must hash to `config_hash` (the store row's) or differ from the row's
+    `requested` config only in what `--resume` may change (fedcli.config.same_run_config):
+    a checkpoint written before a resume that added rounds still fits. A format-1 file
+    carries no run id and no hash; its round and config are checked.
+    """
+    from fedcli.config import config_hash_of, same_run_config
+
+    missing = [k for k in keys if k not in payload]
+    if missing:
+        raise CheckpointError(f"{what} lacks {', '.join(map(repr, missing))}; it is not a complete fedcli file")
+    version = payload.get("format_version", 1)
+    if version not in (1, FORMAT_VERSION):
+        raise CheckpointError(f"{what} has format {version!r}; this fedcli reads formats 1 and {FORMAT_VERSION} "
+                              "(upgrade fedcli)")
+    if version >= 2 and payload.get("run_id") != run_id:
+        raise CheckpointError(f"{what} belongs to run {str(payload.get('run_id'))[:8]}, not {run_id[:8]}")
+    if round_idx is not None and payload.get("round_idx") != round_idx:
+        raise CheckpointError(f"{what} holds round {payload.get('round_idx')!r}, not {round_idx}")
+    config = payload.get("config")
+    try:
+        written = payload.get("config_hash") or config_hash_of(config)  # type: ignore[arg-type]
+    except (AttributeError, KeyError, TypeError):
+        raise CheckpointError(f"{what} holds no readable config") from None
+    if written != config_hash and not (requested and isinstance(config, dict) and same_run_config(config, requested)):
+        raise CheckpointError(f"{what} was written under config hash {str(written)[:10]}, and run {run_id[:8]} has "
+                              f"{config_hash[:10]}; it is another configuration's file")
+
+
+def load_checkpoint(path: Path, what: str, *, server_template: Any, client_template: Any, run_id: str,
+                    config_hash: str, requested: dict[str, Any] | None, round_idx: int
+                    ) -> tuple[Any, dict[int, Any]]:
+    """Read, check and rebuild a checkpoint of `run_id` at `round_idx`: (server state, client states) on the CPU.
+
+    Templates: the run's fresh `server_init` state and `init_client_state` (None: stateless).
+
+    Raises:
+        CheckpointError: unreadable, needing code, another run's, round's or configuration's, or
+            not fitting the run's state (one line; the resume skips such a checkpoint).
+    """
+    payload = read_file(path, what, named_tuple_types(server_template, client_template))
+    check_identity(payload, what, CHECKPOINT_KEYS, run_id=run_id, config_hash=config_hash, requested=requested,
+                   round_idx=round_idx)
+    states = payload["client_states"]
+    if not isinstance(states, dict) or (states and client_template is None):
+        raise CheckpointError(f"{what} does not fit this run's state (client states of a stateful algorithm)")
+    if payload.get("format_version", 1) == 1:  # the NamedTuples were unpickled as they were written
+        check_like(payload["server_state"], server_template, what)
+        for state in states.values():
+            check_like(state, client_template, what)
+        return payload["server_state"], {int(k): v for k, v in states.items()}
+    return (from_plain(payload["server_state"], server_template, what),
+            {int(k): from_plain(v, client_template, what) for k, v in states.items()})
+
+
+def load_model(path: Path, what: str, *, server_template: Any = None) -> dict[str, Any]:
+    """Read a run's `model.pt` (`params`, `server_state`, `config`, `task`, `algorithm`, `model`, `example`).
+
+    With `server_template` its server state is rebuilt into the run's state types (format 1
+    files then load too); without, it stays in its plain form (the MLflow mirror needs the
+    parameters only).
+
+    Raises:
+        CheckpointError: unreadable, needing code, incomplete, or not fitting the template.
+    """
+    legacy = named_tuple_types(server_template) if server_template is not None else ()
+    payload = read_file(path, what, legacy)
+    missing = [k for k in MODEL_KEYS if k not in payload]
+    if missing or not isinstance(payload["params"], dict):
+        raise CheckpointError(f"{what} lacks {', '.join(map(repr, missing or ['params']))}; it is not a complete "
+                              "fedcli model file")
+    if server_template is not None:
+        state = payload["server_state"]
+        if payload.get("format_version", 1) == 1:
+            check_like(state, server_template, what)
+        else:
+            payload["server_state"] = from_plain(state, server_template, what)
+    return payload
+
+
+def convert_trusted(path: Path) -> str:
+    """Rewrite a checkpoint or `model.pt` that needs code to load as format 2; return what was done.
+
+    For files you trust only: this one load runs whatever the file holds (`weights_only=False`).
+    The run id comes from the file or from its place, `<root>/runs/<id>/...`.
+    """
+    from fedcli.config import config_hash_of
+
+    payload = torch.load(path, map_location="cpu", weights_only=False)  # trusted by the caller: the one exception
+    if not isinstance(payload, dict) or "server_state" not in payload or "config" not in payload:
+        raise CheckpointError(f"{path} is not a fedcli checkpoint or model.pt (no server_state or config)")
+    parts = Path(path).resolve().parts
+    run_id = payload.get("run_id") or next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "runs"), "")
+    out = {**payload, "format_version": FORMAT_VERSION, "run_id": run_id,
+           "config_hash": config_hash_of(payload["config"]), "server_state": to_plain(payload["server_state"])}
+    if "client_states" in payload:
+        out["client_states"] = {int(k): to_plain(v) for k, v in payload["client_states"].items()}
+    atomic_save(out, Path(path))
+    return f"{path}: rewritten as format {FORMAT_VERSION} (run {run_id[:8] or '?'}); it now loads without running code"
+
+
+def named_tuple_types(*templates: Any) -> tuple[type, ...]:
+    """The NamedTuple types in the given state pytrees (what a format-1 file of the run may hold)."""
+    found: dict[str, type] = {}
+    for template in templates:
+        found.update({k: v for k, v in _node_types(template).items() if issubclass(v, tuple)})
+    return tuple(found.values())
+
+
+def _node_types(tree: Any) -> dict[str, type]:
+    """module.QualName -> type of every NamedTuple and dataclass node in a state pytree."""
+    found: dict[str, type] = {}
+
+    def visit(node: Any) -> None:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            found[_type_name(type(node))] = type(node)
+            for value in node:
+                visit(value)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            found[_type_name(type(node))] = type(node)
+            for f in dataclasses.fields(node):
+                visit(getattr(node, f.name))
+        elif isinstance(node, dict):
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                visit(value)
+
+    visit(tree)
+    return found
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def checkpoint_path(run_dir: Path, round_idx: int) -> Path:
@@ -133,26 +402,49 @@ class CheckpointWriter:
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self._write_s: float | None = None  # seconds of the last write (auto cadence)
-        self._round_s = 0.0  # mean wall seconds of a round (auto cadence)
+        self._round_s = 0.0  # mean wall seconds of a round (kept for reference; the cadence uses medians)
         self._rounds_seen = 0
+        self._writes: deque[float] = deque(maxlen=self.WRITES_WINDOW)  # recent write times (auto cadence)
+        self._rounds: deque[float] = deque(maxlen=self.ROUNDS_WINDOW)  # recent round times (auto cadence)
+        self._sampled: float | None = None  # the `_write_s` object last put in `_writes`
         self._since = 0  # rounds since the last checkpoint
         self.last_round: int | None = max(self._kept) if self._kept else None
         if removed := remove_temp_files(self.folder):
             log.info("removed %d temporary checkpoint file(s) left by a killed write", removed)
 
+    WRITES_WINDOW = 5  # auto cadence: the median of the last 5 write times ...
+    ROUNDS_WINDOW = 25  # ... over AUTO_BUDGET x the median of the last 25 round times
+    MAX_GAP_S = 600.0  # auto cadence: at most this many seconds of rounds between two checkpoints
+
     @property
     def interval(self) -> int:
-        """Rounds between checkpoints now (auto: from the measured write and round times)."""
+        """Rounds between checkpoints now (auto: from the measured write and round times).
+
+        Auto: ceil(median recent write / (AUTO_BUDGET x median recent round)), at least 1 and at
+        most the rounds of `MAX_GAP_S` seconds. Medians (the lower one for an even count), not
+        means, so one outlier cannot switch checkpoints off: a write that stalled 301 s (the
+        process stopped, the store locked) counts as one sample of five; and the cap makes the
+        next write, which measures again, come even when the stalled one was the first.
+        """
         if self.every is not None:
             return self.every
-        if self._write_s is None or self._round_s <= 0:
+        if not self._writes or not self._rounds:
             return 1
-        return max(1, math.ceil(self._write_s / (AUTO_BUDGET * self._round_s)))
+        write_s, round_s = _lower_median(self._writes), _lower_median(self._rounds)
+        if round_s <= 0:
+            return 1
+        most = max(1, int(self.MAX_GAP_S / round_s))
+        return max(1, min(most, math.ceil(write_s / (AUTO_BUDGET * round_s))))
 
     def due(self, round_idx: int, round_s: float) -> bool:
-        """Account one finished round; True when it should be checkpointed."""
+        """Account one finished round (`round_s`: its wall seconds); True when it should be checkpointed."""
         self._rounds_seen += 1
         self._round_s += (round_s - self._round_s) / self._rounds_seen
+        self._rounds.append(round_s)
+        written = self._write_s  # set by the writer thread; each write stores a new float object
+        if written is not None and written is not self._sampled:
+            self._writes.append(written)
+            self._sampled = written
         self._since += 1
         return self.every != 0 and self._since >= self.interval
 
@@ -161,7 +453,7 @@ class CheckpointWriter:
         """Snapshot the state now; write it on the background thread (after the previous write)."""
         self.wait()  # at most one write in flight: memory stays bounded, errors surface a round later
         snapshot = checkpoint_payload(round_idx=round_idx, server_state=state, client_states=client_states,
-                                      config=config, seed=seed)
+                                      config=config, seed=seed, run_id=self.folder.parent.name)  # runs/<id>/
         self._since = 0
         self.last_round = round_idx
         self._pending = self._pool.submit(self._write, round_idx, snapshot)
@@ -169,7 +461,7 @@ class CheckpointWriter:
     def _write(self, round_idx: int, snapshot: dict[str, Any]) -> None:
         start = time.perf_counter()
         path = checkpoint_path(self.folder.parent, round_idx)
-        atomic_save(snapshot, path)
+        atomic_save(plain_payload(snapshot), path)
         self._record(round_idx, str(path.resolve()))
         self._write_s = time.perf_counter() - start
         with self._lock:
@@ -193,6 +485,12 @@ class CheckpointWriter:
             self._pool.shutdown(wait=True)
 
 
+def _lower_median(values: Any) -> float:
+    """The median of a non-empty collection of numbers; the lower middle value for an even count."""
+    ordered = sorted(values)
+    return float(ordered[(len(ordered) - 1) // 2])
+
+
 def _cpu_copy(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
@@ -206,3 +504,26 @@ def _os_message(err: OSError, path: Path) -> str:
         return (f"no space left on device: could not write {path}; free disk space, then resume "
                 "with `fedcli train --resume RUN` (the previous checkpoint is intact)")
     return f"could not write {path}: {err.strerror or err}; check the folder's permissions and free space"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fedcli.engine.checkpoint --trust FILE...`: convert trusted files (convert_trusted)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fedcli.engine.checkpoint",
+                                     description="Rewrite checkpoints or model.pt files you trust so that they load "
+                                                 "without running code (format 2).")
+    parser.add_argument("--trust", nargs="+", type=Path, required=True, metavar="FILE",
+                        help="files you wrote or trust: loading them once runs any code they hold")
+    args = parser.parse_args(argv)
+    try:
+        for path in args.trust:
+            print(convert_trusted(path))
+    except (CheckpointError, TrackingError, OSError, RuntimeError) as err:
+        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -322,11 +322,14 @@ def serve(peers: Peers) -> None:
     if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
         _serve(peers, build)
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it stops the run in order
+    # Ctrl-C, and the SIGTERM torchrun forwards to every rank, are rank 0's: it stops the run in order, then us
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stops}
     try:
         _serve(peers, build)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _serve(peers: Peers, build: Callable[..., Any]) -> None:

@@ -33,6 +33,8 @@ class ModelFunctions:
     prepare: Callable[[Tensor], Tensor]
     compile_step: bool = False  # --compile with the loop/process executors: compiled per-client steps
     dense: Any = None  # dense.DenseSpec where the `fused` executor can train the model (MLP/linear, cross-entropy)
+    interrupt: Callable[[], None] | None = None  # called between clients (loop) and cohort chunks: raises to
+    # abandon the round when a stop signal arrived (engine/lifecycle.py, GracefulSignals.check)
 
 
 def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelFunctions:
@@ -113,8 +115,17 @@ def in_chunks(run: Callable[..., ClientOut], alg: Algorithm, fns: ModelFunctions
         return None
     order = np.argsort(-inputs.plan.steps_per_client, kind="stable")
     groups = [order[start : start + chunk_size] for start in range(0, num_clients, chunk_size)]
-    outs = [run(alg, fns, broadcast, take_clients(inputs, rows), hp, opt, round_idx) for rows in groups]
+    outs = []
+    for rows in groups:
+        interrupt_point(fns)
+        outs.append(run(alg, fns, broadcast, take_clients(inputs, rows), hp, opt, round_idx))
     return merge_outs(groups, outs)
+
+
+def interrupt_point(fns: ModelFunctions) -> None:
+    """A safe point between clients or chunks of a round: raises if the run was asked to stop."""
+    if fns.interrupt is not None:
+        fns.interrupt()
 
 
 def take_clients(inputs: CohortInputs, rows: np.ndarray) -> CohortInputs:
@@ -187,6 +198,7 @@ def run_loop(alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: Cohort
     plan = inputs.plan
     results = []
     for c in range(len(plan.num_examples)):
+        interrupt_point(fns)
         own = plan.for_client(c)
         k = own.steps_per_epoch
         one = client_fn(alg, fns, broadcast, hp, opt, plan.num_epochs, k, round_idx, fns.compile_step)

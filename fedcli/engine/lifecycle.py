@@ -5,11 +5,12 @@
   `interrupted` everywhere once the heartbeat is older than `STALE_S` (at once on the
   same host, where the store checks the pid); see docs/architecture.md, "Run lifecycle".
 - `graceful_signals`: SIGTERM (what schedulers and `kill` send) and SIGHUP (a closed
-  terminal) end a run like Ctrl-C: the round in flight is abandoned, the last completed
-  round is checkpointed, the run is marked `interrupted` and the process exits non-zero
-  (128 + the signal number). Inside `critical()` (aggregation, which changes the server
-  state and the client states together) a signal waits until the section ends, so a
-  checkpoint never mixes two rounds.
+  terminal) end a run like Ctrl-C: the handler records the signal, the round loop stops at
+  its next safe point (between rounds, clients or cohort chunks: `GracefulSignals.check`),
+  the round in flight is abandoned, the last completed round is checkpointed, the run is
+  marked `interrupted` and the process exits non-zero (128 + the signal number). Inside
+  `critical()` (aggregation, which changes the server state and the client states
+  together) nothing stops, so a checkpoint never mixes two rounds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from fedcli.tracking.store import HEARTBEAT_S, SqlStore
+from fedcli.tracking.store import HEARTBEAT_S, RunTakenOver, SqlStore, stale_s
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,17 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 class Heartbeat:
-    """Refresh a run's heartbeat from a daemon thread until `stop()`."""
+    """Refresh a run's heartbeat from a daemon thread until `stop()`.
+
+    Every `every_s` seconds (`HEARTBEAT_S`, at most a quarter of `stale_s()`, so a short
+    `FEDCLI_STALE_S` in tests still sees live runs alive). A beat is a lease-checked write:
+    once another process has taken the run over the thread stops and keeps the
+    `RunTakenOver` in `lost` (the round loop's next write raises it too).
+    """
 
     def __init__(self, store: SqlStore, run_id: str, every_s: float = HEARTBEAT_S) -> None:
-        self._store, self._run_id, self._every = store, run_id, every_s
+        self._store, self._run_id, self._every = store, run_id, min(every_s, stale_s() / 4)
+        self.lost: RunTakenOver | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="fedcli-heartbeat", daemon=True)
         self._thread.start()
@@ -52,6 +60,9 @@ class Heartbeat:
         while not self._stop.wait(self._every):
             try:
                 self._store.heartbeat(self._run_id)
+            except RunTakenOver as err:  # not ours any more: never touch the new owner's heartbeat
+                self.lost = err
+                return
             except Exception as err:  # a busy store must not end the run; the next beat retries
                 log.debug("heartbeat of run %s failed: %s", self._run_id, err)
 
@@ -61,25 +72,62 @@ class Heartbeat:
 
 
 class GracefulSignals:
-    """SIGINT/SIGTERM/SIGHUP raise `RunInterrupted` in the main thread, deferred inside `critical()`."""
+    """SIGINT/SIGTERM/SIGHUP ask the run to stop; the run stops at its next safe point.
+
+    The handler only records the signal (`pending`): it never raises inside library code,
+    where an exception can break a library's own bookkeeping (a SIGTERM raised inside
+    `torch.vmap`'s entry left its layer stack inconsistent and the run `failed` with an
+    internal assertion instead of `interrupted`). The round loop calls `check()` at safe
+    points, in its own code between library calls: before round 0, between rounds, between
+    the clients (`loop`) or cohort chunks (`--cohort-chunk`) of a round, and after the
+    cohort's local training; `check()` raises `RunInterrupted` there. Inside `critical()`
+    (aggregation, evaluation, logging and the checkpoint of one round) `check()` does
+    nothing, so a checkpoint never mixes two rounds.
+
+    With `immediate=True` (a command's set-up, before it has written anything) the handler
+    raises `RunInterrupted` at once instead: nothing is left to keep consistent, and the
+    command exits as soon as it can; `defer()` switches to recording before the first write.
+    A second signal while a stop is pending or under way is ignored (with a warning), so it
+    cannot cut the final checkpoint short; SIGKILL stops at once. docs/architecture.md, "Run
+    lifecycle", says how long a stop may take.
+    """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self) -> None:
-        self._pending: int | None = None
+    def __init__(self, *, immediate: bool = False) -> None:
+        self.pending: int | None = None  # the first stop signal received, until the process ends
+        self._immediate = immediate
         self._depth = 0
-        self._stopping = False
+        self._stopping = False  # RunInterrupted was raised: the run is on its way out
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, _frame: Any) -> None:
-        if self._stopping:  # a second Ctrl-C/SIGTERM must not cut the checkpoint of the orderly stop
-            log.warning("already stopping: writing the last checkpoint (SIGKILL stops at once)")
+        if self.pending is not None:  # a second Ctrl-C/SIGTERM must not cut the orderly stop short
+            log.warning("already stopping (%s): the run stops at its next safe point and checkpoints; "
+                        "SIGKILL stops at once", signal.Signals(self.pending).name)
             return
-        if self._depth > 0:
-            self._pending = self._pending or signum
-            return
-        self._stopping = True
-        raise RunInterrupted(signum)
+        self.pending = signum
+        if self._immediate:  # set-up: nothing written yet, nothing to keep consistent
+            self._stopping = True
+            raise RunInterrupted(signum)
+
+    def check(self) -> None:
+        """Raise `RunInterrupted` if a stop signal arrived; call only at safe points, outside `critical()`."""
+        if self.pending is not None and self._depth == 0 and not self._stopping:
+            self._stopping = True
+            raise RunInterrupted(self.pending)
+
+    def defer(self) -> None:
+        """End the set-up phase: from now on signals are recorded, not raised (call before the first write).
+
+        Raises:
+            RunInterrupted: a signal arrived during the set-up and was not raised yet (e.g. a
+                library turned it into another exception that was handled).
+        """
+        self._immediate = False
+        if self.pending is not None and not self._stopping:
+            self._stopping = True
+            raise RunInterrupted(self.pending)
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -94,24 +142,30 @@ class GracefulSignals:
 
     @contextlib.contextmanager
     def critical(self) -> Iterator[None]:
-        """Hold signals back while the block runs; raise the first one after it."""
+        """A block that must finish once started: `check()` inside it does nothing (the next check after it stops)."""
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
-        if self._depth == 0 and self._pending is not None:
-            signum, self._pending = self._pending, None
-            self._stopping = True
-            raise RunInterrupted(signum)
 
 
 @contextlib.contextmanager
-def graceful_signals() -> Iterator[GracefulSignals]:
-    """Install `GracefulSignals` for the duration of a run; restore the previous handlers after."""
+def graceful_signals(installed: GracefulSignals | None = None) -> Iterator[GracefulSignals]:
+    """Install `GracefulSignals` for the duration of a run and restore the previous handlers after;
+    or use `installed`, handlers the caller installed already (`fedcli train` does, before its set-up)."""
+    if installed is not None:
+        installed.defer()
+        yield installed
+        return
     handlers = GracefulSignals()
     handlers.install()
     try:
         yield handlers
     finally:
         handlers.restore()
+
+
+def signal_name(signum: int) -> str:
+    """SIGTERM, SIGINT, ... for a signal number."""
+    return signal.Signals(signum).name

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import Algorithm, HyperparameterError, OptimConfig, tree_nbytes
-from fedcli.config import RunConfig, make_hyperparameters
+from fedcli.config import RunConfig, make_hyperparameters, run_tags
 from fedcli.datasets.federated import FederatedData
 from fedcli.datasets.registry import resolve_task
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions
@@ -34,9 +33,10 @@ from fedcli.engine.checkpoint import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.evaluation import evaluate
 from fedcli.engine.executors import EXECUTORS, CohortInputs, ModelFunctions, model_functions
-from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, graceful_signals
+from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, RunInterrupted, graceful_signals, signal_name
 from fedcli.engine.seeding import Stream, derive_seed, numpy_rngs, sample_cohort, step_keys, torch_generator
 from fedcli.errors import ConfigError, FedcliError
+from fedcli.tracking.store import RunTakenOver, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ def build(cfg: RunConfig, *, peers: Any = None) -> Setup:
     if cfg.train.clients_per_round > len(indices):
         raise ConfigError(f"train.clients_per_round={cfg.train.clients_per_round} exceeds the "
                           f"{len(indices)} clients of the partition; lower --clients-per-round.")
+    check_plan_size(cfg, max((len(ix) for ix in indices), default=0))
     with torch.random.fork_rng(devices=[]):  # model init from its own stream, global RNG untouched
         torch.manual_seed(derive_seed(cfg.seed, Stream.INIT))
         model_name = cfg.data.model or task.default_model
@@ -171,6 +172,23 @@ def build(cfg: RunConfig, *, peers: Any = None) -> Setup:
     log.debug("executor: %s (%s)", executor, why)
     return Setup(cfg, task, data, fed, fns, alg, hp, device, executor, init_params, indices, spec, runner, why,
                  cfg.train.optim(task.client_lr))
+
+
+PLAN_LIMIT = 2**28  # example slots of one round's padded plan: 3 GiB of indices and weights (docs/architecture.md §8)
+
+
+def check_plan_size(cfg: RunConfig, largest: int) -> None:
+    """Refuse settings whose round plan (`FederatedData.plan`: [M, E * K, B] example slots, K =
+    ceil(n / B) for the largest client's n examples) would exceed PLAN_LIMIT, before any is built."""
+    t = cfg.train
+    slots = t.clients_per_round * t.local_epochs * -(-max(largest, 1) // t.batch_size) * t.batch_size
+    if slots > PLAN_LIMIT:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size}, train.local_epochs={t.local_epochs} and train.clients_per_round="
+            f"{t.clients_per_round} make each round's plan {slots:,} example slots (clients x epochs x ceil(n / B) x B, "
+            f"the largest client n = {largest}), more than the limit of {PLAN_LIMIT:,}. Lower --batch-size (a batch "
+            f"of {largest}, the largest client, is already full-batch training), --local-epochs or "
+            "--clients-per-round.")
 
 
 def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray, round_idx: int,
@@ -232,14 +250,18 @@ def overlaps_host_work(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: int) -> Trained:
+def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: int,
+                 interrupt: Callable[[], None] | None = None) -> Trained:
     """Sample the round's cohort and run its local training (no state changes: interruptible).
 
+    `interrupt` (GracefulSignals.check) is called between the clients (`loop`) or cohort chunks
+    (`--cohort-chunk`) of the round and raises there when the run was asked to stop.
     On a GPU the next round's cohort, plan and step keys (numpy shuffles, seed derivation: a few
     ms of host time at 100 clients) are built while the device trains this round, before the
     synchronisation that ends it, and copied to the device without blocking when their round comes.
     """
     cfg, alg, hp, opt = setup.cfg, setup.alg, setup.hp, setup.opt
+    fns = setup.fns if interrupt is None else replace(setup.fns, interrupt=interrupt)
     start = time.perf_counter()
     planned = setup.prefetched.pop(round_idx, None) or plan_round(setup, round_idx)
     cohort, plan = planned.cohort, planned.plan.to(setup.device)
@@ -249,7 +271,7 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
                           noise=draw_noise(setup, alg.global_params(state), cohort, round_idx, num_steps),
                           states=store.gather(cohort, setup.device))
     execute = setup.runner or EXECUTORS[setup.executor]
-    outs = execute(alg, setup.fns, bc, inputs, hp, opt, round_idx, cfg.train.cohort_chunk)
+    outs = execute(alg, fns, bc, inputs, hp, opt, round_idx, cfg.train.cohort_chunk)
     setup.prefetched.clear()
     if overlaps_host_work(setup.device) and round_idx < cfg.train.rounds:
         setup.prefetched[round_idx + 1] = plan_round(setup, round_idx + 1, on_host=True)
@@ -371,14 +393,18 @@ ProgressFn = Callable[[int, dict[str, float]], None]
 
 
 def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
-          resume_run_id: str | None = None, setup: Setup | None = None) -> RunResult:
+          resume_run_id: str | None = None, setup: Setup | None = None,
+          signals: GracefulSignals | None = None) -> RunResult:
     """Run (or resume) one training run to completion, logging every round to `tracker`.
 
     `setup` is `build(cfg)` when the caller built it already (the CLI does, to validate the
-    data and the options before it opens any store). The run's life (docs/architecture.md,
-    "Run lifecycle"): a heartbeat while it trains; SIGINT/SIGTERM/SIGHUP abandon the round
-    in flight, checkpoint the last completed round and mark it `interrupted`; checkpoints in
-    the background with retention; any other failure marks it `failed`.
+    data and the options before it opens any store); `signals`, stop-signal handlers the
+    caller installed already (the CLI does, before its set-up), else this installs its own.
+    The run's life (docs/architecture.md, "Run lifecycle"): a heartbeat while it trains;
+    SIGINT/SIGTERM/SIGHUP stop it at the next safe point (between rounds, clients or cohort
+    chunks), abandon the round in flight, checkpoint the last completed round and mark it
+    `interrupted`; a signal after the last round lets it finish; checkpoints in the
+    background with retention; any other failure marks it `failed`.
 
     Raises:
         ConfigError: invalid settings discovered against the data (before any round).
@@ -396,7 +422,7 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
     if setup.alg.init_client_state is not None:
         init_fn = lambda: setup.alg.init_client_state(setup.init_params, setup.hp)  # noqa: E731
     store = ClientStateStore(init_fn)
-    with graceful_signals() as signals:
+    with graceful_signals(signals) as signals:
         if resume_run_id is None:
             run_id = start_tracking(tracker, cfg, setup)
             start_round = 1
@@ -416,6 +442,12 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
         try:
             metrics = loop.run(signals, progress)
             model_path = _save_model(tracker, run_dir, setup, loop.state)
+        except RunTakenOver:  # another process resumed the run: write nothing more, not even its end
+            raise
+        except StoreUnavailable as exc:  # locked or unreachable for FEDCLI_STORE_RETRY_S: stop, resumable
+            _stop_without_store(tracker, exc)
+            raise StoreUnavailable(f"{exc}. Run {run_id[:8]} stopped after round {loop.completed} and is "
+                                   f"resumable: `fedcli train --resume {run_id[:8]}` once the store answers") from exc
         except KeyboardInterrupt as exc:
             loop.save_on_exit()
             reason = f"stopped by {exc.args[0] if exc.args else 'SIGINT'} during round {loop.completed + 1}"
@@ -426,8 +458,15 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
                 tracker.finish("failed", reason=str(exc)[:500], diverged_at_round=loop.completed + 1)
             raise
         except BaseException as exc:
-            tracker.finish("failed", reason=f"{type(exc).__name__}: {exc}"[:500])
-            raise
+            if signals.pending is None:
+                tracker.finish("failed", reason=f"{type(exc).__name__}: {exc}"[:500])
+                raise
+            # a stop was asked and something failed on its way (a worker ended by the same signal)
+            log.debug("stopping after %s: %s", type(exc).__name__, exc)
+            loop.save_on_exit()
+            stop = RunInterrupted(signals.pending)
+            tracker.finish("interrupted", reason=f"stopped by {stop.args[0]} during round {loop.completed + 1}")
+            raise stop from None
         finally:
             heartbeat.stop()
             with contextlib.suppress(Exception):
@@ -435,10 +474,20 @@ def train(cfg: RunConfig, *, tracker: Any, progress: ProgressFn | None = None,
             from fedcli.engine.workers import close_runner  # issue 7: no worker outlives its run
 
             close_runner(setup.runner)
-    tracker.finish("finished")
+        tracker.finish("finished")  # a signal from here on (the MLflow wait) is recorded, not raised
+        if signals.pending is not None:
+            log.warning("%s arrived after the last round; the run finished", signal_name(signals.pending))
     return RunResult(run_id=run_id, status="finished", rounds_completed=loop.completed, final_metrics=metrics,
                      model_path=model_path, executor=executor_label(setup), timing=loop.timing,
                      wall_s=time.perf_counter() - wall_start)
+
+
+def _stop_without_store(tracker: Any, exc: StoreUnavailable) -> None:
+    """Mark the run `interrupted` if the store answers within a few seconds (it just failed for a
+    minute); otherwise leave it: its row reads `interrupted` once this process is gone."""
+    tracker.store.retry_s = min(tracker.store.retry_s, 5.0)
+    with contextlib.suppress(FedcliError):
+        tracker.finish("interrupted", reason=f"store unreachable: {exc}"[:500])
 
 
 CUMULATIVE = {"comm/bytes_up": "comm/cum_bytes_up", "comm/bytes_down": "comm/cum_bytes_down",
@@ -468,14 +517,19 @@ class _Loop:
     cumulative: dict[str, float]  # comm/cum_bytes_* totals up to `completed`
 
     def run(self, signals: GracefulSignals, progress: ProgressFn | None) -> dict[str, float]:
+        """Train the remaining rounds; a stop signal raises RunInterrupted at the next `signals.check()`
+        (safe points: before round 0, between rounds, clients or chunks, after local training)."""
         cfg, setup = self.setup.cfg, self.setup
         metrics: dict[str, float] = {}
+        signals.check()  # a signal while the run started (store, MLflow's set-up, checkpoint read)
         if self.completed == 0:
             with signals.critical():
                 metrics = _evaluate(setup, self.state)
                 _log(self.tracker, 0, metrics, self.timing, progress)
         for round_idx in range(self.completed + 1, cfg.train.rounds + 1):
-            trained = train_cohort(setup, self.state, self.store, round_idx)  # a signal abandons it
+            signals.check()
+            trained = train_cohort(setup, self.state, self.store, round_idx, interrupt=signals.check)
+            signals.check()  # the round's local training is abandoned: it changed no kept state
             with signals.critical():  # aggregation, evaluation and logging finish together
                 state, metrics = aggregate(setup, self.state, self.store, trained, round_idx, self.timing)
                 if round_idx % cfg.train.eval_every == 0 or round_idx == cfg.train.rounds:
@@ -530,7 +584,7 @@ def start_tracking(tracker: Any, cfg: RunConfig, setup: Setup) -> str:
         git_commit=git_commit(), tags={"fedcli.executor": setup.executor, "fedcli.device": str(setup.device),
                                        "fedcli.executor_reason": setup.executor_reason[:250],
                                        "fedcli.model": cfg.data.model or setup.task.default_model,
-                                       "fedcli.config_hash": cfg.config_hash})
+                                       "fedcli.config_hash": cfg.config_hash, **run_tags(cfg)})
 
 
 def resolved_config(setup: Setup) -> dict[str, Any]:
@@ -613,7 +667,9 @@ def _save_partition(tracker: Any, run_dir: Path, setup: Setup) -> None:
 def _save_model(tracker: Any, run_dir: Path, setup: Setup, state: Any) -> Path:
     path = run_dir / "model.pt"
     params = ckpt.to_cpu(setup.alg.global_params(state))
-    ckpt.atomic_save({"params": params, "server_state": ckpt.to_cpu(state), "config": setup.cfg.to_dict(),
+    ckpt.atomic_save({"format_version": ckpt.FORMAT_VERSION, "run_id": tracker.run_id,
+                      "config_hash": setup.cfg.config_hash, "params": params,
+                      "server_state": ckpt.to_plain(ckpt.to_cpu(state)), "config": setup.cfg.to_dict(),
                       "task": setup.task.name, "algorithm": setup.alg.name,
                       "model": setup.cfg.data.model or setup.task.default_model,
                       "example": setup.data.x[:2].detach().cpu()}, path)  # MLflow model signature (tracking/served.py)
@@ -628,17 +684,22 @@ def _restore(tracker: Any, run_id: str, setup: Setup, state: Any, store: ClientS
     Rows of later rounds are dropped (they are trained again, to the same values) and the
     stored config becomes the one this resume runs (e.g. more rounds). Returns (state, next round).
     """
-    cfg = setup.cfg
+    cfg, record = setup.cfg, tracker.store.get_run(run_id)
+    client_template = None if setup.alg.init_client_state is None else setup.alg.init_client_state(setup.init_params,
+                                                                                                  setup.hp)
     for round_idx, path in reversed(tracker.store.checkpoints(run_id)):
-        try:
-            saved = ckpt.load_checkpoint(Path(path))
-        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
-            log.warning("checkpoint of round %d (%s) cannot be read (%s); trying an older one", round_idx, path, err)
+        try:  # read without running code, checked against the run's row and state (docs/architecture.md, "Checkpoints")
+            server_state, client_states = ckpt.load_checkpoint(
+                Path(path), f"checkpoint of round {round_idx} ({path})", server_template=state,
+                client_template=client_template, run_id=run_id, config_hash=record.config_hash,
+                requested=record.requested, round_idx=round_idx)
+        except ckpt.CheckpointError as err:
+            log.warning("%s; trying an older one", err)
             continue
-        store.load_state_dict(saved["client_states"])
+        store.load_state_dict(client_states)
         tracker.resume(run_id, from_round=round_idx, config=resolved_config(setup), config_hash=cfg.config_hash,
                        requested=cfg.to_dict())
-        return ckpt.to_device(saved["server_state"], setup.device), round_idx + 1
+        return ckpt.to_device(server_state, setup.device), round_idx + 1
     log.warning("run %s has no checkpoint; it restarts from round 0 under the same id", run_id)
     tracker.resume(run_id, from_round=-1, config=resolved_config(setup), config_hash=cfg.config_hash,
                    requested=cfg.to_dict())

@@ -18,8 +18,10 @@ slice of the cohort itself while P - 1 spawned workers train the others.
   support). The per-client plan rows, step keys, noise and states are the parent's, so the
   result equals `loop`'s to float tolerance (tests/engine/test_equivalence.py).
 
-Workers ignore SIGINT (the parent handles Ctrl-C and stops them) and exit on EOF when the
-parent disappears; `ProcessExecutor.close()` stops them at the end of a run.
+Workers ignore SIGINT, SIGTERM and SIGHUP (a Ctrl-C, a scheduler or a closed terminal may
+signal the whole process group: the parent stops the run in order and then its workers) and
+exit on EOF when the parent disappears; `ProcessExecutor.close()` stops them at the end of a
+run (SIGKILL for one that does not answer).
 """
 
 from __future__ import annotations
@@ -224,7 +226,8 @@ def worker_functions(spec: WorkerSpec) -> tuple[Algorithm, ModelFunctions, Any, 
 
 def _worker_main(conn: Any) -> None:
     """Serve bind / run messages until the parent sends None or disappears."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the parent stops the run, then us
+        signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)
     bound: tuple[Algorithm, ModelFunctions, Any, OptimConfig] | None = None
     inner = "vmap"
@@ -273,14 +276,17 @@ class _Worker:
                               f"{self.process.exitcode}); rerun with --executor vmap to see the error "
                               "in the main process.") from None
 
-    def stop(self) -> None:
+    def stop(self, now: bool = False) -> None:
+        """Ask the worker to exit after its current message (or SIGKILL it `now`: its work is abandoned)."""
+        if now:
+            self.process.kill()
         try:
             self.conn.send(None)
         except (OSError, ValueError):
             pass
         self.process.join(timeout=5.0)
         if self.process.is_alive():
-            self.process.terminate()
+            self.process.kill()  # it ignores SIGTERM
             self.process.join(timeout=5.0)
         self.conn.close()
 
@@ -311,10 +317,10 @@ class WorkerPool:
                 raise WorkerError(f"a worker failed to build the run:\n{text.decode()}")
         self.bound_token = token
 
-    def close(self) -> None:
-        """Stop every worker (idempotent)."""
+    def close(self, now: bool = False) -> None:
+        """Stop every worker (idempotent); `now` kills them mid-slice (a stopped run's abandoned round)."""
         for worker in self.workers:
-            worker.stop()
+            worker.stop(now)
         self.workers = []
         self.bound_token = None
 
@@ -384,6 +390,12 @@ class ProcessExecutor:
             with intra_op_threads(1):
                 outs = [run_inner(alg, fns, broadcast, take_clients(inputs, groups[0]), hp, opt, round_idx,
                                   chunk_size)]
+        except KeyboardInterrupt:  # a stop signal between the main process's clients or chunks (train.py)
+            if self.own_pool:  # the round is abandoned: its workers' slices are not waited for
+                self.pool.close(now=True)
+            else:
+                self._receive(remote)
+            raise
         except Exception:
             self._receive(remote)  # keep the pipes in step, then report the main process's error
             raise

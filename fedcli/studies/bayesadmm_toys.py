@@ -834,7 +834,7 @@ def fig3a_section(out: Path, sizes: Sizes) -> list[str]:
     generator = torch.Generator().manual_seed(0)
     eps = torch.randn(32, 10, problem.x.shape[1], generator=generator, dtype=F64)
     common: dict[str, Any] = {"rho": 1.0, "delta": problem.delta, "tau": 1.0, "h0": 0.0, "beta1": 0.9, "beta2": 0.9995,
-              "mc_samples": 1}
+              "mc_samples": 1, "dual_scope": "seen"}  # Alg. 1's sums: every client uploads every round
     curves = {name: run_fig3a_method(problem, bayesadmm.BayesADMMConfig(**common, **extra), sizes.elbo_rounds,
                                      sizes.elbo_steps, 0.002, eps, generator)
               for name, extra in FIG3A_METHODS.items()}

@@ -276,7 +276,7 @@ def test_bayesadmm_start_and_cosine_options() -> None:
 def test_bayesadmm_precision_guard_clamps_and_reports() -> None:
     """s_bar = (1-alpha) Mean s_k + alpha (delta + Sum u_k) < 0 when the clients' precisions collapse
     (u_k += gamma (s_k - s_bar) < 0): entries below precision_floor x delta are raised to it and reported."""
-    hp = DIAG.config_cls(rho=1.0, dual_damping=1.0, delta=1.0, precision_floor=0.01)
+    hp = DIAG.config_cls(rho=1.0, dual_damping=1.0, delta=1.0, precision_floor=0.01, dual_scope="seen")
     params = {"w": torch.zeros(2, dtype=F64)}
     state = DIAG.server_init(params, hp, IVON_OPT)
     outs = ClientOut(upload={"mean": {"w": torch.zeros(2, 2, dtype=F64)},
@@ -772,3 +772,37 @@ if __name__ == "__main__":
         print(f"== {fn.__name__} ({time.time() - start:.0f} s)")
         for key, values in result.items():
             print(f"  {key:18s} " + " ".join(f"{v:.4g}" for v in values))
+
+
+def test_bayesadmm_cohort_dual_scope_weighs_the_duals_by_the_cohorts_share() -> None:
+    """Alg. 1 lines 9-11 with K clients all present: s_bar = (1-alpha) Mean s_k + alpha (delta + Sum u_k),
+    m_bar = ((1-alpha) Mean s_k m_k + alpha Sum v_k) / s_bar, alpha = 1 / (1 + rho K). With a cohort of C
+    out of the clients seen so far (n_seen, counted from first-visit flags), hp.dual_scope = "cohort"
+    replaces Sum by (C / n_seen) Sum: round 1 sees clients {0, 1} (C = 2, n_seen = 2: share 1, Alg. 1
+    exactly), round 2 clients {1, 2} (client 2 new: n_seen = 3, share 2/3). "seen" keeps the plain sums."""
+    rho, gamma, delta = 0.5, 0.2, 1.0
+    cohort = {"seen": None, "cohort": None}
+    for scope in cohort:
+        hp = DIAG.config_cls(rho=rho, dual_damping=gamma / rho, delta=delta, dual_scope=scope)
+        state = DIAG.server_init({"w": torch.zeros(1, dtype=F64)}, hp, IVON_OPT)
+        rounds = [(torch.tensor([[1.0], [2.0]], dtype=F64), torch.tensor([[3.0], [5.0]], dtype=F64), [1.0, 1.0]),
+                  (torch.tensor([[0.5], [1.5]], dtype=F64), torch.tensor([[4.0], [6.0]], dtype=F64), [0.0, 1.0])]
+        for m, s, first in rounds:
+            upload = {"mean": {"w": m}, "precision": {"w": s}, "first_visit": torch.tensor(first, dtype=F64)}
+            state, _ = DIAG.server_update(state, ClientOut(upload=upload, state=None, metrics={}),
+                                          torch.ones(2, dtype=F64), hp, IVON_OPT)
+        cohort[scope] = state
+    alpha = 1 / (1 + rho * 2)
+    # round 1 (m_bar = 0, s_bar = delta): u = gamma (s - 1), v = gamma s m; share 1 in both scopes
+    u1, v1 = gamma * (torch.tensor([3.0, 5.0], dtype=F64) - delta), gamma * torch.tensor([3.0, 10.0], dtype=F64)
+    s1 = (1 - alpha) * 4.0 + alpha * (delta + u1.sum())
+    m1 = ((1 - alpha) * (3.0 + 10.0) / 2 + alpha * v1.sum()) / s1
+    # round 2: increments against (m1, s1)
+    u_sum = u1.sum() + gamma * (torch.tensor([4.0, 6.0], dtype=F64) - s1).sum()
+    v_sum = v1.sum() + gamma * (torch.tensor([4.0 * 0.5, 6.0 * 1.5], dtype=F64) - s1 * m1).sum()
+    for scope, share in (("seen", 1.0), ("cohort", 2 / 3)):
+        s2 = (1 - alpha) * 5.0 + alpha * (delta + share * u_sum)
+        m2 = ((1 - alpha) * (2.0 + 9.0) / 2 + alpha * share * v_sum) / s2
+        torch.testing.assert_close(cohort[scope].precision["w"], s2.reshape(1).to(F64), rtol=1e-12, atol=0)
+        torch.testing.assert_close(cohort[scope].mean["w"], m2.reshape(1).to(F64), rtol=1e-12, atol=0)
+    assert float(cohort["cohort"].clients_seen) == 3.0

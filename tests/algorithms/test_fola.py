@@ -448,10 +448,12 @@ def test_toy_equal_covariances_product_is_the_average_in_the_valley() -> None:
 def test_posterior_is_the_eq9_gaussian_product() -> None:
     """Eq. 9 makes the global posterior the product of the clients' Gaussians N(a_n, A_n^-1) with
     weights alpha_n: precision sum alpha_n A_n, mean (sum alpha_n A_n)^-1 sum alpha_n A_n a_n (exact
-    Laplace clients, as in the test above). posterior() returns that mean and the variances
-    1 / sum alpha_n A_n; a coordinate where every A_n is 0 (improper product) gets variance 0, so
-    posterior samples (engine's sample_posterior) stay finite. fola and fola-offline both offer it;
-    FedCurv (FedAvg mean, not a product) does not."""
+    Laplace clients, as in the test above). A_n is per example (Eq. 15 averages), so the cohort's data
+    (n = sum m_n examples) gives precision n sum alpha_n A_n, and Eq. 18's prior adds delta_l = 1 / mean(mu_l^2)
+    per tensor l (w, u): posterior() returns that mean and the variances 1 / (n sum alpha_n A_n + delta). A
+    coordinate where every A_n is 0 (improper product) gets the prior's variance 1 / delta, so posterior
+    samples (engine's sample_posterior) stay finite. fola and fola-offline both offer it; FedCurv
+    (FedAvg mean, not a product) does not."""
     from fedcli.engine.evaluation import sample_posterior
 
     clients = random_quads(3, seed=3, exact_hessian=True)
@@ -467,8 +469,10 @@ def test_posterior_is_the_eq9_gaussian_product() -> None:
     post_mean, post_var = ALGORITHMS["fola-offline"].posterior(state)
 
     torch.testing.assert_close(flatten(post_mean)[:4], mean, rtol=0, atol=1e-12)
-    torch.testing.assert_close(flatten(post_var), torch.cat([1.0 / precision[:4], torch.zeros(1, dtype=F64)]),
-                               rtol=1e-12, atol=0)
+    delta = torch.cat([torch.full_like(m, 1.0 / float(m.pow(2).mean())) for m in post_mean.values()])
+    want = 1.0 / (float(SIZES.sum()) * torch.cat([precision[:4], torch.zeros(1, dtype=F64)]) + delta)
+    torch.testing.assert_close(flatten(post_var), want, rtol=1e-12, atol=0)
+    assert float(state.num_examples) == float(SIZES.sum())
     members = sample_posterior(post_mean, post_var, 3, torch.Generator().manual_seed(0))
     assert all(torch.isfinite(flatten(m)).all() for m in members)
     assert ALGORITHMS["fola"].posterior is fola.posterior and ALGORITHMS["fedcurv"].posterior is None

@@ -20,6 +20,7 @@ from fedcli.datasets.partition import (
     label_histograms,
     load_partition,
     make_partition,
+    partition_figure,
     plot_partition,
     primary_tags,
     save_partition,
@@ -291,6 +292,21 @@ def test_plot_writes_a_png(tmp_path) -> None:  # noqa: ANN001
     clients = make_partition(PartitionSpec("labels", 10, labels_per_client=2), labels=SKEW_DATA, natural=None)
     plot_partition(clients, SKEW_DATA, 10, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_ticks_are_whole_numbers() -> None:
+    """Clients, labels, sizes and counts are integers: a 3-client plot once showed client 2.5 and
+    0.5 clients. Every tick inside each axis' range (heatmap, colorbar, histogram) is whole."""
+    labels = np.array([0, 1, 0, 1, 1, 0, 1, 0, 0, 1])
+    fig = partition_figure([np.arange(0, 3), np.arange(3, 8), np.arange(8, 10)], labels, 2)
+    fig.canvas.draw()
+    checked = 0
+    for ax in fig.axes:
+        for axis, (low, high) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            ticks = [t for t in axis.get_majorticklocs() if min(low, high) <= t <= max(low, high)]
+            assert ticks == [round(t) for t in ticks], (ax.get_title(), ticks)
+            checked += len(ticks)
+    assert len(fig.axes) == 3 and checked >= 8
 
 
 def test_labels_with_fewer_clients_than_classes_covers_every_class() -> None:

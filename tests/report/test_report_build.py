@@ -73,14 +73,15 @@ def test_table_cells_follow_the_definitions(store: SqlStore) -> None:
     (0.4+0.6)/2 = 0.5 -> 55.00 ± 7.07 (% with sample std); FedPA 90.00 ± 0.00 (bold: best).
     Rounds to 0.5 with S = 2: FedAvg seed 0 avg_3 = 0.5 -> 3; seed 1 avg_4 = 0.5 -> 4;
     FedPA avg_2 = 0.6 -> 2 for both. accuracy@6: FedAvg (0.6+0.6)/2, (0.8+0.8)/2 -> 70.00 ± 14.14;
-    one FedPA seed stopped at round 4, so FedPA has 1 of 2 seeds and cannot be bold."""
+    one FedPA seed stopped at round 4, so FedPA has 1 of 2 seeds: no runner-up to beat, no bold.
+    FedPA's 90.00 beats FedAvg's 55.00 by 35 points, more than the larger std 7.07: bold."""
     report = build_report(store, ReportSpec(thresholds=(0.5, 0.95), at=(4, 6), window=2, smooth=2))
     markdown = render_markdown(report)
 
     fedavg = _row(markdown, "eval/accuracy (Table 3 layout)", "fedavg")
     fedpa = _row(markdown, "eval/accuracy (Table 3 layout)", "fedpa")
     std = np.std([0.6, 0.5], ddof=1) * 100
-    assert fedavg[:3] == ["2", f"55.00 ± {std:.2f}", "**70.00 ± 14.14**"]  # bold: the only group with every seed
+    assert fedavg[:3] == ["2", f"55.00 ± {std:.2f}", "70.00 ± 14.14"]  # the only group with every seed: no bold
     assert fedpa[:3] == ["2", "**90.00 ± 0.00**", "90.00 (1/2)"]  # the 4-round run never reached R = 6
     assert fedavg[3] == f"3.5 ± {np.std([3, 4], ddof=1):.1f}"
     assert fedpa[3] == "**2 ± 0**"

@@ -75,7 +75,10 @@ def test_table1_study_smoke_writes_tables_figure_and_dp_matches_dense(tmp_path: 
     fedpa_table1.run(out, smoke=True)
     text = out.read_text()
     assert text.startswith("# FedPA Table 1")
-    assert "| d | FedAvg | FedPA DP | FedPA exact | DP step alone | DP / FedAvg | DP / FedAvg (min) |" in text
+    assert ("| d | FedAvg | FedPA DP | IASG (no DP) | FedPA exact | DP step alone | DP / FedAvg (min) | "
+            "DP / FedAvg (median) |") in text
+    assert "interleaved method by method" in text and "1 torch thread" in text  # issue 24's protocol
+    assert "| d | FedPA-DP - FedAvg | IASG - FedAvg | FedPA-DP - IASG |" in text
     assert "| 100 | 72 | 91 +26% | 82 +12% |" in text  # the paper's row, verbatim
     assert (tmp_path / "fedpa-table1-time.png").stat().st_size > 0
     assert "The DP delta equals the dense solve (Theorem 3): relative difference < 1e-4 in float32: " \

@@ -112,7 +112,8 @@ def write_spec(folder: Path, experiment: str, rounds: int, algos: str, seeds: st
     path = folder / f"{experiment}.yaml"
     path.write_text(f"experiment: {experiment}\n"
                     f"base: {{task: lsq, rounds: {rounds}, clients_per_round: 4, local_epochs: {local_epochs}, "
-                    f"batch_size: 5}}\ngrid: {{algo: [{algos}], hp.mu: [0.1]}}\nseeds: [{seeds}]\n")
+                    f"batch_size: 5}}\ngrid: {{algo: [{algos}]{', hp.mu: [0.1]' if 'fedprox' in algos else ''}}}\n"
+                    f"seeds: [{seeds}]\n")  # hp.mu without fedprox would sweep nothing: refused (fedcli.sweeps)
     return path
 
 

@@ -1,4 +1,5 @@
-"""The SQL results store on a real PostgreSQL server (the `pg_url` fixture, tests/pg.py).
+"""The SQL results store on a real PostgreSQL server (the `pg_url` fixture, tests/pg.py), and on
+one restarted mid-run (a private cluster, `PgServer.restart`).
 
 Skipped, with the reason, when PostgreSQL or the psycopg driver is not installed; see
 docs/testing.md.
@@ -7,13 +8,19 @@ docs/testing.md.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
-from collections.abc import Callable
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fedcli.tracking.store import SqlStore
+from tests.pg import PgServer, PgUnavailable
 
 CONFIG = {"seed": 1, "algorithm": {"name": "fedpa", "rho": 0.1}}
 
@@ -145,3 +152,82 @@ def test_four_processes_start_runs_in_one_new_experiment_at_once(pg_url: str) ->
     """Four workers, each with the store open, start runs in the same not-yet-existing experiment
     at the same moment, three times over (three chances for the race)."""
     _four_writers(pg_url, [["sweep-a", "sweep-b", "sweep-c"]] * 4, together="start_run")
+
+
+# --------------------------------------------------------------------------- the server restarts mid-run
+
+
+@pytest.fixture
+def private_pg() -> Iterator[PgServer]:
+    """A throwaway PostgreSQL cluster of this test alone (it is restarted: never the session's server)."""
+    try:
+        server = PgServer.start()
+    except PgUnavailable as err:
+        pytest.skip(str(err))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _train(store_url: str, root: Path, *args: str, **env: str) -> subprocess.Popen[str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
+    return subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "train", "--store", store_url, "--root", str(root),
+                             "--no-mlflow", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**base, "OMP_NUM_THREADS": "1", **env})
+
+
+def _wait_round(store_url: str, at_least: int, timeout: float = 240.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with SqlStore(store_url) as store:
+            found = [r.id for r in store.list_runs() if (store.last_round(r.id) or 0) >= at_least]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no run reached round {at_least} in {timeout:.0f} s")
+
+
+@pytest.mark.timeout(600)
+def test_a_postgresql_restart_of_6_s_mid_run_is_retried_and_the_run_finishes(private_pg: PgServer,
+                                                                           tmp_path: Path) -> None:
+    """`fedcli train` on a PostgreSQL store whose server restarts for 6 s at round >= 10: the lost
+    connection is retried (one warning line, one when it answers again) and the run finishes, every
+    round stored once (before: exit 2 at once, "could not end run …: connection failed")."""
+    url = private_pg.new_database()
+    proc = _train(url, tmp_path, "--task", "lsq", "--clients-per-round", "4", "--rounds", "400")
+    run_id = _wait_round(url, 10)
+    private_pg.restart(down_s=6.0)
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err
+    assert "lost the connection to the store" in err and "answers again after" in err and "Traceback" not in err
+    with SqlStore(url) as store:
+        assert store.get_run(run_id).status == "finished"
+        assert sorted(set(store.metrics_frame([run_id])["round_idx"])) == list(range(401))
+
+
+@pytest.mark.timeout(600)
+def test_a_postgresql_server_down_past_the_retry_bound_stops_the_run_resumable(private_pg: PgServer,
+                                                                             tmp_path: Path) -> None:
+    """Down for 12 s with FEDCLI_STORE_RETRY_S=3: the run stops after ~3 s with one `error:` line that
+    says so and how to resume, exit 2, no traceback; once the server is back the run reads
+    `interrupted` and `--resume` finishes it under the same id."""
+    url = private_pg.new_database()
+    proc = _train(url, tmp_path, "--task", "lsq", "--clients-per-round", "4", "--rounds", "600",
+                  FEDCLI_STORE_RETRY_S="3")
+    run_id = _wait_round(url, 10)
+    private_pg.restart(down_s=12.0)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err and lines[-1].startswith("error: ")
+    assert "did not come back within 3 s" in lines[-1] and f"--resume {run_id[:8]}" in lines[-1], err
+    with SqlStore(url) as store:
+        assert store.get_run(run_id).status == "interrupted"
+    resumed = _train(url, tmp_path, "--resume", run_id[:8])
+    out, err = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, err
+    assert out.strip().splitlines()[-1] == run_id
+    with SqlStore(url) as store:
+        assert store.get_run(run_id).status == "finished"
+        assert sorted(set(store.metrics_frame([run_id])["round_idx"])) == list(range(601))
