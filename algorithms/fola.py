@@ -3,6 +3,9 @@
 Liu, Zheng. A Bayesian Federated Learning Framework with Multivariate Gaussian Product.
 arXiv:2102.01936 v1 (2021); v3 "... with Online Laplace Approximation", TPAMI 2023. Code:
 github.com/Klitter/A-Bayesian-Federated-Learning-Framework-with-Online-Laplace-Approximation.
+Over the 250-line budget of docs/style.md rule 1: this module holds the Laplace family's shared
+pieces (Fisher modes, prior forms, the product aggregation, the posterior) that fola_offline.py and
+fedcurv.py reuse.
 
 Implements: Eq. 9, diagonal (Sec. 3.4): P_S = sum a_n P_n, mu_S = sum a_n P_n mu_n /
 (P_S + gamma) -> aggregate; Alg. 1 ClientUpdate (from mu_S, SGD on L_task + lam/2 sum
@@ -118,7 +121,7 @@ class FOLAConfig:
 class ServerState(NamedTuple):
     mean: Params  # mu_S, the global model
     precision: Params  # P_S (prior_form="paper") or Omega_S ("code"), diagonal, zeros before round 1
-    num_examples: Tensor | None = None  # [] sum m_n of the last cohort (posterior scale); None before round 1
+    num_examples: float = 0.0  # sum m_n of the last cohort (the posterior's scale); 0 before round 1 and in older files
 
 
 class Broadcast(NamedTuple):
@@ -273,7 +276,7 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FOLA
         "server/low_precision_frac": torch.as_tensor(low, dtype=torch.float64) / numel,
         "server/shift_from_fedavg": tree_norm(tree_sub(mean, fedavg_mean)) / tree_norm(fedavg_mean).clamp_min(1e-12),
     }
-    return ServerState(mean=mean, precision=precision, num_examples=weights.sum().to(torch.float64)), diagnostics
+    return ServerState(mean=mean, precision=precision, num_examples=float(weights.sum())), diagnostics
 
 
 def global_params(state: ServerState) -> Params:
@@ -282,7 +285,7 @@ def global_params(state: ServerState) -> Params:
 
 def posterior(state: ServerState) -> tuple[Params, Params]:
     """Return N(mu_S, 1 / (n P_S + delta_l)): the cohort's Laplace posterior with Eq. 18's prior (docstring)."""
-    n = 1.0 if state.num_examples is None else float(state.num_examples)
+    n = max(state.num_examples, 1.0)
     var = {k: 1.0 / (n * p + 1.0 / state.mean[k].pow(2).mean().clamp_min(torch.finfo(p.dtype).tiny))
            for k, p in state.precision.items()}
     return state.mean, var

@@ -531,9 +531,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.workers must be >= 1; got {t.workers!r}.")
     if t.threads is not None and t.threads < 1:
         raise ConfigError(f"train.threads must be >= 1; got {t.threads!r}.")
-    for key, value in (("workers", t.workers), ("threads", t.threads)):
-        if value is not None and value > THREADS_MAX:
-            raise ConfigError(f"train.{key} must be <= {THREADS_MAX}; got {value!r}. Give the cores to use "
+    for key, count in (("workers", t.workers), ("threads", t.threads)):
+        if count is not None and count > THREADS_MAX:
+            raise ConfigError(f"train.{key} must be <= {THREADS_MAX}; got {count!r}. Give the cores to use "
                               f"(--{key} N), or leave it out for the cores this process may use.")
     if t.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}; got {t.precision!r}.")
@@ -617,7 +617,7 @@ def validate_tracking(track: TrackingConfig) -> None:
     if not track.use_mlflow:
         return
     # a stored config's URI has its password masked (given_url asks for it when MLflow is used): check its scheme
-    uri = track.tracking_uri if is_masked(track.tracking_uri) else track.mlflow_uri
+    uri = track.tracking_uri if track.tracking_uri and is_masked(track.tracking_uri) else track.mlflow_uri
     source = "--tracking-uri" if track.tracking_uri else "MLFLOW_TRACKING_URI"
     scheme = uri.partition(":")[0].partition("+")[0].lower() if "://" in uri or uri.startswith("databricks") else ""
     if scheme in MLFLOW_SCHEMES:

@@ -88,10 +88,11 @@ def read_model_file(path: Path) -> dict[str, Any]:
 
 def write_served(saved: Mapping[str, Any], path: Path) -> None:
     """Write the MLflow model's artifact `served.pt` from a read `model.pt`: parameters and names only."""
-    config = saved.get("config") if isinstance(saved.get("config"), Mapping) else {}
-    data = config.get("data") if isinstance(config.get("data"), Mapping) else {}
+    config = saved.get("config")
+    data = config.get("data") if isinstance(config, Mapping) else None
+    data_file = data.get("file") if isinstance(data, Mapping) else None
     torch.save({"format": SERVED_FORMAT, "params": dict(saved["params"]), "task": saved["task"],
-                "model": saved["model"], "data_file": data.get("file")}, path)
+                "model": saved["model"], "data_file": data_file}, path)
 
 
 def load_served(path: str | Path) -> ServedModel:

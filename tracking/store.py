@@ -675,8 +675,8 @@ def sqlite_lock_holder(db_file: Path) -> int | None:
             start, end = int(parts[6]), (math.inf if parts[7] == "EOF" else int(parts[7]))
         except (IndexError, ValueError):
             continue
-        byte = targets.get(inode)
-        if kind == "POSIX" and mode == "WRITE" and byte is not None and start <= byte <= end and pid != os.getpid():
+        byte = targets.get(inode, -1)
+        if kind == "POSIX" and mode == "WRITE" and start <= byte <= end and pid != os.getpid():
             return pid
     return None
 
@@ -726,6 +726,8 @@ def _create_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Eng
     if is_sqlite:
         event.listen(engine, "connect", _sqlite_connect_hook(busy_ms))
         event.listen(engine, "begin", _on_sqlite_begin)
+    else:  # psycopg's own warning about a lost connection repeats the store's one line (`SqlStore._retry`)
+        logging.getLogger("psycopg").setLevel(logging.ERROR)
     return engine, shown
 
 
@@ -830,6 +832,7 @@ class SqlStore:
         self._db_file = _sqlite_file(self._engine.url) if self._sqlite else None
         self._leases: dict[str, str] = {}  # run id -> the lease token this process holds on it
         self._local = threading.local()  # per thread: inside a retried call (no nested retries)
+        self._announced = -math.inf  # when a wait for this store was last announced (one warning per outage)
         if not setup_schema:  # a reader of an existing store (the MLflow mirror): take no write lock
             return
         try:
@@ -922,15 +925,17 @@ class SqlStore:
                     if err.kind not in kinds:
                         raise TrackingError(f"store {self.url!r} could not {err.what}: {err}; {_STORE_FIX}") from err
                     if not waiting:
-                        log.warning("%s", self._waiting(err))
                         waiting = True
+                        if time.monotonic() - self._announced > self.retry_s:  # once per outage, all threads
+                            self._announced = time.monotonic()
+                            log.warning("%s", self._waiting(err))
                     waited = time.monotonic() - start
                     if waited >= self.retry_s:
                         raise StoreUnavailable(self._gave_up(err, waited)) from err
                     time.sleep(min(delay, max(0.0, self.retry_s - waited)))
                     delay = min(delay * 2, 2.0)
                     continue
-                if waiting:
+                if waiting and self._announced >= start:
                     log.warning("store %s answers again after %.1f s", self.url, time.monotonic() - start)
                 return result
         finally:

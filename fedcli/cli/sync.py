@@ -56,4 +56,4 @@ def sync(
             parent_run=None, once=True, run_dir=str(Path(cfg.root).resolve() / "runs" / record.id))).run_once()]
         if copied or alive:
             console().print(f"{len(copied)} run(s) copied into MLflow at {mask_url(cfg.mlflow_uri)}"
-                            + (f"; {len(alive)} still training" if alive else ""))
+                            + (f"; {len(alive)} still training" if alive else ""), soft_wrap=True)

@@ -137,7 +137,8 @@ def to_plain(tree: Any) -> Any:
     if tree is None or isinstance(tree, (torch.Tensor, bool, int, float, str)):
         return tree
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return {TYPE_KEY: _type_name(type(tree)), "fields": {k: to_plain(v) for k, v in tree._asdict().items()}}
+        fields = zip(tree._fields, tree, strict=True)  # type: ignore[attr-defined]  # a NamedTuple
+        return {TYPE_KEY: _type_name(type(tree)), "fields": {k: to_plain(v) for k, v in fields}}
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         return {TYPE_KEY: _type_name(type(tree)),
                 "fields": {f.name: to_plain(getattr(tree, f.name)) for f in dataclasses.fields(tree) if f.init}}

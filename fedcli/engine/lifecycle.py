@@ -88,8 +88,8 @@ class GracefulSignals:
     raises `RunInterrupted` at once instead: nothing is left to keep consistent, and the
     command exits as soon as it can; `defer()` switches to recording before the first write.
     A second signal while a stop is pending or under way is ignored (with a warning), so it
-    cannot cut the final checkpoint short; SIGKILL stops at once. docs/architecture.md, "Run
-    lifecycle", says how long a stop may take.
+    cannot cut the final checkpoint short; SIGKILL stops at once. How long a stop may take:
+    docs/architecture.md, "Run lifecycle".
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -97,8 +97,8 @@ def test_interrupt_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     assert stopped.status == "interrupted"
     resumed = run_training(cfg, tracker=Tracker(SqlStore(url)), resume_run_id=stopped.id)
     assert store.get_run(stopped.id).status == "finished"
-    a = torch.load(full.model_path, weights_only=False)["params"]
-    b = torch.load(resumed.model_path, weights_only=False)["params"]
+    a = torch.load(full.model_path, weights_only=True)["params"]
+    b = torch.load(resumed.model_path, weights_only=True)["params"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     fa, fb = store.metrics_frame([full.run_id]), store.metrics_frame([stopped.id])
     keep = ~fa["key"].str.startswith("time/")

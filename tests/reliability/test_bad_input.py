@@ -57,6 +57,7 @@ class Mistake:
     # (tests run as root here, where chmod does not stop writes); "full" / "readonly": ./disk is a real
     # tmpfs that is full / mounted read-only (skipped where mounting is not allowed)
     marks: tuple = field(default=())
+    env: tuple[tuple[str, str], ...] = ()  # environment variables set for the command
 
 
 # ----------------------------------------------------------------------------- file makers
@@ -101,6 +102,126 @@ def sweep(*args: str) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------- the catalog
 
 M = Mistake
+BIG = "12345678901234567890"  # 20 digits: past every integer column (SQLite's 2**63, PostgreSQL's 2**31)
+SPEC = "experiment: e\nbase: {task: lsq, rounds: 1}\n"  # a valid start for the sweep specs below
+GRID_1000x1000 = SPEC + "grid: {hp.x: [%s], train.rounds: [%s]}\n" % (  # noqa: UP031 - two long lists
+    ",".join(map(str, range(1000))), ",".join(map(str, range(1, 1001))))
+
+# issue 23: numbers the stores cannot keep (inf, NaN, 20 digits, sizes that allocate terabytes), names
+# and URIs that one store takes and another refuses, sweep specs of the wrong shape. Each was a
+# traceback, a `failed` run, a silent no-op or a hang before; docs/architecture.md §8 states the limits.
+LIMITS: dict[str, Mistake] = {
+    "train-seed-2e63": M(train("--task", "lsq", "--seed", "9223372036854775808"), "seed must be <= 2147483647"),
+    "train-seed-2e31": M(train("--task", "lsq", "--seed", "2147483648"), "seed must be <= 2147483647"),
+    "config-seed-20-digits": M(train("--config", "c.yaml"), "seed must be <= 2147483647", text("c.yaml", f"seed: {BIG}\n")),
+    "train-client-lr-inf": M(train("--task", "lsq", "--client-lr", "inf"), "train.client_lr must be a finite number"),
+    "train-client-lr-nan": M(train("--task", "lsq", "--client-lr", "nan"), "train.client_lr must be a finite number"),
+    "train-server-lr-inf": M(train("--task", "lsq", "--server-lr", "inf"), "train.server_lr must be a finite number"),
+    "train-client-momentum-inf": M(train("--task", "lsq", "--client-momentum", "inf"),
+                                   "train.client_momentum must be a finite number"),
+    "train-server-momentum-neg-inf": M(train("--task", "lsq", "--server-momentum", "-inf"),
+                                       "train.server_momentum must be a finite number"),
+    "config-client-lr-inf-text": M(train("--config", "c.yaml"), "train.client_lr must be a finite number",
+                                   text("c.yaml", "train: {client_lr: '-inf'}\n")),
+    "config-server-beta1-nan": M(train("--config", "c.yaml"), "train.server_beta1 must be a finite number",
+                                 text("c.yaml", "train: {server_beta1: .nan}\n")),
+    "train-sigma-inf": M(train("--task", "lsq", "--scheme", "quantity", "--clients", "5", "--sigma", "inf"),
+                         "partition.sigma must be a finite number"),
+    "train-sigma-overflow": M(train("--task", "lsq", "--scheme", "quantity", "--clients", "5", "--sigma", "1e308",
+                                    "--no-mlflow"), "partition.sigma=1e+308 draws client sizes too large"),
+    "train-alpha-inf": M(train("--task", "synthetic-iid", "--scheme", "dirichlet", "--clients", "5", "--alpha", "inf"),
+                         "partition.alpha must be a finite number"),
+    "train-alpha-1e300": M(train("--task", "synthetic-iid", "--scheme", "dirichlet", "--clients", "5", "--alpha",
+                                 "1e300"), "partition.alpha must be <= 1e+06"),
+    "train-size-alpha-nan": M(train("--task", "synthetic-iid", "--scheme", "two-level", "--clients", "5", "--alpha",
+                                    "0.5", "--size-alpha", "nan"), "partition.size_alpha must be a finite number"),
+    "train-hp-inf": M(train("--algo", "fedprox", "--hp", "mu=inf"), "hp.mu must be a finite number"),
+    "train-hp-nan": M(train("--algo", "fedprox", "--hp", "mu=.nan"), "hp.mu must be a finite number"),
+    "train-hp-20-digits": M(train("--algo", "fedpa", "--hp", f"burn_in_rounds={BIG}"),
+                            "hp.burn_in_rounds must be at most 2147483647"),
+    "train-batch-size-20-digits": M(train("--task", "lsq", "--batch-size", BIG), "train.batch_size must be at most"),
+    "train-batch-size-1e9": M(train("--task", "lsq", "--batch-size", "1000000000", "--no-mlflow"),
+                              "more than the limit of 268,435,456"),
+    "train-local-epochs-1e6": M(train("--task", "lsq", "--local-epochs", "1000000", "--no-mlflow"),
+                                "more than the limit of 268,435,456"),
+    "train-rounds-2e31": M(train("--task", "lsq", "--rounds", "2147483648"), "train.rounds must be at most 2147483647"),
+    "train-rounds-20-digits": M(train("--task", "lsq", "--rounds", BIG), "train.rounds must be at most 2147483647"),
+    "train-eval-every-20-digits": M(train("--task", "lsq", "--eval-every", BIG), "train.eval_every must be at most"),
+    "train-clients-20-digits": M(train("--task", "lsq", "--scheme", "iid", "--clients", BIG),
+                                 "partition.num_clients must be at most"),
+    "train-threads-2e31": M(train("--task", "lsq", "--threads", "2147483647"), "train.threads must be <= 1024"),
+    "train-workers-5000": M(train("--task", "lsq", "--workers", "5000"), "train.workers must be <= 1024"),
+    "data-labels-1e12": M(byo("d.npz", "--clients-per-round", "2"), "class labels y must be < 100000",
+                          npz(x=X10, y=np.where(Y10 == 1, 10**12, 0))),
+    "data-test-labels-1e12": M(byo("d.npz", "--clients-per-round", "2"), "class labels y_test must be < 100000",
+                               npz(x=X10, y=Y10, x_test=X10[:2], y_test=np.array([0, 10**12]))),
+    "partition-sigma-inf": M(("partition", "--dataset", "lsq", "--scheme", "quantity", "--clients", "5", "--sigma",
+                              "inf", "--out", "p.json"), "partition.sigma must be a finite number"),
+    "partition-alpha-inf": M(("partition", "--dataset", "synthetic-iid", "--scheme", "dirichlet", "--clients", "5",
+                              "--alpha", "inf", "--out", "p.json"), "partition.alpha must be a finite number"),
+    "partition-seed-20-digits": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "5", "--seed", BIG,
+                                   "--out", "p.json"), "partition.seed must be at most 2147483647"),
+    # names: one limit for SQLite and PostgreSQL (and MLflow), checked before anything is written
+    "train-experiment-300-chars": M(train("--task", "lsq", "--experiment", "e" * 300),
+                                    "tracking.experiment must be at most 200 bytes"),
+    "train-experiment-unicode-240-bytes": M(train("--task", "lsq", "--experiment", "实验" * 40),
+                                            "tracking.experiment must be at most 200 bytes"),
+    "train-experiment-empty": M(train("--task", "lsq", "--experiment", ""), "tracking.experiment must be a non-empty"),
+    "train-experiment-blank": M(train("--task", "lsq", "--experiment", "  "), "tracking.experiment must be a non-empty"),
+    "train-experiment-newline": M(train("--task", "lsq", "--experiment", "a\nb"), "must not hold control characters"),
+    "train-run-name-empty": M(train("--task", "lsq", "--run-name", ""), "tracking.run_name must be a non-empty"),
+    "config-run-name-nul": M(train("--config", "c.yaml"), "tracking.run_name must not hold control characters",
+                             text("c.yaml", 'tracking: {run_name: "a\\0b"}\n')),
+    "train-store-empty": M(train("--task", "lsq", "--store", ""), "tracking.store must be a SQLAlchemy URL; got ''"),
+    "train-tracking-uri-empty": M(train("--task", "lsq", "--tracking-uri", ""), "tracking.tracking_uri must be an"),
+    "train-tracking-uri-garbage": M(train("--task", "lsq", "--tracking-uri", "::nope::"),
+                                    "tracking.tracking_uri must be an MLflow store URI"),
+    "train-mlflow-env-garbage": M(train("--task", "lsq"), "got '::nope::' (from MLFLOW_TRACKING_URI)",
+                                  env=(("MLFLOW_TRACKING_URI", "::nope::"),)),
+    "train-tracking-uri-password-masked": M(train("--task", "lsq", "--tracking-uri", "postgres://u:hunter2@h/db"),
+                                            "'postgres://u:***@h/db'"),
+    # sweep specs of the wrong shape, checked before anything is written (a dry run included)
+    "sweep-seeds-int": M(sweep("s.yaml", "--dry-run"), "seeds must be a non-empty list of integer seeds",
+                         text("s.yaml", SPEC + "seeds: 3\n")),
+    "sweep-seeds-text": M(sweep("s.yaml"), "seeds must be a non-empty list", text("s.yaml", SPEC + "seeds: [a, b]\n")),
+    "sweep-seeds-repeated": M(sweep("s.yaml"), "seeds must not repeat", text("s.yaml", SPEC + "seeds: [0, 0]\n")),
+    "sweep-seed-20-digits": M(sweep("s.yaml"), "seed must be <= 2147483647", text("s.yaml", SPEC + f"seeds: [{BIG}]\n")),
+    "sweep-base-list": M(sweep("s.yaml"), "base must be a mapping", text("s.yaml", "experiment: e\nbase: [task, lsq]\n")),
+    "sweep-grid-list": M(sweep("s.yaml"), "grid must be a mapping", text("s.yaml", SPEC + "grid: [algo, fedavg]\n")),
+    "sweep-grid-values-empty": M(sweep("s.yaml"), "grid key algo must have at least one value",
+                                 text("s.yaml", SPEC + "grid: {algo: []}\n")),
+    "sweep-grid-hp-nosuch": M(sweep("s.yaml", "--dry-run"), "sweep key hp.nosuch is a hyperparameter of none of the "
+                              "sweep's algorithms (fedavg); valid: fedavg: none.",
+                              text("s.yaml", SPEC + "grid: {hp.nosuch: [1, 2]}\n")),
+    "sweep-base-hp-typo": M(sweep("s.yaml"), "sweep key hp.rhoo is a hyperparameter of none of the sweep's algorithms "
+                            "(fedpa) (did you mean 'hp.rho'?)",
+                            text("s.yaml", "experiment: e\nbase: {task: lsq, algo: fedpa, hp.rhoo: 0.1}\n")),
+    "sweep-experiment-not-text": M(sweep("s.yaml"), "experiment must be a name", text("s.yaml", "experiment: 5\n")),
+    "sweep-experiment-300-chars": M(sweep("s.yaml"), "experiment must be at most 200 bytes",
+                                    text("s.yaml", f"experiment: {'e' * 300}\n")),
+    "sweep-trial-name-too-long": M(sweep("s.yaml"), "(its run name) must be at most 200 bytes",
+                                   text("s.yaml", SPEC + f"variants: [{{label: {'v' * 250}}}]\n")),
+    "sweep-report-thresholds-text": M(sweep("s.yaml", "--dry-run"), "report.thresholds must be finite numbers",
+                                      text("s.yaml", SPEC + "report: {thresholds: [high]}\n")),
+    "sweep-report-at-zero": M(sweep("s.yaml"), "report.at must be round numbers >= 1",
+                              text("s.yaml", SPEC + "report: {at: [0]}\n")),
+    "sweep-report-window-text": M(sweep("s.yaml"), "report.window must be an integer number of rounds >= 1",
+                                  text("s.yaml", SPEC + "report: {window: ten}\n")),
+    "sweep-report-metric-empty": M(sweep("s.yaml"), "report.metric must be a metric name",
+                                   text("s.yaml", SPEC + "report: {metric: ''}\n")),
+    "sweep-report-metric-not-logged": M(sweep("s.yaml", "--dry-run"), "report.metric 'accuracy' is not logged by the "
+                                        "sweep's tasks (regression)", text("s.yaml", SPEC + "report: {metric: accuracy}\n")),
+    "sweep-report-group-by-unknown": M(sweep("s.yaml"), "unknown config key 'nosuch'",
+                                       text("s.yaml", SPEC + "report: {group_by: nosuch}\n")),
+    "sweep-grid-1000x1000": M(sweep("s.yaml", "--dry-run"), "expands to 1,000,000 trials (variants x grid values x "
+                              "seeds: 1 x 1000 x 1000 x 1), more than max_trials = 1000", text("s.yaml", GRID_1000x1000)),
+    "sweep-max-trials-zero": M(sweep("s.yaml"), "max_trials must be an integer >= 1",
+                               text("s.yaml", SPEC + "max_trials: 0\n")),
+    "sweep-smoke-not-a-mapping": M(sweep("s.yaml", "--smoke"), "smoke must be a mapping",
+                                   text("s.yaml", SPEC + "smoke: 5\n")),
+    "sweep-mlflow-env-garbage": M(sweep("--recipe", "fedopt-lsq", "--dry-run"), "(from MLFLOW_TRACKING_URI)",
+                                  env=(("MLFLOW_TRACKING_URI", "::nope::"),)),
+}
 CASES: dict[str, Mistake] = {
     # --- train: names, values, hyperparameters
     "train-unknown-algo": M(train("--algo", "fedpx"), "unknown algorithm 'fedpx' (did you mean 'fedprox'?)"),
@@ -364,10 +485,12 @@ CASES: dict[str, Mistake] = {
                                       "no MLflow store at", store=True),
     # --- the app
     "unknown-command": M(("trian",), "trian"),
+    **LIMITS,
 }
 
 # Also run as a real process: stdout/stderr of the installed entry point, not CliRunner's capture.
-SUBPROCESS_CASES = ("data-x-y-lengths", "partition-out-proc", "report-output-proc")  # tracebacks before
+SUBPROCESS_CASES = ("data-x-y-lengths", "partition-out-proc", "report-output-proc",  # tracebacks before
+                    "train-seed-2e63", "train-mlflow-env-garbage", "data-labels-1e12", "sweep-grid-1000x1000")
 
 
 # ----------------------------------------------------------------------------- fixtures and checks
@@ -487,6 +610,8 @@ def test_mistake_is_one_line_exit_2_and_writes_nothing(name: str, workdir: Path,
 
 def run_in_process(case: Mistake, args: list[str], workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     before, store_before = snapshot(workdir), store_content(workdir)
+    for key, value in case.env:
+        monkeypatch.setenv(key, value)
     if case.patch == "enospc":
         monkeypatch.setattr(os, "replace", failing(errno.ENOSPC))
     elif case.patch == "eacces":
@@ -507,7 +632,7 @@ def test_mistake_in_a_real_process(name: str, workdir: Path, trained: tuple[Path
     before, store_before = snapshot(workdir), store_content(workdir)
     env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
     proc = subprocess.run([sys.executable, "-m", "fedcli", *args], capture_output=True, text=True, cwd=workdir,
-                          env={**env, "COLUMNS": "100"}, timeout=110)
+                          env={**env, "COLUMNS": "100", **dict(case.env)}, timeout=110)
     check(case, proc.returncode, proc.stdout, proc.stderr, before, snapshot(workdir), store_before,
           store_content(workdir))
 
@@ -527,3 +652,33 @@ def test_output_errors_say_what_happened_to_which_path(code: int, words: str) ->
 
     message = str(output_error(Path("out/r.md"), "--output", OSError(code, os.strerror(code))))
     assert words in message and "--output" in message and "\n" not in message
+
+
+def test_a_sweep_dry_run_writes_nothing(workdir: Path) -> None:
+    """`sweep --dry-run` on a fresh root prints the plan and creates no store (it used to create fedcli.db)."""
+    before = snapshot(workdir)
+    result = CliRunner().invoke(app, ["sweep", "--recipe", "fedopt-lsq", "--dry-run", "--root", ROOT])
+    assert result.exit_code == 0, result.output
+    assert "5 trials" in result.stderr and "to run" in result.stderr
+    assert snapshot(workdir) == before
+
+
+def test_the_longest_allowed_names_work_on_postgresql(tmp_path: Path, pg_database) -> None:  # noqa: ANN001
+    """The one name limit (200 bytes of UTF-8) fits PostgreSQL and MLflow on PostgreSQL, where a 300-character
+    experiment failed after SQLite had kept it: a run and a sweep at the limit train and end `finished`."""
+    from fedcli.tracking.store import SqlStore
+
+    store_url, mlflow_url = pg_database(), pg_database()
+    experiment, run_name = "é" * 100, "r" * 200  # 200 bytes each: the limit
+    env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
+    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "lsq", "--rounds", "1",
+                           "--root", str(tmp_path), "--store", store_url, "--tracking-uri", mlflow_url,
+                           "--experiment", experiment, "--run-name", run_name], capture_output=True, text=True,
+                          env={**env, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = SqlStore(store_url).list_runs(experiment=experiment)
+    assert (run.run_name, run.status) == (run_name, "finished")
+    too_long = subprocess.run([sys.executable, "-m", "fedcli", "train", "--task", "lsq", "--root", str(tmp_path),
+                               "--store", store_url, "--no-mlflow", "--experiment", experiment + "x"],
+                              capture_output=True, text=True, env=env, timeout=120)
+    assert too_long.returncode == 2 and "at most 200 bytes" in too_long.stderr, too_long.stderr

@@ -22,7 +22,7 @@ from fedcli.tracking.store import SqlStore
 SPEC = """experiment: full
 base: {task: lsq, rounds: 300, clients_per_round: 4}
 grid: {algo: [fedavg, fedprox], hp.mu: [0.01]}
-seeds: [0, 1]
+seeds: [0]
 """
 
 
@@ -62,6 +62,7 @@ def sweep(spec: Path, root: Path) -> subprocess.Popen[str]:
                             env={**env, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
 
 
+@pytest.mark.timeout(1500)
 def test_a_disk_filling_up_under_a_sweep_is_one_line_exit_2_and_a_rerun_continues(disk: Path, tmp_path: Path) -> None:
     """The sweep's root (its store, MLflow store, checkpoints) fills up while its first trial trains:
     the sweep stops with exit 2 and one `error:` line naming the full disk, with no traceback and
@@ -90,8 +91,8 @@ def test_a_disk_filling_up_under_a_sweep_is_one_line_exit_2_and_a_rerun_continue
     out, err = rerun.communicate(timeout=900)
     assert rerun.returncode == 0, err[-3000:]
     runs = SqlStore(f"sqlite:///{root / 'fedcli.db'}").list_runs()
-    assert sorted(r.status for r in runs) == ["finished"] * 4, [(r.run_name, r.status, r.failure_reason) for r in runs]
-    assert len({r.config_hash for r in runs}) == 4  # each trial once: the stopped one was resumed, not restarted
+    assert sorted(r.status for r in runs) == ["finished"] * 2, [(r.run_name, r.status, r.failure_reason) for r in runs]
+    assert len({r.config_hash for r in runs}) == 2  # each trial once: the stopped one was resumed, not restarted
 
 
 def test_ending_the_sweeps_mlflow_run_on_a_full_disk_is_one_warning_line(disk: Path,

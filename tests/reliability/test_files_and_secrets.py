@@ -234,24 +234,49 @@ class Watcher:
         self._thread.join()
 
 
+def secret(url: str) -> str:
+    """`url` with the planted password."""
+    return make_url(url).set(password=PASSWORD).render_as_string(hide_password=False)
+
+
+def assert_nothing_holds_the_password(tmp_path: Path, watcher: Watcher, outputs: list[str], urls: list[str]) -> None:
+    """No output line, no file under `tmp_path`, no row of the databases (pg_dump) and no command
+    line of a process fedcli started holds the password; the ps check saw the MLflow mirror."""
+    from tests.pg import find_bindir
+
+    assert watcher.seen_mirror, "no MLflow mirror process was seen: the ps check saw nothing"
+    assert [line for text in outputs for line in text.splitlines() if PASSWORD in line] == []
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert [str(p) for p in written if PASSWORD.encode() in p.read_bytes()] == []
+    assert watcher.file_hits == set() and watcher.ps_hits == set()
+    for url in urls:
+        parsed = make_url(url)
+        dump = subprocess.run([str(find_bindir() / "pg_dump"), "--data-only", "-h", str(parsed.host), "-p",
+                               str(parsed.port), "-U", str(parsed.username), str(parsed.database)],
+                              capture_output=True, text=True, timeout=120)
+        assert dump.returncode == 0 and "COPY" in dump.stdout, dump.stderr
+        assert PASSWORD not in dump.stdout
+
+
 def test_no_password_is_written_anywhere_or_shown(tmp_path: Path, pg_database) -> None:  # noqa: ANN001
-    """A PostgreSQL store and MLflow store whose URLs carry a planted password, through train,
-    resume (once with the full URL, once with FEDCLI_STORE and the masked URL the summary
-    printed), evaluate, evaluate --checkpoint, report (markdown and JSON), sync, a sweep, and a
-    bad MLflow URI: no output line, no file under the test's folder (SQLite files, runs/,
-    checkpoints, model.pt, MLflow artifacts, reports, the sweep's trial configs while it runs),
-    no row of either database (pg_dump) and no command line of a process fedcli started (`ps`,
-    the MLflow mirror seen among them) holds the password; URLs are shown as `user:***@host`."""
-    def secret(url: str) -> str:
-        return make_url(url).set(password=PASSWORD).render_as_string(hide_password=False)
+    """A PostgreSQL store and MLflow store whose URLs carry a planted password, through train (its
+    MLflow mirror process seen in `ps`), a resume with the full URLs given again by environment
+    and the masked `--store` the summary printed, a resume refused for want of the MLflow
+    password (exit 2, one line), evaluate, report (markdown and JSON), sync, and an unreachable
+    MLflow URI: no output line, no file under the test's folder (SQLite files, runs/, checkpoints,
+    model.pt, MLflow artifacts, reports), no row of either database (pg_dump) and no command line
+    of a process fedcli started holds the password; URLs are shown as `user:***@host` and the
+    run's stored config holds the masked one. (`test_sweep_keeps_passwords_secret_soak` adds a sweep.)"""
+    from typer.testing import CliRunner
+
+    from fedcli.cli.main import app
 
     store_url, mlflow_uri = secret(pg_database()), secret(pg_database())
     root, work, temp = tmp_path / "root", tmp_path / "work", tmp_path / "tmp"
     work.mkdir()
     temp.mkdir()
     track = ["--store", store_url, "--tracking-uri", mlflow_uri, "--root", str(root)]
-    watcher = Watcher(temp)
-    outputs: list[str] = []
+    watcher, outputs = Watcher(temp), []
 
     def run(*args: str, expect: int = 0, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         done = watcher.run(*args, extra_env={"TMPDIR": str(temp), **(extra_env or {})}, cwd=work)
@@ -260,50 +285,56 @@ def test_no_password_is_written_anywhere_or_shown(tmp_path: Path, pg_database) -
         return done
 
     try:
-        trained = run("train", *TINY, "--rounds", "150", *track)
+        trained = run("train", *TINY, "--rounds", "30", *track)
         run_id = trained.stdout.strip().splitlines()[-1]
-        masked = re.search(r"--store '?(\S+?)'? ", trained.stderr)
-        assert masked and ":***@" in masked[1] and "store:   postgresql+psycopg://" in trained.stderr
-        run("train", "--resume", run_id[:8], "--rounds", "155", *track)
-        run("train", "--resume", run_id[:8], "--rounds", "160", "--store", masked[1], "--root", str(root),
+        shown = re.search(r"--store '?(\S+?)'? ", trained.stderr)
+        assert shown and ":***@" in shown[1] and "store:   postgresql+psycopg://fedcli:***@" in trained.stderr
+        run("train", "--resume", run_id[:8], "--rounds", "32", "--store", shown[1], "--root", str(root),
             extra_env={"FEDCLI_STORE": store_url, "MLFLOW_TRACKING_URI": mlflow_uri})
-        refused = run("train", "--resume", run_id[:8], "--rounds", "165", "--store", store_url, "--root", str(root),
-                      expect=2)  # the run's MLflow URI was stored masked: it must be given again
-        assert "--tracking-uri" in refused.stderr and "***" in refused.stderr
+        refused = run("train", "--resume", run_id[:8], "--rounds", "34", "--store", store_url, "--root", str(root),
+                      expect=2)  # the run's MLflow URI is stored masked: it must be given again
+        assert "tracking.tracking_uri must carry its password" in one_line(refused.stderr)
         run("evaluate", run_id[:8], "--store", store_url, "--tracking-uri", mlflow_uri)
-        run("evaluate", run_id[:8], "--checkpoint", "160", "--store", store_url, "--tracking-uri", mlflow_uri)
-        run("report", "--store", store_url, "--output", str(work / "report.md"))
-        run("report", "--store", store_url, "--format", "json", "--output", str(work / "report.json"))
         run("sync", *track)
-        spec = work / "spec.yaml"
-        spec.write_text("experiment: secret\nbase: {task: lsq, clients_per_round: 4, rounds: 3}\n"
-                        "grid: {train.client_lr: [0.01]}\nseeds: [0]\n"
-                        f"report: {{metric: dist_to_opt, output: {work / 'sweep.md'}}}\n")
-        run("sweep", str(spec), *track)
         bad = run("train", *TINY, "--rounds", "2", "--store", store_url, "--tracking-uri",
                   f"http://fedcli:{PASSWORD}@127.0.0.1:9/", "--root", str(root), expect=2)
-        assert "fedcli:***@127.0.0.1:9" in bad.stderr
+        assert "fedcli:***@127.0.0.1:9" in one_line(bad.stderr)
     finally:
         watcher.stop()
+    for fmt in ("md", "json"):  # in this process: `fedcli report` reads the store only
+        output = work / f"report.{fmt}"
+        reported = CliRunner().invoke(app, ["report", "--store", store_url, "--format", fmt, "--output", str(output)])
+        assert reported.exit_code == 0 and "fedcli:***@" in output.read_text(), reported.output
+        outputs.append(reported.output)
 
-    assert watcher.seen_mirror, "no MLflow mirror process was seen: the ps check saw nothing"
-    assert [line for text in outputs for line in text.splitlines() if PASSWORD in line] == []
-    written = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert any(p.name == "round-000160.pt" for p in written) and (work / "report.md").is_file()
-    assert [str(p) for p in written if PASSWORD.encode() in p.read_bytes()] == []
-    assert watcher.file_hits == set() and watcher.ps_hits == set()
-    for url in (store_url, mlflow_uri):
-        parsed = make_url(url)
-        from tests.pg import find_bindir
+    assert_nothing_holds_the_password(tmp_path, watcher, outputs, [store_url, mlflow_uri])
+    assert (root / "runs" / run_id / "checkpoints" / "round-000032.pt").is_file()
+    record = SqlStore(store_url).get_run(run_id)
+    assert record.config["tracking"]["store"] == shown[1] and record.status == "finished"
 
-        dump = subprocess.run([str(find_bindir() / "pg_dump"), "--data-only", "-h", str(parsed.host), "-p",
-                               str(parsed.port), "-U", str(parsed.username), str(parsed.database)],
-                              capture_output=True, text=True, timeout=120)
-        assert dump.returncode == 0 and "COPY" in dump.stdout, dump.stderr
-        assert PASSWORD not in dump.stdout
-    db = SqlStore(store_url)
-    record = db.get_run(run_id)
-    assert record.config["tracking"]["store"] == masked[1].replace("'", "")
+
+@pytest.mark.soak
+def test_sweep_keeps_passwords_secret_soak(tmp_path: Path, pg_database) -> None:  # noqa: ANN001
+    """A two-trial sweep (with its report) on a PostgreSQL store and MLflow store with a password:
+    the trials get the URLs by environment; nothing written, printed or on a command line holds it
+    (the trials' config files are watched while they exist)."""
+    store_url, mlflow_uri = secret(pg_database()), secret(pg_database())
+    work, temp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    temp.mkdir()
+    watcher = Watcher(temp)
+    spec = work / "spec.yaml"
+    spec.write_text("experiment: secret\nbase: {task: lsq, clients_per_round: 4, rounds: 3}\n"
+                    "grid: {train.client_lr: [0.01, 0.02]}\nseeds: [0]\n"
+                    f"report: {{metric: dist_to_opt, output: {work / 'sweep.md'}}}\n")
+    try:
+        done = watcher.run("sweep", str(spec), "--store", store_url, "--tracking-uri", mlflow_uri, "--root",
+                           str(tmp_path / "root"), extra_env={"TMPDIR": str(temp)}, cwd=work)
+    finally:
+        watcher.stop()
+    assert done.returncode == 0, done.stderr
+    assert len(SqlStore(store_url).list_runs()) == 2 and (work / "sweep.md").is_file()
+    assert_nothing_holds_the_password(tmp_path, watcher, [done.stdout + done.stderr], [store_url, mlflow_uri])
 
 
 def test_a_sweep_passes_passwords_to_its_trials_by_environment(tmp_path: Path) -> None:

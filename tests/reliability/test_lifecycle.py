@@ -59,7 +59,7 @@ def mlflow_points(root: Path) -> tuple[int, int, dict[str, str]]:
 
 
 def final_params(root: Path, run_id: str) -> dict[str, torch.Tensor]:
-    return torch.load(root / "runs" / run_id / "model.pt", weights_only=False)["params"]
+    return torch.load(root / "runs" / run_id / "model.pt", weights_only=True)["params"]
 
 
 def test_parallel_starts_on_a_fresh_root_all_finish(tmp_path: Path) -> None:

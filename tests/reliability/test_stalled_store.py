@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedcli.config import build_config
 from fedcli.engine.checkpoint import AUTO_BUDGET, CheckpointWriter
 from fedcli.tracking.store import SqlStore
 
@@ -124,7 +125,7 @@ def test_a_checkpoint_write_stalled_by_a_locked_store_does_not_switch_checkpoint
     writer = CheckpointWriter(root / "runs" / run_id, record=lambda r, p: db.add_checkpoint(run_id, r, p),
                               forget=lambda rounds: db.delete_checkpoints(run_id, rounds), existing=[], every=None,
                               keep=1000)
-    state = {"w": torch.zeros(10)}
+    state, config = {"w": torch.zeros(10)}, build_config(overrides={"data.task": "lsq"}).to_dict()
     written: list[int] = []
     stalled_round, slowest = 20, 0.0
     for round_idx in range(1, 201):
@@ -132,7 +133,7 @@ def test_a_checkpoint_write_stalled_by_a_locked_store_does_not_switch_checkpoint
             holder = hold_write_lock(root / "fedcli.db")
             threading.Timer(3.0, os.kill, (holder.pid, signal.SIGCONT)).start()
         if writer.due(round_idx, 1.0):
-            writer.submit(round_idx, state, {}, {}, 0)
+            writer.submit(round_idx, state, {}, config, 0)
             written.append(round_idx)
         slowest = max(slowest, writer._write_s or 0.0)  # noqa: SLF001 - what the cadence was told
     writer.close()

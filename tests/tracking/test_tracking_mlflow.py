@@ -253,11 +253,12 @@ def test_tracker_without_mlflow_writes_the_store_only(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tmp_path: Path) -> None:
     """A real `fedcli train` (mnist, 1 round, MLflow on): the run's experiment holds one READY
-    logged model whose source is the run, linked as the run's output at the last round; loaded
-    with `mlflow.pytorch.load_model` it maps stored rows (uint8 pixels) to the same logits as
-    the task's module with model.pt's parameters on prepared inputs (computed here with
-    torch.func, not with fedcli's served wrapper); its signature is uint8 (-1, 28, 28) ->
-    float32 (-1, 10); the empty "Default" experiment of the new store is deleted."""
+    logged model whose source is the run, linked as the run's output at the last round; it is a
+    pyfunc model from code with no pickled file (docs/architecture.md, "Security"); loaded with
+    `mlflow.pyfunc.load_model` it maps stored rows (uint8 pixels) to the same logits as the task's
+    module with model.pt's parameters on prepared inputs (computed here with torch.func, not with
+    fedcli's served wrapper), and `unwrap_python_model().module` is that module; its signature is
+    uint8 (-1, 28, 28) -> float32 (-1, 10); the empty "Default" experiment of the new store is deleted."""
     import os
     import subprocess
     import sys
@@ -277,7 +278,7 @@ def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tm
     experiment = client.get_experiment_by_name("default")
     (run,) = client.search_runs([experiment.experiment_id])
     (logged,) = client.search_logged_models(experiment_ids=[experiment.experiment_id])
-    saved = torch.load(tmp_path / "runs" / fedcli_id / "model.pt", map_location="cpu", weights_only=False)
+    saved = torch.load(tmp_path / "runs" / fedcli_id / "model.pt", map_location="cpu", weights_only=True)
     task = resolve_task("mnist", None, None)
     rows = saved["example"]
     expected = torch.func.functional_call(task.models[saved["model"]]().eval(), saved["params"], (task.prepare(rows),))
@@ -285,13 +286,16 @@ def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tm
     from fedcli.tracking.mlflow_sink import global_tracking_uri
 
     with global_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):  # not left in os.environ for later tests
-        loaded = mlflow.pytorch.load_model(logged.model_uri)
+        loaded = mlflow.pyfunc.load_model(logged.model_uri)
         info = mlflow.models.get_model_info(logged.model_uri)
+    files = [p.name for p in tmp_path.joinpath("mlartifacts").rglob("*") if p.is_file()]
 
     assert logged.source_run_id == run.info.run_id and logged.status.name == "READY"
     assert [(out.model_id, out.step) for out in run.outputs.model_outputs] == [(logged.model_id, 1)]
     assert rows.dtype == torch.uint8 and rows.shape == (2, 28, 28)
-    assert torch.allclose(loaded(rows), expected, atol=1e-6)
+    assert torch.allclose(torch.as_tensor(loaded.predict(rows.numpy())), expected, atol=1e-6)
+    assert torch.allclose(loaded.unwrap_python_model().module(rows), expected, atol=1e-6)
+    assert "served.pt" in files and not [name for name in files if name.endswith((".pkl", ".pickle"))]
     assert info.signature.inputs.to_dict()[0]["tensor-spec"] == {"dtype": "uint8", "shape": (-1, 28, 28)}
     assert info.signature.outputs.to_dict()[0]["tensor-spec"] == {"dtype": "float32", "shape": (-1, 10)}
     assert client.get_experiment("0").lifecycle_stage == "deleted"
@@ -309,9 +313,13 @@ def test_logging_a_model_leaves_the_environment_as_it_was(mlflow_root: Path, mon
     sink = MlflowSink(uri, "model-env")
     sink.start_run(run_name="m", params={}, tags={})
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    sink.log_model(torch.nn.Linear(2, 1), example=torch.zeros(2, 2), step=1, requirements=["torch"])
+    weights = mlflow_root / "served-env.pt"
+    torch.save({"format": 1, "params": {"linear.weight": torch.zeros(1, 11)}, "task": "lsq", "model": "linear",
+                "data_file": None}, weights)
+    rows = torch.zeros(2, 11)
+    sink.log_model(weights, example=rows, output=torch.zeros(2, 1), step=1, requirements=["torch"])
     assert "MLFLOW_TRACKING_URI" not in os.environ
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://users-own:5000")
-    sink.log_model(torch.nn.Linear(2, 1), example=torch.zeros(2, 2), step=2, requirements=["torch"])
+    sink.log_model(weights, example=rows, output=torch.zeros(2, 1), step=2, requirements=["torch"])
     assert os.environ["MLFLOW_TRACKING_URI"] == "http://users-own:5000"
     sink.end_run("finished")
