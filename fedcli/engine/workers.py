@@ -276,10 +276,7 @@ class _Worker:
                               f"{self.process.exitcode}); rerun with --executor vmap to see the error "
                               "in the main process.") from None
 
-    def stop(self, now: bool = False) -> None:
-        """Ask the worker to exit after its current message (or SIGKILL it `now`: its work is abandoned)."""
-        if now:
-            self.process.kill()
+    def stop(self) -> None:
         try:
             self.conn.send(None)
         except (OSError, ValueError):
@@ -317,10 +314,10 @@ class WorkerPool:
                 raise WorkerError(f"a worker failed to build the run:\n{text.decode()}")
         self.bound_token = token
 
-    def close(self, now: bool = False) -> None:
-        """Stop every worker (idempotent); `now` kills them mid-slice (a stopped run's abandoned round)."""
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
         for worker in self.workers:
-            worker.stop(now)
+            worker.stop()
         self.workers = []
         self.bound_token = None
 
@@ -390,14 +387,8 @@ class ProcessExecutor:
             with intra_op_threads(1):
                 outs = [run_inner(alg, fns, broadcast, take_clients(inputs, groups[0]), hp, opt, round_idx,
                                   chunk_size)]
-        except KeyboardInterrupt:  # a stop signal between the main process's clients or chunks (train.py)
-            if self.own_pool:  # the round is abandoned: its workers' slices are not waited for
-                self.pool.close(now=True)
-            else:
-                self._receive(remote)
-            raise
-        except Exception:
-            self._receive(remote)  # keep the pipes in step, then report the main process's error
+        except BaseException:  # an error, or a stop signal between the main process's clients or chunks
+            self._receive(remote)  # keep the pipes in step (killing a worker mid-transfer breaks fd sharing)
             raise
         failures, replies = self._receive(remote)
         if failures:

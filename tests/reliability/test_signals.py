@@ -125,17 +125,47 @@ def test_sigterm_soak_many_moments_with_and_without_mlflow(tmp_path: Path) -> No
     assert seen["interrupted"] >= 10 and seen["set-up"] + seen["start-up"] >= 1 and seen["finished"] >= 1, seen
 
 
+def test_a_signal_inside_torch_vmap_is_recorded_not_raised() -> None:
+    """The issue's failure, made certain: SIGTERM delivered while `torch.func.vmap` runs the client
+    function (1 delivery in 27 landed in vmap's entry and raised there, through its layer
+    bookkeeping: an internal assertion, a `failed` run). The handler only records it: vmap returns
+    its result, torch.func still works, and the next safe point raises RunInterrupted."""
+    import torch
+
+    from fedcli.engine.lifecycle import GracefulSignals, RunInterrupted
+
+    signals = GracefulSignals()
+    signals.install()
+    try:
+        def one(x: torch.Tensor) -> torch.Tensor:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside vmap
+            return (2 * x).sin()
+
+        out = torch.func.vmap(one)(torch.arange(3.0))
+        torch.testing.assert_close(out, (2 * torch.arange(3.0)).sin())
+        assert signals.pending == signal.SIGTERM
+        with pytest.raises(RunInterrupted) as stop:
+            signals.check()
+        assert stop.value.exit_code == 143
+        signals.check()  # once: the stop is under way
+        nested = torch.func.vmap(torch.func.grad(lambda x: (x**2).sum()))(torch.ones(2, 3))
+        torch.testing.assert_close(nested, 2 * torch.ones(2, 3))
+    finally:
+        signals.restore()
+
+
 def test_a_second_sigterm_while_stopping_is_ignored(tmp_path: Path) -> None:
-    """Two SIGTERMs 50 ms apart mid-run: the second is ignored with a warning (it must not cut the
-    final checkpoint short); the run reads `interrupted` with its last round checkpointed."""
-    proc = start(tmp_path, "--task", "lsq", "--clients-per-round", "4", "--rounds", "100000", "--no-mlflow")
+    """A second SIGTERM half a second after the first, while the run stops in order (with MLflow on,
+    the stop waits for the mirror's copy): ignored with a warning, so it cannot cut the final
+    checkpoint short; the run reads `interrupted` with its last round checkpointed, exit 143."""
+    proc = start(tmp_path, "--task", "lsq", "--clients-per-round", "4", "--rounds", "100000")
     wait_for_round(tmp_path, 3)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.05)
+    time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)
     assert outcome(tmp_path, proc.returncode, out, err) == "interrupted"
-    assert proc.returncode == 143
+    assert proc.returncode == 143 and "already stopping (SIGTERM)" in err, err[-2000:]
 
 
 def wait_for_round(root: Path, at_least: int, timeout: float = 120.0) -> float:
@@ -180,23 +210,19 @@ def test_a_stop_in_a_long_round_comes_between_clients(tmp_path: Path) -> None:
 
 @pytest.mark.soak
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("executor", [["--executor", "vmap", "--cohort-chunk", "1"],
-                                      ["--executor", "process", "--workers", "2", "--cohort-chunk", "1"]],
-                         ids=["vmap-chunked", "process-chunked"])
-def test_chunked_executors_stop_between_chunks(tmp_path: Path, executor: list[str]) -> None:
-    """vmap with --cohort-chunk checks between chunks; the process executor between the main
-    process's chunks, and then stops its workers at once (their slices of the abandoned round
-    are not waited for)."""
-    latency = stop_latency(tmp_path, *executor)
-    assert latency < 90, f"the stop took {latency:.1f} s"
+def test_vmap_with_cohort_chunks_stops_between_chunks(tmp_path: Path) -> None:
+    """vmap with --cohort-chunk checks between chunks: a stop takes about one chunk, not the round."""
+    latency = stop_latency(tmp_path, "--executor", "vmap", "--cohort-chunk", "1")
+    assert latency < 60, f"the stop took {latency:.1f} s"
 
 
 @pytest.mark.soak
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("executor", ["vmap", "fused", "process"])
 def test_unchunked_executors_stop_after_the_cohorts_local_training(tmp_path: Path, executor: str) -> None:
-    """Without chunks a whole cohort trains in one call: SIGTERM mid-round stops the run once that
-    call returns (the round is abandoned, not aggregated), with exit 143 and no traceback."""
+    """Without chunks a whole cohort trains in one call (the process executor: each process one
+    slice, the workers' slices waited for): SIGTERM mid-round stops the run once that returns (the
+    round is abandoned, not aggregated), with exit 143 and no traceback."""
     args = ["--task", "femnist", "--clients-per-round", "10", "--local-epochs", "20", "--rounds", "3", "--no-mlflow",
             "--executor", executor] + (["--workers", "2"] if executor == "process" else [])
     proc = start(tmp_path, *args)
