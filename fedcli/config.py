@@ -453,7 +453,7 @@ def warn_degenerate(cfgs: Sequence[RunConfig], swept: Sequence[str] = ()) -> lis
         lines[f"swept key {key} has no effect in {len(where)} trial(s) ({', '.join(sorted(set(where)))}): their runs "
               "repeat each other; drop it from the grid or fix what makes it inert (above)."] = None
     for key in sorted({k for cfg in cfgs for k in cfg.recommended if k.startswith("train.")}):
-        section, _, name = key.partition(".")
+        name = key.partition(".")[2]
         values = {cfg.algorithm.name: getattr(cfg.train, name) for cfg in cfgs}
         if len(set(values.values())) > 1:
             by = ", ".join(f"{algo} {value}" for algo, value in sorted(values.items()))

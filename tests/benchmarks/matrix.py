@@ -222,7 +222,8 @@ def render(results: dict[str, dict[str, Cell]], rounds: int, command: str) -> st
                 f"{scale * fedavg.value:.2f}" if kind == "lsa" else f"{scale * fedavg.value:.1f}")
             diff = "—" if algo == "fedavg" or cell.value is None or fedavg is None or fedavg.value is None else \
                 f"{scale * (cell.value - fedavg.value):+.{2 if kind == 'lsa' else 1}f}"
-            recorded = "; ".join(v.split(":")[0] for v in (cell.tags.get("fedcli.degenerate") or "").split(" | ") if v)
+            recorded = "; ".join(f"degenerate {v.split(': ', 1)[0]}"
+                                 for v in (cell.tags.get("fedcli.degenerate") or "").split(" | ") if v)
             own = [k for k in recommended_items(cell) if not k.startswith("partition.")]
             if own:
                 recorded = "; ".join(x for x in (recorded, f"recommended {'; '.join(own)}") if x)
