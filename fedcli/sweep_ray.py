@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -88,6 +89,7 @@ def connect(address: str | None, cpus: int, gpus: float) -> Iterator[RayCluster]
     Raises:
         ConfigError: Ray is not installed, or the cluster cannot be reached.
     """
+    use_token_if_there()  # before Ray reads its config
     try:
         import ray
     except ImportError:
@@ -104,6 +106,23 @@ def connect(address: str | None, cpus: int, gpus: float) -> Iterator[RayCluster]
         yield RayCluster(ray, [n for n in ray.nodes() if n.get("Alive")], cpus, gpus)
     finally:
         ray.shutdown()
+
+
+def use_token_if_there() -> None:
+    """Send Ray's auth token when this machine has one and RAY_AUTH_MODE is unset.
+
+    Since Ray 2.60 `ray start --head` turns token authentication on by default and saves the token
+    in ~/.ray/auth_token, but a driver that connects to that head with `ray.init(address=...)` sends
+    no token unless RAY_AUTH_MODE=token: it retried for 20 s printing "InvalidAuthToken" and failed.
+    Setting the mode (never the token: Ray reads it from its own file or RAY_AUTH_TOKEN[_PATH]) makes
+    the driver, and the trials it starts, authenticate; an explicit RAY_AUTH_MODE is respected.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    sources = [os.environ.get("RAY_AUTH_TOKEN"), os.environ.get("RAY_AUTH_TOKEN_PATH"),
+               (Path.home() / ".ray" / "auth_token").is_file() or None]
+    if any(sources):
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def probe(address: str) -> None:

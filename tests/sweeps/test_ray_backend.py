@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 from fedcli.cli.main import app
 from fedcli.config import TrackingConfig
 from fedcli.errors import ConfigError
-from fedcli.sweep_ray import RayCluster, check_cluster
+from fedcli.sweep_ray import RayCluster, check_cluster, use_token_if_there
 from fedcli.tracking.store import RunRecord, SqlStore
 
 T = TypeVar("T")
@@ -267,3 +267,22 @@ def test_trial_resources_must_fit_a_node_and_set_the_default_workers() -> None:
     assert RayCluster(None, cluster, cpus=1, gpus=0).default_workers() == 4 + 2
     assert RayCluster(None, cluster, cpus=1, gpus=0.5).default_workers() == 4  # GPUs: 2 / 0.5 on node 0, none on 1
     assert RayCluster(None, cluster, cpus=3, gpus=0).default_workers() == 1
+
+
+def test_a_saved_ray_token_is_used_and_an_explicit_auth_mode_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray >= 2.60's `ray start --head` turns token auth on and saves ~/.ray/auth_token, but a driver
+    sends it only with RAY_AUTH_MODE=token (without it both Ray sweep tests failed with
+    InvalidAuthToken). The sweep sets the mode, never the token, and only when the mode is unset."""
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    use_token_if_there()
+    assert "RAY_AUTH_MODE" not in os.environ  # no token anywhere: Ray's own default
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("secret-token")
+    use_token_if_there()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    assert "secret-token" not in "".join(os.environ.values())
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    use_token_if_there()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
