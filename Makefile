@@ -9,10 +9,13 @@ STAMP  := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
 .PHONY: install demo test bench matrix reproduce lint clean
 
+# setuptools prints an "Editable installation." notice (its InformationOnly warning, not a problem:
+# the installed names differ from the folders, pyproject.toml) for every editable install of this
+# layout; PYTHONWARNINGS drops that one message and nothing else.
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -8,6 +8,10 @@ rules 3 and 6). The engine calls them in this order every round::
     out_i  = client_update(ctx_i, bc, client_state_i, hp, opt)  # per client, or vmapped
     state, diagnostics = server_update(state, outs, weights, hp, opt)
 
+An algorithm whose local work is local SGD and then a computation on its result declares it
+(`Algorithm.local = Local(request, finish)`, a `LocalSGD` request) instead of writing the loop,
+so that every back end trains it its own way (`client_update` is then `optim.local_update(local)`).
+
 `client_update` is written for ONE client and must also run under `torch.func.vmap` over
 a cohort: no `.item()`, no Python branching on tensor values, a fixed number of local
 steps with a step mask (a masked step leaves every piece of state unchanged), and
@@ -60,10 +64,6 @@ class ClientContext(NamedTuple):
     steps_per_epoch: int  # K (padded), so S = E * K
     round_idx: int  # 1-based training round (static for the cohort)
     noise: dict[str, Tensor]  # pre-drawn N(0, 1) tensors declared by Algorithm.noise_shapes
-    compile_step: bool = False  # --compile outside vmap: local_sgd may torch.compile its gradient step
-    # the `fused` executor's precomputed optim.LocalResult of this client (Algorithm.fused_local); local_sgd returns it
-    local: Any = None
-    local_request: Any = None  # the LocalRequest that `local` answers
 
     @property
     def num_steps(self) -> int:
@@ -138,19 +138,37 @@ def require(ok: bool, key: str, constraint: str, value: object, fix: str = "") -
         raise HyperparameterError(f"{message} {fix}".strip())
 
 
-class LocalRequest(NamedTuple):
-    """What an algorithm's client_update asks of optim.local_sgd in a round (Algorithm.fused_local).
+class LocalSGD(NamedTuple):
+    """The local training a client needs this round, declared instead of written (Algorithm.local).
 
-    The `fused` executor runs exactly `local_sgd(ctx, params, opt, average_epochs=...)` on the
-    task loss for the whole cohort at once and hands each client its result.
+    E epochs x K masked steps of SGD (+ heavy-ball momentum, `OptimConfig`) from `start` on
+
+        F_i(theta) + prox_mu/2 ||theta - start||^2 + <linear, theta>
+
+    where F_i is the task loss (ctx.loss_fn). Every back end honours it: autograd
+    (optim.train_local, which loop, vmap, process and distributed run), a compiled per-client
+    step (--compile), the traced or captured cohort program (--graph) and the hand-derived
+    dense trainer (`fused`). The reported loss is F_i alone (docs/architecture.md §3,
+    "Local training").
     """
 
-    params: Params  # the starting point, the same for every client (from the broadcast)
-    average_epochs: bool = False  # also the per-epoch IASG means
-    prox_mu: float = 0.0  # FedProx: the objective is loss + mu/2 ||theta - params||^2 (fedprox.proximal_objective)
-    # SCAFFOLD: the gradient is g + linear_c, a per-client constant ([C, ...] in cohort order,
-    # scaffold.corrected_objective); None for none
-    linear: Params | None = None
+    start: Params  # theta_0 (and the proximal anchor): the broadcast model
+    prox_mu: float = 0.0  # FedProx's mu (Li et al. Eq. 2); static, the same for the whole cohort
+    linear: Params | None = None  # a per-client constant added to every gradient (SCAFFOLD's c - c_i), or None
+    average_epochs: bool = False  # also the mean iterate of each epoch (IASG samples, FedPA Alg. 4); static
+
+
+class Local(NamedTuple):
+    """Local training declared (`Algorithm.local`): what to train, then what to do with the result.
+
+    The engine runs `finish(ctx, bc, state, hp, opt, train(ctx, request(ctx, bc, state, hp, opt)))`
+    with the trainer of its back end; both functions are written for one client (vmap rules,
+    docs/architecture.md §3) and `request` trains nothing. `client_update` of such an algorithm
+    is `optim.local_update(local)`, the same composition with the autograd trainer.
+    """
+
+    request: Callable[..., LocalSGD]  # (ctx, bc, client_state, hp, opt) -> LocalSGD
+    finish: Callable[..., ClientOut]  # (ctx, bc, client_state, hp, opt, optim.LocalResult) -> ClientOut
 
 
 class RunFacts(NamedTuple):
@@ -202,13 +220,14 @@ class Algorithm(NamedTuple):
     # Bayesian algorithms: state -> (posterior mean, posterior variance), diagonal Gaussian
     # over the flattened parameters as Params trees; used by `fedcli evaluate --predictive`.
     posterior: Callable[[Any], tuple[Params, Params]] | None = None
-    # (broadcast, stacked client states or None, hp, round_idx) -> the round's local_sgd call, or
-    # None where client_update trains anything else; lets the `fused` executor train the cohort at once.
-    fused_local: Callable[..., LocalRequest | None] | None = None
-    # (hp, round_idx) -> the value that client_update's Python branching on ctx.round_idx
-    # depends on (FedPA: whether the round is past burn-in). Programs built from the client
-    # update (--compile, --graph) are reused across rounds with equal keys; None: the round
-    # itself where the client code reads ctx.round_idx, one program for all rounds where not.
+    # local training declared (request -> the back end's trainer -> finish); None: client_update trains
+    # by its own loop, which every generic back end runs (the `fused` trainer needs `local`)
+    local: Local | None = None
+    # (hp, round_idx) -> what the client code's dependence on ctx.round_idx is a function of (FedPA:
+    # whether the round is past burn-in; FOLA: the round itself). Rounds with equal keys must give
+    # equal client outputs for equal inputs: programs built from the client update (--compile,
+    # --graph) are reused across them. None: the client code does not depend on the round at all
+    # (tests/algorithms/test_contract.py checks both for every registered algorithm).
     round_key: Callable[[Any, int], Hashable] | None = None
     # RunFacts -> {"hp.<name>" | "train.<key>": Advice}: the settings this algorithm needs to act on
     # this run (FedPA: local epochs, a burn-in scaled to the run). The config layer applies each to a

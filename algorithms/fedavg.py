@@ -6,7 +6,7 @@ Reddi, Charles, Zaheer, Garrett, Rush, Konečný, Kumar, McMahan. Adaptive Feder
 Optimization. ICLR 2021. arXiv:2003.00295 (v5; Alg. 1 and Alg. 2).
 
 Implements: client update Alg. 1 of Reddi et al. (E epochs of local SGD, momentum
-optional) -> client_update; server update Alg. 2 (pseudo-gradient = weighted mean delta,
+optional) -> local_request (declared, Algorithm.local) and finish; server update Alg. 2 (pseudo-gradient = weighted mean delta,
 then SGD / momentum / Adam / Adagrad / Yogi) -> server_update.
 Notation: x_t -> state.params, Delta_i = x_t - x_{i,K} -> upload["delta"] (old minus
 new, a pseudo-gradient), p_i = n_i -> weights, eta_l -> opt.client_lr, eta -> opt.server_lr.
@@ -28,7 +28,8 @@ from fedcli.algorithms.base import (
     ClientContext,
     ClientOut,
     Diagnostics,
-    LocalRequest,
+    Local,
+    LocalSGD,
     OptimConfig,
     Params,
     ServerOptState,
@@ -36,7 +37,7 @@ from fedcli.algorithms.base import (
     tree_sub,
     weighted_mean,
 )
-from fedcli.algorithms.optim import local_sgd, server_opt_init, server_opt_step
+from fedcli.algorithms.optim import LocalResult, local_update, server_opt_init, server_opt_step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,17 +64,21 @@ def broadcast(state: ServerState, hp: FedAvgConfig) -> Broadcast:
     return Broadcast(params=state.params)
 
 
-def client_update(ctx: ClientContext, bc: Broadcast, client_state: None, hp: FedAvgConfig,
-                  opt: OptimConfig) -> ClientOut:
-    """Run local SGD and upload Delta_i = x_t - x_{i,K} (old minus new)."""
-    local = local_sgd(ctx, bc.params, opt)
+def local_request(ctx: ClientContext, bc: Broadcast, client_state: None, hp: FedAvgConfig,
+                  opt: OptimConfig) -> LocalSGD:
+    """Plain local SGD from x_t on the task loss (Reddi et al. Alg. 1)."""
+    return LocalSGD(start=bc.params)
+
+
+def finish(ctx: ClientContext, bc: Broadcast, client_state: None, hp: FedAvgConfig, opt: OptimConfig,
+           local: LocalResult) -> ClientOut:
+    """Upload Delta_i = x_t - x_{i,K} (old minus new)."""
     delta = tree_sub(bc.params, local.params)
     return ClientOut(upload={"delta": delta}, state=None, metrics={"train_loss": local.mean_loss})
 
 
-def fused_local(bc: Broadcast, states: None, hp: object, round_idx: int) -> LocalRequest:
-    """client_update's local_sgd call: plain local SGD from x_t (the `fused` executor)."""
-    return LocalRequest(params=bc.params)
+LOCAL = Local(request=local_request, finish=finish)
+client_update = local_update(LOCAL)  # local SGD, then the delta: what every back end computes
 
 
 def apply_pseudo_gradient(state: ServerState, cohort_delta: Params, weights: Tensor,
@@ -105,6 +110,6 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=server_update,
     global_params=global_params,
-    fused_local=fused_local,
+    local=LOCAL,
     description="FedAvg with a FedOpt server optimiser (--server-opt sgd|momentum|adam|adagrad|yogi).",
 )

@@ -67,6 +67,7 @@ ALGORITHM = Algorithm(
     client_update=fola_offline.client_update,
     server_update=fola.server_update,
     global_params=fola.global_params,
+    round_key=fola.prior_round,
     degenerate=degenerate,
     caveats=("With lam = 1 and the per-sample Fisher the penalty is ~1e-3 of the task loss and barely moves the "
              "clients: its accuracy equals FedAvg's to 0.1 points on FEMNIST, MNIST and synthetic-1-1 at 25 rounds "

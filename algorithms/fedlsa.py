@@ -131,6 +131,7 @@ ALGORITHM = Algorithm(
     server_init=server_init,
     broadcast=fedavg.broadcast,
     client_update=fedavg.client_update,
+    local=fedavg.LOCAL,
     server_update=server_update,
     global_params=fedavg.global_params,
     description="Federated LSA / TD(0): H local LSA steps, then averaging; biased under heterogeneity.",

@@ -5,11 +5,11 @@ Averaging: A New Perspective and Practical Algorithms. ICLR 2021. arXiv:2010.052
 
 Implements: Alg. 1 (server) -> fedavg.server_update, reused unchanged (Prop. 2: the mean
 client delta is a pseudo-gradient of the global quadratic); Alg. 3 + Alg. 4 (IASG: one
-sample per local epoch = mean of that epoch's post-step iterates) -> client_update;
+sample per local epoch = mean of that epoch's post-step iterates) -> local_request (average_epochs);
 Theorem 3 / App. C, Eqs. 21-28 (the O(l^2 d) Sherman-Morrison dynamic programme for
 Delta = Sigma_hat^-1 (theta_0 - mu_hat), Sigma_hat = rho_l I + (1 - rho_l) S_hat,
 rho_l = 1 / (1 + (l-1) rho)) -> posterior_delta; footnote 11 (the first burn-in rounds
-run FedAvg exactly) -> client_update.
+run FedAvg exactly) -> local_request (declared local SGD, Algorithm.local) and finish.
 Notation: x_0 = theta_0 -> broadcast params, x_1..x_l -> IASG samples, rho -> hp.rho,
 T_burn -> hp.burn_in_rounds, l -> E - hp.burn_in_epochs (num_samples).
 Burn-in rounds: rounds 1..T_burn run FedAvg exactly (hp.burn_in_rounds = 100, Table 6 EMNIST-62,
@@ -46,7 +46,8 @@ from fedcli.algorithms.base import (
     ClientOut,
     Degeneracy,
     Diagnostics,
-    LocalRequest,
+    Local,
+    LocalSGD,
     OptimConfig,
     Params,
     RunFacts,
@@ -57,7 +58,7 @@ from fedcli.algorithms.base import (
     tree_sub,
     unflatten,
 )
-from fedcli.algorithms.optim import local_sgd
+from fedcli.algorithms.optim import LocalResult, local_update
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,12 +147,17 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
     return head + torch.dot(a[whole:].to(torch.float64), b[whole:].to(torch.float64))
 
 
-def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedPAConfig,
-                  opt: OptimConfig) -> ClientOut:
-    """FedAvg during burn-in rounds; afterwards IASG samples and the DP delta."""
-    if ctx.round_idx <= hp.burn_in_rounds:
-        return fedavg.client_update(ctx, bc, client_state, hp, opt)
-    local = local_sgd(ctx, bc.params, opt, average_epochs=True)
+def local_request(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedPAConfig,
+                  opt: OptimConfig) -> LocalSGD:
+    """FedAvg's local SGD from theta_0; past burn-in with the per-epoch iterate means (IASG, Alg. 4)."""
+    return LocalSGD(start=bc.params, average_epochs=sampling_round(hp, ctx.round_idx))
+
+
+def finish(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedPAConfig, opt: OptimConfig,
+           local: LocalResult) -> ClientOut:
+    """FedAvg's delta during burn-in rounds; afterwards the DP delta of the IASG samples."""
+    if not sampling_round(hp, ctx.round_idx):
+        return fedavg.finish(ctx, bc, client_state, hp, opt, local)
     samples = [flatten(s) for s in local.epoch_means[first_sample_epoch(hp, opt):]]
     x0 = flatten(bc.params)
     delta = unflatten(posterior_delta(x0, samples, hp.rho), bc.params)
@@ -162,6 +168,10 @@ def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, 
         "fedpa_correction_norm": tree_norm(tree_sub(delta, fedavg_delta)),
     }
     return ClientOut(upload={"delta": delta}, state=None, metrics=metrics)
+
+
+LOCAL = Local(request=local_request, finish=finish)
+client_update = local_update(LOCAL)
 
 
 def recommend(run: RunFacts) -> dict[str, Advice]:
@@ -201,11 +211,6 @@ def sampling_round(hp: FedPAConfig, round_idx: int) -> bool:
     return round_idx > hp.burn_in_rounds
 
 
-def fused_local(bc: fedavg.Broadcast, states: None, hp: FedPAConfig, round_idx: int) -> LocalRequest:
-    """client_update's local_sgd call: FedAvg's in burn-in, with the IASG epoch means after."""
-    return LocalRequest(params=bc.params, average_epochs=round_idx > hp.burn_in_rounds)
-
-
 def server_update(state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: FedPAConfig,
                   opt: OptimConfig) -> tuple[fedavg.ServerState, Diagnostics]:
     """Drop non-finite client deltas (weight 0), then FedAvg's server step."""
@@ -233,7 +238,7 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=server_update,
     global_params=fedavg.global_params,
-    fused_local=fused_local,
+    local=LOCAL,
     round_key=sampling_round,
     recommend=recommend,
     degenerate=degenerate,

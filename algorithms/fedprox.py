@@ -7,8 +7,8 @@ Learning. arXiv:2111.10192 (v1), §2 / Table in reference/fedsparse.md §1.5: Fe
 hard-EM on the hierarchical model p(phi_s | w) = N(w, 1/lambda) with lambda = mu > 0.
 
 Implements: the local objective h_k(w; w^t) = F_k(w) + mu/2 ||w - w^t||^2 (Eq. 2; the
-E-step of Eq. 7 with a Gaussian prior) -> proximal_objective, minimised by E epochs of
-local SGD (optim.local_sgd) -> client_update; the server step of Alg. 2 (average of the
+E-step of Eq. 7 with a Gaussian prior), minimised by E epochs of local SGD, declared
+(LocalSGD with prox_mu = mu, Algorithm.local) -> local_request, then the upload -> finish; the server step of Alg. 2 (average of the
 local models) -> fedavg.server_update, reused unchanged (M-step, Eqs. 10-11).
 Notation: w^t -> bc.params, w -> params, mu -> hp.mu, F_k -> ctx.loss_fn,
 Delta_k = w^t - w_k^{t+1} -> upload["delta"] (old minus new, as FedAvg).
@@ -27,25 +27,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import Tensor
-
 from fedcli.algorithms import fedavg
 from fedcli.algorithms.base import (
     Algorithm,
-    Batch,
     ClientContext,
     ClientOut,
     Degeneracy,
-    LocalRequest,
-    LossFn,
+    Local,
+    LocalSGD,
     OptimConfig,
-    Params,
     RunFacts,
     require,
     tree_norm,
     tree_sub,
 )
-from fedcli.algorithms.optim import local_sgd
+from fedcli.algorithms.optim import LocalResult, local_update, proximal_term
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,41 +58,24 @@ class FedProxConfig:
                 "Li et al. tune mu in {0.001, 0.01, 0.1, 1}; mu = 0 is FedAvg.")
 
 
-def proximal_term(params: Params, anchor: Params, mu: float) -> Tensor:
-    """Return mu/2 * ||w - w^t||^2 summed over every parameter tensor (Eq. 2)."""
-    return 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in params)  # type: ignore[return-value]
+def local_request(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedProxConfig,
+                  opt: OptimConfig) -> LocalSGD:
+    """Local SGD on h_k(w; w^t) = F_k(w) + mu/2 ||w - w^t||^2 from w^t (Eq. 2; optim.proximal_term)."""
+    return LocalSGD(start=bc.params, prox_mu=hp.mu)
 
 
-def fused_local(bc: fedavg.Broadcast, states: None, hp: FedProxConfig, round_idx: int) -> LocalRequest:
-    """client_update's local_sgd call: SGD on F_k + mu/2 ||w - w^t||^2 from w^t (the `fused` executor)."""
-    return LocalRequest(params=bc.params, prox_mu=hp.mu)
-
-
-def proximal_objective(loss_fn: LossFn, anchor: Params, mu: float) -> LossFn:
-    """Return h(w, batch) with value F_k(w; batch) and gradient of F_k + mu/2 ||w - w^t||^2.
-
-    The proximal term enters as `prox - prox.detach()`: exactly 0 in value, its full
-    gradient in backward. SGD therefore follows grad h_k (Eq. 2) while the reported loss
-    stays the data loss F_k, comparable with FedAvg's `train/loss`.
-    """
-
-    def objective(params: Params, batch: Batch) -> Tensor:
-        prox = proximal_term(params, anchor, mu)
-        return loss_fn(params, batch) + (prox - prox.detach())
-
-    objective.proximal_mu = mu  # type: ignore[attr-defined]  # what local_sgd checks a fused result against
-    return objective
-
-
-def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedProxConfig,
-                  opt: OptimConfig) -> ClientOut:
-    """Minimise h_k(w; w^t) by local SGD from w^t; upload Delta = w^t - w_k (old minus new)."""
-    local = local_sgd(ctx, bc.params, opt, proximal_objective(ctx.loss_fn, bc.params, hp.mu))
+def finish(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedProxConfig, opt: OptimConfig,
+           local: LocalResult) -> ClientOut:
+    """Upload Delta = w^t - w_k (old minus new); the reported loss is the mean data loss F_k."""
     delta = tree_sub(bc.params, local.params)
     metrics = {"train_loss": local.mean_loss,  # mean data loss F_k over the real steps
                "fedprox_prox_term": proximal_term(local.params, bc.params, hp.mu).detach(),
                "fedprox_drift": tree_norm(delta).detach()}  # ||w_k - w^t||
     return ClientOut(upload={"delta": delta}, state=None, metrics=metrics)
+
+
+LOCAL = Local(request=local_request, finish=finish)
+client_update = local_update(LOCAL)
 
 
 def degenerate(hp: FedProxConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
@@ -116,7 +95,7 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=fedavg.server_update,
     global_params=fedavg.global_params,
-    fused_local=fused_local,
+    local=LOCAL,
     degenerate=degenerate,
     description="FedAvg + proximal local objective F_k(w) + mu/2 ||w - w_t||^2 (hard-EM, Gaussian prior).",
 )

@@ -231,6 +231,18 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: None, hp: FOL
     return make_out(fit, precision, spec)
 
 
+def client_round(hp: FOLAConfig, round_idx: int) -> int:
+    """Algorithm.round_key: the client update depends on the round itself (P_n = F_n / r + ..., Eq. 17;
+    the code form's prior coefficient 1/r)."""
+    return round_idx
+
+
+def prior_round(hp: FOLAConfig, round_idx: int) -> int:
+    """round_key of the offline variants (fola-offline, fedcurv): the round enters their client update
+    only through the prior coefficient c_r, which is 1/r in the code form and 1 in the paper's."""
+    return round_idx if hp.prior_form == "code" else 0
+
+
 def make_out(fit: LocalFit, precision: Params, spec: Spec) -> ClientOut:
     """Upload {"mean": mu_n, "precision": P_n} (or "precision_compressed") and the metrics."""
     upload: dict[str, object] = {"mean": fit.params, **upload_precision(precision, spec.compress_p)}
@@ -302,6 +314,7 @@ ALGORITHM = Algorithm(
     server_update=server_update,
     global_params=global_params,
     posterior=posterior,
+    round_key=client_round,
     description="Gaussian-product aggregation of (mu_n, diag Fisher precision) + online Laplace prior "
                 "(--hp lam=0: aggregation only).",
 )

@@ -76,6 +76,7 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=fola.server_update,
     global_params=fola.global_params,
+    round_key=fola.prior_round,
     posterior=fola.posterior,
     description="FOLA with the Fisher taken once at the end of local training (no online accumulation).",
 )

@@ -38,10 +38,14 @@ from torch import Tensor
 from fedcli.algorithms.base import (
     Batch,
     ClientContext,
+    ClientOut,
+    Local,
+    LocalSGD,
     LossFn,
     OptimConfig,
     Params,
     ServerOptState,
+    tree_vdot,
     tree_where,
     tree_zeros_like,
 )
@@ -176,29 +180,11 @@ def scaled_objective(loss_fn: LossFn) -> Callable[[Params, Batch, Tensor], tuple
     return scaled_loss
 
 
-_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}  # loss function -> its compiled step
+GradStep = Callable[[Params, Batch, Tensor], tuple[Params, Tensor]]  # (params, batch, coef) -> (coef * grad, loss)
 
 
-def compiled_scaled_grad(loss_fn: LossFn) -> Callable[..., Any]:
-    """torch.compile of grad(scaled_objective(loss_fn)), built once per loss function and reused by every step.
-
-    The per-client step (forward, backward, the -lr * mask scaling) becomes one compiled graph
-    of fixed shapes (batches are padded to the batch size), so it compiles once per run in
-    seconds and is reused across steps, clients and rounds; one client's parameters stay in
-    cache. Used by local_sgd under `--compile` with the loop and process executors when the
-    algorithm trains ctx.loss_fn itself; algorithm-specific objectives (closures over the
-    round's broadcast) would recompile every round and run eagerly instead.
-    """
-    fn = _COMPILED.get(loss_fn)
-    if fn is None:
-        if len(_COMPILED) >= 8:  # one run uses one; bound what a long-lived process keeps alive
-            _COMPILED.clear()
-        fn = _COMPILED[loss_fn] = torch.compile(torch.func.grad(scaled_objective(loss_fn), has_aux=True), dynamic=False)
-    return fn
-
-
-def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
-              objective: LossFn | None = None, *, average_epochs: bool = False) -> LocalResult:
+def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig, objective: LossFn | None = None, *,
+              average_epochs: bool = False, grad_step: GradStep | None = None) -> LocalResult:
     """Run E epochs x K masked SGD(+momentum) steps on `objective` from `params`.
 
     Momentum persists across the epochs of a round and starts at zero every round
@@ -212,23 +198,10 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     layout, the ClientContext contract) and leave the iterate unchanged, so each of them
     added the epoch's last iterate. One in-place add per step, no temporary.
 
-    Under the `fused` executor, ctx.local already holds this call's result for this client
-    (engine/dense.py trained the cohort at once); it is returned after checking that the
-    executor's LocalRequest answers this call (objective, proximal mu, epoch means).
+    `grad_step` replaces the autograd step grad(coef * objective) (the engine's compiled
+    per-client step, engine/local.py); it must compute the same thing.
     """
-    if ctx.local is not None:  # the `fused` executor trained the cohort already (Algorithm.fused_local)
-        request = ctx.local_request
-        linear = objective is not None and getattr(objective, "linear_correction", False)
-        mu = 0.0 if objective is None or linear else getattr(objective, "proximal_mu", None)
-        if (mu is None or request is None or mu != request.prox_mu or linear != (request.linear is not None)
-                or average_epochs != request.average_epochs):
-            raise RuntimeError("the fused executor's local result does not match this local_sgd call; the "
-                               "algorithm's fused_local must describe its client_update exactly")
-        return ctx.local
-    if ctx.compile_step and objective is None:
-        scaled_grad = compiled_scaled_grad(ctx.loss_fn)
-    else:
-        scaled_grad = torch.func.grad(scaled_objective(objective or ctx.loss_fn), has_aux=True)  # d(coef loss) = coef grad
+    scaled_grad = grad_step or torch.func.grad(scaled_objective(objective or ctx.loss_fn), has_aux=True)
     sgd = MaskedSGD(params, opt.client_lr, opt.client_momentum)
     loss_sum = torch.zeros((), dtype=ctx.step_mask.dtype, device=ctx.step_mask.device)
     epoch_means: list[Params] = []
@@ -249,6 +222,57 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig,
     mean_loss = loss_sum / ctx.step_mask.sum().clamp_min(1.0)
     return LocalResult(params=sgd.params, epoch_means=epoch_means, mean_loss=mean_loss)
 
+
+
+def proximal_term(params: Params, anchor: Params, mu: float) -> Tensor:
+    """Return mu/2 * ||w - w^t||^2 summed over every parameter tensor (FedProx, Li et al. Eq. 2)."""
+    return 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in params)  # type: ignore[return-value]
+
+
+def local_objective(loss_fn: LossFn, request: LocalSGD) -> LossFn:
+    """Return the loss whose gradient is LocalSGD's: g + mu (theta - start) + linear, valued F alone.
+
+    The added terms enter as `t - t.detach()`: exactly 0 in value, their full gradient in
+    backward, so the reported loss stays the task loss (comparable with FedAvg's train/loss).
+    Without terms it is `loss_fn` itself.
+    """
+    mu, start, linear = request.prox_mu, request.start, request.linear
+    if mu == 0.0 and linear is None:
+        return loss_fn
+
+    def objective(params: Params, batch: Batch) -> Tensor:
+        loss = loss_fn(params, batch)
+        if mu != 0.0:
+            prox = proximal_term(params, start, mu)
+            loss = loss + (prox - prox.detach())
+        if linear is not None:
+            lin = tree_vdot(params, linear)
+            loss = loss + lin - lin.detach()
+        return loss
+
+    return objective
+
+
+def train_local(ctx: ClientContext, request: LocalSGD, opt: OptimConfig,
+                grad_step: GradStep | None = None) -> LocalResult:
+    """Run the local SGD `request` declares, through autograd: the trainer of the generic back ends."""
+    return local_sgd(ctx, request.start, opt, local_objective(ctx.loss_fn, request),
+                     average_epochs=request.average_epochs, grad_step=grad_step)
+
+
+def local_update(local: Local) -> Callable[..., ClientOut]:
+    """Return the client_update of an algorithm that declares its local training (Algorithm.local).
+
+    `client_update(ctx, bc, state, hp, opt) = local.finish(..., train_local(ctx, local.request(...), opt))`:
+    what the engine runs with the autograd trainer, callable on its own (tests, studies).
+    """
+
+    def client_update(ctx: ClientContext, bc: Any, client_state: Any, hp: Any, opt: OptimConfig) -> ClientOut:
+        request = local.request(ctx, bc, client_state, hp, opt)
+        return local.finish(ctx, bc, client_state, hp, opt, train_local(ctx, request, opt))
+
+    client_update.__doc__ = f"{local.request.__doc__ or ''} Then: {local.finish.__doc__ or ''}".strip()
+    return client_update
 
 # ---------------------------------------------------------------------------------------
 # IVON: Shen, Daheim, Cong, Nickl, Marconi, Bazan, Yokota, Gurevych, Cremers, Khan,

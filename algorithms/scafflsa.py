@@ -18,8 +18,8 @@ per-agent xi^c_0 = 0,
 Its noise-free fixed point is theta* with xi^c = Abar^c theta* - bbar^c, and
 sum_c xi^c_t = 0 for all t (no server control variate is needed).
 
-Implements: the corrected recursion above -> client_update (local steps and the xi update)
-and server_update (averaging). Agents keep xi^c private; they upload theta^c_{t,H} (as the
+Implements: the corrected recursion above -> local_request (the local steps, declared as
+local SGD with the linear correction -xi^c), finish (the xi update) and server_update (averaging). Agents keep xi^c private; they upload theta^c_{t,H} (as the
 delta theta_t - theta^c_{t,H}) and download theta_t, as in the paper.
 Notation: xi^c -> ClientState.xi, theta^c_{t,H} -> ClientState.last, H -> ClientState.steps
 (the client's real local steps), eta -> opt.client_lr.
@@ -49,6 +49,8 @@ from fedcli.algorithms.base import (
     ClientContext,
     ClientOut,
     Diagnostics,
+    Local,
+    LocalSGD,
     OptimConfig,
     Params,
     require,
@@ -57,8 +59,7 @@ from fedcli.algorithms.base import (
     tree_sub,
     tree_zeros_like,
 )
-from fedcli.algorithms.optim import local_sgd
-from fedcli.algorithms.scaffold import corrected_objective
+from fedcli.algorithms.optim import LocalResult, local_update
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,17 +94,31 @@ def init_client_state(params: Params, hp: SCAFFLSAConfig) -> ClientState:
                        steps=torch.ones((), dtype=dtype), pending=torch.zeros((), dtype=dtype))
 
 
-def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: ClientState, hp: SCAFFLSAConfig,
-                  opt: OptimConfig) -> ClientOut:
-    """Apply the pending xi update with theta_t, run H corrected LSA steps, upload the delta."""
+def control_variate(bc: fedavg.Broadcast, client_state: ClientState, opt: OptimConfig) -> Params:
+    """Return xi^c_t: the pending xi update of the previous visit applied with theta_t."""
     scale = client_state.pending / (opt.client_lr * client_state.steps)
-    xi = {k: v + scale * (bc.params[k] - client_state.last[k]) for k, v in client_state.xi.items()}
-    local = local_sgd(ctx, bc.params, opt, corrected_objective(ctx, tree_scale(xi, -1.0)))
+    return {k: v + scale * (bc.params[k] - client_state.last[k]) for k, v in client_state.xi.items()}
+
+
+def local_request(ctx: ClientContext, bc: fedavg.Broadcast, client_state: ClientState, hp: SCAFFLSAConfig,
+                  opt: OptimConfig) -> LocalSGD:
+    """H corrected LSA steps from theta_t: the gradient A theta - b minus xi^c (a linear correction)."""
+    return LocalSGD(start=bc.params, linear=tree_scale(control_variate(bc, client_state, opt), -1.0))
+
+
+def finish(ctx: ClientContext, bc: fedavg.Broadcast, client_state: ClientState, hp: SCAFFLSAConfig,
+           opt: OptimConfig, local: LocalResult) -> ClientOut:
+    """Keep xi^c_t, theta^c_{t,H} and H for the next visit; upload the delta theta_t - theta^c_{t,H}."""
+    xi = control_variate(bc, client_state, opt)
     steps = ctx.step_mask.sum().clamp_min(1.0).to(client_state.steps.dtype)  # H, the real local steps
     state = ClientState(xi=xi, last=local.params, steps=steps,
                         pending=torch.ones_like(client_state.pending))
     metrics = {"train_loss": local.mean_loss, "xi_norm": tree_norm(xi)}
     return ClientOut(upload={"delta": tree_sub(bc.params, local.params)}, state=state, metrics=metrics)
+
+
+LOCAL = Local(request=local_request, finish=finish)
+client_update = local_update(LOCAL)
 
 
 def server_update(state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: SCAFFLSAConfig,
@@ -123,5 +138,6 @@ ALGORITHM = Algorithm(
     server_update=server_update,
     global_params=fedavg.global_params,
     init_client_state=init_client_state,
+    local=LOCAL,
     description="FedLSA with per-agent control variates xi^c (corrected signs): converges to theta*.",
 )

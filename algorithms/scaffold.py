@@ -3,8 +3,9 @@
 Karimireddy, Kale, Mohri, Reddi, Stich, Suresh. SCAFFOLD: Stochastic Controlled Averaging
 for Federated Learning. ICML 2020 (PMLR 119, pp. 5132-5143). arXiv:1910.06378.
 
-Implements: Alg. 1 (client lines 7-13) -> client_update: K local steps
-y_i <- y_i - eta_l (g_i(y_i) - c_i + c), then the control-variate update
+Implements: Alg. 1 (client lines 7-13): K local steps y_i <- y_i - eta_l (g_i(y_i) - c_i + c),
+declared as local SGD with the linear correction c - c_i -> local_request; then -> finish:
+the control-variate update
   Option I   c_i+ = g_i(x)                               (a pass over the local data at x)
   Option II  c_i+ = c_i - c + (x - y_i) / (K eta_l)      (free: reuses the local steps)
 and uploads (Delta y_i, Delta c_i) = (y_i - x, c_i+ - c_i); Alg. 1 (server lines 16-17)
@@ -39,22 +40,20 @@ from torch import Tensor
 from fedcli.algorithms import fedavg
 from fedcli.algorithms.base import (
     Algorithm,
-    Batch,
     ClientContext,
     ClientOut,
     Diagnostics,
-    LocalRequest,
-    LossFn,
+    Local,
+    LocalSGD,
     OptimConfig,
     Params,
     ServerOptState,
     require,
     tree_norm,
     tree_sub,
-    tree_vdot,
     tree_zeros_like,
 )
-from fedcli.algorithms.optim import local_sgd, server_opt_init
+from fedcli.algorithms.optim import LocalResult, local_update, server_opt_init
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,23 +107,6 @@ def broadcast(state: ServerState, hp: ScaffoldConfig) -> Broadcast:
     return Broadcast(params=state.params, control=control)
 
 
-def corrected_objective(ctx: ClientContext, correction: Params) -> LossFn:
-    """Return a loss whose value is the task loss and whose gradient is g + correction."""
-
-    def objective(params: Params, batch: Batch) -> Tensor:
-        linear = tree_vdot(params, correction)
-        return ctx.loss_fn(params, batch) + linear - linear.detach()
-
-    objective.linear_correction = True  # type: ignore[attr-defined]  # what local_sgd checks a fused result against
-    return objective
-
-
-def fused_local(bc: Broadcast, states: ClientState, hp: ScaffoldConfig, round_idx: int) -> LocalRequest:
-    """client_update's local_sgd call: SGD on g + (c - c_i) from x (the `fused` executor)."""
-    correction = {k: bc.control[k].unsqueeze(0) - states.control[k] for k in bc.control}  # [C, ...]
-    return LocalRequest(params=bc.params, linear=correction)
-
-
 def full_local_gradient(ctx: ClientContext, params: Params) -> Params:
     """Return grad f_i(params) over one pass of the client's data (the first epoch's batches)."""
     grad = torch.func.grad(ctx.loss_fn)
@@ -139,11 +121,15 @@ def full_local_gradient(ctx: ClientContext, params: Params) -> Params:
     return {k: v / count.clamp_min(1.0) for k, v in total.items()}
 
 
-def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: ScaffoldConfig,
-                  opt: OptimConfig) -> ClientOut:
-    """Run K corrected local steps; update c_i by option I or II; upload (x - y_i, Delta c_i)."""
-    correction = tree_sub(bc.control, client_state.control)  # c - c_i
-    local = local_sgd(ctx, bc.params, opt, corrected_objective(ctx, correction))
+def local_request(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: ScaffoldConfig,
+                  opt: OptimConfig) -> LocalSGD:
+    """K local steps y_i <- y_i - eta_l (g_i(y_i) + c - c_i) from x (Alg. 1 line 10): a linear correction."""
+    return LocalSGD(start=bc.params, linear=tree_sub(bc.control, client_state.control))  # c - c_i
+
+
+def finish(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: ScaffoldConfig, opt: OptimConfig,
+           local: LocalResult) -> ClientOut:
+    """Update c_i by option I or II; upload (x - y_i, Delta c_i)."""
     delta = tree_sub(bc.params, local.params)  # x - y_i (old minus new)
     if hp.option == "I":
         new_control = full_local_gradient(ctx, bc.params)
@@ -156,6 +142,10 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
     state = ClientState(control=new_control, visited=torch.ones_like(client_state.visited))
     metrics = {"train_loss": local.mean_loss, "control_norm": tree_norm(new_control)}
     return ClientOut(upload=upload, state=state, metrics=metrics)
+
+
+LOCAL = Local(request=local_request, finish=finish)
+client_update = local_update(LOCAL)
 
 
 def aggregation_weights(weights: Tensor, hp: ScaffoldConfig) -> Tensor:
@@ -188,6 +178,6 @@ ALGORITHM = Algorithm(
     server_update=server_update,
     global_params=fedavg.global_params,
     init_client_state=init_client_state,
-    fused_local=fused_local,
+    local=LOCAL,
     description="Control variates c_i, c correct client drift (options I/II of Alg. 1).",
 )

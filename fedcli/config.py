@@ -89,7 +89,7 @@ class TrainConfig:
     workers: int | None = None  # process executor: processes training clients, main included; None = CPU cores
     threads: int | None = None  # intra-op threads of this process; None = the cores it may use (affinity, quota)
     compile: bool = False  # torch.compile: vmap -> the cohort's update; loop/process -> each client's step
-    graph: bool = False  # vmap's cohort update built once per shape and replayed: a CUDA graph on CUDA, a trace on CPU (engine/graphed.py)
+    graph: bool = False  # vmap's cohort update built once per shape and replayed: a CUDA graph on CUDA, a trace on CPU (engine/backends/graphed.py)
     precision: str = "fp32"  # fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run
 
     def optim(self, default_client_lr: float) -> OptimConfig:

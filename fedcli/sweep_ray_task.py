@@ -15,6 +15,7 @@ fedcli.sweeps (torch) there would cost every worker seconds and memory for nothi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -44,6 +45,7 @@ def run_trial(args: Sequence[str], config_text: str | None, cwd: str, env: Mappi
             else the temporary folder.
         env: variables set for the trial (the sweep's store and MLflow URIs).
     """
+    _interruptible()
     with tempfile.TemporaryDirectory(prefix="fedcli-trial-") as tmp:
         folder = Path(tmp)
         config = folder / "run.yaml"
@@ -63,6 +65,16 @@ def run_trial(args: Sequence[str], config_text: str | None, cwd: str, env: Mappi
             code = _stop(proc)
         return {"code": code, "stopped": stopped, "host": socket.gethostname(), "pid": proc.pid,
                 "stdout": _tail(folder / "stdout.txt"), "stderr": _tail(folder / "stderr.txt")}
+
+
+def _interruptible() -> None:
+    """Let `ray.cancel` interrupt this task. It raises KeyboardInterrupt by simulating SIGINT in the
+    worker's main thread, which does nothing while SIGINT is ignored: and a worker inherits an
+    ignored SIGINT from a sweep started in the background (`fedcli sweep ... &` in a script, nohup).
+    Seen with Ray 2.60: SIGTERM to such a sweep cancelled its task, whose trial trained on."""
+    with contextlib.suppress(ValueError):  # not the main thread: Ray runs tasks there, so never here
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _wait(proc: subprocess.Popen[bytes]) -> int:

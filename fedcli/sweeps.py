@@ -615,7 +615,9 @@ class Scheduler:
         previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS} if in_main else {}
         try:
             last_tick = 0.0
-            while self.pending or self.running:
+            # after a stop, pending trials never start: wait for the running ones only (before: a
+            # stop with trials still waiting looped forever, printing "sweep: 1/2 done; 1 waiting")
+            while self.running or (self.pending and self.signum is None):
                 changed = self._step()
                 if changed or time.monotonic() - last_tick >= tick_s:
                     tick(self.processes)

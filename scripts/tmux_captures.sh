@@ -5,17 +5,24 @@
 #   OUT=/tmp/captures scripts/tmux_captures.sh
 #
 # Each command runs in a detached tmux session of the given size (a real terminal: the live
-# progress bar and the sweep's live table, not the plain lines a log file gets). The pane is
-# read with `tmux capture-pane -p` every 0.2 s: NAME-live.txt is the screen midway through
-# (the first capture showing round >= half of the total), NAME.txt the screen once the command
-# has exited. Needs tmux and .venv (make test creates it); trains lsq: 1-3 minutes in all.
+# progress bar and the sweep's live table, not the plain lines a log file gets), with .venv/bin
+# on PATH as after `source .venv/bin/activate`. The pane is read with `tmux capture-pane -p`
+# every 0.2 s: NAME-live.txt is the screen midway through (the first capture showing round >=
+# half of the total), NAME.txt the screen once the command has exited. The commands run in a
+# scratch folder, shown in the captures as $SHOWN_AS (default /home/you/fedcli-demo), so that
+# they carry no path of the machine that made them; lines are wrapped again at the pane's
+# width after that substitution, as the terminal wraps them. Needs tmux and .venv (make test
+# creates it); trains lsq: 1-3 minutes in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/terminal}
-FEDCLI=${FEDCLI:-$PWD/.venv/bin/fedcli}
+FEDCLI=${FEDCLI:-fedcli}
+SHOWN_AS=${SHOWN_AS:-/home/you/fedcli-demo}
+PY=$PWD/.venv/bin/python
+export PATH="$PWD/.venv/bin:$PATH"
 command -v tmux >/dev/null || { echo "tmux_captures: tmux not installed (apt-get install tmux)" >&2; exit 2; }
 mkdir -p "$OUT"
-work=$(mktemp -d)
+work=$(cd "$(mktemp -d)" && pwd -P)  # the real path: the one fedcli prints
 sessions=()
 cleanup() {
     for s in "${sessions[@]}"; do tmux kill-session -t "$s" 2>/dev/null || true; done
@@ -34,6 +41,20 @@ trim() {  # the pane's trailing blank lines carry nothing
     sed -e :a -e '/^\n*$/{$d;N;ba' -e '}'
 }
 
+# neutral COLUMNS < joined pane: the scratch folder shown as $SHOWN_AS, each line wrapped at COLUMNS again
+neutral() {
+    "$PY" -c '
+import sys
+cols, work, shown = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+for line in sys.stdin.read().replace(work, shown).splitlines():
+    line = line.rstrip()
+    while len(line) > cols:
+        print(line[:cols])
+        line = line[cols:]
+    print(line)
+' "$1" "$work" "$SHOWN_AS"
+}
+
 # capture NAME COLUMNS MIDWAY COMMAND...: run COMMAND in a COLUMNS x 30 pane; MIDWAY is a regex
 # (grep -E) that marks the live screen worth keeping.
 capture() {
@@ -42,17 +63,17 @@ capture() {
     sessions+=("$session")
     # the prompt line shows what runs, as if typed; the pane stays open after the command exits
     tmux new-session -d -s "$session" -x "$cols" -y 30 -c "$work" \
-        "printf '$ %s\n' \"fedcli ${*:2}\"; TERM=xterm-256color COLUMNS= $*; echo \"[exit \$?]\"; sleep 3600"
+        "printf '$ %s\n' \"fedcli ${*:2}\"; TERM=xterm-256color COLUMNS= PATH='$PATH' $*; echo \"[exit \$?]\"; sleep 3600"
     for _ in $(seq 1 3000); do
         sleep 0.2
-        tmux capture-pane -p -t "$session" > "$screen"
+        tmux capture-pane -p -J -t "$session" > "$screen"  # -J: wrapped lines joined, re-wrapped by neutral
         if [ -z "$live" ] && grep -Eq "$midway" "$screen" && ! grep -q '^\[exit ' "$screen"; then
-            trim < "$screen" > "$OUT/$name-live.txt"
+            neutral "$cols" < "$screen" | trim > "$OUT/$name-live.txt"
             live=yes
         fi
         grep -q '^\[exit ' "$screen" && break
     done
-    trim < "$screen" > "$OUT/$name.txt"
+    neutral "$cols" < "$screen" | trim > "$OUT/$name.txt"
     tmux kill-session -t "$session"
     echo "$OUT/$name.txt${live:+ and $name-live.txt}: $(grep -o '^\[exit [0-9]*\]' "$OUT/$name.txt")"
 }

@@ -5,22 +5,27 @@
 
 It makes the store the way a user would (a short `fedcli train` and a two-trial `fedcli sweep`,
 so that a sweep parent run with nested children exists), starts the UI with `fedcli ui` (which
-prints the runs-table URL once the server answers /health) and photographs four pages:
+prints the runs-table URL once the server answers /health) and photographs six pages:
 
-    runs-table.png   the experiment's runs table, opened at the URL `fedcli ui` printed
+    first-visit.png            the URL `fedcli ui` printed, in a new browser: fedcli's saved view
+                               (tracking/mlflow_view.py), MLflow's shared-view banner, and the
+                               Assistant panel MLflow opens by itself on a first visit
+    first-visit-mlflow-defaults.png  the same runs table without the view, in a new browser:
+                               MLflow's own default columns (no metric, no param)
+    runs-table.png   the URL `fedcli ui` printed, once the Assistant panel is closed
     run-page.png     one run: its metrics, params (the resolved config) and fedcli.* tags
     metric-chart.png one metric by round for the sweep's trials (MLflow's metric page)
     sweep.png        the sweep: its parent run expanded over the nested trial runs
 
 Why the DevTools protocol and not `chromium --headless=new --screenshot=URL`: the one-shot
-screenshot is taken after a guessed `--virtual-time-budget`, and the page it gets is MLflow's
-first visit, on which (MLflow 3.x) the Assistant side panel opens by itself over a quarter of
-the page and the runs table shows no metric or param column (column choice and expanded parent
-runs are per-browser state in localStorage). So Chromium is driven over `--remote-debugging-pipe`
-(stdlib only: JSON messages on file descriptors 3 and 4): a script seeds that localStorage
-state before MLflow's code runs, each shot waits until the run names are on the page, and the
-page's DOM and text come back with the PNG for tests/ui/test_mlflow_ui.py. The state seeded is
-only what a user sets with two clicks (Columns, the parent's expander).
+screenshot is taken after a guessed `--virtual-time-budget`, and the last four shots need
+per-browser state in localStorage that a view cannot carry: the Assistant panel closed, the
+sweep's parent run expanded and, on the pages a view does not reach (the sweep's experiment),
+the columns. So Chromium is driven over `--remote-debugging-pipe` (stdlib only: JSON messages
+on file descriptors 3 and 4): a script seeds that state before MLflow's code runs, each shot
+waits until the run names are on the page, and the page's DOM and text come back with the PNG
+for tests/ui/test_mlflow_ui.py. The state seeded is only what a user sets with a few clicks
+(the Assistant's x, Columns, the parent's expander); the two first-visit shots seed nothing.
 
 Every URL carries `workflowType=machine_learning`: without it MLflow 3 shows run pages and the
 metric page in its GenAI layout ("Evaluation runs", "Judges", "Prompts" in the sidebar).
@@ -293,29 +298,13 @@ def _above_4(fd: int) -> int:
 def seed_state(ui_states: dict[str, dict[str, Any]]) -> str:
     """JavaScript that sets MLflow's per-browser UI state: the Assistant panel not opened on the
     first visit, and per experiment id the runs table's columns and expanded parent runs."""
+    from fedcli.tracking.mlflow_view import page_state
+
     items = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true"}
     for experiment_id, state in ui_states.items():
         key = f"MLflowLocalStorage-1.1-ExperimentPage-{json.dumps([experiment_id])}-ReactComponentState"
-        items[key] = json.dumps(experiment_page_state(**state))
+        items[key] = json.dumps(page_state(**state))
     return f"try {{ for (const [k, v] of Object.entries({json.dumps(items)})) localStorage.setItem(k, v); }} catch (e) {{}}"
-
-
-def experiment_page_state(columns: list[str], expanded: list[str]) -> dict[str, Any]:
-    """MLflow 3's saved runs-table state (its defaults) with `columns` shown and `expanded` parents open.
-
-    Widths apply only to the columns named in `columnOrder` ("1" is the checkbox column,
-    `runDateAndNestInfo` the Created one): run names and metric values are then shown whole.
-    """
-    order = ["1", "attributes.`Run Name`", "runDateAndNestInfo", "duration", *columns]
-    widths = {"attributes.`Run Name`": 240, **{c: 170 if c.startswith("metrics") else 140 for c in columns}}
-    return {"searchFilter": "", "orderByKey": "attributes.start_time", "orderByAsc": False, "startTime": "ALL",
-            "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
-            "selectedColumns": columns, "columnOrder": order, "columnWidths": widths,
-            "runsExpanded": dict.fromkeys(expanded, True), "runsPinned": [], "runsHidden": [],
-            "runsVisibilityMap": {}, "runsHiddenMode": "FIRST_10_RUNS", "viewMaximized": False,
-            "runListHidden": False, "isAccordionReordered": False, "useGroupedValuesInCharts": True,
-            "hideEmptyCharts": True, "groupBy": None, "groupsExpanded": {}, "autoRefreshEnabled": False,
-            "globalLineChartConfig": {"xAxisKey": "step", "lineSmoothness": 0, "selectedXAxisMetricKey": ""}}
 
 
 def metric_url(base: str, experiment_id: str, run_ids: list[str], metric: str) -> str:
@@ -342,13 +331,13 @@ class Shot:
 
 
 def take_screenshots(root: Path, plan: StorePlan, out: Path, binary: str) -> dict[str, Shot]:
-    """Start `fedcli ui` on `root` and photograph the four pages into `out`."""
+    """Start `fedcli ui` on `root` and photograph the six pages into `out`."""
     with fedcli_ui(root, plan.experiment) as table_url:
         return photograph(table_url, plan, out, binary)
 
 
 def photograph(table_url: str, plan: StorePlan, out: Path, binary: str) -> dict[str, Shot]:
-    """Photograph the four pages of the UI whose runs table `fedcli ui` printed as `table_url`."""
+    """Photograph the six pages of the UI whose runs table `fedcli ui` printed as `table_url`."""
     out.mkdir(parents=True, exist_ok=True)
     base = table_url.split("/#/", 1)[0]
     demo_id, demo_runs = experiment_runs(base, plan.experiment)
@@ -359,8 +348,17 @@ def photograph(table_url: str, plan: StorePlan, out: Path, binary: str) -> dict[
     columns = [f"metrics.`{plan.metric}`", "metrics.`train/loss`", "params.`algorithm.name`",
                "params.`train.rounds`", "params.`data.task`"]
     grid = "[role=grid], .ag-root"
+    table = ([plan.run_name, "Runs"], grid)
+    shots = {}
+    for name, url in (("first-visit", table_url),  # each in a new browser, nothing seeded
+                      ("first-visit-mlflow-defaults", table_url.split("&viewStateShareKey=")[0])):
+        browser = Chromium(binary)
+        try:
+            shots[name] = _shot(browser, name, url, *table, out)
+        finally:
+            browser.close()
     pages = [
-        ("runs-table", table_url, [plan.run_name, "Runs"], grid),
+        ("runs-table", table_url, *table),
         ("run-page", f"{base}/#/experiments/{demo_id}/runs/{demo['run_id']}?{ML}",
          [plan.run_name, "Parameters", plan.metric], "body"),
         ("metric-chart", metric_url(base, sweep_id, [t["run_id"] for t in trials], plan.metric),
@@ -369,18 +367,20 @@ def photograph(table_url: str, plan: StorePlan, out: Path, binary: str) -> dict[
          grid),
     ]
     browser = Chromium(binary)
-    try:
-        browser.before_each_page(seed_state({demo_id: {"columns": columns, "expanded": []},
-                                             sweep_id: {"columns": columns, "expanded": [parent["run_id"]]}}))
-        shots = {}
+    try:  # the Assistant closed; the sweep's experiment (no saved view there) with columns and its parent expanded
+        browser.before_each_page(seed_state({sweep_id: {"columns": columns, "expanded": [parent["run_id"]]}}))
         for name, url, wait_for, selector in pages:
-            text = browser.open(url, wait_for, selector)
-            png = out / f"{name}.png"
-            browser.screenshot(png)
-            shots[name] = Shot(name, url, png, text, browser.dom())
+            shots[name] = _shot(browser, name, url, wait_for, selector, out)
     finally:
         browser.close()
     return shots
+
+
+def _shot(browser: Chromium, name: str, url: str, wait_for: list[str], selector: str, out: Path) -> Shot:
+    text = browser.open(url, wait_for, selector)
+    png = out / f"{name}.png"
+    browser.screenshot(png)
+    return Shot(name, url, png, text, browser.dom())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,10 +54,10 @@ def pin_auto_device_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     visible, `auto` would move them to CUDA (31 tests failed so under `make test` on an H100).
     Explicit devices ('cpu', 'cuda') are untouched, so tests about devices say which they want.
     """
-    import fedcli.engine.train as train
+    import fedcli.engine.setup as setup
 
-    resolve = train.resolve_device
-    monkeypatch.setattr(train, "resolve_device", lambda name: resolve("cpu" if name == "auto" else name))
+    resolve = setup.resolve_device
+    monkeypatch.setattr(setup, "resolve_device", lambda name: resolve("cpu" if name == "auto" else name))
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,9 @@
 - algorithms/ imports only torch, the stdlib modules dataclasses/math/types/typing/
   collections.abc/__future__ and fedcli.algorithms (never tracking, the CLI, I/O, logging, time);
 - algorithms/ and datasets/ never call the global RNGs (torch.rand*, np.random.<draw>, random.*);
-- datasets/ never imports fedcli.algorithms, fedcli.engine or the CLI; tracking/ never imports the engine.
+- datasets/ never imports fedcli.algorithms, fedcli.engine or the CLI; tracking/ never imports the engine;
+- no module imports itself back through others: the package's import graph (every import statement,
+  lazy ones and TYPE_CHECKING ones included) has no cycle.
 """
 
 from __future__ import annotations
@@ -62,3 +64,97 @@ def test_lower_layers_do_not_import_upper_layers(folder: str, banned: tuple[str,
     for path in sorted((ROOT / folder).glob("*.py")):
         for name in imports(path):
             assert not name.startswith(banned), f"{folder}/{path.name} imports {name}"
+
+
+# ----------------------------------------------------------------------------- no import circles
+
+PACKAGES = {"fedcli": ROOT / "fedcli", "fedcli.algorithms": ROOT / "algorithms",
+            "fedcli.datasets": ROOT / "datasets", "fedcli.tracking": ROOT / "tracking"}  # as installed (pyproject)
+
+
+def module_graph(packages: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the package modules it imports, from every `import` statement of its source.
+
+    Every statement counts wherever it stands: at module level, inside a function (a lazy
+    import is still a dependency, only a later one), under `if TYPE_CHECKING:` (a type the
+    module's signatures name). `from a.b import c` depends on module a.b.c when that is a
+    module, else on a.b; relative imports are resolved. Implicit imports of parent packages
+    (importing a.b.c runs a/__init__.py and a/b/__init__.py first) are not edges: they are
+    cycles only where a package's __init__ imports its own submodules, which would show as
+    an edge from the __init__ module itself.
+    """
+    modules: dict[str, Path] = {}
+    for package, folder in packages.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join([package, *parts])] = path
+
+    def known(name: str) -> str | None:  # the longest prefix of `name` that is a module here
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(known(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, up level - 1 packages
+                    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        package = package.rpartition(".")[0]
+                    base = f"{package}.{base}" if base else package
+                deps.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else known(base)
+                            for alias in node.names)
+        graph[name] = {d for d in deps if d is not None and d != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None when the graph is acyclic (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)) is not None:
+            return cycle
+    return None
+
+
+def test_the_package_has_no_import_cycles() -> None:
+    """No module of fedcli (fedcli/, algorithms/, datasets/, tracking/) imports, even lazily, a module
+    that imports it back, directly or through others (docs/architecture.md §1, "Dependency direction")."""
+    graph = module_graph(PACKAGES)
+    assert "fedcli.engine.rounds" in graph and "fedcli.engine.setup" in graph["fedcli.engine.rounds"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_check_finds_lazy_and_type_only_cycles(tmp_path: Path) -> None:
+    """The check can fail: a package whose modules import each other inside a function and under
+    TYPE_CHECKING (what engine/train.py and engine/workers.py did before issue 25)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    from pkg.b import g\n")
+    (tmp_path / "pkg" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import c\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    assert find_cycle(module_graph({"pkg": tmp_path / "pkg"})) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    (tmp_path / "pkg" / "c.py").write_text("import os\n")
+    assert find_cycle(module_graph({"pkg": tmp_path / "pkg"})) is None

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.engine.workers import available_cores
+from fedcli.engine.machine import available_cores
 from fedcli.errors import ConfigError
 from fedcli.sweeps import expand, load_spec
 from fedcli.tracking.store import SqlStore

@@ -46,7 +46,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,8 @@ POLL_S = 10.0  # how often the mirror looks for new rounds (the run's end wakes 
 FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before leaving it to finish alone
 READY_WAIT_S = 300.0  # how long a run waits for MLflow's set-up before its first round
 RETRY_S = 60.0  # how long a failing MLflow write is retried (a busy SQLite file, a restarting server)
+STOP_POLL_S = 0.1  # how often the two waits above look for a stop signal (`MirrorHandle.stopping`)
+STOP_WAIT_S = 1.5  # after a stop signal, how long the run's end still waits for the mirror's copy
 MAX_RESTARTS = 3  # a mirror that dies alone is restarted at most this often per run
 _PG_LOCK_KEY = 0x6D6C666C  # "mlfl": advisory-lock key of MLflow's schema set-up
 
@@ -200,6 +202,9 @@ class MirrorHandle:
         self.run_id: str | None = None
         self.restarts = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        # True once a stop signal arrived (`fedcli train` sets it to its GracefulSignals): the wait
+        # for MLflow's set-up and the one for the final copy then end within a second or two
+        self.stopping: Callable[[], bool] = lambda: False
 
     def spawn(self, *, run_id: str | None = None) -> MirrorHandle:
         """Start the mirror process; with `run_id`, one that takes over the run at once (a restart)."""
@@ -227,11 +232,16 @@ class MirrorHandle:
             with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 proc.communicate(timeout=10)
 
-    def start(self, run_id: str, timeout_s: float = READY_WAIT_S) -> None:
-        """Hand the run to the mirror and wait until MLflow is set up for it.
+    def start(self, run_id: str, timeout_s: float = READY_WAIT_S) -> str | None:
+        """Hand the run to the mirror and wait until MLflow is set up for it; return a warning, if any.
+
+        A stop signal during the wait (`stopping`) ends it within STOP_POLL_S: the mirror goes on
+        in the background (it sets MLflow up, then copies the run as the store says once the run
+        has ended), and the warning says so.
 
         Raises:
-            TrackingError: the mirror could not open MLflow (the message is its reason).
+            TrackingError: the mirror could not open MLflow: its own reason, or how it ended
+                (exit code, signal); or it did not answer within `timeout_s`.
         """
         if self._proc is None:
             self.spawn()
@@ -243,14 +253,29 @@ class MirrorHandle:
             proc.stdin.flush()
         except OSError:
             pass  # it died: the read below says why
-        readable, _, _ = select.select([proc.stdout], [], [], timeout_s)
-        line = proc.stdout.readline().decode().strip() if readable else ""
+        deadline, line = time.monotonic() + timeout_s, None
+        while line is None and time.monotonic() < deadline:
+            readable, _, _ = select.select([proc.stdout], [], [], STOP_POLL_S)
+            if readable:
+                raw = proc.stdout.readline()
+                line = "" if not raw else "ready" if raw.strip() == b"ready" else None  # "": it exited
+            elif self.stopping():
+                return (f"stopped while MLflow was being set up for the run; its MLflow mirror (pid {proc.pid}) "
+                        "copies the run in the background (the SQL store has it all; if MLflow misses it, "
+                        "`fedcli sync` or the next `fedcli train --resume` completes the copy)")
         if line != "ready":
             self._proc = None
-            proc.kill()
-            _, err = proc.communicate()
-            reason = _own_reason(err) or f"no answer in {timeout_s:.0f} s"
-            raise TrackingError(mask_url(reason))
+            try:  # end of file: the mirror is exiting (read its last words); else it is silent: end it
+                _, err = proc.communicate(timeout=5 if line is not None else 0.1)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if line is not None:
+                raise TrackingError(mask_url(_own_reason(err) or f"the MLflow mirror (pid {proc.pid}) "
+                                             f"{_death(proc, err)} before MLflow was set up for the run"))
+            raise TrackingError(f"the MLflow mirror (pid {proc.pid}) did not set MLflow up for the run within "
+                                f"{timeout_s:.0f} s; ended it")
+        return None
 
     def check(self) -> str | None:
         """If the mirror died while the run trains, restart it; return a warning saying so (else None).
@@ -277,7 +302,9 @@ class MirrorHandle:
         """Tell the mirror the run ended (close its stdin) and wait; return a warning, if any.
 
         A mirror that died since the last `check` is restarted first, so that MLflow gets the
-        whole run before this process exits.
+        whole run before this process exits. After a stop signal (`stopping`, before or during
+        the wait) the wait is at most STOP_WAIT_S: the mirror, in its own session, finishes the
+        copy in the background, and the warning says what completes it if it cannot.
         """
         restarted = None
         if self._proc is not None and self._proc.poll() is not None and self.run_id is not None:
@@ -287,11 +314,22 @@ class MirrorHandle:
         proc, self._proc = self._proc, None
         if proc is None:
             return None
-        try:  # communicate closes the mirror's stdin: its cue that the run ended
-            _, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return (f"{restarted + '; ' if restarted else ''}MLflow is still being updated in the background "
-                    f"(pid {proc.pid}); the SQL store is complete, and `fedcli sync` copies what MLflow misses")
+        deadline, stop_at = time.monotonic() + timeout_s, None
+        while True:
+            try:  # communicate closes the mirror's stdin: its cue that the run ended
+                _, err = proc.communicate(timeout=STOP_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if stop_at is None and self.stopping():
+                    stop_at = now + STOP_WAIT_S
+                if now < deadline and (stop_at is None or now < stop_at):
+                    continue
+                why = "this process was stopped by a signal" if stop_at is not None else \
+                    f"it was not done after {timeout_s:.0f} s"
+                return (f"{restarted + '; ' if restarted else ''}the MLflow mirror (pid {proc.pid}) still copies the "
+                        f"run in the background ({why}); the SQL store is complete, and if MLflow misses part of the "
+                        "run, `fedcli sync` or the next `fedcli train --resume` completes the copy")
         if proc.returncode != 0:
             return (f"{restarted + '; then ' if restarted else ''}MLflow mirror (pid {proc.pid}) {_death(proc, err)} "
                     "(the SQL store is complete; `fedcli sync` copies the run into MLflow later)")
@@ -325,21 +363,48 @@ def _death(proc: subprocess.Popen[bytes], err: bytes | None = None) -> str:
 
 
 def _retry(what: str, call: Any) -> Any:
-    """Call `call()`, retrying transient failures for up to RETRY_S seconds."""
+    """Call `call()`, retrying transient failures for up to RETRY_S seconds (a full disk is not
+    retried: it does not clear in seconds, and the training process would wait for it at its end)."""
+    from fedcli.tracking.store import disk_full
+
     deadline, delay = time.monotonic() + RETRY_S, 0.2
     while True:
         try:
             return call()
-        except TrackingError:
-            if time.monotonic() > deadline:
+        except TrackingError as err:
+            if time.monotonic() > deadline or any(disk_full(cause) for cause in _causes(err)):
                 raise
             log.debug("mirror: %s failed; retrying", what)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
 
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    """`err` and the chain of exceptions it was raised from (a database error under MLflow's)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+
+
+def first_cause_line(err: BaseException) -> str:
+    """The first line of the innermost cause of `err`, masked: SQLite's "database or disk is full",
+    not the note on autoflush that MLflow's SQLAlchemy session wraps it in."""
+    *_, inner = _causes(err)
+    lines = str(inner).strip().splitlines()
+    return mask_url(lines[0] if lines else type(inner).__name__)
+
+
 class Mirror:
-    """Copy one run from the SQL store into MLflow (runs inside the mirror process)."""
+    """Copy one run from the SQL store into MLflow (runs inside the mirror process).
+
+    Only while the store names its training process as the run's owner: after a takeover
+    (another process resumed the run, docs/architecture.md "Run lifecycle"), that process's
+    mirror keeps MLflow in line, and this one stops without ending the MLflow run.
+    """
 
     def __init__(self, args: argparse.Namespace) -> None:
         from fedcli.tracking.mlflow_sink import MlflowSink
@@ -359,8 +424,24 @@ class Mirror:
         with schema_lock(args.tracking_uri):
             self.sink = MlflowSink(args.tracking_uri, args.experiment)
         self.record = self.store.get_run(args.run)
-        self.synced = -1
+        self.synced = -1  # the store's rows of rounds <= synced were copied (or found in MLflow)
+        self.held: dict[str, int] = {}  # metric key -> highest step MLflow held when this mirror attached
         self.mlflow_run_id: str | None = None
+
+    def owns(self, record: Any) -> bool:
+        """True while the store names this mirror's training process as the run's owner.
+
+        `args.owner`: (pid, start time) of the process that spawned the mirror (None for
+        `fedcli sync`, which copies ended runs only).
+        """
+        owner = getattr(self.args, "owner", None)
+        if owner is None:
+            return True
+        from fedcli.tracking.store import HOSTNAME
+
+        pid, started = owner
+        same = (record.host, record.pid) == (HOSTNAME, pid)
+        return same and (None in (record.pid_start, started) or record.pid_start == started)  # not a reused pid
 
     def open_run(self, running: bool = True) -> None:
         """Create the MLflow run, or reattach to the one the store names (resume, `fedcli sync`, a restart).
@@ -373,9 +454,12 @@ class Mirror:
         if known is not None and self.sink.exists(known):
             _retry("reattach", lambda: self.sink.attach(known, running=running))
             self.mlflow_run_id = known
-            # copies are idempotent (same points are kept once), so start over unless a mirror
-            # that ended in order recorded how far it got
+            # start after the round a mirror that ended in order recorded; and never log a
+            # (metric, step) MLflow holds already: a resume from an older checkpoint (the newest
+            # unreadable) trains rounds MLflow may hold again, to the same values but at a new
+            # time, which MLflow would keep as a second point (docs/architecture.md §6)
             self.synced = -1 if record.mlflow_synced_round is None else record.mlflow_synced_round
+            self.held = _retry("read", self.sink.logged_steps)
             return
         tags = {**record.tags, "fedcli.algorithm": record.algo, "fedcli.task": record.task,
                 "fedcli.version": record.fedcli_version, "fedcli.run_id": record.id,
@@ -404,7 +488,8 @@ class Mirror:
     def copy(self, upto: int) -> None:
         if upto <= self.synced:
             return
-        rows = self.store.round_rows(self.record.id, self.synced, upto)
+        rows = [row for row in self.store.round_rows(self.record.id, self.synced, upto)
+                if row[0] > self.held.get(row[1], -1)]
         if rows:
             _retry("log rounds", lambda: self.sink.log_rows(rows))
         self.synced = upto
@@ -416,6 +501,9 @@ class Mirror:
         logged once per final round, so a second `fedcli sync` adds nothing.
         """
         record = self.store.get_run(self.record.id)
+        if not self.owns(record):
+            self._taken_over(record)
+            return
         held = self.sink.artifact_sizes()
         for path in sorted(Path(self.args.run_dir).glob("*")):
             if path.is_file() and held.get(path.name) != path.stat().st_size:
@@ -503,12 +591,18 @@ class Mirror:
             self.run_once()
             return 0
         if not getattr(self.args, "restart", False):  # a restart: the run trains already, nobody waits
-            print("ready", flush=True)  # MLflow is imported and its store set up: round 1 may start
+            try:
+                print("ready", flush=True)  # MLflow is imported and its store set up: round 1 may start
+            except BrokenPipeError:  # the training process is gone (stopped during the set-up): copy anyway
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
         _idle_priority()  # from here on, never compete with a round (the set-up ran at normal priority)
         self.open_run()  # a few small writes: latency, not CPU
         parent_gone = False
         while True:
             record = self.store.get_run(self.record.id)
+            if not self.owns(record):
+                self._taken_over(record)
+                return 0
             status = record.stored_status
             self.copy(self.safe_round(status))
             if status != "running":
@@ -520,6 +614,10 @@ class Mirror:
             readable, _, _ = select.select([sys.stdin], [], [], POLL_S)
             if readable and not os.read(sys.stdin.fileno(), 4096):
                 parent_gone = True  # EOF: re-read the status once more before deciding
+
+    def _taken_over(self, record: Any) -> None:
+        log.warning("run %s was taken over by pid %s on %s; its mirror keeps MLflow in line, this one stops "
+                    "without ending the MLflow run", record.id[:8], record.pid, record.host)
 
 
 def quiet_mlflow() -> None:
@@ -563,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true", help="copy an ended run once and exit (fedcli sync)")
     parser.add_argument("--restart", action="store_true", help="take over a run that trains already (its mirror died)")
     args = parser.parse_args(argv)
+    if not args.once:  # the training process that spawned it: the run's owner while the store says so
+        from fedcli.tracking.store import process_start
+
+        args.owner = (os.getppid(), process_start(os.getppid()))
     if args.restart:
         _idle_priority()  # the run trains already: even MLflow's import must not compete with its rounds
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
@@ -580,6 +682,9 @@ def main(argv: list[str] | None = None) -> int:
         return Mirror(args).run()
     except TrackingError as err:
         print(f"MLflow mirror: {mask_url(str(err))}", file=sys.stderr)
+        return 1
+    except Exception as err:  # noqa: BLE001 - one line the training process quotes, not a traceback
+        print(f"MLflow mirror: {type(err).__name__}: {first_cause_line(err)}", file=sys.stderr)
         return 1
 
 

@@ -84,6 +84,21 @@ def _local_root(tracking_uri: str) -> Path | None:
     return None
 
 
+def _innermost_line(err: BaseException) -> str:
+    """The first line of the innermost cause of `err`: SQLite's "database or disk is full", not the
+    note on autoflush ("raised as a result of Query-invoked autoflush; ...") that MLflow's SQLAlchemy
+    session wraps it in (the issue's disk-full warning quoted only that note)."""
+    seen: set[int] = set()
+    while id(err) not in seen:  # `raise ... from` and a database error's `orig`; not an unrelated context
+        seen.add(id(err))
+        cause = getattr(err, "orig", None) or err.__cause__
+        if not isinstance(cause, BaseException):
+            break
+        err = cause
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -136,8 +151,7 @@ class MlflowSink:
         try:
             yield
         except (MlflowException, SQLAlchemyError, OSError) as err:
-            text = str(getattr(err, "orig", None) or err).strip().splitlines()
-            reason = text[0] if text else type(err).__name__
+            reason = _innermost_line(err)
             raise TrackingError(
                 mask_url(f"MLflow store {self.tracking_uri!r} could not {what}: {reason}; {_MLFLOW_FIX}")
             ) from err
@@ -256,6 +270,16 @@ class MlflowSink:
         with self._errors(f"log rounds of run {self.run_id}"):
             for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
                 self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+
+    def logged_steps(self) -> dict[str, int]:
+        """Metric key -> the highest step this run holds in MLflow (its latest metric's step).
+
+        The mirror copies rounds in order, so MLflow holds every step up to that one (what
+        `Mirror.open_run` skips on reattaching).
+        """
+        with self._errors(f"read run {self.run_id}"):
+            data = self._client.get_run(self.run_id).data
+        return {metric.key: int(metric.step) for metric in data.to_proto().metrics}
 
     def attach(self, run_id: str, running: bool = True) -> None:
         """Reattach to an existing MLflow run (for `--resume`), set back to RUNNING unless `running` is False."""

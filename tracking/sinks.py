@@ -20,7 +20,7 @@ Usage by the engine::
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,12 +42,18 @@ class Tracker:
     Args:
         store: The results store (source of truth for reports).
         mirror: Starts and ends the run's MLflow mirror, or None for `--no-mlflow`.
+
+    `on_run`, when set, is called with the run id as soon as the run exists in the store
+    (started or resumed), before anything else can fail or be interrupted: `fedcli train`
+    prints the id on stdout there, so `RUN=$(fedcli -q train …)` has it even for a run that
+    is stopped.
     """
 
     def __init__(self, store: SqlStore, mirror: MirrorHandle | None = None) -> None:
         self.store = store
         self.mirror = mirror
         self._run_id: str | None = None
+        self.on_run: Callable[[str], None] | None = None
         self.warnings: list[str] = []
 
     @property
@@ -87,6 +93,8 @@ class Tracker:
             tags=sql_tags, fedcli_version=fedcli_version, torch_version=torch_version,
             git_commit=git_commit, run_id=run_id, requested=requested, config_hash=config_hash,
         )
+        if self.on_run is not None:
+            self.on_run(self._run_id)
         self._start_mirror()
         return self._run_id
 
@@ -95,7 +103,7 @@ class Tracker:
         if self.mirror is None:
             return
         try:
-            self.mirror.start(self.run_id)
+            self._warn(self.mirror.start(self.run_id))  # a warning when a stop signal cut the wait short
         except TrackingError as err:
             self.mirror = None
             self.store.end_run(self.run_id, "failed", reason=f"MLflow: {err}")
@@ -124,6 +132,8 @@ class Tracker:
         if config is not None and config_hash is not None:
             self.store.update_config(record.id, config, config_hash, requested)
         self._run_id = record.id
+        if self.on_run is not None:
+            self.on_run(record.id)
         self._start_mirror()
         log.info("run %s resumed%s", record.id, "" if from_round is None else f" after round {from_round}")
         return self.store.get_run(record.id)

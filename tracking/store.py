@@ -85,6 +85,7 @@ from sqlalchemy.types import TypeDecorator
 
 from fedcli.errors import ConfigError, TrackingError
 from fedcli.tracking.keys import NonFiniteMetricsError, check_metric_key, check_metrics, flatten_config
+from fedcli.tracking.urls import has_password, mask_url
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -103,6 +104,7 @@ __all__ = [
     "RunRecord",
     "RunTakenOver",
     "SqlStore",
+    "StoreMeta",
     "StoreUnavailable",
     "TrialClaim",
     "canonical_json",
@@ -351,6 +353,16 @@ class Run(Base):
     pid_start: Mapped[int | None] = mapped_column(BigInteger())  # that process's start time (a reused pid differs)
 
 
+class StoreMeta(Base):
+    """Facts about the store itself, key -> value. `secrets_masked`: when a schema set-up masked the
+    passwords that rows written by a fedcli before the secrets fix held (`_mask_stored_secrets`)."""
+
+    __tablename__ = "store_meta"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
 class TrialClaim(Base):
     """A sweep trial (experiment, config hash) claimed by the sweep process that starts it.
 
@@ -467,6 +479,7 @@ class RunRecord:
     host: str | None = None
     pid: int | None = None
     mlflow_synced_round: int | None = None
+    pid_start: int | None = None  # start time of process `pid` (a reused pid differs), see `process_start`
     stored_status: str = ""  # the status column as written; `status` is what it means now
     requested: dict[str, Any] | None = None  # the config as asked for (auto, None); `config` is as it ran
 
@@ -557,6 +570,7 @@ def _to_record(run: Run, experiment: str, now: datetime | None = None) -> RunRec
         host=run.host,
         pid=run.pid,
         mlflow_synced_round=run.mlflow_synced_round,
+        pid_start=run.pid_start,
         stored_status=run.status,
         requested=json.loads(run.requested_json) if run.requested_json else None,
     )
@@ -779,6 +793,62 @@ def _setup_schema(conn: Any) -> None:
         if column not in {c["name"] for c in inspector.get_columns(table)}:
             conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
             log.info("store: added column %s.%s (store made by an older fedcli)", table, column)
+    if conn.scalar(select(StoreMeta.value).where(StoreMeta.key == SECRETS_MASKED)) is None:
+        masked = _mask_stored_secrets(conn)
+        conn.execute(StoreMeta.__table__.insert().values(key=SECRETS_MASKED, value=_utcnow().isoformat()))
+        if masked:
+            log.warning("store: masked the passwords of store URLs that %d run(s) written by an older fedcli held "
+                        "in clear (docs/architecture.md, \"Security\")", masked)
+
+
+SECRETS_MASKED = "secrets_masked"  # StoreMeta key: the stored rows hold no password (`_mask_stored_secrets`)
+_SECRET_COLUMNS = ("config_json", "requested_json", "tags_json", "failure_reason")
+
+
+def _mask_stored_secrets(conn: Any) -> int:
+    """Mask the passwords that rows written before the secrets fix hold; return how many runs changed.
+
+    fedcli before issue 23 stored `--store`/`--tracking-uri` URLs in full in `config_json`,
+    `requested_json` (and could quote them in `failure_reason`); tags never held a URL, but are
+    checked too. Each JSON value is parsed, every string in it masked (`mask_url`) and written
+    back as canonical JSON, so running it twice changes nothing. Runs stored before the config
+    hash was passed to the store (fedcli 95fa5be-58e6f55^) have `config_hash` = sha256 of
+    `config_json` *with* the tracking section, password included: the column then takes the
+    run's `fedcli.config_hash` tag, the hash of the config without the tracking section that
+    every newer run's column holds (and what sweeps match on), else the sha256 of the masked
+    config. Part of `_setup_schema`'s transaction, so it is done once, whole, under the lock.
+    """
+    maybe = [getattr(Run, name).like("%://%:%@%") for name in _SECRET_COLUMNS]
+    rows = conn.execute(select(Run.id, Run.config_hash, *(getattr(Run, n) for n in _SECRET_COLUMNS))
+                        .where(maybe[0] | maybe[1] | maybe[2] | maybe[3])).all()
+    changed = 0
+    for row in rows:
+        values: dict[str, str] = {}
+        for name in _SECRET_COLUMNS:
+            stored = getattr(row, name)
+            if not stored or not has_password(stored):
+                continue
+            values[name] = mask_url(stored) if name == "failure_reason" else canonical_json(_masked(json.loads(stored)))
+        if not values:
+            continue
+        if "config_json" in values and row.config_hash == hashlib.sha256(row.config_json.encode("utf-8")).hexdigest():
+            tags = json.loads(values.get("tags_json") or row.tags_json or "{}")
+            values["config_hash"] = tags.get("fedcli.config_hash") or \
+                hashlib.sha256(values["config_json"].encode("utf-8")).hexdigest()
+        conn.execute(sql_update(Run).where(Run.id == row.id).values(**values))
+        changed += 1
+    return changed
+
+
+def _masked(value: Any) -> Any:
+    """`value` (parsed JSON) with the password of every URL in every string masked."""
+    if isinstance(value, str):
+        return mask_url(value)
+    if isinstance(value, list):
+        return [_masked(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _masked(item) for key, item in value.items()}
+    return value
 
 
 def disk_full(err: BaseException) -> bool:
@@ -833,6 +903,7 @@ class SqlStore:
         self._leases: dict[str, str] = {}  # run id -> the lease token this process holds on it
         self._local = threading.local()  # per thread: inside a retried call (no nested retries)
         self._announced = -math.inf  # when a wait for this store was last announced (one warning per outage)
+        self._read_columns: list[Any] | None = None  # `reader` of an older store: the runs columns it has
         if not setup_schema:  # a reader of an existing store (the MLflow mirror): take no write lock
             return
         try:
@@ -847,6 +918,38 @@ class SqlStore:
             self._engine.dispose()
             raise
         log.debug("opened store %s", self.url)
+
+    @classmethod
+    def reader(cls, url: str) -> SqlStore | None:
+        """Open the store at `url` to read it, writing nothing, not even its schema (a dry run).
+
+        Returns None when nothing is stored there yet: no SQLite file, or a database without
+        fedcli's tables (opening it as a writer would create them). A store made by an older
+        fedcli is read as it is: `list_runs` reads the columns it has, the others read as empty.
+
+        Raises:
+            TrackingError: The URL is malformed or the database cannot be read.
+        """
+        try:
+            db_file = _sqlite_file(make_url(url)) if make_url(url).get_backend_name() == "sqlite" else None
+        except ArgumentError:
+            db_file = None  # the constructor names the malformed URL
+        if db_file is not None and not db_file.exists():
+            return None
+        store = cls(url, setup_schema=False)
+        try:
+            with store._engine.connect() as conn:
+                inspector = inspect(conn)
+                if not {Run.__tablename__, Experiment.__tablename__} <= set(inspector.get_table_names()):
+                    store.close()
+                    return None
+                present = {c["name"] for c in inspector.get_columns(Run.__tablename__)}
+        except SQLAlchemyError as err:
+            store.close()
+            raise TrackingError(f"store {store.url!r} cannot be read: {_first_line(err)}; {_STORE_FIX}") from err
+        if not {c.name for c in Run.__table__.columns} <= present:
+            store._read_columns = [c for c in Run.__table__.columns if c.name in present]
+        return store
 
     def _setup_schema(self) -> None:
         try:
@@ -1524,7 +1627,14 @@ class SqlStore:
                         f"unknown experiment {experiment!r}{hint}; `fedcli list runs` shows them"
                     )
                 stmt = stmt.where(Experiment.name == experiment)
-            rows = session.execute(stmt.order_by(Run.created_at, Run.id)).all()
+            if self._read_columns is None:
+                rows = session.execute(stmt.order_by(Run.created_at, Run.id)).all()
+            else:  # an older store, read without upgrading it (`reader`): its columns, as transient rows
+                older = select(*self._read_columns, Experiment.name).join(Experiment, Run.experiment_id == Experiment.id)
+                if experiment is not None:
+                    older = older.where(Experiment.name == experiment)
+                rows = [(Run(**{c.name: value for c, value in zip(self._read_columns, row[:-1], strict=True)}), row[-1])
+                        for row in session.execute(older.order_by(Run.created_at, Run.id))]
             records = [_to_record(run, name) for run, name in rows]
         return _filter_where(records, where) if where else records
 

@@ -176,7 +176,7 @@ def train_progress(cfg: RunConfig, quiet: bool = False) -> Iterator[ProgressFn |
         return
     import logging
 
-    engine_log = logging.getLogger("fedcli.engine.train")
+    engine_log = logging.getLogger("fedcli.engine.rounds")
     previous = engine_log.level
     if logging.getLogger().level > logging.DEBUG:
         engine_log.setLevel(logging.WARNING)
@@ -286,7 +286,7 @@ def summarise_run(cfg: RunConfig, result: RunResult) -> None:
     out.print("per round: " + "  ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
     out.print(f"store:   {mask_url(cfg.tracking.store_url)}", soft_wrap=True)
     if result.model_path:
-        out.print(f"model:   {result.model_path}", soft_wrap=True)
+        out.print(f"model:   {Path(result.model_path).resolve()}", soft_wrap=True)
     fedcli, where = command_name(), store_options(cfg)
     if cfg.tracking.use_mlflow:
         out.print(f"browse:  {fedcli} ui{where}", soft_wrap=True)

@@ -106,7 +106,7 @@ def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, d
     """
     from fedcli.config import resume_config
     from fedcli.engine import checkpoint as ckpt
-    from fedcli.engine.train import build
+    from fedcli.engine.setup import build
 
     doc = {k: dict(v) if isinstance(v, dict) else v for k, v in (record.requested or record.config).items()}
     if task is not None:  # another task's data: its own natural clients, no cohort-size check against them

@@ -97,6 +97,22 @@ def _comments_by_line(source: str) -> dict[int, tuple[bool, str]]:
     return out
 
 
+def algo_rows(**_: Any) -> list[dict[str, Any]]:
+    """Registered algorithms with their paper and hyperparameter defaults."""
+    from fedcli.algorithms import ALGORITHMS
+    from fedcli.algorithms.base import hyperparameter_defaults
+
+    def executors(a: Any) -> str:  # process runs whichever of these fits, in each worker
+        names = ["loop", "vmap", "process"] if a.supports_vmap else ["loop", "process"]
+        if a.supports_vmap and a.local is not None:  # Algorithm.local: the declared local SGD
+            names.insert(2, "fused (dense classifiers)")
+        return ", ".join(names)
+
+    return [{"id": a.name, "name": a.name, "paper": a.paper, "hyperparameters": hyperparameter_defaults(a.config_cls),
+             "executors": executors(a), "description": a.description}
+            for a in ALGORITHMS.values()]
+
+
 def algo_detail_rows(name: str) -> list[dict[str, Any]]:
     """`fedcli list algos NAME`: the algorithm's row of `fedcli list algos --json`, with
     `hyperparameter_details` (name, type, default, description per field) added.
@@ -105,7 +121,6 @@ def algo_detail_rows(name: str) -> list[dict[str, Any]]:
         ConfigError: `name` is not a registered algorithm.
     """
     from fedcli.algorithms import ALGORITHMS
-    from fedcli.cli.listing import algo_rows
     from fedcli.config import suggest
     from fedcli.errors import ConfigError
 

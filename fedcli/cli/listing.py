@@ -1,8 +1,10 @@
 """`fedcli list runs|algos|tasks|recipes`: what exists, as a table or JSON for scripts.
 
-Over the 150-line budget of docs/style.md rule 1 by the runs table: git-style short ids, the
-hyperparameters that tell runs apart, and columns chosen to fit the terminal (80 columns
-without one) are presentation of this command alone, so they live here.
+Over the 150-line budget of docs/style.md rule 1 by the layouts: git-style short ids, each run's
+non-default hyperparameters, columns chosen to fit the terminal (80 columns without one, e.g.
+in a pipe) and a record layout for algorithms and tasks on narrow terminals are presentation
+of this command alone, so they live here. No value is ever cut: cells wrap (a run's name is
+the one exception, cut with an ellipsis; `--json` has it whole).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from fedcli.cli.common import Panel, open_store, tracking_config
 from fedcli.cli.errors import user_errors
-from fedcli.cli.hpdoc import algo_detail, algo_detail_rows
+from fedcli.cli.hpdoc import algo_detail, algo_detail_rows, algo_rows
 from fedcli.errors import ConfigError
 
 
@@ -65,41 +68,84 @@ def list_command(
     if name is not None:
         out.print(algo_detail(rows[0]))
         return
-    out.print(runs_table(rows, out.width) if what is What.runs else plain_table(what, rows))
+    if what is What.runs:
+        out.print(runs_table(rows, out.width))
+    elif out.width >= WIDE.get(what, 0):
+        out.print(plain_table(what, rows))
+    else:
+        out.print(records(what, rows))
+
+
+WIDE = {What.algos: 140, What.tasks: 160}  # narrower terminals get records(): a table would wrap cells to a word
 
 
 def plain_table(what: What, rows: list[dict[str, Any]]) -> Table:
+    """One row per item; long cells wrap (fold), never cut."""
     caption = "fedcli list algos NAME: each hyperparameter's meaning" if what is What.algos else None
-    table = Table(*COLUMNS[what], title=f"fedcli {what.value}", caption=caption)
+    table = Table(title=f"fedcli {what.value}", caption=caption)
+    for column in COLUMNS[what]:
+        table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*(_cell(row.get(c)) for c in COLUMNS[what]))
     return table
 
 
-def runs_table(rows: list[dict[str, Any]], width: int) -> Table:
-    """Runs with short ids and the hyperparameters that differ, in columns that fit `width`.
+def records(what: What, rows: list[dict[str, Any]]) -> Table:
+    """The narrow layout: each item's name in bold beside its paper or description, then one
+    indented line per field, its value wrapped in the width the labels leave (about 60
+    characters at 80 columns)."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    head, fields = RECORD_FIELDS[what]
+    for i, row in enumerate(rows):
+        if i:
+            grid.add_row("", "")
+        grid.add_row(Text(row["name"], style="bold"), _cell(row.get(head)))
+        for label, key in fields:
+            grid.add_row(f"  {label}", key(row) if callable(key) else _cell(row.get(key)))
+    return grid
 
-    Columns join in order of importance (RUN_PRIORITY) while the table still fits; the name
-    is always shown, in the width left (12 to 32 characters), cut with an ellipsis, never
-    wrapped. `--json` keeps every field and the full ids.
+
+RECORD_FIELDS: dict[What, tuple[str, list[tuple[str, Any]]]] = {
+    What.algos: ("paper", [("hyperparameters", "hyperparameters"), ("executors", "executors")]),
+    What.tasks: ("description", [("model", lambda r: f"{r['model']} ({r['params']:,} parameters); models: {r['models']}"),
+                                 ("client lr", "client_lr"),
+                                 ("data", lambda r: f"{r['source']}; {'offline' if r['offline'] else 'not bundled'}")]),
+    What.recipes: ("description", []),
+}
+
+
+def runs_table(rows: list[dict[str, Any]], width: int) -> Table:
+    """Runs with short ids and each run's non-default hyperparameters, in columns that fit `width`.
+
+    Columns join in order of importance (RUN_PRIORITY) while the table still fits; the hp column
+    claims 16 characters to join, then takes the width left up to its longest value and wraps
+    beyond that. The name is always shown, in the width left after that (12 to 32 characters),
+    cut with an ellipsis. `--json` keeps every field and the full ids.
     """
     shorts = short_ids([row["id"] for row in rows])
-    hp = differing_hyperparameters([row["_hp"] for row in rows])
     cells = {c: [_cell(row.get(c)) for row in rows] for c in COLUMNS[What.runs]}
-    cells.update(id=[shorts[row["id"]] for row in rows], hp=hp)
+    cells.update(id=[shorts[row["id"]] for row in rows],
+                 hp=[" ".join(f"{k}={v}" for k, v in row["non_default_hyperparameters"].items()) or "—"
+                     for row in rows])
     sizes = {c: max([len(c), *map(len, v)]) for c, v in cells.items()}
+    claim = {**sizes, "hp": min(sizes["hp"], 16)}
     shown, used = ["name"], 1 + min(sizes["name"], 12) + 3  # left border; the name keeps >= 12 characters
     for column in RUN_PRIORITY:
-        if any(v != "—" for v in cells[column]) and used + sizes[column] + 3 <= width:
+        if any(v != "—" for v in cells[column]) and used + claim[column] + 3 <= width:
             shown.append(column)
-            used += sizes[column] + 3
+            used += claim[column] + 3
+    if "hp" in shown:  # the hp column grows into what is left, before the name does
+        grown = min(sizes["hp"], claim["hp"] + width - used)
+        used, claim["hp"] = used + grown - claim["hp"], grown
     sizes["name"] = min(sizes["name"], 32, 12 + width - used)  # and takes what is left, cut with …
     order = [c for c in ("id", "name", "status", "algo", "hp", "task", "experiment", "seed", "rounds", "accuracy")
              if c in shown]
     table = Table(title="fedcli runs")
     for column in order:
-        table.add_column(column, no_wrap=True, overflow="ellipsis",
-                         max_width=sizes[column] if column == "name" else None,
+        table.add_column(column, no_wrap=column != "hp", overflow="ellipsis" if column == "name" else "fold",
+                         max_width={"name": sizes["name"], "hp": claim["hp"]}.get(column),
                          justify="right" if column in ("seed", "rounds", "accuracy") else "left")
     for i in range(len(rows)):
         table.add_row(*(cells[c][i] for c in order))
@@ -122,11 +168,20 @@ def short_ids(ids: list[str], minimum: int = 8) -> dict[str, str]:
     return out
 
 
-def differing_hyperparameters(hps: list[dict[str, str]]) -> list[str]:
-    """Per run `rho=0.1 mu=0.01`: the hyperparameters whose value differs between the runs that have them."""
-    keys = sorted({k for hp in hps for k in hp})
-    differ = [k for k in keys if len({hp[k] for hp in hps if k in hp}) > 1]
-    return [" ".join(f"{k}={hp[k]}" for k in differ if k in hp) or "—" for hp in hps]
+def non_default(algo: str, hp: dict[str, str]) -> dict[str, str]:
+    """The run's hyperparameters whose value is not the algorithm's default (flattened, as stored).
+
+    Defaults are the algorithm's config dataclass (`fedcli list algos NAME`), so a value the
+    algorithm recommended for the run (FedPA's burn-in of ceil(R/15) rounds) is shown too: it
+    is not the bare default. An algorithm that is not installed shows every value.
+    """
+    from fedcli.algorithms import ALGORITHMS
+    from fedcli.algorithms.base import hyperparameter_defaults
+    from fedcli.tracking.keys import flatten_config
+
+    record = ALGORITHMS.get(algo)
+    defaults = flatten_config(hyperparameter_defaults(record.config_cls)) if record is not None else {}
+    return {k: v for k, v in sorted(hp.items()) if defaults.get(k) != v}
 
 
 def _cell(value: Any) -> str:
@@ -140,7 +195,9 @@ def _cell(value: Any) -> str:
 def run_rows(*, experiment: str | None, store: str | None, root: Path | None) -> list[dict[str, Any]]:
     """Runs of the store with their final metrics (none, and no store created, before the first run).
 
-    `_hp` (left out of --json) holds each run's hyperparameters for the table's hp column.
+    `hyperparameters` holds every hyperparameter the run trained with, `non_default_hyperparameters`
+    those that differ from the algorithm's defaults (the table's hp column); both flattened
+    (`key.sub`), values as strings.
     """
     from fedcli.config import require_store, store_file
     from fedcli.tracking.keys import flatten_config
@@ -153,30 +210,15 @@ def run_rows(*, experiment: str | None, store: str | None, root: Path | None) ->
     db = open_store(url)
     rows = []
     for run in db.list_runs(experiment=experiment):
+        hp = flatten_config(run.config.get("algorithm", {}).get("hp") or {})
         last = db.metrics_frame([run.id], keys=["eval/accuracy", "eval/loss"])
         final = {k: float(g.sort_values("round_idx")["value"].iloc[-1]) for k, g in last.groupby("key")}
         rows.append({"id": run.id, "name": run.run_name, "run_name": run.run_name, "status": run.status,
                      "algo": run.algo, "task": run.task, "experiment": run.experiment, "seed": run.seed,
                      "rounds": db.last_round(run.id), "accuracy": final.get("eval/accuracy"),
-                     "created": run.created_at.isoformat(timespec="seconds"),
-                     "_hp": flatten_config(run.config.get("algorithm", {}).get("hp") or {})})
+                     "created": run.created_at.isoformat(timespec="seconds"), "hyperparameters": hp,
+                     "non_default_hyperparameters": non_default(run.algo, hp)})
     return rows
-
-
-def algo_rows(**_: Any) -> list[dict[str, Any]]:
-    """Registered algorithms with their paper and hyperparameter defaults."""
-    from fedcli.algorithms import ALGORITHMS
-    from fedcli.algorithms.base import hyperparameter_defaults
-
-    def executors(a: Any) -> str:  # process runs whichever of these fits, in each worker
-        names = ["loop", "vmap", "process"] if a.supports_vmap else ["loop", "process"]
-        if a.supports_vmap and a.fused_local is not None:
-            names.insert(2, "fused (dense classifiers)")
-        return ", ".join(names)
-
-    return [{"id": a.name, "name": a.name, "paper": a.paper, "hyperparameters": hyperparameter_defaults(a.config_cls),
-             "executors": executors(a), "description": a.description}
-            for a in ALGORITHMS.values()]
 
 
 def task_rows(**_: Any) -> list[dict[str, Any]]:

@@ -195,7 +195,7 @@ def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None,
     from fedcli.config import resume_config
     from fedcli.datasets.partition import label_histograms
     from fedcli.datasets.registry import TASKS
-    from fedcli.engine.train import build
+    from fedcli.engine.setup import build
 
     try:
         cfg = resume_config(built.groups[0].runs[0].config, {"train.device": "cpu"})

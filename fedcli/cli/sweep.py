@@ -106,24 +106,18 @@ def sweep(
 
                 trials = absolute_root(trials)
                 cluster.check(track)
-            if dry_run and not store_exists(track.store_url):  # a dry run writes nothing: no store, no runs yet
-                show_plan(sweeps.plan_trials(trials, []))
+            if dry_run:  # writes nothing on any store, not even its schema: a store without one holds no trials
+                from fedcli.tracking.store import SqlStore
+
+                reader = SqlStore.reader(track.store_url)
+                show_plan(sweeps.plan_trials(trials, []) if reader is None else
+                          sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(reader, track.experiment)))
                 return
             db = open_store(track.store_url)
             plans = sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(db, track.experiment))
             show_plan(plans)
-            if dry_run:
-                return
             code = run_plans(db, body, plans, workers, rerun_hint(ctx, spec, recipe), report_path, cluster)
     raise typer.Exit(code)
-
-
-def store_exists(url: str) -> bool:
-    """False for a SQLite store whose file is not there yet (opening it would create it); True otherwise."""
-    from fedcli.config import store_file
-
-    path = store_file(url)
-    return path is None or path.exists()
 
 
 def cluster_of(backend: Backend, address: str | None, cpus: int | None,
@@ -159,7 +153,7 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
     """
     from fedcli import sweeps
     from fedcli.cli.common import check_mlflow
-    from fedcli.engine.workers import available_cores
+    from fedcli.engine.machine import available_cores
     from fedcli.tracking.report import resolve_metric
 
     track, todo = plans[0].trial.config.tracking, [p for p in plans if p.action in (sweeps.NEW, sweeps.RESUME)]
@@ -271,11 +265,11 @@ def summary(rows: Sequence[Any], signum: int | None, hint: str, failed: int) -> 
     text = ", ".join(f"{n} {status}" for status, n in counts.items())
     if signum is not None:
         console().print(f"sweep stopped by {signal.Signals(signum).name}: {text}. "
-                        f"Stopped trials are checkpointed; continue with: {hint}", highlight=False)
+                        f"Stopped trials are checkpointed; continue with: {hint}", highlight=False, soft_wrap=True)
         return 128 + signum
     elsewhere = counts.get("running elsewhere", 0)
     later = f" Rerun when the {elsewhere} running elsewhere end to include them: {hint}" if elsewhere else ""
-    console().print(f"sweep done: {text}.{later}", highlight=False)
+    console().print(f"sweep done: {text}.{later}", highlight=False, soft_wrap=True)
     return 1 if failed else 0
 
 
@@ -371,13 +365,17 @@ def recipe_preamble(body: Mapping[str, Any], markdown: str) -> str:
 
 
 def rerun_hint(ctx: typer.Context, spec: Path | None, recipe: str | None) -> str:
-    """The command that continues this sweep (its spec and tracking options; a URL's password masked)."""
+    """The command that continues this sweep (its spec and tracking options; a URL's password masked),
+    with absolute paths, so that it works pasted in any folder."""
+    from fedcli.cli.common import command_name
     from fedcli.tracking.urls import mask_url
 
-    parts = ["fedcli", "sweep", str(spec)] if spec else ["fedcli", "sweep", "--recipe", str(recipe)]
+    fedcli = command_name()
+    parts = [fedcli, "sweep", str(spec)] if spec else [fedcli, "sweep", "--recipe", str(recipe)]
     for name in ("workers", "backend", "address", "cpus_per_trial", "gpus_per_trial", "root", "store", "tracking_uri"):
         value = ctx.params.get(name)
         value = value.value if isinstance(value, Enum) else value
+        value = value.resolve() if isinstance(value, Path) else value
         if value is not None and not (name == "workers" and value == 1) and not (name == "backend" and value == "local"):
             parts += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else mask_url(str(value))]
     return shlex.join(parts + (["--no-mlflow"] if ctx.params.get("no_mlflow") else []))

@@ -22,6 +22,7 @@ from fedcli.cli.common import (
     find_run,
     open_tracker,
     spawn_mirror,
+    stdout_is_terminal,
     store_options,
     summarise_run,
     train_progress,
@@ -190,14 +191,15 @@ def train(
             from fedcli.cli.common import console
             from fedcli.config import build_config, parse_assignments, resume_config, warn_degenerate
             from fedcli.engine import distributed
-            from fedcli.engine.train import build
+            from fedcli.engine.setup import build
+            from fedcli.engine.train import serve
             from fedcli.engine.train import train as run_training
             from fedcli.errors import ConfigError
 
             peers = group.enter_context(distributed.process_group()) if executor is Executor.distributed else None
             if peers is not None and not peers.is_leader:  # ranks 1..K-1 train slices of rank 0's run, write nothing
-                signals.restore()  # distributed.serve sets what the ranks do with signals
-                distributed.serve(peers)
+                signals.restore()  # serve sets what the ranks do with signals
+                serve(peers)
                 return
             overrides = {
                 "algorithm.name": algo, "data.task": task, "data.model": model, "data.data_dir": data_dir and str(data_dir),
@@ -232,12 +234,19 @@ def train(
                                   f"{distributed.NOT_LAUNCHED}")
             cfg = dataclasses.replace(cfg, tracking=check_mlflow(cfg.tracking, mlflow_optional))
             set_up.mirror = mirror = spawn_mirror(cfg.tracking, parent_run)  # imports MLflow while the data loads
+            if mirror is not None:  # a stop signal cuts the waits for MLflow short (its set-up, the last copy)
+                mirror.stopping = lambda: signals.pending is not None
             setup = build(cfg, peers=peers)
             signals.defer()  # the store is written from here on: a signal stops the run at its next safe point
             set_up.done = True
             tracker = open_tracker(cfg.tracking, mirror)
+            # the id on stdout as soon as the run exists (a script gets it even if the run is then stopped);
+            # on a terminal at the end instead, where it would land on the live progress bar
+            on_terminal = stdout_is_terminal()
+            tracker.on_run = None if on_terminal else typer.echo
+            quiet = bool(ctx.obj and ctx.obj.get("quiet"))
             try:
-                with train_progress(cfg, quiet=bool(ctx.obj and ctx.obj.get("quiet"))) as progress:
+                with train_progress(cfg, quiet=quiet) as progress:
                     result = run_training(cfg, tracker=tracker, progress=progress, resume_run_id=resume_id, setup=setup,
                                           signals=signals)
             except KeyboardInterrupt as stop:
@@ -245,8 +254,10 @@ def train(
             except distributed.RankLost as lost:
                 raise distributed.lost_hint(lost, getattr(tracker, "_run_id", None), peers.world_size if peers else 1,
                                             store_options(cfg)) from None
-            summarise_run(cfg, result)
-        typer.echo(result.run_id)
+            if not quiet:  # -q: warnings and errors only
+                summarise_run(cfg, result)
+            if on_terminal:
+                typer.echo(result.run_id)
     finally:
         signals.restore()
 
@@ -290,5 +301,5 @@ def stopped(cfg: object, tracker: object, stop: KeyboardInterrupt) -> None:
     code = getattr(stop, "exit_code", 130)
     if run_id:
         console().print(f"run {run_id[:8]} interrupted; its last completed round is checkpointed. "
-                        f"Continue it with: {resume_hint(cfg, run_id)}")
+                        f"Continue it with: {resume_hint(cfg, run_id)}", soft_wrap=True)  # one pasteable line
     raise typer.Exit(code)

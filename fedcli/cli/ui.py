@@ -2,11 +2,14 @@
 
 The server runs with one worker (MLflow's default of 4 processes is too many beside a
 training run on a laptop), and the URL is printed only once the server answers `/health`,
-pointing at the runs table of the experiment of interest. SIGINT or SIGTERM stops the
-server's whole process group before this command exits, so no worker is left behind.
+pointing at the runs table of the experiment of interest, on fedcli's saved view (the metrics
+and params runs are compared by, tracking/mlflow_view.py) where MLflow has saved views; stderr
+says what that page shows. SIGINT or SIGTERM stops the server's whole process group before this
+command exits, so no worker is left behind.
 
 Over the 150-line budget of docs/style.md rule 1: starting, waiting for and stopping a server
-process is this command's whole job, and it has no engine to delegate to.
+process, and choosing the page it opens on, are this command's whole job, and it has no engine
+to delegate to.
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ def ui(
 ) -> None:
     """Start the MLflow UI on the runs' tracking store (127.0.0.1 only) and print its URL.
 
-    The runs show their params (the flattened config), metric curves by round, tags and the
-    stored model and config as artifacts. The URL is printed once the server answers.
+    The URL opens the experiment's runs table on the saved view "fedcli: compare runs" (final
+    metrics, algorithm, task, rounds, seed, hyperparameters; MLflow 3.15+). Each run shows its
+    params (the flattened config), metric curves by round, tags and the stored model and config
+    as artifacts. The URL is printed once the server answers.
 
     Example: fedcli ui --root fedcli-runs --port 5000 --open
     """
@@ -73,18 +78,67 @@ def ui(
                    "--port", str(port), "--workers", "1"]
         base = f"http://127.0.0.1:{port}"
         if print_only:
-            typer.echo(runs_url(base, experiment_id(uri, experiment, cfg.store_url)))
+            typer.echo(landing_url(base, uri, experiment, cfg.store_url))
             typer.echo((f"MLFLOW_BACKEND_STORE_URI={mask_url(uri)} " if secret else "") + " ".join(command))
             return
         require_free_port(port)
-        code = serve(command, base, lambda: runs_url(base, experiment_id(uri, experiment, cfg.store_url)),
+        code = serve(command, base, lambda: landing_url(base, uri, experiment, cfg.store_url),
                      open_browser, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": uri} if secret else None)
     raise typer.Exit(code)
 
 
-def runs_url(base: str, experiment: str | None) -> str:
-    """The runs table of `experiment` (an MLflow experiment id), or the UI's start page."""
-    return f"{base}/#/experiments/{experiment}?workflowType=machine_learning" if experiment else base
+def landing_url(base: str, uri: str, name: str | None, store_url: str) -> str:
+    """The URL to open: the runs table of experiment `name` (default: the newest run's), on fedcli's
+    saved view where MLflow has saved views; what the page shows is said on stderr."""
+    found = experiment_id(uri, name, store_url)
+    return runs_url(base, found, view=found is not None and comparison_view(uri, found))
+
+
+def runs_url(base: str, experiment: str | None, view: bool = False) -> str:
+    """The runs table of `experiment` (an MLflow experiment id), on fedcli's saved view if `view`, or
+    the UI's start page. MLflow 3.15+ keeps `viewStateShareKey` only on the `/runs` route."""
+    from fedcli.tracking.mlflow_view import VIEW_ID, has_saved_views
+
+    if not experiment:
+        return base
+    route = f"{experiment}/runs" if has_saved_views() else experiment
+    return f"{base}/#/experiments/{route}?workflowType=machine_learning" + (f"&viewStateShareKey={VIEW_ID}" if view else "")
+
+
+def comparison_view(uri: str, experiment: str) -> bool:
+    """Write fedcli's saved view (tracking/mlflow_view.py) to `experiment` and say on stderr what
+    the first visit shows; False where MLflow has no saved views or the view cannot be written
+    (then the page shows MLflow's default columns, and stderr says which clicks add ours)."""
+    from mlflow import MlflowClient
+
+    from fedcli.tracking import mlflow_view
+
+    out = console()
+    default = ("the runs table opens on MLflow's default columns (Run Name, Created, Dataset, Duration, Source, "
+               "Models): its Columns button adds the metrics (eval/accuracy, eval/loss) and params (algorithm.name, "
+               "hp.*) to compare runs by.")
+    if not mlflow_view.has_saved_views():
+        out.print(f"MLflow {mlflow_version()} has no saved views (3.15+): {default}", soft_wrap=True)
+        return False
+    try:
+        columns = mlflow_view.write_view(MlflowClient(tracking_uri=uri), experiment)
+    except Exception as err:  # noqa: BLE001 - the page still opens, on MLflow's default columns
+        out.print(mask_url(f"[yellow]warning:[/] could not write fedcli's saved view to {uri}: "
+                           f"{(str(err).splitlines() or [type(err).__name__])[0]}; {default}"), soft_wrap=True)
+        return False
+    if not columns:
+        return False
+    shown = ", ".join(c.split("`")[1] for c in columns)
+    out.print(f"The URL opens the view '{mlflow_view.VIEW_NAME}' (runs page, Views menu): {shown}. MLflow's "
+              "Assistant panel opens by itself on a browser's first visit; its x closes it for good.",
+              soft_wrap=True, markup=False)
+    return True
+
+
+def mlflow_version() -> str:
+    from importlib.metadata import version
+
+    return version("mlflow")
 
 
 def experiment_id(uri: str, name: str | None, store_url: str) -> str | None:

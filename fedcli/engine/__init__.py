@@ -1,1 +1,1 @@
-"""The simulation engine: round loop, cohort sampling, executors, checkpoints."""
+"""The simulation engine: set-up, the round loop, back ends, checkpoints, a run's lifecycle (docs/architecture.md §1)."""

@@ -1,17 +1,20 @@
-"""The `distributed` executor: one run over K processes with torch.distributed (docs/scaling.md).
+"""One run over K processes with torch.distributed: joining the group, and the channel (docs/scaling.md).
 
     torchrun --nproc-per-node K -m fedcli train ... --executor distributed
 
-It is the `process` executor (engine/workers.py) with torch.distributed in place of pipes and
-shared memory, so that the K processes may sit on several hosts (torchrun's rendezvous):
+The `distributed` back end (engine/backends/distributed.py) is the `process` back end with
+torch.distributed in place of pipes and shared memory, so that the K processes may sit on
+several hosts (torchrun's rendezvous). This module joins the process group, places each rank
+(its GPU, its share of the host's cores) and carries the messages (`Peers`); the back end
+splits the cohort and serves the other ranks:
 
 - Rank 0 is the run: it samples the cohort, plans every client's batches, draws keys and
   noise, holds every client's state, aggregates, evaluates, tracks (SQL store, MLflow mirror)
   and checkpoints, exactly as a single-process run does. Ranks 1..K-1 only train clients;
   they never open a store, start the MLflow mirror or print.
 - Per round, the cohort is split into K slices of near-equal local steps (`split_cohort` or
-  `balanced_groups`, as `process` does); rank r trains slice r with the best in-process
-  executor (fused / vmap / loop). Two collectives per round: a scatter from rank 0 (the
+  `balanced_groups`, as `process` does); rank r trains slice r with an in-process back end
+  (fused / vmap / loop). Two collectives per round: a scatter from rank 0 (the
   round's broadcast, what the algorithm sends every client, and rank r's slice of the
   CohortInputs: plan rows, step keys, noise and client states) and a gather to rank 0 (each
   slice's ClientOut: uploads, new client states, local metrics). Rank 0 aggregates.
@@ -51,18 +54,17 @@ import datetime
 import io
 import logging
 import os
-import signal
-import threading
-import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
-from fedcli.engine.executors import EXECUTORS, CohortInputs, ModelFunctions, merge_outs, take_clients
+from fedcli.engine.machine import available_cores
 from fedcli.errors import ConfigError, FedcliError
+
+if TYPE_CHECKING:
+    from fedcli.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +248,7 @@ def process_group(timeout_s: float = TIMEOUT_S) -> Iterator[Peers]:
             dist.destroy_process_group()
 
 
-def placement(cfg: Any, device: torch.device, peers: Peers | None) -> tuple[torch.device, int]:
+def placement(cfg: RunConfig, device: torch.device, peers: Peers | None) -> tuple[torch.device, int]:
     """This rank's device and intra-op threads: its LOCAL_RANK's GPU, its share of the host's cores.
 
     Without peers (`fedcli evaluate` or `report` rebuilding a distributed run) the process's own.
@@ -254,8 +256,6 @@ def placement(cfg: Any, device: torch.device, peers: Peers | None) -> tuple[torc
     Raises:
         ConfigError: an explicit cuda:N, or more ranks on this host than GPUs.
     """
-    from fedcli.engine.workers import available_cores
-
     if peers is None:
         return device, cfg.train.threads or available_cores()
     threads = cfg.train.threads or max(1, available_cores() // peers.local_world_size)
@@ -268,97 +268,3 @@ def placement(cfg: Any, device: torch.device, peers: Peers | None) -> tuple[torc
         raise ConfigError(f"LOCAL_RANK={peers.local_rank} but this host has {torch.cuda.device_count()} GPU(s); "
                           "start at most one rank per GPU (--nproc-per-node), or use --device cpu.")
     return torch.device("cuda", peers.local_rank), threads
-
-
-# ----------------------------------------------------------------------------- the executor (rank 0)
-
-
-class DistributedExecutor:
-    """Callable like `run_vmap` on rank 0: trains the cohort on every rank of the group.
-
-    The other ranks learn the run's config with the first round (they then build it, as
-    rank 0 did) and are stopped by `Peers.stop` when the process group is left.
-    """
-
-    def __init__(self, cfg: Any, inner: str, peers: Peers) -> None:
-        self.cfg, self.inner, self.peers = cfg, inner, peers
-        self.slots = peers.world_size  # recorded as train.workers
-        self.bound = False
-
-    def __call__(self, alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
-                 opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
-        from fedcli.engine.workers import balanced_groups, split_cohort
-
-        run_inner: Callable[..., ClientOut] = EXECUTORS[self.inner]
-        split = split_cohort if self.inner == "vmap" else balanced_groups  # padded cost vs sum of steps
-        groups = split(inputs.plan.steps_per_client, self.slots)
-        during = f"in round {round_idx}"
-        if not self.bound:
-            self.peers.post([("config", self.cfg, self.inner)] * self.slots, during)
-            self.bound = True
-        work = [("work", broadcast, take_clients(inputs, rows), round_idx, chunk_size) for rows in groups[1:]]
-        self.peers.post([None, *work] + [("idle",)] * (self.slots - len(groups)), during)
-        device = inputs.keys.device
-        try:
-            own = run_inner(alg, fns, broadcast, take_clients(inputs, groups[0]), hp, opt, round_idx, chunk_size)
-        except BaseException:  # an error, or a signal that abandons the round (train.py): first take the
-            with contextlib.suppress(RankLost):  # replies, so that the next collective (stop) is in step
-                self.peers.collect(device, during)
-            raise
-        replies = self.peers.collect(device, during)[1 : len(groups)]
-        for rank, (status, value) in enumerate(replies, start=1):
-            if status != "ok":
-                raise RankError(f"rank {rank} failed {during}:\n{value}")
-        return merge_outs(groups, [own] + [value for _, value in replies])
-
-    def close(self) -> None:
-        """Nothing to stop here: the ranks outlive a run (`process_group` stops them)."""
-
-
-def serve(peers: Peers) -> None:
-    """Ranks 1..K-1: build each run rank 0 announces and train its slices until rank 0 says stop."""
-    from fedcli.engine.train import build
-
-    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
-        _serve(peers, build)
-        return
-    # Ctrl-C, and the SIGTERM torchrun forwards to every rank, are rank 0's: it stops the run in order, then us
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stops}
-    try:
-        _serve(peers, build)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _serve(peers: Peers, build: Callable[..., Any]) -> None:
-    """Answer rank 0's messages: config (build the run), work (train the slice), idle, stop."""
-    setup: Any = None
-    inner, failure = "loop", "the run's config never arrived"
-    while True:
-        message = peers.receive(setup.device if setup is not None else torch.device("cpu"))
-        kind = message[0]
-        if kind == "stop":
-            return
-        if kind == "config":
-            setup, inner, failure = None, message[2], ""
-            try:
-                setup = build(message[1], peers=peers)
-            except Exception:  # noqa: BLE001 - reported to rank 0 with the first round's reply
-                failure = f"could not build the run on rank {peers.rank}:\n{traceback.format_exc()}"
-            continue
-        if kind == "idle":
-            peers.reply(("idle", None))
-            continue
-        if setup is None:
-            peers.reply(("error", failure))
-            continue
-        _, broadcast, inputs, round_idx, chunk_size = message
-        try:
-            out = EXECUTORS[inner](setup.alg, setup.fns, broadcast, inputs, setup.hp, setup.opt,
-                                   round_idx, chunk_size)
-            reply: tuple[str, Any] = ("ok", out)
-        except Exception:  # noqa: BLE001 - reported to rank 0, which raises RankError
-            reply = ("error", traceback.format_exc())
-        peers.reply(reply)

@@ -38,11 +38,11 @@ from torch import Tensor
 from fedcli.algorithms.base import Params, flatten
 from fedcli.datasets.metrics import MULTILABEL, MetricFns, add_stats, next_token
 from fedcli.datasets.tasks import Task, per_example_loss
-from fedcli.engine.executors import ModelFunctions
+from fedcli.engine.model import ModelFunctions
 from fedcli.tracking.metric_defs import is_lower_better
 
 if TYPE_CHECKING:
-    from fedcli.engine.train import Setup
+    from fedcli.engine.setup import Setup
 
 ECE_BINS = 15
 Predict = Callable[[Tensor], Tensor]  # prepared inputs [B, ...] -> outputs [B, ...]

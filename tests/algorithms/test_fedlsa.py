@@ -27,7 +27,8 @@ from fedcli.datasets import garnet
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
 from fedcli.engine.clientstate import ClientStateStore
-from fedcli.engine.train import Timing, build, run_round
+from fedcli.engine.rounds import Timing, run_round
+from fedcli.engine.setup import build
 
 DT = torch.float64
 D, N = 3, 3

@@ -150,7 +150,8 @@ def test_burn_in_rounds_are_fedavg_exactly() -> None:
     """During rounds 1..T_burn the FedPA client runs FedAvg's update (footnote 11), so on the same seed
     the global model after 2 burn-in rounds is bit-identical to FedAvg's (real engine, least squares)."""
     from fedcli.engine.clientstate import ClientStateStore
-    from fedcli.engine.train import Timing, build, run_round
+    from fedcli.engine.rounds import Timing, run_round
+    from fedcli.engine.setup import build
 
     finals = {}
     for name, hp in (("fedavg", {}), ("fedpa", {"burn_in_rounds": 2})):
@@ -168,7 +169,7 @@ def test_burn_in_rounds_are_fedavg_exactly() -> None:
 
 def test_fedpa_needs_a_sample_per_round() -> None:
     """l = E - burn_in_epochs must be >= 1; the engine reports it as a config error."""
-    from fedcli.engine.train import build
+    from fedcli.engine.setup import build
 
     cfg = build_config(overrides={"algorithm.name": "fedpa", "data.task": "lsq", "train.local_epochs": 2},
                        hp={"burn_in_epochs": 2})

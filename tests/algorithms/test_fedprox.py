@@ -15,7 +15,8 @@ from fedcli.algorithms import fedavg, fedprox
 from fedcli.algorithms.base import Batch, ClientContext, ClientOut, HyperparameterError, OptimConfig
 from fedcli.config import build_config, make_hyperparameters
 from fedcli.engine.clientstate import ClientStateStore
-from fedcli.engine.train import Timing, build, run_round
+from fedcli.engine.rounds import Timing, run_round
+from fedcli.engine.setup import build
 
 DT = torch.float64
 

@@ -25,7 +25,10 @@ from fedcli.algorithms.base import (
 )
 from fedcli.algorithms.fedsparse import HC_BETA, HC_GAMMA, HC_ZETA, FedSparseConfig
 from fedcli.datasets.federated import FederatedData
-from fedcli.engine.executors import CohortInputs, ModelFunctions, run_loop, run_vmap
+from fedcli.engine.backends.loop import LoopBackend
+from fedcli.engine.backends.vmap import VmapBackend
+from fedcli.engine.cohort import CohortInputs, CohortJob
+from fedcli.engine.model import ModelFunctions
 
 DT = torch.float64
 
@@ -59,7 +62,7 @@ def federated(sizes: tuple[int, ...], d: int = 3) -> ModelFunctions:
     return ModelFunctions(apply_fn=mlp_apply, loss_fn=mlp_loss, data=data, prepare=lambda v: v)
 
 
-def run(alg, hp, opt: OptimConfig, fns: ModelFunctions, rounds: int, executor=run_loop, batch_size: int = 3):
+def run(alg, hp, opt: OptimConfig, fns: ModelFunctions, rounds: int, executor=LoopBackend(), batch_size: int = 3):
     """Run rounds of `alg` on every client of fns; return (state, per-round (bytes up, bytes down))."""
     state = alg.server_init(mlp_params(), hp, opt)
     cohort, comm = np.arange(fns.data.num_clients), []
@@ -72,7 +75,7 @@ def run(alg, hp, opt: OptimConfig, fns: ModelFunctions, rounds: int, executor=ru
         noise = {k: torch.randn(len(cohort), *s, generator=g) for k, s in sorted(shapes.items())}
         inputs = CohortInputs(plan, torch.zeros(len(cohort), steps, dtype=torch.int64), noise, None)
         bc = alg.broadcast(state, hp)
-        outs = executor(alg, fns, bc, inputs, hp, opt, r)
+        outs = executor.run(CohortJob(alg, fns, bc, inputs, hp, opt, r))
         up = alg.upload_nbytes(outs.upload) if alg.upload_nbytes else tree_nbytes(outs.upload)
         down = alg.download_nbytes(bc) if alg.download_nbytes else tree_nbytes(bc)
         comm.append((float(up), float(down)))
@@ -291,8 +294,8 @@ def test_loop_and_vmap_agree_with_learned_gates() -> None:
     1, 2 and 2 batches per epoch leave padded (masked) steps in the vmapped plan."""
     hp = FedSparseConfig(temperature=0.01, lambda0=1e-3)
     fns = federated((3, 5, 7))
-    loop_state, loop_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=run_loop, batch_size=4)
-    vmap_state, vmap_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=run_vmap, batch_size=4)
+    loop_state, loop_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=LoopBackend(), batch_size=4)
+    vmap_state, vmap_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=VmapBackend(), batch_size=4)
     torch.testing.assert_close(loop_state.params, vmap_state.params, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(loop_state.gates, vmap_state.gates, rtol=1e-10, atol=1e-12)
     assert loop_comm == vmap_comm
@@ -384,7 +387,7 @@ def sparsity_after(hp: FedSparseConfig, rounds: int = 1) -> tuple[float, list[fl
         gen = torch.Generator().manual_seed(r)
         noise = {k: torch.randn(len(cohort), *s, generator=gen) for k, s in sorted(shapes.items())}
         inputs = CohortInputs(plan, torch.zeros(len(cohort), steps, dtype=torch.int64), noise, None)
-        outs = run_loop(fedsparse.ALGORITHM, fns, fedsparse.broadcast(state, hp), inputs, hp, opt, r)
+        outs = LoopBackend().run(CohortJob(fedsparse.ALGORITHM, fns, fedsparse.broadcast(state, hp), inputs, hp, opt, r))
         state, diag = fedsparse.server_update(state, outs, plan.num_examples, hp, opt)
     return float(diag["fedsparse/sparsity"]), [float(m.mean()) for m in state.alive.values()]
 

@@ -18,7 +18,8 @@ from fedcli.algorithms.base import Batch, ClientContext, ClientOut, Hyperparamet
 from fedcli.algorithms.optim import server_opt_init
 from fedcli.config import build_config
 from fedcli.engine.clientstate import ClientStateStore
-from fedcli.engine.train import Timing, build, run_round
+from fedcli.engine.rounds import Timing, run_round
+from fedcli.engine.setup import build
 
 DT = torch.float64
 D = 3

@@ -34,9 +34,11 @@ from fedcli.datasets import models
 from fedcli.datasets.federated import FederatedData
 from fedcli.datasets.femnist import FEMNIST
 from fedcli.datasets.tasks import Task, TaskData
+from fedcli.engine.backends.vmap import VmapBackend
 from fedcli.engine.clientstate import ClientStateStore
-from fedcli.engine.executors import model_functions
-from fedcli.engine.train import Setup, Timing, run_round
+from fedcli.engine.model import model_functions
+from fedcli.engine.rounds import Timing, run_round
+from fedcli.engine.setup import Setup
 
 PAPER_FEDPA = {100: 26.0, 1_000: 21.0, 10_000: 16.0, 100_000: 4.0}  # Table 1, DP column, % over FedAvg
 
@@ -149,7 +151,7 @@ _PROBE = textwrap.dedent('''
     import importlib.abc, importlib.util, sys, time
     class _FirstRound(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "fedcli.engine.train":
+            if name != "fedcli.engine.rounds":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)
@@ -224,7 +226,7 @@ def synthetic_setup(num_clients: int, per_client: int, cohort: int, chunk: int |
     fed = FederatedData(x, y, indices, torch.device("cpu"))
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     return Setup(cfg, task, data, fed, model_functions(task, model, fed), ALGORITHMS[algo],
-                 make_hyperparameters(algo, {}), torch.device("cpu"), "vmap", params)
+                 make_hyperparameters(algo, {}), torch.device("cpu"), VmapBackend(), params)
 
 
 def memory(num_clients: int = 3400, per_client: int = 200, visits: int = 300,

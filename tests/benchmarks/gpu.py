@@ -3,12 +3,12 @@ against the FLOP floor of that GPU.
 
 The same FedAvg workloads as the CPU tables (FEMNIST writers, 1 epoch, batch 20, SGD lr 0.01)
 with `--device cuda`, plus the MLP at 100 clients, where the `auto` rule for CUDA switches from
-fused to vmap (engine/workers.py in_process_executor). fp32 throughout: `--precision fp32` turns
+fused to vmap (engine/backends/fused.py, `prefers`). fp32 throughout: `--precision fp32` turns
 TF32 off for matmuls and cuDNN, and the floor's probes run with TF32 off too, so the floor is the
 GPU's fp32 rate. Seconds per round = median of rounds 2..R; every round ends with a
 torch.cuda.synchronize (run_round's, and the plain loop's own).
 
-`fedcli vmap + graph` is `--graph` (engine/graphed.py: the cohort update captured once and replayed
+`fedcli vmap + graph` is `--graph` (engine/backends/graphed.py: the cohort update captured once and replayed
 as one CUDA graph; its build time, in round 1, is kept as build_s). The CNN also runs with
 `--precision tf32` beside a plain loop with TF32 on, since TF32 is only used where asked. The
 issue's targets (GPU_TARGETS, GPU_VS_PLAIN) are checked on the --graph figures and listed under
@@ -85,17 +85,17 @@ def gpu_throughput(seconds: float) -> dict[str, float]:
 
 
 class OneBlockFused(workloads.FedcliRunner):
-    """fused with the whole cohort in one block: dense.BLOCK_BYTES sizes blocks for a CPU's cache,
+    """fused with the whole cohort in one block: fused.BLOCK_BYTES sizes blocks for a CPU's cache,
     which a GPU does not need (the auto rule for CUDA was measured with the blocks)."""
 
     def round(self, round_idx: int) -> float:
-        from fedcli.engine import dense
+        from fedcli.engine.backends import fused
 
-        saved, dense.BLOCK_BYTES = dense.BLOCK_BYTES, 1 << 40
+        saved, fused.BLOCK_BYTES = fused.BLOCK_BYTES, 1 << 40
         try:
             return super().round(round_idx)
         finally:
-            dense.BLOCK_BYTES = saved
+            fused.BLOCK_BYTES = saved
 
 
 def run_gpu_workloads(mode: str, reps: int) -> dict[str, object]:

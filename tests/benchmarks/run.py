@@ -56,6 +56,41 @@ def floor_seconds(model: str, examples: float, rates: probes.Throughput) -> dict
             "examples_per_round": examples, "gflop_per_round": examples * per["total"] / 1e9, "floor_s": seconds}
 
 
+def workload_approaches(model: str, cohort: int, cores: int
+                        ) -> dict[str, Callable[[], workloads.FedcliRunner | workloads.PlainRunner]]:
+    """Every approach timed on one workload: name -> a factory of its runner (built when timed)."""
+    W = workloads
+
+    def fedcli(executor: str, threads: int, **kw: object) -> Callable[[], workloads.FedcliRunner]:
+        return lambda: W.FedcliRunner(model, cohort, executor, threads, **kw)  # type: ignore[arg-type]
+
+    approaches: dict[str, Callable[[], workloads.FedcliRunner | workloads.PlainRunner]] = {}
+    # every back end of engine/backends/ that can run the workload (docs/architecture.md §3, "Which back
+    # ends stay" rests on these columns): auto's picks (fused for the MLP, loop for the CNN) and the opt-in ones
+    if model == "mlp":  # the dense classifier's hand-derived cohort SGD (engine/backends/fused.py), auto's pick
+        approaches[f"fedcli fused {cores}t"] = fedcli("fused", cores)
+        approaches["fedcli fused 1t"] = fedcli("fused", 1)
+    approaches[f"fedcli vmap {cores}t"] = fedcli("vmap", cores)
+    approaches[f"fedcli loop {cores}t"] = fedcli("loop", cores)  # the CNN's pick since issue 25
+    approaches[f"fedcli process {cores}x1t"] = fedcli("process", cores)  # opt-in since issue 25
+    approaches[f"plain loop {cores}t"] = lambda: W.PlainRunner(model, cohort)
+    approaches["plain loop 1t"] = lambda: W.PlainRunner(model, cohort, threads=1)
+    if model == "cnn":  # one thread: what each worker process of `process` runs
+        approaches["fedcli loop 1t"] = fedcli("loop", 1)
+    # opt-in --compile: round 1 (the compilation) is excluded like every warm-up; compile_s is shown
+    if model == "mlp":  # the vmapped round unrolls every step: minutes for a convolutional model
+        approaches[f"fedcli vmap+compile {cores}t"] = fedcli("vmap", cores, compile=True)
+    # opt-in --graph (a GPU feature; on a CPU the traced program only drops torch.func's Python)
+    approaches[f"fedcli vmap+graph {cores}t"] = fedcli("vmap", cores, graph=True)
+    approaches[f"fedcli process+compile {cores}x1t"] = fedcli("process", cores, compile=True)
+    if model == "cnn":  # compiled per-client steps in one process: does `process` add anything to --compile?
+        approaches[f"fedcli loop+compile {cores}t"] = fedcli("loop", cores, compile=True)
+    if model == "cnn":  # opt-in reduced precision: shown, never used for the targets
+        approaches[f"fedcli process bf16 {cores}x1t"] = fedcli("process", cores, precision="bf16")
+        approaches[f"fedcli loop bf16 {cores}t"] = fedcli("loop", cores, precision="bf16")
+    return approaches
+
+
 def run_workload(model: str, cohort: int, rounds: int, reps: int, flower: str | None,
                  rates: probes.Throughput) -> dict[str, object]:
     """Every approach on one workload, `reps` repetitions; figure = best rep's median.
@@ -64,29 +99,8 @@ def run_workload(model: str, cohort: int, rounds: int, reps: int, flower: str | 
     (workloads.interleaved), then Flower runs in its own process.
     """
     cores = len(os.sched_getaffinity(0))
+    approaches = workload_approaches(model, cohort, cores)
     W = workloads
-
-    def fedcli(executor: str, threads: int, **kw: object) -> Callable[[], workloads.FedcliRunner]:
-        return lambda: W.FedcliRunner(model, cohort, executor, threads, **kw)  # type: ignore[arg-type]
-
-    approaches: dict[str, Callable[[], workloads.FedcliRunner | workloads.PlainRunner]] = {}
-    if model == "mlp":  # the dense classifier's hand-derived cohort SGD (engine/dense.py), auto's pick
-        approaches[f"fedcli fused {cores}t"] = fedcli("fused", cores)
-        approaches["fedcli fused 1t"] = fedcli("fused", 1)
-    approaches[f"fedcli vmap {cores}t"] = fedcli("vmap", cores)
-    approaches[f"fedcli process {cores}x1t"] = fedcli("process", cores)
-    approaches[f"plain loop {cores}t"] = lambda: W.PlainRunner(model, cohort)
-    approaches["plain loop 1t"] = lambda: W.PlainRunner(model, cohort, threads=1)
-    if model == "cnn":  # client by client in one process (the MLP's is the slowest reference, left out)
-        approaches["fedcli loop 1t"] = fedcli("loop", 1)
-    # opt-in --compile: round 1 (the compilation) is excluded like every warm-up; compile_s is shown
-    if model == "mlp":  # the vmapped round unrolls every step: minutes for a convolutional model
-        approaches[f"fedcli vmap+compile {cores}t"] = fedcli("vmap", cores, compile=True)
-    # opt-in --graph (a GPU feature; on a CPU the traced program only drops torch.func's Python)
-    approaches[f"fedcli vmap+graph {cores}t"] = fedcli("vmap", cores, graph=True)
-    approaches[f"fedcli process+compile {cores}x1t"] = fedcli("process", cores, compile=True)
-    if model == "cnn":  # opt-in reduced precision: shown, never used for the targets
-        approaches[f"fedcli process bf16 {cores}x1t"] = fedcli("process", cores, precision="bf16")
     runs: dict[str, list[dict[str, object]]] = {name: [] for name in approaches}
     if flower is not None:
         runs["Flower (Ray)"] = []

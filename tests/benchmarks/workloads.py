@@ -6,8 +6,8 @@ warm-up: first vmap trace, worker spawn), evaluation excluded. The in-process ap
 interleaved round by round (`interleaved`), so that each round of every approach meets the
 same machine; Flower runs in its own process between them.
 
-- fedcli: `run_round` with each executor (fused, vmap, process, with and without
-  `--compile`, and whatever `auto` picks), the cohorts of seed 0.
+- fedcli: `run_round` with each back end (fused, vmap, loop, process, with and without
+  `--compile` and `--graph`, and whatever `auto` picks), the cohorts of seed 0.
 - plain PyTorch loop, as research code writes it: per client deepcopy the global model,
   torch.optim.SGD, shuffled minibatches from tensors already in memory, weighted average of
   the state dicts; the same cohorts and the same keyed dropout as fedcli's CNN.
@@ -35,10 +35,14 @@ import torch.nn.functional as F
 from fedcli.config import build_config
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
+from fedcli.engine.backends.compiled import CompiledVmap
+from fedcli.engine.backends.graphed import GraphedVmap
 from fedcli.engine.clientstate import ClientStateStore
+from fedcli.engine.machine import intra_op_threads
+from fedcli.engine.model import cuda_tf32_flags
+from fedcli.engine.rounds import Timing, run_round
 from fedcli.engine.seeding import sample_cohort
-from fedcli.engine.train import Timing, build, run_round
-from fedcli.engine.workers import close_runner, cuda_tf32_flags, intra_op_threads
+from fedcli.engine.setup import build
 
 LR, BATCH = 0.01, 20
 
@@ -48,7 +52,7 @@ def median_after_first(times: list[float]) -> float:
 
 
 class FedcliRunner:
-    """fedcli's round loop with one executor, one round at a time (for interleaved timing).
+    """fedcli's round loop with one back end, one round at a time (for interleaved timing).
 
     With `compile` (opt-in `--compile`) round 1 holds the compilation (or, with inductor's
     on-disk cache warm, its loading); `compile_s` reports it. `device` is pinned (cpu unless
@@ -76,14 +80,17 @@ class FedcliRunner:
 
     def result(self, times: list[float]) -> dict[str, object]:
         median = median_after_first(times)
-        compile_s = getattr(self.setup.runner, "compile_s", getattr(self.setup.runner, "build_s", None))
+        backend = self.setup.backend
+        compile_s = (backend.compile_s if isinstance(backend, CompiledVmap) else
+                     backend.build_s if isinstance(backend, GraphedVmap) else None)
         if self.compile and compile_s is None:  # per-client compiled steps: round 1 minus a typical round
             compile_s = times[0] - median
-        return {"executor": self.setup.executor, "reason": self.setup.executor_reason, "threads": self.threads,
+        return {"executor": self.setup.executor, "backend": self.setup.backend.name,
+                "reason": self.setup.executor_reason, "threads": self.threads,
                 "round_s": times, "median_s": median, "compile_s": compile_s}
 
     def close(self) -> None:
-        close_runner(self.setup.runner)
+        self.setup.backend.close()
 
 
 class PlainRunner:

@@ -27,7 +27,7 @@ RUNNER = CliRunner()
 
 
 def _add(store: SqlStore, run_id: str, algo: str, rho: float | None, name: str) -> None:
-    config = {"seed": 0, "algorithm": {"name": algo, "hp": {} if rho is None else {"rho": rho, "burn_in": 4}},
+    config = {"seed": 0, "algorithm": {"name": algo, "hp": {} if rho is None else {"rho": rho, "burn_in_rounds": 4}},
               "data": {"task": "toy"}, "train": {"rounds": 2}}
     store.start_run(experiment="a-rather-long-experiment-name", run_name=name, config=config, algo=algo, task="toy",
                     seed=0, tags={}, fedcli_version="t", torch_version="t", git_commit=None, run_id=run_id)
@@ -44,9 +44,10 @@ def test_short_ids_are_the_shortest_unique_prefixes_of_at_least_8() -> None:
     assert shorts == {ids[0]: "abcdef0123456", ids[1]: "abcdef0123459", ids[2]: "ffff0000"}
 
 
-def test_list_runs_fits_80_columns_with_short_ids_and_differing_hyperparameters(tmp_path: Path) -> None:
-    """Two FedPA runs differ in rho only (burn_in is the same): the hp column shows `rho=…`;
-    two ids share their first 12 characters, so they show 13; the rest show 8."""
+def test_list_runs_fits_80_columns_with_short_ids_and_non_default_hyperparameters(tmp_path: Path) -> None:
+    """Two FedPA runs with rho 0.1 (FedPA's default) and 0.3, both with burn_in_rounds=4 (default 100):
+    the hp column shows each run's non-default values, wrapped within the column; two ids share
+    their first 12 characters, so they show 13; the rest show 8."""
     ids = ["0123456789ab" + "c" * 20, "0123456789ab" + "d" * 20, "9" * 32]
     with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
         _add(store, ids[0], "fedpa", 0.1, "a-very-long-run-name-that-would-never-fit-in-a-narrow-terminal")
@@ -59,10 +60,10 @@ def test_list_runs_fits_80_columns_with_short_ids_and_differing_hyperparameters(
     assert table.exit_code == 0, table.output
     lines = table.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
-    rows = {line.split("│")[1].strip(): line for line in lines if line.startswith("│")}
+    rows = {line.split("│")[1].strip(): line for line in lines if line.startswith("│") and line.split("│")[1].strip()}
     assert sorted(rows) == ["0123456789abc", "0123456789abd", "99999999"]
-    assert "rho=0.1" in rows["0123456789abc"] and "rho=0.3" in rows["0123456789abd"]
-    assert "burn_in" not in table.stdout and "…" in rows["0123456789abc"]
+    assert "burn_in_rounds=4" in rows["0123456789abc"] and "burn_in_rounds=4" in rows["0123456789abd"]
+    assert "rho=0.3" in table.stdout and "rho=0.1" not in table.stdout and "…" in rows["0123456789abc"]
     assert as_json.exit_code == 0
     assert [row["id"] for row in json.loads(as_json.stdout)] == ids
     assert all(not key.startswith("_") for row in json.loads(as_json.stdout) for key in row)
@@ -141,7 +142,8 @@ def test_ui_serves_the_experiments_runs_table_and_stops_cleanly_on_sigterm(tmp_p
         code = ui.wait(timeout=30)
     stderr = ui.stderr.read()
 
-    assert url == f"http://127.0.0.1:{port}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+    assert url == (f"http://127.0.0.1:{port}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+                   "&viewStateShareKey=fedcli-compare")
     assert named.exit_code == 0 and named.stdout.splitlines()[0] == url
     assert unknown.exit_code == 2 and "--experiment must name an MLflow experiment" in unknown.stderr
     assert statuses == (200, 200)

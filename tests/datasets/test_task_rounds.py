@@ -2,7 +2,7 @@
 
 Each task loads its data the real way (bundled files, or tiny files in the publisher's
 format for data fedcli does not bundle), keeps 2 clients x 4 examples, runs
-`fedcli.engine.train.run_round` with the default model and evaluates with the engine's
+`fedcli.engine.rounds.run_round` with the default model and evaluates with the engine's
 `evaluate` (loss for every kind; accuracy for classification; dist_to_opt where known).
 Multi-label and next-token tasks also get their metrics from datasets/metrics.py.
 """
@@ -23,10 +23,12 @@ from fedcli.datasets.federated import FederatedData
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
 from fedcli.datasets.tff_h5 import BOS, EOS, OOV, PAD
+from fedcli.engine.backends.vmap import VmapBackend
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.evaluation import evaluate
-from fedcli.engine.executors import model_functions
-from fedcli.engine.train import Setup, Timing, run_round
+from fedcli.engine.model import model_functions
+from fedcli.engine.rounds import Timing, run_round
+from fedcli.engine.setup import Setup
 from tests.datasets._format_writers import write_task_fixture
 
 BUNDLED = ("mnist", "shakespeare", "bibtex", "quadratic-2d", "synthetic-0-0", "synthetic-0.5-0.5", "synthetic-1-1",
@@ -74,7 +76,7 @@ def test_one_round(name: str, tmp_path: Path) -> None:
     fed = FederatedData(data.x, data.y, clients, torch.device("cpu"))
     alg = ALGORITHMS["fedavg"]
     hp = make_hyperparameters("fedavg", {})
-    setup = Setup(cfg, task, data, fed, model_functions(task, model, fed), alg, hp, torch.device("cpu"), "vmap", init,
+    setup = Setup(cfg, task, data, fed, model_functions(task, model, fed), alg, hp, torch.device("cpu"), VmapBackend(), init,
                   opt=cfg.train.optim(task.client_lr))
     state = alg.server_init(init, hp, setup.opt)
     state, round_metrics = run_round(setup, state, ClientStateStore(None), 1, Timing())

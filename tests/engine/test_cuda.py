@@ -65,7 +65,7 @@ def test_cuda_vmap_run_equals_the_cpu_loop_and_its_checkpoints_evaluate_on_cpu(t
 @pytest.mark.parametrize("algo", ["fedavg", "fedpa"])
 def test_cuda_fused_run_equals_the_cpu_loop(tmp_path: Path, algo: str) -> None:
     """Softmax regression on the FedProx synthetic federation, the cohort's local SGD fused on the
-    GPU (engine/dense.py: bmm/baddbmm on CUDA) vs the CPU loop: the same final training loss."""
+    GPU (engine/backends/fused.py: bmm/baddbmm on CUDA) vs the CPU loop: the same final training loss."""
     url = f"sqlite:///{tmp_path / 'store.db'}"
     extra = ["--task", "synthetic-1-1", "--hp", "burn_in_rounds=2"] if algo == "fedpa" else ["--task", "synthetic-1-1"]
     gpu = _train(tmp_path, url, "--algo", algo, "--device", "cuda", "--executor", "fused", *extra)

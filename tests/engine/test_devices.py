@@ -1,6 +1,6 @@
 """Device-facing parts of the engine that a CPU can check: row indices built on the tensors'
 own device (merge_outs, take_clients, the fused blocks), the TF32 flags of --precision, the
-compiled cohort's graph count across rounds, and the `auto` executor rule for CUDA.
+compiled cohort's graph count across rounds, and the `auto` back-end rule for CUDA.
 
 The tests marked `cuda` run the same code on a GPU (--cohort-chunk crashed there with
 "index is on cpu"); they skip where torch sees no CUDA device.
@@ -15,21 +15,14 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import ClientOut
-from fedcli.config import build_config
-from fedcli.engine.executors import RowIndex, merge_outs, run_vmap, take_clients
-from fedcli.engine.workers import (
-    CUDA_FUSED_MAX_CLIENTS,
-    CompiledVmap,
-    choose_executor,
-    cuda_tf32_flags,
-    in_process_executor,
-    reads_round_idx,
-    with_precision,
-)
+from fedcli.engine.backends.compiled import CompiledVmap
+from fedcli.engine.backends.fused import CUDA_FUSED_MAX_CLIENTS
+from fedcli.engine.cohort import RowIndex, merge_outs, take_clients
+from fedcli.engine.model import cuda_tf32_flags, with_precision
+from fedcli.engine.select import choose, in_process
 from tests.engine.test_equivalence import two_rounds
-from tests.engine.test_workers import assert_trees_close, lsq_round
+from tests.engine.test_workers import assert_trees_close, job, lsq_round, vmap_run, workload
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -69,12 +62,11 @@ def test_take_clients_and_merge_outs_keep_cuda_tensors_on_cuda() -> None:
     _, setup, bc, inputs = lsq_round("scaffold", **{"train.device": "cuda"})
     assert inputs.plan.index.device.type == "cuda" and inputs.states is not None
     inputs = dataclasses.replace(inputs, keys=inputs.keys.cuda())
-    opt = setup.opt
-    whole = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1)
+    whole = vmap_run(setup, bc, inputs)
     groups = [np.array([4, 0]), np.array([5, 1, 3]), np.array([2])]
     parts = [take_clients(inputs, g) for g in groups]
     assert all(t.device.type == "cuda" for p in parts for t in pytree.tree_leaves(p) if isinstance(t, torch.Tensor))
-    merged = merge_outs(groups, [run_vmap(setup.alg, setup.fns, bc, p, setup.hp, opt, 1) for p in parts])
+    merged = merge_outs(groups, [vmap_run(setup, bc, p) for p in parts])
     assert_trees_close(merged, whole)
 
 
@@ -88,9 +80,9 @@ def test_cohort_chunk_on_cuda_equals_the_cpu_loop(executor: str, task: str, extr
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """--cohort-chunk 3 (and, for fused, blocks of one client: the index_copy_ of each block's
     rows) on the GPU: SCAFFOLD's parameters and client states equal the CPU loop's."""
-    from fedcli.engine import dense
+    from fedcli.engine.backends import fused
 
-    monkeypatch.setattr(dense, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(fused, "BLOCK_BYTES", 1)
     extra = {**extra, "train.client_lr": 0.05}
     loop_params, loop_states = two_rounds("scaffold", "loop", task, {**extra, "train.device": "cpu"})
     gpu_params, gpu_states = two_rounds("scaffold", executor, task,
@@ -105,14 +97,14 @@ def test_cohort_chunk_on_cuda_equals_the_cpu_loop(executor: str, task: str, extr
 def test_tests_pin_device_auto_to_the_cpu_even_where_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/conftest.py's autouse pin (tests not marked `cuda`): `auto` resolves to the CPU,
     explicit devices pass through. CUDA is faked as available: resolve_device only names it."""
-    import fedcli.engine.train as train
+    import fedcli.engine.setup as setup
     from tests.conftest import pin_auto_device_to_cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     pin_auto_device_to_cpu(monkeypatch)
-    assert train.resolve_device("auto") == torch.device("cpu")
-    assert train.resolve_device("cuda") == torch.device("cuda")
-    assert train.resolve_device("cpu") == torch.device("cpu")
+    assert setup.resolve_device("auto") == torch.device("cpu")
+    assert setup.resolve_device("cuda") == torch.device("cuda")
+    assert setup.resolve_device("cpu") == torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------- precision
@@ -159,24 +151,14 @@ def test_precision_on_a_cpu_leaves_the_cuda_flags_alone() -> None:
 # ----------------------------------------------------------------------------- --compile across rounds
 
 
-def test_only_client_code_that_reads_round_idx_keys_graphs_by_round() -> None:
-    """fedavg.py names round_idx only as fused_local's parameter: one graph for every round (it
-    compiled a new one each round, and dynamo fell back to eager after 8). FedPA's burn-in,
-    FOLA's prior and BayesADMM's schedule read ctx.round_idx."""
-    for name in ("fedavg", "fedprox", "scaffold", "fedlsa", "feddyn"):
-        assert not reads_round_idx(ALGORITHMS[name]), name
-    for name in ("fedpa", "fola", "bayesadmm"):
-        assert reads_round_idx(ALGORITHMS[name]), name
-
-
 @pytest.mark.parametrize(("algo", "graphs"), [("fedavg", 1), ("fedpa", 2), ("fola", 10)])
 def test_compiled_cohort_compiles_once_per_key_over_ten_rounds(algo: str, graphs: int) -> None:
     """Ten rounds of the same cohort shapes through CompiledVmap (dynamo with the `eager` backend:
     the graph capture of --compile, without Inductor's codegen): FedAvg captures one graph and
     reuses it; FedPA captures two (burn-in rounds 1-3, sampling rounds 4-10: its round_key);
-    FOLA (reads round_idx, no round_key) captures one per round, each from its own code object,
+    FOLA (its round_key is the round) captures one per round, each from its own code object,
     so rounds past dynamo's recompile limit of 8 are still compiled graphs, not eager fallbacks.
-    Every round equals run_vmap's result (rounds 1, 4 and 10 checked)."""
+    Every round equals the vmap back end's result (rounds 1, 4 and 10 checked)."""
     from torch._dynamo.utils import counters
 
     extra = {"algorithm.hp": {"burn_in_rounds": 3}} if algo == "fedpa" else {}
@@ -184,42 +166,38 @@ def test_compiled_cohort_compiles_once_per_key_over_ten_rounds(algo: str, graphs
     torch._dynamo.reset()
     counters.clear()
     runner = CompiledVmap(backend="eager")
-    opt = setup.opt
     for round_idx in range(1, 11):
-        got = runner(setup.alg, setup.fns, bc, inputs, setup.hp, opt, round_idx)
+        got = runner.run(job(setup, bc, inputs, round_idx))
         if round_idx in (1, 4, 10):
-            assert_trees_close(got, run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, round_idx))
+            assert_trees_close(got, vmap_run(setup, bc, inputs, round_idx))
     assert len(runner.compiled) == graphs
     assert counters["stats"]["unique_graphs"] == graphs
     assert not counters["recompile_limit"] if "recompile_limit" in counters else True
     torch._dynamo.reset()
 
 
-# ----------------------------------------------------------------------------- the auto executor on CUDA
+# ----------------------------------------------------------------------------- the auto back end on CUDA
 
 
 def test_cuda_auto_rule_fused_for_small_cohorts_vmap_for_large_never_process() -> None:
     """Measured on an H100 (FEMNIST MLP): fused 0.015 s vs vmap 0.042 s at 10 clients, vmap
     0.052 s vs fused 0.128 s at 100. CUDA: fused up to CUDA_FUSED_MAX_CLIENTS, vmap above and
-    for convolutional models, never worker processes; the CPU rule is unchanged."""
-    fedavg, cuda, cpu = ALGORITHMS["fedavg"], torch.device("cuda"), torch.device("cpu")
+    for convolutional models, never worker processes; on a CPU fused for dense classifiers at any
+    cohort size and the loop for convolutional models."""
     small, large = CUDA_FUSED_MAX_CLIENTS, CUDA_FUSED_MAX_CLIENTS + 1
-    assert in_process_executor(fedavg, cuda, has_conv=False, dense=True, clients=10) == "fused"
-    assert in_process_executor(fedavg, cuda, has_conv=False, dense=True, clients=small) == "fused"
-    assert in_process_executor(fedavg, cuda, has_conv=False, dense=True, clients=large) == "vmap"
-    assert in_process_executor(fedavg, cuda, has_conv=False, dense=True, clients=100) == "vmap"
-    assert in_process_executor(fedavg, cuda, has_conv=True, clients=10) == "vmap"
-    assert in_process_executor(fedavg, cpu, has_conv=False, dense=True, clients=100) == "fused"
-    assert in_process_executor(fedavg, cpu, has_conv=True, clients=100) == "loop"
+    assert in_process(workload("mlp", "cuda", clients=10))[0] == "fused"
+    assert in_process(workload("mlp", "cuda", clients=small))[0] == "fused"
+    assert in_process(workload("mlp", "cuda", clients=large))[0] == "vmap"
+    assert in_process(workload("mlp", "cuda", clients=100))[0] == "vmap"
+    assert in_process(workload("cnn", "cuda", clients=10))[0] == "vmap"
+    assert in_process(workload("mlp", "cpu", clients=100))[0] == "fused"
+    assert in_process(workload("cnn", "cpu", clients=100))[0] == "loop"
 
-    def auto(clients: int, has_conv: bool = False, dense: bool = True, device: torch.device = cuda) -> str:
-        cfg = build_config(overrides={"train.workers": 2, "train.clients_per_round": clients})
-        return choose_executor(cfg, fedavg, device, lambda: 100.0, has_conv=has_conv, dense=dense)[0]
+    def auto(clients: int, model: str = "mlp", device: str = "cuda") -> str:
+        return choose(workload(model, device, clients=clients), "auto").backend
 
-    cnn = {"has_conv": True, "dense": False}
-    assert [auto(10), auto(100), auto(10, **cnn), auto(100, **cnn)] == ["fused", "vmap", "vmap", "vmap"]
-    assert auto(100, dense=False) == "vmap"
-    assert [auto(100, device=cpu), auto(10, **cnn, device=cpu)] == ["fused", "process"]
+    assert [auto(10), auto(100), auto(10, "cnn"), auto(100, "cnn")] == ["fused", "vmap", "vmap", "vmap"]
+    assert [auto(100, device="cpu"), auto(10, "cnn", device="cpu")] == ["fused", "loop"]
 
 
 # ----------------------------------------------------------------------------- make bench's GPU table
@@ -260,25 +238,25 @@ def test_bench_gpu_table_renders_and_says_why_it_is_skipped() -> None:
 
 
 def test_next_rounds_plan_built_during_this_round_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where executors return before the device is done (CUDA), train_cohort builds round r+1's cohort,
+    """Where back ends return before the device is done (CUDA), train_cohort builds round r+1's cohort,
     plan and step keys on the host before it waits for round r; round r+1 then takes that plan. Forced
     on here: three rounds of SCAFFOLD give bit-identical parameters and client states, rounds 2 and 3
     use the prefetched plans (built on the host), and nothing is built past the last round."""
-    from fedcli.engine import train
+    from fedcli.engine import rounds
 
     made: list[tuple[int, bool]] = []
-    real = train.plan_round
+    real = rounds.plan_round
 
     def recording(setup, round_idx: int, on_host: bool = False):  # noqa: ANN001, ANN202
         made.append((round_idx, on_host))
         return real(setup, round_idx, on_host)
 
     extra = {"train.client_lr": 0.05, "train.rounds": 3}
-    monkeypatch.setattr(train, "plan_round", recording)
+    monkeypatch.setattr(rounds, "plan_round", recording)
     plain_params, plain_states = two_rounds("scaffold", "vmap", "lsq", extra, rounds=3)
     assert made == [(1, False), (2, False), (3, False)]
     made.clear()
-    monkeypatch.setattr(train, "overlaps_host_work", lambda device: True)
+    monkeypatch.setattr(rounds, "overlaps_host_work", lambda device: True)
     ahead_params, ahead_states = two_rounds("scaffold", "vmap", "lsq", extra, rounds=3)
     assert made == [(1, False), (2, True), (3, True)]
     for key in plain_params:
@@ -291,7 +269,7 @@ def test_next_rounds_plan_built_during_this_round_changes_nothing(monkeypatch: p
 def test_round_metrics_cross_to_the_host_in_one_copy_with_their_exact_values() -> None:
     """aggregate's to_host: scalar tensors (float32, float64, int), Python numbers and per-client
     columns come back as the floats float() / tolist() give, whatever their dtype."""
-    from fedcli.engine.train import to_host
+    from fedcli.engine.rounds import to_host
 
     scalars = {"a": torch.tensor(0.1, dtype=torch.float32), "b": torch.tensor(1 / 3, dtype=torch.float64),
                "n": torch.tensor(7), "up": 123456789, "x": 2.5}

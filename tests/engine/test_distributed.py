@@ -5,7 +5,8 @@ plans every client's round from the run's seed and sends each rank its slice wit
 clients' states (engine/distributed.py); the client code sees the same inputs as in one
 process, so after two rounds (state crosses rounds, client sizes differ) the global
 parameters, the client states and every round's metrics equal the single-process `loop`
-reference to float tolerance, for every registered algorithm.
+reference to float tolerance, for every registered algorithm (rank 0's DistributedBackend and
+the other ranks' `serve`, engine/backends/distributed.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from fedcli.algorithms import ALGORITHMS
 from fedcli.cli.main import app
 from fedcli.config import build_config
 from fedcli.engine.clientstate import ClientStateStore
-from fedcli.engine.train import Timing, build, run_round
+from fedcli.engine.rounds import Timing, run_round
+from fedcli.engine.setup import build
 from fedcli.tracking.store import SqlStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +82,8 @@ def two_rounds(algo: str, task: str, extra: dict, executor: str, peers: object =
 
 def _equivalence_rank(rank: int, port: int) -> None:
     """One rank of test_every_algorithm_equals_the_single_process_run (spawned)."""
-    from fedcli.engine.distributed import process_group, serve
+    from fedcli.engine.distributed import process_group
+    from fedcli.engine.train import serve
 
     os.environ.update(rank_env(rank, port))
     torch.set_num_threads(1)

@@ -1,5 +1,6 @@
 """Every registered algorithm gives the same result client-by-client (`loop`), vmapped (`vmap`) and
-split over worker processes (`process`, one spawned worker + the main process on a shared pool).
+split over worker processes (`process`, one spawned worker + the main process on a shared pool):
+the back ends of engine/backends/ are interchangeable.
 
 The vmap executor pads clients to the cohort's longest step count and masks the padding;
 a masked step must leave all state unchanged, so after two rounds (state crosses rounds,
@@ -20,9 +21,11 @@ from torch.utils import _pytree as pytree
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import HyperparameterError
 from fedcli.config import build_config
+from fedcli.engine.backends import BackendSetup
+from fedcli.engine.backends.process import ProcessBackend, WorkerPool
 from fedcli.engine.clientstate import ClientStateStore
-from fedcli.engine.train import Timing, build, run_round
-from fedcli.engine.workers import ProcessExecutor, WorkerPool
+from fedcli.engine.rounds import Timing, run_round
+from fedcli.engine.setup import build
 
 LSA_TASK = "garnet-het-n10"
 
@@ -50,9 +53,11 @@ def two_rounds(algo: str, executor: str, task: str, extra: dict, rounds: int = 2
                                   "train.clients_per_round": 4, "train.local_epochs": 2, "train.batch_size": 16,
                                   **extra}, hp=hp)
     setup = build(cfg)
-    if executor == "process":  # the same executor, on the module's pool instead of a pool of its own
-        setup = dataclasses.replace(setup, runner=ProcessExecutor(cfg, setup.fed, workers=2, pool=pool,
-                                                                  inner=setup.runner.inner))
+    if executor == "process":  # the same back end, on the module's pool instead of a pool of its own
+        setup.backend.close()
+        on_pool = BackendSetup(cfg=cfg, model=setup.model, fed=setup.fed, device=setup.device, workers=2,
+                               inner=setup.backend.inner)
+        setup = dataclasses.replace(setup, backend=ProcessBackend(on_pool, pool=pool))
     state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     init = setup.alg.init_client_state
     store = ClientStateStore(None if init is None else (lambda: init(setup.init_params, setup.hp)))

@@ -1,10 +1,10 @@
-"""The `fused` executor (engine/dense.py): hand-derived cohort local SGD for dense classifiers.
+"""The `fused` back end (engine/backends/fused.py): hand-derived cohort local SGD for dense classifiers.
 
 Checks, in order: the closed form of one step on a softmax-regression client; the hand-derived
 backward pass of every supported model against autograd; fused = loop (the reference) for every
-algorithm that opts in (Algorithm.fused_local), with uneven clients, momentum and several
-epochs, in-process, chunked and inside worker processes; the guard in local_sgd; and the
-executor choice and its error line.
+algorithm that declares its local SGD (Algorithm.local), with uneven clients, momentum and
+several epochs, in-process, chunked and inside worker processes; the cohort's requests taken in
+one vmapped call; and the back-end choice and its error line.
 """
 
 from __future__ import annotations
@@ -16,18 +16,24 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.algorithms.base import LocalRequest, OptimConfig
-from fedcli.algorithms.optim import local_sgd
+from fedcli.algorithms.base import LocalSGD, OptimConfig
+from fedcli.algorithms.optim import train_local
 from fedcli.config import build_config
 from fedcli.datasets import models
 from fedcli.datasets.federated import FederatedData
-from fedcli.engine.dense import DenseSpec, dense_local_sgd, dense_spec
-from fedcli.engine.executors import make_context
-from fedcli.engine.train import build
+from fedcli.engine.backends.fused import DenseSpec, dense_local_sgd, dense_spec
+from fedcli.engine.cohort import make_context
+from fedcli.engine.setup import build
 from fedcli.errors import ConfigError
 from tests.engine.test_equivalence import required_hyperparameters, two_rounds
 
-FUSED = sorted(name for name, alg in ALGORITHMS.items() if alg.fused_local is not None)
+# every algorithm that declares its local SGD, except the LSA ones (their server_init refuses classifiers)
+FUSED = sorted(name for name, alg in ALGORITHMS.items() if alg.local is not None and name not in ("fedlsa", "scafflsa"))
+
+
+def per_client(params: dict, clients: int) -> dict:
+    """The same start for every client, as the fused back end receives it: [C, ...] expanded views."""
+    return {k: v.expand(clients, *v.shape) for k, v in params.items()}
 
 
 def cohort(sizes: list[int], features: int, classes: int, batch: int, epochs: int, seed: int = 0):  # noqa: ANN201
@@ -53,7 +59,7 @@ def test_one_step_of_softmax_regression_is_the_closed_form_gradient_step() -> No
              "linear.bias": torch.randn(3, generator=gen, dtype=torch.float64)}
     lr = 0.3
     result = dense_local_sgd(DenseSpec((("linear.weight", "linear.bias"),), "identity"), fed.x, fed.y,
-                             lambda x: x, start, plan, OptimConfig(client_lr=lr), average_epochs=False)
+                             lambda x: x, per_client(start, 1), plan, OptimConfig(client_lr=lr), average_epochs=False)
     x, y = fed.x, F.one_hot(fed.y, 3).to(torch.float64)
     residual = torch.softmax(x @ start["linear.weight"].T + start["linear.bias"], dim=1) - y  # P - Y
     expected_w = start["linear.weight"] - lr * residual.T @ x / 7
@@ -68,19 +74,16 @@ def test_one_step_of_softmax_regression_is_the_closed_form_gradient_step() -> No
                                    models.Linear(6, 3), models.Linear(6, 3, bias=False)],
                          ids=["relu-mlp", "sigmoid-mlp", "logreg", "logreg-no-bias"])
 @pytest.mark.parametrize("momentum,mu,linear", [(0.0, 0.0, False), (0.9, 0.0, False), (0.0, 0.7, False),
-                                                (0.9, 0.7, False), (0.0, 0.0, True), (0.9, 0.0, True)])
+                                                (0.9, 0.7, False), (0.0, 0.0, True), (0.9, 0.0, True),
+                                                (0.9, 0.7, True)])
 def test_hand_derived_training_equals_autograd_local_sgd_client_by_client(model: torch.nn.Module,
                                                                           momentum: float, mu: float,
                                                                           linear: bool) -> None:
     """dense_local_sgd on a cohort of uneven clients (2 epochs, padded last batches, sorted and
-    unsorted internally) = optim.local_sgd through autograd run on each client alone, in float64:
+    unsorted internally) = optim.train_local through autograd run on each client alone, in float64:
     last iterate, IASG epoch means and mean loss; with mu > 0 both follow FedProx's objective
-    F_k + mu/2 ||w - w_start||^2 (fedprox.proximal_objective on the autograd side); with `linear`
-    both follow SCAFFOLD's corrected gradient g + l_c with a per-client constant l_c
-    (scaffold.corrected_objective)."""
-    from fedcli.algorithms.fedprox import proximal_objective
-    from fedcli.algorithms.scaffold import corrected_objective
-
+    F_k + mu/2 ||w - w_start||^2, with `linear` SCAFFOLD's corrected gradient g + l_c with a
+    per-client constant l_c (both declared in the same LocalSGD)."""
     model = model.double()
     spec = dense_spec(model)
     assert spec is not None
@@ -90,10 +93,10 @@ def test_hand_derived_training_equals_autograd_local_sgd_client_by_client(model:
     gen = torch.Generator().manual_seed(7)
     terms = ({k: 0.3 * torch.randn((4, *v.shape), generator=gen, dtype=torch.float64) for k, v in start.items()}
              if linear else None)
-    fused = dense_local_sgd(spec, fed.x, fed.y, lambda x: x, start, plan, opt, average_epochs=True, prox_mu=mu,
-                            linear=terms)
+    fused = dense_local_sgd(spec, fed.x, fed.y, lambda x: x, per_client(start, 4), plan, opt, average_epochs=True,
+                            prox_mu=mu, linear=terms)
 
-    def loss_fn(params, batch):  # noqa: ANN001, ANN202 - the executors' task loss, on this model
+    def loss_fn(params, batch):  # noqa: ANN001, ANN202 - the back ends' task loss, on this model
         out = torch.func.functional_call(model, params, (batch.x,))
         return (F.cross_entropy(out, batch.y, reduction="none") * batch.weight).sum() / batch.weight.sum().clamp_min(1)
 
@@ -103,10 +106,9 @@ def test_hand_derived_training_equals_autograd_local_sgd_client_by_client(model:
         own = plan.for_client(c)
         ctx = make_context(fns, own.index[0], own.weight[0], own.step_mask[0], torch.zeros(own.index.shape[1]),
                            own.num_examples[0], {}, plan.num_epochs, own.steps_per_epoch, 1)
-        objective = proximal_objective(loss_fn, start, mu) if mu else None
-        if terms is not None:
-            objective = corrected_objective(ctx, {k: v[c] for k, v in terms.items()})
-        ref = local_sgd(ctx, start, opt, objective, average_epochs=True)
+        request = LocalSGD(start=start, prox_mu=mu, linear=None if terms is None else {k: v[c] for k, v in terms.items()},
+                           average_epochs=True)
+        ref = train_local(ctx, request, opt)
         for name in start:
             torch.testing.assert_close(fused.params[name][c], ref.params[name], rtol=1e-10, atol=1e-12)
             for epoch in range(2):
@@ -132,7 +134,7 @@ def test_fused_agrees_with_the_loop(algo: str, task: str, model: str) -> None:
 def test_fused_in_chunks_and_in_worker_processes_agrees_with_the_loop(algo: str) -> None:
     """`--cohort-chunk 3` regroups the cohort of 4 by length; `--executor process` runs `fused` in
     each worker on its share: both still give the loop's parameters."""
-    from fedcli.engine.workers import WorkerPool, close_runner
+    from fedcli.engine.backends.process import WorkerPool
 
     extra = {"data.model": "logreg", "train.client_lr": 0.05}
     loop_params, _ = two_rounds(algo, "loop", "synthetic-1-1", extra)
@@ -140,34 +142,29 @@ def test_fused_in_chunks_and_in_worker_processes_agrees_with_the_loop(algo: str)
     cfg = build_config(overrides={"algorithm.name": algo, "data.task": "synthetic-1-1", "train.executor": "process",
                                   "train.workers": 2, "train.device": "cpu", **extra}, hp=required_hyperparameters(algo))
     setup = build(cfg)
-    assert setup.runner.inner == "fused"
+    assert setup.backend.inner == "fused"  # type: ignore[attr-defined]
     with WorkerPool(1) as pool:
         process_params, _ = two_rounds(algo, "process", "synthetic-1-1", extra, pool=pool)
     for key in loop_params:
         torch.testing.assert_close(chunk_params[key], loop_params[key], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(process_params[key], loop_params[key], rtol=1e-4, atol=1e-5)
-    close_runner(setup.runner)
+    setup.backend.close()
 
 
-def test_local_sgd_refuses_a_precomputed_result_that_does_not_answer_its_call() -> None:
-    """An algorithm whose fused_local misdescribes its client_update fails loudly, never silently."""
-    fed, plan = cohort([6], features=3, classes=2, batch=3, epochs=1)
-    start = {"linear.weight": torch.zeros(2, 3, dtype=torch.float64), "linear.bias": torch.zeros(2, dtype=torch.float64)}
-    spec = DenseSpec((("linear.weight", "linear.bias"),), "identity")
-    result = dense_local_sgd(spec, fed.x, fed.y, lambda x: x, start, plan, OptimConfig(), average_epochs=False)
-    one = pytree.tree_map(lambda t: t[0], result)
-    fns = type("Fns", (), {"loss_fn": None, "apply_fn": None, "data": fed, "prepare": None})()
-    ctx = make_context(fns, plan.index[0], plan.weight[0], plan.step_mask[0], torch.zeros(2), plan.num_examples[0],
-                       {}, 1, 2, 1)._replace(local=one, local_request=LocalRequest(start))
-    assert local_sgd(ctx, start, OptimConfig()) is one
-    with pytest.raises(RuntimeError, match="does not match this local_sgd call"):
-        local_sgd(ctx, start, OptimConfig(), average_epochs=True)
-    with pytest.raises(RuntimeError, match="does not match this local_sgd call"):
-        local_sgd(ctx, start, OptimConfig(), lambda p, b: torch.zeros(()))
-    from fedcli.algorithms.fedprox import proximal_objective
+def test_the_cohorts_requests_are_taken_in_one_vmapped_call() -> None:
+    """cohort_request stacks what differs per client (SCAFFOLD's c - c_i, from each client's state) and
+    takes the static fields once; a start shared by the cohort comes back as an expanded view."""
+    from fedcli.engine.backends.fused import cohort_request
+    from tests.engine.test_workers import job, lsq_round
 
-    with pytest.raises(RuntimeError, match="does not match this local_sgd call"):  # answers mu = 0, not 0.5
-        local_sgd(ctx, start, OptimConfig(), proximal_objective(lambda p, b: torch.zeros(()), start, 0.5))
+    _, setup, bc, inputs = lsq_round("scaffold", cohort_size=4)
+    request = cohort_request(job(setup, bc, inputs))
+    assert request.prox_mu == 0.0 and not request.average_epochs and request.linear is not None
+    for name, start in bc.params.items():
+        assert request.start[name].shape == (4, *start.shape) and request.start[name].stride()[0] == 0
+        for c in range(4):
+            torch.testing.assert_close(request.linear[name][c], bc.control[name] - inputs.states.control[name][c],
+                                       rtol=0, atol=0)
 
 
 def test_auto_picks_fused_for_dense_classifiers_only() -> None:
@@ -196,20 +193,20 @@ def test_big_cohorts_run_in_cache_sized_blocks_with_the_single_call_result(monke
     """cohort_local_sgd trains a cohort larger than a block (here 4 clients of this MLP) block by
     block, longest clients first, and writes each row back to its cohort slot: the same
     LocalResult as one dense_local_sgd call over the whole cohort."""
-    from fedcli.algorithms.base import LocalRequest
-    from fedcli.engine import dense
-    from fedcli.engine.executors import CohortInputs
+    from fedcli.engine.backends import fused
+    from fedcli.engine.cohort import CohortInputs
 
     sizes = [3 + (7 * c) % 19 for c in range(11)]
     fed, plan = cohort(sizes, features=6, classes=3, batch=4, epochs=2)
     model = models.MLP(6, (5,), 3).double()
     start = {k: v.detach().clone() for k, v in model.named_parameters()}
-    per_client = 3 * sum(v.numel() * 8 for v in start.values())  # momentum and epoch sums: 3 copies
-    monkeypatch.setattr(dense, "BLOCK_BYTES", 4 * per_client + 1)
-    assert dense.block_size(start, momentum=True, average_epochs=True) == 4
+    per_client_bytes = 3 * sum(v.numel() * 8 for v in start.values())  # momentum and epoch sums: 3 copies
+    monkeypatch.setattr(fused, "BLOCK_BYTES", 4 * per_client_bytes + 1)
+    assert fused.block_size(start, momentum=True, average_epochs=True) == 4
     opt = OptimConfig(client_lr=0.1, client_momentum=0.5)
-    fns = type("Fns", (), {"dense": dense_spec(model), "data": fed, "prepare": staticmethod(lambda x: x)})()
+    fns = type("Fns", (), {"data": fed, "prepare": staticmethod(lambda x: x)})()
     inputs = CohortInputs(plan=plan, keys=torch.zeros(plan.index.shape[:2], dtype=torch.int64), noise={}, states=None)
-    blocked = dense.cohort_local_sgd(fns, LocalRequest(start, average_epochs=True), inputs, opt)
-    single = dense_local_sgd(fns.dense, fed.x, fed.y, lambda x: x, start, plan, opt, average_epochs=True)
+    spec = dense_spec(model)
+    blocked = fused.cohort_local_sgd(spec, fns, LocalSGD(per_client(start, 11), average_epochs=True), inputs, opt)
+    single = dense_local_sgd(spec, fed.x, fed.y, lambda x: x, per_client(start, 11), plan, opt, average_epochs=True)
     pytree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12), blocked, single)

@@ -1,4 +1,4 @@
-"""`--graph` (engine/graphed.py): the vmapped cohort update traced once per key into one program
+"""`--graph` (engine/backends/graphed.py): the vmapped cohort update traced once per key into one program
 and replayed; on CUDA captured as one CUDA graph.
 
 What the CPU checks: the traced program computes what the eager executors compute (every
@@ -20,11 +20,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.engine import graphed
-from fedcli.engine.executors import run_vmap
-from fedcli.engine.graphed import GraphedVmap, Untraceable
-from tests.engine.test_equivalence import assert_same_run, pick_task, two_rounds
-from tests.engine.test_workers import assert_trees_close, lsq_round
+from fedcli.config import make_hyperparameters
+from fedcli.engine.backends import graphed, keyed_every_round
+from fedcli.engine.backends.graphed import GraphedVmap, Untraceable
+from tests.engine.test_equivalence import assert_same_run, pick_task, required_hyperparameters, two_rounds
+from tests.engine.test_workers import assert_trees_close, job, lsq_round, vmap_run
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -32,20 +32,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 @pytest.mark.parametrize("algo", [name for name, rec in ALGORITHMS.items() if rec.supports_vmap])
 def test_graph_agrees_with_the_loop_for_every_algorithm(algo: str, caplog: pytest.LogCaptureFixture) -> None:
     """Two rounds (state crosses rounds, clients of different lengths, 2 local epochs) with --graph
-    equal the loop executor's: the program holds every local step, mask and state update. Every
-    algorithm is traced (no fallback warning), except those whose client code reads ctx.round_idx
-    without a round_key, which run eagerly by design."""
-    from fedcli.engine.workers import reads_round_idx
-
+    equal the loop back end's: the program holds every local step, mask and state update. Every
+    algorithm is traced (no fallback warning), except those whose round_key changes every round
+    (FOLA), which run eagerly by design."""
     task = pick_task(algo)
     extra = {"train.client_lr": 0.01}
-    with caplog.at_level(logging.WARNING, logger="fedcli.engine.graphed"):
+    with caplog.at_level(logging.WARNING, logger="fedcli.engine.backends.graphed"):
         graph_run = two_rounds(algo, "vmap", task, {**extra, "train.graph": True})
     assert_same_run(graph_run, two_rounds(algo, "loop", task, extra))
     warnings = [r.getMessage() for r in caplog.records]
-    rec = ALGORITHMS[algo]
-    if rec.round_key is None and reads_round_idx(rec):
-        assert len(warnings) == 1 and "reads ctx.round_idx" in warnings[0]
+    hp = make_hyperparameters(algo, {**required_hyperparameters(algo), **({"burn_in_rounds": 1} if algo == "fedpa" else {})})
+    if keyed_every_round(ALGORITHMS[algo], hp, 1):
+        assert len(warnings) == 1 and "round_key changes every round" in warnings[0]
     else:
         assert warnings == []
 
@@ -80,8 +78,8 @@ def test_a_program_is_built_once_per_key_and_replayed_with_each_rounds_inputs(al
         keys = inputs.keys + 1000 * round_idx
         moved = pytree.tree_map(lambda t, r=round_idx: t * (1 + 0.1 * r) if t.is_floating_point() else t, bc)
         these = dataclasses.replace(inputs, keys=keys)
-        got = runner(setup.alg, setup.fns, moved, these, setup.hp, setup.opt, round_idx)
-        assert_trees_close(got, run_vmap(setup.alg, setup.fns, moved, these, setup.hp, setup.opt, round_idx))
+        got = runner.run(job(setup, moved, these, round_idx))
+        assert_trees_close(got, vmap_run(setup, moved, these, round_idx))
         if previous is not None:
             assert not torch.equal(pytree.tree_leaves(got.upload)[0], pytree.tree_leaves(previous.upload)[0])
         previous = got
@@ -95,23 +93,24 @@ def test_a_new_shape_is_a_new_program() -> None:
     runner = GraphedVmap(torch.device("cpu"))
     for size in (3, 4, 3):
         _, setup, bc, inputs = lsq_round("fedavg", cohort_size=size, epochs=1)
-        got = runner(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, 1)
-        assert_trees_close(got, run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, 1))
+        got = runner.run(job(setup, bc, inputs))
+        assert_trees_close(got, vmap_run(setup, bc, inputs))
     assert len(runner.programs) == 2
 
 
 def test_client_code_keyed_by_every_round_runs_eagerly_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    """FOLA's client code reads ctx.round_idx (its 1/r prior) and declares no round_key: a program per
-    round never pays, so --graph runs it with the eager vmap executor, builds nothing, warns once."""
+    """FOLA's client code depends on the round itself (P_n = F_n / r + ..., its declared round_key): a
+    program per round never pays, so --graph runs it with the eager vmap computation, builds nothing,
+    warns once."""
     _, setup, bc, inputs = lsq_round("fola", cohort_size=3, epochs=1)
     runner = GraphedVmap(torch.device("cpu"))
-    with caplog.at_level(logging.WARNING, logger="fedcli.engine.graphed"):
+    with caplog.at_level(logging.WARNING, logger="fedcli.engine.backends.graphed"):
         for round_idx in (1, 2, 3):
-            got = runner(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, round_idx)
-            assert_trees_close(got, run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, round_idx))
+            got = runner.run(job(setup, bc, inputs, round_idx))
+            assert_trees_close(got, vmap_run(setup, bc, inputs, round_idx))
     assert not runner.programs
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
-    assert "reads ctx.round_idx" in caplog.records[0].getMessage()
+    assert "round_key changes every round" in caplog.records[0].getMessage()
 
 
 def test_a_program_that_cannot_be_traced_runs_eagerly(monkeypatch: pytest.MonkeyPatch,
@@ -129,10 +128,10 @@ def test_a_program_that_cannot_be_traced_runs_eagerly(monkeypatch: pytest.Monkey
     monkeypatch.setattr(proxy_tensor, "make_fx", refuse)
     _, setup, bc, inputs = lsq_round("fedavg", cohort_size=3, epochs=1)
     runner = GraphedVmap(torch.device("cpu"))
-    with caplog.at_level(logging.WARNING, logger="fedcli.engine.graphed"):
+    with caplog.at_level(logging.WARNING, logger="fedcli.engine.backends.graphed"):
         for round_idx in (1, 2):
-            got = runner(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, round_idx)
-            assert_trees_close(got, run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, round_idx))
+            got = runner.run(job(setup, bc, inputs, round_idx))
+            assert_trees_close(got, vmap_run(setup, bc, inputs, round_idx))
     assert len(calls) == 1 and list(runner.programs.values()) == [None]
     assert len(caplog.records) == 1 and "data-dependent control flow" in caplog.records[0].getMessage()
 
@@ -151,15 +150,15 @@ def test_tracing_refuses_branching_on_tensor_values_and_keeps_item_a_runtime_val
 def test_the_eager_program_that_a_gpu_captures_replays_like_vmap(algo: str, programs: int) -> None:
     """On CUDA the eager cohort function itself is captured (no trace). Here the same function runs
     uncaptured (trace=False, capture=False) through the same static plumbing: flat inputs, statics,
-    the output layout, one program per key; every round equals run_vmap."""
+    the output layout, one program per key; every round equals the vmap back end's."""
     extra = {"algorithm.hp": {"burn_in_rounds": 2}} if algo == "fedpa" else {}
     _, setup, bc, inputs = lsq_round(algo, cohort_size=3, epochs=2, **extra)
     runner = GraphedVmap(torch.device("cpu"), capture=False, trace=False)
     for round_idx in range(1, 5):
         moved = pytree.tree_map(lambda t, r=round_idx: t * (1 + 0.1 * r) if t.is_floating_point() else t, bc)
         these = dataclasses.replace(inputs, keys=inputs.keys + 1000 * round_idx)
-        got = runner(setup.alg, setup.fns, moved, these, setup.hp, setup.opt, round_idx)
-        assert_trees_close(got, run_vmap(setup.alg, setup.fns, moved, these, setup.hp, setup.opt, round_idx))
+        got = runner.run(job(setup, moved, these, round_idx))
+        assert_trees_close(got, vmap_run(setup, moved, these, round_idx))
     assert len(runner.programs) == programs and all(p is not None for p in runner.programs.values())
 
 
@@ -168,7 +167,7 @@ def test_capture_refuses_a_program_with_host_tensors() -> None:
     refused before any capture starts (the traced program then runs uncaptured)."""
     _, setup, bc, inputs = lsq_round("fedavg", cohort_size=3, epochs=1)
     runner = GraphedVmap(torch.device("cpu"), capture=False)
-    runner(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, 1)
+    runner.run(job(setup, bc, inputs))
     (program,) = runner.programs.values()
     assert program is not None
     with pytest.raises(Untraceable, match="one GPU"):
@@ -219,8 +218,8 @@ def test_captured_programs_replay_new_inputs_on_cuda() -> None:
     for round_idx in range(1, 7):
         moved = pytree.tree_map(lambda t, r=round_idx: t * (1 + 0.1 * r) if t.is_floating_point() else t, bc)
         these = dataclasses.replace(inputs, keys=inputs.keys + 1000 * round_idx)
-        got = runner(setup.alg, setup.fns, moved, these, setup.hp, setup.opt, round_idx)
-        assert_trees_close(got, run_vmap(setup.alg, setup.fns, moved, these, setup.hp, setup.opt, round_idx))
+        got = runner.run(job(setup, moved, these, round_idx))
+        assert_trees_close(got, vmap_run(setup, moved, these, round_idx))
     (program,) = runner.programs.values()
     assert program is not None and program.graph is not None
 

@@ -10,7 +10,8 @@ from torch.utils import _pytree as pytree
 
 from fedcli.config import build_config
 from fedcli.engine.clientstate import ClientStateStore
-from fedcli.engine.train import DivergenceError, Timing, aggregate, build, train_cohort
+from fedcli.engine.rounds import DivergenceError, Timing, aggregate, train_cohort
+from fedcli.engine.setup import build
 
 
 def _setup(algo: str):  # noqa: ANN202
@@ -84,10 +85,10 @@ def test_a_run_whose_cohort_is_all_nan_ends_failed_with_its_round(tmp_path) -> N
 
 
 def test_finite_rows_is_exact_when_finite_entries_overflow_their_sum() -> None:
-    """_finite_rows sums each client's row and checks only non-finite sums entry by entry: a row of huge
+    """finite_rows sums each client's row and checks only non-finite sums entry by entry: a row of huge
     finite values (sum = inf in float32) is kept; NaN, +inf, -inf and inf - inf (sum NaN) rows are dropped;
     leaves that are not per-client (0-d, other leading size, integer) are ignored."""
-    from fedcli.engine.train import _finite_rows
+    from fedcli.engine.cohort import finite_rows
 
     big = torch.finfo(torch.float32).max
     weights = torch.zeros(6, 3, 2)
@@ -99,5 +100,5 @@ def test_finite_rows_is_exact_when_finite_entries_overflow_their_sum() -> None:
     bias[5, 0], bias[5, 1] = math.inf, -math.inf  # the row sums to NaN
     upload = {"w": weights, "b": bias, "scalar": torch.tensor(math.nan), "count": torch.full((6,), 7),
               "other": torch.full((2, 3), math.nan)}
-    assert _finite_rows(upload, 6).tolist() == [True, True, False, False, False, False]
-    assert _finite_rows({"none": torch.tensor(1.0)}, 3).tolist() == [True, True, True]
+    assert finite_rows(upload, 6).tolist() == [True, True, False, False, False, False]
+    assert finite_rows({"none": torch.tensor(1.0)}, 3).tolist() == [True, True, True]

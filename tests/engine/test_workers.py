@@ -1,6 +1,6 @@
-"""The process executor's parts: cohort splitting, slicing, shared-memory transport, the pool,
+"""The process back end's parts: cohort splitting, slicing, shared-memory transport, the pool,
 the `auto` choice, precision and step padding (tests/engine/test_equivalence.py checks that
-the whole executor agrees with `loop` for every algorithm).
+the whole back end agrees with `loop` for every algorithm).
 """
 
 from __future__ import annotations
@@ -15,25 +15,24 @@ from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.config import build_config
-from fedcli.engine.executors import CohortInputs, run_vmap
-from fedcli.engine.seeding import Stream, numpy_rng, sample_cohort, step_keys
-from fedcli.engine.train import build
-from fedcli.engine.workers import (
-    ProcessExecutor,
-    WorkerError,
-    WorkerPool,
+from fedcli.datasets.registry import TASKS
+from fedcli.engine.backends import BackendSetup, Workload
+from fedcli.engine.backends.loop import LoopBackend
+from fedcli.engine.backends.process import ProcessBackend, WorkerError, WorkerPool, pack, unpack
+from fedcli.engine.backends.vmap import VmapBackend
+from fedcli.engine.cohort import (
+    CohortInputs,
+    CohortJob,
     balanced_groups,
-    choose_executor,
-    close_runner,
-    in_process_executor,
     merge_outs,
-    pack,
     pad_steps,
     split_cohort,
     take_clients,
-    unpack,
-    with_precision,
 )
+from fedcli.engine.model import with_precision
+from fedcli.engine.seeding import Stream, numpy_rng, sample_cohort, step_keys
+from fedcli.engine.select import choose, in_process
+from fedcli.engine.setup import build
 from fedcli.errors import ConfigError
 
 
@@ -60,6 +59,23 @@ def lsq_round(algo: str = "fedavg", cohort_size: int = 6, epochs: int = 2, **ext
     inputs = CohortInputs(plan=plan, keys=step_keys(0, 1, cohort, plan.num_epochs * plan.steps_per_epoch),
                           noise={}, states=states)
     return cfg, setup, setup.alg.broadcast(state, setup.hp), inputs
+
+
+def job(setup, bc, inputs: CohortInputs, round_idx: int = 1, **kw: object) -> CohortJob:  # noqa: ANN001
+    """The CohortJob of a hand-built round (lsq_round) for a back end's `run`."""
+    return CohortJob(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, round_idx, **kw)
+
+
+def vmap_run(setup, bc, inputs: CohortInputs, round_idx: int = 1):  # noqa: ANN001, ANN201
+    """The vmap back end's result: what every other back end is checked against."""
+    return VmapBackend().run(job(setup, bc, inputs, round_idx))
+
+
+def process_backend(cfg, setup, pool: WorkerPool | None = None, inner: str = "vmap",  # noqa: ANN001
+                    workers: int = 2) -> ProcessBackend:
+    """A process back end over `workers` processes running `inner` (on `pool` when given)."""
+    return ProcessBackend(BackendSetup(cfg=cfg, model=setup.model, fed=setup.fed, device=setup.device,
+                                       workers=workers, inner=inner), pool=pool)
 
 
 def assert_trees_close(a: object, b: object) -> None:
@@ -106,10 +122,9 @@ def test_slices_run_separately_and_merged_equal_the_whole_cohort() -> None:
     """A slice trimmed to its own longest client keeps every client's real steps, keys and state,
     so running slices apart and merging them gives the vmapped cohort's result row for row."""
     _, setup, bc, inputs = lsq_round("scaffold")
-    whole = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, 1)
+    whole = vmap_run(setup, bc, inputs)
     groups = [np.array([4, 0]), np.array([5, 1, 3]), np.array([2])]
-    outs = [run_vmap(setup.alg, setup.fns, bc, take_clients(inputs, g), setup.hp, setup.opt, 1)
-            for g in groups]
+    outs = [vmap_run(setup, bc, take_clients(inputs, g)) for g in groups]
     assert all(take_clients(inputs, g).plan.steps_per_epoch == inputs.plan.steps_per_client[g].max() for g in groups)
     assert_trees_close(merge_outs(groups, outs), whole)
 
@@ -131,75 +146,90 @@ def test_pack_round_trips_nested_values_and_grows_the_arena() -> None:
     assert again is None  # fits: the arena is reused
 
 
-def test_process_executor_matches_vmap_and_carries_client_states(pool: WorkerPool) -> None:
+def test_process_backend_matches_vmap_and_carries_client_states(pool: WorkerPool) -> None:
     cfg, setup, bc, inputs = lsq_round("scaffold")
-    runner = ProcessExecutor(cfg, setup.fed, workers=2, inner="vmap", pool=pool)
-    want = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, 1)
-    got = runner(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, 1)
+    runner = process_backend(cfg, setup, pool)
+    want = vmap_run(setup, bc, inputs)
+    got = runner.run(job(setup, bc, inputs))
     assert_trees_close(got, want)
     assert pool.bound_token == runner.token and all(w.process.is_alive() for w in pool.workers)
 
 
 def test_failures_are_reported_and_leave_the_pool_usable(pool: WorkerPool) -> None:
     cfg, setup, bc, inputs = lsq_round("fedavg")
-    opt = setup.opt
-    want = run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1)
+    want = vmap_run(setup, bc, inputs)
     missing_task = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="no-such-task"))
     with pytest.raises(WorkerError, match=r"(?s)a worker failed to build the run.*KeyError: 'no-such-task'"):
-        ProcessExecutor(missing_task, setup.fed, workers=2, inner="vmap", pool=pool)(
-            setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1)
-    runner = ProcessExecutor(cfg, setup.fed, workers=2, inner="vmap", pool=pool)
+        process_backend(missing_task, setup, pool).run(job(setup, bc, inputs))
+    runner = process_backend(cfg, setup, pool)
     broken = bc._replace(params={k: torch.zeros(3, 5) for k in bc.params})  # wrong shapes: every slice fails
     with pytest.raises(RuntimeError, match=r"shapes cannot be multiplied"):
-        runner(setup.alg, setup.fns, broken, inputs, setup.hp, opt, 1)
-    assert_trees_close(runner(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1), want)  # pipes still in step
+        runner.run(job(setup, broken, inputs))
+    assert_trees_close(runner.run(job(setup, bc, inputs)), want)  # pipes still in step
 
 
 def test_closing_stops_every_worker() -> None:
     cfg, setup, _, _ = lsq_round("fedavg", cohort_size=2, epochs=1)
-    runner = ProcessExecutor(cfg, setup.fed, workers=2, inner="vmap")
+    runner = process_backend(cfg, setup)
     runner.start()
     processes = [w.process for w in runner.pool.workers]
     assert len(processes) == 1 and all(p.daemon and p.is_alive() for p in processes)
-    close_runner(runner)
-    close_runner(runner)  # idempotent
+    runner.close()
+    runner.close()  # idempotent
     assert not any(p.is_alive() for p in processes)
 
 
-def test_auto_picks_processes_only_for_compute_bound_cpu_rounds() -> None:
-    fedavg = ALGORITHMS["fedavg"]
-    cpu = torch.device("cpu")
-    auto = build_config(overrides={"train.workers": 2, "train.clients_per_round": 10})
-    assert choose_executor(auto, fedavg, cpu, lambda: 100.0, has_conv=True)[0] == "process"
-    assert choose_executor(auto, fedavg, cpu, lambda: 0.01, has_conv=True)[0] == "loop"
-    assert choose_executor(auto, fedavg, cpu, lambda: 100.0, has_conv=False)[0] == "vmap"
-    assert choose_executor(auto, fedavg, torch.device("cuda"), lambda: 100.0, has_conv=True)[0] == "vmap"
-    one_core = build_config(overrides={"train.workers": 1})
-    assert choose_executor(one_core, fedavg, cpu, lambda: 100.0, has_conv=True)[0] == "loop"
-    compiled = build_config(overrides={"train.compile": True, "train.workers": 2})
-    assert choose_executor(compiled, fedavg, cpu, lambda: 100.0, has_conv=True)[0] == "vmap"
-    assert build(build_config(overrides={"data.task": "lsq", "train.device": "cpu"})).executor == "vmap"  # in-process
+def workload(model: str | torch.nn.Module | None = "mlp", device: str = "cpu", alg: str = "fedavg",
+             task: str = "femnist", clients: int = 10, **flags: object) -> Workload:
+    """What `auto` knows of a run: a registered task's model by name (None: its default, or any module)."""
+    name = TASKS[task].default_model if model is None else model
+    net = TASKS[task].models[name]() if isinstance(name, str) else name
+    return Workload(alg=ALGORITHMS[alg], task=TASKS[task], model=net, device=torch.device(device),
+                    precision=str(flags.get("precision", "fp32")), clients_per_round=clients,
+                    compile=bool(flags.get("compile")), graph=bool(flags.get("graph")))
+
+
+BATCHNORM = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.Flatten())
+
+
+def test_auto_keeps_the_cohort_in_one_process_and_worker_processes_are_opt_in() -> None:
+    """`process` is opt-in (docs/architecture.md §3, "Which back ends stay": 1.05 s against the plain loop's
+    1.01 s on the CNN-10 round on 2 cores): auto runs a CNN client by client on a CPU, vmapped on a GPU,
+    and --executor process still builds the process back end with loop inside each worker."""
+    assert choose(workload("cnn"), "auto").backend == "loop"
+    assert choose(workload("cnn", "cuda"), "auto").backend == "vmap"
+    assert choose(workload("mlp"), "auto").backend == "fused"  # a dense classifier with cross-entropy
+    assert choose(workload(None, task="lsq"), "auto").backend == "vmap"  # ... regression is not
+    assert choose(workload("cnn", compile=True), "auto") == ("vmap + compile", "vmap", None,
+                                                              "--compile: the cohort vmapped and compiled in the "
+                                                              "main process")
+    assert build(build_config(overrides={"data.task": "lsq", "train.device": "cpu"})).executor == "vmap"
     cnn = build(build_config(overrides={"data.model": "cnn", "train.workers": 2, "train.device": "cpu"}))
-    assert (cnn.executor, cnn.runner.inner) == ("process", "loop")
+    assert (cnn.executor, cnn.backend.name) == ("loop", "loop")
+    asked = build(build_config(overrides={"data.model": "cnn", "train.workers": 2, "train.device": "cpu",
+                                          "train.executor": "process"}))
+    assert isinstance(asked.backend, ProcessBackend) and (asked.executor, asked.backend.inner) == ("process", "loop")
+    assert asked.backend.processes == 2
+    asked.backend.close()
 
 
 def test_in_process_choice_runs_convolutions_client_by_client_on_a_cpu() -> None:
-    fedavg, cpu, cuda = ALGORITHMS["fedavg"], torch.device("cpu"), torch.device("cuda")
-    assert in_process_executor(fedavg, cpu, has_conv=True) == "loop"
-    assert in_process_executor(fedavg, cpu, has_conv=False) == "vmap"
-    assert in_process_executor(fedavg, cuda, has_conv=True) == "vmap"
-    assert in_process_executor(fedavg._replace(supports_vmap=False), cuda, has_conv=False) == "loop"
-    assert in_process_executor(fedavg, cuda, has_conv=True, has_batchnorm=True) == "loop"
+    assert in_process(workload("cnn"))[0] == "loop"
+    assert in_process(workload(None, task="lsq"))[0] == "vmap"
+    assert in_process(workload("cnn", "cuda"))[0] == "vmap"
+    assert in_process(workload("mlp", "cuda", alg="fola"))[0] == "vmap"  # its own local loop: not fused
+    assert in_process(workload(BATCHNORM, "cuda"))[0] == "loop"
+    no_vmap = dataclasses.replace(workload("mlp", "cuda"), alg=ALGORITHMS["fedavg"]._replace(supports_vmap=False))
+    assert in_process(no_vmap) == ("loop", "fedavg has no vmap")
 
 
-@pytest.mark.parametrize(("overrides", "device", "message"), [
-    ({"train.executor": "process"}, "cuda", r"train.executor='process' splits the cohort over CPU processes"),
-    ({"train.executor": "vmap"}, "cpu", r"the model has BatchNorm layers, whose running statistics vmap cannot"),
+@pytest.mark.parametrize(("requested", "device", "model", "message"), [
+    ("process", "cuda", "mlp", r"train.executor='process' splits the cohort over CPU processes"),
+    ("vmap", "cpu", BATCHNORM, r"the model has BatchNorm layers, whose running statistics vmap cannot"),
 ])
-def test_impossible_executor_settings_are_refused(overrides: dict, device: str, message: str) -> None:
+def test_impossible_executor_settings_are_refused(requested: str, device: str, model: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        choose_executor(build_config(overrides=overrides), ALGORITHMS["fedavg"], torch.device(device), lambda: 1.0,
-                        has_batchnorm="BatchNorm" in message)
+        choose(workload(model, device), requested)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -228,11 +258,11 @@ def test_bf16_on_a_cpu_without_native_bf16_warns(native: bool, monkeypatch: pyte
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """bf16 is emulated on CPUs without avx512_bf16/amx_bf16 (its convolutions ran 8x slower than
     fp32 in make bench there): --precision bf16 says so once, and stays silent where it is native."""
-    import fedcli.engine.workers as workers
+    import fedcli.engine.model as model
 
     _, setup, _, _ = lsq_round("fedavg")
-    monkeypatch.setattr(workers, "_native_bf16_cpu", lambda: native)
-    with caplog.at_level("WARNING", logger="fedcli.engine.workers"):
+    monkeypatch.setattr(model, "_native_bf16_cpu", lambda: native)
+    with caplog.at_level("WARNING", logger="fedcli.engine.model"):
         with_precision(setup.fns, "bf16", torch.device("cpu"))
     warned = [r for r in caplog.records if "without native bf16" in r.getMessage()]
     assert len(warned) == (0 if native else 1)
@@ -243,29 +273,33 @@ def test_padding_steps_per_epoch_with_masked_steps_changes_nothing() -> None:
     _, setup, bc, inputs = lsq_round("fedavg", epochs=2)
     padded = pad_steps(inputs, 8)
     assert padded.plan.steps_per_epoch % 8 == 0 and padded.plan.steps_per_epoch > inputs.plan.steps_per_epoch
-    opt = setup.opt
-    assert_trees_close(run_vmap(setup.alg, setup.fns, bc, padded, setup.hp, opt, 1),
-                       run_vmap(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1))
+    assert_trees_close(vmap_run(setup, bc, padded), vmap_run(setup, bc, inputs))
     assert dataclasses.replace(padded.plan).num_epochs == 2
     k = inputs.plan.steps_per_epoch
     assert pad_steps(inputs, 8, max_steps=k + 1).plan.steps_per_epoch == k + 1  # the federation's longest
 
 
-@pytest.mark.parametrize("algo", ["fedavg", "fedpa"])
-def test_compiled_client_step_equals_the_eager_loop(algo: str) -> None:
-    """--compile with the loop executor compiles local_sgd's gradient step (forward, backward and
-    the -lr * mask scaling) once and reuses it for every step and client: same uploads as the eager
-    loop to float tolerance (inductor reorders sums). FedPA (burn-in 0) also checks the IASG means."""
-    from fedcli.engine.executors import run_loop
+@pytest.mark.parametrize(("algo", "backend"), [("fedavg", "inductor"), ("fedpa", "inductor"),
+                                              ("fedprox", "aot_eager"), ("scaffold", "aot_eager")])
+def test_compiled_client_step_equals_the_eager_loop(algo: str, backend: str) -> None:
+    """--compile with the loop back end compiles the declared local SGD's gradient step (forward,
+    backward, FedProx's proximal and SCAFFOLD's linear term, the -lr * mask scaling) once, with the
+    start and the correction as inputs, and reuses it for every step, client and round: same uploads
+    as the eager loop to float tolerance (inductor reorders sums). FedPA (burn-in 0) also checks the
+    IASG means. FedProx and SCAFFOLD compile with aot_eager (the same graph, no codegen: seconds)."""
+    from fedcli.engine.local import CompiledStep
 
     extra = {"algorithm.hp": {"burn_in_rounds": 0}} if algo == "fedpa" else {}
     cfg, setup, bc, inputs = lsq_round(algo, **extra)
     compiled_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, executor="loop", compile=True))
     compiled = build(compiled_cfg)
-    assert compiled.fns.compile_step and not setup.fns.compile_step
-    assert algo == "fedavg" or compiled.hp.burn_in_rounds == 0  # round 1 runs FedPA's own update
-    opt = setup.opt
-    eager = run_loop(setup.alg, setup.fns, bc, inputs, setup.hp, opt, 1)
-    fast = run_loop(compiled.alg, compiled.fns, bc, inputs, compiled.hp, opt, 1)
-    assert_trees_close(fast.upload, eager.upload)
-    assert_trees_close(fast.metrics, eager.metrics)
+    assert isinstance(compiled.backend, LoopBackend) and compiled.backend.name == "loop + compile"
+    trainer = compiled.backend.trainer = CompiledStep(backend)
+    assert algo != "fedpa" or compiled.hp.burn_in_rounds == 0  # round 1 samples
+    eager = LoopBackend().run(job(setup, bc, inputs))
+    for round_idx in (1, 2):
+        fast = compiled.backend.run(job(compiled, bc, inputs, round_idx))
+        if round_idx == 1:
+            assert_trees_close(fast.upload, eager.upload)
+            assert_trees_close(fast.metrics, eager.metrics)
+    assert len(trainer.compiled) == 1  # one graph for 6 clients x 2 rounds

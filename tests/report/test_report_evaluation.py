@@ -23,7 +23,7 @@ from fedcli.engine.evaluation import (
     sample_posterior,
     summarize_clients,
 )
-from fedcli.engine.executors import ModelFunctions
+from fedcli.engine.model import ModelFunctions
 from fedcli.tracking.metric_defs import is_lower_better
 
 

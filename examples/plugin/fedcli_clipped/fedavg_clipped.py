@@ -3,8 +3,8 @@
 McMahan, Ramage, Talwar, Zhang. Learning Differentially Private Recurrent Language Models.
 ICLR 2018. arXiv:1710.06963 (Alg. 1, flat clipping).
 Implements: the flat clipping of Alg. 1, ClipFn(Delta, S) = Delta * min(1, S / ||Delta||)
--> clip; the client's local SGD -> optim.local_sgd (as FedAvg); the server step -> fedavg's
-server_update (weighted mean of the clipped deltas, then the --server-opt step).
+-> clip; the client's local SGD -> declared as FedAvg's (fedavg.local_request, Algorithm.local),
+then finish (the clipped upload); the server step -> fedavg's server_update (weighted mean of the clipped deltas, then the --server-opt step).
 Notation: Delta_k = x_t - x_k (old minus new) -> upload["delta"], S -> hp.clip_norm,
 x_t -> bc.params.
 Deviations:
@@ -26,6 +26,7 @@ from fedcli.algorithms.base import (
     Algorithm,
     ClientContext,
     ClientOut,
+    Local,
     OptimConfig,
     Params,
     require,
@@ -33,7 +34,7 @@ from fedcli.algorithms.base import (
     tree_scale,
     tree_sub,
 )
-from fedcli.algorithms.optim import local_sgd
+from fedcli.algorithms.optim import LocalResult, local_update
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,15 +59,19 @@ def clip(delta: Params, clip_norm: float) -> tuple[Params, Tensor]:
     return tree_scale(delta, factor), norm
 
 
-def client_update(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: ClippedConfig,
-                  opt: OptimConfig) -> ClientOut:
-    """Run local SGD from x_t; upload ClipFn(x_t - x_k, S) (old minus new, clipped)."""
-    local = local_sgd(ctx, bc.params, opt)
+def finish(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: ClippedConfig, opt: OptimConfig,
+           local: LocalResult) -> ClientOut:
+    """Upload ClipFn(x_t - x_k, S) (old minus new, clipped) after FedAvg's local SGD from x_t."""
     delta, norm = clip(tree_sub(bc.params, local.params), hp.clip_norm)
     metrics = {"train_loss": local.mean_loss,
                "delta_norm": norm.detach(),  # ||Delta_k|| before clipping
                "clipped": (norm > hp.clip_norm).to(norm.dtype)}  # share of clients clipped, once averaged
     return ClientOut(upload={"delta": delta}, state=None, metrics=metrics)
+
+
+# local training is FedAvg's plain local SGD from x_t, declared: every back end (fused included) trains it
+LOCAL = Local(request=fedavg.local_request, finish=finish)
+client_update = local_update(LOCAL)
 
 
 ALGORITHM = Algorithm(
@@ -78,7 +83,6 @@ ALGORITHM = Algorithm(
     client_update=client_update,
     server_update=fedavg.server_update,
     global_params=fedavg.global_params,
-    # local training is FedAvg's plain local SGD from x_t, so the `fused` executor may run it
-    fused_local=fedavg.fused_local,
+    local=LOCAL,
     description="Example plugin: FedAvg with client updates clipped to L2 norm hp.clip_norm (no DP noise).",
 )

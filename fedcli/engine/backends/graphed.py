@@ -1,12 +1,12 @@
-"""`--graph`: the cohort's local training as one program, built once per shape and replayed.
+"""`vmap + graph` (--graph): the cohort's local training as one program, built once per shape and replayed.
 
 Eager PyTorch pays Python and dispatcher time on every op of every local step. On an H100 a
 vmapped CNN round of 10 clients was 1,894 kernel launches and 89 ms of CPU-side dispatch for
 ~15 ms of GPU work: the GPU idled 70-95 % of each round (docs/architecture.md §3, "One
-program per round"). This executor takes the dispatch out of the hot path without changing the
+program per round"). This back end takes the dispatch out of the hot path without changing the
 algorithm contract (algorithms stay pure per-client functions):
 
-The cohort function is the one the `vmap` executor runs (`client_fn` vmapped over the cohort,
+The cohort function is the one the `vmap` back end runs (`client_fn` vmapped over the cohort,
 every local step unrolled: forward, backward, update, keyed dropout, step masks) as a function
 of the round's flat input tensors (broadcast, plan rows, step keys, noise, client states).
 
@@ -28,12 +28,13 @@ of the round's flat input tensors (broadcast, plan rows, step keys, noise, clien
 A program is built per key: cohort (or chunk) size, epochs, padded steps per epoch (K is padded
 by `pad_steps`, as `--compile` does, so FEMNIST's uneven writers need a handful of programs),
 the tensors' shapes, dtypes and devices, every non-tensor value of the inputs, and the
-algorithm's round key (`program_round_key`: FedPA builds two programs, burn-in and sampling).
-An algorithm whose client code reads `ctx.round_idx` without a round key (FOLA's 1/r prior)
-would need a program per round, which never pays: it runs eagerly, vmapped, with one warning.
+algorithm's declared round key (backends.round_key: FedPA builds two programs, burn-in and
+sampling). A round key that changes every round (FOLA's, which depends on the round itself:
+backends.keyed_every_round) would need a program per round, which never pays: such rounds run
+eagerly, vmapped, with one warning.
 
 Fallbacks keep a run going and say so once: a key that cannot be traced or captured runs the
-eager `vmap` executor. The results equal the `vmap` executor's to float tolerance
+eager `vmap` computation. The results equal the `vmap` back end's to float tolerance
 (tests/engine/test_graphed.py; the CUDA tests there run the captured graphs where a GPU is).
 """
 
@@ -49,9 +50,9 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
-from fedcli.engine.executors import CohortInputs, ModelFunctions, client_fn, in_chunks, run_vmap
-from fedcli.engine.workers import pad_steps, program_round_key, reads_round_idx
+from fedcli.algorithms.base import ClientOut
+from fedcli.engine.backends import BackendInfo, BackendSetup, Workload, keyed_every_round, round_key
+from fedcli.engine.cohort import CohortJob, client_fn, in_chunks, job_client_fn, pad_steps, vmap_clients
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +101,12 @@ class Program:
 
 
 class GraphedVmap:
-    """The `vmap` executor with each key's cohort function traced once and (CUDA) captured, then
+    """The `vmap` back end with each key's cohort function traced once and (CUDA) captured, then
     replayed (`--graph`); see the module docstring. `programs` maps keys to Programs (None for a
     key that runs eagerly); `build_s` is the time spent tracing and capturing."""
+
+    name = "vmap + graph"
+    processes = None
 
     def __init__(self, device: torch.device, bucket: int = 4, max_steps: int | None = None,
                  capture: bool | None = None, trace: bool | None = None) -> None:
@@ -115,40 +119,42 @@ class GraphedVmap:
         self.build_s = 0.0
         self.warned: set[str] = set()
 
-    def __call__(self, alg: Algorithm, fns: ModelFunctions, broadcast: Any, inputs: CohortInputs, hp: Any,
-                 opt: OptimConfig, round_idx: int, chunk_size: int | None = None) -> ClientOut:
-        chunked = in_chunks(self, alg, fns, broadcast, inputs, hp, opt, round_idx, chunk_size)
+    def run(self, job: CohortJob) -> ClientOut:
+        chunked = in_chunks(job, self.run)
         if chunked is not None:
             return chunked
-        round_key = program_round_key(alg, hp, round_idx)
-        if alg.round_key is None and reads_round_idx(alg):
-            self._warn_once(f"{alg.name}'s client code reads ctx.round_idx and declares no round_key, so each "
-                            "round would need its own program; --graph runs it eagerly (vmap) instead")
-            return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx)
-        inputs = pad_steps(inputs, self.bucket, self.max_steps)
+        alg = job.alg
+        if keyed_every_round(alg, job.hp, job.round_idx):
+            self._warn_once(f"{alg.name}'s round_key changes every round, so each round would need its own "
+                            "program; --graph runs those rounds eagerly (vmap) instead")
+            return vmap_clients(job_client_fn(job), job.inputs)
+        inputs = pad_steps(job.inputs, self.bucket, self.max_steps)
         plan = inputs.plan
         stateful = inputs.states is not None
-        args = (broadcast, plan.index, plan.weight, plan.step_mask, inputs.keys, plan.num_examples, inputs.noise,
-                inputs.states)
+        args = (job.broadcast, plan.index, plan.weight, plan.step_mask, inputs.keys, plan.num_examples,
+                inputs.noise, inputs.states)
         leaves, spec = pytree.tree_flatten(args)
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         tensors = [leaves[i] for i in slots]
         statics = tuple((i, _hashable(leaf)) for i, leaf in enumerate(leaves) if not isinstance(leaf, Tensor))
         key = (str(spec), statics, tuple((tuple(t.shape), t.dtype, t.device) for t in tensors),
-               plan.num_epochs, plan.steps_per_epoch, stateful, round_key)
+               plan.num_epochs, plan.steps_per_epoch, stateful, round_key(alg, job.hp, job.round_idx))
         if key not in self.programs:
-            self.programs[key] = self._build(alg, fns, hp, opt, round_idx, leaves, slots, spec, stateful,
-                                             len(plan.num_examples), plan.num_epochs, plan.steps_per_epoch, tensors)
+            self.programs[key] = self._build(job, leaves, slots, spec, stateful, plan.num_epochs,
+                                             plan.steps_per_epoch, tensors)
         program = self.programs[key]
         if program is None:
-            return run_vmap(alg, fns, broadcast, inputs, hp, opt, round_idx)
+            return vmap_clients(job_client_fn(job), job.inputs)
         upload, state, metrics = program(tensors)
         return ClientOut(upload=upload, state=state if stateful else None, metrics=metrics)
 
-    def _build(self, alg: Algorithm, fns: ModelFunctions, hp: Any, opt: OptimConfig, round_idx: int,
-               leaves: list[Any], slots: list[int], spec: pytree.TreeSpec, stateful: bool, clients: int,
+    def close(self) -> None:
+        """Nothing to release (programs and graphs go with the object)."""
+
+    def _build(self, job: CohortJob, leaves: list[Any], slots: list[int], spec: pytree.TreeSpec, stateful: bool,
                epochs: int, steps: int, tensors: list[Tensor]) -> Program | None:
         layout = Layout()
+        alg, fns, hp, opt, round_idx = job.alg, job.fns, job.hp, job.opt, job.round_idx
 
         def cohort(*inputs: Tensor) -> list[Tensor]:
             flat = list(leaves)
@@ -162,7 +168,7 @@ class GraphedVmap:
             layout.static = [(i, leaf) for i, leaf in enumerate(outs) if not isinstance(leaf, Tensor)]
             return [leaf for leaf in outs if isinstance(leaf, Tensor)]
 
-        where = f"{clients} clients x {epochs} epoch(s) x {steps} steps"
+        where = f"{len(job.inputs.plan.num_examples)} clients x {epochs} epoch(s) x {steps} steps"
         start = time.perf_counter()
         module: Callable[..., list[Tensor]] = cohort
         ops = ""
@@ -263,3 +269,22 @@ def _hashable(value: Any) -> Hashable:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0][:200] if text else ""
+
+
+def refuses(w: Workload) -> str | None:
+    """What a vmapped cohort program cannot hold (--compile and the executor are checked by engine/select.py)."""
+    if not w.alg.supports_vmap:
+        return f"{w.alg.name} does not run vmapped, which --graph needs; drop --graph."
+    if w.has_batchnorm:
+        return ("the model has BatchNorm layers, whose running statistics vmap (and so --graph) cannot keep per "
+                "client; use GroupNorm in the model, or drop --graph.")
+    return None
+
+
+def build(setup: BackendSetup) -> GraphedVmap:
+    """Programs keyed by shape and round key; K padded towards the largest client's batch count."""
+    return GraphedVmap(setup.device, max_steps=-(-int(setup.fed.sizes.max(initial=1)) // setup.cfg.train.batch_size))
+
+
+INFO = BackendInfo(name="vmap + graph", summary="the vmapped cohort built once per shape and replayed: a CUDA graph "
+                   "on CUDA, a traced ATen graph on a CPU (opt-in: --graph)", refuses=refuses, prefers=None, build=build)

@@ -1,0 +1,353 @@
+"""`process`: the cohort split across persistent worker processes (CPU); opt-in.
+
+On a CPU with P cores, P processes with one intra-op thread each keep every core busy on
+the client computations without the synchronisation costs of intra-op threading on small
+shapes (reference/performance.md §2.6). The main process is one of the P: it trains one
+slice of the cohort itself while P - 1 spawned workers train the others.
+
+- Workers are spawned once per run (`spawn` context, daemon processes: they die with the
+  parent) and stay alive across rounds. Each builds the run's model functions once from the
+  config; the training tensors cross once, by shared memory, so data is loaded once.
+- Per round, the cohort is split into P slices of similar step counts (sorted by steps,
+  contiguous groups chosen to balance clients x padded steps, as FedJAX's blockify and
+  pfl's LPT schedule do); each slice is trimmed to its own longest client. A worker gets
+  (broadcast, its slice of the CohortInputs) and returns the stacked ClientOut of its slice,
+  both through a per-worker shared-memory arena (one memcpy each way, a few hundred bytes
+  of pickled structure through a pipe). The parent reassembles the cohort order.
+- Inside a slice an in-process back end runs (backends/inprocess.py: fused, loop or vmap, as
+  engine/select.py picks). The per-client plan rows, step keys, noise and states are the
+  parent's, so the result equals `loop`'s to float tolerance (tests/engine/test_equivalence.py).
+
+Opt-in since issue 25: on 2 cores it ran the CNN-10 round of `make bench` in 1.05 s against
+1.01 s for a plain per-client loop, and no dense workload pays for its copies; with --compile
+(0.86 s) or bf16 (0.73 s) it was the fastest CNN configuration (docs/architecture.md §3,
+"Which back ends stay").
+
+Workers ignore SIGINT, SIGTERM and SIGHUP (a Ctrl-C, a scheduler or a closed terminal may
+signal the whole process group: the parent stops the run in order and then its workers) and
+exit on EOF when the parent disappears; `ProcessBackend.close()` stops them at the end of a
+run (SIGKILL for one that does not answer).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
+from fedcli.datasets.federated import FederatedData
+from fedcli.engine.backends import BackendInfo, BackendSetup, CohortBackend, Workload
+from fedcli.engine.backends.inprocess import IN_PROCESS
+from fedcli.engine.cohort import (
+    CohortJob,
+    balanced_groups,
+    merge_outs,
+    split_cohort,
+    take_clients,
+)
+from fedcli.engine.machine import intra_op_threads
+from fedcli.engine.model import ModelFunctions, model_functions, with_precision
+from fedcli.errors import FedcliError
+
+if TYPE_CHECKING:
+    from fedcli.config import RunConfig
+
+_ALIGN = 64  # bytes; every tensor in an arena starts on a cache line (and any dtype's alignment)
+_MIN_ARENA = 1 << 20
+
+
+class WorkerError(FedcliError):
+    """A worker process failed or exited; the message carries its traceback."""
+
+
+# ----------------------------------------------------------------------------- shared-memory transport
+
+
+class _Packer(pickle.Pickler):
+    """Pickle a message with its tensors replaced by (offset, dtype, shape) into an arena."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[tuple[int, Tensor]] = []
+        self.size = 0
+
+    def persistent_id(self, obj: object) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+        if not isinstance(obj, Tensor):
+            return None
+        offset = -(-self.size // _ALIGN) * _ALIGN
+        self.tensors.append((offset, obj))
+        self.size = offset + obj.numel() * obj.element_size()
+        return (offset, obj.dtype, tuple(obj.shape))
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, arena: Tensor, copy: bool) -> None:
+        super().__init__(file)
+        self.arena, self.copy = arena, copy
+
+    def persistent_load(self, pid: tuple[int, torch.dtype, tuple[int, ...]]) -> Tensor:
+        offset, dtype, shape = pid
+        numel = int(np.prod(shape, dtype=np.int64))
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        t = self.arena.narrow(0, offset, nbytes).view(dtype).view(shape)
+        return t.clone() if self.copy else t
+
+
+def pack(obj: Any, arena: Tensor | None) -> tuple[Tensor | None, Tensor, bytes]:
+    """Write obj's tensors into `arena` (a new, larger one if needed). Returns (new arena or None, arena, bytes)."""
+    buffer = io.BytesIO()
+    packer = _Packer(buffer)
+    packer.dump(obj)
+    new = None
+    if arena is None or arena.numel() < packer.size:
+        new = arena = torch.empty(max(_MIN_ARENA, packer.size * 3 // 2), dtype=torch.uint8).share_memory_()
+    for offset, t in packer.tensors:
+        nbytes = t.numel() * t.element_size()
+        arena.narrow(0, offset, nbytes).view(t.dtype).view(t.shape).copy_(t.detach())
+    return new, arena, buffer.getvalue()
+
+
+def unpack(data: bytes, arena: Tensor, copy: bool) -> Any:
+    """Rebuild a packed message; tensors are views of `arena` unless copy."""
+    return _Unpacker(io.BytesIO(data), arena, copy).load()
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its model functions (sent once per run)."""
+
+    cfg: RunConfig
+    x: Tensor  # training examples (shared memory)
+    y: Tensor
+    client_indices: list[np.ndarray]
+    inner: str  # the in-process back end for a slice: fused | vmap | loop
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What a worker built from a WorkerSpec: the run's functions and its in-process back end."""
+
+    alg: Algorithm
+    fns: ModelFunctions
+    hp: Any
+    opt: OptimConfig
+    backend: CohortBackend
+
+
+def worker_functions(spec: WorkerSpec) -> Bound:
+    """Build the algorithm, model functions, hyperparameters, optimiser settings and back end of a spec."""
+    from fedcli.algorithms import ALGORITHMS
+    from fedcli.config import make_hyperparameters
+    from fedcli.datasets.registry import resolve_task
+
+    cfg, cpu = spec.cfg, torch.device("cpu")
+    task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
+    model = task.models[cfg.data.model or task.default_model]()  # parameters come with each broadcast
+    fed = FederatedData(spec.x, spec.y, spec.client_indices, cpu)
+    fns = with_precision(model_functions(task, model, fed), cfg.train.precision, cpu)
+    backend = IN_PROCESS[spec.inner].build(BackendSetup(cfg=cfg, model=model, fed=fed, device=cpu))
+    return Bound(ALGORITHMS[cfg.algorithm.name], fns, make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp),
+                 cfg.train.optim(task.client_lr), backend)
+
+
+def _worker_main(conn: Any) -> None:
+    """Serve bind / run messages until the parent sends None or disappears."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the parent stops the run, then us
+        signal.signal(signum, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    bound: Bound | None = None
+    arena_in: Tensor | None = None
+    arena_out: Tensor | None = None
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        try:
+            if message[0] == "bind":
+                spec: WorkerSpec = message[1]
+                bound = worker_functions(spec)
+                conn.send(("ok", None, b""))
+                continue
+            _, new_in, data = message
+            arena_in = new_in if new_in is not None else arena_in
+            assert arena_in is not None, "the first run message carries the arena"
+            bc, inputs, round_idx, chunk = unpack(data, arena_in, copy=False)
+            assert bound is not None, "the parent binds a run before its first round"
+            out = bound.backend.run(CohortJob(bound.alg, bound.fns, bc, inputs, bound.hp, bound.opt, round_idx,
+                                              chunk))
+            new_out, arena_out, reply = pack(out, arena_out)
+            conn.send(("ok", new_out, reply))
+        except Exception:  # noqa: BLE001 - reported to the parent, which raises WorkerError
+            conn.send(("error", None, traceback.format_exc().encode()))
+
+
+class _Worker:
+    def __init__(self, context: Any) -> None:
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child,), daemon=True, name="fedcli-worker")
+        self.process.start()
+        child.close()
+        self.arena_in: Tensor | None = None
+        self.arena_out: Tensor | None = None
+
+    def receive(self) -> tuple[str, Tensor | None, bytes]:
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(timeout=1.0)
+            raise WorkerError(f"worker process {self.process.pid} exited unexpectedly (exit code "
+                              f"{self.process.exitcode}); rerun with --executor vmap to see the error "
+                              "in the main process.") from None
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout=5.0)
+        if self.process.is_alive():
+            self.process.kill()  # it ignores SIGTERM
+            self.process.join(timeout=5.0)
+        self.conn.close()
+
+
+class WorkerPool:
+    """P - 1 persistent worker processes; reusable across runs (rebinds on a new spec)."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.workers: list[_Worker] = []
+        self.bound_token: object | None = None
+
+    def start(self) -> WorkerPool:
+        """Spawn the workers (returns at once; they import torch in the background)."""
+        if not self.workers and self.num_workers > 0:
+            context = torch.multiprocessing.get_context("spawn")
+            self.workers = [_Worker(context) for _ in range(self.num_workers)]
+        return self
+
+    def bind(self, spec: WorkerSpec, token: object) -> None:
+        """Send every worker the run's spec (data by shared memory) and wait until built."""
+        self.start()
+        for worker in self.workers:
+            worker.conn.send(("bind", spec))
+        for worker in self.workers:
+            status, _, text = worker.receive()
+            if status != "ok":
+                raise WorkerError(f"a worker failed to build the run:\n{text.decode()}")
+        self.bound_token = token
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        for worker in self.workers:
+            worker.stop()
+        self.workers = []
+        self.bound_token = None
+
+    def __enter__(self) -> WorkerPool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ProcessBackend:
+    """Trains the cohort on `setup.workers` processes (the main one included), each running the
+    in-process back end `setup.inner` on its slice. Workers start on the first round (or on
+    `start()`), so building a Setup spawns nothing; `pool` shares one pool between runs (tests)."""
+
+    _tokens = itertools.count()
+
+    def __init__(self, setup: BackendSetup, pool: WorkerPool | None = None) -> None:
+        assert setup.inner is not None, "engine/select.py names the in-process back end"
+        self.cfg, self.fed, self.inner = setup.cfg, setup.fed, setup.inner
+        self.local = IN_PROCESS[setup.inner].build(setup)  # the main process's own slice
+        slots = max(1, setup.workers)
+        self.own_pool = pool is None
+        self.pool = pool if pool is not None else WorkerPool(slots - 1)
+        self.processes = min(slots, self.pool.num_workers + 1)  # recorded as train.workers
+        self.name = "process + compile" if setup.cfg.train.compile else "process"
+        self.token = (os.getpid(), next(self._tokens))
+
+    def start(self) -> None:
+        """Spawn the workers now (they import torch while the caller goes on)."""
+        self.pool.start()
+
+    def _ensure_bound(self) -> None:
+        if self.pool.bound_token == self.token:
+            return
+        cfg = replace(self.cfg, train=replace(self.cfg.train, executor=self.inner, workers=1))
+        spec = WorkerSpec(cfg=cfg, x=self.fed.x.share_memory_(), y=self.fed.y.share_memory_(),
+                          client_indices=self.fed.client_indices, inner=self.inner)
+        self.pool.bind(spec, self.token)
+
+    def run(self, job: CohortJob) -> ClientOut:
+        inputs = job.inputs
+        split = split_cohort if self.inner == "vmap" else balanced_groups  # padded cost vs sum of steps
+        groups = split(inputs.plan.steps_per_client, self.processes)
+        if len(groups) == 1:
+            return self.local.run(job)
+        self._ensure_bound()
+        remote = self.pool.workers[: len(groups) - 1]
+        for worker, rows in zip(remote, groups[1:], strict=True):
+            message = (job.broadcast, take_clients(inputs, rows), job.round_idx, job.chunk_size)
+            new, worker.arena_in, data = pack(message, worker.arena_in)
+            worker.conn.send(("run", new, data))
+        try:
+            with intra_op_threads(1):
+                outs = [self.local.run(replace(job, inputs=take_clients(inputs, groups[0])))]
+        except BaseException:  # an error, or a stop signal between the main process's clients or chunks
+            self._receive(remote)  # keep the pipes in step (killing a worker mid-transfer breaks fd sharing)
+            raise
+        failures, replies = self._receive(remote)
+        if failures:
+            raise WorkerError(f"a worker process failed in round {job.round_idx}:\n{failures[0]}")
+        return merge_outs(groups, outs + replies)
+
+    @staticmethod
+    def _receive(remote: list[_Worker]) -> tuple[list[str], list[ClientOut]]:
+        """Receive every worker's reply (even after a failure): (error tracebacks, ClientOuts)."""
+        failures, replies = [], []
+        for worker in remote:
+            status, new, data = worker.receive()
+            if status != "ok":
+                failures.append(data.decode())
+                continue
+            worker.arena_out = new if new is not None else worker.arena_out
+            assert worker.arena_out is not None, "the first reply carries the arena"
+            replies.append(unpack(data, worker.arena_out, copy=True))
+        return failures, replies
+
+    def close(self) -> None:
+        """Stop the workers this executor started (a shared pool is left to its owner)."""
+        if self.own_pool:
+            self.pool.close()
+
+
+def refuses(w: Workload) -> str | None:
+    """Worker processes split a CPU's cores; a GPU's cohort runs in the main process."""
+    if w.device.type != "cpu":
+        return (f"train.executor='process' splits the cohort over CPU processes; got device {w.device}. "
+                "Use --executor vmap (or auto) on a GPU.")
+    return None
+
+
+INFO = BackendInfo(name="process", summary="CPU: the cohort split over persistent worker processes (one thread each, "
+                   "shared-memory transport), an in-process back end inside each (opt-in)", refuses=refuses,
+                   prefers=None, build=ProcessBackend)

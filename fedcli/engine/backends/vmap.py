@@ -1,0 +1,48 @@
+"""`vmap`: the cohort as one torch.func.vmap over the padded plan (masked steps are exact no-ops).
+
+`--cohort-chunk N` runs chunks of N similar-length clients (longest first), each padded only to
+its own longest client: chunking bounds memory and also cuts the masked steps a cohort of
+uneven clients would otherwise compute.
+"""
+
+from __future__ import annotations
+
+from fedcli.algorithms.base import ClientOut
+from fedcli.engine.backends import BackendInfo, Workload
+from fedcli.engine.cohort import CohortJob, in_chunks, job_client_fn, vmap_clients
+
+
+class VmapBackend:
+    """The cohort vmapped in the main process; a stop signal is acted on between chunks."""
+
+    name = "vmap"
+    processes = None
+
+    def run(self, job: CohortJob) -> ClientOut:
+        chunked = in_chunks(job, self.run)
+        if chunked is not None:
+            return chunked
+        return vmap_clients(job_client_fn(job), job.inputs)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def refuses(w: Workload) -> str | None:
+    """Algorithms that cannot run vmapped, and BatchNorm models."""
+    if not w.alg.supports_vmap:
+        return f"{w.alg.name} does not support --executor vmap; use --executor loop or auto."
+    if w.has_batchnorm:
+        return ("the model has BatchNorm layers, whose running statistics vmap cannot keep per client; use "
+                "GroupNorm in the model, or --executor loop (or auto).")
+    return None
+
+
+def prefers(w: Workload) -> str | None:
+    """auto, where nothing before it applies: dense models and any model on a GPU."""
+    return "the whole cohort in one vmapped computation"
+
+
+INFO = BackendInfo(name="vmap", summary="the cohort as one torch.func.vmap over the padded plan; --cohort-chunk N "
+                   "runs chunks of similar-length clients", refuses=refuses, prefers=prefers,
+                   build=lambda setup: VmapBackend())

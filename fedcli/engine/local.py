@@ -1,0 +1,72 @@
+"""One client's update with the local training its algorithm declares (docs/architecture.md §3,
+"Local training").
+
+An algorithm with `Algorithm.local = Local(request, finish)` states its local training as a
+`LocalSGD` request; the back end decides how to train it (its `Trainer`) and the algorithm's
+`finish` turns the result into the client's `ClientOut`:
+
+    request = local.request(ctx, bc, state, hp, opt)      # what to train (no training)
+    result  = trainer(ctx, request, opt)                   # autograd, a compiled step, or
+                                                           # the fused back end's dense trainer
+    out     = local.finish(ctx, bc, state, hp, opt, result)
+
+An algorithm without `local` runs its own `client_update`, on every back end except `fused`.
+Trainers here: `optim.train_local` (autograd, the default) and `CompiledStep` (--compile with
+the loop, process and distributed back ends: each client's gradient step compiled once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from fedcli.algorithms.base import Algorithm, Batch, ClientContext, ClientOut, LocalSGD, OptimConfig, Params
+from fedcli.algorithms.optim import LocalResult, local_objective, local_sgd, scaled_objective, train_local
+
+Trainer = Callable[[ClientContext, LocalSGD, OptimConfig], LocalResult]
+
+
+def run_client(alg: Algorithm, ctx: ClientContext, broadcast: Any, state: Any, hp: Any, opt: OptimConfig,
+               trainer: Trainer | None = None) -> ClientOut:
+    """Run one client: request -> trainer (default: autograd) -> finish, or the algorithm's client_update."""
+    local = alg.local
+    if local is None:
+        return alg.client_update(ctx, broadcast, state, hp, opt)
+    request = local.request(ctx, broadcast, state, hp, opt)
+    result = (trainer or train_local)(ctx, request, opt)
+    return local.finish(ctx, broadcast, state, hp, opt, result)
+
+
+class CompiledStep:
+    """A Trainer whose gradient step (forward, backward, the -lr * mask scaling) is torch.compile'd.
+
+    The step takes the request's start and linear terms as arguments, not as constants, so one
+    compiled graph per (loss function, prox_mu, linear or not) serves every step, client and round
+    of a run (batches are padded to the batch size: fixed shapes), for FedAvg, FedProx, SCAFFOLD
+    and FedPA alike. Outside vmap only (loop, and inside each process or rank); --compile with
+    vmap compiles the whole cohort instead (backends/compiled.py). Equal to train_local to float
+    tolerance (inductor reorders sums; tests/engine/test_backends.py).
+    """
+
+    def __init__(self, backend: str = "inductor") -> None:
+        self.backend = backend
+        self.compiled: dict[Hashable, Callable[..., Any]] = {}
+
+    def __call__(self, ctx: ClientContext, request: LocalSGD, opt: OptimConfig) -> LocalResult:
+        has_linear = request.linear is not None
+        key = (ctx.loss_fn, request.prox_mu, has_linear)
+        fn = self.compiled.get(key)
+        if fn is None:
+            loss_fn, mu = ctx.loss_fn, request.prox_mu
+
+            def step(params: Params, batch: Batch, coef: torch.Tensor, start: Params, linear: Params) -> Any:
+                terms = LocalSGD(start=start, prox_mu=mu, linear=linear if has_linear else None)
+                return scaled_objective(local_objective(loss_fn, terms))(params, batch, coef)
+
+            fn = self.compiled[key] = torch.compile(torch.func.grad(step, has_aux=True), dynamic=False,
+                                                    backend=self.backend)
+        start, linear = request.start, request.linear or {}
+        return local_sgd(ctx, request.start, opt, average_epochs=request.average_epochs,
+                         grad_step=lambda params, batch, coef: fn(params, batch, coef, start, linear))

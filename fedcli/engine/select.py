@@ -1,0 +1,113 @@
+"""Choosing the back end: the request checked against the workload, and `auto`'s pick, with why.
+
+The registry `BACKENDS` lists every back end (engine/backends/, one module each). A requested
+executor is checked by its `refuses` (one line with the fix, a ConfigError, before anything is
+written); `--compile` and `--graph` pick the compiled or graphed form of `vmap` (and `--compile`
+the compiled per-client step of loop, process and distributed). `auto` takes the first
+in-process back end, in IN_PROCESS order (fused, loop, vmap), that does not refuse the workload
+and whose rule `prefers` it; opt-in back ends (process, distributed, vmap + compile,
+vmap + graph) have no such rule. The choice and its reason are logged and recorded
+(`train.executor` in the resolved config, tags fedcli.executor and fedcli.executor_reason).
+Which back ends `auto` may choose, and the figures behind each decision, are in
+docs/architecture.md §3, "Which back ends stay".
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from types import MappingProxyType
+from typing import NamedTuple
+
+from fedcli.engine.backends import (
+    BackendInfo,
+    BackendSetup,
+    CohortBackend,
+    Workload,
+    compiled,
+    distributed,
+    graphed,
+    process,
+)
+from fedcli.engine.backends.inprocess import IN_PROCESS
+from fedcli.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+BACKENDS: MappingProxyType[str, BackendInfo] = MappingProxyType(
+    {**IN_PROCESS, **{info.name: info for info in (process.INFO, distributed.INFO, compiled.INFO, graphed.INFO)}})
+
+
+class Choice(NamedTuple):
+    """The back end chosen for a run."""
+
+    backend: str  # a key of BACKENDS
+    executor: str  # what train.executor records: the back end's --executor value
+    inner: str | None  # process, distributed: the in-process back end of each worker or rank
+    why: str  # one line, logged and tagged (fedcli.executor_reason)
+
+
+def in_process(w: Workload) -> tuple[str, str]:
+    """auto's in-process back end for the workload and why: the first of IN_PROCESS that takes it."""
+    for name, info in IN_PROCESS.items():
+        why = None if info.refuses(w) is not None or info.prefers is None else info.prefers(w)
+        if why is not None:
+            return name, why
+    raise AssertionError("vmap or loop takes every workload")  # loop refuses nothing, vmap prefers every other
+
+
+def choose(w: Workload, requested: str, *, launched: bool = False) -> Choice:
+    """Check `requested` (train.executor) and the flags against the workload, or pick for `auto`.
+
+    `launched`: this process joined a torchrun group (--executor distributed under torchrun).
+
+    Raises:
+        ConfigError: a combination that cannot run, with the fix.
+    """
+    if w.has_batchnorm and w.compile:
+        raise ConfigError("--compile does not handle BatchNorm layers (their running statistics are mutable "
+                          "state); use GroupNorm in the model, or drop --compile.")
+    if w.graph:
+        return _graph(w, requested)
+    if requested != "auto":
+        refusal = BACKENDS[requested].refuses(w)
+        if refusal is not None:
+            raise ConfigError(refusal)
+    if requested in ("process", "distributed"):
+        inner = "loop" if w.compile else in_process(w)[0]  # --compile: each client's step compiled
+        if requested == "distributed" and not launched:  # `evaluate` / `report` rebuild a distributed run
+            return Choice(inner, inner, None, "a distributed run rebuilt in one process (no process group)")
+        return Choice(requested, requested, inner, f"requested ({inner} inside each process)")
+    if requested == "vmap" and w.compile:
+        return Choice(compiled.INFO.name, "vmap", None, "requested, compiled")
+    if requested != "auto":
+        return Choice(requested, requested, None, "requested")
+    if w.compile and compiled.INFO.refuses(w) is None:
+        return Choice(compiled.INFO.name, "vmap", None, "--compile: the cohort vmapped and compiled in the main process")
+    name, why = in_process(w)
+    if w.device.type != "cpu":
+        why = f"{w.device.type}: the whole cohort on one device ({why})"
+    return Choice(name, name, None, why)
+
+
+def _graph(w: Workload, requested: str) -> Choice:
+    """--graph: the vmapped cohort as one program, where it can run."""
+    if w.compile:
+        raise ConfigError("--graph and --compile are two ways to build the round's program; choose one of them.")
+    if requested not in ("auto", "vmap"):
+        raise ConfigError(f"--graph replays the vmapped cohort update; it does not apply to --executor {requested}. "
+                          "Use --executor vmap (or auto) with --graph, or drop --graph.")
+    refusal = graphed.INFO.refuses(w)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    why = "requested" if requested == "vmap" else ("--graph: the cohort vmapped, built once per shape and replayed as "
+                                                   + ("one CUDA graph" if w.device.type == "cuda" else
+                                                      "a traced ATen graph"))
+    return Choice(graphed.INFO.name, "vmap", None, why)
+
+
+def build(choice: Choice, setup: BackendSetup) -> CohortBackend:
+    """Build the chosen back end (with its in-process back end named) and log the choice."""
+    backend = BACKENDS[choice.backend].build(replace(setup, inner=choice.inner))
+    log.debug("back end: %s (%s)", backend.name, choice.why)
+    return backend

@@ -1,0 +1,165 @@
+"""A run's set-up: everything built once before the first round (docs/architecture.md §2).
+
+    device    = resolve_device(train.device)            (distributed: this rank's GPU, its share of cores)
+    task      = resolve_task(data.task | --data FILE);   data = task.load(...)
+    clients   = client_partition(cfg, data)              a partition file (fingerprint checked) or the scheme
+    model     = task.models[name]() under fork_rng, seeded from Stream.INIT
+    alg, hp   = ALGORITHMS[name], make_hyperparameters(name, algorithm.hp)
+    fns       = model functions (functional_call) at train.precision
+    backend   = select.choose(workload, train.executor) -> select.build(...)   (engine/select.py)
+
+`build` does every data-dependent check before anything is written (docs/architecture.md §8).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fedcli.algorithms import ALGORITHMS
+from fedcli.algorithms.base import Algorithm, OptimConfig
+from fedcli.config import RunConfig, make_hyperparameters
+from fedcli.datasets.federated import FederatedData
+from fedcli.datasets.registry import resolve_task
+from fedcli.datasets.tasks import Task, TaskData, TaskOptions
+from fedcli.engine import select
+from fedcli.engine.backends import BackendSetup, CohortBackend, Workload
+from fedcli.engine.cohort import RoundPlan
+from fedcli.engine.distributed import placement
+from fedcli.engine.machine import available_cores
+from fedcli.engine.model import ModelFunctions, model_functions, with_precision
+from fedcli.engine.seeding import Stream, derive_seed
+from fedcli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedcli.datasets.partition import PartitionSpec
+    from fedcli.engine.distributed import Peers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Setup:
+    """Everything built once before the first round."""
+
+    cfg: RunConfig
+    task: Task
+    data: TaskData
+    fed: FederatedData
+    fns: ModelFunctions
+    alg: Algorithm
+    hp: Any  # the algorithm's hyperparameter dataclass
+    device: torch.device
+    backend: CohortBackend  # runs each round's local training (engine/backends/)
+    init_params: dict[str, torch.Tensor]
+    partition: list[np.ndarray] | None = None  # client -> example indices actually used
+    partition_spec: PartitionSpec | None = None  # the PartitionSpec that produced it
+    executor_reason: str = ""  # why the back end was chosen (logged, tagged)
+    opt: OptimConfig = field(default_factory=OptimConfig)  # cfg.train's optimiser, client_lr None -> the task's
+    model: torch.nn.Module | None = None  # the module behind `fns` (its parameters are init_params)
+    prefetched: dict[int, RoundPlan] = field(default_factory=dict)  # the next round's plan, built during this one
+
+    @property
+    def executor(self) -> str:
+        """train.executor as it runs: the back end's name without its flag (`vmap` for `vmap + graph`)."""
+        return self.backend.name.split(" + ")[0]
+
+
+def resolve_device(name: str) -> torch.device:
+    """Map auto|cpu|cuda|cuda:N|mps to a torch.device; ConfigError if unavailable."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device is {name!r} but CUDA is not available here; use --device cpu.")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("train.device is 'mps' but MPS is not available here; use --device cpu.")
+    return torch.device(name)
+
+
+def client_partition(cfg: RunConfig, data: TaskData) -> tuple[list[np.ndarray], Any]:
+    """Return (client -> example indices, PartitionSpec) from a partition file or the scheme.
+
+    A partition file must have been made for this data (its fingerprint is checked). A scheme
+    is drawn from the run's seed; `natural` with --clients N keeps the first N natural clients.
+    """
+    from fedcli.datasets.partition import PartitionSpec, load_partition, make_partition
+
+    part, task = cfg.partition, cfg.data.task
+    if part.file is not None:
+        return load_partition(Path(part.file), dataset=task, fingerprint=data.fingerprint)
+    spec = PartitionSpec(scheme=part.scheme, num_clients=part.num_clients, alpha=part.alpha,
+                         shards_per_client=part.shards_per_client, labels_per_client=part.labels_per_client,
+                         min_size=part.min_size, seed=derive_seed(cfg.seed, Stream.PARTITION) % (2**31),
+                         balanced=part.balanced, sigma=part.sigma, size_alpha=part.size_alpha)
+    if part.scheme == "natural":
+        if not data.client_indices:
+            raise ConfigError(f"task {task} has no natural clients; choose --scheme iid|dirichlet|... .")
+        if part.num_clients is not None and part.num_clients > len(data.client_indices):
+            raise ConfigError(f"partition.num_clients={part.num_clients} exceeds the {len(data.client_indices)} "
+                              f"natural clients of task {task}; lower --clients.")
+        return data.client_indices[: part.num_clients or len(data.client_indices)], spec
+    return make_partition(spec, labels=data.y.numpy(), natural=data.client_indices or None), spec
+
+
+def build(cfg: RunConfig, *, peers: Peers | None = None) -> Setup:
+    """Load data, build the model, the algorithm and the back end; data-dependent checks.
+
+    `peers` is this process's place in the torchrun group under `--executor distributed`.
+    """
+    device = resolve_device(cfg.train.device)
+    threads = cfg.train.threads or available_cores()  # issue: two threads on a loaded 2-core box
+    if cfg.train.executor == "distributed":  # this rank's GPU (LOCAL_RANK) and share of its host's cores
+        device, threads = placement(cfg, device, peers)
+    torch.set_num_threads(threads)
+    task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
+    data = task.load(TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir else None,
+                                 download=cfg.data.download, max_clients=cfg.data.max_clients))
+    indices, spec = client_partition(cfg, data)
+    if cfg.train.clients_per_round > len(indices):
+        raise ConfigError(f"train.clients_per_round={cfg.train.clients_per_round} exceeds the "
+                          f"{len(indices)} clients of the partition; lower --clients-per-round.")
+    check_plan_size(cfg, max((len(ix) for ix in indices), default=0))
+    with torch.random.fork_rng(devices=[]):  # model init from its own stream, global RNG untouched
+        torch.manual_seed(derive_seed(cfg.seed, Stream.INIT))
+        model_name = cfg.data.model or task.default_model
+        if model_name not in task.models:
+            raise ConfigError(f"data.model must be one of {', '.join(task.models)} for task {task.name}; "
+                              f"got {model_name!r}.")
+        model = task.models[model_name]()
+    model = model.to(device)
+    init_params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    fed = FederatedData(data.x, data.y, indices, device)
+    alg = ALGORITHMS[cfg.algorithm.name]
+    hp = make_hyperparameters(alg.name, cfg.algorithm.hp)
+    fns = with_precision(model_functions(task, model, fed), cfg.train.precision, device)
+    t = cfg.train
+    workload = Workload(alg=alg, task=task, model=model, device=device, precision=t.precision,
+                        clients_per_round=t.clients_per_round, compile=t.compile, graph=t.graph)
+    choice = select.choose(workload, t.executor, launched=peers is not None)
+    workers = min(t.workers or available_cores(), t.clients_per_round)  # the process back end's processes
+    backend = select.build(choice, BackendSetup(cfg=cfg, model=model, fed=fed, device=device, workers=workers,
+                                                peers=peers))
+    return Setup(cfg, task, data, fed, fns, alg, hp, device, backend, init_params, indices, spec, choice.why,
+                 t.optim(task.client_lr), model)
+
+
+PLAN_LIMIT = 2**28  # example slots of one round's padded plan: 3 GiB of indices and weights (docs/architecture.md §8)
+
+
+def check_plan_size(cfg: RunConfig, largest: int) -> None:
+    """Refuse settings whose round plan (`FederatedData.plan`: [M, E * K, B] example slots, K =
+    ceil(n / B) for the largest client's n examples) would exceed PLAN_LIMIT, before any is built."""
+    t = cfg.train
+    slots = t.clients_per_round * t.local_epochs * -(-max(largest, 1) // t.batch_size) * t.batch_size
+    if slots > PLAN_LIMIT:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size}, train.local_epochs={t.local_epochs} and train.clients_per_round="
+            f"{t.clients_per_round} make each round's plan {slots:,} example slots (clients x epochs x ceil(n / B) x B, "
+            f"the largest client n = {largest}), more than the limit of {PLAN_LIMIT:,}. Lower --batch-size (a batch "
+            f"of {largest}, the largest client, is already full-batch training), --local-epochs or "
+            "--clients-per-round.")
