@@ -205,6 +205,7 @@ class MirrorHandle:
         # True once a stop signal arrived (`fedcli train` sets it to its GracefulSignals): the wait
         # for MLflow's set-up and the one for the final copy then end within a second or two
         self.stopping: Callable[[], bool] = lambda: False
+        self._left_alone = False  # a stop signal cut `start` short: the mirror finishes on its own
 
     def spawn(self, *, run_id: str | None = None) -> MirrorHandle:
         """Start the mirror process; with `run_id`, one that takes over the run at once (a restart)."""
@@ -260,6 +261,7 @@ class MirrorHandle:
                 raw = proc.stdout.readline()
                 line = "" if not raw else "ready" if raw.strip() == b"ready" else None  # "": it exited
             elif self.stopping():
+                self._left_alone = True  # `finish` then only closes its stdin: this warning says it all
                 return (f"stopped while MLflow was being set up for the run; its MLflow mirror (pid {proc.pid}) "
                         "copies the run in the background (the SQL store has it all; if MLflow misses it, "
                         "`fedcli sync` or the next `fedcli train --resume` completes the copy)")
@@ -304,7 +306,8 @@ class MirrorHandle:
         A mirror that died since the last `check` is restarted first, so that MLflow gets the
         whole run before this process exits. After a stop signal (`stopping`, before or during
         the wait) the wait is at most STOP_WAIT_S: the mirror, in its own session, finishes the
-        copy in the background, and the warning says what completes it if it cannot.
+        copy in the background, and the warning says what completes it if it cannot. After a
+        stop during `start` (which warned already) it does not wait at all and returns None.
         """
         restarted = None
         if self._proc is not None and self._proc.poll() is not None and self.run_id is not None:
@@ -313,6 +316,10 @@ class MirrorHandle:
             restarted = f"MLflow mirror (pid {dead.pid}) {_death(dead)}; restarted it at the run's end"
         proc, self._proc = self._proc, None
         if proc is None:
+            return None
+        if self._left_alone:  # stopped during MLflow's set-up: `start` warned already; no wait, no second line
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # type: ignore[union-attr] - its cue that the run ended
             return None
         deadline, stop_at = time.monotonic() + timeout_s, None
         while True:

@@ -131,7 +131,9 @@ def command_name() -> str:
 
 
 def store_options(cfg: Any) -> str:
-    """The options that point another command at this run's stores (empty for the defaults).
+    """The options that point another command at this run's stores: `--store URL`, the SQL
+    store's URL with an absolute path, also for the default root (`./fedcli-runs` is another
+    folder wherever the hint is pasted), so every printed hint works pasted in any folder.
 
     A password in the URL is shown masked (`user:***@host`, docs/architecture.md, "Security"):
     the hint then works as it is where FEDCLI_STORE holds the full URL, else the user puts the
@@ -139,10 +141,10 @@ def store_options(cfg: Any) -> str:
     """
     from fedcli.tracking.urls import mask_url
 
-    track = cfg.tracking
-    if track.store or Path(track.root).resolve() != Path("fedcli-runs").resolve():
-        return f" --store {shlex.quote(mask_url(track.store_url))}"  # every command that reads runs takes --store
-    return ""
+    url = cfg.tracking.store_url
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////") and url != "sqlite:///:memory:":
+        url = f"sqlite:///{Path(url.removeprefix('sqlite:///')).resolve()}"  # `--store sqlite:///runs.db`
+    return f" --store {shlex.quote(mask_url(url))}"  # every command that reads runs takes --store
 
 
 def resume_hint(cfg: Any, run_id: str) -> str:

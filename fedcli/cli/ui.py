@@ -130,7 +130,8 @@ def comparison_view(uri: str, experiment: str) -> bool:
         return False
     shown = ", ".join(c.split("`")[1] for c in columns)
     out.print(f"The URL opens the view '{mlflow_view.VIEW_NAME}' (runs page, Views menu): {shown}. MLflow's "
-              "Assistant panel opens by itself on a browser's first visit; its x closes it for good.",
+              "Assistant panel opens by itself on a browser's first visit; its x closes it for good. A sweep's "
+              "trials are folded under its parent run: the box left of its name lists them.",
               soft_wrap=True, markup=False)
     return True
 

@@ -65,6 +65,18 @@ def test_list_algos_in_a_pipe_is_the_80_column_layout() -> None:
     assert "\x1b[" not in proc.stdout
 
 
+def test_list_tasks_in_a_pipe_shows_every_description_and_source_whole() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.run([sys.executable, "-m", "fedcli", "list", "tasks"], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+    assert proc.returncode == 0, proc.stderr
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 80 and "…" not in proc.stdout
+    for name, task in TASKS.items():
+        assert words(f"{name} {task.description}") in words(proc.stdout), name
+        assert words(task.source) in words(proc.stdout), name
+
+
 def test_list_tasks_at_80_columns_keeps_descriptions_readable() -> None:
     """Each description reads as one text (a 7-column table wrapped it to a word or two per line),
     and its lines use the width: no wrapped line but a record's last is shorter than 40 characters."""

@@ -86,10 +86,13 @@ def test_quiet_prints_warnings_only_and_the_run_id(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_train_hints_work_pasted_in_another_folder(tmp_path: Path) -> None:
-    """`browse:` and `report:` of a run trained under the relative root `runs`, pasted elsewhere."""
+@pytest.mark.parametrize("root", ["runs", None], ids=["relative-root", "default-root"])
+def test_train_hints_work_pasted_in_another_folder(tmp_path: Path, root: str | None) -> None:
+    """`browse:` and `report:` of a run trained under the relative root `runs`, or the default
+    `./fedcli-runs` (whose hints were `fedcli ui` and `fedcli report --runs ID` without a store:
+    exit 2, "no MLflow store at <elsewhere>/fedcli-runs/mlflow.db"), pasted elsewhere."""
     here, elsewhere = folders(tmp_path)
-    trained = fedcli("train", "--task", "lsq", "--rounds", "3", "--root", "runs", cwd=here)
+    trained = fedcli("train", "--task", "lsq", "--rounds", "3", *(["--root", root] if root else []), cwd=here)
     assert trained.returncode == 0, trained.stderr
     run_id = trained.stdout.strip()
     port = str(free_port())
@@ -101,7 +104,7 @@ def test_train_hints_work_pasted_in_another_folder(tmp_path: Path) -> None:
     url, command = browse.stdout.splitlines()
     assert re.fullmatch(rf"http://127\.0\.0\.1:{port}/#/experiments/\d+/runs\?workflowType=machine_learning"
                         r"&viewStateShareKey=fedcli-compare", url), url
-    assert f"--backend-store-uri sqlite:///{here.resolve() / 'runs' / 'mlflow.db'} " in command
+    assert f"--backend-store-uri sqlite:///{here.resolve() / (root or 'fedcli-runs') / 'mlflow.db'} " in command
     assert report.returncode == 0, report.stderr
     assert run_id[:8] in (elsewhere / "report.md").read_text()
     assert not (elsewhere / "fedcli-runs").exists() and not (elsewhere / "runs").exists()

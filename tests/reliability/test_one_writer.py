@@ -9,7 +9,8 @@
   another machine, as for a laptop suspended elsewhere), the resume takes the lease; the old
   process, continued with SIGCONT, writes nothing more (the store's rounds and checkpoints
   are byte-identical before and after it ran again), says who took the run over and exits 75;
-  the resumed run finishes with exactly one MLflow point per (metric, round).
+  the resumed run finishes with exactly one MLflow point per (metric, round). The old owner's MLflow
+  mirror stops without ending the MLflow run (before: it marked it KILLED while the resumer trained).
 
 Both processes are stopped only outside a store transaction (a process stopped holding the
 store's write lock is the stalled-store case of test_stalled_store.py).
@@ -74,6 +75,26 @@ def stop_outside_transaction(proc: subprocess.Popen[str], store_url: str) -> Non
         os.kill(proc.pid, signal.SIGCONT)
         time.sleep(0.003)
     raise AssertionError(f"pid {proc.pid} was always inside a store transaction")
+
+
+def mirror_of(pid: int) -> int | None:
+    """The MLflow mirror process that training process `pid` spawned (from /proc), if it runs."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
+                    and b"fedcli.tracking.mirror" in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def gone(pid: int) -> bool:
+    """True when `pid` no longer runs (absent, or a zombie)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def store_snapshot(db: SqlStore, run_id: str) -> tuple[list[tuple], list[tuple]]:
@@ -157,6 +178,8 @@ def stopped_run_is_never_written_twice(tmp_path: Path, store_url: str) -> None:
              and db.round_rows(run_id, -1, 10**9) and resumer.poll() is None)
     stop_outside_transaction(resumer, store_url)
     before = store_snapshot(db, run_id)
+    old_mirror = mirror_of(old.pid)
+    assert old_mirror is not None
 
     os.kill(old.pid, signal.SIGCONT)
     _, err = old.communicate(timeout=120)
@@ -165,6 +188,10 @@ def stopped_run_is_never_written_twice(tmp_path: Path, store_url: str) -> None:
         in " ".join(err.split()), err
     assert "Traceback" not in err
     assert store_snapshot(db, run_id) == before  # not one row more, changed or dropped by the old owner
+    wait_for("the old owner's mirror to end", lambda: gone(old_mirror), timeout=120)
+    with sqlite3.connect(f"file:{root / 'mlflow.db'}?mode=ro", uri=True) as conn:  # the old mirror ended nothing
+        assert conn.execute("SELECT status, end_time FROM runs").fetchall() == [("RUNNING", None)]
+        assert conn.execute("SELECT value FROM tags WHERE key = 'fedcli.status'").fetchall() == []
 
     os.kill(resumer.pid, signal.SIGCONT)
     out, err = resumer.communicate(timeout=300)

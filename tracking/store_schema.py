@@ -1,0 +1,289 @@
+"""The store's tables (SQLAlchemy 2 typed models) and their set-up and upgrade, secrets masking included.
+
+`_setup_schema` creates missing tables and columns in one locked transaction and, once per store,
+masks the passwords that rows written by a fedcli before the secrets fix held (docs/architecture.md,
+"Security").
+
+Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
+there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Double,
+    ForeignKey,
+    String,
+    Text,
+    inspect,
+    select,
+    text,
+)
+from sqlalchemy import update as sql_update
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from fedcli.tracking.store_common import _LOCK_KEY, RUN_STATUSES, _utcnow, canonical_json, log
+from fedcli.tracking.urls import has_password, mask_url
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime stored as a naive UTC `DateTime` (portable to SQLite)."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        """Convert an aware datetime to naive UTC; naive input is a bug."""
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"datetimes stored in the fedcli store must be timezone-aware; got {value!r}.")
+        return value.astimezone(timezone.utc).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        """Attach UTC to the naive value read back."""
+        return None if value is None else value.replace(tzinfo=timezone.utc)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the fedcli store schema."""
+
+
+class Experiment(Base):
+    """A named group of runs (`--experiment`)."""
+
+    __tablename__ = "experiments"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(250), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class Run(Base):
+    """One `fedcli train` run: its full config, versions, status and outcome."""
+
+    __tablename__ = "runs"
+    __table_args__ = (CheckConstraint(f"status IN {RUN_STATUSES!r}", name="ck_runs_status"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # uuid4().hex
+    experiment_id: Mapped[int] = mapped_column(ForeignKey("experiments.id"), index=True)
+    run_name: Mapped[str] = mapped_column(String(250), index=True)
+    algo: Mapped[str] = mapped_column(String(100))
+    task: Mapped[str] = mapped_column(String(100))
+    seed: Mapped[int]
+    status: Mapped[str] = mapped_column(String(16))
+    config_json: Mapped[str] = mapped_column(Text)  # canonical_json(config)
+    config_hash: Mapped[str] = mapped_column(String(64), index=True)  # sha256 of config_json
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    ended_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    fedcli_version: Mapped[str] = mapped_column(String(64))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    git_commit: Mapped[str | None] = mapped_column(String(64))
+    failure_reason: Mapped[str | None] = mapped_column(Text)
+    diverged_at_round: Mapped[int | None]
+    model_path: Mapped[str | None] = mapped_column(Text)
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+    tags_json: Mapped[str] = mapped_column(Text)  # canonical_json(tags)
+    # run lifecycle (added after the first release; `_migrate` adds them to older stores)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UtcDateTime())  # refreshed while alive
+    host: Mapped[str | None] = mapped_column(String(255))  # where the live process runs
+    pid: Mapped[int | None]  # its process id
+    mlflow_synced_round: Mapped[int | None]  # highest round the MLflow mirror has written
+    requested_json: Mapped[str | None] = mapped_column(Text)  # the config as asked for (config_json: as run)
+    lease: Mapped[str | None] = mapped_column(String(32))  # token of the process that owns the run (one writer)
+    pid_start: Mapped[int | None] = mapped_column(BigInteger())  # that process's start time (a reused pid differs)
+
+
+class StoreMeta(Base):
+    """Facts about the store itself, key -> value. `secrets_masked`: when a schema set-up masked the
+    passwords that rows written by a fedcli before the secrets fix held (`_mask_stored_secrets`)."""
+
+    __tablename__ = "store_meta"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class TrialClaim(Base):
+    """A sweep trial (experiment, config hash) claimed by the sweep process that starts it.
+
+    Taken atomically right before the trial starts (`SqlStore.claim_trial`) and released
+    when its process exits, so two sweeps of one spec split the trials between them. A
+    claim whose owner is gone (pid gone on this host, heartbeat older than `STALE_S`
+    elsewhere) is taken over.
+    """
+
+    __tablename__ = "trial_claims"
+
+    experiment: Mapped[str] = mapped_column(String(250), primary_key=True)
+    config_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int]
+    pid_start: Mapped[int | None] = mapped_column(BigInteger())
+    claimed_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    heartbeat_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class RoundMetric(Base):
+    """One metric value of one round, long form; `round_idx = 0` is the initial model."""
+
+    __tablename__ = "round_metrics"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    round_idx: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str] = mapped_column(String(250), primary_key=True)
+    value: Mapped[float] = mapped_column(Double())
+    logged_ms: Mapped[int | None] = mapped_column(BigInteger())  # epoch ms (MLflow's timestamp)
+
+
+class ClientMetric(Base):
+    """One metric value of one client in one round."""
+
+    __tablename__ = "client_metrics"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    round_idx: Mapped[int] = mapped_column(primary_key=True)
+    client_id: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str] = mapped_column(String(250), primary_key=True)
+    value: Mapped[float] = mapped_column(Double())
+
+
+class Checkpoint(Base):
+    """A checkpoint file written after `round_idx`."""
+
+    __tablename__ = "checkpoints"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    round_idx: Mapped[int] = mapped_column(primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class Evaluation(Base):
+    """One metric of a `fedcli evaluate` call (a round's checkpoint or the final model)."""
+
+    __tablename__ = "evaluations"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    round_idx: Mapped[int | None]
+    split: Mapped[str] = mapped_column(String(32))
+    key: Mapped[str] = mapped_column(String(250))
+    value: Mapped[float] = mapped_column(Double())
+    options_json: Mapped[str] = mapped_column(Text)  # canonical_json(options)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+# Columns added after the first release: (table, column, SQL type). `_setup_schema` adds the
+# missing ones to an older store, in the same locked transaction that creates the tables.
+_ADDED_COLUMNS = (
+    ("runs", "heartbeat_at", "TIMESTAMP"),
+    ("runs", "host", "VARCHAR(255)"),
+    ("runs", "pid", "INTEGER"),
+    ("runs", "mlflow_synced_round", "INTEGER"),
+    ("round_metrics", "logged_ms", "BIGINT"),
+    ("runs", "requested_json", "TEXT"),
+    ("runs", "lease", "VARCHAR(32)"),
+    ("runs", "pid_start", "BIGINT"),
+)
+
+
+def _schema_current(conn: Any) -> bool:
+    """True when every table and added column exists: a read, which takes no lock (`SqlStore` then
+    skips the locked set-up, so readers never wait for, nor take, SQLite's write lock)."""
+    inspector = inspect(conn)
+    tables = set(inspector.get_table_names())
+    if not set(Base.metadata.tables) <= tables:
+        return False
+    columns: dict[str, set[str]] = {}
+    for table, column, _ in _ADDED_COLUMNS:
+        if table not in columns:
+            columns[table] = {c["name"] for c in inspector.get_columns(table)}
+        if column not in columns[table]:
+            return False
+    return True
+
+
+def _setup_schema(conn: Any) -> None:
+    """Create missing tables and columns, once, however many processes open the store together.
+
+    One transaction under the database's own lock: `BEGIN IMMEDIATE` on SQLite (the write
+    lock, taken before reading the schema) and a transaction-scoped advisory lock on
+    PostgreSQL (`CREATE TABLE IF NOT EXISTS` alone races on the catalogue). DDL is
+    transactional on both, so a process killed half-way leaves no half-made schema.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
+    Base.metadata.create_all(conn)
+    inspector = inspect(conn)
+    for table, column, sql_type in _ADDED_COLUMNS:
+        if column not in {c["name"] for c in inspector.get_columns(table)}:
+            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
+            log.info("store: added column %s.%s (store made by an older fedcli)", table, column)
+    if conn.scalar(select(StoreMeta.value).where(StoreMeta.key == SECRETS_MASKED)) is None:
+        masked = _mask_stored_secrets(conn)
+        conn.execute(StoreMeta.__table__.insert().values(key=SECRETS_MASKED, value=_utcnow().isoformat()))
+        if masked:
+            log.warning("store: masked the passwords of store URLs that %d run(s) written by an older fedcli held "
+                        "in clear (docs/architecture.md, \"Security\")", masked)
+
+
+SECRETS_MASKED = "secrets_masked"  # StoreMeta key: the stored rows hold no password (`_mask_stored_secrets`)
+
+
+_SECRET_COLUMNS = ("config_json", "requested_json", "tags_json", "failure_reason")
+
+
+def _mask_stored_secrets(conn: Any) -> int:
+    """Mask the passwords that rows written before the secrets fix hold; return how many runs changed.
+
+    fedcli before issue 23 stored `--store`/`--tracking-uri` URLs in full in `config_json`,
+    `requested_json` (and could quote them in `failure_reason`); tags never held a URL, but are
+    checked too. Each JSON value is parsed, every string in it masked (`mask_url`) and written
+    back as canonical JSON, so running it twice changes nothing. Runs stored before the config
+    hash was passed to the store (fedcli 95fa5be-58e6f55^) have `config_hash` = sha256 of
+    `config_json` *with* the tracking section, password included: the column then takes the
+    run's `fedcli.config_hash` tag, the hash of the config without the tracking section that
+    every newer run's column holds (and what sweeps match on), else the sha256 of the masked
+    config. Part of `_setup_schema`'s transaction, so it is done once, whole, under the lock.
+    """
+    maybe = [getattr(Run, name).like("%://%:%@%") for name in _SECRET_COLUMNS]
+    rows = conn.execute(select(Run.id, Run.config_hash, *(getattr(Run, n) for n in _SECRET_COLUMNS))
+                        .where(maybe[0] | maybe[1] | maybe[2] | maybe[3])).all()
+    changed = 0
+    for row in rows:
+        values: dict[str, str] = {}
+        for name in _SECRET_COLUMNS:
+            stored = getattr(row, name)
+            if not stored or not has_password(stored):
+                continue
+            values[name] = mask_url(stored) if name == "failure_reason" else canonical_json(_masked(json.loads(stored)))
+        if not values:
+            continue
+        if "config_json" in values and row.config_hash == hashlib.sha256(row.config_json.encode("utf-8")).hexdigest():
+            tags = json.loads(values.get("tags_json") or row.tags_json or "{}")
+            values["config_hash"] = tags.get("fedcli.config_hash") or \
+                hashlib.sha256(values["config_json"].encode("utf-8")).hexdigest()
+        conn.execute(sql_update(Run).where(Run.id == row.id).values(**values))
+        changed += 1
+    return changed
+
+
+def _masked(value: Any) -> Any:
+    """`value` (parsed JSON) with the password of every URL in every string masked."""
+    if isinstance(value, str):
+        return mask_url(value)
+    if isinstance(value, list):
+        return [_masked(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _masked(item) for key, item in value.items()}
+    return value

@@ -1,0 +1,235 @@
+"""The store's transactions: one session per call, failures in one line, the retry of a locked or
+lost store with the lock holder named, the lease check of every write (`StoreSession`).
+
+Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
+there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, cast
+
+from sqlalchemy import inspect, select, text
+from sqlalchemy import update as sql_update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import CursorResult, Engine
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from fedcli.errors import ConfigError, TrackingError
+from fedcli.tracking.store_common import (
+    _STORE_FIX,
+    HOSTNAME,
+    RETRY_ENV,
+    RunTakenOver,
+    StoreUnavailable,
+    _first_line,
+    _Transient,
+    _utcnow,
+    disk_full,
+    log,
+)
+from fedcli.tracking.store_engine import sqlite_lock_holder
+from fedcli.tracking.store_liveness import _pid_state
+from fedcli.tracking.store_schema import Base, Run
+
+
+def _retried(method: Any) -> Any:
+    """A public `SqlStore` method, retried whole while the store is locked or its server gone (`_retry`)."""
+
+    @functools.wraps(method)
+    def retried(self: StoreSession, *args: Any, **kwargs: Any) -> Any:
+        return self._retry(method.__name__, lambda: method(self, *args, **kwargs))
+
+    return retried
+
+
+class StoreSession:
+    """Transactions of a store: `SqlStore` inherits them (with `StoreWrites` and `StoreQueries`).
+
+    Uses the attributes `SqlStore.__init__` sets, declared here.
+    """
+
+    url: str
+    retry_s: float
+    _engine: Engine
+    _write_engine: Engine
+    _sqlite: bool
+    _db_file: Path | None
+    _leases: dict[str, str]
+    _local: threading.local
+    _announced: float
+    _read_columns: list[Any] | None
+
+    @contextlib.contextmanager
+    def _session(self, what: str, *, write: bool) -> Iterator[Session]:
+        """One transaction; database failures become `TrackingError` naming `what` (`_Transient`
+        for a locked file or a lost server, which the public methods retry)."""
+        engine = self._write_engine if write else self._engine
+        try:
+            with Session(engine, expire_on_commit=False) as session, session.begin():
+                yield session
+        except SQLAlchemyError as err:
+            if disk_full(err):
+                raise TrackingError(
+                    f"no space left on device for the store {self.url!r} (could not {what}); "
+                    "free disk space, then resume the run with `fedcli train --resume RUN`"
+                ) from err
+            kind = self._transient(err)
+            if kind is not None:
+                raise _Transient(kind, what, err) from err
+            raise TrackingError(f"store {self.url!r} could not {what}: {_first_line(err)}") from err
+
+    def _transient(self, err: SQLAlchemyError) -> str | None:
+        """"locked" (SQLite's write lock is held elsewhere), "lost" (the server connection), else None."""
+        if self._sqlite:
+            message = str(getattr(err, "orig", None) or err).lower()
+            return "locked" if isinstance(err, OperationalError) and ("locked" in message or "busy" in message) \
+                else None
+        if getattr(getattr(err, "orig", None), "sqlstate", None) == "55P03":  # lock_timeout: a row lock held
+            return "locked"
+        if isinstance(err, (OperationalError, InterfaceError, DisconnectionError)) \
+                or getattr(err, "connection_invalidated", False):
+            return "lost"
+        return None
+
+    def _retry(self, name: str, call: Any, *, kinds: tuple[str, ...] = ("locked", "lost")) -> Any:
+        """Run `call()` (one whole transaction), retrying a locked file or a lost server for `retry_s`.
+
+        Says once, as a warning, what it waits for ("store … is locked by pid N (running run
+        X); waiting up to 60 s"), and when the store answers again. Nested calls run once:
+        only the outermost public method retries.
+
+        Raises:
+            StoreUnavailable: Still locked or unreachable after `retry_s` seconds.
+        """
+        local = self._local
+        if getattr(local, "busy", False):
+            return call()
+        local.busy = True
+        try:
+            start, delay, waiting = time.monotonic(), 0.05, False
+            while True:
+                try:
+                    result = call()
+                except _Transient as err:
+                    if err.kind not in kinds:
+                        raise TrackingError(f"store {self.url!r} could not {err.what}: {err}; {_STORE_FIX}") from err
+                    if not waiting:
+                        waiting = True
+                        if time.monotonic() - self._announced > self.retry_s:  # once per outage, all threads
+                            self._announced = time.monotonic()
+                            log.warning("%s", self._waiting(err))
+                    waited = time.monotonic() - start
+                    if waited >= self.retry_s:
+                        raise StoreUnavailable(self._gave_up(err, waited)) from err
+                    time.sleep(min(delay, max(0.0, self.retry_s - waited)))
+                    delay = min(delay * 2, 2.0)
+                    continue
+                if waiting and self._announced >= start:
+                    log.warning("store %s answers again after %.1f s", self.url, time.monotonic() - start)
+                return result
+        finally:
+            local.busy = False
+
+    def _holder(self) -> tuple[int | None, str]:
+        """Who holds the lock: its pid and, in words, "pid N (running run X, stopped)" (or "another
+        process" when /proc, or PostgreSQL's pg_stat_activity, does not say).
+
+        SQLite: the holder of the WAL write lock in /proc/locks. PostgreSQL: the fedcli session of
+        this database longest idle in a transaction (`application_name` "fedcli pid N on H").
+        """
+        pid, host = (sqlite_lock_holder(self._db_file) if self._db_file is not None else None), HOSTNAME
+        if not self._sqlite:
+            with contextlib.suppress(Exception), self._engine.connect() as conn:
+                name = conn.execute(text(
+                    "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%' "
+                    "AND application_name LIKE 'fedcli pid %' ORDER BY xact_start LIMIT 1")).scalar()
+                words = str(name or "").split()
+                if len(words) >= 5:
+                    pid, host = int(words[2]), words[4]
+            if pid is not None and host != HOSTNAME:
+                return pid, f"pid {pid} on {host}"
+        if pid is None:
+            return None, "another process"
+        what: str | None = None
+        with contextlib.suppress(Exception), Session(self._engine) as session:  # a read: the lock does not block it
+            found = session.scalars(select(Run.id).where(Run.host == HOSTNAME, Run.pid == pid,
+                                                        Run.status == "running")).first()
+            what = f"running run {found[:8]}" if found else None
+        if what is None:  # the program's name only: a command line may hold a password
+            with contextlib.suppress(OSError):
+                what = Path(f"/proc/{pid}/comm").read_text().strip() or None
+        details = ", ".join(x for x in (what, "stopped" if _pid_state(pid) == "stopped" else None) if x)
+        return pid, f"pid {pid}" + (f" ({details})" if details else "")
+
+    def _waiting(self, err: _Transient) -> str:
+        if err.kind == "locked":
+            return (f"store {self.url} is locked by {self._holder()[1]}; waiting up to {self.retry_s:.0f} s to "
+                    f"{err.what}")
+        return f"lost the connection to the store {self.url} ({err}); retrying for up to {self.retry_s:.0f} s"
+
+    def _gave_up(self, err: _Transient, waited: float) -> str:
+        if err.kind == "locked":
+            pid, holder = self._holder()
+            who = "PID" if pid is None else str(pid)
+            return (f"store {self.url} is locked by {holder} and stayed locked for {waited:.0f} s, so this "
+                    f"process could not {err.what}; let that process finish (`kill -CONT {who}` if it is stopped) "
+                    f"or end it, then retry ({RETRY_ENV} sets how long to wait)")
+        return (f"the store {self.url} cannot be reached ({err}) and did not come back within {waited:.0f} s, so "
+                f"this process could not {err.what}; check the database server, then retry ({RETRY_ENV} sets "
+                "how long to wait)")
+
+    def _own(self, session: Session, run_id: str, now: datetime | None = None) -> Run:
+        """The run, checked in this transaction to be still this process's (when it holds its lease).
+
+        `UPDATE runs SET heartbeat_at = now WHERE id = … AND lease = <token>`: on SQLite under
+        the write lock, on PostgreSQL taking the row's lock, so a takeover cannot slip
+        between the check and the writes that follow in the same transaction.
+
+        Raises:
+            RunTakenOver: Another process resumed the run (nothing of this transaction is written).
+        """
+        token = self._leases.get(run_id)
+        if token is None:  # not a run this process owns (a test, `fedcli evaluate`, the mirror)
+            return self._require_run(session, run_id)
+        result = session.execute(
+            sql_update(Run).where(Run.id == run_id, Run.lease == token).values(heartbeat_at=now or _utcnow())
+            .execution_options(synchronize_session=False)
+        )
+        run = self._require_run(session, run_id)
+        if cast("CursorResult[Any]", result).rowcount != 1:
+            raise RunTakenOver(run_id, run.pid, run.host)
+        return run
+
+    def _upsert(
+        self, session: Session, model: type[Base], rows: list[dict[str, Any]], update: Sequence[str]
+    ) -> None:
+        """Insert `rows`, overwriting the `update` columns of rows whose primary key exists."""
+        if not rows:
+            return
+        table = model.__table__
+        dialect = self._engine.dialect.name
+        if dialect in ("sqlite", "postgresql"):
+            stmt = (sqlite if dialect == "sqlite" else postgresql).insert(table)
+            keys = [column.name for column in inspect(model).primary_key]
+            stmt = stmt.on_conflict_do_update(index_elements=keys, set_={c: stmt.excluded[c] for c in update})
+            session.execute(stmt, rows)
+        else:  # portable fallback: one merge per row, still inside the caller's transaction
+            for row in rows:
+                session.merge(model(**row))
+
+    @staticmethod
+    def _require_run(session: Session, run_id: str) -> Run:
+        run = session.get(Run, run_id)
+        if run is None:
+            raise ConfigError(f"unknown run {run_id!r}; `fedcli list runs` shows the ids")
+        return run
