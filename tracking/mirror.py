@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcli.errors import ConfigError, TrackingError
-from fedcli.tracking.urls import mask_url
+from fedcli.tracking.urls import mask_malformed, mask_url
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,15 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
             reason = getattr(err, "reason", None) or err
             raise ConfigError(mask_url(f"MLflow server {uri} is not reachable ({reason}); {fix}.")) from None
         return
+    if uri.partition("://")[0].partition("+")[0] in ("sqlite", "postgresql", "mysql", "mssql"):  # a database URL
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            make_url(uri)
+        except (ArgumentError, ValueError) as err:  # a port that is not a number: before the run is written
+            raise ConfigError(f"MLflow store {mask_malformed(uri)} is not a valid database URL "
+                              f"({mask_malformed(str(err))}); {fix}.") from None
     path = sqlite_path(uri)
     if path is None:
         return
@@ -691,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MLflow mirror: {mask_url(str(err))}", file=sys.stderr)
         return 1
     except Exception as err:  # noqa: BLE001 - one line the training process quotes, not a traceback
-        print(f"MLflow mirror: {type(err).__name__}: {first_cause_line(err)}", file=sys.stderr)
+        print(f"MLflow mirror: {type(err).__name__}: {first_cause_line(err)}; pass --tracking-uri with a "
+              "writable MLflow store or use --no-mlflow", file=sys.stderr)
         return 1
 
 

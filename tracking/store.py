@@ -182,7 +182,7 @@ class SqlStore(StoreWrites, StoreQueries):
         """
         try:
             db_file = _sqlite_file(make_url(url)) if make_url(url).get_backend_name() == "sqlite" else None
-        except ArgumentError:
+        except (ArgumentError, ValueError):
             db_file = None  # the constructor names the malformed URL
         if db_file is not None and not db_file.exists():
             return None

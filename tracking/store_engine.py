@@ -30,6 +30,7 @@ from fedcli.tracking.store_common import (
     SQLITE_BUSY_TIMEOUT_MS,
     _first_line,
 )
+from fedcli.tracking.urls import mask_malformed
 
 
 def _sqlite_connect_hook(busy_ms: int) -> Any:
@@ -133,11 +134,11 @@ def _create_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Eng
     (`busy_ms`: SQLite's busy timeout of one attempt at its write lock)."""
     try:
         parsed = make_url(url)
-    except ArgumentError as err:
-        raise TrackingError(
-            f"store {url!r} is not a valid SQLAlchemy URL: {_first_line(err)}; "
+    except (ArgumentError, ValueError) as err:  # ValueError: a port that is not a number, an unclosed "["
+        raise TrackingError(  # the string did not parse: mask_url would not find its password
+            f"store {mask_malformed(url)!r} is not a valid SQLAlchemy URL: {mask_malformed(_first_line(err))}; "
             "pass --store sqlite:////absolute/path/fedcli.db or set FEDCLI_STORE"
-        ) from err
+        ) from None
     shown = parsed.render_as_string(hide_password=True)
     is_sqlite = parsed.get_backend_name() == "sqlite"
     db_file = _sqlite_file(parsed) if is_sqlite else None

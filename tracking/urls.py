@@ -31,6 +31,18 @@ def mask_url(text: str) -> str:
     return _CREDENTIALS.sub(lambda m: f"{m['head']}:{MASK}@", text)
 
 
+def mask_malformed(url: str) -> str:
+    """`url`, a string that failed to parse as a URL, safe to show: if it holds an "@", everything
+    between its "//" (or start) and its last "@" but the user name is masked (`mask_url` finds
+    credentials only behind a well-formed `scheme://`; "postgresql//me:pw@host/db" would pass it)."""
+    if "@" not in url:
+        return url
+    head, _, tail = url.rpartition("@")
+    start = head.find("//") + 2 if "//" in head else 0
+    user = head[start:].split(":", 1)[0] if ":" in head[start:] else ""
+    return f"{head[:start]}{user + ':' if user else ''}{MASK}@{tail}"
+
+
 def has_password(url: str | None) -> bool:
     """True when `url` carries a password that is not already masked."""
     if not url:

@@ -17,8 +17,11 @@
 - A store written by an older fedcli whose rows hold a password: opening it masks them once,
   with one warning, and keeps the config hashes, so a sweep rerun trains nothing.
 
-The old owner's mirror after a takeover is checked in test_one_writer.py, the password audit
-in test_files_and_secrets.py.
+- A store or MLflow URL with a password that does not parse: one masked line, exit 2, nothing
+  written.
+
+The old owner's mirror after a takeover is checked in test_one_writer.py, the password grep of
+every file a run writes in test_files_and_secrets.py.
 """
 
 from __future__ import annotations
@@ -259,6 +262,7 @@ def test_a_full_disk_under_mlflows_store_at_set_up_is_named_in_one_line(no_inode
     print(f"exit {done.returncode} after {took:.1f} s: {lines}")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert len(lines) == 1 and "No space left on device" in lines[0] and "no answer" not in lines[0], lines
+    assert "--no-mlflow" in lines[0]  # and how to go on
 
 
 @pytest.mark.soak
@@ -470,3 +474,22 @@ def test_an_older_store_holding_passwords_is_read_as_is_by_a_dry_run_then_masked
     assert [r for r in caplog.records if "masked" in r.getMessage()] == []
     with contextlib.closing(sqlite3.connect(db_file)) as conn:
         assert conn.execute("SELECT id, config_json, requested_json, config_hash FROM runs").fetchall() == stored
+
+
+# --------------------------------------------------------------------------- 8. URLs that do not parse
+
+
+@pytest.mark.parametrize(("option", "url"), [
+    ("--store", f"postgresql+psycopg//me:{PASSWORD}@127.0.0.1/db"),  # no ":" after the scheme
+    ("--store", f"postgresql+psycopg://me:{PASSWORD}@127.0.0.1:abc/db"),  # a port that is not a number
+    ("--tracking-uri", f"postgresql+psycopg://me:{PASSWORD}@127.0.0.1:abc/db"),
+])
+def test_a_url_that_does_not_parse_is_one_masked_line_and_nothing_is_written(tmp_path: Path, option: str,
+                                                                            url: str) -> None:
+    """Before: the first printed the password in clear (mask_url needs a well-formed "scheme://"),
+    the second was a 72-line traceback (exit 1), the third left a `failed` run in the store."""
+    done = fedcli("-q", "train", *TINY, "--rounds", "1", "--root", str(tmp_path / "root"), option, url)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert PASSWORD not in done.stdout + done.stderr and "me:***@127.0.0.1" in lines[0], lines
+    assert not (tmp_path / "root").exists()
