@@ -62,6 +62,7 @@ RETRY_S = 60.0  # how long a failing MLflow write is retried (a busy SQLite file
 STOP_POLL_S = 0.1  # how often the two waits above look for a stop signal (`MirrorHandle.stopping`)
 STOP_WAIT_S = 1.5  # after a stop signal, how long the run's end still waits for the mirror's copy
 MAX_RESTARTS = 3  # a mirror that dies alone is restarted at most this often per run
+_DISK_FULL = ("database or disk is full", "No space left on device")  # a mirror that died so is not restarted
 _PG_LOCK_KEY = 0x6D6C666C  # "mlfl": advisory-lock key of MLflow's schema set-up
 
 
@@ -293,12 +294,17 @@ class MirrorHandle:
 
         Costs one `waitpid` when it is alive: the round loop calls it every round. The new
         mirror reattaches to the run's MLflow run and copies from the store what is missing
-        (copies are idempotent); after MAX_RESTARTS it is left dead (`fedcli sync` copies later).
+        (copies are idempotent); after MAX_RESTARTS, or when it died of a full disk, it is left
+        dead (`fedcli sync` copies later).
         """
         proc = self._proc
         if proc is None or self.run_id is None or proc.poll() is None:
             return None
         why = _death(proc)
+        if any(full in why for full in _DISK_FULL):  # a restart would fail the same way: one warning, not four
+            self._proc = None
+            return (f"MLflow mirror (pid {proc.pid}) {why}; not restarted while the disk is full (the SQL store is "
+                    "complete; `fedcli sync` copies the run into MLflow once there is space)")
         if self.restarts >= MAX_RESTARTS:
             self._proc = None
             return (f"MLflow mirror (pid {proc.pid}) {why}, the {self.restarts + 1}th time; not restarted again "

@@ -270,7 +270,8 @@ def test_a_full_disk_under_an_existing_mlflow_store_is_named_and_not_retried_soa
                                                                                    tmp_path: Path) -> None:
     """MLflow's store exists (an earlier run) and its disk is full when the next run starts: the
     warning quotes SQLite's "database or disk is full", not the note on autoflush MLflow wraps it
-    in, and the mirror does not retry it for RETRY_S (before: the run waited ~60 s at its end)."""
+    in, in one line (the mirror is not restarted to fail again), and the mirror does not retry it
+    for RETRY_S (before: the run waited ~60 s at its end)."""
     uri = f"sqlite:///{disk / 'mlflow.db'}"
     first = fedcli("-q", "train", *TINY, "--rounds", "2", "--root", str(tmp_path / "root"), "--tracking-uri", uri)
     assert first.returncode == 0, first.stderr
@@ -282,6 +283,7 @@ def test_a_full_disk_under_an_existing_mlflow_store_is_named_and_not_retried_soa
     print(f"exit {done.returncode} after {took:.1f} s: {records(done.stderr)}")
     assert done.returncode == 0 and "Traceback" not in said, said
     assert "database or disk is full" in said and "autoflush" not in said, said
+    assert len(records(done.stderr)) == 1 and "not restarted while the disk is full" in said, said  # one line
     assert took < 50.0
 
 
