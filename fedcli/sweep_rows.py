@@ -1,0 +1,138 @@
+"""What the store says about a sweep's trials (the live table's rows) and the sweep's MLflow parent run.
+
+Split out of fedcli/sweeps.py (issue 25: no module over ~500 lines), whose docstring describes
+how a sweep owns its trials and which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from fedcli.errors import ConfigError
+from fedcli.tracking.urls import mask_url
+
+if TYPE_CHECKING:
+    from fedcli.tracking.mlflow_sink import MlflowSink
+    from fedcli.tracking.store import RunRecord
+
+from fedcli.sweep_plan import DIVERGED, ELSEWHERE, NEW, RESUME, SKIP, Plan
+from fedcli.sweep_scheduler import TrialProcess
+from fedcli.sweep_spec import Trial, spec_hash
+
+# --------------------------------------------------------------------------- what the store says
+
+
+METRIC_KEYS = ("eval/accuracy", "eval/dist_to_opt", "eval/loss")  # shown when the spec names no report metric
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """One line of the sweep's live and final tables."""
+
+    name: str
+    status: str  # finished, failed, interrupted, running, waiting, running elsewhere, diverged, not started
+    round_idx: int | None  # last round logged
+    rounds: int
+    metric: float | None  # latest value of the table's metric
+    elapsed_s: float | None  # of this sweep's process; None for trials it did not run
+    run_id: str | None
+    note: str = ""
+
+
+def trial_rows(store: Any, experiment: str, plans: Sequence[Plan], processes: Sequence[TrialProcess],
+               metric_keys: Sequence[str], stopped: bool = False) -> tuple[list[TrialRow], str]:
+    """Rows of every planned trial, rounds and metric read from the store; and the metric key shown.
+
+    `processes`: TrialProcess, or any object with its attributes (fedcli.sweep_ray.RayTrial).
+    """
+    records = experiment_runs(store, experiment)
+    for started in processes:
+        if started.run_id is None:  # a new run: the store knows it by the trial process's pid
+            started.run_id = started.locate(records)
+    by_plan = {id(p.plan): p for p in processes}
+    elsewhere = {id(p): _run_of(p.trial, records) for p in plans if p.action == ELSEWHERE and id(p) not in by_plan}
+    ids = [i for i in (by_plan[id(p)].run_id if id(p) in by_plan else
+                       getattr(elsewhere.get(id(p)), "id", None) or p.run_id for p in plans) if i]
+    frame = store.metrics_frame(ids, keys=list(metric_keys)) if ids else None
+    key = next((k for k in metric_keys if frame is not None and (frame["key"] == k).any()), metric_keys[0])
+    latest = {} if frame is None else frame[frame["key"] == key].groupby("run_id")["value"].last().to_dict()
+    rows = []
+    for plan in plans:
+        process = by_plan.get(id(plan))
+        run_id = process.run_id if process else plan.run_id
+        status, note = _row_status(plan, process, stopped)
+        other = elsewhere.get(id(plan))
+        if other is not None:  # the run another process trains for this trial: how it stands now
+            run_id = other.id
+            status = ELSEWHERE if other.is_alive else f"{other.status} elsewhere"
+        rows.append(TrialRow(plan.trial.name, status, store.last_round(run_id) if run_id else None,
+                             plan.trial.config.train.rounds, latest.get(run_id),
+                             None if process is None else process.elapsed_s, run_id, note))
+    return rows, key
+
+
+def _run_of(trial: Trial, records: Sequence[RunRecord]) -> RunRecord | None:
+    """The newest run of the trial's config hash, if any."""
+    same = [r for r in records if (r.tags.get("fedcli.config_hash") or r.config_hash) == trial.config.config_hash]
+    return same[-1] if same else None
+
+
+def experiment_runs(store: Any, experiment: str) -> list[RunRecord]:
+    """The experiment's runs, oldest first; none for an experiment the store does not know yet."""
+    try:
+        return list(store.list_runs(experiment=experiment))
+    except ConfigError:  # unknown experiment: a new sweep
+        return []
+
+
+def _row_status(plan: Plan, process: TrialProcess | None, stopped: bool) -> tuple[str, str]:
+    if process is not None:
+        status = process.status
+        return status, process.last_error() if status in ("failed", "interrupted") else (
+            "resumed" if plan.action == RESUME else "")
+    if plan.action in (NEW, RESUME):
+        return ("not started" if stopped else "waiting"), ("to resume" if plan.action == RESUME else "")
+    return {SKIP: "finished (skip)", ELSEWHERE: ELSEWHERE, DIVERGED: "diverged (skip)"}[plan.action], plan.note
+
+
+# --------------------------------------------------------------------------- the MLflow parent run
+
+
+SWEEP_TAG, SPEC_HASH_TAG = "fedcli.sweep", "fedcli.sweep_spec_hash"
+
+
+def parent_run(tracking_uri: str, spec: Mapping[str, Any]) -> MlflowSink:
+    """Open the sweep's MLflow parent run: the experiment's run tagged with this spec, else a new one.
+
+    Raises:
+        TrackingError: MLflow cannot be opened or written.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from fedcli.errors import TrackingError
+    from fedcli.tracking.mirror import schema_lock
+    from fedcli.tracking.mlflow_sink import MlflowSink
+
+    experiment, digest = spec["experiment"], spec_hash(spec)
+    with schema_lock(tracking_uri):  # N processes on a fresh root set MLflow's schema up once
+        sink = MlflowSink(tracking_uri, experiment)
+    quoted = experiment.replace("\\", "\\\\").replace("'", "\\'")
+    try:
+        found = MlflowClient(tracking_uri=tracking_uri).search_runs(
+            [sink.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{quoted}' AND tags.`{SPEC_HASH_TAG}` = '{digest}'",
+            order_by=["attributes.start_time ASC"], max_results=1)
+    except MlflowException as err:
+        raise TrackingError(f"MLflow store {mask_url(tracking_uri)!r} could not be searched: {mask_url(str(err))}; "
+                            "pass --tracking-uri with a reachable MLflow store or use --no-mlflow") from err
+    if found:
+        sink.attach(found[0].info.run_id)
+        return sink
+    sink.start_run(run_name=f"sweep {experiment}", params={},
+                   tags={SWEEP_TAG: experiment, SPEC_HASH_TAG: digest, "fedcli.kind": "sweep"})
+    sink.log_text(yaml.safe_dump(dict(spec), sort_keys=False), "sweep.yaml")
+    return sink

@@ -1,0 +1,299 @@
+"""The trial processes of a local sweep: claims in the store, the `Scheduler` that starts them and forwards stop signals.
+
+Split out of fedcli/sweeps.py (issue 25: no module over ~500 lines), whose docstring describes
+how a sweep owns its trials and which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedcli.tracking.store import Claim, RunRecord
+
+from fedcli.sweep_plan import ELSEWHERE, NEW, RESUME, Plan, trial_command, trial_env
+
+# --------------------------------------------------------------------------- the trial processes
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+KILL_AFTER_S = 180.0  # a stopped trial still running this long after SIGTERM is killed (it reads interrupted)
+
+
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A `preexec_fn`: the child gets SIGTERM when the sweep dies, even by SIGKILL (Linux; no-op elsewhere).
+
+    The signal is tied to the thread that forks, so trials are started from the main thread.
+    libc is loaded here, before the fork, so the child only makes two system calls.
+    """
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+    def preexec() -> None:
+        if libc is None:
+            return
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent_pid:  # the sweep died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+@dataclass
+class TrialProcess:
+    """A running (or ended) trial: its plan, process, log files and what the store says about it."""
+
+    plan: Plan
+    proc: subprocess.Popen[bytes]
+    folder: Path
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    run_id: str | None = None
+    stopped: bool = False  # ended by the sweep's stop
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    @property
+    def status(self) -> str:
+        code = self.proc.returncode
+        if code is None:
+            return "running"
+        if code == 0:
+            return "finished"
+        return "interrupted" if self.stopped or code in {128 + s for s in STOP_SIGNALS} else "failed"
+
+    def last_error(self) -> str:
+        """The trial's last non-empty stderr line (why it failed), else its exit code."""
+        path = self.folder / "stderr.txt"
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()] \
+            if path.exists() else []
+        return lines[-1] if lines else f"exit code {self.proc.returncode}"
+
+    def locate(self, records: Sequence[RunRecord]) -> str | None:
+        """The id of the run this process trains: the store's run of its host, pid and config hash,
+        else the id it printed."""
+        from fedcli.tracking.store import HOSTNAME
+
+        key = (HOSTNAME, self.proc.pid, self.plan.trial.config.config_hash)
+        found = [r.id for r in records if (r.host, r.pid, r.tags.get("fedcli.config_hash")) == key]
+        return found[-1] if found else self.printed_run_id()
+
+    def printed_run_id(self) -> str | None:
+        """The run id `fedcli train` printed on stdout (only once it finished)."""
+        path = self.folder / "stdout.txt"
+        words = path.read_text(errors="replace").split() if path.exists() else []
+        return words[-1] if words and len(words[-1]) == 32 else None
+
+
+class TrialClaims:
+    """A sweep's claims on its trials in the store: one process runs each trial at a time.
+
+    `take` claims a trial right before it starts (`SqlStore.claim_trial`, atomic); `release`
+    gives it back when the trial's process has ended; `refresh` renews the claims' heartbeat
+    every `HEARTBEAT_S` (what tells a sweep on another host that this one is alive). Both
+    backends use it through `Scheduler`: the claims are the sweep process's, wherever the
+    trial runs.
+    """
+
+    def __init__(self, store: Any, experiment: str) -> None:
+        self.store, self.experiment = store, experiment
+        self.held: set[str] = set()  # config hashes this sweep holds
+        self._refreshed = time.monotonic()
+
+    def take(self, plan: Plan) -> Claim | None:
+        """Claim the trial: None when it is this sweep's now, else the live claim of another process."""
+        key = plan.trial.config.config_hash
+        other = self.store.claim_trial(self.experiment, key)
+        if other is None:
+            self.held.add(key)
+        return other
+
+    def release(self, plan: Plan) -> None:
+        """Give the trial back (its process ended, or it needs no run); a no-op when not held."""
+        key = plan.trial.config.config_hash
+        if key in self.held:
+            self.held.discard(key)
+            self.store.release_trial(self.experiment, key)
+
+    def refresh(self) -> None:
+        """Renew this sweep's claims every HEARTBEAT_S seconds (cheap to call often)."""
+        from fedcli.tracking.store import HEARTBEAT_S, stale_s
+
+        if self.held and time.monotonic() - self._refreshed >= min(HEARTBEAT_S, stale_s() / 4):
+            self._refreshed = time.monotonic()
+            self.store.refresh_claims(self.experiment)
+
+    def release_all(self) -> None:
+        for key in sorted(self.held):
+            self.store.release_trial(self.experiment, key)
+        self.held.clear()
+
+
+class Scheduler:
+    """Run planned trials, at most `workers` at once, as children of this (main) thread.
+
+    `run(tick)` calls `tick(processes)` about every `tick_s` seconds and after each start
+    and exit. A stop signal forwards SIGTERM to the running trials (once; `fedcli train`
+    then checkpoints its last round and exits 128 + 15), starts nothing new and returns
+    the signal number once every trial has exited. With `claims`, each trial is claimed
+    before it starts (then `recheck`ed) and released when its process ends; a trial another
+    live sweep claimed is planned ELSEWHERE and not started.
+    """
+
+    def __init__(self, plans: Sequence[Plan], *, workers: int, cores: int, parent_run: str | None,
+                 recheck: Callable[[Plan], Plan] | None = None, claims: TrialClaims | None = None) -> None:
+        self.plans = list(plans)  # as planned, each replaced by its recheck when its turn comes
+        self.pending = [p for p in plans if p.action in (NEW, RESUME)]
+        self.recheck = recheck  # plans a trial again right before it starts (another process may have taken it)
+        self.claims = claims
+        self.workers, self.cores, self.parent_run = workers, cores, parent_run
+        self.processes: list[TrialProcess] = []
+        self.signum: int | None = None
+        self._forwarded_at: float | None = None
+        self._tmp = Path(tempfile.mkdtemp(prefix="fedcli-sweep-"))
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signum = self.signum or signum
+
+    def start(self, plan: Plan) -> TrialProcess:
+        folder = self._tmp / f"trial-{len(self.processes)}"
+        folder.mkdir()
+        command = trial_command(plan, folder / "run.yaml", self.cores, self.parent_run)
+        with open(folder / "stdout.txt", "wb") as out, open(folder / "stderr.txt", "wb") as err:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    preexec_fn=die_with_parent(os.getpid()), env=trial_env(plan.trial.config.tracking))
+        process = TrialProcess(plan, proc, folder, run_id=plan.run_id)
+        self.processes.append(process)
+        return process
+
+    def run(self, tick: Callable[[list[TrialProcess]], None], tick_s: float = 1.0) -> int | None:
+        in_main = threading.current_thread() is threading.main_thread()  # only it may set handlers
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS} if in_main else {}
+        try:
+            last_tick = 0.0
+            # after a stop, pending trials never start: wait for the running ones only (before: a
+            # stop with trials still waiting looped forever, printing "sweep: 1/2 done; 1 waiting")
+            while self.running or (self.pending and self.signum is None):
+                changed = self._step()
+                if changed or time.monotonic() - last_tick >= tick_s:
+                    tick(self.processes)
+                    last_tick = time.monotonic()
+                time.sleep(0.1)
+            tick(self.processes)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return self.signum
+
+    @property
+    def running(self) -> list[TrialProcess]:
+        return [p for p in self.processes if p.proc.returncode is None]
+
+    def _step(self) -> bool:
+        """Reap exited trials, forward a stop, start pending trials; True when something changed."""
+        changed = self._reap()
+        if self.claims is not None:
+            for process in self.processes:
+                if process.ended is not None:
+                    self.claims.release(process.plan)
+            self.claims.refresh()
+        if self.signum is not None:
+            self._stop()
+            return changed
+        while self.pending and len(self.running) < self.workers:
+            plan = self.pending.pop(0)
+            fresh = self._take(plan)
+            self.plans[self.plans.index(plan)] = plan = fresh
+            if plan.action in (NEW, RESUME):
+                self.start(plan)
+            changed = True
+        return changed
+
+    def _take(self, plan: Plan) -> Plan:
+        """The trial's plan right before it starts: claimed first (claims), then planned again
+        against the store (recheck), so a trial that another process took meanwhile is not
+        started twice; a trial that needs no run gives its claim back."""
+        if self.claims is not None:
+            other = self.claims.take(plan)
+            if other is not None:
+                return Plan(plan.trial, ELSEWHERE, None, str(other))
+        fresh = self.recheck(plan) if self.recheck is not None else plan
+        if self.claims is not None and fresh.action not in (NEW, RESUME):
+            self.claims.release(fresh)
+        return fresh
+
+    def _reap(self) -> bool:
+        """Note the trials that exited since the last step; True when one did."""
+        changed = False
+        for process in self.running:
+            if process.proc.poll() is not None:
+                process.ended, changed = time.monotonic(), True
+        return changed
+
+    def _stop(self) -> None:
+        """Forward SIGTERM once (a second signal while a trial checkpoints would cut its checkpoint short).
+
+        A Ctrl-C in the terminal already reached every process of the foreground group, the
+        trials included, so a SIGINT is forwarded only when the sweep is not that group.
+        """
+        now = time.monotonic()
+        if self._forwarded_at is None:
+            self._forwarded_at = now
+            forward = not (self.signum == signal.SIGINT and in_terminal_foreground())
+            for process in self.running:
+                process.stopped = True
+                if forward:
+                    with_suppressed_lookup(process.proc.send_signal, signal.SIGTERM)
+        elif now - self._forwarded_at > KILL_AFTER_S:
+            for process in self.running:
+                with_suppressed_lookup(process.proc.kill)
+
+    def cleanup(self) -> None:
+        """Give back the claims still held; remove the trials' temporary files (configs, captured output)."""
+        import shutil
+
+        if self.claims is not None:
+            from fedcli.errors import TrackingError
+
+            try:
+                self.claims.release_all()
+            except TrackingError as err:  # the claims are dead-owner claims once this process exits
+                import logging
+
+                logging.getLogger(__name__).warning("could not release the sweep's trial claims: %s", err)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def in_terminal_foreground() -> bool:
+    """True when this process's group is the foreground group of its controlling terminal."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def with_suppressed_lookup(call: Callable[..., object], *args: object) -> None:
+    """Signal a process that may just have exited."""
+    try:
+        call(*args)
+    except ProcessLookupError:
+        pass

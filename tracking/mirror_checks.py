@@ -1,0 +1,145 @@
+"""Checks of an MLflow tracking URI before a run writes anything, and MLflow's schema lock.
+
+Split out of tracking/mirror.py (issue 25: no module over ~500 lines); `fedcli.tracking.mirror`
+re-exports every name. `preflight` checks a tracking URI cheaply (no MLflow import) before
+anything is written; `schema_lock` makes N runs that start together on a fresh root set
+MLflow's schema up once (a lock file beside a SQLite database, an advisory lock on PostgreSQL);
+`mlflow_params` is what a run's MLflow params are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sqlite3
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fedcli.errors import ConfigError
+from fedcli.tracking.urls import mask_malformed, mask_url
+
+_PG_LOCK_KEY = 0x6D6C666C  # "mlfl": advisory-lock key of MLflow's schema set-up
+
+# --------------------------------------------------------------------------- checks before a run
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` URI, else None."""
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine.url import make_url
+
+    database = make_url(uri).database
+    if not database or database == ":memory:":
+        return None
+    return Path(database).expanduser().resolve()
+
+
+def preflight(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, with one line, when MLflow at `uri` cannot be used; creates nothing.
+
+    Raises:
+        ConfigError: unreachable server, unwritable folder, or a store left half-migrated.
+    """
+    fix = "pass --tracking-uri with a reachable MLflow store, --mlflow-optional to train without it, or --no-mlflow"
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as answer:
+                answer.read(64)
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            reason = getattr(err, "reason", None) or err
+            raise ConfigError(mask_url(f"MLflow server {uri} is not reachable ({reason}); {fix}.")) from None
+        return
+    if uri.partition("://")[0].partition("+")[0] in ("sqlite", "postgresql", "mysql", "mssql"):  # a database URL
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            make_url(uri)
+        except (ArgumentError, ValueError) as err:  # a port that is not a number: before the run is written
+            raise ConfigError(f"MLflow store {mask_malformed(uri)} is not a valid database URL "
+                              f"({mask_malformed(str(err))}); {fix}.") from None
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"MLflow store {uri}: {folder} is a file, not a folder; {fix}.")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"MLflow store {uri}: folder {folder} is not writable; {fix}.")
+    if path.exists():
+        half = half_migrated_tables(path)
+        if half:
+            raise ConfigError(
+                f"MLflow store {path} was left half-migrated by a process killed during its set-up "
+                f"(table {half[0]}); move it aside (`mv {path} {path}.broken`) and rerun: the SQL store "
+                "keeps every run, and `fedcli sync` copies them into the new MLflow store."
+            )
+
+
+def half_migrated_tables(path: Path) -> list[str]:
+    """Alembic's temporary tables, which exist only while (or because) a migration was cut short."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as conn:
+            rows = conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table' AND name LIKE '\\_alembic\\_tmp\\_%' ESCAPE '\\'"
+            ).fetchall()
+    except sqlite3.Error:
+        return []
+    return sorted(name for (name,) in rows)
+
+
+@contextlib.contextmanager
+def schema_lock(uri: str) -> Iterator[None]:
+    """Hold an inter-process lock while MLflow creates or migrates its schema at `uri`."""
+    path = sqlite_path(uri)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{path}.lock", "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+        return
+    if uri.startswith("postgresql"):
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(uri)
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_LOCK_KEY})
+                try:
+                    yield
+                finally:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_LOCK_KEY})
+        finally:
+            engine.dispose()
+        return
+    yield
+
+
+def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
+    """The run's MLflow params: its resolved config flattened, hyperparameters as `hp.<name>`.
+
+    Where the run's stores live (`tracking.root/store/tracking_uri`) is left out: it says
+    nothing about the run and differs between machines.
+    """
+    from fedcli.tracking.keys import flatten_config
+
+    body = {k: v for k, v in config.items() if k not in ("algorithm", "tracking")}
+    algorithm = dict(config.get("algorithm") or {})
+    hp = dict(algorithm.pop("hp", None) or {})
+    params = flatten_config({**body, "algorithm": algorithm})
+    params.update({f"hp.{k}": v for k, v in flatten_config(hp).items()})
+    tracking = config.get("tracking") or {}
+    for key in ("experiment", "run_name"):
+        if tracking.get(key) is not None:
+            params[f"tracking.{key}"] = str(tracking[key])
+    return params
