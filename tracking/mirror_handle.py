@@ -175,7 +175,8 @@ class MirrorHandle:
             return None
         if self._left_alone:  # stopped during MLflow's set-up: `start` warned already; no wait, no second line
             with contextlib.suppress(OSError):
-                proc.stdin.close()  # type: ignore[union-attr] - its cue that the run ended
+                if proc.stdin is not None:
+                    proc.stdin.close()  # its cue that the run ended
             return None
         deadline, stop_at = time.monotonic() + timeout_s, None
         while True:

@@ -23,6 +23,7 @@ from sqlalchemy import (
     ForeignKey,
     String,
     Text,
+    insert,
     inspect,
     select,
     text,
@@ -231,7 +232,7 @@ def _setup_schema(conn: Any) -> None:
             log.info("store: added column %s.%s (store made by an older fedcli)", table, column)
     if conn.scalar(select(StoreMeta.value).where(StoreMeta.key == SECRETS_MASKED)) is None:
         masked = _mask_stored_secrets(conn)
-        conn.execute(StoreMeta.__table__.insert().values(key=SECRETS_MASKED, value=_utcnow().isoformat()))
+        conn.execute(insert(StoreMeta).values(key=SECRETS_MASKED, value=_utcnow().isoformat()))
         if masked:
             log.warning("store: masked the passwords of store URLs that %d run(s) written by an older fedcli held "
                         "in clear (docs/architecture.md, \"Security\")", masked)
