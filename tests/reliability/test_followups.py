@@ -46,6 +46,7 @@ from sqlalchemy import create_engine, inspect
 
 from fedcli.tracking.store import SqlStore
 from tests.reliability.test_disk_full import disk, fill  # noqa: F401 - `disk` is a fixture
+from tests.reliability.test_one_writer import gone, mirror_of
 
 T = TypeVar("T")
 pytestmark = pytest.mark.timeout(600)
@@ -78,37 +79,6 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = START_S)
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def mirror_of(pid: int) -> int | None:
-    """The MLflow mirror process that training process `pid` spawned, if it runs."""
-    for child in children(pid):
-        try:
-            if b"fedcli.tracking.mirror" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return child
-        except OSError:
-            pass
-    return None
-
-
-def gone(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def sqlite_store(root: Path) -> SqlStore:
