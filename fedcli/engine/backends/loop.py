@@ -2,7 +2,9 @@
 
 Runs any algorithm on any model (BatchNorm too: its running statistics are buffers updated in
 place, which vmap cannot keep per client). With --compile each client's gradient step is
-compiled once (local.CompiledStep) for algorithms that declare their local training.
+compiled once (local.CompiledStep) for algorithms that declare their local training; without it
+their gradients come from torch.autograd (local.eager_train_local: bit-equal to torch.func.grad and
+cheaper outside vmap).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from torch.utils import _pytree as pytree
 from fedcli.algorithms.base import ClientOut
 from fedcli.engine.backends import BackendInfo, Workload
 from fedcli.engine.cohort import CohortJob, client_fn, trim_steps
-from fedcli.engine.local import CompiledStep, Trainer
+from fedcli.engine.local import CompiledStep, Trainer, eager_train_local
 
 
 class LoopBackend:
@@ -22,7 +24,7 @@ class LoopBackend:
     processes = None
 
     def __init__(self, compile: bool = False) -> None:
-        self.trainer: Trainer | None = CompiledStep() if compile else None
+        self.trainer: Trainer = CompiledStep() if compile else eager_train_local
         self.name = "loop + compile" if compile else "loop"
 
     def run(self, job: CohortJob) -> ClientOut:
