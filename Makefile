@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fedcli train --algo fedpa --config examples/fedpa-femnist-demo.yaml
+	$(BIN)/fedcli demo   # = fedcli train --config demo: the config shipped in fedcli/configs/demo.yaml
 	@echo
 	@echo "Results: ./fedcli-runs (SQL store fedcli.db, MLflow store mlflow.db, models and checkpoints under runs/)"
 	@echo "  $(BIN)/fedcli list runs"

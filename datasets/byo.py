@@ -23,7 +23,7 @@ CNN sized to the images; needs `x` of shape [N, H, W] or [N, C, H, W] in an .npz
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
@@ -187,10 +187,12 @@ def _split(arrays: Arrays) -> Arrays:
     return {**out, "x_test": arrays["x"][held], "y_test": arrays["y"][held]}
 
 
-def _natural(client: np.ndarray | None) -> tuple[list[np.ndarray], list[str]]:
+def _natural(client: np.ndarray | None, unowned: bool = False) -> tuple[list[np.ndarray], list[str]]:
     if client is None:
         return [], []
     values = np.unique(client)
+    if unowned:  # -1: no client of a given partition holds the example (datasets/user_data.py)
+        values = values[values >= 0]
     return [np.flatnonzero(client == v) for v in values], [str(v) for v in values]
 
 
@@ -224,14 +226,35 @@ def _prepare(x: np.ndarray) -> Callable[[Tensor], Tensor]:
     return prepare
 
 
-def byo_task(path: Path, model: str) -> Task:
-    """Read and validate a bring-your-own data file; return it as a Task named byo-<stem>."""
+def byo_task(path: Path | str, model: str) -> Task:
+    """Read and validate a bring-your-own data file; return it as a Task named byo-<stem>.
+
+    A data reference instead of a file (`python:<name>@<hash>` for an object given to the Python
+    API, `pkg.mod:fn` / `file.py:fn` for a function: datasets/user_data.py) becomes a Task named
+    byo-<name> through the same checks.
+    """
+    from fedcli.datasets import user_data
+
+    if user_data.is_data_ref(str(path)):
+        user = user_data.lookup(str(path))
+        return arrays_task(Path(f"byo-{user.name}"), user.arrays(), model, name=f"byo-{user.name}",
+                           source=user.source or str(path), record=user.record)
     path = Path(path)
     if path.suffix not in SUFFIXES:
-        raise ConfigError(f"--data must be a {', '.join(SUFFIXES)} file; got {path.name!r}.")
+        raise ConfigError(f"--data must be a {', '.join(SUFFIXES)} file or pkg.module:function; got {path.name!r}.")
     if not path.is_file():
         raise ConfigError(f"--data file {path} does not exist.")
     arrays = read_npz(path) if path.suffix == ".npz" else read_table(path)
+    return arrays_task(path, arrays, model, name=f"byo-{path.stem}", source=str(path.resolve()))
+
+
+def arrays_task(path: Path, arrays: Arrays, model: str, *, name: str, source: str,
+                record: Mapping[str, str] | None = None) -> Task:
+    """Check, split and type the arrays of a data file or object (`path.name` names it in errors); a Task.
+
+    For a data object (`record` given), a `client` value of -1 (an example no client of its partition
+    holds) belongs to no client.
+    """
     check_arrays(path, arrays)
     arrays = _split(arrays)
     x, x_test = np.asarray(arrays["x"]), np.asarray(arrays["x_test"])
@@ -242,7 +265,7 @@ def byo_task(path: Path, model: str) -> Task:
         raise DataError(f"{path.name}: y_test must be {wanted} like y; got dtype {arrays['y_test'].dtype}. "
                         "Save y and y_test with one dtype.")
     num_classes = int(max(y.max(), y_test.max(initial=0))) + 1 if kind == "classification" else 0
-    natural, names = _natural(arrays.get("client"))
+    natural, names = _natural(arrays.get("client"), unowned=record is not None)
     factory = _model_factory(path, model, x, kind, num_classes)
     xt, yt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
     data = TaskData(x=xt, y=yt, client_indices=natural, client_names=names, test_x=torch.from_numpy(x_test),
@@ -252,6 +275,6 @@ def byo_task(path: Path, model: str) -> Task:
     def load(options: TaskOptions) -> TaskData:
         return data
 
-    return Task(name=f"byo-{path.stem}", description=f"your data {path.name}: {len(y)} examples, {kind}",
-                source=str(path.resolve()), offline=True, kind=kind, models=MappingProxyType({model: factory}),
-                default_model=model, load=load, prepare=_prepare(x))
+    return Task(name=name, description=f"your data {path.name}: {len(y)} examples, {kind}",
+                source=source, offline=True, kind=kind, models=MappingProxyType({model: factory}),
+                default_model=model, load=load, prepare=_prepare(x), record=dict(record or {}))

@@ -69,6 +69,9 @@ class Task:
     # partition file: for tasks without natural clients (docs/architecture.md §5); None = natural clients
     default_partition: Mapping[str, Any] | None = None
     default_partition_why: str = ""  # the source of default_partition, recorded with the run
+    # facts recorded in the run's resolved config under data.* beside its name and fingerprint (e.g. the
+    # source_sha256 of a `pkg.mod:fn` data reference; docs/your-data.md)
+    record: Mapping[str, str] = field(default_factory=dict)
 
 
 def fingerprint(*tensors: Tensor) -> str:
@@ -78,6 +81,15 @@ def fingerprint(*tensors: Tensor) -> str:
         digest.update(str(tuple(t.shape)).encode())
         digest.update(t.contiguous().cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+def data_record(task: Task, data: TaskData) -> dict[str, str]:
+    """What a run records of its data under data.*: the task's own name (`byo-<name>` for a user's data,
+    never the default task), the content fingerprint of its training tensors and the task's `record`."""
+    out = {"task": task.name, **task.record}
+    if data.fingerprint:
+        out["fingerprint"] = data.fingerprint
+    return out
 
 
 def per_example_loss(task: Task, output: Tensor, x: Tensor, y: Tensor) -> Tensor:

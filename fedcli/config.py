@@ -35,6 +35,7 @@ from fedcli.config_checks import (
     parse_assignments,
     parse_value,
     read_yaml,
+    record_model_source,
     require_max_clients_support,
     require_store,
     store_file,
@@ -247,7 +248,7 @@ def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | Non
         raise ConfigError(f"seed must be <= {INT_MAX} (2**31 - 1, what the stores keep); got {seed!r}.")
     cfg = RunConfig(seed=seed, algorithm=algorithm, recommended=recommended, **sections)
     validate(cfg)
-    return cfg
+    return record_model_source(cfg)  # a user model: its reference made canonical, its source's sha256 recorded
 
 
 RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.keep_checkpoints", "train.threads",

@@ -31,6 +31,7 @@ from fedcli.config_sections import (
     RunConfig,
     TrackingConfig,
 )
+from fedcli.datasets.user_model import is_reference, model_plugins
 from fedcli.errors import ConfigError
 from fedcli.tracking.urls import is_masked
 
@@ -115,6 +116,10 @@ def _coerce(key: str, annotation: object, value: Any) -> Any:
         return value
     elif isinstance(value, Mapping) and any(k.startswith("Mapping") or k.startswith("dict") for k in kinds):
         return dict(value)
+    elif "tuple[str, ...]" in kinds and isinstance(value, (str, list, tuple)):  # a list, or "a,b" on the CLI
+        items = value.split(",") if isinstance(value, str) else value
+        if all(isinstance(v, str) for v in items):  # data.augment: [crop:4, flip] in YAML
+            return tuple(v.strip() for v in items if v.strip()) or None
     expected = " or ".join(sorted(k for k in kinds if k != "None"))
     raise ConfigError(f"{key} must be {expected}; got {value!r}.")
 
@@ -198,10 +203,17 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(str(exc)) from None
     if cfg.data.file is not None:
         from fedcli.datasets.byo import MODELS, SUFFIXES, has_client
+        from fedcli.datasets.user_data import is_data_ref
 
-        if not Path(cfg.data.file).is_file():
+        reference = is_data_ref(cfg.data.file)  # an object or a function (docs/your-data.md): built by the set-up
+        if reference:
+            source = cfg.data.file.rpartition(":")[0]
+            if source.endswith(".py") and not Path(source).is_file():
+                raise ConfigError(f"data.file {cfg.data.file!r} names a file that does not exist; give "
+                                  "path/to/file.py:function or pkg.module:function.")
+        elif not Path(cfg.data.file).is_file():
             raise ConfigError(f"data.file {cfg.data.file!r} does not exist; pass an .npz/.csv/.parquet file to --data.")
-        if Path(cfg.data.file).suffix not in SUFFIXES:
+        elif Path(cfg.data.file).suffix not in SUFFIXES:
             raise ConfigError(f"data.file must be a {', '.join(SUFFIXES)} file; got {cfg.data.file!r}. "
                               "Save your arrays with numpy.savez or your table as CSV/Parquet.")
         defaults = DataConfig()
@@ -213,10 +225,12 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"data.{key} must be left unset with data.file; got data.{key}="
                               f"{getattr(cfg.data, key)!r} and data.file={cfg.data.file!r}. Drop {flag}: "
                               "--data is the whole data set.")
-        if cfg.data.model is not None and cfg.data.model not in MODELS:
+        if cfg.data.model is not None and cfg.data.model not in MODELS and not is_reference(cfg.data.model) \
+                and cfg.data.model not in model_plugins():
             raise ConfigError(f"data.model must be one of {', '.join(MODELS)} with --data; got {cfg.data.model!r}"
                               f"{suggest(cfg.data.model, MODELS)}.")
-        if cfg.partition.file is None and cfg.partition.scheme == "natural" and has_client(Path(cfg.data.file)) is False:
+        if not reference and cfg.partition.file is None and cfg.partition.scheme == "natural" \
+                and has_client(Path(cfg.data.file)) is False:
             raise ConfigError(f"partition.scheme 'natural' needs a client array or column in {Path(cfg.data.file).name};"
                               " got none. Pass --scheme iid --clients N (or dirichlet, shards, ...), or add `client`.")
     elif cfg.data.task not in TASKS:
@@ -225,13 +239,45 @@ def validate(cfg: RunConfig) -> None:
     task = TASKS.get(cfg.data.task)
     if task is not None and cfg.data.file is None:
         require_max_clients_support(task, cfg.data.max_clients)
-    if task is not None and cfg.data.file is None and cfg.data.model is not None and cfg.data.model not in task.models:
-        raise ConfigError(f"data.model must be one of {', '.join(task.models)} for task {task.name}; "
-                          f"got {cfg.data.model!r}.")
+    if task is not None and cfg.data.file is None and cfg.data.model is not None and cfg.data.model not in task.models \
+            and not is_reference(cfg.data.model) and cfg.data.model not in model_plugins():
+        raise ConfigError(f"data.model must be one of {', '.join([*task.models, *model_plugins()])} for task "
+                          f"{task.name}, or your own 'module:factory' / 'file.py:factory'; got {cfg.data.model!r}.")
     if cfg.partition.scheme not in SCHEMES:
         raise ConfigError(f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}.")
+    if cfg.data.augment is not None:
+        from fedcli.datasets.augment import parse
+
+        parse(cfg.data.augment)  # the names and numbers; the data's shape is checked by the set-up
     validate_partition(cfg.partition, cfg.data)
     validate_tracking(cfg.tracking)
+
+
+def record_model_source(cfg: RunConfig) -> RunConfig:
+    """A user model reference made canonical (a file path absolute) with its source's sha256 filled in.
+
+    A config that already records a sha256 (a resumed or evaluated run's) keeps it: engine/setup.py
+    compares it with the source as it is now (docs/bring-your-own.md, "When the model's code changes").
+    Built-in model names pass unchanged.
+
+    Raises:
+        ConfigError: the module or file cannot be found (one line with the fix).
+    """
+    from fedcli.datasets.byo import MODELS
+    from fedcli.datasets.registry import TASKS
+    from fedcli.datasets.user_model import model_reference, source_sha256
+
+    own = MODELS if cfg.data.file is not None else TASKS[cfg.data.task].models if cfg.data.task in TASKS else {}
+    if cfg.data.model in model_plugins() and cfg.data.model not in own:  # a plugin's model: recorded by reference
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, model=model_plugins()[cfg.data.model][0]))
+    if not is_reference(cfg.data.model):
+        if cfg.data.model_sha256 is not None or cfg.data.model_args is not None:
+            raise ConfigError(f"data.model_sha256 and data.model_args belong to your own model ('module:factory'); "
+                              f"got them with data.model={cfg.data.model!r}. Remove them.")
+        return cfg
+    ref = model_reference(cfg.data.model)
+    sha = cfg.data.model_sha256 or source_sha256(ref)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, model=ref, model_sha256=sha))
 
 
 def check_name(key: str, value: str, flag: str) -> None:

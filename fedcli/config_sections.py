@@ -29,11 +29,16 @@ SCHEMES = ("natural", "iid", "dirichlet", "shards", "labels", "quantity", "two-l
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     task: str = "femnist"  # a name from `fedcli list tasks`
-    model: str | None = None  # None = the task's default model
+    model: str | None = None  # None = the task's default model; `pkg.mod:factory` / `file.py:factory`: your own
+    # your own model (datasets/user_model.py): sha256 of its module's source, filled in when the config is built
+    model_sha256: str | None = None
+    model_args: str | None = None  # your own model: JSON of the keyword arguments its factory got (recorded by the run)
     data_dir: str | None = None  # None = the bundled / default copy of the data
     file: str | None = None  # bring your own data: .npz/.csv/.parquet (see `fedcli train --help`)
     download: bool = False  # fetch missing public files into data_dir (needs a network)
     max_clients: int | None = None  # natural-client data sets: read only the first N clients
+    # per-example transforms, e.g. ["crop:4", "flip", "normalize:0.5:0.25"] (datasets/augment.py); None = none
+    augment: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +179,8 @@ class RunConfig:
 def config_hash_of(doc: Mapping[str, Any]) -> str:
     """`RunConfig.config_hash` of a stored config (`RunConfig.to_dict()`, e.g. a checkpoint's)."""
     body = {k: v for k, v in doc.items() if k != "tracking"}
+    body["data"] = {k: v for k, v in (body.get("data") or {}).items() if k not in DATA_NOT_HASHED
+                    and not (k in DATA_HASHED_UNLESS_NONE and v is None)}
     body["train"] = {k: v for k, v in body["train"].items() if k not in NOT_HASHED
                      and not (k in HASHED_UNLESS_DEFAULT and v == HASHED_UNLESS_DEFAULT[k])}
     added = HP_ADDED.get(str(body["algorithm"].get("name")), {})
@@ -183,6 +190,10 @@ def config_hash_of(doc: Mapping[str, Any]) -> str:
 
 
 NOT_HASHED = ("workers", "threads", "checkpoint_every", "keep_checkpoints")
+# data keys: a user model's source hash counts where set (an edited model is another config); left out
+# while None, so configs of built-in models keep their hashes. model_args follows from the data: never hashed
+DATA_HASHED_UNLESS_NONE = ("model_sha256", "augment")  # augment: None keeps the hashes of runs before it existed
+DATA_NOT_HASHED = ("model_args",)
 # train keys added after runs were stored: left out of the hash at their default, so a config
 # that does not use them keeps the hash it had before they existed (sweeps find its runs)
 HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False}

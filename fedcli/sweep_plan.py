@@ -53,11 +53,11 @@ def plan_trials(trials: Sequence[Trial], records: Sequence[RunRecord]) -> list[P
     for trial in trials:
         runs = by_hash.get(trial.config.config_hash, [])
         alive = [r for r in runs if r.is_alive]
-        done = [r for r in runs if r.status == "finished"]
+        done = [r for r in runs if r.status in ("finished", "pruned")]  # pruned: a search's pruner stopped it
         if alive:
             plans.append(Plan(trial, ELSEWHERE, alive[-1].id, f"pid {alive[-1].pid} on {alive[-1].host}"))
         elif done:
-            plans.append(Plan(trial, SKIP, done[-1].id, "finished before"))
+            plans.append(Plan(trial, SKIP, done[-1].id, f"{done[-1].status} before"))
         elif runs and runs[-1].diverged_at_round is not None:
             plans.append(Plan(trial, DIVERGED, runs[-1].id, f"diverged at round {runs[-1].diverged_at_round}"))
         elif runs:

@@ -1,27 +1,29 @@
-"""`fedcli sweep --backend ray`: every trial a Ray task on a cluster (docs/scaling.md, "Sweeps on Ray").
+"""`fedcli sweep --backend ray`: trials in long-lived Ray actors on a cluster (docs/scaling.md, "Sweeps on Ray").
 
 The sweep plans as with the local backend (fedcli.sweeps: `plan_trials`, the MLflow parent
 run, the live table read from the store); only where a trial's `fedcli train` process runs
-changes. `RayScheduler` is the local `Scheduler` with Ray tasks for child processes: each
-trial is one task (fedcli.sweep_ray_task.run_trial) holding `--cpus-per-trial` CPUs and
-`--gpus-per-trial` GPUs, which runs the local backend's command line (`trial_args`, the
-config sent as text) on its node, the trial's `train.workers` and `train.threads` set to its
-CPUs. At most `--workers` tasks are in flight, by default as many as the cluster's nodes
-hold. A resumed trial goes preferably to the node of its run (its checkpoints may be on that
-node's disk only). Tasks are never retried by Ray: a trial whose node dies reads
-`interrupted` in the store and the next rerun resumes it. Trials are claimed in the store by
-the driver as with the local backend (`sweeps.TrialClaims`, through `Scheduler._step`), so a
-Ray sweep and a local one, or two Ray sweeps, of one spec split the trials.
+changes. `RayScheduler` is the local `Scheduler` with long-lived Ray actors for workers (issue 27):
+each actor (fedcli.sweep_ray_task.TrialActor) holds `--cpus-per-trial` CPUs and `--gpus-per-trial`
+GPUs and runs one sweep worker (fedcli/sweep_worker.py) on its node, which trains many trials
+in-process (imports and data once per actor), each trial's `train.workers` and `train.threads`
+set to the actor's CPUs and its config sent as text. At most `--workers` actors exist, by default
+as many as the cluster's nodes hold. A resumed trial goes preferably to an actor on the node of
+its run (its checkpoints may be on that node's disk only). Nothing is retried by Ray: a trial
+whose actor or node dies reads `interrupted` in the store and the next rerun resumes it. Trials
+are claimed in the store by the driver as with the local backend (`sweeps.TrialClaims`, through
+`Scheduler._step`), so a Ray sweep and a local one, or two Ray sweeps, of one spec split the
+trials. The driver runs the sweep's one MLflow mirror (tracking/mirror_sweep.py).
 
 Results go to the store and MLflow URIs the driver resolved, passed to each trial, so every
 node must reach them: on a cluster of more than one node a SQLite store or a file-based
 MLflow URI is refused before anything is written (`check_cluster`). A stop (SIGINT, SIGTERM,
-SIGHUP) cancels the tasks without force: the task forwards SIGTERM to its trial, which
-checkpoints and reads `interrupted`; tasks still running `KILL_AFTER_S` later are killed.
+SIGHUP) asks each busy actor to stop: it sends SIGTERM to its worker, whose trial checkpoints
+and reads `interrupted`; actors still busy `KILL_AFTER_S` later are killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -36,7 +38,7 @@ from urllib.parse import urlsplit
 
 from fedcli import sweeps
 from fedcli.errors import ConfigError
-from fedcli.sweep_ray_task import CONFIG_TOKEN, run_trial
+from fedcli.sweep_ray_task import TrialActor
 
 if TYPE_CHECKING:
     from fedcli.config import TrackingConfig
@@ -73,12 +75,14 @@ class RayCluster:
 
     def scheduler(self, plans: Sequence[sweeps.Plan], *, workers: int | None, parent_run: str | None,
                   recheck: Callable[[sweeps.Plan], sweeps.Plan], read_runs: Callable[[], list[RunRecord]],
-                  track: TrackingConfig, claims: sweeps.TrialClaims | None = None) -> RayScheduler:
+                  track: TrackingConfig, claims: sweeps.TrialClaims | None = None, mirror: Any = None,
+                  source: Any = None) -> RayScheduler:
         env = {"FEDCLI_STORE": track.store_url}
         if track.use_mlflow:
             env["MLFLOW_TRACKING_URI"] = track.mlflow_uri
         return RayScheduler(plans, cluster=self, workers=workers or self.default_workers(), parent_run=parent_run,
-                            recheck=recheck, read_runs=read_runs, env=env, cwd=str(Path.cwd()), claims=claims)
+                            recheck=recheck, read_runs=read_runs, env=env, cwd=str(Path.cwd()), claims=claims,
+                            mirror=mirror, source=source)
 
 
 @contextmanager
@@ -184,11 +188,21 @@ def first_line(err: BaseException) -> str:
 
 
 @dataclass
+class Actor:
+    """One `TrialActor` of the sweep: its handle, the host it runs on (once known), the trial it runs."""
+
+    handle: Any
+    host: str | None = None
+    busy: RayTrial | None = None
+
+
+@dataclass
 class RayTrial:
-    """A submitted (or ended) trial task; read by the sweep's tables as a sweeps.TrialProcess."""
+    """A submitted (or ended) trial; read by the sweep's tables as a sweeps.TrialProcess."""
 
     plan: sweeps.Plan
-    ref: Any  # the task's ObjectRef
+    ref: Any  # the ObjectRef of its TrialActor.run call
+    actor: Actor | None = None
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
     run_id: str | None = None
@@ -204,6 +218,11 @@ class RayTrial:
     def status(self) -> str:
         if self.ended is None:
             return "running"
+        if self.result is not None and "status" in self.result:  # a TrialActor's answer
+            status = str(self.result["status"])
+            return "interrupted" if self.stopped and status == "failed" else status
+        if self.result is None and self.stopped:
+            return "interrupted"
         code = None if self.result is None else self.result["code"]
         if code == 0:
             return "finished"
@@ -211,16 +230,20 @@ class RayTrial:
         return "interrupted" if self.stopped or code in stop_codes else "failed"
 
     def last_error(self) -> str:
-        """The trial's last stderr line, else the Ray error, else its exit code."""
-        lines = [] if self.result is None else self.result["stderr"]
+        """The trial's reason (its last stderr line), else the Ray error, else its exit code."""
+        if self.result is not None and self.result.get("reason"):
+            return str(self.result["reason"])
+        lines = [] if self.result is None else self.result.get("stderr", [])
         if lines:
             return str(lines[-1]).strip()
-        return self.error or f"exit code {None if self.result is None else self.result['code']}"
+        return self.error or f"exit code {None if self.result is None else self.result.get('code')}"
 
     def locate(self, records: Sequence[RunRecord]) -> str | None:
         """The id of the run this trial trains: the one it printed, else the run of its config hash
         (planned new right before it was submitted, so none of that hash existed then)."""
-        words = [] if self.result is None else " ".join(self.result["stdout"]).split()
+        if self.run_id is not None:
+            return self.run_id
+        words = [] if self.result is None else " ".join(self.result.get("stdout", [])).split()
         if words and len(words[-1]) == 32:
             return words[-1]
         key = self.plan.trial.config.config_hash
@@ -229,40 +252,66 @@ class RayTrial:
 
 
 class RayScheduler(sweeps.Scheduler):
-    """sweeps.Scheduler whose trials are Ray tasks, at most `workers` in flight."""
+    """sweeps.Scheduler whose trials run in long-lived Ray actors (`TrialActor`), at most `workers` at once.
+
+    Each actor holds `--cpus-per-trial` CPUs and `--gpus-per-trial` GPUs and runs one sweep worker
+    (fedcli/sweep_worker.py) that trains many trials in-process, as the local backend's workers do;
+    a new actor is created only while fewer than `workers` exist. A resumed trial goes preferably
+    to an idle actor on the host of its run (its checkpoints may be on that node's disk only), a
+    new actor is placed there when none is idle. An actor whose worker or node died costs its trial
+    (`failed`, with how it died; its run reads `interrupted`, and a rerun resumes it) and is
+    replaced. A stop asks each busy actor to stop its trial (SIGTERM to its worker: checkpointed,
+    `interrupted`); actors still busy KILL_AFTER_S later are killed. `mirror`: the sweep's one
+    MLflow mirror (tracking/mirror_sweep.py), given each ended trial's run.
+    """
 
     def __init__(self, plans: Sequence[sweeps.Plan], *, cluster: RayCluster, workers: int, parent_run: str | None,
                  recheck: Callable[[sweeps.Plan], sweeps.Plan], read_runs: Callable[[], list[RunRecord]],
-                 env: Mapping[str, str], cwd: str, claims: sweeps.TrialClaims | None = None) -> None:
+                 env: Mapping[str, str], cwd: str, claims: sweeps.TrialClaims | None = None, mirror: Any = None,
+                 source: Any = None) -> None:
         super().__init__(plans, workers=workers, cores=cluster.cpus, parent_run=parent_run, recheck=recheck,
-                         claims=claims)
+                         claims=claims, source=source, threads=cluster.cpus)
         self.cluster, self.read_runs, self.env, self.cwd = cluster, read_runs, dict(env), cwd
         self.processes: list[RayTrial] = []  # type: ignore[assignment]
-        self._task = cluster.ray.remote(run_trial)
+        self.actors: list[Actor] = []
+        self.mirror = mirror
+        self._actor_class = cluster.ray.remote(TrialActor)
         self._killed = False
 
-    def start(self, plan: sweeps.Plan) -> RayTrial:  # type: ignore[override]
-        cores = self.cores
-        options: dict[str, Any] = {"num_cpus": cores, "num_gpus": self.cluster.gpus, "max_retries": 0,
-                                   "name": f"fedcli trial {plan.trial.name}"}
-        node = self._node_of(plan)
+    def _actor(self, plan: sweeps.Plan) -> Actor:
+        """An idle actor (on the resumed run's host when there is one), else a new one."""
+        host = self._host_of(plan)
+        idle = [a for a in self.actors if a.busy is None]
+        if idle:
+            return next((a for a in idle if host is not None and a.host == host), idle[0])
+        options: dict[str, Any] = {"num_cpus": self.cores, "num_gpus": self.cluster.gpus, "max_concurrency": 2,
+                                   "max_restarts": 0}
+        node = next((n["NodeID"] for n in self.cluster.nodes if n.get("NodeManagerHostname") == host), None) \
+            if host is not None and len(self.cluster.nodes) > 1 else None
         if node is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
-        args = sweeps.trial_args(plan, CONFIG_TOKEN, cores, self.parent_run, threads=cores)
-        ref = self._task.options(**options).remote(args, sweeps.trial_config_text(plan, cores, threads=cores),
-                                                  self.cwd, self.env)
-        trial = RayTrial(plan, ref, run_id=plan.run_id)
+        actor = Actor(self._actor_class.options(**options).remote(self.cwd, self.env))
+        self.actors.append(actor)
+        return actor
+
+    def start(self, plan: sweeps.Plan) -> RayTrial:  # type: ignore[override]
+        from fedcli.sweep_worker_pool import trial_message
+
+        actor = self._actor(plan)
+        hook = self.source.hook(plan) if self.source is not None else None
+        ref = actor.handle.run.remote(trial_message(plan, self.cores, self.cores, hook))
+        trial = RayTrial(plan, ref, actor=actor, run_id=plan.run_id)
+        actor.busy = trial
         self.processes.append(trial)
         return trial
 
-    def _node_of(self, plan: sweeps.Plan) -> str | None:
-        """The alive node where a resumed trial's run trained last (None: any node will do)."""
+    def _host_of(self, plan: sweeps.Plan) -> str | None:
+        """The host where a resumed trial's run trained last (None: any will do)."""
         if plan.action != sweeps.RESUME or len(self.cluster.nodes) < 2:
             return None
-        host = next((r.host for r in self.read_runs() if r.id == plan.run_id), None)
-        return next((n["NodeID"] for n in self.cluster.nodes if n.get("NodeManagerHostname") == host), None)
+        return next((r.host for r in self.read_runs() if r.id == plan.run_id), None)
 
     @property
     def running(self) -> list[RayTrial]:  # type: ignore[override]
@@ -276,22 +325,48 @@ class RayScheduler(sweeps.Scheduler):
         ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
         for ref in ready:
             trial = by_ref[ref]
+            actor = trial.actor
             try:
                 trial.result = ray.get(ref)
-            except ray.exceptions.RayError as err:  # cancelled, worker or node died, fedcli missing there
+            except ray.exceptions.RayError as err:  # the actor or its node died, fedcli missing there
                 trial.error = first_line(err)
+            result = trial.result or {}
+            trial.run_id = result.get("run_id") or trial.run_id
             trial.ended = time.monotonic()
+            if actor is not None:
+                actor.busy, actor.host = None, result.get("host") or actor.host
+                if trial.result is None or result.get("event") == "died" or result.get("signal"):
+                    self._drop(actor)  # its worker is gone (or stopping with the sweep): a new actor replaces it
+            self._told(trial.plan, sweeps.TrialOutcome(trial.status, trial.run_id, "" if trial.status == "finished"
+                                                       else trial.last_error(), result.get("round"),
+                                                       dict(result.get("metrics") or {})))
+            if self.mirror is not None and trial.run_id is not None:
+                self.mirror.add(trial.run_id)
         return bool(ready)
 
+    def _drop(self, actor: Actor) -> None:
+        if actor in self.actors:
+            self.actors.remove(actor)
+        with contextlib.suppress(Exception):
+            self.cluster.ray.kill(actor.handle, no_restart=True)
+
     def _stop(self) -> None:
-        """Cancel the running tasks once (they stop their trials in order); force it after KILL_AFTER_S."""
-        now, ray = time.monotonic(), self.cluster.ray
+        """Ask the busy actors to stop their trials once; kill the actors still busy after KILL_AFTER_S."""
+        now = time.monotonic()
         if self._forwarded_at is None:
             self._forwarded_at = now
             for trial in self.running:
                 trial.stopped = True
-                ray.cancel(trial.ref, force=False)
+                if trial.actor is not None:
+                    trial.actor.handle.stop.remote()
         elif now - self._forwarded_at > KILL_AFTER_S and not self._killed:
             self._killed = True
             for trial in self.running:
-                ray.cancel(trial.ref, force=True)
+                if trial.actor is not None:
+                    self._drop(trial.actor)
+
+    def cleanup(self) -> None:
+        """End the actors (their idle workers exit), then the Scheduler's cleanup."""
+        for actor in list(self.actors):
+            self._drop(actor)
+        super().cleanup()

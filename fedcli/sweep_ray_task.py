@@ -1,4 +1,5 @@
-"""The Ray task of one sweep trial: run its `fedcli train` command on the node it landed on.
+"""What runs on a Ray node for `fedcli sweep --backend ray`: `TrialActor` (a long-lived sweep worker per
+actor, the default) and the older task of one trial, `run_trial` (its `fedcli train` command).
 
 `fedcli sweep --backend ray` (fedcli/sweep_ray.py, docs/scaling.md) submits `run_trial` once per
 trial. It writes the trial's config (sent as text, not as a path on the driver's disk) to a
@@ -65,6 +66,71 @@ def run_trial(args: Sequence[str], config_text: str | None, cwd: str, env: Mappi
             code = _stop(proc)
         return {"code": code, "stopped": stopped, "host": socket.gethostname(), "pid": proc.pid,
                 "stdout": _tail(folder / "stdout.txt"), "stderr": _tail(folder / "stderr.txt")}
+
+
+class TrialActor:
+    """A long-lived Ray actor (issue 27): one sweep worker process on its node (`python -m
+    fedcli.sweep_worker`, fedcli/sweep_worker.py) that runs many trials, one `run` call each.
+
+    Created with `max_concurrency=2`, so that `stop` (SIGTERM to the worker: its trial checkpoints
+    and reads `interrupted`) runs while `run` waits for the trial. The worker dies with the actor
+    (PR_SET_PDEATHSIG), the actor with the sweep's driver.
+    """
+
+    def __init__(self, cwd: str, env: Mapping[str, str]) -> None:
+        self.folder = tempfile.mkdtemp(prefix="fedcli-worker-")
+        self.stderr = Path(self.folder) / "stderr.txt"
+        with open(self.stderr, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep_worker"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, cwd=cwd if os.path.isdir(cwd) else None,
+                                         env={**os.environ, **env}, preexec_fn=_die_with_parent(os.getpid()))
+
+    def where(self) -> tuple[str, int]:
+        """(host, worker pid)."""
+        return socket.gethostname(), self.proc.pid
+
+    def run(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        """Run one trial; return the worker's `ended` event (with `host`), or how the worker died."""
+        import json
+
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        run_id = message.get("resume")
+        try:
+            self.proc.stdin.write((json.dumps(dict(message)) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it died: the read below says how
+        for raw in self.proc.stdout:
+            try:
+                event = json.loads(raw)
+            except ValueError:
+                continue
+            if event.get("event") == "started":
+                run_id = event.get("run_id") or run_id
+            elif event.get("event") == "ended":
+                return {**event, "host": socket.gethostname(), "pid": self.proc.pid}
+        code = self.proc.wait()
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        tail = _tail(self.stderr)
+        return {"event": "died", "status": "failed", "run_id": run_id, "round": None, "metrics": {},
+                "reason": f"its sweep worker (pid {self.proc.pid} on {socket.gethostname()}) {how}"
+                          + (f" ({tail[-1][:300]})" if tail and code > 0 else ""),
+                "host": socket.gethostname(), "pid": self.proc.pid}
+
+    def stop(self) -> None:
+        """SIGTERM to the worker: its trial stops in order (checkpointed, `interrupted`) and it exits."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+
+    def close(self) -> None:
+        """End an idle worker (its stdin closed); kill it after KILL_AFTER_S."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=KILL_AFTER_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def _interruptible() -> None:

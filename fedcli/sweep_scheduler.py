@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from fedcli.tracking.store import Claim, RunRecord
@@ -98,6 +98,39 @@ class TrialProcess:
         return words[-1] if words and len(words[-1]) == 32 else None
 
 
+@dataclass(frozen=True)
+class TrialOutcome:
+    """How a trial ended, as a `TrialSource` is told (docs/sweeps.md, "The trial source").
+
+    `status`: finished, failed, interrupted or pruned; `round`: its last completed round (pruned:
+    the round it was pruned at), None when unknown; `metrics`: the run's final metrics (empty
+    when it did not finish).
+    """
+
+    status: str
+    run_id: str | None
+    reason: str = ""
+    round: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class TrialSource(Protocol):
+    """Where a scheduler takes its trials from when not from the grid plan (a `search:` block)."""
+
+    @property
+    def exhausted(self) -> bool:
+        """True once `ask` will never return another trial."""
+
+    def ask(self) -> Plan | None:
+        """The next trial to start now (action NEW or RESUME), or None when none is ready yet."""
+
+    def tell(self, plan: Plan, outcome: TrialOutcome) -> None:
+        """A trial this scheduler started has ended (once per trial, from the sweep's main thread)."""
+
+    def hook(self, plan: Plan) -> dict[str, Any] | None:
+        """The JSON-able spec of the trial's per-round pruning hook (sweep workers), or None."""
+
+
 class TrialClaims:
     """A sweep's claims on its trials in the store: one process runs each trial at a time.
 
@@ -150,13 +183,18 @@ class Scheduler:
     then checkpoints its last round and exits 128 + 15), starts nothing new and returns
     the signal number once every trial has exited. With `claims`, each trial is claimed
     before it starts (then `recheck`ed) and released when its process ends; a trial another
-    live sweep claimed is planned ELSEWHERE and not started.
+    live sweep claimed is planned ELSEWHERE and not started. With `source` (a `TrialSource`),
+    the trials come from its `ask` instead of the plans, and each ended one is `tell`-ed back.
+    `threads`: each trial's intra-op threads (train.threads unless its config sets it), recorded
+    in its resolved config; None leaves it to `fedcli train` (all the process's cores).
     """
 
     def __init__(self, plans: Sequence[Plan], *, workers: int, cores: int, parent_run: str | None,
-                 recheck: Callable[[Plan], Plan] | None = None, claims: TrialClaims | None = None) -> None:
+                 recheck: Callable[[Plan], Plan] | None = None, claims: TrialClaims | None = None,
+                 source: TrialSource | None = None, threads: int | None = None) -> None:
         self.plans = list(plans)  # as planned, each replaced by its recheck when its turn comes
         self.pending = [p for p in plans if p.action in (NEW, RESUME)]
+        self.source, self.threads = source, threads
         self.recheck = recheck  # plans a trial again right before it starts (another process may have taken it)
         self.claims = claims
         self.workers, self.cores, self.parent_run = workers, cores, parent_run
@@ -171,7 +209,7 @@ class Scheduler:
     def start(self, plan: Plan) -> TrialProcess:
         folder = self._tmp / f"trial-{len(self.processes)}"
         folder.mkdir()
-        command = trial_command(plan, folder / "run.yaml", self.cores, self.parent_run)
+        command = trial_command(plan, folder / "run.yaml", self.cores, self.parent_run, self.threads)
         with open(folder / "stdout.txt", "wb") as out, open(folder / "stderr.txt", "wb") as err:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     preexec_fn=die_with_parent(os.getpid()), env=trial_env(plan.trial.config.tracking))
@@ -186,7 +224,7 @@ class Scheduler:
             last_tick = 0.0
             # after a stop, pending trials never start: wait for the running ones only (before: a
             # stop with trials still waiting looped forever, printing "sweep: 1/2 done; 1 waiting")
-            while self.running or (self.pending and self.signum is None):
+            while self.running or (self._more() and self.signum is None):
                 changed = self._step()
                 if changed or time.monotonic() - last_tick >= tick_s:
                     tick(self.processes)
@@ -213,14 +251,32 @@ class Scheduler:
         if self.signum is not None:
             self._stop()
             return changed
-        while self.pending and len(self.running) < self.workers:
-            plan = self.pending.pop(0)
+        while self._more() and len(self.running) < self.workers:
+            plan = self._next()
+            if plan is None:  # the source has none ready now
+                break
             fresh = self._take(plan)
             self.plans[self.plans.index(plan)] = plan = fresh
             if plan.action in (NEW, RESUME):
                 self.start(plan)
             changed = True
         return changed
+
+    def _more(self) -> bool:
+        """True while trials are left to start."""
+        return bool(self.pending) if self.source is None else not self.source.exhausted
+
+    def _next(self) -> Plan | None:
+        if self.source is None:
+            return self.pending.pop(0)
+        plan = self.source.ask()
+        if plan is not None:
+            self.plans.append(plan)
+        return plan
+
+    def _told(self, plan: Plan, outcome: TrialOutcome) -> None:
+        if self.source is not None:
+            self.source.tell(plan, outcome)
 
     def _take(self, plan: Plan) -> Plan:
         """The trial's plan right before it starts: claimed first (claims), then planned again
@@ -241,6 +297,8 @@ class Scheduler:
         for process in self.running:
             if process.proc.poll() is not None:
                 process.ended, changed = time.monotonic(), True
+                self._told(process.plan, TrialOutcome(process.status, process.run_id, "" if process.status ==
+                                                      "finished" else process.last_error()))
         return changed
 
     def _stop(self) -> None:

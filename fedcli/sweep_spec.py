@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 SPEC_KEYS = ("experiment", "base", "grid", "variants", "seeds", "report", "description", "paper", "smoke", "study",
-             "max_trials")
+             "max_trials", "search", "pruner")  # search, pruner: fedcli/sweep_search_spec.py
 REPORT_KEYS = ("metric", "thresholds", "at", "window", "smooth", "group_by", "output", "columns")  # `fedcli report` options
 MAX_TRIALS = 1000  # trials a spec may expand to unless it says `max_trials: N` (checked before expanding)
 
@@ -100,6 +100,10 @@ def load_spec(path: Path | None, recipe: str | None, *, smoke: bool = False) -> 
             raise ConfigError(f"unknown report key {key!r}{suggest(key, list(REPORT_KEYS))}; "
                               f"valid: {', '.join(REPORT_KEYS)}.")
     check_report_values(report or {})
+    if spec.get("search") is not None or spec.get("pruner") is not None:
+        from fedcli.sweep_search_spec import check_search
+
+        check_search(spec)
     return spec
 
 

@@ -25,7 +25,7 @@ A sweep owns its trials:
   it again; a trial claimed by another live sweep reads "running elsewhere" and is left to
   it, so two sweeps of one spec split the trials between them. The claim is released when
   the trial's process ends; one whose sweep died is taken over.
-- `Scheduler` starts the trials from the main thread as child processes in the sweep's
+- `Scheduler` starts the trials (`WorkerScheduler`: in long-lived worker processes, docs/sweeps.md) from the main thread as child processes in the sweep's
   process group, each with PR_SET_PDEATHSIG=SIGTERM (Linux), so a SIGKILLed sweep still
   stops its trials in order (they checkpoint and read as `interrupted`). SIGTERM, SIGINT
   and SIGHUP to the sweep are forwarded to its running trials as SIGTERM; it waits for
@@ -36,7 +36,9 @@ A sweep owns its trials:
 Layout (this module re-exports every name; no module imports one below it back):
 fedcli/sweep_spec.py (reading, checking and expanding a spec) -> sweep_plan.py (`Plan`,
 `plan_trials`, a trial's command and environment) -> sweep_scheduler.py (`TrialProcess`,
-`TrialClaims`, `Scheduler`) -> sweep_rows.py (the live table's rows, `parent_run`).
+`TrialClaims`, `Scheduler`, `TrialOutcome`, `TrialSource`) -> sweep_rows.py (the live table's rows,
+`parent_run`); the long-lived workers that run the trials are fedcli/sweep_worker_pool.py (the
+sweep's side, `WorkerScheduler`) and fedcli/sweep_worker.py (the worker process).
 """
 
 from fedcli.sweep_plan import (  # noqa: F401
@@ -71,7 +73,9 @@ from fedcli.sweep_scheduler import (  # noqa: F401
     STOP_SIGNALS,
     Scheduler,
     TrialClaims,
+    TrialOutcome,
     TrialProcess,
+    TrialSource,
     die_with_parent,
     in_terminal_foreground,
     with_suppressed_lookup,
@@ -114,7 +118,9 @@ __all__ = [
     "Scheduler",
     "Trial",
     "TrialClaims",
+    "TrialOutcome",
     "TrialProcess",
+    "TrialSource",
     "TrialRow",
     "_dotted",
     "_has_hp",

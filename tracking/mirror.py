@@ -195,7 +195,7 @@ class Mirror:
         A failed run's curve up to the failure is what one wants to see; an interrupted or
         running one gets only rounds that a resume will not train again.
         """
-        if status in ("finished", "failed"):
+        if status in ("finished", "failed", "pruned"):
             return self.store.last_round(self.record.id) or 0
         points = self.store.checkpoints(self.record.id)
         return points[-1][0] if points else -1

@@ -5,7 +5,8 @@ MLflow copies this file into the logged model and runs it when the model is load
 pickled. The model's one artifact, `weights` (`served.pt`, tracking/served.py), holds the
 parameters and the task and model names in plain containers; `load_context` rebuilds the
 module through fedcli's task registry, so loading needs fedcli installed (the model's
-requirements name the version). `predict(rows)` maps stored rows (e.g. uint8 pixels) to the
+requirements name the version) and, for your own model (`--model module:factory`), its module
+importable where the model is loaded (docs/bring-your-own.md; a changed source loads with a warning). `predict(rows)` maps stored rows (e.g. uint8 pixels) to the
 logits fedcli evaluates; `unwrap_python_model().module` is the `nn.Module`.
 
 No `from __future__ import annotations` here: MLflow reads the `predict` type hints as

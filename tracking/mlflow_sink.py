@@ -55,7 +55,9 @@ EXPERIMENT_TAGS = {
 RUN_NAME_TAG = "mlflow.runName"
 DEFAULT_EXPERIMENT_ID = "0"  # MLflow's "Default", created with every new store
 PARENT_RUN_TAG = "mlflow.parentRunId"
-MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+# pruned (a search trial its pruner stopped, docs/sweeps.md): MLflow has no such state; KILLED (stopped before
+# its last round, not by an error), with the tag fedcli.status = pruned saying which
+MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED", "pruned": "KILLED"}
 _MLFLOW_FIX = "pass --tracking-uri with a reachable MLflow store or use --no-mlflow"
 
 T = TypeVar("T")

@@ -283,4 +283,8 @@ def report_figures(report: Report, output: Path, counts: np.ndarray | None = Non
         partition_heatmap(counts, folder / name, counts_title)
         figures.append((f"Partition shared by every run: {counts_title}. SVG: {Path(name).with_suffix('.svg')}.",
                         name))
+    if report.search is not None:  # a search's history and importances (tracking/report_search.py)
+        from fedcli.tracking.report_search import search_figures
+
+        figures += search_figures(report.search, output)
     return figures

@@ -33,6 +33,7 @@ from fedcli.tracking.report_model import (
     resolve_metric,
     run_config,
 )
+from fedcli.tracking.report_search import STUDY_TAG, search_summary
 from fedcli.tracking.store import RunRecord, SqlStore
 
 # --------------------------------------------------------------------------- selection and groups
@@ -265,6 +266,8 @@ def build_report(store: SqlStore, spec: ReportSpec) -> Report:
         group.values = {c.id: [v[c.id] for v in per_run] for c in columns}
         group.summary = {c.id: md.summarize_seeds(group.values[c.id]) for c in columns}
     report.notes = _notes(report) + _window_notes(asked, rounds_run) + repeats
+    if any(r.tags.get(STUDY_TAG) for r in records):  # runs of a search: its best trial, history, importances
+        report.search = search_summary(store.url, records)
     return report
 
 

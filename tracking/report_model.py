@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,9 @@ _IGNORED_PREFIXES = ("tracking.",)  # where results are written, not what produc
 # allowed overrides): never a default group key, never a reason to call a group mixed.
 NON_RESULT_KEYS = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.device", "train.executor",
                              "train.cohort_chunk", "train.workers", "train.threads"})
+# What the data turned out to be, recorded with the run (docs/your-data.md), not a setting: a synthetic
+# task's data follows the seed, so comparing it would split the seeds of one setting into groups.
+_IGNORED_KEYS = frozenset({"data.fingerprint"})
 _ALIASES = {"algo": "algorithm.name", "task": "data.task", "model": "data.model", "scheme": "partition.scheme"}
 _DISPLAY = {v: k for k, v in _ALIASES.items()}
 MISSING = "—"
@@ -99,6 +103,7 @@ class Report:
     curves: dict[str, dict[str, Curve]]  # run id -> key -> curve
     last_round: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    search: Any = None  # report_search.SearchSummary of a search's runs (docs/sweeps.md), else None
 
 
 # --------------------------------------------------------------------------- keys
@@ -143,7 +148,8 @@ def display_key(key: str) -> str:
 def run_config(record: RunRecord) -> dict[str, str]:
     """The run's flattened config without tracking keys and empty-mapping placeholders."""
     flat = flatten_config(record.config)
-    return {k: v for k, v in flat.items() if not k.startswith(_IGNORED_PREFIXES) and v != "{}"}
+    return {k: v for k, v in flat.items()
+            if not k.startswith(_IGNORED_PREFIXES) and k not in _IGNORED_KEYS and v != "{}"}
 
 
 def _sort_value(value: str | None) -> tuple[int, float, str]:

@@ -159,6 +159,10 @@ def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> 
         title = f"{report.metric} ({_TITLES[name]})" if name == "main" else _TITLES[name]
         lines += [f"## {title}", "", *markdown_table(report, columns), "", _definitions(report, name), "",
                   BOLD_RULE, ""]
+    if report.search is not None:
+        from fedcli.tracking.report_search import search_markdown
+
+        lines += search_markdown(report.search)
     if figures:
         lines += ["## Figures", ""]
         lines += [f"![{caption}]({path})\n\n{caption}\n" for caption, path in figures]

@@ -11,7 +11,8 @@ The MLflow mirror logs it as the run's MLflow model without pickling code
 MLflow's "models from code") whose one artifact, `served.pt`, holds the parameters and the
 names of the task and model in plain containers (`write_served`); loading it
 (`load_served`, `torch.load(weights_only=True)`) rebuilds the module through the task
-registry, the importable model factory. `mlflow.pyfunc.load_model(uri).predict(rows)` gives
+registry, the importable model factory (your own model: by importing its module again, with the
+factory arguments the run recorded; BatchNorm statistics from model.pt's `buffers`). `mlflow.pyfunc.load_model(uri).predict(rows)` gives
 the logits; `.unwrap_python_model().module` is the `nn.Module`.
 """
 
@@ -19,14 +20,15 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-SERVED_FORMAT = 1  # served.pt: {"format", "params", "task", "model", "data_file"}
+SERVED_FORMAT = 1  # served.pt: {"format", "params", "task", "model", "data_file"}; optional "model_args",
+# "model_sha256" (your own model: datasets/user_model.py) and "buffers" (BatchNorm statistics), None when absent
 
 
 class ServedModel(nn.Module):
@@ -41,19 +43,32 @@ class ServedModel(nn.Module):
         return self.net(self.prepare(x))
 
 
-def served_model(params: Mapping[str, Tensor], task: str, model: str, data_file: str | None) -> ServedModel:
+def served_model(params: Mapping[str, Tensor], task: str, model: str, data_file: str | None,
+                 model_args: str | None = None, model_sha256: str | None = None,
+                 buffers: Mapping[str, Tensor] | None = None, augment: Sequence[str] | None = None) -> ServedModel:
     """The task's `model` module with `params` loaded, behind the task's `prepare`, in eval mode.
+
+    Your own model (`module:factory`, fedcli/datasets/user_model.py) is rebuilt by importing it
+    (it must be importable where the model is loaded) with the recorded factory arguments
+    `model_args`; a source whose sha256 differs from `model_sha256` is loaded with a warning.
+    `buffers`: BatchNorm running statistics of the final model (model.pt's, when it has any).
 
     Raises:
         ValueError: `params` do not fit the model (another fedcli version, another model).
         KeyError: an unknown task or model name.
+        ConfigError: your model's module no longer imports (one line).
     """
+    from fedcli.datasets.augment import parse, with_normalisation
     from fedcli.datasets.registry import resolve_task
+    from fedcli.datasets.user_model import check_source, is_reference
 
-    resolved = resolve_task(task, model, data_file)
+    if is_reference(model):
+        check_source(model, model_sha256, on_change="warn")
+    resolved = resolve_task(task, model, data_file, model_args)
+    resolved = with_normalisation(resolved, parse(augment))  # data.augment's normalize (docs/your-data.md)
     with torch.random.fork_rng(devices=[]):
         net = resolved.models[model]()
-    weights = {k: v.detach().to("cpu") for k, v in params.items()}
+    weights = {k: v.detach().to("cpu") for k, v in {**(buffers or {}), **params}.items()}
     missing, unexpected = net.load_state_dict(weights, strict=False)
     names = dict(net.named_parameters())
     if unexpected or any(k in names for k in missing):
@@ -90,9 +105,13 @@ def write_served(saved: Mapping[str, Any], path: Path) -> None:
     """Write the MLflow model's artifact `served.pt` from a read `model.pt`: parameters and names only."""
     config = saved.get("config")
     data = config.get("data") if isinstance(config, Mapping) else None
-    data_file = data.get("file") if isinstance(data, Mapping) else None
+    recorded = {k: data.get(k) for k in ("file", "model_args", "model_sha256", "augment")} \
+        if isinstance(data, Mapping) else {}
+    buffers = saved.get("buffers")
     torch.save({"format": SERVED_FORMAT, "params": dict(saved["params"]), "task": saved["task"],
-                "model": saved["model"], "data_file": data_file}, path)
+                "model": saved["model"], "data_file": recorded.get("file"), "model_args": recorded.get("model_args"),
+                "model_sha256": recorded.get("model_sha256"), "augment": recorded.get("augment"),
+                "buffers": dict(buffers) if isinstance(buffers, Mapping) else None}, path)
 
 
 def load_served(path: str | Path) -> ServedModel:
@@ -100,4 +119,5 @@ def load_served(path: str | Path) -> ServedModel:
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(saved, dict) or saved.get("format") != SERVED_FORMAT:
         raise ValueError(f"{path} is not a fedcli served.pt of format {SERVED_FORMAT}")
-    return served_model(saved["params"], saved["task"], saved["model"], saved.get("data_file"))
+    return served_model(saved["params"], saved["task"], saved["model"], saved.get("data_file"), saved.get("model_args"),
+                        saved.get("model_sha256"), saved.get("buffers"), saved.get("augment"))

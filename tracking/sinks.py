@@ -162,7 +162,7 @@ class Tracker:
         """End the run in the SQL store, then let the mirror copy the rest and end the MLflow run.
 
         Args:
-            status: `finished`, `failed` or `interrupted`.
+            status: `finished`, `failed`, `interrupted` or `pruned`.
             reason: One-line cause for failed/interrupted runs (MLflow tag `fedcli.failure_reason`).
             diverged_at_round: Round with non-finite metrics (MLflow tag `fedcli.diverged_at_round`).
         """

@@ -312,7 +312,7 @@ class SqlStore(StoreWrites, StoreQueries):
 
         Args:
             run_id: Full run id.
-            status: One of `finished`, `failed`, `interrupted`.
+            status: One of `finished`, `failed`, `interrupted`, `pruned` (a search trial its pruner stopped).
             reason: Why it failed or stopped (one line), if it did.
             diverged_at_round: The round whose metrics were non-finite, if any.
         """

@@ -23,8 +23,10 @@ from fedcli.errors import ConfigError, TrackingError
 
 log = logging.getLogger("fedcli.tracking.store")  # one logger for the store's modules
 
-RUN_STATUSES = ("running", "finished", "failed", "interrupted")
-END_STATUSES = ("finished", "failed", "interrupted")
+# `pruned`: a search trial stopped early by its pruner (docs/sweeps.md, "Pruning"); added after the first
+# release, so an older store's CHECK constraint is widened when it is opened (store_schema._widen_status_check)
+RUN_STATUSES = ("running", "finished", "failed", "interrupted", "pruned")
+END_STATUSES = ("finished", "failed", "interrupted", "pruned")
 SETTABLE_RUN_FIELDS = frozenset({"model_path", "mlflow_run_id", "git_commit", "mlflow_synced_round"})
 SQLITE_BUSY_TIMEOUT_MS = 5_000  # one attempt at SQLite's write lock (at most a quarter of the retry bound)
 _WAL_SWITCH_S = 30.0  # how long opening a new file retries its switch to WAL (`_enable_wal`)

@@ -211,7 +211,49 @@ def _schema_current(conn: Any) -> bool:
             columns[table] = {c["name"] for c in inspector.get_columns(table)}
         if column not in columns[table]:
             return False
-    return True
+    return _status_check_current(conn)
+
+
+_OLD_STATUSES = ("running", "finished", "failed", "interrupted")  # the runs.status CHECK before `pruned`
+
+
+def _status_check_current(conn: Any) -> bool:
+    """True when the runs table's status CHECK constraint allows every status of RUN_STATUSES (a read)."""
+    if conn.dialect.name == "sqlite":
+        sql = conn.scalar(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'runs'")) or ""
+    elif conn.dialect.name == "postgresql":
+        sql = conn.scalar(text("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'ck_runs_status'"
+                               " AND conrelid = 'runs'::regclass")) or ""
+    else:
+        return True
+    return all(f"'{status}'" in sql for status in RUN_STATUSES)
+
+
+def _widen_status_check(conn: Any) -> None:
+    """Let an older store's runs.status take the statuses added since (`pruned`), inside `_setup_schema`'s
+    locked transaction. PostgreSQL: drop and add the constraint. SQLite cannot alter a constraint; its
+    documented way for a change that leaves the stored rows valid (sqlite.org/lang_altertable.html,
+    "Making Other Kinds Of Table Schema Changes") is to edit the table's CREATE statement in
+    sqlite_master under `writable_schema` and bump `schema_version`, which this does."""
+    if _status_check_current(conn):
+        return
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("ALTER TABLE runs DROP CONSTRAINT IF EXISTS ck_runs_status"))
+        conn.execute(text(f"ALTER TABLE runs ADD CONSTRAINT ck_runs_status CHECK (status IN {RUN_STATUSES!r})"))
+    elif conn.dialect.name == "sqlite":
+        sql = conn.scalar(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'runs'"))
+        widened = sql.replace(repr(_OLD_STATUSES), repr(RUN_STATUSES))
+        if widened == sql:
+            log.warning("store: could not widen the runs.status constraint for %s", ", ".join(RUN_STATUSES))
+            return
+        version = conn.scalar(text("PRAGMA schema_version"))
+        conn.execute(text("PRAGMA writable_schema = ON"))
+        conn.execute(text("UPDATE sqlite_master SET sql = :sql WHERE type = 'table' AND name = 'runs'"),
+                     {"sql": widened})
+        conn.execute(text(f"PRAGMA schema_version = {int(version) + 1}"))
+        conn.execute(text("PRAGMA writable_schema = OFF"))
+    log.info("store: runs.status now also takes %s (store made by an older fedcli)",
+             ", ".join(s for s in RUN_STATUSES if s not in _OLD_STATUSES))
 
 
 def _setup_schema(conn: Any) -> None:
@@ -230,6 +272,7 @@ def _setup_schema(conn: Any) -> None:
         if column not in {c["name"] for c in inspector.get_columns(table)}:
             conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
             log.info("store: added column %s.%s (store made by an older fedcli)", table, column)
+    _widen_status_check(conn)
     if conn.scalar(select(StoreMeta.value).where(StoreMeta.key == SECRETS_MASKED)) is None:
         masked = _mask_stored_secrets(conn)
         conn.execute(insert(StoreMeta).values(key=SECRETS_MASKED, value=_utcnow().isoformat()))

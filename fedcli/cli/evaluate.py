@@ -114,7 +114,7 @@ def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, d
         doc["data"] = {**doc["data"], "task": task, "data_dir": None, "model": model}
         doc["partition"] = {**doc["partition"], "num_clients": None}
         doc["train"] = {**doc["train"], "clients_per_round": 1}
-    setup = build(resume_config(doc, {"train.device": device}))
+    setup = build(resume_config(doc, {"train.device": device}), model_change="warn")  # your model's code changed: warn
     misfit = ConfigError(f"the model of run {record.id} does not fit task {setup.task.name!r} (its model "
                          f"{setup.cfg.data.model or setup.task.default_model!r} has other parameter shapes there); "
                          "pick a task with the same inputs and classes.")

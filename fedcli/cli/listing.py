@@ -1,4 +1,4 @@
-"""`fedcli list runs|algos|tasks|recipes`: what exists, as a table or JSON for scripts.
+"""`fedcli list runs|algos|tasks|models|recipes`: what exists, as a table or JSON for scripts.
 
 Over the 150-line budget of docs/style.md rule 1 by the layouts: git-style short ids, each run's
 non-default hyperparameters, columns chosen to fit the terminal (80 columns without one, e.g.
@@ -30,12 +30,13 @@ class What(str, Enum):
     runs = "runs"
     algos = "algos"
     tasks = "tasks"
+    models = "models"
     recipes = "recipes"
 
 
 def list_command(
     ctx: typer.Context,
-    what: Annotated[What, typer.Argument(help="runs | algos | tasks | recipes")],
+    what: Annotated[What, typer.Argument(help="runs | algos | tasks | models | recipes")],
     name: Annotated[str | None, typer.Argument(help="With algos: one algorithm, each hyperparameter with its "
                                                "default and meaning.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects (for scripts).")] = False,
@@ -45,7 +46,7 @@ def list_command(
     root: Annotated[Path | None, typer.Option(help="Folder of the default store (<root>/fedcli.db). "
                                               "\\[default: ./fedcli-runs]", rich_help_panel=Panel.TRACK)] = None,
 ) -> None:
-    """List runs, algorithms, tasks or sweep recipes.
+    """List runs, algorithms, tasks, models or sweep recipes.
 
     Example: fedcli list runs --experiment demo --json; fedcli list algos fedpa
     """
@@ -76,7 +77,7 @@ def list_command(
         out.print(records(what, rows))
 
 
-WIDE = {What.algos: 140, What.tasks: 160}  # narrower terminals get records(): a table would wrap cells to a word
+WIDE = {What.algos: 140, What.tasks: 160, What.models: 120}  # narrower terminals get records(): a table would wrap cells to a word
 
 
 def plain_table(what: What, rows: list[dict[str, Any]]) -> Table:
@@ -111,7 +112,9 @@ RECORD_FIELDS: dict[What, tuple[str, list[tuple[str, Any]]]] = {
     What.algos: ("paper", [("hyperparameters", "hyperparameters"), ("executors", "executors")]),
     What.tasks: ("description", [("model", lambda r: f"{r['model']} ({r['params']:,} parameters); models: {r['models']}"),
                                  ("client lr", "client_lr"),
-                                 ("data", lambda r: f"{r['source']}; {'offline' if r['offline'] else 'not bundled'}")]),
+                                 ("data", lambda r: f"{r['source']}; {'offline' if r['offline'] else 'not bundled'}"),
+                                 ("package", "package")]),
+    What.models: ("tasks", [("package", "package"), ("reference", "reference")]),
     What.recipes: ("description", []),
 }
 
@@ -224,15 +227,32 @@ def run_rows(*, experiment: str | None, store: str | None, root: Path | None) ->
 def task_rows(**_: Any) -> list[dict[str, Any]]:
     """Registered tasks with their default model and its parameter count."""
     from fedcli.datasets.models import num_parameters
-    from fedcli.datasets.registry import TASKS
+    from fedcli.datasets.registry import TASK_SOURCES, TASKS
 
     rows = []
     for task in TASKS.values():
         params = num_parameters(task.models[task.default_model]())
         rows.append({"id": task.name, "name": task.name, "model": task.default_model,
                      "models": ", ".join(task.models), "params": params, "client_lr": task.client_lr,
-                     "source": task.source,
+                     "source": task.source, "package": TASK_SOURCES[task.name],
                      "offline": task.offline, "kind": task.kind, "description": task.description})
+    return rows
+
+
+def model_rows(**_: Any) -> list[dict[str, Any]]:
+    """Models by name: each task's own (package fedcli, or the task plugin's) and the model plugins'
+    (entry-point group fedcli.models: any task, `--model NAME`; docs/bring-your-own.md, "Plugins")."""
+    from fedcli.datasets.registry import TASK_SOURCES, TASKS
+    from fedcli.datasets.user_model import model_plugins
+
+    own: dict[tuple[str, str], list[str]] = {}
+    for task in TASKS.values():
+        for name in task.models:
+            own.setdefault((name, TASK_SOURCES[task.name]), []).append(task.name)
+    rows = [{"id": name, "name": name, "package": package, "tasks": ", ".join(tasks), "reference": None}
+            for (name, package), tasks in sorted(own.items())]
+    rows += [{"id": name, "name": name, "package": package, "tasks": "any (your own model: --model NAME)",
+              "reference": ref} for name, (ref, package) in model_plugins().items()]
     return rows
 
 
@@ -243,10 +263,12 @@ def recipe_rows(**_: Any) -> list[dict[str, Any]]:
     return [{"id": name, "name": name, "description": read_recipe(name)["description"]} for name in recipe_names()]
 
 
-ROWS = {What.runs: run_rows, What.algos: algo_rows, What.tasks: task_rows, What.recipes: recipe_rows}
+ROWS = {What.runs: run_rows, What.algos: algo_rows, What.tasks: task_rows, What.models: model_rows,
+        What.recipes: recipe_rows}
 COLUMNS = {
     What.runs: ("id", "name", "status", "algo", "task", "experiment", "seed", "rounds", "accuracy"),
     What.algos: ("name", "paper", "hyperparameters", "executors"),
-    What.tasks: ("name", "model", "params", "client_lr", "source", "offline", "description"),
+    What.tasks: ("name", "model", "params", "client_lr", "source", "package", "offline", "description"),
+    What.models: ("name", "package", "tasks", "reference"),
     What.recipes: ("name", "description"),
 }

@@ -90,6 +90,24 @@ def sweep(
         if body.get("study"):
             run_study(body, root, dry_run, smoke)
             return
+        if body.get("search"):  # trials asked of an Optuna study (fedcli/cli/sweep_search.py, docs/sweeps.md)
+            from fedcli.cli.sweep_search import prepare_search
+
+            if backend is not Backend.local:  # trials run on other nodes: their root must be absolute there
+                tracking["tracking.root"] = str(Path(root or "fedcli-runs").resolve())
+            track = prepare_search(body, tracking, report_output(body, str(root or "fedcli-runs")))
+            with cluster_of(backend, address, cpus_per_trial, gpus_per_trial) as cluster:  # before anything is written
+                if cluster is not None:
+                    cluster.check(track)
+                if dry_run:
+                    return
+                from fedcli.sweep_search import SearchSource
+
+                db = open_store(track.store_url)
+                source = SearchSource(body, {k: v for k, v in tracking.items() if v is not None}, db)
+                code = run_plans(db, body, [], workers, rerun_hint(ctx, spec, recipe), report_output(body, track.root),
+                                 cluster, source=source, track=track)
+            raise typer.Exit(code)
         trials = sweeps.expand(body, {k: v for k, v in tracking.items() if v is not None})
         if not trials:
             raise ConfigError("the sweep spec expands to no trials; give `grid` values or `seeds`.")
@@ -146,17 +164,20 @@ def run_study(body: Mapping[str, Any], root: Path | None, dry_run: bool, smoke: 
 
 
 def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None, hint: str, report_path: Path | None,
-              cluster: Any = None) -> int:
+              cluster: Any = None, source: Any = None, track: Any = None) -> int:
     """Run what the plans say, showing the trials; print results and report; return the exit code.
 
-    `cluster`: a fedcli.sweep_ray.RayCluster to run the trials on, else local processes.
+    `cluster`: a fedcli.sweep_ray.RayCluster to run the trials on, else local processes. `source`: a
+    trial source (a search's fedcli.sweep_search.SearchSource) the scheduler asks instead of `plans`
+    (then empty), with the trials' `track`ing config.
     """
     from fedcli import sweeps
     from fedcli.cli.common import check_mlflow
     from fedcli.engine.machine import available_cores
     from fedcli.tracking.report import resolve_metric
 
-    track, todo = plans[0].trial.config.tracking, [p for p in plans if p.action in (sweeps.NEW, sweeps.RESUME)]
+    track, todo = track or plans[0].trial.config.tracking, [p for p in plans if p.action in (sweeps.NEW, sweeps.RESUME)]
+    todo = todo or ([True] if source is not None and not source.exhausted else [])
     parent = None
     if track.use_mlflow and todo:
         check_mlflow(track, optional=False)
@@ -170,14 +191,19 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
     def read(stopped: bool = False) -> tuple[list[Any], str]:
         return sweeps.trial_rows(db, track.experiment, scheduler.plans, scheduler.processes, keys, stopped)
 
+    mirror = sweep_mirror(track, parent and parent.run_id) if todo else None  # one per sweep (docs/sweeps.md)
     if cluster is None:
-        cores = max(1, available_cores() // (workers or 1))  # each trial's share of the CPU (train.workers)
-        scheduler = sweeps.Scheduler(plans, workers=workers or 1, cores=cores, parent_run=parent and parent.run_id,
-                                     recheck=recheck, claims=sweeps.TrialClaims(db, track.experiment))
+        from fedcli.sweep_worker_pool import WorkerScheduler
+
+        # each trial's share of the CPU: its intra-op threads and train.workers (docs/sweeps.md, "Workers")
+        cores = max(1, available_cores() // (workers or 1))
+        scheduler = WorkerScheduler(plans, workers=workers or 1, cores=cores, threads=cores,
+                                    parent_run=parent and parent.run_id, recheck=recheck,
+                                    claims=sweeps.TrialClaims(db, track.experiment), mirror=mirror, source=source)
     else:
         scheduler = cluster.scheduler(plans, workers=workers, parent_run=parent and parent.run_id, recheck=recheck,
                                       read_runs=lambda: sweeps.experiment_runs(db, track.experiment), track=track,
-                                      claims=sweeps.TrialClaims(db, track.experiment))
+                                      claims=sweeps.TrialClaims(db, track.experiment), mirror=mirror, source=source)
     try:
         try:
             with live_display(read) as tick:
@@ -185,6 +211,10 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
             rows, key = read(signum is not None)  # before cleanup: a failed trial's row quotes its stderr
         finally:
             scheduler.cleanup()
+            if mirror is not None:  # the copies still to do (the trials never waited for them)
+                warning = mirror.finish(stopping=scheduler.signum is not None)
+                if warning:
+                    console().print(f"warning: {warning}", highlight=False, soft_wrap=True)
         failed = show_results(rows, key, signum)
         if report_path is not None and any(r.status.startswith("finished") for r in rows):
             write_report(db, body, [r.run_id for r in rows if r.status.startswith("finished") and r.run_id], report_path)
@@ -196,6 +226,16 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
     if parent is not None:
         end_parent(parent, "interrupted" if signum else "failed" if failed else "finished")
     return summary(rows, signum, hint, len(failed))
+
+
+def sweep_mirror(track: Any, parent_run_id: str | None) -> Any:
+    """The sweep's one MLflow mirror (tracking/mirror_sweep.py), or None with --no-mlflow."""
+    if not track.use_mlflow:
+        return None
+    from fedcli.tracking.mirror_sweep import SweepMirror
+
+    return SweepMirror(tracking_uri=track.mlflow_uri, experiment=track.experiment, store_url=track.store_url,
+                       runs_root=Path(track.root).resolve() / "runs", parent_run_id=parent_run_id).spawn()
 
 
 def show_results(rows: Sequence[Any], key: str, signum: int | None) -> list[Any]:
@@ -292,7 +332,7 @@ def live_display(read: Callable[..., tuple[list, str]]) -> Iterator[Callable[[li
                 running = [r for r in rows if r.status == "running"]
                 waiting = sum(r.status == "waiting" for r in rows)
                 if running or waiting:
-                    done = sum(r.status.startswith(("finished", "failed", "diverged", "interrupted")) for r in rows)
+                    done = sum(r.status.startswith(("finished", "failed", "diverged", "interrupted", "pruned")) for r in rows)
                     out.print(f"sweep: {done}/{len(rows)} done; " + "; ".join(
                         f"{r.name} {r.round_idx or 0}/{r.rounds}" for r in running) + f"; {waiting} waiting",
                         highlight=False)

@@ -2,26 +2,23 @@
 
 Longer than the 150-line budget of docs/style.md rule 1 because the option list is the
 user-facing contract of docs/architecture.md §9 (every option with its help and default); the body
-itself stays a few lines: build the config, open the tracker, call the engine, summarise.
+is a thin layer over the Python API's run path (fedcli/api_run.py: `resolve_config`, `prepared_run`,
+shared with `fedcli.train`): it adds the progress bar, the printed lines and the exit codes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from fedcli.api_run import OPTION_KEYS
 from fedcli.cli.common import (
     Panel,
     Scheme,
-    check_mlflow,
-    find_run,
-    open_tracker,
-    spawn_mirror,
     stdout_is_terminal,
     store_options,
     summarise_run,
@@ -63,18 +60,19 @@ def train(
                                               rich_help_panel=Panel.DATA)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with the task's data files. \\[default: bundled copy]",
                                                   rich_help_panel=Panel.DATA)] = None,
-    data: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, resolve_path=True,
-                                              help="Bring your own data: .npz (x, y[, client, x_test, y_test]) or "
-                                                   ".csv/.parquet (column y, optional client and split, the rest "
-                                                   "features); with --model linear|logreg|mlp|cnn.",
-                                              rich_help_panel=Panel.DATA)] = None,
+    data: Annotated[str | None, typer.Option(help="Bring your own data: .npz (x, y[, client, x_test, y_test]) or "
+                                                  ".csv/.parquet (column y, optional client and split, the rest "
+                                                  "features), or pkg.module:function / file.py:function returning a "
+                                                  "torch or Hugging Face dataset (docs/your-data.md).",
+                                             rich_help_panel=Panel.DATA)] = None,
     download: Annotated[bool, typer.Option("--download", help="Download missing public data files (network).",
                                            rich_help_panel=Panel.DATA)] = False,
     max_clients: Annotated[int | None, typer.Option(min=1, help="Read only the first N natural clients of big "
                                                                "data sets (StackOverflow).",
                                                     rich_help_panel=Panel.DATA)] = None,
-    config: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, resolve_path=True,
-                                                help="Run config (YAML); CLI options override it.")] = None,
+    config: Annotated[str | None, typer.Option(metavar="FILE|NAME",
+                                               help="Run config: a YAML file, or a config shipped with fedcli "
+                                                    "(demo: `make demo`'s run); options override it.")] = None,
     partition: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, resolve_path=True,
                                                    help="Partition file from `fedcli partition`.",
                                                    rich_help_panel=Panel.DATA)] = None,
@@ -179,80 +177,56 @@ def train(
 
     Example: fedcli train --algo fedpa --rounds 30 --local-epochs 5 --hp burn_in_rounds=10
     """
-    import dataclasses
+    options = {name: value for name, value in locals().items() if name in OPTION_KEYS}  # the config keys' options
+    if data is not None:  # a file as an absolute path, a function reference as given (datasets/user_data.py)
+        from fedcli.datasets.user_data import normalise
 
+        options["data"] = normalise(data)
     from fedcli.engine.lifecycle import GracefulSignals
 
     signals = GracefulSignals(immediate=True)  # the set-up writes nothing: a signal there stops it at once
     signals.install()
     try:  # restored last, after the run id is printed: a signal once the run ended changes nothing
         debug = bool(ctx.obj and ctx.obj.get("debug"))
-        with user_errors(debug), contextlib.ExitStack() as group, stops_in_set_up(signals) as set_up:
+        with user_errors(debug), contextlib.ExitStack() as group:
+            from fedcli.api_run import StoppedBeforeStart, prepared_run, resolve_config
             from fedcli.cli.common import console
-            from fedcli.config import build_config, parse_assignments, resume_config, warn_degenerate
+            from fedcli.config import parse_assignments
             from fedcli.engine import distributed
-            from fedcli.engine.setup import build
             from fedcli.engine.train import serve
-            from fedcli.engine.train import train as run_training
             from fedcli.errors import ConfigError
 
-            peers = group.enter_context(distributed.process_group()) if executor is Executor.distributed else None
-            if peers is not None and not peers.is_leader:  # ranks 1..K-1 train slices of rank 0's run, write nothing
-                signals.restore()  # serve sets what the ranks do with signals
-                serve(peers)
-                return
-            overrides = {
-                "algorithm.name": algo, "data.task": task, "data.model": model, "data.data_dir": data_dir and str(data_dir),
-                "partition.file": partition and str(partition), "partition.scheme": scheme and scheme.value,
-                "partition.alpha": alpha, "partition.num_clients": clients,
-                "partition.shards_per_client": shards_per_client, "partition.labels_per_client": labels_per_client,
-                "partition.min_size": min_size, "partition.balanced": balanced or None, "partition.sigma": sigma,
-                "partition.size_alpha": size_alpha,
-                "data.file": data and str(data), "data.download": download or None, "data.max_clients": max_clients, "train.rounds": rounds,
-                "train.clients_per_round": clients_per_round, "train.local_epochs": local_epochs,
-                "train.batch_size": batch_size, "train.client_lr": client_lr, "train.client_momentum": client_momentum,
-                "train.server_opt": server_opt and server_opt.value, "train.server_lr": server_lr,
-                "train.server_momentum": server_momentum, "train.device": device,
-                "train.executor": executor and executor.value, "train.cohort_chunk": cohort_chunk,
-                "train.workers": workers, "train.threads": threads, "train.compile": compile or None, "train.graph": graph or None, "train.precision": precision and precision.value,
-                "train.eval_every": eval_every, "train.checkpoint_every": checkpoint_every,
-                "train.keep_checkpoints": keep_checkpoints, "seed": seed,
-                "tracking.experiment": experiment, "tracking.run_name": run_name, "tracking.root": root and str(root),
-                "tracking.store": store, "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None,
-            }
-            resume_id = None
-            if resume:
-                record = find_run(resume, overrides)
-                cfg, resume_id = resume_config(record.requested or record.config, overrides), record.id
-            else:
-                cfg = build_config(file=config, overrides=overrides, hp=parse_assignments(hp or [], "--hp"))
-                for line in warn_degenerate([cfg]):  # issue 24: a config that makes the algorithm another one
-                    console().print(f"warning: {line}", markup=False, soft_wrap=True)
-            # everything is validated before anything is written: options, MLflow, then the data
-            if cfg.train.executor == "distributed" and peers is None:  # from --config or the resumed run
-                raise ConfigError(f"train.executor='distributed' needs `--executor distributed` on the command line. "
-                                  f"{distributed.NOT_LAUNCHED}")
-            cfg = dataclasses.replace(cfg, tracking=check_mlflow(cfg.tracking, mlflow_optional))
-            set_up.mirror = mirror = spawn_mirror(cfg.tracking, parent_run)  # imports MLflow while the data loads
-            if mirror is not None:  # a stop signal cuts the waits for MLflow short (its set-up, the last copy)
-                mirror.stopping = lambda: signals.pending is not None
-            setup = build(cfg, peers=peers)
-            signals.defer()  # the store is written from here on: a signal stops the run at its next safe point
-            set_up.done = True
-            tracker = open_tracker(cfg.tracking, mirror)
-            # the id on stdout as soon as the run exists (a script gets it even if the run is then stopped);
-            # on a terminal at the end instead, where it would land on the live progress bar
-            on_terminal = stdout_is_terminal()
-            tracker.on_run = None if on_terminal else typer.echo
+            try:
+                peers = group.enter_context(distributed.process_group()) if executor is Executor.distributed else None
+                if peers is not None and not peers.is_leader:  # ranks 1..K-1 train slices of rank 0's run, write nothing
+                    signals.restore()  # serve sets what the ranks do with signals
+                    serve(peers)
+                    return
+                cfg, resume_id = resolve_config(options, config=config, hp=parse_assignments(hp or [], "--hp"),
+                                                resume=resume, warn=lambda line: console().print(
+                                                    f"warning: {line}", markup=False, soft_wrap=True))
+                if cfg.train.executor == "distributed" and peers is None:  # from --config or the resumed run
+                    raise ConfigError(f"train.executor='distributed' needs `--executor distributed` on the command "
+                                      f"line. {distributed.NOT_LAUNCHED}")
+                # the id on stdout as soon as the run exists (a script gets it even if the run is then stopped);
+                # on a terminal at the end instead, where it would land on the live progress bar
+                on_terminal = stdout_is_terminal()
+                prepared = group.enter_context(prepared_run(
+                    cfg, resume_run_id=resume_id, parent_run=parent_run, mlflow_optional=mlflow_optional,
+                    signals=signals, peers=peers, on_run=None if on_terminal else typer.echo))
+            except BaseException as exc:  # a stop signal in the set-up (options, data, executor): nothing written
+                if signals.pending is None or isinstance(exc, typer.Exit):
+                    raise
+                console().print(str(StoppedBeforeStart(signals.pending)))
+                raise typer.Exit(128 + signals.pending) from None
             quiet = bool(ctx.obj and ctx.obj.get("quiet"))
             try:
                 with train_progress(cfg, quiet=quiet) as progress:
-                    result = run_training(cfg, tracker=tracker, progress=progress, resume_run_id=resume_id, setup=setup,
-                                          signals=signals)
+                    result = prepared.run(progress)
             except KeyboardInterrupt as stop:
-                stopped(cfg, tracker, stop)
+                stopped(cfg, prepared.run_id, stop)
             except distributed.RankLost as lost:
-                raise distributed.lost_hint(lost, getattr(tracker, "_run_id", None), peers.world_size if peers else 1,
+                raise distributed.lost_hint(lost, prepared.run_id, peers.world_size if peers else 1,
                                             store_options(cfg)) from None
             if not quiet:  # -q: warnings and errors only
                 summarise_run(cfg, result)
@@ -262,42 +236,10 @@ def train(
         signals.restore()
 
 
-class SetUp:
-    """What `stops_in_set_up` needs to know: the spawned MLflow mirror, and whether the set-up ended."""
-
-    mirror: object = None
-    done = False
-
-
-@contextlib.contextmanager
-def stops_in_set_up(signals: object) -> Iterator[SetUp]:
-    """A stop signal before the run is written (options, data, executor set-up) ends the command with
-    one line and exit 128 + the signal, whatever exception it surfaced as; a failed set-up ends the
-    spawned MLflow mirror (it has written nothing)."""
-    from fedcli.cli.common import console
-
-    state = SetUp()
-    try:
-        yield state
-    except BaseException as exc:
-        if state.done:
-            raise
-        if state.mirror is not None:
-            state.mirror.abort()  # type: ignore[attr-defined]
-        pending = getattr(signals, "pending", None)
-        if pending is None or isinstance(exc, typer.Exit):
-            raise
-        import signal
-
-        console().print(f"stopped by {signal.Signals(pending).name} before the run started; nothing was written.")
-        raise typer.Exit(128 + pending) from None
-
-
-def stopped(cfg: object, tracker: object, stop: KeyboardInterrupt) -> None:
+def stopped(cfg: object, run_id: str | None, stop: KeyboardInterrupt) -> None:
     """Say how the run ended and how to continue it; exit 128 + the signal (130 for Ctrl-C)."""
     from fedcli.cli.common import console, resume_hint
 
-    run_id = getattr(tracker, "_run_id", None)
     code = getattr(stop, "exit_code", 130)
     if run_id:
         console().print(f"run {run_id[:8]} interrupted; its last completed round is checkpointed. "

@@ -73,9 +73,14 @@ def make_context(fns: ModelFunctions, index: Tensor, weight: Tensor, step_mask: 
                  round_idx: int) -> ClientContext:
     """Build one client's ClientContext; batches are gathered lazily by index."""
 
+    augment = getattr(fns, "augment", None)  # None unless data.augment: no extra work then (any ModelFunctions-like fns)
+
     def batch(step: int) -> Batch:
         ix = index[step]  # [B]
-        return Batch(x=fns.prepare(fns.data.x[ix]), y=fns.data.y[ix], weight=weight[step], key=keys[step])
+        x = fns.prepare(fns.data.x[ix])
+        if augment is not None:  # per-example crop / flip drawn from the step key (datasets/augment.py)
+            x = augment(x, keys[step])
+        return Batch(x=x, y=fns.data.y[ix], weight=weight[step], key=keys[step])
 
     return ClientContext(loss_fn=fns.loss_fn, apply_fn=fns.apply_fn, batch=batch, step_mask=step_mask,
                          num_examples=num_examples, num_epochs=num_epochs, steps_per_epoch=steps_per_epoch,

@@ -10,15 +10,21 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
 
 from fedcli.algorithms.base import Batch, Params
 from fedcli.datasets.federated import FederatedData
-from fedcli.datasets.tasks import Task, per_example_loss
+from fedcli.datasets.tasks import Task, TaskData, per_example_loss
+from fedcli.datasets.user_model import accepts_key
 from fedcli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedcli.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +37,87 @@ class ModelFunctions:
     loss_fn: Callable[[Params, Batch], Tensor]  # weighted mean loss, dropout keyed by batch.key
     data: FederatedData
     prepare: Callable[[Tensor], Tensor]
+    # training batches only: (x prepared, step key) -> x, data.augment's crop / flip (datasets/augment.py); None = none
+    augment: Callable[[Tensor, Tensor], Tensor] | None = None
 
 
 def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelFunctions:
-    """Build apply/loss functions around `model` with torch.func.functional_call."""
+    """Build apply/loss functions around `model` with torch.func.functional_call.
+
+    The dropout key goes to forward only when its signature names `key` (a user's model may not:
+    datasets/user_model.py). A model whose layers behave differently in training and evaluation
+    (BatchNorm, nn.Dropout) trains in train mode and is evaluated in eval mode; BatchNorm's
+    running statistics are recomputed for each evaluated model (`BatchNormStats`,
+    docs/bring-your-own.md, "BatchNorm").
+    """
+    keyed = accepts_key(model)
+    modal = any(isinstance(m, (_BatchNorm, _DropoutNd)) for m in model.modules())
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    for m in norms:
+        m.track_running_stats = False  # training: batch statistics, no buffer written (BatchNormStats)
+    stats = BatchNormStats(model, task, data, norms) if norms else None
 
     def apply_fn(params: Params, x: Tensor) -> Tensor:
-        return torch.func.functional_call(model, params, (x,))
+        if not modal:
+            return torch.func.functional_call(model, params, (x,))
+        if stats is not None:
+            stats.update(params)
+        model.eval()
+        try:
+            return torch.func.functional_call(model, params, (x,))
+        finally:
+            model.train()
 
     def loss_fn(params: Params, batch: Batch) -> Tensor:
-        output = torch.func.functional_call(model, params, (batch.x,), {"key": batch.key})
+        output = torch.func.functional_call(model, params, (batch.x,), {"key": batch.key} if keyed else {})
         losses = per_example_loss(task, output, batch.x, batch.y)  # [B]
         return (losses * batch.weight).sum() / batch.weight.sum().clamp_min(1.0)
 
     return ModelFunctions(apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare)
+
+
+class BatchNormStats:
+    """BatchNorm running statistics of the model being evaluated, recomputed from its parameters.
+
+    Clients train in train mode, where BatchNorm normalises by each batch's own statistics and
+    the running statistics do not enter the result; they are not kept between clients or rounds
+    (nothing to checkpoint, results independent of the cohort order). Before the global model is
+    evaluated, its running statistics are estimated afresh (as SWA's `update_bn`): reset, then a
+    cumulative average (momentum None) over forward passes in train mode on the first
+    `EXAMPLES` examples of the training data in a fixed order, batches of `BATCH`. The same
+    parameters reuse the estimate (evaluation runs in chunks). In a deployment this is one more
+    federated statistics round; in this simulation the server reads the clients' examples.
+    """
+
+    EXAMPLES = 1024  # examples the statistics are estimated from (all of them when fewer)
+    BATCH = 128
+
+    def __init__(self, model: nn.Module, task: Task, data: FederatedData, norms: list[_BatchNorm]) -> None:
+        self.model, self.prepare, self.data, self.norms = model, task.prepare, data, norms
+        self.last: tuple[Any, ...] | None = None
+        order = torch.randperm(len(data.x), generator=torch.Generator().manual_seed(0))[: self.EXAMPLES]
+        self.index = order.sort().values.to(data.x.device)
+
+    def update(self, params: Params) -> None:
+        """Estimate the running statistics of `params` into the model's buffers (once per parameters)."""
+        key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in params.values())
+        if key == self.last:
+            return
+        momenta = [m.momentum for m in self.norms]
+        for m in self.norms:
+            m.track_running_stats = True
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average over the batches
+        buffers = dict(self.model.named_buffers())
+        try:
+            with torch.no_grad():
+                for start in range(0, len(self.index), self.BATCH):
+                    x = self.prepare(self.data.x[self.index[start: start + self.BATCH]]).to(self.data.dtype)
+                    torch.func.functional_call(self.model, {**params, **buffers}, (x,))
+        finally:
+            for m, momentum in zip(self.norms, momenta, strict=True):
+                m.momentum, m.track_running_stats = momentum, False
+        self.last = key
 
 
 def with_precision(fns: ModelFunctions, precision: str, device: torch.device) -> ModelFunctions:
@@ -99,3 +172,45 @@ def _native_bf16_cpu() -> bool:
     except OSError:
         return True
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def build_user_model(cfg: RunConfig, task: Task, data: TaskData, *, on_change: str = "refuse"
+                     ) -> tuple[Task, nn.Module, RunConfig]:
+    """Your own model (`data.model` = `module:factory`, datasets/user_model.py), built and checked.
+
+    Checks the source against the recorded sha256 (`on_change`: "refuse" for a run and its
+    resume, "warn" for `fedcli evaluate`), calls the factory with the task's shape facts it
+    names, runs one forward pass and the loss on a real batch (8 training examples) and probes
+    vmap. Returns the task with the model added, the model (seeded by the caller) and the config
+    with `data.model_args` recorded.
+
+    Raises:
+        ConfigError: one line naming what failed and the fix.
+    """
+    from fedcli.datasets import user_model
+
+    ref = str(cfg.data.model)
+    user_model.check_source(ref, cfg.data.model_sha256, on_change=on_change)
+    num_classes = data.num_classes
+    if num_classes is None and task.kind == "classification":  # the loader does not say: the built-in model's outputs
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            builtin = task.models[task.default_model]()
+            num_classes = int(builtin(task.prepare(data.x[:1]).to(torch.float32)).shape[-1])
+    facts = user_model.shape_facts(task.prepare, data.x, num_classes)
+    kwargs = user_model.factory_kwargs(user_model.load_factory(ref), facts)
+    model = user_model.make_model(ref, kwargs)
+    x = task.prepare(data.x[:8]).to(torch.float32)
+    user_model.check_model(ref, model, kind=task.kind, num_classes=num_classes, x=x, y=data.y[:8],
+                           loss=lambda out, xb, yb: per_example_loss(task, out, xb, yb))
+    cfg = replace(cfg, data=replace(cfg.data, model_args=user_model.encode_args(kwargs)))
+    return user_model.with_model(task, ref, kwargs), model, cfg
+
+
+def final_buffers(fns: ModelFunctions, model: nn.Module | None, params: Params) -> dict[str, Tensor] | None:
+    """The BatchNorm running statistics of `params` (estimated as evaluation does), on the CPU, for
+    model.pt and the MLflow model; None for a model without them (every built-in model)."""
+    if model is None or not any(isinstance(m, _BatchNorm) for m in model.modules()):
+        return None
+    on_device = {k: v.to(fns.data.device) for k, v in params.items()}
+    fns.apply_fn(on_device, fns.prepare(fns.data.x[:1]).to(fns.data.dtype))  # estimates them for these parameters
+    return {k: v.detach().cpu().clone() for k, v in model.named_buffers()}

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[int, dict[str, float]], None]
+EvalHook = Callable[[int, dict[str, float]], bool]  # (round, its metrics) -> stop the run (pruned)
 CUMULATIVE = {"comm/bytes_up": "comm/cum_bytes_up", "comm/bytes_down": "comm/cum_bytes_down",
               "time/round_s": "time/cum_train_s"}  # round metric -> its running total (x-axes of the curves)
 
@@ -229,6 +230,10 @@ class RoundLoop:
     completed: int  # last round whose state, client states and metrics are all in place
     timing: Timing
     cumulative: dict[str, float]  # comm/cum_bytes_* totals up to `completed`
+    # a sweep's pruning hook (fedcli.sweep_search.make_on_eval): called after each evaluation round is
+    # logged; True stops the run after that round (RoundLoop.pruned_at; docs/sweeps.md, "Pruning")
+    on_eval: EvalHook | None = None
+    pruned_at: int | None = None
 
     def run(self, signals: GracefulSignals, progress: ProgressFn | None) -> dict[str, float]:
         """Train the remaining rounds; a stop signal raises RunInterrupted at the next `signals.check()`."""
@@ -260,6 +265,12 @@ class RoundLoop:
                 self.cumulative = {v: metrics[v] for v in CUMULATIVE.values()}
                 if self.writer.due(round_idx, round_s) or round_idx == cfg.train.rounds:
                     self.checkpoint()
+                if self.on_eval is not None and round_idx % cfg.train.eval_every == 0 and round_idx < cfg.train.rounds \
+                        and self.on_eval(round_idx, metrics):
+                    self.pruned_at = round_idx
+                    if self.writer.last_round != round_idx:
+                        self.checkpoint()
+                    break
         self.writer.wait()
         return metrics
 

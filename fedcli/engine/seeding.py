@@ -119,7 +119,8 @@ def sample_cohort(num_clients: int, cohort_size: int, *, seed: int, round_idx: i
 
 
 def step_keys(seed: int, round_idx: int, cohort: np.ndarray, num_steps: int) -> torch.Tensor:
-    """Return [C, S] int64 per-step keys for in-model randomness (dropout)."""
+    """Return [C, S] int64 per-step keys for in-model randomness (dropout) and data.augment's crops and flips
+    (datasets/augment.py: a hash of the key and the example's slot in the batch)."""
     base = torch.from_numpy(derive_seeds(seed, Stream.NOISE, round_idx, last=np.asarray(cohort, dtype=np.int64)))
     return base[:, None] + torch.arange(num_steps, dtype=torch.int64)[None, :]
 

@@ -5,8 +5,9 @@ executor is checked by its `refuses` (one line with the fix, a ConfigError, befo
 written); `--compile` and `--graph` pick the compiled or graphed form of `vmap` (and `--compile`
 the compiled per-client step of loop, process and distributed). `auto` takes the first
 in-process back end, in IN_PROCESS order (fused, loop, vmap), that does not refuse the workload
-and whose rule `prefers` it; opt-in back ends (process, distributed, vmap + compile,
-vmap + graph) have no such rule. The choice and its reason are logged and recorded
+and whose rule `prefers` it; on a CPU with two or more cores for the cohort, a convolutional
+model the loop took runs on `process` (loop inside each worker: `_spreads`). The other back ends
+(distributed, vmap + compile, vmap + graph, process elsewhere) are opt-in. The choice and its reason are logged and recorded
 (`train.executor` in the resolved config, tags fedcli.executor and fedcli.executor_reason).
 Which back ends `auto` may choose, and the figures behind each decision, are in
 docs/architecture.md §3, "Which back ends stay".
@@ -19,6 +20,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import NamedTuple
 
+from fedcli.datasets.user_model import vmap_obstacle
 from fedcli.engine.backends import (
     BackendInfo,
     BackendSetup,
@@ -48,7 +50,13 @@ class Choice(NamedTuple):
 
 
 def in_process(w: Workload) -> tuple[str, str]:
-    """auto's in-process back end for the workload and why: the first of IN_PROCESS that takes it."""
+    """auto's in-process back end for the workload and why: the first of IN_PROCESS that takes it.
+
+    A model that vmap cannot run (your own model, probed when it was built: datasets/user_model.py)
+    runs on the loop, with the reason found."""
+    obstacle = vmap_obstacle(w.model)
+    if obstacle is not None and IN_PROCESS["fused"].refuses(w) is not None:
+        return "loop", f"the model cannot run under vmap: {obstacle}"
     for name, info in IN_PROCESS.items():
         why = None if info.refuses(w) is not None or info.prefers is None else info.prefers(w)
         if why is not None:
@@ -67,6 +75,12 @@ def choose(w: Workload, requested: str, *, launched: bool = False) -> Choice:
     if w.has_batchnorm and w.compile:
         raise ConfigError("--compile does not handle BatchNorm layers (their running statistics are mutable "
                           "state); use GroupNorm in the model, or drop --compile.")
+    obstacle = vmap_obstacle(w.model)
+    if obstacle is not None and (w.graph or requested == "vmap"):
+        flag = "--graph" if w.graph else "--executor vmap"
+        raise ConfigError(f"{flag} cannot run this model: {obstacle}. Fix the model (GroupNorm instead of BatchNorm, "
+                          "fedcli.datasets.models.keyed_dropout instead of nn.Dropout, no .item() or branch on a "
+                          "tensor's value in forward; docs/bring-your-own.md), or use --executor loop (or auto).")
     if w.graph:
         return _graph(w, requested)
     if requested != "auto":
@@ -82,12 +96,26 @@ def choose(w: Workload, requested: str, *, launched: bool = False) -> Choice:
         return Choice(compiled.INFO.name, "vmap", None, "requested, compiled")
     if requested != "auto":
         return Choice(requested, requested, None, "requested")
-    if w.compile and compiled.INFO.refuses(w) is None:
+    if w.compile and compiled.INFO.refuses(w) is None and obstacle is None:
         return Choice(compiled.INFO.name, "vmap", None, "--compile: the cohort vmapped and compiled in the main process")
     name, why = in_process(w)
     if w.device.type != "cpu":
         why = f"{w.device.type}: the whole cohort on one device ({why})"
+    elif name == "loop" and _spreads(w, obstacle):
+        return Choice(process.INFO.name, process.INFO.name, "loop",
+                      f"{why}; one single-threaded process per core ({w.slots}) trains the clients side by side")
     return Choice(name, name, None, why)
+
+
+def _spreads(w: Workload, obstacle: str | None) -> bool:
+    """auto's one use of the process back end: the loop chosen for convolutions on a CPU with two or
+    more cores for the cohort (train.workers or the usable cores, at most the cohort), where one
+    single-threaded process per core beat the loop with intra-op threads (CNN-10 on 2 cores: 1.10 s
+    against 1.25 s a round, and the plain PyTorch loop's 1.18 s; docs/architecture.md §3, "Which back
+    ends stay"). Never for BatchNorm, an algorithm without vmap or a model vmap cannot run: the loop
+    chose itself for those, and they stay in one process."""
+    return (w.slots >= 2 and w.has_conv and not w.has_batchnorm and w.alg.supports_vmap and obstacle is None
+            and process.INFO.refuses(w) is None)
 
 
 def _graph(w: Workload, requested: str) -> Choice:

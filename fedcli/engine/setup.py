@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,15 +24,17 @@ import torch
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import Algorithm, OptimConfig
 from fedcli.config import RunConfig, make_hyperparameters
+from fedcli.datasets import augment as augmentation
 from fedcli.datasets.federated import FederatedData
 from fedcli.datasets.registry import resolve_task
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions
+from fedcli.datasets.user_model import is_reference
 from fedcli.engine import select
 from fedcli.engine.backends import BackendSetup, CohortBackend, Workload
 from fedcli.engine.cohort import RoundPlan
 from fedcli.engine.distributed import placement
 from fedcli.engine.machine import available_cores
-from fedcli.engine.model import ModelFunctions, model_functions, with_precision
+from fedcli.engine.model import ModelFunctions, build_user_model, model_functions, with_precision
 from fedcli.engine.seeding import Stream, derive_seed
 from fedcli.errors import ConfigError
 
@@ -81,7 +83,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def client_partition(cfg: RunConfig, data: TaskData) -> tuple[list[np.ndarray], Any]:
+def client_partition(cfg: RunConfig, data: TaskData, name: str | None = None) -> tuple[list[np.ndarray], Any]:
     """Return (client -> example indices, PartitionSpec) from a partition file or the scheme.
 
     A partition file must have been made for this data (its fingerprint is checked). A scheme
@@ -89,7 +91,7 @@ def client_partition(cfg: RunConfig, data: TaskData) -> tuple[list[np.ndarray], 
     """
     from fedcli.datasets.partition import PartitionSpec, load_partition, make_partition
 
-    part, task = cfg.partition, cfg.data.task
+    part, task = cfg.partition, name or cfg.data.task  # name: the resolved task's (byo-<name> for your data)
     if part.file is not None:
         return load_partition(Path(part.file), dataset=task, fingerprint=data.fingerprint)
     spec = PartitionSpec(scheme=part.scheme, num_clients=part.num_clients, alpha=part.alpha,
@@ -106,10 +108,12 @@ def client_partition(cfg: RunConfig, data: TaskData) -> tuple[list[np.ndarray], 
     return make_partition(spec, labels=data.y.numpy(), natural=data.client_indices or None), spec
 
 
-def build(cfg: RunConfig, *, peers: Peers | None = None) -> Setup:
+def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "refuse") -> Setup:
     """Load data, build the model, the algorithm and the back end; data-dependent checks.
 
     `peers` is this process's place in the torchrun group under `--executor distributed`.
+    `model_change`: what a user model whose source changed since its recorded sha256 gets,
+    "refuse" (a run, its resume) or "warn" (`fedcli evaluate`; docs/bring-your-own.md).
     """
     device = resolve_device(cfg.train.device)
     threads = cfg.train.threads or available_cores()  # issue: two threads on a loaded 2-core box
@@ -117,9 +121,12 @@ def build(cfg: RunConfig, *, peers: Peers | None = None) -> Setup:
         device, threads = placement(cfg, device, peers)
     torch.set_num_threads(threads)
     task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
-    data = task.load(TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir else None,
-                                 download=cfg.data.download, max_clients=cfg.data.max_clients))
-    indices, spec = client_partition(cfg, data)
+    data = load_data(task, cfg, TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir
+                                            else None, download=cfg.data.download, max_clients=cfg.data.max_clients))
+    transforms = augmentation.parse(cfg.data.augment)  # crop / flip / normalize (docs/your-data.md, "Augmentation")
+    augmentation.check(transforms, task, data.x)
+    task = augmentation.with_normalisation(task, transforms)
+    indices, spec = client_partition(cfg, data, task.name)
     if cfg.train.clients_per_round > len(indices):
         raise ConfigError(f"train.clients_per_round={cfg.train.clients_per_round} exceeds the "
                           f"{len(indices)} clients of the partition; lower --clients-per-round.")
@@ -127,25 +134,47 @@ def build(cfg: RunConfig, *, peers: Peers | None = None) -> Setup:
     with torch.random.fork_rng(devices=[]):  # model init from its own stream, global RNG untouched
         torch.manual_seed(derive_seed(cfg.seed, Stream.INIT))
         model_name = cfg.data.model or task.default_model
-        if model_name not in task.models:
+        if is_reference(model_name):  # your own model: built, checked on a real batch, recorded (engine/model.py)
+            task, model, cfg = build_user_model(cfg, task, data, on_change=model_change)
+        elif model_name not in task.models:
             raise ConfigError(f"data.model must be one of {', '.join(task.models)} for task {task.name}; "
                               f"got {model_name!r}.")
-        model = task.models[model_name]()
+        else:
+            model = task.models[model_name]()
     model = model.to(device)
     init_params = {k: v.detach().clone() for k, v in model.named_parameters()}
     fed = FederatedData(data.x, data.y, indices, device)
     alg = ALGORITHMS[cfg.algorithm.name]
     hp = make_hyperparameters(alg.name, cfg.algorithm.hp)
     fns = with_precision(model_functions(task, model, fed), cfg.train.precision, device)
+    if transforms.random:  # training batches only; nothing added to the step without data.augment
+        fns = replace(fns, augment=augmentation.augmenter(transforms))
     t = cfg.train
-    workload = Workload(alg=alg, task=task, model=model, device=device, precision=t.precision,
-                        clients_per_round=t.clients_per_round, compile=t.compile, graph=t.graph)
-    choice = select.choose(workload, t.executor, launched=peers is not None)
     workers = min(t.workers or available_cores(), t.clients_per_round)  # the process back end's processes
+    workload = Workload(alg=alg, task=task, model=model, device=device, precision=t.precision,
+                        clients_per_round=t.clients_per_round, compile=t.compile, graph=t.graph,
+                        augment=transforms.random, slots=workers)
+    choice = select.choose(workload, t.executor, launched=peers is not None)
     backend = select.build(choice, BackendSetup(cfg=cfg, model=model, fed=fed, device=device, workers=workers,
                                                 peers=peers))
     return Setup(cfg, task, data, fed, fns, alg, hp, device, backend, init_params, indices, spec, choice.why,
                  t.optim(task.client_lr), model)
+
+
+# A long-lived sweep worker's task data (fedcli/sweep_worker.py sets it to {}): None, the default, loads per run
+DATA_CACHE: dict[tuple[Any, ...], TaskData] | None = None
+
+
+def load_data(task: Task, cfg: RunConfig, options: TaskOptions) -> TaskData:
+    """`task.load(options)`, kept in DATA_CACHE when a sweep worker set one, keyed by the task, its data
+    file and every loader option (the seed included: synthetic tasks draw from it). Training reads
+    the tensors and never writes them, so trials share them."""
+    if DATA_CACHE is None:
+        return task.load(options)
+    key = (task.name, cfg.data.task, cfg.data.file, cfg.data.model, options)
+    if key not in DATA_CACHE:
+        DATA_CACHE[key] = task.load(options)
+    return DATA_CACHE[key]
 
 
 PLAN_LIMIT = 2**28  # example slots of one round's padded plan: 3 GiB of indices and weights (docs/architecture.md §8)

@@ -24,13 +24,15 @@ import torch
 
 from fedcli.algorithms.base import HyperparameterError
 from fedcli.config import RunConfig, run_tags
+from fedcli.datasets.tasks import data_record
 from fedcli.engine import checkpoint as ckpt
 from fedcli.engine.backends.distributed import serve as serve_slices
 from fedcli.engine.checkpoint import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.distributed import Peers
 from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, RunInterrupted, graceful_signals, signal_name
-from fedcli.engine.rounds import CUMULATIVE, DivergenceError, ProgressFn, RoundLoop, Timing
+from fedcli.engine.model import final_buffers
+from fedcli.engine.rounds import CUMULATIVE, DivergenceError, EvalHook, ProgressFn, RoundLoop, Timing
 from fedcli.engine.setup import Setup, build
 from fedcli.errors import ConfigError, FedcliError
 from fedcli.tracking.store import RunTakenOver, SqlStore, StoreUnavailable
@@ -55,7 +57,7 @@ class RunResult:
 
 def train(cfg: RunConfig, *, tracker: Tracker, progress: ProgressFn | None = None,
           resume_run_id: str | None = None, setup: Setup | None = None,
-          signals: GracefulSignals | None = None) -> RunResult:
+          signals: GracefulSignals | None = None, on_eval: EvalHook | None = None) -> RunResult:
     """Run (or resume) one training run to completion, logging every round to `tracker`.
 
     `setup` is `build(cfg)` when the caller built it already (the CLI does, to validate the
@@ -65,7 +67,9 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: ProgressFn | None = Non
     SIGINT/SIGTERM/SIGHUP stop it at the next safe point (between rounds, clients or cohort
     chunks), abandon the round in flight, checkpoint the last completed round and mark it
     `interrupted`; a signal after the last round lets it finish; checkpoints in the
-    background with retention; any other failure marks it `failed`.
+    background with retention; any other failure marks it `failed`. `on_eval` (a sweep's pruning
+    hook, fedcli.sweep_search.make_on_eval): called after each evaluation round but the last; when it
+    returns True the run stops there, checkpointed, and ends `pruned` (docs/sweeps.md, "Pruning").
 
     Raises:
         ConfigError: invalid settings discovered against the data (before any round).
@@ -99,7 +103,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: ProgressFn | None = Non
                                   existing=tracker.store.checkpoints(run_id),
                                   every=cfg.train.checkpoint_every, keep=cfg.train.keep_checkpoints)
         loop = RoundLoop(setup, tracker, store, writer, state, start_round - 1, Timing(),
-                         _cumulative(tracker.store, run_id, start_round - 1))
+                         _cumulative(tracker.store, run_id, start_round - 1), on_eval=on_eval)
         try:
             metrics = loop.run(signals, progress)
             model_path = _save_model(tracker, run_dir, setup, loop.state)
@@ -133,10 +137,11 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: ProgressFn | None = Non
             with contextlib.suppress(Exception):
                 writer.close()
             setup.backend.close()  # no worker process outlives its run
-        tracker.finish("finished")  # a signal from here on (the MLflow wait) is recorded, not raised
-        if signals.pending is not None:
-            log.warning("%s arrived after the last round; the run finished", signal_name(signals.pending))
-    return RunResult(run_id=run_id, status="finished", rounds_completed=loop.completed, final_metrics=metrics,
+        status = "finished" if loop.pruned_at is None else "pruned"
+        tracker.finish(status, reason=None if loop.pruned_at is None else f"pruned at round {loop.pruned_at}")
+        if signals.pending is not None:  # a signal from here on (the MLflow wait) is recorded, not raised
+            log.warning("%s arrived after the last round; the run %s", signal_name(signals.pending), status)
+    return RunResult(run_id=run_id, status=status, rounds_completed=loop.completed, final_metrics=metrics,
                      model_path=model_path, executor=setup.backend.name, timing=loop.timing,
                      wall_s=time.perf_counter() - wall_start)
 
@@ -172,7 +177,7 @@ def start_tracking(tracker: Tracker, cfg: RunConfig, setup: Setup) -> str:
     return tracker.start(
         experiment=cfg.tracking.experiment, run_name=cfg.tracking.run_name, config=resolved_config(setup),
         requested=cfg.to_dict(), config_hash=cfg.config_hash,
-        algo=cfg.algorithm.name, task=setup.task.name, seed=cfg.seed, dataset=cfg.data.task,
+        algo=cfg.algorithm.name, task=setup.task.name, seed=cfg.seed, dataset=setup.task.name,
         partitioner=cfg.partition.scheme, fedcli_version=fedcli.__version__, torch_version=torch.__version__,
         git_commit=git_commit(), tags={"fedcli.executor": setup.executor, "fedcli.device": str(setup.device),
                                        "fedcli.executor_reason": setup.executor_reason[:250],
@@ -190,6 +195,7 @@ def resolved_config(setup: Setup) -> dict[str, Any]:
     cfg = setup.cfg
     out = cfg.to_dict()
     out["data"]["model"] = cfg.data.model or setup.task.default_model
+    out["data"].update(data_record(setup.task, setup.data))  # its own name and fingerprint, never the default task (docs/your-data.md)
     out["train"]["device"] = str(setup.device)
     out["train"]["executor"] = setup.executor
     out["train"]["threads"] = torch.get_num_threads()
@@ -240,7 +246,8 @@ def _save_model(tracker: Tracker, run_dir: Path, setup: Setup, state: Any) -> Pa
                       "server_state": ckpt.to_plain(ckpt.to_cpu(state)), "config": setup.cfg.to_dict(),
                       "task": setup.task.name, "algorithm": setup.alg.name,
                       "model": setup.cfg.data.model or setup.task.default_model,
-                      "example": setup.data.x[:2].detach().cpu()}, path)  # MLflow model signature (tracking/served.py)
+                      "example": setup.data.x[:2].detach().cpu(),  # MLflow model signature (tracking/served.py)
+                      "buffers": final_buffers(setup.fns, setup.model, params)}, path)  # BatchNorm statistics or None
     tracker.store.set_run_fields(tracker.run_id, model_path=str(path.resolve()))
     tracker.log_artifact(path)
     return path
@@ -253,6 +260,10 @@ def _restore(tracker: Tracker, run_id: str, setup: Setup, state: Any, store: Cli
     stored config becomes the one this resume runs (e.g. more rounds). Returns (state, next round).
     """
     cfg, record = setup.cfg, tracker.store.get_run(run_id)
+    stored = (record.config.get("data") or {}).get("fingerprint")
+    if stored and setup.data.fingerprint and stored != setup.data.fingerprint:  # docs/your-data.md, "Names and fingerprints"
+        raise ConfigError(f"run {run_id} trained on data with fingerprint {stored[:16]}; the data given now has "
+                          f"{setup.data.fingerprint[:16]}. Resume with the same data (file, function or object).")
     client_template = None if setup.alg.init_client_state is None else setup.alg.init_client_state(setup.init_params,
                                                                                                   setup.hp)
     for round_idx, path in reversed(tracker.store.checkpoints(run_id)):

@@ -40,7 +40,7 @@ def smoke_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The spec with its `smoke` overrides applied (see the module docstring)."""
     out = {k: v for k, v in spec.items() if k != "smoke"}
     smoke = spec.get("smoke") or {}
-    for key in ("base", "grid", "report"):
+    for key in ("base", "grid", "report", "search"):  # search: a `search:` sweep's smoke budget (docs/sweeps.md)
         if key in smoke:
             out[key] = {**(out.get(key) or {}), **smoke[key]}
     for key in ("seeds", "variants"):

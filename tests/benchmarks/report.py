@@ -25,7 +25,7 @@ def markdown(results: dict[str, object]) -> str:
         lines += [f"**Flower: {flower['note']}.**", ""]
     from tests.benchmarks.gpu import markdown as gpu_markdown
 
-    lines += _workloads(results) + gpu_markdown(results.get("gpu")) + _fedpa(results) + _tracking(results) + _startup(results) + _memory(results)
+    lines += _workloads(results) + gpu_markdown(results.get("gpu")) + _fedpa(results) + _tracking(results) + _startup(results) + _sweeps(results) + _memory(results)
     if "targets" in results:
         lines += ["## Targets", "", "| target | value | required | status |", "|---|---|---|---|"]
         lines += [f"| {t['name']} | {_s(t['value'])} | {t['target']} | {t['status']} |" for t in results["targets"]]
@@ -117,7 +117,19 @@ def _startup(results: dict[str, object]) -> list[str]:
             "| command | seconds |", "|---|---|",
             f"| fedcli train --rounds 1 (defaults: femnist MLP, MLflow on) | {_s(s['default'].get('to_first_round_s'))} |",
             f"| fedcli train --rounds 1 --no-mlflow | {_s(s['no_mlflow'].get('to_first_round_s'))} |",
+            *(f"| fedcli train --model mlp --rounds 20{flag} (end: {_s(s[key].get('total_s'))} s) | "
+              f"{_s(s[key].get('to_first_round_s'))} |"
+              for key, flag in (("mlp_20", ""), ("mlp_20_no_mlflow", " --no-mlflow")) if key in s),
             f"| Flower start_simulation (to its first configure_fit) | {_s(s['flower'].get('to_first_round_s'))} |", ""]
+
+
+def _sweeps(results: dict[str, object]) -> list[str]:
+    if not results.get("sweeps"):
+        return []
+    from tests.benchmarks.sweeps import markdown as sweeps_markdown
+
+    return ["## Sweeps: wall time vs the training inside it (issue 27)", "",
+            sweeps_markdown(results["sweeps"]), ""]  # type: ignore[arg-type]
 
 
 def _memory(results: dict[str, object]) -> list[str]:

@@ -1,6 +1,7 @@
 """`make bench`: fedcli's speed against a plain PyTorch loop, Flower and the FLOP floor.
 
     .venv/bin/python -m tests.benchmarks.run [--out bench-results] [--quick] [--skip flower,memory]
+    .venv/bin/python -m tests.benchmarks.run --only sweeps,startup   # issue 27's table (tests/benchmarks/sweeps.py)
 
 With a CUDA device it also measures the GPU table (tests/benchmarks/gpu.py: fedcli's executors
 vs a plain loop on the same GPU vs that GPU's FLOP floor, the GPU named); without one the
@@ -37,7 +38,8 @@ ROUNDS = {"full": {"mlp-10": 12, "mlp-50": 8, "cnn-10": 5}, "quick": {"mlp-10": 
 # The speed targets of the GPU-engine issue for the CPU: the MLP >= 10x Flower and >= 3x the plain
 # loop, the CNN within 1.2x of its FLOP floor; the other ratios are reported beside their bounds
 # (what the reference itself leaves: plain loop / floor, Flower / floor), without a target.
-TARGETS = {"vs_flower_mlp": 10.0, "vs_plain_mlp": 3.0, "vs_floor_cnn": 1.2, "startup_s": 5.0,
+STEPS = ("flower", "workloads", "gpu", "fedpa", "tracking", "startup", "sweeps", "memory")
+TARGETS = {"vs_flower_mlp": 10.0, "vs_plain_mlp": 3.0, "vs_floor_cnn": 1.2, "startup_s": 3.0,
            "tracking_pct": 5.0, "checkpoint_pct": 3.0}
 
 
@@ -163,6 +165,11 @@ def evaluate_targets(results: dict[str, object]) -> list[dict[str, object]]:
     if "startup" in results:
         check(targets, "start-up to round 1 (fedcli train, defaults)",
               results["startup"]["default"].get("to_first_round_s"), TARGETS["startup_s"], at_most=True, unit=" s")
+    if "sweeps" in results:
+        from tests.benchmarks.sweeps import TARGETS as SWEEP_TARGETS
+
+        for key, bound in SWEEP_TARGETS.items():
+            check(targets, f"sweep {key}", results["sweeps"]["ratios"].get(key), bound, at_most=True, unit="x")
     return targets
 
 
@@ -171,12 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--quick", action="store_true", help="tiny settings, to test the harness")
     parser.add_argument("--skip", default="",
-                        help="comma list of: flower, workloads, gpu, fedpa, tracking, startup, memory")
+                        help="comma list of: flower, workloads, gpu, fedpa, tracking, startup, sweeps, memory")
+    parser.add_argument("--only", default="", help="comma list of the steps to run (the others skipped)")
     parser.add_argument("--reps", type=int, default=None,
                         help="repetitions per approach (default: 3 for the MLP workloads, which take seconds, and 2 "
                              "for the CNN; quick 1)")
     args = parser.parse_args(argv)
     skip, mode = set(filter(None, args.skip.split(","))), "quick" if args.quick else "full"
+    if args.only:
+        skip |= set(STEPS) - set(filter(None, args.only.split(",")))
     reps = args.reps or (1 if args.quick else 2)
     mlp_reps = args.reps or (1 if args.quick else 3)  # the machine is noisy: more repetitions where they are cheap
     started = time.time()
@@ -217,8 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         results["startup"] = {
             "default": extras.startup(["--rounds", "1"], extras.tmpdir()),
             "no_mlflow": extras.startup(["--rounds", "1", "--no-mlflow"], extras.tmpdir()),
+            # issue 27: `fedcli train --rounds 20` (FEMNIST writers, MLP) to round 1 and to its end, MLflow on/off
+            "mlp_20": extras.startup(["--model", "mlp", "--rounds", "20"], extras.tmpdir()),
+            "mlp_20_no_mlflow": extras.startup(["--model", "mlp", "--rounds", "20", "--no-mlflow"], extras.tmpdir()),
             "flower": {"to_first_round_s": _flower_startup(results)},
         }
+    if "sweeps" not in skip:
+        from tests.benchmarks import sweeps
+
+        log("sweeps (issue 27's table)")
+        results["sweeps"] = sweeps.sweep_table(mode, extras.tmpdir())
+        _write(args.out, results)
     if "memory" not in skip:
         log("memory")
         results["memory"] = (extras.memory(num_clients=400, per_client=50, visits=60) if args.quick

@@ -71,6 +71,8 @@ class Workload:
     clients_per_round: int
     compile: bool  # train.compile
     graph: bool  # train.graph
+    augment: bool = False  # data.augment crops / flips training batches (engine/cohort.py make_context)
+    slots: int = 1  # processes the process back end would run: min(train.workers or the usable cores, the cohort)
 
     @property
     def has_conv(self) -> bool:

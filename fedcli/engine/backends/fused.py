@@ -325,6 +325,9 @@ def refuses(w: Workload) -> str | None:
     """What the dense trainer cannot train: custom local loops, other models, losses, bf16."""
     if not w.alg.supports_vmap:
         return f"{w.alg.name} does not support --executor fused; use --executor loop or auto."
+    if w.augment:
+        return "--executor fused gathers its own batches and does not augment them; drop data.augment or use " \
+               "--executor auto (or vmap, loop)."
     if w.alg.local is None:
         why = f"{w.alg.name} trains its own local objective (no Algorithm.local)"
     elif w.has_batchnorm or task_spec(w.task, w.model) is None or w.precision == "bf16":

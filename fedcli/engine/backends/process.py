@@ -45,7 +45,9 @@ import torch
 from torch import Tensor
 
 from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
+from fedcli.datasets import augment as augmentation
 from fedcli.datasets.federated import FederatedData
+from fedcli.datasets.user_data import shipped
 from fedcli.engine.backends import BackendInfo, BackendSetup, CohortBackend, Workload
 from fedcli.engine.backends.inprocess import IN_PROCESS
 from fedcli.engine.cohort import (
@@ -134,6 +136,7 @@ class WorkerSpec:
     y: Tensor
     client_indices: list[np.ndarray]
     inner: str  # the in-process back end for a slice: fused | vmap | loop
+    user_data: Any = None  # a data object's or function's tensors (datasets/user_data.py); None for a file or task
 
 
 @dataclass(frozen=True)
@@ -154,10 +157,18 @@ def worker_functions(spec: WorkerSpec) -> Bound:
     from fedcli.datasets.registry import resolve_task
 
     cfg, cpu = spec.cfg, torch.device("cpu")
-    task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
+    if spec.user_data is not None:  # the parent's materialised data: never reloaded, never a Python object here
+        from fedcli.datasets.user_data import register
+
+        register(cfg.data.file, spec.user_data)
+    task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file, cfg.data.model_args)
+    transforms = augmentation.parse(cfg.data.augment)  # as the parent's set-up (engine/setup.py build)
+    task = augmentation.with_normalisation(task, transforms)
     model = task.models[cfg.data.model or task.default_model]()  # parameters come with each broadcast
     fed = FederatedData(spec.x, spec.y, spec.client_indices, cpu)
     fns = with_precision(model_functions(task, model, fed), cfg.train.precision, cpu)
+    if transforms.random:
+        fns = replace(fns, augment=augmentation.augmenter(transforms))
     backend = IN_PROCESS[spec.inner].build(BackendSetup(cfg=cfg, model=model, fed=fed, device=cpu))
     return Bound(ALGORITHMS[cfg.algorithm.name], fns, make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp),
                  cfg.train.optim(task.client_lr), backend)
@@ -294,7 +305,8 @@ class ProcessBackend:
             return
         cfg = replace(self.cfg, train=replace(self.cfg.train, executor=self.inner, workers=1))
         spec = WorkerSpec(cfg=cfg, x=self.fed.x.share_memory_(), y=self.fed.y.share_memory_(),
-                          client_indices=self.fed.client_indices, inner=self.inner)
+                          client_indices=self.fed.client_indices, inner=self.inner,
+                          user_data=shipped(cfg.data.file))
         self.pool.bind(spec, self.token)
 
     def run(self, job: CohortJob) -> ClientOut:
@@ -349,5 +361,5 @@ def refuses(w: Workload) -> str | None:
 
 
 INFO = BackendInfo(name="process", summary="CPU: the cohort split over persistent worker processes (one thread each, "
-                   "shared-memory transport), an in-process back end inside each (opt-in)", refuses=refuses,
+                   "shared-memory transport), an in-process back end inside each (auto for convolutional models on 2+ cores)", refuses=refuses,
                    prefers=None, build=ProcessBackend)

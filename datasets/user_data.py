@@ -1,0 +1,387 @@
+"""A user's data objects as tasks: a torch Dataset, a Hugging Face Dataset, a flwr-datasets partition.
+
+`data_ref(data, ...)` turns what a user hands fedcli (Python API) into the string a run's config
+records as `data.file` (docs/your-data.md):
+
+- a path (.npz/.csv/.parquet) or a `pkg.mod:fn` / `path/to/file.py:fn` reference: returned as is;
+  the engine reads the file, or imports the module and calls `fn()` (no arguments), in every
+  process that needs the data (the process back end's workers, `--resume`, `fedcli evaluate`);
+- a map-style torch `Dataset` (`ds[i] -> (x, y)`), a Hugging Face `datasets.Dataset` or a
+  flwr-datasets `Partitioner`: materialised once here as tensors (`UserData`), checked, registered
+  in this process and named `python:<name>@<hash16>` (hash of every tensor and the clients).
+
+Each becomes a `Task` named `byo-<name>` through datasets/byo.py (`arrays_task`), with the same
+checks, held-out split and built-in models as a data file. The whole data set is held in memory
+as tensors so that batches are gathered by index on the device (the vectorised data path, no
+per-example Python in training); materialising reads each example once. Above `MAX_BYTES` of
+training tensors it is refused (DataError naming the size and the fix): there is no streaming path.
+
+No import of `datasets` (Hugging Face) or `flwr_datasets` here: objects are recognised by their
+methods, so fedcli works without the `[hf]` extra and a user's objects need no version of ours.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import importlib.util
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedcli.errors import ConfigError, DataError
+
+PYTHON_PREFIX = "python:"
+MAX_BYTES = 8 * 2**30  # training tensors of one materialised data object: 8 GiB (docs/your-data.md, "Memory")
+_CALLABLE = re.compile(r"(?P<module>[A-Za-z_][\w.]*|.+\.py):(?P<fn>[A-Za-z_]\w*)")
+_REGISTRY: dict[str, UserData] = {}  # python:<name>@<hash> -> the materialised data of this process
+_LOADED: dict[str, UserData] = {}  # pkg.mod:fn -> its materialised data (called once per process)
+
+
+@dataclass(frozen=True)
+class UserData:
+    """A user's data object materialised as tensors (picklable: crosses to the process back end's workers)."""
+
+    name: str  # slug; the task is byo-<name>
+    x: Tensor  # [N, ...] inputs (uint8 images or float features)
+    y: Tensor  # [N] class labels (int64) or float targets
+    client: np.ndarray | None  # [N] owner per example (-1 = none), or None = partition by scheme
+    x_test: Tensor | None = None
+    y_test: Tensor | None = None
+    source: str = ""  # what it was made from, for `fedcli list`-style descriptions
+    record: Mapping[str, str] = field(default_factory=dict)  # recorded under data.* (source_sha256 ...)
+
+    def digest(self) -> str:
+        """sha256 over every tensor and the client ids: the part of the reference that names the content."""
+        h = hashlib.sha256()
+        for part in (self.x, self.y, self.x_test, self.y_test):
+            if part is not None:
+                h.update(str((tuple(part.shape), str(part.dtype))).encode())
+                h.update(part.contiguous().numpy().tobytes())
+        if self.client is not None:
+            h.update(np.ascontiguousarray(self.client, dtype=np.int64).tobytes())
+        return h.hexdigest()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays datasets/byo.py checks and splits (the layout of an .npz)."""
+        out = {"x": self.x.numpy(), "y": self.y.numpy()}
+        if self.client is not None:
+            out["client"] = self.client
+        if self.x_test is not None and self.y_test is not None:
+            out |= {"x_test": self.x_test.numpy(), "y_test": self.y_test.numpy()}
+        return out
+
+
+def is_data_ref(value: str) -> bool:
+    """Whether data.file names a data object (`python:...`) or a function (`pkg.mod:fn`, `file.py:fn`)."""
+    return value.startswith(PYTHON_PREFIX) or (_CALLABLE.fullmatch(value) is not None
+                                               and not value.endswith((".npz", ".csv", ".parquet")))
+
+
+def data_ref(data: Any, *, name: str | None = None, client: Any = None, partition: Any = None,
+             x: str | Sequence[str] | None = None, y: str = "label", test: Any = None) -> str:
+    """Return the `data.file` value of a user's data (module docstring); objects are registered here.
+
+    Args:
+        data: A path, a `pkg.mod:fn` string, a torch Dataset, an HF Dataset or a flwr-datasets Partitioner.
+        name: The data's name (task `byo-<name>`); default the object's class name or the function's.
+        client: Per-example client ids (a sequence of length N), or an HF column name.
+        partition: Client k -> example indices (a list of index arrays), or a flwr-datasets Partitioner.
+        x: HF input column (or numeric columns stacked as features); default the first column not `y`.
+        y: HF label column (default "label").
+        test: Held-out data of the same form (default: 20 % of the rows, as for files).
+
+    Raises:
+        DataError / ConfigError: one line naming what is wrong and the fix (nothing is registered).
+    """
+    if isinstance(data, (str, Path)):
+        if any(v is not None for v in (client, partition, x, test)) or name is not None:
+            raise ConfigError(f"data {str(data)!r} is a file or function reference; client/partition/x/test/name "
+                              "apply to data objects only. Return a dict with those keys from your function.")
+        return normalise(str(data))
+    user = materialise(data, name=name, client=client, partition=partition, x=x, y=y, test=test)
+    ref = f"{PYTHON_PREFIX}{user.name}@{user.digest()[:16]}"
+    _REGISTRY[ref] = user
+    return ref
+
+
+def normalise(value: str) -> str:
+    """A data file, or the file of a `file.py:fn` reference, as an absolute path (resume from any folder)."""
+    if value.startswith(PYTHON_PREFIX) or not is_data_ref(value):
+        return str(Path(value).expanduser().resolve()) if Path(value).expanduser().exists() else value
+    source, _, fn = value.rpartition(":")
+    return f"{Path(source).expanduser().resolve()}:{fn}" if source.endswith(".py") else value
+
+
+def register(ref: str, user: UserData) -> None:
+    """Register data under its reference (the process back end's workers receive it this way)."""
+    (_REGISTRY if ref.startswith(PYTHON_PREFIX) else _LOADED)[ref] = user
+
+
+def shipped(ref: str | None) -> UserData | None:
+    """The materialised data of a data reference this process holds (for a worker), None for a file."""
+    if ref is None or not is_data_ref(ref):
+        return None
+    return _REGISTRY.get(ref) or _LOADED.get(ref)
+
+
+def lookup(ref: str) -> UserData:
+    """The materialised data of a data reference: registered (`python:`) or loaded by calling the function."""
+    if ref.startswith(PYTHON_PREFIX):
+        if ref not in _REGISTRY:
+            raise ConfigError(f"data {ref!r} is a Python object given to another process; pass the same object to "
+                              "fedcli.train again (resume included), or save it with numpy.savez and use --data FILE.")
+        return _REGISTRY[ref]
+    if ref not in _LOADED:
+        fn, digest = load_function(ref)
+        try:
+            made = fn()
+        except Exception as exc:  # noqa: BLE001 - the user's code: one line, not a traceback
+            raise DataError(f"data function {ref} raised {type(exc).__name__}: {exc}; fix it and rerun.") from None
+        options = dict(made) if isinstance(made, Mapping) else {"data": made}
+        if "data" not in options:
+            raise DataError(f"data function {ref} returned a dict without 'data'; return the dataset, or "
+                            "{'data': ds, 'client': ..., 'partition': ..., 'x': ..., 'y': ..., 'test': ...}.")
+        unknown = sorted(set(options) - {"data", "name", "client", "partition", "x", "y", "test"})
+        if unknown:
+            raise DataError(f"data function {ref} returned unknown key(s) {unknown}; use data, name, client, "
+                            "partition, x, y, test.")
+        obj = options.pop("data")
+        module, _, fn_name = ref.rpartition(":")
+        options.setdefault("name", f"{Path(module).stem if module.endswith('.py') else module.rpartition('.')[2]}-{fn_name}")
+        user = materialise(obj, **options)
+        _LOADED[ref] = UserData(user.name, user.x, user.y, user.client, user.x_test, user.y_test, source=ref,
+                                record={"source": ref, "source_sha256": digest})
+    return _LOADED[ref]
+
+
+def load_function(ref: str) -> tuple[Callable[[], Any], str]:
+    """Import `pkg.mod:fn` or `path/file.py:fn`; return (fn, sha256 of the module's source file).
+
+    A module name is looked up with the working folder appended to sys.path (after installed
+    packages, so a local folder never shadows one), as `python -m` would find it.
+    """
+    match = _CALLABLE.fullmatch(ref)
+    if match is None:
+        raise ConfigError(f"data {ref!r} must be pkg.module:function or path/to/file.py:function.")
+    module_name, fn_name = match["module"], match["fn"]
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).expanduser().resolve()
+            if not path.is_file():
+                raise ConfigError(f"data function file {path} does not exist; give path/to/file.py:function.")
+            spec = importlib.util.spec_from_file_location(f"fedcli_user_data_{path.stem}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            cwd = str(Path.cwd())
+            added = cwd not in sys.path
+            if added:
+                sys.path.append(cwd)
+            try:
+                module = importlib.import_module(module_name)
+            finally:
+                if added:
+                    sys.path.remove(cwd)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an import of the user's code: one line
+        raise ConfigError(f"data {ref}: cannot import {module_name} ({type(exc).__name__}: {exc}); check the "
+                          "module is importable from here (installed, or in the working folder).") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"data {ref}: {module_name} has no function {fn_name!r}; name a function that returns "
+                          "the dataset.")
+    source = getattr(module, "__file__", None)
+    digest = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
+    return fn, digest
+
+
+def materialise(data: Any, *, name: str | None = None, client: Any = None, partition: Any = None,
+                x: str | Sequence[str] | None = None, y: str = "label", test: Any = None) -> UserData:
+    """One data object as tensors (`data_ref` documents the arguments)."""
+    if _is_partitioner(partition) or _is_partitioner(data):
+        partitioner = partition if _is_partitioner(partition) else data
+        if not _is_partitioner(partition):  # data is the partitioner: its dataset is the data
+            data = _partitioner_dataset(partitioner)
+        partition = _flwr_partition(partitioner, data)
+    if _is_hf(data):
+        label = f"Hugging Face Dataset {name or _slug(getattr(data.info, 'dataset_name', None) or 'dataset')}"
+        xs, ys, owners = _hf_arrays(data, x, y, client, label)
+        kind = "hf"
+    elif _is_torch_dataset(data):
+        label = f"torch Dataset {type(data).__name__}"
+        if x is not None or y != "label":
+            raise ConfigError(f"{label}: x= and y= name Hugging Face columns; a torch Dataset gives (x, y) pairs.")
+        xs, ys = _torch_arrays(data, label)
+        owners, kind = client, "torch"
+    else:
+        raise ConfigError(f"data must be a file path, a pkg.mod:fn string, a torch Dataset, a Hugging Face Dataset "
+                          f"or a flwr-datasets Partitioner; got {type(data).__name__}.")
+    if owners is not None and partition is not None:
+        raise ConfigError(f"{label}: give client ids or a partition, not both.")
+    n = len(ys)
+    owner = _client_ids(owners, n, label) if owners is not None else None
+    if partition is not None:
+        owner = _partition_ids(partition, n, label)
+    x_test = y_test = None
+    if test is not None:
+        tx, ty = (_hf_arrays(test, x, y, None, label)[:2] if _is_hf(test) else _torch_arrays(test, f"{label} (test)"))
+        x_test, y_test = torch.from_numpy(tx), torch.from_numpy(ty)
+    default_name = (getattr(data.info, "dataset_name", None) or "hf") if kind == "hf" else type(data).__name__
+    return UserData(_slug(name or default_name), torch.from_numpy(xs), torch.from_numpy(ys), owner, x_test, y_test,
+                    source=label)
+
+
+def _slug(text: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(text)).strip("-").lower()[:60]
+    return slug or "data"
+
+
+def _is_hf(obj: Any) -> bool:
+    return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names") and hasattr(obj, "with_format")
+
+
+def _is_torch_dataset(obj: Any) -> bool:
+    return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+                                                          and not isinstance(obj, (str, bytes, Mapping)))
+
+
+def _is_partitioner(obj: Any) -> bool:
+    return type(obj).__module__.startswith("flwr_datasets.") and hasattr(obj, "load_partition")
+
+
+def _check_size(label: str, n: int, example_bytes: int) -> None:
+    total = n * example_bytes
+    if total > MAX_BYTES:
+        raise DataError(f"{label}: {n} examples of {example_bytes} bytes make {total / 2**30:.1f} GiB of tensors, more "
+                        f"than the {MAX_BYTES / 2**30:.0f} GiB fedcli holds in memory; store images as uint8, or use a "
+                        "subset (docs/your-data.md, \"Memory\").")
+
+
+def _torch_arrays(ds: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of a map-style Dataset: TensorDataset's tensors directly, else each example read once."""
+    n = len(ds)
+    if n == 0:
+        raise DataError(f"{label}: the dataset must hold at least one example; got 0.")
+    tensors = getattr(ds, "tensors", None)
+    if isinstance(tensors, tuple) and all(isinstance(t, Tensor) for t in tensors):
+        if len(tensors) < 2:
+            raise DataError(f"{label}: examples must be (x, y) pairs; it has {len(tensors)} tensor(s) and no labels. "
+                            "Add the labels: TensorDataset(x, y).")
+        xs, ys = tensors[0].detach().cpu(), tensors[1].detach().cpu()
+        _check_size(label, n, xs[0].numel() * xs.element_size())
+        return xs.numpy(), ys.numpy()
+    first = ds[0]
+    if not isinstance(first, (tuple, list)) or len(first) < 2:
+        raise DataError(f"{label}: ds[i] must return an (x, y) pair; ds[0] is {type(first).__name__}. Return the "
+                        "label with each example.")
+    x0 = torch.as_tensor(np.array(first[0]))
+    _check_size(label, n, x0.numel() * x0.element_size())
+    getitems = getattr(ds, "__getitems__", None)
+    rows = getitems(list(range(n))) if callable(getitems) else [ds[i] for i in range(n)]  # once, at load
+    try:
+        xs = np.stack([np.asarray(r[0]) for r in rows])
+        ys = np.asarray([np.asarray(r[1]).item() for r in rows])
+    except (ValueError, TypeError) as exc:
+        raise DataError(f"{label}: examples must share one shape and have one scalar label each ({exc}); "
+                        "resize or pad them in the dataset.") from None
+    pil = hasattr(first[0], "getbands")  # PIL images (a torchvision dataset without transform): [H, W, C]
+    return (xs.transpose(0, 3, 1, 2).copy() if pil and xs.ndim == 4 else xs), ys
+
+
+def _hf_arrays(ds: Any, x: str | Sequence[str] | None, y: str, client: Any, label: str
+               ) -> tuple[np.ndarray, np.ndarray, Any]:
+    """(x, y, client) of a Hugging Face Dataset read as NumPy columns (batched, no per-row Python)."""
+    columns = list(ds.column_names)
+    if y not in columns:
+        raise DataError(f"{label}: no label column {y!r}; columns are {columns[:8]}. Pass y='<label column>'.")
+    if len(ds) == 0:
+        raise DataError(f"{label}: the dataset must hold at least one example; got 0.")
+    if x is None:
+        rest = [c for c in columns if c not in (y, client if isinstance(client, str) else None)]
+        if not rest:
+            raise DataError(f"{label}: no input column besides {y!r}; pass x='<input column>'.")
+        x = rest[0]
+    names = [x] if isinstance(x, str) else list(x)
+    missing = [c for c in names + ([client] if isinstance(client, str) else []) if c not in columns]
+    if missing:
+        raise DataError(f"{label}: no column(s) {missing}; columns are {columns[:8]}.")
+    table = ds.with_format("numpy")[0:len(ds)]
+    parts = [np.asarray(table[c]) for c in names]
+    if len(parts) == 1 and type(ds.features.get(names[0])).__name__ == "Image" and parts[0].ndim == 4:
+        parts = [parts[0].transpose(0, 3, 1, 2)]  # an Image column reads as [N, H, W, C]: channels first
+    if any(p.dtype.kind not in "biuf" for p in parts):
+        raise DataError(f"{label}: input column(s) {names} must be numeric arrays; decode images or text first.")
+    xs = parts[0] if len(parts) == 1 and parts[0].ndim > 1 else np.stack([p.reshape(len(p), -1) for p in parts], 1)
+    xs = xs.reshape(len(xs), -1) if len(parts) > 1 else xs
+    if xs.ndim == 1:
+        xs = xs[:, None]
+    if xs.dtype.kind in "iu" and xs.ndim >= 3 and xs.min(initial=0) >= 0 and xs.max(initial=0) <= 255:
+        xs = xs.astype(np.uint8)  # integer images (HF stores them as int64): scaled by 1/255 like an .npz's uint8
+    elif xs.dtype.kind != "f" or xs.dtype == np.float64:
+        xs = xs.astype(np.float32)
+    _check_size(label, len(xs), xs[0].nbytes)
+    owners = np.asarray(table[client]) if isinstance(client, str) else client
+    return xs, np.asarray(table[y]), owners
+
+
+def _client_ids(owners: Any, n: int, label: str) -> np.ndarray:
+    ids = np.asarray(owners)
+    if ids.ndim != 1 or len(ids) != n:
+        raise DataError(f"{label}: client must give one id per example (length {n}); got shape {ids.shape}. "
+                        "Give an id per example, or a partition (a list of index arrays).")
+    return np.unique(ids, return_inverse=True)[1].astype(np.int64)
+
+
+def _partition_ids(partition: Any, n: int, label: str) -> np.ndarray:
+    """Client k -> indices as one owner per example (-1 = no client); an example in two clients is refused."""
+    owner = np.full(n, -1, dtype=np.int64)
+    for k, part in enumerate(partition):
+        ix = np.asarray(part, dtype=np.int64).reshape(-1)
+        if len(ix) and (ix.min() < 0 or ix.max() >= n):
+            raise DataError(f"{label}: partition client {k} has index {int(ix.max() if ix.max() >= n else ix.min())} "
+                            f"outside 0..{n - 1}; give indices into the dataset.")
+        if (owner[ix] >= 0).any() or len(np.unique(ix)) != len(ix):
+            raise DataError(f"{label}: partition client {k} repeats an example that another client (or itself) "
+                            "holds; give disjoint index arrays.")
+        owner[ix] = k
+    return owner
+
+
+def _partitioner_dataset(partitioner: Any) -> Any:
+    if not getattr(partitioner, "is_dataset_assigned", lambda: False)():
+        raise ConfigError("the flwr-datasets partitioner has no dataset; set partitioner.dataset = ds, or pass "
+                          "data=ds, partition=partitioner.")
+    return partitioner.dataset
+
+
+def _flwr_partition(partitioner: Any, ds: Any) -> list[np.ndarray]:
+    """A flwr-datasets partitioner's partitions as index arrays into `ds` (read from a row-number column)."""
+    if not _is_hf(ds):
+        raise ConfigError("a flwr-datasets partitioner partitions a Hugging Face Dataset; got "
+                          f"{type(ds).__name__}. Convert it with datasets.Dataset.from_dict.")
+    # a deep copy (its random state and any partitions it made included, its dataset left out) given the same
+    # rows plus their numbers: flwr-datasets assigns a dataset only once, and the user's partitioner is left
+    # as it was, so its own partitions are these
+    if "_dataset" not in vars(partitioner):
+        raise ConfigError(f"the flwr-datasets partitioner {type(partitioner).__name__} keeps its dataset where "
+                          "fedcli does not look; pass its partitions as partition=[indices, ...] instead.")
+    own = vars(partitioner)["_dataset"]
+    vars(partitioner)["_dataset"] = None
+    try:
+        mine = copy.deepcopy(partitioner)
+    finally:
+        vars(partitioner)["_dataset"] = own
+    mine.dataset = ds.add_column("__fedcli_row", np.arange(len(ds)))
+    return [np.asarray(mine.load_partition(k).with_format("numpy")[:]["__fedcli_row"], dtype=np.int64)
+            for k in range(mine.num_partitions)]

@@ -1,0 +1,378 @@
+"""A user's own model: `--model pkg.module:factory` or `--model path/to/file.py:factory`.
+
+The reference names a callable (an `nn.Module` class or a function) that returns an
+`nn.Module` (docs/bring-your-own.md, "Your model"). Forms, as `model_reference` writes them
+into `data.model`:
+
+- `pkg.module:factory` (an importable module; `factory` may be dotted: `Outer.make`);
+- `/abs/dir/file.py:factory`, written by the user as `./file.py:Net` or `file.py:Net`: made
+  absolute, so that `--resume`, `fedcli evaluate`, worker processes and the MLflow model find
+  it from any directory. A bare `mynet:Net` that does not import but names `./mynet.py` in the
+  working directory becomes that file's absolute form (a console script has no working
+  directory on `sys.path`).
+
+The factory is called with keyword arguments `num_classes` (classes of the task's target;
+None for a non-class target) and `input_shape` (one prepared example's shape, a tuple), each
+only when its signature names it (or takes **kwargs). The module's `forward(x)` takes the
+prepared batch [B, *input_shape]; it is also given the step's dropout key (`key=`, an int64 0-d
+tensor, fedcli.datasets.models.keyed_dropout) when its signature names `key`.
+
+Recorded with the run: the reference, `data.model_sha256` (sha256 of the module's source file:
+`source_sha256`) and `data.model_args` (the JSON of the keyword arguments given). Importing a
+user's module runs its code: that is what the user asked for by naming it; files read back
+(checkpoints, model.pt, served.pt) still never run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType, ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fedcli.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FACTS = ("num_classes", "input_shape")  # the keyword arguments a factory may name
+# models found unable to run under torch.func.vmap (`check_model`), with why: engine/select.py reads it
+_VMAP_OBSTACLES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def is_reference(model: object) -> bool:
+    """True for a user model reference (`module:factory` or `file.py:factory`), False for a built-in name."""
+    return isinstance(model, str) and ":" in model
+
+
+def model_plugins() -> Mapping[str, tuple[str, str]]:
+    """Models of installed plugins: name -> (reference `module:factory`, package), read from the
+    entry-point group ``fedcli.models`` without importing them (docs/bring-your-own.md, "Plugins").
+    A name that is not a `module:attr` reference is left out with a warning."""
+    global _PLUGINS
+    if _PLUGINS is None:
+        from importlib.metadata import entry_points
+
+        found: dict[str, tuple[str, str]] = {}
+        for ep in entry_points(group="fedcli.models"):
+            package = ep.dist.name if ep.dist is not None else "?"
+            if not is_reference(ep.value) or ep.name in found:
+                log.warning("model plugin %r of %s is left out: %r is not a unique 'module:factory'", ep.name,
+                            package, ep.value)
+                continue
+            found[ep.name] = (ep.value.replace(" ", ""), package)
+        _PLUGINS = MappingProxyType(dict(sorted(found.items())))
+    return _PLUGINS
+
+
+_PLUGINS: Mapping[str, tuple[str, str]] | None = None
+
+
+def model_reference(model: Any, *, base: Path | None = None) -> str:
+    """What `data.model` records for a user's model argument (see the module docstring).
+
+    `model`: a built-in name (returned as is), a `module:factory` or `file.py:factory` string, or
+    a class / function importable by `obj.__module__:obj.__qualname__`. `base`: the directory a
+    relative file path is read from (default: the working directory).
+
+    Raises:
+        ConfigError: one line naming the problem and the fix (a `__main__` or local object, a
+            module that does not import, a missing file or attribute).
+    """
+    if isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a class or factory, not a built module ({type(model).__name__} instance); "
+                          "pass the class (or a function returning the module) so every process can rebuild it.")
+    if not isinstance(model, str):
+        if not callable(model):
+            raise ConfigError(f"model must be a name, 'module:factory', 'file.py:factory' or a class/function; "
+                              f"got {type(model).__name__}.")
+        module, qual = getattr(model, "__module__", None), getattr(model, "__qualname__", "")
+        if module in (None, "__main__") or "<locals>" in qual or "<lambda>" in qual:
+            where = "a notebook or the script being run (__main__)" if module in (None, "__main__") else "a function"
+            raise ConfigError(f"model {qual or model!r} is defined in {where}, so worker processes, --resume, "
+                              "fedcli evaluate and the MLflow model cannot rebuild it; put it in a .py file and pass "
+                              "'path/to/file.py:Name' (or import it from there and pass the object).")
+        model = f"{module}:{qual}"
+    if not is_reference(model):
+        return model  # a name: the task's own model, else a model plugin's (fedcli/config_checks.py record_model_source)
+    target, _, attr = model.rpartition(":")
+    if not target or not attr:
+        raise ConfigError(f"data.model {model!r} must read 'module:factory' or 'file.py:factory'; e.g. "
+                          "mynet:Net or ./mynet.py:make_net.")
+    base = Path.cwd() if base is None else base
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = (base / target).resolve()
+        if not path.is_file():
+            raise ConfigError(f"data.model {model!r}: file {path} does not exist; give the path of the .py file "
+                              "that defines the model (a stored run's: restore the file where it was).")
+        return f"{path}:{attr}"
+    local = base / f"{target}.py"  # a module of the working directory: recorded by its file, found from anywhere
+    if "." not in target and local.is_file():
+        spec = _find_spec(model, target)
+        if spec is None or (spec.origin and Path(spec.origin).resolve() == local.resolve()):
+            return f"{local.resolve()}:{attr}"
+    return model
+
+
+def _source_file(ref: str) -> Path:
+    target = ref.rpartition(":")[0]
+    if target.endswith(".py"):
+        return Path(target)
+    spec = _find_spec(ref, target)
+    if spec is None:
+        raise ConfigError(f"data.model {ref!r}: module {target!r} is not importable here; install it or put its "
+                          "folder on PYTHONPATH, or pass the file: 'path/to/file.py:Name'.")
+    if not spec.origin or not Path(spec.origin).is_file():
+        raise ConfigError(f"data.model {ref!r}: module {target!r} has no source file to record; define the model in "
+                          "a .py module.")
+    return Path(spec.origin)
+
+
+def _find_spec(ref: str, target: str) -> Any:
+    try:
+        return importlib.util.find_spec(target)
+    except (ImportError, ValueError) as err:
+        raise ConfigError(f"data.model {ref!r}: module {target!r} cannot be found ({err}); install it or put "
+                          "its folder on PYTHONPATH, or pass the file: 'path/to/file.py:Name'.") from None
+
+
+def source_sha256(ref: str) -> str:
+    """sha256 (hex) of the source file of the module a reference names."""
+    path = _source_file(ref)
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as err:
+        raise ConfigError(f"data.model {ref!r}: {path} cannot be read ({err.strerror}).") from None
+
+
+def _import_file(path: Path) -> ModuleType:
+    """Import a .py file once per process and content, under a name unique to its path and source (a
+    long-lived sweep worker imports an edited file again)."""
+    key = hashlib.sha256(str(path).encode() + path.read_bytes()).hexdigest()[:16]
+    name = f"fedcli_user_model_{path.stem}_{key}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path} cannot be imported as a Python module; give a .py file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_factory(ref: str) -> Callable[..., nn.Module]:
+    """The callable a reference names, imported (its module runs).
+
+    Raises:
+        ConfigError: the module does not import (the exception's first line is named) or lacks the name.
+    """
+    target, _, attr = ref.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            if not Path(target).is_file():
+                raise ConfigError(f"model file {target} no longer exists (data.model {ref!r}); restore it, or start "
+                                  "a new run with the model's current location.")
+            module = _import_file(Path(target))
+        else:
+            module = importlib.import_module(target)
+            source = getattr(module, "__file__", None)
+            if source and _IMPORTED.setdefault(target, _sha(source)) != _sha(source):  # edited since imported here
+                module = importlib.reload(module)
+                _IMPORTED[target] = _sha(source)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any error of the user's module is reported in one line
+        raise ConfigError(f"data.model {ref!r}: importing {target} failed: {_first_line(err)}. Fix the module, or "
+                          "check that it is importable here (PYTHONPATH, installed package).") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"data.model {ref!r}: {target} has no attribute {attr!r}; name the class or function "
+                              "that builds the model.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"data.model {ref!r}: {attr} is a {type(obj).__name__}, not a class or function; name "
+                          "what builds the model.")
+    return obj  # type: ignore[no-any-return]
+
+
+_IMPORTED: dict[str, str] = {}  # module -> sha256 of its source when this process imported it
+
+
+def _sha(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def _first_line(err: BaseException) -> str:
+    text = (str(err).strip().splitlines() or [""])[0][:200]
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def factory_kwargs(factory: Callable[..., Any], facts: Mapping[str, Any]) -> dict[str, Any]:
+    """The facts the factory's signature names (all of them if it takes **kwargs)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return {k: facts[k] for k in FACTS if k in facts}
+    return {k: facts[k] for k in FACTS if k in params and k in facts}
+
+
+def make_model(ref: str, kwargs: Mapping[str, Any]) -> nn.Module:
+    """Import the factory and call it with `kwargs`; ConfigError (one line) if it fails or returns no module."""
+    factory = load_factory(ref)
+    args = {k: tuple(v) if k == "input_shape" else v for k, v in kwargs.items()}
+    try:
+        model = factory(**args)
+    except Exception as err:  # noqa: BLE001 - the user's constructor: one line, no traceback
+        raise ConfigError(f"data.model {ref!r}: building the model failed ({_first_line(err)}); called with "
+                          f"{_describe(args)}. Fix the factory.") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"data.model {ref!r} returned a {type(model).__name__}, not a torch.nn.Module; return "
+                          "the module.")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"data.model {ref!r} has no parameters to train; return a module with parameters.")
+    return model
+
+
+def _describe(args: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in args.items()) or "no arguments"
+
+
+def shape_facts(prepare: Callable[[Tensor], Tensor], x: Tensor, num_classes: int | None) -> dict[str, Any]:
+    """The facts a factory may be given: classes of the target and one prepared example's shape."""
+    return {"num_classes": num_classes, "input_shape": list(prepare(x[:1]).shape[1:])}
+
+
+def accepts_key(model: nn.Module) -> bool:
+    """True when the model's forward names a `key` argument (fedcli's keyed dropout)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "key" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def encode_args(kwargs: Mapping[str, Any]) -> str:
+    """The recorded form of a factory's keyword arguments (data.model_args)."""
+    return json.dumps(dict(kwargs), sort_keys=True)
+
+
+def decode_args(text: str | None) -> dict[str, Any]:
+    """data.model_args back to keyword arguments ({} for None)."""
+    return dict(json.loads(text)) if text else {}
+
+
+def with_model(task: Any, ref: str, kwargs: Mapping[str, Any]) -> Any:
+    """The task with the user's model added to its models under the reference (built with `kwargs`)."""
+    from dataclasses import replace
+
+    frozen = dict(kwargs)
+    return replace(task, models=MappingProxyType({**task.models, ref: lambda: make_model(ref, frozen)}))
+
+
+def check_source(ref: str, recorded: str | None, *, on_change: str) -> str:
+    """The source's sha256 now, checked against the one recorded with the run.
+
+    on_change: "refuse" (--resume: a ConfigError unless FEDCLI_ALLOW_MODEL_CHANGE=1) or "warn"
+    (fedcli evaluate, the MLflow model).
+    """
+    import os
+
+    now = source_sha256(ref)
+    if recorded and recorded != now:
+        what = (f"the source of model {ref} changed since the run (sha256 {recorded[:12]} recorded, {now[:12]} now)")
+        if on_change == "refuse" and os.environ.get("FEDCLI_ALLOW_MODEL_CHANGE") != "1":
+            raise ConfigError(f"{what}; restore the file to resume bit-exact, or set FEDCLI_ALLOW_MODEL_CHANGE=1 to "
+                              "continue with the changed code.")
+        log.warning("%s; the results may differ from the run's", what)
+    return now
+
+
+def vmap_obstacle(model: nn.Module) -> str | None:
+    """Why the model cannot run under torch.func.vmap (as `check_model` found), or None."""
+    return _VMAP_OBSTACLES.get(model)
+
+
+def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | None, x: Tensor, y: Tensor,
+                loss: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
+    """One forward pass on a real batch (`x` prepared, `y` its targets): output shape and a finite loss.
+
+    Then probes one vmapped gradient over two copies of the parameters (as the vmap back end runs
+    it) and records why that fails, if it does (`vmap_obstacle`): BatchNorm updating its running
+    statistics, `.item()` or data-dependent control flow in forward, random ops from torch's
+    global generator.
+
+    Raises:
+        ConfigError: one line naming what failed and the fix.
+    """
+    key = {"key": torch.zeros((), dtype=torch.int64, device=x.device)} if accepts_key(model) else {}
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    try:
+        with torch.no_grad():
+            out = torch.func.functional_call(model, {**params, **buffers}, (x,), key)
+    except Exception as err:  # noqa: BLE001 - the user's forward
+        raise ConfigError(f"data.model {ref!r}: the forward pass on a batch of shape {list(x.shape)} failed "
+                          f"({_first_line(err)}); make forward accept [B, *input_shape] = {list(x.shape)}.") from None
+    if not isinstance(out, Tensor):
+        raise ConfigError(f"data.model {ref!r}: forward returned a {type(out).__name__}; return one tensor of outputs.")
+    batch = len(x)
+    shapes: dict[str, list[int | None]] = {"classification": [batch, num_classes], "regression": [batch]}
+    want = shapes.get(kind)
+    if want is not None and None not in want and list(out.shape) != want:
+        fix = ("end with nn.Linear(..., num_classes)" if kind == "classification" else "return shape [B]: add "
+               ".squeeze(-1) to a one-output head")
+        raise ConfigError(f"data.model {ref!r}: output shape {list(out.shape)} on a batch of {batch}, expected {want} "
+                          f"for this {kind} task; {fix}.")
+    try:
+        losses = loss(out.float(), x, y)
+    except Exception as err:  # noqa: BLE001 - a shape the loss cannot take
+        raise ConfigError(f"data.model {ref!r}: output shape {list(out.shape)} does not fit the {kind} task's loss "
+                          f"({_first_line(err)}); return what the built-in models of the task return.") from None
+    if list(losses.shape) != [batch]:
+        raise ConfigError(f"data.model {ref!r}: output shape {list(out.shape)} gives a loss of shape "
+                          f"{list(losses.shape)}, expected [{batch}]; return one output row per example.")
+    obstacle = _probe_vmap(model, params, buffers, x[:2], y[:2], key, loss)
+    if obstacle is not None:
+        _VMAP_OBSTACLES[model] = obstacle
+
+
+def _probe_vmap(model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor, y: Tensor,
+                key: dict[str, Tensor], loss: Callable[[Tensor, Tensor, Tensor], Tensor]) -> str | None:
+    """Why vmap(grad(loss)) over two copies of the parameters fails on this model, or None."""
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return "BatchNorm layers update their running statistics in forward, which vmap cannot keep per client"
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return ("nn.Dropout draws from torch's global generator, which vmap refuses and which would make clients "
+                "depend on the executor")
+
+    def client_loss(p: dict[str, Tensor]) -> Tensor:
+        out = torch.func.functional_call(model, {**p, **buffers}, (x,), key)
+        return loss(out.float(), x, y).mean()
+
+    stacked = {k: torch.stack([v, v]) for k, v in params.items()}
+    try:
+        torch.func.vmap(torch.func.grad(client_loss))(stacked)
+    except Exception as err:  # noqa: BLE001 - what vmap cannot run: .item(), data-dependent branches, in-place buffers
+        return f"its forward does not run under torch.func.vmap ({_first_line(err)[:160]})"
+    return None

@@ -1,0 +1,265 @@
+"""fedcli from Python: `fedcli.train(...) -> Run`, `fedcli.load_run(...)`, `fedcli.report(...)` (docs/python-api.md).
+
+    import fedcli
+    run = fedcli.train(algo="fedpa", task="femnist", rounds=20, hp={"rho": 0.1}, root="runs")
+    run.metrics()            # pandas: one row per round, one column per metric key
+    net = run.model()        # the trained global model as an nn.Module (eval mode)
+    print(fedcli.report(runs=[run, other], root="runs"))
+
+The same path as `fedcli train` (fedcli/api_run.py: validation before anything is written, the SQL
+store, the MLflow mirror, checkpoints, stop signals, `resume=`), with the CLI's option names as
+keyword settings. Bad input raises `ConfigError` (or another `FedcliError`) whose message is the
+line the CLI prints after `error: `; nothing is written then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedcli.api_run import StoppedBeforeStart, preserved_state, run_config
+from fedcli.errors import ConfigError, FedcliError
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from torch import nn
+
+    from fedcli.engine.train import RunResult
+    from fedcli.tracking.store import RunRecord
+
+__all__ = ["ConfigError", "FedcliError", "Run", "StoppedBeforeStart", "load_run", "preserved_state", "report",
+           "run_config", "train"]
+
+SECTIONS = ("train", "tracking", "partition")  # settings that may be given as a mapping of the section's keys
+
+
+@dataclasses.dataclass
+class Run:
+    """One run in a results store, as `fedcli.train` returned it or `fedcli.load_run` found it.
+
+    Attributes:
+        id: the run's full id (`fedcli list runs` shows a prefix; every command takes either).
+        status: `finished`, `interrupted`, `failed` or `running` (when read).
+        config: the resolved config the run trained with (every `auto` filled in), as a dict.
+        store: the SQL store's URL (with its password, if any: never print it; `repr` masks it).
+        result: the engine's summary (timings, executor) when this process trained it, else None.
+    """
+
+    id: str
+    status: str
+    config: dict[str, Any]
+    store: str = dataclasses.field(repr=False)
+    result: RunResult | None = dataclasses.field(default=None, repr=False)
+
+    def record(self) -> RunRecord:
+        """The run's row in the store, read now."""
+        from fedcli.cli.common import open_store
+
+        db = open_store(self.store, must_exist=True)
+        try:
+            return db.get_run(self.id)
+        finally:
+            db.close()
+
+    def metrics(self) -> pd.DataFrame:
+        """The logged round metrics: index `round` (0 = the initial model), one column per metric key
+        (`eval/accuracy`, `train/loss`, `time/round_s`, ...); NaN where a round did not log a key
+        (e.g. between evaluations with `eval_every` > 1)."""
+        from fedcli.cli.common import open_store
+
+        db = open_store(self.store, must_exist=True)
+        try:
+            long = db.metrics_frame([self.id])
+        finally:
+            db.close()
+        wide = long.pivot_table(index="round_idx", columns="key", values="value", aggfunc="last")
+        wide.index.name, wide.columns.name = "round", None
+        return wide.sort_index()
+
+    def model(self) -> nn.Module:
+        """The final global model as a plain `nn.Module` in eval mode: `module(x)` on rows of the data
+        set's stored inputs (e.g. uint8 images) gives the logits `fedcli evaluate` scores.
+
+        Read with `torch.load(weights_only=True)` (no code runs; tracking/served.py).
+
+        Raises:
+            ConfigError: the run has no final model (it did not finish), or the file is unreadable.
+        """
+        from fedcli.tracking.served import read_model_file, served_model
+
+        record = self.record()
+        if not record.model_path or not Path(record.model_path).exists():
+            raise ConfigError(f"run {self.id[:8]} has no stored final model (status {record.status}); resume it to "
+                              f"its end first: fedcli.train(resume={self.id[:8]!r}, ...).")
+        try:
+            saved = read_model_file(Path(record.model_path))
+            data = (saved.get("config") or {}).get("data") or {}  # what the MLflow model records (write_served)
+            buffers = saved.get("buffers")
+            return served_model(saved["params"], saved["task"], saved["model"], data.get("file"), data.get("model_args"),
+                                data.get("model_sha256"), buffers if isinstance(buffers, Mapping) else None,
+                                data.get("augment"))
+        except (ValueError, KeyError, RuntimeError) as err:  # RuntimeError: load_state_dict's shape mismatch
+            raise ConfigError(f"the final model of run {self.id[:8]} cannot be rebuilt: {err}") from None
+
+    def report(self, *others: Run | str, output: str | Path | None = None, **options: Any) -> str:
+        """`fedcli.report(runs=[self, *others], ...)`: this run (and others) as the markdown report."""
+        if "store" not in options and "root" not in options:
+            options["store"] = self.store
+        return report(runs=[self, *others], output=output, **options)
+
+
+def train(algo: str | None = None, model: Any = None, data: Any = None, task: str | None = None, *,
+          config: str | Path | Mapping[str, Any] | None = None, hp: Mapping[str, Any] | None = None,
+          data_options: Mapping[str, Any] | None = None, resume: str | Run | None = None,
+          mlflow_optional: bool = False, progress: bool | Callable[[int, dict[str, float]], None] = False,
+          **settings: Any) -> Run:
+    """Train one algorithm on one task in this process, like `fedcli train`, and return the run.
+
+    Args:
+        algo: algorithm name (`fedcli list algos`). Default: fedavg.
+        model: the task's model name (`fedcli list tasks`), your model factory as `"pkg.mod:factory"`
+            or `"path/to/file.py:Net"`, or the class/function itself (importable: not defined in a
+            notebook cell). Default: the task's default model. Bring your own model and data:
+            fedcli.datasets.user_model.model_reference.
+        data: your own data: a file (.npz/.csv/.parquet; `fedcli train --help`), a `"pkg.mod:fn"`
+            function, a torch `Dataset`, a Hugging Face dataset or a flwr-datasets partitioner
+            (fedcli.datasets.user_data.data_ref; `data_options` are its keyword arguments:
+            `client`, `partition`, `x`, `y`, `test`, `name`). Default: the task's data.
+        task: task name. Default: femnist (the bundled writers).
+        config: a YAML file, a config shipped with fedcli (`"demo"`), or the config as a mapping of
+            sections (`{"train": {"rounds": 5}}`); settings override it.
+        hp: algorithm hyperparameters, e.g. `{"rho": 0.1}` (the `--hp` options).
+        resume: a run (id, prefix, name or `Run`) to continue from its newest checkpoint; only
+            `rounds`, checkpointing, `device` and tracking settings may change.
+        mlflow_optional: MLflow unreachable -> warn and train with the SQL store only.
+        progress: True shows the CLI's progress (a bar on a terminal, a line every 10 s otherwise);
+            a callable gets `(round, metrics)` after every round. Default: nothing shown.
+        **settings: `fedcli train`'s options by Python name (`rounds=20`, `client_lr=0.05`,
+            `root="runs"`, `no_mlflow=True`, ...; docs/python-api.md, "Settings"), and the sections
+            `train=`, `tracking=`, `partition=` as mappings of any of their config keys
+            (`train={"server_beta1": 0.95}`). Units and defaults: `fedcli train --help`.
+
+    Returns:
+        The finished run.
+
+    Raises:
+        ConfigError: a bad setting, name or file (the CLI's one line); nothing was written.
+        StoppedBeforeStart: SIGINT/SIGTERM/SIGHUP during the set-up; nothing was written.
+        RunInterrupted: a stop signal during training; the run is `interrupted` and checkpointed
+            (continue it with `resume=`).
+        FedcliError: other user-facing failures (data, store, MLflow).
+    """
+    with preserved_state():  # around everything: the first imports of fedcli's modules may draw from `random`
+        from fedcli.api_run import resolve_config
+        from fedcli.datasets.user_data import data_ref
+        from fedcli.datasets.user_model import model_reference
+
+        options, sections = _split_settings(settings)
+        if isinstance(data, (str, Path)) and Path(data).expanduser().is_file():
+            data = Path(data).expanduser().resolve()  # as the CLI's --data: a resume from another folder finds it
+        options.update(algo=algo, task=task, model=None if model is None else model_reference(model),
+                       data=None if data is None and not data_options else data_ref(data, **dict(data_options or {})))
+        cfg, resume_id = resolve_config(options, config=config, hp=hp, sections=sections,
+                                        resume=resume.id if isinstance(resume, Run) else resume, warn=_warn)
+        if progress is True:
+            from fedcli.cli.common import train_progress
+
+            with train_progress(cfg) as shown:
+                result = run_config(cfg, resume_run_id=resume_id, mlflow_optional=mlflow_optional, progress=shown)
+        else:
+            result = run_config(cfg, resume_run_id=resume_id, mlflow_optional=mlflow_optional,
+                                progress=progress or None)
+    run = load_run(result.run_id, store=cfg.tracking.store_url)
+    run.result = result
+    return run
+
+
+def load_run(ref: str, *, store: str | None = None, root: str | Path | None = None) -> Run:
+    """Find a run by id, unique id prefix, run name or MLflow run id.
+
+    Args:
+        ref: what `fedcli list runs` shows.
+        store: the SQL store's URL. Default: FEDCLI_STORE, else `<root>/fedcli.db`.
+        root: the folder of the default store. Default: ./fedcli-runs.
+
+    Raises:
+        ConfigError: no store there, or no such run (the CLI's message).
+    """
+    from fedcli.cli.common import open_store, tracking_config
+
+    url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
+    db = open_store(url, must_exist=True)
+    try:
+        record = db.get_run(ref)
+    finally:
+        db.close()
+    return Run(id=record.id, status=record.status, config=dict(record.config), store=url)
+
+
+def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequence[str] | None = None,
+           where: Mapping[str, Any] | None = None, group_by: str | Sequence[str] | None = None,
+           metric: str | None = None, thresholds: Sequence[float] = (), at: Sequence[int] = (),
+           window: int | None = None, smooth: int | None = None, columns: Sequence[str] = (),
+           include_unfinished: bool = False, format: str = "md", output: str | Path | None = None,
+           partition_heatmap: bool = False, store: str | None = None, root: str | Path | None = None) -> str:
+    """`fedcli report` from Python: the report's text (markdown, CSV or JSON); with `output`, also
+    written there (the markdown's PNG figures beside it), all or nothing.
+
+    The arguments are `fedcli report`'s options (`fedcli report --help` for their defaults): runs
+    as `Run`s or references, `where` as `{"algo": "fedpa"}`, `group_by` as `"algo,hp.rho"` or a list.
+    The store is the runs' own (`Run.store`) unless `store`/`root` say otherwise.
+
+    Raises:
+        ConfigError: bad options, no store, no matching run (the CLI's message); nothing is written.
+    """
+    from fedcli.cli.common import open_store, tracking_config
+    from fedcli.cli.errors import check_output
+    from fedcli.cli.report import Format, parse_metric, parse_where, write_report
+    from fedcli.config import require_store
+    from fedcli.tracking import report as rep
+
+    if format not in {f.value for f in Format}:
+        raise ConfigError(f"format must be one of md, csv, json; got {format!r}.")
+    refs = [r.id if isinstance(r, Run) else str(r) for r in runs or ()]
+    if store is None and root is None:
+        store = next((r.store for r in runs or () if isinstance(r, Run)), None)
+    spec = rep.ReportSpec(
+        experiments=(experiment,) if isinstance(experiment, str) else tuple(experiment or ()), runs=tuple(refs),
+        where=parse_where([f"{k}={v}" for k, v in (where or {}).items()]),
+        group_by=None if group_by is None else tuple(
+            p.strip() for p in (group_by.split(",") if isinstance(group_by, str) else group_by) if p.strip()),
+        metric=parse_metric(metric), thresholds=tuple(float(t) for t in thresholds), at=tuple(int(r) for r in at),
+        window=window, smooth=smooth, include_unfinished=include_unfinished, columns=tuple(columns),
+        command=f"fedcli.report(runs={refs!r})" if refs else "fedcli.report(...)")
+    path = None if output is None else Path(output)
+    check_output(path, "output")  # before any work: a rejected report writes nothing
+    url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
+    require_store(url)
+    db = open_store(url)
+    try:
+        built = rep.build_report(db, spec)
+    finally:
+        db.close()
+    if path is None and format == "md":  # the CLI's note about figures names --output: not said here
+        return rep.render_markdown(built, [])
+    return write_report(built, path, Format(format), partition_heatmap)
+
+
+def _split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Keyword settings -> (options by name, dotted overrides from the section mappings)."""
+    options: dict[str, Any] = {}
+    sections: dict[str, Any] = {}
+    for name, value in settings.items():
+        if name in SECTIONS and isinstance(value, Mapping):
+            sections.update({f"{name}.{key}": v for key, v in value.items()})
+        else:
+            options[name] = value
+    return options, sections
+
+
+def _warn(line: str) -> None:
+    import logging
+
+    logging.getLogger("fedcli").warning("%s", line)

@@ -1,0 +1,302 @@
+"""One training run in this process, as `fedcli train` and `fedcli.train` start it (docs/python-api.md).
+
+    cfg, resume_id = resolve_config(options, config=..., hp=..., resume=...)   options -> RunConfig
+    result = run_config(cfg, resume_run_id=resume_id)                          validate, store, train
+
+`run_config` is the one path from a `RunConfig` to a finished (or stopped) run: check MLflow, spawn
+the run's MLflow mirror, build the data, model and back end (everything is validated before the
+store is opened), open the store, train (engine/train.py), and close what it opened. It runs under
+`preserved_state()`, which puts back what a run changes in the process (signal handlers, torch's
+thread count and float flags, the global RNG states), so that a notebook or a long-lived sweep
+worker can train many runs in one process. `fedcli train` (fedcli/cli/train.py) is a thin layer
+over `resolve_config` and `prepared_run`: it adds the progress bar, the printed lines and the exit codes.
+
+The API sits beside the CLI as a front end (docs/architecture.md §1): it shares cli/common.py's
+store and mirror helpers and imports the engine; nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import signal
+from collections.abc import Callable, Iterator, Mapping
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedcli.config import RunConfig
+    from fedcli.engine.distributed import Peers
+    from fedcli.engine.lifecycle import GracefulSignals
+    from fedcli.engine.rounds import ProgressFn
+    from fedcli.engine.setup import Setup
+    from fedcli.engine.train import RunResult
+    from fedcli.tracking.mirror import MirrorHandle
+    from fedcli.tracking.sinks import Tracker
+
+__all__ = ["OPTION_KEYS", "PreparedRun", "StoppedBeforeStart", "overrides_of", "prepared_run", "preserved_state",
+           "resolve_config", "run_config"]
+
+# The options of `fedcli train` (as Python names) -> the config keys they set (docs/python-api.md, "Settings").
+OPTION_KEYS: dict[str, str] = {
+    "algo": "algorithm.name", "task": "data.task", "model": "data.model", "data_dir": "data.data_dir",
+    "data": "data.file", "download": "data.download", "max_clients": "data.max_clients",
+    "partition": "partition.file", "scheme": "partition.scheme", "alpha": "partition.alpha",
+    "clients": "partition.num_clients", "shards_per_client": "partition.shards_per_client",
+    "labels_per_client": "partition.labels_per_client", "min_size": "partition.min_size",
+    "balanced": "partition.balanced", "sigma": "partition.sigma", "size_alpha": "partition.size_alpha",
+    "rounds": "train.rounds", "clients_per_round": "train.clients_per_round", "local_epochs": "train.local_epochs",
+    "batch_size": "train.batch_size", "client_lr": "train.client_lr", "client_momentum": "train.client_momentum",
+    "server_opt": "train.server_opt", "server_lr": "train.server_lr", "server_momentum": "train.server_momentum",
+    "device": "train.device", "executor": "train.executor", "cohort_chunk": "train.cohort_chunk",
+    "workers": "train.workers", "threads": "train.threads", "compile": "train.compile", "graph": "train.graph",
+    "precision": "train.precision", "eval_every": "train.eval_every", "checkpoint_every": "train.checkpoint_every",
+    "keep_checkpoints": "train.keep_checkpoints", "seed": "seed", "experiment": "tracking.experiment",
+    "run_name": "tracking.run_name", "root": "tracking.root", "store": "tracking.store",
+    "tracking_uri": "tracking.tracking_uri", "no_mlflow": "tracking.use_mlflow",
+    "augment": "data.augment",  # the API's: per-example augmentation, e.g. ["crop:4", "flip"] (docs/python-api.md)
+}
+FLAGS = frozenset({"download", "balanced", "compile", "graph", "no_mlflow"})  # switch on only: False = not given
+
+
+class StoppedBeforeStart(KeyboardInterrupt):
+    """A stop signal (SIGINT/SIGTERM/SIGHUP) arrived during the set-up, before the run was written:
+    nothing was written. `signum` is the signal; `fedcli train` exits with 128 + it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name} before the run started; nothing was written."
+
+
+def overrides_of(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`fedcli train`'s options (Python names, None = not given) -> dotted config overrides.
+
+    Enums give their value and paths their text; a flag set to False counts as not given
+    (as on the command line), and `no_mlflow=True` sets `tracking.use_mlflow` to False.
+
+    Raises:
+        ConfigError: a name that is no option, with the closest option named.
+    """
+    from fedcli.config_checks import suggest
+    from fedcli.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if name not in OPTION_KEYS:
+            raise ConfigError(f"unknown setting {name!r}{suggest(name, list(OPTION_KEYS))}; the settings are "
+                              "`fedcli train`'s options (docs/python-api.md, \"Settings\").")
+        if name in FLAGS:
+            value = (False if name == "no_mlflow" else True) if value else None
+        elif isinstance(value, Enum):
+            value = value.value
+        elif isinstance(value, Path):
+            value = str(value)
+        out[OPTION_KEYS[name]] = value
+    return out
+
+
+def config_file(config: str | Path | None) -> Path | None:
+    """A `--config` value as a file: an existing YAML file, else a config shipped with fedcli (`demo`).
+
+    Raises:
+        ConfigError: neither a file nor a packaged config's name.
+    """
+    from fedcli.configs import config_names, packaged_config
+    from fedcli.errors import ConfigError
+
+    if config is None:
+        return None
+    path = Path(config).expanduser()
+    if path.is_file():
+        return path.resolve()
+    if str(config) in config_names():
+        return packaged_config(str(config))
+    raise ConfigError(f"--config {str(config)!r} is neither a YAML file nor a config shipped with fedcli "
+                      f"({', '.join(config_names())}); check the path.")
+
+
+def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[str, Any] | None = None,
+                   hp: Mapping[str, Any] | None = None, resume: str | None = None,
+                   sections: Mapping[str, Any] | None = None,
+                   warn: Callable[[str], None] | None = None) -> tuple[RunConfig, str | None]:
+    """Build a run's config as `fedcli train` does: (RunConfig, the full id of the run to resume or None).
+
+    Args:
+        options: `fedcli train`'s options by Python name (`overrides_of`); None = not given.
+        config: a YAML file, a packaged config's name (`demo`) or the config as a mapping; the options win.
+        hp: algorithm hyperparameters (win over the config's `algorithm.hp`).
+        resume: a run id, id prefix or run name: its stored config, with the options allowed to change.
+        sections: more dotted overrides (`{"train.server_beta1": 0.95}`), applied like options.
+        warn: called with each warning line (a config that makes the algorithm another one).
+
+    Raises:
+        ConfigError: anything invalid; nothing is written.
+    """
+    from fedcli.cli.common import find_run
+    from fedcli.config import build_config, resume_config, warn_degenerate
+    from fedcli.errors import ConfigError
+
+    overrides = {**overrides_of(options), **dict(sections or {})}
+    if resume:
+        if config is not None or hp:
+            raise ConfigError("--resume continues a run with its stored config; drop --config and --hp.")
+        record = find_run(resume, overrides)
+        return resume_config(record.requested or record.config, overrides), record.id
+    doc = dict(config) if isinstance(config, Mapping) else None
+    cfg = build_config(file=None if doc is not None else config_file(config),  # type: ignore[arg-type]
+                       overrides=overrides, hp=hp, doc=doc)
+    for line in warn_degenerate([cfg]):  # issue 24: a config that makes the algorithm another one
+        if warn is not None:
+            warn(line)
+    return cfg, None
+
+
+# --------------------------------------------------------------------------- process-wide state
+
+
+@contextlib.contextmanager
+def preserved_state() -> Iterator[None]:
+    """Put back, on the way out (also after an exception), what a run changes in the process.
+
+    Restored: the SIGINT/SIGTERM/SIGHUP handlers (main thread only), torch's intra-op thread
+    count (`train.threads`), the TF32 flags (`train.precision`), the float32 matmul precision,
+    the deterministic-algorithms switch and cuDNN's deterministic/benchmark flags, and the global
+    RNG states of torch (CPU), numpy and `random` (the engine draws from its own streams;
+    this keeps a caller's draws independent of how many runs it trained).
+    """
+    import threading
+
+    import numpy as np
+    import torch
+
+    main = threading.current_thread() is threading.main_thread()
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    handlers = {s: signal.getsignal(s) for s in stops} if main else {}
+    threads = torch.get_num_threads()
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    matmul = torch.get_float32_matmul_precision()
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = flags
+        if torch.get_float32_matmul_precision() != matmul:
+            torch.set_float32_matmul_precision(matmul)
+        # only when changed: in torch 2.14 the call imports torch._inductor, _dynamo and sympy (about 1 s)
+        if (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled()) != deterministic:
+            torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.set_rng_state(rng[0])
+        np.random.set_state(rng[1])
+        random.setstate(rng[2])
+
+
+# --------------------------------------------------------------------------- one run
+
+
+@dataclasses.dataclass
+class PreparedRun:
+    """A run validated and built, its store open: `run(progress)` trains it (engine/train.py)."""
+
+    cfg: RunConfig
+    setup: Setup
+    tracker: Tracker
+    signals: GracefulSignals
+    resume_run_id: str | None = None
+    engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str | None:
+        """The run's id once it exists in the store (None before `run` started it)."""
+        return getattr(self.tracker, "_run_id", None)
+
+    def run(self, progress: ProgressFn | None = None) -> RunResult:
+        from fedcli.engine.train import train
+
+        return train(self.cfg, tracker=self.tracker, progress=progress, resume_run_id=self.resume_run_id,
+                     setup=self.setup, signals=self.signals, **self.engine_kwargs)
+
+
+@contextlib.contextmanager
+def prepared_run(cfg: RunConfig, *, resume_run_id: str | None = None, tracker: Tracker | None = None,
+                 parent_run: str | None = None, mlflow_optional: bool = False,
+                 signals: GracefulSignals | None = None, peers: Peers | None = None,
+                 on_run: Callable[[str], None] | None = None, **engine_kwargs: Any) -> Iterator[PreparedRun]:
+    """Validate and build `cfg`'s run, open its store; on the way out close what was opened here.
+
+    The order is the CLI's (docs/architecture.md §8, "Validation before anything is written"): MLflow
+    is checked (`mlflow_optional`: dropped with a warning when unreachable), the run's mirror spawned
+    (it imports MLflow while the data loads), the data, model and back end built; only then is the
+    store opened. A stop signal during that set-up raises `StoppedBeforeStart`; afterwards signals
+    are recorded and stop the run at its next safe point (`RunInterrupted`). `tracker`: the caller's
+    (e.g. a sweep worker's, with one mirror per sweep); it is used as it is and not closed. Runs
+    under `preserved_state()`.
+
+    Raises:
+        ConfigError, DataError, TrackingError: invalid input; nothing was written.
+        StoppedBeforeStart: a stop signal during the set-up; nothing was written.
+    """
+    from fedcli.cli.common import check_mlflow, open_tracker, spawn_mirror
+    from fedcli.engine.lifecycle import GracefulSignals
+    from fedcli.engine.setup import build
+
+    with preserved_state(), contextlib.ExitStack() as cleanup:
+        if signals is None:
+            signals = GracefulSignals(immediate=True)  # the set-up writes nothing: a signal there stops it at once
+            signals.install()
+            cleanup.callback(signals.restore)
+        mirror: MirrorHandle | None = None
+        try:
+            if tracker is None:
+                cfg = dataclasses.replace(cfg, tracking=check_mlflow(cfg.tracking, mlflow_optional))
+                mirror = spawn_mirror(cfg.tracking, parent_run)
+                if mirror is not None:
+                    cleanup.callback(mirror.abort)  # a mirror that was never finished ends with the call
+                    held = signals
+                    mirror.stopping = lambda: held.pending is not None  # a stop cuts the waits for MLflow short
+            setup = build(cfg, peers=peers)
+            signals.defer()  # the store is written from here on: a signal stops the run at its next safe point
+        except BaseException:
+            if signals.pending is not None:  # whatever the signal surfaced as (RunInterrupted, a library's error)
+                raise StoppedBeforeStart(signals.pending) from None
+            raise
+        if tracker is None:
+            tracker = open_tracker(cfg.tracking, mirror)
+            cleanup.callback(tracker.store.close)
+        if on_run is not None:
+            tracker.on_run = on_run
+        yield PreparedRun(cfg, setup, tracker, signals, resume_run_id, engine_kwargs)
+
+
+def run_config(cfg: RunConfig, *, resume_run_id: str | None = None, tracker: Tracker | None = None,
+               parent_run: str | None = None, mlflow_optional: bool = False,
+               progress: ProgressFn | None = None, signals: GracefulSignals | None = None,
+               peers: Peers | None = None, on_run: Callable[[str], None] | None = None,
+               **engine_kwargs: Any) -> RunResult:
+    """Train `cfg`'s run (or resume `resume_run_id`) to its end in this process; return its result.
+
+    `prepared_run` then `PreparedRun.run`: the contract of docs/python-api.md, "Many runs in one
+    process". `engine_kwargs` go to `fedcli.engine.train.train`.
+
+    Raises:
+        ConfigError, DataError, TrackingError: invalid input; nothing was written.
+        StoppedBeforeStart: a stop signal during the set-up; nothing was written.
+        RunInterrupted: a stop signal after the run started; it is `interrupted` and checkpointed.
+        DivergenceError: a metric became non-finite; the run is `failed`.
+    """
+    with prepared_run(cfg, resume_run_id=resume_run_id, tracker=tracker, parent_run=parent_run,
+                      mlflow_optional=mlflow_optional, signals=signals, peers=peers, on_run=on_run,
+                      **engine_kwargs) as prepared:
+        return prepared.run(progress)

@@ -1,0 +1,171 @@
+"""One MLflow mirror per sweep: `python -m fedcli.tracking.mirror_sweep` copies each trial's run once it ended.
+
+Issue 27: a sweep of N trials started N mirror processes (each importing MLflow and opening its
+store: seconds each), and each trial's round 1 and exit waited for its own. Sweep workers
+(fedcli/sweep_worker.py) train with the SQL store only; the sweep starts this one process, at
+idle priority (it runs only on a core nothing else wants), and hands it each trial's run id
+as the trial ends (`SweepMirror.add`). It copies the run as `fedcli sync` does
+(`Mirror.run_once`: rounds, files, model, status, nested under the sweep's parent run) and
+takes the next. No trial ever waits for it; the sweep's end waits for the copies still to do
+(`SweepMirror.finish`, at most FINISH_WAIT_S; after a stop signal STOP_WAIT_S, then it goes on
+alone in its own session); once the sweep's stdin ends it leaves idle priority to catch up.
+What it could not copy, `fedcli sync` copies later (the store has it all). The cost: MLflow shows a trial once it ended, not round by round while it trains.
+
+Its stdin: the first line JSON {"store": URL, "tracking_uri": URI} (secrets stay off the
+command line, docs/architecture.md "Security"), then one run id per line; end of file: copy
+what is left and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from fedcli.tracking.mirror_handle import FINISH_WAIT_S, STOP_POLL_S, STOP_WAIT_S
+
+log = logging.getLogger(__name__)
+
+
+class SweepMirror:
+    """The sweep's handle on its one mirror process: `spawn`, `add(run_id)` per ended trial, `finish`."""
+
+    def __init__(self, *, tracking_uri: str, experiment: str, store_url: str, runs_root: Path,
+                 parent_run_id: str | None = None) -> None:
+        self.tracking_uri, self.experiment, self.store_url = tracking_uri, experiment, store_url
+        self.runs_root, self.parent_run_id = runs_root, parent_run_id
+        self.added: list[str] = []
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def spawn(self) -> SweepMirror:
+        command = [sys.executable, "-m", "fedcli.tracking.mirror_sweep", "--experiment", self.experiment,
+                   "--runs-root", str(self.runs_root)]
+        if self.parent_run_id:
+            command += ["--parent-run", self.parent_run_id]
+        # its own session: a Ctrl-C in the terminal stops the sweep; the mirror finishes its copies
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, start_new_session=True)
+        self._write(json.dumps({"store": self.store_url, "tracking_uri": self.tracking_uri}))
+        return self
+
+    def _write(self, line: str) -> bool:
+        proc = self._proc
+        if proc is None or proc.stdin is None:
+            return False
+        try:
+            proc.stdin.write(f"{line}\n".encode())
+            proc.stdin.flush()
+            return True
+        except OSError:
+            return False
+
+    def add(self, run_id: str) -> None:
+        """Hand an ended trial's run to the mirror (it copies it in the background)."""
+        if run_id not in self.added:
+            self.added.append(run_id)
+            self._write(run_id)
+
+    def finish(self, stopping: bool = False, timeout_s: float = FINISH_WAIT_S) -> str | None:
+        """Close its stdin (the sweep's end) and wait for the copies still to do; return a warning, if any."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        deadline = time.monotonic() + (STOP_WAIT_S if stopping else timeout_s)
+        while True:
+            try:
+                _, err = proc.communicate(timeout=STOP_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() < deadline:
+                    continue
+                return (f"the sweep's MLflow mirror (pid {proc.pid}) still copies trials in the background; the SQL "
+                        "store is complete, and `fedcli sync` copies into MLflow what it misses")
+        if proc.returncode != 0:
+            from fedcli.tracking.mirror_handle import _death
+
+            return (f"the sweep's MLflow mirror (pid {proc.pid}) {_death(proc, err)}; the SQL store is complete, "
+                    "`fedcli sync` copies the trials into MLflow later")
+        return None
+
+
+def copy_run(args: argparse.Namespace, run_id: str) -> None:
+    """Copy one ended run into MLflow (`Mirror.run_once`, nested under the sweep's parent run)."""
+    from fedcli.tracking.mirror import Mirror
+
+    Mirror(argparse.Namespace(store=args.store, run=run_id, tracking_uri=args.tracking_uri,
+                              experiment=args.experiment, parent_run=args.parent_run, once=True,
+                              run_dir=str(Path(args.runs_root) / run_id))).run_once()
+
+
+def _read_lines(lines: queue.Queue[str | None]) -> None:
+    """Queue the run ids the sweep sends, then None at the end of its stdin."""
+    for line in sys.stdin:
+        if line.strip():
+            lines.put(line.strip())
+    _normal_priority()  # now, not after the copies queued before the end: those are what the sweep waits for
+    lines.put(None)
+
+
+def _normal_priority() -> None:
+    """Back from SCHED_IDLE (no trial trains any more: the sweep's end waits for these copies).
+
+    Linux schedules threads: the main thread (its id is the process id) is the one that copies.
+    """
+    for thread in {os.getpid(), threading.get_native_id()}:
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))  # type: ignore[attr-defined]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The sweep's mirror process (module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mirror_sweep",
+                                     description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--experiment", required=True)
+    parser.add_argument("--runs-root", required=True)
+    parser.add_argument("--parent-run")
+    args = parser.parse_args(argv)
+    from fedcli.tracking.mirror import _idle_priority, first_cause_line, quiet_mlflow
+
+    _idle_priority()  # even MLflow's import runs only on a core no trial wants
+    logging.basicConfig(level=logging.WARNING, format="fedcli sweep mirror: %(message)s")
+    try:
+        secrets = json.loads(sys.stdin.readline() or "{}")
+        args.store, args.tracking_uri = str(secrets["store"]), str(secrets["tracking_uri"])
+    except (ValueError, KeyError, TypeError):
+        print("MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
+              "tracking_uri)", file=sys.stderr)
+        return 2
+    import fedcli.tracking.mlflow_sink  # noqa: F401 - the slow import, while the first trials train
+
+    quiet_mlflow()
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(lines,), daemon=True).start()
+    failed = 0
+    while True:
+        run_id = lines.get()
+        if run_id is None:  # the sweep ended (or died); the reader left idle priority then (it waits for these)
+            break
+        try:
+            copy_run(args, run_id)
+        except Exception as err:  # noqa: BLE001 - one run's failure leaves the others to copy
+            failed += 1
+            print(f"MLflow mirror: run {run_id[:8]}: {type(err).__name__}: {first_cause_line(err)}", file=sys.stderr)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
