@@ -35,6 +35,11 @@ from fedcli.errors import TrackingError
 from fedcli.tracking.keys import check_metrics, flatten_config
 from fedcli.tracking.urls import mask_url
 
+# MLflow draws a tqdm bar on stderr for every artifact download when tqdm is installed (optuna and
+# datasets bring it): `fedcli sync` printed six bar lines per run. MLflow reads the variable at each
+# download; a user's own setting is kept.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
 __all__ = ["MlflowSink", "default_tracking_uri", "flatten_config"]
 
 log = logging.getLogger(__name__)

@@ -189,14 +189,14 @@ def train(
     try:  # restored last, after the run id is printed: a signal once the run ended changes nothing
         debug = bool(ctx.obj and ctx.obj.get("debug"))
         with user_errors(debug), contextlib.ExitStack() as group:
-            from fedcli.api_run import StoppedBeforeStart, prepared_run, resolve_config
-            from fedcli.cli.common import console
-            from fedcli.config import parse_assignments
-            from fedcli.engine import distributed
-            from fedcli.engine.train import serve
-            from fedcli.errors import ConfigError
+            try:  # the imports too: a signal while they load (the first second) is a stop in the set-up
+                from fedcli.api_run import prepared_run, resolve_config
+                from fedcli.cli.common import console
+                from fedcli.config import parse_assignments
+                from fedcli.engine import distributed
+                from fedcli.engine.train import serve
+                from fedcli.errors import ConfigError
 
-            try:
                 peers = group.enter_context(distributed.process_group()) if executor is Executor.distributed else None
                 if peers is not None and not peers.is_leader:  # ranks 1..K-1 train slices of rank 0's run, write nothing
                     signals.restore()  # serve sets what the ranks do with signals
@@ -217,6 +217,9 @@ def train(
             except BaseException as exc:  # a stop signal in the set-up (options, data, executor): nothing written
                 if signals.pending is None or isinstance(exc, typer.Exit):
                     raise
+                from fedcli.api_run import StoppedBeforeStart  # (again, if the signal cut its import short)
+                from fedcli.cli.common import console
+
                 console().print(str(StoppedBeforeStart(signals.pending)))
                 raise typer.Exit(128 + signals.pending) from None
             quiet = bool(ctx.obj and ctx.obj.get("quiet"))
