@@ -363,6 +363,19 @@ def _idle_priority() -> None:
         with contextlib.suppress(OSError):
             os.nice(19)
 
+def read_urls(args: argparse.Namespace) -> bool:
+    """Set args.store and args.tracking_uri from stdin's first line (JSON: never on the command line,
+    where `ps` would show a password); False, after one line on stderr, when it holds neither."""
+    try:
+        secrets = json.loads(sys.stdin.readline() or "{}")
+        args.store, args.tracking_uri = str(secrets["store"]), str(secrets["tracking_uri"])
+    except (ValueError, KeyError, TypeError):
+        print("MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
+              "tracking_uri)", file=sys.stderr)
+        return False
+    return True
+
+
 
 def main(argv: list[str] | None = None) -> int:
     """The mirror process. Its first stdin line is JSON {"store": URL, "tracking_uri": URI} (secrets
@@ -383,12 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.restart:
         _idle_priority()  # the run trains already: even MLflow's import must not compete with its rounds
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
-    try:
-        secrets = json.loads(sys.stdin.readline() or "{}")
-        args.store, args.tracking_uri = str(secrets["store"]), str(secrets["tracking_uri"])
-    except (ValueError, KeyError, TypeError):
-        print("MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
-              "tracking_uri)", file=sys.stderr)
+    if not read_urls(args):
         return 2
     import fedcli.tracking.mlflow_sink  # noqa: F401 - the slow import, while the training process loads data
 
@@ -406,3 +414,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

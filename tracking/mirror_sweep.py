@@ -136,16 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-root", required=True)
     parser.add_argument("--parent-run")
     args = parser.parse_args(argv)
-    from fedcli.tracking.mirror import _idle_priority, first_cause_line, quiet_mlflow
+    from fedcli.tracking.mirror import _idle_priority, first_cause_line, quiet_mlflow, read_urls
 
     _idle_priority()  # even MLflow's import runs only on a core no trial wants
     logging.basicConfig(level=logging.WARNING, format="fedcli sweep mirror: %(message)s")
-    try:
-        secrets = json.loads(sys.stdin.readline() or "{}")
-        args.store, args.tracking_uri = str(secrets["store"]), str(secrets["tracking_uri"])
-    except (ValueError, KeyError, TypeError):
-        print("MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
-              "tracking_uri)", file=sys.stderr)
+    if not read_urls(args):
         return 2
     import fedcli.tracking.mlflow_sink  # noqa: F401 - the slow import, while the first trials train
 
