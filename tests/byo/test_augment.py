@@ -126,7 +126,12 @@ def test_refusals_are_one_line() -> None:
 
 
 def test_augmented_run_killed_and_resumed_equals_the_uninterrupted_run(tmp_path: Path) -> None:
-    """SIGKILL mid-run (a real process), then --resume in a new process: bit-exact final model."""
+    """SIGKILL mid-run (a real process), then --resume in a new process: bit-exact final model.
+
+    Rounds on 120 pictures take milliseconds: 150 of them so the kill at round >= 3 lands mid-run
+    (12 rounds all finished before the poll saw round 3 in CI).
+    """
+    rounds = "150"
     x, y = images(120)
     torch.save({"x": x, "y": y}, tmp_path / "pictures.pt")
     (tmp_path / "pictures.py").write_text(
@@ -134,7 +139,7 @@ def test_augmented_run_killed_and_resumed_equals_the_uninterrupted_run(tmp_path:
         "def load():\n    d = torch.load('pictures.pt', weights_only=True)\n"
         "    return {'data': TensorDataset(d['x'], d['y']), 'client': np.arange(len(d['y'])) % 8}\n")
     (tmp_path / "run.yaml").write_text("data:\n  augment: [crop:2, flip]\n")
-    args = ["-q", "train", "--data", "pictures.py:load", "--model", "mlp", "--config", "run.yaml", "--rounds", "12",
+    args = ["-q", "train", "--data", "pictures.py:load", "--model", "mlp", "--config", "run.yaml", "--rounds", rounds,
             "--clients-per-round", "3", "--batch-size", "8", "--executor", "loop", "--no-mlflow"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -159,7 +164,7 @@ def test_augmented_run_killed_and_resumed_equals_the_uninterrupted_run(tmp_path:
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
     db = SqlStore(f"sqlite:///{root / 'fedcli.db'}")
-    assert (db.last_round(run_id) or 0) < 12, "killed too late to test a resume"
+    assert (db.last_round(run_id) or 0) < int(rounds), "killed too late to test a resume"
     resumed = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), "--resume",
                               run_id[:8]], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
