@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import fedcli.tracking  # noqa: F401 - sets MLflow's defaults (no telemetry) before a run imports MLflow
 from fedcli.api_run import StoppedBeforeStart, preserved_state, run_config
 from fedcli.errors import ConfigError, FedcliError
 

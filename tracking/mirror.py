@@ -7,7 +7,8 @@ migrations raced when several runs started at once. The SQL store is the source 
 truth; MLflow is a copy that this process keeps up to date:
 
 - the training process writes rounds to the SQL store only and starts
-  `python -m fedcli.tracking.mirror` with `nice 19`; nothing in the round loop waits on MLflow;
+  `python -m fedcli.tracking.mirror`, which runs at idle priority (SCHED_IDLE, else nice 19) from
+  its first line; nothing waits on MLflow, neither round 1 nor any round after it;
 - the mirror opens MLflow under an inter-process lock (`schema_lock`: a lock file beside a
   SQLite database, an advisory lock on PostgreSQL), so N runs starting together on a fresh
   root set its schema up once; creates (or, on `--resume`, reattaches to) the MLflow run
@@ -57,15 +58,14 @@ from fedcli.tracking.mirror_checks import (
 from fedcli.tracking.mirror_handle import (
     FINISH_WAIT_S,
     MAX_RESTARTS,
-    READY_WAIT_S,
     STOP_POLL_S,
     STOP_WAIT_S,
     MirrorHandle,
 )
 from fedcli.tracking.urls import mask_url
 
-__all__ = ["FINISH_WAIT_S", "MAX_RESTARTS", "READY_WAIT_S", "STOP_POLL_S", "STOP_WAIT_S", "Mirror", "MirrorHandle",
-           "first_cause_line", "half_migrated_tables", "main", "mlflow_params", "preflight", "quiet_mlflow",
+__all__ = ["FINISH_WAIT_S", "MAX_RESTARTS", "STOP_POLL_S", "STOP_WAIT_S", "Mirror", "MirrorHandle",
+           "exit_now", "first_cause_line", "half_migrated_tables", "main", "mlflow_params", "preflight", "quiet_mlflow",
            "schema_lock", "sqlite_path"]
 
 log = logging.getLogger(__name__)
@@ -305,13 +305,12 @@ class Mirror:
         if self.args.once:
             self.run_once()
             return 0
-        if not getattr(self.args, "restart", False):  # a restart: the run trains already, nobody waits
+        self.open_run()  # a few small writes: latency, not CPU
+        if not getattr(self.args, "restart", False):  # MirrorHandle.check reads it: a later death is not a set-up's
             try:
-                print("ready", flush=True)  # MLflow is imported and its store set up: round 1 may start
+                print("ready", flush=True)
             except BrokenPipeError:  # the training process is gone (stopped during the set-up): copy anyway
                 sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
-        _idle_priority()  # from here on, never compete with a round (the set-up ran at normal priority)
-        self.open_run()  # a few small writes: latency, not CPU
         parent_gone = False
         while True:
             record = self.store.get_run(self.record.id)
@@ -363,26 +362,31 @@ def _idle_priority() -> None:
         with contextlib.suppress(OSError):
             os.nice(19)
 
-def read_urls(args: argparse.Namespace) -> bool:
-    """Set args.store and args.tracking_uri from stdin's first line (JSON: never on the command line,
-    where `ps` would show a password); False, after one line on stderr, when it holds neither."""
+def read_urls(args: argparse.Namespace, line: str | None = None) -> bool:
+    """Set args.store and args.tracking_uri (and experiment, runs_root, parent_run where the command
+    line left them unset) from stdin's first line, or `line`: JSON, never the command line, where
+    `ps` would show a password. False, after one line on stderr, when it holds no store and URI."""
     try:
-        secrets = json.loads(sys.stdin.readline() or "{}")
+        secrets = json.loads((sys.stdin.readline() if line is None else line) or "{}")
         args.store, args.tracking_uri = str(secrets["store"]), str(secrets["tracking_uri"])
     except (ValueError, KeyError, TypeError):
         print("MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
               "tracking_uri)", file=sys.stderr)
         return False
+    for name in ("experiment", "runs_root", "parent_run"):
+        if getattr(args, name, None) is None and secrets.get(name) is not None:
+            setattr(args, name, str(secrets[name]))
     return True
 
 
-
 def main(argv: list[str] | None = None) -> int:
-    """The mirror process. Its first stdin line is JSON {"store": URL, "tracking_uri": URI} (secrets
-    stay off the command line); then, unless --run is given, the run id."""
+    """The mirror process. Its first stdin line is JSON {"store": URL, "tracking_uri": URI, "experiment",
+    "runs_root", "parent_run"} (secrets stay off the command line); then, unless --run is given, the
+    run id. End of file before the first line: spawned early (`spawn_early`) for a command that
+    ended without a run; it exits 0, having written nothing."""
     parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mirror", description=__doc__.splitlines()[0])
     parser.add_argument("--run", help="the run; default: read its id from stdin (spawned early)")
-    parser.add_argument("--experiment", required=True)
+    parser.add_argument("--experiment", help="default: from stdin's first line")
     parser.add_argument("--run-dir")
     parser.add_argument("--runs-root")
     parser.add_argument("--parent-run")
@@ -393,14 +397,24 @@ def main(argv: list[str] | None = None) -> int:
         from fedcli.tracking.store import process_start
 
         args.owner = (os.getppid(), process_start(os.getppid()))
-    if args.restart:
-        _idle_priority()  # the run trains already: even MLflow's import must not compete with its rounds
+        # the run trains (or is about to): MLflow's import and set-up must not compete with its rounds;
+        # they take the cores the training process leaves idle (its own imports, the data load)
+        _idle_priority()
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
-    if not read_urls(args):
-        return 2
-    import fedcli.tracking.mlflow_sink  # noqa: F401 - the slow import, while the training process loads data
+    # the slow imports first (spawned early, while the training process imports torch and reads its
+    # config): MLflow, and torch for the final model (`log_model`)
+    import fedcli.tracking.mlflow_sink  # noqa: F401
+    import fedcli.tracking.served  # noqa: F401
 
     quiet_mlflow()
+    first = sys.stdin.readline()
+    if not first.strip():
+        return 0  # never adopted: the command ended without a run
+    if not read_urls(args, first):
+        return 2
+    if args.experiment is None:
+        print("MLflow mirror: no experiment (--experiment, or in stdin's first line)", file=sys.stderr)
+        return 2
     try:
         return Mirror(args).run()
     except TrackingError as err:
@@ -412,6 +426,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def exit_now(code: int) -> None:
+    """End the mirror process without the interpreter's teardown.
 
+    Everything is written by then (each SQL write committed, MLflow's queue flushed by
+    `end_run`, artifacts copied), and the teardown (MLflow's exit hooks, freeing torch's and
+    MLflow's modules) took 1.4 s, which the training process waited for at its end (issue 27).
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_now(main())

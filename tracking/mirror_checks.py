@@ -22,6 +22,7 @@ from typing import Any
 from fedcli.errors import ConfigError
 from fedcli.tracking.urls import mask_malformed, mask_url
 
+MIN_FREE_BYTES = 4 << 20  # room a new MLflow SQLite store needs before the run starts (`_no_room`)
 _PG_LOCK_KEY = 0x6D6C666C  # "mlfl": advisory-lock key of MLflow's schema set-up
 
 # --------------------------------------------------------------------------- checks before a run
@@ -73,6 +74,10 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(f"MLflow store {uri}: {folder} is a file, not a folder; {fix}.")
     if not os.access(folder, os.W_OK):
         raise ConfigError(f"MLflow store {uri}: folder {folder} is not writable; {fix}.")
+    full = None if path.exists() else _no_room(folder)  # a new store: MLflow's schema needs room
+    if full:
+        raise ConfigError(f"MLflow store {uri}: No space left on device ({full} under {folder}); free space or "
+                          f"{fix}.")
     if path.exists():
         half = half_migrated_tables(path)
         if half:
@@ -81,6 +86,25 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
                 f"(table {half[0]}); move it aside (`mv {path} {path}.broken`) and rerun: the SQL store "
                 "keeps every run, and `fedcli sync` copies them into the new MLflow store."
             )
+
+
+def _no_room(folder: Path) -> str | None:
+    """What a file system lacks for MLflow's set-up ("no free inode", "12 KiB free"), else None.
+
+    The run no longer waits for MLflow's set-up (tracking/mirror_handle.py `start`), so a disk
+    that cannot take MLflow's schema is named here, before anything is written, by statvfs
+    (nothing created). MIN_FREE_BYTES: what a fresh MLflow SQLite store takes (~1 MiB) and more.
+    """
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return None
+    if stats.f_files > 0 and stats.f_favail == 0:
+        return "no free inode"
+    free = stats.f_bavail * stats.f_frsize
+    if stats.f_blocks > 0 and free < MIN_FREE_BYTES:
+        return f"{free // 1024} KiB free"
+    return None
 
 
 def half_migrated_tables(path: Path) -> list[str]:

@@ -17,12 +17,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fedcli.errors import TrackingError
 from fedcli.tracking.urls import mask_url
 
 FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before leaving it to finish alone
-READY_WAIT_S = 300.0  # how long a run waits for MLflow's set-up before its first round
-STOP_POLL_S = 0.1  # how often the two waits above look for a stop signal (`MirrorHandle.stopping`)
+STOP_POLL_S = 0.1  # how often the wait above looks for a stop signal (`MirrorHandle.stopping`)
 STOP_WAIT_S = 1.5  # after a stop signal, how long the run's end still waits for the mirror's copy
 MAX_RESTARTS = 3  # a mirror that dies alone is restarted at most this often per run
 _DISK_FULL = ("database or disk is full", "No space left on device")  # a mirror that died so is not restarted
@@ -34,13 +32,14 @@ _DISK_FULL = ("database or disk is full", "No space left on device")  # a mirror
 class MirrorHandle:
     """The training process's handle on its run's mirror: spawn early, start, wait at the end.
 
-    `spawn()` starts the process before the data loads: it imports MLflow (seconds of CPU)
-    while the training process loads data, and touches no store. `start(run_id)` then sends
-    it the run; it opens MLflow (creating its schema under the lock), creates or reattaches
-    the MLflow run and answers "ready", which `start` waits for, so that all of MLflow's
-    set-up happens before round 1 and none of it competes with a round. `abort()` (the
-    command failed validation) ends it before it wrote anything. `check()` (every round)
-    restarts a mirror that died alone; `finish()` ends it, restarting it first if it died.
+    `spawn()` starts the process before the data loads: at idle priority (it runs only on a
+    core nothing else wants) it imports MLflow while the training process loads data, and
+    touches no store. `start(run_id)` then sends it the run and returns at once: the mirror
+    opens MLflow (creating its schema under the lock), creates or reattaches the MLflow run
+    and answers "ready" while the rounds train, so none of MLflow's set-up delays round 1 or
+    competes with a round. `abort()` (the command failed validation) ends it before it wrote
+    anything. `check()` (every round) restarts a mirror that died alone (one that failed its
+    set-up is not restarted: one warning); `finish()` ends it, restarting it first if it died.
 
     The store URL and the tracking URI go to the process as the first line of its stdin
     (JSON), not as arguments: a password in them would show in `ps`.
@@ -54,27 +53,27 @@ class MirrorHandle:
         self.restarts = 0
         self._proc: subprocess.Popen[bytes] | None = None
         # True once a stop signal arrived (`fedcli train` sets it to its GracefulSignals): the wait
-        # for MLflow's set-up and the one for the final copy then end within a second or two
+        # for the final copy then ends within a second or two
         self.stopping: Callable[[], bool] = lambda: False
-        self._left_alone = False  # a stop signal cut `start` short: the mirror finishes on its own
+        self.ready = False  # the mirror said "ready": MLflow is set up for the run (`_read_ready`)
 
     def spawn(self, *, run_id: str | None = None) -> MirrorHandle:
-        """Start the mirror process; with `run_id`, one that takes over the run at once (a restart)."""
-        command = [sys.executable, "-m", "fedcli.tracking.mirror", "--experiment", self.experiment,
-                   "--runs-root", str(self.runs_root)]
-        if self.parent_run_id:
-            command += ["--parent-run", self.parent_run_id]
-        if run_id is not None:
-            command += ["--run", run_id, "--restart"]
-        # its own session: a Ctrl-C in the terminal stops the training, while the mirror
-        # finishes copying and marks the MLflow run as the store says
-        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, start_new_session=True)
-        assert self._proc.stdin is not None
-        secrets = json.dumps({"store": self.store_url, "tracking_uri": self.tracking_uri})
-        with contextlib.suppress(OSError):  # it died at once: start/finish say why
-            self._proc.stdin.write(f"{secrets}\n".encode())
-            self._proc.stdin.flush()
+        """Start the mirror process (or adopt the one `spawn_early` started); with `run_id`, one
+        that takes over the run at once (a restart)."""
+        proc = _adopt_early() if run_id is None else None
+        if proc is None:
+            command = [sys.executable, "-m", "fedcli.tracking.mirror"]
+            if run_id is not None:
+                command += ["--run", run_id, "--restart"]
+            proc = _popen(command)
+        self._proc = proc
+        assert proc.stdin is not None
+        # everything on stdin, nothing on the command line: a password in a URL would show in `ps`
+        first = json.dumps({"store": self.store_url, "tracking_uri": self.tracking_uri, "experiment": self.experiment,
+                            "runs_root": str(self.runs_root), "parent_run": self.parent_run_id})
+        with contextlib.suppress(OSError):  # it died at once: check/finish say why
+            proc.stdin.write(f"{first}\n".encode())
+            proc.stdin.flush()
         return self
 
     def abort(self) -> None:
@@ -84,51 +83,49 @@ class MirrorHandle:
             with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 proc.communicate(timeout=10)
 
-    def start(self, run_id: str, timeout_s: float = READY_WAIT_S) -> str | None:
-        """Hand the run to the mirror and wait until MLflow is set up for it; return a warning, if any.
+    def start(self, run_id: str) -> None:
+        """Hand the run to the mirror and return at once: round 1 never waits for MLflow.
 
-        A stop signal during the wait (`stopping`) ends it within STOP_POLL_S: the mirror goes on
-        in the background (it sets MLflow up, then copies the run as the store says once the run
-        has ended), and the warning says so.
-
-        Raises:
-            TrackingError: the mirror could not open MLflow: its own reason, or how it ended
-                (exit code, signal); or it did not answer within `timeout_s`.
+        The mirror sets MLflow up (schema, the MLflow run) at idle priority while the run
+        trains and answers "ready"; `check` reads that answer. Before issue 27 this waited for
+        "ready" (up to 300 s), which put MLflow's import and schema set-up (2.8 s of a 5 s
+        start on 2 cores) before round 1. Whether MLflow can be used is checked before anything
+        is written (`preflight`: the URL, the folder, the disk, the server); a set-up that
+        fails later is one warning from `check` or `finish`, and the SQL store keeps the run.
         """
         if self._proc is None:
             self.spawn()
         self.run_id = run_id
         proc = self._proc
-        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        assert proc is not None and proc.stdin is not None
         try:
             proc.stdin.write(f"{run_id}\n".encode())
             proc.stdin.flush()
         except OSError:
-            pass  # it died: the read below says why
-        deadline, line = time.monotonic() + timeout_s, None
-        while line is None and time.monotonic() < deadline:
-            readable, _, _ = select.select([proc.stdout], [], [], STOP_POLL_S)
+            pass  # it died: `check` or `finish` says why
+
+    def _read_ready(self, proc: subprocess.Popen[bytes]) -> bool:
+        """True once the mirror said "ready" (MLflow set up for the run); reads without waiting."""
+        if not self.ready and proc.stdout is not None:
+            readable, _, _ = select.select([proc.stdout], [], [], 0)
             if readable:
-                raw = proc.stdout.readline()
-                line = "" if not raw else "ready" if raw.strip() == b"ready" else None  # "": it exited
-            elif self.stopping():
-                self._left_alone = True  # `finish` then only closes its stdin: this warning says it all
-                return (f"stopped while MLflow was being set up for the run; its MLflow mirror (pid {proc.pid}) "
-                        "copies the run in the background (the SQL store has it all; if MLflow misses it, "
-                        "`fedcli sync` or the next `fedcli train --resume` completes the copy)")
-        if line != "ready":
-            self._proc = None
-            try:  # end of file: the mirror is exiting (read its last words); else it is silent: end it
-                _, err = proc.communicate(timeout=5 if line is not None else 0.1)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-            if line is not None:
-                raise TrackingError(mask_url(_own_reason(err) or f"the MLflow mirror (pid {proc.pid}) "
-                                             f"{_death(proc, err)} before MLflow was set up for the run"))
-            raise TrackingError(f"the MLflow mirror (pid {proc.pid}) did not set MLflow up for the run within "
-                                f"{timeout_s:.0f} s; ended it")
-        return None
+                self.ready = proc.stdout.readline().strip() == b"ready"
+        return self.ready
+
+    def _failed_set_up(self, proc: subprocess.Popen[bytes]) -> str | None:
+        """The mirror's own reason when it exited (not killed) before MLflow was set up, else None.
+
+        Such a mirror is not restarted: a new one would fail the same way (a server that refuses
+        the password, a disk that filled since `preflight`).
+        """
+        if proc.poll() is None or self._read_ready(proc) or proc.returncode <= 0:
+            return None
+        try:
+            _, err = proc.communicate(timeout=5)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            err = b""
+        self._proc = None
+        return _set_up_failed(_own_reason(err or b"") or f"exited with code {proc.returncode}")
 
     def check(self) -> str | None:
         """If the mirror died while the run trains, restart it; return a warning saying so (else None).
@@ -141,6 +138,9 @@ class MirrorHandle:
         proc = self._proc
         if proc is None or self.run_id is None or proc.poll() is None:
             return None
+        failed = self._failed_set_up(proc)
+        if failed is not None:
+            return failed
         why = _death(proc)
         if any(full in why for full in _DISK_FULL):  # a restart would fail the same way: one warning, not four
             self._proc = None
@@ -162,10 +162,13 @@ class MirrorHandle:
         A mirror that died since the last `check` is restarted first, so that MLflow gets the
         whole run before this process exits. After a stop signal (`stopping`, before or during
         the wait) the wait is at most STOP_WAIT_S: the mirror, in its own session, finishes the
-        copy in the background, and the warning says what completes it if it cannot. After a
-        stop during `start` (which warned already) it does not wait at all and returns None.
+        copy in the background, and the warning says what completes it if it cannot.
         """
         restarted = None
+        if self._proc is not None and self.run_id is not None:
+            failed = self._failed_set_up(self._proc)
+            if failed is not None:
+                return failed
         if self._proc is not None and self._proc.poll() is not None and self.run_id is not None:
             dead = self._proc
             self.spawn(run_id=self.run_id)
@@ -173,15 +176,10 @@ class MirrorHandle:
         proc, self._proc = self._proc, None
         if proc is None:
             return None
-        if self._left_alone:  # stopped during MLflow's set-up: `start` warned already; no wait, no second line
-            with contextlib.suppress(OSError):
-                if proc.stdin is not None:
-                    proc.stdin.close()  # its cue that the run ended
-            return None
         deadline, stop_at = time.monotonic() + timeout_s, None
         while True:
             try:  # communicate closes the mirror's stdin: its cue that the run ended
-                _, err = proc.communicate(timeout=STOP_POLL_S)
+                out, err = proc.communicate(timeout=STOP_POLL_S)
                 break
             except subprocess.TimeoutExpired:
                 now = time.monotonic()
@@ -194,10 +192,46 @@ class MirrorHandle:
                 return (f"{restarted + '; ' if restarted else ''}the MLflow mirror (pid {proc.pid}) still copies the "
                         f"run in the background ({why}); the SQL store is complete, and if MLflow misses part of the "
                         "run, `fedcli sync` or the next `fedcli train --resume` completes the copy")
+        if proc.returncode > 0 and not restarted and not (self.ready or b"ready" in (out or b"")):
+            return _set_up_failed(_own_reason(err or b"") or f"exited with code {proc.returncode}")
         if proc.returncode != 0:
             return (f"{restarted + '; then ' if restarted else ''}MLflow mirror (pid {proc.pid}) {_death(proc, err)} "
                     "(the SQL store is complete; `fedcli sync` copies the run into MLflow later)")
         return f"{restarted}, which copied the run into MLflow" if restarted else None
+
+
+def _set_up_failed(reason: str) -> str:
+    return (f"MLflow could not be set up for the run ({mask_url(reason)}); it trains on with the SQL store, which "
+            "keeps the whole run: `fedcli sync` copies it into MLflow once MLflow works")
+
+
+_EARLY: list[subprocess.Popen[bytes]] = []  # a mirror `spawn_early` started that no run adopted yet
+
+
+def spawn_early() -> None:
+    """Start a mirror process now, before this process knows its run or even its config.
+
+    `fedcli train` calls it first thing: the mirror imports MLflow and torch (3 s of CPU) at idle
+    priority on the core the training process leaves idle while it imports torch and reads its
+    config, instead of after (issue 27: its set-up had ended 2 s after the last round of a
+    short run). The run's `MirrorHandle.spawn` adopts it and sends what it needs on its stdin; a
+    command that ends without a run (bad input, `--no-mlflow` in a config file) leaves it to
+    read end-of-file, and it exits having written nothing.
+    """
+    if not _EARLY:
+        _EARLY.append(_popen([sys.executable, "-m", "fedcli.tracking.mirror"]))
+
+
+def _adopt_early() -> subprocess.Popen[bytes] | None:
+    proc = _EARLY.pop() if _EARLY else None
+    return proc if proc is not None and proc.poll() is None else None
+
+
+def _popen(command: list[str]) -> subprocess.Popen[bytes]:
+    # its own session: a Ctrl-C in the terminal stops the training, while the mirror finishes
+    # copying and marks the MLflow run as the store says
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
 
 
 def _own_reason(err: bytes) -> str | None:

@@ -35,11 +35,6 @@ from fedcli.errors import TrackingError
 from fedcli.tracking.keys import check_metrics, flatten_config
 from fedcli.tracking.urls import mask_url
 
-# MLflow draws a tqdm bar on stderr for every artifact download when tqdm is installed (optuna and
-# datasets bring it): `fedcli sync` printed six bar lines per run. MLflow reads the variable at each
-# download; a user's own setting is kept.
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-
 __all__ = ["MlflowSink", "default_tracking_uri", "flatten_config"]
 
 log = logging.getLogger(__name__)
@@ -376,7 +371,7 @@ class MlflowSink:
 
         spec = importlib.util.find_spec("fedcli.tracking.mlflow_model")
         code = spec.origin if spec is not None else None
-        with self._errors("log the model"), global_tracking_uri(self.tracking_uri):  # Model.log's client
+        with self._errors("log the model"), global_tracking_uri(self.tracking_uri), _given_requirements():
             if code is None:
                 raise OSError("fedcli.tracking.mlflow_model is not installed")
             rows = None if example is None else example.numpy()  # type: ignore[attr-defined]
@@ -408,6 +403,31 @@ class MlflowSink:
                     self.run_id, status=MLFLOW_STATUS[status], end_time=end_ms or int(time.time() * 1000)
                 )
         log.debug("mlflow: ended run %s as %s", self.run_id, MLFLOW_STATUS[status])
+
+
+@contextlib.contextmanager
+def _given_requirements() -> Iterator[None]:
+    """Skip MLflow's check that the installed packages satisfy the model's requirements.
+
+    `log_model` passes them (`torch==` and `fedcli==` the versions this process runs), so they
+    hold by construction; the check maps every installed distribution to its modules, 1.4 of
+    the 2.3 s the mirror spent ending a run, while `fedcli train` waited (issue 27), and it runs
+    twice (saving the model, and loading it back to check the input example). The name is
+    MLflow's private helper: where a module lacks it, the check runs there as before.
+    """
+    import mlflow.pyfunc
+    import mlflow.utils.environment
+
+    name = "warn_dependency_requirement_mismatches"  # where saving, and loading back, look it up
+    held = [(module, getattr(module, name)) for module in (mlflow.utils.environment, mlflow.pyfunc)
+            if hasattr(module, name)]
+    for module, _ in held:
+        setattr(module, name, lambda *_args, **_kwargs: None)
+    try:
+        yield
+    finally:
+        for module, check in held:
+            setattr(module, name, check)
 
 
 @contextlib.contextmanager

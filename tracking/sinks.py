@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedcli.errors import TrackingError
 from fedcli.tracking.keys import check_metrics
 from fedcli.tracking.store import RunRecord, SqlStore
 
@@ -99,15 +98,9 @@ class Tracker:
         return self._run_id
 
     def _start_mirror(self) -> None:
-        """Hand the run to its MLflow mirror; a failure ends the run `failed` with MLflow's reason."""
-        if self.mirror is None:
-            return
-        try:
-            self._warn(self.mirror.start(self.run_id))  # a warning when a stop signal cut the wait short
-        except TrackingError as err:
-            self.mirror = None
-            self.store.end_run(self.run_id, "failed", reason=f"MLflow: {err}")
-            raise
+        """Hand the run to its MLflow mirror; nothing waits for MLflow's set-up (`MirrorHandle.start`)."""
+        if self.mirror is not None:
+            self.mirror.start(self.run_id)
 
     def resume(self, run_ref: str, *, from_round: int | None = None, config: Mapping[str, Any] | None = None,
                config_hash: str | None = None, requested: Mapping[str, Any] | None = None) -> RunRecord:

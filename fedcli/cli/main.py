@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+import fedcli.tracking  # noqa: F401 - sets MLflow's defaults (no telemetry) before a command imports MLflow
 from fedcli.cli.errors import OneLineUsageErrors
 from fedcli.cli.evaluate import evaluate
 from fedcli.cli.listing import list_command

@@ -178,6 +178,10 @@ def train(
     Example: fedcli train --algo fedpa --rounds 30 --local-epochs 5 --hp burn_in_rounds=10
     """
     options = {name: value for name, value in locals().items() if name in OPTION_KEYS}  # the config keys' options
+    if not no_mlflow and executor is not Executor.distributed:  # MLflow's import starts now, on an idle core
+        from fedcli.tracking.mirror_handle import spawn_early
+
+        spawn_early()
     if data is not None:  # a file as an absolute path, a function reference as given (datasets/user_data.py)
         from fedcli.datasets.user_data import normalise
 

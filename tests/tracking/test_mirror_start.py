@@ -1,0 +1,74 @@
+"""Round 1 never waits for MLflow (issue 27): the mirror starts first thing, sets MLflow up while the run
+trains, and a set-up that fails after `preflight` is one warning, not a failed run.
+
+Real `fedcli` processes and mirror processes, a real SQLite MLflow store read back with sqlite3.
+docs/architecture.md §6 (the MLflow mirror) describes the behaviour checked here.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from fedcli.tracking import mirror_handle
+from fedcli.tracking.mirror import MirrorHandle
+from fedcli.tracking.mlflow_sink import default_tracking_uri
+from fedcli.tracking.store import SqlStore
+from tests.tracking.test_mlflow_true import TINY, fedcli, mlflow_runs
+
+
+def test_a_mirror_started_early_and_never_adopted_exits_0_having_written_nothing(tmp_path: Path) -> None:
+    """`spawn_early` (what `fedcli train` calls first): end of file on its stdin (the command ended
+    without a run) ends it with exit 0 and nothing on stderr; no store, no MLflow file appears."""
+    mirror_handle.spawn_early()
+    (proc,) = mirror_handle._EARLY
+    mirror_handle._EARLY.clear()
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr is not None and proc.stderr.read() == b""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_adopts_the_early_mirror_and_mlflow_gets_the_run(tmp_path: Path) -> None:
+    """`MirrorHandle.spawn` takes the process `spawn_early` started (the same pid), hands it the URLs
+    and the experiment on stdin (not its command line, which holds no URL), and that mirror copies
+    the run into MLflow: FINISHED, the store's points."""
+    mirror_handle.spawn_early()
+    early = mirror_handle._EARLY[0]
+    store = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
+    handle = MirrorHandle(tracking_uri=default_tracking_uri(tmp_path), experiment="early", store_url=store.url,
+                          runs_root=tmp_path / "runs").spawn()
+    assert handle._proc is early and mirror_handle._EARLY == []
+    cmdline = Path(f"/proc/{early.pid}/cmdline").read_bytes().split(b"\0")
+    assert not any(b"sqlite" in part for part in cmdline), cmdline
+    run_id = store.start_run(experiment="early", run_name=None, config={"seed": 0}, algo="fedavg", task="lsq",
+                             seed=0, tags={}, fedcli_version="t", torch_version="t", git_commit=None)
+    handle.start(run_id)
+    for round_idx in range(3):
+        store.log_round(run_id, round_idx, {"eval/loss": 1.0 / (round_idx + 1)}, ())
+    store.end_run(run_id, "finished")
+    assert handle.finish() is None
+    status, _, _, points, _ = mlflow_runs(tmp_path)[run_id]
+    assert (status, points) == ("FINISHED", 3)
+
+
+def test_mlflow_set_up_failing_after_the_check_is_one_warning_and_the_run_trains_on(tmp_path: Path) -> None:
+    """MLflow's store is a file that is not a database: `preflight` lets it through (it exists, no
+    half-migrated table can be read), the mirror's set-up fails. The run trains every round anyway
+    (round 1 does not wait for MLflow), exits 0 with one MLflow warning quoting the mirror's reason
+    and naming `fedcli sync`, the mirror is not restarted (one warning, not four), and the SQL store
+    holds the whole run (before issue 27: the run ended `failed` before round 1, exit 2)."""
+    (tmp_path / "mlflow.db").write_bytes(b"this is not an SQLite database" * 100)
+    began = time.monotonic()
+    done = fedcli("-q", "train", *TINY, "--rounds", "4", "--root", str(tmp_path))
+    took = time.monotonic() - began
+    said = " ".join(done.stderr.split())
+    print(f"exit {done.returncode} after {took:.1f} s: {said}")
+    assert done.returncode == 0 and "Traceback" not in said, said
+    assert said.count("MLflow could not be set up for the run") == 1, said
+    assert "file is not a database" in said and "fedcli sync" in said and "restarted" not in said, said
+    db = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
+    (run,) = db.list_runs()
+    assert run.status == "finished" and db.last_round(run.id) == 4
+    assert sorted(set(db.metrics_frame([run.id])["round_idx"])) == list(range(5))
