@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from fedcli.tracking.mirror_handle import FINISH_WAIT_S, STOP_POLL_S, STOP_WAIT_S
+from fedcli.tracking.mirror_handle import FINISH_WAIT_S, STOP_POLL_S, STOP_WAIT_S, own_process_group
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,10 @@ class SweepMirror:
                    "--runs-root", str(self.runs_root)]
         if self.parent_run_id:
             command += ["--parent-run", self.parent_run_id]
-        # its own session: a Ctrl-C in the terminal stops the sweep; the mirror finishes its copies
+        # its own process group: a Ctrl-C in the terminal stops the sweep; the mirror finishes its copies
+        # (not its own session: see `own_process_group`)
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, start_new_session=True)
+                                      stderr=subprocess.PIPE, **own_process_group())
         self._write(json.dumps({"store": self.store_url, "tracking_uri": self.tracking_uri}))
         return self
 
