@@ -31,6 +31,7 @@ the sweep at spawn).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -218,8 +219,16 @@ def _run_id(tracker: Any) -> str | None:
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="fedcli worker: %(message)s", stream=sys.stderr)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    return Worker().serve()
+    worker = Worker()
+    try:
+        return worker.serve()
+    finally:
+        for store in worker.stores.values():
+            with contextlib.suppress(Exception):  # noqa: BLE001 - closing only: every write is committed
+                store.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fedcli.tracking.mirror import exit_now
+
+    exit_now(main())  # every trial written and its stores closed: skip the teardown the sweep's end waited for

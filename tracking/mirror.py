@@ -376,6 +376,7 @@ def read_urls(args: argparse.Namespace, line: str | None = None) -> bool:
     for name in ("experiment", "runs_root", "parent_run"):
         if getattr(args, name, None) is None and secrets.get(name) is not None:
             setattr(args, name, str(secrets[name]))
+    args.sweep_spec = secrets.get("sweep_spec")  # the sweep's mirror opens the sweep's parent run (mirror_sweep)
     return True
 
 

@@ -11,9 +11,14 @@ takes the next. No trial ever waits for it; the sweep's end waits for the copies
 alone in its own session); once the sweep's stdin ends it leaves idle priority to catch up.
 What it could not copy, `fedcli sync` copies later (the store has it all). The cost: MLflow shows a trial once it ended, not round by round while it trains.
 
-Its stdin: the first line JSON {"store": URL, "tracking_uri": URI} (secrets stay off the
-command line, docs/architecture.md "Security"), then one run id per line; end of file: copy
-what is left and exit.
+It also opens the sweep's MLflow parent run (`sweeps.parent_run`: reused by a rerun) and ends
+it once every trial is copied, as the sweep's last line says: the sweep process never imports
+MLflow (its import and schema set-up held trial 1 back 2.3 s on 2 cores).
+
+Its stdin: the first line JSON {"store": URL, "tracking_uri": URI, "sweep_spec": {...}} (secrets
+stay off the command line, docs/architecture.md "Security"), then one run id per line, then
+`end:<status>` (finished, failed, interrupted); end of file: copy what is left, end the parent
+run (`interrupted` without an `end:` line: the sweep died) and exit.
 """
 
 from __future__ import annotations
@@ -28,11 +33,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from fedcli.tracking.mirror_handle import FINISH_WAIT_S, STOP_POLL_S, STOP_WAIT_S, own_process_group
 
 log = logging.getLogger(__name__)
+
+END_PREFIX = "end:"  # the sweep's last stdin line, "end:finished": the status of its MLflow parent run
+PARENT_NOT_ENDED = "MLflow could not end the sweep's run"
 
 
 class SweepMirror:
@@ -49,7 +59,9 @@ class SweepMirror:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def spawn(self) -> SweepMirror:
+    def spawn(self, spec: Mapping[str, Any] | None = None) -> SweepMirror:
+        """Start the mirror; with the sweep's `spec`, it opens (or reuses) the sweep's MLflow parent run
+        itself and nests the trials under it (`sweeps.parent_run`): the sweep never imports MLflow."""
         command = [sys.executable, "-m", "fedcli.tracking.mirror_sweep", "--experiment", self.experiment,
                    "--runs-root", str(self.runs_root)]
         if self.parent_run_id:
@@ -58,7 +70,10 @@ class SweepMirror:
         # (not its own session: see `own_process_group`)
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, **own_process_group())
-        self._write(json.dumps({"store": self.store_url, "tracking_uri": self.tracking_uri}))
+        first: dict[str, Any] = {"store": self.store_url, "tracking_uri": self.tracking_uri}
+        if spec is not None:
+            first["sweep_spec"] = dict(spec)
+        self._write(json.dumps(first, default=str))
         return self
 
     def _write(self, line: str) -> bool:
@@ -78,8 +93,14 @@ class SweepMirror:
             self.added.append(run_id)
             self._write(run_id)
 
-    def finish(self, stopping: bool = False, timeout_s: float = FINISH_WAIT_S) -> str | None:
-        """Close its stdin (the sweep's end) and wait for the copies still to do; return a warning, if any."""
+    def finish(self, stopping: bool = False, timeout_s: float = FINISH_WAIT_S, status: str | None = None) -> str | None:
+        """Close its stdin (the sweep's end) and wait for the copies still to do; return a warning, if any.
+
+        `status`: how the sweep ended (`finished`, `failed`, `interrupted`), which the mirror sets on the
+        sweep's MLflow parent run once every trial is copied (without one: `interrupted`).
+        """
+        if status is not None:
+            self._write(f"{END_PREFIX}{status}")
         proc, self._proc = self._proc, None
         if proc is None:
             return None
@@ -94,8 +115,11 @@ class SweepMirror:
                 return (f"the sweep's MLflow mirror (pid {proc.pid}) still copies trials in the background; the SQL "
                         "store is complete, and `fedcli sync` copies into MLflow what it misses")
         if proc.returncode != 0:
-            from fedcli.tracking.mirror_handle import _death
+            from fedcli.tracking.mirror_handle import _death, _own_reason
 
+            parent = _own_reason(err or b"")
+            if parent is not None and parent.startswith(PARENT_NOT_ENDED):  # the trials are copied: its own line
+                return parent
             return (f"the sweep's MLflow mirror (pid {proc.pid}) {_death(proc, err)}; the SQL store is complete, "
                     "`fedcli sync` copies the trials into MLflow later")
         return None
@@ -111,7 +135,7 @@ def copy_run(args: argparse.Namespace, run_id: str) -> None:
 
 
 def _read_lines(lines: queue.Queue[str | None]) -> None:
-    """Queue the run ids the sweep sends, then None at the end of its stdin."""
+    """Queue the run ids (and the `end:` status line) the sweep sends, then None at the end of its stdin."""
     for line in sys.stdin:
         if line.strip():
             lines.put(line.strip())
@@ -146,18 +170,40 @@ def main(argv: list[str] | None = None) -> int:
     import fedcli.tracking.mlflow_sink  # noqa: F401 - the slow import, while the first trials train
 
     quiet_mlflow()
+    parent = None
+    if args.sweep_spec is not None:  # the sweep's MLflow run: opened here, not in the sweep (2.3 s before trial 1)
+        from fedcli.sweep_rows import parent_run
+
+        try:
+            parent = parent_run(args.tracking_uri, args.sweep_spec)
+        except Exception as err:  # noqa: BLE001 - one line the sweep quotes; the SQL store has every trial
+            print(f"MLflow mirror: the sweep's MLflow run could not be opened ({type(err).__name__}: "
+                  f"{first_cause_line(err)}); pass --tracking-uri with a writable MLflow store or use --no-mlflow",
+                  file=sys.stderr)
+            return 1
+        args.parent_run = parent.run_id
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=_read_lines, args=(lines,), daemon=True).start()
-    failed = 0
+    failed, status = 0, "interrupted"  # no `end:` line: the sweep died
     while True:
         run_id = lines.get()
         if run_id is None:  # the sweep ended (or died); the reader left idle priority then (it waits for these)
             break
+        if run_id.startswith(END_PREFIX):
+            status = run_id.removeprefix(END_PREFIX)
+            continue
         try:
             copy_run(args, run_id)
         except Exception as err:  # noqa: BLE001 - one run's failure leaves the others to copy
             failed += 1
             print(f"MLflow mirror: run {run_id[:8]}: {type(err).__name__}: {first_cause_line(err)}", file=sys.stderr)
+    if parent is not None:
+        try:
+            parent.end_run(status)
+        except Exception as err:  # noqa: BLE001 - the trials are copied; the parent stays open: one line
+            print(f"MLflow mirror: {PARENT_NOT_ENDED} ({first_cause_line(err)}); it stays open, and rerunning the sweep "
+                  "ends it.", file=sys.stderr)
+            return 1
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     return 1 if failed else 0

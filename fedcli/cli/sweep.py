@@ -178,11 +178,8 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
 
     track, todo = track or plans[0].trial.config.tracking, [p for p in plans if p.action in (sweeps.NEW, sweeps.RESUME)]
     todo = todo or ([True] if source is not None and not source.exhausted else [])
-    parent = None
-    if track.use_mlflow and todo:
+    if track.use_mlflow and todo:  # the sweep's MLflow parent run is the mirror's to open and end
         check_mlflow(track, optional=False)
-        with quiet_mlflow():
-            parent = sweeps.parent_run(track.mlflow_uri, body)
     keys = [resolve_metric(body["report"]["metric"])] if (body.get("report") or {}).get("metric") else list(sweeps.METRIC_KEYS)
 
     def recheck(plan: sweeps.Plan) -> sweeps.Plan:  # right before a trial starts: has another process taken it?
@@ -191,19 +188,20 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
     def read(stopped: bool = False) -> tuple[list[Any], str]:
         return sweeps.trial_rows(db, track.experiment, scheduler.plans, scheduler.processes, keys, stopped)
 
-    mirror = sweep_mirror(track, parent and parent.run_id) if todo else None  # one per sweep (docs/sweeps.md)
+    mirror = sweep_mirror(track, body) if todo else None  # one per sweep (docs/sweeps.md)
     if cluster is None:
         from fedcli.sweep_worker_pool import WorkerScheduler
 
         # each trial's share of the CPU: its intra-op threads and train.workers (docs/sweeps.md, "Workers")
         cores = max(1, available_cores() // (workers or 1))
         scheduler = WorkerScheduler(plans, workers=workers or 1, cores=cores, threads=cores,
-                                    parent_run=parent and parent.run_id, recheck=recheck,
+                                    parent_run=None, recheck=recheck,
                                     claims=sweeps.TrialClaims(db, track.experiment), mirror=mirror, source=source)
     else:
-        scheduler = cluster.scheduler(plans, workers=workers, parent_run=parent and parent.run_id, recheck=recheck,
+        scheduler = cluster.scheduler(plans, workers=workers, parent_run=None, recheck=recheck,
                                       read_runs=lambda: sweeps.experiment_runs(db, track.experiment), track=track,
                                       claims=sweeps.TrialClaims(db, track.experiment), mirror=mirror, source=source)
+    status, quiet = "failed", True  # what the sweep's MLflow run ends as; a failure's own line stays the only one
     try:
         try:
             with live_display(read) as tick:
@@ -211,31 +209,32 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
             rows, key = read(signum is not None)  # before cleanup: a failed trial's row quotes its stderr
         finally:
             scheduler.cleanup()
-            if mirror is not None:  # the copies still to do (the trials never waited for them)
-                warning = mirror.finish(stopping=scheduler.signum is not None)
-                if warning:
-                    console().print(f"warning: {warning}", highlight=False, soft_wrap=True)
         failed = show_results(rows, key, signum)
+        status, quiet = "interrupted" if signum else "failed" if failed else "finished", False
         if report_path is not None and any(r.status.startswith("finished") for r in rows):
             write_report(db, body, [r.run_id for r in rows if r.status.startswith("finished") and r.run_id], report_path)
             typer.echo(str(report_path))
-    except BaseException:  # the store or the disk failed under the sweep (a full disk: its one line follows)
-        if parent is not None:
-            end_parent(parent, "failed", quiet=True)
-        raise
-    if parent is not None:
-        end_parent(parent, "interrupted" if signum else "failed" if failed else "finished")
+    finally:  # the store or the disk may have failed under the sweep (a full disk: its one line follows)
+        if mirror is not None:  # the copies still to do (the trials never waited for them), then the parent run
+            warning = mirror.finish(stopping=scheduler.signum is not None, status=status)
+            if warning and not quiet:
+                console().print(f"warning: {warning}", highlight=False, soft_wrap=True)
     return summary(rows, signum, hint, len(failed))
 
 
-def sweep_mirror(track: Any, parent_run_id: str | None) -> Any:
-    """The sweep's one MLflow mirror (tracking/mirror_sweep.py), or None with --no-mlflow."""
+def sweep_mirror(track: Any, spec: Mapping[str, Any]) -> Any:
+    """The sweep's one MLflow mirror (tracking/mirror_sweep.py), or None with --no-mlflow.
+
+    It opens (or reuses) the sweep's MLflow parent run from `spec` (`sweeps.parent_run`), nests the
+    trials under it and ends it as `SweepMirror.finish` says: the sweep process never imports MLflow
+    (that import and MLflow's schema set-up held trial 1 back 2.3 s, issue 27).
+    """
     if not track.use_mlflow:
         return None
     from fedcli.tracking.mirror_sweep import SweepMirror
 
     return SweepMirror(tracking_uri=track.mlflow_uri, experiment=track.experiment, store_url=track.store_url,
-                       runs_root=Path(track.root).resolve() / "runs", parent_run_id=parent_run_id).spawn()
+                       runs_root=Path(track.root).resolve() / "runs").spawn(spec)
 
 
 def show_results(rows: Sequence[Any], key: str, signum: int | None) -> list[Any]:
@@ -246,50 +245,6 @@ def show_results(rows: Sequence[Any], key: str, signum: int | None) -> list[Any]
     for row in failed:
         console().print(f"[red]{row.status}:[/] {row.name}: {row.note}", markup=True, highlight=False)
     return failed
-
-
-@contextmanager
-def quiet_mlflow() -> Iterator[None]:
-    """Hold MLflow's own log records back for the block: it logs its store's failures (a full disk)
-    as ERROR with a traceback, and ours are one line (TrackingError)."""
-    import logging
-
-    import mlflow  # noqa: F401 - its import sets the "mlflow" logger's level: set ours after it
-
-    logger = logging.getLogger("mlflow")
-    previous = logger.level
-    logger.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)
-
-
-def end_parent(parent: Any, status: str, quiet: bool = False) -> None:
-    """End the sweep's MLflow parent run; when MLflow cannot be written (a full disk), say so in one
-    warning line (none with `quiet`: the sweep's own error line follows): the run stays open in
-    MLflow, and rerunning the sweep reuses and ends it."""
-    from fedcli.errors import FedcliError
-
-    with quiet_mlflow():
-        try:
-            parent.end_run(status)
-        except FedcliError as err:
-            if not quiet:
-                console().print(f"warning: MLflow could not end the sweep's run ({innermost(err)}); it stays open, "
-                                "and rerunning the sweep ends it.", highlight=False, soft_wrap=True)
-
-
-def innermost(err: BaseException) -> str:
-    """The first line of the innermost cause of `err`: SQLite's "database or disk is full", not the
-    note on autoflush that MLflow's SQLAlchemy session wraps it in."""
-    for _ in range(20):  # a chain of causes, not a cycle
-        cause = err.__cause__ or err.__context__ or getattr(err, "orig", None)
-        if not isinstance(cause, BaseException) or cause is err:
-            break
-        err = cause
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
 
 
 def summary(rows: Sequence[Any], signum: int | None, hint: str, failed: int) -> int:

@@ -5,7 +5,9 @@
 The workload: 6 trials = {fedavg, fedprox mu=0.01} x seeds {0, 1, 2}, FEMNIST writers (the natural
 partition), the MLP, 20 rounds per trial, defaults otherwise (MLflow on). Measured in one
 invocation, each on a fresh --root: `fedcli sweep` with --workers 1, --workers 2 and --workers 1
---no-mlflow, and `fedcli train --rounds 20` with and without MLflow. For each: the wall time of the
+--no-mlflow, `fedcli train --rounds 20` with and without MLflow, and, where Ray is installed, the
+sweep on `--backend ray` (a Ray head on loopback with this machine's CPUs: --workers 1 with 2 CPUs
+per trial, --workers 2 with 1). For each: the wall time of the
 command, the training inside it (Σ over its runs of the last `time/cum_train_s`, the rounds' own
 time), their ratio, and the time from the launch to the first run's creation in the store (its
 round 1 follows at once; `fedcli train`'s own time to round 1 is the `startup` step's).
@@ -78,6 +80,7 @@ def sweep_table(mode: str, folder: Path) -> dict[str, Any]:
                              folder / name)
     for name, extra in SWEEPS.items():
         rows[name] = measure(["sweep", str(spec), *extra], folder / name)
+    rows.update(ray_rows(spec, folder))
     one, two = rows["workers_1"], rows["workers_2"]
     ratios = {}
     if "error" not in one and "error" not in two:
@@ -87,6 +90,25 @@ def sweep_table(mode: str, folder: Path) -> dict[str, Any]:
     return {"rounds": rounds, "rows": rows, "ratios": ratios}
 
 
+def ray_rows(spec: Path, folder: Path) -> dict[str, Any]:
+    """The same sweep on `--backend ray` against a 2-CPU Ray head on loopback (started and stopped
+    here; its start is not timed): one actor with 2 CPUs, and two with 1 CPU each. No rows where
+    Ray is not installed (`pip install 'fedcli[ray]'`)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return {}
+    from tests.ray_head import ray_head_on_loopback
+
+    rows: dict[str, Any] = {}
+    with ray_head_on_loopback(cpus=os.cpu_count() or 2) as address:
+        for name, extra in RAY_SWEEPS.items():
+            rows[name] = measure(["sweep", str(spec), "--backend", "ray", "--address", address, *extra], folder / name)
+    return rows
+
+
+RAY_SWEEPS = {"ray_workers_1": ["--workers", "1", "--cpus-per-trial", "2"],
+              "ray_workers_2": ["--workers", "2", "--cpus-per-trial", "1"]}
 TARGETS = {"workers_1_wall_per_train": 2.0, "workers_2_vs_1_wall": 1.0, "workers_2_vs_1_train": 1.3}
 
 

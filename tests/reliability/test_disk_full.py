@@ -95,20 +95,29 @@ def test_a_disk_filling_up_under_a_sweep_is_one_line_exit_2_and_a_rerun_continue
     assert len({r.config_hash for r in runs}) == 2  # each trial once: the stopped one was resumed, not restarted
 
 
-def test_ending_the_sweeps_mlflow_run_on_a_full_disk_is_one_warning_line(disk: Path,
-                                                                         capfd: pytest.CaptureFixture[str]) -> None:
+def test_ending_the_sweeps_mlflow_run_on_a_full_disk_is_one_warning_line(disk: Path, tmp_path: Path) -> None:
     """MLflow logs its store's failure to end a run as ERROR with two tracebacks (the issue saw 145
-    lines); the sweep says it in one warning line, and a rerun of the sweep ends that run."""
-    from fedcli import sweeps
-    from fedcli.cli.sweep import end_parent
+    lines); the sweep says it in one warning line, and a rerun of the sweep ends that run. The sweep's
+    mirror process opens and ends the parent run (issue 27): a real one here, its disk filled after
+    it opened the run."""
+    import sqlite3
 
-    parent = sweeps.parent_run(f"sqlite:///{disk / 'mlflow.db'}", {"experiment": "full", "grid": {"algo": ["fedavg"]}})
-    capfd.readouterr()
+    from fedcli.tracking.mirror_sweep import SweepMirror
+
+    SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")  # the trials' store (none to copy here)
+    mirror = SweepMirror(tracking_uri=f"sqlite:///{disk / 'mlflow.db'}", experiment="full",
+                         store_url=f"sqlite:///{tmp_path / 'fedcli.db'}", runs_root=tmp_path / "runs")
+    mirror.spawn({"experiment": "full", "grid": {"algo": ["fedavg"]}})
+    deadline, opened = time.monotonic() + 120, []
+    while not opened and time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            with sqlite3.connect(disk / "mlflow.db", timeout=5) as conn:
+                opened = conn.execute("SELECT value FROM tags WHERE key = 'fedcli.kind'").fetchall()
+        except sqlite3.Error:  # not created yet
+            continue
+    assert opened == [("sweep",)], "the mirror did not open the sweep's MLflow run"
     fill(disk)
-    end_parent(parent, "finished")
-    out, err = capfd.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert "Traceback" not in err and len(lines) == 1, err
-    assert lines[0] == ("warning: MLflow could not end the sweep's run (database or disk is full); it stays open, "
-                        "and rerunning the sweep ends it."), lines[0]
-    assert out == ""
+    warning = mirror.finish(status="finished")
+    assert warning == ("MLflow could not end the sweep's run (database or disk is full); it stays open, and "
+                       "rerunning the sweep ends it."), warning

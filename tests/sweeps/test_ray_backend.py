@@ -15,12 +15,9 @@ of the machine, not only this one. Tests that need Ray skip where it is not inst
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,17 +31,12 @@ from fedcli.config import TrackingConfig
 from fedcli.errors import ConfigError
 from fedcli.sweep_ray import RayCluster, check_cluster, use_token_if_there
 from fedcli.tracking.store import RunRecord, SqlStore
+from tests.ray_head import free_port, ray_head_on_loopback
 
 T = TypeVar("T")
 pytestmark = pytest.mark.timeout(300)
 HEAD_START_S = 120.0  # a Ray head on a busy 2-core box
 RAY_MISSING = "Ray is not installed (pip install 'fedcli[ray]'); the Ray backend tests need a Ray head"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float) -> T:
@@ -61,51 +53,8 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float) -> T:
 def ray_head() -> Iterator[str]:
     """HOST:PORT of a 2-CPU Ray head on loopback, for this module's tests."""
     pytest.importorskip("ray", reason=RAY_MISSING)
-    port, temp = free_port(), Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths
-    log = open(temp / "head.log", "wb")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
-                             "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false",
-                             "--disable-usage-stats", f"--temp-dir={temp}"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        wait_for("the Ray head", lambda: head.poll() is not None or b"Ray runtime started" in (temp / "head.log").read_bytes(),
-                 HEAD_START_S)
-        assert head.poll() is None, (temp / "head.log").read_text(errors="replace")
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop_group(head)
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def stop_group(head: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the head's process group (head, GCS, raylet, workers), SIGKILL what is left after 20 s."""
-    for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(head.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and group_alive(head.pid):
-            head.poll()
-            time.sleep(0.2)
-        if not group_alive(head.pid):
-            break
-    head.wait(timeout=10)
-
-
-def group_alive(pgid: int) -> bool:
-    """True while a process of group `pgid` other than a zombie runs (read from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+    with ray_head_on_loopback(cpus=2, start_s=HEAD_START_S) as address:
+        yield address
 
 
 def write_spec(folder: Path, experiment: str, rounds: int, algos: str, seeds: str, local_epochs: int = 1) -> Path:
