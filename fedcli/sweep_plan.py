@@ -118,9 +118,14 @@ def trial_env(track: Any) -> dict[str, str] | None:
     """The environment of a trial process: this one's, plus FEDCLI_STORE / MLFLOW_TRACKING_URI where the
     sweep's URLs carry a password, which the trial's config file and command line hold masked
     (docs/architecture.md, "Security"); None (inherit) when neither does."""
-    extra = {name: url for name, url in (("FEDCLI_STORE", track.store_url), ("MLFLOW_TRACKING_URI", track.mlflow_uri))
-             if has_password(url)}
+    extra = trial_secrets(track)
     return {**os.environ, **extra} if extra else None
+
+
+def trial_secrets(track: Any) -> dict[str, str]:
+    """FEDCLI_STORE / MLFLOW_TRACKING_URI for the sweep's URLs that carry a password (what `trial_env` adds)."""
+    return {name: url for name, url in (("FEDCLI_STORE", track.store_url), ("MLFLOW_TRACKING_URI", track.mlflow_uri))
+            if has_password(url)}
 
 
 def trial_args(plan: Plan, config_path: Path | str, cores: int, parent_run: str | None,

@@ -78,12 +78,12 @@ class TrialActor:
     """
 
     def __init__(self, cwd: str, env: Mapping[str, str]) -> None:
-        self.folder = tempfile.mkdtemp(prefix="fedcli-worker-")
-        self.stderr = Path(self.folder) / "stderr.txt"
-        with open(self.stderr, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep_worker"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, cwd=cwd if os.path.isdir(cwd) else None,
-                                         env={**os.environ, **env}, preexec_fn=_die_with_parent(os.getpid()))
+        # an unnamed file: Ray ends actors with ray.kill, so a folder made here was never removed (one
+        # per actor was left in /tmp); it is freed with this process
+        self.stderr = tempfile.TemporaryFile(prefix="fedcli-worker-")  # noqa: SIM115 - lives with the actor
+        self.proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, cwd=cwd if os.path.isdir(cwd) else None,
+                                     env={**os.environ, **env}, preexec_fn=_die_with_parent(os.getpid()))
 
     def where(self) -> tuple[str, int]:
         """(host, worker pid)."""
@@ -111,7 +111,7 @@ class TrialActor:
                 return {**event, "host": socket.gethostname(), "pid": self.proc.pid}
         code = self.proc.wait()
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        tail = _tail(self.stderr)
+        tail = _tail_of(self.stderr)
         return {"event": "died", "status": "failed", "run_id": run_id, "round": None, "metrics": {},
                 "reason": f"its sweep worker (pid {self.proc.pid} on {socket.gethostname()}) {how}"
                           + (f" ({tail[-1][:300]})" if tail and code > 0 else ""),
@@ -167,6 +167,14 @@ def _stop(proc: subprocess.Popen[bytes]) -> int:
             proc.kill()
         except KeyboardInterrupt:  # a second cancel: keep waiting, a second SIGTERM would cut the checkpoint
             continue
+
+
+def _tail_of(file: Any) -> list[str]:
+    """The last lines of an open file another process writes (pread: its shared offset stays put)."""
+    size = os.fstat(file.fileno()).st_size
+    start = max(0, size - 65536)
+    lines = os.pread(file.fileno(), size - start, start).decode(errors="replace").splitlines()
+    return [line for line in lines if line.strip()][-TAIL_LINES:]
 
 
 def _tail(path: Path) -> list[str]:

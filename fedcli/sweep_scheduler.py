@@ -6,11 +6,9 @@ how a sweep owns its trials and which re-exports every name here.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -23,31 +21,13 @@ if TYPE_CHECKING:
     from fedcli.tracking.store import Claim, RunRecord
 
 from fedcli.sweep_plan import ELSEWHERE, NEW, RESUME, Plan, trial_command, trial_env
+from fedcli.sweep_process import die_with_parent
 
 # --------------------------------------------------------------------------- the trial processes
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 KILL_AFTER_S = 180.0  # a stopped trial still running this long after SIGTERM is killed (it reads interrupted)
-
-
-def die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A `preexec_fn`: the child gets SIGTERM when the sweep dies, even by SIGKILL (Linux; no-op elsewhere).
-
-    The signal is tied to the thread that forks, so trials are started from the main thread.
-    libc is loaded here, before the fork, so the child only makes two system calls.
-    """
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-    def preexec() -> None:
-        if libc is None:
-            return
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent_pid:  # the sweep died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
 
 
 @dataclass

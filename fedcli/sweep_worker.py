@@ -107,6 +107,7 @@ class Worker:
     """Runs trials one after another in this process; one SqlStore per store URL."""
 
     def __init__(self) -> None:
+        import fedcli.api  # noqa: F401 - what each trial runs: imported before the first (spawn_early)
         from fedcli.engine import setup
 
         setup.DATA_CACHE = {}  # a task's data is loaded once per worker (keyed by every loader option)
@@ -160,6 +161,7 @@ class Worker:
         from fedcli.errors import FedcliError
 
         self.state.restore()  # every trial starts from the process as it was before the first
+        os.environ.update(message.get("env") or {})  # a worker started early: the URLs' passwords (trial_secrets)
         signals = GracefulSignals(immediate=True)  # set-up writes nothing: a stop there ends at once
         signals.install()
         tracker = None

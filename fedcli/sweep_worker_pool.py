@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedcli.sweep_plan import RESUME, Plan, trial_config_text, trial_env
+from fedcli.sweep_plan import RESUME, Plan, trial_config_text, trial_env, trial_secrets
+from fedcli.sweep_process import adopt_early
 from fedcli.sweep_scheduler import (
     KILL_AFTER_S,
     Scheduler,
@@ -51,11 +52,14 @@ END_WAIT_S = 10.0  # how long the sweep's end waits for an idle worker to exit a
 class SweepWorker:
     """One worker process and the events it printed (a reader thread fills `events`)."""
 
-    def __init__(self, env: dict[str, str] | None, stderr: Path) -> None:
-        with open(stderr, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep_worker"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, preexec_fn=die_with_parent(os.getpid()),
-                                         env=env)
+    def __init__(self, env: dict[str, str] | None, stderr: Path,
+                 proc: subprocess.Popen[bytes] | None = None) -> None:
+        if proc is None:
+            with open(stderr, "wb") as err:
+                proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep_worker"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=err, preexec_fn=die_with_parent(os.getpid()),
+                                        env=env)
+        self.proc = proc  # `proc`: one started early (fedcli.sweep_worker.spawn_early), whose stderr is `stderr`
         self.stderr = stderr
         self.trial: WorkerTrial | None = None
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -164,7 +168,11 @@ class WorkerScheduler(Scheduler):
             if worker.trial is None and worker.proc.poll() is None:
                 return worker
         self._spawned += 1
-        worker = SweepWorker(trial_env(plan.trial.config.tracking), self._tmp / f"worker-{self._spawned}.stderr")
+        early = adopt_early()
+        if early is not None:  # started before the sweep imported torch (its secrets come with each trial)
+            worker = SweepWorker(None, early[1], proc=early[0])
+        else:
+            worker = SweepWorker(trial_env(plan.trial.config.tracking), self._tmp / f"worker-{self._spawned}.stderr")
         self.pool.append(worker)
         return worker
 
@@ -178,7 +186,10 @@ class WorkerScheduler(Scheduler):
         return trial
 
     def message(self, plan: Plan) -> dict[str, Any]:
-        return trial_message(plan, self.cores, self.threads, self.source.hook(plan) if self.source else None)
+        # `env`: what trial_env puts in a worker's environment (URLs with a password), for a worker started
+        # early with the sweep's own environment; over the pipe, never on a command line
+        return {**trial_message(plan, self.cores, self.threads, self.source.hook(plan) if self.source else None),
+                "env": trial_secrets(plan.trial.config.tracking)}
 
     def _reap(self) -> bool:
         changed = False

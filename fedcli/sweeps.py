@@ -56,6 +56,7 @@ from fedcli.sweep_plan import (  # noqa: F401
     trial_config_text,
     trial_env,
 )
+from fedcli.sweep_process import PR_SET_PDEATHSIG, die_with_parent  # noqa: F401
 from fedcli.sweep_rows import (  # noqa: F401
     METRIC_KEYS,
     SPEC_HASH_TAG,
@@ -69,14 +70,12 @@ from fedcli.sweep_rows import (  # noqa: F401
 )
 from fedcli.sweep_scheduler import (  # noqa: F401
     KILL_AFTER_S,
-    PR_SET_PDEATHSIG,
     STOP_SIGNALS,
     Scheduler,
     TrialClaims,
     TrialOutcome,
     TrialProcess,
     TrialSource,
-    die_with_parent,
     in_terminal_foreground,
     with_suppressed_lookup,
 )

@@ -65,6 +65,10 @@ def sweep(
     Example: fedcli sweep --recipe fedpa-vs-fedavg-femnist --workers 2
     On a Ray cluster: fedcli sweep spec.yaml --backend ray --address HEAD:6379 --store postgresql+psycopg://...
     """
+    if backend is Backend.local and not dry_run and not list_recipes:  # its imports overlap the sweep's own
+        from fedcli.sweep_process import spawn_early
+
+        spawn_early()
     from fedcli import sweeps
     from fedcli.config import warn_degenerate
 

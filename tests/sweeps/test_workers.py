@@ -245,3 +245,37 @@ def test_the_scheduler_asks_its_source_for_trials_and_tells_it_each_outcome(tmp_
     assert bad.status == "failed" and "diverged" in bad.reason and bad.run_id is not None
     assert {r.id: r.status for r in db.list_runs()} == {good.run_id: "finished", bad.run_id: "failed"}
     assert len(scheduler.plans) == 2  # the asked plans join the table's
+
+
+def test_the_worker_started_early_runs_the_first_trial_with_the_urls_password_sent_over_its_pipe(
+        tmp_path: Path, pg_database, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """`spawn_early` (what `fedcli sweep` calls before it imports torch) starts a worker with the sweep's
+    environment, which holds no FEDCLI_STORE; the scheduler adopts it for its first trial (the same
+    process) and sends the store URL's password with each trial (`trial_secrets`), never on a command
+    line: trials against a PostgreSQL store whose URL carries a password finish there (without it the
+    worker would stop with "tracking.store must carry its password")."""
+    from fedcli import sweeps
+    from fedcli.sweep_process import _EARLY, spawn_early
+    from fedcli.sweep_worker_pool import WorkerScheduler
+    from fedcli.tracking.store import SqlStore
+    from tests.reliability.test_files_and_secrets import PASSWORD, secret
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("FEDCLI_STORE", raising=False)
+    store_url = secret(pg_database())
+    spawn_early()
+    early = _EARLY[0][0]
+    assert PASSWORD.encode() not in Path(f"/proc/{early.pid}/environ").read_bytes()
+    body = {"experiment": "w-early", "base": {"task": "lsq", "rounds": 2, "clients_per_round": 4}, "seeds": [0, 1]}
+    trials = sweeps.expand(body, {"tracking.root": str(tmp_path), "tracking.use_mlflow": False,
+                                  "tracking.store": store_url})
+    db = SqlStore(store_url)
+    scheduler = WorkerScheduler([sweeps.Plan(t, sweeps.NEW) for t in trials], workers=1, cores=1, threads=1,
+                                parent_run=None, claims=sweeps.TrialClaims(db, "w-early"))
+    try:
+        assert scheduler.run(lambda processes: None, tick_s=0.5) is None
+        assert [w.proc.pid for w in scheduler.pool] == [early.pid] and _EARLY == []
+        assert PASSWORD.encode() not in Path(f"/proc/{early.pid}/cmdline").read_bytes()
+    finally:
+        scheduler.cleanup()
+    assert sorted(r.status for r in db.list_runs()) == ["finished", "finished"]
