@@ -1,7 +1,7 @@
 """Issue 27's search figure: a 100-trial search with a median pruner on FEMNIST against a random search of the
 same budget without pruning (docs/sweeps.md, "What pruning saves").
 
-    OMP_NUM_THREADS=1 python -m tests.benchmarks.bench_search [--trials 100] [--workers 1] [--root DIR]
+    OMP_NUM_THREADS=1 python -m tests.benchmarks.bench_search [--trials 100] [--workers 1] [--root DIR] [--seed S]
 
 Runs examples/search-pruning.yaml (TPE + median pruner) and the same spec with `sampler: random` and no
 pruner, each as its own experiment in one store (`fedcli sweep ... --no-mlflow`), then prints, per search:
@@ -25,10 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "search-pruning.yaml"
 
 
-def variants(trials: int) -> dict[str, dict]:
+def variants(trials: int, seed: int | None = None) -> dict[str, dict]:
     spec = yaml.safe_load(EXAMPLE.read_text())
     spec.pop("smoke", None)
     spec["search"]["trials"] = trials
+    if seed is not None:  # the samplers' seed (both searches draw their first 10 trials alike: TPE starts at random)
+        spec["search"]["seed"] = seed
     tpe = {**spec, "experiment": "bench-search-tpe-median"}
     random = {**spec, "experiment": "bench-search-random", "search": {**spec["search"], "sampler": "random"}}
     random.pop("pruner")
@@ -55,12 +57,13 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--root", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="the search's seed (default: the example's, 0)")
     args = parser.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="fedcli-bench-search-"))
     root.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{root / 'fedcli.db'}"
     rows = {}
-    for label, spec in variants(args.trials).items():
+    for label, spec in variants(args.trials, args.seed).items():
         path = root / f"{spec['experiment']}.yaml"
         path.write_text(yaml.safe_dump(spec, sort_keys=False))
         start = time.perf_counter()

@@ -81,6 +81,10 @@ def sweep_table(mode: str, folder: Path) -> dict[str, Any]:
     for name, extra in SWEEPS.items():
         rows[name] = measure(["sweep", str(spec), *extra], folder / name)
     rows.update(ray_rows(spec, folder))
+    if mode == "full":  # for information: the same sweep with 5x the rounds, where the fixed costs weigh less
+        longer = folder / "spec_100.yaml"
+        longer.write_text(SPEC.format(rounds=100))
+        rows["workers_1_100_rounds"] = measure(["sweep", str(longer), "--workers", "1"], folder / "workers_1_100")
     one, two = rows["workers_1"], rows["workers_2"]
     ratios = {}
     if "error" not in one and "error" not in two:
