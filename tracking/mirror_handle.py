@@ -224,6 +224,17 @@ def spawn_early() -> None:
         _EARLY.append(_popen([sys.executable, "-m", "fedcli.tracking.mirror"]))
 
 
+def discard_early() -> None:
+    """End the mirror `spawn_early` started when the run turns out to need none (`tracking.use_mlflow:
+    false` in a config file, MLflow dropped by `--mlflow-optional`): end of file on its stdin, and
+    it exits once its imports are done instead of idling as long as the run trains."""
+    while _EARLY:
+        proc = _EARLY.pop()
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+
+
 def _adopt_early() -> subprocess.Popen[bytes] | None:
     proc = _EARLY.pop() if _EARLY else None
     return proc if proc is not None and proc.poll() is None else None

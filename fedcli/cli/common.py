@@ -72,6 +72,9 @@ def spawn_mirror(cfg: TrackingConfig, parent_run_id: str | None = None) -> Mirro
     from fedcli.tracking.mirror import MirrorHandle
 
     if not cfg.use_mlflow:
+        from fedcli.tracking.mirror_handle import discard_early
+
+        discard_early()  # `fedcli train` started one before it knew (tracking.use_mlflow: false in a config)
         return None
     return MirrorHandle(tracking_uri=cfg.mlflow_uri, experiment=cfg.experiment, store_url=cfg.store_url,
                         runs_root=Path(cfg.root).resolve() / "runs", parent_run_id=parent_run_id).spawn()

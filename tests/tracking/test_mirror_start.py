@@ -7,6 +7,7 @@ docs/architecture.md §6 (the MLflow mirror) describes the behaviour checked her
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -72,3 +73,38 @@ def test_mlflow_set_up_failing_after_the_check_is_one_warning_and_the_run_trains
     (run,) = db.list_runs()
     assert run.status == "finished" and db.last_round(run.id) == 4
     assert sorted(set(db.metrics_frame([run.id])["round_idx"])) == list(range(5))
+
+
+def test_a_config_without_mlflow_ends_the_mirror_train_started_before_it_read_the_config(tmp_path: Path) -> None:
+    """`fedcli train` starts its mirror before it reads `--config`; a config with `tracking.use_mlflow:
+    false` ends that mirror (`discard_early`) instead of leaving it idle while the run trains."""
+    import os
+    import signal
+    import sys
+
+    (tmp_path / "run.yaml").write_text("tracking: {use_mlflow: false}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "100000", "--config",
+                             str(tmp_path / "run.yaml"), "--root", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def mirrors() -> list[int]:
+        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        return [int(k) for k in kids if b"fedcli.tracking.mirror" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+    try:
+        deadline, trained = time.monotonic() + 120, 0
+        while trained < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            if (tmp_path / "fedcli.db").exists():
+                db = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
+                trained = max((db.last_round(r.id) or 0 for r in db.list_runs()), default=0)
+        assert trained >= 3, "the run never reached round 3"
+        deadline = time.monotonic() + 60
+        while mirrors() and time.monotonic() < deadline:  # it exits once its imports are done
+            time.sleep(0.2)
+        assert mirrors() == [] and proc.poll() is None
+        assert not (tmp_path / "mlflow.db").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
