@@ -226,11 +226,13 @@ def spawn_early() -> None:
 
 def discard_early() -> None:
     """End the mirror `spawn_early` started when the run turns out to need none (`tracking.use_mlflow:
-    false` in a config file, MLflow dropped by `--mlflow-optional`): end of file on its stdin, and
-    it exits once its imports are done instead of idling as long as the run trains."""
+    false` in a config file, MLflow dropped by `--mlflow-optional`), instead of leaving it idle as
+    long as the run trains. SIGTERM: it has read nothing and written nothing (end of file alone
+    would wait for its imports, which at idle priority wait for an idle core)."""
     while _EARLY:
         proc = _EARLY.pop()
         with contextlib.suppress(OSError):
+            proc.terminate()
             if proc.stdin is not None:
                 proc.stdin.close()
 

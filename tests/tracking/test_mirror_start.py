@@ -88,9 +88,16 @@ def test_a_config_without_mlflow_ends_the_mirror_train_started_before_it_read_th
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    def mirrors() -> list[int]:
-        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        return [int(k) for k in kids if b"fedcli.tracking.mirror" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    def mirrors() -> list[int]:  # live mirror children (not zombies waiting to be reaped)
+        found = []
+        for kid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            try:
+                state = Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z" and b"fedcli.tracking.mirror" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                    found.append(int(kid))
+            except OSError:  # it ended meanwhile
+                continue
+        return found
 
     try:
         deadline, trained = time.monotonic() + 120, 0
