@@ -8,16 +8,16 @@ temporary folder of the node, runs the same command line as the local backend
 tail of its output. A cancelled task (the sweep was stopped: `ray.cancel` raises
 KeyboardInterrupt here) forwards SIGTERM to the trial and waits for it to checkpoint and exit,
 so its run reads `interrupted` and a rerun resumes it; a trial that outlives its worker gets
-SIGTERM from the kernel (PR_SET_PDEATHSIG, as fedcli.sweeps.die_with_parent).
+SIGTERM from the kernel (PR_SET_PDEATHSIG: fedcli.sweep_process.die_with_parent).
 
-Standard library only: a Ray worker imports this module to run the task, and importing
-fedcli.sweeps (torch) there would cost every worker seconds and memory for nothing.
+Standard library only (and fedcli.sweep_process, which is too): a Ray worker imports this module
+to run the task, and importing fedcli.sweeps (torch) there would cost every worker seconds and
+memory for nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -28,11 +28,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedcli.sweep_process import die_with_parent
+
 CONFIG_TOKEN = "{config}"  # replaced in the command by the path of the trial's config on the node
 KILL_AFTER_S = 180.0  # as fedcli.sweeps.KILL_AFTER_S: a stopped trial still running this long is killed
 TAIL_LINES = 20
 POLL_S = 0.2  # _wait's slice: how late a cancel may be noticed
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def run_trial(args: Sequence[str], config_text: str | None, cwd: str, env: Mapping[str, str]) -> dict[str, Any]:
@@ -57,7 +58,7 @@ def run_trial(args: Sequence[str], config_text: str | None, cwd: str, env: Mappi
         with open(folder / "stdout.txt", "wb") as out, open(folder / "stderr.txt", "wb") as err:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     cwd=cwd if os.path.isdir(cwd) else tmp, env={**os.environ, **env},
-                                    preexec_fn=_die_with_parent(os.getpid()))
+                                    preexec_fn=die_with_parent(os.getpid()))
         stopped = False
         try:
             code = _wait(proc)
@@ -83,7 +84,7 @@ class TrialActor:
         self.stderr = tempfile.TemporaryFile(prefix="fedcli-worker-")  # noqa: SIM115 - lives with the actor
         self.proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep_worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, cwd=cwd if os.path.isdir(cwd) else None,
-                                     env={**os.environ, **env}, preexec_fn=_die_with_parent(os.getpid()))
+                                     env={**os.environ, **env}, preexec_fn=die_with_parent(os.getpid()))
 
     def where(self) -> tuple[str, int]:
         """(host, worker pid)."""
@@ -180,17 +181,3 @@ def _tail_of(file: Any) -> list[str]:
 def _tail(path: Path) -> list[str]:
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
     return [line for line in lines if line.strip()][-TAIL_LINES:]
-
-
-def _die_with_parent(parent_pid: int) -> Any:
-    """A `preexec_fn`: SIGTERM to the trial when this worker dies (Linux; no-op elsewhere)."""
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-    def preexec() -> None:
-        if libc is None:
-            return
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec

@@ -163,7 +163,7 @@ class MirrorHandle:
 
         A mirror that died since the last `check` is restarted first, so that MLflow gets the
         whole run before this process exits. After a stop signal (`stopping`, before or during
-        the wait) the wait is at most STOP_WAIT_S: the mirror, in its own session, finishes the
+        the wait) the wait is at most STOP_WAIT_S: the mirror, in its own process group, finishes the
         copy in the background, and the warning says what completes it if it cannot.
         """
         restarted = None

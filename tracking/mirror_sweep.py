@@ -8,7 +8,7 @@ as the trial ends (`SweepMirror.add`). It copies the run as `fedcli sync` does
 (`Mirror.run_once`: rounds, files, model, status, nested under the sweep's parent run) and
 takes the next. No trial ever waits for it; the sweep's end waits for the copies still to do
 (`SweepMirror.finish`, at most FINISH_WAIT_S; after a stop signal STOP_WAIT_S, then it goes on
-alone in its own session); once the sweep's stdin ends it leaves idle priority to catch up.
+alone in its own process group); once the sweep's stdin ends it leaves idle priority to catch up.
 What it could not copy, `fedcli sync` copies later (the store has it all). The cost: MLflow shows a trial once it ended, not round by round while it trains.
 
 It also opens the sweep's MLflow parent run (`sweeps.parent_run`: reused by a rerun) and ends
