@@ -36,13 +36,58 @@ from fedcli.errors import ConfigError
 from fedcli.tracking.urls import is_masked
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping that gives one key twice (PyYAML keeps the last silently)."""
+
+    def __init__(self, key: Any, first: yaml.Mark, again: yaml.Mark) -> None:
+        super().__init__(None, None, f"key {key!r} is given twice", again)
+        self.key, self.first_line, self.line = key, first.line + 1, again.line + 1
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (merge keys `<<` may still be overridden)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if first is not key_node.start_mark:
+                raise DuplicateKeyError(key, first, key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """Parse YAML safely: one ConfigError line naming `source` for a duplicate key, bad syntax or deep nesting.
+
+    Every YAML a user writes (config files, sweep specs, recipes, `--hp KEY={...}` values) is read here.
+    """
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{source} gives key {exc.key!r} twice (lines {exc.first_line} and {exc.line}); "
+                          "keep one (YAML would silently use the last).") from None
+    except RecursionError:
+        raise ConfigError(f"{source} is nested too deeply to read; a config is a few levels of mappings "
+                          "and lists.") from None
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{source} is not valid YAML: {first}") from None
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping; ConfigError naming the file when it is malformed."""
     try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"config file {path} is not valid YAML: {first}") from exc
+    doc = load_yaml(text, f"config file {path}")
     if doc is None:
         return {}
     if not isinstance(doc, dict):
@@ -56,10 +101,16 @@ def suggest(name: str, options: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def parse_value(text: str) -> Any:
-    """Parse a CLI value ('0.1', 'true', '[1,2]') as YAML; fall back to the string."""
+def parse_value(text: str, flag: str = "value") -> Any:
+    """Parse a CLI value ('0.1', 'true', '[1,2]') as YAML; fall back to the string.
+
+    Raises:
+        ConfigError: a mapping that gives a key twice (`{a: 1, a: 2}`), or nesting too deep to read.
+    """
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except (DuplicateKeyError, RecursionError):
+        return load_yaml(text, f"{flag} {text[:60]!r}")  # raises the one line
     except yaml.YAMLError:
         return text
 
@@ -74,7 +125,7 @@ def parse_assignments(items: list[str], flag: str) -> dict[str, Any]:
         if key.strip() in out:
             raise ConfigError(f"{flag} {key.strip()} must be given once; got {key.strip()}={out[key.strip()]!r} and "
                               f"{item!r}. Keep one.")
-        out[key.strip()] = parse_value(value.strip())
+        out[key.strip()] = parse_value(value.strip(), flag)
     return out
 
 

@@ -17,8 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 RECIPE_DIR = Path(__file__).resolve().parent
 SMOKE_SUFFIX = "-smoke"
 
@@ -33,7 +31,9 @@ def read_recipe(name: str) -> dict[str, Any]:
     path = RECIPE_DIR / f"{name}.yaml"
     if not path.is_file():
         raise KeyError(name)
-    return yaml.safe_load(path.read_text())
+    from fedcli.config_checks import load_yaml
+
+    return load_yaml(path.read_text(), f"recipe {path}")
 
 
 def smoke_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
