@@ -23,6 +23,7 @@ from fedcli.errors import ConfigError
 
 FORMAT = "fedcli-partition"
 FORMAT_VERSION = 1
+_NONE = object()  # no bad index found
 
 
 def _canonical(doc: dict[str, Any]) -> str:
@@ -94,6 +95,9 @@ def _read_partition(path: Path, *, dataset: str | None) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError):
         raise ConfigError(f"partition file {path} is not valid JSON (truncated or not a partition file); "
                           f"{redo}.") from None
+    except RecursionError:  # [[[[...]]]] thousands deep: json's parser recurses per level
+        raise ConfigError(f"partition file {path} is nested too deeply to be a partition file (clients are "
+                          f"lists of example indices); {redo}.") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ConfigError(f"{path} is not a fedcli partition file; write one with `fedcli partition`.")
     version = doc.get("version")
@@ -101,7 +105,11 @@ def _read_partition(path: Path, *, dataset: str | None) -> dict[str, Any]:
         raise ConfigError(f"partition file {path} has format version {version!r}; this fedcli reads versions "
                           f"<= {FORMAT_VERSION}. Upgrade fedcli or {redo}.")
     claimed = doc.pop("content_sha256", None)
-    if claimed != hashlib.sha256(_canonical(doc).encode()).hexdigest():
+    try:
+        actual = hashlib.sha256(_canonical(doc).encode()).hexdigest()
+    except (RecursionError, ValueError):  # nested deeper than json.dumps writes, or a non-finite number
+        actual = None
+    if claimed != actual:
         raise ConfigError(f"partition file {path} fails its content hash: it was edited or corrupted; {redo}.")
     if dataset is not None and doc.get("dataset") != dataset:
         raise ConfigError(f"partition file {path} was made for dataset {doc.get('dataset')!r}, not {dataset!r}; "
@@ -110,22 +118,33 @@ def _read_partition(path: Path, *, dataset: str | None) -> dict[str, Any]:
 
 
 def _parse_clients(path: Path, doc: dict[str, Any]) -> list[np.ndarray]:
+    """Client k -> int64 indices; each index must be a JSON integer in 0..num_examples-1 (12.5, "3",
+    true or 1e30 are refused, never truncated or cast)."""
     n = doc.get("num_examples")
-    try:
-        clients = [np.asarray(c, dtype=np.int64) for c in doc["clients"]]
-    except (KeyError, TypeError, ValueError):
-        raise ConfigError(f"partition file {path} has a malformed 'clients' list; {_redo(path, doc.get('dataset'))}.") from None
-    if not clients or any(c.ndim != 1 for c in clients):
+    redo = _redo(path, doc.get("dataset"))
+    raw = doc.get("clients")
+    if not isinstance(raw, list) or not raw or not all(isinstance(c, list) for c in raw):
         raise ConfigError(f"partition file {path} must hold a non-empty list of clients, each a list of example "
-                          f"indices; {_redo(path, doc.get('dataset'))}.")
+                          f"indices; {redo}.")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ConfigError(f"partition file {path} has num_examples {n!r}, not a count of examples; {redo}.")
+    for k, client in enumerate(raw):
+        bad = next((i for i in client if type(i) is not int or not 0 <= i < n), _NONE)
+        if bad is not _NONE:
+            what = f"outside 0..{n - 1}" if type(bad) is int else "not an integer"
+            raise ConfigError(f"partition file {path} has example index {_short(bad)} in client {k} ({what}); "
+                              f"indices must be integers in 0..{n - 1}; {redo}.")
+    clients = [np.asarray(c, dtype=np.int64) for c in raw]
     flat = np.concatenate(clients)
-    if not isinstance(n, int) or isinstance(n, bool) or (len(flat) and (flat.min() < 0 or flat.max() >= n)):
-        raise ConfigError(f"partition file {path} has example indices outside 0..{n}-1; "
-                          f"{_redo(path, doc.get('dataset'))}.")
     if len(np.unique(flat)) != len(flat):
         raise ConfigError(f"partition file {path} assigns some example to two clients; "
                           f"{_redo(path, doc.get('dataset'))}.")
     return clients
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _parse_spec(path: Path, doc: dict[str, Any]) -> PartitionSpec:

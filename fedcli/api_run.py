@@ -142,6 +142,10 @@ def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[s
     from fedcli.errors import ConfigError
 
     overrides = {**overrides_of(options), **dict(sections or {})}
+    if resume is not None and (not isinstance(resume, str) or not resume.strip()):
+        # `--resume "$RUN"` with RUN empty would otherwise train a fresh run from scratch
+        raise ConfigError(f"--resume must name a run (its id, id prefix or name); got {resume!r}. Pass the run "
+                          "`fedcli list runs` shows, or leave --resume out to start a new run.")
     if resume:
         if config is not None or hp:
             raise ConfigError("--resume continues a run with its stored config; drop --config and --hp.")
