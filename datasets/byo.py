@@ -130,6 +130,10 @@ def check_arrays(path: Path, arrays: Arrays) -> None:
     if client is not None and client.dtype.kind == "f" and np.isnan(client).any():
         raise DataError(f"{name}: client must name an owner for every row; got {int(np.isnan(client).sum())} missing. "
                         "Fill them, or drop the client column and partition with --scheme iid/dirichlet.")
+    if client is not None:
+        from fedcli.datasets.user_data import check_client_ids
+
+        check_client_ids(client, name, "client")  # 1.5 and 1.2 are not one client, nor is 1.0 a name
     for key in ("x", "x_test"):
         if key in arrays and arrays[key].dtype.kind == "f" and not np.isfinite(arrays[key]).all():
             bad = int((~np.isfinite(arrays[key])).any(axis=tuple(range(1, arrays[key].ndim))).sum())

@@ -291,10 +291,18 @@ def _torch_arrays(ds: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
     rows = getitems(list(range(n))) if callable(getitems) else [ds[i] for i in range(n)]  # once, at load
     try:
         xs = np.stack([np.asarray(r[0]) for r in rows])
-        ys = np.asarray([np.asarray(r[1]).item() for r in rows])
+        values = [np.asarray(r[1]).item() for r in rows]
     except (ValueError, TypeError) as exc:
         raise DataError(f"{label}: examples must share one shape and have one scalar label each ({exc}); "
                         "resize or pad them in the dataset.") from None
+    kinds = [_kind(v) for v in values]
+    row = next((i for i, k in enumerate(kinds) if k not in ("int", "float") or k != kinds[0]), None)
+    if row is not None:  # numpy would make [1, 0.5] floats (regression) and [True, 2] integers
+        first = f" (example 0: {type(values[0]).__name__} {values[0]!r})" if row else ""
+        raise DataError(f"{label}: labels must all be integers (classes) or all floats (regression targets); got "
+                        f"{type(values[row]).__name__} {values[row]!r} at example {row}{first}. Return one kind of "
+                        "label; fedcli casts none.")
+    ys = np.asarray(values)
     pil = hasattr(first[0], "getbands")  # PIL images (a torchvision dataset without transform): [H, W, C]
     return (xs.transpose(0, 3, 1, 2).copy() if pil and xs.ndim == 4 else xs), ys
 
@@ -336,18 +344,77 @@ def _hf_arrays(ds: Any, x: str | Sequence[str] | None, y: str, client: Any, labe
 
 
 def _client_ids(owners: Any, n: int, label: str) -> np.ndarray:
+    """One owner per example as 0..K-1 (sorted order of the ids); ids must be integers or names, of one kind.
+
+    Refused, never cast: float ids (0.5 and 0.7 are not two writers' numbers), booleans, and a
+    sequence that mixes kinds (`[1, "1"]` became one client).
+    """
+    if isinstance(owners, Tensor):
+        owners = owners.detach().cpu().numpy()
+    if not isinstance(owners, np.ndarray) and isinstance(owners, Sequence) and not isinstance(owners, (str, bytes)):
+        kinds = [_kind(v) for v in owners]
+        row = next((i for i, k in enumerate(kinds) if k not in ("int", "str")), None)
+        row = next((i for i, k in enumerate(kinds) if k != kinds[0]), None) if row is None else row
+        if row is not None:
+            first = f" (example 0: {type(owners[0]).__name__} {owners[0]!r})" if row else ""
+            raise DataError(f"{label}: client ids must all be integers or all be names (str); got "
+                            f"{type(owners[row]).__name__} {owners[row]!r} at example {row}{first}. Give each client "
+                            "one integer id or one name; fedcli casts none.")
     ids = np.asarray(owners)
     if ids.ndim != 1 or len(ids) != n:
         raise DataError(f"{label}: client must give one id per example (length {n}); got shape {ids.shape}. "
                         "Give an id per example, or a partition (a list of index arrays).")
+    check_client_ids(ids, label, "client")
     return np.unique(ids, return_inverse=True)[1].astype(np.int64)
+
+
+def _kind(value: Any) -> str:
+    """int, float, bool, str or other: the kind of one label or client id."""
+    if isinstance(value, (bool, np.bool_)):
+        return "bool"
+    if isinstance(value, (int, np.integer)):
+        return "int"
+    if isinstance(value, (float, np.floating)):
+        return "float"
+    return "str" if isinstance(value, str) else "other"
+
+
+def _first_non_integer(values: np.ndarray) -> int:
+    """The first position of a float array whose value is not a whole number (NaN, inf), else 0."""
+    odd = np.flatnonzero(~np.isfinite(values) | (values != np.round(values)))
+    return int(odd[0]) if len(odd) else 0
+
+
+def check_client_ids(ids: np.ndarray, label: str, column: str) -> None:
+    """Client ids as read (an array, a table column) must be integers or text: DataError naming an example.
+
+    Float ids are refused even when whole (1.0): a float column is how a table says the ids were
+    computed, or had missing values, and casting would merge 1.2 and 1.5 or name a client "1.0".
+    """
+    if ids.dtype.kind in "iuUS" or (ids.dtype.kind == "O" and all(isinstance(v, str) for v in ids)):
+        return
+    if ids.dtype.kind == "f":
+        row = _first_non_integer(ids)
+    elif ids.dtype.kind == "O":
+        row = next(i for i, v in enumerate(ids) if not isinstance(v, str))
+    else:
+        row = 0
+    value = ids[row].item() if isinstance(ids[row], np.generic) else ids[row]
+    raise DataError(f"{label}: {column} must hold integer ids or names; got dtype {ids.dtype} (e.g. {value!r} at "
+                    f"row {row}). Save the ids as integers or text; fedcli casts none.")
 
 
 def _partition_ids(partition: Any, n: int, label: str) -> np.ndarray:
     """Client k -> indices as one owner per example (-1 = no client); an example in two clients is refused."""
     owner = np.full(n, -1, dtype=np.int64)
     for k, part in enumerate(partition):
-        ix = np.asarray(part, dtype=np.int64).reshape(-1)
+        raw = np.asarray(part.detach().cpu() if isinstance(part, Tensor) else part).reshape(-1)
+        if raw.size and raw.dtype.kind not in "iu":
+            example = raw[_first_non_integer(raw) if raw.dtype.kind == "f" else 0]
+            example = example.item() if isinstance(example, np.generic) else example
+            raise DataError(f"{label}: partition client {k} must be integer example indices; got dtype {raw.dtype} "
+                            f"(e.g. {example!r}). Give integer arrays; fedcli truncates no index.")
+        ix = raw.astype(np.int64)
         if len(ix) and (ix.min() < 0 or ix.max() >= n):
             raise DataError(f"{label}: partition client {k} has index {int(ix.max() if ix.max() >= n else ix.min())} "
                             f"outside 0..{n - 1}; give indices into the dataset.")

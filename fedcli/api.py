@@ -152,6 +152,8 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
             (continue it with `resume=`).
         FedcliError: other user-facing failures (data, store, MLflow).
     """
+    _check_train_arguments(algo=algo, task=task, config=config, hp=hp, data_options=data_options, resume=resume,
+                           mlflow_optional=mlflow_optional, progress=progress, settings=settings)
     with preserved_state():  # around everything: the first imports of fedcli's modules may draw from `random`
         from fedcli.api_run import resolve_config
         from fedcli.datasets.user_data import data_ref
@@ -223,6 +225,9 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
 
     if format not in {f.value for f in Format}:
         raise ConfigError(f"format must be one of md, csv, json; got {format!r}.")
+    for name, value in (("window", window), ("smooth", smooth)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be an integer number of rounds >= 1; got {_kind(value)}.")
     refs = [r.id if isinstance(r, Run) else str(r) for r in runs or ()]
     if store is None and root is None:
         store = next((r.store for r in runs or () if isinstance(r, Run)), None)
@@ -231,7 +236,8 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
         where=parse_where([f"{k}={v}" for k, v in (where or {}).items()]),
         group_by=None if group_by is None else tuple(
             p.strip() for p in (group_by.split(",") if isinstance(group_by, str) else group_by) if p.strip()),
-        metric=parse_metric(metric), thresholds=tuple(float(t) for t in thresholds), at=tuple(int(r) for r in at),
+        metric=parse_metric(metric), thresholds=_numbers("thresholds", thresholds, float),
+        at=_numbers("at", at, int),
         window=window, smooth=smooth, include_unfinished=include_unfinished, columns=tuple(columns),
         command=f"fedcli.report(runs={refs!r})" if refs else "fedcli.report(...)")
     path = None if output is None else Path(output)
@@ -246,6 +252,56 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
     if path is None and format == "md":  # the CLI's note about figures names --output: not said here
         return rep.render_markdown(built, [])
     return write_report(built, path, Format(format), partition_heatmap)
+
+
+def _numbers(name: str, values: Any, kind: type) -> tuple[Any, ...]:
+    """`report`'s `at` (integers >= 1, never truncated) or `thresholds` (finite numbers), checked as the CLI does."""
+    import math
+    import numbers
+
+    items = list(values) if isinstance(values, (list, tuple)) else [values]
+    for value in items:
+        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        if (kind is int and not (whole and value >= 1)) or (kind is float and not real):
+            what = "round numbers (integers >= 1)" if kind is int else "finite numbers"
+            raise ConfigError(f"{name} must be a list of {what}; got {_kind(value)} in {name}={values!r}.")
+    return tuple(kind(v) for v in items)
+
+
+def _kind(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _check_train_arguments(*, algo: Any, task: Any, config: Any, hp: Any, data_options: Any, resume: Any,
+                           mlflow_optional: Any, progress: Any, settings: Mapping[str, Any]) -> None:
+    """The types of `train`'s arguments, before anything runs: one ConfigError line naming the argument
+    (a str `hp="rho=0.1"` was a bare "dictionary update sequence" ValueError, a str `progress` a
+    "'str' object is not callable" TypeError once the run had started)."""
+    for name, value in (("algo", algo), ("task", task)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{name} must be a name (str); got {_kind(value)}.")
+    if config is not None and not isinstance(config, (str, Path, Mapping)):
+        raise ConfigError(f"config must be a YAML file, a shipped config's name or a mapping of sections; got "
+                          f"{_kind(config)}.")
+    for name, value, example in (("hp", hp, "hp={'rho': 0.1}"),
+                                 ("data_options", data_options, "data_options={'client': 'writer_id'}")):
+        if value is not None and not isinstance(value, Mapping):
+            raise ConfigError(f"{name} must be a mapping such as {example}; got {_kind(value)}.")
+        bad = next((k for k in value or {} if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(f"{name} keys must be names (str); got {_kind(bad)}.")
+    if resume is not None and not isinstance(resume, (str, Run)):
+        raise ConfigError(f"resume must be a run id, id prefix or name (str), or a Run; got {_kind(resume)}.")
+    if not isinstance(mlflow_optional, bool):
+        raise ConfigError(f"mlflow_optional must be True or False; got {_kind(mlflow_optional)}.")
+    if not isinstance(progress, bool) and not callable(progress):
+        raise ConfigError(f"progress must be True, False or a function f(round, metrics); got {_kind(progress)}.")
+    for name in SECTIONS:
+        if name in settings and not isinstance(settings[name], Mapping):
+            raise ConfigError(f"{name}= must be a mapping of the {name} section's config keys, such as "
+                              f"{name}={{...}}; got {_kind(settings[name])}.")
 
 
 def _split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -243,6 +243,7 @@ class RoundLoop:
         if self.completed == 0:
             with signals.critical():
                 metrics = self._evaluate(self.state)
+                self._check_finite(0, metrics)  # a model whose output is NaN before any training
                 self._log(0, metrics, [], progress)
         for round_idx in range(self.completed + 1, cfg.train.rounds + 1):
             signals.check()
@@ -309,5 +310,7 @@ class RoundLoop:
         if bad:
             self.tracker.finish("failed", reason=f"non-finite {', '.join(bad)} at round {round_idx}",
                                 diverged_at_round=round_idx)
-            raise DivergenceError(f"run diverged at round {round_idx}: {', '.join(bad)} not finite; "
-                                  "lower --client-lr / --server-lr. The run is marked failed.")
+            fix = (" for the initial model, before any training; check the model's forward pass, its initialisation "
+                   "and the data" if round_idx == 0 else "; lower --client-lr / --server-lr")
+            raise DivergenceError(f"run diverged at round {round_idx}: {', '.join(bad)} not finite{fix}. "
+                                  "The run is marked failed.")
