@@ -236,7 +236,13 @@ def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | Non
         raise ConfigError(f"algorithm.hp must be a mapping of hyperparameters; got {file_hp!r}. "
                           "Write it as `hp: {rho: 0.1}`.")
     hp_values = {**dict(file_hp), **dict(hp or {})}
-    algo_name = str(merged["algorithm"].get("name", AlgorithmConfig.name))
+    extra = sorted(map(str, set(merged["algorithm"]) - {"name"}))
+    if extra:  # `algorithm: {name: fedpa, rho: 0.1}` trained with the default rho
+        raise ConfigError(f"unknown config key 'algorithm.{extra[0]}'; the algorithm section holds name and hp: "
+                          f"write hyperparameters as `hp: {{{extra[0]}: ...}}` (or --hp {extra[0]}=VALUE).")
+    algo_name = merged["algorithm"].get("name", AlgorithmConfig.name)
+    if not isinstance(algo_name, str):  # `name: 5` or an empty `name:` were looked up as '5' / 'None'
+        raise ConfigError(f"algorithm.name must be an algorithm name (`fedcli list algos`); got {algo_name!r}.")
     recommended = {**{str(k): str(v) for k, v in noted.items()}, **resolve_recommended(algo_name, merged, hp_values)}
     hyper = make_hyperparameters(algo_name, hp_values)
     sections = {name: build_section(name, cls, merged[name]) for name, cls in SECTIONS.items()
