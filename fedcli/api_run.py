@@ -91,6 +91,8 @@ def overrides_of(options: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"unknown setting {name!r}{suggest(name, list(OPTION_KEYS))}; the settings are "
                               "`fedcli train`'s options (docs/python-api.md, \"Settings\").")
         if name in FLAGS:
+            if value is not None and not isinstance(value, bool):  # no_mlflow="no" was truthy: MLflow off
+                raise ConfigError(f"{name} must be True or False; got {type(value).__name__} {value!r}.")
             value = (False if name == "no_mlflow" else True) if value else None
         elif isinstance(value, Enum):
             value = value.value
