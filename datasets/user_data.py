@@ -114,7 +114,13 @@ def data_ref(data: Any, *, name: str | None = None, client: Any = None, partitio
 
 
 def normalise(value: str) -> str:
-    """A data file, or the file of a `file.py:fn` reference, as an absolute path (resume from any folder)."""
+    """A data file, or the file of a `file.py:fn` reference, as an absolute path (resume from any folder).
+
+    Raises:
+        ConfigError: an empty value (`--data "$FILE"` with FILE unset read as the working folder).
+    """
+    if not value.strip():
+        raise ConfigError(f"--data must name an .npz/.csv/.parquet file or pkg.module:function; got {value!r}.")
     if value.startswith(PYTHON_PREFIX) or not is_data_ref(value):
         return str(Path(value).expanduser().resolve()) if Path(value).expanduser().exists() else value
     source, _, fn = value.rpartition(":")

@@ -252,6 +252,9 @@ def validate(cfg: RunConfig) -> None:
         t.optim(default_client_lr=1.0)  # constructing validates the settings (a task's own lr is > 0)
     except HyperparameterError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.data.data_dir is not None and not cfg.data.data_dir.strip():  # `--data-dir "$DIR"` with DIR unset
+        raise ConfigError(f"data.data_dir must be a folder; got {cfg.data.data_dir!r}. Pass --data-dir a folder, or "
+                          "leave it out for the default.")
     if cfg.data.file is not None:
         from fedcli.datasets.byo import MODELS, SUFFIXES, has_client
         from fedcli.datasets.user_data import is_data_ref
