@@ -299,7 +299,9 @@ def _check_train_arguments(*, algo: Any, task: Any, config: Any, hp: Any, data_o
     if not isinstance(progress, bool) and not callable(progress):
         raise ConfigError(f"progress must be True, False or a function f(round, metrics); got {_kind(progress)}.")
     for name in SECTIONS:
-        if name in settings and not isinstance(settings[name], Mapping):
+        if name == "partition" and isinstance(settings.get(name), (str, Path)):
+            continue  # `partition="p.json"`: the --partition file
+        if name in settings and settings[name] is not None and not isinstance(settings[name], Mapping):
             raise ConfigError(f"{name}= must be a mapping of the {name} section's config keys, such as "
                               f"{name}={{...}}; got {_kind(settings[name])}.")
 
