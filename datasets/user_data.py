@@ -116,11 +116,11 @@ def data_ref(data: Any, *, name: str | None = None, client: Any = None, partitio
 def normalise(value: str) -> str:
     """A data file, or the file of a `file.py:fn` reference, as an absolute path (resume from any folder).
 
-    Raises:
-        ConfigError: an empty value (`--data "$FILE"` with FILE unset read as the working folder).
+    An empty value stays empty (`--data "$FILE"` with FILE unset was read as the working folder):
+    the config's validation refuses it.
     """
     if not value.strip():
-        raise ConfigError(f"--data must name an .npz/.csv/.parquet file or pkg.module:function; got {value!r}.")
+        return value
     if value.startswith(PYTHON_PREFIX) or not is_data_ref(value):
         return str(Path(value).expanduser().resolve()) if Path(value).expanduser().exists() else value
     source, _, fn = value.rpartition(":")

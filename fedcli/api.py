@@ -160,6 +160,8 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
         from fedcli.datasets.user_model import model_reference
 
         options, sections = _split_settings(settings)
+        if isinstance(options.get("partition"), (str, Path)) and Path(options["partition"]).expanduser().is_file():
+            options["partition"] = Path(options["partition"]).expanduser().resolve()  # as the CLI's --partition
         if isinstance(data, (str, Path)) and Path(data).expanduser().is_file():
             data = Path(data).expanduser().resolve()  # as the CLI's --data: a resume from another folder finds it
         options.update(algo=algo, task=task, model=None if model is None else model_reference(model),
