@@ -19,8 +19,9 @@ tensor, fedcli.datasets.models.keyed_dropout) when its signature names `key`.
 
 Recorded with the run: the reference, `data.model_sha256` (sha256 of the module's source file:
 `source_sha256`) and `data.model_args` (the JSON of the keyword arguments given). Importing a
-user's module runs its code: that is what the user asked for by naming it; files read back
-(checkpoints, model.pt, served.pt) still never run code.
+user's module runs its code: that is what the user asked for by naming it. A reference read
+back (model.pt, served.pt, a store row, an Optuna trial) is imported only after
+datasets/code_trust.py `allow_code` let it (docs/architecture.md, "Security").
 """
 
 from __future__ import annotations
@@ -199,6 +200,10 @@ def load_factory(ref: str) -> Callable[..., nn.Module]:
     except Exception as err:  # noqa: BLE001 - any error of the user's module is reported in one line
         raise ConfigError(f"data.model {ref!r}: importing {target} failed: {_first_line(err)}. Fix the module, or "
                           "check that it is importable here (PYTHONPATH, installed package).") from None
+    from fedcli.datasets.code_trust import remember
+
+    source = getattr(module, "__file__", None)
+    remember(ref, _sha(source) if source else "")  # imported here: later gates of the same code pass
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -53,6 +53,7 @@ class Run:
     config: dict[str, Any]
     store: str = dataclasses.field(repr=False)
     result: RunResult | None = dataclasses.field(default=None, repr=False)
+    trust_code: bool = dataclasses.field(default=False, repr=False)  # `model()`'s default (`load_run(trust_code=)`)
 
     def record(self) -> RunRecord:
         """The run's row in the store, read now."""
@@ -79,14 +80,19 @@ class Run:
         wide.index.name, wide.columns.name = "round", None
         return wide.sort_index()
 
-    def model(self) -> nn.Module:
+    def model(self, *, trust_code: bool | None = None) -> nn.Module:
         """The final global model as a plain `nn.Module` in eval mode: `module(x)` on rows of the data
         set's stored inputs (e.g. uint8 images) gives the logits `fedcli evaluate` scores.
 
-        Read with `torch.load(weights_only=True)` (no code runs; tracking/served.py).
+        Read with `torch.load(weights_only=True)` (no code runs from the file; tracking/served.py).
+        A run of your own model or data function needs its code imported: that happens only with
+        `trust_code=True` (default: `load_run`'s `trust_code`), the source's sha256 the one the
+        run recorded, or when this process imported that code already (e.g. `fedcli.train` named
+        it); docs/architecture.md, "Security".
 
         Raises:
-            ConfigError: the run has no final model (it did not finish), or the file is unreadable.
+            ConfigError: the run has no final model (it did not finish), the file is unreadable, or
+                it names user code not allowed to run (one line naming the code and the fix).
         """
         from fedcli.tracking.served import read_model_file, served_model
 
@@ -98,9 +104,14 @@ class Run:
             saved = read_model_file(Path(record.model_path))
             data = (saved.get("config") or {}).get("data") or {}  # what the MLflow model records (write_served)
             buffers = saved.get("buffers")
+            stored = record.config.get("data") if isinstance(record.config.get("data"), Mapping) else {}
+            trust = self.trust_code if trust_code is None else trust_code
             return served_model(saved["params"], saved["task"], saved["model"], data.get("file"), data.get("model_args"),
                                 data.get("model_sha256"), buffers if isinstance(buffers, Mapping) else None,
-                                data.get("augment"))
+                                data.get("augment"), trust=trust, data_sha256=stored.get("source_sha256"),
+                                source=f"the final model of run {self.id[:8]} ({record.model_path})",
+                                fix=f"pass trust_code=True (fedcli.load_run({self.id[:8]!r}, trust_code=True) or "
+                                    "run.model(trust_code=True)) if you trust it")
         except (ValueError, KeyError, RuntimeError) as err:  # RuntimeError: load_state_dict's shape mismatch
             raise ConfigError(f"the final model of run {self.id[:8]} cannot be rebuilt: {err}") from None
 
@@ -115,7 +126,7 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
           config: str | Path | Mapping[str, Any] | None = None, hp: Mapping[str, Any] | None = None,
           data_options: Mapping[str, Any] | None = None, resume: str | Run | None = None,
           mlflow_optional: bool = False, progress: bool | Callable[[int, dict[str, float]], None] = False,
-          **settings: Any) -> Run:
+          trust_code: bool = False, **settings: Any) -> Run:
     """Train one algorithm on one task in this process, like `fedcli train`, and return the run.
 
     Args:
@@ -133,8 +144,12 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
             sections (`{"train": {"rounds": 5}}`); settings override it.
         hp: algorithm hyperparameters, e.g. `{"rho": 0.1}` (the `--hp` options).
         resume: a run (id, prefix, name or `Run`) to continue from its newest checkpoint; only
-            `rounds`, checkpointing, `device` and tracking settings may change.
+            `rounds`, checkpointing, `device` and tracking settings may change. A run whose config
+            names your model or data function resumes when you name the same `model=` / `data=`
+            again, or pass `trust_code=True` (docs/architecture.md, "Security").
         mlflow_optional: MLflow unreachable -> warn and train with the SQL store only.
+        trust_code: `resume=` may import the user code the resumed run's stored config names (its
+            source's sha256 must be the recorded one). Default: only code named here.
         progress: True shows the CLI's progress (a bar on a terminal, a line every 10 s otherwise);
             a callable gets `(round, metrics)` after every round. Default: nothing shown.
         **settings: `fedcli train`'s options by Python name (`rounds=20`, `client_lr=0.05`,
@@ -167,7 +182,8 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
         options.update(algo=algo, task=task, model=None if model is None else model_reference(model),
                        data=None if data is None and not data_options else data_ref(data, **dict(data_options or {})))
         cfg, resume_id = resolve_config(options, config=config, hp=hp, sections=sections,
-                                        resume=resume.id if isinstance(resume, Run) else resume, warn=_warn)
+                                        resume=resume.id if isinstance(resume, Run) else resume, warn=_warn,
+                                        trust_code=trust_code)
         if progress is True:
             from fedcli.cli.common import train_progress
 
@@ -181,13 +197,15 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
     return run
 
 
-def load_run(ref: str, *, store: str | None = None, root: str | Path | None = None) -> Run:
+def load_run(ref: str, *, store: str | None = None, root: str | Path | None = None, trust_code: bool = False) -> Run:
     """Find a run by id, unique id prefix, run name or MLflow run id.
 
     Args:
         ref: what `fedcli list runs` shows.
         store: the SQL store's URL. Default: FEDCLI_STORE, else `<root>/fedcli.db`.
         root: the folder of the default store. Default: ./fedcli-runs.
+        trust_code: `Run.model()` may import the user code (your model, a data function) the run
+            recorded, if its source's sha256 is the recorded one (docs/architecture.md, "Security").
 
     Raises:
         ConfigError: no store there, or no such run (the CLI's message).
@@ -200,7 +218,7 @@ def load_run(ref: str, *, store: str | None = None, root: str | Path | None = No
         record = db.get_run(ref)
     finally:
         db.close()
-    return Run(id=record.id, status=record.status, config=dict(record.config), store=url)
+    return Run(id=record.id, status=record.status, config=dict(record.config), store=url, trust_code=trust_code)
 
 
 def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequence[str] | None = None,

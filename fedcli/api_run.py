@@ -125,7 +125,7 @@ def config_file(config: str | Path | None) -> Path | None:
 def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[str, Any] | None = None,
                    hp: Mapping[str, Any] | None = None, resume: str | None = None,
                    sections: Mapping[str, Any] | None = None,
-                   warn: Callable[[str], None] | None = None) -> tuple[RunConfig, str | None]:
+                   warn: Callable[[str], None] | None = None, trust_code: bool = False) -> tuple[RunConfig, str | None]:
     """Build a run's config as `fedcli train` does: (RunConfig, the full id of the run to resume or None).
 
     Args:
@@ -135,6 +135,8 @@ def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[s
         resume: a run id, id prefix or run name: its stored config, with the options allowed to change.
         sections: more dotted overrides (`{"train.server_beta1": 0.95}`), applied like options.
         warn: called with each warning line (a config that makes the algorithm another one).
+        trust_code: `resume` may import the user code its stored config names (`--trust-code`);
+            without it, only code the options name again (`model`, `data`): `resumed_code`.
 
     Raises:
         ConfigError: anything invalid; nothing is written.
@@ -148,11 +150,16 @@ def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[s
         # `--resume "$RUN"` with RUN empty would otherwise train a fresh run from scratch
         raise ConfigError(f"--resume must name a run (its id, id prefix or name); got {resume!r}. Pass the run "
                           "`fedcli list runs` shows, or leave --resume out to start a new run.")
+    if trust_code and not resume:
+        raise ConfigError("--trust-code applies to --resume only (code you name with --model / --data runs without "
+                          "it); drop it.")
     if resume:
         if config is not None or hp:
             raise ConfigError("--resume continues a run with its stored config; drop --config and --hp.")
         record = find_run(resume, overrides)
-        return resume_config(record.requested or record.config, overrides), record.id
+        stored = record.requested or record.config
+        overrides = resumed_code(record.id, stored, record.config, overrides, trust=trust_code)
+        return resume_config(stored, overrides), record.id
     doc = dict(config) if isinstance(config, Mapping) else None
     cfg = build_config(file=None if doc is not None else config_file(config),  # type: ignore[arg-type]
                        overrides=overrides, hp=hp, doc=doc)
@@ -160,6 +167,37 @@ def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[s
         if warn is not None:
             warn(line)
     return cfg, None
+
+
+def resumed_code(run_id: str, stored: Mapping[str, Any], resolved: Mapping[str, Any], overrides: Mapping[str, Any],
+                 *, trust: bool, fix: str | None = None) -> dict[str, Any]:
+    """Check that a resumed run's user code may run; return the overrides without the references that name it.
+
+    The stored config's model and data function (datasets/code_trust.py) run only when the
+    options name the same reference again (`data.model`, `data.file`: then dropped from the
+    overrides, as they change nothing) or with `trust` (the recorded sha256 must match).
+    A different reference is left in the overrides: `resume_config` refuses the change.
+
+    Raises:
+        ConfigError: one line naming the code and how to allow it; nothing is written.
+    """
+    from fedcli.datasets.code_trust import allow_code, recorded_code, same_reference
+
+    data = stored.get("data")
+    record = resolved.get("data")
+    sha = record.get("source_sha256") if isinstance(record, Mapping) else None
+    code = recorded_code(data if isinstance(data, Mapping) else None, data_sha256=sha)
+    out = dict(overrides)
+    named = []
+    for key, kind in (("data.model", "model"), ("data.file", "data function")):
+        given = out.get(key)
+        if isinstance(given, str) and any(c.what == kind and same_reference(c, given) for c in code):
+            named.append(given)
+            del out[key]  # the same code: no change to the run
+    flags = " ".join(f"--{'model' if c.what == 'model' else 'data'} {c.ref}" for c in code)
+    allow_code(code, source=f"run {run_id[:8]}'s stored config", named=named, trust=trust,
+               fix=fix or f"name it again ({flags}) or pass --trust-code (Python: trust_code=True) if you trust it")
+    return out
 
 
 # --------------------------------------------------------------------------- process-wide state

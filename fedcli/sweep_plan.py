@@ -144,8 +144,18 @@ def trial_args(plan: Plan, config_path: Path | str, cores: int, parent_run: str 
             command += ["--tracking-uri", mask_url(cfg.tracking.tracking_uri)]
         if not cfg.tracking.use_mlflow:
             command.append("--no-mlflow")
+        command += named_code(cfg)
     else:
         command = ["--config", str(config_path), "--run-name", plan.trial.name]
     if parent_run is not None:
         command += ["--parent-run", parent_run]
     return command
+
+
+def named_code(cfg: Any) -> list[str]:
+    """`--model REF` / `--data REF` for the user code a trial's config names (the sweep spec named it): a
+    resumed trial's run imports its recorded code only when named again (datasets/code_trust.py)."""
+    from fedcli.datasets.code_trust import recorded_code
+
+    return [arg for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file})
+            for arg in ("--model" if code.what == "model" else "--data", code.ref)]

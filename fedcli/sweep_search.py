@@ -128,6 +128,47 @@ def trial_of(spec: Mapping[str, Any], params: Mapping[str, Any], number: int,
     return Trial(name=name[:NAME_MAX_BYTES], config=cfg)
 
 
+CODE_KEYS = {"data.model": "model", "data.file": "data function"}  # config keys whose value may name user code
+
+
+def unnamed_code(spec: Mapping[str, Any], params: Mapping[str, Any]) -> str | None:
+    """`key=value` of the first trial parameter that names user code (a model or data function reference)
+    the spec's `base` or search space does not name, or None. An Optuna trial's parameters come from the
+    study in the store, which anyone who can write the store can fill: a sweep adopts only trials whose
+    code its spec names (docs/architecture.md, "Security"). Nothing is imported here."""
+    from fedcli.datasets.user_data import is_data_ref
+    from fedcli.datasets.user_model import is_reference
+
+    aliases = short_keys()
+
+    def dotted(key: str) -> str | None:
+        try:
+            return _dotted(key, aliases)
+        except ConfigError:
+            return None
+
+    named: set[str] = set()
+    for key, value in {**(spec.get("base") or {}), **spec["search"]["space"]}.items():
+        if dotted(key) in CODE_KEYS:
+            named.update(_canonical(str(v)) for v in (value if isinstance(value, list) else [value]))
+    for key, value in params.items():
+        what = CODE_KEYS.get(dotted(key) or "")
+        if what is None or not isinstance(value, str):
+            continue
+        code = is_reference(value) if what == "model" else is_data_ref(value) and not value.startswith("python:")
+        if code and _canonical(value) not in named:
+            return f"{key}={value}"
+    return None
+
+
+def _canonical(value: str) -> str:
+    """A model or data reference with its file path made absolute (as a run records it); nothing imported."""
+    source, sep, attr = value.rpartition(":")
+    if sep and source.endswith(".py"):
+        return f"{os.path.abspath(os.path.expanduser(source))}:{attr}"
+    return value
+
+
 def check_space_configs(spec: Mapping[str, Any], tracking: Mapping[str, Any] | None = None) -> None:
     """Build the configs at the space's corners (every low, every high, each choice) so that a bad key or a
     value out of a config key's range fails before anything runs."""
@@ -276,6 +317,13 @@ class SearchSource:
 
     def _ask(self) -> Plan | None:
         for orphan in self._orphans():
+            unnamed = unnamed_code(self.spec, orphan.params)
+            if unnamed is not None:  # a trial the spec could not have asked: its code is not the user's to run
+                logging.getLogger(__name__).warning(
+                    "trial #%d of study %s is not adopted: its parameter %s names code the sweep's spec does not "
+                    "name (datasets/code_trust.py)", orphan.number, study_name(self.experiment), unnamed)
+                self._void(orphan.number, f"its parameter {unnamed} names code the sweep's spec does not name")
+                continue
             self._set_attr(orphan.number, "fedcli.owner", self._owner)
             plan = self._plan(trial_of(self.spec, orphan.params, orphan.number, self.tracking), orphan.number)
             if plan is not None:
@@ -293,7 +341,12 @@ class SearchSource:
             if self.used() > self.budget:  # another sweep asked the last trial at the same time
                 self._void(trial.number, "over budget (asked together with another sweep)")
                 return None
-            built = trial_of(self.spec, suggest_params(trial, self.search["space"]), trial.number, self.tracking)
+            params = suggest_params(trial, self.search["space"])
+            unnamed = unnamed_code(self.spec, params)  # a trial enqueued by hand may fix a value outside the space
+            if unnamed is not None:
+                self._void(trial.number, f"its parameter {unnamed} names code the sweep's spec does not name")
+                continue
+            built = trial_of(self.spec, params, trial.number, self.tracking)
             trial.set_user_attr("fedcli.owner", self._owner)
             trial.set_user_attr("fedcli.config_hash", built.config.config_hash)
             trial.set_user_attr("fedcli.run_name", built.name)

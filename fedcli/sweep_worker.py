@@ -200,6 +200,7 @@ class Worker:
         """The trial's RunConfig (and the run it resumes), as `fedcli train --config | --resume` builds it."""
         import yaml
 
+        from fedcli.api_run import resumed_code
         from fedcli.config import build_config, resume_config
 
         if message.get("resume"):
@@ -209,7 +210,11 @@ class Worker:
 
             track = build_section("tracking", TrackingConfig, root)
             record = self.store(track.store_url).get_run(message["resume"])
-            return resume_config(record.requested or record.config, overrides), record.id
+            stored = record.requested or record.config
+            # user code the run's row names runs only when the sweep's spec names the same (datasets/code_trust.py)
+            overrides = resumed_code(record.id, stored, record.config, overrides, trust=False,
+                                     fix="the sweep's spec does not name it; resume that run yourself to allow it")
+            return resume_config(stored, overrides), record.id
         return build_config(doc=yaml.safe_load(message["config"]),
                             overrides={"tracking.run_name": message.get("run_name")}), None
 

@@ -133,6 +133,8 @@ def trial_message(plan: Plan, cores: int, threads: int | None, hook: dict[str, A
 
     `cores`, `threads`: the trial's train.workers and train.threads unless its config sets them.
     """
+    from fedcli.datasets.code_trust import recorded_code
+
     cfg = plan.trial.config
     if plan.action == RESUME:
         track = cfg.tracking
@@ -140,6 +142,9 @@ def trial_message(plan: Plan, cores: int, threads: int | None, hook: dict[str, A
                      "tracking.root": track.root, "tracking.store": track.store,
                      "tracking.tracking_uri": track.tracking_uri,
                      "tracking.use_mlflow": None if track.use_mlflow else False}
+        # the user code the spec names, named again: the resumed run's recorded code runs only if it is the same
+        overrides.update({"data.model": cfg.data.model, "data.file": cfg.data.file} if recorded_code(
+            {"model": cfg.data.model, "file": cfg.data.file}) else {})
         return {"resume": plan.run_id, "overrides": overrides, "hook": hook}
     return {"config": trial_config_text(plan, cores, threads), "run_name": plan.trial.name, "hook": hook}
 

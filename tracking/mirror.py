@@ -279,7 +279,10 @@ class Mirror:
             with tempfile.TemporaryDirectory(prefix="fedcli-model-") as folder:
                 weights = Path(folder) / "served.pt"
                 write_served(saved, weights)
-                module = load_served(weights)  # the parameters fit the task's model
+                # the parameters fit the task's model; user code it names: a run's own mirror runs what its train
+                # command named (trust_code absent); `fedcli sync` passes its --trust-code (datasets/code_trust.py)
+                module = load_served(weights, trust=getattr(self.args, "trust_code", True),
+                                     fix="pass --trust-code to fedcli sync if you trust it")
                 with torch.no_grad():
                     output = None if example is None else module(example)
                 _retry("model", lambda: self.sink.log_model(weights, example=example, output=output, step=step,

@@ -5,8 +5,11 @@ MLflow copies this file into the logged model and runs it when the model is load
 pickled. The model's one artifact, `weights` (`served.pt`, tracking/served.py), holds the
 parameters and the task and model names in plain containers; `load_context` rebuilds the
 module through fedcli's task registry, so loading needs fedcli installed (the model's
-requirements name the version) and, for your own model (`--model module:factory`), its module
-importable where the model is loaded (docs/bring-your-own.md; a changed source loads with a warning). `predict(rows)` maps stored rows (e.g. uint8 pixels) to the
+requirements name the version) and, for your own model (`--model module:factory`) or data function,
+its module importable where the model is loaded and the loader's opt-in to run it:
+`mlflow.pyfunc.load_model(uri, model_config={"trust_code": True})` or FEDCLI_TRUST_CODE=1, with
+the source's sha256 the one recorded (docs/architecture.md, "Security"); without it, loading
+fails with one line naming the code. `predict(rows)` maps stored rows (e.g. uint8 pixels) to the
 logits fedcli evaluates; `unwrap_python_model().module` is the `nn.Module`.
 
 No `from __future__ import annotations` here: MLflow reads the `predict` type hints as
@@ -22,9 +25,12 @@ class FedcliModel(PythonModel):
     """The run's global model behind the task's input preparation, in eval mode."""
 
     def load_context(self, context) -> None:  # noqa: ANN001 - MLflow's PythonModelContext
+        from fedcli.datasets.code_trust import trusted_by_env
         from fedcli.tracking.served import load_served
 
-        self.module = load_served(context.artifacts["weights"])
+        config = getattr(context, "model_config", None) or {}
+        trust = config.get("trust_code") is True or trusted_by_env()  # the loader's opt-in to the user's code
+        self.module = load_served(context.artifacts["weights"], trust=trust)
 
     def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:  # noqa: ANN001
         """Logits of the rows `model_input` (the data set's stored form, e.g. uint8 pixels)."""

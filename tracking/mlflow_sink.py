@@ -382,7 +382,10 @@ class MlflowSink:
                                                       source_run_id=self.run_id)
             Model.log(None, name="model", flavor=mlflow.pyfunc, run_id=self.run_id, python_model=code,
                       artifacts={"weights": str(weights)}, signature=signature, input_example=rows,
-                      pip_requirements=list(requirements), step=step, model_id=logged.model_id)
+                      pip_requirements=list(requirements), step=step, model_id=logged.model_id,
+                      # the loader's opt-in to import user code served.pt names: `mlflow.pyfunc.load_model(uri,
+                      # model_config={"trust_code": True})` (MLflow accepts only keys logged here; datasets/code_trust.py)
+                      model_config={"trust_code": False})
             return str(logged.model_id)
 
     def end_run(self, status: str, end_ms: int | None = None) -> None:

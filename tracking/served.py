@@ -12,7 +12,8 @@ MLflow's "models from code") whose one artifact, `served.pt`, holds the paramete
 names of the task and model in plain containers (`write_served`); loading it
 (`load_served`, `torch.load(weights_only=True)`) rebuilds the module through the task
 registry, the importable model factory (your own model: by importing its module again, with the
-factory arguments the run recorded; BatchNorm statistics from model.pt's `buffers`). `mlflow.pyfunc.load_model(uri).predict(rows)` gives
+factory arguments the run recorded, only once the loader allowed that code: datasets/code_trust.py;
+BatchNorm statistics from model.pt's `buffers`). `mlflow.pyfunc.load_model(uri).predict(rows)` gives
 the logits; `.unwrap_python_model().module` is the `nn.Module`.
 """
 
@@ -45,23 +46,32 @@ class ServedModel(nn.Module):
 
 def served_model(params: Mapping[str, Tensor], task: str, model: str, data_file: str | None,
                  model_args: str | None = None, model_sha256: str | None = None,
-                 buffers: Mapping[str, Tensor] | None = None, augment: Sequence[str] | None = None) -> ServedModel:
+                 buffers: Mapping[str, Tensor] | None = None, augment: Sequence[str] | None = None, *,
+                 trust: bool = False, data_sha256: str | None = None, source: str = "the model file",
+                 fix: str = "pass trust_code=True if you trust it") -> ServedModel:
     """The task's `model` module with `params` loaded, behind the task's `prepare`, in eval mode.
 
     Your own model (`module:factory`, fedcli/datasets/user_model.py) is rebuilt by importing it
     (it must be importable where the model is loaded) with the recorded factory arguments
-    `model_args`; a source whose sha256 differs from `model_sha256` is loaded with a warning.
+    `model_args`; so is a data function `data_file` (`pkg.mod:fn`) called. Either is imported only
+    when datasets/code_trust.py `allow_code` lets it: `trust` (the caller's explicit opt-in, with
+    the recorded sha256 `model_sha256` / `data_sha256` matching) or the same code already imported
+    in this process; else a ConfigError naming the code (`source`: what names it) and `fix`.
+    A source already allowed whose sha256 differs from `model_sha256` is loaded with a warning.
     `buffers`: BatchNorm running statistics of the final model (model.pt's, when it has any).
 
     Raises:
         ValueError: `params` do not fit the model (another fedcli version, another model).
         KeyError: an unknown task or model name.
-        ConfigError: your model's module no longer imports (one line).
+        ConfigError: your model's module no longer imports, or it is not allowed to run (one line).
     """
     from fedcli.datasets.augment import parse, with_normalisation
+    from fedcli.datasets.code_trust import allow_code, recorded_code
     from fedcli.datasets.registry import resolve_task
     from fedcli.datasets.user_model import check_source, is_reference
 
+    allow_code(recorded_code({"model": model, "model_sha256": model_sha256}, data_file=data_file,
+                             data_sha256=data_sha256), source=source, fix=fix, trust=trust)
     if is_reference(model):
         check_source(model, model_sha256, on_change="warn")
     resolved = resolve_task(task, model, data_file, model_args)
@@ -114,10 +124,24 @@ def write_served(saved: Mapping[str, Any], path: Path) -> None:
                 "buffers": dict(buffers) if isinstance(buffers, Mapping) else None}, path)
 
 
-def load_served(path: str | Path) -> ServedModel:
-    """The module of an MLflow model's `served.pt` (read with weights_only=True: no code runs)."""
+LOADER_FIX = ("load it with mlflow.pyfunc.load_model(uri, model_config={'trust_code': True}) or set "
+              "FEDCLI_TRUST_CODE=1 if you trust that code")  # how the MLflow model's loader allows user code
+
+
+def load_served(path: str | Path, *, trust: bool | None = None, fix: str = LOADER_FIX) -> ServedModel:
+    """The module of an MLflow model's `served.pt` (read with weights_only=True: no code runs from the file).
+
+    User code it names (your model, a data function) is imported only with `trust` (the caller's
+    opt-in; the recorded sha256 must match; None: FEDCLI_TRUST_CODE=1, the loader's opt-in, which
+    the copy of tracking/mlflow_model.py in a model logged before the opt-in existed relies on) or
+    when this process imported it already; else a ConfigError (one line: the code, and `fix`).
+    """
+    from fedcli.datasets.code_trust import trusted_by_env
+
+    trust = trusted_by_env() if trust is None else trust
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(saved, dict) or saved.get("format") != SERVED_FORMAT:
         raise ValueError(f"{path} is not a fedcli served.pt of format {SERVED_FORMAT}")
     return served_model(saved["params"], saved["task"], saved["model"], saved.get("data_file"), saved.get("model_args"),
-                        saved.get("model_sha256"), saved.get("buffers"), saved.get("augment"))
+                        saved.get("model_sha256"), saved.get("buffers"), saved.get("augment"), trust=trust,
+                        source=f"the MLflow model's weights ({Path(path).name})", fix=fix)

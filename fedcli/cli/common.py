@@ -154,6 +154,12 @@ def resume_hint(cfg: Any, run_id: str) -> str:
     """The command that continues `run_id`, with the store options it needs (a distributed run:
     under torchrun again, or in one process with another executor)."""
     resume = f"train --resume {run_id[:8]}{store_options(cfg)}"
+    import shlex
+
+    from fedcli.datasets.code_trust import recorded_code
+
+    for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file}):  # named again: allowed to run
+        resume += f" --{'model' if code.what == 'model' else 'data'} {shlex.quote(code.ref)}"
     if cfg.train.executor == "distributed":
         from fedcli.engine.distributed import launch_env
 

@@ -53,6 +53,13 @@ def evaluate(
                                               rich_help_panel=Panel.TRACK)] = None,
     tracking_uri: Annotated[str | None, typer.Option(help="MLflow URI of the run. \\[default: the run's]", rich_help_panel=Panel.TRACK)] = None,
     no_mlflow: Annotated[bool, typer.Option("--no-mlflow", help="Store the result in the SQL store only.", rich_help_panel=Panel.TRACK)] = False,
+    model: Annotated[str | None, typer.Option(help="The run's own model reference (module:factory, file.py:factory), "
+                                              "named to allow its code to run (a changed source: a warning).",
+                                              rich_help_panel=Panel.DATA)] = None,
+    data: Annotated[str | None, typer.Option(help="The run's own data function (pkg.mod:fn, file.py:fn), named to "
+                                             "allow its code to run.", rich_help_panel=Panel.DATA)] = None,
+    trust_code: Annotated[bool, typer.Option("--trust-code", help="Import the model / data function code the run "
+                                             "recorded (its sha256 must match).", rich_help_panel=Panel.DATA)] = False,
 ) -> None:
     """Evaluate a run's global model: task metrics, calibration (NLL, Brier, ECE-15), per-client view.
 
@@ -73,7 +80,8 @@ def evaluate(
         require_store(url)  # a missing store holds no run; opening it would create it
         db = open_store(url)
         record = db.get_run(run)
-        setup, state, params, round_idx = load_model(record, db, checkpoint, task, device)
+        setup, state, params, round_idx = load_model(record, db, checkpoint, task, device, named=(model, data),
+                                                     trust=trust_code)
         ensemble = predictive is Predictive.ensemble
         predict = make_predictor(setup, state, params, samples if ensemble else None, seed)
         result = evaluate_split(setup, predict, split=split.value, per_client=per_client,
@@ -97,14 +105,17 @@ def evaluate(
     print_table(record, round_idx, split.value, options, metrics)
 
 
-def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, device: str | None
-               ) -> tuple[Any, Any, dict[str, Any], int | None]:
+def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, device: str | None, *,
+               named: tuple[str | None, ...] = (), trust: bool = False) -> tuple[Any, Any, dict[str, Any], int | None]:
     """Build the run's setup (optionally on another task or device) and load its global model.
 
     The file is read without running code and checked against the run's row and state
-    (fedcli.engine.checkpoint); one that does not fit is refused with one line (exit 2).
+    (fedcli.engine.checkpoint); one that does not fit is refused with one line (exit 2). User code
+    the run's row names (its model, its data function) is imported only when `named` (--model,
+    --data) names it again or with `trust` (--trust-code; datasets/code_trust.py).
     """
     from fedcli.config import resume_config
+    from fedcli.datasets.code_trust import allow_code, recorded_code, same_reference
     from fedcli.engine import checkpoint as ckpt
     from fedcli.engine.setup import build
 
@@ -114,6 +125,18 @@ def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, d
         doc["data"] = {**doc["data"], "task": task, "data_dir": None, "model": model}
         doc["partition"] = {**doc["partition"], "num_clients": None}
         doc["train"] = {**doc["train"], "clients_per_round": 1}
+    resolved = record.config.get("data") if isinstance(record.config.get("data"), dict) else {}
+    code = recorded_code(doc.get("data"), data_sha256=resolved.get("source_sha256"))
+    for given, kind in zip(named, ("model", "data function"), strict=False):
+        if given is not None and not any(c.what == kind and same_reference(c, given) for c in code):
+            flag = "--model" if kind == "model" else "--data"
+            own = next((c.ref for c in code if c.what == kind), None)
+            raise ConfigError(f"{flag} {given} does not name run {record.id[:8]}'s {kind} ("
+                              f"{f'it is {own}' if own else 'it has none of its own'}); {flag} only names the run's "
+                              f"own code to allow it to run: {f'pass {flag} {own}' if own else 'drop it'}.")
+    flags = " ".join(f"--{'model' if c.what == 'model' else 'data'} {c.ref}" for c in code)
+    allow_code(code, source=f"run {record.id[:8]}'s stored config", named=named, trust=trust,
+               fix=f"name it again ({flags}) or pass --trust-code if you trust it")
     setup = build(resume_config(doc, {"train.device": device}), model_change="warn")  # your model's code changed: warn
     misfit = ConfigError(f"the model of run {record.id} does not fit task {setup.task.name!r} (its model "
                          f"{setup.cfg.data.model or setup.task.default_model!r} has other parameter shapes there); "

@@ -193,12 +193,21 @@ def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None,
                            "its heatmap needs the data: add --partition-heatmap.")
         return None, ""
     from fedcli.config import resume_config
+    from fedcli.datasets.code_trust import recorded_code
     from fedcli.datasets.partition import label_histograms
     from fedcli.datasets.registry import TASKS
     from fedcli.engine.setup import build
 
+    stored = dict(built.groups[0].runs[0].config)
+    code = recorded_code(stored.get("data") if isinstance(stored.get("data"), dict) else None)
+    if any(c.what == "data function" for c in code):
+        built.notes.append("No partition heatmap: the runs' data comes from a data function, user code that fedcli "
+                           "report does not import (docs/architecture.md, \"Security\").")  # a row names it
+        return None, ""
+    if code:  # the runs' own model is user code: the data and partition do not depend on the model, the default does
+        stored["data"] = {**stored["data"], "model": None, "model_sha256": None, "model_args": None}
     try:
-        cfg = resume_config(built.groups[0].runs[0].config, {"train.device": "cpu"})
+        cfg = resume_config(stored, {"train.device": "cpu"})
         if not TASKS[cfg.data.task].offline or cfg.data.data_dir:
             return None, ""
         setup = build(cfg)  # the data and partition exactly as the runs had them

@@ -156,6 +156,9 @@ def train(
                                                          rich_help_panel=Panel.TRAIN)] = None,
     resume: Annotated[str | None, typer.Option(help="Continue run RUN_ID from its last checkpoint.",
                                                rich_help_panel=Panel.TRACK)] = None,
+    trust_code: Annotated[bool, typer.Option("--trust-code", help="--resume may import the model / data function "
+                                             "code the run recorded (its sha256 must match); else name it again "
+                                             "with --model / --data.", rich_help_panel=Panel.TRACK)] = False,
     experiment: Annotated[str | None, typer.Option(help="Experiment name. \\[default: default]",
                                                    rich_help_panel=Panel.TRACK)] = None,
     run_name: Annotated[str | None, typer.Option(help="Run name. \\[default: algo-task-seed-id]",
@@ -208,7 +211,8 @@ def train(
                     return
                 cfg, resume_id = resolve_config(options, config=config, hp=parse_assignments(hp or [], "--hp"),
                                                 resume=resume, warn=lambda line: console().print(
-                                                    f"warning: {line}", markup=False, soft_wrap=True))
+                                                    f"warning: {line}", markup=False, soft_wrap=True),
+                                                trust_code=trust_code)
                 if cfg.train.executor == "distributed" and peers is None:  # from --config or the resumed run
                     raise ConfigError(f"train.executor='distributed' needs `--executor distributed` on the command "
                                       f"line. {distributed.NOT_LAUNCHED}")
