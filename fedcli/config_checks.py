@@ -14,7 +14,6 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from fedcli.config_sections import (
 )
 from fedcli.datasets.user_model import is_reference, model_plugins
 from fedcli.errors import ConfigError
-from fedcli.tracking.urls import is_masked
+from fedcli.tracking.urls import is_masked, mask_url
 
 
 class DuplicateKeyError(yaml.constructor.ConstructorError):
@@ -378,13 +377,8 @@ def validate_tracking(track: TrackingConfig) -> None:
     if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true") and scheme in ("", "file"):
         return  # MLflow's folder store, allowed by the user (MLflow 3 refuses it otherwise)
     raise ConfigError(f"tracking.tracking_uri must be an MLflow store URI such as sqlite:///PATH/mlflow.db, "
-                      f"postgresql://HOST/DB or http://HOST:PORT; got {masked(uri)!r} (from {source}). Fix {source}, "
+                      f"postgresql://HOST/DB or http://HOST:PORT; got {mask_url(uri)!r} (from {source}). Fix {source}, "
                       "or pass --no-mlflow.")
-
-
-def masked(url: str) -> str:
-    """`scheme://user:***@host/...`: a URL as it may be shown (no password)."""
-    return re.sub(r"(//[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 def require_max_clients_support(task: Any, max_clients: int | None) -> None:

@@ -31,6 +31,7 @@ from fedcli.errors import ConfigError
 from fedcli.sweep_plan import DIVERGED, NEW, RESUME, SKIP, Plan, plan_trials
 from fedcli.sweep_search_spec import budget, check_search  # noqa: F401 - re-exported
 from fedcli.sweep_spec import Trial, _dotted, _has_hp, check_hp_keys, short_keys
+from fedcli.tracking.urls import connect_url
 
 TRIAL_TAG, STUDY_TAG = "fedcli.search_trial", "fedcli.search_study"
 POLL_S = 1.0  # how often a source with nothing to hand out looks at the study again
@@ -73,7 +74,8 @@ def make_sampler(search: Mapping[str, Any], seed: int | None) -> Any:
 
 
 def storage(url: str) -> Any:
-    """Optuna's RDBStorage on the store's own database (SQLite waits for the write lock like the store)."""
+    """Optuna's RDBStorage on the store's own database (SQLite waits for the write lock like the store);
+    `url` with its password (`connect_url`)."""
     import optuna
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -204,7 +206,7 @@ class SearchSource:
         self.maximize = self.search.get("direction", "max") == "max"
         self.budget = budget(self.search)
         self.experiment = spec["experiment"]
-        self.storage = storage(db.url)
+        self.storage = storage(connect_url(db))
         name = study_name(self.experiment)
         direction: Literal["maximize", "minimize"] = "maximize" if self.maximize else "minimize"
         try:
@@ -398,7 +400,7 @@ class SearchSource:
         number = self.in_flight.get(plan.trial.config.config_hash)
         if number is None:
             return None
-        return {"storage": self.db.url, "study": study_name(self.experiment), "trial_id": self._trial_id(number),
+        return {"storage": connect_url(self.db), "study": study_name(self.experiment), "trial_id": self._trial_id(number),
                 "number": number, "metric": self.metric, "pruner": dict(self.spec.get("pruner") or {})}
 
     def tell(self, plan: Plan, outcome: Any) -> None:

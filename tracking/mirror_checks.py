@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcli.errors import ConfigError
-from fedcli.tracking.urls import mask_malformed, mask_url
+from fedcli.tracking.urls import mask_url
 
 MIN_FREE_BYTES = 4 << 20  # room a new MLflow SQLite store needs before the run starts (`_no_room`)
 _PG_LOCK_KEY = 0x6D6C666C  # "mlfl": advisory-lock key of MLflow's schema set-up
@@ -62,8 +62,8 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
         try:
             make_url(uri)
         except (ArgumentError, ValueError) as err:  # a port that is not a number: before the run is written
-            raise ConfigError(f"MLflow store {mask_malformed(uri)} is not a valid database URL "
-                              f"({mask_malformed(str(err))}); {fix}.") from None
+            raise ConfigError(f"MLflow store {mask_url(uri)} is not a valid database URL "
+                              f"({mask_url(str(err))}); {fix}.") from None
     path = sqlite_path(uri)
     if path is None:
         return

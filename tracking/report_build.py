@@ -35,6 +35,7 @@ from fedcli.tracking.report_model import (
 )
 from fedcli.tracking.report_search import STUDY_TAG, search_summary
 from fedcli.tracking.store import RunRecord, SqlStore
+from fedcli.tracking.urls import connect_url
 
 # --------------------------------------------------------------------------- selection and groups
 
@@ -267,7 +268,7 @@ def build_report(store: SqlStore, spec: ReportSpec) -> Report:
         group.summary = {c.id: md.summarize_seeds(group.values[c.id]) for c in columns}
     report.notes = _notes(report) + _window_notes(asked, rounds_run) + repeats
     if any(r.tags.get(STUDY_TAG) for r in records):  # runs of a search: its best trial, history, importances
-        report.search = search_summary(store.url, records)
+        report.search = search_summary(connect_url(store), records)  # store.url is masked
     return report
 
 

@@ -30,7 +30,7 @@ from fedcli.tracking.store_common import (
     SQLITE_BUSY_TIMEOUT_MS,
     _first_line,
 )
-from fedcli.tracking.urls import mask_malformed
+from fedcli.tracking.urls import mask_url
 
 
 def _sqlite_connect_hook(busy_ms: int) -> Any:
@@ -135,11 +135,11 @@ def _create_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Eng
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError) as err:  # ValueError: a port that is not a number, an unclosed "["
-        raise TrackingError(  # the string did not parse: mask_url would not find its password
-            f"store {mask_malformed(url)!r} is not a valid SQLAlchemy URL: {mask_malformed(_first_line(err))}; "
+        raise TrackingError(  # the string did not parse: mask_url masks it from its user name to its last "@"
+            f"store {mask_url(url)!r} is not a valid SQLAlchemy URL: {mask_url(_first_line(err))}; "
             "pass --store sqlite:////absolute/path/fedcli.db or set FEDCLI_STORE"
         ) from None
-    shown = parsed.render_as_string(hide_password=True)
+    shown = mask_url(parsed.render_as_string(hide_password=False))  # `?password=` too: not only user:***@
     is_sqlite = parsed.get_backend_name() == "sqlite"
     db_file = _sqlite_file(parsed) if is_sqlite else None
     if db_file is not None:

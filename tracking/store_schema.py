@@ -1,8 +1,8 @@
 """The store's tables (SQLAlchemy 2 typed models) and their set-up and upgrade, secrets masking included.
 
 `_setup_schema` creates missing tables and columns in one locked transaction and, once per store,
-masks the passwords that rows written by a fedcli before the secrets fix held (docs/architecture.md,
-"Security").
+masks the passwords that rows, checkpoints and `model.pt` files written by an older fedcli held
+(docs/architecture.md, "Security").
 
 Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
 there.
@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
+import zipfile
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -105,8 +109,9 @@ class Run(Base):
 
 
 class StoreMeta(Base):
-    """Facts about the store itself, key -> value. `secrets_masked`: when a schema set-up masked the
-    passwords that rows written by a fedcli before the secrets fix held (`_mask_stored_secrets`)."""
+    """Facts about the store itself, key -> value. `secrets_masked_2` (SECRETS_MASKED): when a schema set-up
+    masked the passwords that rows, checkpoints and model files written by an older fedcli held
+    (`_mask_stored_secrets`, `_mask_run_files`)."""
 
     __tablename__ = "store_meta"
 
@@ -211,7 +216,7 @@ def _schema_current(conn: Any) -> bool:
             columns[table] = {c["name"] for c in inspector.get_columns(table)}
         if column not in columns[table]:
             return False
-    return _status_check_current(conn)
+    return _status_check_current(conn) and _secrets_masked(conn)
 
 
 _OLD_STATUSES = ("running", "finished", "failed", "interrupted")  # the runs.status CHECK before `pruned`
@@ -274,14 +279,27 @@ def _setup_schema(conn: Any) -> None:
             log.info("store: added column %s.%s (store made by an older fedcli)", table, column)
     _widen_status_check(conn)
     if conn.scalar(select(StoreMeta.value).where(StoreMeta.key == SECRETS_MASKED)) is None:
+        if conn.dialect.name == "sqlite":  # the old rows' bytes overwritten in the file, not left in freed pages
+            conn.execute(text("PRAGMA secure_delete = ON"))
         masked = _mask_stored_secrets(conn)
+        if conn.dialect.name == "sqlite":
+            conn.execute(text("PRAGMA secure_delete = OFF"))
+        files = _mask_run_files(conn)
         conn.execute(insert(StoreMeta).values(key=SECRETS_MASKED, value=_utcnow().isoformat()))
-        if masked:
-            log.warning("store: masked the passwords of store URLs that %d run(s) written by an older fedcli held "
-                        "in clear (docs/architecture.md, \"Security\")", masked)
+        if masked or files:
+            log.warning("store: masked the passwords of store URLs that %d run(s) and %d checkpoint or model file(s) "
+                        "written by an older fedcli held in clear (docs/architecture.md, \"Security\")", masked, files)
 
 
-SECRETS_MASKED = "secrets_masked"  # StoreMeta key: the stored rows hold no password (`_mask_stored_secrets`)
+# StoreMeta key: the stored rows, checkpoints and model files hold no password (`_mask_stored_secrets`,
+# `_mask_run_files`). "secrets_masked" was the key of the first masking (issue 23), which missed passwords
+# holding "/" and `?password=` URLs (issue 35): a store that has only that key is masked again.
+SECRETS_MASKED = "secrets_masked_2"
+
+
+def _secrets_masked(conn: Any) -> bool:
+    """True when the store's rows and files were masked by this fedcli's masker (a read)."""
+    return conn.scalar(select(StoreMeta.value).where(StoreMeta.key == SECRETS_MASKED)) is not None
 
 
 _SECRET_COLUMNS = ("config_json", "requested_json", "tags_json", "failure_reason")
@@ -300,7 +318,7 @@ def _mask_stored_secrets(conn: Any) -> int:
     every newer run's column holds (and what sweeps match on), else the sha256 of the masked
     config. Part of `_setup_schema`'s transaction, so it is done once, whole, under the lock.
     """
-    maybe = [getattr(Run, name).like("%://%:%@%") for name in _SECRET_COLUMNS]
+    maybe = [getattr(Run, name).like("%://%") for name in _SECRET_COLUMNS]  # has_password decides
     rows = conn.execute(select(Run.id, Run.config_hash, *(getattr(Run, n) for n in _SECRET_COLUMNS))
                         .where(maybe[0] | maybe[1] | maybe[2] | maybe[3])).all()
     changed = 0
@@ -323,11 +341,83 @@ def _mask_stored_secrets(conn: Any) -> int:
 
 
 def _masked(value: Any) -> Any:
-    """`value` (parsed JSON) with the password of every URL in every string masked."""
+    """`value` (parsed JSON, or a torch file's plain payload) with the password of every URL in every
+    string masked; other leaves (numbers, tensors) as they are."""
     if isinstance(value, str):
         return mask_url(value)
     if isinstance(value, list):
         return [_masked(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_masked(item) for item in value)
     if isinstance(value, dict):
         return {key: _masked(item) for key, item in value.items()}
     return value
+
+
+def _run_files(conn: Any) -> list[Path]:
+    """The checkpoint and `model.pt` files of every run that exist: the paths the store recorded, and
+    the other `.pt` files of the same run folders (`runs/<id>/model.pt`, `runs/<id>/checkpoints/`)."""
+    paths = [Path(p) for p in conn.scalars(select(Checkpoint.path))]
+    paths += [Path(p) for p in conn.scalars(select(Run.model_path).where(Run.model_path.is_not(None)))]
+    folders = {p.parent.parent if p.parent.name == "checkpoints" else p.parent for p in paths}
+    for folder in folders:
+        paths += [folder / "model.pt", *sorted((folder / "checkpoints").glob("*.pt"))]
+    unique = dict.fromkeys(p for p in paths if p.name.endswith(".pt") and not p.name.startswith("."))
+    return [p for p in unique if p.is_file()]
+
+
+def _may_hold_password(path: Path) -> bool:
+    """Whether the pickled part of a torch file (`*/data.pkl` in its zip; tensors are apart) holds a URL
+    with a password: read without torch; a file that is no zip is checked whole by `_mask_file`."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            pickled = b"".join(archive.read(n) for n in names)
+    except (OSError, zipfile.BadZipFile):
+        return True
+    return b"://" in pickled and has_password(pickled.decode("utf-8", "replace"))
+
+
+def _mask_file(path: Path) -> bool:
+    """Mask every URL string of a checkpoint or `model.pt` (loaded with weights_only=True: plain tensors and
+    strings) and write it back atomically (temporary file beside it, fsync, rename); True when it changed.
+    A file that cannot be read or written is left as it is (warned): the run's own reader names it."""
+    import torch
+
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - unreadable or needing code: not ours to rewrite
+        log.warning("store: could not read %s to mask its passwords (%s)", path, type(err).__name__)
+        return False
+    masked = _masked(payload)
+    if _same(masked, payload):
+        return False
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # the engine's atomic_save temp prefix
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(masked, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        log.warning("store: could not rewrite %s with its passwords masked (%s)", path, err)
+        return False
+    return True
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as far as masking goes: the same strings (tensors and other leaves compared by identity)."""
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a is b
+
+
+def _mask_run_files(conn: Any) -> int:
+    """Mask the passwords that the checkpoints and `model.pt` files of an older store's runs hold (their
+    `config` holds the run's store and MLflow URLs); return how many files changed."""
+    return sum(_mask_file(path) for path in _run_files(conn) if _may_hold_password(path))

@@ -136,6 +136,8 @@ def parse_where(items: list[str]) -> dict[str, str]:
 
 def canonical_command(ctx: typer.Context) -> str:
     """The command as an equivalent canonical line: options in declaration order, defaults left out."""
+    from fedcli.tracking.urls import mask_url
+
     parts = ["fedcli", "report"]
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
@@ -146,7 +148,7 @@ def canonical_command(ctx: typer.Context) -> str:
             parts.append(flag)
             continue
         for item in value if isinstance(value, (list, tuple)) else [value]:
-            parts += [flag, str(item.value if isinstance(item, Enum) else item)]
+            parts += [flag, mask_url(str(item.value if isinstance(item, Enum) else item))]  # a --store password
     return shlex.join(parts)
 
 

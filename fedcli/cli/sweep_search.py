@@ -47,6 +47,7 @@ def show_search(body: Mapping[str, Any], track: Any) -> None:
     from fedcli.sweep_search_spec import budget
 
     search, pruner = body["search"], body.get("pruner")
+    done = study_progress(track.store_url, body["experiment"])  # first: a store it cannot read is the one line shown
     out = console()
     out.print(f"search {study_name(body['experiment'])}: sampler {search.get('sampler', 'tpe')} "
               f"(seed {search.get('seed', 0)}), {budget(search)} trials, "
@@ -62,7 +63,6 @@ def show_search(body: Mapping[str, Any], track: Any) -> None:
                   f"(every {sample_eval_every(body)} rounds)", highlight=False, soft_wrap=True)
     else:
         out.print("pruner: none (every trial runs all its rounds)", highlight=False)
-    done = study_progress(track.store_url, body["experiment"])
     if done:
         out.print("study so far: " + ", ".join(f"{n} {state}" for state, n in done.items()), highlight=False)
 
