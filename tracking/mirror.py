@@ -7,8 +7,9 @@ migrations raced when several runs started at once. The SQL store is the source 
 truth; MLflow is a copy that this process keeps up to date:
 
 - the training process writes rounds to the SQL store only and starts
-  `python -m fedcli.tracking.mirror`, which runs at idle priority (SCHED_IDLE, else nice 19) from
-  its first line; nothing waits on MLflow, neither round 1 nor any round after it;
+  `python -m fedcli.tracking.mirror`, which runs at nice 19 from its first line (not SCHED_IDLE, which
+  starved on a busy machine: `low_priority`); nothing waits on MLflow, neither round 1 nor any round
+  after it;
 - the mirror opens MLflow under an inter-process lock (`schema_lock`: a lock file beside a
   SQLite database, an advisory lock on PostgreSQL), so N runs starting together on a fresh
   root set its schema up once; creates (or, on `--resume`, reattaches to) the MLflow run
@@ -21,6 +22,10 @@ truth; MLflow is a copy that this process keeps up to date:
 - when the run ends it uploads the run's files (config, partition, model), sets the status,
   the tags and the store's end time and exits; when the training process dies without
   ending the run (SIGKILL: the mirror's stdin closes) it marks the MLflow run KILLED;
+- once its training process is gone (exited, killed) it ends within a bounded time (`watch_parent`):
+  at once if it has not begun MLflow's set-up (the command ended without a run), else after at most
+  ORPHAN_WAIT_S of copying (a schema set-up in progress is finished first); what it did not copy,
+  `fedcli sync` or `--resume` copies from the store;
 - a mirror that dies alone (killed, out of memory) is restarted by the training process at
   its next round, and once more at the run's end if it died after the last round
   (`MirrorHandle.check`, `finish`), with a warning naming the signal or exit code;
@@ -42,6 +47,7 @@ import logging
 import os
 import select
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,15 +64,17 @@ from fedcli.tracking.mirror_checks import (
 from fedcli.tracking.mirror_handle import (
     FINISH_WAIT_S,
     MAX_RESTARTS,
+    ORPHAN_WAIT_S,
+    PARENT_ENV,
     STOP_POLL_S,
     STOP_WAIT_S,
     MirrorHandle,
 )
 from fedcli.tracking.urls import mask_url
 
-__all__ = ["FINISH_WAIT_S", "MAX_RESTARTS", "STOP_POLL_S", "STOP_WAIT_S", "Mirror", "MirrorHandle",
-           "exit_now", "first_cause_line", "half_migrated_tables", "main", "mlflow_params", "preflight", "quiet_mlflow",
-           "schema_lock", "sqlite_path"]
+__all__ = ["FINISH_WAIT_S", "MAX_RESTARTS", "ORPHAN_WAIT_S", "STOP_POLL_S", "STOP_WAIT_S", "Mirror", "MirrorHandle",
+           "exit_now", "first_cause_line", "half_migrated_tables", "low_priority", "main", "mlflow_params",
+           "mlflow_set_up", "normal_priority", "preflight", "quiet_mlflow", "schema_lock", "sqlite_path", "watch_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +141,10 @@ class Mirror:
             args.run = line
         if getattr(args, "run_dir", None) is None:
             args.run_dir = str(Path(args.runs_root) / args.run)
-        # never take the store's write lock while the run trains: at idle priority the mirror
+        # never take the store's write lock while the run trains: at nice 19 the mirror
         # could be descheduled holding it, and the training process's next round would wait
         self.store = SqlStore(args.store, setup_schema=False)
-        with schema_lock(args.tracking_uri):
+        with mlflow_set_up(), schema_lock(args.tracking_uri):
             self.sink = MlflowSink(args.tracking_uri, args.experiment)
         self.record = self.store.get_run(args.run)
         self.synced = -1  # the store's rows of rounds <= synced were copied (or found in MLflow)
@@ -353,17 +361,104 @@ def end_ms(record: Any) -> int:
     return int(ended.timestamp() * 1000) if ended is not None else int(time.time() * 1000)
 
 
-def _idle_priority() -> None:
-    """Run only when a core would otherwise idle (Linux SCHED_IDLE), else at nice 19.
+PARENT_POLL_S = 0.5  # how often the mirror looks whether the process that started it is still alive
 
-    Nice 19 alone was not enough: on 2 cores its wake-ups still preempted one of the two
-    intra-op threads, and the other waited at the next barrier (rounds 2-3x slower).
+
+def low_priority() -> int:
+    """Lower this thread (and the threads it starts) to nice 19; return the nice value it had.
+
+    Nice 19 (SCHED_OTHER), not SCHED_IDLE (before issue 35): an idle-priority task runs only when a
+    core would otherwise idle, so on a machine kept busy by other work it never ran (8 runs that
+    ended with 0 of 8 in MLflow; mirrors left behind for hours by commands long gone). At nice 19 it
+    has 1.5 % of a core against one busy task at nice 0, and always progresses. The cost on round
+    time is measured in docs/architecture.md ("The MLflow mirror").
     """
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+        before = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, 19)  # Linux: this thread; threads started later inherit it
     except (AttributeError, OSError):
-        with contextlib.suppress(OSError):
-            os.nice(19)
+        return 0
+    return before
+
+
+def normal_priority(nice: int = 0) -> None:
+    """Back to `nice` from nice 19 for every thread of this process, where the system lets it (root, or an
+    RLIMIT_NICE that allows it); else nothing changes, and the time bound of `watch_parent` still holds."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for thread in threads:
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, thread, nice)
+
+
+class _Lifeline:
+    """What the mirror may still do once the process that started it is gone (`watch_parent`)."""
+
+    lock = threading.RLock()
+    parent_gone = False
+    begun = False  # MLflow's set-up began: from here on the mirror may have written to MLflow
+    setting_up = False  # inside MLflow's schema set-up, which must not be cut short
+    give_up = False  # the time ran out during the set-up: exit once it is done
+
+
+@contextlib.contextmanager
+def mlflow_set_up() -> Iterator[None]:
+    """Mark MLflow's set-up (its schema, created or migrated under `schema_lock`) for `watch_parent`.
+
+    A mirror whose training process is gone exits before it (nothing written), and not during it: a
+    store cut mid-migration is left half-migrated, which `preflight` then refuses until it is moved
+    aside. The time bound (ORPHAN_WAIT_S) ends such a mirror as soon as the set-up is done.
+    """
+    with _Lifeline.lock:
+        if _Lifeline.parent_gone and not _Lifeline.begun:  # (the watcher exits such a mirror too, at its next look)
+            exit_now(0)
+        _Lifeline.begun = _Lifeline.setting_up = True
+    try:
+        yield
+    finally:
+        with _Lifeline.lock:
+            _Lifeline.setting_up = False
+            if _Lifeline.give_up:
+                exit_now(3)
+
+
+def watch_parent(wait_s: float = ORPHAN_WAIT_S) -> None:
+    """Start a thread that ends this mirror within a bounded time once the process that started it is gone.
+
+    The process that started it: `PARENT_ENV` (set by the spawning process), else the parent now.
+    Once it is gone (exited, or killed by SIGKILL: this process's parent changes), a mirror that has
+    not begun MLflow's set-up (`mlflow_set_up`: e.g. the command ended without a run, or was killed
+    while the mirror imported MLflow) exits at once, having written nothing; one that has goes back to
+    the nice value this thread has now (before `low_priority`) where the system lets it, and has `wait_s`
+    seconds to finish its copy (ending the MLflow run KILLED), then exits, at once or as soon as a schema
+    set-up in progress is done. What it has not copied, `fedcli sync` or `fedcli train --resume` copies:
+    the SQL store has the whole run. Issue 35: mirrors of rejected or killed commands lived on for hours
+    (at SCHED_IDLE on a busy machine they were never scheduled).
+    """
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        parent = int(os.environ.get(PARENT_ENV) or os.getppid())
+    except ValueError:
+        parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        with _Lifeline.lock:
+            _Lifeline.parent_gone = True
+            if not _Lifeline.begun:
+                os._exit(0)
+        normal_priority(nice)
+        time.sleep(wait_s)
+        with _Lifeline.lock:
+            if not _Lifeline.setting_up:
+                os._exit(3)
+            _Lifeline.give_up = True  # `mlflow_set_up` exits once the schema is set up
+
+    threading.Thread(target=watch, name="fedcli-mirror-parent", daemon=True).start()
+
 
 def read_urls(args: argparse.Namespace, line: str | None = None) -> bool:
     """Set args.store and args.tracking_uri (and experiment, runs_root, parent_run where the command
@@ -398,12 +493,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restart", action="store_true", help="take over a run that trains already (its mirror died)")
     args = parser.parse_args(argv)
     if not args.once:  # the training process that spawned it: the run's owner while the store says so
+        # the watcher first, at the training process's priority: it ends this mirror once that process is gone
+        watch_parent()
         from fedcli.tracking.store import process_start
 
         args.owner = (os.getppid(), process_start(os.getppid()))
         # the run trains (or is about to): MLflow's import and set-up must not compete with its rounds;
         # they take the cores the training process leaves idle (its own imports, the data load)
-        _idle_priority()
+        low_priority()
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
     # the slow imports first (spawned early, while the training process imports torch and reads its
     # config): MLflow, and torch for the final model (`log_model`)

@@ -7,6 +7,7 @@ mirror as a whole and re-exports every name here; the mirror process itself is
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -25,6 +26,8 @@ FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before lea
 STOP_POLL_S = 0.1  # how often the wait above looks for a stop signal (`MirrorHandle.stopping`)
 STOP_WAIT_S = 1.5  # after a stop signal, how long the run's end still waits for the mirror's copy
 MAX_RESTARTS = 3  # a mirror that dies alone is restarted at most this often per run
+ORPHAN_WAIT_S = 60.0  # how long a mirror whose training process is gone may still copy (`mirror.watch_parent`)
+PARENT_ENV = "FEDCLI_MIRROR_PARENT"  # the pid of the process that started a mirror, which it watches
 _DISK_FULL = ("database or disk is full", "No space left on device")  # a mirror that died so is not restarted
 
 
@@ -34,8 +37,8 @@ _DISK_FULL = ("database or disk is full", "No space left on device")  # a mirror
 class MirrorHandle:
     """The training process's handle on its run's mirror: spawn early, start, wait at the end.
 
-    `spawn()` starts the process before the data loads: at idle priority (it runs only on a
-    core nothing else wants) it imports MLflow while the training process loads data, and
+    `spawn()` starts the process before the data loads: at nice 19 (it yields a busy core to
+    the training process) it imports MLflow while the training process loads data, and
     touches no store. `start(run_id)` then sends it the run and returns at once: the mirror
     opens MLflow (creating its schema under the lock), creates or reattaches the MLflow run
     and answers "ready" while the rounds train, so none of MLflow's set-up delays round 1 or
@@ -88,7 +91,7 @@ class MirrorHandle:
     def start(self, run_id: str) -> None:
         """Hand the run to the mirror and return at once: round 1 never waits for MLflow.
 
-        The mirror sets MLflow up (schema, the MLflow run) at idle priority while the run
+        The mirror sets MLflow up (schema, the MLflow run) at nice 19 while the run
         trains and answers "ready"; `check` reads that answer. Before issue 27 this waited for
         "ready" (up to 300 s), which put MLflow's import and schema set-up (2.8 s of a 5 s
         start on 2 cores) before round 1. Whether MLflow can be used is checked before anything
@@ -192,8 +195,9 @@ class MirrorHandle:
                 why = "this process was stopped by a signal" if stop_at is not None else \
                     f"it was not done after {timeout_s:.0f} s"
                 return (f"{restarted + '; ' if restarted else ''}the MLflow mirror (pid {proc.pid}) still copies the "
-                        f"run in the background ({why}); the SQL store is complete, and if MLflow misses part of the "
-                        "run, `fedcli sync` or the next `fedcli train --resume` completes the copy")
+                        f"run in the background ({why}), for at most {ORPHAN_WAIT_S:.0f} s more; the SQL store is "
+                        "complete, and if MLflow misses part of the run, `fedcli sync` or the next `fedcli train "
+                        "--resume` completes the copy")
         if proc.returncode > 0 and not restarted and not (self.ready or b"ready" in (out or b"")):
             return _set_up_failed(_own_reason(err or b"") or f"exited with code {proc.returncode}")
         if proc.returncode != 0:
@@ -213,22 +217,26 @@ _EARLY: list[subprocess.Popen[bytes]] = []  # a mirror `spawn_early` started tha
 def spawn_early() -> None:
     """Start a mirror process now, before this process knows its run or even its config.
 
-    `fedcli train` calls it first thing: the mirror imports MLflow and torch (3 s of CPU) at idle
-    priority on the core the training process leaves idle while it imports torch and reads its
+    `fedcli train` calls it first thing: the mirror imports MLflow and torch (3 s of CPU) at nice
+    19 on the core the training process leaves idle while it imports torch and reads its
     config, instead of after (issue 27: its set-up had ended 2 s after the last round of a
     short run). The run's `MirrorHandle.spawn` adopts it and sends what it needs on its stdin; a
-    command that ends without a run (bad input, `--no-mlflow` in a config file) leaves it to
-    read end-of-file, and it exits having written nothing.
+    command that ends without a run (bad input, an exception, `--no-mlflow` in a config file) ends it
+    as this process exits (`discard_early`, registered with atexit), and were this process killed,
+    the mirror sees its parent gone and exits (`watch_parent`), in both cases having written nothing
+    (issue 35: each rejected `fedcli train` left an idle-priority mirror behind for as long as the
+    machine stayed busy).
     """
     if not _EARLY:
         _EARLY.append(_popen([sys.executable, "-m", "fedcli.tracking.mirror"]))
+        atexit.register(discard_early)  # a no-op once a run adopted it
 
 
 def discard_early() -> None:
     """End the mirror `spawn_early` started when the run turns out to need none (`tracking.use_mlflow:
     false` in a config file, MLflow dropped by `--mlflow-optional`), instead of leaving it idle as
     long as the run trains. SIGTERM: it has read nothing and written nothing (end of file alone
-    would wait for its imports, which at idle priority wait for an idle core)."""
+    would wait for its imports, seconds of CPU at nice 19)."""
     while _EARLY:
         proc = _EARLY.pop()
         with contextlib.suppress(OSError):
@@ -244,7 +252,13 @@ def _adopt_early() -> subprocess.Popen[bytes] | None:
 
 def _popen(command: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            **own_process_group())
+                            env=parent_env(), **own_process_group())
+
+
+def parent_env() -> dict[str, str]:
+    """The environment of a mirror this process starts: its own, and this process's pid, which the
+    mirror watches (`fedcli.tracking.mirror.watch_parent`: it ends once this process is gone)."""
+    return {**os.environ, PARENT_ENV: str(os.getpid())}
 
 
 def own_process_group() -> dict[str, Any]:
@@ -254,7 +268,8 @@ def own_process_group() -> dict[str, Any]:
     while the mirror finishes copying and marks the MLflow run as the store says. Not its own
     session (`start_new_session`, before issue 27): Linux's autogroup scheduler
     (`/proc/sys/kernel/sched_autogroup_enabled`) shares the CPU equally between sessions first,
-    so a SCHED_IDLE mirror in a session of its own took a full share while it imported MLflow:
+    so a SCHED_IDLE mirror (before issue 35; now nice 19) in a session of its own took a full share
+    while it imported MLflow:
     20 MLP rounds trained in 1.3-2.6 s instead of 0.5 s.
     """
     if sys.version_info >= (3, 11):

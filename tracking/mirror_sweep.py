@@ -3,12 +3,15 @@
 Issue 27: a sweep of N trials started N mirror processes (each importing MLflow and opening its
 store: seconds each), and each trial's round 1 and exit waited for its own. Sweep workers
 (fedcli/sweep_worker.py) train with the SQL store only; the sweep starts this one process, at
-idle priority (it runs only on a core nothing else wants), and hands it each trial's run id
+nice 19 (it yields a busy core to the trials, and still progresses: not SCHED_IDLE, issue 35), and
+hands it each trial's run id
 as the trial ends (`SweepMirror.add`). It copies the run as `fedcli sync` does
 (`Mirror.run_once`: rounds, files, model, status, nested under the sweep's parent run) and
 takes the next. No trial ever waits for it; the sweep's end waits for the copies still to do
 (`SweepMirror.finish`, at most FINISH_WAIT_S; after a stop signal STOP_WAIT_S, then it goes on
-alone in its own process group); once the sweep's stdin ends it leaves idle priority to catch up.
+alone in its own process group); once the sweep's stdin ends it leaves nice 19 to catch up (where the
+system lets it). Once the sweep process is gone (exited, killed) it has ORPHAN_WAIT_S to finish, then ends
+(`fedcli.tracking.mirror.watch_parent`).
 What it could not copy, `fedcli sync` copies later (the store has it all). The cost: MLflow shows a trial once it ended, not round by round while it trains.
 
 It also opens the sweep's MLflow parent run (`sweeps.parent_run`: reused by a rerun) and ends
@@ -27,7 +30,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import queue
 import subprocess
 import sys
@@ -37,7 +39,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedcli.tracking.mirror_handle import FINISH_WAIT_S, STOP_POLL_S, STOP_WAIT_S, own_process_group
+from fedcli.tracking.mirror_handle import (
+    FINISH_WAIT_S,
+    STOP_POLL_S,
+    STOP_WAIT_S,
+    own_process_group,
+    parent_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +77,7 @@ class SweepMirror:
         # its own process group: a Ctrl-C in the terminal stops the sweep; the mirror finishes its copies
         # (not its own session: see `own_process_group`)
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, **own_process_group())
+                                      stderr=subprocess.PIPE, env=parent_env(), **own_process_group())
         first: dict[str, Any] = {"store": self.store_url, "tracking_uri": self.tracking_uri}
         if spec is not None:
             first["sweep_spec"] = dict(spec)
@@ -134,23 +142,17 @@ def copy_run(args: argparse.Namespace, run_id: str) -> None:
                               run_dir=str(Path(args.runs_root) / run_id))).run_once()
 
 
-def _read_lines(lines: queue.Queue[str | None]) -> None:
+def _read_lines(lines: queue.Queue[str | None], nice: int) -> None:
     """Queue the run ids (and the `end:` status line) the sweep sends, then None at the end of its stdin."""
+    from fedcli.tracking.mirror import normal_priority
+
     for line in sys.stdin:
         if line.strip():
             lines.put(line.strip())
-    _normal_priority()  # now, not after the copies queued before the end: those are what the sweep waits for
+    # no trial trains any more, and the sweep's end waits for these copies: back to the sweep's nice value
+    # now (every thread: Linux schedules threads), where the system lets it, not after the copies queued
+    normal_priority(nice)
     lines.put(None)
-
-
-def _normal_priority() -> None:
-    """Back from SCHED_IDLE (no trial trains any more: the sweep's end waits for these copies).
-
-    Linux schedules threads: the main thread (its id is the process id) is the one that copies.
-    """
-    for thread in {os.getpid(), threading.get_native_id()}:
-        with contextlib.suppress(AttributeError, OSError):
-            os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))  # type: ignore[attr-defined]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,9 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-root", required=True)
     parser.add_argument("--parent-run")
     args = parser.parse_args(argv)
-    from fedcli.tracking.mirror import _idle_priority, first_cause_line, quiet_mlflow, read_urls
+    from fedcli.tracking.mirror import (
+        first_cause_line,
+        low_priority,
+        mlflow_set_up,
+        quiet_mlflow,
+        read_urls,
+        watch_parent,
+    )
 
-    _idle_priority()  # even MLflow's import runs only on a core no trial wants
+    watch_parent()  # the sweep gone: at most ORPHAN_WAIT_S to copy what it can, then it ends
+    nice = low_priority()  # even MLflow's import yields a core the trials want
     logging.basicConfig(level=logging.WARNING, format="fedcli sweep mirror: %(message)s")
     if not read_urls(args):
         return 2
@@ -175,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         from fedcli.sweep_rows import parent_run
 
         try:
-            parent = parent_run(args.tracking_uri, args.sweep_spec)
+            with mlflow_set_up():  # the schema, under its lock: never cut short by `watch_parent`
+                parent = parent_run(args.tracking_uri, args.sweep_spec)
         except Exception as err:  # noqa: BLE001 - one line the sweep quotes; the SQL store has every trial
             print(f"MLflow mirror: the sweep's MLflow run could not be opened ({type(err).__name__}: "
                   f"{first_cause_line(err)}); pass --tracking-uri with a writable MLflow store or use --no-mlflow",
@@ -183,11 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         args.parent_run = parent.run_id
     lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(lines,), daemon=True).start()
+    threading.Thread(target=_read_lines, args=(lines, nice), daemon=True).start()
     failed, status = 0, "interrupted"  # no `end:` line: the sweep died
     while True:
         run_id = lines.get()
-        if run_id is None:  # the sweep ended (or died); the reader left idle priority then (it waits for these)
+        if run_id is None:  # the sweep ended (or died); the reader left nice 19 then (it waits for these)
             break
         if run_id.startswith(END_PREFIX):
             status = run_id.removeprefix(END_PREFIX)
