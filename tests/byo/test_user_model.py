@@ -187,6 +187,9 @@ def test_resnet_module_reference_evaluate_and_mlflow_model_rebuild_it(tmp_path: 
     assert run.config["data"]["model"] == "cifarnets.resnet:make_resnet"
 
     evaluated = fedcli(root, run.id[:8], "--json", command="evaluate", cwd=tmp_path, env=env)
+    assert evaluated.returncode == 2 and "--trust-code" in evaluated.stderr  # the row names code: not run unasked
+    evaluated = fedcli(root, run.id[:8], "--json", "--model", "cifarnets.resnet:make_resnet", command="evaluate",
+                       cwd=tmp_path, env=env)
     assert evaluated.returncode == 0, evaluated.stderr
     import json
 
@@ -201,7 +204,8 @@ run = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search
 (logged,) = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list")
 rows = np.load("{data}")["x"][:3]
 print(json.dumps({{"params": {{k: v for k, v in run.data.params.items() if k.startswith("data.model")}},
-                  "logits": mlflow.pyfunc.load_model(logged.model_uri).predict(rows).tolist()}}))
+                  "logits": mlflow.pyfunc.load_model(logged.model_uri, model_config={{"trust_code": True}}
+                                                     ).predict(rows).tolist()}}))
 '''
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd="/",
                             env={**os.environ, **env})
@@ -244,16 +248,17 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path: Path) -> None:
     victim.wait(timeout=30)
     assert (store(root).last_round(run_id) or 0) < 20
 
-    resumed = fedcli(root, "--resume", run_id[:8], cwd="/")
+    resumed = fedcli(root, "--resume", run_id[:8], "--model", f"{tmp_path / 'signalnet.py'}:SignalCNN", cwd="/")
     assert resumed.returncode == 0, resumed.stderr
     for name, tensor in final_params(tmp_path / "ref", ref_id).items():
         assert torch.equal(final_params(root, run_id)[name], tensor), name
 
 
 def test_changed_source_resume_refuses_evaluate_warns(tmp_path: Path) -> None:
-    """After the model's file changed: --resume refuses (exit 2, one line, the run untouched) unless
-    FEDCLI_ALLOW_MODEL_CHANGE=1; `fedcli evaluate` warns and evaluates. On a registry task
-    (bundled femnist) with the model as a module on PYTHONPATH."""
+    """After the model's file changed: --resume (naming the model again) refuses (exit 2, one line, the run
+    untouched) unless FEDCLI_ALLOW_MODEL_CHANGE=1; `fedcli evaluate --model` warns and evaluates, while
+    `--trust-code` (which trusts the recorded source only) refuses. On a registry task (bundled femnist)
+    with the model as a module on PYTHONPATH."""
     source = write(tmp_path, "femnet.py", "from torch import nn\n\n\ndef tiny(num_classes, input_shape):\n"
                    "    return nn.Sequential(nn.Flatten(), nn.Linear(int(__import__('math').prod(input_shape)), "
                    "num_classes))\n")
@@ -266,16 +271,19 @@ def test_changed_source_resume_refuses_evaluate_warns(tmp_path: Path) -> None:
     assert run.config["data"]["model_args"] == '{"input_shape": [1, 28, 28], "num_classes": 62}'
     source.write_text(source.read_text() + "# edited\n")
 
-    refused = fedcli(root, "--resume", run.id[:8], "--rounds", "2", env=env)
+    refused = fedcli(root, "--resume", run.id[:8], "--rounds", "2", "--model", "femnet:tiny", env=env)
     assert refused.returncode == 2 and "changed since the run" in refused.stderr
     assert "FEDCLI_ALLOW_MODEL_CHANGE=1" in refused.stderr and "Traceback" not in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert store(root).last_round(run.id) == 1
 
-    evaluated = fedcli(root, run.id[:8], command="evaluate", env=env)
+    evaluated = fedcli(root, run.id[:8], "--model", "femnet:tiny", command="evaluate", env=env)
     assert evaluated.returncode == 0 and "changed since the run" in evaluated.stderr, evaluated.stderr
+    trusted = fedcli(root, run.id[:8], "--trust-code", command="evaluate", env=env)  # trusts the recorded code only
+    assert trusted.returncode == 2 and "source changed since the run recorded it" in trusted.stderr, trusted.stderr
 
-    allowed = fedcli(root, "--resume", run.id[:8], "--rounds", "2", env={**env, "FEDCLI_ALLOW_MODEL_CHANGE": "1"})
+    allowed = fedcli(root, "--resume", run.id[:8], "--rounds", "2", "--model", "femnet:tiny",
+                     env={**env, "FEDCLI_ALLOW_MODEL_CHANGE": "1"})
     assert allowed.returncode == 0, allowed.stderr
     assert store(root).last_round(run.id) == 2
 
@@ -452,6 +460,6 @@ def test_a_model_no_longer_importable_is_one_line(tmp_path: Path) -> None:
     from fedcli.tracking.served import served_model
 
     with pytest.raises(ConfigError, match="module 'gone_net_xyz' is not importable here; install it"):
-        served_model({}, "femnist", "gone_net_xyz:Net", None, '{"num_classes": 62}', "ab" * 32)
+        served_model({}, "femnist", "gone_net_xyz:Net", None, '{"num_classes": 62}', "ab" * 32, trust=True)
     with pytest.raises(ConfigError, match="gone.py does not exist"):
         build_config(overrides={"data.model": f"{tmp_path / 'gone.py'}:Net", "data.model_sha256": "ab" * 32})
