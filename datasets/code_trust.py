@@ -34,8 +34,6 @@ from typing import Any
 from fedcli.errors import ConfigError
 
 TRUST_ENV = "FEDCLI_TRUST_CODE"  # "1": the MLflow model's loader may import the code its served.pt names
-# (reference, sha256 of its source) imported or allowed in this process
-_ALLOWED: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -85,12 +83,15 @@ def source_sha256(ref: str) -> str:
 
 
 def remember(ref: str, sha256: str) -> None:
-    """Record that this process imported `ref` with this source (later gates of the same code pass)."""
-    if sha256:
-        _ALLOWED.add((ref, sha256))
+    """Record that this process imported (or allowed) `ref` with this source: later gates of the same code pass."""
+    from fedcli.datasets.user_model import remember_import
+
+    remember_import(ref, sha256)
 
 
 def _remembered(ref: str) -> bool:
+    from fedcli.datasets.user_model import IMPORTED_CODE as _ALLOWED
+
     target = ref.rpartition(":")[0]
     if not any(r == ref for r, _ in _ALLOWED):
         return False

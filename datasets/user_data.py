@@ -209,9 +209,9 @@ def load_function(ref: str) -> tuple[Callable[[], Any], str]:
                           "the dataset.")
     source = getattr(module, "__file__", None)
     digest = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
-    from fedcli.datasets.code_trust import remember
+    from fedcli.datasets.user_model import remember_import
 
-    remember(ref, digest)  # imported here: later gates of the same code pass (datasets/code_trust.py)
+    remember_import(ref, digest)  # imported here: later gates of the same code pass (datasets/code_trust.py)
     return fn, digest
 
 

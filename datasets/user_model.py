@@ -200,10 +200,8 @@ def load_factory(ref: str) -> Callable[..., nn.Module]:
     except Exception as err:  # noqa: BLE001 - any error of the user's module is reported in one line
         raise ConfigError(f"data.model {ref!r}: importing {target} failed: {_first_line(err)}. Fix the module, or "
                           "check that it is importable here (PYTHONPATH, installed package).") from None
-    from fedcli.datasets.code_trust import remember
-
     source = getattr(module, "__file__", None)
-    remember(ref, _sha(source) if source else "")  # imported here: later gates of the same code pass
+    remember_import(ref, _sha(source) if source else "")  # imported here: later gates of the same code pass
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -217,6 +215,15 @@ def load_factory(ref: str) -> Callable[..., nn.Module]:
 
 
 _IMPORTED: dict[str, str] = {}  # module -> sha256 of its source when this process imported it
+# (reference, sha256 of its source) of the user code (models, data functions) this process imported or
+# allowed: datasets/code_trust.py lets the same code run again without another opt-in
+IMPORTED_CODE: set[tuple[str, str]] = set()
+
+
+def remember_import(ref: str, sha256: str) -> None:
+    """Record that this process imported (or was allowed to import) `ref` with this source's sha256."""
+    if sha256:
+        IMPORTED_CODE.add((ref, sha256))
 
 
 def _sha(path: str) -> str:
