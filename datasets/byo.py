@@ -70,6 +70,16 @@ def read_table(path: Path) -> Arrays:
     if frame.empty:
         raise DataError(f"{path.name}: the table must hold at least one example row; got {len(frame)} rows and "
                         f"columns {list(map(str, frame.columns[:8]))}. Is the file empty or truncated?")
+    if path.suffix == ".csv":  # pandas renames a repeated column to `y.1` and an unnamed one to `Unnamed: 0`
+        header = pd.read_csv(path, nrows=1, header=None, dtype=str, keep_default_na=False).iloc[0].tolist()
+        twice = next((c for i, c in enumerate(header) if c in header[:i]), None)
+        if twice is not None:
+            raise DataError(f"{path.name}: column {twice!r} appears twice in the header (pandas would use the second "
+                            f"as a feature named {twice}.1); rename or drop one.")
+        blank = next((i for i, c in enumerate(header) if not c.strip()), None)
+        if blank is not None:
+            raise DataError(f"{path.name}: column {blank + 1} of the header has no name (pandas' to_csv writes its "
+                            "index that way, which would become a feature); save with index=False, or name it.")
     if "y" not in frame.columns:
         raise DataError(f"{path} has no column 'y'; columns are {', '.join(map(str, frame.columns[:8]))}.")
     features = [c for c in frame.columns if c not in ("y", "client", "split")]
