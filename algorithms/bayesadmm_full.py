@@ -56,6 +56,7 @@ from fedcli.algorithms.base import (
     ClientContext,
     ClientOut,
     Diagnostics,
+    HyperparameterError,
     OptimConfig,
     Params,
     flatten,
@@ -152,6 +153,7 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
     grad_fn = torch.func.grad_and_value(loss)
     hess_fn = torch.func.jacrev(torch.func.grad(loss))  # reverse-over-reverse (no jit-scripted decompositions)
     m, S, t = m_bar, S_bar, torch.zeros((), dtype=wide, device=m_bar.device)
+    rejected = torch.zeros((), dtype=wide, device=m_bar.device)
     loss_sum = torch.zeros((), dtype=ctx.step_mask.dtype, device=ctx.step_mask.device)
     for step in range(ctx.num_steps):
         if hp.mc_samples:
@@ -165,22 +167,31 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
         H = torch.stack([hess_fn(theta, step) for theta in thetas]).mean(0).to(wide)
         b = hp.step_size / (1 + hp.step_decay * t)  # b_S; the mean's step is b_m = mean_step_ratio * b_S
         S_new = (1 - b) * S + b * (lam * (H - V_t) + S_bar)
+        S_new = 0.5 * (S_new + S_new.mT)
+        chol, info = torch.linalg.cholesky_ex(S_new)  # no LU: a broken precision must not raise mid-vmap
         direction = lam * (g + v_t - V_t @ m) + S_bar @ (m - m_bar)
-        m_new = m - hp.mean_step_ratio * b * torch.linalg.solve(S_new, direction)
+        m_new = m - hp.mean_step_ratio * b * torch.cholesky_solve(direction[:, None], chol)[:, 0]
+        # a step whose precision is not positive definite or whose values are not finite is rejected
+        ok = (info == 0) & torch.isfinite(m_new).all() & torch.isfinite(S_new).all()
         mask = ctx.step_mask[step].bool()
-        m, S, t = torch.where(mask, m_new, m), torch.where(mask, S_new, S), t + mask.to(wide)
+        take = mask & ok
+        m, S, t = torch.where(take, m_new, m), torch.where(take, S_new, S), t + take.to(wide)
+        rejected = rejected + (mask & ~ok).to(wide)
         loss_sum = loss_sum + ctx.step_mask[step] * torch.stack(values).mean().detach()
     gamma = hp.dual_damping * hp.rho
     v = client_state.v + (gamma * (S @ m - S_bar @ m_bar)).to(dtype)
     state = ClientState(v=v, V=client_state.V + (gamma * (S - S_bar)).to(dtype))
     metrics = {"train_loss": loss_sum / ctx.step_mask.sum().clamp_min(1.0)}
-    return ClientOut(upload={"mean": m.to(dtype), "precision": S.to(dtype)}, state=state, metrics=metrics)
+    upload = {"mean": m.to(dtype), "precision": S.to(dtype), "rejected": rejected.to(dtype),
+              "steps": ctx.step_mask.sum().to(dtype)}
+    return ClientOut(upload=upload, state=state, metrics=metrics)
 
 
 def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: BayesADMMFullConfig,
                   opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
     """Eqs. 37-38 (unweighted means), with the eigenvalue guard on S_bar."""
     dtype, wide = state.precision.dtype, torch.float64  # solve in float64, store in the model's dtype
+    require_solvable(outs.upload["rejected"].sum(), outs.upload["steps"].sum(), hp)
     m, S = outs.upload["mean"].to(wide), outs.upload["precision"].to(wide)  # [C, D], [C, D, D]
     num, d = m.shape
     alpha = 1.0 / (1.0 + hp.rho * num)
@@ -197,10 +208,20 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: Baye
     precision = (evecs * evals.clamp_min(floor)) @ evecs.mT
     mean = torch.linalg.solve(precision, (1 - alpha) * Sm.mean(0) + alpha * v_sum)
     diagnostics = {"bayesadmm_full/min_eigenvalue": evals.min(),
+                   "bayesadmm_full/rejected_steps": outs.upload["rejected"].sum(),
                    "bayesadmm_full/clamped_eigenvalues": (evals < floor).sum().to(dtype)}
     new = ServerState(mean=unflatten(mean.to(dtype), state.mean), precision=precision.to(dtype),
                       v_sum=v_sum.to(dtype), V_sum=V_sum.to(dtype))
     return new, diagnostics
+
+
+def require_solvable(rejected: Tensor, steps: Tensor, hp: BayesADMMFullConfig) -> None:
+    """Raise HyperparameterError (one line naming the fix) when most of the cohort's VON steps were rejected."""
+    if float(rejected) * 2 > float(steps):
+        raise HyperparameterError(
+            f"bayesadmm-full: {int(rejected)} of the cohort's {int(steps)} VON steps gave a precision that is not "
+            f"positive definite or values that are not finite (the client solves diverge); lower hp.step_size "
+            f"(now {hp.step_size:g}, e.g. --hp step_size={hp.step_size / 10:g}) or raise hp.delta (now {hp.delta:g}).")
 
 
 def global_params(state: ServerState) -> Params:

@@ -122,6 +122,9 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: ProgressFn | None = Non
             if tracker.store.get_run(run_id).stored_status == "running":  # not yet marked (aggregate's check)
                 tracker.finish("failed", reason=str(exc)[:500], diverged_at_round=loop.completed + 1)
             raise
+        except HyperparameterError as exc:  # an algorithm's math broke down mid-run (bayesadmm-full's VON solves)
+            tracker.finish("failed", reason=str(exc)[:500], diverged_at_round=loop.completed + 1)
+            raise DivergenceError(f"run diverged at round {loop.completed + 1}: {exc} The run is marked failed.") from None
         except BaseException as exc:
             if signals.pending is None:
                 tracker.finish("failed", reason=f"{type(exc).__name__}: {exc}"[:500])

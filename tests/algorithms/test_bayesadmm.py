@@ -539,12 +539,58 @@ def test_bayesadmm_full_eigenvalue_guard() -> None:
     hp = FULL.config_cls(rho=1.0, dual_damping=1.0, delta=1.0, precision_floor=0.05)
     state = FULL.server_init({"w": torch.zeros(2, dtype=F64)}, hp, OptimConfig())
     s_k = torch.diag(torch.tensor([-4.0, 9.0], dtype=F64))
-    outs = ClientOut(upload={"mean": torch.zeros(1, 2, dtype=F64), "precision": s_k[None]}, state=None, metrics={})
+    outs = ClientOut(upload={"mean": torch.zeros(1, 2, dtype=F64), "precision": s_k[None],
+                             "rejected": torch.zeros(1, dtype=F64), "steps": torch.ones(1, dtype=F64)},
+                     state=None, metrics={})
     new, diag = FULL.server_update(state, outs, torch.ones(1, dtype=F64), hp, OptimConfig())
     # alpha = 1/2, V_sum = S_k - I; raw = (S_k + I + S_k - I)/2 = S_k
     torch.testing.assert_close(new.precision, torch.diag(torch.tensor([0.05, 9.0], dtype=F64)), rtol=0, atol=1e-12)
     assert float(diag["bayesadmm_full/min_eigenvalue"]) == pytest.approx(-4.0)
     assert float(diag["bayesadmm_full/clamped_eigenvalues"]) == 1.0
+
+
+@pytest.mark.parametrize("broken", ["indefinite", "non-finite"])
+def test_bayesadmm_full_rejects_broken_von_steps_and_the_server_names_the_fix(broken: str) -> None:
+    """Issue 36: a VON step whose precision is not positive definite, or whose Hessian is not finite, raised
+    "Pivots given to lu_solve must all be greater or equal to 1" mid-round. Now the step is rejected (m, S stay
+    at q_bar, so the duals do not move) and the server raises one line naming hp.step_size.
+    indefinite: V_k = 100 I makes lam (H - V_k tau/N_k) + S_bar = lam H - V_k/rho + S_bar negative definite
+    (lam H <= 5 N_k * 1, V_k/rho = 500); non-finite: a NaN feature makes the Hessian NaN."""
+    hp = FULL.config_cls()  # rho = 0.2, delta = 25, step_size = 1 (a Newton step)
+    x, y = linear_clients(dim=2)[0]
+    x = x / x.norm(dim=1, keepdim=True)  # every ||x_i|| = 1, so H = X^T X / N_k <= I
+    dual = torch.zeros(2, 2, dtype=F64)
+    if broken == "indefinite":
+        dual = 100.0 * torch.eye(2, dtype=F64)
+    else:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    m_bar, s_bar = torch.tensor([0.5, -1.0], dtype=F64), torch.tensor([[30.0, 2.0], [2.0, 40.0]], dtype=F64)
+    bc = bayesadmm_full.Broadcast(mean={"w": m_bar}, precision=s_bar)
+    client = bayesadmm_full.ClientState(v=torch.ones(2, dtype=F64), V=dual)
+    out = FULL.client_update(make_ctx(x, y, squared_loss, 4), bc, client, hp, OptimConfig())
+    assert float(out.upload["rejected"]) == 4.0 and float(out.upload["steps"]) == 4.0
+    torch.testing.assert_close(out.upload["mean"], m_bar, rtol=0, atol=0)
+    torch.testing.assert_close(out.upload["precision"], s_bar, rtol=0, atol=0)
+    torch.testing.assert_close(out.state.v, client.v, rtol=0, atol=0)  # gamma (S m - S_bar m_bar) = 0
+    torch.testing.assert_close(out.state.V, client.V, rtol=0, atol=0)
+    state = FULL.server_init({"w": torch.zeros(2, dtype=F64)}, hp, OptimConfig())
+    with pytest.raises(HyperparameterError, match=r"^bayesadmm-full: 4 of the cohort's 4 VON steps .* lower "
+                       r"hp.step_size \(now 1, e.g. --hp step_size=0.1\) or raise hp.delta \(now 25\)\.$"):
+        FULL.server_update(state, stack([out]), torch.ones(1, dtype=F64), hp, OptimConfig())
+
+
+def test_bayesadmm_full_counts_no_rejection_on_a_convex_client() -> None:
+    """A positive-definite Newton step is taken: nothing is rejected and the server raises nothing."""
+    hp = FULL.config_cls()
+    x, y = linear_clients(dim=2)[0]
+    state = FULL.server_init({"w": torch.zeros(2, dtype=F64)}, hp, OptimConfig())
+    out = FULL.client_update(make_ctx(x, y, squared_loss, 3), FULL.broadcast(state, hp),
+                             FULL.init_client_state({"w": torch.zeros(2, dtype=F64)}, hp), hp, OptimConfig())
+    assert float(out.upload["rejected"]) == 0.0
+    assert not torch.equal(out.upload["mean"], torch.zeros(2, dtype=F64))
+    _, diag = FULL.server_update(state, stack([out]), torch.ones(1, dtype=F64), hp, OptimConfig())
+    assert float(diag["bayesadmm_full/rejected_steps"]) == 0.0
 
 
 # ------------------------------------------------------------------------------ §9.1 toy experiments
