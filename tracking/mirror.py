@@ -371,7 +371,7 @@ def low_priority() -> int:
     core would otherwise idle, so on a machine kept busy by other work it never ran (8 runs that
     ended with 0 of 8 in MLflow; mirrors left behind for hours by commands long gone). At nice 19 it
     has 1.5 % of a core against one busy task at nice 0, and always progresses. The cost on round
-    time is measured in docs/architecture.md ("The MLflow mirror").
+    time is measured in docs/architecture.md, "Tracking" (the MLflow mirror).
     """
     try:
         before = os.getpriority(os.PRIO_PROCESS, 0)

@@ -3,7 +3,7 @@
 Two busy loops at normal priority keep both cores busy, as other work on a shared node does. Before
 issue 35 the MLflow mirror ran at SCHED_IDLE: on such a machine it was never scheduled, so every
 rejected `fedcli train` left its early mirror behind (alive 37 min later), and a SIGKILLed trainer's
-mirror never finished. Now (docs/architecture.md, "The MLflow mirror"): the mirror runs at nice 19;
+mirror never finished. Now (docs/architecture.md, "Tracking"): the mirror runs at nice 19;
 a command that ends without a run ends its early mirror as it exits (`discard_early`, atexit); a
 mirror whose training process is gone ends within ORPHAN_WAIT_S (`watch_parent`), and what it did not
 copy `fedcli sync` copies from the store.

@@ -4,7 +4,7 @@ Before: the run trained, exited 0, and MLflow never got it, with no line saying 
 would have said it had not run yet). Now `preflight` asks the server for an experiment with the
 credentials MLflow's client sends, and a refusal (HTTP 401/403) is one line: exit 2, or with
 `--mlflow-optional` a warning and a run in the SQL store, which `fedcli sync` copies once the
-password is right (docs/architecture.md, "The MLflow mirror").
+password is right (docs/architecture.md, "Tracking").
 
 A real MLflow tracking server with basic auth (`mlflow server --app-name basic-auth`) on loopback;
 it needs Flask-WTF (`pip install 'mlflow[auth]'`), and the test is skipped without it.
