@@ -10,9 +10,13 @@ Multi-label (scores = logits [N, L], targets = 0/1 [N, L]; StackOverflow LR, Bib
   `Precision()` as in Reddi et al. 2021: sum TP / sum predicted positives (0 if none).
 - recall_at_5: micro recall of the top-5 logits per example, Keras `Recall(top_k=5)`:
   sum |top5 ∩ true| / sum |true| (0 if no true tags).
-- micro_f1 / macro_f1: F1 of the 0.5-threshold predictions, pooled over all tags / averaged
-  over tags; a tag with no true and no predicted positives scores 0 (scikit-learn's
-  `zero_division=0`), so macro_f1 = mean over all L tags.
+- micro_f1 / macro_f1: F1 of the task's decision rule (`multilabel(top_k)`): threshold 0.5
+  (sigmoid(logit) > 0.5, the default, `MULTILABEL`) or the top-k logits of each example
+  (`multilabel(top_k=k)`; bibtex uses k = 2, its training set's mean label cardinality 2.40
+  rounded: a model trained for a few rounds puts no tag above 0.5, docs/out-of-the-box.md),
+  pooled over all tags / averaged over tags; a tag with no true and no predicted positives
+  scores 0 (scikit-learn's `zero_division=0`), so macro_f1 = mean over all L tags.
+  `MetricFns.rule` states the rule in words (`fedcli report` prints it with its F1 table).
 
 Next token (logits [N, T, V], targets [N, T]; StackOverflow NWP):
 - accuracy: argmax == target over positions whose target is not a special token (pad, OOV,
@@ -31,22 +35,44 @@ from torch import Tensor
 
 
 class MetricFns(NamedTuple):
-    """A task's chunkable metrics: stats per chunk (summed by key), then finish."""
+    """A task's chunkable metrics: stats per chunk (summed by key), then finish; `rule` states the
+    decision rule of its F1 metrics in words ('' when it has none)."""
 
     stats: Callable[[Tensor, Tensor], dict[str, Tensor]]
     finish: Callable[[dict[str, Tensor]], dict[str, float]]
+    rule: str = ""
 
 
-def multilabel_stats(logits: Tensor, targets: Tensor, *, k: int = 5) -> dict[str, Tensor]:
-    """Per-tag TP/FP/FN at threshold 0.5 and top-k hits: sums over the examples of a chunk."""
+THRESHOLD_RULE = "a tag is predicted when sigmoid(logit) > 0.5"
+
+
+def top_k_rule(top_k: int) -> str:
+    """The words of the top-k decision rule (what `fedcli report` prints with the F1 table)."""
+    return f"the {top_k} highest-scoring tags of each example are predicted (top-{top_k})"
+
+
+def decide(logits: Tensor, top_k: int | None = None) -> Tensor:
+    """The predicted tags [N, L] (bool): logit > 0 (sigmoid > 0.5), or the `top_k` largest logits per row."""
+    if top_k is None:
+        return logits > 0.0
+    top = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).indices
+    return torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, True)
+
+
+def multilabel_stats(logits: Tensor, targets: Tensor, *, k: int = 5, top_k: int | None = None) -> dict[str, Tensor]:
+    """Per-tag TP/FP/FN of the decision rule (threshold 0.5, or `top_k` tags per example), the
+    0.5-threshold precision's counts and the top-k recall's hits: sums over the examples of a chunk."""
     truth = targets > 0.5  # [N, L]
-    predicted = logits > 0.0  # sigmoid(logit) > 0.5
+    at_half = logits > 0.0  # sigmoid(logit) > 0.5
+    predicted = at_half if top_k is None else decide(logits, top_k)
     top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices  # [N, k]
     hits = truth.gather(-1, top).sum()
     return {
         "tp": (predicted & truth).sum(dim=0).to(torch.float64),  # [L]
         "fp": (predicted & ~truth).sum(dim=0).to(torch.float64),
         "fn": (~predicted & truth).sum(dim=0).to(torch.float64),
+        "tp_at_half": (at_half & truth).sum().to(torch.float64),
+        "predicted_at_half": at_half.sum().to(torch.float64),
         "topk_hits": hits.to(torch.float64),
         "num_true": truth.sum().to(torch.float64),
     }
@@ -62,16 +88,26 @@ def multilabel_finish(stats: dict[str, Tensor]) -> dict[str, float]:
     per_tag_denominator = 2 * tp + fp + fn
     per_tag_f1 = torch.where(per_tag_denominator > 0, 2 * tp / per_tag_denominator.clamp_min(1), torch.zeros_like(tp))
     return {
-        "precision": _ratio(float(tp.sum()), float((tp + fp).sum())),
+        "precision": _ratio(float(stats["tp_at_half"]), float(stats["predicted_at_half"])),
         "recall_at_5": _ratio(float(stats["topk_hits"]), float(stats["num_true"])),
         "micro_f1": _ratio(float(2 * tp.sum()), float(per_tag_denominator.sum())),
         "macro_f1": float(per_tag_f1.mean()),
     }
 
 
-def multilabel_metrics(logits: Tensor, targets: Tensor, *, k: int = 5) -> dict[str, float]:
+def multilabel_metrics(logits: Tensor, targets: Tensor, *, k: int = 5, top_k: int | None = None) -> dict[str, float]:
     """All multi-label metrics of one batch."""
-    return multilabel_finish(multilabel_stats(logits, targets, k=k))
+    return multilabel_finish(multilabel_stats(logits, targets, k=k, top_k=top_k))
+
+
+def multilabel(top_k: int | None = None) -> MetricFns:
+    """MetricFns of a multi-label task whose F1 decision rule is threshold 0.5 (None) or the top `top_k` tags."""
+    if top_k is None:
+        return MetricFns(stats=multilabel_stats, finish=multilabel_finish, rule=THRESHOLD_RULE)
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1; got {top_k}.")
+    return MetricFns(stats=lambda out, y: multilabel_stats(out, y, top_k=top_k), finish=multilabel_finish,
+                     rule=top_k_rule(top_k))
 
 
 def token_stats(logits: Tensor, targets: Tensor, *, pad_id: int, special_ids: Sequence[int]) -> dict[str, Tensor]:
@@ -106,7 +142,7 @@ def add_stats(total: dict[str, Tensor] | None, chunk: dict[str, Tensor]) -> dict
     return {k: total[k] + chunk[k] for k in total}
 
 
-MULTILABEL = MetricFns(stats=multilabel_stats, finish=multilabel_finish)
+MULTILABEL = multilabel()
 
 
 def next_token(pad_id: int, special_ids: Sequence[int]) -> MetricFns:

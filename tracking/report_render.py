@@ -121,7 +121,35 @@ _TITLES = {
 }
 
 
+# The F1 decision rule of a multi-label run, as recorded in its config (data.f1_rule, the task's `record`,
+# fedcli/datasets/mulan.py); a run that records none (stackoverflow-lr, every run before the rule was
+# recorded) thresholded at 0.5 (fedcli/datasets/metrics.py).
+F1_RULE_KEY = "data.f1_rule"
+THRESHOLD_RULE = "a tag is predicted when sigmoid(logit) > 0.5"
+
+
+def f1_rules(report: Report) -> str:
+    """'F1 decision rule: <rule> (tasks); ...' over the report's runs: the line under a table with F1."""
+    rules: dict[str, set[str]] = {}
+    for group in report.groups:
+        for record in group.runs:
+            config = run_config(record)
+            rules.setdefault(_value(config, F1_RULE_KEY) or THRESHOLD_RULE, set()).add(
+                _value(config, "data.task") or MISSING)
+    shown = "; ".join(f"{rule} ({', '.join(sorted(tasks))})" for rule, tasks in sorted(rules.items()))
+    return f"F1 decision rule (micro_f1, macro_f1): {shown}."
+
+
+def _has_f1(report: Report, table: str) -> bool:
+    return "f1" in report.metric if table == "main" else any("f1" in c.id for c in report.tables.get(table, ()))
+
+
 def _definitions(report: Report, table: str) -> str:
+    text = _definitions_text(report, table)
+    return f"{text} {f1_rules(report)}" if table in ("main", "eval") and _has_f1(report, table) else text
+
+
+def _definitions_text(report: Report, table: str) -> str:
     spec, metric = report.spec, report.metric
     direction = "≤" if md.is_lower_better(metric) else "≥"
     if table == "main":

@@ -74,3 +74,44 @@ def test_token_metrics_by_hand() -> None:
     fns = next_token(0, (1,))
     chunked = fns.finish(add_stats(fns.stats(logits[:1], targets[:1]), fns.stats(logits[1:], targets[1:])))
     assert chunked == pytest.approx(metrics)
+
+
+@pytest.mark.parametrize(("seed", "top_k"), [(0, 1), (1, 2), (2, 3)])
+def test_top_k_decision_rule_predicts_k_tags_per_example(seed: int, top_k: int) -> None:
+    """multilabel(top_k=k): micro/macro-F1 of the mask of each row's k largest logits (by numpy's argsort,
+    against scikit-learn), whatever the logits' sign; precision stays the 0.5-threshold one; chunked = whole."""
+    from fedcli.datasets.metrics import decide, multilabel
+
+    logits, targets = _multilabel_case(seed)
+    logits = logits - 10.0  # every sigmoid < 0.5: the threshold rule predicts nothing, top-k still k tags a row
+    truth = targets.numpy().astype(int)
+    mask = np.zeros_like(truth)
+    np.put_along_axis(mask, np.argsort(-logits.numpy(), axis=1, kind="stable")[:, :top_k], 1, axis=1)
+    assert (decide(logits, top_k).numpy() == mask).all() and mask.sum(1).tolist() == [top_k] * len(mask)
+    fns = multilabel(top_k=top_k)
+    got = fns.finish(fns.stats(logits, targets))
+    assert got["micro_f1"] == pytest.approx(f1_score(truth, mask, average="micro", zero_division=0))
+    assert got["macro_f1"] == pytest.approx(f1_score(truth, mask, average="macro", zero_division=0))
+    assert got["micro_f1"] > 0 and multilabel_metrics(logits, targets)["micro_f1"] == 0.0
+    assert got["precision"] == 0.0  # nothing above 0.5
+    chunked = fns.finish(add_stats(fns.stats(logits[:13], targets[:13]), fns.stats(logits[13:], targets[13:])))
+    assert chunked == pytest.approx(got)
+    assert fns.rule == f"the {top_k} highest-scoring tags of each example are predicted (top-{top_k})"
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
+        multilabel(top_k=0)
+
+
+def test_bibtex_decides_by_its_mean_label_cardinality() -> None:
+    """bibtex's F1 rule is top-k with k = the training split's mean tags per entry (2.40), rounded; the run
+    records the rule (data.f1_rule) for `fedcli report`."""
+    from fedcli.datasets.registry import TASKS
+    from fedcli.datasets.tasks import TaskOptions
+    from fedcli.engine.evaluation import kind_metrics
+
+    task = TASKS["bibtex"]
+    data = task.load(TaskOptions())
+    k = round(float(data.y.sum(1).mean()))
+    fns = kind_metrics(task)
+    assert fns is not None and fns.rule.endswith(f"(top-{k})") and task.record["f1_rule"].startswith(fns.rule)
+    logits = torch.randn(data.test_y.shape, generator=torch.Generator().manual_seed(0)) - 10.0
+    assert fns.finish(fns.stats(logits, data.test_y))["micro_f1"] > 0  # no tag above 0.5, still k predicted
