@@ -110,6 +110,11 @@ CASES: dict[str, Mistake] = {
                                "(e.g. 1.5 at row 1)",
                                text("c.csv", "a,b,y,client\n" + "".join(f"{i},{i % 3},{i % 2},{1 + (i % 2) / 2}\n"
                                                                        for i in range(20)))),
+    # CSV headers pandas renames: a second `y` became the feature `y.1`, to_csv's unnamed index a feature
+    "data-csv-column-twice": M(byo("c.csv"), "c.csv: column 'y' appears twice in the header",
+                               text("c.csv", "a,y,y\n" + "".join(f"{i},{i % 2},{i % 3}\n" for i in range(20)))),
+    "data-csv-unnamed-index": M(byo("c.csv"), "c.csv: column 1 of the header has no name",
+                                text("c.csv", ",a,y\n" + "".join(f"{i},{i * 2},{i % 2}\n" for i in range(20)))),
 }
 
 
