@@ -212,6 +212,9 @@ def load_run(ref: str, *, store: str | None = None, root: str | Path | None = No
     """
     from fedcli.cli.common import open_store, tracking_config
 
+    if not isinstance(ref, str) or not ref.strip():  # None found some run; an int was an AttributeError
+        raise ConfigError(f"ref must be a run id, id prefix or name (str); got {_kind(ref)}. `fedcli list runs` "
+                          "shows them.")
     url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
     db = open_store(url, must_exist=True)
     try:
@@ -239,12 +242,19 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
     """
     from fedcli.cli.common import open_store, tracking_config
     from fedcli.cli.errors import check_output
-    from fedcli.cli.report import Format, parse_metric, parse_where, write_report
+    from fedcli.cli.report import Format, parse_list, parse_metric, parse_where, write_report
     from fedcli.config import require_store
     from fedcli.tracking import report as rep
 
     if format not in {f.value for f in Format}:
         raise ConfigError(f"format must be one of md, csv, json; got {format!r}.")
+    if isinstance(runs, str):  # one reference, not its characters as references
+        runs = [runs]
+    bad = next((r for r in runs or () if not isinstance(r, (Run, str))), None)
+    if bad is not None:
+        raise ConfigError(f"runs must be a list of runs (Run) or run references (str); got {_kind(bad)}.")
+    if isinstance(columns, str):  # "a,b" as the CLI's --columns, not one column per character
+        columns = parse_list("columns", [columns], "metric key")
     for name, value in (("window", window), ("smooth", smooth)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be an integer number of rounds >= 1; got {_kind(value)}.")

@@ -187,12 +187,22 @@ def test_python_api_argument_types(kwargs: dict, message: str, workdir: Path) ->
     (dict(thresholds=["high"]), "thresholds must be a list of finite numbers; got str 'high'"),  # ValueError
     (dict(window=0), "window must be an integer number of rounds >= 1; got int 0."),
     (dict(smooth=1.5), "smooth must be an integer number of rounds >= 1; got float 1.5."),
+    (dict(runs=[5]), "runs must be a list of runs (Run) or run references (str); got int 5."),  # str(5) looked up
 ])
 def test_python_report_argument_types(kwargs: dict, message: str, workdir: Path) -> None:  # noqa: F811
     with pytest.raises(ConfigError) as info:
         fedcli.report(root=ROOT, **kwargs)
     assert message in str(info.value)
     assert snapshot(workdir) == {}
+
+
+@pytest.mark.parametrize("ref", [None, 5, " "])
+def test_load_run_needs_a_reference(ref: object, workdir: Path) -> None:  # noqa: F811
+    """load_run(None) returned some run of the store; load_run(5) was an AttributeError."""
+    assert CliRunner().invoke(app, ["-q", "train", "--task", "lsq", "--rounds", "1", "--no-mlflow", "--root",
+                                    ROOT]).exit_code == 0
+    with pytest.raises(ConfigError, match=r"^ref must be a run id, id prefix or name \(str\); got "):
+        fedcli.load_run(ref, root=ROOT)  # type: ignore[arg-type]
 
 
 class Pairs(torch.utils.data.Dataset):
