@@ -166,7 +166,8 @@ def test_augmented_run_killed_and_resumed_equals_the_uninterrupted_run(tmp_path:
     db = SqlStore(f"sqlite:///{root / 'fedcli.db'}")
     assert (db.last_round(run_id) or 0) < int(rounds), "killed too late to test a resume"
     resumed = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), "--resume",
-                              run_id[:8]], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+                              run_id[:8], "--data", "pictures.py:load"],  # its data function named again (issue 35)
+                             cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     want = torch.load(tmp_path / "ref" / "runs" / ref_id / "model.pt", weights_only=True)["params"]
     got = torch.load(root / "runs" / run_id / "model.pt", weights_only=True)["params"]
