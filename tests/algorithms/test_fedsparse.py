@@ -201,7 +201,8 @@ def server_round(state, hp, opt, deltas, z, weights):
 
 def test_server_steps_are_eqs_21_22_with_adamax_and_prune_below_eps() -> None:
     """q = n / sum n. Eq. 21: w' = w - sum_s q_s z_s (w - w_s) (server SGD, lr 1). Eq. 22 by the
-    chain rule: g_v = sigmoid(v) (sum_s q_s z_s - theta) / T; Adamax from zero state:
+    chain rule: g_v = sigmoid(v) (sum_s q_s z_s - theta) / T; Adamax from m_0 = 0 and u_0 =
+    sigmoid(v_0) / T (the bound of |g_v|, hp.use_gate_grad_bound):
     m_t = b1 m + (1 - b1) g, u_t = max(b2 u, |g| + eps), v' = v - lr / (1 - b1^t) m_t / u_t.
     Then unit g stays alive iff sigmoid((||w'_g|| - softplus(v'_g)) / T) > 0.1. All three
     clients report w_s = 0 for unit 0, so ||w'_0|| = 0 and it is pruned in round 1; 2 rounds."""
@@ -212,7 +213,8 @@ def test_server_steps_are_eqs_21_22_with_adamax_and_prune_below_eps() -> None:
     q = weights / weights.sum()
     z = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]], dtype=DT)
     b1, b2, eps, lr_v, t = 0.9, 0.999, 1e-8, hp.server_gate_lr, hp.temperature
-    m, u, v, alive = torch.zeros(4, dtype=DT), torch.zeros(4, dtype=DT), state.gates["hidden.weight"], torch.ones(4)
+    v, alive = state.gates["hidden.weight"], torch.ones(4)
+    m, u = torch.zeros(4, dtype=DT), torch.sigmoid(v) / t
     for r in (1, 2):
         g = torch.Generator().manual_seed(r)
         deltas = {k: 0.01 * torch.randn(3, *p.shape, generator=g, dtype=DT) for k, p in w.items()}
@@ -401,8 +403,10 @@ def test_paper_lambda0_prunes_the_groups_whose_l0_cost_beats_the_cross_entropy()
     iff lambda0 |g| > 4.6e-4; otherwise they raise it. At App. A's mid lambda0 = 5e-6 that is
     |g| > 92: layer h1 (|g| = 201) is pruned, h2 (|g| = 17) kept. A cross-entropy weighted by |g|
     like the L0 term gives |g| (lambda0 - 4.6e-4) < 0 for every group: nothing would be pruned.
-    With App. A's server gate lr 1e-2 (the default 1e-3 moves tau 10x less a round: docstring)."""
-    sparsity, alive = sparsity_after(FedSparseConfig(lambda0=5e-6, server_gate_lr=APP_A_GATE_LR))
+    With App. A's server gate lr 1e-2 (the default): every client votes z = 0 on h1, so the server's
+    first step lowers a_g by lr sigmoid(v_g) / T (theta_0 - 0) / b2 ~ 9 (||w_g|| ~ 3); a unit whose
+    logit stays above logit(0.1) goes in round 2 (the step follows the votes: docstring)."""
+    sparsity, alive = sparsity_after(FedSparseConfig(lambda0=5e-6, server_gate_lr=APP_A_GATE_LR), rounds=2)
 
     assert alive == [0.0, 1.0]
     assert sparsity == pytest.approx(16 * 201 / (16 * 201 + 8 * 17 + 9))
@@ -411,8 +415,9 @@ def test_paper_lambda0_prunes_the_groups_whose_l0_cost_beats_the_cross_entropy()
 def test_sparsity_grows_with_lambda0() -> None:
     """As above, pruning needs lambda0 |g| > c log 99 = 4.6e-4. App. A's low lambda0 = 5e-7 prunes
     no group of |g| <= 201; the high 5e-5 prunes |g| > 9.2, both layers. With mid (above):
-    0 < sparsity(mid) < sparsity(high)."""
-    low, high = (sparsity_after(FedSparseConfig(lambda0=lam, server_gate_lr=APP_A_GATE_LR)) for lam in (5e-7, 5e-5))
+    0 < sparsity(mid) < sparsity(high). Two rounds each, as above."""
+    low, high = (sparsity_after(FedSparseConfig(lambda0=lam, server_gate_lr=APP_A_GATE_LR), rounds=2)
+                 for lam in (5e-7, 5e-5))
 
     assert low == (0.0, [1.0, 1.0])
     assert high[1] == [0.0, 0.0]
@@ -444,3 +449,40 @@ def test_server_adam_on_w_is_pytorchs_bias_corrected_adam_by_default() -> None:
 
         torch.testing.assert_close(state.params, {k: p.detach() for k, p in shadow.items()}, rtol=0.0, atol=1e-15)
     assert not torch.allclose(plain.params["out.weight"], state.params["out.weight"], rtol=0.0, atol=1e-6)
+
+
+def test_round_one_gate_step_follows_the_votes_and_prunes_only_what_eq_20_would() -> None:
+    """Round 1 at the defaults (App. A: theta_0 = 0.99, T = 1e-3, server Adamax lr 1e-2, eps = 0.1).
+    Eq. 20's M-step puts theta_g at the clients' mean vote zbar_g, so a unit is prunable in round 1
+    only if fewer than one client in ten keeps it (zbar_g < eps). Ten equal clients, w unchanged
+    (zero deltas), units of ||w_g|| ~ 0.58 (PyTorch's init) voted zbar = 1, 0.9, 0.5, 0.2, 0.1, 0.
+    With u_0 = sigmoid(v_0) / T the first step is lr (zbar - theta) / b2 on v, so theta_g stays
+    between zbar_g and theta_0 and only zbar = 0 can be pruned; it is not either (a_g falls by
+    4.4 sigmoid... < logit 0.99 - logit 0.1). Adamax from u_0 = 0 (App. A read literally) steps
+    lr sign(g): one vote off in ten drops theta from 0.99 to ~0.55, below Eq. 20's 0.9."""
+    fan_in, votes = 300, torch.tensor([1.0, 0.9, 0.5, 0.2, 0.1, 0.0], dtype=DT)
+    g = torch.Generator().manual_seed(5)
+    bound = 1 / math.sqrt(fan_in)  # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    params = {"hidden.weight": (2 * torch.rand(6, fan_in, generator=g, dtype=DT) - 1) * bound,
+              "hidden.bias": (2 * torch.rand(6, generator=g, dtype=DT) - 1) * bound,
+              "out.weight": torch.zeros(1, 6, dtype=DT), "out.bias": torch.zeros(1, dtype=DT)}
+    opt = OptimConfig(server_opt="adam", server_lr=1e-3, server_beta2=0.999, server_tau=1e-8)
+    clients = torch.arange(10, dtype=DT)[:, None]
+    z = (clients < 10 * votes).to(DT)  # [10, 6]: client s keeps unit g iff s < 10 zbar_g
+    torch.testing.assert_close(z.mean(0), votes)
+    deltas = {k: torch.zeros(10, *p.shape, dtype=DT) for k, p in params.items()}
+    layout = {"hidden.weight": ("hidden.bias",)}
+    theta = {}
+    for bounded in (True, False):
+        hp = FedSparseConfig(use_gate_grad_bound=bounded)
+        state, _ = server_round(fedsparse.server_init(params, hp, opt), hp, opt, deltas, z, torch.ones(10, dtype=DT))
+        logits = fedsparse.gate_logits(state.params, state.gates, layout, hp.temperature)["hidden.weight"]
+        theta[bounded] = torch.sigmoid(logits)
+        if bounded:
+            assert state.alive["hidden.weight"].tolist() == [1.0] * 6
+    theta_0 = torch.full_like(votes, 0.99)
+    assert bool((theta[True] >= torch.minimum(votes, theta_0)).all())  # towards zbar, never past it
+    assert bool((theta[True] <= torch.maximum(votes, theta_0) + 1e-12).all())
+    assert float(theta[True][-1]) > 0.5  # zbar = 0: a_g falls by lr sigmoid(v) / T 0.99 / b2 = 4.3 of 4.6
+    assert float(theta[True][1]) > 0.98  # one vote off in ten: theta 0.99 -> 0.985
+    assert float(theta[False][1]) < 0.6 < 0.9  # u_0 = 0: past Eq. 20's target in one step
