@@ -580,6 +580,39 @@ def test_bayesadmm_full_rejects_broken_von_steps_and_the_server_names_the_fix(br
         FULL.server_update(state, stack([out]), torch.ones(1, dtype=F64), hp, OptimConfig())
 
 
+def test_bayesadmm_full_breakdown_is_one_error_line_exit_2(tmp_path) -> None:
+    """A real run whose client solves break (dual_damping 10 makes round 2's precision lam H (1 - 10) + S_bar,
+    indefinite on lsq) ends with one 'error:' line naming the hyperparameters, exit 2, no traceback, and
+    the run marked failed in the store (it raised "Pivots given to lu_solve ..." before issue 36)."""
+    import subprocess
+    import sys
+
+    from fedcli.tracking.store import SqlStore
+
+    cmd = [sys.executable, "-m", "fedcli", "-q", "train", "--algo", "bayesadmm-full", "--task", "lsq", "--rounds", "3",
+           "--hp", "dual_damping=10", "--no-mlflow", "--root", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0].startswith("error: run diverged at round ") and "VON steps" in errors[0], errors[0]
+    assert "lower hp.step_size (now 1, e.g. --hp step_size=0.1) or raise hp.delta (now 25)" in errors[0]
+    with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
+        assert store.get_run(proc.stdout.split()[0]).stored_status == "failed"
+
+
+def test_bayesadmm_full_recommends_a_full_rank_batch_unless_given() -> None:
+    """Issue 36: on minibatches of the default 20 the Newton VON steps diverged (synthetic-iid); a run that
+    does not set --batch-size trains on batches of 1,024 (full batch on vehicle), recorded as recommended."""
+    from fedcli.config import build_config
+
+    cfg = build_config(overrides={"algorithm.name": "bayesadmm-full"})
+    assert cfg.train.batch_size == bayesadmm_full.FULL_BATCH == 1024
+    assert set(cfg.recommended) == {"train.batch_size"}
+    mine = build_config(overrides={"algorithm.name": "bayesadmm-full", "train.batch_size": 20})
+    assert (mine.train.batch_size, dict(mine.recommended)) == (20, {})
+
+
 def test_bayesadmm_full_counts_no_rejection_on_a_convex_client() -> None:
     """A positive-definite Newton step is taken: nothing is rejected and the server raises nothing."""
     hp = FULL.config_cls()
