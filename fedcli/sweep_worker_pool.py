@@ -143,8 +143,8 @@ def trial_message(plan: Plan, cores: int, threads: int | None, hook: dict[str, A
                      "tracking.tracking_uri": track.tracking_uri,
                      "tracking.use_mlflow": None if track.use_mlflow else False}
         # the user code the spec names, named again: the resumed run's recorded code runs only if it is the same
-        overrides.update({"data.model": cfg.data.model, "data.file": cfg.data.file} if recorded_code(
-            {"model": cfg.data.model, "file": cfg.data.file}) else {})
+        overrides.update({"data.model" if code.what == "model" else "data.file": code.ref
+                          for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file})})
         return {"resume": plan.run_id, "overrides": overrides, "hook": hook}
     return {"config": trial_config_text(plan, cores, threads), "run_name": plan.trial.name, "hook": hook}
 
