@@ -456,10 +456,11 @@ def test_round_one_gate_step_follows_the_votes_and_prunes_only_what_eq_20_would(
     Eq. 20's M-step puts theta_g at the clients' mean vote zbar_g, so a unit is prunable in round 1
     only if fewer than one client in ten keeps it (zbar_g < eps). Ten equal clients, w unchanged
     (zero deltas), units of ||w_g|| ~ 0.58 (PyTorch's init) voted zbar = 1, 0.9, 0.5, 0.2, 0.1, 0.
-    With u_0 = sigmoid(v_0) / T the first step is lr (zbar - theta) / b2 on v, so theta_g stays
-    between zbar_g and theta_0 and only zbar = 0 can be pruned; it is not either (a_g falls by
-    4.4 sigmoid... < logit 0.99 - logit 0.1). Adamax from u_0 = 0 (App. A read literally) steps
-    lr sign(g): one vote off in ten drops theta from 0.99 to ~0.55, below Eq. 20's 0.9."""
+    With u_0 = sigmoid(v_0) / T the first step is lr (zbar - theta) / b2 on v, so theta_g moves
+    towards zbar_g and not past it, and a_g falls by at most lr sigmoid(v) / T 0.99 / b2 = 4.3
+    (sigmoid(v) ~ 0.44) of a_0 = logit(0.99) = 4.6: even zbar = 0 leaves theta > 0.5, nothing is
+    pruned. Adamax from u_0 = 0 (App. A read literally) steps lr sign(g): one vote off in ten drops
+    theta from 0.99 to ~0.55, far below Eq. 20's 0.9."""
     fan_in, votes = 300, torch.tensor([1.0, 0.9, 0.5, 0.2, 0.1, 0.0], dtype=DT)
     g = torch.Generator().manual_seed(5)
     bound = 1 / math.sqrt(fan_in)  # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
