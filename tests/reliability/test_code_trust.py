@@ -296,3 +296,54 @@ def test_a_sweep_adopts_only_trials_whose_code_its_spec_names(planted: dict[str,
     (run,) = SqlStore(url).list_runs(experiment="named")
     assert run.config["data"]["model"] == ref and run.status == "finished"
     ran(done, marker)
+
+
+def test_a_sweep_resumes_its_trial_only_with_the_code_its_spec_names(planted: dict[str, Path]) -> None:
+    """A sweep stopped mid-trial resumes it on the rerun (the spec names the model again for the worker); a row
+    then edited to name another file (same config hash tag) is not resumed with it: the trial fails, that file
+    never runs."""
+    import sqlite3
+    import time
+
+    a, marker, root = planted["a"], planted["marker"], planted["root"]
+    spec = a / "s.yaml"
+    spec.write_text(f"experiment: s\nbase: {{data.file: {a / 'data.npz'}, rounds: 100000, clients_per_round: 2, "
+                    "checkpoint_every: 1}\ngrid: {model: [./planted.py:Net]}\nseeds: [0]\n")
+    other_marker = planted["a"].parent / "other-marker"
+    other = a / "other.py"
+    other.write_text(PLANTED.format(marker=str(other_marker)))
+
+    def stopped_sweep(min_round: int) -> str:
+        proc = subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "sweep", str(spec), "--root", str(root),
+                                 "--no-mlflow"], cwd=a, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        deadline, rid = time.monotonic() + 240, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (root / "fedcli.db").exists():
+                db = SqlStore(f"sqlite:///{root / 'fedcli.db'}")
+                runs = db.list_runs()
+                if runs and (db.last_round(runs[0].id) or 0) >= min_round:
+                    rid = runs[0].id
+                    break
+            time.sleep(0.5)
+        proc.terminate()
+        _, err = proc.communicate(timeout=120)
+        assert rid is not None, err[-2000:]
+        return rid
+
+    rid = stopped_sweep(2)
+    assert marker.exists()
+    marker.unlink()
+    before = SqlStore(f"sqlite:///{root / 'fedcli.db'}").last_round(rid) or 0
+    again = stopped_sweep(before + 2)  # resumed by the rerun's worker, the spec's model named again
+    assert again == rid and len(SqlStore(f"sqlite:///{root / 'fedcli.db'}").list_runs()) == 1
+    assert marker.exists()
+    marker.unlink()
+
+    with sqlite3.connect(root / "fedcli.db") as conn:  # the row now names another file, as a store writer could
+        (text,) = conn.execute("SELECT requested_json FROM runs WHERE id = ?", (rid,)).fetchone()
+        conn.execute("UPDATE runs SET requested_json = ? WHERE id = ?",
+                     (text.replace(str(planted["source"]), str(other)), rid))
+    done = fedcli("sweep", str(spec), "--root", str(root), "--no-mlflow", cwd=a)
+    assert done.returncode == 1 and str(other) in done.stderr, done.stderr[-3000:]
+    assert not other_marker.exists(), "a sweep resumed a run with code its spec does not name"
