@@ -23,7 +23,7 @@ import torch
 
 from fedcli.tracking.store import SqlStore
 
-PLANTED = '''
+PLANTED = """
 import math
 from pathlib import Path
 
@@ -46,24 +46,40 @@ def load():
     x = torch.from_numpy(rng.normal(size=(60, 4)).astype("float32"))
     y = torch.from_numpy((rng.normal(size=60) > 0).astype("int64"))
     return {{"data": TensorDataset(x, y), "client": np.arange(60) % 6}}
-'''
+"""
 
 SMALL = ["--clients-per-round", "2", "--rounds", "1", "--checkpoint-every", "1"]
 
 
 def env(**extra: str) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI", "FEDCLI_TRUST_CODE")}
+    out = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI", "FEDCLI_TRUST_CODE")
+    }
     return {**out, "OMP_NUM_THREADS": "1", "COLUMNS": "250", **extra}
 
 
 def fedcli(*args: str, cwd: Path, extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedcli", "-q", *args], capture_output=True, text=True, timeout=400,
-                          cwd=cwd, env=env(**(extra or {})))
+    return subprocess.run(
+        [sys.executable, "-m", "fedcli", "-q", *args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=cwd,
+        env=env(**(extra or {})),
+    )
 
 
 def python(script: str, cwd: Path, extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, cwd=cwd,
-                          env=env(**(extra or {})))
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=cwd,
+        env=env(**(extra or {})),
+    )
 
 
 def refused(done: subprocess.CompletedProcess[str], source: Path, marker: Path) -> None:
@@ -91,8 +107,12 @@ def planted(tmp_path: Path) -> dict[str, Path]:
     source = a / "planted.py"
     source.write_text(PLANTED.format(marker=str(marker)))
     rng = np.random.default_rng(1)
-    np.savez(a / "data.npz", x=rng.normal(size=(80, 5)).astype(np.float32), y=rng.integers(0, 3, 80),
-             client=np.arange(80) % 8)
+    np.savez(
+        a / "data.npz",
+        x=rng.normal(size=(80, 5)).astype(np.float32),
+        y=rng.integers(0, 3, 80),
+        client=np.arange(80) % 8,
+    )
     return {"a": a, "b": b, "marker": marker, "source": source, "root": a / "root"}
 
 
@@ -106,8 +126,11 @@ def test_a_stored_run_imports_its_model_only_when_named_again_or_trusted(planted
     shared store refuse (exit 2, one line, the module never imported); `--model` again or `--trust-code` runs it."""
     a, b, marker, source, root = (planted[k] for k in ("a", "b", "marker", "source", "root"))
     store = ["--root", str(root)]
-    rid = run_id(fedcli("train", *store, "--data", "data.npz", "--model", "./planted.py:Net", *SMALL, "--no-mlflow",
-                        cwd=a))
+    rid = run_id(
+        fedcli(
+            "train", *store, "--data", "data.npz", "--model", "./planted.py:Net", *SMALL, "--no-mlflow", cwd=a
+        )
+    )
     assert marker.exists()  # A named it: it ran
     marker.unlink()
     ref = f"{source}:Net"
@@ -115,15 +138,25 @@ def test_a_stored_run_imports_its_model_only_when_named_again_or_trusted(planted
 
     refused(fedcli("evaluate", rid[:8], *store, "--no-mlflow", cwd=b), source, marker)
     refused(fedcli("evaluate", rid[:8], *store, "--checkpoint", "1", "--no-mlflow", cwd=b), source, marker)
-    refused(fedcli("train", *store, "--resume", rid[:8], "--rounds", "2", "--no-mlflow", cwd=b), source, marker)
+    refused(
+        fedcli("train", *store, "--resume", rid[:8], "--rounds", "2", "--no-mlflow", cwd=b), source, marker
+    )
     refused(fedcli("sync", *store, cwd=b), source, marker)
     other = fedcli("evaluate", rid[:8], *store, "--model", "./data.npz:Net", "--no-mlflow", cwd=a)
     assert other.returncode == 2 and "does not name run" in other.stderr and not marker.exists(), other.stderr
 
     ran(fedcli("evaluate", rid[:8], *store, "--trust-code", "--no-mlflow", cwd=b), marker)
-    ran(fedcli("evaluate", rid[:8], *store, "--checkpoint", "1", "--model", ref, "--no-mlflow", cwd=b), marker)
-    ran(fedcli("train", *store, "--resume", rid[:8], "--rounds", "2", "--model", ref, "--no-mlflow", cwd=b), marker)
-    ran(fedcli("train", *store, "--resume", rid[:8], "--rounds", "3", "--trust-code", "--no-mlflow", cwd=b), marker)
+    ran(
+        fedcli("evaluate", rid[:8], *store, "--checkpoint", "1", "--model", ref, "--no-mlflow", cwd=b), marker
+    )
+    ran(
+        fedcli("train", *store, "--resume", rid[:8], "--rounds", "2", "--model", ref, "--no-mlflow", cwd=b),
+        marker,
+    )
+    ran(
+        fedcli("train", *store, "--resume", rid[:8], "--rounds", "3", "--trust-code", "--no-mlflow", cwd=b),
+        marker,
+    )
     assert SqlStore(f"sqlite:///{root / 'fedcli.db'}").last_round(rid) == 3
     synced = fedcli("sync", *store, "--trust-code", cwd=b)
     ran(synced, marker)  # the MLflow model was logged: its module rebuilt
@@ -131,10 +164,10 @@ def test_a_stored_run_imports_its_model_only_when_named_again_or_trusted(planted
     # the MLflow model's loader (served.pt names the file): refused without the loader's opt-in, run with it
     probe = f'''
 import json, sys, mlflow, numpy as np
-mlflow.set_tracking_uri("sqlite:///{root / 'mlflow.db'}")
+mlflow.set_tracking_uri("sqlite:///{root / "mlflow.db"}")
 ids = [e.experiment_id for e in mlflow.MlflowClient().search_experiments()]
 (logged,) = mlflow.search_logged_models(experiment_ids=ids, output_format="list")
-rows = np.load("{a / 'data.npz'}")["x"][:2]
+rows = np.load("{a / "data.npz"}")["x"][:2]
 config = {{"trust_code": True}} if sys.argv[1:] == ["trust"] else None
 try:
     model = mlflow.pyfunc.load_model(logged.model_uri, model_config=config)
@@ -148,8 +181,14 @@ else:
     assert answer.get("error") == "ConfigError" and str(source) in answer["message"], out.stdout + out.stderr
     assert "model_config={'trust_code': True}" in answer["message"] and not marker.exists()
     for how, extra in ((["trust"], None), ([], {"FEDCLI_TRUST_CODE": "1"})):
-        out = subprocess.run([sys.executable, "-c", probe, *how], capture_output=True, text=True, timeout=400, cwd=b,
-                             env=env(**(extra or {})))
+        out = subprocess.run(
+            [sys.executable, "-c", probe, *how],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            cwd=b,
+            env=env(**(extra or {})),
+        )
         answer = json.loads(out.stdout.strip().splitlines()[-1])
         assert np.asarray(answer.get("logits")).shape == (2, 3), out.stdout + out.stderr
         ran(out, marker)
@@ -172,7 +211,7 @@ def test_model_pt_and_served_pt_import_code_only_with_trust_code(planted: dict[s
     saved["config"]["data"]["model"] = f"{source}:Net"
     torch.save(saved, path)
 
-    script = f'''
+    script = f"""
 import json, sys, fedcli
 from fedcli.errors import ConfigError
 out = {{}}
@@ -183,21 +222,23 @@ for name, rid in (("own", {own!r}), ("data_fn", {data_fn!r}), ("planted", {built
     except ConfigError as err:
         out[name] = str(err)
 print(json.dumps(out))
-'''
+"""
     done = python(script, cwd=b)
     answers = json.loads(done.stdout.strip().splitlines()[-1])
     for name in ("own", "data_fn", "planted"):
         assert str(source) in answers[name] and "trust_code=True" in answers[name], (name, answers[name])
         assert "\n" not in answers[name]
     assert not marker.exists(), "Run.model() imported the planted module without trust_code"
-    done = subprocess.run([sys.executable, "-c", script, "trust"], capture_output=True, text=True, timeout=400,
-                          cwd=b, env=env())
+    done = subprocess.run(
+        [sys.executable, "-c", script, "trust"], capture_output=True, text=True, timeout=400, cwd=b, env=env()
+    )
     answers = json.loads(done.stdout.strip().splitlines()[-1])
     assert answers["own"] == "built" and answers["data_fn"] == "built", answers
-    assert "building the model failed" in answers["planted"]  # imported (trusted); model.pt records no factory args
+    # imported (trusted); model.pt records no factory args
+    assert "building the model failed" in answers["planted"]
     ran(done, marker)
 
-    served = f'''
+    served = f"""
 import json
 from fedcli.tracking.served import load_served, read_model_file, write_served
 from fedcli.errors import ConfigError
@@ -207,7 +248,7 @@ try:
     print(json.dumps("built"))
 except ConfigError as err:
     print(json.dumps(str(err)))
-'''
+"""
     done = python(served, cwd=b)
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert str(source) in answer and "FEDCLI_TRUST_CODE=1" in answer and not marker.exists(), answer
@@ -221,7 +262,7 @@ def test_the_api_resumes_and_rebuilds_the_code_it_names(planted: dict[str, Path]
     code ran there already); `fedcli.train(resume=...)` in a new process resumes with `model=` named again,
     and refuses without it."""
     a, marker, source, root = (planted[k] for k in ("a", "marker", "source", "root"))
-    script = f'''
+    script = f"""
 import sys, fedcli
 from fedcli.errors import ConfigError
 kw = dict(data="data.npz", root={str(root)!r}, no_mlflow=True, clients_per_round=2)
@@ -236,18 +277,31 @@ elif sys.argv[1] == "bare":
 else:
     run = fedcli.train(resume=sys.argv[2], model="planted.py:Net", rounds=2, root={str(root)!r}, no_mlflow=True)
     print(run.status, run.id)
-'''
-    first = subprocess.run([sys.executable, "-c", script, "new"], capture_output=True, text=True, timeout=400, cwd=a,
-                           env=env())
+"""
+    first = subprocess.run(
+        [sys.executable, "-c", script, "new"], capture_output=True, text=True, timeout=400, cwd=a, env=env()
+    )
     assert first.returncode == 0 and first.stdout.startswith("ServedModel "), first.stdout + first.stderr
     rid = first.stdout.split()[-1]
     marker.unlink()
-    bare = subprocess.run([sys.executable, "-c", script, "bare", rid], capture_output=True, text=True, timeout=400,
-                          cwd=a, env=env())
+    bare = subprocess.run(
+        [sys.executable, "-c", script, "bare", rid],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=a,
+        env=env(),
+    )
     assert bare.stdout.startswith("refused:") and str(source) in bare.stdout, bare.stdout + bare.stderr
     assert not marker.exists()
-    named = subprocess.run([sys.executable, "-c", script, "named", rid], capture_output=True, text=True, timeout=400,
-                           cwd=a, env=env())
+    named = subprocess.run(
+        [sys.executable, "-c", script, "named", rid],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=a,
+        env=env(),
+    )
     assert named.stdout.split() == ["finished", rid], named.stdout + named.stderr
     ran(named, marker)
 
@@ -269,16 +323,22 @@ def test_a_sweep_adopts_only_trials_whose_code_its_spec_names(planted: dict[str,
 
     def plant(experiment: str) -> None:
         study = optuna.create_study(study_name=f"fedcli:{experiment}", storage=url, direction="maximize")
-        trial = study.ask({"model": optuna.distributions.CategoricalDistribution([ref]),
-                           "client_lr": optuna.distributions.CategoricalDistribution([0.05])})
+        trial = study.ask(
+            {
+                "model": optuna.distributions.CategoricalDistribution([ref]),
+                "client_lr": optuna.distributions.CategoricalDistribution([0.05]),
+            }
+        )
         trial.set_user_attr("fedcli.owner", f"{HOSTNAME}:{dead.pid}")
         trial.set_user_attr("fedcli.config_hash", "planted")
 
     def sweep(experiment: str, space: str) -> subprocess.CompletedProcess[str]:
         spec = a / f"{experiment}.yaml"
-        spec.write_text(f"experiment: {experiment}\nbase: {{data.file: {a / 'data.npz'}, rounds: 1, "
-                        "clients_per_round: 2}\n"
-                        f"search: {{sampler: random, trials: 1, metric: accuracy, space: {space}}}\n")
+        spec.write_text(
+            f"experiment: {experiment}\nbase: {{data.file: {a / 'data.npz'}, rounds: 1, "
+            "clients_per_round: 2}\n"
+            f"search: {{sampler: random, trials: 1, metric: accuracy, space: {space}}}\n"
+        )
         return fedcli("sweep", str(spec), "--root", str(root), "--no-mlflow", cwd=a)
 
     plant("unnamed")
@@ -307,16 +367,23 @@ def test_a_sweep_resumes_its_trial_only_with_the_code_its_spec_names(planted: di
 
     a, marker, root = planted["a"], planted["marker"], planted["root"]
     spec = a / "s.yaml"
-    spec.write_text(f"experiment: s\nbase: {{data.file: {a / 'data.npz'}, rounds: 100000, clients_per_round: 2, "
-                    "checkpoint_every: 1}\ngrid: {model: [./planted.py:Net]}\nseeds: [0]\n")
+    spec.write_text(
+        f"experiment: s\nbase: {{data.file: {a / 'data.npz'}, rounds: 100000, clients_per_round: 2, "
+        "checkpoint_every: 1}\ngrid: {model: [./planted.py:Net]}\nseeds: [0]\n"
+    )
     other_marker = planted["a"].parent / "other-marker"
     other = a / "other.py"
     other.write_text(PLANTED.format(marker=str(other_marker)))
 
     def stopped_sweep(min_round: int) -> str:
-        proc = subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "sweep", str(spec), "--root", str(root),
-                                 "--no-mlflow"], cwd=a, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedcli", "-q", "sweep", str(spec), "--root", str(root), "--no-mlflow"],
+            cwd=a,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline, rid = time.monotonic() + 240, None
         while time.monotonic() < deadline and proc.poll() is None:
             if (root / "fedcli.db").exists():
@@ -340,10 +407,13 @@ def test_a_sweep_resumes_its_trial_only_with_the_code_its_spec_names(planted: di
     assert marker.exists()
     marker.unlink()
 
-    with sqlite3.connect(root / "fedcli.db") as conn:  # the row now names another file, as a store writer could
+    # the row now names another file, as anyone who can write the store could make it
+    with sqlite3.connect(root / "fedcli.db") as conn:
         (text,) = conn.execute("SELECT requested_json FROM runs WHERE id = ?", (rid,)).fetchone()
-        conn.execute("UPDATE runs SET requested_json = ? WHERE id = ?",
-                     (text.replace(str(planted["source"]), str(other)), rid))
+        conn.execute(
+            "UPDATE runs SET requested_json = ? WHERE id = ?",
+            (text.replace(str(planted["source"]), str(other)), rid),
+        )
     done = fedcli("sweep", str(spec), "--root", str(root), "--no-mlflow", cwd=a)
     assert done.returncode == 1 and str(other) in done.stderr, done.stderr[-3000:]
     assert not other_marker.exists(), "a sweep resumed a run with code its spec does not name"
