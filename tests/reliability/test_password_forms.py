@@ -136,13 +136,20 @@ class Watcher:
                 self.seen_worker |= "fedcli.sweep_worker" in args
                 if leaks(args) and int(pid) not in self.typed and "pytest" not in args:
                     self.hits.add(f"ps: {args[:200]}")
-            for path in self.folder.rglob("*"):  # temporary files (trial configs) live only a while
+            for path in self._files():  # temporary files (trial configs) live only a while
                 try:
                     if path.is_file() and leaks(path.read_bytes()):
                         self.hits.add(str(path))
                 except OSError:
                     pass
             time.sleep(0.2)
+
+    def _files(self) -> list[Path]:
+        """The files under the folder now (a folder removed while it is walked is left out)."""
+        out = []
+        for folder, _, names in os.walk(self.folder):
+            out += [Path(folder) / name for name in names]
+        return out
 
     def start(self, *args: str, extra_env: dict[str, str] | None = None, cwd: Path) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
