@@ -195,11 +195,17 @@ def run_cell(algo: str, task: str, rounds: int, root: Path, seed: int = 0, pytho
 
 def stored_cell(algo: str, task: str, root: Path, seed: int = 0) -> Cell | None:
     """The newest finished run `algo task seed S` of the matrix's store under `root` (--from-store), or None."""
+    from fedcli.errors import ConfigError
     from fedcli.tracking.store import SqlStore
 
+    if not (root / "fedcli.db").exists():
+        return None
     with SqlStore(f"sqlite:///{root / 'fedcli.db'}") as store:
-        runs = [r for r in store.list_runs(experiment=f"matrix-{task}")
-                if r.run_name == f"{algo} {task} seed {seed}" and r.status == "finished"]
+        try:
+            listed = store.list_runs(experiment=f"matrix-{task}")
+        except ConfigError:  # no such experiment yet
+            return None
+        runs = [r for r in listed if r.run_name == f"{algo} {task} seed {seed}" and r.status == "finished"]
         if not runs:
             return None
         record = max(runs, key=lambda r: r.created_at)
