@@ -85,6 +85,9 @@ class MirrorHandle:
         """End a spawned mirror that was never started (it has written nothing)."""
         proc, self._proc = self._proc, None
         if proc is not None:
+            if self.run_id is None:  # SIGTERM: end of file would wait for its imports (seconds of CPU at nice 19)
+                with contextlib.suppress(OSError):
+                    proc.terminate()
             with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 proc.communicate(timeout=10)
 
