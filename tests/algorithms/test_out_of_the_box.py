@@ -169,12 +169,14 @@ def test_sweep_dry_run_warns_about_a_swept_key_without_effect(tmp_path: Path) ->
 
 
 def test_fedsparse_app_a_first_gate_step_erases_the_inclusion_margin() -> None:
-    """Why hp.server_gate_lr is 1e-3: Adamax's first step is lr x sign(g) (m = (1 - b1) g, u = |g| + eps,
+    """Why hp.use_gate_grad_bound exists (issue 36): from App. A's zero Adamax state (--hp
+    use_gate_grad_bound=false) the first step is lr x sign(g) (m = (1 - b1) g, u = |g| + eps,
     v -= lr / (1 - b1) m / u), so one client of ten voting z = 0 (g > 0) raises tau = softplus(v) by
     lr sigmoid(v). For a unit of ||w_g|| = 0.58 (PyTorch's default init: rows of norm ~1/sqrt(3)) that is
     4.4e-3 at App. A's lr 1e-2, nearly the margin T logit(0.99) = 4.6e-3 of theta_0 = 0.99: theta falls
     to ~0.55 in one round (and below the 0.1 pruning threshold once ||w_g|| shrinks by 2.2e-3). At 1e-3
-    theta stays above 0.98."""
+    (issue 24's former default) theta stays above 0.98. tests/algorithms/test_fedsparse.py checks the
+    bounded first step of the default."""
     from fedcli.algorithms import fedsparse
 
     norm, temperature = 0.58, 1e-3
