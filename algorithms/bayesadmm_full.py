@@ -34,9 +34,12 @@ Deviations:
   A batch of 1,024 holds more examples than logreg's features, so its Hessian has the data's rank. For
   non-quadratic losses and small rho the client problem has only local minima (its far-field curvature
   S_bar - V_k/rho can be indefinite once V_k ~ the client's curvature), so Newton steps can leave the basin.
-  Guard (not in paper or code): a step whose S is not positive definite (Cholesky fails) or whose m, S
-  are not finite is rejected (m, S kept; counted: bayesadmm_full/rejected_steps); when more than half
-  of a round's steps are rejected the server raises one line naming hp.step_size and hp.delta.
+  Guards (not in paper or code): where VON's target lam (E[H] - V~) + S_bar is indefinite (round 3 on
+  vehicle: the curvature at m_bar below the V_k of the last round) b is shortened to keep S_new >= S/2
+  (b <= 1 / (2 (1 - mu)), mu = min eig(S^-1 target) < 1/2; steps with mu >= 1/2, all of Prop. 3.2's,
+  are not touched); a step whose S is not positive definite (Cholesky fails) or whose m, S are not
+  finite is rejected (m, S kept; counted: bayesadmm_full/rejected_steps); when more than half of a
+  round's steps are rejected the server raises one line naming hp.step_size and hp.delta.
   Steps: the toy code's von_fullcov has separate rates r = lr / (1 + 0.1 t) for S and m:
   b_S = r_S / lam -> step_size / (1 + step_decay t), b_m = r_m / lam -> mean_step_ratio * b_S.
   Fig. 4 (main_illustration.py: lr_m = 0.01, lr_S = 0.005, lam = 1/(tau rho) = 5, 10,000 MC
@@ -173,8 +176,9 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
         grads, values = zip(*(grad_fn(theta, step) for theta in thetas), strict=True)
         g = torch.stack(grads).mean(0).to(wide)
         H = torch.stack([hess_fn(theta, step) for theta in thetas]).mean(0).to(wide)
-        b = hp.step_size / (1 + hp.step_decay * t)  # b_S; the mean's step is b_m = mean_step_ratio * b_S
-        S_new = (1 - b) * S + b * (lam * (H - V_t) + S_bar)
+        target = lam * (H - V_t) + S_bar  # VON's fixed point for S
+        b = torch.minimum(hp.step_size / (1 + hp.step_decay * t), max_step(S, 0.5 * (target + target.mT)))
+        S_new = (1 - b) * S + b * target  # b_S; the mean's step is b_m = mean_step_ratio * b_S
         S_new = 0.5 * (S_new + S_new.mT)
         chol, info = torch.linalg.cholesky_ex(S_new)  # no LU: a broken precision must not raise mid-vmap
         direction = lam * (g + v_t - V_t @ m) + S_bar @ (m - m_bar)
@@ -221,6 +225,14 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: Baye
     new = ServerState(mean=unflatten(mean.to(dtype), state.mean), precision=precision.to(dtype),
                       v_sum=v_sum.to(dtype), V_sum=V_sum.to(dtype))
     return new, diagnostics
+
+
+def max_step(S: Tensor, target: Tensor) -> Tensor:
+    """The largest b keeping S + b (target - S) >= S / 2: 1 / (2 (1 - mu)), mu = min eig(S^-1 target) < 1/2."""
+    chol = torch.linalg.cholesky_ex(S).L
+    half = torch.linalg.solve_triangular(chol, target, upper=False)
+    mu = torch.linalg.eigvalsh(torch.linalg.solve_triangular(chol, half.mT, upper=False))[0]
+    return torch.where(mu < 0.5, 0.5 / (1 - mu.clamp_max(0.5)), torch.full_like(mu, torch.inf))
 
 
 def recommend(run: RunFacts) -> dict[str, Advice]:

@@ -549,29 +549,27 @@ def test_bayesadmm_full_eigenvalue_guard() -> None:
     assert float(diag["bayesadmm_full/clamped_eigenvalues"]) == 1.0
 
 
-@pytest.mark.parametrize("broken", ["indefinite", "non-finite"])
-def test_bayesadmm_full_rejects_broken_von_steps_and_the_server_names_the_fix(broken: str) -> None:
-    """Issue 36: a VON step whose precision is not positive definite, or whose Hessian is not finite, raised
-    "Pivots given to lu_solve must all be greater or equal to 1" mid-round. Now the step is rejected (m, S stay
-    at q_bar, so the duals do not move) and the server raises one line naming hp.step_size.
-    indefinite: V_k = 100 I makes lam (H - V_k tau/N_k) + S_bar = lam H - V_k/rho + S_bar negative definite
-    (lam H <= 5 N_k * 1, V_k/rho = 500); non-finite: a NaN feature makes the Hessian NaN."""
-    hp = FULL.config_cls()  # rho = 0.2, delta = 25, step_size = 1 (a Newton step)
+def _broken_client(nan: bool) -> tuple[torch.Tensor, torch.Tensor, bayesadmm_full.Broadcast, bayesadmm_full.ClientState]:
+    """A 2-D least-squares client with ||x_i|| = 1 (H = X^T X / N_k <= I) and V_k = 100 I (nan: a NaN feature)."""
     x, y = linear_clients(dim=2)[0]
-    x = x / x.norm(dim=1, keepdim=True)  # every ||x_i|| = 1, so H = X^T X / N_k <= I
-    dual = torch.zeros(2, 2, dtype=F64)
-    if broken == "indefinite":
-        dual = 100.0 * torch.eye(2, dtype=F64)
-    else:
-        x = x.clone()
+    x = (x / x.norm(dim=1, keepdim=True)).clone()
+    if nan:
         x[0, 0] = float("nan")
-    m_bar, s_bar = torch.tensor([0.5, -1.0], dtype=F64), torch.tensor([[30.0, 2.0], [2.0, 40.0]], dtype=F64)
-    bc = bayesadmm_full.Broadcast(mean={"w": m_bar}, precision=s_bar)
-    client = bayesadmm_full.ClientState(v=torch.ones(2, dtype=F64), V=dual)
+    bc = bayesadmm_full.Broadcast(mean={"w": torch.tensor([0.5, -1.0], dtype=F64)},
+                                  precision=torch.tensor([[30.0, 2.0], [2.0, 40.0]], dtype=F64))
+    return x, y, bc, bayesadmm_full.ClientState(v=torch.ones(2, dtype=F64), V=100.0 * torch.eye(2, dtype=F64))
+
+
+def test_bayesadmm_full_rejects_non_finite_von_steps_and_the_server_names_the_fix() -> None:
+    """Issue 36: a VON step whose Hessian is not finite made the batched LU raise "Pivots given to lu_solve
+    must all be greater or equal to 1" mid-round. Now the step is rejected (m, S stay at q_bar, so the
+    duals do not move) and the server raises one line naming hp.step_size."""
+    hp = FULL.config_cls()  # rho = 0.2, delta = 25, step_size = 1 (a Newton step)
+    x, y, bc, client = _broken_client(nan=True)
     out = FULL.client_update(make_ctx(x, y, squared_loss, 4), bc, client, hp, OptimConfig())
     assert float(out.upload["rejected"]) == 4.0 and float(out.upload["steps"]) == 4.0
-    torch.testing.assert_close(out.upload["mean"], m_bar, rtol=0, atol=0)
-    torch.testing.assert_close(out.upload["precision"], s_bar, rtol=0, atol=0)
+    torch.testing.assert_close(out.upload["mean"], bc.mean["w"], rtol=0, atol=0)
+    torch.testing.assert_close(out.upload["precision"], bc.precision, rtol=0, atol=0)
     torch.testing.assert_close(out.state.v, client.v, rtol=0, atol=0)  # gamma (S m - S_bar m_bar) = 0
     torch.testing.assert_close(out.state.V, client.V, rtol=0, atol=0)
     state = FULL.server_init({"w": torch.zeros(2, dtype=F64)}, hp, OptimConfig())
@@ -580,23 +578,44 @@ def test_bayesadmm_full_rejects_broken_von_steps_and_the_server_names_the_fix(br
         FULL.server_update(state, stack([out]), torch.ones(1, dtype=F64), hp, OptimConfig())
 
 
+def test_bayesadmm_full_shortens_a_step_whose_precision_target_is_indefinite() -> None:
+    """V_k = 100 I makes VON's target T = lam (H - V_k tau/N_k) + S_bar = lam H - V_k/rho + S_bar negative
+    definite (lam H <= 5 N_k, V_k/rho = 500): the Newton step (b = 1) would give S = T. The step is
+    shortened to b = 1 / (2 (1 - mu)), mu = min eig(S_bar^-1 T), so S_1 = S_bar + b (T - S_bar) >= S_bar / 2."""
+    hp = FULL.config_cls()
+    x, y, bc, client = _broken_client(nan=False)
+    n = float(len(y))
+    lam = n / (hp.rho * hp.tau)
+    s_bar = bc.precision
+    target = lam * (x.T @ x / n - client.V * hp.tau / n) + s_bar
+    assert float(torch.linalg.eigvalsh(target).max()) < 0
+    mu = float(torch.linalg.eigvals(torch.linalg.solve(s_bar, target)).real.min())
+    b = 0.5 / (1 - mu)
+    out = FULL.client_update(make_ctx(x, y, squared_loss, 1), bc, client, hp, OptimConfig())
+    assert float(out.upload["rejected"]) == 0.0
+    s_1 = s_bar + b * (target - s_bar)
+    torch.testing.assert_close(out.upload["precision"], s_1, rtol=1e-10, atol=1e-10)
+    assert float(torch.linalg.eigvals(torch.linalg.solve(s_bar, s_1)).real.min()) == pytest.approx(0.5)
+
+
 def test_bayesadmm_full_breakdown_is_one_error_line_exit_2(tmp_path) -> None:
-    """A real run whose client solves break (dual_damping 10 makes round 2's precision lam H (1 - 10) + S_bar,
-    indefinite on lsq) ends with one 'error:' line naming the hyperparameters, exit 2, no traceback, and
-    the run marked failed in the store (it raised "Pivots given to lu_solve ..." before issue 36)."""
+    """A real run whose client solves break (step_size 1e308 overflows S to inf in every step) ends with one
+    'error:' line naming the hyperparameters, exit 2, no traceback, and the run marked failed in the store
+    (a non-finite precision raised "Pivots given to lu_solve ..." before issue 36)."""
     import subprocess
     import sys
 
     from fedcli.tracking.store import SqlStore
 
-    cmd = [sys.executable, "-m", "fedcli", "-q", "train", "--algo", "bayesadmm-full", "--task", "lsq", "--rounds", "3",
-           "--hp", "dual_damping=10", "--no-mlflow", "--root", str(tmp_path)]
+    cmd = [sys.executable, "-m", "fedcli", "-q", "train", "--algo", "bayesadmm-full", "--task", "lsq", "--rounds", "2",
+           "--hp", "step_size=1e308", "--no-mlflow", "--root", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert errors[0].startswith("error: run diverged at round ") and "VON steps" in errors[0], errors[0]
-    assert "lower hp.step_size (now 1, e.g. --hp step_size=0.1) or raise hp.delta (now 25)" in errors[0]
+    assert errors[0].startswith("error: run diverged at round 1: bayesadmm-full: 10 of the cohort's 10 VON steps")
+    assert errors[0].endswith("lower hp.step_size (now 1e+308, e.g. --hp step_size=1e+307) or raise hp.delta "
+                              "(now 25). The run is marked failed."), errors[0]
     with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
         assert store.get_run(proc.stdout.split()[0]).stored_status == "failed"
 
