@@ -203,7 +203,9 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: Baye
                   opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
     """Eqs. 37-38 (unweighted means), with the eigenvalue guard on S_bar."""
     dtype, wide = state.precision.dtype, torch.float64  # solve in float64, store in the model's dtype
-    require_solvable(outs.upload["rejected"].sum(), outs.upload["steps"].sum(), hp)
+    rejected = outs.upload.get("rejected")  # absent from uploads built outside client_update (fedcli/studies)
+    if rejected is not None:
+        require_solvable(rejected.sum(), outs.upload["steps"].sum(), hp)
     m, S = outs.upload["mean"].to(wide), outs.upload["precision"].to(wide)  # [C, D], [C, D, D]
     num, d = m.shape
     alpha = 1.0 / (1.0 + hp.rho * num)
@@ -220,8 +222,9 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: Baye
     precision = (evecs * evals.clamp_min(floor)) @ evecs.mT
     mean = torch.linalg.solve(precision, (1 - alpha) * Sm.mean(0) + alpha * v_sum)
     diagnostics = {"bayesadmm_full/min_eigenvalue": evals.min(),
-                   "bayesadmm_full/rejected_steps": outs.upload["rejected"].sum(),
                    "bayesadmm_full/clamped_eigenvalues": (evals < floor).sum().to(dtype)}
+    if rejected is not None:
+        diagnostics["bayesadmm_full/rejected_steps"] = rejected.sum()
     new = ServerState(mean=unflatten(mean.to(dtype), state.mean), precision=precision.to(dtype),
                       v_sum=v_sum.to(dtype), V_sum=V_sum.to(dtype))
     return new, diagnostics
@@ -286,7 +289,7 @@ ALGORITHM = Algorithm(
     caveats=("Models of at most hp.max_params = 1,024 parameters (a D x D precision per client). Its defaults are Fig. "
              "3b's ridge-regression toy's (delta = 25, Newton VON steps b_t = 1 / (1 + 0.1 t)), made for full-batch "
              "solves: unless --batch-size is set it trains on batches of 1,024 (with the default 20 the client "
-             "iterates diverged on synthetic-iid, issue 36). A step that breaks the precision is rejected; a round "
-             "where most do stops the run with an error naming hp.step_size."),
+             "iterates diverged on synthetic-iid, issue 36). A step whose precision target is indefinite is "
+             "shortened; a round where most steps give non-finite values stops with an error naming hp.step_size."),
     description="BayesADMM, full covariance (Newton-like, VON local solver); small models only.",
 )
