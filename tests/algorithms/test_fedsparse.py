@@ -366,10 +366,10 @@ def silent_loss(params: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
 APP_A_GATE_LR = 1e-2  # App. A's server Adamax lr on v
 
 
-def sparsity_after(hp: FedSparseConfig, rounds: int = 1) -> tuple[float, list[float]]:
-    """Run FedSparse on the silent net (fan-ins 200 and 16, y = 0); return the pruned fraction of
+def sparsity_after(hp: FedSparseConfig, rounds: int = 1, d: int = 200) -> tuple[float, list[float]]:
+    """Run FedSparse on the silent net (fan-ins d = 200 and 16, y = 0); return the pruned fraction of
     all parameters and the alive fraction of each gated layer."""
-    sizes, d = (20, 30), 200
+    sizes = (20, 30)
     g = torch.Generator().manual_seed(11)
     x = torch.randn(sum(sizes), d, generator=g, dtype=DT)
     bounds = np.cumsum((0, *sizes))
@@ -403,7 +403,7 @@ def test_paper_lambda0_prunes_the_groups_whose_l0_cost_beats_the_cross_entropy()
     iff lambda0 |g| > 4.6e-4; otherwise they raise it. At App. A's mid lambda0 = 5e-6 that is
     |g| > 92: layer h1 (|g| = 201) is pruned, h2 (|g| = 17) kept. A cross-entropy weighted by |g|
     like the L0 term gives |g| (lambda0 - 4.6e-4) < 0 for every group: nothing would be pruned.
-    With App. A's server gate lr 1e-2 (the default): every client votes z = 0 on h1, so the server's
+    With App. A's server gate lr 1e-2 (fedcli's default is 3e-3: test below): every client votes z = 0 on h1, so the server's
     first step lowers a_g by lr sigmoid(v_g) / T (theta_0 - 0) / b2 ~ 9 (||w_g|| ~ 3); a unit whose
     logit stays above logit(0.1) goes in round 2 (the step follows the votes: docstring)."""
     sparsity, alive = sparsity_after(FedSparseConfig(lambda0=5e-6, server_gate_lr=APP_A_GATE_LR), rounds=2)
@@ -422,6 +422,22 @@ def test_sparsity_grows_with_lambda0() -> None:
     assert low == (0.0, [1.0, 1.0])
     assert high[1] == [0.0, 0.0]
     assert high[0] == pytest.approx((16 * 201 + 8 * 17) / (16 * 201 + 8 * 17 + 9))
+
+
+def test_fedcli_defaults_push_only_wide_units_and_prune_them_over_several_rounds() -> None:
+    """fedcli's defaults (docstring: lambda0 1.5e-6, server gate lr 3e-3, not App. A's 5e-6 / 1e-2).
+    Without a data gradient a group is pushed off iff lambda0 |g| > c log 99 = 4.6e-4, |g| > 307:
+    on the silent net a first layer of fan-in 200 (|g| = 201) is never pruned (8 rounds), one of
+    fan-in 400 (|g| = 401) is. The server's step on v is at most lr (zbar - theta) / b2, so at 3e-3
+    a_g falls by ~2.8 a round (||w_g|| ~ 3: sigmoid(v) ~ 0.95) of the 4.6 + 2.2 to the 0.1 threshold:
+    the layer is whole after round 2 (App. A's 1e-2 has pruned it by then) and gone by round 4."""
+    assert (FedSparseConfig().lambda0, FedSparseConfig().server_gate_lr) == (1.5e-6, 3e-3)
+    assert sparsity_after(FedSparseConfig(), rounds=8) == (0.0, [1.0, 1.0])
+    assert sparsity_after(FedSparseConfig(), rounds=2, d=400) == (0.0, [1.0, 1.0])
+    assert sparsity_after(FedSparseConfig(server_gate_lr=APP_A_GATE_LR), rounds=2, d=400)[1] == [0.0, 1.0]
+    sparsity, alive = sparsity_after(FedSparseConfig(), rounds=4, d=400)
+    assert alive == [0.0, 1.0]
+    assert sparsity == pytest.approx(16 * 401 / (16 * 401 + 8 * 17 + 9))
 
 
 def test_server_adam_on_w_is_pytorchs_bias_corrected_adam_by_default() -> None:
@@ -452,7 +468,7 @@ def test_server_adam_on_w_is_pytorchs_bias_corrected_adam_by_default() -> None:
 
 
 def test_round_one_gate_step_follows_the_votes_and_prunes_only_what_eq_20_would() -> None:
-    """Round 1 at the defaults (App. A: theta_0 = 0.99, T = 1e-3, server Adamax lr 1e-2, eps = 0.1).
+    """Round 1 at App. A's settings (theta_0 = 0.99, T = 1e-3, server Adamax lr 1e-2, eps = 0.1).
     Eq. 20's M-step puts theta_g at the clients' mean vote zbar_g, so a unit is prunable in round 1
     only if fewer than one client in ten keeps it (zbar_g < eps). Ten equal clients, w unchanged
     (zero deltas), units of ||w_g|| ~ 0.58 (PyTorch's init) voted zbar = 1, 0.9, 0.5, 0.2, 0.1, 0.
@@ -475,7 +491,7 @@ def test_round_one_gate_step_follows_the_votes_and_prunes_only_what_eq_20_would(
     layout = {"hidden.weight": ("hidden.bias",)}
     theta = {}
     for bounded in (True, False):
-        hp = FedSparseConfig(use_gate_grad_bound=bounded)
+        hp = FedSparseConfig(server_gate_lr=APP_A_GATE_LR, use_gate_grad_bound=bounded)
         state, _ = server_round(fedsparse.server_init(params, hp, opt), hp, opt, deltas, z, torch.ones(10, dtype=DT))
         logits = fedsparse.gate_logits(state.params, state.gates, layout, hp.temperature)["hidden.weight"]
         theta[bounded] = torch.sigmoid(logits)
