@@ -34,9 +34,11 @@ from fedcli.algorithms import fedavg
 from fedcli.algorithms.base import (
     Algorithm,
     ClientOut,
+    Degeneracy,
     Diagnostics,
     OptimConfig,
     Params,
+    RunFacts,
     require,
 )
 
@@ -124,6 +126,23 @@ def _normalised(weights: Tensor | None, like: Tensor) -> Tensor:
     return q / q.sum()
 
 
+EQUAL_CLIENT_TASKS = ("garnet-",)  # task-name prefixes whose clients all hold the same number of samples
+
+
+def degenerate(hp: FedLSAConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
+    """FedLSA's mean equals FedAvg's example-weighted mean: with weighting=examples, or equal-size clients."""
+    if hp.weighting == "examples":
+        return [Degeneracy("fedlsa:is-fedavg", "hp.weighting=examples weights clients by their samples, as FedAvg "
+                           "does: the run computes --algo fedavg's model; the paper's FedLSA is --hp weighting=uniform "
+                           "(Mangold et al. §3.3).")]
+    if run.task.startswith(EQUAL_CLIENT_TASKS):
+        return [Degeneracy("fedlsa:is-fedavg", f"task {run.task!r} gives every agent the same number of samples, so "
+                           "FedLSA's uniform mean (Mangold et al. §3.3) is FedAvg's example-weighted mean: the run "
+                           "computes --algo fedavg's model (FedLSA is the biased baseline that --algo scafflsa "
+                           "corrects).")]
+    return []
+
+
 ALGORITHM = Algorithm(
     name="fedlsa",
     paper="Mangold, Samsonov, Labbi, Levin, Alami, Naumov, Moulines. SCAFFLSA. NeurIPS 2024. arXiv:2402.04114",
@@ -135,6 +154,7 @@ ALGORITHM = Algorithm(
     server_update=server_update,
     global_params=fedavg.global_params,
     description="Federated LSA / TD(0): H local LSA steps, then averaging; biased under heterogeneity.",
+    degenerate=degenerate,
     caveats=("FedLSA is FedAvg on a linear stochastic approximation task (Mangold et al. §3): with clients of equal "
              "size (its uniform mean = FedAvg's example-weighted mean, as on the garnet tasks) the two runs are "
              "identical; it is the biased baseline that SCAFFLSA corrects."),

@@ -292,3 +292,25 @@ def test_lsa_algorithms_refuse_other_tasks_and_settings() -> None:
         fedlsa.FedLSAConfig(weighting="n")
     assert garnet.LSA_PARAM == fedlsa.LSA_PARAM
     assert fedavg.global_params(fedlsa.server_init(theta, fedlsa.FedLSAConfig(), OptimConfig()))[P] is not None
+
+
+def test_fedlsa_warns_where_it_computes_fedavgs_model():
+    """FedLSA's server mean is (1/N) sum_c theta_c (Mangold et al. §3.3); FedAvg's is sum_c n_c theta_c / sum n_c.
+
+    They are the same number when every n_c is equal (every garnet task: 1,000 samples an agent) or when
+    hp.weighting=examples: both say so before the run starts, and a task with unequal clients does not.
+    """
+    from fedcli.algorithms import ALGORITHMS
+    from fedcli.algorithms.base import OptimConfig, RunFacts
+    from fedcli.algorithms.fedlsa import FedLSAConfig
+
+    record = ALGORITHMS["fedlsa"]
+
+    def facts(task: str) -> RunFacts:
+        return RunFacts(task=task, kind="lsa", model="linear", rounds=10, clients_per_round=10)
+
+    on_garnet = record.degenerate(FedLSAConfig(), OptimConfig(), facts("garnet-het-n10"))
+    assert [d.code for d in on_garnet] == ["fedlsa:is-fedavg"] and "same number of samples" in on_garnet[0].message
+    by_examples = record.degenerate(FedLSAConfig(weighting="examples"), OptimConfig(), facts("lsq"))
+    assert [d.code for d in by_examples] == ["fedlsa:is-fedavg"] and "weighting=examples" in by_examples[0].message
+    assert record.degenerate(FedLSAConfig(), OptimConfig(), facts("lsq")) == []
