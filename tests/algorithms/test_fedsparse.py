@@ -403,7 +403,7 @@ def test_paper_lambda0_prunes_the_groups_whose_l0_cost_beats_the_cross_entropy()
     iff lambda0 |g| > 4.6e-4; otherwise they raise it. At App. A's mid lambda0 = 5e-6 that is
     |g| > 92: layer h1 (|g| = 201) is pruned, h2 (|g| = 17) kept. A cross-entropy weighted by |g|
     like the L0 term gives |g| (lambda0 - 4.6e-4) < 0 for every group: nothing would be pruned.
-    With App. A's server gate lr 1e-2 (fedcli's default is 3e-3: test below): every client votes z = 0 on h1, so the server's
+    With App. A's server gate lr 1e-2 (fedcli's default is 5e-3: test below): every client votes z = 0 on h1, so the server's
     first step lowers a_g by lr sigmoid(v_g) / T (theta_0 - 0) / b2 ~ 9 (||w_g|| ~ 3); a unit whose
     logit stays above logit(0.1) goes in round 2 (the step follows the votes: docstring)."""
     sparsity, alive = sparsity_after(FedSparseConfig(lambda0=5e-6, server_gate_lr=APP_A_GATE_LR), rounds=2)
@@ -425,17 +425,19 @@ def test_sparsity_grows_with_lambda0() -> None:
 
 
 def test_fedcli_defaults_push_only_wide_units_and_prune_them_over_several_rounds() -> None:
-    """fedcli's defaults (docstring: lambda0 1.5e-6, server gate lr 3e-3, not App. A's 5e-6 / 1e-2).
+    """fedcli's defaults (docstring: lambda0 1.5e-6, server gate lr 5e-3, not App. A's 5e-6 / 1e-2).
     Without a data gradient a group is pushed off iff lambda0 |g| > c log 99 = 4.6e-4, |g| > 307:
     on the silent net a first layer of fan-in 200 (|g| = 201) is never pruned (8 rounds), one of
-    fan-in 400 (|g| = 401) is. The server's step on v is at most lr (zbar - theta) / b2, so at 3e-3
-    a_g falls by ~2.8 a round (||w_g|| ~ 3: sigmoid(v) ~ 0.95) of the 4.6 + 2.2 to the 0.1 threshold:
-    the layer is whole after round 2 (App. A's 1e-2 has pruned it by then) and gone by round 4."""
-    assert (FedSparseConfig().lambda0, FedSparseConfig().server_gate_lr) == (1.5e-6, 3e-3)
+    fan-in 400 (|g| = 401) is. The server's step on v is at most lr (zbar - theta) / b2, so at 5e-3
+    a_g falls by at most ~4.7 a round (||w_g|| ~ 3: sigmoid(v) ~ 0.95) of the 4.6 + 2.2 to the 0.1
+    threshold: part of the layer is alive after round 2 (App. A's 1e-2 has pruned all of it by
+    then, test above) and it is gone by round 3."""
+    assert (FedSparseConfig().lambda0, FedSparseConfig().server_gate_lr) == (1.5e-6, 5e-3)
     assert sparsity_after(FedSparseConfig(), rounds=8) == (0.0, [1.0, 1.0])
-    assert sparsity_after(FedSparseConfig(), rounds=2, d=400) == (0.0, [1.0, 1.0])
+    assert sparsity_after(FedSparseConfig(), rounds=1, d=400) == (0.0, [1.0, 1.0])
+    assert 0.0 < sparsity_after(FedSparseConfig(), rounds=2, d=400)[1][0] < 1.0
     assert sparsity_after(FedSparseConfig(server_gate_lr=APP_A_GATE_LR), rounds=2, d=400)[1] == [0.0, 1.0]
-    sparsity, alive = sparsity_after(FedSparseConfig(), rounds=4, d=400)
+    sparsity, alive = sparsity_after(FedSparseConfig(), rounds=3, d=400)
     assert alive == [0.0, 1.0]
     assert sparsity == pytest.approx(16 * 401 / (16 * 401 + 8 * 17 + 9))
 
