@@ -81,7 +81,7 @@ Deviations:
   layer of the FEMNIST/MNIST MLPs, not the 200-input one); lr 5e-3 halves the server's pace, so
   FEMNIST's pruning starts after the plateau (3 % at round 10): 25 rounds, seeds 2 / 0, FEMNIST
   26.3 / 27.1 % pruned at -2.6 / -1.8 points, MNIST 9.1 / 5.9 % at -0.2 / 0.0 (3e-3: FEMNIST
-  -1.6 / -0.7 but MNIST 0.4 / 0.8 %; 4e-3: MNIST 3.2 %).
+  -1.6 / -0.7 but MNIST 0.4 / 0.8 %; 4e-3: MNIST 3.2 / 2.4 %).
   Hard-concrete beta, gamma, zeta = 2/3, -0.1, 1.1 (ref. [21]). Uniforms u = Phi(e) from
   the engine's N(0, 1) noise; the upload sample z_s uses step 0's second draw.
 """
