@@ -59,12 +59,13 @@ def recorded_code(
     `data_file` / `data_sha256` override the section's `file` / `source_sha256` (served.pt keeps them apart).
     """
     from fedcli.datasets.user_data import PYTHON_PREFIX, is_data_ref
-    from fedcli.datasets.user_model import is_reference
+    from fedcli.datasets.user_model import is_reference, model_plugins
 
     data = data if isinstance(data, Mapping) else {}
     out = []
     model = data.get("model")
-    if isinstance(model, str) and is_reference(model):
+    installed = {reference for reference, _ in model_plugins().values()}  # entry points: installed code
+    if isinstance(model, str) and is_reference(model) and model not in installed:
         sha = data.get("model_sha256")
         out.append(Code("model", model, sha if isinstance(sha, str) else None))
     file = data_file if data_file is not None else data.get("file")

@@ -34,7 +34,7 @@ def test_the_packaged_demo_is_the_examples_copy_and_resolves_by_name(tmp_path: P
 
 def test_every_option_of_fedcli_train_that_sets_a_config_key_is_an_api_setting() -> None:
     params = set(inspect.signature(train).parameters)
-    not_keys = {"ctx", "config", "hp", "resume", "mlflow_optional", "parent_run"}  # arguments of their own
+    not_keys = {"ctx", "config", "hp", "resume", "mlflow_optional", "parent_run", "trust_code"}  # arguments of their own
     assert params - not_keys == set(OPTION_KEYS) & params
     assert set(OPTION_KEYS) - params <= {"augment"}  # API-only settings
     assert overrides_of({"no_mlflow": True, "compile": False, "root": Path("x")}) == \

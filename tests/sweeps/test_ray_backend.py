@@ -223,7 +223,11 @@ def test_a_saved_ray_token_is_used_and_an_explicit_auth_mode_is_kept(tmp_path: P
     sends it only with RAY_AUTH_MODE=token (without it both Ray sweep tests failed with
     InvalidAuthToken). The sweep sets the mode, never the token, and only when the mode is unset."""
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(name, raising=False)
+        # set, then delete: monkeypatch then restores the variable as it was before the test, also where
+        # use_token_if_there sets it behind monkeypatch's back (a RAY_AUTH_MODE=token left in the session
+        # made every later `ray start --head` look for a token that the test's HOME had taken along)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("HOME", str(tmp_path))
     use_token_if_there()
     assert "RAY_AUTH_MODE" not in os.environ  # no token anywhere: Ray's own default
