@@ -25,13 +25,20 @@ def read_leaf_file(path: Path, *, exact_counts: bool = True) -> dict[str, Any]:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt", encoding="utf-8") as fh:  # type: ignore[operator]
-            doc = json.load(fh)
+            doc = json.load(fh, object_pairs_hook=_unique_keys(path))
+    except RecursionError as exc:  # json's C decoder recurses once per nesting level
+        raise DataError(f"LEAF file {path} is nested too deeply to read; a LEAF file is one object of "
+                        "users/num_samples/user_data: re-download or re-generate it with LEAF's "
+                        "preprocess.sh.") from exc
     except (OSError, EOFError, ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"LEAF file {path} is not valid (gzipped) JSON: {exc}; "
+        if isinstance(exc, DataError):
+            raise
+        raise DataError(f"LEAF file {path} is not valid (gzipped) JSON: {_one_line(exc)}; "
                         "re-download or re-generate it with LEAF's preprocess.sh.") from exc
     if not isinstance(doc, dict) or not {"users", "num_samples", "user_data"} <= doc.keys():
         raise DataError(f"LEAF file {path} lacks the keys users/num_samples/user_data; "
                         "is it a LEAF train/test JSON?")
+    _check_types(path, doc)
     if len(doc["users"]) != len(doc["num_samples"]):
         raise DataError(f"LEAF file {path} lists {len(doc['users'])} users but {len(doc['num_samples'])} "
                         "num_samples; the file is truncated or edited.")
@@ -62,3 +69,41 @@ def read_leaf_dir(directory: Path, *, exact_counts: bool = True) -> dict[str, di
                 raise DataError(f"user {user!r} appears in two files of {directory}.")
             merged[user] = doc["user_data"][user]
     return merged
+
+
+class _DuplicateKey(DataError, ValueError):
+    """A key given twice in one JSON object (json keeps the last silently)."""
+
+
+def _unique_keys(path: Path) -> Any:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        doc = dict(pairs)
+        if len(doc) != len(pairs):
+            seen: set[str] = set()
+            twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise _DuplicateKey(f"LEAF file {path} gives key {twice!r} twice in one object; the file is edited "
+                                "or corrupt: re-download or re-generate it with LEAF's preprocess.sh.")
+        return doc
+    return hook
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _check_types(path: Path, doc: dict[str, Any]) -> None:
+    """users: a list of distinct names, num_samples: a list of integers, user_data: an object."""
+    users, counts, data = doc["users"], doc["num_samples"], doc["user_data"]
+    where = f"LEAF file {path}"
+    if not isinstance(users, list) or not all(isinstance(u, str) for u in users):
+        raise DataError(f"{where}: users must be a list of user names (strings); the file is truncated or edited.")
+    if len(set(users)) != len(users):
+        seen: set[str] = set()
+        twice = next(u for u in users if u in seen or seen.add(u))  # type: ignore[func-returns-value]
+        raise DataError(f"{where} lists user {twice!r} twice; the file is truncated or edited.")
+    if not isinstance(counts, list) or not all(type(c) is int and c >= 0 for c in counts):
+        raise DataError(f"{where}: num_samples must be a list of example counts (integers >= 0); the file is "
+                        "truncated or edited.")
+    if not isinstance(data, dict):
+        raise DataError(f"{where}: user_data must be an object of user -> {{x, y}}; the file is truncated or "
+                        "edited.")

@@ -61,6 +61,18 @@ def deep_json(d: Path) -> None:
     (d / "p.json").write_text('{"format": "fedcli-partition", "clients": ' + "[" * 100_000 + "]" * 100_000 + "}")
 
 
+def leaf(body: str) -> Callable[[Path], None]:
+    """A vehicle data folder v/ whose one LEAF training file is `body`."""
+    def make(d: Path) -> None:
+        (d / "v" / "train").mkdir(parents=True)
+        (d / "v" / "train" / "a.json").write_text(body)
+    return make
+
+
+LEAF_OK_USER = '{"x": [[0.5]], "y": [1]}'
+VEHICLE = ("--task", "vehicle", "--data-dir", "v", "--no-mlflow")
+
+
 def natural(file: str, *args: str) -> tuple[str, ...]:
     return train("--data", file, "--scheme", "natural", "--clients-per-round", "2", "--no-mlflow", *args)
 
@@ -115,6 +127,24 @@ CASES: dict[str, Mistake] = {
                                text("c.csv", "a,y,y\n" + "".join(f"{i},{i % 2},{i % 3}\n" for i in range(20)))),
     "data-csv-unnamed-index": M(byo("c.csv"), "c.csv: column 1 of the header has no name",
                                 text("c.csv", ",a,y\n" + "".join(f"{i},{i * 2},{i % 2}\n" for i in range(20)))),
+    # LEAF JSON: RecursionError / TypeError / AttributeError tracebacks; users and keys given twice kept the last
+    "leaf-nested-too-deep": M(train(*VEHICLE), "LEAF file v/train/a.json is nested too deeply to read",
+                              leaf("[" * 100_000 + "]" * 100_000)),
+    "leaf-truncated": M(train(*VEHICLE), "LEAF file v/train/a.json is not valid (gzipped) JSON",
+                        leaf('{"users": ["a"], "num_samples": [1], "user_data": {"a": {"x": [[0.5')),
+    "leaf-users-not-a-list": M(train(*VEHICLE), "LEAF file v/train/a.json: users must be a list of user names",
+                               leaf('{"users": 5, "num_samples": [1], "user_data": {}}')),
+    "leaf-user-not-a-name": M(train(*VEHICLE), "LEAF file v/train/a.json: users must be a list of user names",
+                              leaf('{"users": [["a"]], "num_samples": [1], "user_data": {}}')),
+    "leaf-user-data-list": M(train(*VEHICLE), "LEAF file v/train/a.json: user_data must be an object",
+                             leaf('{"users": ["a"], "num_samples": [1], "user_data": []}')),
+    "leaf-count-text": M(train(*VEHICLE), "LEAF file v/train/a.json: num_samples must be a list of example counts",
+                         leaf('{"users": ["a"], "num_samples": ["1"], "user_data": {"a": ' + LEAF_OK_USER + "}}")),
+    "leaf-user-twice": M(train(*VEHICLE), "LEAF file v/train/a.json lists user 'a' twice",
+                         leaf('{"users": ["a", "a"], "num_samples": [1, 1], "user_data": {"a": ' + LEAF_OK_USER + "}}")),
+    "leaf-key-twice": M(train(*VEHICLE), "LEAF file v/train/a.json gives key 'a' twice in one object",
+                        leaf('{"users": ["a"], "num_samples": [1], "user_data": {"a": ' + LEAF_OK_USER + ', "a": '
+                             + LEAF_OK_USER + "}}")),
 }
 
 
@@ -145,6 +175,9 @@ SAME_AS_CLI = {
     "partition-index-fraction": dict(task="lsq", partition="p.json", no_mlflow=True),
     "partition-index-huge": dict(task="lsq", partition="p.json", no_mlflow=True),
     "data-client-float": dict(data="c.npz", scheme="natural", clients_per_round=2, no_mlflow=True),
+    "leaf-nested-too-deep": dict(task="vehicle", data_dir="v", no_mlflow=True),
+    "leaf-truncated": dict(task="vehicle", data_dir="v", no_mlflow=True),
+    "leaf-user-data-list": dict(task="vehicle", data_dir="v", no_mlflow=True),
 }
 
 
