@@ -43,6 +43,7 @@ __all__ = ["OPTION_KEYS", "PreparedRun", "StoppedBeforeStart", "overrides_of", "
 OPTION_KEYS: dict[str, str] = {
     "algo": "algorithm.name", "task": "data.task", "model": "data.model", "data_dir": "data.data_dir",
     "data": "data.file", "download": "data.download", "max_clients": "data.max_clients",
+    "data_store": "data.data_store",
     "partition": "partition.file", "scheme": "partition.scheme", "alpha": "partition.alpha",
     "clients": "partition.num_clients", "shards_per_client": "partition.shards_per_client",
     "labels_per_client": "partition.labels_per_client", "min_size": "partition.min_size",

@@ -296,6 +296,8 @@ def validate(cfg: RunConfig) -> None:
             and not is_reference(cfg.data.model) and cfg.data.model not in model_plugins():
         raise ConfigError(f"data.model must be one of {', '.join([*task.models, *model_plugins()])} for task "
                           f"{task.name}, or your own 'module:factory' / 'file.py:factory'; got {cfg.data.model!r}.")
+    if cfg.data.data_store not in ("auto", "memory", "disk"):
+        raise ConfigError(f"data.data_store must be auto, memory or disk; got {cfg.data.data_store!r}.")
     if cfg.partition.scheme not in SCHEMES:
         raise ConfigError(f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}.")
     if cfg.data.augment is not None:

@@ -37,6 +37,7 @@ class DataConfig:
     file: str | None = None  # bring your own data: .npz/.csv/.parquet (see `fedcli train --help`)
     download: bool = False  # fetch missing public files into data_dir (needs a network)
     max_clients: int | None = None  # natural-client data sets: read only the first N clients
+    data_store: str = "auto"  # auto | memory | disk: where the examples live (datasets/federated.py, docs/scaling.md)
     # per-example transforms, e.g. ["crop:4", "flip", "normalize:0.5:0.25"] (datasets/augment.py); None = none
     augment: tuple[str, ...] | None = None
 

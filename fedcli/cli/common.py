@@ -32,6 +32,14 @@ class Scheme(str, Enum):
     two_level = "two-level"
 
 
+class DataStore(str, Enum):
+    """--data-store (fedcli.datasets.federated.STORES) as a CLI choice."""
+
+    auto = "auto"
+    memory = "memory"
+    disk = "disk"
+
+
 class Panel:
     """Help panels of docs/style.md rule 12."""
 

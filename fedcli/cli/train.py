@@ -17,6 +17,7 @@ import typer
 
 from fedcli.api_run import OPTION_KEYS
 from fedcli.cli.common import (
+    DataStore,
     Panel,
     Scheme,
     stdout_is_terminal,
@@ -70,6 +71,10 @@ def train(
     max_clients: Annotated[int | None, typer.Option(min=1, help="Read only the first N natural clients of big "
                                                                "data sets (StackOverflow).",
                                                     rich_help_panel=Panel.DATA)] = None,
+    data_store: Annotated[DataStore | None, typer.Option(help="Where the examples live: memory (on the device), "
+                                                         "disk (a memory-mapped store, cohorts read per round) or "
+                                                         "auto (disk above 1 GiB; docs/scaling.md). "
+                                                         "\\[default: auto]", rich_help_panel=Panel.DATA)] = None,
     config: Annotated[str | None, typer.Option(metavar="FILE|NAME",
                                                help="Run config: a YAML file, or a config shipped with fedcli "
                                                     "(demo: `make demo`'s run); options override it.")] = None,

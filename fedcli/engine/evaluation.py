@@ -254,8 +254,7 @@ def evaluate_split(setup: Setup, predict: Predict, *, split: str, per_client: bo
     if split == "test":
         x, y = data.test_x, data.test_y
     else:
-        own = torch.as_tensor(np.concatenate(fed.client_indices), device=fed.x.device)
-        x, y = fed.x[own], fed.y[own]
+        x, y = fed.examples(np.concatenate(list(fed.client_indices)))  # a disk store: its memory maps, chunk by chunk
     metrics = evaluate_predictions(setup.task, predict, prepare, x, y, device=setup.device, chunk=chunk,
                                    calibration=True)
     if params is not None and data.optimum is not None:

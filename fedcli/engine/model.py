@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from fedcli.algorithms.base import Batch, Params
-from fedcli.datasets.federated import FederatedData
+from fedcli.datasets.federated import CohortData, FederatedData
 from fedcli.datasets.tasks import Task, TaskData, per_example_loss
 from fedcli.datasets.user_model import accepts_key
 from fedcli.errors import ConfigError
@@ -35,7 +35,7 @@ class ModelFunctions:
 
     apply_fn: Callable[[Params, Tensor], Tensor]  # eval mode
     loss_fn: Callable[[Params, Batch], Tensor]  # weighted mean loss, dropout keyed by batch.key
-    data: FederatedData
+    data: FederatedData | CohortData  # CohortData: a disk store's cohort for one round (engine/rounds.py)
     prepare: Callable[[Tensor], Tensor]
     # training batches only: (x prepared, step key) -> x, data.augment's crop / flip (datasets/augment.py); None = none
     augment: Callable[[Tensor, Tensor], Tensor] | None = None
@@ -96,7 +96,7 @@ class BatchNormStats:
         self.model, self.prepare, self.data, self.norms = model, task.prepare, data, norms
         self.last: tuple[Any, ...] | None = None
         order = torch.randperm(len(data.x), generator=torch.Generator().manual_seed(0))[: self.EXAMPLES]
-        self.index = order.sort().values.to(data.x.device)
+        self.index = order.sort().values
 
     def update(self, params: Params) -> None:
         """Estimate the running statistics of `params` into the model's buffers (once per parameters)."""
@@ -112,7 +112,8 @@ class BatchNormStats:
         try:
             with torch.no_grad():
                 for start in range(0, len(self.index), self.BATCH):
-                    x = self.prepare(self.data.x[self.index[start: start + self.BATCH]]).to(self.data.dtype)
+                    x, _ = self.data.take(self.index[start: start + self.BATCH])
+                    x = self.prepare(x).to(self.data.dtype)
                     torch.func.functional_call(self.model, {**params, **buffers}, (x,))
         finally:
             for m, momentum in zip(self.norms, momenta, strict=True):
@@ -212,5 +213,5 @@ def final_buffers(fns: ModelFunctions, model: nn.Module | None, params: Params) 
     if model is None or not any(isinstance(m, _BatchNorm) for m in model.modules()):
         return None
     on_device = {k: v.to(fns.data.device) for k, v in params.items()}
-    fns.apply_fn(on_device, fns.prepare(fns.data.x[:1]).to(fns.data.dtype))  # estimates them for these parameters
+    fns.apply_fn(on_device, fns.prepare(fns.data.x[:1].to(fns.data.device)).to(fns.data.dtype))  # estimates them for these parameters
     return {k: v.detach().cpu().clone() for k, v in model.named_buffers()}

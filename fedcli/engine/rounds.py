@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,6 +96,22 @@ def plan_round(setup: Setup, round_idx: int, on_host: bool = False) -> RoundPlan
     return RoundPlan(cohort, plan, keys if on_host else keys.to(setup.device))
 
 
+_PREFETCH: list[ThreadPoolExecutor] = []
+
+
+def prefetcher() -> ThreadPoolExecutor:
+    """The one background thread that builds the disk store's next plan (reads its cohort's examples)."""
+    if not _PREFETCH:
+        _PREFETCH.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedcli-prefetch"))
+    return _PREFETCH[0]
+
+
+def prefetched(setup: Setup, round_idx: int) -> RoundPlan | None:
+    """The plan built ahead for this round (a Future's result on the disk store), if any."""
+    ahead: Any = setup.prefetched.pop(round_idx, None)
+    return ahead.result() if isinstance(ahead, Future) else ahead
+
+
 def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray, round_idx: int,
                num_steps: int) -> dict[str, torch.Tensor]:
     """Pre-draw each client's N(0, 1) noise from its own stream (shapes lead with S steps)."""
@@ -127,17 +144,23 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
     """
     cfg, alg, hp = setup.cfg, setup.alg, setup.hp
     start = time.perf_counter()
-    planned = setup.prefetched.pop(round_idx, None) or plan_round(setup, round_idx)
+    planned = prefetched(setup, round_idx) or plan_round(setup, round_idx)
     cohort, plan = planned.cohort, planned.plan.to(setup.device)
+    fns = setup.fns if plan.data is None else replace(setup.fns, data=plan.data)  # disk store: the cohort's examples
+    ahead = None
+    if setup.fed.prefetches and round_idx < cfg.train.rounds:  # disk store: read the next cohort while this one trains
+        ahead = prefetcher().submit(plan_round, setup, round_idx + 1, setup.device.type == "cuda")
     bc = alg.broadcast(state, hp)
     inputs = CohortInputs(plan=plan, keys=planned.keys.to(setup.device, non_blocking=True),
                           noise=draw_noise(setup, alg.global_params(state), cohort, round_idx,
                                            plan.num_epochs * plan.steps_per_epoch),
                           states=store.gather(cohort, setup.device))
-    outs = setup.backend.run(CohortJob(alg, setup.fns, bc, inputs, hp, setup.opt, round_idx,
+    outs = setup.backend.run(CohortJob(alg, fns, bc, inputs, hp, setup.opt, round_idx,
                                        cfg.train.cohort_chunk, interrupt))
     setup.prefetched.clear()
-    if overlaps_host_work(setup.device) and round_idx < cfg.train.rounds:
+    if ahead is not None:
+        setup.prefetched[round_idx + 1] = ahead  # type: ignore[assignment]  # a Future of the RoundPlan
+    elif overlaps_host_work(setup.device) and round_idx < cfg.train.rounds:
         setup.prefetched[round_idx + 1] = plan_round(setup, round_idx + 1, on_host=True)
     _sync(setup.device)
     return Trained(cohort, plan, bc, outs, start)

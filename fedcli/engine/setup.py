@@ -25,7 +25,7 @@ from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import Algorithm, OptimConfig
 from fedcli.config import RunConfig, make_hyperparameters
 from fedcli.datasets import augment as augmentation
-from fedcli.datasets.federated import FederatedData
+from fedcli.datasets.federated import FederatedData, choose_store, federated_data
 from fedcli.datasets.registry import resolve_task
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions
 from fedcli.datasets.user_model import is_reference
@@ -122,7 +122,13 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
     torch.set_num_threads(threads)
     task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
     data = load_data(task, cfg, TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir
-                                            else None, download=cfg.data.download, max_clients=cfg.data.max_clients))
+                                            else None, download=cfg.data.download, max_clients=cfg.data.max_clients,
+                                            data_store=cfg.data.data_store))
+    store = choose_store(cfg.data.data_store, data.x.nbytes + data.y.nbytes, data.store is not None)
+    if store == "disk" and data.store is None:  # loaded in memory: written to a disk store once, reopened from it
+        from fedcli.datasets.diskstore import store_task_data
+
+        data = store_task_data(data, f"task {task.name}")
     transforms = augmentation.parse(cfg.data.augment)  # crop / flip / normalize (docs/your-data.md, "Augmentation")
     augmentation.check(transforms, task, data.x)
     task = augmentation.with_normalisation(task, transforms)
@@ -143,7 +149,7 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
             model = task.models[model_name]()
     model = model.to(device)
     init_params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    fed = FederatedData(data.x, data.y, indices, device)
+    fed = federated_data(data.x, data.y, indices, device, store)
     alg = ALGORITHMS[cfg.algorithm.name]
     hp = make_hyperparameters(alg.name, cfg.algorithm.hp)
     fns = with_precision(model_functions(task, model, fed), cfg.train.precision, device)
@@ -155,10 +161,17 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
                         clients_per_round=t.clients_per_round, compile=t.compile, graph=t.graph,
                         augment=transforms.random, slots=workers)
     choice = select.choose(workload, t.executor, launched=peers is not None)
+    if fed.store == "disk" and choice.backend not in DISK_EXECUTORS:
+        raise ConfigError(f"the disk data store (data.data_store={cfg.data.data_store}) runs with --executor "
+                          f"{'|'.join(DISK_EXECUTORS)} without --compile/--graph; got {choice.backend!r}. Use one of "
+                          "those, or --data-store memory if the examples fit in memory.")
     backend = select.build(choice, BackendSetup(cfg=cfg, model=model, fed=fed, device=device, workers=workers,
                                                 peers=peers))
     return Setup(cfg, task, data, fed, fns, alg, hp, device, backend, init_params, indices, spec, choice.why,
                  t.optim(task.client_lr), model)
+
+
+DISK_EXECUTORS = ("loop", "vmap", "fused")  # back ends that read each round's batches from job.fns (CohortPlan.data)
 
 
 # A long-lived sweep worker's task data (fedcli/sweep_worker.py sets it to {}): None, the default, loads per run
