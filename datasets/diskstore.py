@@ -86,7 +86,7 @@ class StoreWriter:
         self.folder = folder
         self.files: dict[str, Any] = {}
         self.shapes: dict[str, tuple[str, list[int], int]] = {}  # name -> (dtype, row shape, rows)
-        self.digests: dict[str, Any] = {}
+        self.ragged: dict[str, list[tuple[int, int, str]]] = {}  # name -> (width, rows, dtype) per append
 
     def append(self, name: str, rows: np.ndarray) -> None:
         """Append rows (same dtype and row shape as earlier rows of `name`)."""
@@ -97,13 +97,59 @@ class StoreWriter:
         dtype, shape, count = self.shapes[name]
         if rows.dtype.str != dtype or list(rows.shape[1:]) != shape:
             raise ValueError(f"store array {name}: rows {rows.dtype}{rows.shape[1:]} after {dtype}{shape}")
-        self.files[name].write(memoryview(rows).cast("B"))
+        if rows.size:
+            self.files[name].write(memoryview(rows.reshape(-1)).cast("B"))
         self.shapes[name] = (dtype, shape, count + len(rows))
 
     def declare(self, name: str, dtype: np.dtype[Any] | type, row_shape: tuple[int, ...]) -> None:
         """Create `name` with no rows yet (an array that may stay empty)."""
         if name not in self.files:
             self.append(name, np.zeros((0, *row_shape), dtype=dtype))
+
+    def declare_like(self, name: str, like: np.ndarray) -> None:
+        """Create `name` with `like`'s dtype and row shape if nothing was appended to it."""
+        self.declare(name, like.dtype, like.shape[1:])
+
+    def append_ragged(self, name: str, rows: np.ndarray) -> None:
+        """Append rows [n, w] whose width w varies between calls; `pad_ragged` pads them to the widest."""
+        rows = np.ascontiguousarray(rows)
+        part = f"{name}.ragged"
+        self.append(part, rows.reshape(-1))
+        self.ragged.setdefault(name, []).append(
+            (rows.shape[1] if rows.ndim == 2 else 0, len(rows), rows.dtype.str)
+        )
+
+    def pad_ragged(self, name: str, fill: int = -1, block: int = 1 << 16) -> None:
+        """Rewrite `name`'s ragged parts as one [N, widest] array padded with `fill`, block by block."""
+        parts = self.ragged.pop(name, [])
+        width = max([w for w, _, _ in parts], default=1) or 1
+        dtype = np.dtype(parts[0][2]) if parts else np.dtype(np.int16)
+        self.declare(name, dtype, (width,))
+        if not parts:
+            return
+        self.flush()
+        flat = np.memmap(self.folder / f"{name}.ragged.bin", dtype=dtype, mode="r")
+        at = 0
+        for w, n, _ in parts:
+            for start in range(0, n, block):
+                rows = min(block, n - start)
+                out = np.full((rows, width), fill, dtype=dtype)
+                out[:, :w] = flat[at + start * w : at + (start + rows) * w].reshape(rows, w)
+                self.append(name, out)
+            at += n * w
+        del flat
+        self.files.pop(f"{name}.ragged").close()
+        del self.shapes[f"{name}.ragged"]
+        (self.folder / f"{name}.ragged.bin").unlink()
+
+    def flush(self) -> None:
+        for fh in self.files.values():
+            fh.flush()
+
+    def specs(self) -> dict[str, Any]:
+        """The arrays written so far (flushed): name -> dtype and shape, as meta.json holds them."""
+        self.flush()
+        return {name: {"dtype": d, "shape": [n, *s]} for name, (d, s, n) in self.shapes.items()}
 
     def close(self) -> dict[str, Any]:
         """Flush and fsync every array; return their dtypes and shapes for meta.json."""
@@ -199,18 +245,67 @@ def write_clients(writer: StoreWriter, prefix: str, indices: Sequence[np.ndarray
     writer.append(f"{prefix}client_offsets", offsets)
 
 
+def write_consecutive(writer: StoreWriter, prefix: str, sizes: Sequence[int]) -> None:
+    """Client k owns the k-th run of consecutive rows (sizes[k] of them): the flat index is 0..N-1."""
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(np.int64)
+    writer.declare(f"{prefix}clients", np.int64, ())
+    for start in range(0, int(offsets[-1]), 1 << 22):
+        writer.append(
+            f"{prefix}clients", np.arange(start, min(start + (1 << 22), int(offsets[-1])), dtype=np.int64)
+        )
+    writer.append(f"{prefix}client_offsets", offsets)
+
+
 def stream_fingerprint(
-    folder: Path, arrays: dict[str, Any], names: tuple[str, ...] = ("x", "y"), chunk_bytes: int = 64 << 20
+    folder: Path,
+    arrays: dict[str, Any],
+    names: tuple[str, ...] = ("x", "y"),
+    chunk_bytes: int = 64 << 20,
+    as_dtype: dict[str, Any] | None = None,
 ) -> str:
-    """`datasets.tasks.fingerprint` of the stored arrays, read in chunks (never whole in memory)."""
+    """`datasets.tasks.fingerprint` of the stored arrays, read in chunks (never whole in memory);
+    `as_dtype`: name -> the dtype the in-memory loader holds it in (e.g. int64 token ids stored as int16)."""
     digest = hashlib.sha256()
     for name in names:
         array = _memmap(folder, name, arrays[name])
         digest.update(str(tuple(array.shape)).encode())
-        rows = max(1, chunk_bytes // max(1, array[:1].nbytes))
+        rows = max(1, chunk_bytes // max(1, array[:1].nbytes * 8))
         for start in range(0, len(array), rows):
-            digest.update(np.ascontiguousarray(array[start : start + rows]).tobytes())
+            block = np.ascontiguousarray(array[start : start + rows])
+            digest.update((block if name not in (as_dtype or {}) else block.astype(as_dtype[name])).tobytes())
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def progress(total: int, what: str) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar with an ETA on stderr (nothing when stderr is not a terminal); yields advance(n)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("clients"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 # ----------------------------------------------------------------------------- reading
