@@ -92,6 +92,10 @@ class TrainConfig:
     compile: bool = False  # torch.compile: vmap -> the cohort's update; loop/process -> each client's step
     graph: bool = False  # vmap's cohort update built once per shape and replayed: a CUDA graph on CUDA, a trace on CPU (engine/backends/graphed.py)
     precision: str = "fp32"  # fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run
+    # --- issue 32 (client state out of RAM; docs/architecture.md, "Client-state store")
+    state_store: str = "auto"  # auto | ram | disk; auto = disk when every client's state would exceed the cache
+    state_cache_mb: int = 512  # disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)
+    state_precision: str = "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
 
     def optim(self, default_client_lr: float) -> OptimConfig:
         """The optimiser settings algorithms receive; client_lr None takes `default_client_lr`
@@ -190,14 +194,14 @@ def config_hash_of(doc: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
-NOT_HASHED = ("workers", "threads", "checkpoint_every", "keep_checkpoints")
+NOT_HASHED = ("workers", "threads", "checkpoint_every", "keep_checkpoints", "state_store", "state_cache_mb")
 # data keys: a user model's source hash counts where set (an edited model is another config); left out
 # while None, so configs of built-in models keep their hashes. model_args follows from the data: never hashed
 DATA_HASHED_UNLESS_NONE = ("model_sha256", "augment")  # augment: None keeps the hashes of runs before it existed
 DATA_NOT_HASHED = ("model_args",)
 # train keys added after runs were stored: left out of the hash at their default, so a config
 # that does not use them keeps the hash it had before they existed (sweeps find its runs)
-HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False}
+HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False, "state_precision": "state"}
 # hyperparameters added after runs were stored, with the value that reproduces those runs (issue 24): left
 # out of the hash at that value, and given to a stored config that lacks the key (`resume_config`), so an
 # earlier run resumes as it ran and keeps its hash

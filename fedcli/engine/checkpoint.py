@@ -24,6 +24,16 @@ checkpoints are on by default, written on a background thread from a snapshot ta
 between rounds, kept `keep` at a time (older files and rows are pruned), and in the
 default `auto` cadence written after every round unless writing one takes longer than
 `AUTO_BUDGET` of a round, in which case they are spaced so that they cost about that.
+
+Format 3 (written since issue 32) is incremental: `round-NNNNNN.pt` holds the server state
+and a manifest (`client_index`: client -> (file, row) for every client with a state, and the
+slot layout), and the client states changed since the previous checkpoint go to
+`round-NNNNNN.clients.npy` beside it (a numpy array of [changed clients, slot bytes], the
+slots of engine/clientstate.py; read with `allow_pickle=False` and `os.pread`, never run).
+A checkpoint thus writes O(cohort x rounds since the last one) bytes, not O(clients visited).
+The `.clients.npy` file is written (temp file, fsync, rename) before the `.pt` that names it,
+so a `.pt` in place always has its files; a file no kept checkpoint names is deleted when the
+old checkpoints are pruned. Formats 1 and 2 (every client state in the `.pt`) still load.
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from fedcli.engine.clientstate import ClientDelta, SlotLayout, delta_file_name
 from fedcli.errors import DataError, TrackingError
 
 log = logging.getLogger(__name__)
@@ -53,9 +65,13 @@ log = logging.getLogger(__name__)
 AUTO_BUDGET = 0.03  # auto cadence: checkpoint writing may take up to 3 % of the rounds' time
 TEMP_PREFIX = "."  # atomic_save's temporary files: .<name>.<random>
 
-FORMAT_VERSION = 2  # 2: plain containers, run id and config hash; 1 (read only): pickled state NamedTuples
+FORMAT_VERSION = 3  # 3: incremental client states (a manifest + .clients.npy files); 2 (read only): plain
+# containers, run id and config hash, every client state in the file; 1 (read only): pickled state NamedTuples
+LEGACY_FORMAT = 2  # `checkpoint_payload`'s form (every client state in one file), still read
+FORMATS = (1, 2, 3)
 TYPE_KEY = "__fedcli_type__"  # to_plain's marker of a NamedTuple or dataclass node
 CHECKPOINT_KEYS = ("format_version", "round_idx", "seed", "config", "server_state", "client_states")
+CHECKPOINT_KEYS_V3 = ("format_version", "round_idx", "seed", "config", "server_state", "client_index")
 MODEL_KEYS = ("params", "server_state", "config", "task", "algorithm", "model")
 
 
@@ -72,7 +88,7 @@ def to_device(tree: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
 
 
-def atomic_save(obj: Any, path: Path) -> None:
+def atomic_save(obj: Any, path: Path) -> int:
     """torch.save to a temp file beside `path`, fsync, then rename over `path`.
 
     The object is serialised in memory first and written with plain file writes, so a full
@@ -102,11 +118,21 @@ def atomic_save(obj: Any, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return buffer.getbuffer().nbytes
 
 
-def checkpoint_payload(*, round_idx: int, server_state: Any, client_states: dict[int, Any],
-                       config: dict[str, Any], seed: int, run_id: str) -> dict[str, Any]:
-    """Everything needed to resume exactly after `round_idx`, as a snapshot on the CPU.
+def checkpoint_payload(
+    *,
+    round_idx: int,
+    server_state: Any,
+    client_states: dict[int, Any],
+    config: dict[str, Any],
+    seed: int,
+    run_id: str,
+) -> dict[str, Any]:
+    """Everything needed to resume exactly after `round_idx`, as a snapshot on the CPU, in format 2
+    (every client state in the one file: what fedcli wrote before format 3; kept to read and test
+    those files). `CheckpointWriter` writes format 3.
 
     The server state is copied (the caller goes on to the next round); client states are
     taken as they are: the client-state store replaces them, never changes them in place.
@@ -114,15 +140,25 @@ def checkpoint_payload(*, round_idx: int, server_state: Any, client_states: dict
     """
     from fedcli.config import config_hash_of
 
-    return {"format_version": FORMAT_VERSION, "round_idx": round_idx, "seed": seed, "run_id": run_id,
-            "config_hash": config_hash_of(config), "config": config,
-            "server_state": pytree.tree_map(_cpu_copy, server_state), "client_states": dict(client_states)}
+    return {
+        "format_version": LEGACY_FORMAT,
+        "round_idx": round_idx,
+        "seed": seed,
+        "run_id": run_id,
+        "config_hash": config_hash_of(config),
+        "config": config,
+        "server_state": pytree.tree_map(_cpu_copy, server_state),
+        "client_states": dict(client_states),
+    }
 
 
 def plain_payload(payload: dict[str, Any]) -> dict[str, Any]:
     """`payload` with its states in plain containers (`to_plain`), ready for `atomic_save`."""
-    return {**payload, "server_state": to_plain(payload["server_state"]),
-            "client_states": {int(k): to_plain(v) for k, v in payload["client_states"].items()}}
+    return {
+        **payload,
+        "server_state": to_plain(payload["server_state"]),
+        "client_states": {int(k): to_plain(v) for k, v in payload["client_states"].items()},
+    }
 
 
 def to_plain(tree: Any) -> Any:
@@ -140,14 +176,18 @@ def to_plain(tree: Any) -> Any:
         fields = zip(tree._fields, tree, strict=True)  # type: ignore[attr-defined]  # a NamedTuple
         return {TYPE_KEY: _type_name(type(tree)), "fields": {k: to_plain(v) for k, v in fields}}
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return {TYPE_KEY: _type_name(type(tree)),
-                "fields": {f.name: to_plain(getattr(tree, f.name)) for f in dataclasses.fields(tree) if f.init}}
+        return {
+            TYPE_KEY: _type_name(type(tree)),
+            "fields": {f.name: to_plain(getattr(tree, f.name)) for f in dataclasses.fields(tree) if f.init},
+        }
     if isinstance(tree, dict):
         return {k: to_plain(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(to_plain(v) for v in tree)
-    raise TypeError(f"a checkpointed state holds a {type(tree).__name__}; states must be tensors in NamedTuples, "
-                    "dataclasses, dicts, lists and tuples (docs/style.md rule 6)")
+    raise TypeError(
+        f"a checkpointed state holds a {type(tree).__name__}; states must be tensors in NamedTuples, "
+        "dataclasses, dicts, lists and tuples (docs/style.md rule 6)"
+    )
 
 
 def from_plain(plain: Any, template: Any, what: str) -> Any:
@@ -165,8 +205,10 @@ def from_plain(plain: Any, template: Any, what: str) -> Any:
         if isinstance(node, dict) and TYPE_KEY in node:
             cls = types.get(str(node[TYPE_KEY]))
             if cls is None or not isinstance(node.get("fields"), dict):
-                raise CheckpointError(f"{what} holds a state of type {node[TYPE_KEY]!r}, which this run's algorithm "
-                                      "does not have; it is another algorithm's file")
+                raise CheckpointError(
+                    f"{what} holds a state of type {node[TYPE_KEY]!r}, which this run's algorithm "
+                    "does not have; it is another algorithm's file"
+                )
             try:
                 return cls(**{k: build(v) for k, v in node["fields"].items()})
             except TypeError as err:
@@ -187,14 +229,21 @@ def check_like(tree: Any, template: Any, what: str) -> None:
     leaves, spec = pytree.tree_flatten(tree)
     expected, expected_spec = pytree.tree_flatten(template)
     if spec != expected_spec:
-        raise CheckpointError(f"{what} does not fit this run's state (another structure: another algorithm, "
-                              "model or fedcli version)")
+        raise CheckpointError(
+            f"{what} does not fit this run's state (another structure: another algorithm, "
+            "model or fedcli version)"
+        )
     for leaf, want in zip(leaves, expected, strict=True):
-        if isinstance(want, torch.Tensor) and (not isinstance(leaf, torch.Tensor) or leaf.shape != want.shape
-                                              or leaf.dtype != want.dtype):
-            got = f"{tuple(leaf.shape)} {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-            raise CheckpointError(f"{what} does not fit this run's state (a tensor of {got} where the run has "
-                                  f"{tuple(want.shape)} {want.dtype})")
+        if isinstance(want, torch.Tensor) and (
+            not isinstance(leaf, torch.Tensor) or leaf.shape != want.shape or leaf.dtype != want.dtype
+        ):
+            got = (
+                f"{tuple(leaf.shape)} {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            )
+            raise CheckpointError(
+                f"{what} does not fit this run's state (a tensor of {got} where the run has "
+                f"{tuple(want.shape)} {want.dtype})"
+            )
 
 
 def read_file(path: Path, what: str, legacy_types: tuple[type, ...] = ()) -> dict[str, Any]:
@@ -212,9 +261,11 @@ def read_file(path: Path, what: str, legacy_types: tuple[type, ...] = ()) -> dic
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
         named = f" ({found[1]})" if found else ""
-        raise CheckpointError(f"{what} needs code to load: it holds a pickled object{named} besides tensors and "
-                              "plain containers, and fedcli never runs code from a file. If you wrote it and trust "
-                              f"it, convert it: python -m fedcli.engine.checkpoint --trust {path}") from None
+        raise CheckpointError(
+            f"{what} needs code to load: it holds a pickled object{named} besides tensors and "
+            "plain containers, and fedcli never runs code from a file. If you wrote it and trust "
+            f"it, convert it: python -m fedcli.engine.checkpoint --trust {path}"
+        ) from None
     except OSError as err:
         raise CheckpointError(f"{what} cannot be read: {err.strerror or err}") from None
     except Exception as err:  # noqa: BLE001 - torch reports a damaged file as RuntimeError, EOFError, ...
@@ -225,8 +276,16 @@ def read_file(path: Path, what: str, legacy_types: tuple[type, ...] = ()) -> dic
     return payload
 
 
-def check_identity(payload: dict[str, Any], what: str, keys: tuple[str, ...], *, run_id: str, config_hash: str,
-                   requested: dict[str, Any] | None, round_idx: int | None = None) -> None:
+def check_identity(
+    payload: dict[str, Any],
+    what: str,
+    keys: tuple[str, ...],
+    *,
+    run_id: str,
+    config_hash: str,
+    requested: dict[str, Any] | None,
+    round_idx: int | None = None,
+) -> None:
     """Raise CheckpointError unless `payload` has `keys` and is the file of this run (and round).
 
     The config must hash to `config_hash` (the store row's) or differ from the row's
@@ -238,11 +297,14 @@ def check_identity(payload: dict[str, Any], what: str, keys: tuple[str, ...], *,
 
     missing = [k for k in keys if k not in payload]
     if missing:
-        raise CheckpointError(f"{what} lacks {', '.join(map(repr, missing))}; it is not a complete fedcli file")
+        raise CheckpointError(
+            f"{what} lacks {', '.join(map(repr, missing))}; it is not a complete fedcli file"
+        )
     version = payload.get("format_version", 1)
-    if version not in (1, FORMAT_VERSION):
-        raise CheckpointError(f"{what} has format {version!r}; this fedcli reads formats 1 and {FORMAT_VERSION} "
-                              "(upgrade fedcli)")
+    if version not in FORMATS:
+        raise CheckpointError(
+            f"{what} has format {version!r}; this fedcli reads formats 1 to {FORMAT_VERSION} (upgrade fedcli)"
+        )
     if version >= 2 and payload.get("run_id") != run_id:
         raise CheckpointError(f"{what} belongs to run {str(payload.get('run_id'))[:8]}, not {run_id[:8]}")
     if round_idx is not None and payload.get("round_idx") != round_idx:
@@ -252,25 +314,52 @@ def check_identity(payload: dict[str, Any], what: str, keys: tuple[str, ...], *,
         written = payload.get("config_hash") or config_hash_of(config)  # type: ignore[arg-type]
     except (AttributeError, KeyError, TypeError):
         raise CheckpointError(f"{what} holds no readable config") from None
-    if written != config_hash and not (requested and isinstance(config, dict) and same_run_config(config, requested)):
-        raise CheckpointError(f"{what} was written under config hash {str(written)[:10]}, and run {run_id[:8]} has "
-                              f"{config_hash[:10]}; it is another configuration's file")
+    if written != config_hash and not (
+        requested and isinstance(config, dict) and same_run_config(config, requested)
+    ):
+        raise CheckpointError(
+            f"{what} was written under config hash {str(written)[:10]}, and run {run_id[:8]} has "
+            f"{config_hash[:10]}; it is another configuration's file"
+        )
 
 
-def load_checkpoint(path: Path, what: str, *, server_template: Any, client_template: Any, run_id: str,
-                    config_hash: str, requested: dict[str, Any] | None, round_idx: int
-                    ) -> tuple[Any, dict[int, Any]]:
+def load_checkpoint(
+    path: Path,
+    what: str,
+    *,
+    server_template: Any,
+    client_template: Any,
+    run_id: str,
+    config_hash: str,
+    requested: dict[str, Any] | None,
+    round_idx: int,
+) -> tuple[Any, dict[int, Any] | StoredClientStates]:
     """Read, check and rebuild a checkpoint of `run_id` at `round_idx`: (server state, client states) on the CPU.
 
     Templates: the run's fresh `server_init` state and `init_client_state` (None: stateless).
+    The client states of a format-3 file are a `StoredClientStates` (read when iterated; its
+    files are checked here); of older formats, a dict.
 
     Raises:
         CheckpointError: unreadable, needing code, another run's, round's or configuration's, or
             not fitting the run's state (one line; the resume skips such a checkpoint).
     """
     payload = read_file(path, what, named_tuple_types(server_template, client_template))
-    check_identity(payload, what, CHECKPOINT_KEYS, run_id=run_id, config_hash=config_hash, requested=requested,
-                   round_idx=round_idx)
+    v3 = payload.get("format_version", 1) == 3
+    check_identity(
+        payload,
+        what,
+        CHECKPOINT_KEYS_V3 if v3 else CHECKPOINT_KEYS,
+        run_id=run_id,
+        config_hash=config_hash,
+        requested=requested,
+        round_idx=round_idx,
+    )
+    if v3:
+        return (
+            from_plain(payload["server_state"], server_template, what),
+            StoredClientStates.of(Path(path).parent, payload["client_index"], client_template, what),
+        )
     states = payload["client_states"]
     if not isinstance(states, dict) or (states and client_template is None):
         raise CheckpointError(f"{what} does not fit this run's state (client states of a stateful algorithm)")
@@ -279,8 +368,10 @@ def load_checkpoint(path: Path, what: str, *, server_template: Any, client_templ
         for state in states.values():
             check_like(state, client_template, what)
         return payload["server_state"], {int(k): v for k, v in states.items()}
-    return (from_plain(payload["server_state"], server_template, what),
-            {int(k): from_plain(v, client_template, what) for k, v in states.items()})
+    return (
+        from_plain(payload["server_state"], server_template, what),
+        {int(k): from_plain(v, client_template, what) for k, v in states.items()},
+    )
 
 
 def load_model(path: Path, what: str, *, server_template: Any = None) -> dict[str, Any]:
@@ -297,8 +388,10 @@ def load_model(path: Path, what: str, *, server_template: Any = None) -> dict[st
     payload = read_file(path, what, legacy)
     missing = [k for k in MODEL_KEYS if k not in payload]
     if missing or not isinstance(payload["params"], dict):
-        raise CheckpointError(f"{what} lacks {', '.join(map(repr, missing or ['params']))}; it is not a complete "
-                              "fedcli model file")
+        raise CheckpointError(
+            f"{what} lacks {', '.join(map(repr, missing or ['params']))}; it is not a complete "
+            "fedcli model file"
+        )
     if server_template is not None:
         state = payload["server_state"]
         if payload.get("format_version", 1) == 1:
@@ -316,17 +409,26 @@ def convert_trusted(path: Path) -> str:
     """
     from fedcli.config import config_hash_of
 
-    payload = torch.load(path, map_location="cpu", weights_only=False)  # trusted by the caller: the one exception
+    payload = torch.load(
+        path, map_location="cpu", weights_only=False
+    )  # trusted by the caller: the one exception
     if not isinstance(payload, dict) or "server_state" not in payload or "config" not in payload:
         raise CheckpointError(f"{path} is not a fedcli checkpoint or model.pt (no server_state or config)")
     parts = Path(path).resolve().parts
-    run_id = payload.get("run_id") or next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "runs"), "")
-    out = {**payload, "format_version": FORMAT_VERSION, "run_id": run_id,
-           "config_hash": config_hash_of(payload["config"]), "server_state": to_plain(payload["server_state"])}
+    run_id = payload.get("run_id") or next(
+        (parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "runs"), ""
+    )
+    out = {
+        **payload,
+        "format_version": LEGACY_FORMAT,
+        "run_id": run_id,
+        "config_hash": config_hash_of(payload["config"]),
+        "server_state": to_plain(payload["server_state"]),
+    }
     if "client_states" in payload:
         out["client_states"] = {int(k): to_plain(v) for k, v in payload["client_states"].items()}
     atomic_save(out, Path(path))
-    return f"{path}: rewritten as format {FORMAT_VERSION} (run {run_id[:8] or '?'}); it now loads without running code"
+    return f"{path}: rewritten as format {LEGACY_FORMAT} (run {run_id[:8] or '?'}); it now loads without running code"
 
 
 def named_tuple_types(*templates: Any) -> tuple[type, ...]:
@@ -374,10 +476,188 @@ def remove_temp_files(folder: Path) -> int:
     if not folder.is_dir():
         return 0
     removed = 0
-    for path in folder.glob(f"{TEMP_PREFIX}*.pt.*"):
-        path.unlink(missing_ok=True)
-        removed += 1
+    for pattern in (f"{TEMP_PREFIX}*.pt.*", f"{TEMP_PREFIX}*.clients.npy.*"):
+        for path in folder.glob(pattern):
+            path.unlink(missing_ok=True)
+            removed += 1
     return removed
+
+
+class StoredClientStates:
+    """The client states of a format-3 checkpoint: client -> (file, row) in its `.clients.npy` files.
+
+    `items()` reads them one by one (a client's slot with `os.pread`; nothing is unpickled or
+    mapped) and yields (client, state in the run's own dtypes); `raw_items()` yields the slots.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        index: dict[int, tuple[str, int]],
+        layout: SlotLayout | None,
+        offsets: dict[str, int],
+        what: str,
+    ) -> None:
+        self.folder, self.index, self.layout, self._offsets, self._what = folder, index, layout, offsets, what
+
+    @classmethod
+    def of(cls, folder: Path, manifest: Any, template: Any, what: str) -> StoredClientStates:
+        """Check a manifest against the run's state (`template`) and its files' headers.
+
+        Raises:
+            CheckpointError: a malformed manifest, another layout, a missing or short file.
+        """
+        try:
+            files = [str(f) for f in manifest["files"]]
+            clients = manifest["clients"].tolist()
+            file_of, rows = manifest["file"].tolist(), manifest["row"].tolist()
+            layout_written = manifest["layout"]
+            index = {int(c): (files[f], int(r)) for c, f, r in zip(clients, file_of, rows, strict=True)}
+        except (KeyError, TypeError, AttributeError, IndexError, ValueError):
+            raise CheckpointError(f"{what} holds no readable client-state manifest") from None
+        if not index:
+            return cls(folder, {}, None, {}, what)
+        if template is None:
+            raise CheckpointError(
+                f"{what} does not fit this run's state (client states of a stateful algorithm)"
+            )
+        try:
+            layout = SlotLayout(template, str(layout_written.get("precision")))
+        except Exception:  # noqa: BLE001 - an unknown precision name, a template of non-tensors
+            raise CheckpointError(f"{what} does not fit this run's state (client-state layout)") from None
+        if layout.describe() != layout_written:
+            raise CheckpointError(
+                f"{what} does not fit this run's state (its client states have another layout: "
+                "another algorithm, model or state precision)"
+            )
+        offsets: dict[str, int] = {}
+        needed: dict[str, int] = {}
+        for name, row in index.values():
+            needed[name] = max(needed.get(name, 0), row + 1)
+        for name, rows_needed in needed.items():
+            if Path(name).name != name or not name.endswith(".clients.npy"):
+                raise CheckpointError(f"{what} names a client-state file {name!r} outside its folder")
+            offsets[name] = _npy_offset(folder / name, rows_needed, layout.slot_bytes, what)
+        return cls(folder, index, layout, offsets, what)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def raw_items(self) -> Any:
+        """(client, slot bytes) for every client, file by file."""
+        assert self.layout is not None or not self.index
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for client, (name, row) in self.index.items():
+            by_file.setdefault(name, []).append((row, client))
+        for name, rows in sorted(by_file.items()):
+            path = self.folder / name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as err:
+                raise CheckpointError(f"{self._what}: cannot read {path}: {err.strerror or err}") from None
+            try:
+                size = self.layout.slot_bytes if self.layout else 0
+                for row, client in sorted(rows):
+                    buffer = np.empty(size, dtype=np.uint8)
+                    if os.preadv(fd, [buffer], self._offsets[name] + row * size) != size:
+                        raise CheckpointError(f"{self._what}: {path} is shorter than its manifest says")
+                    yield client, buffer
+            finally:
+                os.close(fd)
+
+    def items(self) -> Any:
+        """(client, state in the run's own dtypes) for every client."""
+        for client, buffer in self.raw_items():
+            assert self.layout is not None
+            yield client, self.layout.widen(self.layout.unpack(buffer))
+
+    def to_dict(self) -> dict[int, Any]:
+        return dict(self.items())
+
+
+def _npy_offset(path: Path, rows: int, slot_bytes: int, what: str) -> int:
+    """Where the data of a `.clients.npy` file start; CheckpointError unless it is [>= rows, slot_bytes] uint8."""
+    try:
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+            offset = fh.tell()
+            size = os.fstat(fh.fileno()).st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} needs {path}, which is missing") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{what}: {path} is not a readable client-state file ({err})") from None
+    if (
+        dtype != np.uint8
+        or fortran
+        or len(shape) != 2
+        or shape[1] != slot_bytes
+        or shape[0] < rows
+        or size < offset + shape[0] * slot_bytes
+    ):
+        raise CheckpointError(
+            f"{what}: {path} does not hold the client states its manifest names (shape {shape}, {size} bytes)"
+        )
+    return int(offset)
+
+
+def write_delta(path: Path, delta: ClientDelta) -> int:
+    """Write `delta`'s states as a [clients, slot bytes] uint8 .npy file, atomically; return its size.
+
+    Streamed one slot at a time (no copy of the whole delta in memory), to a temp file that is
+    fsynced and renamed over `path`; any failure removes the temp file and leaves `path` as it was.
+
+    Raises:
+        TrackingError: the file could not be written (a full disk says "no space left on device").
+    """
+    assert delta.layout is not None
+    layout = delta.layout
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}.", dir=path.parent)
+    except OSError as err:
+        raise TrackingError(_os_message(err, path)) from err
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.lib.format.write_array_header_1_0(
+                fh,
+                {
+                    "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+                    "fortran_order": False,
+                    "shape": (len(delta.clients), layout.slot_bytes),
+                },
+            )
+            for state in delta.states:
+                slot = state if isinstance(state, np.ndarray) else layout.pack(state)
+                fh.write(memoryview(slot))
+            fh.flush()
+            os.fsync(fh.fileno())
+            size = fh.tell()
+        os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise TrackingError(_os_message(err, path)) from err
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return size
+
+
+def manifest_of(delta: ClientDelta) -> dict[str, Any]:
+    """A delta's `index` as a format-3 checkpoint stores it: tensors and plain values only."""
+    files = sorted({name for name, _ in delta.index.values()})
+    number = {name: i for i, name in enumerate(files)}
+    clients = sorted(delta.index)
+    return {
+        "files": files,
+        "clients": torch.tensor(clients, dtype=torch.int64),
+        "file": torch.tensor([number[delta.index[c][0]] for c in clients], dtype=torch.int32),
+        "row": torch.tensor([delta.index[c][1] for c in clients], dtype=torch.int64),
+        "layout": delta.layout.describe() if delta.layout is not None else {},
+    }
 
 
 class CheckpointWriter:
@@ -392,9 +672,16 @@ class CheckpointWriter:
         keep: How many of the newest checkpoints to keep (>= 1).
     """
 
-    def __init__(self, run_dir: Path, *, record: Callable[[int, str], None],
-                 forget: Callable[[list[int]], None], existing: list[tuple[int, str]],
-                 every: int | None, keep: int) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        record: Callable[[int, str], None],
+        forget: Callable[[list[int]], None],
+        existing: list[tuple[int, str]],
+        every: int | None,
+        keep: int,
+    ) -> None:
         self.folder = run_dir / "checkpoints"
         self.every, self.keep = every, max(1, keep)
         self._record, self._forget = record, forget
@@ -410,6 +697,8 @@ class CheckpointWriter:
         self._sampled: float | None = None  # the `_write_s` object last put in `_writes`
         self._since = 0  # rounds since the last checkpoint
         self.last_round: int | None = max(self._kept) if self._kept else None
+        self._files: dict[int, set[str]] = {}  # round -> the .clients.npy files its manifest names
+        self.bytes_written: dict[int, int] = {}  # round -> bytes its checkpoint wrote (.pt + .clients.npy)
         if removed := remove_temp_files(self.folder):
             log.info("removed %d temporary checkpoint file(s) left by a killed write", removed)
 
@@ -449,29 +738,82 @@ class CheckpointWriter:
         self._since += 1
         return self.every != 0 and self._since >= self.interval
 
-    def submit(self, round_idx: int, state: Any, client_states: dict[int, Any], config: dict[str, Any],
-               seed: int) -> None:
-        """Snapshot the state now; write it on the background thread (after the previous write)."""
+    def submit(
+        self,
+        round_idx: int,
+        state: Any,
+        client_states: ClientDelta | dict[int, Any],
+        config: dict[str, Any],
+        seed: int,
+    ) -> None:
+        """Snapshot the state now; write it on the background thread (after the previous write).
+
+        `client_states`: what changed since the previous checkpoint (ClientStateStore.take_changes),
+        or a dict of every client's state (then all are written).
+        """
         self.wait()  # at most one write in flight: memory stays bounded, errors surface a round later
-        snapshot = checkpoint_payload(round_idx=round_idx, server_state=state, client_states=client_states,
-                                      config=config, seed=seed, run_id=self.folder.parent.name)  # runs/<id>/
+        delta = (
+            client_states
+            if isinstance(client_states, ClientDelta)
+            else ClientDelta.of_all(client_states, delta_file_name(round_idx))
+        )
+        from fedcli.config import config_hash_of
+
+        snapshot = {
+            "format_version": FORMAT_VERSION,
+            "round_idx": round_idx,
+            "seed": seed,
+            "run_id": self.folder.parent.name,  # runs/<id>/
+            "config_hash": config_hash_of(config),
+            "config": config,
+            "server_state": pytree.tree_map(_cpu_copy, state),
+        }
         self._since = 0
         self.last_round = round_idx
-        self._pending = self._pool.submit(self._write, round_idx, snapshot)
+        self._pending = self._pool.submit(self._write, round_idx, snapshot, delta)
 
-    def _write(self, round_idx: int, snapshot: dict[str, Any]) -> None:
+    def _write(self, round_idx: int, snapshot: dict[str, Any], delta: ClientDelta) -> None:
         start = time.perf_counter()
         path = checkpoint_path(self.folder.parent, round_idx)
-        atomic_save(plain_payload(snapshot), path)
+        written = 0
+        if delta.clients:  # the changed states first: a .pt in place always has its files
+            written += write_delta(self.folder / delta.file, delta)
+        manifest = manifest_of(delta)
+        payload = {**snapshot, "server_state": to_plain(snapshot["server_state"]), "client_index": manifest}
+        written += atomic_save(payload, path)
         self._record(round_idx, str(path.resolve()))
         self._write_s = time.perf_counter() - start
+        self.bytes_written[round_idx] = written
+        log.debug(
+            "checkpoint of round %d: %d bytes (%d client states)", round_idx, written, len(delta.clients)
+        )
         with self._lock:
+            self._files[round_idx] = set(manifest["files"])
             self._kept = sorted(set(self._kept) | {round_idx})
             old, self._kept = self._kept[: -self.keep], self._kept[-self.keep :]
         if old:
             self._forget(old)
             for stale in old:
                 checkpoint_path(self.folder.parent, stale).unlink(missing_ok=True)
+                self._files.pop(stale, None)
+            self._remove_unnamed_files()
+
+    def _remove_unnamed_files(self) -> None:
+        """Delete the .clients.npy files no kept checkpoint names (format 3 manifests)."""
+        named: set[str] = set()
+        for round_idx in self._kept:
+            if round_idx not in self._files:  # a checkpoint of an earlier process: read its manifest
+                try:
+                    payload = read_file(checkpoint_path(self.folder.parent, round_idx), "a kept checkpoint")
+                    self._files[round_idx] = {
+                        str(f) for f in (payload.get("client_index") or {}).get("files", [])
+                    }
+                except CheckpointError:
+                    self._files[round_idx] = set()
+            named |= self._files[round_idx]
+        for path in self.folder.glob("round-*.clients.npy"):
+            if path.name not in named:
+                path.unlink(missing_ok=True)
 
     def wait(self) -> None:
         """Block until the write in flight is done; re-raise its failure."""
@@ -502,8 +844,10 @@ def _os_message(err: OSError, path: Path) -> str:
     import errno
 
     if err.errno == errno.ENOSPC:
-        return (f"no space left on device: could not write {path}; free disk space, then resume "
-                "with `fedcli train --resume RUN` (the previous checkpoint is intact)")
+        return (
+            f"no space left on device: could not write {path}; free disk space, then resume "
+            "with `fedcli train --resume RUN` (the previous checkpoint is intact)"
+        )
     return f"could not write {path}: {err.strerror or err}; check the folder's permissions and free space"
 
 
@@ -511,11 +855,19 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m fedcli.engine.checkpoint --trust FILE...`: convert trusted files (convert_trusted)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m fedcli.engine.checkpoint",
-                                     description="Rewrite checkpoints or model.pt files you trust so that they load "
-                                                 "without running code (format 2).")
-    parser.add_argument("--trust", nargs="+", type=Path, required=True, metavar="FILE",
-                        help="files you wrote or trust: loading them once runs any code they hold")
+    parser = argparse.ArgumentParser(
+        prog="python -m fedcli.engine.checkpoint",
+        description="Rewrite checkpoints or model.pt files you trust so that they load "
+        "without running code (format 2).",
+    )
+    parser.add_argument(
+        "--trust",
+        nargs="+",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="files you wrote or trust: loading them once runs any code they hold",
+    )
     args = parser.parse_args(argv)
     try:
         for path in args.trust:

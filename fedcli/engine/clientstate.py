@@ -2,59 +2,433 @@
 
 Memory grows with clients visited x state size, not with a dense N x d tensor on the
 device: states live on `storage_device` (CPU by default) and only the cohort's are stacked
-and moved to the run's device each round (docs/architecture.md §3).
+and moved to the run's device each round (docs/architecture.md §3, "Client-state store").
+
+Two forms behind one `ClientStateStore`:
+
+- in RAM (no `folder`): client id -> state pytree in a dict, as small runs have always had it;
+- on disk (`folder` given): every client's state is one fixed-size slot (all clients' states
+  have the same pytree structure and shapes) in `folder/slots.bin`, at offset client id x slot
+  size (a sparse file: unvisited clients take no disk blocks); an LRU cache of `cache_mb`
+  holds the recently used states (the cohort's at least), written back to their slots when
+  evicted. Slots are read and written with `os.pread`/`os.pwrite`, not through a memory map:
+  pages of a mapping count in the process's resident memory until the kernel drops them, and
+  a write through a mapping onto a full disk is a SIGBUS instead of an `ENOSPC` error.
+
+`precision`: "state" (default) stores each leaf in its own dtype; "bf16" or "fp16" store
+floating leaves wider than that in it (half the bytes; values are rounded when stored, in
+both forms alike, so RAM and disk give the same results). The run records it
+(`train.state_precision`, part of the config hash).
+
+The store also tracks what changed since the last checkpoint (`take_changes`): a checkpoint
+writes only those states (engine/checkpoint.py, format 3).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import errno
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from fedcli.errors import ConfigError, TrackingError
+
+PRECISIONS: dict[str, torch.dtype | None] = {"state": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+STORES = ("auto", "ram", "disk")
+SLOTS_FILE = "slots.bin"
+ALIGN = 16  # bytes: every leaf of a slot starts at a multiple of this
+
+
+def storage_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:
+    """The dtype a leaf of `dtype` is stored in under `precision` (narrower floating types only)."""
+    target = PRECISIONS[precision]
+    if target is None or not dtype.is_floating_point or dtype.itemsize <= target.itemsize:
+        return dtype
+    return target
+
+
+def delta_file_name(round_idx: int) -> str:
+    """The file a checkpoint of `round_idx` writes its changed client states to (beside round-NNNNNN.pt)."""
+    return f"round-{round_idx:06d}.clients.npy"
+
+
+class SlotLayout:
+    """Where each leaf of a client state sits in its fixed-size slot of bytes (storage dtypes).
+
+    Built from the run's own fresh client state (`template`): the tree structure and the node
+    types always come from the run, never from a file.
+    """
+
+    def __init__(self, template: Any, precision: str) -> None:
+        if precision not in PRECISIONS:
+            raise ConfigError(
+                f"train.state_precision must be one of {', '.join(PRECISIONS)}; got {precision!r}."
+            )
+        leaves, self.spec = pytree.tree_flatten(template)
+        if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            raise TypeError("a client state holds a leaf that is not a tensor")
+        self.precision = precision
+        self.dtypes = [leaf.dtype for leaf in leaves]  # the state's own dtypes
+        self.stored = [storage_dtype(leaf.dtype, precision) for leaf in leaves]
+        self.shapes = [tuple(leaf.shape) for leaf in leaves]
+        self.offsets: list[int] = []
+        offset = 0
+        for shape, dtype in zip(self.shapes, self.stored, strict=True):
+            self.offsets.append(offset)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            offset += -(-nbytes // ALIGN) * ALIGN
+        self.slot_bytes = max(offset, ALIGN)
+
+    def describe(self) -> dict[str, Any]:
+        """The layout as plain values (recorded in a checkpoint's manifest and compared on load)."""
+        return {
+            "precision": self.precision,
+            "slot_bytes": self.slot_bytes,
+            "offsets": list(self.offsets),
+            "dtypes": [str(d) for d in self.stored],
+            "shapes": [list(s) for s in self.shapes],
+        }
+
+    def round(self, state: Any, device: torch.device | None = None) -> Any:
+        """The state in its storage dtypes (a copy; detached), on `device` (default: where it is)."""
+        leaves = pytree.tree_leaves(state)
+        out = [
+            leaf.detach().to(device=device or leaf.device, dtype=dtype, copy=True)
+            for leaf, dtype in zip(leaves, self.stored, strict=True)
+        ]
+        return pytree.tree_unflatten(out, self.spec)
+
+    def pack(self, stored: Any) -> np.ndarray:
+        """A stored state (storage dtypes, CPU) as its slot of bytes."""
+        out = torch.zeros(self.slot_bytes, dtype=torch.uint8)
+        for leaf, offset in zip(pytree.tree_leaves(stored), self.offsets, strict=True):
+            raw = leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            out[offset : offset + raw.numel()] = raw
+        return out.numpy()
+
+    def unpack(self, buffer: bytearray | np.ndarray) -> Any:
+        """A stored state (storage dtypes) read back from its slot of bytes (views of `buffer`)."""
+        raw = (
+            torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+        )
+        leaves = []
+        for shape, dtype, offset in zip(self.shapes, self.stored, self.offsets, strict=True):
+            count = int(np.prod(shape, dtype=np.int64))
+            leaves.append(raw[offset : offset + count * dtype.itemsize].view(dtype).reshape(shape))
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def widen(self, stored: Any) -> Any:
+        """A stored state back in the state's own dtypes (exact: every stored value is representable)."""
+        leaves = [leaf.to(dtype) for leaf, dtype in zip(pytree.tree_leaves(stored), self.dtypes, strict=True)]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+@dataclass
+class ClientDelta:
+    """The client states a checkpoint writes: those changed since the previous checkpoint.
+
+    `states` are stored states (storage dtypes, never changed in place) or their packed slots;
+    `index` is the manifest after this checkpoint: client -> (file, row) for every client with
+    a state, the changed ones pointing at rows of `file`.
+    """
+
+    clients: list[int]
+    states: list[Any]
+    file: str
+    index: dict[int, tuple[str, int]]
+    layout: SlotLayout | None
+    full: bool = False  # True: every state the run has (no previous checkpoint to build on)
+
+    @classmethod
+    def of_all(
+        cls, states: Mapping[int, Any], file: str, template: Any = None, precision: str = "state"
+    ) -> ClientDelta:
+        """Every state of `states` (client -> state in its own dtypes), as a full checkpoint's delta."""
+        clients = sorted(int(c) for c in states)
+        if not clients:
+            return cls([], [], file, {}, None, full=True)
+        layout = SlotLayout(template if template is not None else states[clients[0]], precision)
+        return cls(
+            clients,
+            [layout.round(states[c], torch.device("cpu")) for c in clients],
+            file,
+            {c: (file, row) for row, c in enumerate(clients)},
+            layout,
+            full=True,
+        )
+
+
+@dataclass
+class _Cache:
+    budget: int  # bytes; < 0: unbounded
+    states: OrderedDict[int, Any] = field(default_factory=OrderedDict)  # least recently used first
+    dirty: set[int] = field(default_factory=set)  # cached states not yet in their slot
+
 
 class ClientStateStore:
-    """client_id -> state pytree, created lazily by `init_fn` on first visit."""
+    """client_id -> state pytree, created lazily by `init_fn` on first visit.
 
-    def __init__(self, init_fn: Callable[[], Any] | None, storage_device: str | torch.device = "cpu") -> None:
+    Args:
+        init_fn: A fresh client state (None: the algorithm keeps none).
+        storage_device: Where states in RAM live (CPU by default).
+        folder: On disk: the folder of the slots file (the run's `client-state/`); None keeps
+            every state in RAM.
+        cache_mb: On disk: the LRU cache of states kept in RAM, in MiB (the cohort's states
+            are held during a round whatever this is).
+        precision: "state", "bf16" or "fp16" (the module docstring).
+    """
+
+    def __init__(
+        self,
+        init_fn: Callable[[], Any] | None,
+        storage_device: str | torch.device = "cpu",
+        *,
+        folder: Path | None = None,
+        cache_mb: float = 512.0,
+        precision: str = "state",
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ConfigError(
+                f"train.state_precision must be one of {', '.join(PRECISIONS)}; got {precision!r}."
+            )
         self._init_fn = init_fn
         self._storage = torch.device(storage_device)
-        self._states: dict[int, Any] = {}
+        self._precision = precision
+        self._layout: SlotLayout | None = None
+        self.folder = folder
+        self._fd: int | None = None
+        self._cache = _Cache(budget=-1 if folder is None else int(cache_mb * 2**20))
+        self._on_disk: set[int] = set()  # clients whose current state is in their slot
+        self._changed: set[int] = set()  # clients changed since the last checkpoint
+        self._index: dict[int, tuple[str, int]] = {}  # the last checkpoint's manifest
+        self._full_next = False  # the next checkpoint writes every state (after a load from an older format)
+        if folder is not None:
+            self._open()
 
     @property
     def stateful(self) -> bool:
         return self._init_fn is not None
 
+    @property
+    def on_disk(self) -> bool:
+        return self.folder is not None
+
+    @property
+    def layout(self) -> SlotLayout | None:
+        if self._layout is None and self._init_fn is not None:
+            self._layout = SlotLayout(self._init_fn(), self._precision)
+        return self._layout
+
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._cache.states.keys() | self._on_disk)
+
+    def __contains__(self, client: object) -> bool:
+        return client in self._cache.states or client in self._on_disk
 
     def gather(self, cohort: np.ndarray, device: torch.device) -> Any:
         """Return the cohort's states stacked on a leading axis, on `device` (None if stateless)."""
         if self._init_fn is None:
             return None
-        states = [self._states.get(int(c)) for c in cohort]
-        states = [self._to(self._init_fn(), self._storage) if s is None else s for s in states]
-        return pytree.tree_map(lambda *xs: torch.stack(xs).to(device), *states)
+        layout = self.layout
+        assert layout is not None
+        stored = [self._get(int(c)) for c in cohort]
+        columns = zip(*(pytree.tree_leaves(s) for s in stored), strict=True)
+        leaves = [
+            torch.stack(col).to(device=device, dtype=dtype)
+            for col, dtype in zip(columns, layout.dtypes, strict=True)
+        ]
+        return pytree.tree_unflatten(leaves, layout.spec)
 
     def scatter(self, cohort: np.ndarray, stacked: Any) -> None:
-        """Store each client's new state (moved to the storage device)."""
+        """Store each client's new state (rounded to the storage dtypes, on the storage device)."""
         if self._init_fn is None:
             return
+        layout = self.layout
+        assert layout is not None
+        leaves = pytree.tree_leaves(stacked)
         for row, client in enumerate(cohort):
-            # clone: a row of the stacked output is a view that would keep (and checkpoint) the whole
+            # a copy: a row of the stacked output is a view that would keep (and checkpoint) the whole
             # cohort's storage alive; states are then never changed in place, so a checkpoint can
-            # take a shallow copy of this dict as a consistent snapshot
-            self._states[int(client)] = pytree.tree_map(
-                lambda t, r=row: t[r].detach().to(self._storage).clone(), stacked)
+            # hold references to them as a consistent snapshot
+            state = pytree.tree_unflatten(
+                [
+                    leaf[row].detach().to(device=self._storage, dtype=dtype, copy=True)
+                    for leaf, dtype in zip(leaves, layout.stored, strict=True)
+                ],
+                layout.spec,
+            )
+            self._put(int(client), state, dirty=True)
+            self._changed.add(int(client))
+        self._evict()
 
     def state_dict(self) -> dict[int, Any]:
-        return dict(self._states)
+        """Every client's state in its own dtypes (reads all slots from disk: for tests and small runs)."""
+        layout = self.layout
+        if layout is None:
+            return {}
+        out = {
+            c: layout.widen(self._get(c, cache=False))
+            for c in sorted(self._cache.states.keys() | self._on_disk)
+        }
+        if self._precision == "state":  # the stored objects themselves, as the dict form always gave them
+            out.update({c: s for c, s in self._cache.states.items()})
+        return out
 
-    def load_state_dict(self, states: dict[int, Any]) -> None:
-        self._states = {int(k): self._to(v, self._storage) for k, v in states.items()}
+    def load_state_dict(
+        self, states: Mapping[int, Any] | Any, index: dict[int, tuple[str, int]] | None = None
+    ) -> None:
+        """Replace every state with `states` (client -> state, or an object with `.items()` yielding them).
 
-    @staticmethod
-    def _to(tree: Any, device: torch.device) -> Any:
-        return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+        `index`: the manifest of the checkpoint they come from (format 3): the next checkpoint
+        then writes only what changes from here on. Without it the next one writes them all.
+        """
+        self._cache.states.clear()
+        self._cache.dirty.clear()
+        self._on_disk.clear()
+        if self.folder is not None:
+            self._open()
+        layout = self.layout
+        for client, state in states.items():
+            if layout is None:
+                raise TypeError("client states given to a store of an algorithm that keeps none")
+            self._put(int(client), layout.round(state, self._storage), dirty=True)
+            self._evict()
+        self._changed = set()
+        self._index = dict(index or {})
+        self._full_next = index is None
+
+    def take_changes(self, round_idx: int) -> ClientDelta:
+        """The states changed since the last checkpoint, for a checkpoint of `round_idx` (resets the tracking).
+
+        The states are those objects themselves (never changed in place) or, for ones the
+        cache evicted, their slots read now: the next rounds may overwrite the slots.
+        """
+        file = delta_file_name(round_idx)
+        if self._full_next:
+            self._changed = set(self._cache.states.keys() | self._on_disk)
+            self._index = {}
+            self._full_next = False
+        clients = sorted(self._changed)
+        states = [self._cache.states[c] if c in self._cache.states else self._read_slot(c) for c in clients]
+        self._index = {
+            **{c: v for c, v in self._index.items() if c not in self._changed},
+            **{c: (file, row) for row, c in enumerate(clients)},
+        }
+        self._changed = set()
+        return ClientDelta(clients, states, file, dict(self._index), self.layout)
+
+    def close(self, remove: bool = False) -> None:
+        """Close the slots file; `remove` deletes it (the run's checkpoints hold what it held)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if remove and self.folder is not None:
+            (self.folder / SLOTS_FILE).unlink(missing_ok=True)
+            if self.folder.is_dir() and not any(self.folder.iterdir()):
+                self.folder.rmdir()
+
+    # --- the cache and the slots
+
+    def _get(self, client: int, cache: bool = True) -> Any:
+        layout = self.layout
+        assert layout is not None and self._init_fn is not None
+        if client in self._cache.states:
+            if cache:
+                self._cache.states.move_to_end(client)
+            return self._cache.states[client]
+        if client in self._on_disk:
+            state = layout.unpack(self._read_slot(client))
+            if cache:
+                self._put(client, state, dirty=False)
+                self._evict(keep=1)
+            return state
+        return layout.round(self._init_fn(), self._storage)  # never visited: a fresh state (not stored)
+
+    def _put(self, client: int, state: Any, dirty: bool) -> None:
+        self._cache.states[client] = state
+        self._cache.states.move_to_end(client)
+        if dirty:
+            self._cache.dirty.add(client)
+
+    def _evict(self, keep: int = 0) -> None:
+        """Write back and drop least recently used states beyond the budget (the newest `keep` stay)."""
+        if self._cache.budget < 0 or self.layout is None:
+            return
+        room = max(0, self._cache.budget // self.layout.slot_bytes)
+        while len(self._cache.states) > max(room, keep):
+            client, state = self._cache.states.popitem(last=False)
+            if client in self._cache.dirty:
+                self._write_slot(client, self.layout.pack(state))
+                self._cache.dirty.discard(client)
+            self._on_disk.add(client)
+
+    def _open(self) -> None:
+        assert self.folder is not None
+        path = self.folder / SLOTS_FILE
+        if self._fd is not None:
+            os.close(self._fd)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # a run's slots start empty
+        except OSError as err:
+            raise TrackingError(_message(err, self.folder)) from err
+
+    def _read_slot(self, client: int) -> np.ndarray:
+        assert self._fd is not None and self.layout is not None
+        size = self.layout.slot_bytes
+        buffer = np.empty(size, dtype=np.uint8)
+        got = os.preadv(self._fd, [buffer], client * size)
+        if got != size:
+            raise TrackingError(
+                f"the client-state file {self.folder / SLOTS_FILE} is shorter than it should be "
+                f"(client {client}); was it changed while the run trained? Resume the run."
+            )
+        return buffer
+
+    def _write_slot(self, client: int, slot: np.ndarray) -> None:
+        assert self._fd is not None and self.folder is not None
+        size = len(slot)
+        try:
+            written = os.pwrite(self._fd, memoryview(slot), client * size)
+            if written != size:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as err:
+            raise TrackingError(_message(err, self.folder)) from err
+
+
+def make_store(
+    init_fn: Callable[[], Any] | None,
+    *,
+    num_clients: int,
+    folder: Path,
+    kind: str = "auto",
+    cache_mb: float = 512.0,
+    precision: str = "state",
+) -> ClientStateStore:
+    """The run's store: on disk under `folder` when `kind` is "disk", or "auto" and every client's
+    state would take more than `cache_mb`; else in RAM (faster: no packing, no file)."""
+    if kind not in STORES:
+        raise ConfigError(f"train.state_store must be one of {', '.join(STORES)}; got {kind!r}.")
+    if init_fn is None or kind == "ram":
+        return ClientStateStore(init_fn, precision=precision)
+    if kind == "auto":
+        slot = SlotLayout(init_fn(), precision).slot_bytes
+        if num_clients * slot <= cache_mb * 2**20:
+            return ClientStateStore(init_fn, precision=precision)
+    return ClientStateStore(init_fn, folder=folder, cache_mb=cache_mb, precision=precision)
+
+
+def _message(err: OSError, folder: Path) -> str:
+    if err.errno == errno.ENOSPC:
+        return (
+            f"no space left on device: could not write client states to {folder}; free disk space, then resume "
+            "with `fedcli train --resume RUN` (the previous checkpoint is intact)"
+        )
+    return f"could not write client states to {folder}: {err.strerror or err}; check the folder's permissions"

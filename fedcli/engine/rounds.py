@@ -301,7 +301,7 @@ class RoundLoop:
     def checkpoint(self) -> None:
         """Snapshot the last completed round; the writer saves it on its own thread."""
         cfg = self.setup.cfg
-        self.writer.submit(self.completed, self.state, self.store.state_dict(), cfg.to_dict(), cfg.seed)
+        self.writer.submit(self.completed, self.state, self.store.take_changes(self.completed), cfg.to_dict(), cfg.seed)
 
     def save_on_exit(self) -> None:
         """Checkpoint the last completed round if it is not yet (an orderly stop loses no finished round)."""

@@ -28,7 +28,7 @@ from fedcli.datasets.tasks import data_record
 from fedcli.engine import checkpoint as ckpt
 from fedcli.engine.backends.distributed import serve as serve_slices
 from fedcli.engine.checkpoint import CheckpointWriter
-from fedcli.engine.clientstate import ClientStateStore
+from fedcli.engine.clientstate import ClientStateStore, make_store
 from fedcli.engine.distributed import Peers
 from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, RunInterrupted, graceful_signals, signal_name
 from fedcli.engine.model import final_buffers
@@ -86,15 +86,17 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: ProgressFn | None = Non
     init_fn = None
     if setup.alg.init_client_state is not None:
         init_fn = lambda: setup.alg.init_client_state(setup.init_params, setup.hp)  # noqa: E731
-    store = ClientStateStore(init_fn)
     with graceful_signals(signals) as signals:
-        if resume_run_id is None:
-            run_id = start_tracking(tracker, cfg, setup)
-            start_round = 1
-        else:
-            run_id = resume_run_id
-            state, start_round = _restore(tracker, run_id, setup, state, store)
+        run_id = start_tracking(tracker, cfg, setup) if resume_run_id is None else resume_run_id
         run_dir = Path(cfg.tracking.root) / "runs" / run_id
+        # client states: in RAM, or in files under the run with a bounded cache (docs/architecture.md,
+        # "Client-state store"); a resume starts the files afresh from the checkpoint
+        store = make_store(init_fn, num_clients=setup.fed.num_clients, folder=run_dir / "client-state",
+                           kind=cfg.train.state_store, cache_mb=cfg.train.state_cache_mb,
+                           precision=cfg.train.state_precision)
+        start_round = 1
+        if resume_run_id is not None:
+            state, start_round = _restore(tracker, run_id, setup, state, store)
         if start_round == 1:
             _save_partition(tracker, run_dir, setup)
         heartbeat = Heartbeat(tracker.store, run_id)
@@ -139,6 +141,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: ProgressFn | None = Non
             heartbeat.stop()
             with contextlib.suppress(Exception):
                 writer.close()
+            store.close(remove=True)  # the checkpoints hold the states; a resume rebuilds the files
             setup.backend.close()  # no worker process outlives its run
         status = "finished" if loop.pruned_at is None else "pruned"
         tracker.finish(status, reason=None if loop.pruned_at is None else f"pruned at round {loop.pruned_at}")
@@ -275,10 +278,13 @@ def _restore(tracker: Tracker, run_id: str, setup: Setup, state: Any, store: Cli
                 Path(path), f"checkpoint of round {round_idx} ({path})", server_template=state,
                 client_template=client_template, run_id=run_id, config_hash=record.config_hash,
                 requested=record.requested, round_idx=round_idx)
+            if isinstance(client_states, ckpt.StoredClientStates):  # format 3: the next checkpoint builds on it
+                store.load_state_dict(client_states, index=client_states.index)
+            else:
+                store.load_state_dict(client_states)
         except ckpt.CheckpointError as err:
             log.warning("%s; trying an older one", err)
             continue
-        store.load_state_dict(client_states)
         tracker.resume(run_id, from_round=round_idx, config=resolved_config(setup), config_hash=cfg.config_hash,
                        requested=cfg.to_dict())
         return ckpt.to_device(server_state, setup.device), round_idx + 1

@@ -101,8 +101,8 @@ def test_a_checkpoint_must_be_its_runs_rounds_and_configs() -> None:
         check(payload, round_idx=5)
     with pytest.raises(ckpt.CheckpointError, match=f"config hash {cfg.config_hash[:10]}.*another configuration"):
         check(payload, config_hash=other.config_hash, requested=other.to_dict())
-    with pytest.raises(ckpt.CheckpointError, match="format 3"):
-        check({**payload, "format_version": 3})
+    with pytest.raises(ckpt.CheckpointError, match="format 4"):
+        check({**payload, "format_version": 4})
 
 
 def test_load_checkpoint_refuses_a_file_that_needs_code_and_runs_none(tmp_path: Path) -> None:
