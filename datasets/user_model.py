@@ -329,19 +329,25 @@ def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | Non
                 loss: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
     """One forward pass on a real batch (`x` prepared, `y` its targets): output shape and a finite loss.
 
-    Then probes one vmapped gradient over two copies of the parameters (as the vmap back end runs
-    it) and records why that fails, if it does (`vmap_obstacle`): BatchNorm updating its running
-    statistics, `.item()` or data-dependent control flow in forward, random ops from torch's
-    global generator.
+    Then runs what training runs (engine/model.py `model_functions`): BatchNorm on batch
+    statistics, stock layers inside engine/stock_layers.py's `StockLayers` with a step key, in
+    train mode: one gradient step of a client on the batch (the loop's form; a failure is a
+    ConfigError), then one vmapped gradient step of a cohort of `PROBE_CLIENTS` clients, each with
+    its own parameters, examples and key (the vmap back end's form, randomness="error" as it runs);
+    why that fails, if it does, is recorded (`vmap_obstacle`: `.item()` or data-dependent control
+    flow in forward, random ops from torch's global generator, packed sequences) and auto then
+    picks the loop before anything is written (engine/select.py).
 
     Raises:
         ConfigError: one line naming what failed and the fix.
     """
+    from fedcli.engine.stock_layers import StockLayers
+
     key = {"key": torch.zeros((), dtype=torch.int64, device=x.device)} if accepts_key(model) else {}
     params = {k: v.detach() for k, v in model.named_parameters()}
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), StockLayers(torch.zeros((), dtype=torch.int64, device=x.device)):
             out = torch.func.functional_call(model, {**params, **buffers}, (x,), key)
     except Exception as err:  # noqa: BLE001 - the user's forward
         raise ConfigError(f"data.model {ref!r}: the forward pass on a batch of shape {list(x.shape)} failed "
@@ -364,27 +370,48 @@ def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | Non
     if list(losses.shape) != [batch]:
         raise ConfigError(f"data.model {ref!r}: output shape {list(out.shape)} gives a loss of shape "
                           f"{list(losses.shape)}, expected [{batch}]; return one output row per example.")
-    obstacle = _probe_vmap(model, params, buffers, x[:2], y[:2], key, loss)
+    obstacle = _probe_training(ref, model, params, buffers, x, y, bool(key), loss)
     if obstacle is not None:
         _VMAP_OBSTACLES[model] = obstacle
+    else:
+        _VMAP_OBSTACLES.pop(model, None)
 
 
-def _probe_vmap(model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor, y: Tensor,
-                key: dict[str, Tensor], loss: Callable[[Tensor, Tensor, Tensor], Tensor]) -> str | None:
-    """Why vmap(grad(loss)) over two copies of the parameters fails on this model, or None."""
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        return "BatchNorm layers update their running statistics in forward, which vmap cannot keep per client"
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
-        return ("nn.Dropout draws from torch's global generator, which vmap refuses and which would make clients "
-                "depend on the executor")
+PROBE_CLIENTS = 3  # the cohort the model check vmaps one training step over
 
-    def client_loss(p: dict[str, Tensor]) -> Tensor:
-        out = torch.func.functional_call(model, {**p, **buffers}, (x,), key)
-        return loss(out.float(), x, y).mean()
 
-    stacked = {k: torch.stack([v, v]) for k, v in params.items()}
+def _probe_training(ref: str, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor,
+                    y: Tensor, keyed: bool, loss: Callable[[Tensor, Tensor, Tensor], Tensor]) -> str | None:
+    """One client's training step (ConfigError if it fails), then why a vmapped cohort step fails, or None."""
+    from fedcli.engine.stock_layers import StockLayers
+
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    training = model.training
+
+    def client_loss(p: dict[str, Tensor], xb: Tensor, yb: Tensor, k: Tensor) -> Tensor:
+        with StockLayers(k):
+            out = torch.func.functional_call(model, {**p, **buffers}, (xb,), {"key": k} if keyed else {})
+        return loss(out.float(), xb, yb).mean()
+
+    keys = torch.arange(1, PROBE_CLIENTS + 1, dtype=torch.int64, device=x.device)
+    for m in norms:
+        m.track_running_stats = False  # as training runs it (engine/model.py): batch statistics, no buffer written
+    model.train()
     try:
-        torch.func.vmap(torch.func.grad(client_loss))(stacked)
-    except Exception as err:  # noqa: BLE001 - what vmap cannot run: .item(), data-dependent branches, in-place buffers
-        return f"its forward does not run under torch.func.vmap ({_first_line(err)[:160]})"
-    return None
+        try:
+            torch.func.grad(client_loss)(params, x, y, keys[0])
+        except Exception as err:  # noqa: BLE001 - the user's forward or backward
+            raise ConfigError(f"data.model {ref!r}: a training step (forward and gradient, train mode) on a batch of "
+                              f"shape {list(x.shape)} failed ({_first_line(err)}); fix the model's forward.") from None
+        stacked = {k: torch.stack([v] * PROBE_CLIENTS) for k, v in params.items()}
+        xs = torch.stack([x.roll(c, 0) for c in range(PROBE_CLIENTS)])  # each client its own order of the examples
+        ys = torch.stack([y.roll(c, 0) for c in range(PROBE_CLIENTS)])
+        try:
+            torch.func.vmap(torch.func.grad(client_loss))(stacked, xs, ys, keys)
+        except Exception as err:  # noqa: BLE001 - what vmap cannot run: .item(), data-dependent branches, packed RNNs
+            return f"its training step does not run under torch.func.vmap ({_first_line(err)[:160]})"
+        return None
+    finally:
+        for m in norms:
+            m.track_running_stats = True
+        model.train(training)

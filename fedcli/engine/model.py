@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from fedcli.algorithms.base import Batch, Params
 from fedcli.datasets.federated import CohortData, FederatedData
 from fedcli.datasets.tasks import Task, TaskData, per_example_loss
 from fedcli.datasets.user_model import accepts_key
+from fedcli.engine.stock_layers import StockLayers, needs_stock_layers
 from fedcli.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -48,10 +50,13 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelF
     datasets/user_model.py). A model whose layers behave differently in training and evaluation
     (BatchNorm, nn.Dropout) trains in train mode and is evaluated in eval mode; BatchNorm's
     running statistics are recomputed for each evaluated model (`BatchNormStats`,
-    docs/bring-your-own.md, "BatchNorm").
+    docs/bring-your-own.md, "BatchNorm"). A model with stock dropout, RNN or attention layers (or
+    code of its own) runs inside engine/stock_layers.py's `StockLayers`: dropout keyed by the step's
+    key, RNNs as functional recurrences, so that it runs under vmap and alike on every back end.
     """
     keyed = accepts_key(model)
-    modal = any(isinstance(m, (_BatchNorm, _DropoutNd)) for m in model.modules())
+    stock = needs_stock_layers(model)
+    modal = stock or any(isinstance(m, (_BatchNorm, _DropoutNd)) for m in model.modules())
     norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
     for m in norms:
         m.track_running_stats = False  # training: batch statistics, no buffer written (BatchNormStats)
@@ -59,17 +64,20 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelF
 
     def apply_fn(params: Params, x: Tensor) -> Tensor:
         if not modal:
-            return torch.func.functional_call(model, params, (x,))
+            with StockLayers(None) if stock else nullcontext():
+                return torch.func.functional_call(model, params, (x,))
         if stats is not None:
             stats.update(params)
         model.eval()
         try:
-            return torch.func.functional_call(model, params, (x,))
+            with StockLayers(None) if stock else nullcontext():
+                return torch.func.functional_call(model, params, (x,))
         finally:
             model.train()
 
     def loss_fn(params: Params, batch: Batch) -> Tensor:
-        output = torch.func.functional_call(model, params, (batch.x,), {"key": batch.key} if keyed else {})
+        with StockLayers(batch.key) if stock else nullcontext():
+            output = torch.func.functional_call(model, params, (batch.x,), {"key": batch.key} if keyed else {})
         losses = per_example_loss(task, output, batch.x, batch.y)  # [B]
         return (losses * batch.weight).sum() / batch.weight.sum().clamp_min(1.0)
 
@@ -83,7 +91,8 @@ class BatchNormStats:
     the running statistics do not enter the result; they are not kept between clients or rounds
     (nothing to checkpoint, results independent of the cohort order). Before the global model is
     evaluated, its running statistics are estimated afresh (as SWA's `update_bn`): reset, then a
-    cumulative average (momentum None) over forward passes in train mode on the first
+    cumulative average (momentum None) over forward passes in train mode (dropout keyed by key 0,
+    engine/stock_layers.py: the same masks every time) on the first
     `EXAMPLES` examples of the training data in a fixed order, batches of `BATCH`. The same
     parameters reuse the estimate (evaluation runs in chunks). In a deployment this is one more
     federated statistics round; in this simulation the server reads the clients' examples.
@@ -114,7 +123,8 @@ class BatchNormStats:
                 for start in range(0, len(self.index), self.BATCH):
                     x, _ = self.data.take(self.index[start: start + self.BATCH])
                     x = self.prepare(x).to(self.data.dtype)
-                    torch.func.functional_call(self.model, {**params, **buffers}, (x,))
+                    with StockLayers(torch.zeros((), dtype=torch.int64, device=x.device)):  # fixed dropout masks
+                        torch.func.functional_call(self.model, {**params, **buffers}, (x,))
         finally:
             for m, momentum in zip(self.norms, momenta, strict=True):
                 m.momentum, m.track_running_stats = momentum, False

@@ -52,8 +52,9 @@ class Choice(NamedTuple):
 def in_process(w: Workload) -> tuple[str, str]:
     """auto's in-process back end for the workload and why: the first of IN_PROCESS that takes it.
 
-    A model that vmap cannot run (your own model, probed when it was built: datasets/user_model.py)
-    runs on the loop, with the reason found."""
+    A model whose training step vmap cannot run (your own model: the model check ran one vmapped
+    step of a cohort on a real batch when it was built, datasets/user_model.py) runs on the loop,
+    with the reason found, before anything is written."""
     obstacle = vmap_obstacle(w.model)
     if obstacle is not None and IN_PROCESS["fused"].refuses(w) is not None:
         return "loop", f"the model cannot run under vmap: {obstacle}"
@@ -78,9 +79,9 @@ def choose(w: Workload, requested: str, *, launched: bool = False) -> Choice:
     obstacle = vmap_obstacle(w.model)
     if obstacle is not None and (w.graph or requested == "vmap"):
         flag = "--graph" if w.graph else "--executor vmap"
-        raise ConfigError(f"{flag} cannot run this model: {obstacle}. Fix the model (GroupNorm instead of BatchNorm, "
-                          "fedcli.datasets.models.keyed_dropout instead of nn.Dropout, no .item() or branch on a "
-                          "tensor's value in forward; docs/bring-your-own.md), or use --executor loop (or auto).")
+        raise ConfigError(f"{flag} cannot run this model: {obstacle}. Use --executor loop (or auto), or fix the "
+                          "model's forward (no .item() or branch on a tensor's value, no packed sequences, no random "
+                          "op other than dropout; docs/bring-your-own.md, \"Stock layers\").")
     if w.graph:
         return _graph(w, requested)
     if requested != "auto":

@@ -1,7 +1,7 @@
 """`loop`: the cohort client by client, each on its own unpadded plan; the reference.
 
-Runs any algorithm on any model (BatchNorm too: its running statistics are buffers updated in
-place, which vmap cannot keep per client). With --compile each client's gradient step is
+Runs any algorithm on any model (a model whose training step does not run under vmap too: the
+model check, datasets/user_model.py, sends it here). With --compile each client's gradient step is
 compiled once (local.CompiledStep) for algorithms that declare their local training; without it
 their gradients come from torch.autograd (local.eager_train_local: bit-equal to torch.func.grad and
 cheaper outside vmap).
@@ -53,9 +53,7 @@ def refuses(w: Workload) -> str | None:
 
 
 def prefers(w: Workload) -> str | None:
-    """auto: BatchNorm, algorithms without vmap, and convolutional models on a CPU."""
-    if w.has_batchnorm:
-        return "BatchNorm: its running statistics need the clients one by one"
+    """auto: algorithms without vmap, and convolutional models on a CPU."""
     if not w.alg.supports_vmap:
         return f"{w.alg.name} has no vmap"
     if w.has_conv and w.device.type == "cpu":  # Reddi CNN, 10 clients, 1 thread: vmap 3.7 s, loop 2.6 s a round
