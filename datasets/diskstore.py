@@ -196,7 +196,13 @@ def build_store(
         try:
             tmp.mkdir()
             meta = fill(writer)
-            meta = {**meta, "arrays": writer.close(), "version": STORE_VERSION, "key": key}
+            meta = {
+                **meta,
+                "arrays": writer.close(),
+                "version": STORE_VERSION,
+                "key": key,
+                "built_by": os.getpid(),
+            }
             with (tmp / META).open("w", encoding="utf-8") as fh:
                 json.dump(meta, fh)
                 fh.flush()

@@ -1,0 +1,333 @@
+"""The disk data store (issue 32 item 1): same results as memory, streamed TFF files, safe builds.
+
+Real files throughout: the bundled FEMNIST / MNIST, TFF h5 federations written by
+`python -m fedcli.datasets.generate`'s `generate`, stores built by real subprocesses (two at
+once, one killed with SIGKILL), a 2 MiB tmpfs for the full disk (skipped where it cannot be
+mounted) and the `fedcli` CLI for the one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from fedcli.config import build_config
+from fedcli.datasets import diskstore
+from fedcli.datasets.federated import DiskData, MemoryData
+from fedcli.datasets.generate import generate
+from fedcli.datasets.registry import TASKS
+from fedcli.datasets.tasks import TaskOptions
+from fedcli.datasets.tff_h5 import lr_example, lr_rows, nwp_ids, nwp_rows
+from fedcli.engine.clientstate import ClientStateStore
+from fedcli.engine.evaluation import evaluate
+from fedcli.engine.rounds import Timing, run_round
+from fedcli.engine.setup import build
+from fedcli.errors import ConfigError, DataError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test builds its stores in its own cache folder (FEDCLI_DATA_CACHE)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FEDCLI_DATA_CACHE", str(root))
+    return root
+
+
+def _run(task: str, store: str, executor: str, rounds: int = 3, **extra: object) -> dict[str, object]:
+    cfg = build_config(
+        overrides={
+            "algorithm.name": "fedavg",
+            "data.task": task,
+            "train.clients_per_round": 5,
+            "train.batch_size": 10,
+            "train.executor": executor,
+            "train.rounds": rounds,
+            "data.data_store": store,
+            "train.device": "cpu",
+            "train.threads": 1,
+            **extra,
+        }
+    )
+    setup = build(cfg)
+    state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
+    rows = []
+    for r in range(1, rounds + 1):
+        state, metrics = run_round(setup, state, ClientStateStore(None), r, Timing())
+        rows.append(metrics)
+    params = setup.alg.global_params(state)
+    scores = evaluate(setup.task, setup.fns, params, setup.data.test_x, setup.data.test_y)
+    return {
+        "fed": setup.fed,
+        "rounds": rows,
+        "eval": scores,
+        "params": params,
+        "fingerprint": setup.data.fingerprint,
+    }
+
+
+@pytest.mark.parametrize(
+    ("task", "executor"),
+    [("femnist", "loop"), ("femnist", "vmap"), ("mnist", "loop"), ("mnist", "vmap"), ("mnist", "fused")],
+)
+def test_disk_store_gives_the_in_memory_metrics_bit_for_bit(task: str, executor: str, cache: Path) -> None:
+    memory = _run(task, "memory", executor)
+    disk = _run(task, "disk", executor)
+    assert isinstance(memory["fed"], MemoryData) and isinstance(disk["fed"], DiskData)
+    assert len(list(cache.iterdir())) >= 1  # the store was built there
+    assert disk["rounds"] == memory["rounds"]  # every round's metrics, as floats: bit for bit
+    assert disk["eval"] == memory["eval"]
+    assert all(torch.equal(disk["params"][k], memory["params"][k]) for k in memory["params"])
+    assert disk["fingerprint"] == memory["fingerprint"]
+    assert memory["rounds"][0] != memory["rounds"][-1]  # the rounds trained (not a constant to agree on)
+
+
+def test_disk_plan_reads_only_the_cohort_and_remaps_its_indices(cache: Path) -> None:
+    data = TASKS["femnist"].load(TaskOptions())
+    stored = diskstore.store_task_data(data, "femnist")
+    fed = DiskData(stored.x, stored.y, stored.client_indices, torch.device("cpu"))
+    mem = MemoryData(data.x, data.y, data.client_indices, torch.device("cpu"))
+    cohort = np.array([3, 7, 1])
+    rngs = [np.random.default_rng(c) for c in cohort]
+    plan = fed.plan(cohort, num_epochs=2, batch_size=16, rngs=rngs)
+    ref = mem.plan(cohort, num_epochs=2, batch_size=16, rngs=[np.random.default_rng(c) for c in cohort])
+    assert plan.data is not None and ref.data is None
+    assert len(plan.data.x) == len({0, *np.concatenate([data.client_indices[c] for c in cohort]).tolist()})
+    assert torch.equal(plan.data.x[plan.index], mem.x[ref.index])  # every slot, padding included
+    assert torch.equal(plan.data.y[plan.index], mem.y[ref.index])
+    assert torch.equal(plan.weight, ref.weight) and torch.equal(plan.step_mask, ref.step_mask)
+
+
+def test_auto_picks_memory_for_small_data_and_disk_runs_refuse_compiled_back_ends(cache: Path) -> None:
+    assert isinstance(_run("mnist", "auto", "vmap", rounds=1)["fed"], MemoryData)
+    with pytest.raises(ConfigError, match="disk data store .* --executor loop\\|vmap\\|fused"):
+        _run("mnist", "disk", "process", rounds=1)
+
+
+# ----------------------------------------------------------------------------- TFF h5 streaming
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.to(torch.float64), b.to(torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("task", "fmt"),
+    [
+        ("stackoverflow-nwp", "stackoverflow"),
+        ("stackoverflow-lr", "stackoverflow"),
+        ("emnist", "emnist"),
+        ("cifar100", "cifar100"),
+    ],
+)
+def test_tff_tasks_stream_into_a_store_with_the_in_memory_examples(
+    task: str, fmt: str, tmp_path: Path, cache: Path
+) -> None:
+    generate(fmt, 25, tmp_path / fmt, seed=3, mean_size=6, sigma=1.0)
+    memory = TASKS[task].load(TaskOptions(data_dir=tmp_path / fmt, data_store="memory"))
+    disk = TASKS[task].load(TaskOptions(data_dir=tmp_path / fmt, data_store="disk"))
+    assert memory.store is None and disk.store is not None and Path(disk.store).parent == cache
+    for name in ("x", "y", "test_x", "test_y"):
+        assert _equal(getattr(memory, name), getattr(disk, name)), name
+    if task.startswith("stackoverflow"):
+        assert disk.x.dtype == torch.int16 and memory.x.dtype == torch.int64  # compact token ids
+    assert disk.fingerprint == memory.fingerprint and disk.client_names == memory.client_names
+    assert [c.tolist() for c in disk.client_indices] == [c.tolist() for c in memory.client_indices]
+    assert [c.tolist() for c in disk.test_client_indices] == [c.tolist() for c in memory.test_client_indices]
+    again = TASKS[task].load(TaskOptions(data_dir=tmp_path / fmt, data_store="disk"))
+    assert again.store == disk.store  # reused, not rebuilt
+    assert json.loads((Path(disk.store) / "meta.json").read_text())["built_by"] == os.getpid()
+
+
+def test_vectorised_stackoverflow_preprocessing_matches_the_per_sentence_one() -> None:
+    vocab = {"the": 0, "a": 1, "python": 2, "error": 3}
+    tags = {"python": 0, "java": 1}
+    texts = [
+        "the python error",
+        "a zebra",
+        "",
+        "the  a",
+        " ".join(["python"] * 25),
+        "x " * 19 + "x",
+        "error the a python the a python the a python the a python the a python the a",
+    ]
+    got = nwp_rows([t.encode() for t in texts], vocab)
+    assert got.dtype == np.int16
+    assert np.array_equal(got, np.stack([nwp_ids(t, vocab) for t in texts]))
+    titles, tag_text = (
+        ["python", "", "the", "a a", "t", "u", "v"],
+        ["python|java", "ruby", "", "java", "|", "x", "python"],
+    )
+    x, y = lr_rows(
+        [t.encode() for t in texts], [t.encode() for t in titles], [t.encode() for t in tag_text], vocab, tags
+    )
+    rows = [lr_example(a, b, c, vocab, tags) for a, b, c in zip(texts, titles, tag_text, strict=True)]
+    for i, (ids, target) in enumerate(rows):
+        assert x[i, : len(ids)].tolist() == ids.tolist() and (x[i, len(ids) :] == -1).all()
+        assert np.array_equal(y[i], target.astype(np.uint8))
+
+
+def test_a_changed_source_file_rebuilds_its_store(tmp_path: Path, cache: Path) -> None:
+    generate("emnist", 8, tmp_path / "em", seed=1, mean_size=5, sigma=0.2)
+    options = TaskOptions(data_dir=tmp_path / "em", data_store="disk")
+    first = TASKS["emnist"].load(options)
+    with h5py.File(tmp_path / "em" / "fed_emnist_train.h5", "a") as h5:  # one more writer, same size class
+        group = h5.create_group("examples/zz_new")
+        group.create_dataset("pixels", data=np.zeros((3, 28, 28), np.float32))
+        group.create_dataset("label", data=np.array([1, 2, 3], np.int32))
+    second = TASKS["emnist"].load(options)
+    assert second.store != first.store
+    assert len(second.client_names) == len(first.client_names) + 1 and second.client_names[-1] == "zz_new"
+    assert (
+        second.fingerprint
+        == TASKS["emnist"].load(TaskOptions(data_dir=tmp_path / "em", data_store="memory")).fingerprint
+    )
+
+
+def test_a_corrupt_h5_names_the_file_and_the_client(tmp_path: Path) -> None:
+    path = tmp_path / "fed_emnist_train.h5"
+    with h5py.File(path, "w") as h5:
+        for cid in ("a", "b", "c"):
+            group = h5.create_group(f"examples/{cid}")
+            group.create_dataset(
+                "pixels",
+                data=np.random.default_rng(0).random((40, 28, 28), dtype=np.float32),
+                compression="gzip",
+                chunks=(40, 28, 28),
+            )
+            group.create_dataset("label", data=np.arange(40, dtype=np.int32))
+    with h5py.File(path, "r") as h5:
+        offset = h5["examples/b/pixels"].id.get_chunk_info(0).byte_offset
+    with path.open("r+b") as fh:  # scribble over client b's compressed pixels
+        fh.seek(offset + 16)
+        fh.write(b"\xff" * 512)
+    (tmp_path / "fed_emnist_test.h5").write_bytes(path.read_bytes())
+    with pytest.raises(
+        DataError, match=r"fed_emnist_train.h5 is truncated or corrupted: reading stopped at client 'b'"
+    ):
+        TASKS["emnist"].load(TaskOptions(data_dir=tmp_path, data_store="disk"))
+    assert not [p for p in Path(os.environ["FEDCLI_DATA_CACHE"]).iterdir() if not p.name.endswith(".lock")]
+    truncated = tmp_path / "cut"
+    truncated.mkdir()
+    (truncated / "fed_emnist_train.h5").write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    (truncated / "fed_emnist_test.h5").write_bytes(path.read_bytes())
+    with pytest.raises(DataError, match=r"cut/fed_emnist_train.h5 cannot be read as HDF5 .*truncated"):
+        TASKS["emnist"].load(TaskOptions(data_dir=truncated, data_store="disk"))
+
+
+# ----------------------------------------------------------------------------- concurrent, killed, full disk
+
+BUILDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import numpy as np
+    from fedcli.datasets import diskstore
+
+    root, mode = Path(sys.argv[1]), sys.argv[2]
+
+    def fill(writer):
+        print("filling", flush=True)
+        for k in range(20):
+            writer.append("x", np.full((1000, 8), k, np.int64))
+            writer.flush()
+            time.sleep(0.05 if mode == "slow" else 10.0)
+        return {"fingerprint": "f"}
+
+    folder = diskstore.build_store("k" * 32, "the test data", fill, root)
+    x = diskstore.open_store(folder).arrays["x"]
+    print("read", x.shape[0], int(x[-1, 0]), flush=True)
+""")
+
+
+def _builder(root: Path, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", BUILDER, str(root), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+
+
+def test_two_builds_of_one_store_at_once_build_it_once(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    procs = [_builder(root, "slow"), _builder(root, "slow")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1] for o in outs]
+    fills = sum(out.count("filling") for out, _ in outs)
+    assert fills == 1  # the second waited on the lock, then reused the store
+    assert all("read 20000 19" in out for out, _ in outs)  # neither read a half store
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == ["k" * 32]
+
+
+def test_a_killed_build_leaves_nothing_a_later_run_uses(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    proc = _builder(root, "hang")
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "filling"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    leftovers = [p for p in root.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")]
+    assert leftovers and not (root / ("k" * 32)).exists()  # a half build, never renamed into place
+    out, err = _builder(root, "slow").communicate(timeout=120)
+    assert "filling" in out and "read 20000 19" in out, err  # rebuilt whole, not the half one
+    assert not [p for p in root.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Path:
+    folder = tmp_path / "tmpfs"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_exit_2(tiny_tmpfs: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "FEDCLI_DATA_CACHE": str(tiny_tmpfs), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "mnist",
+            "--data-store",
+            "disk",
+            "--rounds",
+            "1",
+            "--no-mlflow",
+            "--root",
+            str(tmp_path / "runs"),
+            "--executor",
+            "vmap",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"no space left in {tiny_tmpfs}" in lines[0]
+    assert [p.name for p in tiny_tmpfs.iterdir() if not p.name.endswith(".lock")] == []  # no half store
