@@ -98,7 +98,7 @@ class StoreWriter:
         if rows.dtype.str != dtype or list(rows.shape[1:]) != shape:
             raise ValueError(f"store array {name}: rows {rows.dtype}{rows.shape[1:]} after {dtype}{shape}")
         if rows.size:
-            self.files[name].write(memoryview(rows.reshape(-1)).cast("B"))
+            self.files[name].write(rows.data)  # C-contiguous: its bytes in row order
         self.shapes[name] = (dtype, shape, count + len(rows))
 
     def declare(self, name: str, dtype: np.dtype[Any] | type, row_shape: tuple[int, ...]) -> None:
@@ -271,14 +271,14 @@ def stream_fingerprint(
 ) -> str:
     """`datasets.tasks.fingerprint` of the stored arrays, read in chunks (never whole in memory);
     `as_dtype`: name -> the dtype the in-memory loader holds it in (e.g. int64 token ids stored as int16)."""
-    digest = hashlib.sha256()
+    digest, dtypes = hashlib.sha256(), as_dtype or {}
     for name in names:
         array = _memmap(folder, name, arrays[name])
         digest.update(str(tuple(array.shape)).encode())
         rows = max(1, chunk_bytes // max(1, array[:1].nbytes * 8))
         for start in range(0, len(array), rows):
             block = np.ascontiguousarray(array[start : start + rows])
-            digest.update((block if name not in (as_dtype or {}) else block.astype(as_dtype[name])).tobytes())
+            digest.update((block.astype(dtypes[name]) if name in dtypes else block).tobytes())
     return digest.hexdigest()
 
 

@@ -406,7 +406,7 @@ SO_ARCHIVES = ("stackoverflow.tar.bz2", "stackoverflow.word_count.tar.bz2", "sta
 
 def read_word_count(path: Path, size: int) -> dict[str, int]:
     """Top `size` words of stackoverflow.word_count -> rank 0..size-1."""
-    words = []
+    words: list[str] = []
     try:
         with path.open(encoding="utf-8") as fh:
             for line in fh:

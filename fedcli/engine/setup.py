@@ -150,6 +150,8 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
     model = model.to(device)
     init_params = {k: v.detach().clone() for k, v in model.named_parameters()}
     fed = federated_data(data.x, data.y, indices, device, store)
+    if store == "disk":
+        log.info("data store: disk, %s (cohorts read from its memory maps each round)", data.store)
     alg = ALGORITHMS[cfg.algorithm.name]
     hp = make_hyperparameters(alg.name, cfg.algorithm.hp)
     fns = with_precision(model_functions(task, model, fed), cfg.train.precision, device)
@@ -161,6 +163,10 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
                         clients_per_round=t.clients_per_round, compile=t.compile, graph=t.graph,
                         augment=transforms.random, slots=workers)
     choice = select.choose(workload, t.executor, launched=peers is not None)
+    if fed.store == "disk" and choice.backend not in DISK_EXECUTORS and t.executor == "auto" and not t.compile \
+            and not t.graph:  # auto spread the loop over worker processes: the disk store's cohorts stay in-process
+        name, why = select.in_process(workload)
+        choice = select.Choice(name, name, None, f"{why}; the disk data store reads each cohort in this process")
     if fed.store == "disk" and choice.backend not in DISK_EXECUTORS:
         raise ConfigError(f"the disk data store (data.data_store={cfg.data.data_store}) runs with --executor "
                           f"{'|'.join(DISK_EXECUTORS)} without --compile/--graph; got {choice.backend!r}. Use one of "
