@@ -53,7 +53,7 @@ OPTION_KEYS: dict[str, str] = {
     "server_opt": "train.server_opt", "server_lr": "train.server_lr", "server_momentum": "train.server_momentum",
     "device": "train.device", "executor": "train.executor", "cohort_chunk": "train.cohort_chunk",
     "workers": "train.workers", "threads": "train.threads", "compile": "train.compile", "graph": "train.graph",
-    "precision": "train.precision", "eval_every": "train.eval_every", "checkpoint_every": "train.checkpoint_every",
+    "precision": "train.precision", "eval_every": "train.eval_every", "eval_sample": "train.eval_sample", "checkpoint_every": "train.checkpoint_every",
     "keep_checkpoints": "train.keep_checkpoints", "state_store": "train.state_store",
     "state_cache_mb": "train.state_cache_mb", "state_precision": "train.state_precision", "seed": "seed", "experiment": "tracking.experiment",
     "run_name": "tracking.run_name", "root": "tracking.root", "store": "tracking.store",

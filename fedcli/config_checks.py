@@ -228,7 +228,8 @@ def validate(cfg: RunConfig) -> None:
     for key, value, low in (("rounds", t.rounds, 1), ("clients_per_round", t.clients_per_round, 1),
                             ("batch_size", t.batch_size, 1), ("eval_every", t.eval_every, 1),
                             ("checkpoint_every", 0 if t.checkpoint_every is None else t.checkpoint_every, 0),
-                            ("keep_checkpoints", t.keep_checkpoints, 1)):
+                            ("keep_checkpoints", t.keep_checkpoints, 1),
+                            ("eval_sample", 0 if t.eval_sample is None else t.eval_sample, 0)):
         if value < low:
             raise ConfigError(f"train.{key} must be >= {low}; got {value!r}.")
     if t.executor not in EXECUTORS:

@@ -80,6 +80,8 @@ class TrainConfig:
     server_bias_correction: bool = False  # Adam/Yogi: divide moments by 1 - beta^t (PyTorch's Adam form)
     server_adagrad_beta1: float = 0.0  # FedAdagrad momentum b1: 0 = Reddi et al.'s code (Keras Adagrad), 0.9 = Alg. 2
     eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
+    eval_sample: int | None = None  # evaluate on a fixed sample of N test examples; None = the task's paper
+    # default (StackOverflow: 10,000; fedcli/engine/evaluation.py PAPER_EVAL_SAMPLE), 0 = the whole test split
     checkpoint_every: int | None = None  # rounds between checkpoints; None = auto (every round while a
     # checkpoint costs <= 3 % of a round, else spaced to cost that); 0 = only at the end and on a stop
     keep_checkpoints: int = 3  # newest checkpoints kept per run (older ones are deleted)
@@ -201,7 +203,7 @@ DATA_HASHED_UNLESS_NONE = ("model_sha256", "augment")  # augment: None keeps the
 DATA_NOT_HASHED = ("model_args",)
 # train keys added after runs were stored: left out of the hash at their default, so a config
 # that does not use them keeps the hash it had before they existed (sweeps find its runs)
-HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False, "state_precision": "state"}
+HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False, "state_precision": "state", "eval_sample": None}
 # hyperparameters added after runs were stored, with the value that reproduces those runs (issue 24): left
 # out of the hash at that value, and given to a stored config that lacks the key (`resume_config`), so an
 # earlier run resumes as it ran and keeps its hash

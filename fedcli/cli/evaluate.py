@@ -42,6 +42,10 @@ def evaluate(
                                              rich_help_panel=Panel.DATA)] = None,
     split: Annotated[Split, typer.Option(help="test split, or the clients' training examples.", rich_help_panel=Panel.DATA)] = Split.test,
     per_client: Annotated[bool, typer.Option("--per-client", help="Distribution over clients: mean, std, worst 10%.")] = False,
+    eval_sample: Annotated[int | None, typer.Option(min=0, help="The split's metrics on a fixed sample of N examples "
+                                                    "(--per-client: every client's, streamed); 0 = the whole split. "
+                                                    "\\[default: the run's train.eval_sample]",
+                                                    rich_help_panel=Panel.DATA)] = None,
     predictive: Annotated[Predictive, typer.Option(help="mean = the global model; ensemble = Monte Carlo posterior "
                                                         "predictive (Bayesian algorithms).", rich_help_panel=Panel.ALGO)] = Predictive.mean,
     samples: Annotated[int, typer.Option(min=1, help="Posterior samples K of --predictive ensemble.", rich_help_panel=Panel.ALGO)] = SAMPLES,
@@ -68,7 +72,7 @@ def evaluate(
     Example: fedcli evaluate 3f2a9c --per-client --predictive ensemble --samples 32
     """
     from fedcli.config import require_store
-    from fedcli.engine.evaluation import evaluate_split
+    from fedcli.engine.evaluation import evaluate_split, resolve_eval_sample
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
         if predictive is not Predictive.ensemble and (samples != SAMPLES or seed != 0):
@@ -84,15 +88,17 @@ def evaluate(
                                                      trust=trust_code)
         ensemble = predictive is Predictive.ensemble
         predict = make_predictor(setup, state, params, samples if ensemble else None, seed)
+        sample = resolve_eval_sample(setup.cfg.train.eval_sample if eval_sample is None else eval_sample,
+                                     setup.task.name)
         result = evaluate_split(setup, predict, split=split.value, per_client=per_client,
-                                params=None if ensemble else params)
+                                params=None if ensemble else params, sample=sample)
         worse = ensemble_note(setup, state, params, result.metrics, split.value) if ensemble else None
         prefix = split.value + ("/ensemble" if ensemble else "")
         metrics = {f"{prefix}/{k.split('/', 1)[1]}": v for k, v in result.metrics.items()}
         metrics.update({f"{result.client_split}/clients/{k.split('/', 1)[1]}": v for k, v in result.clients.items()})
         options = {"checkpoint": checkpoint, "task": setup.task.name, "predictive": predictive.value,
                    "samples": samples if ensemble else None, "seed": seed if ensemble else None,
-                   "per_client": per_client, "client_split": result.client_split}
+                   "per_client": per_client, "client_split": result.client_split, "eval_sample": sample}
         db.add_evaluation(record.id, split=split.value, metrics=metrics, round_idx=round_idx, options=options)
     if not no_mlflow and record.mlflow_run_id:
         log_to_mlflow(record, tracking_uri, metrics, round_idx)
@@ -234,6 +240,7 @@ def print_table(record: Any, round_idx: int | None, split: str, options: dict[st
     """The result as a rich table on stdout."""
     model = "final model" if options["checkpoint"] is None else f"checkpoint {options['checkpoint']}"
     how = "" if options["predictive"] == "mean" else f", ensemble of {options['samples']} posterior samples"
+    how += f", a fixed sample of {options['eval_sample']:,} examples" if options.get("eval_sample") else ""
     title = f"run {record.id[:8]} ({record.algo}, {options['task']}): {model} (round {round_idx}), {split} split{how}"
     table = Table("metric", "value")
     for key in sorted(metrics):

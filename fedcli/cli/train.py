@@ -153,6 +153,10 @@ def train(
                                                      rich_help_panel=Panel.TRAIN)] = None,
     eval_every: Annotated[int | None, typer.Option(min=1, help="Evaluate every K rounds (and the last). \\[default: 1]",
                                                    rich_help_panel=Panel.TRAIN)] = None,
+    eval_sample: Annotated[int | None, typer.Option(min=0, help="Evaluate on a fixed sample of N test examples (the "
+                                                    "same every round and on resume; recorded); 0 = the whole test "
+                                                    "split. \\[default: the task's paper setting: 10,000 on "
+                                                    "stackoverflow-*, else 0]", rich_help_panel=Panel.TRAIN)] = None,
     checkpoint_every: Annotated[int | None, typer.Option(min=0, help="Checkpoint every K rounds; 0 = only at the end "
                                                          "and when stopped. \\[default: auto: every round while that "
                                                          "costs <= 3 % of a round]",

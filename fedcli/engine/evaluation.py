@@ -17,6 +17,15 @@ Metrics by task kind (keys `eval/<name>`):
   perplexity): the chunkable `MetricFns` of `fedcli.datasets.metrics`, summed over chunks
   so the numbers are exact corpus-level values (`kind_metrics` picks them).
 
+Evaluation at scale (issue 32): `--eval-sample N` (train.eval_sample) evaluates the rounds on a
+fixed sample of N test examples (`eval_sample_index`: drawn once from a fixed seed, sorted; the
+same sample every round, across resumes and across runs on the same test split, so runs stay
+comparable); None = the task's paper default (`PAPER_EVAL_SAMPLE`: StackOverflow NWP and LR
+evaluate on 10,000 sampled test examples, Reddi et al. 2021's setting that FedPA Table 3 follows,
+docs/reproductions.md), 0 = the whole split. Every split is read in chunks of `chunk` examples
+gathered by index (`x[index]` of memory tensors or a disk store's memory maps); the whole split is
+never copied at once, and `evaluate_clients` streams clients through shared chunks.
+
 A posterior predictive (`ensemble_predict`) averages the members' predictive distributions
 (softmax probabilities for classification and next-token, sigmoid probabilities per label
 for multilabel, outputs for regression) and returns them in output form (log-probabilities,
@@ -25,9 +34,10 @@ logits, values) so the same metrics apply to it.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,12 +55,36 @@ if TYPE_CHECKING:
     from fedcli.engine.setup import Setup
 
 ECE_BINS = 15
+EVAL_SAMPLE_SEED = 32  # the fixed seed of the --eval-sample draw (independent of the run's seed)
+# Paper defaults of train.eval_sample (None): FedPA (Al-Shedivat et al. 2021) Table 3 uses Reddi et al.'s
+# framework, which evaluates StackOverflow every round on 10,000 randomly sampled test examples (the full
+# test split has 16.6M sentences); EMNIST and CIFAR-100 use their full test splits (docs/reproductions.md).
+PAPER_EVAL_SAMPLE: dict[str, int] = {"stackoverflow-nwp": 10_000, "stackoverflow-lr": 10_000}
 Predict = Callable[[Tensor], Tensor]  # prepared inputs [B, ...] -> outputs [B, ...]
+
+
+def resolve_eval_sample(requested: int | None, task_name: str) -> int:
+    """train.eval_sample as it runs: None -> the task's paper default (PAPER_EVAL_SAMPLE), else 0 (whole split)."""
+    if requested is None:
+        return PAPER_EVAL_SAMPLE.get(task_name, 0)
+    return requested
+
+
+@functools.lru_cache(maxsize=8)
+def eval_sample_index(num_examples: int, sample: int) -> np.ndarray | None:
+    """The fixed evaluation sample: `sample` sorted indices of range(num_examples), drawn without
+    replacement from EVAL_SAMPLE_SEED; None (the whole split) when sample is 0 or >= num_examples."""
+    if sample <= 0 or sample >= num_examples:
+        return None
+    index = np.sort(np.random.default_rng(EVAL_SAMPLE_SEED).choice(num_examples, size=sample, replace=False))
+    index.flags.writeable = False  # shared by every round (cached)
+    return index
 
 
 @torch.no_grad()
 def evaluate(task: Task, fns: ModelFunctions, params: Params, x: Tensor, y: Tensor,
-             optimum: Tensor | None = None, chunk: int = 2048, *, calibration: bool = False) -> dict[str, float]:
+             optimum: Tensor | None = None, chunk: int = 2048, *, calibration: bool = False,
+             index: np.ndarray | None = None) -> dict[str, float]:
     """Return the task's `eval/*` metrics of `params` on (x, y); see the module docstring.
 
     Args:
@@ -61,9 +95,11 @@ def evaluate(task: Task, fns: ModelFunctions, params: Params, x: Tensor, y: Tens
         optimum: Flattened exact optimum, if known (adds `eval/dist_to_opt`).
         chunk: Examples per forward pass.
         calibration: Add `eval/nll`, `eval/brier`, `eval/ece` for classification tasks.
+        index: Evaluate only these examples of (x, y) (the --eval-sample, `eval_sample_index`); None = all.
     """
     metrics = evaluate_predictions(task, lambda xb: fns.apply_fn(params, xb), fns.prepare, x, y,
-                                   device=next(iter(params.values())).device, chunk=chunk, calibration=calibration)
+                                   device=next(iter(params.values())).device, chunk=chunk, calibration=calibration,
+                                   index=index)
     if optimum is not None:
         metrics["eval/dist_to_opt"] = float(torch.linalg.vector_norm(flatten(params) - optimum.to(flatten(params).device)))
     return metrics
@@ -71,14 +107,26 @@ def evaluate(task: Task, fns: ModelFunctions, params: Params, x: Tensor, y: Tens
 
 @torch.no_grad()
 def evaluate_predictions(task: Task, predict: Predict, prepare: Callable[[Tensor], Tensor], x: Tensor, y: Tensor,
-                         *, device: torch.device, chunk: int = 2048, calibration: bool = False) -> dict[str, float]:
-    """Metrics of any predictor (a model, or a posterior ensemble) on (x, y), chunk by chunk."""
+                         *, device: torch.device, chunk: int = 2048, calibration: bool = False,
+                         index: np.ndarray | None = None) -> dict[str, float]:
+    """Metrics of any predictor (a model, or a posterior ensemble) on (x, y) or its examples `index`,
+    chunk by chunk (each chunk gathered by itself: the split is never copied whole)."""
     acc = _Accumulator(task, calibration)
-    for start in range(0, len(y), chunk):
-        xb = prepare(x[start : start + chunk].to(device))
-        yb = y[start : start + chunk].to(device)
-        acc.update(predict(xb), xb, yb)
+    for xs, ys in _chunks(x, y, index, chunk):
+        xb = prepare(xs.to(device))
+        acc.update(predict(xb), xb, ys.to(device))
     return acc.result()
+
+
+def _chunks(x: Tensor, y: Tensor, index: np.ndarray | None, chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """(x, y) in stored form, `chunk` examples at a time: slices, or gathers of `index`."""
+    if index is None:
+        for start in range(0, len(y), chunk):
+            yield x[start : start + chunk], y[start : start + chunk]
+        return
+    for start in range(0, len(index), chunk):
+        ix = torch.from_numpy(np.array(index[start : start + chunk], dtype=np.int64))
+        yield x[ix.to(x.device)], y[ix.to(y.device)]
 
 
 class _Accumulator:
@@ -200,10 +248,38 @@ def ensemble_predict(task: Task, apply_fn: Callable[[Params, Tensor], Tensor], m
 def evaluate_clients(task: Task, predict: Predict, prepare: Callable[[Tensor], Tensor], x: Tensor, y: Tensor,
                      client_indices: Sequence[np.ndarray], *, device: torch.device, chunk: int = 2048
                      ) -> list[dict[str, float]]:
-    """Metrics of `predict` on each client's examples (clients without examples are skipped)."""
-    return [evaluate_predictions(task, predict, prepare, x[torch.as_tensor(idx)], y[torch.as_tensor(idx)],
-                                 device=device, chunk=chunk)
-            for idx in client_indices if len(idx)]
+    """Metrics of `predict` on each client's examples (clients without examples are skipped).
+
+    Streams: consecutive clients share chunks of at most `chunk` examples (a larger client spans
+    several), one forward pass per chunk, each client's slice of the outputs summed into its own
+    statistics; only one chunk of examples is ever gathered.
+    """
+    accs = [_Accumulator(task, False) for idx in client_indices if len(idx)]
+    segments: list[tuple[int, np.ndarray]] = []  # (client's accumulator, its indices in this chunk)
+    size = 0
+
+    def flush() -> None:
+        ix = torch.as_tensor(np.concatenate([s for _, s in segments]), dtype=torch.int64)
+        xb = prepare(x[ix.to(x.device)].to(device))
+        yb = y[ix.to(y.device)].to(device)
+        out, start = predict(xb), 0
+        for k, seg in segments:
+            end = start + len(seg)
+            accs[k].update(out[start:end], xb[start:end], yb[start:end])
+            start = end
+        segments.clear()
+
+    for k, idx in enumerate(i for i in client_indices if len(i)):
+        for a in range(0, len(idx), chunk):
+            seg = np.asarray(idx[a : a + chunk])
+            if size + len(seg) > chunk and segments:
+                flush()
+                size = 0
+            segments.append((k, seg))
+            size += len(seg)
+    if segments:
+        flush()
+    return [acc.result() for acc in accs]
 
 
 def summarize_clients(per_client: Sequence[dict[str, float]], lower_is_better: Callable[[str], bool]
@@ -242,21 +318,28 @@ class SplitEvaluation:
 
 @torch.no_grad()
 def evaluate_split(setup: Setup, predict: Predict, *, split: str, per_client: bool = False,
-                   params: Params | None = None, chunk: int = 2048) -> SplitEvaluation:
+                   params: Params | None = None, chunk: int = 2048, sample: int = 0) -> SplitEvaluation:
     """Evaluate `predict` on a run's `test` split or its clients' `train` examples.
 
     With `per_client`, clients are the run's partition clients: on `test` each client's own
     test examples when the task has them (`TaskData.test_client_indices`, natural partition),
     otherwise each client's training examples (`client_split` then says `train`).
     `params` (the point estimate) adds `eval/dist_to_opt` when the task knows its optimum.
+    `sample` > 0 evaluates the split-wide metrics on the fixed sample of that many examples
+    (`eval_sample_index`); the per-client view always uses every client's examples. Both stream:
+    each chunk is gathered by index from the tensors (a disk store: its memory maps), never the split.
     """
     data, fed, prepare = setup.data, setup.fed, setup.fns.prepare
     if split == "test":
         x, y = data.test_x, data.test_y
+        index = eval_sample_index(len(y), sample)
     else:
-        x, y = fed.examples(np.concatenate(list(fed.client_indices)))  # a disk store: its memory maps, chunk by chunk
+        x, y = fed.x, fed.y
+        own = np.concatenate(list(fed.client_indices)) if fed.num_clients else np.zeros(0, dtype=np.int64)
+        sampled = eval_sample_index(len(own), sample)
+        index = own if sampled is None else own[sampled]
     metrics = evaluate_predictions(setup.task, predict, prepare, x, y, device=setup.device, chunk=chunk,
-                                   calibration=True)
+                                   calibration=True, index=index)
     if params is not None and data.optimum is not None:
         metrics["eval/dist_to_opt"] = float(torch.linalg.vector_norm(flatten(params).cpu() - data.optimum.cpu()))
     if not per_client:

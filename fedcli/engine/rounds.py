@@ -31,7 +31,7 @@ from fedcli.datasets.federated import CohortPlan
 from fedcli.engine.checkpoint import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.cohort import CohortInputs, CohortJob, RoundPlan, finite_rows, take_rows
-from fedcli.engine.evaluation import evaluate
+from fedcli.engine.evaluation import eval_sample_index, evaluate, resolve_eval_sample
 from fedcli.engine.lifecycle import GracefulSignals
 from fedcli.engine.seeding import Stream, numpy_rngs, sample_cohort, step_keys, torch_generator
 from fedcli.engine.setup import Setup
@@ -315,8 +315,9 @@ class RoundLoop:
 
     def _evaluate(self, state: Any) -> dict[str, float]:
         setup = self.setup
+        sample = resolve_eval_sample(setup.cfg.train.eval_sample, setup.task.name)  # --eval-sample: a fixed sample
         return evaluate(setup.task, setup.fns, setup.alg.global_params(state), setup.data.test_x,
-                        setup.data.test_y, setup.data.optimum)
+                        setup.data.test_y, setup.data.optimum, index=eval_sample_index(len(setup.data.test_y), sample))
 
     def _log(self, round_idx: int, metrics: dict[str, float], clients: list[tuple[int, str, float]],
              progress: ProgressFn | None) -> None:

@@ -30,6 +30,7 @@ from fedcli.engine.backends.distributed import serve as serve_slices
 from fedcli.engine.checkpoint import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore, make_store
 from fedcli.engine.distributed import Peers
+from fedcli.engine.evaluation import resolve_eval_sample
 from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, RunInterrupted, graceful_signals, signal_name
 from fedcli.engine.model import final_buffers
 from fedcli.engine.rounds import CUMULATIVE, DivergenceError, EvalHook, ProgressFn, RoundLoop, Timing
@@ -206,6 +207,7 @@ def resolved_config(setup: Setup) -> dict[str, Any]:
     out["train"]["executor"] = setup.executor
     out["train"]["threads"] = torch.get_num_threads()
     out["train"]["client_lr"] = setup.opt.client_lr
+    out["train"]["eval_sample"] = resolve_eval_sample(cfg.train.eval_sample, setup.task.name)  # 0 = whole split
     if setup.partition is not None:
         out["partition"]["num_clients"] = len(setup.partition)
     spec = setup.partition_spec
