@@ -218,6 +218,7 @@ def load_function(ref: str) -> tuple[Callable[[], Any], str]:
 def materialise(data: Any, *, name: str | None = None, client: Any = None, partition: Any = None,
                 x: str | Sequence[str] | None = None, y: str = "label", test: Any = None) -> UserData:
     """One data object as tensors (`data_ref` documents the arguments)."""
+    _check_names(name=name, x=x, y=y)
     if _is_partitioner(partition) or _is_partitioner(data):
         partitioner = partition if _is_partitioner(partition) else data
         if not _is_partitioner(partition):  # data is the partitioner: its dataset is the data
@@ -249,6 +250,25 @@ def materialise(data: Any, *, name: str | None = None, client: Any = None, parti
     default_name = (getattr(data.info, "dataset_name", None) or "hf") if kind == "hf" else type(data).__name__
     return UserData(_slug(name or default_name), torch.from_numpy(xs), torch.from_numpy(ys), owner, x_test, y_test,
                     source=label)
+
+
+def _check_names(*, name: Any, x: Any, y: Any) -> None:
+    """name, x and y name things (str): an int or a Path name was str()-ed, an empty one defaulted."""
+    def kind(value: Any) -> str:
+        return f"{type(value).__name__} {value!r}"[:80]
+
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ConfigError(f"name must be a non-empty name (str) for the data; got {kind(name)}. Leave it out for the "
+                          "object's class name.")
+    if not isinstance(y, str) or not y.strip():
+        raise ConfigError(f"y must be the name (str) of a Hugging Face label column; got {kind(y)}.")
+    if x is not None:
+        columns = [x] if isinstance(x, str) else x
+        bad = next((c for c in columns if not isinstance(c, str) or not c.strip()), None) \
+            if isinstance(columns, (list, tuple)) else x
+        if bad is not None or not columns:
+            raise ConfigError(f"x must be a column name (str) or a list of column names; got "
+                              f"{kind(x if bad is None else bad)}.")
 
 
 def _slug(text: str) -> str:

@@ -96,6 +96,8 @@ class Run:
         """
         from fedcli.tracking.served import read_model_file, served_model
 
+        if trust_code is not None:
+            _check_bool("trust_code", trust_code)  # trust_code="no" was truthy: the code ran
         record = self.record()
         if not record.model_path or not Path(record.model_path).exists():
             raise ConfigError(f"run {self.id[:8]} has no stored final model (status {record.status}); resume it to "
@@ -168,7 +170,8 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
         FedcliError: other user-facing failures (data, store, MLflow).
     """
     _check_train_arguments(algo=algo, task=task, config=config, hp=hp, data_options=data_options, resume=resume,
-                           mlflow_optional=mlflow_optional, progress=progress, settings=settings)
+                           mlflow_optional=mlflow_optional, progress=progress, trust_code=trust_code,
+                           settings=settings)
     with preserved_state():  # around everything: the first imports of fedcli's modules may draw from `random`
         from fedcli.api_run import resolve_config
         from fedcli.datasets.user_data import data_ref
@@ -215,7 +218,8 @@ def load_run(ref: str, *, store: str | None = None, root: str | Path | None = No
     if not isinstance(ref, str) or not ref.strip():  # None found some run; an int was an AttributeError
         raise ConfigError(f"ref must be a run id, id prefix or name (str); got {_kind(ref)}. `fedcli list runs` "
                           "shows them.")
-    url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
+    _check_bool("trust_code", trust_code)
+    url = tracking_config(_store_settings(store, root)).store_url
     db = open_store(url, must_exist=True)
     try:
         record = db.get_run(ref)
@@ -250,6 +254,10 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
         raise ConfigError(f"format must be one of md, csv, json; got {format!r}.")
     if isinstance(runs, str):  # one reference, not its characters as references
         runs = [runs]
+    _check_report_arguments(experiment=experiment, where=where, group_by=group_by, metric=metric, columns=columns,
+                            include_unfinished=include_unfinished, partition_heatmap=partition_heatmap)
+    output = _path_argument("output", output)
+    settings = _store_settings(store, root)
     bad = next((r for r in runs or () if not isinstance(r, (Run, str))), None)
     if bad is not None:
         raise ConfigError(f"runs must be a list of runs (Run) or run references (str); got {_kind(bad)}.")
@@ -260,7 +268,7 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
             raise ConfigError(f"{name} must be an integer number of rounds >= 1; got {_kind(value)}.")
     refs = [r.id if isinstance(r, Run) else str(r) for r in runs or ()]
     if store is None and root is None:
-        store = next((r.store for r in runs or () if isinstance(r, Run)), None)
+        settings["tracking.store"] = next((r.store for r in runs or () if isinstance(r, Run)), None)
     spec = rep.ReportSpec(
         experiments=(experiment,) if isinstance(experiment, str) else tuple(experiment or ()), runs=tuple(refs),
         where=parse_where([f"{k}={v}" for k, v in (where or {}).items()]),
@@ -272,7 +280,7 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
         command=f"fedcli.report(runs={refs!r})" if refs else "fedcli.report(...)")
     path = None if output is None else Path(output)
     check_output(path, "output")  # before any work: a rejected report writes nothing
-    url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
+    url = tracking_config(settings).store_url
     require_store(url)
     db = open_store(url)
     try:
@@ -301,11 +309,71 @@ def _numbers(name: str, values: Any, kind: type) -> tuple[Any, ...]:
 
 def _kind(value: Any) -> str:
     text = repr(value)
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):  # a str "no" is truthy
+        raise ConfigError(f"{name} must be True or False; got {_kind(value)}.")
+
+
+def _path_argument(name: str, value: Any) -> str | None:
+    """A path argument (`root`, `output`) as text: a str or a Path, not empty; an int or a list was str()-ed."""
+    import os
+
+    from fedcli.cli.errors import check_path_value
+
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
+        raise ConfigError(f"{name} must be a path (str or pathlib.Path); got {_kind(value)}.")
+    check_path_value(name, value)  # "" (an unset variable): the CLI's line, not the working folder
+    return str(os.fspath(value))
+
+
+def _store_settings(store: Any, root: Any) -> dict[str, Any]:
+    """`store=` / `root=` of load_run and report as tracking overrides, checked as `train`'s are."""
+    if store is not None and not isinstance(store, str):  # a Path is no URL: it was str()-ed, then refused
+        raise ConfigError(f"store must be a SQLAlchemy URL (str) such as 'sqlite:////abs/path/fedcli.db'; got "
+                          f"{_kind(store)}. Pass root= for the store of a folder.")
+    if store is not None and not store.strip():
+        raise ConfigError(f"tracking.store must be a SQLAlchemy URL; got {store!r}. Pass --store a value, or leave it "
+                          "out for the default.")
+    return {"tracking.store": store, "tracking.root": _path_argument("root", root)}
+
+
+def _names(name: str, value: Any) -> None:
+    """A name or a list of names (str): an int was iterated (TypeError) or a list's int str()-ed."""
+    if value is None or isinstance(value, str):
+        return
+    bad = next((v for v in value if not isinstance(v, str)), None) if isinstance(value, (list, tuple)) else value
+    if bad is not None:
+        raise ConfigError(f"{name} must be a name (str) or a list of names; got {_kind(bad)}.")
+
+
+def _check_report_arguments(*, experiment: Any, where: Any, group_by: Any, metric: Any, columns: Any,
+                            include_unfinished: Any, partition_heatmap: Any) -> None:
+    """`report`'s arguments other than runs/at/thresholds/window/smooth: one ConfigError line naming the
+    argument (an int experiment or group_by was a TypeError, a str where= an AttributeError)."""
+    _names("experiment", experiment)
+    _names("group_by", group_by)
+    _names("columns", columns)
+    if metric is not None and not isinstance(metric, str):
+        raise ConfigError(f"metric must be a metric name (str) such as 'accuracy'; got {_kind(metric)}.")
+    if where is not None:
+        if not isinstance(where, Mapping):
+            raise ConfigError(f"where must be a mapping such as where={{'algo': 'fedpa'}}; got {_kind(where)}.")
+        for key, value in where.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"where keys must be config keys (str) such as 'algo'; got {_kind(key)}.")
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):  # a list was str()-ed
+                raise ConfigError(f"where[{key!r}] must be a str or a number; got {_kind(value)}.")
+    _check_bool("include_unfinished", include_unfinished)
+    _check_bool("partition_heatmap", partition_heatmap)
+
+
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _check_train_arguments(*, algo: Any, task: Any, config: Any, hp: Any, data_options: Any, resume: Any,
-                           mlflow_optional: Any, progress: Any, settings: Mapping[str, Any]) -> None:
+                           mlflow_optional: Any, progress: Any, trust_code: Any, settings: Mapping[str, Any]) -> None:
     """The types of `train`'s arguments, before anything runs: one ConfigError line naming the argument
     (a str `hp="rho=0.1"` was a bare "dictionary update sequence" ValueError, a str `progress` a
     "'str' object is not callable" TypeError once the run had started)."""
@@ -330,6 +398,11 @@ def _check_train_arguments(*, algo: Any, task: Any, config: Any, hp: Any, data_o
         raise ConfigError(f"progress must be True, False or a function f(round, metrics); got {_kind(progress)}.")
     for name in SECTIONS:
         if name == "partition" and isinstance(settings.get(name), (str, Path)):
+    _check_bool("trust_code", trust_code)  # trust_code="no" was truthy: a resumed run's code ran
+    from fedcli.cli.errors import check_path_value
+
+    for name in ("root", "data_dir", "partition"):  # "" (an unset variable) is the CLI's line, not "."
+        check_path_value(name, settings.get(name))
             continue  # `partition="p.json"`: the --partition file
         if name in settings and settings[name] is not None and not isinstance(settings[name], Mapping):
             raise ConfigError(f"{name}= must be a mapping of the {name} section's config keys, such as "

@@ -61,6 +61,7 @@ OPTION_KEYS: dict[str, str] = {
     "augment": "data.augment",  # the API's: per-example augmentation, e.g. ["crop:4", "flip"] (docs/python-api.md)
 }
 FLAGS = frozenset({"download", "balanced", "compile", "graph", "no_mlflow"})  # switch on only: False = not given
+PATH_SETTINGS = frozenset({"data_dir", "data", "partition", "root"})  # the settings a pathlib.Path may give
 
 
 class StoppedBeforeStart(KeyboardInterrupt):
@@ -99,6 +100,9 @@ def overrides_of(options: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(value, Enum):
             value = value.value
         elif isinstance(value, Path):
+            if name not in PATH_SETTINGS:  # store=Path("x.db") was str()-ed into a URL SQLAlchemy refused
+                hint = " (a URL such as sqlite:////abs/path/fedcli.db)" if name in ("store", "tracking_uri") else ""
+                raise ConfigError(f"{name} must be str{hint}, not a path; got {type(value).__name__} {str(value)!r}.")
             value = str(value)
         out[OPTION_KEYS[name]] = value
     return out

@@ -364,17 +364,22 @@ def check_name(key: str, value: str, flag: str) -> None:
 MLFLOW_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")  # MLflow's SQL and REST stores
 
 
+def check_blank_tracking(track: TrackingConfig) -> None:
+    """An empty root, store or MLflow URI (e.g. `--store "$STORE"` with STORE unset) is refused, not the default."""
+    for key, flag, what in (("root", "--root", "a folder"), ("store", "--store", "a SQLAlchemy URL"),
+                            ("tracking_uri", "--tracking-uri", "an MLflow URI")):
+        value = getattr(track, key)
+        if value is not None and not value.strip():
+            raise ConfigError(f"tracking.{key} must be {what}; got {value!r}. Pass {flag} a value, or leave it out "
+                              "for the default.")
+
+
 def validate_tracking(track: TrackingConfig) -> None:
     """Names, and an MLflow URI MLflow can write, before anything is (docs/architecture.md §8)."""
     check_name("tracking.experiment", track.experiment, "--experiment")
     if track.run_name is not None:
         check_name("tracking.run_name", track.run_name, "--run-name")
-    for key, flag, what in (("root", "--root", "a folder"), ("store", "--store", "a SQLAlchemy URL"),
-                            ("tracking_uri", "--tracking-uri", "an MLflow URI")):
-        value = getattr(track, key)
-        if value is not None and not value.strip():  # e.g. `--store "$STORE"` with STORE unset
-            raise ConfigError(f"tracking.{key} must be {what}; got {value!r}. Pass {flag} a value, or leave it out "
-                              "for the default.")
+    check_blank_tracking(track)
     if not track.use_mlflow:
         return
     # a stored config's URI has its password masked (given_url asks for it when MLflow is used): check its scheme

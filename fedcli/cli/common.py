@@ -70,9 +70,12 @@ def open_store(url: str, must_exist: bool = False) -> SqlStore:
 def tracking_config(overrides: Mapping[str, Any]) -> TrackingConfig:
     """Build only the tracking section from dotted overrides (for commands that read the store)."""
     from fedcli.config import TrackingConfig, build_section
+    from fedcli.config_checks import check_blank_tracking
 
     values = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("tracking.") and v is not None}
-    return build_section("tracking", TrackingConfig, values)  # type: ignore[no-any-return]
+    track: TrackingConfig = build_section("tracking", TrackingConfig, values)
+    check_blank_tracking(track)  # `--store ""` read the default store
+    return track
 
 
 def spawn_mirror(cfg: TrackingConfig, parent_run_id: str | None = None) -> MirrorHandle | None:

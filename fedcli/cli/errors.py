@@ -166,10 +166,48 @@ def write_output(path: Path, data: str | bytes, flag: str) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
+# Options and arguments that name a file or folder, and what an empty value must say. Typer turns `--root ""`
+# into Path("."), so an unset shell variable (`--data-dir "$DIR"`) silently meant the working directory; the
+# raw value is checked before that conversion (OneLineUsageErrors.resolve_command). The messages of --root and
+# --data-dir are the config's (config_checks: a YAML file or the Python API giving "" says the same).
+EMPTY_PATH_MESSAGES: dict[str, str] = {
+    "root": "tracking.root must be a folder; got {value!r}. Pass --root a value, or leave it out for the default.",
+    "data_dir": "data.data_dir must be a folder; got {value!r}. Pass --data-dir a folder, or leave it out for the "
+                "default.",
+    "partition": "partition.file must be a partition file; got {value!r}. Pass --partition the .json file "
+                 "`fedcli partition --out` wrote, or leave it out.",
+    "output": "--output must name a file; got {value!r}. Pass --output a file path, or leave it out for the default.",
+    "out": "--out must name a file; got {value!r}. Pass --out the partition file to write (.json).",
+    "plot": "--plot must name a file; got {value!r}. Pass --plot an image path (.png), or leave it out.",
+    "spec": "the sweep spec must name a file; got {value!r}. Pass a spec YAML file, or --recipe NAME.",
+}
+
+
+def check_path_value(name: str, value: object) -> None:
+    """ConfigError when a path-valued option or argument `name` (EMPTY_PATH_MESSAGES) is empty or blank."""
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(EMPTY_PATH_MESSAGES[name].format(value=value))
+
+
 class OneLineUsageErrors(TyperGroup):
     """The app's group class: Click usage errors (bad option values, unknown options or commands,
     missing required options) as the same one 'error:' line and exit 2 as FedcliError, instead
-    of Typer's usage box. Wire it with `typer.Typer(cls=OneLineUsageErrors, ...)`."""
+    of Typer's usage box. Wire it with `typer.Typer(cls=OneLineUsageErrors, ...)`.
+
+    It also refuses an empty path-valued option (EMPTY_PATH_MESSAGES) before Typer makes it ".".
+    """
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> tuple[str | None, Any, list[str]]:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if cmd is not None and not ctx.resilient_parsing and not set(rest) & set(ctx.help_option_names):
+            try:  # the subcommand's own parser, without converting: raw strings by parameter name
+                parser = cmd.make_parser(cmd.context_class(cmd, info_name=name, parent=ctx))
+                raw, _, _ = parser.parse_args(args=list(rest))
+            except click_errors.ClickException:
+                raw = {}  # the real parse reports it
+            for key in EMPTY_PATH_MESSAGES.keys() & raw.keys():
+                check_path_value(key, raw[key])
+        return name, cmd, rest
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
@@ -179,6 +217,9 @@ class OneLineUsageErrors(TyperGroup):
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click_errors.NoArgsIsHelpError as exc:  # the help was printed already
             sys.exit(exc.exit_code)
+        except FedcliError as exc:  # raised before a command runs (resolve_command's empty paths)
+            print_error(str(exc))
+            sys.exit(2)
         except click_errors.ClickException as exc:
             ctx = getattr(exc, "ctx", None)
             hint = f"; see '{ctx.command_path} --help'." if ctx is not None else ""

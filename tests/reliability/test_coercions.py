@@ -127,6 +127,25 @@ CASES: dict[str, Mistake] = {
                                text("c.csv", "a,y,y\n" + "".join(f"{i},{i % 2},{i % 3}\n" for i in range(20)))),
     "data-csv-unnamed-index": M(byo("c.csv"), "c.csv: column 1 of the header has no name",
                                 text("c.csv", ",a,y\n" + "".join(f"{i},{i * 2},{i % 2}\n" for i in range(20)))),
+    # an empty path (`--data-dir "$DIR"` with DIR unset): Typer made it ".", the working folder
+    "empty-data-dir": M(train("--task", "lsq", "--data-dir", "", "--no-mlflow"),
+                        "data.data_dir must be a folder; got ''."),
+    "empty-root": M(("train", "--task", "lsq", "--no-mlflow", "--root", ""), "tracking.root must be a folder; got ''."),
+    "blank-root-equals": M(("train", "--task", "lsq", "--no-mlflow", "--root= "),
+                           "tracking.root must be a folder; got ' '."),
+    "empty-partition": M(train("--task", "lsq", "--partition", "", "--no-mlflow"),
+                         "partition.file must be a partition file; got ''."),
+    "list-empty-root": M(("list", "runs", "--root", ""), "tracking.root must be a folder; got ''."),
+    "evaluate-empty-root": M(("evaluate", "abc", "--root", ""), "tracking.root must be a folder; got ''."),
+    "sync-empty-root": M(("sync", "--root", ""), "tracking.root must be a folder; got ''."),
+    "list-empty-store": M(("list", "runs", "--store", ""), "tracking.store must be a SQLAlchemy URL; got ''."),
+    "report-empty-store": M(("report", "--store", " "), "tracking.store must be a SQLAlchemy URL; got ' '."),
+    "report-empty-output": M(("report", "--output", "", "--root", ROOT), "--output must name a file; got ''."),
+    "sweep-empty-spec": M(("sweep", "", "--root", ROOT), "the sweep spec must name a file; got ''."),
+    "partition-empty-out": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "2", "--out", ""),
+                             "--out must name a file; got ''."),
+    "partition-empty-data-dir": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "2", "--out",
+                                   "p.json", "--data-dir", ""), "data.data_dir must be a folder; got ''."),
     # LEAF JSON: RecursionError / TypeError / AttributeError tracebacks; users and keys given twice kept the last
     "leaf-nested-too-deep": M(train(*VEHICLE), "LEAF file v/train/a.json is nested too deeply to read",
                               leaf("[" * 100_000 + "]" * 100_000)),
@@ -176,6 +195,10 @@ SAME_AS_CLI = {
     "partition-index-huge": dict(task="lsq", partition="p.json", no_mlflow=True),
     "data-client-float": dict(data="c.npz", scheme="natural", clients_per_round=2, no_mlflow=True),
     "leaf-nested-too-deep": dict(task="vehicle", data_dir="v", no_mlflow=True),
+    "empty-data-dir": dict(task="lsq", data_dir="", no_mlflow=True),
+    "empty-root": dict(task="lsq", root="", no_mlflow=True),
+    "blank-root-equals": dict(task="lsq", root=" ", no_mlflow=True),
+    "empty-partition": dict(task="lsq", partition="", no_mlflow=True),
     "leaf-truncated": dict(task="vehicle", data_dir="v", no_mlflow=True),
     "leaf-user-data-list": dict(task="vehicle", data_dir="v", no_mlflow=True),
 }
@@ -187,7 +210,7 @@ def test_python_api_raises_the_cli_line(name: str, workdir: Path) -> None:  # no
     line = run_cli(CASES[name], workdir)
     before = snapshot(workdir)
     with pytest.raises(FedcliError) as info:
-        fedcli.train(root=ROOT, **SAME_AS_CLI[name])
+        fedcli.train(**{"root": ROOT, **SAME_AS_CLI[name]})
     assert str(info.value) == line
     assert snapshot(workdir) == before
 
@@ -205,6 +228,12 @@ def test_python_api_raises_the_cli_line(name: str, workdir: Path) -> None:  # no
     (dict(resume=5), "resume must be a run id, id prefix or name (str), or a Run; got int 5."),
     (dict(train=5), "train= must be a mapping of the train section's config keys"),
     (dict(algo=["fedavg"]), "algo must be a name (str); got list ['fedavg']."),
+    # truthy: a resumed run's stored code was trusted
+    (dict(trust_code="no"), "trust_code must be True or False; got str 'no'."),
+    # str()-ed into "x.db", then refused by SQLAlchemy as "not a valid SQLAlchemy URL"
+    (dict(store=Path("x.db")), "store must be str (a URL such as sqlite:////abs/path/fedcli.db), not a path; got "
+                               "PosixPath 'x.db'."),
+    (dict(device=Path("cpu")), "device must be str, not a path; got PosixPath 'cpu'."),
 ])
 def test_python_api_argument_types(kwargs: dict, message: str, workdir: Path) -> None:  # noqa: F811
     before = snapshot(workdir)
@@ -221,10 +250,26 @@ def test_python_api_argument_types(kwargs: dict, message: str, workdir: Path) ->
     (dict(window=0), "window must be an integer number of rounds >= 1; got int 0."),
     (dict(smooth=1.5), "smooth must be an integer number of rounds >= 1; got float 1.5."),
     (dict(runs=[5]), "runs must be a list of runs (Run) or run references (str); got int 5."),  # str(5) looked up
+    (dict(experiment=5), "experiment must be a name (str) or a list of names; got int 5."),  # TypeError
+    (dict(experiment=["e", 5]), "experiment must be a name (str) or a list of names; got int 5."),
+    (dict(group_by=[5]), "group_by must be a name (str) or a list of names; got int 5."),  # AttributeError
+    (dict(columns=[5]), "columns must be a name (str) or a list of names; got int 5."),
+    (dict(metric=5), "metric must be a metric name (str) such as 'accuracy'; got int 5."),  # AttributeError
+    (dict(where="algo=fedpa"), "where must be a mapping such as where={'algo': 'fedpa'}; got str"),  # AttributeError
+    (dict(where={5: "x"}), "where keys must be config keys (str) such as 'algo'; got int 5."),
+    (dict(where={"algo": ["fedpa"]}), "where['algo'] must be a str or a number; got list ['fedpa']."),  # str()-ed
+    (dict(include_unfinished="no"), "include_unfinished must be True or False; got str 'no'."),  # truthy
+    (dict(partition_heatmap="no"), "partition_heatmap must be True or False; got str 'no'."),
+    (dict(output=5), "output must be a path (str or pathlib.Path); got int 5."),  # TypeError
+    (dict(output=""), "--output must name a file; got ''."),  # was "got '.', which is a directory"
+    (dict(root=5), "root must be a path (str or pathlib.Path); got int 5."),  # str()-ed: the folder "5"
+    (dict(root=""), "tracking.root must be a folder; got ''."),  # the working folder's store
+    (dict(store=""), "tracking.store must be a SQLAlchemy URL; got ''."),  # the default store
+    (dict(store=Path("x.db")), "store must be a SQLAlchemy URL (str) such as"),
 ])
 def test_python_report_argument_types(kwargs: dict, message: str, workdir: Path) -> None:  # noqa: F811
     with pytest.raises(ConfigError) as info:
-        fedcli.report(root=ROOT, **kwargs)
+        fedcli.report(**{"root": ROOT, **kwargs})
     assert message in str(info.value)
     assert snapshot(workdir) == {}
 
@@ -236,6 +281,22 @@ def test_load_run_needs_a_reference(ref: object, workdir: Path) -> None:  # noqa
                                     ROOT]).exit_code == 0
     with pytest.raises(ConfigError, match=r"^ref must be a run id, id prefix or name \(str\); got "):
         fedcli.load_run(ref, root=ROOT)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(root=5), "root must be a path (str or pathlib.Path); got int 5."),
+    (dict(root=""), "tracking.root must be a folder; got ''."),
+    (dict(store=""), "tracking.store must be a SQLAlchemy URL; got ''."),
+    (dict(store=Path("runs/fedcli.db")), "store must be a SQLAlchemy URL (str) such as"),
+    (dict(trust_code="no"), "trust_code must be True or False; got str 'no'."),
+])
+def test_load_run_argument_types(kwargs: dict, message: str, workdir: Path) -> None:  # noqa: F811
+    """Checked before the store is looked up: root=5 read the folder "5", store="" the default store."""
+    assert CliRunner().invoke(app, ["-q", "train", "--task", "lsq", "--rounds", "1", "--no-mlflow", "--root",
+                                    ROOT]).exit_code == 0
+    with pytest.raises(ConfigError) as info:
+        fedcli.load_run("x", **{"root": ROOT, **kwargs})
+    assert message in str(info.value) and "\n" not in str(info.value)
 
 
 class Pairs(torch.utils.data.Dataset):
@@ -273,6 +334,25 @@ def test_python_data_objects_are_not_cast(data: object, options: dict, message: 
     with pytest.raises(DataError) as info:
         fedcli.train(data=data, data_options=options, scheme="iid", clients=2, rounds=1, root=ROOT, no_mlflow=True)
     assert message in str(info.value) and "\n" not in str(info.value)
+    assert snapshot(workdir) == {}
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(name=5), "name must be a non-empty name (str) for the data; got int 5."),  # str()-ed to "5"
+    (dict(name=Path("d")), "name must be a non-empty name (str) for the data; got PosixPath"),
+    (dict(name=""), "name must be a non-empty name (str) for the data; got str ''."),  # defaulted silently
+    (dict(y=5), "y must be the name (str) of a Hugging Face label column; got int 5."),
+    (dict(x=[5]), "x must be a column name (str) or a list of column names; got int 5."),
+])
+def test_data_ref_argument_types(options: dict, message: str, workdir: Path) -> None:  # noqa: F811
+    from fedcli.datasets.user_data import data_ref
+
+    with pytest.raises(ConfigError) as info:
+        data_ref(TENSORS, **options)
+    assert message in str(info.value)
+    with pytest.raises(ConfigError) as info:  # the same through fedcli.train's data_options
+        fedcli.train(data=TENSORS, data_options=options, scheme="iid", clients=2, rounds=1, root=ROOT, no_mlflow=True)
+    assert message in str(info.value)
     assert snapshot(workdir) == {}
 
 
