@@ -259,7 +259,7 @@ def build_config(*, file: Path | None = None, overrides: Mapping[str, Any] | Non
 RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.keep_checkpoints", "train.threads",
                        "train.device",
                        "train.executor",
-                       "train.cohort_chunk", "train.workers", "train.state_store", "train.state_cache_mb", "train.state_store", "train.state_cache_mb", "tracking.root", "tracking.store", "tracking.tracking_uri",
+                       "train.cohort_chunk", "train.workers", "train.state_store", "train.state_cache_mb", "tracking.root", "tracking.store", "tracking.tracking_uri",
                        "tracking.use_mlflow")
 
 

@@ -98,10 +98,6 @@ class TrainConfig:
     state_store: str = "auto"  # auto | ram | disk; auto = disk when every client's state would exceed the cache
     state_cache_mb: int = 512  # disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)
     state_precision: str = "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
-    # --- issue 32 (client state out of RAM; docs/architecture.md, "Client-state store")
-    state_store: str = "auto"  # auto | ram | disk; auto = disk when every client's state would exceed the cache
-    state_cache_mb: int = 512  # disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)
-    state_precision: str = "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
 
     def optim(self, default_client_lr: float) -> OptimConfig:
         """The optimiser settings algorithms receive; client_lr None takes `default_client_lr`

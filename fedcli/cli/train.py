@@ -173,16 +173,6 @@ def train(
     state_precision: Annotated[str | None, typer.Option(help="How client states are stored: state (their dtype) | "
                                                         "bf16 | fp16 (half the bytes; recorded with the run). "
                                                         "\\[default: state]", rich_help_panel=Panel.TRAIN)] = None,
-    state_store: Annotated[str | None, typer.Option(help="Per-client state (SCAFFOLD, FedDyn, ADMM duals): ram | "
-                                                   "disk (memory-bounded files under the run) | auto: disk when "
-                                                   "all clients' states exceed --state-cache-mb. \\[default: auto]",
-                                                   rich_help_panel=Panel.TRAIN)] = None,
-    state_cache_mb: Annotated[int | None, typer.Option(min=0, help="Disk state store: MiB of client states kept in "
-                                                       "RAM (LRU; the cohort's always). \\[default: 512]",
-                                                       rich_help_panel=Panel.TRAIN)] = None,
-    state_precision: Annotated[str | None, typer.Option(help="How client states are stored: state (their dtype) | "
-                                                        "bf16 | fp16 (half the bytes; recorded with the run). "
-                                                        "\\[default: state]", rich_help_panel=Panel.TRAIN)] = None,
     resume: Annotated[str | None, typer.Option(help="Continue run RUN_ID from its last checkpoint.",
                                                rich_help_panel=Panel.TRACK)] = None,
     trust_code: Annotated[bool, typer.Option("--trust-code", help="--resume may import the model / data function "
