@@ -399,7 +399,9 @@ def _probe_training(ref: str, model: nn.Module, params: dict[str, Tensor], buffe
     model.train()
     try:
         try:
-            torch.func.grad(client_loss)(params, x, y, keys[0])
+            own = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in params.items()}
+            wanted = [v for v in own.values() if v.requires_grad]  # the loop's gradients: torch.autograd (local.py)
+            torch.autograd.grad(client_loss(own, x, y, keys[0]), wanted, allow_unused=True)
         except Exception as err:  # noqa: BLE001 - the user's forward or backward
             raise ConfigError(f"data.model {ref!r}: a training step (forward and gradient, train mode) on a batch of "
                               f"shape {list(x.shape)} failed ({_first_line(err)}); fix the model's forward.") from None

@@ -19,6 +19,8 @@ each evaluation call (`apply_fn`, no key). Inside it:
   Packed sequences go to PyTorch's kernel (they do not run under vmap: the model check sends such a
   model to the loop). The recurrence differs from PyTorch's MKL/cuDNN kernels by float rounding only
   (tests/byo/test_stock_layers_engine.py: max abs difference under 1e-5 on a forward pass).
+  Outside torch.func transforms (the loop's autograd, evaluation) PyTorch's kernel runs (faster client
+  by client), unless a multi-layer RNN's inter-layer dropout needs its keyed mask.
 
 docs/bring-your-own.md, "Stock layers", says what each back end does with them.
 """
@@ -219,6 +221,11 @@ def _recurrence(kind: str) -> Callable[..., Any]:
         if not isinstance(args[1] if kind == "lstm" else args[2], (list, tuple)):
             return func(*args)  # PyTorch's kernel: packed sequences (not under vmap)
         x, hx, weights, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
+        keyed = dropout > 0 and train and num_layers > 1 and mode.key is not None
+        if torch._C._functorch.maybe_current_level() is None and not keyed:
+            return func(
+                *args
+            )  # no torch.func transform (the loop's autograd, evaluation): PyTorch's fused kernel
         if batch_first:
             x = x.transpose(0, 1)  # [T, B, C]
         dirs = 2 if bidirectional else 1

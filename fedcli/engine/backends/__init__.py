@@ -79,6 +79,10 @@ class Workload:
         return any(isinstance(m, nn.modules.conv._ConvNd) for m in self.model.modules())
 
     @property
+    def has_rnn(self) -> bool:
+        return any(isinstance(m, nn.RNNBase) for m in self.model.modules())
+
+    @property
     def has_batchnorm(self) -> bool:
         return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
 
