@@ -70,6 +70,15 @@ def file_fingerprint(paths: Sequence[Path]) -> str:
     return digest.hexdigest()
 
 
+def wants_disk(options: Any, paths: Sequence[Path]) -> bool:
+    """A streaming loader's choice: --data-store disk, or auto with source files above AUTO_DISK_BYTES."""
+    from fedcli.datasets.federated import AUTO_DISK_BYTES
+
+    if options.data_store == "disk":
+        return True
+    return options.data_store == "auto" and sum(p.stat().st_size for p in paths) > AUTO_DISK_BYTES
+
+
 def store_key(*parts: Any) -> str:
     """The folder name of a store: sha256 of the parts and STORE_VERSION (first 32 hex digits)."""
     text = json.dumps([STORE_VERSION, *[str(p) for p in parts]])
@@ -141,6 +150,12 @@ class StoreWriter:
         self.files.pop(f"{name}.ragged").close()
         del self.shapes[f"{name}.ragged"]
         (self.folder / f"{name}.ragged.bin").unlink()
+
+    def drop(self, name: str) -> None:
+        """Remove array `name` (a scratch array of the build) from the store being built."""
+        self.files.pop(name).close()
+        del self.shapes[name]
+        (self.folder / f"{name}.bin").unlink()
 
     def flush(self) -> None:
         for fh in self.files.values():
@@ -315,6 +330,11 @@ def progress(total: int, what: str) -> Iterator[Callable[[int], None]]:
 
 
 # ----------------------------------------------------------------------------- reading
+
+
+def open_array(folder: Path, name: str, spec: dict[str, Any]) -> np.ndarray:
+    """One array of a store (or of one being built) as a read-only memory map."""
+    return _memmap(folder, name, spec)
 
 
 def _memmap(folder: Path, name: str, spec: dict[str, Any]) -> np.ndarray:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedcli.datasets import models
-from fedcli.datasets.leaf import read_leaf_dir
+from fedcli.datasets import diskstore, models
+from fedcli.datasets.leaf import read_leaf_dir, stream_leaf_store
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
@@ -137,7 +137,17 @@ def _stack(split: dict[str, dict[str, list[object]]], writers: list[str]
 
 
 
+def _user_rows(record: dict[str, list[object]], where: str) -> dict[str, np.ndarray]:
+    """One writer's LEAF record as `_stack` encodes it (disk store, datasets/leaf.py stream_leaf_store)."""
+    x = np.asarray(record["x"], dtype=np.float32).reshape(-1, 28, 28)
+    return {"x": np.rint((1.0 - x) * 255.0).clip(0, 255).astype(np.uint8), "y": np.asarray(record["y"], dtype=np.int64)}
+
+
 def _load_femnist(options: TaskOptions) -> TaskData:
+    directory = Path(options.data_dir or BUNDLED_DIR)
+    if directory.exists() and diskstore.wants_disk(options, sorted(directory.rglob("*.json*"))):
+        verify_checksums(directory)  # a full LEAF FEMNIST: one JSON file in memory at a time
+        return stream_leaf_store("femnist", directory, _user_rows, num_classes=None)
     arrays = load_femnist(options.data_dir or BUNDLED_DIR)
     x, y = torch.from_numpy(arrays.train_x), torch.from_numpy(arrays.train_y)
     indices = [np.flatnonzero(arrays.train_writer == k) for k in range(len(arrays.writers))]

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedcli.datasets import models
-from fedcli.datasets.leaf import read_leaf_dir
+from fedcli.datasets import diskstore, models
+from fedcli.datasets.leaf import iter_leaf_users, read_leaf_dir, stream_leaf_store
 from fedcli.datasets.sources import align_clients, consecutive, data_dir, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
@@ -53,12 +54,35 @@ def line_to_indices(text: str, vocab: dict[str, int]) -> list[int]:
     return ids + [unk] * (MAX_WORDS - len(ids))
 
 
+def _stream_sent140(folder: Path, max_clients: int | None) -> TaskData:
+    """load_sent140 into a disk store, one JSON file in memory at a time: a pass for the user names, one
+    counting the kept users' words (the vocabulary), then the store's build (datasets/leaf.py)."""
+    users = set(sorted(u for _, u, _ in iter_leaf_users(folder / "train"))[:max_clients])
+    counts: Counter[str] = Counter()
+    for path, user, record in iter_leaf_users(folder / "train"):
+        if user in users:
+            counts.update(w for x in record["x"] for w in _WORD.findall(tweet_text(x, f"{path} user {user}")))
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:VOCAB_SIZE]  # = build_vocab
+    vocab = {w: i for i, (w, _) in enumerate(ranked)}
+
+    def rows(record: dict[str, list[Any]], where: str) -> dict[str, np.ndarray]:
+        labels = [int(v) for v in record["y"]]
+        if any(v not in (0, 1) for v in labels):
+            raise DataError(f"{where}: Sent140 labels must be 0 or 1.")
+        ids = [line_to_indices(tweet_text(x, where), vocab) for x in record["x"]]
+        return {"x": np.asarray(ids, dtype=np.int64).reshape(-1, MAX_WORDS), "y": np.asarray(labels, dtype=np.int64)}
+
+    return stream_leaf_store("sent140", folder, rows, num_classes=2, max_clients=max_clients)
+
+
 def load_sent140(options: TaskOptions) -> TaskData:
     """LEAF Sent140 from data_dir/{train,test}; users sorted by id."""
     folder = data_dir(options, "sent140")
     if not (folder / "train").exists() or not (folder / "test").exists():
         raise missing_data("Sent140", folder, "train/ and test/ folders of LEAF JSON",
                            "run LEAF's data/sent140/preprocess.sh and pass --data-dir data/sent140/data.")
+    if diskstore.wants_disk(options, sorted(folder.rglob("*.json*"))):
+        return _stream_sent140(folder, options.max_clients)
     train = read_leaf_dir(folder / "train")
     test = read_leaf_dir(folder / "test")
     users = sorted(train)[: options.max_clients]

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedcli.datasets import models
+from fedcli.datasets import diskstore, models
 from fedcli.datasets.femnist import verify_checksums
-from fedcli.datasets.leaf import read_leaf_dir
+from fedcli.datasets.leaf import read_leaf_dir, stream_leaf_store
 from fedcli.datasets.sources import align_clients
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
@@ -71,6 +71,13 @@ def load_shakespeare(options: TaskOptions) -> TaskData:
         raise DataError(f"Shakespeare folder {folder} does not exist; pass --data-dir with LEAF's "
                         "data/shakespeare/data folder (it holds train/ and test/).")
     verify_checksums(folder)
+    if diskstore.wants_disk(options, sorted(folder.rglob("*.json*"))):  # one JSON file in memory at a time
+
+        def rows(record: dict[str, list[str]], where: str) -> dict[str, np.ndarray]:
+            return {"x": encode(record["x"], where), "y": encode(record["y"], where).reshape(-1).astype(np.int64)}
+
+        return stream_leaf_store("shakespeare", folder, rows, num_classes=len(ALL_LETTERS),
+                                 max_clients=options.max_clients, exact_counts=False)
     train = read_leaf_dir(folder / "train", exact_counts=False)
     test = read_leaf_dir(folder / "test", exact_counts=False)
     roles = sorted(train)[: options.max_clients]

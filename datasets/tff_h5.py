@@ -122,11 +122,9 @@ CLIENT_BATCH = 1024  # clients read and preprocessed together when streaming int
 
 def wants_disk(options: TaskOptions, paths: Sequence[Path]) -> bool:
     """--data-store disk, or auto with source files above AUTO_DISK_BYTES (docs/scaling.md)."""
-    from fedcli.datasets.federated import AUTO_DISK_BYTES
+    from fedcli.datasets.diskstore import wants_disk as disk
 
-    if options.data_store == "disk":
-        return True
-    return options.data_store == "auto" and sum(p.stat().st_size for p in paths) > AUTO_DISK_BYTES
+    return disk(options, paths)
 
 
 Encode = Callable[[list[dict[str, np.ndarray]]], dict[str, np.ndarray]]

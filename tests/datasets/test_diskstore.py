@@ -8,6 +8,7 @@ mounted) and the `fedcli` CLI for the one-line errors.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 from pathlib import Path
 
 import h5py
@@ -34,6 +36,7 @@ from fedcli.engine.evaluation import evaluate
 from fedcli.engine.rounds import Timing, run_round
 from fedcli.engine.setup import build
 from fedcli.errors import ConfigError, DataError
+from tests.datasets._format_writers import write_leaf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,6 +120,11 @@ def test_auto_picks_memory_for_small_data_and_disk_runs_refuse_compiled_back_end
 
 
 # ----------------------------------------------------------------------------- TFF h5 streaming
+
+
+def _leftovers(root: Path) -> list[str]:
+    """What a failed build left in the cache root besides lock files (nothing, if it is absent)."""
+    return [p.name for p in root.iterdir() if not p.name.endswith(".lock")] if root.exists() else []
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -218,13 +226,81 @@ def test_a_corrupt_h5_names_the_file_and_the_client(tmp_path: Path) -> None:
         DataError, match=r"fed_emnist_train.h5 is truncated or corrupted: reading stopped at client 'b'"
     ):
         TASKS["emnist"].load(TaskOptions(data_dir=tmp_path, data_store="disk"))
-    assert not [p for p in Path(os.environ["FEDCLI_DATA_CACHE"]).iterdir() if not p.name.endswith(".lock")]
+    assert _leftovers(Path(os.environ["FEDCLI_DATA_CACHE"])) == []
     truncated = tmp_path / "cut"
     truncated.mkdir()
     (truncated / "fed_emnist_train.h5").write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     (truncated / "fed_emnist_test.h5").write_bytes(path.read_bytes())
     with pytest.raises(DataError, match=r"cut/fed_emnist_train.h5 cannot be read as HDF5 .*truncated"):
         TASKS["emnist"].load(TaskOptions(data_dir=truncated, data_store="disk"))
+
+
+# ----------------------------------------------------------------------------- LEAF JSON streaming
+
+
+def _tweets(k: int) -> list[list[str]]:
+    words = ["good", "bad", "day", "so", "meh", "!", "ok", "why"]
+    return [
+        ["1", "date", "NO_QUERY", "user", " ".join(words[(k + j) % 8] for j in range(k % 5 + 1))]
+        for k in range(k)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("task", "fmt"), [("femnist", "leaf-femnist"), ("shakespeare", "leaf-shakespeare"), ("sent140", None)]
+)
+def test_leaf_tasks_stream_one_file_at_a_time_into_the_in_memory_arrays(
+    task: str, fmt: str | None, tmp_path: Path
+) -> None:
+    folder = tmp_path / task
+    if fmt is not None:
+        generate(fmt, 30, folder, seed=2, mean_size=6, sigma=0.5)
+    else:  # users spread over two files (and a .gz), in no sorted order; u9 has no test examples
+        write_leaf(
+            folder / "train" / "a.json", {"u5": (_tweets(4), [1, 0, 1, 0]), "u1": (_tweets(3), [0, 1, 1])}
+        )
+        write_leaf(
+            folder / "train" / "b.json.gz", {"u3": (_tweets(5), [1, 1, 0, 0, 1]), "u9": (_tweets(2), [0, 0])}
+        )
+        write_leaf(folder / "test" / "t.json", {"u3": (_tweets(2), [1, 0]), "u1": (_tweets(1), [1])})
+    max_clients = 3 if task != "femnist" else None
+    memory = TASKS[task].load(TaskOptions(data_dir=folder, data_store="memory", max_clients=max_clients))
+    disk = TASKS[task].load(TaskOptions(data_dir=folder, data_store="disk", max_clients=max_clients))
+    assert memory.store is None and disk.store is not None
+    for name in ("x", "y", "test_x", "test_y"):
+        assert _equal(getattr(memory, name), getattr(disk, name)), name
+    assert disk.fingerprint == memory.fingerprint and disk.client_names == memory.client_names
+    assert disk.num_classes == memory.num_classes
+    assert [c.tolist() for c in disk.client_indices] == [c.tolist() for c in memory.client_indices]
+    assert [c.tolist() for c in disk.test_client_indices] == [c.tolist() for c in memory.test_client_indices]
+    if max_clients is not None:
+        assert len(disk.client_names) == max_clients
+
+
+@pytest.mark.parametrize("suffix", [".json", ".json.gz"])
+def test_a_truncated_leaf_file_names_the_file_and_the_user_where_reading_stopped(
+    suffix: str, tmp_path: Path
+) -> None:
+    users = {f"f{k:04d}": (_tweets(3), [0, 1, 0]) for k in range(6)}
+    path = tmp_path / "train" / f"all{suffix}"
+    write_leaf(path, users)
+    write_leaf(tmp_path / "test" / "t.json", {"f0000": (_tweets(1), [1])})
+    text = path.read_bytes() if suffix == ".json" else gzip.decompress(path.read_bytes())
+    cut = text.index(b'"f0004": {') + 30  # inside user f0004's examples
+    packed = gzip.compress(text)
+    path.write_bytes(text[:cut] if suffix == ".json" else packed[: len(packed) * 2 // 3])
+    if suffix == ".json.gz":  # the gzip stream ends early: where it stops depends on compression; find it
+        partial = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(path.read_bytes())
+        expected = sorted(u for u in users if f'"{u}": {{'.encode() in partial)[-1]
+    else:
+        expected = "f0004"
+    with pytest.raises(
+        DataError,
+        match=rf"LEAF file .*all{suffix} is not valid .* reading stopped at user "
+        rf"'{expected}'",
+    ):
+        TASKS["sent140"].load(TaskOptions(data_dir=tmp_path, data_store="disk"))
+    assert _leftovers(Path(os.environ["FEDCLI_DATA_CACHE"])) == []
 
 
 # ----------------------------------------------------------------------------- concurrent, killed, full disk
