@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 SPEC_KEYS = ("experiment", "base", "grid", "variants", "seeds", "report", "description", "paper", "smoke", "study",
-             "max_trials", "search", "pruner")  # search, pruner: fedcli/sweep_search_spec.py
+             "max_trials", "search", "pruner", "data")  # search, pruner: fedcli/sweep_search_spec.py; data: fedcli/recipes
 REPORT_KEYS = ("metric", "thresholds", "at", "window", "smooth", "group_by", "output", "columns")  # `fedcli report` options
 MAX_TRIALS = 1000  # trials a spec may expand to unless it says `max_trials: N` (checked before expanding)
 

@@ -47,7 +47,17 @@ def sweep(
                                                        "and threads; with --backend ray). \\[default: 1]")] = None,
     gpus_per_trial: Annotated[float | None, typer.Option(min=0, help="GPUs of each trial's Ray task, e.g. 0.5 (with "
                                                          "--backend ray). \\[default: 0]")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the trials and what a run would do with each.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the trials and what a run would do with each; "
+                                                           "for a paper-scale recipe (or with --estimate) also each "
+                                                           "trial's federation size, estimated peak host/device "
+                                                           "memory and time per round (a short measured probe).")] = False,
+    estimate: Annotated[bool, typer.Option("--estimate", help="With --dry-run: probe every trial (federation size, "
+                                                             "peak memory, time per round) for any spec.")] = False,
+    data_dir: Annotated[Path | None, typer.Option(help="Every trial's data folder (data.data_dir): where a recipe's "
+                                                  "TFF/LEAF files are (the recipe says where they come from).")] = None,
+    eval_sample: Annotated[int | None, typer.Option(min=0, help="Every trial evaluates on a fixed sample of N test "
+                                                    "examples (train.eval_sample); 0 = the whole split. \\[default: "
+                                                    "the spec's, else the task's paper setting]")] = None,
     smoke: Annotated[bool, typer.Option("--smoke", help="The spec's seconds-long `smoke:` version (experiment NAME-smoke).")
                      ] = False,
     output: Annotated[Path | None, typer.Option(help="Write the report here (PNGs beside it). \\[default: the spec's "
@@ -89,6 +99,17 @@ def sweep(
         tracking = {"tracking.root": root and str(root), "tracking.store": store,
                     "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None}
         body = sweeps.load_spec(spec, recipe, smoke=smoke)
+        given = {"data_dir": data_dir and str(data_dir.resolve()), "eval_sample": eval_sample}
+        if any(v is not None for v in given.values()):  # --data-dir / --eval-sample: every trial's base
+            body["base"] = {**(body.get("base") or {}), **{k: v for k, v in given.items() if v is not None}}
+        if smoke and body.get("data") and not (body.get("base") or {}).get("data_dir"):
+            from fedcli.recipes import (
+                smoke_data,  # a paper-scale recipe's smoke: a small generated federation
+            )
+
+            generated = smoke_data(body, Path(root or "fedcli-runs"))
+            if generated is not None:
+                body["base"] = {**(body.get("base") or {}), "data_dir": str(generated)}
         if output is not None:
             body["report"] = {**(body.get("report") or {}), "output": str(output)}
         if body.get("study"):
@@ -134,6 +155,8 @@ def sweep(
                 reader = SqlStore.reader(track.store_url)
                 show_plan(sweeps.plan_trials(trials, []) if reader is None else
                           sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(reader, track.experiment)))
+                if estimate or body.get("data"):  # paper scale: will it fit, how long (fedcli/sweep_estimate.py)
+                    show_estimates(trials, body)
                 return
             db = open_store(track.store_url)
             plans = sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(db, track.experiment))
@@ -311,6 +334,34 @@ def show_plan(plans: Sequence[Any]) -> None:
                   "diverged": "diverged (skip)"}.get(plan.action, plan.action)
         table.add_row(plan.trial.name, plan.trial.config.config_hash[:10], action, plan.note)
     console().print(table)
+
+
+def show_estimates(trials: Sequence[Any], body: Mapping[str, Any]) -> None:
+    """Each trial's federation, estimated peak memory and time per round, from a measured probe."""
+    from fedcli.sweep_estimate import PROBE_ROUNDS, estimate_trials, fmt_bytes, fmt_seconds
+
+    source = (body.get("data") or {}).get("source")
+    if source:
+        console().print(f"data: {source}", highlight=False, soft_wrap=True, markup=False)
+    console().print(f"probing {len(trials)} trial(s): {PROBE_ROUNDS} rounds each, nothing stored ...", highlight=False)
+    table = Table("trial", "clients", "examples (train/test)", "largest client", "params", "set-up",
+                  "s/round", "host peak (est.)", "device peak", "full run (est.)",
+                  title="estimates on this machine (docs/scaling.md, \"paper scale\")")
+    plain = not console().is_terminal  # a pipe or a log: one line per trial, never cut to a width
+    for e in estimate_trials(trials):
+        if e.error is not None:
+            cells = [e.trial, "probe failed: " + e.error]
+            table.add_row(*cells, *[""] * 8)
+        else:
+            cells = [e.trial, f"{e.clients:,}", f"{e.train_examples:,} / {e.test_examples:,}", f"{e.largest_client:,}",
+                     f"{e.params:,}", fmt_seconds(e.setup_s), f"{e.round_s:.2f}", fmt_bytes(e.host_peak_bytes),
+                     fmt_bytes(e.device_peak_bytes), fmt_seconds(e.full_run_s)]
+            table.add_row(*cells)
+        if plain:
+            names = [str(c.header) for c in table.columns]
+            typer.echo(f"{cells[0]}: " + "; ".join(f"{n} {v}" for n, v in zip(names[1:], cells[1:], strict=False)))
+    if not plain:
+        console().print(table)
 
 
 def rows_table(rows: Sequence[Any], key: str, title: str) -> Table:

@@ -8,7 +8,12 @@ a sweep spec (fedcli.sweeps) with three more keys:
 - `smoke`: overrides for `--smoke`, the seconds-long version `make test` runs so recipes do not
   rot: `base` and `report` are merged key by key, `grid` key by key, `seeds` and `variants` replaced;
   the experiment gets the suffix `-smoke` so smoke runs never mix with real ones;
-- `study`: instead of training runs, a computation on a closed-form problem (fedcli.studies).
+- `study`: instead of training runs, a computation on a closed-form problem (fedcli.studies);
+- `data` (paper-scale recipes, issue 32): `{source: where the files come from, generate: {format,
+  clients, mean_size}}`. The files are not bundled: the recipe runs on `--data-dir`; its `--smoke`
+  without `--data-dir` writes a small federation in the same format (fedcli.datasets.generate)
+  under <root>/smoke-data/ and runs on that. `--dry-run` probes its trials (fedcli.sweep_estimate);
+  `make reproduce` skips these recipes unless `--only` names them.
 """
 
 from __future__ import annotations
@@ -34,6 +39,29 @@ def read_recipe(name: str) -> dict[str, Any]:
     from fedcli.config_checks import load_yaml
 
     return load_yaml(path.read_text(), f"recipe {path}")
+
+
+def smoke_data(spec: Mapping[str, Any], root: Path) -> Path | None:
+    """The generated federation of a `data: {generate: ...}` recipe's smoke form (written once, then
+    reused): <root>/smoke-data/<experiment>; None when the recipe generates nothing."""
+    from fedcli.errors import ConfigError
+
+    block = spec.get("data") or {}
+    gen = block.get("generate") if isinstance(block, Mapping) else None
+    if not gen:
+        return None
+    if not isinstance(gen, Mapping) or not {"format", "clients"} <= gen.keys():
+        raise ConfigError(f"data.generate must be a mapping with format and clients, e.g. {{format: emnist, "
+                          f"clients: 12, mean_size: 8}}; got {gen!r}.")
+    from fedcli.datasets.generate import generate
+
+    folder = Path(root) / "smoke-data" / str(spec["experiment"])
+    done = folder / ".generated"
+    if not done.exists():
+        generate(str(gen["format"]), int(gen["clients"]), folder, int(gen.get("seed", 0)),
+                 mean_size=gen.get("mean_size"), quiet=True)
+        done.write_text("ok\n")
+    return folder.resolve()
 
 
 def smoke_spec(spec: Mapping[str, Any]) -> dict[str, Any]:

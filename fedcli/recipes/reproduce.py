@@ -22,7 +22,8 @@ from fedcli.recipes import read_recipe, recipe_names
 
 
 def paper_recipes() -> list[str]:
-    return [name for name in recipe_names() if read_recipe(name).get("paper")]
+    """Every recipe with a `paper:` key, but those that need files not bundled (`data:`, paper scale)."""
+    return [name for name in recipe_names() if read_recipe(name).get("paper") and not read_recipe(name).get("data")]
 
 
 def main(argv: list[str] | None = None) -> int:

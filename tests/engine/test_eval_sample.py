@@ -55,19 +55,35 @@ def test_indexed_and_streamed_evaluation_match_the_materialised_split() -> None:
     cpu = torch.device("cpu")
     index = eval_sample_index(len(data.test_y), 777)
     assert index is not None
-    got = evaluate_predictions(task, model, task.prepare, data.test_x, data.test_y, device=cpu, chunk=100, index=index)
+    got = evaluate_predictions(
+        task, model, task.prepare, data.test_x, data.test_y, device=cpu, chunk=100, index=index
+    )
     ix = torch.as_tensor(np.array(index))
-    ref = evaluate_predictions(task, model, task.prepare, data.test_x[ix], data.test_y[ix], device=cpu, chunk=100)
+    ref = evaluate_predictions(
+        task, model, task.prepare, data.test_x[ix], data.test_y[ix], device=cpu, chunk=100
+    )
     assert got == ref
     whole = evaluate_predictions(task, model, task.prepare, data.test_x, data.test_y, device=cpu, chunk=100)
     assert whole["eval/loss"] != got["eval/loss"]
     # per-client view: clients share chunks (one of 16 examples spans several), equal to one client at a time
     clients = data.test_client_indices
     assert clients is not None and max(len(c) for c in clients) > 16
-    streamed = evaluate_clients(task, model, task.prepare, data.test_x, data.test_y, clients, device=cpu, chunk=16)
-    one_by_one = [evaluate_predictions(task, model, task.prepare, data.test_x[torch.as_tensor(c)],
-                                       data.test_y[torch.as_tensor(c)], device=cpu, chunk=16)
-                  for c in clients if len(c)]
+    streamed = evaluate_clients(
+        task, model, task.prepare, data.test_x, data.test_y, clients, device=cpu, chunk=16
+    )
+    one_by_one = [
+        evaluate_predictions(
+            task,
+            model,
+            task.prepare,
+            data.test_x[torch.as_tensor(c)],
+            data.test_y[torch.as_tensor(c)],
+            device=cpu,
+            chunk=16,
+        )
+        for c in clients
+        if len(c)
+    ]
     assert len(streamed) == len(one_by_one) == sum(1 for c in clients if len(c))
     for s, o in zip(streamed, one_by_one, strict=True):
         assert s["eval/accuracy"] == o["eval/accuracy"]
@@ -75,8 +91,16 @@ def test_indexed_and_streamed_evaluation_match_the_materialised_split() -> None:
 
 
 def _run(tmp_path: Path, name: str, **settings: object) -> fedcli.api.Run:
-    return fedcli.train("fedavg", task="femnist", clients_per_round=3, batch_size=20, root=str(tmp_path / name),
-                        no_mlflow=True, seed=4, **settings)
+    return fedcli.train(
+        "fedavg",
+        task="femnist",
+        clients_per_round=3,
+        batch_size=20,
+        root=str(tmp_path / name),
+        no_mlflow=True,
+        seed=4,
+        **settings,
+    )
 
 
 def test_a_run_evaluates_the_same_sample_every_round_and_after_resume(tmp_path: Path) -> None:
@@ -93,23 +117,58 @@ def test_a_run_evaluates_the_same_sample_every_round_and_after_resume(tmp_path: 
     index = eval_sample_index(len(data.test_y), 300)
     assert index is not None
     module = sampled.model()
-    ref = evaluate_predictions(task, module, lambda x: x, data.test_x, data.test_y, device=torch.device("cpu"),
-                               index=index)
+    ref = evaluate_predictions(
+        task, module, lambda x: x, data.test_x, data.test_y, device=torch.device("cpu"), index=index
+    )
     assert ref["eval/loss"] == pytest.approx(a.loc[2, "eval/loss"], rel=1e-6)
     assert ref["eval/accuracy"] == pytest.approx(a.loc[2, "eval/accuracy"], abs=1e-12)
     # `fedcli evaluate` scores the run's recorded sample unless told otherwise
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "fedcli", "evaluate", sampled.id[:8], "--root",
-                          str(tmp_path / "sampled"), "--no-mlflow", "--json"], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "evaluate",
+            sampled.id[:8],
+            "--root",
+            str(tmp_path / "sampled"),
+            "--no-mlflow",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert doc["eval_sample"] == 300 and doc["metrics"]["test/loss"] == pytest.approx(ref["eval/loss"], rel=1e-6)
+    assert doc["eval_sample"] == 300 and doc["metrics"]["test/loss"] == pytest.approx(
+        ref["eval/loss"], rel=1e-6
+    )
 
 
 def test_bad_eval_sample_is_one_line_exit_2(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "fedcli", "train", "--rounds", "1", "--eval-sample", "-3", "--root",
-                          str(tmp_path), "--no-mlflow"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "train",
+            "--rounds",
+            "1",
+            "--eval-sample",
+            "-3",
+            "--root",
+            str(tmp_path),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2 and "--eval-sample" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "fedcli.db").exists()
     with pytest.raises(fedcli.errors.ConfigError, match="eval_sample"):
