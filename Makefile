@@ -49,6 +49,13 @@ bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/bench_report.py --out bench-results/bench_report.json
 	$(BIN)/python -m tests.benchmarks.scaleout --out bench-results
 
+# Issue 32's paper-scale figures (tests/benchmarks/bench_scale.py): 342,477- vs 3,400-client StackOverflow-format
+# federations, client state on disk (SCAFFOLD, BayesADMM, CNN), disk vs memory round time; bench-results/bench_scale.md.
+# Hours on 2 cores (generated data under /tmp/bench-scale); PARTS=so,state,ratio picks parts. Runs under quiet-run if present.
+.PHONY: bench-scale
+bench-scale: $(STAMP)
+	OMP_NUM_THREADS=1 $$(command -v quiet-run) $(BIN)/python -m tests.benchmarks.bench_scale --out bench-results $(if $(PARTS),--parts $(PARTS))
+
 # Every algorithm with its defaults on every bundled task, 25 rounds, seeds 0 and 1, one thread per run; writes
 # the table into docs/out-of-the-box.md (tests/benchmarks/matrix.py; several hours on 2 cores: har and vehicle
 # run where their data is in ~/.cache/fedcli, shakespeare only with --tasks shakespeare). Exits 1 when a target
