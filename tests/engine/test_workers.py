@@ -233,11 +233,15 @@ def test_in_process_choice_runs_convolutions_client_by_client_on_a_cpu() -> None
 
 @pytest.mark.parametrize(("requested", "device", "model", "message"), [
     ("process", "cuda", "mlp", r"train.executor='process' splits the cohort over CPU processes"),
-    ("vmap", "cpu", BATCHNORM, r"the model has BatchNorm layers, whose running statistics vmap cannot"),
 ])
 def test_impossible_executor_settings_are_refused(requested: str, device: str, model: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         choose(workload(model, device), requested)  # type: ignore[arg-type]
+
+
+def test_vmap_takes_batchnorm() -> None:
+    """BatchNorm trains on batch statistics per client, so vmap runs it (issue 37; engine/model.py)."""
+    assert choose(workload(BATCHNORM), "vmap").backend == "vmap"
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
