@@ -19,6 +19,13 @@ node must reach them: on a cluster of more than one node a SQLite store or a fil
 MLflow URI is refused before anything is written (`check_cluster`). A stop (SIGINT, SIGTERM,
 SIGHUP) asks each busy actor to stop: it sends SIGTERM to its worker, whose trial checkpoints
 and reads `interrupted`; actors still busy `KILL_AFTER_S` later are killed.
+
+A URL's password never travels as a Ray argument (Ray keeps task and actor arguments in its GCS and
+may log them): actors get the store and MLflow URIs, and the pruning hook its storage, masked
+(`user:***@host`), and take the real ones from FEDCLI_STORE / MLFLOW_TRACKING_URI in their own
+process environment. `connect` exports them before `ray.init`, so a Ray instance it starts on this
+machine passes them on to its workers; on a running cluster they must be set where `ray start` ran,
+which `RayCluster.check` verifies (comparing masked forms) before anything is written.
 """
 
 from __future__ import annotations
@@ -59,8 +66,10 @@ class RayCluster:
     gpus: float
 
     def check(self, track: TrackingConfig) -> None:
-        """Refuse stores the trials cannot share and trials no node can hold (check_cluster)."""
+        """Refuse stores the trials cannot share, trials no node can hold (check_cluster), and a URL with a
+        password that the cluster's workers do not have in their environment (check_secrets)."""
         check_cluster(self.nodes, track, self.cpus, self.gpus)
+        check_secrets(self.ray, secret_env(track))
 
     def default_workers(self) -> int:
         """Trials the cluster holds at once: per node, its CPUs (and GPUs) over one trial's, summed."""
@@ -77,23 +86,72 @@ class RayCluster:
                   recheck: Callable[[sweeps.Plan], sweeps.Plan], read_runs: Callable[[], list[RunRecord]],
                   track: TrackingConfig, claims: sweeps.TrialClaims | None = None, mirror: Any = None,
                   source: Any = None) -> RayScheduler:
+        from fedcli.tracking.urls import mask_url
+
         env = {"FEDCLI_STORE": track.store_url}
         if track.use_mlflow:
             env["MLFLOW_TRACKING_URI"] = track.mlflow_uri
+        env = {key: mask_url(value) for key, value in env.items()}  # the actors read the password from their env
         return RayScheduler(plans, cluster=self, workers=workers or self.default_workers(), parent_run=parent_run,
                             recheck=recheck, read_runs=read_runs, env=env, cwd=str(Path.cwd()), claims=claims,
                             mirror=mirror, source=source)
 
 
+def secret_env(track: TrackingConfig) -> dict[str, str]:
+    """The environment variables of the sweep's URLs that hold a password (FEDCLI_STORE, MLFLOW_TRACKING_URI)."""
+    from fedcli.tracking.urls import has_password
+
+    env = {"FEDCLI_STORE": track.store_url}
+    if track.use_mlflow:
+        env["MLFLOW_TRACKING_URI"] = track.mlflow_uri
+    return {key: value for key, value in env.items() if has_password(value)}
+
+
+def _masked_env(keys: Sequence[str]) -> dict[str, str | None]:
+    """Runs on a Ray worker: these variables of its environment, masked (no password leaves the node)."""
+    from fedcli.tracking.urls import mask_url
+
+    return {key: None if os.environ.get(key) is None else mask_url(os.environ[key]) for key in keys}
+
+
+def check_secrets(ray: Any, secrets: Mapping[str, str]) -> None:
+    """The workers of the cluster must hold the sweep's URLs that carry a password in their own environment:
+    one short task reads them there and sends them back masked, compared with this process's masked.
+
+    Raises:
+        ConfigError: a worker lacks one, or has another URL (one line, no password in it).
+    """
+    if not secrets:
+        return
+    from fedcli.tracking.urls import mask_url
+
+    try:
+        seen = ray.get(ray.remote(_masked_env).options(num_cpus=0).remote(sorted(secrets)), timeout=120)
+    except Exception as err:  # noqa: BLE001 - any failure of the probe task: one line
+        raise ConfigError(f"cannot read the environment of the Ray cluster's workers ({first_line(err)}).") from None
+    for key, value in sorted(secrets.items()):
+        if seen.get(key) != mask_url(value):
+            found = "does not set it" if seen.get(key) is None else f"sets {seen[key]!r}"
+            raise ConfigError(f"the URL {mask_url(value)!r} holds a password, which fedcli never passes to Ray as an "
+                              f"argument (Ray may log them), but the Ray cluster's workers' environment {found}; set "
+                              f"{key} to it where `ray start` runs on every node, then rerun.")
+
+
 @contextmanager
-def connect(address: str | None, cpus: int, gpus: float) -> Iterator[RayCluster]:
+def connect(address: str | None, cpus: int, gpus: float,
+            track: TrackingConfig | None = None) -> Iterator[RayCluster]:
     """Connect to the Ray cluster at `address` for the duration of the block (None: Ray's default,
     RAY_ADDRESS, else the cluster `ray start` started on this machine, else a new local instance).
+
+    `track`: its URLs that hold a password are exported to this process's environment first, so that a
+    Ray instance `ray.init` starts here hands them to its workers (never as arguments: module docstring).
 
     Raises:
         ConfigError: Ray is not installed, or the cluster cannot be reached.
     """
     use_token_if_there()  # before Ray reads its config
+    if track is not None:
+        os.environ.update(secret_env(track))  # inherited by the raylet and workers of an instance started here
     try:
         import ray
     except ImportError:
@@ -185,6 +243,21 @@ def first_line(err: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- the trial tasks
+
+
+def masked_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A trial message (fedcli.sweep_worker_pool.trial_message) with its URLs masked: the hook's storage and a
+    resumed trial's tracking.store / tracking.tracking_uri. The actor (TrialActor.run) and the worker
+    (fedcli.config's given_url) take the real URLs from their environment."""
+    from fedcli.tracking.urls import mask_url
+
+    out = dict(message)
+    if isinstance(out.get("hook"), Mapping) and isinstance(out["hook"].get("storage"), str):
+        out["hook"] = {**out["hook"], "storage": mask_url(out["hook"]["storage"])}
+    if isinstance(out.get("overrides"), Mapping):
+        out["overrides"] = {k: mask_url(v) if k in ("tracking.store", "tracking.tracking_uri") and isinstance(v, str)
+                            else v for k, v in out["overrides"].items()}
+    return out
 
 
 @dataclass
@@ -301,7 +374,7 @@ class RayScheduler(sweeps.Scheduler):
 
         actor = self._actor(plan)
         hook = self.source.hook(plan) if self.source is not None else None
-        ref = actor.handle.run.remote(trial_message(plan, self.cores, self.cores, hook))
+        ref = actor.handle.run.remote(masked_message(trial_message(plan, self.cores, self.cores, hook)))
         trial = RayTrial(plan, ref, actor=actor, run_id=plan.run_id)
         actor.busy = trial
         self.processes.append(trial)

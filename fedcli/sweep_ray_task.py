@@ -79,6 +79,8 @@ class TrialActor:
     """
 
     def __init__(self, cwd: str, env: Mapping[str, str]) -> None:
+        # a masked URL (`user:***@host`; fedcli.sweep_ray never sends a password through Ray) is this node's own
+        env = {k: v for k, v in env.items() if not (_masked(v) and os.environ.get(k))}
         # an unnamed file: Ray ends actors with ray.kill, so a folder made here was never removed (one
         # per actor was left in /tmp); it is freed with this process
         self.stderr = tempfile.TemporaryFile(prefix="fedcli-worker-")  # noqa: SIM115 - lives with the actor
@@ -95,6 +97,9 @@ class TrialActor:
         import json
 
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        hook = message.get("hook")
+        if isinstance(hook, Mapping) and _masked(hook.get("storage")) and os.environ.get("FEDCLI_STORE"):
+            message = {**message, "hook": {**hook, "storage": os.environ["FEDCLI_STORE"]}}  # through a pipe only
         run_id = message.get("resume")
         try:
             self.proc.stdin.write((json.dumps(dict(message)) + "\n").encode())
@@ -132,6 +137,11 @@ class TrialActor:
             self.proc.wait(timeout=KILL_AFTER_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def _masked(value: object) -> bool:
+    """A URL whose password was masked by fedcli.tracking.urls.mask_url (`:***@`, `password=***`)."""
+    return isinstance(value, str) and ("***" in value or "%2A%2A%2A" in value.upper())
 
 
 def _interruptible() -> None:

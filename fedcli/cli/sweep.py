@@ -121,7 +121,7 @@ def sweep(
             if backend is not Backend.local:  # trials run on other nodes: their root must be absolute there
                 tracking["tracking.root"] = str(Path(root or "fedcli-runs").resolve())
             track = prepare_search(body, tracking, report_output(body, str(root or "fedcli-runs")))
-            with cluster_of(backend, address, cpus_per_trial, gpus_per_trial) as cluster:  # before anything is written
+            with cluster_of(backend, address, cpus_per_trial, gpus_per_trial, track) as cluster:  # before anything is written
                 if cluster is not None:
                     cluster.check(track)
                 if dry_run:
@@ -143,7 +143,7 @@ def sweep(
         for line in warn_degenerate([t.config for t in trials], swept):
             console().print(f"warning: {line}", markup=False, soft_wrap=True)
         check_output(report_path, "report.output")
-        with cluster_of(backend, address, cpus_per_trial, gpus_per_trial) as cluster:  # before anything is written
+        with cluster_of(backend, address, cpus_per_trial, gpus_per_trial, track) as cluster:  # before anything is written
             if cluster is not None:
                 from fedcli.sweep_ray import absolute_root
 
@@ -166,13 +166,14 @@ def sweep(
 
 
 def cluster_of(backend: Backend, address: str | None, cpus: int | None,
-               gpus: float | None) -> AbstractContextManager[Any]:
-    """The connected Ray cluster for --backend ray (fedcli.sweep_ray.connect), else None."""
+               gpus: float | None, track: Any = None) -> AbstractContextManager[Any]:
+    """The connected Ray cluster for --backend ray (fedcli.sweep_ray.connect; `track`'s URLs with a password
+    reach the workers through their environment), else None."""
     if backend is Backend.local:
         return nullcontext(None)
     from fedcli.sweep_ray import connect
 
-    return connect(address, cpus or 1, gpus or 0.0)
+    return connect(address, cpus or 1, gpus or 0.0, track)
 
 
 def run_study(body: Mapping[str, Any], root: Path | None, dry_run: bool, smoke: bool) -> None:
