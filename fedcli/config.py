@@ -260,7 +260,7 @@ RESUMABLE_OVERRIDES = ("train.rounds", "train.checkpoint_every", "train.keep_che
                        "train.device",
                        "train.executor",
                        "train.cohort_chunk", "train.workers", "train.state_store", "train.state_cache_mb", "tracking.root", "tracking.store", "tracking.tracking_uri",
-                       "tracking.use_mlflow")
+                       "tracking.use_mlflow", "data.data_store")
 
 
 def same_run_config(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -270,6 +270,7 @@ def same_run_config(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         body = {k: v for k, v in doc.items() if k != "tracking"}
         body["train"] = {k: v for k, v in dict(body.get("train") or {}).items()
                          if f"train.{k}" not in RESUMABLE_OVERRIDES}
+        body["data"] = {k: v for k, v in dict(body.get("data") or {}).items() if f"data.{k}" not in RESUMABLE_OVERRIDES}
         return canonical_json(body)
 
     return fixed(a) == fixed(b)

@@ -200,7 +200,7 @@ NOT_HASHED = ("workers", "threads", "checkpoint_every", "keep_checkpoints", "sta
 # data keys: a user model's source hash counts where set (an edited model is another config); left out
 # while None, so configs of built-in models keep their hashes. model_args follows from the data: never hashed
 DATA_HASHED_UNLESS_NONE = ("model_sha256", "augment")  # augment: None keeps the hashes of runs before it existed
-DATA_NOT_HASHED = ("model_args",)
+DATA_NOT_HASHED = ("model_args", "data_store")  # data_store: where the examples live, not what they are
 # train keys added after runs were stored: left out of the hash at their default, so a config
 # that does not use them keeps the hash it had before they existed (sweeps find its runs)
 HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False, "state_precision": "state", "eval_sample": None}

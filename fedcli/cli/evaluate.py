@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fedcli.cli.common import Panel, console, open_store, tracking_config
+from fedcli.cli.common import DataStore, Panel, console, open_store, tracking_config
 from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError
 
@@ -51,6 +51,9 @@ def evaluate(
     samples: Annotated[int, typer.Option(min=1, help="Posterior samples K of --predictive ensemble.", rich_help_panel=Panel.ALGO)] = SAMPLES,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the posterior samples.", rich_help_panel=Panel.ALGO)] = 0,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:N] | mps. \\[default: the run's]")] = None,
+    data_store: Annotated[DataStore | None, typer.Option(help="Where the examples live: memory, disk (a memory-mapped "
+                                                         "store) or auto (docs/scaling.md). \\[default: the run's]",
+                                                         rich_help_panel=Panel.DATA)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]", rich_help_panel=Panel.TRACK)] = None,
     root: Annotated[Path | None, typer.Option(help="Folder of the default store (<root>/fedcli.db). \\[default: ./fedcli-runs]",
@@ -85,7 +88,7 @@ def evaluate(
         db = open_store(url)
         record = db.get_run(run)
         setup, state, params, round_idx = load_model(record, db, checkpoint, task, device, named=(model, data),
-                                                     trust=trust_code)
+                                                     trust=trust_code, data_store=data_store and data_store.value)
         ensemble = predictive is Predictive.ensemble
         predict = make_predictor(setup, state, params, samples if ensemble else None, seed)
         sample = resolve_eval_sample(setup.cfg.train.eval_sample if eval_sample is None else eval_sample,
@@ -112,7 +115,8 @@ def evaluate(
 
 
 def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, device: str | None, *,
-               named: tuple[str | None, ...] = (), trust: bool = False) -> tuple[Any, Any, dict[str, Any], int | None]:
+               named: tuple[str | None, ...] = (), trust: bool = False, data_store: str | None = None
+               ) -> tuple[Any, Any, dict[str, Any], int | None]:
     """Build the run's setup (optionally on another task or device) and load its global model.
 
     The file is read without running code and checked against the run's row and state
@@ -143,7 +147,7 @@ def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, d
     flags = " ".join(f"--{'model' if c.what == 'model' else 'data'} {c.ref}" for c in code)
     allow_code(code, source=f"run {record.id[:8]}'s stored config", named=named, trust=trust,
                fix=f"name it again ({flags}) or pass --trust-code if you trust it")
-    setup = build(resume_config(doc, {"train.device": device}), model_change="warn")  # your model's code changed: warn
+    setup = build(resume_config(doc, {"train.device": device, "data.data_store": data_store}), model_change="warn")  # your model's code changed: warn
     misfit = ConfigError(f"the model of run {record.id} does not fit task {setup.task.name!r} (its model "
                          f"{setup.cfg.data.model or setup.task.default_model!r} has other parameter shapes there); "
                          "pick a task with the same inputs and classes.")

@@ -119,6 +119,78 @@ def test_auto_picks_memory_for_small_data_and_disk_runs_refuse_compiled_back_end
         _run("mnist", "disk", "process", rounds=1)
 
 
+def test_cli_train_and_evaluate_take_data_store_recorded_with_the_run(tmp_path: Path, cache: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = tmp_path / "runs"
+    trained = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "mnist",
+            "--data-store",
+            "disk",
+            "--rounds",
+            "2",
+            "--clients-per-round",
+            "4",
+            "--no-mlflow",
+            "--root",
+            str(root),
+            "--run-name",
+            "ondisk",
+            "--executor",
+            "vmap",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
+    assert trained.returncode == 0, trained.stderr
+    assert [p for p in cache.iterdir() if not p.name.startswith(".")]  # the store the run read
+    from fedcli.config import config_hash_of
+    from fedcli.tracking.store import SqlStore
+
+    with SqlStore(f"sqlite:///{root / 'fedcli.db'}") as db:
+        record = db.get_run("ondisk")
+    assert record.config["data"]["data_store"] == "disk"
+    plain = build_config(overrides={"data.task": "mnist"}).to_dict()
+    assert config_hash_of({**plain, "data": {**plain["data"], "data_store": "disk"}}) == config_hash_of(plain)
+    scores = {}
+    for store in ("memory", "disk"):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fedcli",
+                "-q",
+                "evaluate",
+                "ondisk",
+                "--data-store",
+                store,
+                "--json",
+                "--no-mlflow",
+                "--root",
+                str(root),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr
+        scores[store] = json.loads(proc.stdout)["metrics"]
+    assert scores["memory"] == scores["disk"] and scores["disk"]["test/accuracy"] > 0.0, scores
+
+
 # ----------------------------------------------------------------------------- TFF h5 streaming
 
 
