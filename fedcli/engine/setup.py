@@ -163,10 +163,6 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
                         clients_per_round=t.clients_per_round, compile=t.compile, graph=t.graph,
                         augment=transforms.random, slots=workers)
     choice = select.choose(workload, t.executor, launched=peers is not None)
-    if fed.store == "disk" and choice.backend not in DISK_EXECUTORS:
-        raise ConfigError(f"the disk data store (data.data_store={cfg.data.data_store}) runs with --executor "
-                          f"{'|'.join(DISK_EXECUTORS)} without --compile/--graph; got {choice.backend!r}. Use one of "
-                          "those, or --data-store memory if the examples fit in memory.")
     if fed.store == "disk" and choice.backend not in DISK_EXECUTORS and t.executor == "auto" and not t.compile \
             and not t.graph:  # auto spread the loop over worker processes: the disk store's cohorts stay in-process
         name, why = select.in_process(workload)
