@@ -20,6 +20,7 @@ Deviations:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,7 @@ ALGORITHM = Algorithm(
     server_update=fola.server_update,
     global_params=fola.global_params,
     round_key=fola.prior_round,
+    check_model=functools.partial(fola.per_sample_obstacle, name="fola-offline"),
     posterior=fola.posterior,
     description="FOLA with the Fisher taken once at the end of local training (no online accumulation).",
 )

@@ -57,7 +57,10 @@ def train(
                                              rich_help_panel=Panel.ALGO)] = None,
     task: Annotated[str | None, typer.Option(help="Task (`fedcli list tasks`). \\[default: femnist]",
                                              rich_help_panel=Panel.DATA)] = None,
-    model: Annotated[str | None, typer.Option(help="Model of the task. \\[default: the task's default]",
+    model: Annotated[str | None, typer.Option(
+        help="Model: a name of the task's (`fedcli list tasks`) or of an installed plugin (`fedcli list models`), "
+        "or your own nn.Module factory as path/to/file.py:factory or pkg.module:factory "
+        "(docs/bring-your-own.md). \\[default: the task's default]",
                                               rich_help_panel=Panel.DATA)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with the task's data files. \\[default: bundled copy]",
                                                   rich_help_panel=Panel.DATA)] = None,

@@ -154,6 +154,9 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
         log.info("data store: disk, %s (cohorts read from its memory maps each round)", data.store)
     alg = ALGORITHMS[cfg.algorithm.name]
     hp = make_hyperparameters(alg.name, cfg.algorithm.hp)
+    refusal = alg.check_model(model, hp) if alg.check_model is not None else None
+    if refusal is not None:  # the algorithm's own passes (FOLA's per-example Fisher) cannot run on this model
+        raise ConfigError(refusal)
     fns = with_precision(model_functions(task, model, fed), cfg.train.precision, device)
     if transforms.random:  # training batches only; nothing added to the step without data.augment
         fns = replace(fns, augment=augmentation.augmenter(transforms))
