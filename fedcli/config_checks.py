@@ -374,14 +374,34 @@ def check_blank_tracking(track: TrackingConfig) -> None:
                               "for the default.")
 
 
+def in_memory_sqlite(url: str) -> bool:
+    """`sqlite://`, `sqlite:///`, `sqlite:///:memory:`, `?mode=memory`: a database each connection sees empty."""
+    if not url.lower().startswith("sqlite"):
+        return False
+    database = url.split("://", 1)[-1].removeprefix("/").split("?", 1)[0]
+    return database in ("", ":memory:") or "mode=memory" in url.lower()
+
+
+def check_not_in_memory(key: str, url: str | None, source: str) -> None:
+    """An in-memory SQLite URL keeps nothing past its connection (a run trained, then failed on "no such table")."""
+    if url and in_memory_sqlite(url):
+        raise ConfigError(f"{key} must be a database that outlives the command; got {mask_url(url)!r} (from "
+                          f"{source}), an in-memory SQLite database. Pass a file such as sqlite:////abs/path/fedcli.db, "
+                          "or leave it out for the default.")
+
+
 def validate_tracking(track: TrackingConfig) -> None:
     """Names, and an MLflow URI MLflow can write, before anything is (docs/architecture.md §8)."""
     check_name("tracking.experiment", track.experiment, "--experiment")
     if track.run_name is not None:
         check_name("tracking.run_name", track.run_name, "--run-name")
     check_blank_tracking(track)
+    check_not_in_memory("tracking.store", track.store or os.environ.get("FEDCLI_STORE"),
+                        "--store" if track.store else "FEDCLI_STORE")
     if not track.use_mlflow:
         return
+    check_not_in_memory("tracking.tracking_uri", track.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"),
+                        "--tracking-uri" if track.tracking_uri else "MLFLOW_TRACKING_URI")
     # a stored config's URI has its password masked (given_url asks for it when MLflow is used): check its scheme
     uri = track.tracking_uri if track.tracking_uri and is_masked(track.tracking_uri) else track.mlflow_uri
     source = "--tracking-uri" if track.tracking_uri else "MLFLOW_TRACKING_URI"
@@ -446,6 +466,7 @@ def store_file(url: str) -> Path | None:
 
 def require_store(url: str) -> None:
     """For commands that only read runs: the store must exist (opening a missing SQLite file creates it)."""
+    check_not_in_memory("tracking.store", url, "--store or FEDCLI_STORE")
     path = store_file(url)
     if path is None or path.is_file():
         return
