@@ -559,7 +559,7 @@ class StoredClientStates:
                 size = self.layout.slot_bytes if self.layout else 0
                 for row, client in sorted(rows):
                     buffer = np.empty(size, dtype=np.uint8)
-                    if os.preadv(fd, [buffer], self._offsets[name] + row * size) != size:
+                    if os.preadv(fd, [buffer.data], self._offsets[name] + row * size) != size:
                         raise CheckpointError(f"{self._what}: {path} is shorter than its manifest says")
                     yield client, buffer
             finally:
@@ -632,7 +632,7 @@ def write_delta(path: Path, delta: ClientDelta) -> int:
             )
             for state in delta.states:
                 slot = state if isinstance(state, np.ndarray) else layout.pack(state)
-                fh.write(memoryview(slot))
+                fh.write(slot.data)
             fh.flush()
             os.fsync(fh.fileno())
             size = fh.tell()

@@ -381,10 +381,10 @@ class ClientStateStore:
             raise TrackingError(_message(err, self.folder)) from err
 
     def _read_slot(self, client: int) -> np.ndarray:
-        assert self._fd is not None and self.layout is not None
+        assert self._fd is not None and self.layout is not None and self.folder is not None
         size = self.layout.slot_bytes
         buffer = np.empty(size, dtype=np.uint8)
-        got = os.preadv(self._fd, [buffer], client * size)
+        got = os.preadv(self._fd, [buffer.data], client * size)
         if got != size:
             raise TrackingError(
                 f"the client-state file {self.folder / SLOTS_FILE} is shorter than it should be "
@@ -396,7 +396,7 @@ class ClientStateStore:
         assert self._fd is not None and self.folder is not None
         size = len(slot)
         try:
-            written = os.pwrite(self._fd, memoryview(slot), client * size)
+            written = os.pwrite(self._fd, slot.data, client * size)
             if written != size:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as err:

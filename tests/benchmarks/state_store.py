@@ -1,0 +1,160 @@
+"""Client-state store benchmark (issue 32 item 2): peak RSS, checkpoint bytes, round-time ratio.
+
+Two modes (figures in docs/scaling.md, "Client state"):
+
+    python -m tests.benchmarks.state_store run --data-dir DIR --root ROOT [fedcli train options...]
+        `fedcli train --task emnist` on DIR (a TFF-format federation, e.g. from
+        `python -m fedcli.datasets.generate emnist --clients 3400 --mean-size 20 --sigma 0`) as a
+        subprocess, sampling the summed RSS of its process tree every 0.2 s; then the bytes each
+        checkpoint wrote (its round-NNNNNN.pt and round-NNNNNN.clients.npy; pass
+        --keep-checkpoints large so none is pruned). Prints one JSON line.
+
+    python -m tests.benchmarks.state_store interleaved --data-dir DIR --rounds K [--bench-model mlp]
+        One process, one set-up, two runs of SCAFFOLD side by side: round r of the RAM store, then
+        round r of the disk store (cache --state-cache-mb), alternating, so that both see the same
+        machine load; prints the median round time of each and their ratio. Run it under
+        `quiet-run` for timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def tree_rss(pid: int) -> int:
+    """Summed VmRSS (bytes) of `pid` and all its descendants (from /proc)."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    stack.extend(int(c) for c in fh.read().split())
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return total
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> dict[str, object]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedcli",
+        "-q",
+        "train",
+        "--task",
+        "emnist",
+        "--data-dir",
+        args.data_dir,
+        "--root",
+        args.root,
+        "--no-mlflow",
+        *extra,
+    ]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, tree_rss(proc.pid))
+        time.sleep(0.2)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"fedcli train failed ({proc.returncode}): {err[-2000:]}")
+    run_id = out.strip().splitlines()[-1]
+    folder = Path(args.root) / "runs" / run_id / "checkpoints"
+    per_round: dict[int, int] = {}
+    for path in folder.iterdir():
+        if path.name.startswith("round-"):
+            per_round[int(path.name[6:12])] = per_round.get(int(path.name[6:12]), 0) + path.stat().st_size
+    return {
+        "cmd": " ".join(cmd[1:]),
+        "run_id": run_id,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "peak_tree_rss_mb": round(peak / 2**20),
+        "checkpoint_bytes_by_round": dict(sorted(per_round.items())),
+        "checkpoint_dir_mb": round(sum(per_round.values()) / 2**20, 1),
+    }
+
+
+def interleaved(args: argparse.Namespace) -> dict[str, object]:
+    import torch
+
+    from fedcli.config import build_config
+    from fedcli.engine.clientstate import ClientStateStore
+    from fedcli.engine.rounds import Timing, run_round
+    from fedcli.engine.setup import build
+
+    torch.set_num_threads(1)
+    cfg = build_config(
+        overrides={
+            "data.task": "emnist",
+            "data.data_dir": args.data_dir,
+            "data.model": args.model,
+            "algorithm.name": "scaffold",
+            "train.clients_per_round": args.cohort,
+            "train.rounds": args.rounds,
+            "train.executor": "vmap",
+            "train.device": "cpu",
+        }
+    )
+    setup = build(cfg)
+    init = lambda: setup.alg.init_client_state(setup.init_params, setup.hp)  # noqa: E731
+    with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
+        stores = {
+            "ram": ClientStateStore(init),
+            "disk": ClientStateStore(init, folder=Path(scratch) / "cs", cache_mb=args.state_cache_mb),
+        }
+        states = {k: setup.alg.server_init(setup.init_params, setup.hp, setup.opt) for k in stores}
+        times: dict[str, list[float]] = {k: [] for k in stores}
+        for round_idx in range(1, args.rounds + 1):
+            order = ("ram", "disk") if round_idx % 2 else ("disk", "ram")
+            for kind in order:
+                start = time.perf_counter()
+                states[kind], _ = run_round(setup, states[kind], stores[kind], round_idx, Timing())
+                times[kind].append(time.perf_counter() - start)
+        params = [setup.alg.global_params(states[k]) for k in ("ram", "disk")]
+        same = all(torch.equal(params[0][n], params[1][n]) for n in params[0])
+        stores["disk"].close(remove=True)
+    ram, disk = statistics.median(times["ram"][1:]), statistics.median(times["disk"][1:])
+    return {
+        "model": args.model,
+        "cohort": args.cohort,
+        "rounds": args.rounds,
+        "state_cache_mb": args.state_cache_mb,
+        "median_round_s": {"ram": round(ram, 4), "disk": round(disk, 4)},
+        "ratio_disk_over_ram": round(disk / ram, 3),
+        "rounds_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
+        "same_final_params": same,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.state_store")
+    parser.add_argument("mode", choices=("run", "interleaved"))
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--root", default="/tmp/state-store-bench")
+    parser.add_argument("--scratch", default=None)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--cohort", type=int, default=100)
+    parser.add_argument("--bench-model", dest="model", default="mlp")
+    parser.add_argument("--state-cache-mb", type=int, default=512)
+    args, extra = parser.parse_known_args()
+    result = run(args, extra) if args.mode == "run" else interleaved(args)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
