@@ -289,7 +289,8 @@ def test_changed_source_resume_refuses_evaluate_warns(tmp_path: Path) -> None:
 
 
 def test_batchnorm_model_runs_on_the_loop_process_and_vmap_alike(tmp_path: Path) -> None:
-    """A BatchNorm model (Conv1d): auto picks the loop (convolutions on a CPU) and records why; its
+    """A BatchNorm model (Conv1d): auto picks the loop (convolutions on a CPU; in `process` workers
+    where 2+ cores serve the cohort) and records why; its
     final model.pt carries the running statistics evaluation estimated; --executor process and
     --executor vmap (batch statistics per client, issue 37) train the same model."""
     data = har_data(tmp_path)
@@ -298,7 +299,7 @@ def test_batchnorm_model_runs_on_the_loop_process_and_vmap_alike(tmp_path: Path)
     done = fedcli(root, "--data", str(data), "--model", "signalnet.py:batchnorm_net", *SMALL, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (run,) = store(root).list_runs()
-    assert run.config["train"]["executor"] == "loop"
+    assert run.config["train"]["executor"] in ("loop", "process")
     assert "convolutions" in run.tags["fedcli.executor_reason"]
     saved = torch.load(root / "runs" / run.id / "model.pt", weights_only=True)
     assert set(saved["buffers"]) == {"3.running_mean", "3.running_var", "3.num_batches_tracked"}
