@@ -47,6 +47,7 @@ bench: $(STAMP)
 	-$(MAKE) $(FLOWER)/.installed
 	$(BIN)/python -m tests.benchmarks.run --out bench-results
 	$(BIN)/python tests/benchmarks/bench_report.py --out bench-results/bench_report.json
+	$(BIN)/python -m tests.benchmarks.bench_user_models --out bench-results
 	$(BIN)/python -m tests.benchmarks.scaleout --out bench-results
 
 # Issue 32's paper-scale figures (tests/benchmarks/bench_scale.py): 342,477- vs 3,400-client StackOverflow-format

@@ -203,9 +203,15 @@ def server_init(params: Params, hp: FedSparseConfig, opt: OptimConfig) -> Server
     shift = hp.temperature * math.log(hp.init_inclusion / (1 - hp.init_inclusion)) if layout else 0.0
     tau = {k: s.sqrt() - shift for k, s in group_sq(params, layout).items()}
     smallest = min((float(t.min()) + shift for t in tau.values()), default=math.inf)
-    require(smallest > shift, "hp.init_inclusion", f"< sigmoid(min ||w_g|| / T) = "
-            f"{1 / (1 + math.exp(-smallest / hp.temperature)):.6g} for this model", hp.init_inclusion,
-            "tau = softplus(v) > 0 cannot reach theta_0 for the smallest unit.")
+    if not smallest > shift:  # a unit whose ||w_g|| is too small for theta_0: name it and a value that runs
+        layer = min(tau, key=lambda k: float(tau[k].min()))
+        bound = 1 / (1 + math.exp(-smallest / hp.temperature))
+        works = math.floor((bound - 1e-3) * 100) / 100  # under the bound, two decimals
+        extra = "" if works > hp.prune_threshold else f" --hp prune_threshold={works / 2:g}"
+        require(False, "hp.init_inclusion", f"< sigmoid(min ||w_g|| / T) = {bound:.6g} for this model", hp.init_inclusion,
+                f"Its smallest gated unit (in {layer}, ||w_g|| = {max(smallest, 0.0):.3g}) cannot start at theta_0 = "
+                f"{hp.init_inclusion:g} with T = {hp.temperature:g} (tau = softplus(v) > 0); use --hp "
+                f"init_inclusion={works:g}{extra}, or a larger --hp temperature.")
     gates = {k: t + torch.log(-torch.expm1(-t)) for k, t in tau.items()}
     zeros = base.tree_zeros_like(gates)
     bound = {k: torch.sigmoid(v) / hp.temperature for k, v in gates.items()} if hp.use_gate_grad_bound else zeros
