@@ -113,6 +113,9 @@ def parse_list(flag: str, items: list[str] | None, what: str) -> tuple[str, ...]
     parts = tuple(part.strip() for item in items or [] for part in item.split(",") if part.strip())
     if items and not parts:
         raise ConfigError(f"{flag} must name at least one {what}; got {','.join(items)!r}. Drop {flag} for the default.")
+    twice = next((p for i, p in enumerate(parts) if p in parts[:i]), None)
+    if twice is not None:  # a repeated column or group key was shown twice (or dropped): say which
+        raise ConfigError(f"{flag} names {what} {twice!r} twice; keep one.")
     return parts
 
 
@@ -130,6 +133,9 @@ def parse_where(items: list[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--where must be KEY=VALUE (e.g. algo=fedpa); got {item!r}.")
+        if key.strip() in out:  # the last one won: `--where algo=a --where algo=b` matched algo=b only
+            raise ConfigError(f"--where {key.strip()} must be given once; got {key.strip()}={out[key.strip()]} and "
+                              f"{item.strip()!r}. Keep one (a report filters on one value per key).")
         out[key.strip()] = value.strip()
     return out
 

@@ -149,6 +149,14 @@ CASES: dict[str, Mistake] = {
                                 "tracking.tracking_uri must be a database that outlives the command"),
     "list-store-in-memory": M(("list", "runs", "--store", "sqlite:///"),
                               "tracking.store must be a database that outlives the command"),
+    # report filters and lists: the last --where of a key won; a repeated column, group key or run was kept twice
+    "report-where-key-twice": M(("report", "--root", ROOT, "--where", "algo=fedavg", "--where", "algo=fedprox"),
+                                "--where algo must be given once; got algo=fedavg and 'algo=fedprox'"),
+    "report-column-twice": M(("report", "--root", ROOT, "--columns", "loss,loss"),
+                             "--columns names metric key 'loss' twice"),
+    "report-group-key-twice": M(("report", "--root", ROOT, "--group-by", "algo, algo"),
+                                "--group-by names config key 'algo' twice"),
+    "report-run-twice": M(("report", "--root", ROOT, "--runs", "abc", "--runs", "abc"), "--runs names run 'abc' twice"),
     "report-empty-output": M(("report", "--output", "", "--root", ROOT), "--output must name a file; got ''."),
     "sweep-empty-spec": M(("sweep", "", "--root", ROOT), "the sweep spec must name a file; got ''."),
     "partition-empty-out": M(("partition", "--dataset", "lsq", "--scheme", "iid", "--clients", "2", "--out", ""),
@@ -276,6 +284,7 @@ def test_python_api_argument_types(kwargs: dict, message: str, workdir: Path) ->
     (dict(root=""), "tracking.root must be a folder; got ''."),  # the working folder's store
     (dict(store=""), "tracking.store must be a SQLAlchemy URL; got ''."),  # the default store
     (dict(store=Path("x.db")), "store must be a SQLAlchemy URL (str) such as"),
+    (dict(columns="loss,loss"), "columns names metric key 'loss' twice"),
 ])
 def test_python_report_argument_types(kwargs: dict, message: str, workdir: Path) -> None:  # noqa: F811
     with pytest.raises(ConfigError) as info:
