@@ -32,13 +32,38 @@ SPEC = (
 
 
 def sweep(spec: Path, store: str, address: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedcli", "sweep", str(spec), "--store", store, "--root",
-                           str(cwd / "root"), "--no-mlflow", "--backend", "ray", "--address", address,
-                           "--workers", "1"], capture_output=True, text=True, env=env(), cwd=cwd, timeout=480)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "sweep",
+            str(spec),
+            "--store",
+            store,
+            "--root",
+            str(cwd / "root"),
+            "--no-mlflow",
+            "--backend",
+            "ray",
+            "--address",
+            address,
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=cwd,
+        timeout=480,
+    )
 
 
 def test_a_search_sweep_on_ray_keeps_the_store_password_out_of_ray(
-    tmp_path: Path, pg_server, password_role, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001, F811
+    tmp_path: Path,
+    pg_server,  # noqa: ANN001
+    password_role,  # noqa: ANN001, F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from tests.ray_head import ray_head_on_loopback
 
@@ -48,7 +73,9 @@ def test_a_search_sweep_on_ray_keeps_the_store_password_out_of_ray(
     encoded = f"postgresql+psycopg://fed%40cli:{ENCODED}@{address}/{database}"
     spec = tmp_path / "s.yaml"
     spec.write_text(SPEC)
-    monkeypatch.setenv("FEDCLI_STORE", encoded)  # `ray start` on the node runs with the store in its environment
+    monkeypatch.setenv(
+        "FEDCLI_STORE", encoded
+    )  # `ray start` on the node runs with the store in its environment
     before = set(Path("/tmp").glob("rt*"))
     with ray_head_on_loopback(cpus=2, start_s=HEAD_START_S) as head:
         sessions = sorted(set(Path("/tmp").glob("rt*")) - before)
@@ -68,7 +95,9 @@ def test_a_search_sweep_on_ray_keeps_the_store_password_out_of_ray(
     assert leaks(done.stdout + done.stderr) == []
     assert refused.returncode == 2, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and refused.stderr.strip().endswith(errors[0]), refused.stderr  # after the search's plan
+    assert len(errors) == 1 and refused.stderr.strip().endswith(errors[0]), (
+        refused.stderr
+    )  # after the search's plan
     assert "set FEDCLI_STORE to it where `ray start` runs" in errors[0], errors[0]
     assert leaks(refused.stdout + refused.stderr) == [] and ":***@" in errors[0]
     reader = SqlStore.reader(encoded.replace(f"/{database}", f"/{other}"))
@@ -87,8 +116,11 @@ def test_what_goes_to_ray_holds_no_password() -> None:
 
     url = f"postgresql+psycopg://fed%40cli:{ENCODED}@127.0.0.1:5432/db"
     query = f"postgresql+psycopg://me@127.0.0.1:5432/db?password={ENCODED}"
-    message = {"resume": "abc", "hook": {"storage": url, "study": "fedcli:x", "number": 3},
-               "overrides": {"tracking.store": query, "tracking.tracking_uri": url, "train.workers": 2}}
+    message = {
+        "resume": "abc",
+        "hook": {"storage": url, "study": "fedcli:x", "number": 3},
+        "overrides": {"tracking.store": query, "tracking.tracking_uri": url, "train.workers": 2},
+    }
     sent = masked_message(message)
     assert leaks(repr(sent)) == [] and leaks(repr(message)) != []
     assert sent["hook"]["storage"] == "postgresql+psycopg://fed%40cli:***@127.0.0.1:5432/db"
