@@ -17,7 +17,9 @@ import sys
 import textwrap
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -49,7 +51,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-def _run(task: str, store: str, executor: str, rounds: int = 3, **extra: object) -> dict[str, object]:
+def _run(task: str, store: str, executor: str, rounds: int = 3, **extra: object) -> dict[str, Any]:
     cfg = build_config(
         overrides={
             "algorithm.name": "fedavg",
@@ -111,6 +113,17 @@ def test_disk_plan_reads_only_the_cohort_and_remaps_its_indices(cache: Path) -> 
     assert torch.equal(plan.data.x[plan.index], mem.x[ref.index])  # every slot, padding included
     assert torch.equal(plan.data.y[plan.index], mem.y[ref.index])
     assert torch.equal(plan.weight, ref.weight) and torch.equal(plan.step_mask, ref.step_mask)
+
+
+def test_auto_picks_disk_above_the_stated_threshold() -> None:
+    from fedcli.datasets.federated import AUTO_DISK_BYTES, choose_store
+
+    assert AUTO_DISK_BYTES == 1 << 30  # docs/scaling.md states 1 GiB
+    assert choose_store("auto", AUTO_DISK_BYTES, False) == "memory"
+    assert choose_store("auto", AUTO_DISK_BYTES + 1, False) == "disk"
+    assert choose_store("auto", 10, True) == "disk"  # a loader that streamed its files into a store
+    assert choose_store("memory", AUTO_DISK_BYTES * 4, False) == "memory"
+    assert choose_store("disk", 10, False) == "disk"
 
 
 def test_auto_picks_memory_for_small_data_and_disk_runs_refuse_compiled_back_ends(cache: Path) -> None:
@@ -310,7 +323,7 @@ def test_a_corrupt_h5_names_the_file_and_the_client(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- LEAF JSON streaming
 
 
-def _tweets(k: int) -> list[list[str]]:
+def _tweets(k: int) -> list[object]:
     words = ["good", "bad", "day", "so", "meh", "!", "ok", "why"]
     return [
         ["1", "date", "NO_QUERY", "user", " ".join(words[(k + j) % 8] for j in range(k % 5 + 1))]
@@ -435,7 +448,7 @@ def test_a_killed_build_leaves_nothing_a_later_run_uses(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Path:
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     folder = tmp_path / "tmpfs"
     folder.mkdir()
     mounted = subprocess.run(
