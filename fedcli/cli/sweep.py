@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from fedcli.cli.common import Panel, console, open_store
+from fedcli.cli.common import DataStore, Panel, console, open_store
 from fedcli.cli.errors import check_output, user_errors
 from fedcli.errors import ConfigError
 
@@ -55,6 +55,9 @@ def sweep(
                                                              "peak memory, time per round) for any spec.")] = False,
     data_dir: Annotated[Path | None, typer.Option(help="Every trial's data folder (data.data_dir): where a recipe's "
                                                   "TFF/LEAF files are (the recipe says where they come from).")] = None,
+    data_store: Annotated[DataStore | None, typer.Option(help="Every trial's data store (data.data_store): memory, "
+                                                         "disk (memory-mapped, cohorts read per round) or auto "
+                                                         "(disk above 1 GiB; docs/scaling.md).")] = None,
     eval_sample: Annotated[int | None, typer.Option(min=0, help="Every trial evaluates on a fixed sample of N test "
                                                     "examples (train.eval_sample); 0 = the whole split. \\[default: "
                                                     "the spec's, else the task's paper setting]")] = None,
@@ -99,8 +102,9 @@ def sweep(
         tracking = {"tracking.root": root and str(root), "tracking.store": store,
                     "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None}
         body = sweeps.load_spec(spec, recipe, smoke=smoke)
-        given = {"data_dir": data_dir and str(data_dir.resolve()), "eval_sample": eval_sample}
-        if any(v is not None for v in given.values()):  # --data-dir / --eval-sample: every trial's base
+        given = {"data_dir": data_dir and str(data_dir.resolve()), "eval_sample": eval_sample,
+                 "data_store": data_store and data_store.value}
+        if any(v is not None for v in given.values()):  # --data-dir / --eval-sample / --data-store: every trial's base
             body["base"] = {**(body.get("base") or {}), **{k: v for k, v in given.items() if v is not None}}
         if smoke and body.get("data") and not (body.get("base") or {}).get("data_dir"):
             from fedcli.recipes import (
