@@ -390,3 +390,21 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_bn_dropout_vmap(tmp_pa
     for name, tensor in final_params(tmp_path / "ref", ref_id).items():
         assert torch.equal(final_params(root, run_id)[name], tensor), name
     assert metrics(root, run_id) == metrics(tmp_path / "ref", ref_id)
+
+
+def test_a_model_whose_training_step_fails_is_one_config_error() -> None:
+    """A forward that passes the no-grad check but cannot be trained (its output cut from the
+    parameters) is refused by the check's training step, with one line naming it."""
+    from fedcli.errors import ConfigError
+
+    class Detached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(9, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x.reshape(len(x), 32, 9).mean(1)).detach()
+
+    with pytest.raises(ConfigError, match=r"a training step \(forward and gradient, train mode\)") as err:
+        _check(Detached())
+    assert "\n" not in str(err.value)
