@@ -68,7 +68,10 @@ def femnist_clients() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
     task = TASKS["femnist"]
     data = task.load(TaskOptions())
-    return ([task.prepare(data.x[ix]) for ix in data.client_indices], [data.y[ix] for ix in data.client_indices])
+    return (
+        [task.prepare(data.x[ix]) for ix in data.client_indices],
+        [data.y[ix] for ix in data.client_indices],
+    )
 
 
 def local_sgd(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> None:
@@ -77,7 +80,7 @@ def local_sgd(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, seed: in
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     for first in range(0, len(y), BATCH):
-        idx = order[first:first + BATCH]
+        idx = order[first : first + BATCH]
         if len(idx) < 2:  # BatchNorm1d cannot train on one example (a tutorial's loader: drop_last)
             continue
         opt.zero_grad()
@@ -135,8 +138,9 @@ def flower_worker(ref: str, cohort: int, rounds: int, out: Path, t0: float) -> N
 
         def fit(self, parameters, config):  # noqa: ANN001, ANN201
             model = build_model(ref)
-            model.load_state_dict({k: torch.from_numpy(v) for k, v in zip(model.state_dict(), parameters,
-                                                                          strict=True)})
+            model.load_state_dict(
+                {k: torch.from_numpy(v) for k, v in zip(model.state_dict(), parameters, strict=True)}
+            )
             local_sgd(model, xs[self.cid], ys[self.cid], int(time.time()))
             return [v.detach().numpy() for v in model.state_dict().values()], len(ys[self.cid]), {}
 
@@ -150,27 +154,61 @@ def flower_worker(ref: str, cohort: int, rounds: int, out: Path, t0: float) -> N
             marks["aggregate"].append(time.time())
             return result
 
-    strategy = TimedFedAvg(fraction_fit=cohort / len(xs), min_fit_clients=cohort, min_available_clients=len(xs),
-                           fraction_evaluate=0.0, min_evaluate_clients=0, initial_parameters=ndarrays_to_parameters(init))
+    strategy = TimedFedAvg(
+        fraction_fit=cohort / len(xs),
+        min_fit_clients=cohort,
+        min_available_clients=len(xs),
+        fraction_evaluate=0.0,
+        min_evaluate_clients=0,
+        initial_parameters=ndarrays_to_parameters(init),
+    )
     fl.simulation.start_simulation(
         client_fn=lambda context: UserClient(int(context.node_config["partition-id"])).to_client(),
-        num_clients=len(xs), config=fl.server.ServerConfig(num_rounds=rounds), strategy=strategy,
+        num_clients=len(xs),
+        config=fl.server.ServerConfig(num_rounds=rounds),
+        strategy=strategy,
         client_resources={"num_cpus": 1, "num_gpus": 0.0},
-        ray_init_args={"include_dashboard": False, "ignore_reinit_error": True})
+        ray_init_args={"include_dashboard": False, "ignore_reinit_error": True},
+    )
     ends = marks["aggregate"]
     starts = [marks["configure"][0], *ends[:-1]]
-    out.write_text(json.dumps({"round_s": [e - s for s, e in zip(starts, ends, strict=True)],
-                               "startup_s": marks["configure"][0] - t0, "flwr": fl.__version__}))
+    out.write_text(
+        json.dumps(
+            {
+                "round_s": [e - s for s, e in zip(starts, ends, strict=True)],
+                "startup_s": marks["configure"][0] - t0,
+                "flwr": fl.__version__,
+            }
+        )
+    )
 
 
 def flower_rounds(python: str, model: str, cohort: int, rounds: int, timeout: float) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "flower.json"
         repo = Path(__file__).resolve().parents[2]
-        proc = subprocess.run([python, "-m", "tests.benchmarks.bench_user_models", "--flower-worker", MODELS[model],
-                               "--cohort", str(cohort), "--rounds", str(rounds), "--worker-out", str(out),
-                               "--t0", repr(time.time())], capture_output=True, text=True, timeout=timeout, cwd=repo,
-                              env={**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONWARNINGS": "ignore"})
+        proc = subprocess.run(
+            [
+                python,
+                "-m",
+                "tests.benchmarks.bench_user_models",
+                "--flower-worker",
+                MODELS[model],
+                "--cohort",
+                str(cohort),
+                "--rounds",
+                str(rounds),
+                "--worker-out",
+                str(out),
+                "--t0",
+                repr(time.time()),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=repo,
+            env={**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONWARNINGS": "ignore"},
+        )
         if proc.returncode != 0 or not out.exists():
             return {"error": (proc.stderr or proc.stdout)[-2000:]}
         result = json.loads(out.read_text())
@@ -180,34 +218,56 @@ def flower_rounds(python: str, model: str, cohort: int, rounds: int, timeout: fl
 
 def measure(model: str, cohort: int, rounds: int, threads: int) -> dict[str, Any]:
     ref = MODELS[model]
-    timed = workloads.interleaved({
-        "fedcli": lambda: workloads.FedcliRunner(ref, cohort, "auto", threads),
-        "plain": lambda: PlainUserRunner(ref, cohort, threads),
-    }, rounds)
+    timed = workloads.interleaved(
+        {
+            "fedcli": lambda: workloads.FedcliRunner(ref, cohort, "auto", threads),
+            "plain": lambda: PlainUserRunner(ref, cohort, threads),
+        },
+        rounds,
+    )
     fed, plain = timed["fedcli"], timed["plain"]
-    return {"model": model, "kind": KIND[model], "cohort": cohort, "rounds": rounds, "fedcli": fed, "plain": plain,
-            "vs_plain": float(plain["median_s"]) / float(fed["median_s"])}  # type: ignore[arg-type]
+    return {
+        "model": model,
+        "kind": KIND[model],
+        "cohort": cohort,
+        "rounds": rounds,
+        "fedcli": fed,
+        "plain": plain,
+        "vs_plain": float(plain["median_s"]) / float(fed["median_s"]),
+    }  # type: ignore[arg-type]
 
 
 def report(results: dict[str, Any]) -> str:
     m = results["machine"]
-    lines = [f"User-style models (tests/byo/stock_models), FedAvg on the bundled FEMNIST writers, seconds per round "
-             f"(median of rounds 2..R); {results['date']}, {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
-             f"{results['threads']} threads, load average {m.get('load_avg')} at the start, "
-             f"{results.get('load_avg_end')} at the end.", "",
-             "| model | clients/round | R | fedcli (auto: back end) | plain loop | Flower | plain / fedcli | "
-             "Flower / fedcli | target |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"User-style models (tests/byo/stock_models), FedAvg on the bundled FEMNIST writers, seconds per round "
+        f"(median of rounds 2..R); {results['date']}, {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
+        f"{results['threads']} threads, load average {m.get('load_avg')} at the start, "
+        f"{results.get('load_avg_end')} at the end.",
+        "",
+        "| model | clients/round | R | fedcli (auto: back end) | plain loop | Flower | plain / fedcli | "
+        "Flower / fedcli | target |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in results["rows"]:
         fed, plain, flower = row["fedcli"], row["plain"], row.get("flower") or {}
         flower_s = f"{flower['median_s']:.3f} s" if "median_s" in flower else "not measured"
         flower_ratio = f"{flower['median_s'] / fed['median_s']:.2f}x" if "median_s" in flower else "-"
-        target = (f">= {TARGET[row['kind']]:g}x: {'met' if row['vs_plain'] >= TARGET[row['kind']] else 'MISSED'}"
-                  if row["cohort"] == 50 else "-")
-        lines.append(f"| {row['model']} | {row['cohort']} | {row['rounds']} | {fed['median_s']:.3f} s "
-                     f"({fed['executor']}) | {plain['median_s']:.3f} s | {flower_s} | {row['vs_plain']:.2f}x | "
-                     f"{flower_ratio} | {target} |")
-    lines += ["", "auto's reasons: " + "; ".join(sorted({f"{r['model']}: {r['fedcli']['reason']}"
-                                                          for r in results["rows"]}))]
+        target = (
+            f">= {TARGET[row['kind']]:g}x: {'met' if row['vs_plain'] >= TARGET[row['kind']] else 'MISSED'}"
+            if row["cohort"] == 50
+            else "-"
+        )
+        lines.append(
+            f"| {row['model']} | {row['cohort']} | {row['rounds']} | {fed['median_s']:.3f} s "
+            f"({fed['executor']}) | {plain['median_s']:.3f} s | {flower_s} | {row['vs_plain']:.2f}x | "
+            f"{flower_ratio} | {target} |"
+        )
+    lines += [
+        "",
+        "auto's reasons: "
+        + "; ".join(sorted({f"{r['model']}: {r['fedcli']['reason']}" for r in results["rows"]})),
+    ]
     if results.get("flower_note"):
         lines += ["", f"Flower: {results['flower_note']}"]
     return "\n".join(lines) + "\n"
@@ -220,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(BENCH_MODELS))
     parser.add_argument("--cohorts", default="10,50")
     parser.add_argument("--rounds", type=int, default=3, help="R: rounds per measurement (median of 2..R)")
-    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the usable cores)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads (default: the usable cores)"
+    )
     parser.add_argument("--skip-flower", action="store_true")
     parser.add_argument("--flower-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cohort", type=int, default=10, help=argparse.SUPPRESS)
@@ -235,13 +297,21 @@ def main(argv: list[str] | None = None) -> int:
     cohorts = [3] if args.quick else [int(c) for c in args.cohorts.split(",")]
     rounds = 2 if args.quick else args.rounds
     threads = args.threads or available_cores()
-    results: dict[str, Any] = {"machine": {**probes.machine(), "load_avg": os.getloadavg()},
-                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": threads,
-                               "rows": []}
+    results: dict[str, Any] = {
+        "machine": {**probes.machine(), "load_avg": os.getloadavg()},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "threads": threads,
+        "rows": [],
+    }
     python = None if args.skip_flower else workloads.flower_python()
-    results["flower_note"] = ("skipped (--skip-flower)" if args.skip_flower else
-                              None if python else "not measured: no interpreter here imports flwr and ray "
-                              "(`make bench` builds .venv-flower where a package index is reachable)")
+    results["flower_note"] = (
+        "skipped (--skip-flower)"
+        if args.skip_flower
+        else None
+        if python
+        else "not measured: no interpreter here imports flwr and ray "
+        "(`make bench` builds .venv-flower where a package index is reachable)"
+    )
     for model in args.models.split(","):
         for cohort in cohorts:
             start = time.perf_counter()
@@ -249,9 +319,13 @@ def main(argv: list[str] | None = None) -> int:
             if python:
                 row["flower"] = flower_rounds(python, model, cohort, rounds, timeout=1800)
             results["rows"].append(row)
-            print(f"{model} C={cohort}: fedcli {row['fedcli']['median_s']:.3f} s ({row['fedcli']['executor']}), "
-                  f"plain {row['plain']['median_s']:.3f} s, plain/fedcli {row['vs_plain']:.2f}x "
-                  f"[{time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+            print(
+                f"{model} C={cohort}: fedcli {row['fedcli']['median_s']:.3f} s ({row['fedcli']['executor']}), "
+                f"plain {row['plain']['median_s']:.3f} s, plain/fedcli {row['vs_plain']:.2f}x "
+                f"[{time.perf_counter() - start:.0f} s]",
+                file=sys.stderr,
+                flush=True,
+            )
     results["load_avg_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "user_models.json").write_text(json.dumps(results, indent=1, default=str))

@@ -25,7 +25,7 @@ from fedcli.tracking.store import SqlStore
 
 REPO = Path(__file__).resolve().parents[2]
 
-NET = '''
+NET = """
 from torch import nn
 
 
@@ -46,7 +46,7 @@ class NeedsWidth(nn.Module):
 
     def forward(self, x):
         return self.out(x.flatten(1))
-'''
+"""
 
 DATASET = '''
 import numpy as np
@@ -68,7 +68,14 @@ class Digits(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 '''
 
-SETTINGS = {"scheme": "iid", "clients": 3, "clients_per_round": 3, "rounds": 1, "batch_size": 8, "no_mlflow": True}
+SETTINGS = {
+    "scheme": "iid",
+    "clients": 3,
+    "clients_per_round": 3,
+    "rounds": 1,
+    "batch_size": 8,
+    "no_mlflow": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +125,9 @@ def test_live_class_and_dataset_record_their_source(tmp_path: Path, tiny: Path, 
     assert type(net.net).__name__ == "Net"  # the served wrapper around the user's class
 
 
-def test_instance_is_built_again_from_its_class(tmp_path: Path, tiny: Path, user_code: Path,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_instance_is_built_again_from_its_class(
+    tmp_path: Path, tiny: Path, user_code: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """An nn.Module instance: its class is recorded (every process builds it again under the run's seed), a
     warning says its weights are not used, and the run equals the run of the class."""
     from mynet import Net
@@ -134,7 +142,9 @@ def test_instance_is_built_again_from_its_class(tmp_path: Path, tiny: Path, user
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_instance_that_cannot_be_built_again_asks_for_a_factory(tmp_path: Path, tiny: Path, user_code: Path) -> None:
+def test_instance_that_cannot_be_built_again_asks_for_a_factory(
+    tmp_path: Path, tiny: Path, user_code: Path
+) -> None:
     from mynet import NeedsWidth
 
     with pytest.raises(ConfigError, match=r"NeedsWidth\(\) needs width.*pass a factory") as raised:
@@ -148,8 +158,11 @@ def test_notebook_cell_class_is_one_line(tmp_path: Path, tiny: Path) -> None:
     cell = compile(NET, "/tmp/ipykernel_4242/1234567.py", "exec")
     scope: dict[str, object] = {"__name__": "__main__"}
     exec(cell, scope)  # noqa: S102 - what IPython does with a cell
-    with pytest.raises(ConfigError, match=r"model Net is defined in a notebook cell.*%%writefile mynet\.py.*"
-                                          r"model='mynet\.py:Net'") as raised:
+    with pytest.raises(
+        ConfigError,
+        match=r"model Net is defined in a notebook cell.*%%writefile mynet\.py.*"
+        r"model='mynet\.py:Net'",
+    ) as raised:
         fedcli.train("fedavg", model=scope["Net"], data=str(tiny), root=tmp_path, **SETTINGS)
     assert "\n" not in str(raised.value)
     assert runs_in(tmp_path) == []
@@ -158,7 +171,9 @@ def test_notebook_cell_class_is_one_line(tmp_path: Path, tiny: Path) -> None:
 def test_script_main_class_names_its_file(tmp_path: Path, tiny: Path) -> None:
     """A class defined in the script being run (`__main__`): the line names `script.py:Net` and the guard."""
     script = tmp_path / "train_script.py"
-    script.write_text(NET + textwrap.dedent(f'''
+    script.write_text(
+        NET
+        + textwrap.dedent(f"""
         import fedcli
         from fedcli.errors import ConfigError
         try:
@@ -166,9 +181,16 @@ def test_script_main_class_names_its_file(tmp_path: Path, tiny: Path) -> None:
                          clients=3, clients_per_round=3, rounds=1, no_mlflow=True)
         except ConfigError as exc:
             print("ERROR", exc)
-    '''))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     line = next(row for row in out.stdout.splitlines() if row.startswith("ERROR"))
     assert f"model='{script}:Net'" in line and '__name__ == "__main__"' in line, out.stdout + out.stderr
     assert runs_in(tmp_path / "runs") == []
@@ -183,9 +205,28 @@ def test_resume_in_another_process_names_what_it_needs(tmp_path: Path, tiny: Pat
     root = tmp_path / "runs"
     run = fedcli.train("fedavg", model=Net, data=Digits(str(tiny)), root=root, **SETTINGS)
     before = SqlStore(f"sqlite:///{root / 'fedcli.db'}").get_run(run.id).status
-    out = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), "--resume", run.id,
-                          "--rounds", "2", "--model", run.config["data"]["model"]], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--root",
+            str(root),
+            "--resume",
+            run.id,
+            "--rounds",
+            "2",
+            "--model",
+            run.config["data"]["model"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 2, out.stderr
     lines = [row for row in out.stderr.splitlines() if row.strip()]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
