@@ -3,8 +3,8 @@
 The models are tests/byo/stock_models/ (a BatchNorm + Dropout CNN, a GRU and an LSTM classifier
 over image rows, a small nn.TransformerEncoder, torchvision's ResNet-18 with its BatchNorm),
 trained through `fedcli.train` (the Python API, in this process: the CLI's path without a
-subprocess per cell) on a tiny MNIST sample (3 clients of 16 examples, 24 test examples), one
-round. Each cell runs `--executor auto` and then the other back end `auto` may pick on a CPU
+subprocess per cell) on a tiny MNIST sample (3 clients of 16 examples, 24 test examples; 8 and 8
+for ResNet-18), one round. Each cell runs `--executor auto` and then the other back end `auto` may pick on a CPU
 (loop <-> vmap; `process` runs the loop inside its workers and is bit-equal to it) wherever
 that one accepts the model. A cell passes when
 
@@ -80,20 +80,22 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """3 clients x 16 MNIST digits ([N, 1, 28, 28] uint8) and 24 test digits, as an .npz."""
+    """3 clients x 16 MNIST digits ([N, 1, 28, 28] uint8) and 24 test digits, as an .npz; beside it
+    tiny_small.npz, 3 clients x 8 digits and 8 test digits (one step a client), for ResNet-18."""
     folder = REPO / "datasets" / "data" / "mnist"
     x, y = read_idx_pair(folder / "t10k-images-idx3-ubyte.gz", folder / "t10k-labels-idx1-ubyte.gz")
     order = np.random.default_rng(0).permutation(len(y))
-    train, test = order[:48], order[48:72]
     path = tmp_path_factory.mktemp("data") / "tiny.npz"
-    np.savez(
-        path,
-        x=x[train][:, None],
-        y=y[train].astype(np.int64),
-        client=np.repeat(np.arange(3), 16),
-        x_test=x[test][:, None],
-        y_test=y[test].astype(np.int64),
-    )
+    for name, per, tests in (("tiny.npz", 16, 24), ("tiny_small.npz", 8, 8)):
+        train, test = order[: 3 * per], order[3 * per : 3 * per + tests]
+        np.savez(
+            path.with_name(name),
+            x=x[train][:, None],
+            y=y[train].astype(np.int64),
+            client=np.repeat(np.arange(3), per),
+            x_test=x[test][:, None],
+            y_test=y[test].astype(np.int64),
+        )
     return path
 
 
@@ -103,7 +105,7 @@ def train(
     return fedcli.train(
         algo,
         model=MODELS[model],
-        data=str(data),
+        data=str(data.with_name("tiny_small.npz") if model == "resnet18" else data),
         root=str(root),
         executor=executor,
         rounds=1,
