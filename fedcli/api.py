@@ -174,8 +174,12 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
                            settings=settings)
     with preserved_state():  # around everything: the first imports of fedcli's modules may draw from `random`
         from fedcli.api_run import resolve_config
+        from fedcli.cli.errors import check_path_value
         from fedcli.datasets.user_data import data_ref
         from fedcli.datasets.user_model import model_reference
+
+        for name in ("root", "data_dir", "partition"):  # "" (an unset variable) is the CLI's line, not "."
+            check_path_value(name, settings.get(name))
 
         options, sections = _split_settings(settings)
         if isinstance(options.get("partition"), (str, Path)) and Path(options["partition"]).expanduser().is_file():
@@ -254,12 +258,12 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
 
     if format not in {f.value for f in Format}:
         raise ConfigError(f"format must be one of md, csv, json; got {format!r}.")
-    if isinstance(runs, str):  # one reference, not its characters as references
-        runs = [runs]
     _check_report_arguments(experiment=experiment, where=where, group_by=group_by, metric=metric, columns=columns,
                             include_unfinished=include_unfinished, partition_heatmap=partition_heatmap)
     output = _path_argument("output", output)
     settings = _store_settings(store, root)
+    if isinstance(runs, str):  # one reference, not its characters as references
+        runs = [runs]
     bad = next((r for r in runs or () if not isinstance(r, (Run, str))), None)
     if bad is not None:
         raise ConfigError(f"runs must be a list of runs (Run) or run references (str); got {_kind(bad)}.")
@@ -309,8 +313,6 @@ def _numbers(name: str, values: Any, kind: type) -> tuple[Any, ...]:
     return tuple(kind(v) for v in items)
 
 
-def _kind(value: Any) -> str:
-    text = repr(value)
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):  # a str "no" is truthy
         raise ConfigError(f"{name} must be True or False; got {_kind(value)}.")
@@ -371,6 +373,8 @@ def _check_report_arguments(*, experiment: Any, where: Any, group_by: Any, metri
     _check_bool("partition_heatmap", partition_heatmap)
 
 
+def _kind(value: Any) -> str:
+    text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
@@ -398,13 +402,9 @@ def _check_train_arguments(*, algo: Any, task: Any, config: Any, hp: Any, data_o
         raise ConfigError(f"mlflow_optional must be True or False; got {_kind(mlflow_optional)}.")
     if not isinstance(progress, bool) and not callable(progress):
         raise ConfigError(f"progress must be True, False or a function f(round, metrics); got {_kind(progress)}.")
+    _check_bool("trust_code", trust_code)  # trust_code="no" was truthy: a resumed run's code ran
     for name in SECTIONS:
         if name == "partition" and isinstance(settings.get(name), (str, Path)):
-    _check_bool("trust_code", trust_code)  # trust_code="no" was truthy: a resumed run's code ran
-    from fedcli.cli.errors import check_path_value
-
-    for name in ("root", "data_dir", "partition"):  # "" (an unset variable) is the CLI's line, not "."
-        check_path_value(name, settings.get(name))
             continue  # `partition="p.json"`: the --partition file
         if name in settings and settings[name] is not None and not isinstance(settings[name], Mapping):
             raise ConfigError(f"{name}= must be a mapping of the {name} section's config keys, such as "
@@ -547,4 +547,3 @@ def record_object_source(ref: str, data: Any) -> None:
     if source is not None:
         record["object_source_sha256"] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
     user_data.register(ref, dataclasses.replace(held, record=record))
-
