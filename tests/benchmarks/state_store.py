@@ -14,6 +14,9 @@ Two modes (figures in docs/scaling.md, "Client state"):
         round r of the disk store (cache --state-cache-mb), alternating, so that both see the same
         machine load; prints the median round time of each and their ratio. Run it under
         `quiet-run` for timings.
+
+    python -m tests.benchmarks.state_store probe --data-dir DIR --store ram|disk --bench-model cnn --rounds K
+        RSS after each round and the peak so far, in-process (`run_round` + a checkpoint a round).
 """
 
 from __future__ import annotations
@@ -165,9 +168,71 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def probe(args: argparse.Namespace) -> dict[str, object]:
+    """RSS after each round (and the peak so far) of SCAFFOLD in-process: the engine's `run_round` with
+    `--cohort-chunk 10` and a `CheckpointWriter` every round, client states in `--store` ram or disk."""
+    import resource
+
+    import torch
+
+    from fedcli.config import build_config
+    from fedcli.engine.checkpoint import CheckpointWriter
+    from fedcli.engine.clientstate import ClientStateStore
+    from fedcli.engine.rounds import Timing, run_round
+    from fedcli.engine.setup import build
+
+    def rss_mb() -> int:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) // 1024 for line in fh if line.startswith("VmRSS"))
+
+    torch.set_num_threads(1)
+    cfg = build_config(
+        overrides={
+            "data.task": "emnist",
+            "data.data_dir": args.data_dir,
+            "data.model": args.model,
+            "algorithm.name": "scaffold",
+            "train.clients_per_round": args.cohort,
+            "train.rounds": args.rounds,
+            "train.executor": "vmap",
+            "train.device": "cpu",
+            "train.cohort_chunk": 10,
+        }
+    )
+    setup = build(cfg)
+    init = lambda: setup.alg.init_client_state(setup.init_params, setup.hp)  # noqa: E731
+    rows = [{"round": 0, "rss_mb": rss_mb()}]
+    with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
+        run_dir = Path(scratch) / "runs" / "probe"
+        store = (
+            ClientStateStore(init)
+            if args.store == "ram"
+            else ClientStateStore(init, folder=run_dir / "client-state", cache_mb=args.state_cache_mb)
+        )
+        writer = CheckpointWriter(
+            run_dir, record=lambda r, p: None, forget=lambda r: None, existing=[], every=1, keep=2
+        )
+        state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
+        for round_idx in range(1, args.rounds + 1):
+            start = time.perf_counter()
+            state, _ = run_round(setup, state, store, round_idx, Timing())
+            writer.submit(round_idx, state, store.take_changes(round_idx), cfg.to_dict(), cfg.seed)
+            rows.append(
+                {
+                    "round": round_idx,
+                    "rss_mb": rss_mb(),
+                    "s": round(time.perf_counter() - start, 1),
+                    "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                }
+            )
+        writer.close()
+        store.close(remove=True)
+    return {"store": args.store, "model": args.model, "state_cache_mb": args.state_cache_mb, "rounds": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.state_store")
-    parser.add_argument("mode", choices=("run", "interleaved"))
+    parser.add_argument("mode", choices=("run", "interleaved", "probe"))
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--root", default="/tmp/state-store-bench")
     parser.add_argument("--scratch", default=None)
@@ -175,8 +240,15 @@ def main() -> None:
     parser.add_argument("--cohort", type=int, default=100)
     parser.add_argument("--bench-model", dest="model", default="mlp")
     parser.add_argument("--state-cache-mb", type=int, default=512)
+    parser.add_argument("--store", choices=("ram", "disk"), default="disk")
     args, extra = parser.parse_known_args()
-    result = run(args, extra) if args.mode == "run" else interleaved(args)
+    result = (
+        run(args, extra)
+        if args.mode == "run"
+        else interleaved(args)
+        if args.mode == "interleaved"
+        else probe(args)
+    )
     print(json.dumps(result))
 
 
