@@ -163,7 +163,8 @@ def test_checkpoints_of_the_previous_format_still_load_and_resume_bit_exact(tmp_
     new = torch.load(path, weights_only=True)
     old = {"format_version": 1, "round_idx": 4, "seed": new["seed"], "config": new["config"],
            "server_state": ckpt.from_plain(new["server_state"], template, "test"),
-           "client_states": {k: ckpt.from_plain(v, client_template, "test") for k, v in new["client_states"].items()}}
+           "client_states": ckpt.StoredClientStates.of(path.parent, new["client_index"], client_template,
+                                                       "test").to_dict()}  # format 3: the .clients.npy files
     assert old["client_states"], "scaffold keeps client states"
     torch.save(old, path)
 
