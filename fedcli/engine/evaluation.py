@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from fedcli.engine.setup import Setup
 
 ECE_BINS = 15
+PROBE_CHUNK = 64  # examples of an evaluation's first chunk
+OUTPUT_BUDGET = 1 << 25  # output elements per evaluation chunk (128 MiB of float32): chunks shrink below `chunk`
 EVAL_SAMPLE_SEED = 32  # the fixed seed of the --eval-sample draw (independent of the run's seed)
 # Paper defaults of train.eval_sample (None): FedPA (Al-Shedivat et al. 2021) Table 3 uses Reddi et al.'s
 # framework, which evaluates StackOverflow every round on 10,000 randomly sampled test examples (the full
@@ -112,21 +114,22 @@ def evaluate_predictions(task: Task, predict: Predict, prepare: Callable[[Tensor
     """Metrics of any predictor (a model, or a posterior ensemble) on (x, y) or its examples `index`,
     chunk by chunk (each chunk gathered by itself: the split is never copied whole)."""
     acc = _Accumulator(task, calibration)
-    for xs, ys in _chunks(x, y, index, chunk):
+    size = min(chunk, PROBE_CHUNK)  # the first chunk is small: it measures the outputs' size per example
+    done = 0
+    total = len(y) if index is None else len(index)
+    while done < total:
+        if index is None:
+            xs, ys = x[done : done + size], y[done : done + size]
+        else:
+            ix = torch.from_numpy(np.array(index[done : done + size], dtype=np.int64))
+            xs, ys = x[ix.to(x.device)], y[ix.to(y.device)]
         xb = prepare(xs.to(device))
-        acc.update(predict(xb), xb, ys.to(device))
+        out = predict(xb)
+        acc.update(out, xb, ys.to(device))
+        done += len(ys)
+        # bound each chunk's outputs (next-token logits are [B, T, V]: 2,048 x 20 x 10,004 floats were 1.6 GB)
+        size = max(1, min(chunk, OUTPUT_BUDGET // max(1, out[:1].numel())))
     return acc.result()
-
-
-def _chunks(x: Tensor, y: Tensor, index: np.ndarray | None, chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """(x, y) in stored form, `chunk` examples at a time: slices, or gathers of `index`."""
-    if index is None:
-        for start in range(0, len(y), chunk):
-            yield x[start : start + chunk], y[start : start + chunk]
-        return
-    for start in range(0, len(index), chunk):
-        ix = torch.from_numpy(np.array(index[start : start + chunk], dtype=np.int64))
-        yield x[ix.to(x.device)], y[ix.to(y.device)]
 
 
 class _Accumulator:
