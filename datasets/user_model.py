@@ -330,7 +330,7 @@ def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | Non
     """One forward pass on a real batch (`x` prepared, `y` its targets): output shape and a finite loss.
 
     Then runs what training runs (engine/model.py `model_functions`): BatchNorm on batch
-    statistics, stock layers inside engine/stock_layers.py's `StockLayers` with a step key, in
+    statistics, stock layers inside datasets/stock_layers.py's `StockLayers` with a step key, in
     train mode: one gradient step of a client on the batch (the loop's form; a failure is a
     ConfigError), then one vmapped gradient step of a cohort of `PROBE_CLIENTS` clients, each with
     its own parameters, examples and key (the vmap back end's form, randomness="error" as it runs);
@@ -341,7 +341,7 @@ def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | Non
     Raises:
         ConfigError: one line naming what failed and the fix.
     """
-    from fedcli.engine.stock_layers import StockLayers
+    from fedcli.datasets.stock_layers import StockLayers
 
     key = {"key": torch.zeros((), dtype=torch.int64, device=x.device)} if accepts_key(model) else {}
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -383,7 +383,7 @@ PROBE_CLIENTS = 3  # the cohort the model check vmaps one training step over
 def _probe_training(ref: str, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor,
                     y: Tensor, keyed: bool, loss: Callable[[Tensor, Tensor, Tensor], Tensor]) -> str | None:
     """One client's training step (ConfigError if it fails), then why a vmapped cohort step fails, or None."""
-    from fedcli.engine.stock_layers import StockLayers
+    from fedcli.datasets.stock_layers import StockLayers
 
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
     training = model.training

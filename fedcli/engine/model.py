@@ -20,9 +20,9 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from fedcli.algorithms.base import Batch, Params
 from fedcli.datasets.federated import CohortData, FederatedData
+from fedcli.datasets.stock_layers import StockLayers, needs_stock_layers
 from fedcli.datasets.tasks import Task, TaskData, per_example_loss
 from fedcli.datasets.user_model import accepts_key
-from fedcli.engine.stock_layers import StockLayers, needs_stock_layers
 from fedcli.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelF
     (BatchNorm, nn.Dropout) trains in train mode and is evaluated in eval mode; BatchNorm's
     running statistics are recomputed for each evaluated model (`BatchNormStats`,
     docs/bring-your-own.md, "BatchNorm"). A model with stock dropout, RNN or attention layers (or
-    code of its own) runs inside engine/stock_layers.py's `StockLayers`: dropout keyed by the step's
+    code of its own) runs inside datasets/stock_layers.py's `StockLayers`: dropout keyed by the step's
     key, RNNs as functional recurrences, so that it runs under vmap and alike on every back end.
     """
     keyed = accepts_key(model)
@@ -92,7 +92,7 @@ class BatchNormStats:
     (nothing to checkpoint, results independent of the cohort order). Before the global model is
     evaluated, its running statistics are estimated afresh (as SWA's `update_bn`): reset, then a
     cumulative average (momentum None) over forward passes in train mode (dropout keyed by key 0,
-    engine/stock_layers.py: the same masks every time) on the first
+    datasets/stock_layers.py: the same masks every time) on the first
     `EXAMPLES` examples of the training data in a fixed order, batches of `BATCH`. The same
     parameters reuse the estimate (evaluation runs in chunks). In a deployment this is one more
     federated statistics round; in this simulation the server reads the clients' examples.

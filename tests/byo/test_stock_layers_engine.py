@@ -1,6 +1,6 @@
 """Stock torch layers under the cohort back ends (issue 37 item 1; docs/bring-your-own.md, "Stock layers").
 
-In-process tests check engine/stock_layers.py against PyTorch's own layers and per-client calls
+In-process tests check datasets/stock_layers.py against PyTorch's own layers and per-client calls
 against one vmapped call; the CLI tests run `python -m fedcli train` subprocesses on a small
 HAR-shaped .npz (windows of 32 steps x 9 channels) with models written into the test's folder,
 as a user writes them: a GRU, a Conv1d + BatchNorm + Dropout CNN, a model whose forward calls
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from fedcli.datasets.stock_layers import StockLayers, needs_stock_layers
 from fedcli.datasets.user_model import check_model, vmap_obstacle
-from fedcli.engine.stock_layers import StockLayers, needs_stock_layers
 from tests.byo.test_user_model import fedcli, final_params, store
 
 MODELS = """

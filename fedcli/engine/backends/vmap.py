@@ -30,7 +30,7 @@ class VmapBackend:
 
 def refuses(w: Workload) -> str | None:
     """Algorithms that cannot run vmapped. (BatchNorm runs per client on batch statistics, stock
-    dropout and RNNs through engine/stock_layers.py; a model whose training step the model check
+    dropout and RNNs through datasets/stock_layers.py; a model whose training step the model check
     could not vmap is refused by engine/select.py.)"""
     if not w.alg.supports_vmap:
         return f"{w.alg.name} does not support --executor vmap; use --executor loop or auto."
