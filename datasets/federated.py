@@ -1,6 +1,6 @@
 """The federated data contract: examples plus a client index, and per-round cohort plans.
 
-`FederatedData` (the contract, docs/architecture.md "The data contract") produces, per round,
+`FederatedData` (the contract, docs/architecture.md §5, the data contract) produces, per round,
 fixed-shape batch *indices* for a cohort (a `CohortPlan`): [C, S, B] example indices,
 [C, S, B] example weights (0 = padding) and a [C, S] step mask. Local steps are laid out
 epoch-major with K = the cohort's largest ceil(n_i / B) steps per epoch; a client with fewer

@@ -94,7 +94,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile: vmap -> the cohort's update; loop/process -> each client's step
     graph: bool = False  # vmap's cohort update built once per shape and replayed: a CUDA graph on CUDA, a trace on CPU (engine/backends/graphed.py)
     precision: str = "fp32"  # fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run
-    # --- issue 32 (client state out of RAM; docs/architecture.md, "Client-state store")
+    # --- issue 32 (client state out of RAM; docs/architecture.md §3, its client-state store)
     state_store: str = "auto"  # auto | ram | disk; auto = disk when every client's state would exceed the cache
     state_cache_mb: int = 512  # disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)
     state_precision: str = "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
