@@ -128,7 +128,7 @@ def parse_metric(metric: str | None) -> str | None:
 
 def parse_where(items: list[str]) -> dict[str, str]:
     """['algo=fedpa'] -> {'algo': 'fedpa'}."""
-    out = {}
+    out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
