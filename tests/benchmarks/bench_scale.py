@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+RUN_LOG: Path | None = None  # <out>/bench_scale_runs.jsonl (set by main)
 PY = sys.executable
 GB = 1e9
 
@@ -151,6 +152,9 @@ def train(
     }
     if done is None and kill_after_round is None:
         out["error"] = (err.strip().splitlines() or ["no output"])[-1]
+    if RUN_LOG is not None:  # every run as it ends: a part cut short keeps what it measured
+        with RUN_LOG.open("a") as fh:
+            fh.write(json.dumps({"args": {k: v for k, v in args.items() if k != "hp"}, **out}) + "\n")
     return out
 
 
@@ -461,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
+    global RUN_LOG
+    RUN_LOG = args.out / "bench_scale_runs.jsonl"
     import platform
 
     import torch
