@@ -277,7 +277,9 @@ class StackedLSTM(nn.Module):
         batch, steps = x.shape[0], x.shape[1]
         h_seq = x
         for layer in range(len(self.weights) // 3):
-            w_ih, w_hh, bias = self.weights[3 * layer: 3 * layer + 3]
+            # one by one: a slice is a new ParameterList, which wraps each tensor in a new Parameter, cut off from
+            # the graph of the loop back end's autograd leaves (functional_call): no gradient reached them
+            w_ih, w_hh, bias = (self.weights[3 * layer + i] for i in range(3))
             inputs = h_seq @ w_ih.T + bias  # [B, T, 4H]
             h = x.new_zeros(batch, self.hidden_size)
             c = x.new_zeros(batch, self.hidden_size)

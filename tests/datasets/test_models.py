@@ -95,3 +95,19 @@ def test_keyed_dropout_under_vmap_equals_per_key_calls() -> None:
     kept = alone != 0
     assert abs(float(kept.double().mean()) - 0.75) < 5 * (0.75 * 0.25 / kept.numel()) ** 0.5
     assert torch.allclose(alone[kept], torch.tensor(1 / 0.75))
+
+
+@pytest.mark.parametrize("build", [lambda: models.CharLSTM(hidden=16),
+                                   lambda: models.WordLSTM(vocab_size=50, embed_dim=8, hidden=16),
+                                   lambda: models.TextLSTM(vocab_size=50, embed_dim=8, hidden=16)],
+                         ids=["char", "word", "text"])
+def test_the_loop_back_ends_autograd_reaches_every_lstm_weight(build) -> None:  # noqa: ANN001
+    """The loop back end differentiates `functional_call(model, leaves)` with torch.autograd.grad
+    (engine/local.py): every parameter must get a gradient. StackedLSTM sliced its ParameterList,
+    which wraps the substituted leaves in new Parameters, and `fedcli train --task shakespeare
+    --executor loop` failed at its first step ("differentiated Tensor ... not used")."""
+    model = build()
+    leaves = {k: p.detach().requires_grad_(True) for k, p in model.named_parameters()}
+    out = torch.func.functional_call(model, leaves, (torch.randint(0, 50, (3, 7)),))
+    grads = torch.autograd.grad(out.square().mean(), list(leaves.values()), allow_unused=True)
+    assert [k for k, g in zip(leaves, grads, strict=True) if g is None or not g.abs().sum() > 0] == []
