@@ -239,11 +239,12 @@ class Algorithm(NamedTuple):
     # what to expect with the defaults where it differs from FedAvg's (trails it, equals another algorithm),
     # and why; `fedcli list algos NAME` prints it (docs/out-of-the-box.md)
     caveats: str = ""
-    # (model, hp) -> None, or one line why this algorithm's own passes cannot run on this model (the layer
+    # (model, hp, vmap_obstacle) -> None, or one line why this algorithm's own passes cannot run on this model (the layer
     # and the reason) and the setting that can (FOLA's per-example Fisher on BatchNorm: --hp fisher=batch_sq).
     # engine/setup.py `build` raises it as a ConfigError before anything is written (docs/bring-your-own.md,
-    # "Every algorithm on your model"); None: every model the back end runs.
-    check_model: Callable[[torch.nn.Module, Any], str | None] | None = None
+    # "Every algorithm on your model"); vmap_obstacle: why the model cannot run under torch.func.vmap, as the
+    # engine's model check found (None: it can). None: every model the back end runs.
+    check_model: Callable[[torch.nn.Module, Any, str | None], str | None] | None = None
 
 
 def hyperparameter_defaults(config_cls: type) -> dict[str, object]:

@@ -27,7 +27,6 @@ Deviations:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from fedcli.algorithms import fola, fola_offline
@@ -69,7 +68,7 @@ ALGORITHM = Algorithm(
     server_update=fola.server_update,
     global_params=fola.global_params,
     round_key=fola.prior_round,
-    check_model=functools.partial(fola.per_sample_obstacle, name="fedcurv"),
+    check_model=lambda model, hp, vmap_obstacle: fola.per_sample_obstacle(model, hp, vmap_obstacle, name="fedcurv"),
     degenerate=degenerate,
     caveats=("With lam = 1 and the per-sample Fisher the penalty is ~1e-3 of the task loss and barely moves the "
              "clients: its accuracy equals FedAvg's to 0.1 points on FEMNIST, MNIST and synthetic-1-1 at 25 rounds "

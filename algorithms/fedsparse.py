@@ -205,10 +205,10 @@ def server_init(params: Params, hp: FedSparseConfig, opt: OptimConfig) -> Server
     smallest = min((float(t.min()) + shift for t in tau.values()), default=math.inf)
     if not smallest > shift:  # a unit whose ||w_g|| is too small for theta_0: name it and a value that runs
         layer = min(tau, key=lambda k: float(tau[k].min()))
-        bound = 1 / (1 + math.exp(-smallest / hp.temperature))
-        works = math.floor((bound - 1e-3) * 100) / 100  # under the bound, two decimals
+        theta_max = 1 / (1 + math.exp(-smallest / hp.temperature))
+        works = math.floor((theta_max - 1e-3) * 100) / 100  # under the bound, two decimals
         extra = "" if works > hp.prune_threshold else f" --hp prune_threshold={works / 2:g}"
-        require(False, "hp.init_inclusion", f"< sigmoid(min ||w_g|| / T) = {bound:.6g} for this model", hp.init_inclusion,
+        require(False, "hp.init_inclusion", f"< sigmoid(min ||w_g|| / T) = {theta_max:.6g} for this model", hp.init_inclusion,
                 f"Its smallest gated unit (in {layer}, ||w_g|| = {max(smallest, 0.0):.3g}) cannot start at theta_0 = "
                 f"{hp.init_inclusion:g} with T = {hp.temperature:g} (tau = softplus(v) > 0); use --hp "
                 f"init_inclusion={works:g}{extra}, or a larger --hp temperature.")

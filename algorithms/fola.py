@@ -162,20 +162,18 @@ def fisher_increment(ctx: ClientContext, params: Params, batch: Batch, grads: Pa
             for k, g in per_example.items()}
 
 
-def per_sample_obstacle(model: torch.nn.Module, hp: object, name: str = "fola") -> str | None:
+def per_sample_obstacle(model: torch.nn.Module, hp: object, vmap_obstacle: str | None, name: str = "fola") -> str | None:
     """Why hp.fisher=per_sample (one gradient per example, a nested vmap over the batch) cannot run on
     `model`, or None (Algorithm.check_model of fola, fola-offline and fedcurv).
 
     BatchNorm normalises over the batch in training, so one example's gradient is not defined (on a
     batch of one, BatchNorm1d fails and BatchNorm2d normalises the example by itself); a model that
-    cannot run under torch.func.vmap (datasets/user_model.py `vmap_obstacle`, as the model check
-    found) cannot run the nested vmap either. --hp fisher=batch_sq (Alg. 1 and the released code: the
+    cannot run under torch.func.vmap (`vmap_obstacle`, as the engine's model check found) cannot run
+    the nested vmap either. --hp fisher=batch_sq (Alg. 1 and the released code: the
     square of the minibatch gradient) needs neither.
     """
     if getattr(hp, "fisher", None) != "per_sample":
         return None
-    from fedcli.datasets.user_model import vmap_obstacle
-
     norms = [(n, type(m).__name__) for n, m in model.named_modules()
              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     fix = ("use --hp fisher=batch_sq (Alg. 1 / the released code: the square of the minibatch gradient), "
@@ -185,7 +183,7 @@ def per_sample_obstacle(model: torch.nn.Module, hp: object, name: str = "fola") 
         more = f" and {len(norms) - 1} more" if len(norms) > 1 else ""
         return (f"{name}'s default Fisher (hp.fisher=per_sample) needs one gradient per example, which this model's "
                 f"BatchNorm ({where}: {kind}{more}) does not have: it normalises over the batch; {fix}.")
-    obstacle = vmap_obstacle(model)
+    obstacle = vmap_obstacle
     if obstacle is not None:
         return (f"{name}'s default Fisher (hp.fisher=per_sample) takes per-example gradients under torch.func.vmap, "
                 f"which this model cannot run ({obstacle}); use --hp fisher=batch_sq (the square of the minibatch "

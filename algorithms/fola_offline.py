@@ -20,7 +20,6 @@ Deviations:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +77,7 @@ ALGORITHM = Algorithm(
     server_update=fola.server_update,
     global_params=fola.global_params,
     round_key=fola.prior_round,
-    check_model=functools.partial(fola.per_sample_obstacle, name="fola-offline"),
+    check_model=lambda model, hp, vmap_obstacle: fola.per_sample_obstacle(model, hp, vmap_obstacle, name="fola-offline"),
     posterior=fola.posterior,
     description="FOLA with the Fisher taken once at the end of local training (no online accumulation).",
 )

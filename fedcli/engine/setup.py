@@ -28,7 +28,7 @@ from fedcli.datasets import augment as augmentation
 from fedcli.datasets.federated import FederatedData, choose_store, federated_data
 from fedcli.datasets.registry import resolve_task
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions
-from fedcli.datasets.user_model import is_reference
+from fedcli.datasets.user_model import is_reference, vmap_obstacle
 from fedcli.engine import select
 from fedcli.engine.backends import BackendSetup, CohortBackend, Workload
 from fedcli.engine.cohort import RoundPlan
@@ -154,7 +154,7 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
         log.info("data store: disk, %s (cohorts read from its memory maps each round)", data.store)
     alg = ALGORITHMS[cfg.algorithm.name]
     hp = make_hyperparameters(alg.name, cfg.algorithm.hp)
-    refusal = alg.check_model(model, hp) if alg.check_model is not None else None
+    refusal = alg.check_model(model, hp, vmap_obstacle(model)) if alg.check_model is not None else None
     if refusal is not None:  # the algorithm's own passes (FOLA's per-example Fisher) cannot run on this model
         raise ConfigError(refusal)
     fns = with_precision(model_functions(task, model, fed), cfg.train.precision, device)

@@ -208,7 +208,7 @@ def test_fola_batch_sq_trains_where_per_sample_is_refused(tmp_path: Path, tiny: 
 
 
 def test_fedsparse_refusal_names_a_value_that_runs() -> None:
-    """A gated unit with ||w_g|| = 0 (a zero-initialised row, as a ViT's can be) cannot start at theta_0 = 0.99:
+    """A gated unit with ||w_g|| = 0 (a zero-initialised row and bias, as a ViT's can be) cannot start at theta_0 = 0.99:
     the line names hp.init_inclusion, the layer and a value, and that value builds the server state."""
     from fedcli.algorithms import fedsparse
     from fedcli.algorithms.base import HyperparameterError, OptimConfig
@@ -218,6 +218,7 @@ def test_fedsparse_refusal_names_a_value_that_runs() -> None:
     )
     with torch.no_grad():
         net[1].weight[3].zero_()
+        net[1].bias[3] = 0.0  # the unit's follower: ||w_g|| counts it (group_sq)
     params = {k: v.detach() for k, v in net.named_parameters()}
     with pytest.raises(
         HyperparameterError, match=r"hp\.init_inclusion .*in 1\.weight.*--hp init_inclusion="
