@@ -7,7 +7,7 @@ EXTRAS ?= dev
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 
-.PHONY: install demo test bench matrix reproduce lint clean
+.PHONY: install demo test test-wide bench matrix reproduce lint clean
 
 # setuptools prints an "Editable installation." notice (its InformationOnly warning, not a problem:
 # the installed names differ from the folders, pyproject.toml) for every editable install of this
@@ -31,6 +31,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# the cross products left out of `make test` (marker `wide`; docs/testing.md)
+test-wide: $(STAMP)
+	$(BIN)/python -m pytest -m wide
 
 # Flower pins older typer/rich/protobuf than fedcli: it gets its own environment, which also
 # sees .venv's packages (fedcli, torch) through a .pth file. Best effort: without it (no

@@ -127,6 +127,12 @@ def runs_in(root: Path) -> list[object]:
     return SqlStore(f"sqlite:///{db}").list_runs() if db.exists() else []
 
 
+# What `make test` (CI) runs of the cross product: fedavg on every model, and every algorithm on one model
+# (a diagonal: algorithm i on model i mod 5), so that each model and each algorithm is in CI; the other cells
+# are marked `wide` (`make test-wide`: 15-60 s a cell on the 2-core machine, ~20 minutes in all)
+CI_CELLS = {("fedavg", m) for m in MODELS} | {(a, list(MODELS)[i % len(MODELS)]) for i, a in enumerate(ALGOS)}
+
+
 def cells() -> list[object]:
     out = []
     for model in MODELS:
@@ -136,6 +142,8 @@ def cells() -> list[object]:
                 for key in [(algo, model, "any")]
                 if key in ENGINE
             ]
+            if (algo, model) not in CI_CELLS:
+                marks.append(pytest.mark.wide)
             out.append(pytest.param(model, algo, marks=marks, id=f"{model}-{algo}"))
     return out
 
@@ -185,7 +193,7 @@ def test_algorithm_on_stock_model(tmp_path: Path, tiny: Path, model: str, algo: 
             m,
             marks=[pytest.mark.xfail(strict=True, reason=ENGINE[(m, "seed")])]
             if (m, "seed") in ENGINE
-            else [],
+            else [pytest.mark.wide] if m == "resnet18" else [],
         )
         for m in MODELS
     ],
@@ -200,7 +208,7 @@ def test_same_seed_twice_is_bit_identical(tmp_path: Path, tiny: Path, model: str
     assert first.metrics()["eval/loss"].iloc[-1] == second.metrics()["eval/loss"].iloc[-1]
 
 
-@pytest.mark.parametrize("model", ["bn_cnn", "resnet18"])
+@pytest.mark.parametrize("model", ["bn_cnn", pytest.param("resnet18", marks=pytest.mark.wide)])
 def test_fola_batch_sq_trains_where_per_sample_is_refused(tmp_path: Path, tiny: Path, model: str) -> None:
     """The alternative FOLA's refusal names trains the BatchNorm models."""
     run = train(tmp_path, model, "fola", tiny, "auto", hp={"fisher": "batch_sq"})
