@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def user_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def user_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """mynet.py and mydata.py in a folder the 'notebook' put on sys.path (not the working folder)."""
     folder = tmp_path / "src"
     folder.mkdir()
@@ -97,7 +98,9 @@ def user_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.syspath_prepend(str(folder))
     for name in ("mynet", "mydata"):
         sys.modules.pop(name, None)
-    return folder
+    yield folder
+    for name in ("mynet", "mydata"):  # imported from this test's folder: a later test's `mynet` is another file
+        sys.modules.pop(name, None)
 
 
 def runs_in(root: Path) -> list[object]:

@@ -355,6 +355,7 @@ def test_model_reference_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
     write(tmp_path, "mynet.py", HAR_NET)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "mynet", raising=False)  # another test's mynet: a module already imported wins
     assert model_reference("mlp") == "mlp"
     assert model_reference("./mynet.py:SignalCNN") == f"{tmp_path / 'mynet.py'}:SignalCNN"
     assert model_reference("mynet:SignalCNN") == f"{tmp_path / 'mynet.py'}:SignalCNN"

@@ -226,7 +226,7 @@ def test_in_process_choice_runs_convolutions_client_by_client_on_a_cpu() -> None
     assert in_process(workload(None, task="lsq"))[0] == "vmap"
     assert in_process(workload("cnn", "cuda"))[0] == "vmap"
     assert in_process(workload("mlp", "cuda", alg="fola"))[0] == "vmap"  # its own local loop: not fused
-    assert in_process(workload(BATCHNORM, "cuda"))[0] == "loop"
+    assert in_process(workload(BATCHNORM, "cuda"))[0] == "vmap"  # BatchNorm runs under vmap (issue 37)
     no_vmap = dataclasses.replace(workload("mlp", "cuda"), alg=ALGORITHMS["fedavg"]._replace(supports_vmap=False))
     assert in_process(no_vmap) == ("loop", "fedavg has no vmap")
 
