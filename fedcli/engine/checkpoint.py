@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -101,6 +101,15 @@ def atomic_save(obj: Any, path: Path) -> int:
     """
     buffer = io.BytesIO()
     torch.save(obj, buffer)
+    return _atomic_write(path, lambda fh: fh.write(buffer.getbuffer()))
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> int:
+    """`write(fh)` into a temp file beside `path`, fsync, rename over `path`; return the bytes written.
+
+    Any failure removes the temp file and leaves `path` as it was; an OSError (a full disk) is a
+    TrackingError naming the path.
+    """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}.", dir=path.parent)
@@ -108,9 +117,10 @@ def atomic_save(obj: Any, path: Path) -> int:
         raise TrackingError(_os_message(err, path)) from err
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(buffer.getbuffer())
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
+            size = fh.tell()
         os.replace(tmp, path)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
@@ -118,7 +128,7 @@ def atomic_save(obj: Any, path: Path) -> int:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return buffer.getbuffer().nbytes
+    return size
 
 
 def checkpoint_payload(
@@ -615,35 +625,21 @@ def write_delta(path: Path, delta: ClientDelta) -> int:
     """
     assert delta.layout is not None
     layout = delta.layout
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}.", dir=path.parent)
-    except OSError as err:
-        raise TrackingError(_os_message(err, path)) from err
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.lib.format.write_array_header_1_0(
-                fh,
-                {
-                    "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
-                    "fortran_order": False,
-                    "shape": (len(delta.clients), layout.slot_bytes),
-                },
-            )
-            for state in delta.states:
-                slot = state if isinstance(state, np.ndarray) else layout.pack(state)
-                fh.write(slot.data)
-            fh.flush()
-            os.fsync(fh.fileno())
-            size = fh.tell()
-        os.replace(tmp, path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise TrackingError(_os_message(err, path)) from err
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return size
+
+    def write(fh: BinaryIO) -> None:
+        np.lib.format.write_array_header_1_0(
+            fh,
+            {
+                "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+                "fortran_order": False,
+                "shape": (len(delta.clients), layout.slot_bytes),
+            },
+        )
+        for state in delta.states:
+            slot = state if isinstance(state, np.ndarray) else layout.pack(state)
+            fh.write(slot.data)
+
+    return _atomic_write(path, write)
 
 
 def manifest_of(delta: ClientDelta) -> dict[str, Any]:
