@@ -55,7 +55,8 @@ OPTION_KEYS: dict[str, str] = {
     "workers": "train.workers", "threads": "train.threads", "compile": "train.compile", "graph": "train.graph",
     "precision": "train.precision", "eval_every": "train.eval_every", "eval_sample": "train.eval_sample", "checkpoint_every": "train.checkpoint_every",
     "keep_checkpoints": "train.keep_checkpoints", "state_store": "train.state_store",
-    "state_cache_mb": "train.state_cache_mb", "state_precision": "train.state_precision", "seed": "seed", "experiment": "tracking.experiment",
+    "state_cache_mb": "train.state_cache_mb", "state_precision": "train.state_precision",
+    "bn_stats": "train.bn_stats", "seed": "seed", "experiment": "tracking.experiment",
     "run_name": "tracking.run_name", "root": "tracking.root", "store": "tracking.store",
     "tracking_uri": "tracking.tracking_uri", "no_mlflow": "tracking.use_mlflow",
     "augment": "data.augment",  # the API's: per-example augmentation, e.g. ["crop:4", "flip"] (docs/python-api.md)

@@ -98,6 +98,9 @@ class TrainConfig:
     state_store: str = "auto"  # auto | ram | disk; auto = disk when every client's state would exceed the cache
     state_cache_mb: int = 512  # disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)
     state_precision: str = "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
+    # --- issue 37 (BatchNorm): aggregate = the clients carry the running statistics, the server averages them
+    # (example-weighted); estimate = the server re-estimates them before each evaluation (engine/model.py)
+    bn_stats: str = "aggregate"
 
     def optim(self, default_client_lr: float) -> OptimConfig:
         """The optimiser settings algorithms receive; client_lr None takes `default_client_lr`
@@ -203,7 +206,8 @@ DATA_HASHED_UNLESS_NONE = ("model_sha256", "augment")  # augment: None keeps the
 DATA_NOT_HASHED = ("model_args", "data_store")  # data_store: where the examples live, not what they are
 # train keys added after runs were stored: left out of the hash at their default, so a config
 # that does not use them keeps the hash it had before they existed (sweeps find its runs)
-HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False, "state_precision": "state", "eval_sample": None}
+HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False, "state_precision": "state", "eval_sample": None,
+                                               "bn_stats": "aggregate"}
 # hyperparameters added after runs were stored, with the value that reproduces those runs (issue 24): left
 # out of the hash at that value, and given to a stored config that lacks the key (`resume_config`), so an
 # earlier run resumes as it ran and keeps its hash

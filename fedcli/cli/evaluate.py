@@ -164,18 +164,32 @@ def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, d
             ckpt.check_identity(saved, f"the final model of run {record.id[:8]} ({record.model_path})", ckpt.MODEL_KEYS,
                                 run_id=record.id, config_hash=record.config_hash, requested=record.requested)
             server_state, round_idx = saved["server_state"], db.last_round(record.id)
+            buffers, source = saved.get("buffers"), f"the final model of run {record.id[:8]}"
         else:
             points = dict(db.checkpoints(record.id))
             if checkpoint not in points:
                 raise ConfigError(f"run {record.id} has no checkpoint of round {checkpoint}; it has rounds "
                                   f"{sorted(points) or 'none'} (train with --checkpoint-every K to keep them).")
+            extras: dict[str, Any] = {}
             server_state, _ = ckpt.load_checkpoint(
                 Path(points[checkpoint]), f"checkpoint of round {checkpoint} ({points[checkpoint]})",
                 server_template=template, client_template=client_template, run_id=record.id,
-                config_hash=record.config_hash, requested=record.requested, round_idx=checkpoint)
+                config_hash=record.config_hash, requested=record.requested, round_idx=checkpoint, extras=extras)
             round_idx = checkpoint
+            buffers, source = extras.get("buffers"), f"checkpoint of round {checkpoint}"
     except ckpt.CheckpointError as err:
         raise (misfit if task is not None and "does not fit" in str(err) else err) from None
+    if setup.fns.client_stats is not None:  # the BatchNorm statistics evaluation uses (train.bn_stats aggregate)
+        if buffers:
+            setup.fns.client_stats.load(dict(buffers), source)
+        elif setup.model is not None:  # written before the clients carried them: the server's estimate, as then
+            from dataclasses import replace
+
+            from fedcli.engine.model import model_functions, with_precision
+
+            estimate = with_precision(model_functions(setup.task, setup.model, setup.fed, "estimate"),
+                                      setup.cfg.train.precision, setup.device)
+            setup.fns = replace(setup.fns, apply_fn=estimate.apply_fn, client_stats=None)
     state = ckpt.to_device(server_state, setup.device)
     params = setup.alg.global_params(state)
     shapes = {k: tuple(v.shape) for k, v in setup.init_params.items()}

@@ -176,6 +176,11 @@ def train(
     state_precision: Annotated[str | None, typer.Option(help="How client states are stored: state (their dtype) | "
                                                         "bf16 | fp16 (half the bytes; recorded with the run). "
                                                         "\\[default: state]", rich_help_panel=Panel.TRAIN)] = None,
+    bn_stats: Annotated[str | None, typer.Option(help="BatchNorm running statistics: aggregate (each client updates "
+                                                 "them as it trains; the server takes their example-weighted mean) "
+                                                 "| estimate (the server recomputes them from 1,024 training "
+                                                 "examples before each evaluation). \\[default: aggregate]",
+                                                 rich_help_panel=Panel.TRAIN)] = None,
     resume: Annotated[str | None, typer.Option(help="Continue run RUN_ID from its last checkpoint.",
                                                rich_help_panel=Panel.TRACK)] = None,
     trust_code: Annotated[bool, typer.Option("--trust-code", help="--resume may import the model / data function "

@@ -343,10 +343,13 @@ def load_checkpoint(
     config_hash: str,
     requested: dict[str, Any] | None,
     round_idx: int,
+    extras: dict[str, Any] | None = None,
 ) -> tuple[Any, dict[int, Any] | StoredClientStates]:
     """Read, check and rebuild a checkpoint of `run_id` at `round_idx`: (server state, client states) on the CPU.
 
     Templates: the run's fresh `server_init` state and `init_client_state` (None: stateless).
+    `extras`, when given, receives the file's "buffers" (the global BatchNorm statistics; None
+    in a file written without them).
     The client states of a format-3 file are a `StoredClientStates` (read when iterated; its
     files are checked here); of older formats, a dict.
 
@@ -365,6 +368,13 @@ def load_checkpoint(
         requested=requested,
         round_idx=round_idx,
     )
+    if extras is not None:
+        buffers = payload.get("buffers")
+        if buffers is not None and not (
+            isinstance(buffers, dict) and all(isinstance(v, torch.Tensor) for v in buffers.values())
+        ):
+            raise CheckpointError(f"{what} holds BatchNorm statistics that are not tensors by name")
+        extras["buffers"] = buffers
     if v3:
         return (
             from_plain(payload["server_state"], server_template, what),
@@ -741,11 +751,14 @@ class CheckpointWriter:
         client_states: ClientDelta | dict[int, Any],
         config: dict[str, Any],
         seed: int,
+        buffers: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Snapshot the state now; write it on the background thread (after the previous write).
 
         `client_states`: what changed since the previous checkpoint (ClientStateStore.take_changes),
-        or a dict of every client's state (then all are written).
+        or a dict of every client's state (then all are written). `buffers`: the global model's
+        BatchNorm running statistics (train.bn_stats aggregate), saved beside the server state
+        under "buffers" (a file without them, written before, still loads: `load_checkpoint`).
         """
         self.wait()  # at most one write in flight: memory stays bounded, errors surface a round later
         delta = (
@@ -764,6 +777,8 @@ class CheckpointWriter:
             "config": config,
             "server_state": pytree.tree_map(_cpu_copy, state),
         }
+        if buffers is not None:
+            snapshot["buffers"] = {k: _cpu_copy(v) for k, v in buffers.items()}
         self._since = 0
         self.last_round = round_idx
         self._pending = self._pool.submit(self._write, round_idx, snapshot, delta)

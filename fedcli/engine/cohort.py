@@ -11,9 +11,13 @@ padding steps (`pad_steps`).
 
 from __future__ import annotations
 
+import copy
 import itertools
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from fedcli.algorithms.base import Algorithm, Batch, ClientContext, ClientOut, OptimConfig
 from fedcli.datasets.federated import CohortPlan
-from fedcli.engine.local import Trainer, run_client
+from fedcli.engine.local import CarryingStats, Trainer, run_client
 from fedcli.engine.model import ModelFunctions
 
 
@@ -35,6 +39,9 @@ class CohortInputs:
     keys: Tensor  # [C, S] int64
     noise: dict[str, Tensor]  # name -> [C, S, ...]
     states: Any  # stacked per-client state pytree, or None
+    # each client's BatchNorm running statistics at the start of the round, name -> [C, ...] (train.bn_stats
+    # aggregate: the global ones; engine/model.py ClientStats); None: the model has none, or they are estimated
+    buffers: dict[str, Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,20 +94,30 @@ def make_context(fns: ModelFunctions, index: Tensor, weight: Tensor, step_mask: 
                          round_idx=round_idx, noise=noise)
 
 
-ClientFn = Callable[..., tuple[Any, Any, Any]]  # (index, weight, step_mask, keys, num_examples, noise, state)
+ClientFn = Callable[..., tuple[Any, Any, Any]]  # (index, weight, step_mask, keys, num_examples, noise, state[, buffers])
+STATS_PREFIX = "bn_stats/"  # a client's final BatchNorm statistics ride in its metrics under this prefix
+# (every back end stacks, slices and gathers metrics already); engine/rounds.py takes them out first
 
 
 def client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt: OptimConfig, num_epochs: int,
               steps_per_epoch: int, round_idx: int, trainer: Trainer | None = None) -> ClientFn:
     """One client's update (run_client: the declared local training with `trainer`, or client_update)
-    as a function of its plan slices, returning (upload, state or {}, metrics)."""
+    as a function of its plan slices, returning (upload, state or {}, metrics).
+
+    With `buffers` (the client's BatchNorm statistics at the start of the round, CohortInputs.buffers)
+    the local training carries them (engine/local.py CarryingStats) and the metrics return the
+    client's final statistics under STATS_PREFIX.
+    """
 
     def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
-            noise: dict[str, Tensor], state: Any) -> tuple[Any, Any, Any]:
+            noise: dict[str, Tensor], state: Any, buffers: dict[str, Tensor] | None = None) -> tuple[Any, Any, Any]:
         ctx = make_context(fns, index, weight, step_mask, keys, num_examples, noise, num_epochs,
                            steps_per_epoch, round_idx)
-        out = run_client(alg, ctx, broadcast, state, hp, opt, trainer)
-        return out.upload, ({} if out.state is None else out.state), out.metrics
+        carrier = None if buffers is None else CarryingStats(fns.client_stats, buffers)
+        out = run_client(alg, ctx, broadcast, state, hp, opt, trainer if carrier is None else carrier)
+        metrics = out.metrics if carrier is None else {
+            **out.metrics, **{STATS_PREFIX + k: v for k, v in carrier.buffers.items()}}
+        return out.upload, ({} if out.state is None else out.state), metrics
 
     return one
 
@@ -116,6 +133,8 @@ def vmap_clients(one: Callable[..., tuple[Any, Any, Any]], inputs: CohortInputs,
                  chunk_size: int | None = None) -> ClientOut:
     """vmap a client function over the cohort's plan, keys, noise, states (and extra batched inputs)."""
     plan, state_dim = inputs.plan, None if inputs.states is None else 0
+    if inputs.buffers is not None:  # each client's own BatchNorm statistics (batched: the update is per client)
+        extra = (inputs.buffers, *extra)
     batched = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, state_dim) + (0,) * len(extra), chunk_size=chunk_size)
     upload, state, metrics = batched(plan.index, plan.weight, plan.step_mask, inputs.keys,
                                      plan.num_examples, inputs.noise, inputs.states, *extra)
@@ -158,8 +177,9 @@ def take_clients(inputs: CohortInputs, rows: np.ndarray) -> CohortInputs:
                         num_examples=take(plan.num_examples),
                         steps_per_client=plan.steps_per_client[rows], num_epochs=epochs, steps_per_epoch=own)
     states = None if inputs.states is None else pytree.tree_map(take, inputs.states)
+    buffers = None if inputs.buffers is None else {k: take(v) for k, v in inputs.buffers.items()}
     return CohortInputs(plan=sliced, keys=cut(inputs.keys), noise={k: cut(v) for k, v in inputs.noise.items()},
-                        states=states)
+                        states=states, buffers=buffers)
 
 
 def split_cohort(steps: np.ndarray, parts: int) -> list[np.ndarray]:
@@ -261,7 +281,7 @@ def pad_steps(inputs: CohortInputs, multiple: int, max_steps: int | None = None)
     padded = replace(plan, index=pad(plan.index), weight=pad(plan.weight), step_mask=pad(plan.step_mask),
                      steps_per_epoch=target)
     return CohortInputs(plan=padded, keys=pad(inputs.keys), noise={n: pad(v) for n, v in inputs.noise.items()},
-                        states=inputs.states)
+                        states=inputs.states, buffers=inputs.buffers)
 
 
 def finite_rows(upload: Any, num_clients: int) -> np.ndarray:
@@ -286,6 +306,129 @@ def finite_rows(upload: Any, num_clients: int) -> np.ndarray:
 
 
 def take_rows(tree: Any, rows: Tensor) -> Any:
-    """The pytree with only `rows` of every tensor's leading (client) axis."""
+    """The pytree with only `rows` of every tensor's leading (client) axis (and of SpilledStates)."""
     return pytree.tree_map(lambda t: t.index_select(0, rows.to(t.device)) if isinstance(t, Tensor)
-                           and t.dim() > 0 else t, tree)
+                           and t.dim() > 0 else t.take(rows) if isinstance(t, SpilledStates) else t, tree)
+
+
+def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_size: int,
+                  noise_of: Callable[[np.ndarray], dict[str, Tensor]], states_of: Callable[[np.ndarray], Any],
+                  spill_dir: Path | None = None) -> ClientOut:
+    """The cohort's local training in groups of `group_size` similar-length clients (longest first:
+    in_chunks' groups), each group's noise and client states made only when it runs.
+
+    `job.inputs` carries the plan and keys (noise {} and states None); `noise_of(rows)` draws the
+    noise of cohort rows `rows` at the cohort's padded length and `states_of(rows)` gathers their
+    states. Each group's outputs go into one [C, ...] tensor per uploaded leaf and metric (no
+    merge copy; the group's own tensors are freed as it ends); with `spill_dir` the new client
+    states are written to an unlinked file there (SpilledStates) instead of RAM. Results equal
+    in_chunks' (the same groups, inputs and per-group back-end calls), and the loop's
+    whatever the groups. Bounds a round's memory to one group's inputs plus the cohort's uploads.
+    """
+    inputs = job.inputs
+    plan = inputs.plan
+    num_clients, epochs, padded = len(plan.num_examples), plan.num_epochs, plan.steps_per_epoch
+    order = np.argsort(-plan.steps_per_client, kind="stable")
+    merged: list[Tensor | None] | None = None
+    spec: Any = None
+    states: SpilledStates | list[tuple[np.ndarray, Any]] = [] if spill_dir is None else SpilledStates(spill_dir)
+    for start in range(0, num_clients, group_size):
+        rows = order[start : start + group_size]
+        job.at_safe_point()
+        sub = take_clients(inputs, rows)  # plan, keys (and what else rides per client) of the group
+        own = sub.plan.steps_per_epoch
+        noise = {k: trim_rows(v, epochs, padded, own) for k, v in noise_of(rows).items()}
+        sub = replace(sub, noise=noise, states=states_of(rows))
+        del noise
+        out = run(replace(job, inputs=sub, chunk_size=None))
+        del sub
+        leaves, spec = pytree.tree_flatten((out.upload, out.metrics))
+        if merged is None:
+            merged = [None if leaf is None else torch.empty((num_clients, *leaf.shape[1:]), dtype=leaf.dtype,
+                                                            device=leaf.device) for leaf in leaves]
+        take = RowIndex(rows)
+        for into, leaf in zip(merged, leaves, strict=True):
+            if into is not None:
+                into.index_copy_(0, take.on(into.device), leaf)
+        if out.state is not None:
+            if isinstance(states, SpilledStates):
+                states.write(rows, out.state)
+            else:
+                states.append((rows, out.state))
+        del out, leaves
+    assert merged is not None
+    upload, metrics = pytree.tree_unflatten(merged, spec)
+    if not states:  # a stateless algorithm
+        return ClientOut(upload=upload, state=None, metrics=metrics)
+    if isinstance(states, SpilledStates):
+        return ClientOut(upload=upload, state=states, metrics=metrics)
+    take = RowIndex(np.argsort(np.concatenate([r for r, _ in states]), kind="stable"))  # as merge_outs
+    state = pytree.tree_map(lambda *xs: None if xs[0] is None else take(torch.cat(xs)), *[s for _, s in states])
+    return ClientOut(upload=upload, state=state, metrics=metrics)
+
+
+def scatter_states(store: Any, cohort: np.ndarray, states: Any, group: int = 16) -> None:
+    """store.scatter the cohort's new states; SpilledStates are read back and stored `group` clients at a
+    time (the store's cache then never holds more than its budget plus one group)."""
+    if not isinstance(states, SpilledStates):
+        store.scatter(cohort, states)
+        return
+    for start in range(0, len(cohort), group):
+        rows = np.arange(start, min(start + group, len(cohort)))
+        store.scatter(cohort[rows], states.rows(rows))
+
+
+def trim_rows(t: Tensor, num_epochs: int, padded: int, own: int) -> Tensor:
+    """Keep the first `own` of `padded` steps per epoch of a [C, E * padded, ...] tensor."""
+    if own == padded:
+        return t
+    t = t.reshape(t.shape[0], num_epochs, padded, *t.shape[2:])[:, :, :own]
+    return t.reshape(t.shape[0], num_epochs * own, *t.shape[3:])
+
+
+class SpilledStates:
+    """A round's new client states, group by group, in an unlinked file (not in RAM) until they are
+    stored: ClientOut.state of stream_cohort with a spill folder (the disk state store's).
+
+    `rows(r)` reads cohort rows `r` back as a stacked state pytree (CPU tensors); `take(r)` is
+    the states of rows `r` only (take_rows: clients dropped as non-finite).
+    """
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115  # closed with this object
+        self.spec: Any = None
+        self.meta: list[tuple[torch.dtype, tuple[int, ...], int]] = []  # per leaf: dtype, row shape, row bytes
+        self.where: dict[int, list[int]] = {}  # cohort row -> file offset of each leaf's row
+        self.order: np.ndarray | None = None  # take(): positions into the original rows
+
+    def write(self, rows: np.ndarray, stacked: Any) -> None:
+        leaves, self.spec = pytree.tree_flatten(stacked)
+        if not self.meta:
+            self.meta = [(leaf.dtype, tuple(leaf.shape[1:]), leaf[0].numel() * leaf.element_size()) for leaf in leaves]
+        offset = self.file.seek(0, os.SEEK_END)
+        for j, row in enumerate(rows):
+            self.where[int(row)] = [offset + sum(m[2] for m in self.meta[:i]) * len(rows) + j * self.meta[i][2]
+                                    for i in range(len(leaves))]
+        for leaf in leaves:
+            self.file.write(leaf.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.file.flush()
+
+    def __len__(self) -> int:
+        return len(self.where) if self.order is None else len(self.order)
+
+    def take(self, rows: Tensor | np.ndarray) -> SpilledStates:
+        view = copy.copy(self)
+        view.order = np.asarray(rows.cpu() if isinstance(rows, Tensor) else rows, dtype=np.int64)
+        return view
+
+    def rows(self, rows: np.ndarray) -> Any:
+        """Cohort rows `rows` (after any take) as a stacked state pytree."""
+        source = [int(self.order[r]) if self.order is not None else int(r) for r in rows]
+        fd = self.file.fileno()
+        leaves = []
+        for i, (dtype, shape, nbytes) in enumerate(self.meta):
+            parts = [torch.frombuffer(bytearray(os.pread(fd, nbytes, self.where[r][i])), dtype=dtype).reshape(shape)
+                     if nbytes else torch.empty(shape, dtype=dtype) for r in source]
+            leaves.append(torch.stack(parts))
+        return pytree.tree_unflatten(leaves, self.spec)

@@ -94,3 +94,49 @@ class CompiledStep:
         start, linear = request.start, request.linear or {}
         return local_sgd(ctx, request.start, opt, average_epochs=request.average_epochs,
                          grad_step=lambda params, batch, coef: fn(params, batch, coef, start, linear))
+
+
+class CarryingStats:
+    """A Trainer that carries one client's BatchNorm running statistics through its local SGD.
+
+    `stats` (engine/model.py ClientStats) is the run's; `buffers` the client's statistics at the
+    start of the round (under vmap: batched, one copy per client). Each step's gradient is taken
+    by torch.func.grad of a function that receives the statistics as an input, clones them and
+    lets BatchNorm's momentum update write the clone during the step's forward (torch.func
+    refuses writes to tensors captured from outside the transform); the clone leaves as an
+    auxiliary output and becomes the client's statistics after the step, unless the step is a
+    masked no-op (a padded step: its batch has weight 0). The gradient is the same as without
+    the statistics (training normalises by the batch's own statistics either way). After the
+    training, `buffers` holds the client's final statistics.
+    """
+
+    def __init__(self, stats: Any, buffers: dict[str, torch.Tensor]) -> None:
+        self.stats, self.buffers = stats, buffers
+
+    def __call__(self, ctx: ClientContext, request: LocalSGD, opt: OptimConfig) -> LocalResult:
+        objective = scaled_objective(local_objective(ctx.loss_fn, request))
+        stats = self.stats
+
+        def carried(params: Params, batch: Batch, coef: torch.Tensor, buffers: dict[str, torch.Tensor]) -> Any:
+            own = {k: v.clone() for k, v in buffers.items()}
+            stats.client = own
+            try:
+                scaled, loss = objective(params, batch, coef)
+            finally:
+                stats.client = None
+            return scaled, (loss, own)
+
+        grad = torch.func.grad(carried, has_aux=True)
+        steps = [0]  # steps taken: a momentum=None BatchNorm's factor (real steps come first in every epoch)
+
+        def grad_step(params: Params, batch: Batch, coef: torch.Tensor) -> tuple[Params, torch.Tensor]:
+            with stats.cumulative_momenta(steps[0]):
+                grads, (loss, own) = grad(params, batch, coef, self.buffers)
+            if stats.cumulative:
+                own = stats.cumulative_fix(self.buffers, own, steps[0])
+            steps[0] += 1
+            real = batch.weight.sum() > 0
+            self.buffers = {k: torch.where(real, own[k], v) for k, v in self.buffers.items()}
+            return grads, loss
+
+        return local_sgd(ctx, request.start, opt, average_epochs=request.average_epochs, grad_step=grad_step)

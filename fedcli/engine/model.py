@@ -41,16 +41,20 @@ class ModelFunctions:
     prepare: Callable[[Tensor], Tensor]
     # training batches only: (x prepared, step key) -> x, data.augment's crop / flip (datasets/augment.py); None = none
     augment: Callable[[Tensor, Tensor], Tensor] | None = None
+    # BatchNorm running statistics the clients carry (train.bn_stats aggregate | local); None: none, or estimate
+    client_stats: ClientStats | None = None
 
 
-def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelFunctions:
+def model_functions(task: Task, model: nn.Module, data: FederatedData, bn_stats: str = "aggregate") -> ModelFunctions:
     """Build apply/loss functions around `model` with torch.func.functional_call.
 
     The dropout key goes to forward only when its signature names `key` (a user's model may not:
     datasets/user_model.py). A model whose layers behave differently in training and evaluation
-    (BatchNorm, nn.Dropout) trains in train mode and is evaluated in eval mode; BatchNorm's
-    running statistics are recomputed for each evaluated model (`BatchNormStats`,
-    docs/bring-your-own.md, "BatchNorm"). A model with stock dropout, RNN or attention layers (or
+    (BatchNorm, nn.Dropout) trains in train mode and is evaluated in eval mode. BatchNorm's
+    running statistics (`bn_stats`, train.bn_stats; docs/bring-your-own.md, "BatchNorm"): `aggregate`
+    and `local`, the clients carry them through their local steps (`ClientStats`; the server's
+    aggregate is what evaluation uses); `estimate`, they are recomputed on the server for each
+    evaluated model (`BatchNormStats`). A model with stock dropout, RNN or attention layers (or
     code of its own) runs inside datasets/stock_layers.py's `StockLayers`: dropout keyed by the step's
     key, RNNs as functional recurrences, so that it runs under vmap and alike on every back end.
     """
@@ -58,9 +62,12 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelF
     stock = needs_stock_layers(model)
     modal = stock or any(isinstance(m, (_BatchNorm, _DropoutNd)) for m in model.modules())
     norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    if bn_stats not in BN_STATS:
+        raise ConfigError(f"train.bn_stats must be one of {', '.join(BN_STATS)}; got {bn_stats!r}.")
     for m in norms:
-        m.track_running_stats = False  # training: batch statistics, no buffer written (BatchNormStats)
-    stats = BatchNormStats(model, task, data, norms) if norms else None
+        m.track_running_stats = False  # batch statistics, no buffer written, unless a client carries them (ClientStats)
+    carried = ClientStats(model, norms, bn_stats) if norms and bn_stats != "estimate" else None
+    stats = BatchNormStats(model, task, data, norms) if norms and carried is None else None
 
     def apply_fn(params: Params, x: Tensor) -> Tensor:
         if not modal:
@@ -68,20 +75,144 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData) -> ModelF
                 return torch.func.functional_call(model, params, (x,))
         if stats is not None:
             stats.update(params)
+        tensors = params if carried is None else {**params, **carried.current}  # eval mode: the global statistics
         model.eval()
         try:
             with StockLayers(None) if stock else nullcontext():
-                return torch.func.functional_call(model, params, (x,))
+                return torch.func.functional_call(model, tensors, (x,))
         finally:
             model.train()
 
     def loss_fn(params: Params, batch: Batch) -> Tensor:
-        with StockLayers(batch.key) if stock else nullcontext():
-            output = torch.func.functional_call(model, params, (batch.x,), {"key": batch.key} if keyed else {})
+        own = None if carried is None else carried.client  # set only inside a carrying trainer's step
+        tensors = params if own is None else {**params, **own}
+        with StockLayers(batch.key) if stock else nullcontext(), tracking(norms, own is not None):
+            output = torch.func.functional_call(model, tensors, (batch.x,), {"key": batch.key} if keyed else {})
         losses = per_example_loss(task, output, batch.x, batch.y)  # [B]
         return (losses * batch.weight).sum() / batch.weight.sum().clamp_min(1.0)
 
-    return ModelFunctions(apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare)
+    return ModelFunctions(apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare, client_stats=carried)
+
+
+BN_STATS = ("aggregate", "estimate")  # train.bn_stats (docs/bring-your-own.md, "BatchNorm")
+RUNNING = ("running_mean", "running_var", "num_batches_tracked")
+
+
+class ClientStats:
+    """BatchNorm running statistics carried by the clients (train.bn_stats `aggregate` or `local`).
+
+    Each client starts a round from the global statistics (`current`; `local`: its own, engine/
+    clientstate.py) and updates them with BatchNorm's own momentum rule at every local step, on
+    the batch that step trains on (engine/local.py `carrying_stats`; under vmap the statistics
+    are batched, one copy per client, so the in-place update is per client). The server sets
+    `current` to the example-weighted mean of the clients' statistics (`aggregate_stats`);
+    evaluation, model.pt and checkpoints use it. `client` holds the statistics of the step
+    being computed (inside the gradient transform) and is None otherwise: `loss_fn` then
+    normalises by batch statistics and writes nothing (an algorithm's extra passes).
+    """
+
+    def __init__(self, model: nn.Module, norms: list[_BatchNorm], mode: str) -> None:
+        self.mode = mode
+        ids = {id(m) for m in norms}
+        self.names = tuple(f"{prefix}.{name}" if prefix else name for prefix, m in model.named_modules()
+                           if id(m) in ids for name in RUNNING if getattr(m, name, None) is not None)
+        buffers = dict(model.named_buffers())
+        self.current: dict[str, Tensor] = {k: buffers[k].detach().clone() for k in self.names}
+        self.client: dict[str, Tensor] | None = None
+        # momentum=None (a cumulative average): BatchNorm reads its count as a Python number, which vmap
+        # cannot; `cumulative_momenta` sets one factor for the step, `cumulative_fix` each client's own
+        self.cumulative = [(m, f"{prefix}." if prefix else "")
+                           for prefix, m in model.named_modules() if id(m) in ids and m.momentum is None]
+
+    def cumulative_momenta(self, step: int) -> tracking_momenta:
+        """Inside the block, each momentum=None BatchNorm uses 1 / (its global count + step + 1): what
+        PyTorch computes at a client's `step`-th step of the round when none before it was masked."""
+        return tracking_momenta([(m, self._factor(prefix, step)) for m, prefix in self.cumulative])
+
+    def _factor(self, prefix: str, step: int) -> float:
+        return 1.0 / (int(self.current[prefix + "num_batches_tracked"]) + step + 1)
+
+    def cumulative_fix(self, before: dict[str, Tensor], own: dict[str, Tensor], step: int) -> dict[str, Tensor]:
+        """`own` with each momentum=None BatchNorm's statistics at the client's own factor, 1 / (its count
+        + 1): where masked steps came before (a shorter client's epoch), the step's shared factor f
+        was not its; the batch statistic is recovered from the update (b = (own - (1 - f) old) / f)."""
+        for _, prefix in self.cumulative:
+            f = self._factor(prefix, step)
+            own_f = 1.0 / (before[prefix + "num_batches_tracked"].to(torch.float64) + 1)
+            same = own_f == f
+            for name in ("running_mean", "running_var"):
+                old, new = before[prefix + name], own[prefix + name]
+                batch = (new.to(torch.float64) - (1 - f) * old.to(torch.float64)) / f
+                fixed = ((1 - own_f) * old.to(torch.float64) + own_f * batch).to(new.dtype)
+                own[prefix + name] = torch.where(same, new, fixed)
+        return own
+
+    def to(self, device: torch.device) -> None:
+        """Move the global statistics to the run's device."""
+        self.current = {k: v.to(device) for k, v in self.current.items()}
+
+    def stacked(self, num_clients: int) -> dict[str, Tensor]:
+        """The global statistics, one copy per client: [C, ...] (each client's start of the round)."""
+        return {k: v.unsqueeze(0).expand(num_clients, *v.shape).clone() for k, v in self.current.items()}
+
+    def load(self, buffers: dict[str, Tensor], what: str) -> None:
+        """Set the global statistics from a checkpoint's or model.pt's (they must be this model's).
+
+        Raises:
+            ConfigError: `buffers` lacks one of this model's statistics or has another shape.
+        """
+        if any(k not in buffers or buffers[k].shape != self.current[k].shape for k in self.names):
+            raise ConfigError(f"{what} holds BatchNorm statistics of another model ({len(buffers)} buffers, this "
+                              f"model has {len(self.names)}); use the model the run trained.")
+        self.current = {k: buffers[k].to(self.current[k].device, self.current[k].dtype) for k in self.names}
+
+
+def aggregate_stats(buffers: dict[str, Tensor], weights: Tensor) -> dict[str, Tensor]:
+    """The example-weighted mean of the clients' BatchNorm statistics ([C, ...] each; `weights` [C]).
+
+    running_mean and running_var: sum_c n_c s_c / sum_c n_c, the FedAvg weighting (McMahan et al.
+    2017) applied to the statistics as to the parameters (docs/bring-your-own.md, "BatchNorm");
+    num_batches_tracked: the weighted mean of the clients' counts, rounded to the nearest integer.
+    """
+    share = weights.to(torch.float64) / weights.to(torch.float64).sum()
+    out = {}
+    for k, v in buffers.items():
+        w = share.to(v.device).reshape(-1, *([1] * (v.dim() - 1)))
+        mean = (v.to(torch.float64) * w).sum(0)
+        out[k] = mean.round().to(v.dtype) if not v.is_floating_point() else mean.to(v.dtype)
+    return out
+
+
+class tracking_momenta:  # noqa: N801  (a context manager named for what it does)
+    """Set the given BatchNorm modules' momentum inside the block, None again after it."""
+
+    def __init__(self, factors: list[tuple[_BatchNorm, float]]) -> None:
+        self.factors = factors
+
+    def __enter__(self) -> None:
+        for m, factor in self.factors:
+            m.momentum = factor
+
+    def __exit__(self, *exc: object) -> None:
+        for m, _ in self.factors:
+            m.momentum = None
+
+
+class tracking:  # noqa: N801  (a context manager named for what it does)
+    """BatchNorm writes its running statistics (track_running_stats) inside the block, when `on`."""
+
+    def __init__(self, norms: list[_BatchNorm], on: bool) -> None:
+        self.norms, self.on = norms, on
+
+    def __enter__(self) -> None:
+        if self.on:
+            for m in self.norms:
+                m.track_running_stats = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            for m in self.norms:
+                m.track_running_stats = False
 
 
 class BatchNormStats:
@@ -218,10 +349,14 @@ def build_user_model(cfg: RunConfig, task: Task, data: TaskData, *, on_change: s
 
 
 def final_buffers(fns: ModelFunctions, model: nn.Module | None, params: Params) -> dict[str, Tensor] | None:
-    """The BatchNorm running statistics of `params` (estimated as evaluation does), on the CPU, for
-    model.pt and the MLflow model; None for a model without them (every built-in model)."""
+    """The BatchNorm running statistics of `params` as evaluation uses them (the clients' aggregate,
+    or estimated: train.bn_stats), on the CPU, for model.pt and the MLflow model; None for a model
+    without them (every built-in model)."""
     if model is None or not any(isinstance(m, _BatchNorm) for m in model.modules()):
         return None
+    if fns.client_stats is not None:
+        buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
+        return {**buffers, **{k: v.detach().cpu().clone() for k, v in fns.client_stats.current.items()}}
     on_device = {k: v.to(fns.data.device) for k, v in params.items()}
     fns.apply_fn(on_device, fns.prepare(fns.data.x[:1].to(fns.data.device)).to(fns.data.dtype))  # estimates them for these parameters
     return {k: v.detach().cpu().clone() for k, v in model.named_buffers()}

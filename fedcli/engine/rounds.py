@@ -28,11 +28,25 @@ import torch
 
 from fedcli.algorithms.base import ClientOut, tree_nbytes
 from fedcli.datasets.federated import CohortPlan
+from fedcli.engine.backends.fused import FusedBackend
+from fedcli.engine.backends.graphed import GraphedVmap
+from fedcli.engine.backends.loop import LoopBackend
+from fedcli.engine.backends.vmap import VmapBackend
 from fedcli.engine.checkpoint import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore
-from fedcli.engine.cohort import CohortInputs, CohortJob, RoundPlan, finite_rows, take_rows
+from fedcli.engine.cohort import (
+    STATS_PREFIX,
+    CohortInputs,
+    CohortJob,
+    RoundPlan,
+    finite_rows,
+    scatter_states,
+    stream_cohort,
+    take_rows,
+)
 from fedcli.engine.evaluation import eval_sample_index, evaluate, resolve_eval_sample
 from fedcli.engine.lifecycle import GracefulSignals
+from fedcli.engine.model import aggregate_stats
 from fedcli.engine.seeding import Stream, numpy_rngs, sample_cohort, step_keys, torch_generator
 from fedcli.engine.setup import Setup
 from fedcli.errors import FedcliError
@@ -126,6 +140,32 @@ def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray
     return out
 
 
+STREAM_BUDGET = 128 * 2**20  # bytes: the loop makes a round's per-client inputs and outputs this many at a time
+
+
+def stream_group(setup: Setup, store: ClientStateStore, params: dict[str, torch.Tensor], num_clients: int,
+                 num_steps: int) -> int | None:
+    """How many clients' noise and states a round makes at once (cohort.stream_cohort), or None: the
+    whole cohort's, the back end's own path. --cohort-chunk N on the in-process back ends that chunk
+    (vmap, fused, graph): N, their own chunks, so results are unchanged; the loop (whose clients run
+    one by one, so any grouping gives the same results): N, or else as many clients as fit
+    STREAM_BUDGET when the whole cohort's do not (a client's noise, e.g. BayesADMM's IVON draws of
+    S steps x the model, twice its state and one model of upload)."""
+    chunk, backend = setup.cfg.train.cohort_chunk, setup.backend
+    if isinstance(backend, LoopBackend):
+        shapes = setup.alg.noise_shapes(params, setup.hp, num_steps) if setup.alg.noise_shapes else {}
+        layout = store.layout
+        state = 0 if layout is None else sum(int(np.prod(s)) * d.itemsize for s, d in zip(layout.shapes, layout.dtypes,
+                                                                                          strict=True))
+        per_client = 4 * sum(int(np.prod(s)) for s in shapes.values()) + 2 * state + tree_nbytes(params)
+        group = chunk or max(1, STREAM_BUDGET // max(per_client, 1))
+    elif isinstance(backend, VmapBackend | FusedBackend | GraphedVmap):
+        group = chunk
+    else:  # compiled vmap (chunks inside one program), worker processes: the back end's own path
+        return None
+    return group if group is not None and group < num_clients else None
+
+
 def overlaps_host_work(device: torch.device) -> bool:
     """True where a back end returns while the device still trains (CUDA launches are
     asynchronous): train_cohort then builds the next round's plan before it waits."""
@@ -151,12 +191,17 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
     if setup.fed.prefetches and round_idx < cfg.train.rounds:  # disk store: read the next cohort while this one trains
         ahead = prefetcher().submit(plan_round, setup, round_idx + 1, setup.device.type == "cuda")
     bc = alg.broadcast(state, hp)
+    params, steps = alg.global_params(state), plan.num_epochs * plan.steps_per_epoch
+    group = stream_group(setup, store, params, len(cohort), steps)  # None: the whole cohort's inputs at once
+    carried = setup.fns.client_stats  # BatchNorm statistics the clients carry: each starts from the global ones
     inputs = CohortInputs(plan=plan, keys=planned.keys.to(setup.device, non_blocking=True),
-                          noise=draw_noise(setup, alg.global_params(state), cohort, round_idx,
-                                           plan.num_epochs * plan.steps_per_epoch),
-                          states=store.gather(cohort, setup.device))
-    outs = setup.backend.run(CohortJob(alg, fns, bc, inputs, hp, setup.opt, round_idx,
-                                       cfg.train.cohort_chunk, interrupt))
+                          noise={} if group else draw_noise(setup, params, cohort, round_idx, steps),
+                          states=None if group else store.gather(cohort, setup.device),
+                          buffers=None if carried is None else carried.stacked(len(cohort)))
+    job = CohortJob(alg, fns, bc, inputs, hp, setup.opt, round_idx, cfg.train.cohort_chunk, interrupt)
+    outs = setup.backend.run(job) if group is None else stream_cohort(  # a group's noise and states at a time
+        job, setup.backend.run, group, lambda rows: draw_noise(setup, params, cohort[rows], round_idx, steps),
+        lambda rows: store.gather(cohort[rows], setup.device), store.folder if store.on_disk else None)
     setup.prefetched.clear()
     if ahead is not None:
         setup.prefetched[round_idx + 1] = ahead  # type: ignore[assignment]  # a Future of the RoundPlan
@@ -172,7 +217,9 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
 
     A client whose upload holds NaN/inf is left out of this round as if it had not been
     sampled (its state is not updated) and counted in `client/dropped_nonfinite`; if every
-    client of the cohort is non-finite the run has diverged.
+    client of the cohort is non-finite the run has diverged. The kept clients' BatchNorm
+    statistics (train.bn_stats aggregate) become the global ones: their example-weighted mean
+    (engine/model.py aggregate_stats).
     """
     alg, hp, opt = setup.alg, setup.hp, setup.opt
     cohort, plan, outs = trained.cohort, trained.plan, trained.outs
@@ -187,14 +234,22 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
         keep = torch.nonzero(torch.as_tensor(finite)).flatten()
         outs = take_rows(outs, keep)
         weights, cohort = weights[keep.to(weights.device)], cohort[finite]
+    stats = {k[len(STATS_PREFIX):]: v for k, v in outs.metrics.items() if k.startswith(STATS_PREFIX)}
+    if stats:
+        outs = outs._replace(metrics={k: v for k, v in outs.metrics.items() if not k.startswith(STATS_PREFIX)})
     state, diagnostics = alg.server_update(state, outs, weights, hp, opt)
-    store.scatter(cohort, outs.state)
+    if stats and setup.fns.client_stats is not None:
+        setup.fns.client_stats.current = aggregate_stats(stats, weights)
+    scatter_states(store, cohort, outs.state)
     _sync(setup.device)
     timing.train += trained_at - trained.start
     timing.aggregate += time.perf_counter() - trained_at
     share = weights / weights.sum()
     up = alg.upload_nbytes(trained.outs.upload) if alg.upload_nbytes else tree_nbytes(trained.outs.upload)
+    up += sum(v.numel() * v.element_size() for k, v in trained.outs.metrics.items() if k.startswith(STATS_PREFIX))
     down = alg.download_nbytes(trained.broadcast) if alg.download_nbytes else tree_nbytes(trained.broadcast)
+    if setup.fns.client_stats is not None:  # the global BatchNorm statistics go down with the broadcast
+        down += sum(v.numel() * v.element_size() for v in setup.fns.client_stats.current.values())
     # every number the round logs crosses to the host in one copy (one sync on a GPU)
     means = {f"client/{k}": (v.to(share.dtype) * share).sum() for k, v in outs.metrics.items()}
     columns = {("train/loss" if k == "train_loss" else f"client/{k}"): v for k, v in outs.metrics.items()}
@@ -300,8 +355,9 @@ class RoundLoop:
 
     def checkpoint(self) -> None:
         """Snapshot the last completed round; the writer saves it on its own thread."""
-        cfg = self.setup.cfg
-        self.writer.submit(self.completed, self.state, self.store.take_changes(self.completed), cfg.to_dict(), cfg.seed)
+        cfg, carried = self.setup.cfg, self.setup.fns.client_stats
+        self.writer.submit(self.completed, self.state, self.store.take_changes(self.completed), cfg.to_dict(), cfg.seed,
+                           buffers=None if carried is None else carried.current)
 
     def save_on_exit(self) -> None:
         """Checkpoint the last completed round if it is not yet (an orderly stop loses no finished round)."""

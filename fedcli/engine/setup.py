@@ -157,7 +157,7 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
     refusal = alg.check_model(model, hp, vmap_obstacle(model)) if alg.check_model is not None else None
     if refusal is not None:  # the algorithm's own passes (FOLA's per-example Fisher) cannot run on this model
         raise ConfigError(refusal)
-    fns = with_precision(model_functions(task, model, fed), cfg.train.precision, device)
+    fns = with_precision(model_functions(task, model, fed, bn_stats_of(cfg, alg, model)), cfg.train.precision, device)
     if transforms.random:  # training batches only; nothing added to the step without data.augment
         fns = replace(fns, augment=augmentation.augmenter(transforms))
     t = cfg.train
@@ -178,6 +178,19 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
                                                 peers=peers))
     return Setup(cfg, task, data, fed, fns, alg, hp, device, backend, init_params, indices, spec, choice.why,
                  t.optim(task.client_lr), model)
+
+
+def bn_stats_of(cfg: RunConfig, alg: Algorithm, model: torch.nn.Module) -> str:
+    """train.bn_stats as the run uses it: `aggregate` needs the algorithm's declared local training
+    (Algorithm.local: the clients' statistics are carried through its SGD steps, engine/local.py);
+    an algorithm with its own client_update gets `estimate`, said in one INFO line."""
+    requested = cfg.train.bn_stats
+    if requested == "estimate" or alg.local is not None:
+        return requested
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in model.modules()):
+        log.info("BatchNorm statistics: %s runs its own client update, which cannot carry them; the server "
+                 "estimates them before each evaluation (train.bn_stats=estimate)", alg.name)
+    return "estimate"
 
 
 DISK_EXECUTORS = ("loop", "vmap", "fused")  # back ends that read each round's batches from job.fns (CohortPlan.data)

@@ -208,6 +208,8 @@ def resolved_config(setup: Setup) -> dict[str, Any]:
     out["train"]["threads"] = torch.get_num_threads()
     out["train"]["client_lr"] = setup.opt.client_lr
     out["train"]["eval_sample"] = resolve_eval_sample(cfg.train.eval_sample, setup.task.name)  # 0 = whole split
+    if setup.model is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in setup.model.modules()):
+        out["train"]["bn_stats"] = "estimate" if setup.fns.client_stats is None else cfg.train.bn_stats  # as it runs
     if setup.partition is not None:
         out["partition"]["num_clients"] = len(setup.partition)
     spec = setup.partition_spec
@@ -267,6 +269,20 @@ def _save_model(tracker: Tracker, run_dir: Path, setup: Setup, state: Any) -> Pa
     return path
 
 
+def _restore_stats(setup: Setup, buffers: dict[str, torch.Tensor] | None, what: str) -> None:
+    """Set the global BatchNorm statistics the clients carry (train.bn_stats aggregate) from a checkpoint's."""
+    carried = setup.fns.client_stats
+    if carried is None:
+        return
+    if buffers is None:  # written before the clients carried them (the server estimated them then)
+        log.warning("%s holds no BatchNorm statistics; the resumed run starts them afresh (mean 0, variance 1)", what)
+        return
+    try:
+        carried.load(buffers, what)
+    except ConfigError as err:
+        raise ckpt.CheckpointError(str(err)) from None
+
+
 def _restore(tracker: Tracker, run_id: str, setup: Setup, state: Any, store: ClientStateStore) -> tuple[Any, int]:
     """Reopen run_id at its newest readable checkpoint (or at round 0 if it has none).
 
@@ -281,15 +297,17 @@ def _restore(tracker: Tracker, run_id: str, setup: Setup, state: Any, store: Cli
     client_template = None if setup.alg.init_client_state is None else setup.alg.init_client_state(setup.init_params,
                                                                                                   setup.hp)
     for round_idx, path in reversed(tracker.store.checkpoints(run_id)):
+        extras: dict[str, Any] = {}
         try:  # read without running code, checked against the run's row and state (docs/architecture.md, "Checkpoints")
             server_state, client_states = ckpt.load_checkpoint(
                 Path(path), f"checkpoint of round {round_idx} ({path})", server_template=state,
                 client_template=client_template, run_id=run_id, config_hash=record.config_hash,
-                requested=record.requested, round_idx=round_idx)
+                requested=record.requested, round_idx=round_idx, extras=extras)
             if isinstance(client_states, ckpt.StoredClientStates):  # format 3: the next checkpoint builds on it
                 store.load_state_dict(client_states, index=client_states.index)
             else:
                 store.load_state_dict(client_states)
+            _restore_stats(setup, extras.get("buffers"), f"checkpoint of round {round_idx} ({path})")
         except ckpt.CheckpointError as err:
             log.warning("%s; trying an older one", err)
             continue

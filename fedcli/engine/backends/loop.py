@@ -39,7 +39,9 @@ class LoopBackend:
             noise = {name: trim_steps(v[c], plan.num_epochs, plan.steps_per_epoch, k) for name, v in inputs.noise.items()}
             keys = trim_steps(inputs.keys[c], plan.num_epochs, plan.steps_per_epoch, k)
             state = None if inputs.states is None else pytree.tree_map(lambda t, c=c: t[c], inputs.states)
-            results.append(one(own.index[0], own.weight[0], own.step_mask[0], keys, own.num_examples[0], noise, state))
+            buffers = None if inputs.buffers is None else {name: v[c] for name, v in inputs.buffers.items()}
+            results.append(one(own.index[0], own.weight[0], own.step_mask[0], keys, own.num_examples[0], noise, state,
+                               buffers))
         upload, state, metrics = pytree.tree_map(lambda *xs: torch.stack(xs), *results)
         return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
 

@@ -166,7 +166,7 @@ def worker_functions(spec: WorkerSpec) -> Bound:
     task = augmentation.with_normalisation(task, transforms)
     model = task.models[cfg.data.model or task.default_model]()  # parameters come with each broadcast
     fed = FederatedData(spec.x, spec.y, spec.client_indices, cpu)
-    fns = with_precision(model_functions(task, model, fed), cfg.train.precision, cpu)
+    fns = with_precision(model_functions(task, model, fed, cfg.train.bn_stats), cfg.train.precision, cpu)
     if transforms.random:
         fns = replace(fns, augment=augmentation.augmenter(transforms))
     backend = IN_PROCESS[spec.inner].build(BackendSetup(cfg=cfg, model=model, fed=fed, device=cpu))

@@ -1,0 +1,371 @@
+"""BatchNorm running statistics carried by the clients (train.bn_stats, issue 37; docs/bring-your-own.md,
+"BatchNorm"): each client updates them with BatchNorm's momentum rule at every local step on its
+own batches, on the loop and under vmap alike; the server takes their example-weighted mean;
+evaluation, model.pt and checkpoints use it; `estimate` keeps the server-side re-estimation; a
+model without BatchNorm carries nothing. The CLI runs (SIGKILL + resume, every option) are at the end.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedcli.algorithms import ALGORITHMS
+from fedcli.config import build_config, make_hyperparameters
+from fedcli.datasets.federated import FederatedData
+from fedcli.datasets.registry import TASKS
+from fedcli.datasets.tasks import TaskOptions
+from fedcli.engine.backends.loop import LoopBackend
+from fedcli.engine.backends.vmap import VmapBackend
+from fedcli.engine.clientstate import ClientStateStore
+from fedcli.engine.cohort import STATS_PREFIX
+from fedcli.engine.model import aggregate_stats, final_buffers, model_functions
+from fedcli.engine.rounds import Timing, aggregate, plan_round, train_cohort
+from fedcli.engine.setup import Setup
+from tests.byo.test_stock_layers_engine import metrics, setup_folder
+from tests.byo.test_user_model import fedcli, final_params, store
+
+MOMENTUM = 0.3  # not PyTorch's default 0.1: a test of the rule, not of a constant
+BATCH = 8
+
+
+def bn_net(features: int, classes: int, momentum: float | None = MOMENTUM) -> nn.Module:
+    """BatchNorm on the raw inputs (its statistics have a closed form), then one inside the network."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.BatchNorm1d(features, momentum=momentum),
+        nn.Linear(features, 16),
+        nn.BatchNorm1d(16, momentum=momentum),
+        nn.ReLU(),
+        nn.Linear(16, classes),
+    )
+
+
+def make_setup(
+    backend: str,
+    sizes: tuple[int, ...],
+    model: nn.Module | None = None,
+    algo: str = "fedavg",
+    bn_stats: str = "aggregate",
+    rounds: int = 1,
+    epochs: int = 1,
+) -> Setup:
+    """A run's set-up on synthetic-iid with clients of `sizes` examples, every client in every round."""
+    task = TASKS["synthetic-iid"]
+    data = task.load(TaskOptions(seed=0))
+    starts = np.cumsum((0, *sizes))
+    clients = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    cfg = build_config(
+        overrides={
+            "algorithm.name": algo,
+            "data.task": "synthetic-iid",
+            "train.rounds": rounds,
+            "train.clients_per_round": len(sizes),
+            "train.batch_size": BATCH,
+            "train.executor": backend,
+            "train.client_lr": 0.1,
+            "train.bn_stats": bn_stats,
+            "train.local_epochs": epochs,
+        }
+    )
+    model = model if model is not None else bn_net(int(data.x.shape[1]), int(data.num_classes or 10))
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    fed = FederatedData(data.x, data.y, clients, torch.device("cpu"))
+    hp = make_hyperparameters(algo, {})
+    fns = model_functions(task, model, fed, bn_stats)
+    return Setup(
+        cfg,
+        task,
+        data,
+        fed,
+        fns,
+        ALGORITHMS[algo],
+        hp,
+        torch.device("cpu"),
+        LoopBackend() if backend == "loop" else VmapBackend(),
+        init,
+        opt=cfg.train.optim(task.client_lr),
+        model=model,
+    )
+
+
+def one_round(setup: Setup) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], np.ndarray]:
+    """Round 1: (each client's final statistics [C, ...], the global ones after aggregation, the cohort)."""
+    state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
+    store = ClientStateStore(None)
+    trained = train_cohort(setup, state, store, 1)
+    per_client = {
+        k[len(STATS_PREFIX) :]: v.clone()
+        for k, v in trained.outs.metrics.items()
+        if k.startswith(STATS_PREFIX)
+    }
+    aggregate(setup, state, store, trained, 1, Timing())
+    assert setup.fns.client_stats is not None
+    return per_client, dict(setup.fns.client_stats.current), trained.cohort
+
+
+def by_hand(
+    setup: Setup, cohort: np.ndarray, momentum: float | None = MOMENTUM
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first BatchNorm's statistics per client, by its momentum rule over the client's real
+    steps in the planned order: mean <- (1 - m) mean + m batch mean, var <- (1 - m) var + m unbiased
+    batch variance, from mean 0 and variance 1; momentum None: m = 1 / (steps so far, this one
+    included), PyTorch's cumulative average. Returns ([C, D] means, [C, D] variances, [C] steps)."""
+    plan = plan_round(setup, 1).plan
+    x = setup.fed.x
+    means, variances, steps = [], [], []
+    for c in range(len(cohort)):
+        mean, var, count = torch.zeros(x.shape[1]), torch.ones(x.shape[1]), 0
+        for s in range(plan.index.shape[1]):
+            if not bool(plan.step_mask[c, s]):
+                continue
+            rows = plan.index[c, s][plan.weight[c, s] > 0]
+            assert len(rows) == BATCH  # whole batches only: the closed form has no padding slots
+            batch = x[rows].to(torch.float64)
+            count += 1
+            m = 1.0 / count if momentum is None else momentum
+            mean = (1 - m) * mean + m * batch.mean(0)
+            var = (1 - m) * var + m * batch.var(0, unbiased=True)
+        means.append(mean)
+        variances.append(var)
+        steps.append(count)
+    return torch.stack(means), torch.stack(variances), torch.tensor(steps)
+
+
+def test_one_client_one_step_is_the_closed_form() -> None:
+    """One client, one step: running mean = (1 - m) * 0 + m * batch mean, running var =
+    (1 - m) * 1 + m * unbiased batch variance, num_batches_tracked = 1; the global statistics
+    are that client's."""
+    setup = make_setup("vmap", (BATCH,))
+    per_client, global_, cohort = one_round(setup)
+    batch = setup.fed.x[np.asarray(setup.fed.client_indices[int(cohort[0])])].to(torch.float64)
+    expected_mean = MOMENTUM * batch.mean(0)
+    expected_var = (1 - MOMENTUM) + MOMENTUM * batch.var(0, unbiased=True)
+    torch.testing.assert_close(per_client["0.running_mean"][0].double(), expected_mean, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(per_client["0.running_var"][0].double(), expected_var, atol=1e-6, rtol=1e-5)
+    assert int(per_client["0.num_batches_tracked"][0]) == 1
+    torch.testing.assert_close(global_["0.running_mean"].double(), expected_mean, atol=1e-6, rtol=1e-5)
+    assert int(global_["2.num_batches_tracked"]) == 1
+
+
+def test_each_client_its_own_momentum_update_loop_and_vmap_alike() -> None:
+    """Clients of 1, 2 and 3 whole batches: each client's statistics are its own momentum update
+    over its steps (masked padded steps under vmap write nothing), by hand for the first
+    BatchNorm; loop and vmap agree within 1e-6 on every BatchNorm; the global statistics are the
+    example-weighted mean of the clients'."""
+    sizes = (BATCH, 2 * BATCH, 3 * BATCH)
+    results = {}
+    for backend in ("loop", "vmap"):
+        setup = make_setup(backend, sizes)
+        results[backend] = one_round(setup)
+    per_loop, global_loop, cohort = results["loop"]
+    per_vmap, global_vmap, _ = results["vmap"]
+    means, variances, steps = by_hand(setup, cohort)
+    for per in (per_loop, per_vmap):
+        torch.testing.assert_close(per["0.running_mean"].double(), means, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(per["0.running_var"].double(), variances, atol=1e-6, rtol=1e-5)
+        assert torch.equal(per["0.num_batches_tracked"], steps)
+        assert torch.equal(per["2.num_batches_tracked"], steps)
+    assert sorted(steps.tolist()) == [1, 2, 3]
+    for k in per_loop:
+        torch.testing.assert_close(per_vmap[k], per_loop[k], atol=1e-6, rtol=0)
+        torch.testing.assert_close(global_vmap[k], global_loop[k], atol=1e-6, rtol=0)
+    weights = torch.tensor([len(setup.fed.client_indices[int(c)]) for c in cohort], dtype=torch.float64)
+    for k in ("0.running_mean", "0.running_var", "2.running_mean", "2.running_var"):
+        expected = (per_loop[k].double() * weights[:, None]).sum(0) / weights.sum()
+        torch.testing.assert_close(global_loop[k].double(), expected, atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(
+            global_loop[k], per_loop[k].mean(0), atol=1e-4
+        )  # weighted, not a plain mean
+    assert int(global_loop["0.num_batches_tracked"]) == round(float((steps * weights).sum() / weights.sum()))
+
+
+def test_cumulative_batchnorm_over_two_epochs_loop_and_vmap_alike() -> None:
+    """momentum=None (a cumulative average) over two local epochs, clients of 1, 2 and 3 batches: under
+    vmap the shorter clients' second epoch starts after masked steps, and each client still gets its
+    own factor 1 / count; by hand for the first BatchNorm, loop and vmap within 1e-6 on both."""
+    sizes = (BATCH, 2 * BATCH, 3 * BATCH)
+    results = {}
+    for backend in ("loop", "vmap"):
+        model = bn_net(60, 10, momentum=None)
+        setup = make_setup(backend, sizes, model=model, epochs=2)
+        results[backend] = one_round(setup)
+    (per_loop, _, cohort), (per_vmap, _, _) = results["loop"], results["vmap"]
+    means, variances, steps = by_hand(setup, cohort, momentum=None)
+    assert sorted(steps.tolist()) == [2, 4, 6]
+    for per in (per_loop, per_vmap):
+        torch.testing.assert_close(per["0.running_mean"].double(), means, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(per["0.running_var"].double(), variances, atol=1e-6, rtol=1e-5)
+        assert torch.equal(per["2.num_batches_tracked"], steps)
+    for k in per_loop:
+        torch.testing.assert_close(per_vmap[k], per_loop[k], atol=1e-6, rtol=0)
+
+
+def test_aggregate_stats_is_the_example_weighted_mean() -> None:
+    """aggregate_stats on given numbers: (1 * 1 + 3 * 5) / 4 = 4; counts rounded to the nearest integer."""
+    out = aggregate_stats(
+        {"m": torch.tensor([[1.0, 2.0], [5.0, 6.0]]), "n": torch.tensor([1, 4])}, torch.tensor([1.0, 3.0])
+    )
+    torch.testing.assert_close(out["m"], torch.tensor([4.0, 5.0]))
+    assert out["n"].dtype == torch.int64 and int(out["n"]) == 3  # 3.25 -> 3
+
+
+def test_evaluation_and_model_pt_use_the_aggregate_estimate_its_own() -> None:
+    """aggregate: evaluation in eval mode normalises by the aggregated statistics (the output
+    equals a module loaded with them) and final_buffers returns them; estimate: the clients carry
+    nothing and the statistics are the server's estimate."""
+    setup = make_setup("vmap", (BATCH, 2 * BATCH))
+    _, global_, _ = one_round(setup)
+    params = setup.init_params
+    x = setup.fed.x[:5]
+    out = setup.fns.apply_fn(params, x)
+    reference = bn_net(x.shape[1], out.shape[1])
+    reference.load_state_dict(
+        {
+            **params,
+            **global_,
+            **{k: v for k, v in reference.state_dict().items() if k not in params and k not in global_},
+        }
+    )
+    reference.eval()
+    torch.testing.assert_close(out, reference(x))
+    saved = final_buffers(setup.fns, setup.model, params)
+    assert saved is not None and all(torch.equal(saved[k], global_[k]) for k in global_)
+
+    estimated = make_setup("vmap", (BATCH, 2 * BATCH), bn_stats="estimate")
+    assert estimated.fns.client_stats is None
+    state = estimated.alg.server_init(estimated.init_params, estimated.hp, estimated.opt)
+    trained = train_cohort(estimated, state, ClientStateStore(None), 1)
+    assert not any(k.startswith(STATS_PREFIX) for k in trained.outs.metrics)
+    saved = final_buffers(estimated.fns, estimated.model, params)
+    assert saved is not None and not torch.allclose(saved["0.running_mean"], global_["0.running_mean"])
+
+
+def test_a_model_without_batchnorm_carries_nothing() -> None:
+    """No BatchNorm: no client statistics, no buffers in the cohort's inputs or outputs, no model.pt buffers."""
+    task = TASKS["synthetic-iid"]
+    model = task.models[task.default_model]()
+    setup = make_setup("vmap", (BATCH, 2 * BATCH), model=model)
+    assert setup.fns.client_stats is None
+    state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
+    trained = train_cohort(setup, state, ClientStateStore(None), 1)
+    assert set(trained.outs.metrics) == {"train_loss"}
+    assert final_buffers(setup.fns, setup.model, setup.init_params) is None
+
+
+# ---- the CLI, as a user runs it ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_then_resume_equals_the_uninterrupted_run_with_carried_stats(tmp_path: Path) -> None:
+    """The BatchNorm + Dropout CNN, statistics aggregated, on the loop: SIGKILL with round 3 logged,
+    then --resume: the same parameters, statistics and metrics, bit for bit, as the uninterrupted run;
+    the checkpoints hold the statistics."""
+    data = setup_folder(tmp_path)
+    args = [
+        "--data",
+        str(data),
+        "--model",
+        "./stocknets.py:BNCNN",
+        "--executor",
+        "loop",
+        "--rounds",
+        "8",
+        "--clients-per-round",
+        "3",
+        "--checkpoint-every",
+        "1",
+        "--no-mlflow",
+    ]
+    reference = fedcli(tmp_path / "ref", *args, cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    ref_id = store(tmp_path / "ref").list_runs()[0].id
+
+    root = tmp_path / "killed"
+    victim = fedcli(root, *args, cwd=tmp_path, popen=True)
+    deadline, run_id = time.monotonic() + 300, None
+    while run_id is None and time.monotonic() < deadline:
+        if (root / "fedcli.db").exists():
+            run_id = next(
+                (r.id for r in store(root).list_runs() if (store(root).last_round(r.id) or 0) >= 3), None
+            )
+        time.sleep(0.05)
+    assert run_id is not None
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert (store(root).last_round(run_id) or 0) < 8
+    checkpoints = sorted((root / "runs" / run_id / "checkpoints").glob("round-*.pt"))
+    assert checkpoints
+    saved = torch.load(checkpoints[-1], weights_only=True)["buffers"]
+    assert any(k.endswith("running_mean") for k in saved)
+
+    resumed = fedcli(root, "--resume", run_id[:8], "--model", f"{tmp_path / 'stocknets.py'}:BNCNN", cwd="/")
+    assert resumed.returncode == 0, resumed.stderr
+    for name, tensor in final_params(tmp_path / "ref", ref_id).items():
+        assert torch.equal(final_params(root, run_id)[name], tensor), name
+    ref_buffers = torch.load(tmp_path / "ref" / "runs" / ref_id / "model.pt", weights_only=True)["buffers"]
+    got = torch.load(root / "runs" / run_id / "model.pt", weights_only=True)["buffers"]
+    assert set(got) == set(ref_buffers) and all(torch.equal(got[k], ref_buffers[k]) for k in got)
+    assert metrics(root, run_id) == metrics(tmp_path / "ref", ref_id)
+
+
+@pytest.mark.timeout(900)
+def test_fedcli_train_with_each_bn_stats_option(tmp_path: Path) -> None:
+    """`fedcli train --model file.py:factory` with a BatchNorm + Dropout CNN under each --bn-stats:
+    exit 0, finite accuracy, the option recorded; model.pt's statistics are the clients' aggregate
+    (counting their steps) or the server's estimate (other values); a bad value is one line,
+    exit 2, nothing written."""
+    data = setup_folder(tmp_path)
+    done: dict[str, dict[str, torch.Tensor]] = {}
+    for option in ("aggregate", "estimate"):
+        root = tmp_path / option
+        run = fedcli(
+            root,
+            "--data",
+            str(data),
+            "--model",
+            "stocknets.py:BNCNN",
+            "--bn-stats",
+            option,
+            "--executor",
+            "vmap",
+            "--rounds",
+            "2",
+            "--clients-per-round",
+            "3",
+            "--no-mlflow",
+            cwd=tmp_path,
+        )
+        assert run.returncode == 0, run.stderr
+        (record,) = store(root).list_runs()
+        assert record.config["train"]["bn_stats"] == option
+        scores = metrics(root, record.id)
+        assert np.isfinite(scores[2, "eval/accuracy"])
+        done[option] = torch.load(root / "runs" / record.id / "model.pt", weights_only=True)["buffers"]
+    means = [k for k in done["aggregate"] if k.endswith("running_mean")]
+    assert means and all(not torch.equal(done["aggregate"][k], done["estimate"][k]) for k in means)
+    counts = [int(v) for k, v in done["aggregate"].items() if k.endswith("num_batches_tracked")]
+    assert min(counts) >= 2  # two rounds of at least one step each, carried from round to round
+    bad = fedcli(
+        tmp_path / "bad",
+        "--data",
+        str(data),
+        "--model",
+        "stocknets.py:BNCNN",
+        "--bn-stats",
+        "local",
+        "--rounds",
+        "1",
+        "--no-mlflow",
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2
+    line = bad.stderr.strip()
+    assert len(line.splitlines()) == 1 and "bn_stats" in line and "Traceback" not in line, line
+    assert not (tmp_path / "bad").exists()
