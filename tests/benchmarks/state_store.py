@@ -16,7 +16,9 @@ Two modes (figures in docs/scaling.md, "Client state"):
         `quiet-run` for timings.
 
     python -m tests.benchmarks.state_store probe --data-dir DIR --store ram|disk --bench-model cnn --rounds K
-        RSS after each round and the peak so far, in-process (`run_round` + a checkpoint a round).
+            [--algo scaffold|bayesadmm|...] [--executor vmap|loop] [--chunk 10] [--batch-size 20]
+        RSS after each round and the peak so far, in-process (`run_round` + a checkpoint a round);
+        --chunk 0 runs without --cohort-chunk (the loop then streams groups from its own budget).
 """
 
 from __future__ import annotations
@@ -169,8 +171,8 @@ def interleaved(args: argparse.Namespace) -> dict[str, object]:
 
 
 def probe(args: argparse.Namespace) -> dict[str, object]:
-    """RSS after each round (and the peak so far) of SCAFFOLD in-process: the engine's `run_round` with
-    `--cohort-chunk 10` and a `CheckpointWriter` every round, client states in `--store` ram or disk."""
+    """RSS after each round (and the peak so far) of `--algo` (SCAFFOLD) in-process: the engine's `run_round`
+    with `--cohort-chunk --chunk` (10) and a `CheckpointWriter` every round, client states in `--store`."""
     import resource
 
     import torch
@@ -191,12 +193,14 @@ def probe(args: argparse.Namespace) -> dict[str, object]:
             "data.task": "emnist",
             "data.data_dir": args.data_dir,
             "data.model": args.model,
-            "algorithm.name": "scaffold",
+            "algorithm.name": args.algo,
             "train.clients_per_round": args.cohort,
             "train.rounds": args.rounds,
-            "train.executor": "vmap",
+            "train.executor": args.executor,
             "train.device": "cpu",
-            "train.cohort_chunk": 10,
+            "train.batch_size": args.batch_size,
+            **({"train.cohort_chunk": args.chunk} if args.chunk else {}),
+            **({"train.local_epochs": args.local_epochs} if args.local_epochs else {}),
         }
     )
     setup = build(cfg)
@@ -227,7 +231,15 @@ def probe(args: argparse.Namespace) -> dict[str, object]:
             )
         writer.close()
         store.close(remove=True)
-    return {"store": args.store, "model": args.model, "state_cache_mb": args.state_cache_mb, "rounds": rows}
+    return {
+        "algo": args.algo,
+        "executor": args.executor,
+        "chunk": args.chunk,
+        "store": args.store,
+        "model": args.model,
+        "state_cache_mb": args.state_cache_mb,
+        "rounds": rows,
+    }
 
 
 def main() -> None:
@@ -241,6 +253,11 @@ def main() -> None:
     parser.add_argument("--bench-model", dest="model", default="mlp")
     parser.add_argument("--state-cache-mb", type=int, default=512)
     parser.add_argument("--store", choices=("ram", "disk"), default="disk")
+    parser.add_argument("--algo", default="scaffold", help="probe: the algorithm")
+    parser.add_argument("--executor", default="vmap", help="probe: the executor")
+    parser.add_argument("--chunk", type=int, default=10, help="probe: --cohort-chunk (0: none)")
+    parser.add_argument("--batch-size", type=int, default=20, help="probe: --batch-size")
+    parser.add_argument("--local-epochs", type=int, default=0, help="probe: --local-epochs (0: the default)")
     args, extra = parser.parse_known_args()
     result = (
         run(args, extra)
