@@ -369,3 +369,57 @@ def test_fedcli_train_with_each_bn_stats_option(tmp_path: Path) -> None:
     line = bad.stderr.strip()
     assert len(line.splitlines()) == 1 and "bn_stats" in line and "Traceback" not in line, line
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.timeout(900)
+def test_process_workers_carry_them_as_the_loop_and_evaluate_reads_them(tmp_path: Path) -> None:
+    """--executor process (2 workers; what auto picks for a CNN on a multi-core CPU) gives the loop's
+    parameters and statistics bit for bit; `fedcli evaluate` of the run (model.pt) and of its last
+    checkpoint reproduces the last round's eval/loss (the aggregated statistics, not fresh ones)."""
+    import json
+
+    data = setup_folder(tmp_path)
+    args = [
+        "--data",
+        str(data),
+        "--model",
+        "stocknets.py:BNCNN",
+        "--rounds",
+        "3",
+        "--clients-per-round",
+        "4",
+        "--workers",
+        "2",
+        "--checkpoint-every",
+        "1",
+        "--no-mlflow",
+    ]
+    models = {}
+    for executor in ("loop", "process"):
+        root = tmp_path / executor
+        done = fedcli(root, *args, "--executor", executor, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        (run,) = store(root).list_runs()
+        models[executor] = torch.load(root / "runs" / run.id / "model.pt", weights_only=True)
+    for part in ("params", "buffers"):
+        loop, process = models["loop"][part], models["process"][part]
+        assert set(loop) == set(process) and all(torch.equal(loop[k], process[k]) for k in loop), part
+
+    root = tmp_path / "loop"
+    (run,) = store(root).list_runs()
+    final = float(store(root).metrics_frame([run.id], keys=["eval/loss"])["value"].iloc[-1])
+    for extra in ((), ("--checkpoint", "3")):
+        evaluated = fedcli(
+            root,
+            run.id[:8],
+            "--json",
+            "--split",
+            "test",
+            *extra,
+            "--model",
+            "stocknets.py:BNCNN",
+            command="evaluate",
+            cwd=tmp_path,
+        )
+        assert evaluated.returncode == 0, evaluated.stderr
+        assert json.loads(evaluated.stdout)["metrics"]["test/loss"] == pytest.approx(final, abs=1e-5), extra
