@@ -179,7 +179,8 @@ def train(
     bn_stats: Annotated[str | None, typer.Option(help="BatchNorm running statistics: aggregate (each client updates "
                                                  "them as it trains; the server takes their example-weighted mean) "
                                                  "| estimate (the server recomputes them from 1,024 training "
-                                                 "examples before each evaluation). \\[default: aggregate]",
+                                                 "examples before each evaluation; what algorithms with their own "
+                                                 "client update get). \\[default: aggregate]",
                                                  rich_help_panel=Panel.TRAIN)] = None,
     resume: Annotated[str | None, typer.Option(help="Continue run RUN_ID from its last checkpoint.",
                                                rich_help_panel=Panel.TRACK)] = None,
