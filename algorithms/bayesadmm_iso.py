@@ -15,6 +15,9 @@ Notation: as fedadmm (m_bar -> state.params, v_k -> ClientState.v, l_k -> N_k x 
 Deviations: those of fedadmm (objective / N_k for local SGD, server-tracked dual sum, K = cohort).
 With delta != 1 the prior N(0, I/delta) is outside the family N(m, I); Eq. 8 then still gives
 the fedadmm server form above ([N] derivation), not alpha = 1/(1 + rho K) with Sum lambda_hat_0.
+Defaults: rho = 0.2 (Fig. 4, App. F.3); delta = 0, fedadmm's (its docstring says why Fig. 4's 0.2 is
+not the default), so that at hp.mc_samples = 0 the defaults stay FedADMM's exactly. delta = 0 is
+the improper flat prior: Eq. 8's KL term loses its m_bar-dependent part.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from fedcli.algorithms.base import (
 @dataclass(frozen=True, kw_only=True)
 class BayesADMMIsoConfig:
     rho: float = 0.2  # rho (Eq. 27); Fig. 4, App. F.3
-    delta: float = 0.2  # delta, prior precision of l_0 = delta/2 ||theta||^2; Fig. 4, App. F.3
+    delta: float = 0.0  # delta, prior precision of l_0 = delta/2 ||theta||^2; fedadmm's default (0; Fig. 4: 0.2)
     dual_damping: float = 1.0  # gamma = dual_damping * rho (Eq. 9 has gamma = rho)
     mc_samples: int = 0  # 0: delta approximation (= FedADMM, Sec. 3.2); >= 1: MC Gaussian smoothing
 
