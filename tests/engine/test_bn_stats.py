@@ -55,6 +55,7 @@ def make_setup(
     bn_stats: str = "aggregate",
     rounds: int = 1,
     epochs: int = 1,
+    chunk: int | None = None,
 ) -> Setup:
     """A run's set-up on synthetic-iid with clients of `sizes` examples, every client in every round."""
     task = TASKS["synthetic-iid"]
@@ -72,6 +73,7 @@ def make_setup(
             "train.client_lr": 0.1,
             "train.bn_stats": bn_stats,
             "train.local_epochs": epochs,
+            "train.cohort_chunk": chunk,
         }
     )
     model = model if model is not None else bn_net(int(data.x.shape[1]), int(data.num_classes or 10))
@@ -205,6 +207,22 @@ def test_cumulative_batchnorm_over_two_epochs_loop_and_vmap_alike() -> None:
         assert torch.equal(per["2.num_batches_tracked"], steps)
     for k in per_loop:
         torch.testing.assert_close(per_vmap[k], per_loop[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_round_made_a_group_at_a_time_carries_them_alike(backend: str) -> None:
+    """--cohort-chunk 1 (the round's inputs made a group of clients at a time, engine/cohort.py
+    stream_cohort): each client's statistics and the global ones equal the whole cohort's."""
+    sizes = (BATCH, 2 * BATCH, 3 * BATCH)
+    whole, _, _ = one_round(make_setup(backend, sizes))
+    grouped_setup = make_setup(backend, sizes, chunk=1)
+    grouped, global_, _ = one_round(grouped_setup)
+    assert set(grouped) == set(whole) and "0.running_mean" in grouped
+    for k in whole:
+        torch.testing.assert_close(grouped[k], whole[k], atol=1e-6, rtol=0)
+    weights = torch.tensor(sorted(sizes, reverse=True), dtype=torch.float64)
+    expected = (grouped["0.running_mean"].double() * weights[:, None]).sum(0) / weights.sum()
+    torch.testing.assert_close(global_["0.running_mean"].double(), expected, atol=1e-6, rtol=1e-6)
 
 
 def test_aggregate_stats_is_the_example_weighted_mean() -> None:
