@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from fedcli.algorithms.base import Algorithm, Batch, ClientContext, ClientOut, OptimConfig
 from fedcli.datasets.federated import CohortPlan
-from fedcli.engine.local import CarryingStats, Trainer, run_client
+from fedcli.engine.local import CarryingStats, Trainer, eager_train_local, run_client
 from fedcli.engine.model import ModelFunctions
 
 
@@ -113,7 +113,7 @@ def client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt:
             noise: dict[str, Tensor], state: Any, buffers: dict[str, Tensor] | None = None) -> tuple[Any, Any, Any]:
         ctx = make_context(fns, index, weight, step_mask, keys, num_examples, noise, num_epochs,
                            steps_per_epoch, round_idx)
-        carrier = None if buffers is None else CarryingStats(fns.client_stats, buffers)
+        carrier = None if buffers is None else CarryingStats(fns.client_stats, buffers, trainer is eager_train_local)
         out = run_client(alg, ctx, broadcast, state, hp, opt, trainer if carrier is None else carrier)
         metrics = out.metrics if carrier is None else {
             **out.metrics, **{STATS_PREFIX + k: v for k, v in carrier.buffers.items()}}

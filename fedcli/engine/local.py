@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from fedcli.algorithms.base import Algorithm, Batch, ClientContext, ClientOut, LocalSGD, OptimConfig, Params
 from fedcli.algorithms.optim import LocalResult, local_objective, local_sgd, scaled_objective, train_local
@@ -96,6 +97,21 @@ class CompiledStep:
                          grad_step=lambda params, batch, coef: fn(params, batch, coef, start, linear))
 
 
+def eager_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.func.grad(fn, has_aux=True) for fn(params, *rest) -> (value, aux), by torch.autograd on
+    detached leaf copies of params (outside any torch.func transform only)."""
+
+    def grad(params: Params, *rest: Any) -> tuple[Params, Any]:
+        leaves = {k: p.detach().requires_grad_(True) for k, p in params.items()}
+        with torch.enable_grad():
+            value, aux = fn(leaves, *rest)
+            grads = torch.autograd.grad(value, list(leaves.values()))
+        return dict(zip(leaves, grads, strict=True)), pytree.tree_map(
+            lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
+
+    return grad
+
+
 class CarryingStats:
     """A Trainer that carries one client's BatchNorm running statistics through its local SGD.
 
@@ -107,11 +123,14 @@ class CarryingStats:
     auxiliary output and becomes the client's statistics after the step, unless the step is a
     masked no-op (a padded step: its batch has weight 0). The gradient is the same as without
     the statistics (training normalises by the batch's own statistics either way). After the
-    training, `buffers` holds the client's final statistics.
+    training, `buffers` holds the client's final statistics. `eager` (the loop back end, whose
+    trainer is `eager_train_local`): the gradient comes from torch.autograd on leaf copies
+    instead, as there (bit-equal outside vmap, and cheaper: BatchNorm CNN on mnist, 10 clients,
+    one thread, the loop's round 609 ms with torch.func.grad against 438 ms without statistics).
     """
 
-    def __init__(self, stats: Any, buffers: dict[str, torch.Tensor]) -> None:
-        self.stats, self.buffers = stats, buffers
+    def __init__(self, stats: Any, buffers: dict[str, torch.Tensor], eager: bool = False) -> None:
+        self.stats, self.buffers, self.eager = stats, buffers, eager
 
     def __call__(self, ctx: ClientContext, request: LocalSGD, opt: OptimConfig) -> LocalResult:
         objective = scaled_objective(local_objective(ctx.loss_fn, request))
@@ -126,7 +145,7 @@ class CarryingStats:
                 stats.client = None
             return scaled, (loss, own)
 
-        grad = torch.func.grad(carried, has_aux=True)
+        grad = eager_grad(carried) if self.eager else torch.func.grad(carried, has_aux=True)
         steps = [0]  # steps taken: a momentum=None BatchNorm's factor (real steps come first in every epoch)
 
         def grad_step(params: Params, batch: Batch, coef: torch.Tensor) -> tuple[Params, torch.Tensor]:
