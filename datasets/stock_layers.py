@@ -21,6 +21,8 @@ each evaluation call (`apply_fn`, no key). Inside it:
   (tests/byo/test_stock_layers_engine.py: max abs difference under 1e-5 on a forward pass).
   Outside torch.func transforms (the loop's autograd, evaluation) PyTorch's kernel runs (faster client
   by client), unless a multi-layer RNN's inter-layer dropout needs its keyed mask.
+- Random ops in a forward (`torch.rand`, `randn`, `randint`, `bernoulli`, `normal`, their `_like`
+  and in-place forms) draw from the same keyed hash (datasets/stock_random.py).
 
 docs/bring-your-own.md, "Stock layers", says what each back end does with them.
 """
@@ -38,6 +40,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from fedcli.datasets.models import keyed_uniform
+from fedcli.datasets.stock_random import RANDOM_HANDLERS
 
 SALT = (
     1 << 20
@@ -302,6 +305,7 @@ _HANDLERS: dict[Any, Callable[..., Any]] = {
     torch.lstm: _recurrence("lstm"),
     torch.rnn_tanh: _recurrence("rnn_tanh"),
     torch.rnn_relu: _recurrence("rnn_relu"),
+    **RANDOM_HANDLERS,  # torch.rand & co. in a forward: keyed like dropout (datasets/stock_random.py)
 }
 
 _STOCK = (
