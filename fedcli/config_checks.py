@@ -238,8 +238,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.state_store must be auto, ram or disk; got {t.state_store!r}.")
     if t.state_precision not in ("state", "bf16", "fp16"):
         raise ConfigError(f"train.state_precision must be state, bf16 or fp16; got {t.state_precision!r}.")
-    if t.bn_stats not in ("aggregate", "estimate"):
-        raise ConfigError(f"train.bn_stats must be aggregate or estimate; got {t.bn_stats!r}.")
+    if t.bn_stats not in ("aggregate", "local", "estimate"):
+        raise ConfigError(f"train.bn_stats must be aggregate, local or estimate; got {t.bn_stats!r}.")
     if t.state_cache_mb < 0:
         raise ConfigError(f"train.state_cache_mb must be >= 0; got {t.state_cache_mb!r}.")
     if t.cohort_chunk is not None and t.cohort_chunk < 1:

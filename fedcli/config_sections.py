@@ -99,7 +99,8 @@ class TrainConfig:
     state_cache_mb: int = 512  # disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)
     state_precision: str = "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
     # --- issue 37 (BatchNorm): aggregate = the clients carry the running statistics, the server averages them
-    # (example-weighted); estimate = the server re-estimates them before each evaluation (engine/model.py)
+    # (example-weighted); local = each client keeps its own (FedBN); estimate = the server re-estimates them
+    # before each evaluation (engine/model.py)
     bn_stats: str = "aggregate"
 
     def optim(self, default_client_lr: float) -> OptimConfig:

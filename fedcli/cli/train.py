@@ -178,7 +178,8 @@ def train(
                                                         "\\[default: state]", rich_help_panel=Panel.TRAIN)] = None,
     bn_stats: Annotated[str | None, typer.Option(help="BatchNorm running statistics: aggregate (each client updates "
                                                  "them as it trains; the server takes their example-weighted mean) "
-                                                 "| estimate (the server recomputes them from 1,024 training "
+                                                 "| local (FedBN: each client keeps its own; evaluation uses their "
+                                                 "mean) | estimate (the server recomputes them from 1,024 training "
                                                  "examples before each evaluation; what algorithms with their own "
                                                  "client update get). \\[default: aggregate]",
                                                  rich_help_panel=Panel.TRAIN)] = None,

@@ -23,6 +23,7 @@ from fedcli.datasets.federated import CohortData, FederatedData
 from fedcli.datasets.stock_layers import StockLayers, needs_stock_layers
 from fedcli.datasets.tasks import Task, TaskData, per_example_loss
 from fedcli.datasets.user_model import accepts_key
+from fedcli.engine.clientstate import ClientStateStore
 from fedcli.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData, bn_stats:
     return ModelFunctions(apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare, client_stats=carried)
 
 
-BN_STATS = ("aggregate", "estimate")  # train.bn_stats (docs/bring-your-own.md, "BatchNorm")
+BN_STATS = ("aggregate", "local", "estimate")  # train.bn_stats (docs/bring-your-own.md, "BatchNorm")
 RUNNING = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -119,6 +120,15 @@ class ClientStats:
         buffers = dict(model.named_buffers())
         self.current: dict[str, Tensor] = {k: buffers[k].detach().clone() for k in self.names}
         self.client: dict[str, Tensor] | None = None
+        # local (FedBN): each client's own statistics in a client-state store (a fresh client: the initial
+        # ones); `current`, for evaluation only, is their example-weighted mean over the clients that have
+        # stored any: sum_c n_c s_c (float64) / sum_c n_c, updated as clients store new ones
+        self.store: ClientStateStore | None = None
+        self.sum: dict[str, Tensor] = {}
+        self.weight = 0.0
+        if mode == "local":
+            initial = {k: v.clone() for k, v in self.current.items()}
+            self.store = ClientStateStore(lambda: {k: v.clone() for k, v in initial.items()})
         # momentum=None (a cumulative average): BatchNorm reads its count as a Python number, which vmap
         # cannot; `cumulative_momenta` sets one factor for the step, `cumulative_fix` each client's own
         self.cumulative = [(m, f"{prefix}." if prefix else "")
@@ -147,13 +157,42 @@ class ClientStats:
                 own[prefix + name] = torch.where(same, new, fixed)
         return own
 
-    def to(self, device: torch.device) -> None:
-        """Move the global statistics to the run's device."""
-        self.current = {k: v.to(device) for k, v in self.current.items()}
+    def start(self, cohort: Any, device: torch.device) -> dict[str, Tensor]:
+        """Each client's statistics at the start of the round, [C, ...]: the global ones (aggregate),
+        or its own from the store (local; the initial ones for a client never trained)."""
+        if self.store is not None:
+            return dict(self.store.gather(cohort, device))
+        return {k: v.unsqueeze(0).expand(len(cohort), *v.shape).clone() for k, v in self.current.items()}
 
-    def stacked(self, num_clients: int) -> dict[str, Tensor]:
-        """The global statistics, one copy per client: [C, ...] (each client's start of the round)."""
-        return {k: v.unsqueeze(0).expand(num_clients, *v.shape).clone() for k, v in self.current.items()}
+    def update(self, cohort: Any, seen: Any, start: dict[str, Tensor], new: dict[str, Tensor], weights: Tensor) -> None:
+        """The round's kept clients' final statistics `new` [C, ...] (`start`: theirs at its start; `seen`:
+        [C] bool, the client had stored statistics before; `weights`: [C] examples): aggregate, the
+        global ones become their example-weighted mean; local, each client stores its own and the
+        evaluation statistics become the example-weighted mean over every client stored so far."""
+        if self.store is None:
+            self.current = aggregate_stats(new, weights)
+            return
+        self.store.scatter(cohort, new)
+        n = weights.to(torch.float64)
+        old = torch.as_tensor(seen, device=n.device)
+        for k, v in new.items():
+            w = n.reshape(-1, *([1] * (v.dim() - 1)))
+            added = (w * v.to(torch.float64)).sum(0) - (w * start[k].to(torch.float64))[old].sum(0)
+            self.sum[k] = self.sum[k] + added if k in self.sum else added
+        self.weight += float(n[~old].sum())
+        mean = {k: s / self.weight for k, s in self.sum.items()}
+        self.current = {k: (m if new[k].is_floating_point() else m.round()).to(new[k].dtype) for k, m in mean.items()}
+
+    def snapshot(self) -> dict[str, Tensor]:
+        """What a checkpoint keeps (tensors by name): the global statistics; local, also the running
+        sums (`sum.<name>`, `weight`) and each stored client's own (`client.<id>.<name>`)."""
+        out = dict(self.current)
+        if self.store is not None:
+            out.update({f"sum.{k}": v for k, v in self.sum.items()})
+            out["weight"] = torch.tensor(self.weight, dtype=torch.float64)
+            for client, state in self.store.state_dict().items():
+                out.update({f"client.{client}.{k}": v for k, v in state.items()})
+        return out
 
     def load(self, buffers: dict[str, Tensor], what: str) -> None:
         """Set the global statistics from a checkpoint's or model.pt's (they must be this model's).
@@ -165,6 +204,17 @@ class ClientStats:
             raise ConfigError(f"{what} holds BatchNorm statistics of another model ({len(buffers)} buffers, this "
                               f"model has {len(self.names)}); use the model the run trained.")
         self.current = {k: buffers[k].to(self.current[k].device, self.current[k].dtype) for k in self.names}
+        if self.store is None or "weight" not in buffers:
+            return
+        device = self.current[self.names[0]].device
+        self.sum = {k: buffers[f"sum.{k}"].to(device) for k in self.names if f"sum.{k}" in buffers}
+        self.weight = float(buffers["weight"])
+        clients: dict[int, dict[str, Tensor]] = {}
+        for key, v in buffers.items():
+            if key.startswith("client."):
+                _, client, name = key.split(".", 2)
+                clients.setdefault(int(client), {})[name] = v
+        self.store.load_state_dict({c: {k: s[k] for k in self.names} for c, s in sorted(clients.items())})
 
 
 def aggregate_stats(buffers: dict[str, Tensor], weights: Tensor) -> dict[str, Tensor]:

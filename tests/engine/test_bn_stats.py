@@ -113,27 +113,32 @@ def one_round(setup: Setup) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
 
 
 def by_hand(
-    setup: Setup, cohort: np.ndarray, momentum: float | None = MOMENTUM
+    setup: Setup, cohort: np.ndarray, momentum: float | None = MOMENTUM, rounds: tuple[int, ...] = (1,)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first BatchNorm's statistics per client, by its momentum rule over the client's real
     steps in the planned order: mean <- (1 - m) mean + m batch mean, var <- (1 - m) var + m unbiased
     batch variance, from mean 0 and variance 1; momentum None: m = 1 / (steps so far, this one
-    included), PyTorch's cumulative average. Returns ([C, D] means, [C, D] variances, [C] steps)."""
-    plan = plan_round(setup, 1).plan
+    included), PyTorch's cumulative average. `rounds`: one chain through these rounds' plans (the
+    cohort, every client, in the same order each round: train.bn_stats local). Returns ([C, D]
+    means, [C, D] variances, [C] steps)."""
+    plans = [plan_round(setup, r) for r in rounds]
     x = setup.fed.x
     means, variances, steps = [], [], []
     for c in range(len(cohort)):
         mean, var, count = torch.zeros(x.shape[1]), torch.ones(x.shape[1]), 0
-        for s in range(plan.index.shape[1]):
-            if not bool(plan.step_mask[c, s]):
-                continue
-            rows = plan.index[c, s][plan.weight[c, s] > 0]
-            assert len(rows) == BATCH  # whole batches only: the closed form has no padding slots
-            batch = x[rows].to(torch.float64)
-            count += 1
-            m = 1.0 / count if momentum is None else momentum
-            mean = (1 - m) * mean + m * batch.mean(0)
-            var = (1 - m) * var + m * batch.var(0, unbiased=True)
+        for planned in plans:
+            assert planned.cohort[c] == cohort[c]
+            plan = planned.plan
+            for s in range(plan.index.shape[1]):
+                if not bool(plan.step_mask[c, s]):
+                    continue
+                rows = plan.index[c, s][plan.weight[c, s] > 0]
+                assert len(rows) == BATCH  # whole batches only: the closed form has no padding slots
+                batch = x[rows].to(torch.float64)
+                count += 1
+                m = 1.0 / count if momentum is None else momentum
+                mean = (1 - m) * mean + m * batch.mean(0)
+                var = (1 - m) * var + m * batch.var(0, unbiased=True)
         means.append(mean)
         variances.append(var)
         steps.append(count)
@@ -225,6 +230,49 @@ def test_a_round_made_a_group_at_a_time_carries_them_alike(backend: str) -> None
     torch.testing.assert_close(global_["0.running_mean"].double(), expected, atol=1e-6, rtol=1e-6)
 
 
+def test_local_keeps_each_clients_own_across_rounds() -> None:
+    """--bn-stats local (FedBN): over two rounds each client continues its own statistics (its round-2
+    start is its round-1 end, never an average): by hand for the first BatchNorm as one momentum
+    chain through both rounds; loop and vmap within 1e-6; the evaluation statistics are the
+    example-weighted mean of the stored clients' statistics."""
+    sizes = (BATCH, 2 * BATCH, 3 * BATCH)
+    results = {}
+    for backend in ("loop", "vmap"):
+        setup = make_setup(backend, sizes, bn_stats="local")
+        carried = setup.fns.client_stats
+        assert carried is not None and carried.store is not None
+        state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
+        store = ClientStateStore(None)
+        ends: dict[int, dict[str, torch.Tensor]] = {}
+        for round_idx in (1, 2):
+            trained = train_cohort(setup, state, store, round_idx)
+            assert trained.stats_start is not None and trained.stats_seen is not None
+            assert trained.stats_seen.tolist() == [round_idx == 2] * len(sizes)
+            for row, client in enumerate(trained.cohort):
+                for k, v in ends.get(int(client), {}).items():
+                    assert torch.equal(trained.stats_start[k][row], v), (round_idx, client, k)
+            state, _ = aggregate(setup, state, store, trained, round_idx, Timing())
+            ends = {c: {k: v.clone() for k, v in s.items()} for c, s in carried.store.state_dict().items()}
+        results[backend] = (ends, dict(carried.current), trained.cohort)
+    (ends_loop, current_loop, cohort), (ends_vmap, current_vmap, _) = results["loop"], results["vmap"]
+    means, variances, steps = by_hand(setup, cohort, rounds=(1, 2))
+    for ends in (ends_loop, ends_vmap):
+        mine = {k: torch.stack([ends[int(c)][k] for c in cohort]) for k in ends[int(cohort[0])]}
+        torch.testing.assert_close(mine["0.running_mean"].double(), means, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(mine["0.running_var"].double(), variances, atol=1e-6, rtol=1e-5)
+        assert torch.equal(mine["2.num_batches_tracked"], steps)
+    assert sorted(steps.tolist()) == [2, 4, 6]
+    for c in ends_loop:
+        for k in ends_loop[c]:
+            torch.testing.assert_close(ends_vmap[c][k], ends_loop[c][k], atol=1e-6, rtol=0)
+    weights = {int(c): float(len(setup.fed.client_indices[int(c)])) for c in cohort}
+    total = sum(weights.values())
+    for k in ("0.running_mean", "2.running_var"):
+        expected = sum(weights[c] * ends_loop[c][k].double() for c in ends_loop) / total
+        torch.testing.assert_close(current_loop[k].double(), expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(current_vmap[k], current_loop[k], atol=1e-6, rtol=0)
+
+
 def test_aggregate_stats_is_the_example_weighted_mean() -> None:
     """aggregate_stats on given numbers: (1 * 1 + 3 * 5) / 4 = 4; counts rounded to the nearest integer."""
     out = aggregate_stats(
@@ -281,12 +329,18 @@ def test_a_model_without_batchnorm_carries_nothing() -> None:
 
 
 @pytest.mark.timeout(900)
-def test_sigkill_then_resume_equals_the_uninterrupted_run_with_carried_stats(tmp_path: Path) -> None:
-    """The BatchNorm + Dropout CNN, statistics aggregated, on the loop: SIGKILL with round 3 logged,
-    then --resume: the same parameters, statistics and metrics, bit for bit, as the uninterrupted run;
-    the checkpoints hold the statistics."""
+@pytest.mark.parametrize("option", ["aggregate", "local"])
+def test_sigkill_then_resume_equals_the_uninterrupted_run_with_carried_stats(
+    tmp_path: Path, option: str
+) -> None:
+    """The BatchNorm + Dropout CNN, statistics aggregated or kept per client (3 of 10 clients a
+    round), on the loop: SIGKILL with round 3 logged, then --resume: the same parameters,
+    statistics and metrics, bit for bit, as the uninterrupted run; the checkpoints hold the
+    statistics (local: each stored client's own too)."""
     data = setup_folder(tmp_path)
     args = [
+        "--bn-stats",
+        option,
         "--data",
         str(data),
         "--model",
@@ -322,6 +376,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_with_carried_stats(tmp
     assert checkpoints
     saved = torch.load(checkpoints[-1], weights_only=True)["buffers"]
     assert any(k.endswith("running_mean") for k in saved)
+    assert any(k.startswith("client.") for k in saved) == (option == "local")
 
     resumed = fedcli(root, "--resume", run_id[:8], "--model", f"{tmp_path / 'stocknets.py'}:BNCNN", cwd="/")
     assert resumed.returncode == 0, resumed.stderr
@@ -341,7 +396,7 @@ def test_fedcli_train_with_each_bn_stats_option(tmp_path: Path) -> None:
     exit 2, nothing written."""
     data = setup_folder(tmp_path)
     done: dict[str, dict[str, torch.Tensor]] = {}
-    for option in ("aggregate", "estimate"):
+    for option in ("aggregate", "local", "estimate"):
         root = tmp_path / option
         run = fedcli(
             root,
@@ -368,6 +423,7 @@ def test_fedcli_train_with_each_bn_stats_option(tmp_path: Path) -> None:
         done[option] = torch.load(root / "runs" / record.id / "model.pt", weights_only=True)["buffers"]
     means = [k for k in done["aggregate"] if k.endswith("running_mean")]
     assert means and all(not torch.equal(done["aggregate"][k], done["estimate"][k]) for k in means)
+    assert all(not torch.equal(done["aggregate"][k], done["local"][k]) for k in means)
     counts = [int(v) for k, v in done["aggregate"].items() if k.endswith("num_batches_tracked")]
     assert min(counts) >= 2  # two rounds of at least one step each, carried from round to round
     bad = fedcli(
@@ -377,7 +433,7 @@ def test_fedcli_train_with_each_bn_stats_option(tmp_path: Path) -> None:
         "--model",
         "stocknets.py:BNCNN",
         "--bn-stats",
-        "local",
+        "fedbn",
         "--rounds",
         "1",
         "--no-mlflow",
