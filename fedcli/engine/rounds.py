@@ -46,7 +46,6 @@ from fedcli.engine.cohort import (
 )
 from fedcli.engine.evaluation import eval_sample_index, evaluate, resolve_eval_sample
 from fedcli.engine.lifecycle import GracefulSignals
-from fedcli.engine.model import aggregate_stats
 from fedcli.engine.seeding import Stream, numpy_rngs, sample_cohort, step_keys, torch_generator
 from fedcli.engine.setup import Setup
 from fedcli.errors import FedcliError
@@ -91,6 +90,10 @@ class Trained:
     outs: ClientOut
     start: float
     clients: list[tuple[int, str, float]] = field(default_factory=list)  # set by `aggregate`: per-client rows
+    # BatchNorm statistics the clients carry (engine/model.py ClientStats): each client's at the start of the
+    # round [C, ...], and (train.bn_stats local) whether it had stored its own before
+    stats_start: dict[str, torch.Tensor] | None = None
+    stats_seen: np.ndarray | None = None
 
 
 def plan_round(setup: Setup, round_idx: int, on_host: bool = False) -> RoundPlan:
@@ -193,11 +196,13 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
     bc = alg.broadcast(state, hp)
     params, steps = alg.global_params(state), plan.num_epochs * plan.steps_per_epoch
     group = stream_group(setup, store, params, len(cohort), steps)  # None: the whole cohort's inputs at once
-    carried = setup.fns.client_stats  # BatchNorm statistics the clients carry: each starts from the global ones
+    carried = setup.fns.client_stats  # BatchNorm statistics the clients carry: the global ones, or (local) its own
+    seen = None if carried is None or carried.store is None else np.array([int(c) in carried.store for c in cohort])
+    start_stats = None if carried is None else carried.start(cohort, setup.device)
     inputs = CohortInputs(plan=plan, keys=planned.keys.to(setup.device, non_blocking=True),
                           noise={} if group else draw_noise(setup, params, cohort, round_idx, steps),
                           states=None if group else store.gather(cohort, setup.device),
-                          buffers=None if carried is None else carried.stacked(len(cohort)))
+                          buffers=start_stats)
     job = CohortJob(alg, fns, bc, inputs, hp, setup.opt, round_idx, cfg.train.cohort_chunk, interrupt)
     outs = setup.backend.run(job) if group is None else stream_cohort(  # a group's noise and states at a time
         job, setup.backend.run, group, lambda rows: draw_noise(setup, params, cohort[rows], round_idx, steps),
@@ -208,7 +213,7 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
     elif overlaps_host_work(setup.device) and round_idx < cfg.train.rounds:
         setup.prefetched[round_idx + 1] = plan_round(setup, round_idx + 1, on_host=True)
     _sync(setup.device)
-    return Trained(cohort, plan, bc, outs, start)
+    return Trained(cohort, plan, bc, outs, start, stats_start=start_stats, stats_seen=seen)
 
 
 def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Trained, round_idx: int,
@@ -230,16 +235,19 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     if dropped == len(cohort):
         raise DivergenceError(f"run diverged at round {round_idx}: every client's upload is NaN/inf; "
                               "lower --client-lr. The run is marked failed.")
+    stats_start, stats_seen = trained.stats_start, trained.stats_seen
     if dropped:
         keep = torch.nonzero(torch.as_tensor(finite)).flatten()
         outs = take_rows(outs, keep)
         weights, cohort = weights[keep.to(weights.device)], cohort[finite]
+        stats_start = None if stats_start is None else take_rows(stats_start, keep)
+        stats_seen = None if stats_seen is None else stats_seen[finite]
     stats = {k[len(STATS_PREFIX):]: v for k, v in outs.metrics.items() if k.startswith(STATS_PREFIX)}
     if stats:
         outs = outs._replace(metrics={k: v for k, v in outs.metrics.items() if not k.startswith(STATS_PREFIX)})
     state, diagnostics = alg.server_update(state, outs, weights, hp, opt)
-    if stats and setup.fns.client_stats is not None:
-        setup.fns.client_stats.current = aggregate_stats(stats, weights)
+    if stats and setup.fns.client_stats is not None and stats_start is not None:
+        setup.fns.client_stats.update(cohort, stats_seen, stats_start, stats, weights)
     scatter_states(store, cohort, outs.state)
     _sync(setup.device)
     timing.train += trained_at - trained.start
@@ -359,7 +367,7 @@ class RoundLoop:
         """Snapshot the last completed round; the writer saves it on its own thread."""
         cfg, carried = self.setup.cfg, self.setup.fns.client_stats
         self.writer.submit(self.completed, self.state, self.store.take_changes(self.completed), cfg.to_dict(), cfg.seed,
-                           buffers=None if carried is None else carried.current)
+                           buffers=None if carried is None else carried.snapshot())
 
     def save_on_exit(self) -> None:
         """Checkpoint the last completed round if it is not yet (an orderly stop loses no finished round)."""
