@@ -176,6 +176,27 @@ def dual_increments(m: Params, s: Params, m_bar: Params, s_bar: Params, gamma: f
     return {k: gamma * (m[k] - m_bar[k]) for k in m}, {k: -2 * gamma * second[k] for k in m}
 
 
+def increment_sums(m: Params, s: Params, m_bar: Params, s_bar: Params, gamma: float,
+                   coordinates: str) -> tuple[Params, Params]:
+    """dual_increments summed over the leading client axis [C, ...], with one [C, ...] temporary at a time.
+
+    Equal bit for bit to dual_increments(...)[i][k].sum(0) (the same elementwise operations, in place);
+    the cohort's whole (dv, du) and their temporaries were ~3 [C, P] tensors at once: 1.4 GB at 100
+    clients of the 1.2M-parameter CNN (docs/scaling.md, "Client state").
+    """
+    if coordinates != "natural":
+        dv, du = dual_increments(m, s, m_bar, s_bar, gamma, coordinates)
+        return {k: v.sum(0) for k, v in dv.items()}, {k: u.sum(0) for k, u in du.items()}
+    dv_sum, du_sum = {}, {}
+    for k in m:
+        t = s[k] * m[k]
+        t.sub_(s_bar[k] * m_bar[k]).mul_(gamma)
+        dv_sum[k] = t.sum(0)
+        t = s[k] - s_bar[k]
+        du_sum[k] = t.mul_(gamma).sum(0)
+    return dv_sum, du_sum
+
+
 def round_lr(opt: OptimConfig, hp: BayesADMMConfig, round_idx: int) -> float:
     """Return IVON's lr in this round: constant, or the code's cosine over hp.cosine_rounds."""
     if hp.cosine_rounds == 0:
@@ -224,9 +245,9 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: Baye
     m, s = outs.upload["mean"], outs.upload["precision"]  # [C, ...]
     num = next(iter(m.values())).shape[0]
     alpha = hp.server_alpha or 1.0 / (1.0 + hp.rho * num)
-    dv, du = dual_increments(m, s, state.mean, state.precision, hp.dual_damping * hp.rho, hp.dual_coordinates)
-    v_sum = {k: state.v_sum[k] + dv[k].sum(0) for k in m}
-    u_sum = {k: state.u_sum[k] + du[k].sum(0) for k in m}
+    dv, du = increment_sums(m, s, state.mean, state.precision, hp.dual_damping * hp.rho, hp.dual_coordinates)
+    v_sum = {k: state.v_sum[k] + dv[k] for k in m}
+    u_sum = {k: state.u_sum[k] + du[k] for k in m}
     seen, share = state.clients_seen, 1.0
     if hp.dual_scope == "cohort":  # the server step runs outside vmap: a host number is fine
         seen = seen + float(outs.upload["first_visit"].sum())

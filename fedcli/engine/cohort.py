@@ -367,7 +367,7 @@ def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_s
     return ClientOut(upload=upload, state=state, metrics=metrics)
 
 
-def scatter_states(store: Any, cohort: np.ndarray, states: Any, group: int = 16) -> None:
+def scatter_states(store: Any, cohort: np.ndarray, states: Any, group: int = 8) -> None:
     """store.scatter the cohort's new states; SpilledStates are read back and stored `group` clients at a
     time (the store's cache then never holds more than its budget plus one group)."""
     if not isinstance(states, SpilledStates):

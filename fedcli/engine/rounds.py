@@ -143,7 +143,7 @@ def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray
     return out
 
 
-STREAM_BUDGET = 128 * 2**20  # bytes: the loop makes a round's per-client inputs and outputs this many at a time
+STREAM_BUDGET = 64 * 2**20  # bytes: the loop makes a round's per-client inputs and outputs this many at a time
 
 
 def stream_group(setup: Setup, store: ClientStateStore, params: dict[str, torch.Tensor], num_clients: int,

@@ -345,6 +345,12 @@ def part_ratio(work: Path, reps: int = 2) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- report
 
 
+def median_round(run: dict[str, Any]) -> str:
+    """The median of a finished run's time/round_s, or a dash."""
+    times = (run.get("result") or {}).get("round_s") or []
+    return f"{statistics.median(times):.1f} s over {len(times)} rounds" if times else "—"
+
+
 def gib(n: float | None) -> str:
     return "—" if n is None else f"{n / 2**30:.2f} GiB"
 
@@ -423,6 +429,7 @@ def report(res: dict[str, Any]) -> str:
                     f"- peak RSS, tree: {gib(full['peak_tree_rss'])} (target <= 3 GB: "
                     f"{mark(full['peak_tree_rss'] <= 3 * GB if full.get('result') else None)}); "
                     f"{full.get('error') or 'finished'}",
+                    f"- median round time: {median_round(full)} (the whole process tree on this host's load)",
                     f"- SIGKILL after round {r['killed_rounds']} + --resume: final metrics and model "
                     f"{'bit for bit equal' if r['bit_exact'] else 'NOT equal (or not measured)'}",
                     "",

@@ -7,7 +7,9 @@ Two modes (figures in docs/scaling.md, "Client state"):
         `python -m fedcli.datasets.generate emnist --clients 3400 --mean-size 20 --sigma 0`) as a
         subprocess, sampling the summed RSS of its process tree every 0.2 s; then the bytes each
         checkpoint wrote (its round-NNNNNN.pt and round-NNNNNN.clients.npy; pass
-        --keep-checkpoints large so none is pruned). Prints one JSON line.
+        --keep-checkpoints large so none is pruned). Prints one JSON line. The options this harness
+        also reads (--rounds, --algo, --executor, --local-epochs, --batch-size, --state-cache-mb) are
+        passed on to `fedcli train`.
 
     python -m tests.benchmarks.state_store interleaved --data-dir DIR --rounds K [--bench-model mlp]
         One process, one set-up, two runs of SCAFFOLD side by side: round r of the RAM store, then
@@ -68,6 +70,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> dict[str, object]:
         "--root",
         args.root,
         "--no-mlflow",
+        "--rounds",
+        str(args.rounds),
+        *(["--algo", args.algo] if args.algo else []),
+        *(["--executor", args.executor] if args.executor else []),
+        *(["--local-epochs", str(args.local_epochs)] if args.local_epochs else []),
+        "--batch-size",
+        str(args.batch_size),
+        "--state-cache-mb",
+        str(args.state_cache_mb),
         *extra,
     ]
     start = time.perf_counter()
@@ -193,10 +204,10 @@ def probe(args: argparse.Namespace) -> dict[str, object]:
             "data.task": "emnist",
             "data.data_dir": args.data_dir,
             "data.model": args.model,
-            "algorithm.name": args.algo,
+            "algorithm.name": args.algo or "scaffold",
             "train.clients_per_round": args.cohort,
             "train.rounds": args.rounds,
-            "train.executor": args.executor,
+            "train.executor": args.executor or "vmap",
             "train.device": "cpu",
             "train.batch_size": args.batch_size,
             **({"train.cohort_chunk": args.chunk} if args.chunk else {}),
@@ -232,8 +243,8 @@ def probe(args: argparse.Namespace) -> dict[str, object]:
         writer.close()
         store.close(remove=True)
     return {
-        "algo": args.algo,
-        "executor": args.executor,
+        "algo": args.algo or "scaffold",
+        "executor": args.executor or "vmap",
         "chunk": args.chunk,
         "store": args.store,
         "model": args.model,
@@ -253,11 +264,11 @@ def main() -> None:
     parser.add_argument("--bench-model", dest="model", default="mlp")
     parser.add_argument("--state-cache-mb", type=int, default=512)
     parser.add_argument("--store", choices=("ram", "disk"), default="disk")
-    parser.add_argument("--algo", default="scaffold", help="probe: the algorithm")
-    parser.add_argument("--executor", default="vmap", help="probe: the executor")
+    parser.add_argument("--algo", default=None, help="the algorithm (probe: scaffold if not given)")
+    parser.add_argument("--executor", default=None, help="the executor (probe: vmap if not given)")
     parser.add_argument("--chunk", type=int, default=10, help="probe: --cohort-chunk (0: none)")
     parser.add_argument("--batch-size", type=int, default=20, help="probe: --batch-size")
-    parser.add_argument("--local-epochs", type=int, default=0, help="probe: --local-epochs (0: the default)")
+    parser.add_argument("--local-epochs", type=int, default=0, help="--local-epochs (0: the default)")
     args, extra = parser.parse_known_args()
     result = (
         run(args, extra)
