@@ -24,22 +24,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from fedcli.datasets.models import keyed_uniform
 
-if TYPE_CHECKING:
-    from fedcli.datasets.stock_layers import StockLayers
+
+class StockLayers(Protocol):
+    """What the handlers use of datasets/stock_layers.py's mode (a Protocol: that module imports this one)."""
+
+    key: Tensor | None
+    calls: int
+
 
 RANDOM_SALT = 1 << 21  # streams of keyed random ops: RANDOM_SALT + n for the n-th keyed call of a forward
 _TINY = 1.0 / float(1 << 25)  # half the uniform's resolution: u + _TINY lies in (0, 1)
 
 
 def _size(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int, ...]:
-    """The size of torch.rand(*size) / torch.rand(size) / torch.rand(size=...)."""
+    """The size of `rand(*size)`, `rand(size)` or `rand(size=...)`."""
     if "size" in kwargs:
         return tuple(int(n) for n in kwargs["size"])
     if len(args) == 1 and isinstance(args[0], Sequence | torch.Size):
@@ -74,7 +79,7 @@ def _factory_kwargs(kwargs: dict[str, Any], like: Tensor | None = None) -> tuple
 
 
 def _fresh(draw: Callable[[StockLayers, Sequence[int], Any], Tensor]) -> Callable[..., Tensor]:
-    """torch.rand / torch.randn (*size, dtype=, device=, requires_grad=, generator=)."""
+    """`torch.rand`, `torch.randn`: (*size, dtype=, device=, requires_grad=, generator=)."""
 
     def handler(mode: StockLayers, func: Any, *args: Any, **kwargs: Any) -> Tensor:
         if not _keyed(mode, kwargs) or "out" in kwargs:
@@ -99,7 +104,7 @@ def _like(draw: Callable[[StockLayers, Sequence[int], Any], Tensor]) -> Callable
 
 
 def _randint_bounds(args: Sequence[Any]) -> tuple[int, int, Sequence[Any]]:
-    """torch.randint(high, size) or (low, high, size): (low, high, the rest)."""
+    """`torch.randint`'s (high, size) or (low, high, size): (low, high, the rest)."""
     if len(args) >= 2 and isinstance(args[1], int) and not isinstance(args[1], bool):
         return int(args[0]), int(args[1]), args[2:]
     return 0, int(args[0]), args[1:]
@@ -132,7 +137,7 @@ def _randint_like(mode: StockLayers, func: Any, input: Tensor, *args: Any, **kwa
 
 
 def _bernoulli(mode: StockLayers, func: Any, input: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    """torch.bernoulli(probs) and torch.bernoulli(input, p): 1 where a keyed uniform < p."""
+    """`torch.bernoulli` of (probs) or (input, p): 1 where a keyed uniform < p."""
     if not _keyed(mode, kwargs) or "out" in kwargs:
         return func(input, *args, **kwargs)  # type: ignore[no-any-return]
     p = args[0] if args else kwargs.get("p", input)
@@ -141,7 +146,7 @@ def _bernoulli(mode: StockLayers, func: Any, input: Tensor, *args: Any, **kwargs
 
 
 def _normal_fn(mode: StockLayers, func: Any, *args: Any, **kwargs: Any) -> Tensor:
-    """torch.normal(mean, std) with tensor mean and/or std, or (mean, std, size) with floats."""
+    """`torch.normal` of (mean, std) with tensor mean and/or std, or (mean, std, size) with floats."""
     if not _keyed(mode, kwargs) or "out" in kwargs:
         return func(*args, **kwargs)  # type: ignore[no-any-return]
     mean = args[0] if args else kwargs["mean"]
