@@ -154,3 +154,48 @@ def test_a_model_with_random_ops_trains_on_vmap_and_repeats_bit_for_bit(tmp_path
         assert ml[key] == pytest.approx(mv[key], rel=1e-5, abs=1e-5), key
     for k in pl:
         torch.testing.assert_close(pv[k], pl[k], atol=1e-5, rtol=1e-5)
+
+
+class _InPlaceNoise(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(9, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(len(x), 32, 9).mean(1)
+        noise = torch.empty(
+            h.shape[-1]
+        ).normal_()  # a fill of a tensor made in the forward, not from the data
+        return self.lin(
+            h + noise + torch.empty_like(h).normal_()
+        )  # (empty_like of the data is per client: fine)
+
+
+class _Permuted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(9, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(len(x), 32, 9).mean(1)
+        return self.lin(h[torch.randperm(len(h))])
+
+
+class _Keyed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(9, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(len(x), 32, 9).mean(1)
+        return self.lin(h + 0.1 * torch.randn_like(h))
+
+
+def test_the_model_check_sends_what_vmap_cannot_key_to_the_loop() -> None:
+    """The vmapped cohort step of the model check passes keyed random ops and names the ones it
+    cannot run (an in-place fill of a tensor made without the data, torch.randperm): auto then takes the loop."""
+    from tests.byo.test_stock_layers_engine import _check
+
+    assert _check(_Keyed()) is None
+    assert "does not run under torch.func.vmap" in (_check(_InPlaceNoise()) or "")
+    assert "does not run under torch.func.vmap" in (_check(_Permuted()) or "")
