@@ -249,20 +249,41 @@ class tracking_momenta:  # noqa: N801  (a context manager named for what it does
 
 
 class tracking:  # noqa: N801  (a context manager named for what it does)
-    """BatchNorm writes its running statistics (track_running_stats) inside the block, when `on`."""
+    """BatchNorm writes its running statistics (track_running_stats) inside the block, when `on`.
+
+    Inside it each BatchNorm's input is cast to its running statistics' dtype (float32) when it
+    differs: under --precision bf16 the convolution before it hands a bfloat16 input, and
+    PyTorch's vmap rule for batch_norm with batched running statistics refuses that mix
+    ("expected scalar type BFloat16 but found Float"; its unbatched kernel takes it). The cast
+    runs on every back end, so the loop and vmap normalise alike, in float32 (the next autocast
+    op casts back to bfloat16).
+    """
 
     def __init__(self, norms: list[_BatchNorm], on: bool) -> None:
         self.norms, self.on = norms, on
+        self.hooks: list[Any] = []
 
     def __enter__(self) -> None:
         if self.on:
             for m in self.norms:
                 m.track_running_stats = True
+                self.hooks.append(m.register_forward_pre_hook(_stats_dtype))
 
     def __exit__(self, *exc: object) -> None:
         if self.on:
             for m in self.norms:
                 m.track_running_stats = False
+            for hook in self.hooks:
+                hook.remove()
+            self.hooks = []
+
+
+def _stats_dtype(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A BatchNorm's forward pre-hook: its input in its running statistics' dtype (tracking)."""
+    x, stats = args[0], module.running_mean
+    if not (isinstance(x, Tensor) and isinstance(stats, Tensor) and x.is_floating_point()):
+        return None
+    return (x.to(stats.dtype), *args[1:]) if x.dtype != stats.dtype else None
 
 
 class BatchNormStats:

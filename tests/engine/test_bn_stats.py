@@ -25,7 +25,7 @@ from fedcli.engine.backends.loop import LoopBackend
 from fedcli.engine.backends.vmap import VmapBackend
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.cohort import STATS_PREFIX
-from fedcli.engine.model import aggregate_stats, final_buffers, model_functions
+from fedcli.engine.model import aggregate_stats, final_buffers, model_functions, with_precision
 from fedcli.engine.rounds import Timing, aggregate, plan_round, train_cohort
 from fedcli.engine.setup import Setup
 from tests.byo.test_stock_layers_engine import metrics, setup_folder
@@ -56,6 +56,7 @@ def make_setup(
     rounds: int = 1,
     epochs: int = 1,
     chunk: int | None = None,
+    precision: str = "fp32",
 ) -> Setup:
     """A run's set-up on synthetic-iid with clients of `sizes` examples, every client in every round."""
     task = TASKS["synthetic-iid"]
@@ -80,7 +81,7 @@ def make_setup(
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
     fed = FederatedData(data.x, data.y, clients, torch.device("cpu"))
     hp = make_hyperparameters(algo, {})
-    fns = model_functions(task, model, fed, bn_stats)
+    fns = with_precision(model_functions(task, model, fed, bn_stats), precision, torch.device("cpu"))
     return Setup(
         cfg,
         task,
@@ -212,6 +213,30 @@ def test_cumulative_batchnorm_over_two_epochs_loop_and_vmap_alike() -> None:
         assert torch.equal(per["2.num_batches_tracked"], steps)
     for k in per_loop:
         torch.testing.assert_close(per_vmap[k], per_loop[k], atol=1e-6, rtol=0)
+
+
+def test_bf16_carries_them_under_vmap_as_on_the_loop() -> None:
+    """--precision bf16: the second BatchNorm gets a bfloat16 input from the autocast Linear before it;
+    under vmap, with batched float32 running statistics, PyTorch refused that ("expected scalar type
+    BFloat16 but found Float"). Both back ends train the round; the statistics stay float32; the first
+    BatchNorm (raw float32 inputs) is still its closed form; the second agrees between loop and vmap
+    to bfloat16's rounding (its input is a bfloat16 Linear's output on both)."""
+    sizes = (BATCH, 2 * BATCH, 3 * BATCH)
+    results = {}
+    for backend in ("loop", "vmap"):
+        setup = make_setup(backend, sizes, precision="bf16")
+        results[backend] = one_round(setup)
+    (per_loop, global_loop, cohort), (per_vmap, global_vmap, _) = results["loop"], results["vmap"]
+    means, variances, steps = by_hand(setup, cohort)
+    for per in (per_loop, per_vmap):
+        assert all(v.dtype == torch.float32 for k, v in per.items() if "running" in k)
+        torch.testing.assert_close(per["0.running_mean"].double(), means, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(per["0.running_var"].double(), variances, atol=1e-6, rtol=1e-5)
+        assert torch.equal(per["2.num_batches_tracked"], steps)
+    for k in ("2.running_mean", "2.running_var"):
+        assert torch.isfinite(per_vmap[k]).all()
+        torch.testing.assert_close(per_vmap[k], per_loop[k], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(global_vmap[k], global_loop[k], atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("backend", ["loop", "vmap"])
