@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedcli.errors import ConfigError
 
@@ -326,7 +327,8 @@ def vmap_obstacle(model: nn.Module) -> str | None:
 
 
 def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | None, x: Tensor, y: Tensor,
-                loss: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
+                loss: Callable[[Tensor, Tensor, Tensor], Tensor], carry_stats: bool = True,
+                precision: str = "fp32") -> None:
     """One forward pass on a real batch (`x` prepared, `y` its targets): output shape and a finite loss.
 
     Then runs what training runs (engine/model.py `model_functions`): BatchNorm on batch
@@ -336,7 +338,13 @@ def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | Non
     its own parameters, examples and key (the vmap back end's form, randomness="error" as it runs);
     why that fails, if it does, is recorded (`vmap_obstacle`: `.item()` or data-dependent control
     flow in forward, random ops from torch's global generator, packed sequences) and auto then
-    picks the loop before anything is written (engine/select.py).
+    picks the loop before anything is written (engine/select.py). `carry_stats` (train.bn_stats
+    aggregate or local, with an algorithm that declares its local training; engine/setup.py
+    `bn_stats_of`): both steps carry the BatchNorm running statistics as training does
+    (engine/local.py `CarryingStats`): each client's copy is an input of the step, BatchNorm's
+    momentum update writes it (`tracking`; a momentum=None BatchNorm at its first step's factor)
+    and it leaves as an output; under vmap the copies are batched, one per client. `precision`
+    "bf16": the steps run under torch.autocast as training does (engine/model.py `with_precision`).
 
     Raises:
         ConfigError: one line naming what failed and the fix.
@@ -370,7 +378,7 @@ def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | Non
     if list(losses.shape) != [batch]:
         raise ConfigError(f"data.model {ref!r}: output shape {list(out.shape)} gives a loss of shape "
                           f"{list(losses.shape)}, expected [{batch}]; return one output row per example.")
-    obstacle = _probe_training(ref, model, params, buffers, x, y, bool(key), loss)
+    obstacle = _probe_training(ref, model, params, buffers, x, y, bool(key), loss, carry_stats, precision)
     if obstacle is not None:
         _VMAP_OBSTACLES[model] = obstacle
     else:
@@ -381,39 +389,96 @@ PROBE_CLIENTS = 3  # the cohort the model check vmaps one training step over
 
 
 def _probe_training(ref: str, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor,
-                    y: Tensor, keyed: bool, loss: Callable[[Tensor, Tensor, Tensor], Tensor]) -> str | None:
+                    y: Tensor, keyed: bool, loss: Callable[[Tensor, Tensor, Tensor], Tensor], carry_stats: bool,
+                    precision: str) -> str | None:
     """One client's training step (ConfigError if it fails), then why a vmapped cohort step fails, or None."""
+    from contextlib import nullcontext
+
     from fedcli.datasets.stock_layers import StockLayers
 
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    ids = {id(m) for m in norms}
+    carried = {name: buffers[name] for prefix, m in model.named_modules() if carry_stats and id(m) in ids
+               for name in (f"{prefix}.{n}" if prefix else n for n, _ in m.named_buffers(recurse=False))}
+    cumulative = [m for m in norms if m.momentum is None] if carried else []
     training = model.training
 
-    def client_loss(p: dict[str, Tensor], xb: Tensor, yb: Tensor, k: Tensor) -> Tensor:
-        with StockLayers(k):
-            out = torch.func.functional_call(model, {**p, **buffers}, (xb,), {"key": k} if keyed else {})
-        return loss(out.float(), xb, yb).mean()
+    def autocast() -> Any:
+        return torch.autocast(x.device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+    def client_loss(p: dict[str, Tensor], xb: Tensor, yb: Tensor, k: Tensor, stats: dict[str, Tensor]
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+        own = {n: v.clone() for n, v in stats.items()}  # the step's copy, written by BatchNorm (CarryingStats)
+        with StockLayers(k), autocast(), tracking(norms, bool(own)):
+            out = torch.func.functional_call(model, {**p, **buffers, **own}, (xb,), {"key": k} if keyed else {})
+        return loss(out.float(), xb, yb).mean(), own
 
     keys = torch.arange(1, PROBE_CLIENTS + 1, dtype=torch.int64, device=x.device)
     for m in norms:
         m.track_running_stats = False  # as training runs it (engine/model.py): batch statistics, no buffer written
+    for m in cumulative:  # CarryingStats' first step's factor (engine/model.py ClientStats.cumulative)
+        count = m.num_batches_tracked
+        m.momentum = 1.0 / (int(count) + 1) if count is not None else 1.0
     model.train()
     try:
         try:
             own = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in params.items()}
             wanted = [v for v in own.values() if v.requires_grad]  # the loop's gradients: torch.autograd (local.py)
-            torch.autograd.grad(client_loss(own, x, y, keys[0]), wanted, allow_unused=True)
+            torch.autograd.grad(client_loss(own, x, y, keys[0], carried)[0], wanted, allow_unused=True)
         except Exception as err:  # noqa: BLE001 - the user's forward or backward
             raise ConfigError(f"data.model {ref!r}: a training step (forward and gradient, train mode) on a batch of "
                               f"shape {list(x.shape)} failed ({_first_line(err)}); fix the model's forward.") from None
         stacked = {k: torch.stack([v] * PROBE_CLIENTS) for k, v in params.items()}
         xs = torch.stack([x.roll(c, 0) for c in range(PROBE_CLIENTS)])  # each client its own order of the examples
         ys = torch.stack([y.roll(c, 0) for c in range(PROBE_CLIENTS)])
+        per_client = {k: torch.stack([v] * PROBE_CLIENTS) for k, v in carried.items()}
         try:
-            torch.func.vmap(torch.func.grad(client_loss))(stacked, xs, ys, keys)
+            torch.func.vmap(torch.func.grad(client_loss, has_aux=True))(stacked, xs, ys, keys, per_client)
         except Exception as err:  # noqa: BLE001 - what vmap cannot run: .item(), data-dependent branches, packed RNNs
             return f"its training step does not run under torch.func.vmap ({_first_line(err)[:160]})"
         return None
     finally:
         for m in norms:
             m.track_running_stats = True
+        for m in cumulative:
+            m.momentum = None
         model.train(training)
+
+
+class tracking:  # noqa: N801  (a context manager named for what it does)
+    """BatchNorm writes its running statistics (track_running_stats) inside the block, when `on`.
+
+    Inside it each BatchNorm's input is cast to its running statistics' dtype (float32) when it
+    differs: under --precision bf16 the convolution before it hands a bfloat16 input, and
+    PyTorch's vmap rule for batch_norm with batched running statistics refuses that mix
+    ("expected scalar type BFloat16 but found Float"; its unbatched kernel takes it). The cast
+    runs on every back end, so the loop and vmap normalise alike, in float32 (the next autocast
+    op casts back to bfloat16). Used by training (engine/model.py `model_functions`) and by the
+    model check's training steps (`check_model`), so the check runs what training runs.
+    """
+
+    def __init__(self, norms: list[_BatchNorm], on: bool) -> None:
+        self.norms, self.on = norms, on
+        self.hooks: list[Any] = []
+
+    def __enter__(self) -> None:
+        if self.on:
+            for m in self.norms:
+                m.track_running_stats = True
+                self.hooks.append(m.register_forward_pre_hook(_stats_dtype))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            for m in self.norms:
+                m.track_running_stats = False
+            for hook in self.hooks:
+                hook.remove()
+            self.hooks = []
+
+
+def _stats_dtype(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A BatchNorm's forward pre-hook: its input in its running statistics' dtype (tracking)."""
+    x, stats = args[0], module.running_mean
+    if not (isinstance(x, Tensor) and isinstance(stats, Tensor) and x.is_floating_point()):
+        return None
+    return (x.to(stats.dtype), *args[1:]) if x.dtype != stats.dtype else None

@@ -22,7 +22,7 @@ from fedcli.algorithms.base import Batch, Params
 from fedcli.datasets.federated import CohortData, FederatedData
 from fedcli.datasets.stock_layers import StockLayers, needs_stock_layers
 from fedcli.datasets.tasks import Task, TaskData, per_example_loss
-from fedcli.datasets.user_model import accepts_key
+from fedcli.datasets.user_model import accepts_key, tracking
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.errors import ConfigError
 
@@ -248,44 +248,6 @@ class tracking_momenta:  # noqa: N801  (a context manager named for what it does
             m.momentum = None
 
 
-class tracking:  # noqa: N801  (a context manager named for what it does)
-    """BatchNorm writes its running statistics (track_running_stats) inside the block, when `on`.
-
-    Inside it each BatchNorm's input is cast to its running statistics' dtype (float32) when it
-    differs: under --precision bf16 the convolution before it hands a bfloat16 input, and
-    PyTorch's vmap rule for batch_norm with batched running statistics refuses that mix
-    ("expected scalar type BFloat16 but found Float"; its unbatched kernel takes it). The cast
-    runs on every back end, so the loop and vmap normalise alike, in float32 (the next autocast
-    op casts back to bfloat16).
-    """
-
-    def __init__(self, norms: list[_BatchNorm], on: bool) -> None:
-        self.norms, self.on = norms, on
-        self.hooks: list[Any] = []
-
-    def __enter__(self) -> None:
-        if self.on:
-            for m in self.norms:
-                m.track_running_stats = True
-                self.hooks.append(m.register_forward_pre_hook(_stats_dtype))
-
-    def __exit__(self, *exc: object) -> None:
-        if self.on:
-            for m in self.norms:
-                m.track_running_stats = False
-            for hook in self.hooks:
-                hook.remove()
-            self.hooks = []
-
-
-def _stats_dtype(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """A BatchNorm's forward pre-hook: its input in its running statistics' dtype (tracking)."""
-    x, stats = args[0], module.running_mean
-    if not (isinstance(x, Tensor) and isinstance(stats, Tensor) and x.is_floating_point()):
-        return None
-    return (x.to(stats.dtype), *args[1:]) if x.dtype != stats.dtype else None
-
-
 class BatchNormStats:
     """BatchNorm running statistics of the model being evaluated, recomputed from its parameters.
 
@@ -394,7 +356,8 @@ def build_user_model(cfg: RunConfig, task: Task, data: TaskData, *, on_change: s
     Checks the source against the recorded sha256 (`on_change`: "refuse" for a run and its
     resume, "warn" for `fedcli evaluate`), calls the factory with the task's shape facts it
     names, runs one forward pass and the loss on a real batch (8 training examples) and probes
-    vmap. Returns the task with the model added, the model (seeded by the caller) and the config
+    vmap with the run's training step (BatchNorm statistics carried where the run carries them,
+    train.precision). Returns the task with the model added, the model (seeded by the caller) and the config
     with `data.model_args` recorded.
 
     Raises:
@@ -413,8 +376,13 @@ def build_user_model(cfg: RunConfig, task: Task, data: TaskData, *, on_change: s
     kwargs = user_model.factory_kwargs(user_model.load_factory(ref), facts)
     model = user_model.make_model(ref, kwargs)
     x = task.prepare(data.x[:8]).to(torch.float32)
+    from fedcli.algorithms import ALGORITHMS
+
+    alg = ALGORITHMS.get(cfg.algorithm.name)  # the statistics are carried as engine/setup.py bn_stats_of says
+    carry = cfg.train.bn_stats != "estimate" and alg is not None and alg.local is not None
     user_model.check_model(ref, model, kind=task.kind, num_classes=num_classes, x=x, y=data.y[:8],
-                           loss=lambda out, xb, yb: per_example_loss(task, out, xb, yb))
+                           loss=lambda out, xb, yb: per_example_loss(task, out, xb, yb), carry_stats=carry,
+                           precision=cfg.train.precision)
     cfg = replace(cfg, data=replace(cfg.data, model_args=user_model.encode_args(kwargs)))
     return user_model.with_model(task, ref, kwargs), model, cfg
 

@@ -67,6 +67,24 @@ class ItemNet(nn.Module):
         return self.lin(h) * (2.0 if h.sum().item() > 0 else 1.0)
 
 
+class WarmBN(nn.Module):
+    # BatchNorm on batch statistics while it warms up, then on its running statistics
+
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        self.conv = nn.Conv1d(input_shape[-1], 8, 5, padding=2)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        h = self.conv(x.reshape(len(x), *x.shape[-2:]).transpose(-1, -2))
+        if self.training and self.bn.num_batches_tracked < 100:
+            h = self.bn(h)
+        else:
+            h = F.batch_norm(h, self.bn.running_mean, self.bn.running_var, self.bn.weight, self.bn.bias, False)
+        return self.out(torch.relu(h).mean(-1))
+
+
 class PackedGRU(nn.Module):
     def __init__(self, num_classes, input_shape):
         super().__init__()
@@ -216,7 +234,7 @@ def test_builtin_models_run_without_the_mode_user_models_with_it() -> None:
     assert needs_stock_layers(Own())
 
 
-def _check(model: nn.Module) -> str | None:
+def _check(model: nn.Module, **options: object) -> str | None:
     torch.manual_seed(0)
     x, y = torch.randn(8, 1, 32, 9), torch.randint(0, 6, (8,))
     check_model(
@@ -227,6 +245,7 @@ def _check(model: nn.Module) -> str | None:
         x=x,
         y=y,
         loss=lambda out, xb, yb: F.cross_entropy(out, yb, reduction="none"),
+        **options,  # type: ignore[arg-type]
     )
     return vmap_obstacle(model)
 
@@ -251,6 +270,59 @@ def test_model_check_runs_a_vmapped_cohort_step(tmp_path: Path) -> None:
     assert _check(encoder) is None
     assert "does not run under torch.func.vmap" in (_check(nets.ItemNet(6, shape)) or "")
     assert "does not run under torch.func.vmap" in (_check(nets.PackedGRU(6, shape)) or "")
+
+
+def test_model_check_carries_batchnorm_statistics_as_training_does(tmp_path: Path) -> None:
+    """The check's steps carry BatchNorm's running statistics as training does (train.bn_stats
+    aggregate/local): a forward that branches on its BatchNorm's `num_batches_tracked` runs while
+    they are unbatched constants, but not under vmap once each client carries its own copy, as
+    training does; the check finds it (it passed the model before, and the run then failed in round
+    1). A momentum=None BatchNorm (its factor set per step, as CarryingStats does) and --precision
+    bf16 (autocast, BatchNorm's input in float32) pass; the buffers are left as they were."""
+    import importlib.util
+
+    (tmp_path / "stocknets.py").write_text(MODELS)
+    spec = importlib.util.spec_from_file_location("stocknets_carry", tmp_path / "stocknets.py")
+    assert spec is not None and spec.loader is not None
+    nets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nets)
+    shape = [1, 32, 9]
+    warm = nets.WarmBN(6, shape)
+    assert _check(warm, carry_stats=False) is None  # what the check ran before: no statistics carried
+    obstacle = _check(warm) or ""
+    assert "does not run under torch.func.vmap" in obstacle and "data-dependent" in obstacle, obstacle
+    assert int(warm.bn.num_batches_tracked) == 0 and torch.equal(warm.bn.running_mean, torch.zeros(8))
+    cumulative = nets.BNCNN(6, shape)
+    cumulative.bn.momentum = None
+    assert _check(cumulative) is None
+    assert cumulative.bn.momentum is None and cumulative.bn.track_running_stats
+    assert _check(nets.BNCNN(6, shape), precision="bf16") is None
+
+
+@pytest.mark.timeout(600)
+def test_a_model_that_fails_only_when_carrying_statistics_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """WarmBN (above) with --executor vmap: one line, exit 2, nothing written (it crashed in round 1
+    with a traceback, the run half-written); `auto` sends it to the loop, which trains it, and
+    --bn-stats estimate (nothing carried) runs it on vmap."""
+    data = setup_folder(tmp_path)
+    base = ["--data", str(data), "--model", "stocknets.py:WarmBN", *SMALL]
+    refused = fedcli(tmp_path / "refused", *base, "--executor", "vmap", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    line = refused.stderr.strip()
+    assert len(line.splitlines()) == 1 and "--executor vmap cannot run this model" in line, line
+    assert "Traceback" not in line and "--executor loop" in line
+    assert not (tmp_path / "refused").exists()
+    auto = fedcli(tmp_path / "auto", *base, cwd=tmp_path)
+    assert auto.returncode == 0, auto.stderr
+    (run,) = store(tmp_path / "auto").list_runs()
+    assert run.config["train"]["executor"] == "loop"
+    assert "cannot run under vmap" in run.tags["fedcli.executor_reason"], run.tags["fedcli.executor_reason"]
+    estimate = fedcli(tmp_path / "est", *base, "--executor", "vmap", "--bn-stats", "estimate", cwd=tmp_path)
+    assert estimate.returncode == 0, estimate.stderr
+    (run,) = store(tmp_path / "est").list_runs()
+    assert run.config["train"]["executor"] == "vmap"
 
 
 class _Encoder(nn.Module):
