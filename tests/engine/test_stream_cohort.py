@@ -149,3 +149,37 @@ def test_spilled_states_read_back_exactly(tmp_path: Path) -> None:
     assert len(kept) == 4
     assert_equal_trees(kept.rows(np.arange(4)), {k: v[keep] for k, v in full.items()})
     assert_equal_trees(kept.rows(np.array([3, 1])), {k: v[torch.tensor([6, 2])] for k, v in full.items()})
+
+
+def test_spilled_states_of_a_dropped_client_are_not_stored(tmp_path: Path) -> None:
+    """Disk store + streamed loop: the new states are SpilledStates; a client whose upload is NaN
+    is dropped and the others' states are stored exactly as the whole-cohort RAM path stores them."""
+    import math
+
+    from fedcli.engine.rounds import aggregate
+
+    def nan_row(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dim() == 0:
+            return t
+        t = t.clone()
+        t[1] = math.nan
+        return t
+
+    stored = []
+    for extra, folder in (({"train.cohort_chunk": 2}, tmp_path / "cs"), ({}, None)):
+        setup, init = make("scaffold", "loop", extra)
+        store = ClientStateStore(init, folder=folder, cache_mb=0)
+        state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
+        trained = train_cohort(setup, state, store, 1)
+        assert isinstance(trained.outs.state, SpilledStates) == (folder is not None)
+        poisoned = trained.outs._replace(upload=pytree.tree_map(nan_row, trained.outs.upload))
+        _, metrics = aggregate(
+            setup, state, store, type(trained)(**{**trained.__dict__, "outs": poisoned}), 1, Timing()
+        )
+        assert metrics["client/dropped_nonfinite"] == 1.0
+        stored.append((trained.cohort, store.state_dict()))
+        store.close(remove=True)
+    (cohort, spilled), (_, whole) = stored
+    assert int(cohort[1]) not in spilled and spilled.keys() == whole.keys() and len(spilled) == 4
+    for client in whole:
+        assert_equal_trees(spilled[client], whole[client])
