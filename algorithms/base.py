@@ -183,6 +183,7 @@ class RunFacts(NamedTuple):
     rounds: int  # R, communication rounds
     clients_per_round: int  # M, the cohort size
     given: frozenset[str] = frozenset()  # keys the user set ("hp.rho", "train.local_epochs")
+    num_clients: int | None = None  # N, where the task fixes it before loading (Task.num_clients); else None
 
 
 class Advice(NamedTuple):

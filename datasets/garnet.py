@@ -218,6 +218,7 @@ def _task(num_agents: int, heterogeneity: float, label: str) -> Task:
         models=MappingProxyType({"linear": partial(LSAModel, 8)}),
         default_model="linear",
         load=partial(load_garnet, num_agents=num_agents, heterogeneity=heterogeneity),
+        num_clients=num_agents,
         example_loss=partial(td_loss, gamma=0.95),
     )
 

@@ -67,6 +67,9 @@ class Task:
     metrics: Any = None
     reads_max_clients: bool = False  # True when `load` honours TaskOptions.max_clients (big natural-client data)
     client_lr: float = 0.01  # the default train.client_lr (eta_l) on this task; tuned where the task says so
+    # the number of clients where the task fixes it before any data is loaded (Garnet's N agents), so that an
+    # algorithm's `recommend` can ask for full participation; None = known only after loading
+    num_clients: int | None = None
     # partition keys (scheme, alpha, num_clients, ...) a run of this task gets when it names no scheme and no
     # partition file: for tasks without natural clients (docs/architecture.md §5); None = natural clients
     default_partition: Mapping[str, Any] | None = None

@@ -97,7 +97,7 @@ def _facts(algo_name: str, merged: Mapping[str, Mapping[str, Any]], given: froze
 
     return RunFacts(task=task.name if task is not None else "byo", kind=task.kind if task is not None else "byo",
                     model=str(model), rounds=whole("rounds"), clients_per_round=whole("clients_per_round"),
-                    given=given)
+                    given=given, num_clients=task.num_clients if task is not None else None)
 
 
 def resolve_recommended(algo_name: str, merged: dict[str, dict[str, Any]], hp_values: dict[str, Any]) -> dict[str, str]:
