@@ -105,6 +105,9 @@ def choose(w: Workload, requested: str, *, launched: bool = False) -> Choice:
     elif name == "loop" and _spreads(w, obstacle):
         return Choice(process.INFO.name, process.INFO.name, "loop",
                       f"{why}; one single-threaded process per core ({w.slots}) trains the clients side by side")
+    elif name == "loop" and w.slots >= 2 and w.has_conv and (script := process.unguarded_main_script()):
+        why = (f"{why}; in one process, not one per core: {script} has no `if __name__ == \"__main__\":` guard, "
+               "which worker processes need (they re-run the script)")
     return Choice(name, name, None, why)
 
 

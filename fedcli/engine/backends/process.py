@@ -353,11 +353,48 @@ class ProcessBackend:
 
 
 def refuses(w: Workload) -> str | None:
-    """Worker processes split a CPU's cores; a GPU's cohort runs in the main process."""
+    """Worker processes split a CPU's cores; a GPU's cohort runs in the main process. A script run as
+    `python script.py` whose top level calls fedcli.train without an `if __name__ == "__main__":` guard
+    cannot have workers: `spawn` re-runs the script in each of them (they would train again)."""
     if w.device.type != "cpu":
         return (f"train.executor='process' splits the cohort over CPU processes; got device {w.device}. "
                 "Use --executor vmap (or auto) on a GPU.")
+    script = unguarded_main_script()
+    if script is not None:
+        return (f"train.executor='process' spawns worker processes, which re-run {script}: its top level has no "
+                "`if __name__ == \"__main__\":` guard. Put the fedcli.train call under that guard, or use "
+                "--executor loop or vmap.")
     return None
+
+
+def unguarded_main_script() -> str | None:
+    """The path of the running script when `spawn` would re-run it in a worker and it has no module-level
+    `if __name__ == "__main__":` (read with ast, not run); None for `python -m`, notebooks, `-c` and pytest,
+    whose main module multiprocessing does not re-run."""
+    import ast
+    import sys
+
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return None
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+
+    def is_guard(node: ast.stmt) -> bool:
+        test = node.test if isinstance(node, ast.If) else None
+        if not isinstance(test, ast.Compare) or len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
+            return False
+        sides = [test.left, *test.comparators]
+        return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and any(
+            isinstance(x, ast.Constant) and x.value == "__main__" for x in sides)
+
+    return None if any(is_guard(node) for node in tree.body) else path
 
 
 INFO = BackendInfo(name="process", summary="CPU: the cohort split over persistent worker processes (one thread each, "
