@@ -304,6 +304,9 @@ ALGORITHM = Algorithm(
              "h0 = 0.3, not cifar10_acar's 0.1, which diverges on MNIST at the task's client lr 0.1 (docstring). "
              "On bibtex (a linear multi-label model, ~74 examples a client) it learns more slowly than FedAvg: "
              "macro-F1 5.3 vs 10.0 % at 25 rounds (micro-F1 24.3 vs 30.5 %), still rising; the cause is not "
-             "measured (docs/out-of-the-box.md, the matrix)."),
+             "measured (docs/out-of-the-box.md, the matrix). On a deep network with small clients (torchvision's "
+             "ResNet-18, 40 examples a client) IVON's weight noise, std 1/sqrt(N_k h0 / (rho tau) + delta) = 0.09, "
+             "exceeds the deep layers' initial scale and it stays at chance; --hp tau=0.001 (std 0.009) learns "
+             "(docs/bring-your-own.md)."),
     description="BayesADMM, diagonal Gaussians: IVON local solver, natural-parameter duals, server mixing.",
 )
