@@ -124,6 +124,48 @@ def metrics(root: Path, run_id: str) -> dict[tuple[int, str], float]:
         if k.startswith(("eval/", "train/loss"))
     }
 
+Runs = dict[tuple[str, int], tuple[dict[tuple[int, str], float], dict[str, torch.Tensor]]]
+
+
+def twice_on_loop_and_vmap(tmp_path: Path, data: Path, model_ref: str, seed: str) -> Runs:
+    """`fedcli train --model model_ref` twice on the loop and twice on vmap (SMALL, the seed): each
+    (executor, 1 | 2) -> (metrics, final parameters); asserts the two runs of each executor are bit-identical."""
+    runs: Runs = {}
+    for executor in ("loop", "vmap"):
+        for i in (1, 2):
+            root = tmp_path / f"{executor}{i}"
+            done = fedcli(root, "--data", str(data), "--model", model_ref, "--executor", executor, "--seed", seed,
+                          *SMALL, cwd=tmp_path)
+            assert done.returncode == 0, done.stderr
+            (run,) = store(root).list_runs()
+            runs[executor, i] = metrics(root, run.id), final_params(root, run.id)
+    for executor in ("loop", "vmap"):
+        (m1, p1), (m2, p2) = runs[executor, 1], runs[executor, 2]
+        assert m1 and m1 == m2, executor
+        assert all(torch.equal(p1[k], p2[k]) for k in p1), executor
+    return runs
+
+
+def reference_and_killed(tmp_path: Path, args: list[str], rounds: int) -> tuple[str, Path, str]:
+    """Train `args` uninterrupted under tmp_path/ref, then again under tmp_path/killed, SIGKILLed once round 3
+    is logged (before round `rounds`): (the reference run's id, the killed run's root, its id)."""
+    reference = fedcli(tmp_path / "ref", *args, cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    ref_id = store(tmp_path / "ref").list_runs()[0].id
+    root = tmp_path / "killed"
+    victim = fedcli(root, *args, cwd=tmp_path, popen=True)
+    deadline, run_id = time.monotonic() + 300, None
+    while run_id is None and time.monotonic() < deadline:
+        if (root / "fedcli.db").exists():
+            run_id = next((r.id for r in store(root).list_runs() if (store(root).last_round(r.id) or 0) >= 3), None)
+        time.sleep(0.05)
+    assert run_id is not None
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert (store(root).last_round(run_id) or 0) < rounds
+    return ref_id, root, run_id
+
+
 
 # ---- in process -------------------------------------------------------------------------------
 
@@ -348,30 +390,7 @@ def test_same_seed_twice_bit_identical_on_loop_and_vmap(tmp_path: Path, model: s
     loop and vmap agree within 1e-5 (the loop's GRU is PyTorch's kernel, vmap's the recurrence;
     vmap's batched convolution rounds differently)."""
     data = setup_folder(tmp_path)
-    runs: dict[tuple[str, int], tuple[dict[tuple[int, str], float], dict[str, torch.Tensor]]] = {}
-    for executor in ("loop", "vmap"):
-        for i in (1, 2):
-            root = tmp_path / f"{executor}{i}"
-            done = fedcli(
-                root,
-                "--data",
-                str(data),
-                "--model",
-                f"stocknets.py:{model}",
-                "--executor",
-                executor,
-                "--seed",
-                "3",
-                *SMALL,
-                cwd=tmp_path,
-            )
-            assert done.returncode == 0, done.stderr
-            (run,) = store(root).list_runs()
-            runs[executor, i] = metrics(root, run.id), final_params(root, run.id)
-    for executor in ("loop", "vmap"):
-        (m1, p1), (m2, p2) = runs[executor, 1], runs[executor, 2]
-        assert m1 and m1 == m2, executor
-        assert all(torch.equal(p1[k], p2[k]) for k in p1), executor
+    runs = twice_on_loop_and_vmap(tmp_path, data, f"stocknets.py:{model}", "3")
     (ml, pl), (mv, pv) = runs["loop", 1], runs["vmap", 1]
     assert set(ml) == set(mv)
     for k in pl:
@@ -482,23 +501,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_bn_dropout_vmap(tmp_pa
         "1",
         "--no-mlflow",
     ]
-    reference = fedcli(tmp_path / "ref", *args, cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr
-    ref_id = store(tmp_path / "ref").list_runs()[0].id
-
-    root = tmp_path / "killed"
-    victim = fedcli(root, *args, cwd=tmp_path, popen=True)
-    deadline, run_id = time.monotonic() + 300, None
-    while run_id is None and time.monotonic() < deadline:
-        if (root / "fedcli.db").exists():
-            run_id = next(
-                (r.id for r in store(root).list_runs() if (store(root).last_round(r.id) or 0) >= 3), None
-            )
-        time.sleep(0.05)
-    assert run_id is not None
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=30)
-    assert (store(root).last_round(run_id) or 0) < 12
+    ref_id, root, run_id = reference_and_killed(tmp_path, args, rounds=12)
 
     resumed = fedcli(root, "--resume", run_id[:8], "--model", f"{tmp_path / 'stocknets.py'}:BNCNN", cwd="/")
     assert resumed.returncode == 0, resumed.stderr

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from fedcli.datasets.stock_layers import StockLayers
-from tests.byo.test_stock_layers_engine import SMALL, metrics, setup_folder
-from tests.byo.test_user_model import fedcli, final_params, store
+from tests.byo.test_stock_layers_engine import setup_folder, twice_on_loop_and_vmap
 
 X = torch.linspace(-1.0, 1.0, 24).reshape(4, 6)
 OPS: dict[str, Callable[[], torch.Tensor]] = {
@@ -124,30 +123,7 @@ def test_a_model_with_random_ops_trains_on_vmap_and_repeats_bit_for_bit(tmp_path
     (the draws come from the run's keys); loop and vmap agree within 1e-5 (the same draws)."""
     data = setup_folder(tmp_path)
     (tmp_path / "noisy.py").write_text(NOISY)
-    runs = {}
-    for executor in ("loop", "vmap"):
-        for i in (1, 2):
-            root = tmp_path / f"{executor}{i}"
-            done = fedcli(
-                root,
-                "--data",
-                str(data),
-                "--model",
-                "noisy.py:NoisyNet",
-                "--executor",
-                executor,
-                "--seed",
-                "4",
-                *SMALL,
-                cwd=tmp_path,
-            )
-            assert done.returncode == 0, done.stderr
-            (run,) = store(root).list_runs()
-            runs[executor, i] = metrics(root, run.id), final_params(root, run.id)
-    for executor in ("loop", "vmap"):
-        (m1, p1), (m2, p2) = runs[executor, 1], runs[executor, 2]
-        assert m1 and m1 == m2, executor
-        assert all(torch.equal(p1[k], p2[k]) for k in p1), executor
+    runs = twice_on_loop_and_vmap(tmp_path, data, "noisy.py:NoisyNet", "4")
     (ml, pl), (mv, pv) = runs["loop", 1], runs["vmap", 1]
     assert ml.keys() == mv.keys()
     for key in ml:

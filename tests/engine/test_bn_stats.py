@@ -7,8 +7,6 @@ model without BatchNorm carries nothing. The CLI runs (SIGKILL + resume, every o
 
 from __future__ import annotations
 
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,7 @@ from fedcli.engine.cohort import STATS_PREFIX
 from fedcli.engine.model import aggregate_stats, final_buffers, model_functions, with_precision
 from fedcli.engine.rounds import Timing, aggregate, plan_round, train_cohort
 from fedcli.engine.setup import Setup
-from tests.byo.test_stock_layers_engine import metrics, setup_folder
+from tests.byo.test_stock_layers_engine import metrics, reference_and_killed, setup_folder
 from tests.byo.test_user_model import fedcli, final_params, store
 
 MOMENTUM = 0.3  # not PyTorch's default 0.1: a test of the rule, not of a constant
@@ -380,23 +378,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_with_carried_stats(
         "1",
         "--no-mlflow",
     ]
-    reference = fedcli(tmp_path / "ref", *args, cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr
-    ref_id = store(tmp_path / "ref").list_runs()[0].id
-
-    root = tmp_path / "killed"
-    victim = fedcli(root, *args, cwd=tmp_path, popen=True)
-    deadline, run_id = time.monotonic() + 300, None
-    while run_id is None and time.monotonic() < deadline:
-        if (root / "fedcli.db").exists():
-            run_id = next(
-                (r.id for r in store(root).list_runs() if (store(root).last_round(r.id) or 0) >= 3), None
-            )
-        time.sleep(0.05)
-    assert run_id is not None
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=30)
-    assert (store(root).last_round(run_id) or 0) < 8
+    ref_id, root, run_id = reference_and_killed(tmp_path, args, rounds=8)
     checkpoints = sorted((root / "runs" / run_id / "checkpoints").glob("round-*.pt"))
     assert checkpoints
     saved = torch.load(checkpoints[-1], weights_only=True)["buffers"]
