@@ -10,8 +10,6 @@ as a user writes them: a GRU, a Conv1d + BatchNorm + Dropout CNN, a model whose 
 from __future__ import annotations
 
 import math
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from fedcli.datasets.stock_layers import StockLayers, needs_stock_layers
 from fedcli.datasets.user_model import check_model, vmap_obstacle
-from tests.byo.test_user_model import fedcli, final_params, store
+from tests.byo.test_user_model import fedcli, final_params, reference_and_killed, store
 
 MODELS = """
 import torch
@@ -145,25 +143,6 @@ def twice_on_loop_and_vmap(tmp_path: Path, data: Path, model_ref: str, seed: str
         assert all(torch.equal(p1[k], p2[k]) for k in p1), executor
     return runs
 
-
-def reference_and_killed(tmp_path: Path, args: list[str], rounds: int) -> tuple[str, Path, str]:
-    """Train `args` uninterrupted under tmp_path/ref, then again under tmp_path/killed, SIGKILLed once round 3
-    is logged (before round `rounds`): (the reference run's id, the killed run's root, its id)."""
-    reference = fedcli(tmp_path / "ref", *args, cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr
-    ref_id = store(tmp_path / "ref").list_runs()[0].id
-    root = tmp_path / "killed"
-    victim = fedcli(root, *args, cwd=tmp_path, popen=True)
-    deadline, run_id = time.monotonic() + 300, None
-    while run_id is None and time.monotonic() < deadline:
-        if (root / "fedcli.db").exists():
-            run_id = next((r.id for r in store(root).list_runs() if (store(root).last_round(r.id) or 0) >= 3), None)
-        time.sleep(0.05)
-    assert run_id is not None
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=30)
-    assert (store(root).last_round(run_id) or 0) < rounds
-    return ref_id, root, run_id
 
 
 

@@ -136,6 +136,26 @@ def final_params(root: Path, run_id: str) -> dict[str, torch.Tensor]:
     return torch.load(root / "runs" / run_id / "model.pt", weights_only=True)["params"]
 
 
+def reference_and_killed(tmp_path: Path, args: list[str], rounds: int) -> tuple[str, Path, str]:
+    """Train `args` uninterrupted under tmp_path/ref, then again under tmp_path/killed, SIGKILLed once round 3
+    is logged (before round `rounds`): (the reference run's id, the killed run's root, its id)."""
+    reference = fedcli(tmp_path / "ref", *args, cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    ref_id = store(tmp_path / "ref").list_runs()[0].id
+    root = tmp_path / "killed"
+    victim = fedcli(root, *args, cwd=tmp_path, popen=True)
+    deadline, run_id = time.monotonic() + 300, None
+    while run_id is None and time.monotonic() < deadline:
+        if (root / "fedcli.db").exists():
+            run_id = next((r.id for r in store(root).list_runs() if (store(root).last_round(r.id) or 0) >= 3), None)
+        time.sleep(0.05)
+    assert run_id is not None
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert (store(root).last_round(run_id) or 0) < rounds
+    return ref_id, root, run_id
+
+
 SMALL = ["--rounds", "2", "--clients-per-round", "3", "--no-mlflow"]
 
 
@@ -232,21 +252,7 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path: Path) -> None:
     write(tmp_path, "signalnet.py", HAR_NET)
     args = ["--data", str(data), "--model", "./signalnet.py:SignalCNN", "--algo", "scaffold", "--rounds", "20",
             "--clients-per-round", "3", "--checkpoint-every", "1", "--no-mlflow"]
-    reference = fedcli(tmp_path / "ref", *args, cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr
-    ref_id = store(tmp_path / "ref").list_runs()[0].id
-
-    root = tmp_path / "killed"
-    victim = fedcli(root, *args, cwd=tmp_path, popen=True)
-    deadline, run_id = time.monotonic() + 120, None
-    while run_id is None and time.monotonic() < deadline:
-        if (root / "fedcli.db").exists():
-            run_id = next((r.id for r in store(root).list_runs() if (store(root).last_round(r.id) or 0) >= 3), None)
-        time.sleep(0.05)
-    assert run_id is not None
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=30)
-    assert (store(root).last_round(run_id) or 0) < 20
+    ref_id, root, run_id = reference_and_killed(tmp_path, args, rounds=20)
 
     resumed = fedcli(root, "--resume", run_id[:8], "--model", f"{tmp_path / 'signalnet.py'}:SignalCNN", cwd="/")
     assert resumed.returncode == 0, resumed.stderr
