@@ -22,6 +22,10 @@ Deviations:
   Eq. 18; P_S undamped), which pulls coordinates with P_S << gamma to 0 (fola.md 11.5;
   server/low_precision_frac). lam = 1 (code grid value): explicit SGD on the prior needs
   lr lam c_r P_S < 2; the code's 100-1e4 suit its smaller batch-squared Fisher.
+  Guard (not in paper or code): the prior's curvature lam c_r P_S is capped per coordinate at
+  1 / lr (prior_stiffness), where one explicit step lands on mu_S instead of overshooting it.
+  Without it FedCurv and FOLA-offline diverged on lsq at seed 1 (non-finite at rounds 8 and 10,
+  issue 36's matrix). Below the cap the run is unchanged bit for bit.
   Eq. 15 averages per-sample squares over all of D_n at every step. Here fisher="per_sample"
   averages them over the step's minibatch (Batch.weight) and fisher_norm="mean" over the
   real steps, a stochastic Eq. 15. Code/Alg. 1: fisher="batch_sq" (square of the minibatch
@@ -221,6 +225,7 @@ def local_train(ctx: ClientContext, bc: Broadcast, spec: Spec, opt: OptimConfig)
     """Alg. 1 ClientUpdate: SGD on L_task + prior from mu_S, accumulating the online Fisher."""
     grad_and_loss = torch.func.grad_and_value(ctx.loss_fn)
     coef = spec.lam * prior_coefficient(spec, ctx.round_idx)
+    stiffness = prior_stiffness(bc.precision, coef, opt.client_lr)
     sgd = MaskedSGD(bc.mean, opt.client_lr, opt.client_momentum)
     fisher = tree_zeros_like(bc.mean)
     task_sum = prior_sum = torch.zeros_like(ctx.num_examples)
@@ -232,7 +237,7 @@ def local_train(ctx: ClientContext, bc: Broadcast, spec: Spec, opt: OptimConfig)
             inc = fisher_increment(ctx, params, batch, grads, spec.fisher)
             fisher = {k: fisher[k] + scale * inc[k] for k in fisher}
         diff = tree_sub(params, bc.mean)
-        prior_grads = {k: coef * bc.precision[k] * diff[k] for k in diff}
+        prior_grads = {k: stiffness[k] * diff[k] for k in diff}
         total = _clip(tree_add(grads, prior_grads), spec.clip_norm)
         sgd.step(total, mask)
         task_sum = task_sum + mask * loss.detach()
@@ -241,6 +246,15 @@ def local_train(ctx: ClientContext, bc: Broadcast, spec: Spec, opt: OptimConfig)
     if spec.fisher_norm == "mean":
         fisher = tree_scale(fisher, 1.0 / steps)
     return LocalFit(sgd.params, fisher, task_sum / steps, prior_sum / steps)
+
+
+def prior_stiffness(precision: Params, coef: float, lr: float) -> Params:
+    """The prior's per-coordinate curvature coef P_S, capped at 1 / lr (guard; Deviations): an explicit SGD step
+    on a stiffer coordinate would overshoot mu_S, and one of lr c > 2 diverges. Below the cap the value is
+    coef P_S exactly (the same floats as without the guard)."""
+    if lr <= 0:
+        return {k: coef * p for k, p in precision.items()}
+    return {k: torch.clamp(coef * p, max=1.0 / lr) for k, p in precision.items()}
 
 
 def client_precision(fisher: Params, prior: Params, round_idx: int, prior_form: str) -> Params:
