@@ -476,3 +476,21 @@ def test_posterior_is_the_eq9_gaussian_product() -> None:
     members = sample_posterior(post_mean, post_var, 3, torch.Generator().manual_seed(0))
     assert all(torch.isfinite(flatten(m)).all() for m in members)
     assert ALGORITHMS["fola"].posterior is fola.posterior and ALGORITHMS["fedcurv"].posterior is None
+
+
+def test_prior_stiffness_caps_the_prior_curvature_at_one_over_lr() -> None:
+    """Explicit SGD on lam/2 P (theta - mu)^2 multiplies theta - mu by 1 - lr lam P per step: it diverges
+    once lr lam P > 2. The guard caps lam P at 1 / lr, where a step lands on mu exactly. Below the cap
+    the curvature is lam P, the same floats."""
+    from fedcli.algorithms.fola import prior_stiffness
+
+    precision = {"w": torch.tensor([0.5, 10.0, 400.0])}
+    got = prior_stiffness(precision, coef=1.0, lr=0.01)["w"]
+    assert torch.equal(got[:2], 1.0 * precision["w"][:2]) and got[2].item() == pytest.approx(100.0)
+    mu, theta = torch.zeros(3), torch.ones(3)
+    for stiff, diverges in ((1.0 * precision["w"], True), (got, False)):
+        x = theta.clone()
+        for _ in range(20):
+            x = x - 0.01 * stiff * (x - mu)
+        assert (x.abs().max().item() > 1e3) is diverges
+    assert torch.equal(prior_stiffness(precision, coef=2.0, lr=0.0)["w"], 2.0 * precision["w"])
