@@ -10,6 +10,7 @@ as a user writes them: a GRU, a Conv1d + BatchNorm + Dropout CNN, a model whose 
 from __future__ import annotations
 
 import math
+import types
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,18 @@ def har(folder: Path, n: int = 240) -> Path:
 def setup_folder(folder: Path) -> Path:
     (folder / "stocknets.py").write_text(MODELS)
     return har(folder)
+
+def load_stocknets(folder: Path, name: str) -> types.ModuleType:
+    """The test's MODELS written into `folder` and imported under `name` (not on sys.path: no clash between tests)."""
+    import importlib.util
+
+    (folder / "stocknets.py").write_text(MODELS)
+    spec = importlib.util.spec_from_file_location(name, folder / "stocknets.py")
+    assert spec is not None and spec.loader is not None
+    nets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nets)
+    return nets
+
 
 
 def metrics(root: Path, run_id: str) -> dict[tuple[int, str], float]:
@@ -275,13 +288,7 @@ def test_model_check_runs_a_vmapped_cohort_step(tmp_path: Path) -> None:
     """The check vmaps one training step of a cohort (own data and key per client): the GRU, the
     BatchNorm + Dropout CNN and a transformer encoder pass; `.item()` in forward and packed
     sequences are found and recorded; BatchNorm's buffers are left as they were."""
-    import importlib.util
-
-    (tmp_path / "stocknets.py").write_text(MODELS)
-    spec = importlib.util.spec_from_file_location("stocknets_check", tmp_path / "stocknets.py")
-    assert spec is not None and spec.loader is not None
-    nets = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nets)
+    nets = load_stocknets(tmp_path, "stocknets_check")
     shape = [1, 32, 9]
     assert _check(nets.GRUNet(6, shape)) is None
     bn = nets.BNCNN(6, shape)
@@ -300,13 +307,7 @@ def test_model_check_carries_batchnorm_statistics_as_training_does(tmp_path: Pat
     training does; the check finds it (it passed the model before, and the run then failed in round
     1). A momentum=None BatchNorm (its factor set per step, as CarryingStats does) and --precision
     bf16 (autocast, BatchNorm's input in float32) pass; the buffers are left as they were."""
-    import importlib.util
-
-    (tmp_path / "stocknets.py").write_text(MODELS)
-    spec = importlib.util.spec_from_file_location("stocknets_carry", tmp_path / "stocknets.py")
-    assert spec is not None and spec.loader is not None
-    nets = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nets)
+    nets = load_stocknets(tmp_path, "stocknets_carry")
     shape = [1, 32, 9]
     warm = nets.WarmBN(6, shape)
     assert _check(warm, carry_stats=False) is None  # what the check ran before: no statistics carried
