@@ -245,7 +245,7 @@ def pg_dump(pg_server, database: str) -> str:  # noqa: ANN001
 
 SPEC = (
     "experiment: secret-search\n"
-    "base: {task: lsq, rounds: 10, clients_per_round: 3, local_epochs: 3, batch_size: 5, eval_every: 1}\n"
+    "base: {task: lsq, rounds: 16, clients_per_round: 3, local_epochs: 3, batch_size: 5, eval_every: 1}\n"
     "seeds: [0]\n"
     "search: {sampler: tpe, trials: 4, metric: loss, direction: min, seed: 0,\n"
     "         space: {client_lr: {log_uniform: [0.001, 0.05]}, server_opt: [sgd, adam]}}\n"
@@ -279,10 +279,12 @@ def test_a_search_sweep_on_postgresql_with_a_password_runs_resumes_and_writes_it
         first = watcher.start(
             "sweep", str(spec), "--store", raw, "--root", str(root), extra_env=extra, cwd=work
         )
-        deadline, live = time.monotonic() + 300, None
+        # One reader, opened once the schema exists, polled every 0.1 s: a fast machine trains a
+        # trial in about a second, and a reader opened per poll (an inspector round trip) missed it.
+        deadline, live, reader = time.monotonic() + 300, None, None
         while time.monotonic() < deadline and live is None and first.poll() is None:
-            time.sleep(0.5)
-            reader = SqlStore.reader(encoded)
+            time.sleep(0.1)
+            reader = reader or SqlStore.reader(encoded)
             if reader is None:
                 continue
             runs = reader.list_runs()
@@ -290,6 +292,7 @@ def test_a_search_sweep_on_postgresql_with_a_password_runs_resumes_and_writes_it
             live = next(
                 (r for r in runs if r.is_alive and (reader.last_round(r.id) or 0) >= 2 and done), None
             )
+        if reader is not None:
             reader.close()
         first.send_signal(signal.SIGKILL)
         out, err = first.communicate(timeout=60)
