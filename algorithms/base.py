@@ -194,11 +194,16 @@ class Advice(NamedTuple):
 
 
 class Degeneracy(NamedTuple):
-    """A configuration under which the algorithm computes another algorithm, or a key has no effect."""
+    """A configuration under which the algorithm computes another algorithm, or a key has no effect, or
+    (kind "shortfall") under which it is known to trail FedAvg."""
 
     code: str  # short id, recorded in the run's tag fedcli.degenerate ("fedpa:no-sampling-round")
     message: str  # one line: what the run computes instead, and the option that fixes it
     inert: tuple[str, ...] = ()  # config keys without effect here ("hp.rho"): a sweep over them repeats runs
+    # "degenerate": the run computes another algorithm or a key is inert (tag fedcli.degenerate);
+    # "shortfall": it acts as itself but is measured to trail FedAvg here, the message says by how much and
+    # why (tag fedcli.shortfall; docs/out-of-the-box.md, "Known shortfalls")
+    kind: str = "degenerate"
 
 
 class Algorithm(NamedTuple):
@@ -235,7 +240,8 @@ class Algorithm(NamedTuple):
     # key the user did not set and records it (tag fedcli.recommended); `fedcli list algos NAME` shows them.
     recommend: Callable[[RunFacts], Mapping[str, Advice]] | None = None
     # (hp, opt, RunFacts) -> [Degeneracy]: configurations that make the algorithm another one or a
-    # hyperparameter inert; `train` and `sweep` warn, the run records them (tag fedcli.degenerate).
+    # hyperparameter inert, or (kind "shortfall") where it is measured to trail FedAvg; `train` and `sweep`
+    # warn before the run starts, the run records them (tags fedcli.degenerate, fedcli.shortfall).
     degenerate: Callable[[Any, OptimConfig, RunFacts], list[Degeneracy]] | None = None
     # what to expect with the defaults where it differs from FedAvg's (trails it, equals another algorithm),
     # and why; `fedcli list algos NAME` prints it (docs/out-of-the-box.md)

@@ -38,6 +38,7 @@ from fedcli.algorithms.base import (
     Algorithm,
     ClientContext,
     ClientOut,
+    Degeneracy,
     Diagnostics,
     OptimConfig,
     Params,
@@ -116,11 +117,38 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
     that mean and the gradients vanish (docs/out-of-the-box.md). E = 10 local epochs: every released FedLap
     config (cifar10_acar, mnist_heterog, cifar100_resnet20). With E = 1 the server step w_g = the cohort's
     unweighted mean of barely-moved clients trails FedAvg's example-weighted mean (issue 36: synthetic-iid
-    40.3 vs 46.9 %, vehicle 82.8 vs 86.9 % at 25 rounds)."""
+    40.3 vs 46.9 %, vehicle 82.8 vs 86.9 % at 25 rounds). Except E = 1 on the shifted synthetic sets, whose
+    lr suits one epoch (SHORTFALLS: 10 epochs drift the clients there)."""
     return {"hp.damping": Advice(1.0 / run.clients_per_round, f"1/C for the C = {run.clients_per_round} clients "
                                  "of a round: the released config's 1/K (K = 100 clients, full participation)"),
-            "train.local_epochs": Advice(10, "every released FedLap config (cifar10_acar, mnist_heterog, "
-                                         "cifar100_resnet20) trains 10 local epochs")}
+            "train.local_epochs": Advice(1, f"{run.task}'s client lr 0.1 suits one epoch: at the released "
+                                         "configs' 10 it trails FedAvg by 6-8 points, at 1 it meets it (issue 36)")
+            if run.task in SHORTFALLS else
+            Advice(10, "every released FedLap config (cifar10_acar, mnist_heterog, cifar100_resnet20) trains 10 "
+                   "local epochs")}
+
+
+# Known shortfalls at the released configs' E = 10, which `recommend` therefore lowers to 1 on these tasks
+# (docs/out-of-the-box.md, "Known shortfalls"): eval accuracy at
+# 25 rounds, seeds 0 / 1 (%). The shifted FedProx sets' client lr 0.1 was tuned for one epoch of FedAvg; ten
+# epochs at that lr drift every client toward its own labels, FedAvg's included.
+SHORTFALLS = {
+    "synthetic-0.5-0.5": "68.7 / 61.7 vs FedAvg 73.7 / 68.8; FedAvg at 10 epochs 67.2 / 53.2; fedlap at 1 "
+                         "epoch 76.6 / 67.6",
+    "synthetic-1-1": "65.8 / 66.2 vs FedAvg 74.8 / 72.1; FedAvg at 10 epochs 64.0 / 58.7; fedlap at 1 epoch "
+                     "77.4 / 74.9",
+}
+
+
+def degenerate(hp: FedLapConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
+    """A known shortfall (kind "shortfall"), not a degeneracy: 10 local epochs (--local-epochs 10, as the
+    released configs) on the shifted synthetic sets, whose lr suits one epoch (SHORTFALLS)."""
+    measured = SHORTFALLS.get(run.task)
+    if measured is None or opt.local_epochs != 10:
+        return []
+    return [Degeneracy("fedlap:local-drift", f"10 local epochs at {run.task}'s client lr {opt.client_lr:g} (tuned for "
+                       f"one epoch) drift the clients ({measured} %, 25 rounds, seeds 0 / 1); use --local-epochs 1.",
+                       kind="shortfall")]
 
 
 ALGORITHM = Algorithm(
@@ -135,7 +163,11 @@ ALGORITHM = Algorithm(
     init_client_state=fedadmm.init_client_state,
     download_nbytes=download_nbytes,
     recommend=recommend,
+    degenerate=degenerate,
     caveats="A round costs about 10 FedAvg rounds: unless --local-epochs is set it trains the released configs' 10 "
-            "local epochs (with 1 it trails FedAvg: synthetic-iid 40.3 vs 46.9 %, vehicle 82.8 vs 86.9 % at 25 rounds).",
+            "local epochs (with 1 it trailed FedAvg at the old client lr 0.01: synthetic-iid 40.3 vs 46.9 %, vehicle "
+            "82.8 vs 86.9 % at 25 rounds). On synthetic-0.5-0.5 and synthetic-1-1, whose lr 0.1 suits one epoch, "
+            "10 epochs drift the clients and it trails FedAvg by 6-8 points: there it recommends 1 epoch, which "
+            "meets FedAvg, and warns when 10 are set.",
     description="FedLap: isotropic-Gaussian PVI with a Laplace (delta) approximation, squared prox.",
 )

@@ -29,8 +29,10 @@ from fedcli.algorithms.base import (
     Algorithm,
     ClientContext,
     ClientOut,
+    Degeneracy,
     OptimConfig,
     Params,
+    RunFacts,
     tree_scale,
     tree_zeros_like,
 )
@@ -67,6 +69,34 @@ def client_update(ctx: ClientContext, bc: fola.Broadcast, client_state: None, hp
     return fola.make_out(fit, fit.fisher, spec)
 
 
+# The tasks where the 25-round, two-seed matrix (docs/out-of-the-box.md, "Known shortfalls") measured
+# fola-offline below FedAvg - 3 points at the defaults: eval accuracy, fola-offline vs fedcurv vs FedAvg (%).
+# fedcurv runs the same offline Fisher and prior with FedAvg's mean, so the gap is the product mean's.
+SHORTFALLS = {
+    "femnist": "40.3 vs fedcurv 47.5, FedAvg 47.5",
+    "synthetic-0-0": "73.3 vs fedcurv 76.2, FedAvg 76.4",
+    "synthetic-0.5-0.5": "58.9 vs fedcurv 68.9, FedAvg 71.3",
+    "synthetic-1-1": "54.6 vs fedcurv 74.0, FedAvg 74.3",
+}
+
+
+def degenerate(hp: FOLAOfflineConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
+    """A known shortfall (not a degeneracy): the paper's own finding for this ablation (Sec. 4.3, Fig. 3:
+    the offline curves "vary dramatically"). The Fisher at the local optimum theta* is small on the
+    coordinates a client fits well (its per-example gradients vanish there) and large where it fits
+    badly, so the product mean sum a_n P_n mu_n / P_S leans on the clients that fit a coordinate worst;
+    on heterogeneous tasks that costs accuracy. Measured where SHORTFALLS says; elsewhere (mnist, har,
+    vehicle, synthetic-iid) it met FedAvg."""
+    measured = SHORTFALLS.get(run.task)
+    if measured is None:
+        return []
+    return [Degeneracy("fola-offline:offline-product", f"the paper's offline-Laplace ablation (Sec. 4.3, Fig. 3): "
+                       "its product mean weights each client by the Fisher at its local optimum, small where the "
+                       f"client fits well, which on {run.task} cost accuracy at 25 rounds ({measured} %); run "
+                       "fola (online Fisher) for the method, fedcurv for the offline Fisher with FedAvg's mean.",
+                       kind="shortfall")]
+
+
 ALGORITHM = Algorithm(
     name="fola-offline",
     paper="Liu, Zheng. arXiv:2102.01936 (2021), offline-Laplace baseline (Fig. 3; code cnn_offline.py)",
@@ -79,5 +109,9 @@ ALGORITHM = Algorithm(
     round_key=fola.prior_round,
     check_model=lambda model, hp, vmap_obstacle: fola.per_sample_obstacle(model, hp, vmap_obstacle, name="fola-offline"),
     posterior=fola.posterior,
+    degenerate=degenerate,
+    caveats=("The paper's offline-Laplace ablation: on heterogeneous tasks its product mean, weighted by the Fisher "
+             "at each client's local optimum, trails FedAvg (FEMNIST 40.3 vs 47.5 %, synthetic-1-1 54.6 vs 74.3 % "
+             "at 25 rounds); a warning says so before such a run starts."),
     description="FOLA with the Fisher taken once at the end of local training (no online accumulation).",
 )

@@ -71,7 +71,7 @@ __all__ = [  # the names other modules import from fedcli.config (those of confi
     "given_url", "make_hyperparameters", "parse_assignments", "parse_value", "read_yaml",
     "require_max_clients_support", "require_store", "resolve_recommended", "resume_config", "run_tags",
     "same_run_config", "store_file", "suggest", "validate", "validate_partition", "validate_tracking",
-    "warn_degenerate",
+    "shortfalls", "warn_degenerate",
 ]
 
 
@@ -136,6 +136,17 @@ def resolve_recommended(algo_name: str, merged: dict[str, dict[str, Any]], hp_va
 
 def degeneracies(cfg: RunConfig) -> list[Any]:
     """The `Degeneracy` records of a validated config: where the algorithm is another one or a key is inert."""
+    return [d for d in _flagged(cfg) if d.kind != "shortfall"]
+
+
+def shortfalls(cfg: RunConfig) -> list[Any]:
+    """The `Degeneracy` records of kind "shortfall": the algorithm acts as itself but is measured to trail
+    FedAvg under this config (docs/out-of-the-box.md, "Known shortfalls")."""
+    return [d for d in _flagged(cfg) if d.kind == "shortfall"]
+
+
+def _flagged(cfg: RunConfig) -> list[Any]:
+    """Every record the algorithm's `degenerate` hook returns for a validated config."""
     from fedcli.algorithms import ALGORITHMS
     from fedcli.datasets.registry import TASKS
 
@@ -153,14 +164,15 @@ def degeneracies(cfg: RunConfig) -> list[Any]:
 def run_tags(cfg: RunConfig) -> dict[str, str]:
     """The tags a run records about its settings: fedcli.recommended and fedcli.degenerate (when any).
 
-    fedcli.degenerate holds `code: message` per degeneracy, joined by " | "; `fedcli report` footnotes it.
+    fedcli.degenerate holds `code: message` per degeneracy, joined by " | "; `fedcli report` footnotes it;
+    fedcli.shortfall the same for the known shortfalls.
     """
     tags = {}
     if cfg.recommended:
         tags["fedcli.recommended"] = "; ".join(f"{k}={v.split(':', 1)[0]}" for k, v in sorted(cfg.recommended.items()))
-    found = degeneracies(cfg)
-    if found:
-        tags["fedcli.degenerate"] = " | ".join(f"{d.code}: {d.message}" for d in found)[:4000]
+    for tag, found in (("fedcli.degenerate", degeneracies(cfg)), ("fedcli.shortfall", shortfalls(cfg))):
+        if found:
+            tags[tag] = " | ".join(f"{d.code}: {d.message}" for d in found)[:4000]
     return tags
 
 
@@ -179,6 +191,8 @@ def warn_degenerate(cfgs: Sequence[RunConfig], swept: Sequence[str] = ()) -> lis
     inert: dict[str, list[str]] = {}
     optimiser_keys = {k for keys in SERVER_OPT_KEYS.values() for k in keys}
     for cfg in cfgs:
+        for d in shortfalls(cfg):
+            lines[f"{cfg.algorithm.name} is known to trail FedAvg here: {d.message}"] = None
         for d in degeneracies(cfg):
             lines[f"{cfg.algorithm.name} is degenerate here: {d.message}"] = None
             for key in d.inert:

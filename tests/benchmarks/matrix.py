@@ -18,8 +18,9 @@ Targets, checked in `verdict` (the learns / acts-as-itself checks): a run learns
 >= 2x the majority rate, or halfway from it to 100 % where lower; multi-label: macro-F1 above the trivial predictor's; distance tasks: below
 the initial model's distance), is at most 3 points below FedAvg (percent metrics) and differs from
 FedAvg's run of the same seed (its loss curve); an exception passes only with a reason: the
-algorithm's `caveats` (`fedcli list algos NAME`) or a degenerate configuration recorded with the
-run (tag fedcli.degenerate). A task whose data is not on this machine (har, vehicle: `--download`)
+algorithm's `caveats` (`fedcli list algos NAME`), a degenerate configuration recorded with the
+run (tag fedcli.degenerate) or a known shortfall warned before the run and recorded with it (tag
+fedcli.shortfall). A task whose data is not on this machine (har, vehicle: `--download`)
 or whose runs are unaffordable here (shakespeare, `UNAFFORDABLE`) is listed with the reason and
 not run. `tests/algorithms/test_out_of_the_box.py` runs the same checks for a few rounds in `make
 test`. Accuracy is not timing-sensitive: run it on a loaded machine if need be.
@@ -265,7 +266,8 @@ def verdict(cell: Cell, fedavg: Cell | None, base: float | None, kind: str, cave
             misses.append("= fedavg")
     if not misses:
         return ""
-    reason = "degenerate (tag)" if cell.tags.get("fedcli.degenerate") else "caveat" if caveat else "UNEXPLAINED"
+    reason = ("degenerate (tag)" if cell.tags.get("fedcli.degenerate") else
+              "warned (tag)" if cell.tags.get("fedcli.shortfall") else "caveat" if caveat else "UNEXPLAINED")
     return f"{'; '.join(misses)} [{reason}]"
 
 
@@ -380,8 +382,9 @@ def render(results: dict[str, dict[str, Cell]], rounds: int, command: str, seeds
             ref = fedavg.value if fedavg is not None else None
             diff = "—" if algo == "fedavg" or cell.value is None or ref is None else (
                 f"{cell.value - ref:+.3f}" if md_lower(kind) else f"{100 * (cell.value - ref):+.1f}")
-            recorded = "; ".join(f"degenerate {v.split(': ', 1)[0]}"
-                                 for v in (cell.tags.get("fedcli.degenerate") or "").split(" | ") if v)
+            recorded = "; ".join(f"{what} {v.split(': ', 1)[0]}" for what, tag in (("degenerate", "fedcli.degenerate"),
+                                                                               ("shortfall", "fedcli.shortfall"))
+                                 for v in (cell.tags.get(tag) or "").split(" | ") if v)
             own = [k for k in recommended_items(cell) if not k.startswith("partition.")]
             if own:
                 recorded = "; ".join(x for x in (recorded, f"recommended {'; '.join(own)}") if x)

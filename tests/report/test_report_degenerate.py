@@ -85,6 +85,19 @@ def test_groups_with_identical_curves_are_named_in_a_note(store: SqlStore) -> No
         in markdown
 
 
+def test_runs_with_a_known_shortfall_are_footnoted_with_its_message(store: SqlStore) -> None:
+    """fola-offline on synthetic-1-1 warns before the run that it trails FedAvg there (tag fedcli.shortfall):
+    the report footnotes its group with the message; FedAvg's group gets no such note."""
+    message = "fola-offline:offline-product: the paper's offline-Laplace ablation trails FedAvg here"
+    for seed in (0, 1):
+        _add(store, "fedavg", seed, [0.1, 0.7])
+        _add(store, "fola-offline", seed, [0.1, 0.5], tags={"fedcli.shortfall": message})
+    markdown = render_markdown(build_report(store, ReportSpec(window=1, smooth=1)))
+    assert (f"Group **fola-offline**: 2 of 2 run(s) ran where the algorithm is known to trail FedAvg "
+            f"(tag fedcli.shortfall): {message}") in markdown
+    assert "Group **fedavg**: " not in markdown
+
+
 def test_recommended_settings_are_marked_in_the_configuration_table(store: SqlStore) -> None:
     """fedpa took local_epochs = 5 from its recommendation (tag fedcli.recommended), fedavg ran the default
     1: the configuration table shows both values, marks fedpa's as recommended and says the groups ran at
