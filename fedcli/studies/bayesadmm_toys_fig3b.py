@@ -72,7 +72,8 @@ def run_ridge_bayes(problem: Ridge, rounds: int, init_precision: float) -> list[
     init_precision = delta is Prop. 3.2's start (the prior); 1.0 is the released toy's S_init = I.
     """
     k, dim = len(problem.clients), problem.x.shape[1] * 10
-    hp = bayesadmm_full.BayesADMMFullConfig(rho=1 / k, dual_damping=1.0, delta=problem.delta, tau=1.0, max_params=dim)
+    hp = bayesadmm_full.BayesADMMFullConfig(rho=1 / k, dual_damping=1.0, delta=problem.delta, tau=1.0, max_params=dim,
+                                            step_size=1.0)  # a Newton step: the exact client solve
     params = {"w": torch.zeros(10, problem.x.shape[1], dtype=F64)}
     start = bayesadmm_full.server_init(params, hp, OPT)
     state = bayesadmm_full.ServerState(mean=start.mean, precision=init_precision * torch.eye(dim, dtype=F64),

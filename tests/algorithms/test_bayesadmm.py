@@ -370,7 +370,7 @@ def test_bayesadmm_full_is_exact_after_one_round_prop_3_2() -> None:
     exact Bayesian posterior (mean and covariance). VON with step 1 and the delta method (exact Hessian) is
     a Newton step, exact on quadratics; delta = 3, tau = 0.5."""
     clients, delta, tau = linear_clients(seed=11), 3.0, 0.5
-    hp = FULL.config_cls(rho=1 / 3, dual_damping=1.0, delta=delta, tau=tau)
+    hp = FULL.config_cls(rho=1 / 3, dual_damping=1.0, delta=delta, tau=tau, step_size=1.0)
     state = run(FULL, hp, OptimConfig(), clients, squared_loss, rounds=1, steps=2)
     b, a = (sum(x) for x in zip(*full_stats(clients), strict=True))
     prec = delta * torch.eye(3, dtype=F64) + a / tau
@@ -386,7 +386,7 @@ def test_bayesadmm_full_matches_the_exact_client_recursion_and_converges() -> No
     """With rho = 0.7, gamma = 0.42 (damping 0.6) it is not one-step, but follows `natural_recursion`
     (matrices) for 3 rounds, whose fixed point is the exact posterior (checked at round 100 of the recursion)."""
     clients, delta, tau = linear_clients(seed=12), 1.0, 2.0
-    hp = FULL.config_cls(rho=0.7, dual_damping=0.6, delta=delta, tau=tau)
+    hp = FULL.config_cls(rho=0.7, dual_damping=0.6, delta=delta, tau=tau, step_size=1.0)
     state = run(FULL, hp, OptimConfig(), clients, squared_loss, rounds=3, steps=2)
     mean, prec = natural_recursion(full_stats(clients), delta, tau, 0.7, 0.42, 3, 3, full=True)
     torch.testing.assert_close(state.precision, prec, rtol=1e-11, atol=1e-11)
@@ -564,7 +564,7 @@ def test_bayesadmm_full_rejects_non_finite_von_steps_and_the_server_names_the_fi
     """Issue 36: a VON step whose Hessian is not finite made the batched LU raise "Pivots given to lu_solve
     must all be greater or equal to 1" mid-round. Now the step is rejected (m, S stay at q_bar, so the
     duals do not move) and the server raises one line naming hp.step_size."""
-    hp = FULL.config_cls()  # rho = 0.2, delta = 25, step_size = 1 (a Newton step)
+    hp = FULL.config_cls(step_size=1.0)  # rho = 0.2, delta = 25, a Newton step (recommended on regression)
     x, y, bc, client = _broken_client(nan=True)
     out = FULL.client_update(make_ctx(x, y, squared_loss, 4), bc, client, hp, OptimConfig())
     assert float(out.upload["rejected"]) == 4.0 and float(out.upload["steps"]) == 4.0
@@ -582,7 +582,7 @@ def test_bayesadmm_full_shortens_a_step_whose_precision_target_is_indefinite() -
     """V_k = 100 I makes VON's target T = lam (H - V_k tau/N_k) + S_bar = lam H - V_k/rho + S_bar negative
     definite (lam H <= 5 N_k, V_k/rho = 500): the Newton step (b = 1) would give S = T. The step is
     shortened to b = 1 / (2 (1 - mu)), mu = min eig(S_bar^-1 T), so S_1 = S_bar + b (T - S_bar) >= S_bar / 2."""
-    hp = FULL.config_cls()
+    hp = FULL.config_cls(step_size=1.0)
     x, y, bc, client = _broken_client(nan=False)
     n = float(len(y))
     lam = n / (hp.rho * hp.tau)
@@ -632,9 +632,23 @@ def test_bayesadmm_full_recommends_a_full_rank_batch_unless_given() -> None:
     assert (mine.train.batch_size, dict(mine.recommended)) == (20, {})
 
 
+def test_bayesadmm_full_takes_newton_steps_on_regression_and_the_codes_step_elsewhere() -> None:
+    """Default b = 0.2 (main_onestep.py's lr 1 = tau rho); on a regression task (squared loss) `recommend` sets
+    b = 1, the Newton step that solves the client exactly (Prop. 3.2); a step the user sets is kept."""
+    from fedcli.config import build_config
+
+    assert bayesadmm_full.BayesADMMFullConfig().step_size == 0.2
+    for task, step in (("lsq", 1.0), ("synthetic-1-1", 0.2), ("vehicle", 0.2)):
+        cfg = build_config(overrides={"algorithm.name": "bayesadmm-full", "data.task": task})
+        assert cfg.algorithm.hp.get("step_size", 0.2) == step, task
+        assert ("hp.step_size" in cfg.recommended) == (step == 1.0), task
+    mine = build_config(overrides={"algorithm.name": "bayesadmm-full", "data.task": "lsq"}, hp={"step_size": 0.5})
+    assert mine.algorithm.hp["step_size"] == 0.5 and "hp.step_size" not in mine.recommended
+
+
 def test_bayesadmm_full_counts_no_rejection_on_a_convex_client() -> None:
     """A positive-definite Newton step is taken: nothing is rejected and the server raises nothing."""
-    hp = FULL.config_cls()
+    hp = FULL.config_cls(step_size=1.0)
     x, y = linear_clients(dim=2)[0]
     state = FULL.server_init({"w": torch.zeros(2, dtype=F64)}, hp, OptimConfig())
     out = FULL.client_update(make_ctx(x, y, squared_loss, 3), FULL.broadcast(state, hp),
@@ -771,7 +785,7 @@ def toy_fig3b(rounds: int = 10) -> dict[str, list[float]]:
     params = {"w": torch.zeros(10, 49, dtype=F64)}
     out = {}
     full_curve: list[float] = []
-    hp = FULL.config_cls(rho=0.2, dual_damping=1.0, delta=delta, tau=1.0)
+    hp = FULL.config_cls(rho=0.2, dual_damping=1.0, delta=delta, tau=1.0, step_size=1.0)
     state = FULL.server_init(params, hp, OptimConfig())
     states = [FULL.init_client_state(params, hp) for _ in clients]
     for r in range(1, rounds + 1):
