@@ -32,6 +32,7 @@ from fedcli.engine.backends import (
     process,
 )
 from fedcli.engine.backends.inprocess import IN_PROCESS
+from fedcli.engine.footprint import vmap_too_big
 from fedcli.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,14 +55,17 @@ def in_process(w: Workload) -> tuple[str, str]:
 
     A model whose training step vmap cannot run (your own model: the model check ran one vmapped
     step of a cohort on a real batch when it was built, datasets/user_model.py) runs on the loop,
-    with the reason found, before anything is written."""
+    with the reason found, before anything is written. Where vmap would be chosen on a CPU but the
+    cohort's estimated step (w.client_bytes x the cohort, engine/footprint.py) exceeds
+    VMAP_CPU_BUDGET, the loop runs it, one client at a time, and the reason says so."""
     obstacle = vmap_obstacle(w.model)
     if obstacle is not None and IN_PROCESS["fused"].refuses(w) is not None:
         return "loop", f"the model cannot run under vmap: {obstacle}"
     for name, info in IN_PROCESS.items():
         why = None if info.refuses(w) is not None or info.prefers is None else info.prefers(w)
         if why is not None:
-            return name, why
+            too_big = vmap_too_big(w.client_bytes, w.clients_per_round, w.device) if name == "vmap" else None
+            return ("loop", too_big) if too_big is not None else (name, why)
     raise AssertionError("vmap or loop takes every workload")  # loop refuses nothing, vmap prefers every other
 
 

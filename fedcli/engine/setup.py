@@ -33,6 +33,7 @@ from fedcli.engine import select
 from fedcli.engine.backends import BackendSetup, CohortBackend, Workload
 from fedcli.engine.cohort import RoundPlan
 from fedcli.engine.distributed import placement
+from fedcli.engine.footprint import client_step_bytes
 from fedcli.engine.machine import available_cores
 from fedcli.engine.model import ModelFunctions, build_user_model, model_functions, with_precision
 from fedcli.engine.seeding import Stream, derive_seed
@@ -162,9 +163,11 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
         fns = replace(fns, augment=augmentation.augmenter(transforms))
     t = cfg.train
     workers = min(t.workers or available_cores(), t.clients_per_round)  # the process back end's processes
+    estimate = t.executor in ("auto", "process") and device.type == "cpu" and not (t.compile or t.graph)
     workload = Workload(alg=alg, task=task, model=model, device=device, precision=t.precision,
                         clients_per_round=t.clients_per_round, compile=t.compile, graph=t.graph,
-                        augment=transforms.random, slots=workers)
+                        augment=transforms.random, slots=workers,
+                        client_bytes=client_step_bytes(fns, init_params, t.batch_size) if estimate else 0)
     choice = select.choose(workload, t.executor, launched=peers is not None)
     if fed.store == "disk" and choice.backend not in DISK_EXECUTORS and t.executor == "auto" and not t.compile \
             and not t.graph:  # auto spread the loop over worker processes: the disk store's cohorts stay in-process

@@ -73,6 +73,7 @@ class Workload:
     graph: bool  # train.graph
     augment: bool = False  # data.augment crops / flips training batches (engine/cohort.py make_context)
     slots: int = 1  # processes the process back end would run: min(train.workers or the usable cores, the cohort)
+    client_bytes: int = 0  # one client's training step under vmap, estimated (engine/footprint.py); 0: not estimated
 
     @property
     def has_conv(self) -> bool:
