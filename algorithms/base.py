@@ -79,6 +79,22 @@ class ClientOut(NamedTuple):
     metrics: dict[str, Tensor]  # scalar local metrics, e.g. {"train_loss": ...}
 
 
+@dataclass
+class UploadSums:
+    """server_update's `outs.upload` where the engine reduced the cohort's uploads a group at a time
+    (Algorithm.upload_sums; engine/cohort.py stream_cohort): no [C, ...] upload is ever held.
+
+    `sums` is the sum over the groups of upload_sums(group) over the clients kept (finite uploads),
+    `count` how many were kept, `finite` (numpy bool [C]) which cohort rows were, `nbytes` the bytes
+    uploaded by all C clients (comm/bytes_up). A plain class, not a pytree: take_rows leaves it alone.
+    """
+
+    sums: Any
+    count: int
+    finite: Any
+    nbytes: float
+
+
 class ServerOptState(NamedTuple):
     """Server optimiser moments (zeros-shaped dicts when unused)."""
 
@@ -252,6 +268,12 @@ class Algorithm(NamedTuple):
     # "Every algorithm on your model"); vmap_obstacle: why the model cannot run under torch.func.vmap, as the
     # engine's model check found (None: it can). None: every model the back end runs.
     check_model: Callable[[torch.nn.Module, Any, str | None], str | None] | None = None
+    # (upload[G], broadcast, hp) -> a pytree of tensors without the client axis whose sum over groups of
+    # clients is what server_update reads of the cohort's uploads (BayesADMM: Sum s_k, Sum s_k m_k, the dual
+    # increments' sums). Set, rounds the engine streams (engine/rounds.py stream_group) reduce each group's
+    # uploads as it ends and pass server_update an UploadSums instead of the stacked [C, ...] uploads, so
+    # they hold O(group) of uploads; server_update must take both (docs/architecture.md, "Back ends").
+    upload_sums: Callable[..., Any] | None = None
 
 
 def hyperparameter_defaults(config_cls: type) -> dict[str, object]:

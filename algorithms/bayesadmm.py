@@ -59,6 +59,7 @@ from fedcli.algorithms.base import (
     OptimConfig,
     Params,
     RunFacts,
+    UploadSums,
     require,
     tree_nbytes,
     tree_norm,
@@ -239,23 +240,51 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
     return ClientOut(upload=upload, state=state, metrics=metrics)
 
 
+def upload_sums(upload: dict[str, Params | Tensor], bc: Broadcast, hp: BayesADMMConfig) -> dict[str, Params | Tensor]:
+    """Algorithm.upload_sums: what server_update reads of a group's uploads [G, ...], summed over the group:
+    Sum s_k, Sum s_k m_k, the dual increments' sums (increment_sums) and Sum first_visit.
+
+    One [G, ...] temporary at a time; summed over the groups of a cohort it equals the whole cohort's up to
+    float rounding (summation order): the engine then never holds the cohort's [C, P] uploads (issue 32).
+    """
+    m, s = upload["mean"], upload["precision"]
+    assert isinstance(m, dict) and isinstance(s, dict)
+    dv, du = increment_sums(m, s, bc.mean, bc.precision, hp.dual_damping * hp.rho, hp.dual_coordinates)
+    out: dict[str, Params | Tensor] = {"precision": {k: s[k].sum(0) for k in m},
+                                       "weighted_mean": {k: (s[k] * m[k]).sum(0) for k in m}, "dv": dv, "du": du}
+    if "first_visit" in upload:
+        visits = upload["first_visit"]
+        assert isinstance(visits, Tensor)
+        out["first_visit"] = visits.sum()
+    return out
+
+
 def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: BayesADMMConfig,
                   opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
-    """Alg. 1 lines 9-11 in natural parameters, unweighted over clients; then the precision guard."""
-    m, s = outs.upload["mean"], outs.upload["precision"]  # [C, ...]
-    num = next(iter(m.values())).shape[0]
+    """Alg. 1 lines 9-11 in natural parameters, unweighted over clients; then the precision guard.
+
+    outs.upload: the cohort's stacked uploads [C, ...], or an UploadSums the engine summed a group at a time
+    (upload_sums). From stacked uploads the result is bit for bit the earlier `.mean(0)` form (CPU: a mean is
+    the sum divided by C).
+    """
+    if isinstance(outs.upload, UploadSums):
+        sums, num = outs.upload.sums, outs.upload.count
+    else:
+        sums = upload_sums(outs.upload, broadcast(state, hp), hp)
+        num = next(iter(outs.upload["mean"].values())).shape[0]
+    m = sums["weighted_mean"]  # only its keys below
     alpha = hp.server_alpha or 1.0 / (1.0 + hp.rho * num)
-    dv, du = increment_sums(m, s, state.mean, state.precision, hp.dual_damping * hp.rho, hp.dual_coordinates)
+    dv, du = sums["dv"], sums["du"]
     v_sum = {k: state.v_sum[k] + dv[k] for k in m}
     u_sum = {k: state.u_sum[k] + du[k] for k in m}
     seen, share = state.clients_seen, 1.0
     if hp.dual_scope == "cohort":  # the server step runs outside vmap: a host number is fine
-        seen = seen + float(outs.upload["first_visit"].sum())
+        seen = seen + float(sums["first_visit"])
         share = num / max(seen, 1.0)
-    raw = {k: (1 - alpha) * s[k].mean(0) + alpha * (hp.delta + share * u_sum[k]) for k in m}
+    raw = {k: (1 - alpha) * (sums["precision"][k] / num) + alpha * (hp.delta + share * u_sum[k]) for k in m}
     floor = hp.precision_floor * hp.delta
     precision = {k: p.clamp_min(floor) for k, p in raw.items()}
-    mean = {k: ((1 - alpha) * (s[k] * m[k]).mean(0) + alpha * share * v_sum[k]) / precision[k] for k in m}
+    mean = {k: ((1 - alpha) * (sums["weighted_mean"][k] / num) + alpha * share * v_sum[k]) / precision[k] for k in m}
     total = sum(p.numel() for p in raw.values())
     diagnostics = {
         "bayesadmm/min_precision": torch.stack([p.min() for p in raw.values()]).min(),
@@ -292,6 +321,7 @@ ALGORITHM = Algorithm(
     broadcast=broadcast,
     client_update=client_update,
     server_update=server_update,
+    upload_sums=upload_sums,
     global_params=global_params,
     init_client_state=init_client_state,
     noise_shapes=noise_shapes,

@@ -25,7 +25,15 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from fedcli.algorithms.base import Algorithm, Batch, ClientContext, ClientOut, OptimConfig
+from fedcli.algorithms.base import (
+    Algorithm,
+    Batch,
+    ClientContext,
+    ClientOut,
+    OptimConfig,
+    UploadSums,
+    tree_nbytes,
+)
 from fedcli.datasets.federated import CohortPlan
 from fedcli.engine.local import CarryingStats, Trainer, eager_train_local, run_client
 from fedcli.engine.model import ModelFunctions
@@ -313,7 +321,7 @@ def take_rows(tree: Any, rows: Tensor) -> Any:
 
 def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_size: int,
                   noise_of: Callable[[np.ndarray], dict[str, Tensor]], states_of: Callable[[np.ndarray], Any],
-                  spill_dir: Path | None = None) -> ClientOut:
+                  spill_dir: Path | None = None, reduce: Callable[[Any], Any] | None = None) -> ClientOut:
     """The cohort's local training in groups of `group_size` similar-length clients (longest first:
     in_chunks' groups), each group's noise and client states made only when it runs.
 
@@ -324,6 +332,11 @@ def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_s
     states are written to an unlinked file there (SpilledStates) instead of RAM. Results equal
     in_chunks' (the same groups, inputs and per-group back-end calls), and the loop's
     whatever the groups. Bounds a round's memory to one group's inputs plus the cohort's uploads.
+
+    With `reduce` (the algorithm's upload_sums on this round's broadcast) each group's uploads are
+    summed as the group ends, its non-finite clients left out (finite_rows, as aggregate does), and
+    the upload returned is an UploadSums: O(group) of uploads instead of O(cohort). Sums over groups
+    differ from one sum over the cohort by float rounding only (summation order).
     """
     inputs = job.inputs
     plan = inputs.plan
@@ -331,6 +344,8 @@ def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_s
     order = np.argsort(-plan.steps_per_client, kind="stable")
     merged: list[Tensor | None] | None = None
     spec: Any = None
+    sums: Any = None
+    finite, nbytes = np.ones(num_clients, dtype=bool), 0.0
     states: SpilledStates | list[tuple[np.ndarray, Any]] = [] if spill_dir is None else SpilledStates(spill_dir)
     for start in range(0, num_clients, group_size):
         rows = order[start : start + group_size]
@@ -342,6 +357,15 @@ def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_s
         del noise
         out = run(replace(job, inputs=sub, chunk_size=None))
         del sub
+        if reduce is not None:
+            keep = finite_rows(out.upload, len(rows))
+            finite[rows] = keep
+            nbytes += float(job.alg.upload_nbytes(out.upload) if job.alg.upload_nbytes else tree_nbytes(out.upload))
+            if keep.any():
+                part = reduce(out.upload if keep.all() else take_rows(out.upload, torch.from_numpy(np.flatnonzero(keep))))
+                sums = part if sums is None else pytree.tree_map(torch.add, sums, part)
+                del part
+            out = out._replace(upload={})
         leaves, spec = pytree.tree_flatten((out.upload, out.metrics))
         if merged is None:
             merged = [None if leaf is None else torch.empty((num_clients, *leaf.shape[1:]), dtype=leaf.dtype,
@@ -358,6 +382,8 @@ def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_s
         del out, leaves
     assert merged is not None
     upload, metrics = pytree.tree_unflatten(merged, spec)
+    if reduce is not None:
+        upload = UploadSums(sums=sums, count=int(finite.sum()), finite=finite, nbytes=nbytes)
     if not states:  # a stateless algorithm
         return ClientOut(upload=upload, state=None, metrics=metrics)
     if isinstance(states, SpilledStates):

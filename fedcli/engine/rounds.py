@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fedcli.algorithms.base import ClientOut, tree_nbytes
+from fedcli.algorithms.base import ClientOut, UploadSums, tree_nbytes
 from fedcli.datasets.federated import CohortPlan
 from fedcli.engine.backends.fused import FusedBackend
 from fedcli.engine.backends.graphed import GraphedVmap
@@ -204,9 +204,10 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
                           states=None if group else store.gather(cohort, setup.device),
                           buffers=start_stats)
     job = CohortJob(alg, fns, bc, inputs, hp, setup.opt, round_idx, cfg.train.cohort_chunk, interrupt)
+    reduce = None if alg.upload_sums is None else (lambda up: alg.upload_sums(up, bc, hp))  # uploads summed per group
     outs = setup.backend.run(job) if group is None else stream_cohort(  # a group's noise and states at a time
         job, setup.backend.run, group, lambda rows: draw_noise(setup, params, cohort[rows], round_idx, steps),
-        lambda rows: store.gather(cohort[rows], setup.device), store.folder if store.on_disk else None)
+        lambda rows: store.gather(cohort[rows], setup.device), store.folder if store.on_disk else None, reduce)
     setup.prefetched.clear()
     if ahead is not None:
         setup.prefetched[round_idx + 1] = ahead  # type: ignore[assignment]  # a Future of the RoundPlan
@@ -230,7 +231,8 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     cohort, plan, outs = trained.cohort, trained.plan, trained.outs
     trained_at = time.perf_counter()
     weights = plan.num_examples
-    finite = finite_rows(outs.upload, len(cohort))
+    reduced = isinstance(outs.upload, UploadSums)  # summed a group at a time (Algorithm.upload_sums)
+    finite = outs.upload.finite if reduced else finite_rows(outs.upload, len(cohort))
     dropped = int((~finite).sum())
     if dropped == len(cohort):
         raise DivergenceError(f"run diverged at round {round_idx}: every client's upload is NaN/inf; "
@@ -253,7 +255,8 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     timing.train += trained_at - trained.start
     timing.aggregate += time.perf_counter() - trained_at
     share = weights / weights.sum()
-    up = alg.upload_nbytes(trained.outs.upload) if alg.upload_nbytes else tree_nbytes(trained.outs.upload)
+    up = (trained.outs.upload.nbytes if reduced else alg.upload_nbytes(trained.outs.upload) if alg.upload_nbytes
+          else tree_nbytes(trained.outs.upload))
     up += sum(v.numel() * v.element_size() for k, v in trained.outs.metrics.items() if k.startswith(STATS_PREFIX))
     down = alg.download_nbytes(trained.broadcast) if alg.download_nbytes else tree_nbytes(trained.broadcast)
     if setup.fns.client_stats is not None:  # the global BatchNorm statistics go down with the broadcast

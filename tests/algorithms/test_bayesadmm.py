@@ -19,12 +19,20 @@ Clients have unequal sizes so any N_k weighting in the server step would show.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS, bayesadmm, bayesadmm_full, bayesadmm_iso
-from fedcli.algorithms.base import Batch, ClientContext, ClientOut, HyperparameterError, OptimConfig
+from fedcli.algorithms.base import (
+    Batch,
+    ClientContext,
+    ClientOut,
+    HyperparameterError,
+    OptimConfig,
+    UploadSums,
+)
 from fedcli.algorithms.optim import IvonState, IvonTarget, ivon_precision, ivon_step, local_ivon
 from tests.quadratic import random_spd
 
@@ -918,3 +926,96 @@ def test_bayesadmm_cohort_dual_scope_weighs_the_duals_by_the_cohorts_share() -> 
         torch.testing.assert_close(cohort[scope].precision["w"], s2.reshape(1).to(F64), rtol=1e-12, atol=0)
         torch.testing.assert_close(cohort[scope].mean["w"], m2.reshape(1).to(F64), rtol=1e-12, atol=0)
     assert float(cohort["cohort"].clients_seen) == 3.0
+
+
+# ------------------------------------------------------------------------------ group-wise server step (issue 32)
+
+
+def random_cohort(num: int, seed: int, dtype: torch.dtype = torch.float32) -> ClientOut:
+    """Stacked uploads of `num` clients (two leaves, precisions > 0) with a mix of first and repeat visits."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"w": (3, 4), "b": (5,)}
+    mean = {k: torch.randn(num, *s, generator=g).to(dtype) for k, s in shapes.items()}
+    prec = {k: (0.5 + 4 * torch.rand(num, *s, generator=g)).to(dtype) for k, s in shapes.items()}
+    visits = (torch.arange(num) % 2).to(dtype)
+    return ClientOut(upload={"mean": mean, "precision": prec, "first_visit": visits}, state=None, metrics={})
+
+
+def group_sums(outs: ClientOut, bc, hp, groups: list[range]) -> UploadSums:
+    """The engine's reduction (stream_cohort): upload_sums of each group of rows, summed over groups."""
+    total = None
+    for rows in groups:
+        idx = torch.tensor(list(rows))
+        part = DIAG.upload_sums(pytree.tree_map(lambda t, i=idx: t.index_select(0, i), outs.upload), bc, hp)
+        total = part if total is None else pytree.tree_map(torch.add, total, part)
+    num = sum(len(r) for r in groups)
+    return UploadSums(sums=total, count=num, finite=np.ones(num, dtype=bool), nbytes=0.0)
+
+
+def mean_form(state, outs: ClientOut, hp):
+    """server_update as written before upload_sums (`.mean(0)` over the stacked uploads): the reference."""
+    m, s = outs.upload["mean"], outs.upload["precision"]
+    num = next(iter(m.values())).shape[0]
+    alpha = hp.server_alpha or 1.0 / (1.0 + hp.rho * num)
+    dv, du = bayesadmm.increment_sums(m, s, state.mean, state.precision, hp.dual_damping * hp.rho,
+                                      hp.dual_coordinates)
+    v_sum = {k: state.v_sum[k] + dv[k] for k in m}
+    u_sum = {k: state.u_sum[k] + du[k] for k in m}
+    seen, share = state.clients_seen, 1.0
+    if hp.dual_scope == "cohort":
+        seen = seen + float(outs.upload["first_visit"].sum())
+        share = num / max(seen, 1.0)
+    raw = {k: (1 - alpha) * s[k].mean(0) + alpha * (hp.delta + share * u_sum[k]) for k in m}
+    precision = {k: p.clamp_min(hp.precision_floor * hp.delta) for k, p in raw.items()}
+    mean = {k: ((1 - alpha) * (s[k] * m[k]).mean(0) + alpha * share * v_sum[k]) / precision[k] for k in m}
+    return mean, precision, v_sum, u_sum, seen
+
+
+def server_after_one_round(hp) -> bayesadmm.ServerState:
+    """A server state with nonzero mean, precision and dual sums (one server step from the prior)."""
+    params = {"w": torch.zeros(3, 4), "b": torch.zeros(5)}
+    state = DIAG.server_init(params, hp, IVON_OPT)
+    state, _ = DIAG.server_update(state, random_cohort(4, seed=1), torch.ones(4), hp, IVON_OPT)
+    return state
+
+
+@pytest.mark.parametrize(("coordinates", "scope"), [("natural", "cohort"), ("natural", "seen"),
+                                                    ("expectation", "cohort")])
+def test_bayesadmm_server_step_on_stacked_uploads_is_bit_for_bit_the_mean_form(coordinates: str, scope: str) -> None:
+    """server_update over stacked uploads (upload_sums of the whole cohort, then / C) gives exactly the
+    `.mean(0)` form it replaced (on CPU a mean is the sum divided by C): in-memory runs are unchanged."""
+    hp = DIAG.config_cls(dual_coordinates=coordinates, dual_scope=scope, server_alpha=0.0 if scope == "seen" else 0.3)
+    state = server_after_one_round(hp)
+    outs = random_cohort(7, seed=2)
+    new, _ = DIAG.server_update(state, outs, torch.ones(7), hp, IVON_OPT)
+    mean, precision, v_sum, u_sum, seen = mean_form(state, outs, hp)
+    for got, want in ((new.mean, mean), (new.precision, precision), (new.v_sum, v_sum), (new.u_sum, u_sum)):
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), (got, want)
+    assert new.clients_seen == seen
+
+
+@pytest.mark.parametrize(("coordinates", "scope"), [("natural", "cohort"), ("natural", "seen"),
+                                                    ("expectation", "cohort")])
+def test_bayesadmm_server_step_from_group_sums_equals_the_whole_cohort(coordinates: str, scope: str) -> None:
+    """The engine's group-wise reduction (UploadSums of groups 3 + 1 + 3 of a cohort of 7) gives the
+    whole cohort's server step within float32 rounding (rtol 1e-5: only the summation order differs),
+    and bit for bit when the one group is the whole cohort."""
+    hp = DIAG.config_cls(dual_coordinates=coordinates, dual_scope=scope)
+    state = server_after_one_round(hp)
+    outs = random_cohort(7, seed=3)
+    bc = DIAG.broadcast(state, hp)
+    whole, whole_diag = DIAG.server_update(state, outs, torch.ones(7), hp, IVON_OPT)
+    one, _ = DIAG.server_update(state, ClientOut(group_sums(outs, bc, hp, [range(7)]), None, {}), torch.ones(7),
+                                hp, IVON_OPT)
+    grouped, grouped_diag = DIAG.server_update(
+        state, ClientOut(group_sums(outs, bc, hp, [range(0, 3), range(3, 4), range(4, 7)]), None, {}),
+        torch.ones(7), hp, IVON_OPT)
+    for field in ("mean", "precision", "v_sum", "u_sum"):
+        a, b, c = getattr(whole, field), getattr(one, field), getattr(grouped, field)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        for k in a:
+            torch.testing.assert_close(c[k], a[k], rtol=1e-5, atol=1e-6)
+    assert grouped.clients_seen == whole.clients_seen
+    for k in whole_diag:
+        torch.testing.assert_close(grouped_diag[k], whole_diag[k], rtol=1e-5, atol=1e-6)

@@ -73,17 +73,32 @@ def assert_equal_trees(a: object, b: object) -> None:
 @pytest.mark.parametrize("store", ["ram", "disk"])
 def test_streamed_loop_equals_the_whole_cohort(algo: str, store: str, tmp_path: Path) -> None:
     """loop without --cohort-chunk (the cohort's noise and states at once) against groups of 2 of a
-    cohort of 5 (SCAFFOLD: control variates; BayesADMM: IVON noise and duals), both state stores."""
+    cohort of 5 (SCAFFOLD: control variates; BayesADMM: IVON noise and duals), both state stores.
+    BayesADMM's streamed server step sums its uploads a group at a time (Algorithm.upload_sums): the
+    same up to float32 summation order, so within 1e-5 relative, not bit for bit."""
     folder = None if store == "ram" else tmp_path / "cs"
     whole = two_rounds(algo, "loop", {}, folder)
     streamed = two_rounds(
         algo, "loop", {"train.cohort_chunk": 2}, None if folder is None else tmp_path / "cs2"
     )
-    assert_equal_trees(whole[0], streamed[0])
+    same = assert_equal_trees if algo != "bayesadmm" else assert_close_trees
+    same(whole[0], streamed[0])
     assert whole[1].keys() == streamed[1].keys() and len(whole[1]) > 5  # states of clients from both rounds
     for client in whole[1]:
-        assert_equal_trees(whole[1][client], streamed[1][client])
-    assert whole[2] == streamed[2]
+        same(whole[1][client], streamed[1][client])
+    if algo != "bayesadmm":
+        assert whole[2] == streamed[2]
+    else:
+        assert whole[2][0].keys() == streamed[2][0].keys()
+        for a, b in zip(whole[2], streamed[2], strict=True):
+            assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7, nan_ok=True) for k in a), (a, b)
+
+
+def assert_close_trees(a: object, b: object) -> None:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        assert (x is None and y is None) if x is None else torch.allclose(x, y, rtol=1e-5, atol=1e-7), (x, y)
 
 
 @pytest.mark.parametrize(
