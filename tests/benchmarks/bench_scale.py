@@ -143,7 +143,10 @@ def train(
     peak = sampler.stop()
     err = proc.stderr.read() if proc.stderr else ""
     out = {
-        "launch_to_round1_s": rounds[1] - start if 1 in rounds else None,
+        "launch_to_round0_s": rounds[0] - start
+        if 0 in rounds
+        else None,  # set-up and round 0's evaluation done
+        "launch_to_round1_s": rounds[1] - start if 1 in rounds else None,  # round 1 trained (and logged)
         "wall_s": time.time() - start,
         "peak_tree_rss": peak,
         "rounds_seen": len(rounds),
@@ -192,15 +195,20 @@ def has_option(option: str) -> bool:
 # ----------------------------------------------------------------------------- parts
 
 
-def part_so(work: Path, before: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`before`: this part's earlier result; its cold runs (the cache builds) are kept when the cache is reused."""
+def part_so(
+    work: Path, before: dict[str, Any] | None = None, sizes: tuple[int, ...] = (3400, 342477), rounds: int = 3
+) -> dict[str, Any]:
+    """`before`: this part's earlier result; its cold runs (the cache builds) and other sizes' runs are kept."""
     if not has_option("--data-store"):
         return {"available": False, "why": "fedcli train has no --data-store (the disk data store)"}
     res: dict[str, Any] = {"available": True, "federations": {}, "runs": {}}
     for key, run in ((before or {}).get("runs") or {}).items():
-        if key.endswith(" cold"):
+        if key.endswith(" cold") or int(key.split()[0]) not in sizes:
             res["runs"][key] = run
-    for n in (3400, 342477):
+    for n, f in ((before or {}).get("federations") or {}).items():
+        if int(n) not in sizes:
+            res["federations"][int(n)] = f
+    for n in sizes:
         data = work / f"so{n // 1000}k"
         res["federations"][n] = gen("stackoverflow", n, data, mean_size=4, tokens_only=True)
         cache = work / f"cache-so{n}"
@@ -209,13 +217,13 @@ def part_so(work: Path, before: dict[str, Any] | None = None) -> dict[str, Any]:
             "task": "stackoverflow-nwp",
             "data_dir": str(data),
             "data_store": "disk",
-            "rounds": 3,
+            "rounds": rounds,
             "clients_per_round": 50,
             "no_mlflow": True,
             # no executor: `auto`, what a user's command gets (the loop for an LSTM on a CPU; vmap with 50
             # LSTM clients held 6.9 GB)
             "eval_sample": 2000,  # evaluation is not what this part measures: a small fixed sample,
-            "eval_every": 3,  # at round 0 and the last round
+            "eval_every": rounds,  # at round 0 and the last round
         }
         if not (cache.exists() and du(cache) > 0):
             cold = train({**base, "algo": "fedavg", "root": str(work / f"runs-so{n}-cold")}, env)
@@ -384,13 +392,14 @@ def report(res: dict[str, Any]) -> str:
                 )
             lines += [
                 "",
-                "| run | launch to round 1 (warm) | peak RSS, tree | s/round | status |",
-                "|---|---|---|---|---|",
+                "| run | launch to round 1's start (warm) | launch to round 1's end | peak RSS, tree | s/round | status |",
+                "|---|---|---|---|---|---|",
             ]
             for key, r in so["runs"].items():
                 rs = (r.get("result") or {}).get("round_s") or []
                 lines.append(
-                    f"| {key} | {r.get('launch_to_round1_s') or 0:.1f} s | {gib(r['peak_tree_rss'])} | "
+                    f"| {key} | {r.get('launch_to_round0_s') or 0:.1f} s | {r.get('launch_to_round1_s') or 0:.1f} s | "
+                    f"{gib(r['peak_tree_rss'])} | "
                     f"{statistics.median(rs) if rs else 0:.2f} | {r.get('error') or 'ok'} |"
                 )
             big, small = so["runs"].get("342477 fedpa warm"), so["runs"].get("3400 fedpa warm")
@@ -402,15 +411,17 @@ def report(res: dict[str, Any]) -> str:
                     / so["runs"][f"3400 {a} warm"]["peak_tree_rss"]
                     for a in ("fedavg", "fedpa")
                 )
-                l1 = max(
-                    so["runs"][f"342477 {a} warm"]["launch_to_round1_s"] or 1e9 for a in ("fedavg", "fedpa")
+                l0, l1 = (
+                    max(so["runs"][f"342477 {a} warm"].get(k) or 1e9 for a in ("fedavg", "fedpa"))
+                    for k in ("launch_to_round0_s", "launch_to_round1_s")
                 )
                 lines += [
                     "",
                     f"- peak RSS of the 342,477-client runs: {gib(worst)} (target <= 4 GB: "
                     f"{mark(worst <= 4 * GB)})",
                     f"- against the 3,400-client runs: {ratio:.2f}x (target <= 1.5x: {mark(ratio <= 1.5)})",
-                    f"- launch to round 1, warm cache: {l1:.1f} s (target <= 60 s: {mark(l1 <= 60)})",
+                    f"- launch to round 1's start (set-up and round 0's evaluation), warm cache: {l0:.1f} s "
+                    f"(target <= 60 s: {mark(l0 <= 60)}); to round 1's end: {l1:.1f} s",
                 ]
             lines.append("")
     st = res.get("state")
@@ -470,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench-scale")
     parser.add_argument("--parts", default="so,state,ratio")
     parser.add_argument("--rounds-state", type=int, default=40, help="rounds of the client-state part")
+    parser.add_argument("--so-sizes", default="3400,342477", help="the so part's federations (clients)")
+    parser.add_argument("--rounds-so", type=int, default=3, help="rounds of the so part's runs")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -493,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(path.read_text())
         res.update({k: v for k, v in old.items() if k in ("so", "state", "ratio")})
     parts: dict[str, Callable[[], dict[str, Any]]] = {
-        "so": lambda: part_so(args.work, res.get("so")),
+        "so": lambda: part_so(
+            args.work, res.get("so"), tuple(int(n) for n in args.so_sizes.split(",")), args.rounds_so
+        ),
         "state": lambda: part_state(args.work, args.rounds_state),
         "ratio": lambda: part_ratio(args.work),
     }
