@@ -143,9 +143,8 @@ def train(
     peak = sampler.stop()
     err = proc.stderr.read() if proc.stderr else ""
     out = {
-        "launch_to_round0_s": rounds[0] - start
-        if 0 in rounds
-        else None,  # set-up and round 0's evaluation done
+        # set-up and round 0's evaluation done: round 1 starts
+        "launch_to_round0_s": rounds[0] - start if 0 in rounds else None,
         "launch_to_round1_s": rounds[1] - start if 1 in rounds else None,  # round 1 trained (and logged)
         "wall_s": time.time() - start,
         "peak_tree_rss": peak,
