@@ -151,6 +151,15 @@ def parent_of(pid: int) -> int:
         return 0
 
 
+def _module_of(pid: int) -> str | None:
+    """The fedcli.tracking.mirror* module process `pid` runs, if any."""
+    try:
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mirror")), None)
+
+
 def mirrors(ancestor: int) -> set[tuple[int, str]]:
     """The MLflow mirror processes now running below `ancestor` (the sweep): (pid, module)."""
     found = set()
@@ -162,6 +171,8 @@ def mirrors(ancestor: int) -> set[tuple[int, str]]:
                 continue
             module = next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mirror")), None)
             pid, up = int(entry.name), int(entry.name)
+            if module is not None and module == _module_of(parent_of(pid)):
+                continue  # a child the mirror forked (before its exec it shows the mirror's argv), not a second mirror
             for _ in range(8):  # mirror -> (worker ->) sweep
                 up = parent_of(up)
                 if up in (0, 1, ancestor):
