@@ -462,17 +462,19 @@ def test_auto_picks_before_the_run_and_sends_what_vmap_cannot_run_to_the_loop(tm
 
 
 @pytest.mark.timeout(900)
-def test_sigkill_then_resume_equals_the_uninterrupted_run_bn_dropout_vmap(tmp_path: Path) -> None:
-    """The BatchNorm + Dropout CNN on vmap: SIGKILL with round 3 logged, then --resume: the same model,
-    bit for bit, as the uninterrupted run (dropout masks come from the run's keys, not torch's generator)."""
+@pytest.mark.parametrize(("model", "executor"), [("BNCNN", "vmap"), ("GRUNet", "loop")])
+def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path: Path, model: str, executor: str) -> None:
+    """The BatchNorm + Dropout CNN on vmap, the GRU + Dropout on the loop (PyTorch's kernel): SIGKILL with
+    round 3 logged, then --resume: the same model, bit for bit, as the uninterrupted run (dropout masks come
+    from the run's keys, not torch's generator; BatchNorm's statistics from the checkpoint)."""
     data = setup_folder(tmp_path)
     args = [
         "--data",
         str(data),
         "--model",
-        "./stocknets.py:BNCNN",
+        f"./stocknets.py:{model}",
         "--executor",
-        "vmap",
+        executor,
         "--rounds",
         "12",
         "--clients-per-round",
@@ -483,7 +485,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_bn_dropout_vmap(tmp_pa
     ]
     ref_id, root, run_id = reference_and_killed(tmp_path, args, rounds=12)
 
-    resumed = fedcli(root, "--resume", run_id[:8], "--model", f"{tmp_path / 'stocknets.py'}:BNCNN", cwd="/")
+    resumed = fedcli(root, "--resume", run_id[:8], "--model", f"{tmp_path / 'stocknets.py'}:{model}", cwd="/")
     assert resumed.returncode == 0, resumed.stderr
     for name, tensor in final_params(tmp_path / "ref", ref_id).items():
         assert torch.equal(final_params(root, run_id)[name], tensor), name
