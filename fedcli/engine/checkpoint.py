@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from fedcli.engine.clientstate import ClientDelta, SlotLayout, delta_file_name
+from fedcli.engine.clientstate import ClientDelta, SlotLayout, SpilledSlot, delta_file_name
 from fedcli.errors import DataError, TrackingError
 
 log = logging.getLogger(__name__)
@@ -646,7 +646,10 @@ def write_delta(path: Path, delta: ClientDelta) -> int:
             },
         )
         for state in delta.states:
-            slot = state if isinstance(state, np.ndarray) else layout.pack(state)
+            if isinstance(state, SpilledSlot):
+                slot = state.read()
+            else:
+                slot = state if isinstance(state, np.ndarray) else layout.pack(state)
             fh.write(slot.data)
 
     return _atomic_write(path, write)
@@ -788,7 +791,11 @@ class CheckpointWriter:
         path = checkpoint_path(self.folder.parent, round_idx)
         written = 0
         if delta.clients:  # the changed states first: a .pt in place always has its files
-            written += write_delta(self.folder / delta.file, delta)
+            try:
+                written += write_delta(self.folder / delta.file, delta)
+            finally:
+                for spill in {s.path for s in delta.states if isinstance(s, SpilledSlot)}:
+                    spill.unlink(missing_ok=True)
         manifest = manifest_of(delta)
         payload = {**snapshot, "server_state": to_plain(snapshot["server_state"]), "client_index": manifest}
         written += atomic_save(payload, path)

@@ -165,6 +165,33 @@ class ClientDelta:
         )
 
 
+@dataclass(frozen=True)
+class SpilledSlot:
+    """A changed state's packed slot that the cache had evicted, copied at `take_changes` into the
+    checkpoint's spill file (the next rounds may overwrite its slot): the writer reads it back one
+    at a time, so a checkpoint holds one slot, not every evicted changed state, in memory."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+    def read(self) -> np.ndarray:
+        buffer = np.empty(self.nbytes, dtype=np.uint8)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [buffer.data], self.offset)
+        finally:
+            os.close(fd)
+        if got != self.nbytes:
+            raise TrackingError(f"the checkpoint's spill file {self.path} is shorter than it should be; resume the run")
+        return buffer
+
+
+def spill_name(round_idx: int) -> str:
+    """The spill file of the checkpoint of `round_idx`, in the store's folder (removed once written)."""
+    return f"spill-{round_idx:06d}.bin"
+
+
 @dataclass
 class _Cache:
     budget: int  # bytes; < 0: unbounded
@@ -308,7 +335,8 @@ class ClientStateStore:
         """The states changed since the last checkpoint, for a checkpoint of `round_idx` (resets the tracking).
 
         The states are those objects themselves (never changed in place) or, for ones the
-        cache evicted, their slots read now: the next rounds may overwrite the slots.
+        cache evicted, their slots copied now into the checkpoint's spill file (`SpilledSlot`): the
+        next rounds may overwrite the slots. The writer removes the spill file once written.
         """
         file = delta_file_name(round_idx)
         if self._full_next:
@@ -316,13 +344,32 @@ class ClientStateStore:
             self._index = {}
             self._full_next = False
         clients = sorted(self._changed)
-        states = [self._cache.states[c] if c in self._cache.states else self._read_slot(c) for c in clients]
+        evicted = [c for c in clients if c not in self._cache.states]
+        spilled = dict(zip(evicted, self._spill(evicted, round_idx), strict=True)) if evicted else {}
+        states = [self._cache.states[c] if c in self._cache.states else spilled[c] for c in clients]
         self._index = {
             **{c: v for c, v in self._index.items() if c not in self._changed},
             **{c: (file, row) for row, c in enumerate(clients)},
         }
         self._changed = set()
         return ClientDelta(clients, states, file, dict(self._index), self.layout)
+
+    def _spill(self, clients: list[int], round_idx: int) -> list[SpilledSlot]:
+        """Copy `clients`' slots, one at a time, into this checkpoint's spill file."""
+        assert self._fd is not None and self.layout is not None and self.folder is not None
+        path, size = self.folder / spill_name(round_idx), self.layout.slot_bytes
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for row, client in enumerate(clients):
+                    if os.pwrite(fd, self._read_slot(client).data, row * size) != size:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            finally:
+                os.close(fd)
+        except OSError as err:
+            path.unlink(missing_ok=True)
+            raise TrackingError(_message(err, self.folder)) from err
+        return [SpilledSlot(path, row * size, size) for row in range(len(clients))]
 
     def close(self, remove: bool = False) -> None:
         """Close the slots file; `remove` deletes it (the run's checkpoints hold what it held)."""
@@ -331,6 +378,8 @@ class ClientStateStore:
             self._fd = None
         if remove and self.folder is not None:
             (self.folder / SLOTS_FILE).unlink(missing_ok=True)
+            for spill in self.folder.glob("spill-*.bin"):  # a checkpoint's, if its write never ended
+                spill.unlink(missing_ok=True)
             if self.folder.is_dir() and not any(self.folder.iterdir()):
                 self.folder.rmdir()
 
@@ -376,6 +425,8 @@ class ClientStateStore:
             os.close(self._fd)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            for spill in self.folder.glob("spill-*.bin"):  # left by a process killed mid-checkpoint
+                spill.unlink(missing_ok=True)
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # a run's slots start empty
         except OSError as err:
             raise TrackingError(_message(err, self.folder)) from err

@@ -307,3 +307,30 @@ def test_a_full_disk_under_the_disk_store_is_one_line_naming_its_folder(tiny_dis
     message = str(err.value)
     assert "no space left on device" in message and str(tiny_disk / "client-state") in message
     assert "\n" not in message
+
+
+def test_a_checkpoint_spills_the_evicted_changed_states_and_writes_them_as_they_were(tmp_path: Path) -> None:
+    """cache_mb=0: every changed state is evicted to its slot, so take_changes copies the slots into the
+    checkpoint's spill file (one slot in memory at a time) instead of holding them all. The next rounds
+    overwrite the slots before the write; the checkpoint still holds the states as they were at
+    take_changes, bit for bit, and the spill file is gone once written (and on close(remove=True))."""
+    from fedcli.engine.clientstate import SpilledSlot, spill_name
+
+    run_dir, ram = tmp_path / "runs" / ("d" * 32), ClientStateStore(fresh)
+    disk = ClientStateStore(fresh, folder=run_dir / "client-state", cache_mb=0)
+    run_rounds([ram, disk], rounds=3)
+    at_three = ram.state_dict()
+    delta = disk.take_changes(3)
+    assert delta.clients and all(isinstance(s, SpilledSlot) for s in delta.states)
+    spill = run_dir / "client-state" / spill_name(3)
+    assert spill.stat().st_size == len(delta.clients) * disk.layout.slot_bytes  # type: ignore[union-attr]
+    run_rounds([ram, disk], rounds=2)  # the slots change before the write
+    w = writer(run_dir, keep=3)
+    w.submit(3, {"x": torch.ones(3)}, delta, CONFIG, 0)
+    w.close()
+    assert not spill.exists()
+    assert_same_states(load(run_dir, 3).to_dict(), at_three)
+    disk.take_changes(5)
+    assert (run_dir / "client-state" / spill_name(5)).exists()  # never written: removed on close
+    disk.close(remove=True)
+    assert not (run_dir / "client-state").exists()
