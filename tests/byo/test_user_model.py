@@ -144,14 +144,21 @@ def reference_and_killed(tmp_path: Path, args: list[str], rounds: int) -> tuple[
     ref_id = store(tmp_path / "ref").list_runs()[0].id
     root = tmp_path / "killed"
     victim = fedcli(root, *args, cwd=tmp_path, popen=True)
-    deadline, run_id = time.monotonic() + 300, None
-    while run_id is None and time.monotonic() < deadline:
-        if (root / "fedcli.db").exists():
-            run_id = next((r.id for r in store(root).list_runs() if (store(root).last_round(r.id) or 0) >= 3), None)
+    # one reader, opened once the store exists: a new SqlStore per poll (schema checks, two a poll) was slow
+    # enough under load that a short run finished between round 3 and the kill
+    deadline, run_id, reader = time.monotonic() + 300, None, None
+    while run_id is None and time.monotonic() < deadline and victim.poll() is None:
+        reader = reader or SqlStore.reader(f"sqlite:///{root / 'fedcli.db'}")
+        if reader is not None:
+            run_id = next((r.id for r in reader.list_runs() if (reader.last_round(r.id) or 0) >= 3), None)
         time.sleep(0.05)
-    assert run_id is not None
+    assert run_id is not None, (
+        victim.communicate(timeout=30)[1][-2000:] if victim.poll() is not None else "no run reached round 3 in 300 s"
+    )
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
+    if reader is not None:
+        reader.close()
     assert (store(root).last_round(run_id) or 0) < rounds
     return ref_id, root, run_id
 

@@ -371,14 +371,14 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_with_carried_stats(
         "--executor",
         "loop",
         "--rounds",
-        "8",
+        "16",
         "--clients-per-round",
         "3",
         "--checkpoint-every",
         "1",
         "--no-mlflow",
     ]
-    ref_id, root, run_id = reference_and_killed(tmp_path, args, rounds=8)
+    ref_id, root, run_id = reference_and_killed(tmp_path, args, rounds=16)
     checkpoints = sorted((root / "runs" / run_id / "checkpoints").glob("round-*.pt"))
     assert checkpoints
     saved = torch.load(checkpoints[-1], weights_only=True)["buffers"]
