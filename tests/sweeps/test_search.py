@@ -138,13 +138,16 @@ def test_search_records_trials_as_runs_and_resumes_after_sigkill_without_duplica
     url = f"sqlite:///{tmp_path / 'fedcli.db'}"
     proc = sweep(tmp_path, spec)
     deadline = time.monotonic() + 240
-    live = None
+    live, reader = None, None
     while time.monotonic() < deadline and live is None:
-        time.sleep(0.2)
-        if (tmp_path / "fedcli.db").exists():
-            db = SqlStore(url)
-            done = [r for r in db.list_runs() if r.status in ("finished", "pruned")]
-            live = next((r for r in db.list_runs() if r.is_alive and (db.last_round(r.id) or 0) >= 3 and done), None)
+        time.sleep(0.1)
+        reader = reader or SqlStore.reader(url)  # one reader: a new store per poll is slow under load
+        if reader is not None:
+            runs = reader.list_runs()
+            done = [r for r in runs if r.status in ("finished", "pruned")]
+            live = next((r for r in runs if r.is_alive and (reader.last_round(r.id) or 0) >= 3 and done), None)
+    if reader is not None:
+        reader.close()
     assert live is not None, "no trial reached round 3 after another ended"
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
