@@ -296,16 +296,13 @@ def _window_notes(asked: ReportSpec, rounds_run: int) -> list[str]:
 def _notes(report: Report) -> list[str]:
     notes = []
     for group in report.groups:
-        found = sorted({d for r in group.runs for d in (r.tags.get("fedcli.degenerate") or "").split(" | ") if d})
-        if found:
-            count = sum(bool(r.tags.get("fedcli.degenerate")) for r in group.runs)
-            notes.append(f"Group **{group.label}**: {count} of {len(group.runs)} run(s) ran a degenerate configuration "
-                         f"(tag fedcli.degenerate): {'; '.join(found)}")
-        known = sorted({d for r in group.runs for d in (r.tags.get("fedcli.shortfall") or "").split(" | ") if d})
-        if known:
-            count = sum(bool(r.tags.get("fedcli.shortfall")) for r in group.runs)
-            notes.append(f"Group **{group.label}**: {count} of {len(group.runs)} run(s) ran where the algorithm is known "
-                         f"to trail FedAvg (tag fedcli.shortfall): {'; '.join(known)}")
+        for tag, what in (("fedcli.degenerate", "ran a degenerate configuration"),
+                          ("fedcli.shortfall", "ran where the algorithm is known to trail FedAvg")):
+            found = sorted({d for r in group.runs for d in (r.tags.get(tag) or "").split(" | ") if d})
+            if found:
+                count = sum(bool(r.tags.get(tag)) for r in group.runs)
+                notes.append(f"Group **{group.label}**: {count} of {len(group.runs)} run(s) {what} "
+                             f"(tag {tag}): {'; '.join(found)}")
         if group.mixed:
             shown = "; ".join(f"{k}: {', '.join(v)}" for k, v in group.mixed.items())
             notes.append(f"Group **{group.label}** mixes runs whose configs differ in more than the seed ({shown}); "
