@@ -7,7 +7,7 @@ Approximation" (Mangold, ARGO seminar 2024), extracted in reference/fedlsa.md.
 
 Implements: the FedLSA algorithm (fedlsa.md §3.3): every agent starts from theta_t and
 takes H steps theta <- theta - eta (A^c(Z) theta - b^c(Z)) -> client_update (local SGD
-on the task's LSA surrogate, whose gradient is A(Z) theta - b(Z), see datasets/garnet.py);
+on the task's LSA surrogate, whose gradient is A(Z) theta - b(Z), see datasets/bundled/garnet.py);
 theta_{t+1} = (1/N) sum_c theta^c_{t,H} -> server_update. The bias closed form of §3.3
 -> fedlsa_bias; the solution of the averaged system -> lsa_solution.
 Notation: theta -> params["lsa_theta"], eta -> opt.client_lr, H -> the client's real local
@@ -42,7 +42,7 @@ from fedcli.algorithms.base import (
     require,
 )
 
-LSA_PARAM = "lsa_theta"  # parameter name of LSA models (= fedcli.datasets.garnet.LSA_PARAM)
+LSA_PARAM = "lsa_theta"  # parameter name of LSA models (= fedcli.datasets.bundled.garnet.LSA_PARAM)
 
 
 @dataclass(frozen=True, kw_only=True)

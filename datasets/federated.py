@@ -10,7 +10,7 @@ else from the container's `x` / `y`.
 
 Two implementations: `MemoryData` keeps every training example on the run's device (small
 data; the plan indexes the whole tensor), `DiskData` keeps them in a disk store's memory maps
-(datasets/diskstore.py) and gathers each cohort's examples into a small tensor (the plan's
+(datasets/formats/diskstore.py) and gathers each cohort's examples into a small tensor (the plan's
 indices remapped into it; padding slots point at the copy of example 0, as in memory, so both
 give the same batches bit for bit). `choose_store` picks one for `--data-store auto|memory|disk`.
 """

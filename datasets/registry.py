@@ -23,8 +23,9 @@ from fedcli.datasets.tasks import Task
 
 log = logging.getLogger(__name__)
 
-_TASK_MODULES = ("femnist", "synthetic", "garnet", "mnist", "torchvision_sources", "tff_h5", "shakespeare", "sent140",
-                 "mulan", "har", "vehicle", "fedprox_synthetic", "quadratic")
+_TASK_MODULES = tuple(f"bundled.{name}" for name in (
+    "femnist", "synthetic", "garnet", "mnist", "torchvision_sources", "tff_images", "stackoverflow", "shakespeare",
+    "sent140", "mulan", "har", "vehicle", "fedprox_synthetic", "quadratic"))
 
 
 # The partition a run of a task without natural clients gets when it names neither --scheme nor
@@ -34,7 +35,7 @@ DEFAULT_PARTITIONS: Mapping[str, tuple[Mapping[str, object], str]] = MappingProx
     "mnist": ({"scheme": "dirichlet", "alpha": 0.3, "num_clients": 100},
               "the README's MNIST split, on which its client lr 0.1 was measured (docs/architecture.md §5)"),
     "bibtex": ({"scheme": "dirichlet", "alpha": 0.3, "num_clients": 100},
-               "as mnist, over each example's primary tag (datasets/partition.py class_labels)"),
+               "as mnist, over each example's primary tag (datasets/partition/schemes.py class_labels)"),
 })
 
 
@@ -73,17 +74,17 @@ TASK_SOURCES: Mapping[str, str] = _LOADED[1]  # task name -> the package that pr
 def resolve_task(task: str, model: str | None, data_file: str | None, model_args: str | None = None) -> Task:
     """Return the named task, or the bring-your-own task of `data_file` (--data FILE --model M).
 
-    A user model reference (`pkg.mod:factory`, `/abs/file.py:factory`: datasets/user_model.py) is
+    A user model reference (`pkg.mod:factory`, `/abs/file.py:factory`: datasets/yours/model.py) is
     added to the task's models, built with the keyword arguments `model_args` (the JSON a run
     records as data.model_args; None: none).
     """
-    from fedcli.datasets.user_model import decode_args, is_reference, with_model
+    from fedcli.datasets.yours.model import decode_args, is_reference, with_model
 
     own = is_reference(model)
     if data_file is not None:
         from pathlib import Path
 
-        from fedcli.datasets.byo import byo_task
+        from fedcli.datasets.yours.files import byo_task
 
         resolved = byo_task(Path(data_file), "mlp" if own or model is None else model)
     else:

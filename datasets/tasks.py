@@ -25,7 +25,7 @@ class TaskOptions:
     data_dir: Path | None = None  # None = the bundled/default copy
     download: bool = False  # fetch missing public files into data_dir (needs a network); never implicit
     max_clients: int | None = None  # natural-client datasets: read only the first N clients in id order
-    data_store: str = "auto"  # auto | memory | disk: big-file loaders (TFF h5) stream into a disk store (datasets/diskstore.py)
+    data_store: str = "auto"  # auto | memory | disk: big-file loaders (TFF h5) stream into a disk store (datasets/formats/diskstore.py)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class TaskData:
     num_classes: int | None = None  # classes (or tags / vocabulary) of y; None = not a class target
     # per-client test examples: client k -> indices into test_x (None = the task has none); `fedcli evaluate --per-client`
     test_client_indices: list[np.ndarray] | None = None
-    store: str | None = None  # the disk store's folder when the tensors are its memory maps (datasets/diskstore.py)
+    store: str | None = None  # the disk store's folder when the tensors are its memory maps (datasets/formats/diskstore.py)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from fedcli.engine.train import RunResult
-    from fedcli.tracking.store import RunRecord
+    from fedcli.tracking.store.records import RunRecord
 
 __all__ = ["ConfigError", "FedcliError", "Run", "StoppedBeforeStart", "load_run", "preserved_state", "report",
            "run_config", "train"]
@@ -136,10 +136,10 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
         model: the task's model name (`fedcli list tasks`), your model factory as `"pkg.mod:factory"`
             or `"path/to/file.py:Net"`, or the class/function itself (importable: not defined in a
             notebook cell). Default: the task's default model. Bring your own model and data:
-            fedcli.datasets.user_model.model_reference.
+            fedcli.datasets.yours.model.model_reference.
         data: your own data: a file (.npz/.csv/.parquet; `fedcli train --help`), a `"pkg.mod:fn"`
             function, a torch `Dataset`, a Hugging Face dataset or a flwr-datasets partitioner
-            (fedcli.datasets.user_data.data_ref; `data_options` are its keyword arguments:
+            (fedcli.datasets.yours.data.data_ref; `data_options` are its keyword arguments:
             `client`, `partition`, `x`, `y`, `test`, `name`). Default: the task's data.
         task: task name. Default: femnist (the bundled writers).
         config: a YAML file, a config shipped with fedcli (`"demo"`), or the config as a mapping of
@@ -175,8 +175,8 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
     with preserved_state():  # around everything: the first imports of fedcli's modules may draw from `random`
         from fedcli.api_run import resolve_config
         from fedcli.cli.errors import check_path_value
-        from fedcli.datasets.user_data import data_ref
-        from fedcli.datasets.user_model import model_reference
+        from fedcli.datasets.yours.data import data_ref
+        from fedcli.datasets.yours.model import model_reference
 
         for name in ("root", "data_dir", "partition"):  # "" (an unset variable) is the CLI's line, not "."
             check_path_value(name, settings.get(name))
@@ -253,8 +253,10 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
     from fedcli.cli.common import open_store, tracking_config
     from fedcli.cli.errors import check_output
     from fedcli.cli.report import Format, parse_list, parse_metric, parse_where, write_report
-    from fedcli.config import require_store
-    from fedcli.tracking import report as rep
+    from fedcli.config.checks import require_store
+    from fedcli.tracking.report.build import build_report
+    from fedcli.tracking.report.model import ReportSpec
+    from fedcli.tracking.report.render import render_markdown
 
     if format not in {f.value for f in Format}:
         raise ConfigError(f"format must be one of md, csv, json; got {format!r}.")
@@ -275,7 +277,7 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
     refs = [r.id if isinstance(r, Run) else str(r) for r in runs or ()]
     if store is None and root is None:
         settings["tracking.store"] = next((r.store for r in runs or () if isinstance(r, Run)), None)
-    spec = rep.ReportSpec(
+    spec = ReportSpec(
         experiments=(experiment,) if isinstance(experiment, str) else tuple(experiment or ()), runs=tuple(refs),
         where=parse_where([f"{k}={v}" for k, v in (where or {}).items()]),
         group_by=None if group_by is None else tuple(
@@ -290,11 +292,11 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
     require_store(url)
     db = open_store(url)
     try:
-        built = rep.build_report(db, spec)
+        built = build_report(db, spec)
     finally:
         db.close()
     if path is None and format == "md":  # the CLI's note about figures names --output: not said here
-        return rep.render_markdown(built, [])
+        return render_markdown(built, [])
     return write_report(built, path, Format(format), partition_heatmap)
 
 
@@ -532,7 +534,7 @@ def record_object_source(ref: str, data: Any) -> None:
     `pkg.mod:fn` data reference records its own (docs/your-data.md, "Names and fingerprints")."""
     import hashlib
 
-    from fedcli.datasets import user_data
+    from fedcli.datasets.yours import data as user_data
 
     held = user_data.shipped(ref) if ref.startswith(user_data.PYTHON_PREFIX) else None
     if held is None:

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fedcli.config import RunConfig
+    from fedcli.config.sections import RunConfig
     from fedcli.engine.distributed import Peers
     from fedcli.engine.lifecycle import GracefulSignals
     from fedcli.engine.rounds import ProgressFn
     from fedcli.engine.setup import Setup
     from fedcli.engine.train import RunResult
-    from fedcli.tracking.mirror import MirrorHandle
+    from fedcli.tracking.mlflow.handle import MirrorHandle
     from fedcli.tracking.sinks import Tracker
 
 __all__ = ["OPTION_KEYS", "PreparedRun", "StoppedBeforeStart", "overrides_of", "prepared_run", "preserved_state",
@@ -86,7 +86,7 @@ def overrides_of(options: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ConfigError: a name that is no option, with the closest option named.
     """
-    from fedcli.config_checks import suggest
+    from fedcli.config.checks import suggest
     from fedcli.errors import ConfigError
 
     out: dict[str, Any] = {}
@@ -149,7 +149,7 @@ def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[s
         ConfigError: anything invalid; nothing is written.
     """
     from fedcli.cli.common import find_run
-    from fedcli.config import build_config, resume_config, warn_degenerate
+    from fedcli.config.build import build_config, resume_config, warn_degenerate
     from fedcli.errors import ConfigError
 
     overrides = {**overrides_of(options), **dict(sections or {})}
@@ -180,7 +180,7 @@ def resumed_code(run_id: str, stored: Mapping[str, Any], resolved: Mapping[str, 
                  *, trust: bool, fix: str | None = None) -> dict[str, Any]:
     """Check that a resumed run's user code may run; return the overrides without the references that name it.
 
-    The stored config's model and data function (datasets/code_trust.py) run only when the
+    The stored config's model and data function (datasets/yours/trust.py) run only when the
     options name the same reference again (`data.model`, `data.file`: then dropped from the
     overrides, as they change nothing) or with `trust` (the recorded sha256 must match).
     A different reference is left in the overrides: `resume_config` refuses the change.
@@ -188,7 +188,7 @@ def resumed_code(run_id: str, stored: Mapping[str, Any], resolved: Mapping[str, 
     Raises:
         ConfigError: one line naming the code and how to allow it; nothing is written.
     """
-    from fedcli.datasets.code_trust import allow_code, recorded_code, same_reference
+    from fedcli.datasets.yours.trust import allow_code, recorded_code, same_reference
 
     data = stored.get("data")
     record = resolved.get("data")

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedcli.datasets.generate import generate
+from fedcli.datasets.formats.generate import generate
 from fedcli.engine.evaluation import resolve_eval_sample
 from fedcli.recipes import read_recipe
 from fedcli.recipes.reproduce import paper_recipes
-from fedcli.sweeps import expand, load_spec
+from fedcli.sweep.spec import expand, load_spec
 
 PAPER_SCALE = (
     "fedpa-table3-emnist",

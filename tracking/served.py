@@ -7,12 +7,12 @@ uint8 pixels -> floats in [0, 1]), so that `module(x)` on rows of the data set g
 logits fedcli evaluates.
 
 The MLflow mirror logs it as the run's MLflow model without pickling code
-(docs/architecture.md, "Security"): a pyfunc model from code (tracking/mlflow_model.py,
+(docs/architecture.md, "Security"): a pyfunc model from code (tracking/mlflow/model.py,
 MLflow's "models from code") whose one artifact, `served.pt`, holds the parameters and the
 names of the task and model in plain containers (`write_served`); loading it
 (`load_served`, `torch.load(weights_only=True)`) rebuilds the module through the task
 registry, the importable model factory (your own model: by importing its module again, with the
-factory arguments the run recorded, only once the loader allowed that code: datasets/code_trust.py;
+factory arguments the run recorded, only once the loader allowed that code: datasets/yours/trust.py;
 BatchNorm statistics from model.pt's `buffers`). `mlflow.pyfunc.load_model(uri).predict(rows)` gives
 the logits; `.unwrap_python_model().module` is the `nn.Module`.
 """
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 SERVED_FORMAT = 1  # served.pt: {"format", "params", "task", "model", "data_file"}; optional "model_args",
-# "model_sha256" (your own model: datasets/user_model.py) and "buffers" (BatchNorm statistics), None when absent
+# "model_sha256" (your own model: datasets/yours/model.py) and "buffers" (BatchNorm statistics), None when absent
 
 
 class ServedModel(nn.Module):
@@ -51,10 +51,10 @@ def served_model(params: Mapping[str, Tensor], task: str, model: str, data_file:
                  fix: str = "pass trust_code=True if you trust it") -> ServedModel:
     """The task's `model` module with `params` loaded, behind the task's `prepare`, in eval mode.
 
-    Your own model (`module:factory`, fedcli/datasets/user_model.py) is rebuilt by importing it
+    Your own model (`module:factory`, fedcli/datasets/yours/model.py) is rebuilt by importing it
     (it must be importable where the model is loaded) with the recorded factory arguments
     `model_args`; so is a data function `data_file` (`pkg.mod:fn`) called. Either is imported only
-    when datasets/code_trust.py `allow_code` lets it: `trust` (the caller's explicit opt-in, with
+    when datasets/yours/trust.py `allow_code` lets it: `trust` (the caller's explicit opt-in, with
     the recorded sha256 `model_sha256` / `data_sha256` matching) or the same code already imported
     in this process; else a ConfigError naming the code (`source`: what names it) and `fix`.
     A source already allowed whose sha256 differs from `model_sha256` is loaded with a warning.
@@ -66,9 +66,9 @@ def served_model(params: Mapping[str, Tensor], task: str, model: str, data_file:
         ConfigError: your model's module no longer imports, or it is not allowed to run (one line).
     """
     from fedcli.datasets.augment import parse, with_normalisation
-    from fedcli.datasets.code_trust import allow_code, recorded_code
     from fedcli.datasets.registry import resolve_task
-    from fedcli.datasets.user_model import check_source, is_reference
+    from fedcli.datasets.yours.model import check_source, is_reference
+    from fedcli.datasets.yours.trust import allow_code, recorded_code
 
     allow_code(recorded_code({"model": model, "model_sha256": model_sha256}, data_file=data_file,
                              data_sha256=data_sha256), source=source, fix=fix, trust=trust)
@@ -133,10 +133,10 @@ def load_served(path: str | Path, *, trust: bool | None = None, fix: str = LOADE
 
     User code it names (your model, a data function) is imported only with `trust` (the caller's
     opt-in; the recorded sha256 must match; None: FEDCLI_TRUST_CODE=1, the loader's opt-in, which
-    the copy of tracking/mlflow_model.py in a model logged before the opt-in existed relies on) or
+    the copy of tracking/mlflow/model.py in a model logged before the opt-in existed relies on) or
     when this process imported it already; else a ConfigError (one line: the code, and `fix`).
     """
-    from fedcli.datasets.code_trust import trusted_by_env
+    from fedcli.datasets.yours.trust import trusted_by_env
 
     trust = trusted_by_env() if trust is None else trust
     saved = torch.load(path, map_location="cpu", weights_only=True)

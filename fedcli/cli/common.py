@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from fedcli.config import RunConfig, TrackingConfig
+    from fedcli.config.sections import RunConfig, TrackingConfig
     from fedcli.engine.train import RunResult
-    from fedcli.tracking.mirror import MirrorHandle
+    from fedcli.tracking.mlflow.handle import MirrorHandle
     from fedcli.tracking.sinks import Tracker
-    from fedcli.tracking.store import RunRecord, SqlStore
+    from fedcli.tracking.store.records import RunRecord
+    from fedcli.tracking.store.sql_store import SqlStore
 
 
 class Scheme(str, Enum):
-    """Partition schemes (fedcli.config.SCHEMES) as a CLI choice."""
+    """Partition schemes (fedcli.config.sections.SCHEMES) as a CLI choice."""
 
     natural = "natural"
     iid = "iid"
@@ -57,8 +58,8 @@ def console() -> Console:
 def open_store(url: str, must_exist: bool = False) -> SqlStore:
     """Open the SQL results store at url (creates it, unless `must_exist`: then a missing file is an error)."""
     from fedcli.errors import ConfigError
-    from fedcli.tracking.mirror import sqlite_path
-    from fedcli.tracking.store import SqlStore
+    from fedcli.tracking.mlflow.checks import sqlite_path
+    from fedcli.tracking.store.sql_store import SqlStore
 
     path = sqlite_path(url)
     if must_exist and path is not None and not path.exists():
@@ -69,8 +70,8 @@ def open_store(url: str, must_exist: bool = False) -> SqlStore:
 
 def tracking_config(overrides: Mapping[str, Any]) -> TrackingConfig:
     """Build only the tracking section from dotted overrides (for commands that read the store)."""
-    from fedcli.config import TrackingConfig, build_section
-    from fedcli.config_checks import check_blank_tracking
+    from fedcli.config.checks import build_section, check_blank_tracking
+    from fedcli.config.sections import TrackingConfig
 
     values = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("tracking.") and v is not None}
     track: TrackingConfig = build_section("tracking", TrackingConfig, values)
@@ -80,10 +81,10 @@ def tracking_config(overrides: Mapping[str, Any]) -> TrackingConfig:
 
 def spawn_mirror(cfg: TrackingConfig, parent_run_id: str | None = None) -> MirrorHandle | None:
     """Start the run's MLflow mirror process now (it imports MLflow, writes nothing), unless --no-mlflow."""
-    from fedcli.tracking.mirror import MirrorHandle
+    from fedcli.tracking.mlflow.handle import MirrorHandle
 
     if not cfg.use_mlflow:
-        from fedcli.tracking.mirror_handle import discard_early
+        from fedcli.tracking.mlflow.handle import discard_early
 
         discard_early()  # `fedcli train` started one before it knew (tracking.use_mlflow: false in a config)
         return None
@@ -109,7 +110,7 @@ def check_mlflow(cfg: TrackingConfig, optional: bool) -> TrackingConfig:
     import logging
 
     from fedcli.errors import ConfigError
-    from fedcli.tracking.mirror import preflight
+    from fedcli.tracking.mlflow.checks import preflight
 
     if not cfg.use_mlflow:
         return cfg
@@ -167,7 +168,7 @@ def resume_hint(cfg: Any, run_id: str) -> str:
     resume = f"train --resume {run_id[:8]}{store_options(cfg)}"
     import shlex
 
-    from fedcli.datasets.code_trust import recorded_code
+    from fedcli.datasets.yours.trust import recorded_code
 
     for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file}):  # named again: allowed to run
         resume += f" --{'model' if code.what == 'model' else 'data'} {shlex.quote(code.ref)}"

@@ -74,7 +74,7 @@ def evaluate(
 
     Example: fedcli evaluate 3f2a9c --per-client --predictive ensemble --samples 32
     """
-    from fedcli.config import require_store
+    from fedcli.config.checks import require_store
     from fedcli.engine.evaluation import evaluate_split, resolve_eval_sample
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
@@ -122,10 +122,10 @@ def load_model(record: Any, db: Any, checkpoint: int | None, task: str | None, d
     The file is read without running code and checked against the run's row and state
     (fedcli.engine.checkpoint); one that does not fit is refused with one line (exit 2). User code
     the run's row names (its model, its data function) is imported only when `named` (--model,
-    --data) names it again or with `trust` (--trust-code; datasets/code_trust.py).
+    --data) names it again or with `trust` (--trust-code; datasets/yours/trust.py).
     """
-    from fedcli.config import resume_config
-    from fedcli.datasets.code_trust import allow_code, recorded_code, same_reference
+    from fedcli.config.build import resume_config
+    from fedcli.datasets.yours.trust import allow_code, recorded_code, same_reference
     from fedcli.engine import checkpoint as ckpt
     from fedcli.engine.setup import build
 

@@ -202,7 +202,7 @@ def run_rows(*, experiment: str | None, store: str | None, root: Path | None) ->
     those that differ from the algorithm's defaults (the table's hp column); both flattened
     (`key.sub`), values as strings.
     """
-    from fedcli.config import require_store, store_file
+    from fedcli.config.checks import require_store, store_file
     from fedcli.tracking.keys import flatten_config
 
     url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
@@ -243,7 +243,7 @@ def model_rows(**_: Any) -> list[dict[str, Any]]:
     """Models by name: each task's own (package fedcli, or the task plugin's) and the model plugins'
     (entry-point group fedcli.models: any task, `--model NAME`; docs/bring-your-own.md, "Plugins")."""
     from fedcli.datasets.registry import TASK_SOURCES, TASKS
-    from fedcli.datasets.user_model import model_plugins
+    from fedcli.datasets.yours.model import model_plugins
 
     own: dict[tuple[str, str], list[str]] = {}
     for task in TASKS.values():

@@ -48,15 +48,11 @@ def partition(
 
     Example: fedcli partition --dataset mnist --scheme dirichlet --alpha 0.1 --clients 10 --out mnist-dir01.json
     """
-    from fedcli.config import require_max_clients_support
-    from fedcli.datasets.partition import (
-        PartitionSpec,
-        check_unused_defaults,
-        make_partition,
-        plot_partition,
-        save_partition,
-        summarize,
-    )
+    from fedcli.config.checks import require_max_clients_support
+    from fedcli.datasets.partition.files import save_partition
+    from fedcli.datasets.partition.make import make_partition
+    from fedcli.datasets.partition.spec import PartitionSpec, check_unused_defaults
+    from fedcli.datasets.partition.summary import plot_partition, summarize
     from fedcli.datasets.tasks import TaskOptions
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
@@ -90,7 +86,7 @@ def partition(
 
 
 def _task(name: str):  # noqa: ANN202 - a fedcli.datasets.tasks.Task
-    from fedcli.config import suggest
+    from fedcli.config.checks import suggest
     from fedcli.datasets.registry import TASKS
 
     if name not in TASKS:

@@ -2,7 +2,7 @@
 
 A little over the 150-line budget of docs/style.md rule 1: the option list is the contract of
 docs/architecture.md §9, and the partition heatmap needs the data layer, which `fedcli.tracking` must
-not import; everything else is in `fedcli.tracking.report` and `fedcli.tracking.plots`.
+not import; everything else is in `fedcli.tracking.report` and `fedcli.tracking.report.plots`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fedcli.errors import ConfigError, FedcliError
 if TYPE_CHECKING:
     import numpy as np
 
-    from fedcli.tracking.report import Report
+    from fedcli.tracking.report.model import Report
 
 SELECT, TABLES = "Selection", "Tables"
 
@@ -70,11 +70,12 @@ def report(
 
     Example: fedcli report --experiment femnist --group-by algo --thresholds 0.84,0.86 --at 500,1500 --output report.md
     """
-    from fedcli.config import require_store
-    from fedcli.tracking import report as rep
+    from fedcli.config.checks import require_store
+    from fedcli.tracking.report.build import build_report
+    from fedcli.tracking.report.model import ReportSpec
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
-        spec = rep.ReportSpec(
+        spec = ReportSpec(
             experiments=tuple(experiment or ()), runs=parse_list("--runs", runs, "run"), where=parse_where(where or []),
             group_by=parse_list("--group-by", [group_by], "config key") if group_by is not None else None,
             metric=parse_metric(metric), thresholds=tuple(parse_numbers("--thresholds", thresholds, float)),
@@ -84,7 +85,7 @@ def report(
         check_output(output, "--output")  # before any work: a rejected report writes nothing
         url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
         require_store(url)
-        built = rep.build_report(open_store(url), spec)
+        built = build_report(open_store(url), spec)
         text = write_report(built, output, output_format, partition_heatmap)
     if output is None:
         typer.echo(text, nl=False)
@@ -160,21 +161,21 @@ def canonical_command(ctx: typer.Context) -> str:
 
 def write_report(built: Report, output: Path | None, output_format: Format, load_data: bool) -> str:
     """Render the report; with --output write it (and the markdown's PNGs) all or nothing."""
-    from fedcli.tracking import report as rep
-    from fedcli.tracking.plots import report_figures
+    from fedcli.tracking.report.render import render_csv, render_json, render_markdown
+    from fedcli.tracking.report.plots import report_figures
 
     if output_format is not Format.md:
-        text = rep.render_csv(built) if output_format is Format.csv else rep.render_json(built)
+        text = render_csv(built) if output_format is Format.csv else render_json(built)
         if output is not None:
             with all_or_nothing(output):
                 write_output(output, text, "--output")
         return text
     if output is None:
         console().print("no figures: pass --output FILE to write the PNGs beside the markdown.")
-        return rep.render_markdown(built, [])
+        return render_markdown(built, [])
     counts, title = partition_counts(built, load_data)
     with all_or_nothing(output), staging_dir(output, "--output") as staging:
-        text = rep.render_markdown(built, report_figures(built, staging / output.name, counts, title))
+        text = render_markdown(built, report_figures(built, staging / output.name, counts, title))
         write_output(output, text, "--output")
         publish(staging, output.parent, "--output")
     return text
@@ -187,7 +188,7 @@ def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None,
 
     import numpy as np
 
-    from fedcli.tracking.report import shared_partition
+    from fedcli.tracking.report.render import shared_partition
 
     shared = shared_partition(built)
     if shared is None:
@@ -200,10 +201,10 @@ def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None,
         built.notes.append(f"The runs share the {shared.get('partition.scheme')} partition of {shared['data.task']}; "
                            "its heatmap needs the data: add --partition-heatmap.")
         return None, ""
-    from fedcli.config import resume_config
-    from fedcli.datasets.code_trust import recorded_code
-    from fedcli.datasets.partition import label_histograms
+    from fedcli.config.build import resume_config
+    from fedcli.datasets.partition.summary import label_histograms
     from fedcli.datasets.registry import TASKS
+    from fedcli.datasets.yours.trust import recorded_code
     from fedcli.engine.setup import build
 
     stored = dict(built.groups[0].runs[0].config)

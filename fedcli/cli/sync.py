@@ -39,7 +39,8 @@ def sync(
 
     Example: fedcli sync --experiment demo
     """
-    from fedcli.tracking.mirror import Mirror, preflight, quiet_mlflow
+    from fedcli.tracking.mlflow.checks import preflight
+    from fedcli.tracking.mlflow.mirror import Mirror, quiet_mlflow
     from fedcli.tracking.urls import mask_url
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
@@ -53,7 +54,7 @@ def sync(
         if not trust_code:
             check_code(records, Path(cfg.root).resolve() / "runs")
         preflight(cfg.mlflow_uri)
-        import fedcli.tracking.mlflow_sink  # noqa: F401 - MLflow imported, then its INFO lines off (as in the mirror)
+        import fedcli.tracking.mlflow.sink  # noqa: F401 - MLflow imported, then its INFO lines off (as in the mirror)
 
         quiet_mlflow()
         copied = [record for record in records if record.status != "running" and Mirror(argparse.Namespace(
@@ -70,9 +71,9 @@ def check_code(records: list[Any], runs_dir: Path) -> None:
 
     Logging a run's MLflow model rebuilds its module (tracking/served.py), which imports your
     model's module and calls your data function: code a store row names, which runs only when
-    the user passes --trust-code (datasets/code_trust.py; docs/architecture.md, "Security").
+    the user passes --trust-code (datasets/yours/trust.py; docs/architecture.md, "Security").
     """
-    from fedcli.datasets.code_trust import allow_code, recorded_code
+    from fedcli.datasets.yours.trust import allow_code, recorded_code
     from fedcli.tracking.served import read_model_file
 
     for record in records:

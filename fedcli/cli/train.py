@@ -211,11 +211,11 @@ def train(
     """
     options = {name: value for name, value in locals().items() if name in OPTION_KEYS}  # the config keys' options
     if not no_mlflow and executor is not Executor.distributed:  # MLflow's import starts now, on an idle core
-        from fedcli.tracking.mirror_handle import spawn_early
+        from fedcli.tracking.mlflow.handle import spawn_early
 
         spawn_early()
-    if data is not None:  # a file as an absolute path, a function reference as given (datasets/user_data.py)
-        from fedcli.datasets.user_data import normalise
+    if data is not None:  # a file as an absolute path, a function reference as given (datasets/yours/data.py)
+        from fedcli.datasets.yours.data import normalise
 
         options["data"] = normalise(data)
     from fedcli.engine.lifecycle import GracefulSignals
@@ -228,7 +228,7 @@ def train(
             try:  # the imports too: a signal while they load (the first second) is a stop in the set-up
                 from fedcli.api_run import prepared_run, resolve_config
                 from fedcli.cli.common import console
-                from fedcli.config import parse_assignments
+                from fedcli.config.checks import parse_assignments
                 from fedcli.engine import distributed
                 from fedcli.engine.train import serve
                 from fedcli.errors import ConfigError

@@ -22,12 +22,12 @@ from fedcli.algorithms.base import Batch, Params
 from fedcli.datasets.federated import CohortData, FederatedData
 from fedcli.datasets.stock_layers import StockLayers, needs_stock_layers
 from fedcli.datasets.tasks import Task, TaskData, per_example_loss
-from fedcli.datasets.user_model import accepts_key, tracking
+from fedcli.datasets.yours.model import accepts_key, tracking
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.errors import ConfigError
 
 if TYPE_CHECKING:
-    from fedcli.config import RunConfig
+    from fedcli.config.sections import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData, bn_stats:
     """Build apply/loss functions around `model` with torch.func.functional_call.
 
     The dropout key goes to forward only when its signature names `key` (a user's model may not:
-    datasets/user_model.py). A model whose layers behave differently in training and evaluation
+    datasets/yours/model.py). A model whose layers behave differently in training and evaluation
     (BatchNorm, nn.Dropout) trains in train mode and is evaluated in eval mode. BatchNorm's
     running statistics (`bn_stats`, train.bn_stats; docs/bring-your-own.md, "BatchNorm"): `aggregate`
     and `local`, the clients carry them through their local steps (`ClientStats`; the server's
@@ -351,7 +351,7 @@ def _native_bf16_cpu() -> bool:
 
 def build_user_model(cfg: RunConfig, task: Task, data: TaskData, *, on_change: str = "refuse"
                      ) -> tuple[Task, nn.Module, RunConfig]:
-    """Your own model (`data.model` = `module:factory`, datasets/user_model.py), built and checked.
+    """Your own model (`data.model` = `module:factory`, datasets/yours/model.py), built and checked.
 
     Checks the source against the recorded sha256 (`on_change`: "refuse" for a run and its
     resume, "warn" for `fedcli evaluate`), calls the factory with the task's shape facts it
@@ -363,7 +363,7 @@ def build_user_model(cfg: RunConfig, task: Task, data: TaskData, *, on_change: s
     Raises:
         ConfigError: one line naming what failed and the fix.
     """
-    from fedcli.datasets import user_model
+    from fedcli.datasets.yours import model as user_model
 
     ref = str(cfg.data.model)
     user_model.check_source(ref, cfg.data.model_sha256, on_change=on_change)

@@ -20,7 +20,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import NamedTuple
 
-from fedcli.datasets.user_model import vmap_obstacle
+from fedcli.datasets.yours.model import vmap_obstacle
 from fedcli.engine.backends import (
     BackendInfo,
     BackendSetup,
@@ -54,7 +54,7 @@ def in_process(w: Workload) -> tuple[str, str]:
     """auto's in-process back end for the workload and why: the first of IN_PROCESS that takes it.
 
     A model whose training step vmap cannot run (your own model: the model check ran one vmapped
-    step of a cohort on a real batch when it was built, datasets/user_model.py) runs on the loop,
+    step of a cohort on a real batch when it was built, datasets/yours/model.py) runs on the loop,
     with the reason found, before anything is written. Where vmap would be chosen on a CPU but the
     cohort's estimated step (w.client_bytes x the cohort, engine/footprint.py) exceeds
     VMAP_CPU_BUDGET, the loop runs it, one client at a time, and the reason says so."""

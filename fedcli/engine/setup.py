@@ -23,12 +23,13 @@ import torch
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import Algorithm, OptimConfig
-from fedcli.config import RunConfig, make_hyperparameters
+from fedcli.config.checks import make_hyperparameters
+from fedcli.config.sections import RunConfig
 from fedcli.datasets import augment as augmentation
 from fedcli.datasets.federated import FederatedData, choose_store, federated_data
 from fedcli.datasets.registry import resolve_task
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions
-from fedcli.datasets.user_model import is_reference, vmap_obstacle
+from fedcli.datasets.yours.model import is_reference, vmap_obstacle
 from fedcli.engine import select
 from fedcli.engine.backends import BackendSetup, CohortBackend, Workload
 from fedcli.engine.cohort import RoundPlan
@@ -40,7 +41,7 @@ from fedcli.engine.seeding import Stream, derive_seed
 from fedcli.errors import ConfigError
 
 if TYPE_CHECKING:
-    from fedcli.datasets.partition import PartitionSpec
+    from fedcli.datasets.partition.spec import PartitionSpec
     from fedcli.engine.distributed import Peers
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ def client_partition(cfg: RunConfig, data: TaskData, name: str | None = None) ->
     A partition file must have been made for this data (its fingerprint is checked). A scheme
     is drawn from the run's seed; `natural` with --clients N keeps the first N natural clients.
     """
-    from fedcli.datasets.partition import PartitionSpec, load_partition, make_partition
+    from fedcli.datasets.partition.files import load_partition
+    from fedcli.datasets.partition.make import make_partition
+    from fedcli.datasets.partition.spec import PartitionSpec
 
     part, task = cfg.partition, name or cfg.data.task  # name: the resolved task's (byo-<name> for your data)
     if part.file is not None:
@@ -127,7 +130,7 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
                                             data_store=cfg.data.data_store))
     store = choose_store(cfg.data.data_store, data.x.nbytes + data.y.nbytes, data.store is not None)
     if store == "disk" and data.store is None:  # loaded in memory: written to a disk store once, reopened from it
-        from fedcli.datasets.diskstore import store_task_data
+        from fedcli.datasets.formats.diskstore import store_task_data
 
         data = store_task_data(data, f"task {task.name}")
     transforms = augmentation.parse(cfg.data.augment)  # crop / flip / normalize (docs/your-data.md, "Augmentation")
@@ -199,7 +202,7 @@ def bn_stats_of(cfg: RunConfig, alg: Algorithm, model: torch.nn.Module) -> str:
 DISK_EXECUTORS = ("loop", "vmap", "fused")  # back ends that read each round's batches from job.fns (CohortPlan.data)
 
 
-# A long-lived sweep worker's task data (fedcli/sweep_worker.py sets it to {}): None, the default, loads per run
+# A long-lived sweep worker's task data (fedcli/sweep/worker.py sets it to {}): None, the default, loads per run
 DATA_CACHE: dict[tuple[Any, ...], TaskData] | None = None
 
 

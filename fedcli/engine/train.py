@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from fedcli.algorithms.base import HyperparameterError
-from fedcli.config import RunConfig, run_tags
+from fedcli.config.build import run_tags
+from fedcli.config.sections import RunConfig
 from fedcli.datasets.tasks import data_record
 from fedcli.engine import checkpoint as ckpt
 from fedcli.engine.backends.distributed import serve as serve_slices
@@ -36,7 +37,8 @@ from fedcli.engine.model import final_buffers
 from fedcli.engine.rounds import CUMULATIVE, DivergenceError, EvalHook, ProgressFn, RoundLoop, Timing
 from fedcli.engine.setup import Setup, build
 from fedcli.errors import ConfigError, FedcliError
-from fedcli.tracking.store import RunTakenOver, SqlStore, StoreUnavailable
+from fedcli.tracking.store.common import RunTakenOver, StoreUnavailable
+from fedcli.tracking.store.sql_store import SqlStore
 
 if TYPE_CHECKING:
     from fedcli.tracking.sinks import Tracker
@@ -69,7 +71,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: ProgressFn | None = Non
     chunks), abandon the round in flight, checkpoint the last completed round and mark it
     `interrupted`; a signal after the last round lets it finish; checkpoints in the
     background with retention; any other failure marks it `failed`. `on_eval` (a sweep's pruning
-    hook, fedcli.sweep_search.make_on_eval): called after each evaluation round but the last; when it
+    hook, fedcli.sweep.search.make_on_eval): called after each evaluation round but the last; when it
     returns True the run stops there, checkpointed, and ends `pruned` (docs/sweeps.md, "Pruning").
 
     Raises:
@@ -237,7 +239,7 @@ def git_commit() -> str | None:
 
 def _save_partition(tracker: Tracker, run_dir: Path, setup: Setup) -> None:
     """Keep the run's client partition beside it (and in MLflow) so reports and reruns can share it."""
-    from fedcli.datasets.partition import save_partition
+    from fedcli.datasets.partition.files import save_partition
 
     if setup.partition is None or setup.partition_spec is None:
         return

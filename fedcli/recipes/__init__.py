@@ -2,7 +2,7 @@
 
 `fedcli sweep --list-recipes` lists them, `fedcli sweep --recipe NAME` runs one and writes its
 report, `make reproduce` runs them all into reproductions/ (docs/reproductions.md). A recipe is
-a sweep spec (fedcli.sweeps) with three more keys:
+a sweep spec (fedcli.sweep) with three more keys:
 
 - `paper`: the claim it reruns (paper, table or figure), shown by --list-recipes;
 - `smoke`: overrides for `--smoke`, the seconds-long version `make test` runs so recipes do not
@@ -11,8 +11,8 @@ a sweep spec (fedcli.sweeps) with three more keys:
 - `study`: instead of training runs, a computation on a closed-form problem (fedcli.studies);
 - `data` (paper-scale recipes, issue 32): `{source: where the files come from, generate: {format,
   clients, mean_size}}`. The files are not bundled: the recipe runs on `--data-dir`; its `--smoke`
-  without `--data-dir` writes a small federation in the same format (fedcli.datasets.generate)
-  under <root>/smoke-data/ and runs on that. `--dry-run` probes its trials (fedcli.sweep_estimate);
+  without `--data-dir` writes a small federation in the same format (fedcli.datasets.formats.generate)
+  under <root>/smoke-data/ and runs on that. `--dry-run` probes its trials (fedcli.sweep.estimate);
   `make reproduce` skips these recipes unless `--only` names them.
 """
 
@@ -36,7 +36,7 @@ def read_recipe(name: str) -> dict[str, Any]:
     path = RECIPE_DIR / f"{name}.yaml"
     if not path.is_file():
         raise KeyError(name)
-    from fedcli.config_checks import load_yaml
+    from fedcli.config.checks import load_yaml
 
     return load_yaml(path.read_text(), f"recipe {path}")
 
@@ -53,7 +53,7 @@ def smoke_data(spec: Mapping[str, Any], root: Path) -> Path | None:
     if not isinstance(gen, Mapping) or not {"format", "clients"} <= gen.keys():
         raise ConfigError(f"data.generate must be a mapping with format and clients, e.g. {{format: emnist, "
                           f"clients: 12, mean_size: 8}}; got {gen!r}.")
-    from fedcli.datasets.generate import generate
+    from fedcli.datasets.formats.generate import generate
 
     folder = Path(root) / "smoke-data" / str(spec["experiment"])
     done = folder / ".generated"

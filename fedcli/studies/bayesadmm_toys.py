@@ -23,7 +23,7 @@ fedadmm.server_update.
 Deviations:
   Fig. 3b data: the released code uses the first 500 MNIST *training* images (7 x 7, one-hot targets);
   fedcli bundles only the official test set, so this uses the first 500 images of the bundled training
-  split (datasets/mnist.py) and its own exact optimum; the code's reference objective 161.1069 belongs to
+  split (datasets/bundled/mnist.py) and its own exact optimum; the code's reference objective 161.1069 belongs to
   other data. Metric: F at the server mean (the code evaluates client 1's mean).
   Fig. 3b BayesADMM: Prop. 3.2's setting (server at the prior delta I, exact client solves); the released
   code starts the server at S = I and runs 50 VON steps of size 0.2 / (1 + 0.1 t) (inexact). The S = I

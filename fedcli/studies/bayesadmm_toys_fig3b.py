@@ -38,7 +38,7 @@ class Ridge(NamedTuple):
 
 def ridge_problem(count: int, side: int, delta: float = 25.0) -> Ridge:
     """First `count` images of the bundled MNIST training split, side x side (nearest), K = 5 class pairs."""
-    from fedcli.datasets.mnist import load_bundled
+    from fedcli.datasets.bundled.mnist import load_bundled
 
     images, labels, _, _ = load_bundled()
     raw = torch.tensor(images[:count], dtype=F64)[:, None] / 255.0

@@ -20,7 +20,7 @@ Size: ~300 lines, over the ~250 of a study: it also holds the least-squares clie
 fedpa_table1 reuses (least_squares_loss, lsq_context), the exact-sample reference and seven checks.
 Deviations:
   Paper: make_regression data, d = 10, 100, 1000; lr, batch, steps per sample, noise, repeats not
-  stated. Here: datasets/synthetic.make_least_squares (per-feature scales and shifts: a
+  stated. Here: datasets/bundled/synthetic.make_least_squares (per-feature scales and shifts: a
   non-identity A, where FedAvg's identity covariance is biased), d = 10 (+ ones column) only
   (minutes on 2 CPU cores; at d = 100 this A's condition number ~1e4 would need far longer
   runs), B = 10 (Fig. 4's batch), K = 50, lr 0.02, s = sqrt(B K), R = 32.
@@ -45,7 +45,7 @@ from torch import Tensor
 from fedcli.algorithms import fedpa
 from fedcli.algorithms.base import Batch, ClientContext, OptimConfig, Params
 from fedcli.algorithms.optim import local_sgd
-from fedcli.datasets.synthetic import make_least_squares
+from fedcli.datasets.bundled.synthetic import make_least_squares
 from fedcli.engine.seeding import Stream, numpy_rng, torch_generator
 from fedcli.studies.common import check_line, figure, markdown_table, save_figure, write_report
 

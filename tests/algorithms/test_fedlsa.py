@@ -22,8 +22,8 @@ from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS, fedavg, fedlsa, scafflsa, scaffold
 from fedcli.algorithms.base import Batch, ClientContext, ClientOut, HyperparameterError, OptimConfig
-from fedcli.config import build_config
-from fedcli.datasets import garnet
+from fedcli.config.build import build_config
+from fedcli.datasets.bundled import garnet
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
 from fedcli.engine.clientstate import ClientStateStore

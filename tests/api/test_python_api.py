@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 TINY = dict(task="lsq", clients_per_round=4, no_mlflow=True)  # 20 clients, 11 parameters: rounds take milliseconds
 SMALL = dict(task="synthetic-iid", clients_per_round=5, no_mlflow=True)  # classification: accuracy is logged
@@ -184,7 +184,7 @@ def test_two_trainings_in_one_process_leave_it_as_they_found_it(tmp_path: Path) 
 
 def test_your_model_file_and_a_torch_dataset_train_through_the_api(tmp_path: Path) -> None:
     """A model factory in a file of the user's and a map-style torch Dataset with a client id per example
-    (fedcli.datasets.user_model / user_data do the work; the API passes them through)."""
+    (fedcli.datasets.yours.model / user_data do the work; the API passes them through)."""
     (tmp_path / "mynet.py").write_text(textwrap.dedent("""
         from torch import nn
 

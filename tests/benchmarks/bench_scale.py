@@ -6,7 +6,7 @@
 Parts (each runs when the feature it measures exists, else its section says "not available"):
 
 - ``so``: a 342,477-client StackOverflow-format federation (TFF h5 layout, lognormal client sizes,
-  written by ``python -m fedcli.datasets.generate``) against a 3,400-client one with the same size
+  written by ``python -m fedcli.datasets.formats.generate``) against a 3,400-client one with the same size
   distribution: FedAvg and FedPA, 3 rounds of 50 clients on stackoverflow-nwp with ``--data-store
   disk``: the cache build (time, size), launch to round 1 with a warm cache, and the peak RSS of the
   whole process tree (targets: <= 4 GB, <= 1.5x the 3,400-client run, launch to round 1 <= 60 s).
@@ -169,7 +169,7 @@ def gen(fmt: str, clients: int, out: Path, **kw: Any) -> dict[str, Any]:
     marker = out / ".done.json"
     if marker.exists():
         return dict(json.loads(marker.read_text()))
-    from fedcli.datasets.generate import generate
+    from fedcli.datasets.formats.generate import generate
 
     started = time.perf_counter()
     summary = generate(fmt, clients, out, 0, quiet=True, **kw)
@@ -279,7 +279,7 @@ def part_state(work: Path, rounds: int) -> dict[str, Any]:
         kroot = work / f"runs-state-{algo}-killed"
         killed = train({**base, "root": str(kroot)}, kill_after_round=max(1, rounds // 2), timeout=7200)
         resumed: dict[str, Any] = {}
-        from fedcli.tracking.store import SqlStore
+        from fedcli.tracking.store.sql_store import SqlStore
 
         ids = [r.id for r in SqlStore(f"sqlite:///{kroot / 'fedcli.db'}").list_runs()]
         if ids:

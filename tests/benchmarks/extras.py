@@ -29,10 +29,11 @@ import torch
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import Batch, ClientContext, tree_nbytes
-from fedcli.config import build_config, make_hyperparameters
+from fedcli.config.build import build_config
+from fedcli.config.checks import make_hyperparameters
 from fedcli.datasets import models
+from fedcli.datasets.bundled.femnist import FEMNIST
 from fedcli.datasets.federated import FederatedData
-from fedcli.datasets.femnist import FEMNIST
 from fedcli.datasets.tasks import Task, TaskData
 from fedcli.engine.backends.vmap import VmapBackend
 from fedcli.engine.clientstate import ClientStateStore
@@ -93,7 +94,7 @@ def _cli_round_times(args: list[str], root: Path) -> list[float]:
     import subprocess
     import sys
 
-    from fedcli.tracking.store import SqlStore
+    from fedcli.tracking.store.sql_store import SqlStore
 
     proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), *args],
                           capture_output=True, text=True, timeout=1800)

@@ -26,7 +26,7 @@ LR, BATCH = 0.01, 20
 
 
 def femnist():  # noqa: ANN201 - (task, xs, ys), decoded once per process
-    import fedcli.datasets.femnist as module  # a real module: its attributes survive Ray's pickling
+    import fedcli.datasets.bundled.femnist as module  # a real module: its attributes survive Ray's pickling
     from fedcli.datasets.registry import TASKS
     from fedcli.datasets.tasks import TaskOptions
 

@@ -4,7 +4,7 @@ Two modes (figures in docs/scaling.md, "Client state"):
 
     python -m tests.benchmarks.state_store run --data-dir DIR --root ROOT [fedcli train options...]
         `fedcli train --task emnist` on DIR (a TFF-format federation, e.g. from
-        `python -m fedcli.datasets.generate emnist --clients 3400 --mean-size 20 --sigma 0`) as a
+        `python -m fedcli.datasets.formats.generate emnist --clients 3400 --mean-size 20 --sigma 0`) as a
         subprocess, sampling the summed RSS of its process tree every 0.2 s; then the bytes each
         checkpoint wrote (its round-NNNNNN.pt and round-NNNNNN.clients.npy; pass
         --keep-checkpoints large so none is pruned). Prints one JSON line. The options this harness
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> dict[str, object]:
 def interleaved(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
-    from fedcli.config import build_config
+    from fedcli.config.build import build_config
     from fedcli.engine.clientstate import ClientStateStore
     from fedcli.engine.rounds import Timing, run_round
     from fedcli.engine.setup import build
@@ -188,7 +188,7 @@ def probe(args: argparse.Namespace) -> dict[str, object]:
 
     import torch
 
-    from fedcli.config import build_config
+    from fedcli.config.build import build_config
     from fedcli.engine.checkpoint import CheckpointWriter
     from fedcli.engine.clientstate import ClientStateStore
     from fedcli.engine.rounds import Timing, run_round

@@ -16,15 +16,15 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.datasets import augment
-from fedcli.datasets.user_data import data_ref
+from fedcli.datasets.yours.data import data_ref
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.evaluation import evaluate
 from fedcli.engine.rounds import Timing, run_round
 from fedcli.engine.setup import build
 from fedcli.errors import ConfigError
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 
 def images(n: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

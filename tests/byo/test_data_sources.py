@@ -22,15 +22,15 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from fedcli.config import build_config
-from fedcli.datasets.byo import byo_task
+from fedcli.config.build import build_config
 from fedcli.datasets.tasks import TaskOptions
-from fedcli.datasets.user_data import data_ref
+from fedcli.datasets.yours.data import data_ref
+from fedcli.datasets.yours.files import byo_task
 from fedcli.engine.setup import build
 from fedcli.engine.train import train as run_training
 from fedcli.errors import ConfigError, DataError
 from fedcli.tracking.sinks import Tracker
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -259,7 +259,7 @@ def test_pil_images_and_hf_image_columns_are_read_channels_first() -> None:
     as [N, H, W, C]: both become uint8 [N, C, H, W] (scaled by 1/255 like an .npz's uint8 images)."""
     from PIL import Image
 
-    from fedcli.datasets.user_data import materialise
+    from fedcli.datasets.yours.data import materialise
 
     hf = hf_datasets()
     pixels = np.random.default_rng(0).integers(0, 256, (4, 6, 5, 3), dtype=np.uint8)

@@ -20,9 +20,9 @@ import torch
 
 import fedcli
 from fedcli.api import live_model
-from fedcli.datasets.mnist import read_idx_pair
+from fedcli.datasets.bundled.mnist import read_idx_pair
 from fedcli.errors import ConfigError
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -236,7 +236,7 @@ def test_resume_in_another_process_names_what_it_needs(tmp_path: Path, tiny: Pat
     assert "python:digits@" in lines[0] and "pass the same object to fedcli.train again" in lines[0]
     assert SqlStore(f"sqlite:///{root / 'fedcli.db'}").get_run(run.id).status == before
     # in this process, the same data named again (docs/your-data.md, "Names and fingerprints") resumes it
-    from fedcli.datasets.user_data import data_ref
+    from fedcli.datasets.yours.data import data_ref
 
     assert data_ref(Digits(str(tiny))) == run.config["data"]["file"]
     resumed = fedcli.train(root=root, resume=run.id, rounds=2, no_mlflow=True)

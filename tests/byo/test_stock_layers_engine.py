@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fedcli.datasets.stock_layers import StockLayers, needs_stock_layers
-from fedcli.datasets.user_model import check_model, vmap_obstacle
+from fedcli.datasets.yours.model import check_model, vmap_obstacle
 from tests.byo.test_user_model import fedcli, final_params, reference_and_killed, store
 
 MODELS = """

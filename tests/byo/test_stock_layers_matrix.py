@@ -30,9 +30,9 @@ import pytest
 import torch
 
 import fedcli
-from fedcli.datasets.mnist import read_idx_pair
+from fedcli.datasets.bundled.mnist import read_idx_pair
 from fedcli.errors import ConfigError
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 from tests.byo.stock_models import MODELS
 
 REPO = Path(__file__).resolve().parents[2]

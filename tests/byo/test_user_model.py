@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 HAR_NET = '''
 import torch
@@ -363,7 +363,7 @@ def test_model_reference_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     """Built-in names pass; a file path becomes absolute; a module of the working directory is
     recorded by its file; an importable function by module:qualname; `__main__`, local objects
     and built modules are refused with the fix."""
-    from fedcli.datasets.user_model import model_reference
+    from fedcli.datasets.yours.model import model_reference
     from fedcli.errors import ConfigError
 
     write(tmp_path, "mynet.py", HAR_NET)
@@ -389,7 +389,8 @@ def test_built_in_model_configs_keep_their_hash() -> None:
     user model's source hash is part of it."""
     import dataclasses
 
-    from fedcli.config import build_config, config_hash_of
+    from fedcli.config.build import build_config
+    from fedcli.config.sections import config_hash_of
 
     cfg = build_config(overrides={"data.task": "femnist", "data.model": "mlp"})
     doc = cfg.to_dict()
@@ -450,7 +451,7 @@ def test_an_edited_model_is_imported_again_in_a_long_lived_process(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A sweep worker runs many trials in one process: after the model's source changes, the next
     build imports the new code (file and module forms), so the code that runs is the code hashed."""
-    from fedcli.datasets.user_model import load_factory
+    from fedcli.datasets.yours.model import load_factory
 
     monkeypatch.syspath_prepend(str(tmp_path))
     path = write(tmp_path, "editednet.py", "def width():\n    return 1\n")
@@ -465,7 +466,7 @@ def test_an_edited_model_is_imported_again_in_a_long_lived_process(tmp_path: Pat
 def test_a_model_no_longer_importable_is_one_line(tmp_path: Path) -> None:
     """The MLflow model's loader (tracking/served.py) and `build_config` (for --resume and evaluate)
     name a module that no longer imports, or a file that is gone, in one line."""
-    from fedcli.config import build_config
+    from fedcli.config.build import build_config
     from fedcli.errors import ConfigError
     from fedcli.tracking.served import served_model
 

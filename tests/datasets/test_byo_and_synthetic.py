@@ -9,11 +9,11 @@ import pandas as pd
 import pytest
 import torch
 
-from fedcli.datasets.byo import byo_task
-from fedcli.datasets.fedprox_synthetic import generate_synthetic
-from fedcli.datasets.quadratic import QUADRATIC_2D, quadratic_clients
+from fedcli.datasets.bundled.fedprox_synthetic import generate_synthetic
+from fedcli.datasets.bundled.quadratic import QUADRATIC_2D, quadratic_clients
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
+from fedcli.datasets.yours.files import byo_task
 from fedcli.errors import ConfigError, DataError
 
 

@@ -1,7 +1,7 @@
 """The disk data store (issue 32 item 1): same results as memory, streamed TFF files, safe builds.
 
 Real files throughout: the bundled FEMNIST / MNIST, TFF h5 federations written by
-`python -m fedcli.datasets.generate`'s `generate`, stores built by real subprocesses (two at
+`python -m fedcli.datasets.formats.generate`'s `generate`, stores built by real subprocesses (two at
 once, one killed with SIGKILL), a 2 MiB tmpfs for the full disk (skipped where it cannot be
 mounted) and the `fedcli` CLI for the one-line errors.
 """
@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedcli.config import build_config
-from fedcli.datasets import diskstore
+from fedcli.config.build import build_config
+from fedcli.datasets.bundled.stackoverflow import lr_example, lr_rows, nwp_ids, nwp_rows
 from fedcli.datasets.federated import DiskData, MemoryData
-from fedcli.datasets.generate import generate
+from fedcli.datasets.formats import diskstore
+from fedcli.datasets.formats.generate import generate
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
-from fedcli.datasets.tff_h5 import lr_example, lr_rows, nwp_ids, nwp_rows
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.evaluation import evaluate
 from fedcli.engine.rounds import Timing, run_round
@@ -168,8 +168,8 @@ def test_cli_train_and_evaluate_take_data_store_recorded_with_the_run(tmp_path: 
     )
     assert trained.returncode == 0, trained.stderr
     assert [p for p in cache.iterdir() if not p.name.startswith(".")]  # the store the run read
-    from fedcli.config import config_hash_of
-    from fedcli.tracking.store import SqlStore
+    from fedcli.config.sections import config_hash_of
+    from fedcli.tracking.store.sql_store import SqlStore
 
     with SqlStore(f"sqlite:///{root / 'fedcli.db'}") as db:
         record = db.get_run("ondisk")
@@ -408,7 +408,7 @@ BUILDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import numpy as np
-    from fedcli.datasets import diskstore
+    from fedcli.datasets.formats import diskstore
 
     root, mode = Path(sys.argv[1]), sys.argv[2]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcli.datasets import garnet
+from fedcli.datasets.bundled import garnet
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions, per_example_loss
 

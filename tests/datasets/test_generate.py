@@ -1,4 +1,4 @@
-"""datasets/generate.py: synthetic federations in the real formats load with fedcli's own loaders."""
+"""datasets/formats/generate.py: synthetic federations in the real formats load with fedcli's own loaders."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedcli.datasets.generate import DEFAULTS, Joiner, client_sizes, generate
+from fedcli.datasets.formats.generate import DEFAULTS, Joiner, client_sizes, generate
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
 
@@ -107,7 +107,7 @@ def test_cli_writes_files_and_rejects_bad_input(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "fedcli.datasets.generate",
+            "fedcli.datasets.formats.generate",
             "emnist",
             "--clients",
             "5",
@@ -127,7 +127,7 @@ def test_cli_writes_files_and_rejects_bad_input(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "fedcli.datasets.generate",
+            "fedcli.datasets.formats.generate",
             "emnist",
             "--clients",
             "0",

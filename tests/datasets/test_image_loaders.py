@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedcli.datasets.femnist import verify_checksums
-from fedcli.datasets.mnist import BUNDLED_DIR, MNIST, read_idx
+from fedcli.datasets.bundled.femnist import verify_checksums
+from fedcli.datasets.bundled.mnist import BUNDLED_DIR, MNIST, read_idx
+from fedcli.datasets.bundled.tff_images import CIFAR100, EMNIST
+from fedcli.datasets.bundled.torchvision_sources import CIFAR10, FASHION_MNIST, read_cifar_batch
+from fedcli.datasets.formats.tff_h5 import read_tff_h5
 from fedcli.datasets.tasks import TaskOptions
-from fedcli.datasets.tff_h5 import CIFAR100, EMNIST, read_tff_h5
-from fedcli.datasets.torchvision_sources import CIFAR10, FASHION_MNIST, read_cifar_batch
 from fedcli.errors import DataError
 from tests.datasets._format_writers import write_cifar_batch, write_idx, write_mnist_folder, write_tff_h5
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fedcli.datasets import models
-from fedcli.datasets.tff_h5 import bag_of_words
+from fedcli.datasets.bundled.stackoverflow import bag_of_words
 
 
 @pytest.mark.parametrize("build, count", [

@@ -14,18 +14,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fedcli.datasets.partition import (
-    SCHEMES,
-    PartitionSpec,
-    label_histograms,
-    load_partition,
-    make_partition,
-    partition_figure,
-    plot_partition,
-    primary_tags,
-    save_partition,
-    summarize,
-)
+from fedcli.datasets.partition.files import load_partition, save_partition
+from fedcli.datasets.partition.make import make_partition
+from fedcli.datasets.partition.schemes import primary_tags
+from fedcli.datasets.partition.spec import SCHEMES, PartitionSpec
+from fedcli.datasets.partition.summary import label_histograms, partition_figure, plot_partition, summarize
 from fedcli.errors import ConfigError
 
 FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -206,7 +199,7 @@ def test_spec_validation_messages(kwargs: dict[str, object], message: str) -> No
 
 
 def test_schemes_match_the_config() -> None:
-    from fedcli.config import SCHEMES as CONFIG_SCHEMES
+    from fedcli.config.sections import SCHEMES as CONFIG_SCHEMES
 
     assert SCHEMES == CONFIG_SCHEMES
 

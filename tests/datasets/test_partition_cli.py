@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.datasets.partition import load_partition
+from fedcli.datasets.partition.files import load_partition
 
 RUNNER = CliRunner()
 
@@ -63,7 +63,7 @@ def test_same_seed_same_bytes_and_train_can_load_it(tmp_path: Path) -> None:
     assert RUNNER.invoke(app, [*args, str(tmp_path / "a.json")]).exit_code == 0
     assert RUNNER.invoke(app, [*args, str(tmp_path / "b.json")]).exit_code == 0
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
-    from fedcli.datasets.mnist import MNIST
+    from fedcli.datasets.bundled.mnist import MNIST
     from fedcli.datasets.tasks import TaskOptions
 
     clients, spec = load_partition(tmp_path / "a.json", dataset="mnist", fingerprint=MNIST.load(TaskOptions()).fingerprint)

@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.config import build_config, make_hyperparameters
+from fedcli.config.build import build_config
+from fedcli.config.checks import make_hyperparameters
 from fedcli.datasets import metrics
+from fedcli.datasets.bundled.stackoverflow import BOS, EOS, OOV, PAD
 from fedcli.datasets.federated import FederatedData
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
-from fedcli.datasets.tff_h5 import BOS, EOS, OOV, PAD
 from fedcli.engine.backends.vmap import VmapBackend
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.evaluation import evaluate

@@ -12,13 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from fedcli.datasets.har import HAR
-from fedcli.datasets.mulan import BIBTEX, load_mulan
-from fedcli.datasets.sent140 import SENT140
-from fedcli.datasets.shakespeare import ALL_LETTERS, SHAKESPEARE
+from fedcli.datasets.bundled.har import HAR
+from fedcli.datasets.bundled.mulan import BIBTEX, load_mulan
+from fedcli.datasets.bundled.sent140 import SENT140
+from fedcli.datasets.bundled.shakespeare import ALL_LETTERS, SHAKESPEARE
+from fedcli.datasets.bundled.stackoverflow import (
+    BOS,
+    EOS,
+    OOV,
+    PAD,
+    STACKOVERFLOW_LR,
+    STACKOVERFLOW_NWP,
+    bag_of_words,
+)
+from fedcli.datasets.bundled.vehicle import VEHICLE
 from fedcli.datasets.tasks import TaskOptions
-from fedcli.datasets.tff_h5 import BOS, EOS, OOV, PAD, STACKOVERFLOW_LR, STACKOVERFLOW_NWP, bag_of_words
-from fedcli.datasets.vehicle import VEHICLE
 from fedcli.errors import DataError
 from tests.datasets._format_writers import SHARED_DATA, write_leaf, write_stackoverflow
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedcli.api_run import resolve_config
-from fedcli.datasets.generate import generate
+from fedcli.datasets.formats.generate import generate
 from fedcli.engine.footprint import VMAP_CPU_BUDGET, client_step_bytes, vmap_too_big
 from fedcli.engine.setup import build
 

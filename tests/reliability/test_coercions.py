@@ -47,7 +47,7 @@ def partition(**edits: object) -> Callable[[Path], None]:
     """A valid-looking lsq partition file (p.json) with `edits` applied and its content hash recomputed,
     so the check under test is the one that fires (an edited file otherwise fails its hash first)."""
     def make(d: Path) -> None:
-        from fedcli.datasets.partition_files import _canonical
+        from fedcli.datasets.partition.files import _canonical
 
         doc: dict = {"format": "fedcli-partition", "version": 1, "dataset": "lsq", "fingerprint": "0" * 64,
                      "spec": {"scheme": "iid", "num_clients": 2}, "num_examples": 20, "num_clients": 2,
@@ -364,7 +364,7 @@ def test_python_data_objects_are_not_cast(data: object, options: dict, message: 
     (dict(x=[5]), "x must be a column name (str) or a list of column names; got int 5."),
 ])
 def test_data_ref_argument_types(options: dict, message: str, workdir: Path) -> None:  # noqa: F811
-    from fedcli.datasets.user_data import data_ref
+    from fedcli.datasets.yours.data import data_ref
 
     with pytest.raises(ConfigError) as info:
         data_ref(TENSORS, **options)
@@ -405,7 +405,7 @@ def test_nan_from_round_0_is_the_documented_divergence(workdir: Path) -> None:  
     """A model whose output is NaN before any training: the divergence line, exit 2, the run `failed` at
     round 0 (was an 85-line NonFiniteMetricsError traceback from the store's write of round 0)."""
     from fedcli.engine.rounds import DivergenceError
-    from fedcli.tracking.store import SqlStore
+    from fedcli.tracking.store.sql_store import SqlStore
 
     (workdir / "nan_model.py").write_text(NAN_MODEL)
     np.savez(workdir / "d.npz", x=X20, y=Y20)

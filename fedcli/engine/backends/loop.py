@@ -1,7 +1,7 @@
 """`loop`: the cohort client by client, each on its own unpadded plan; the reference.
 
 Runs any algorithm on any model (a model whose training step does not run under vmap too: the
-model check, datasets/user_model.py, sends it here). With --compile each client's gradient step is
+model check, datasets/yours/model.py, sends it here). With --compile each client's gradient step is
 compiled once (local.CompiledStep) for algorithms that declare their local training; without it
 their gradients come from torch.autograd (local.eager_train_local: bit-equal to torch.func.grad and
 cheaper outside vmap).

@@ -47,7 +47,7 @@ from torch import Tensor
 from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
 from fedcli.datasets import augment as augmentation
 from fedcli.datasets.federated import FederatedData
-from fedcli.datasets.user_data import shipped
+from fedcli.datasets.yours.data import shipped
 from fedcli.engine.backends import BackendInfo, BackendSetup, CohortBackend, Workload
 from fedcli.engine.backends.inprocess import IN_PROCESS
 from fedcli.engine.cohort import (
@@ -62,7 +62,7 @@ from fedcli.engine.model import ModelFunctions, model_functions, with_precision
 from fedcli.errors import FedcliError
 
 if TYPE_CHECKING:
-    from fedcli.config import RunConfig
+    from fedcli.config.sections import RunConfig
 
 _ALIGN = 64  # bytes; every tensor in an arena starts on a cache line (and any dtype's alignment)
 _MIN_ARENA = 1 << 20
@@ -136,7 +136,7 @@ class WorkerSpec:
     y: Tensor
     client_indices: list[np.ndarray]
     inner: str  # the in-process back end for a slice: fused | vmap | loop
-    user_data: Any = None  # a data object's or function's tensors (datasets/user_data.py); None for a file or task
+    user_data: Any = None  # a data object's or function's tensors (datasets/yours/data.py); None for a file or task
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,12 @@ class Bound:
 def worker_functions(spec: WorkerSpec) -> Bound:
     """Build the algorithm, model functions, hyperparameters, optimiser settings and back end of a spec."""
     from fedcli.algorithms import ALGORITHMS
-    from fedcli.config import make_hyperparameters
+    from fedcli.config.checks import make_hyperparameters
     from fedcli.datasets.registry import resolve_task
 
     cfg, cpu = spec.cfg, torch.device("cpu")
     if spec.user_data is not None:  # the parent's materialised data: never reloaded, never a Python object here
-        from fedcli.datasets.user_data import register
+        from fedcli.datasets.yours.data import register
 
         register(cfg.data.file, spec.user_data)
     task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file, cfg.data.model_args)

@@ -52,10 +52,10 @@ Deviations (Paper/code: ... / Here: ...):
   client's indices are returned sorted (NIID-Bench shuffles them; batch order is the
   engine's job).
 
-Layout (import from here; this module re-exports the others' public names): `partition_spec`
-(PartitionSpec and its checks), `partition_schemes` (the partitioners above, and the label
-helpers), `partition_summary` (statistics and the figure), `partition_files` (partition files);
-`make_partition`, here, dispatches a spec to its partitioner. None of them imports this module.
+Layout (datasets/partition/): `spec` (PartitionSpec and its checks), `schemes` (the
+partitioners above, and the label helpers), `summary` (statistics and the figure), `files`
+(partition files); `make_partition`, here, dispatches a spec to its partitioner. None of them
+imports this module; import each name from the module that defines it.
 """
 
 from __future__ import annotations
@@ -64,48 +64,19 @@ import logging
 
 import numpy as np
 
-from fedcli.datasets.partition_files import (
-    FORMAT,
-    FORMAT_VERSION,
-    check_partition_file,
-    load_partition,
-    save_partition,
-)
-from fedcli.datasets.partition_schemes import (
+from fedcli.datasets.partition.schemes import (
     balanced_dirichlet,
     class_labels,
     dirichlet_label_skew,
     iid_partition,
     labels_per_client_partition,
     natural_partition,
-    primary_tags,
     quantity_skew,
     shard_partition,
     two_level_dirichlet,
 )
-from fedcli.datasets.partition_spec import (
-    ALPHA_MAX,
-    INT_MAX,
-    LABEL_SCHEMES,
-    MIN_SIZE_SCHEMES,
-    SCHEMES,
-    PartitionSpec,
-    check_unused_defaults,
-)
-from fedcli.datasets.partition_summary import (
-    PartitionSummary,
-    label_histograms,
-    partition_figure,
-    plot_partition,
-    summarize,
-)
+from fedcli.datasets.partition.spec import LABEL_SCHEMES, PartitionSpec
 from fedcli.errors import ConfigError
-
-__all__ = ["ALPHA_MAX", "FORMAT", "FORMAT_VERSION", "INT_MAX", "LABEL_SCHEMES", "MIN_SIZE_SCHEMES", "SCHEMES",
-           "PartitionSpec", "PartitionSummary", "balanced_dirichlet", "check_partition_file", "check_unused_defaults",
-           "class_labels", "dirichlet_label_skew", "iid_partition", "label_histograms", "labels_per_client_partition",
-           "load_partition", "make_partition", "natural_partition", "partition_figure", "plot_partition",
-           "primary_tags", "quantity_skew", "save_partition", "shard_partition", "summarize", "two_level_dirichlet"]
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ Recorded with the run: the reference, `data.model_sha256` (sha256 of the module'
 `source_sha256`) and `data.model_args` (the JSON of the keyword arguments given). Importing a
 user's module runs its code: that is what the user asked for by naming it. A reference read
 back (model.pt, served.pt, a store row, an Optuna trial) is imported only after
-datasets/code_trust.py `allow_code` let it (docs/architecture.md, "Security").
+datasets/yours/trust.py `allow_code` let it (docs/architecture.md, "Security").
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def model_reference(model: Any, *, base: Path | None = None) -> str:
                               "'path/to/file.py:Name' (or import it from there and pass the object).")
         model = f"{module}:{qual}"
     if not is_reference(model):
-        return model  # a name: the task's own model, else a model plugin's (fedcli/config_checks.py record_model_source)
+        return model  # a name: the task's own model, else a model plugin's (fedcli/config/checks.py record_model_source)
     target, _, attr = model.rpartition(":")
     if not target or not attr:
         raise ConfigError(f"data.model {model!r} must read 'module:factory' or 'file.py:factory'; e.g. "
@@ -217,7 +217,7 @@ def load_factory(ref: str) -> Callable[..., nn.Module]:
 
 _IMPORTED: dict[str, str] = {}  # module -> sha256 of its source when this process imported it
 # (reference, sha256 of its source) of the user code (models, data functions) this process imported or
-# allowed: datasets/code_trust.py lets the same code run again without another opt-in
+# allowed: datasets/yours/trust.py lets the same code run again without another opt-in
 IMPORTED_CODE: set[tuple[str, str]] = set()
 
 

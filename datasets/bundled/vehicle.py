@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fedcli.datasets import models
-from fedcli.datasets.leaf import read_leaf_dir, read_leaf_file
+from fedcli.datasets.formats.leaf import read_leaf_dir, read_leaf_file
 from fedcli.datasets.sources import consecutive, data_dir, first_existing, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError

@@ -4,7 +4,7 @@ Caldas et al. LEAF: A Benchmark for Federated Settings. arXiv:1812.01097. A LEAF
 one JSON object ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...],
 "y": [...]}}}``, optionally gzip-compressed. This is the only data I/O for LEAF data.
 
-`stream_leaf_store` writes a split folder's users into a disk store (datasets/diskstore.py) one
+`stream_leaf_store` writes a split folder's users into a disk store (datasets/formats/diskstore.py) one
 file at a time, so a full LEAF federation never sits in memory as Python lists at once: each
 file's users are encoded to arrays and appended, then the rows are put in sorted-user order (the
 in-memory loaders' order, so that the store holds the same arrays and fingerprint).
@@ -210,7 +210,7 @@ def stream_leaf_store(
     Users are sorted by id (the first max_clients kept), test users aligned to them, as the
     in-memory loaders do; `encode(record, where)` turns one user's record into row arrays.
     """
-    from fedcli.datasets import diskstore
+    from fedcli.datasets.formats import diskstore
 
     train_files, test_files = leaf_files(folder / "train"), leaf_files(folder / "test")
     key = diskstore.store_key(

@@ -1,6 +1,6 @@
 """Heterogeneity statistics of a partition and its figure (`fedcli partition` prints and draws them).
 
-Part of `fedcli.datasets.partition` (which re-exports every public name here). Per-client label
+Part of datasets/partition/. Per-client label
 histograms, label entropy (bits) and total-variation distance to the global label mix; the
 client x label heatmap and the client-size histogram, written atomically as a PNG.
 """

@@ -10,7 +10,7 @@ records as `data.file` (docs/your-data.md):
   flwr-datasets `Partitioner`: materialised once here as tensors (`UserData`), checked, registered
   in this process and named `python:<name>@<hash16>` (hash of every tensor and the clients).
 
-Each becomes a `Task` named `byo-<name>` through datasets/byo.py (`arrays_task`), with the same
+Each becomes a `Task` named `byo-<name>` through datasets/yours/files.py (`arrays_task`), with the same
 checks, held-out split and built-in models as a data file. The whole data set is held in memory
 as tensors so that batches are gathered by index on the device (the vectorised data path, no
 per-example Python in training); materialising reads each example once. Above `MAX_BYTES` of
@@ -71,7 +71,7 @@ class UserData:
         return h.hexdigest()
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays datasets/byo.py checks and splits (the layout of an .npz)."""
+        """The arrays datasets/yours/files.py checks and splits (the layout of an .npz)."""
         out = {"x": self.x.numpy(), "y": self.y.numpy()}
         if self.client is not None:
             out["client"] = self.client
@@ -209,9 +209,9 @@ def load_function(ref: str) -> tuple[Callable[[], Any], str]:
                           "the dataset.")
     source = getattr(module, "__file__", None)
     digest = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
-    from fedcli.datasets.user_model import remember_import
+    from fedcli.datasets.yours.model import remember_import
 
-    remember_import(ref, digest)  # imported here: later gates of the same code pass (datasets/code_trust.py)
+    remember_import(ref, digest)  # imported here: later gates of the same code pass (datasets/yours/trust.py)
     return fn, digest
 
 

@@ -22,14 +22,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedcli.datasets import diskstore, models
-from fedcli.datasets.leaf import read_leaf_dir, stream_leaf_store
+from fedcli.datasets import models
+from fedcli.datasets.formats import diskstore
+from fedcli.datasets.formats.leaf import read_leaf_dir, stream_leaf_store
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
 log = logging.getLogger(__name__)
 
-BUNDLED_DIR = Path(__file__).parent / "data" / "femnist"
+BUNDLED_DIR = Path(__file__).parents[1] / "data" / "femnist"
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def _stack(split: dict[str, dict[str, list[object]]], writers: list[str]
 
 
 def _user_rows(record: dict[str, list[object]], where: str) -> dict[str, np.ndarray]:
-    """One writer's LEAF record as `_stack` encodes it (disk store, datasets/leaf.py stream_leaf_store)."""
+    """One writer's LEAF record as `_stack` encodes it (disk store, datasets/formats/leaf.py stream_leaf_store)."""
     x = np.asarray(record["x"], dtype=np.float32).reshape(-1, 28, 28)
     return {"x": np.rint((1.0 - x) * 255.0).clip(0, 255).astype(np.uint8), "y": np.asarray(record["y"], dtype=np.int64)}
 

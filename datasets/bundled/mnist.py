@@ -24,12 +24,12 @@ import torch
 from torch import Tensor
 
 from fedcli.datasets import models
-from fedcli.datasets.femnist import verify_checksums
+from fedcli.datasets.bundled.femnist import verify_checksums
 from fedcli.datasets.sources import first_existing, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
-BUNDLED_DIR = Path(__file__).parent / "data" / "mnist"
+BUNDLED_DIR = Path(__file__).parents[1] / "data" / "mnist"
 BUNDLED_TRAIN = 8000  # of the 10,000 bundled images; the other 2,000 are the test split
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 

@@ -1,7 +1,7 @@
 """Which user code a command may import: the one gate of code named by a file, a row or a study.
 
-A user's model (`--model pkg.mod:factory` / `file.py:factory`, datasets/user_model.py) and data
-function (`--data pkg.mod:fn` / `file.py:fn`, datasets/user_data.py) are Python code: importing
+A user's model (`--model pkg.mod:factory` / `file.py:factory`, datasets/yours/model.py) and data
+function (`--data pkg.mod:fn` / `file.py:fn`, datasets/yours/data.py) are Python code: importing
 them runs it. fedcli imports such code when the user names it on the command (`fedcli train
 --model ...`, `fedcli.train(model=...)`, a `--config` file or sweep spec the user passes). It
 reads references back from places the user did not write on this command: a run's `model.pt`,
@@ -58,8 +58,8 @@ def recorded_code(
 
     `data_file` / `data_sha256` override the section's `file` / `source_sha256` (served.pt keeps them apart).
     """
-    from fedcli.datasets.user_data import PYTHON_PREFIX, is_data_ref
-    from fedcli.datasets.user_model import is_reference, model_plugins
+    from fedcli.datasets.yours.data import PYTHON_PREFIX, is_data_ref
+    from fedcli.datasets.yours.model import is_reference, model_plugins
 
     data = data if isinstance(data, Mapping) else {}
     out = []
@@ -78,20 +78,20 @@ def recorded_code(
 def source_sha256(ref: str) -> str:
     """sha256 of the source file of the module a reference names (a dotted module is looked up: only
     call it once the code is allowed)."""
-    from fedcli.datasets.user_model import source_sha256 as model_source_sha256
+    from fedcli.datasets.yours.model import source_sha256 as model_source_sha256
 
     return model_source_sha256(ref)
 
 
 def remember(ref: str, sha256: str) -> None:
     """Record that this process imported (or allowed) `ref` with this source: later gates of the same code pass."""
-    from fedcli.datasets.user_model import remember_import
+    from fedcli.datasets.yours.model import remember_import
 
     remember_import(ref, sha256)
 
 
 def _remembered(ref: str) -> bool:
-    from fedcli.datasets.user_model import IMPORTED_CODE as _ALLOWED
+    from fedcli.datasets.yours.model import IMPORTED_CODE as _ALLOWED
 
     target = ref.rpartition(":")[0]
     if not any(r == ref for r, _ in _ALLOWED):
@@ -109,8 +109,8 @@ def same_reference(code: Code, given: str | None) -> bool:
     """Whether a reference the user gave on this command names the same code as the recorded one."""
     if not given:
         return False
-    from fedcli.datasets.user_data import normalise
-    from fedcli.datasets.user_model import model_reference
+    from fedcli.datasets.yours.data import normalise
+    from fedcli.datasets.yours.model import model_reference
 
     if given == code.ref:
         return True

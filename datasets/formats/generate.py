@@ -1,9 +1,9 @@
 """Paper-sized synthetic federations in the publishers' real on-disk formats.
 
-``python -m fedcli.datasets.generate FORMAT --clients N --out DIR --seed S`` writes a federation
+``python -m fedcli.datasets.formats.generate FORMAT --clients N --out DIR --seed S`` writes a federation
 that fedcli's own loaders read exactly as they read the published files:
 
-- ``stackoverflow``: TFF h5 (datasets/tff_h5.py) ``stackoverflow_train.h5``,
+- ``stackoverflow``: TFF h5 (datasets/formats/tff_h5.py) ``stackoverflow_train.h5``,
   ``stackoverflow_held_out.h5``, ``stackoverflow_test.h5`` with ``/examples/<client>/{tokens,
   title, tags}`` (variable-length UTF-8 byte strings; tags joined by '|'), plus
   ``stackoverflow.word_count`` and ``stackoverflow.tag_count``. Client sizes are lognormal with a
@@ -15,7 +15,7 @@ that fedcli's own loaders read exactly as they read the published files:
 - ``cifar100``: TFF ``fed_cifar100_train.h5`` / ``fed_cifar100_test.h5``, ``image`` uint8
   [n, 32, 32, 3], ``label`` and ``coarse_label`` (the real one: 500 clients of 100 images, 100
   test clients).
-- ``leaf-femnist`` / ``leaf-shakespeare``: LEAF JSON (datasets/leaf.py) ``train/*.json`` and
+- ``leaf-femnist`` / ``leaf-shakespeare``: LEAF JSON (datasets/formats/leaf.py) ``train/*.json`` and
   ``test/*.json``, each ``{"users", "num_samples", "user_data"}``, at most 1,000 users a file.
 
 The examples are synthetic (class prototypes plus noise; Zipf-distributed words): the files
@@ -494,7 +494,7 @@ def generate(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fedcli.datasets.generate", description=__doc__.split("\n\n")[0]
+        prog="python -m fedcli.datasets.formats.generate", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("format", choices=FORMATS)
     parser.add_argument("--clients", type=int, required=True, help="number of training clients")

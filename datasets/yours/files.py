@@ -141,7 +141,7 @@ def check_arrays(path: Path, arrays: Arrays) -> None:
         raise DataError(f"{name}: client must name an owner for every row; got {int(np.isnan(client).sum())} missing. "
                         "Fill them, or drop the client column and partition with --scheme iid/dirichlet.")
     if client is not None:
-        from fedcli.datasets.user_data import check_client_ids
+        from fedcli.datasets.yours.data import check_client_ids
 
         check_client_ids(client, name, "client")  # 1.5 and 1.2 are not one client, nor is 1.0 a name
     for key in ("x", "x_test"):
@@ -205,7 +205,7 @@ def _natural(client: np.ndarray | None, unowned: bool = False) -> tuple[list[np.
     if client is None:
         return [], []
     values = np.unique(client)
-    if unowned:  # -1: no client of a given partition holds the example (datasets/user_data.py)
+    if unowned:  # -1: no client of a given partition holds the example (datasets/yours/data.py)
         values = values[values >= 0]
     return [np.flatnonzero(client == v) for v in values], [str(v) for v in values]
 
@@ -244,10 +244,10 @@ def byo_task(path: Path | str, model: str) -> Task:
     """Read and validate a bring-your-own data file; return it as a Task named byo-<stem>.
 
     A data reference instead of a file (`python:<name>@<hash>` for an object given to the Python
-    API, `pkg.mod:fn` / `file.py:fn` for a function: datasets/user_data.py) becomes a Task named
+    API, `pkg.mod:fn` / `file.py:fn` for a function: datasets/yours/data.py) becomes a Task named
     byo-<name> through the same checks.
     """
-    from fedcli.datasets import user_data
+    from fedcli.datasets.yours import data as user_data
 
     if user_data.is_data_ref(str(path)):
         user = user_data.lookup(str(path))

@@ -22,14 +22,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedcli.datasets import diskstore, models
-from fedcli.datasets.femnist import verify_checksums
-from fedcli.datasets.leaf import read_leaf_dir, stream_leaf_store
+from fedcli.datasets import models
+from fedcli.datasets.bundled.femnist import verify_checksums
+from fedcli.datasets.formats import diskstore
+from fedcli.datasets.formats.leaf import read_leaf_dir, stream_leaf_store
 from fedcli.datasets.sources import align_clients
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
-BUNDLED_DIR = Path(__file__).parent / "data" / "shakespeare"
+BUNDLED_DIR = Path(__file__).parents[1] / "data" / "shakespeare"
 ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
 _LOOKUP = np.full(256, -1, dtype=np.int16)
 _LOOKUP[np.frombuffer(ALL_LETTERS.encode("latin-1"), dtype=np.uint8)] = np.arange(len(ALL_LETTERS))

@@ -23,7 +23,7 @@ the XML file names the label attributes, all others are features.
 Bundled (datasets/data/bibtex, see its README). The data has no train/test split and no
 owners: the loader holds out a fixed 20 % (the last 1,479 of `np.random.default_rng(0)
 .permutation(7395)`) as the test split, and partitions use --scheme iid/dirichlet/... with
-each entry's primary tag (see datasets/partition.py) for label skew. Any MULAN data set
+each entry's primary tag (see datasets/partition/make.py) for label skew. Any MULAN data set
 (e.g. delicious) loads with `load_mulan(arff, xml)`.
 """
 
@@ -40,13 +40,13 @@ import torch
 from torch import Tensor
 
 from fedcli.datasets import models
-from fedcli.datasets.femnist import verify_checksums
+from fedcli.datasets.bundled.femnist import verify_checksums
+from fedcli.datasets.bundled.stackoverflow import multilabel_loss
 from fedcli.datasets.metrics import multilabel
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
-from fedcli.datasets.tff_h5 import multilabel_loss
 from fedcli.errors import DataError
 
-BUNDLED_DIR = Path(__file__).parent / "data" / "bibtex"
+BUNDLED_DIR = Path(__file__).parents[1] / "data" / "bibtex"
 TEST_FRACTION = 0.2
 TOP_K = 2  # the F1 decision rule: the 2 highest-scoring tags of each entry (mean training cardinality 2.40)
 CLIENT_LR = 0.3  # measured (module docstring)

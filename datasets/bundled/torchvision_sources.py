@@ -2,7 +2,7 @@
 
 Read from `TaskOptions.data_dir` (default ~/.cache/fedcli/<name>) with fedcli's own decoders
 of the publishers' formats, so torchvision is needed only to download (`download=True`;
-FashionMNIST and CIFAR-10 here, CIFAR-100 and EMNIST fetch the TFF files, see tff_h5.py):
+FashionMNIST and CIFAR-10 here, CIFAR-100 and EMNIST fetch the TFF files, see tff_images.py):
 
 - FashionMNIST (Xiao et al. 2017): `<dir>/FashionMNIST/raw/{train,t10k}-*-ubyte(.gz)`, IDX.
 - EMNIST ByClass (Cohen et al. 2017; 62 classes = "EMNIST-62"):
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from fedcli.datasets import models
-from fedcli.datasets.mnist import (
+from fedcli.datasets.bundled.mnist import (
     MNIST_MODELS,
     find_idx_split,
     grey_images,

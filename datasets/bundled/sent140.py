@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcli.datasets import diskstore, models
-from fedcli.datasets.leaf import iter_leaf_users, read_leaf_dir, stream_leaf_store
+from fedcli.datasets import models
+from fedcli.datasets.formats import diskstore
+from fedcli.datasets.formats.leaf import iter_leaf_users, read_leaf_dir, stream_leaf_store
 from fedcli.datasets.sources import align_clients, consecutive, data_dir, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
@@ -56,7 +57,7 @@ def line_to_indices(text: str, vocab: dict[str, int]) -> list[int]:
 
 def _stream_sent140(folder: Path, max_clients: int | None) -> TaskData:
     """load_sent140 into a disk store, one JSON file in memory at a time: a pass for the user names, one
-    counting the kept users' words (the vocabulary), then the store's build (datasets/leaf.py)."""
+    counting the kept users' words (the vocabulary), then the store's build (datasets/formats/leaf.py)."""
     users = set(sorted(u for _, u, _ in iter_leaf_users(folder / "train"))[:max_clients])
     counts: Counter[str] = Counter()
     for path, user, record in iter_leaf_users(folder / "train"):

@@ -1,6 +1,6 @@
 """Partition files: write one atomically as canonical JSON with a content hash, read one back checked.
 
-Part of `fedcli.datasets.partition` (which re-exports every public name here). A file holds the
+Part of datasets/partition/ (`make.make_partition` builds what this module saves). A file holds the
 clients, the PartitionSpec, the data set's name and fingerprint and its label histograms; every
 problem on reading is one ConfigError naming the file and the fix (`fedcli partition ... --out`).
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from fedcli.datasets.partition_spec import PartitionSpec
-from fedcli.datasets.partition_summary import label_histograms
+from fedcli.datasets.partition.spec import PartitionSpec
+from fedcli.datasets.partition.summary import label_histograms
 from fedcli.errors import ConfigError
 
 FORMAT = "fedcli-partition"

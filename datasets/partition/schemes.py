@@ -1,7 +1,6 @@
 """The partitioners: pure, eager functions of (labels or natural owners, hyperparameters, `rng`).
 
-Part of `fedcli.datasets.partition` (which re-exports every public name here and dispatches
-to these functions in `make_partition`); each scheme's reference and the deviations from the
+Part of datasets/partition/ (`make.make_partition` dispatches to these functions); each scheme's reference and the deviations from the
 reference code are in that module's docstring. Client k -> int64 example indices; randomness
 only through the `rng` argument.
 """

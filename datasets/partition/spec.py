@@ -1,7 +1,6 @@
 """PartitionSpec: what determines a partition besides the data, checked on construction (docs/style.md rule 16).
 
-Part of `fedcli.datasets.partition` (which re-exports every public name here: import from
-there). Imports no other part of it.
+Part of datasets/partition/; imports no other part of it.
 """
 
 from __future__ import annotations
@@ -108,7 +107,7 @@ def check_unused_defaults(spec: PartitionSpec) -> None:
                           "Remove it, or use scheme two-level.")
 
 
-INT_MAX = 2**31 - 1  # the largest integer setting (fedcli.config.INT_MAX: what the stores keep)
+INT_MAX = 2**31 - 1  # the largest integer setting (fedcli.config.checks.INT_MAX: what the stores keep)
 ALPHA_MAX = 1e6  # Dirichlet concentrations above it are IID for every partition size here
 
 

@@ -1,0 +1,225 @@
+"""The sections of a run's config as frozen dataclasses, RunConfig, and its hash (docs/style.md rule 18).
+
+Part of the package fedcli.config (fedcli/config/__init__.py).
+Also the tracking URLs' resolution from the environment (`given_url`: FEDCLI_STORE,
+MLFLOW_TRACKING_URI), which the TrackingConfig properties read. Imports no other part of
+fedcli.config. The field comments are the options' descriptions (fedcli/cli/hpdoc.py reads them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedcli.algorithms.base import OptimConfig
+from fedcli.errors import ConfigError
+from fedcli.tracking.urls import is_masked, mask_url
+
+EXECUTORS = ("auto", "loop", "vmap", "fused", "process", "distributed")  # distributed: under torchrun
+PRECISIONS = ("fp32", "tf32", "bf16")  # issue 7: reduced precision only when asked for
+SCHEMES = ("natural", "iid", "dirichlet", "shards", "labels", "quantity", "two-level")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    task: str = "femnist"  # a name from `fedcli list tasks`
+    model: str | None = None  # None = the task's default model; `pkg.mod:factory` / `file.py:factory`: your own
+    # your own model (datasets/yours/model.py): sha256 of its module's source, filled in when the config is built
+    model_sha256: str | None = None
+    model_args: str | None = None  # your own model: JSON of the keyword arguments its factory got (recorded by the run)
+    data_dir: str | None = None  # None = the bundled / default copy of the data
+    file: str | None = None  # bring your own data: .npz/.csv/.parquet (see `fedcli train --help`)
+    download: bool = False  # fetch missing public files into data_dir (needs a network)
+    max_clients: int | None = None  # natural-client data sets: read only the first N clients
+    data_store: str = "auto"  # auto | memory | disk: where the examples live (datasets/federated.py, docs/scaling.md)
+    # per-example transforms, e.g. ["crop:4", "flip", "normalize:0.5:0.25"] (datasets/augment.py); None = none
+    augment: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionConfig:
+    scheme: str = "natural"  # natural = the data's own owners (writers, users, subjects)
+    num_clients: int | None = None  # None = every natural client
+    alpha: float | None = None  # Dirichlet concentration (dirichlet, two-level)
+    shards_per_client: int | None = None  # pathological shards
+    labels_per_client: int | None = None  # NIID-Bench noniid-#labelK
+    sigma: float | None = None  # quantity skew: log-normal sigma of client sizes
+    size_alpha: float = 1.0  # two-level: Dirichlet alpha of client shares (Bayesian-ADMM paper)
+    balanced: bool = False  # dirichlet: equal client sizes (FedLab's balanced variant)
+    min_size: int = 10  # minimum examples per client (NIID-Bench redraw)
+    file: str | None = None  # a partition file written by `fedcli partition`
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    name: str = "fedavg"
+    hp: Mapping[str, Any] = field(default_factory=dict)  # resolved hyperparameters (defaults filled)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    rounds: int = 50  # R; communication rounds
+    clients_per_round: int = 10  # M; sampled uniformly without replacement each round
+    batch_size: int = 20  # B; Reddi et al. EMNIST default
+    local_epochs: int = 1  # E
+    client_lr: float | None = None  # eta_l; None = the task's tuned default (Task.client_lr: 0.1 on the
+    # FEMNIST and MNIST image tasks, 0.01 elsewhere; docs/architecture.md §5), recorded in the resolved config
+    client_momentum: float = 0.0
+    server_opt: str = "sgd"
+    server_lr: float = 1.0  # eta_g
+    server_momentum: float = 0.9
+    server_beta1: float = 0.9
+    server_beta2: float = 0.99
+    server_tau: float = 1e-3
+    server_bias_correction: bool = False  # Adam/Yogi: divide moments by 1 - beta^t (PyTorch's Adam form)
+    server_adagrad_beta1: float = 0.0  # FedAdagrad momentum b1: 0 = Reddi et al.'s code (Keras Adagrad), 0.9 = Alg. 2
+    eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
+    eval_sample: int | None = None  # evaluate on a fixed sample of N test examples; None = the task's paper
+    # default (StackOverflow: 10,000; fedcli/engine/evaluation.py PAPER_EVAL_SAMPLE), 0 = the whole test split
+    checkpoint_every: int | None = None  # rounds between checkpoints; None = auto (every round while a
+    # checkpoint costs <= 3 % of a round, else spaced to cost that); 0 = only at the end and on a stop
+    keep_checkpoints: int = 3  # newest checkpoints kept per run (older ones are deleted)
+    executor: str = "auto"  # auto | loop | vmap | process (cohort split across CPU worker processes)
+    cohort_chunk: int | None = None  # vmap chunk size, clients grouped by length; None = whole cohort
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    # --- issue 7 (speed)
+    workers: int | None = None  # process executor: processes training clients, main included; None = CPU cores
+    threads: int | None = None  # intra-op threads of this process; None = the cores it may use (affinity, quota)
+    compile: bool = False  # torch.compile: vmap -> the cohort's update; loop/process -> each client's step
+    graph: bool = False  # vmap's cohort update built once per shape and replayed: a CUDA graph on CUDA, a trace on CPU (engine/backends/graphed.py)
+    precision: str = "fp32"  # fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run
+    # --- issue 32 (client state out of RAM; docs/architecture.md §3, its client-state store)
+    state_store: str = "auto"  # auto | ram | disk; auto = disk when every client's state would exceed the cache
+    state_cache_mb: int = 512  # disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)
+    state_precision: str = "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
+    # --- issue 37 (BatchNorm): aggregate = the clients carry the running statistics, the server averages them
+    # (example-weighted); local = each client keeps its own (FedBN); estimate = the server re-estimates them
+    # before each evaluation (engine/model.py)
+    bn_stats: str = "aggregate"
+
+    def optim(self, default_client_lr: float) -> OptimConfig:
+        """The optimiser settings algorithms receive; client_lr None takes `default_client_lr`
+        (the task's, Task.client_lr)."""
+        names = {f.name for f in dataclasses.fields(OptimConfig)}
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+        if fields["client_lr"] is None:
+            fields["client_lr"] = default_client_lr
+        return OptimConfig(**fields)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    root: str = "fedcli-runs"  # folder of the default stores, models and checkpoints
+    store: str | None = None  # SQLAlchemy URL; None = FEDCLI_STORE or sqlite under root
+    tracking_uri: str | None = None  # MLflow URI; None = MLFLOW_TRACKING_URI or sqlite under root
+    use_mlflow: bool = True
+    experiment: str = "default"
+    run_name: str | None = None
+
+    @property
+    def store_url(self) -> str:
+        """`store`, else FEDCLI_STORE, else `sqlite:///<root>/fedcli.db`; with its password (see `given_url`)."""
+        url = given_url("tracking.store", self.store, "FEDCLI_STORE", "--store")
+        return url or f"sqlite:///{Path(self.root).resolve() / 'fedcli.db'}"
+
+    @property
+    def mlflow_uri(self) -> str:
+        """`tracking_uri`, else MLFLOW_TRACKING_URI, else `sqlite:///<root>/mlflow.db`; with its password."""
+        url = given_url("tracking.tracking_uri", self.tracking_uri, "MLFLOW_TRACKING_URI", "--tracking-uri")
+        return url or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"
+
+
+def given_url(key: str, value: str | None, env_name: str, flag: str) -> str | None:
+    """The URL a tracking key gives, or the environment's when it gives none.
+
+    A stored config holds a URL's password masked (`user:***@host`, docs/architecture.md,
+    "Security"), so a masked value (a resumed or evaluated run's, or one pasted from a hint)
+    stands for the URL with its password, which only the environment can give back.
+
+    Raises:
+        ConfigError: the value is masked and `env_name` is not set.
+    """
+    env = os.environ.get(env_name) or None
+    if value and not is_masked(value):
+        return value
+    if value and env is None:
+        raise ConfigError(f"{key} must carry its password; got {value!r} (fedcli stores and shows URLs with the "
+                          f"password masked). Pass the full URL with {flag}, or set {env_name}.")
+    return env
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    seed: int = 0  # root of every random stream (cohorts, batch order, init, noise)
+    data: DataConfig = field(default_factory=DataConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # key -> "value: why" of every setting filled in by a recommendation (the algorithm's or the task's,
+    # `resolve_recommended`) rather than by the user; kept out of to_dict and the hash (the values are in
+    # the sections), recorded as the run's tag fedcli.recommended
+    recommended: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the config as plain nested dicts (the stored, resolved form)."""
+        out = dataclasses.asdict(self)
+        out.pop("recommended")
+        out["algorithm"]["hp"] = dict(self.algorithm.hp)
+        for key in ("store", "tracking_uri"):  # never a password in what is stored (docs/architecture.md, "Security")
+            out["tracking"][key] = out["tracking"][key] and mask_url(out["tracking"][key])
+        return out
+
+    @property
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON of everything that determines results.
+
+        Left out: the tracking section and the `NOT_HASHED` train keys (resources and
+        bookkeeping that do not change results: how many processes share the cohort, how
+        often to checkpoint; `fedcli sweep --workers N` sets workers per trial).
+        """
+        return config_hash_of(self.to_dict())
+
+
+def config_hash_of(doc: Mapping[str, Any]) -> str:
+    """`RunConfig.config_hash` of a stored config (`RunConfig.to_dict()`, e.g. a checkpoint's)."""
+    body = {k: v for k, v in doc.items() if k != "tracking"}
+    body["data"] = {k: v for k, v in (body.get("data") or {}).items() if k not in DATA_NOT_HASHED
+                    and not (k in DATA_HASHED_UNLESS_NONE and v is None)}
+    body["train"] = {k: v for k, v in body["train"].items() if k not in NOT_HASHED
+                     and not (k in HASHED_UNLESS_DEFAULT and v == HASHED_UNLESS_DEFAULT[k])}
+    added = HP_ADDED.get(str(body["algorithm"].get("name")), {})
+    body["algorithm"] = {**body["algorithm"], "hp": {k: v for k, v in (body["algorithm"].get("hp") or {}).items()
+                                                     if not (k in added and v == added[k])}}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+NOT_HASHED = ("workers", "threads", "checkpoint_every", "keep_checkpoints", "state_store", "state_cache_mb")
+# data keys: a user model's source hash counts where set (an edited model is another config); left out
+# while None, so configs of built-in models keep their hashes. model_args follows from the data: never hashed
+DATA_HASHED_UNLESS_NONE = ("model_sha256", "augment")  # augment: None keeps the hashes of runs before it existed
+DATA_NOT_HASHED = ("model_args", "data_store")  # data_store: where the examples live, not what they are
+# train keys added after runs were stored: left out of the hash at their default, so a config
+# that does not use them keeps the hash it had before they existed (sweeps find its runs)
+HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False, "state_precision": "state", "eval_sample": None,
+                                               "bn_stats": "aggregate"}
+# hyperparameters added after runs were stored, with the value that reproduces those runs (issue 24): left
+# out of the hash at that value, and given to a stored config that lacks the key (`resume_config`), so an
+# earlier run resumes as it ran and keeps its hash
+HP_ADDED: Mapping[str, Mapping[str, object]] = {"bayesadmm": {"dual_scope": "seen"}}
+
+SECTIONS: Mapping[str, type] = {
+    "data": DataConfig, "partition": PartitionConfig, "algorithm": AlgorithmConfig,
+    "train": TrainConfig, "tracking": TrackingConfig,
+}
+
+
+def canonical_json(obj: object) -> str:
+    """Return sorted-key compact JSON (the form that is hashed and stored)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
