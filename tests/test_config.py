@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.config import build_config, parse_assignments, resume_config
+from fedcli.config.build import build_config, resume_config
+from fedcli.config.checks import parse_assignments
 from fedcli.errors import ConfigError
 
 

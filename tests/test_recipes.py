@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from fedcli.cli.main import app
 from fedcli.errors import ConfigError
 from fedcli.recipes import read_recipe, recipe_names, smoke_spec
-from fedcli.sweeps import expand, load_spec
+from fedcli.sweep.spec import expand, load_spec
 
 PAPER_RECIPES = ("fedpa-toy", "fedpa-bias", "fedpa-table1", "fedpa-femnist", "fedsparse-femnist", "fola-toy",
                  "fola-mnist", "bayesadmm-toys", "bayesadmm-mnist", "scafflsa-garnet")

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from fedcli.cli.main import app
 from fedcli.engine.machine import available_cores
 from fedcli.errors import ConfigError
-from fedcli.sweeps import expand, load_spec
-from fedcli.tracking.store import SqlStore
+from fedcli.sweep.spec import expand, load_spec
+from fedcli.tracking.store.sql_store import SqlStore
 
 
 def test_grid_expands_per_algorithm_hyperparameters_and_seeds() -> None:
@@ -53,7 +53,7 @@ def test_sweep_runs_then_skips_finished_trials(tmp_path: Path) -> None:
 def test_plan_matches_trials_to_runs_of_their_config_hash(tmp_path: Path) -> None:
     """finished -> skip; alive in a process (this one) -> running elsewhere, never started again;
     interrupted (newest of several) -> resume that run; diverged -> not retried; no run -> new."""
-    from fedcli.sweeps import DIVERGED, ELSEWHERE, NEW, RESUME, SKIP, plan_trials
+    from fedcli.sweep.plan import DIVERGED, ELSEWHERE, NEW, RESUME, SKIP, plan_trials
 
     trials = expand({"experiment": "p", "base": {"task": "lsq", "rounds": 2},
                      "grid": {"server_opt": ["sgd", "momentum", "adam", "adagrad", "yogi"]}})
@@ -97,7 +97,8 @@ def test_failed_trial_exits_1_with_its_last_stderr_line_and_is_not_retried(tmp_p
 
 def test_scheduler_plans_a_trial_again_right_before_starting_it() -> None:
     """A trial another process took after the sweep planned it (rerun while this sweep runs) is not started."""
-    from fedcli.sweeps import ELSEWHERE, NEW, Plan, Scheduler
+    from fedcli.sweep.plan import ELSEWHERE, NEW, Plan
+    from fedcli.sweep.scheduler import Scheduler
 
     trial = expand({"experiment": "r", "base": {"task": "lsq", "rounds": 2}})[0]
     taken = Plan(trial, ELSEWHERE, "f" * 32, "pid 1 on another host")

@@ -162,7 +162,7 @@ def is_masked(url: str | None) -> bool:
 
 def connect_url(store: Any) -> str:
     """The URL to connect to an open `SqlStore`'s database with, password included (`store.url` is the one
-    shown, masked): for Optuna's storage of a search's study (fedcli/sweep_search.py, the report's search
+    shown, masked): for Optuna's storage of a search's study (fedcli/sweep/search.py, the report's search
     section). Kept in memory and passed over the sweep workers' pipes, never written nor put on a command
     line (docs/architecture.md, "Security")."""
     return str(store._engine.url.render_as_string(hide_password=False))

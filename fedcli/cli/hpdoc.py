@@ -121,7 +121,7 @@ def algo_detail_rows(name: str) -> list[dict[str, Any]]:
         ConfigError: `name` is not a registered algorithm.
     """
     from fedcli.algorithms import ALGORITHMS
-    from fedcli.config import suggest
+    from fedcli.config.checks import suggest
     from fedcli.errors import ConfigError
 
     if name not in ALGORITHMS:

@@ -1,8 +1,8 @@
-"""`fedcli sweep`: run a grid of configurations x seeds; a rerun continues it (fedcli.sweeps).
+"""`fedcli sweep`: run a grid of configurations x seeds; a rerun continues it (fedcli.sweep).
 
 Over the 150-line budget of docs/style.md rule 1 by the live table and the end-of-sweep report:
-both are output of this command only; planning, processes and signals are in fedcli.sweeps,
-the Ray backend (`--backend ray`, docs/scaling.md) in fedcli.sweep_ray.
+both are output of this command only; planning, processes and signals are in fedcli.sweep,
+the Ray backend (`--backend ray`, docs/scaling.md) in fedcli.sweep.ray_runner.
 """
 
 from __future__ import annotations
@@ -79,11 +79,13 @@ def sweep(
     On a Ray cluster: fedcli sweep spec.yaml --backend ray --address HEAD:6379 --store postgresql+psycopg://...
     """
     if backend is Backend.local and not dry_run and not list_recipes:  # its imports overlap the sweep's own
-        from fedcli.sweep_process import spawn_early
+        from fedcli.sweep.process import spawn_early
 
         spawn_early()
-    from fedcli import sweeps
-    from fedcli.config import warn_degenerate
+    from fedcli.config.build import warn_degenerate
+    from fedcli.sweep.plan import plan_settled, plan_trials
+    from fedcli.sweep.rows import experiment_runs
+    from fedcli.sweep.spec import check_report_keys, expand, load_spec, short_keys
 
     if list_recipes:
         from fedcli.recipes import read_recipe, recipe_names
@@ -101,7 +103,7 @@ def sweep(
                                       "(the local backend takes --workers N).")
         tracking = {"tracking.root": root and str(root), "tracking.store": store,
                     "tracking.tracking_uri": tracking_uri, "tracking.use_mlflow": False if no_mlflow else None}
-        body = sweeps.load_spec(spec, recipe, smoke=smoke)
+        body = load_spec(spec, recipe, smoke=smoke)
         given = {"data_dir": data_dir and str(data_dir.resolve()), "eval_sample": eval_sample,
                  "data_store": data_store and data_store.value}
         if any(v is not None for v in given.values()):  # --data-dir / --eval-sample / --data-store: every trial's base
@@ -130,40 +132,40 @@ def sweep(
                     cluster.check(track)
                 if dry_run:
                     return
-                from fedcli.sweep_search import SearchSource
+                from fedcli.sweep.search import SearchSource
 
                 db = open_store(track.store_url)
                 source = SearchSource(body, {k: v for k, v in tracking.items() if v is not None}, db)
                 code = run_plans(db, body, [], workers, rerun_hint(ctx, spec, recipe), report_output(body, track.root),
                                  cluster, source=source, track=track)
             raise typer.Exit(code)
-        trials = sweeps.expand(body, {k: v for k, v in tracking.items() if v is not None})
+        trials = expand(body, {k: v for k, v in tracking.items() if v is not None})
         if not trials:
             raise ConfigError("the sweep spec expands to no trials; give `grid` values or `seeds`.")
-        sweeps.check_report_keys(body.get("report") or {}, trials)  # a bad report block fails now, not after the trials
+        check_report_keys(body.get("report") or {}, trials)  # a bad report block fails now, not after the trials
         track, report_path = trials[0].config.tracking, report_output(body, trials[0].config.tracking.root)
-        aliases = sweeps.short_keys()  # issue 24: degenerate trials and swept keys without effect, one line each
+        aliases = short_keys()  # issue 24: degenerate trials and swept keys without effect, one line each
         swept = [k if k.startswith("hp.") or "." in k else aliases.get(k, k) for k in body.get("grid") or {}]
         for line in warn_degenerate([t.config for t in trials], swept):
             console().print(f"warning: {line}", markup=False, soft_wrap=True)
         check_output(report_path, "report.output")
         with cluster_of(backend, address, cpus_per_trial, gpus_per_trial, track) as cluster:  # before anything is written
             if cluster is not None:
-                from fedcli.sweep_ray import absolute_root
+                from fedcli.sweep.ray_runner import absolute_root
 
                 trials = absolute_root(trials)
                 cluster.check(track)
             if dry_run:  # writes nothing on any store, not even its schema: a store without one holds no trials
-                from fedcli.tracking.store import SqlStore
+                from fedcli.tracking.store.sql_store import SqlStore
 
                 reader = SqlStore.reader(track.store_url)
-                show_plan(sweeps.plan_trials(trials, []) if reader is None else
-                          sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(reader, track.experiment)))
-                if estimate or body.get("data"):  # paper scale: will it fit, how long (fedcli/sweep_estimate.py)
+                show_plan(plan_trials(trials, []) if reader is None else
+                          plan_settled(trials, lambda: experiment_runs(reader, track.experiment)))
+                if estimate or body.get("data"):  # paper scale: will it fit, how long (fedcli/sweep/estimate.py)
                     show_estimates(trials, body)
                 return
             db = open_store(track.store_url)
-            plans = sweeps.plan_settled(trials, lambda: sweeps.experiment_runs(db, track.experiment))
+            plans = plan_settled(trials, lambda: experiment_runs(db, track.experiment))
             show_plan(plans)
             code = run_plans(db, body, plans, workers, rerun_hint(ctx, spec, recipe), report_path, cluster)
     raise typer.Exit(code)
@@ -171,11 +173,11 @@ def sweep(
 
 def cluster_of(backend: Backend, address: str | None, cpus: int | None,
                gpus: float | None, track: Any = None) -> AbstractContextManager[Any]:
-    """The connected Ray cluster for --backend ray (fedcli.sweep_ray.connect; `track`'s URLs with a password
+    """The connected Ray cluster for --backend ray (fedcli.sweep.ray_runner.connect; `track`'s URLs with a password
     reach the workers through their environment), else None."""
     if backend is Backend.local:
         return nullcontext(None)
-    from fedcli.sweep_ray import connect
+    from fedcli.sweep.ray_runner import connect
 
     return connect(address, cpus or 1, gpus or 0.0, track)
 
@@ -199,40 +201,42 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
               cluster: Any = None, source: Any = None, track: Any = None) -> int:
     """Run what the plans say, showing the trials; print results and report; return the exit code.
 
-    `cluster`: a fedcli.sweep_ray.RayCluster to run the trials on, else local processes. `source`: a
-    trial source (a search's fedcli.sweep_search.SearchSource) the scheduler asks instead of `plans`
+    `cluster`: a fedcli.sweep.ray_runner.RayCluster to run the trials on, else local processes. `source`: a
+    trial source (a search's fedcli.sweep.search.SearchSource) the scheduler asks instead of `plans`
     (then empty), with the trials' `track`ing config.
     """
-    from fedcli import sweeps
     from fedcli.cli.common import check_mlflow
     from fedcli.engine.machine import available_cores
-    from fedcli.tracking.report import resolve_metric
+    from fedcli.sweep.plan import NEW, RESUME, Plan, plan_trials
+    from fedcli.sweep.rows import METRIC_KEYS, experiment_runs, trial_rows
+    from fedcli.sweep.scheduler import TrialClaims
+    from fedcli.tracking.report.model import resolve_metric
 
-    track, todo = track or plans[0].trial.config.tracking, [p for p in plans if p.action in (sweeps.NEW, sweeps.RESUME)]
+    track, todo = track or plans[0].trial.config.tracking, [p for p in plans if p.action in (NEW, RESUME)]
     todo = todo or ([True] if source is not None and not source.exhausted else [])
     if track.use_mlflow and todo:  # the sweep's MLflow parent run is the mirror's to open and end
         check_mlflow(track, optional=False)
-    keys = [resolve_metric(body["report"]["metric"])] if (body.get("report") or {}).get("metric") else list(sweeps.METRIC_KEYS)
+    keys = [resolve_metric(body["report"]["metric"])] if (body.get("report") or {}).get("metric") else list(METRIC_KEYS)
 
-    def recheck(plan: sweeps.Plan) -> sweeps.Plan:  # right before a trial starts: has another process taken it?
-        return sweeps.plan_trials([plan.trial], sweeps.experiment_runs(db, track.experiment))[0]
+    def recheck(plan: Plan) -> Plan:  # right before a trial starts: has another process taken it?
+        return plan_trials([plan.trial], experiment_runs(db, track.experiment))[0]
 
     def read(stopped: bool = False) -> tuple[list[Any], str]:
-        return sweeps.trial_rows(db, track.experiment, scheduler.plans, scheduler.processes, keys, stopped)
+        return trial_rows(db, track.experiment, scheduler.plans, scheduler.processes, keys, stopped)
 
     mirror = sweep_mirror(track, body) if todo else None  # one per sweep (docs/sweeps.md)
     if cluster is None:
-        from fedcli.sweep_worker_pool import WorkerScheduler
+        from fedcli.sweep.worker_pool import WorkerScheduler
 
         # each trial's share of the CPU: its intra-op threads and train.workers (docs/sweeps.md, "Workers")
         cores = max(1, available_cores() // (workers or 1))
         scheduler = WorkerScheduler(plans, workers=workers or 1, cores=cores, threads=cores,
                                     parent_run=None, recheck=recheck,
-                                    claims=sweeps.TrialClaims(db, track.experiment), mirror=mirror, source=source)
+                                    claims=TrialClaims(db, track.experiment), mirror=mirror, source=source)
     else:
         scheduler = cluster.scheduler(plans, workers=workers, parent_run=None, recheck=recheck,
-                                      read_runs=lambda: sweeps.experiment_runs(db, track.experiment), track=track,
-                                      claims=sweeps.TrialClaims(db, track.experiment), mirror=mirror, source=source)
+                                      read_runs=lambda: experiment_runs(db, track.experiment), track=track,
+                                      claims=TrialClaims(db, track.experiment), mirror=mirror, source=source)
     status, quiet = "failed", True  # what the sweep's MLflow run ends as; a failure's own line stays the only one
     try:
         try:
@@ -255,15 +259,15 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
 
 
 def sweep_mirror(track: Any, spec: Mapping[str, Any]) -> Any:
-    """The sweep's one MLflow mirror (tracking/mirror_sweep.py), or None with --no-mlflow.
+    """The sweep's one MLflow mirror (tracking/mlflow/sweep_mirror.py), or None with --no-mlflow.
 
-    It opens (or reuses) the sweep's MLflow parent run from `spec` (`sweeps.parent_run`), nests the
+    It opens (or reuses) the sweep's MLflow parent run from `spec` (fedcli.sweep.rows.parent_run), nests the
     trials under it and ends it as `SweepMirror.finish` says: the sweep process never imports MLflow
     (that import and MLflow's schema set-up held trial 1 back 2.3 s, issue 27).
     """
     if not track.use_mlflow:
         return None
-    from fedcli.tracking.mirror_sweep import SweepMirror
+    from fedcli.tracking.mlflow.sweep_mirror import SweepMirror
 
     return SweepMirror(tracking_uri=track.mlflow_uri, experiment=track.experiment, store_url=track.store_url,
                        runs_root=Path(track.root).resolve() / "runs").spawn(spec)
@@ -343,7 +347,7 @@ def show_plan(plans: Sequence[Any]) -> None:
 
 def show_estimates(trials: Sequence[Any], body: Mapping[str, Any]) -> None:
     """Each trial's federation, estimated peak memory and time per round, from a measured probe."""
-    from fedcli.sweep_estimate import PROBE_ROUNDS, estimate_trials, fmt_bytes, fmt_seconds
+    from fedcli.sweep.estimate import PROBE_ROUNDS, estimate_trials, fmt_bytes, fmt_seconds
 
     source = (body.get("data") or {}).get("source")
     if source:
@@ -390,24 +394,26 @@ def report_output(body: Mapping[str, Any], root: str, *, always: bool = False) -
 def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Path) -> None:
     """Write the `fedcli report` markdown (and figures) of the sweep's finished runs."""
     from fedcli.cli.errors import output_error, write_output
-    from fedcli.tracking import report as rep
-    from fedcli.tracking.plots import report_figures
+    from fedcli.tracking.report.build import build_report
+    from fedcli.tracking.report.model import ReportSpec
+    from fedcli.tracking.report.render import render_markdown, shown_store
+    from fedcli.tracking.report.plots import report_figures
 
     block = body["report"]
     numbers = lambda key: tuple(block.get(key) or ())  # noqa: E731
     group_by = block.get("group_by")
     command = shlex.join(["fedcli", "report", "--runs", ",".join(i[:8] for i in run_ids), "--store",
-                          rep.shown_store(db.url)])
-    spec = rep.ReportSpec(runs=tuple(run_ids), metric=block.get("metric"), thresholds=numbers("thresholds"),
+                          shown_store(db.url)])
+    spec = ReportSpec(runs=tuple(run_ids), metric=block.get("metric"), thresholds=numbers("thresholds"),
                           at=numbers("at"), window=block.get("window"), smooth=block.get("smooth"),
                           group_by=tuple(group_by.split(",")) if isinstance(group_by, str) else group_by,
                           command=command, columns=tuple(block.get("columns") or ()))
-    built = rep.build_report(db, spec)
+    built = build_report(db, spec)
     try:
         drawn = report_figures(built, path, None, "")  # PNGs beside the markdown, as `fedcli report --output`
     except OSError as exc:
         raise output_error(path, "report.output", exc) from None
-    write_output(path, recipe_preamble(body, rep.render_markdown(built, drawn)), "report.output")
+    write_output(path, recipe_preamble(body, render_markdown(built, drawn)), "report.output")
 
 
 def recipe_preamble(body: Mapping[str, Any], markdown: str) -> str:

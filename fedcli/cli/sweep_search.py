@@ -1,6 +1,6 @@
 """`fedcli sweep` of a spec with a `search:` block: check it, show its plan, run it (docs/sweeps.md, "Search").
 
-The trials come from an Optuna study in the store's database (fedcli/sweep_search.py `SearchSource`)
+The trials come from an Optuna study in the store's database (fedcli/sweep/search.py `SearchSource`)
 and run through the same scheduler, workers, claims, live table and report as a grid's
 (fedcli/cli/sweep.py `run_plans`).
 """
@@ -17,9 +17,9 @@ from fedcli.errors import ConfigError
 def prepare_search(body: Mapping[str, Any], tracking: Mapping[str, Any], report_path: Any) -> Any:
     """Check the search whole (ConfigError: exit 2, one line, nothing written) and print its plan; return
     the trials' tracking config. `fedcli sweep` then runs it with a `SearchSource` (or stops, `--dry-run`)."""
-    from fedcli import sweeps
     from fedcli.cli.errors import check_output
-    from fedcli.sweep_search import check_space_configs, trial_of
+    from fedcli.sweep.search import check_space_configs, trial_of
+    from fedcli.sweep.spec import check_report_keys
 
     try:
         import optuna  # noqa: F401 - the search's sampler, pruner and study
@@ -29,10 +29,10 @@ def prepare_search(body: Mapping[str, Any], tracking: Mapping[str, Any], report_
     tracking = {k: v for k, v in tracking.items() if v is not None}
     check_space_configs(body, tracking)  # every corner of the space builds a valid config
     sample = trial_of(body, {}, 0, tracking)
-    sweeps.check_report_keys(body.get("report") or {}, [sample])
+    check_report_keys(body.get("report") or {}, [sample])
     metric = body["search"].get("metric") or (body.get("report") or {}).get("metric") or "accuracy"
     try:
-        sweeps.check_report_keys({"metric": metric}, [sample])  # the objective is a metric the task logs
+        check_report_keys({"metric": metric}, [sample])  # the objective is a metric the task logs
     except ConfigError as err:
         raise ConfigError(str(err).replace("report.metric", "search.metric", 1)) from None
     if report_path is not None:
@@ -43,8 +43,8 @@ def prepare_search(body: Mapping[str, Any], tracking: Mapping[str, Any], report_
 
 def show_search(body: Mapping[str, Any], track: Any) -> None:
     """The search's plan: sampler, budget, metric, space, pruner, and how far its study is (read only)."""
-    from fedcli.sweep_search import _metric, study_name
-    from fedcli.sweep_search_spec import budget
+    from fedcli.sweep.search import _metric, study_name
+    from fedcli.sweep.search_spec import budget
 
     search, pruner = body["search"], body.get("pruner")
     done = study_progress(track.store_url, body["experiment"])  # first: a store it cannot read is the one line shown
@@ -68,7 +68,7 @@ def show_search(body: Mapping[str, Any], track: Any) -> None:
 
 
 def sample_eval_every(body: Mapping[str, Any]) -> int:
-    from fedcli.sweep_search import trial_of
+    from fedcli.sweep.search import trial_of
 
     return trial_of(body, {}, 0).config.train.eval_every
 
@@ -78,8 +78,8 @@ def study_progress(url: str, experiment: str) -> dict[str, int]:
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
 
-    from fedcli.sweep_search import study_name
-    from fedcli.tracking.store import SqlStore
+    from fedcli.sweep.search import study_name
+    from fedcli.tracking.store.sql_store import SqlStore
 
     reader = SqlStore.reader(url)
     if reader is None:

@@ -3,7 +3,7 @@
 The server runs with one worker (MLflow's default of 4 processes is too many beside a
 training run on a laptop), and the URL is printed only once the server answers `/health`,
 pointing at the runs table of the experiment of interest, on fedcli's saved view (the metrics
-and params runs are compared by, tracking/mlflow_view.py) where MLflow has saved views; stderr
+and params runs are compared by, tracking/mlflow/view.py) where MLflow has saved views; stderr
 says what that page shows. SIGINT or SIGTERM stops the server's whole process group before this
 command exits, so no worker is left behind.
 
@@ -97,7 +97,7 @@ def landing_url(base: str, uri: str, name: str | None, store_url: str) -> str:
 def runs_url(base: str, experiment: str | None, view: bool = False) -> str:
     """The runs table of `experiment` (an MLflow experiment id), on fedcli's saved view if `view`, or
     the UI's start page. MLflow 3.15+ keeps `viewStateShareKey` only on the `/runs` route."""
-    from fedcli.tracking.mlflow_view import VIEW_ID, has_saved_views
+    from fedcli.tracking.mlflow.view import VIEW_ID, has_saved_views
 
     if not experiment:
         return base
@@ -106,12 +106,12 @@ def runs_url(base: str, experiment: str | None, view: bool = False) -> str:
 
 
 def comparison_view(uri: str, experiment: str) -> bool:
-    """Write fedcli's saved view (tracking/mlflow_view.py) to `experiment` and say on stderr what
+    """Write fedcli's saved view (tracking/mlflow/view.py) to `experiment` and say on stderr what
     the first visit shows; False where MLflow has no saved views or the view cannot be written
     (then the page shows MLflow's default columns, and stderr says which clicks add ours)."""
     from mlflow import MlflowClient
 
-    from fedcli.tracking import mlflow_view
+    from fedcli.tracking.mlflow import view as mlflow_view
 
     out = console()
     default = ("the runs table opens on MLflow's default columns (Run Name, Created, Dataset, Duration, Source, "
@@ -187,7 +187,7 @@ def _experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
 
 
 def _newest_run(store_url: str) -> Any:
-    from fedcli.config import store_file
+    from fedcli.config.checks import store_file
 
     path = store_file(store_url)
     if path is not None and not path.is_file():
@@ -289,7 +289,7 @@ def _group_alive(pgid: int) -> bool:
 
 def runs_tracking_uri(store_url: str) -> str | None:
     """The MLflow URI most runs of the SQL store logged to (their stored tracking config), or None."""
-    from fedcli.config import require_store
+    from fedcli.config.checks import require_store
 
     require_store(store_url)
     uris: Counter[str] = Counter()
@@ -314,7 +314,7 @@ def stored_root(root: str | None, store_url: str) -> str | None:
     the SQL store is that root's own `fedcli.db`, the root is the store file's folder, wherever
     the command runs; otherwise a relative root is taken as relative to the current folder.
     """
-    from fedcli.config import store_file
+    from fedcli.config.checks import store_file
 
     if root is None or Path(root).is_absolute():
         return root

@@ -148,7 +148,7 @@ def checkpoint_payload(
     taken as they are: the client-state store replaces them, never changes them in place.
     The states are still pytrees here; `plain_payload` makes the file's form of them.
     """
-    from fedcli.config import config_hash_of
+    from fedcli.config.sections import config_hash_of
 
     return {
         "format_version": LEGACY_FORMAT,
@@ -299,11 +299,12 @@ def check_identity(
     """Raise CheckpointError unless `payload` has `keys` and is the file of this run (and round).
 
     The config must hash to `config_hash` (the store row's) or differ from the row's
-    `requested` config only in what `--resume` may change (fedcli.config.same_run_config):
+    `requested` config only in what `--resume` may change (fedcli.config.build.same_run_config):
     a checkpoint written before a resume that added rounds still fits. A format-1 file
     carries no run id and no hash; its round and config are checked.
     """
-    from fedcli.config import config_hash_of, same_run_config
+    from fedcli.config.build import same_run_config
+    from fedcli.config.sections import config_hash_of
 
     missing = [k for k in keys if k not in payload]
     if missing:
@@ -427,7 +428,7 @@ def convert_trusted(path: Path) -> str:
     For files you trust only: this one load runs whatever the file holds (`weights_only=False`).
     The run id comes from the file or from its place, `<root>/runs/<id>/...`.
     """
-    from fedcli.config import config_hash_of
+    from fedcli.config.sections import config_hash_of
 
     payload = torch.load(
         path, map_location="cpu", weights_only=False
@@ -769,7 +770,7 @@ class CheckpointWriter:
             if isinstance(client_states, ClientDelta)
             else ClientDelta.of_all(client_states, delta_file_name(round_idx))
         )
-        from fedcli.config import config_hash_of
+        from fedcli.config.sections import config_hash_of
 
         snapshot = {
             "format_version": FORMAT_VERSION,

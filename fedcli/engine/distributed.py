@@ -64,7 +64,7 @@ from fedcli.engine.machine import available_cores
 from fedcli.errors import ConfigError, FedcliError
 
 if TYPE_CHECKING:
-    from fedcli.config import RunConfig
+    from fedcli.config.sections import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -319,7 +319,7 @@ class RoundLoop:
     completed: int  # last round whose state, client states and metrics are all in place
     timing: Timing
     cumulative: dict[str, float]  # comm/cum_bytes_* totals up to `completed`
-    # a sweep's pruning hook (fedcli.sweep_search.make_on_eval): called after each evaluation round is
+    # a sweep's pruning hook (fedcli.sweep.search.make_on_eval): called after each evaluation round is
     # logged; True stops the run after that round (RoundLoop.pruned_at; docs/sweeps.md, "Pruning")
     on_eval: EvalHook | None = None
     pruned_at: int | None = None

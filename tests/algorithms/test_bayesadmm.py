@@ -613,7 +613,7 @@ def test_bayesadmm_full_breakdown_is_one_error_line_exit_2(tmp_path) -> None:
     import subprocess
     import sys
 
-    from fedcli.tracking.store import SqlStore
+    from fedcli.tracking.store.sql_store import SqlStore
 
     cmd = [sys.executable, "-m", "fedcli", "-q", "train", "--algo", "bayesadmm-full", "--task", "lsq", "--rounds", "2",
            "--hp", "step_size=1e308", "--no-mlflow", "--root", str(tmp_path)]
@@ -631,7 +631,7 @@ def test_bayesadmm_full_breakdown_is_one_error_line_exit_2(tmp_path) -> None:
 def test_bayesadmm_full_recommends_a_full_rank_batch_unless_given() -> None:
     """Issue 36: on minibatches of the default 20 the Newton VON steps diverged (synthetic-iid); a run that
     does not set --batch-size trains on batches of 1,024 (full batch on vehicle), recorded as recommended."""
-    from fedcli.config import build_config
+    from fedcli.config.build import build_config
 
     cfg = build_config(overrides={"algorithm.name": "bayesadmm-full"})
     assert cfg.train.batch_size == bayesadmm_full.FULL_BATCH == 1024
@@ -643,7 +643,7 @@ def test_bayesadmm_full_recommends_a_full_rank_batch_unless_given() -> None:
 def test_bayesadmm_full_takes_newton_steps_on_regression_and_the_codes_step_elsewhere() -> None:
     """Default b = 0.2 (main_onestep.py's lr 1 = tau rho); on a regression task (squared loss) `recommend` sets
     b = 1, the Newton step that solves the client exactly (Prop. 3.2); a step the user sets is kept."""
-    from fedcli.config import build_config
+    from fedcli.config.build import build_config
 
     assert bayesadmm_full.BayesADMMFullConfig().step_size == 0.2
     for task, step in (("lsq", 1.0), ("synthetic-1-1", 0.2), ("vehicle", 0.2)):

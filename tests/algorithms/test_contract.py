@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.backends.loop import LoopBackend
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.cohort import CohortInputs, CohortJob

@@ -34,7 +34,7 @@ from fedcli.algorithms.base import (
     tree_sub,
 )
 from fedcli.algorithms.optim import MaskedSGD
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.backends.loop import LoopBackend
 from fedcli.engine.backends.vmap import VmapBackend
 from fedcli.engine.clientstate import ClientStateStore

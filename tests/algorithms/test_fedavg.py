@@ -188,6 +188,6 @@ def test_bias_corrected_server_adam_first_step_is_lr_times_sign() -> None:
 
 def test_numbers_without_a_dot_parse_as_floats() -> None:
     """YAML 1.1 reads `5e-5` as a string; float fields still accept it."""
-    from fedcli.config import build_config
+    from fedcli.config.build import build_config
 
     assert build_config(overrides={"train.client_lr": "5e-3"}).train.client_lr == 5e-3

@@ -11,7 +11,7 @@ import pytest
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import RunFacts
-from fedcli.config import build_config, run_tags
+from fedcli.config.build import build_config, run_tags
 
 
 def test_fedlap_recommends_the_released_local_epochs_and_damping() -> None:

@@ -10,7 +10,7 @@ import torch
 
 from fedcli.algorithms import fedavg, fedpa
 from fedcli.algorithms.base import OptimConfig
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.errors import ConfigError
 from tests.quadratic import quadratic_context, random_spd, stack_outs
 

@@ -13,7 +13,8 @@ import torch
 
 from fedcli.algorithms import fedavg, fedprox
 from fedcli.algorithms.base import Batch, ClientContext, ClientOut, HyperparameterError, OptimConfig
-from fedcli.config import build_config, make_hyperparameters
+from fedcli.config.build import build_config
+from fedcli.config.checks import make_hyperparameters
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.rounds import Timing, run_round
 from fedcli.engine.setup import build

@@ -20,8 +20,15 @@ import pytest
 import torch
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.config import build_config, degeneracies, resume_config, run_tags, shortfalls, warn_degenerate
-from fedcli.tracking.store import SqlStore
+from fedcli.config.build import (
+    build_config,
+    degeneracies,
+    resume_config,
+    run_tags,
+    shortfalls,
+    warn_degenerate,
+)
+from fedcli.tracking.store.sql_store import SqlStore
 
 # ------------------------------------------------------------------------------------------ recommendations
 

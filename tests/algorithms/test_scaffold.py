@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from fedcli.algorithms import fedavg, fedlsa, scaffold
 from fedcli.algorithms.base import Batch, ClientContext, ClientOut, HyperparameterError, OptimConfig
 from fedcli.algorithms.optim import server_opt_init
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.rounds import Timing, run_round
 from fedcli.engine.setup import build

@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import create_engine, insert
 
-from fedcli.config import build_config
-from fedcli.tracking.store import RoundMetric, SqlStore
+from fedcli.config.build import build_config
+from fedcli.tracking.store.schema import RoundMetric
+from fedcli.tracking.store.sql_store import SqlStore
 
 NUM_SEEDS, NUM_ROUNDS = 10, 1500
 CONFIGS = [("fedavg", {}, 0.02), ("fedavg", {}, 0.05), ("fedpa", {"rho": 0.01, "burn_in_rounds": 100}, 0.02),
@@ -86,17 +87,19 @@ def main() -> None:
         from typer.testing import CliRunner
 
         from fedcli.cli.main import app
-        from fedcli.tracking import plots
-        from fedcli.tracking import report as rep
+        from fedcli.tracking.report import plots
+        from fedcli.tracking.report.build import build_report
+        from fedcli.tracking.report.model import ReportSpec
+        from fedcli.tracking.report.render import render_markdown
 
-        spec = rep.ReportSpec(experiments=("bench",), metric="accuracy", thresholds=(0.84, 0.86), at=(500, 1500))
+        spec = ReportSpec(experiments=("bench",), metric="accuracy", thresholds=(0.84, 0.86), at=(500, 1500))
         c0, t0 = time.process_time(), time.perf_counter()
         with SqlStore(url) as store:
-            built = rep.build_report(store, spec)
+            built = build_report(store, spec)
         c1, t1 = time.process_time(), time.perf_counter()
         figures = plots.report_figures(built, folder / "phases" / "report.md")
         c2, t2 = time.process_time(), time.perf_counter()
-        rep.render_markdown(built, figures)
+        render_markdown(built, figures)
         c3, t3 = time.process_time(), time.perf_counter()
         phases = {"build_report_s": t1 - t0, "figures_s": t2 - t1, "markdown_s": t3 - t2,
                   "build_report_cpu_s": c1 - c0, "figures_cpu_s": c2 - c1, "markdown_cpu_s": c3 - c2}

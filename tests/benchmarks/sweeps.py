@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 ROUNDS = {"full": 20, "quick": 2}
 SPEC = ("experiment: bench-sweep\n"

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions
 from fedcli.engine.backends.compiled import CompiledVmap

@@ -10,10 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.train import train as run_training
 from fedcli.tracking.sinks import Tracker
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 
 def cli(*args: str) -> object:

@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("FEDCLI_DATA_CACHE", tempfile.mkdtemp(prefix="fedcli-bench-store-"))
 
-    from fedcli.config import build_config
+    from fedcli.config.build import build_config
     from fedcli.engine.clientstate import ClientStateStore
     from fedcli.engine.rounds import Timing, run_round
     from fedcli.engine.setup import build

@@ -20,7 +20,7 @@ import tempfile
 
 CHILD = """
 import json, resource, sys, time
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.rounds import Timing, run_round
 from fedcli.engine.setup import build

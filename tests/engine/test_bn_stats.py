@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.config import build_config, make_hyperparameters
+from fedcli.config.build import build_config
+from fedcli.config.checks import make_hyperparameters
 from fedcli.datasets.federated import FederatedData
 from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions

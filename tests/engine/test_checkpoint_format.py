@@ -15,7 +15,8 @@ from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import OptimConfig
-from fedcli.config import build_config, make_hyperparameters
+from fedcli.config.build import build_config
+from fedcli.config.checks import make_hyperparameters
 from fedcli.engine import checkpoint as ckpt
 from fedcli.tracking.urls import has_password, is_masked, mask_url
 
@@ -144,7 +145,8 @@ def test_a_stored_config_holds_urls_masked_and_the_hash_is_unchanged(monkeypatch
     """to_dict masks the store and tracking URLs' passwords (the config hash leaves tracking out, so it
     does not change); a config rebuilt from the stored form takes the password from FEDCLI_STORE, and
     without it says how to give it."""
-    from fedcli.config import ConfigError, resume_config
+    from fedcli.config.build import resume_config
+    from fedcli.errors import ConfigError
 
     url = "postgresql+psycopg://me:PW@db/runs"
     cfg = build_config(overrides={"data.task": "lsq", "tracking.store": url})

@@ -17,7 +17,9 @@ from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import OptimConfig
-from fedcli.config import build_config, config_hash_of, make_hyperparameters
+from fedcli.config.build import build_config
+from fedcli.config.checks import make_hyperparameters
+from fedcli.config.sections import config_hash_of
 from fedcli.engine import checkpoint as ckpt
 from fedcli.engine.clientstate import ClientStateStore, SlotLayout, make_store
 from fedcli.errors import TrackingError

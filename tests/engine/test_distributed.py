@@ -27,11 +27,11 @@ from typer.testing import CliRunner
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.cli.main import app
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.rounds import Timing, run_round
 from fedcli.engine.setup import build
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = {"rtol": 1e-4, "atol": 1e-5}

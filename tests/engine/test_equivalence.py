@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import HyperparameterError
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.backends import BackendSetup
 from fedcli.engine.backends.process import ProcessBackend, WorkerPool
 from fedcli.engine.clientstate import ClientStateStore

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from fedcli.algorithms import ALGORITHMS
 from fedcli.algorithms.base import LocalSGD, OptimConfig
 from fedcli.algorithms.optim import train_local
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.datasets import models
 from fedcli.datasets.federated import FederatedData
 from fedcli.engine.backends.fused import DenseSpec, dense_local_sgd, dense_spec

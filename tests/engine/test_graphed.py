@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.config import make_hyperparameters
+from fedcli.config.checks import make_hyperparameters
 from fedcli.engine.backends import graphed, keyed_every_round
 from fedcli.engine.backends.graphed import GraphedVmap, Untraceable
 from tests.engine.test_equivalence import assert_same_run, pick_task, required_hyperparameters, two_rounds

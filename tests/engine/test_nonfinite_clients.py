@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.rounds import DivergenceError, Timing, aggregate, train_cohort
 from fedcli.engine.setup import build
@@ -74,7 +74,7 @@ def test_a_run_whose_cohort_is_all_nan_ends_failed_with_its_round(tmp_path) -> N
     import subprocess
     import sys
 
-    from fedcli.tracking.store import SqlStore
+    from fedcli.tracking.store.sql_store import SqlStore
 
     proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "lsq", "--client-lr", "1e30",
                            "--local-epochs", "5", "--rounds", "3", "--root", str(tmp_path), "--no-mlflow"],

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.cohort import CohortInputs, CohortJob, SpilledStates, take_rows
 from fedcli.engine.rounds import Timing, draw_noise, plan_round, run_round, stream_group, train_cohort

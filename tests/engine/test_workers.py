@@ -14,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms import ALGORITHMS
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.datasets.registry import TASKS
 from fedcli.engine.backends import BackendSetup, Workload
 from fedcli.engine.backends.loop import LoopBackend

@@ -23,7 +23,7 @@ import torch
 from sqlalchemy.engine import make_url
 
 from fedcli.engine import checkpoint as ckpt
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 TINY = ["--task", "lsq", "--clients-per-round", "4"]  # 20 clients, 11 parameters: rounds take milliseconds
 
@@ -212,7 +212,7 @@ class Watcher:
             lines = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
             for line in lines[1:]:
                 pid, _, args = line.strip().partition(" ")
-                self.seen_mirror |= "fedcli.tracking.mirror" in args
+                self.seen_mirror |= "fedcli.tracking.mlflow.mirror" in args
                 if PASSWORD in args and int(pid) not in self.typed and "pytest" not in args:
                     self.ps_hits.add(args[:200])
             for path in self.folder.rglob("*"):  # temporary files (the sweep's trial configs) live only a while
@@ -342,10 +342,11 @@ def test_sweep_keeps_passwords_secret_soak(tmp_path: Path, pg_database) -> None:
 
 def test_a_sweep_passes_passwords_to_its_trials_by_environment(tmp_path: Path) -> None:
     """The trial processes of a sweep get a credential-carrying URL in their environment, their
-    config file and command line hold it masked (fedcli.sweeps.trial_env, trial_args); a URL
+    config file and command line hold it masked (fedcli.sweep.plan.trial_env, trial_args); a URL
     without a password changes nothing (the environment is inherited)."""
-    from fedcli.config import build_config
-    from fedcli.sweeps import NEW, RESUME, Plan, Trial, trial_args, trial_config_text, trial_env
+    from fedcli.config.build import build_config
+    from fedcli.sweep.plan import NEW, RESUME, Plan, trial_args, trial_config_text, trial_env
+    from fedcli.sweep.spec import Trial
 
     url = f"postgresql+psycopg://me:{PASSWORD}@db.example/runs"
     cfg = build_config(overrides={"data.task": "lsq", "tracking.store": url, "tracking.tracking_uri": url})

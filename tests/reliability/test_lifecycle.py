@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 TINY = ["--task", "lsq", "--clients-per-round", "4"]  # 20 clients, 11 parameters: rounds take milliseconds
 
@@ -172,7 +172,7 @@ def test_unreachable_mlflow_server_fails_before_anything_is_written(tmp_path: Pa
 def test_stored_config_is_what_ran_and_resume_uses_the_request(tmp_path: Path) -> None:
     """The run's config holds the resolved model, device, executor, threads and clients (not auto/None);
     the request is kept beside it, and the config hash is the request's (so sweeps match trials)."""
-    from fedcli.config import build_config
+    from fedcli.config.build import build_config
 
     proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "2", "--root",
                            str(tmp_path), "--no-mlflow"], capture_output=True, text=True, timeout=300)

@@ -26,7 +26,7 @@ import pytest
 import torch
 from sqlalchemy.engine import make_url
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 from fedcli.tracking.urls import has_password, is_masked, mask_url
 
 PASSWORD = "pwA1k9/pwB2m8#pwC3n7@pwD4q6'pwE5r5"
@@ -133,7 +133,7 @@ class Watcher:
             ).stdout.splitlines()
             for line in lines[1:]:
                 pid, _, args = line.strip().partition(" ")
-                self.seen_worker |= "fedcli.sweep_worker" in args
+                self.seen_worker |= "fedcli.sweep.worker" in args
                 if leaks(args) and int(pid) not in self.typed and "pytest" not in args:
                     self.hits.add(f"ps: {args[:200]}")
             for path in self._files():  # temporary files (trial configs) live only a while

@@ -1,5 +1,5 @@
 """A search sweep on `--backend ray` with a PostgreSQL store that has a password (issue 35): the password is
-never a Ray argument (fedcli/sweep_ray.py: actors and the pruning hook get the URL masked and read the real
+never a Ray argument (fedcli/sweep/ray_runner.py: actors and the pruning hook get the URL masked and read the real
 one from FEDCLI_STORE in their own environment), so no file of Ray's session (its logs included), no output
 and no row holds it; a cluster whose workers lack FEDCLI_STORE is refused in one line before anything runs.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 from tests.reliability.test_password_forms import ENCODED, PASSWORD, ROLE, env, leaks, password_role  # noqa: F401
 from tests.sweeps.test_ray_backend import HEAD_START_S
 
@@ -111,8 +111,8 @@ def test_what_goes_to_ray_holds_no_password() -> None:
     """The Ray arguments themselves (the Ray session's files did not show task arguments in the test above, with
     or without the masking: this is the check that fails if a password is passed): the actors' environment and
     a trial message with its pruning hook and a resumed trial's overrides, masked; the URLs without one, as given."""
-    from fedcli.config import TrackingConfig
-    from fedcli.sweep_ray import masked_message, secret_env
+    from fedcli.config.sections import TrackingConfig
+    from fedcli.sweep.ray_runner import masked_message, secret_env
 
     url = f"postgresql+psycopg://fed%40cli:{ENCODED}@127.0.0.1:5432/db"
     query = f"postgresql+psycopg://me@127.0.0.1:5432/db?password={ENCODED}"

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcli.config import build_config
+from fedcli.config.build import build_config
 from fedcli.engine.checkpoint import AUTO_BUDGET, CheckpointWriter
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fedcli.engine import checkpoint as ckpt
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 TINY = ["--task", "lsq", "--clients-per-round", "4", "--no-mlflow"]  # 20 clients: rounds take milliseconds
 DISK = [
@@ -127,7 +127,7 @@ def test_a_checkpoint_of_the_old_format_resumes_exactly(tmp_path: Path) -> None:
     # the run's own states, read back from format 3, written as format 2 over the same file
     from fedcli.algorithms import ALGORITHMS
     from fedcli.algorithms.base import OptimConfig
-    from fedcli.config import make_hyperparameters
+    from fedcli.config.checks import make_hyperparameters
 
     alg, hp = ALGORITHMS["scaffold"], make_hyperparameters("scaffold", {})
     params = {"linear.weight": torch.zeros(1, 11)}

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedcli.config import build_config
-from fedcli.tracking.report import ReportSpec, build_report, render_markdown
-from fedcli.tracking.store import SqlStore
+from fedcli.config.build import build_config
+from fedcli.tracking.report.build import build_report
+from fedcli.tracking.report.model import ReportSpec
+from fedcli.tracking.report.render import render_markdown
+from fedcli.tracking.store.sql_store import SqlStore
 
 
 def _run(task: str, root: Path) -> None:

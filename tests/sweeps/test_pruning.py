@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 from tests.sweeps.test_search import BASE, finish, study_of, sweep
 
 optuna = pytest.importorskip("optuna")

@@ -27,10 +27,11 @@ import pytest
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.config import TrackingConfig
+from fedcli.config.sections import TrackingConfig
 from fedcli.errors import ConfigError
-from fedcli.sweep_ray import RayCluster, check_cluster, use_token_if_there
-from fedcli.tracking.store import RunRecord, SqlStore
+from fedcli.sweep.ray_runner import RayCluster, check_cluster, use_token_if_there
+from fedcli.tracking.store.records import RunRecord
+from fedcli.tracking.store.sql_store import SqlStore
 from tests.ray_head import free_port, ray_head_on_loopback
 
 T = TypeVar("T")
@@ -62,7 +63,7 @@ def write_spec(folder: Path, experiment: str, rounds: int, algos: str, seeds: st
     path.write_text(f"experiment: {experiment}\n"
                     f"base: {{task: lsq, rounds: {rounds}, clients_per_round: 4, local_epochs: {local_epochs}, "
                     f"batch_size: 5}}\ngrid: {{algo: [{algos}]{', hp.mu: [0.1]' if 'fedprox' in algos else ''}}}\n"
-                    f"seeds: [{seeds}]\n")  # hp.mu without fedprox would sweep nothing: refused (fedcli.sweeps)
+                    f"seeds: [{seeds}]\n")  # hp.mu without fedprox would sweep nothing: refused (fedcli.sweep)
     return path
 
 

@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.sweeps import expand
-from fedcli.tracking.store import SqlStore
+from fedcli.sweep.spec import expand
+from fedcli.tracking.store.sql_store import SqlStore
 
 optuna = pytest.importorskip("optuna")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 from tests.sweeps.test_ray_backend import ray_head  # noqa: F401 - the module-scoped Ray head fixture
 from tests.sweeps.test_search import BASE, finish, study_of
 

@@ -1,4 +1,4 @@
-"""Long-lived sweep workers (fedcli/sweep_worker.py, sweep_worker_pool.py), checked with real processes:
+"""Long-lived sweep workers (fedcli/sweep/worker.py, worker_pool.py), checked with real processes:
 `python -m fedcli sweep` on a fresh `--root`, its workers killed and signalled for real, the stores read back.
 
 - one worker runs several trials, each a complete run of its own (id, config hash, status,
@@ -152,12 +152,12 @@ def parent_of(pid: int) -> int:
 
 
 def _module_of(pid: int) -> str | None:
-    """The fedcli.tracking.mirror* module process `pid` runs, if any."""
+    """The fedcli.tracking.mlflow.mirror* module process `pid` runs, if any."""
     try:
         argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
-    return next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mirror")), None)
+    return next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mlflow.mirror")), None)
 
 
 def mirrors(ancestor: int) -> set[tuple[int, str]]:
@@ -169,7 +169,7 @@ def mirrors(ancestor: int) -> set[tuple[int, str]]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            module = next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mirror")), None)
+            module = next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mlflow.mirror")), None)
             pid, up = int(entry.name), int(entry.name)
             if module is not None and module == _module_of(parent_of(pid)):
                 continue  # a child the mirror forked (before its exec it shows the mirror's argv), not a second mirror
@@ -194,7 +194,7 @@ def test_one_mlflow_mirror_per_sweep_and_every_trial_a_nested_child(tmp_path: Pa
         time.sleep(0.05)
     code, err = finish(proc)
     assert code == 0, err
-    assert len(seen) == 1 and next(iter(seen))[1] == "fedcli.tracking.mirror_sweep", seen
+    assert len(seen) == 1 and next(iter(seen))[1] == "fedcli.tracking.mlflow.sweep_mirror", seen
     records = runs(tmp_path)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("w-mirror")
@@ -211,7 +211,7 @@ def test_one_mlflow_mirror_per_sweep_and_every_trial_a_nested_child(tmp_path: Pa
 
 
 class ListSource:
-    """A trial source of fixed plans (the shape of fedcli.sweep_search.SearchSource): ask, tell, hook."""
+    """A trial source of fixed plans (the shape of fedcli.sweep.search.SearchSource): ask, tell, hook."""
 
     def __init__(self, plans: list) -> None:
         self.left, self.told, self.asked = list(plans), [], 0
@@ -233,18 +233,20 @@ class ListSource:
 
 def test_the_scheduler_asks_its_source_for_trials_and_tells_it_each_outcome(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedcli import sweeps
-    from fedcli.sweep_worker_pool import WorkerScheduler
-    from fedcli.tracking.store import SqlStore
+    from fedcli.sweep.plan import NEW, Plan
+    from fedcli.sweep.scheduler import TrialClaims
+    from fedcli.sweep.spec import expand
+    from fedcli.sweep.worker_pool import WorkerScheduler
+    from fedcli.tracking.store.sql_store import SqlStore
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     body = {"experiment": "w-source", "base": {"task": "lsq", "rounds": 2, "clients_per_round": 4},
             "grid": {"client_lr": [0.01, 1.0e30]}, "seeds": [0]}
-    trials = sweeps.expand(body, {"tracking.root": str(tmp_path), "tracking.use_mlflow": False})
-    source = ListSource([sweeps.Plan(t, sweeps.NEW) for t in trials])
+    trials = expand(body, {"tracking.root": str(tmp_path), "tracking.use_mlflow": False})
+    source = ListSource([Plan(t, NEW) for t in trials])
     db = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
     scheduler = WorkerScheduler([], workers=1, cores=1, threads=1, parent_run=None, source=source,
-                                claims=sweeps.TrialClaims(db, "w-source"))
+                                claims=TrialClaims(db, "w-source"))
     try:
         assert scheduler.run(lambda processes: None, tick_s=0.5) is None
     finally:
@@ -265,10 +267,12 @@ def test_the_worker_started_early_runs_the_first_trial_with_the_urls_password_se
     process) and sends the store URL's password with each trial (`trial_secrets`), never on a command
     line: trials against a PostgreSQL store whose URL carries a password finish there (without it the
     worker would stop with "tracking.store must carry its password")."""
-    from fedcli import sweeps
-    from fedcli.sweep_process import _EARLY, spawn_early
-    from fedcli.sweep_worker_pool import WorkerScheduler
-    from fedcli.tracking.store import SqlStore
+    from fedcli.sweep.plan import NEW, Plan
+    from fedcli.sweep.process import _EARLY, spawn_early
+    from fedcli.sweep.scheduler import TrialClaims
+    from fedcli.sweep.spec import expand
+    from fedcli.sweep.worker_pool import WorkerScheduler
+    from fedcli.tracking.store.sql_store import SqlStore
     from tests.reliability.test_files_and_secrets import PASSWORD, secret
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -278,11 +282,11 @@ def test_the_worker_started_early_runs_the_first_trial_with_the_urls_password_se
     early = _EARLY[0][0]
     assert PASSWORD.encode() not in Path(f"/proc/{early.pid}/environ").read_bytes()
     body = {"experiment": "w-early", "base": {"task": "lsq", "rounds": 2, "clients_per_round": 4}, "seeds": [0, 1]}
-    trials = sweeps.expand(body, {"tracking.root": str(tmp_path), "tracking.use_mlflow": False,
+    trials = expand(body, {"tracking.root": str(tmp_path), "tracking.use_mlflow": False,
                                   "tracking.store": store_url})
     db = SqlStore(store_url)
-    scheduler = WorkerScheduler([sweeps.Plan(t, sweeps.NEW) for t in trials], workers=1, cores=1, threads=1,
-                                parent_run=None, claims=sweeps.TrialClaims(db, "w-early"))
+    scheduler = WorkerScheduler([Plan(t, NEW) for t in trials], workers=1, cores=1, threads=1,
+                                parent_run=None, claims=TrialClaims(db, "w-early"))
     try:
         assert scheduler.run(lambda processes: None, tick_s=0.5) is None
         assert [w.proc.pid for w in scheduler.pool] == [early.pid] and _EARLY == []

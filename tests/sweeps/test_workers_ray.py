@@ -1,4 +1,4 @@
-"""Long-lived Ray actors (fedcli/sweep_ray.py `RayScheduler`, fedcli/sweep_ray_task.py `TrialActor`), on a real
+"""Long-lived Ray actors (fedcli/sweep/ray_runner.py `RayScheduler`, fedcli/sweep/ray_actor.py `TrialActor`), on a real
 Ray head on loopback (the fixture of tests/sweeps/test_ray_backend.py): one actor runs several trials, each a
 complete run of its own, with the actor's CPUs as its threads.
 """

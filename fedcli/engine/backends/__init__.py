@@ -33,7 +33,7 @@ from fedcli.datasets.tasks import Task
 from fedcli.engine.cohort import CohortJob
 
 if TYPE_CHECKING:
-    from fedcli.config import RunConfig
+    from fedcli.config.sections import RunConfig
     from fedcli.engine.distributed import Peers
 
 

@@ -1,6 +1,6 @@
 """What the store says about a sweep's trials (the live table's rows) and the sweep's MLflow parent run.
 
-Split out of fedcli/sweeps.py (issue 25: no module over ~500 lines), whose docstring describes
+Split out of fedcli/sweep/__init__.py (issue 25: no module over ~500 lines), whose docstring describes
 how a sweep owns its trials and which re-exports every name here.
 """
 
@@ -16,12 +16,12 @@ from fedcli.errors import ConfigError
 from fedcli.tracking.urls import mask_url
 
 if TYPE_CHECKING:
-    from fedcli.tracking.mlflow_sink import MlflowSink
-    from fedcli.tracking.store import RunRecord
+    from fedcli.tracking.mlflow.sink import MlflowSink
+    from fedcli.tracking.store.records import RunRecord
 
-from fedcli.sweep_plan import DIVERGED, ELSEWHERE, NEW, RESUME, SKIP, Plan
-from fedcli.sweep_scheduler import TrialProcess
-from fedcli.sweep_spec import Trial, spec_hash
+from fedcli.sweep.plan import DIVERGED, ELSEWHERE, NEW, RESUME, SKIP, Plan
+from fedcli.sweep.scheduler import TrialProcess
+from fedcli.sweep.spec import Trial, spec_hash
 
 # --------------------------------------------------------------------------- what the store says
 
@@ -47,7 +47,7 @@ def trial_rows(store: Any, experiment: str, plans: Sequence[Plan], processes: Se
                metric_keys: Sequence[str], stopped: bool = False) -> tuple[list[TrialRow], str]:
     """Rows of every planned trial, rounds and metric read from the store; and the metric key shown.
 
-    `processes`: TrialProcess, or any object with its attributes (fedcli.sweep_ray.RayTrial).
+    `processes`: TrialProcess, or any object with its attributes (fedcli.sweep.ray_runner.RayTrial).
     """
     records = experiment_runs(store, experiment)
     for started in processes:
@@ -115,8 +115,8 @@ def parent_run(tracking_uri: str, spec: Mapping[str, Any]) -> MlflowSink:
     from mlflow.tracking import MlflowClient
 
     from fedcli.errors import TrackingError
-    from fedcli.tracking.mirror import schema_lock
-    from fedcli.tracking.mlflow_sink import MlflowSink
+    from fedcli.tracking.mlflow.checks import schema_lock
+    from fedcli.tracking.mlflow.sink import MlflowSink
 
     experiment, digest = spec["experiment"], spec_hash(spec)
     with schema_lock(tracking_uri):  # N processes on a fresh root set MLflow's schema up once

@@ -1,18 +1,18 @@
 """`fedcli sweep --backend ray`: trials in long-lived Ray actors on a cluster (docs/scaling.md, "Sweeps on Ray").
 
-The sweep plans as with the local backend (fedcli.sweeps: `plan_trials`, the MLflow parent
+The sweep plans as with the local backend (fedcli.sweep: `plan_trials`, the MLflow parent
 run, the live table read from the store); only where a trial's `fedcli train` process runs
 changes. `RayScheduler` is the local `Scheduler` with long-lived Ray actors for workers (issue 27):
-each actor (fedcli.sweep_ray_task.TrialActor) holds `--cpus-per-trial` CPUs and `--gpus-per-trial`
-GPUs and runs one sweep worker (fedcli/sweep_worker.py) on its node, which trains many trials
+each actor (fedcli.sweep.ray_actor.TrialActor) holds `--cpus-per-trial` CPUs and `--gpus-per-trial`
+GPUs and runs one sweep worker (fedcli/sweep/worker.py) on its node, which trains many trials
 in-process (imports and data once per actor), each trial's `train.workers` and `train.threads`
 set to the actor's CPUs and its config sent as text. At most `--workers` actors exist, by default
 as many as the cluster's nodes hold. A resumed trial goes preferably to an actor on the node of
 its run (its checkpoints may be on that node's disk only). Nothing is retried by Ray: a trial
 whose actor or node dies reads `interrupted` in the store and the next rerun resumes it. Trials
-are claimed in the store by the driver as with the local backend (`sweeps.TrialClaims`, through
+are claimed in the store by the driver as with the local backend (`TrialClaims`, through
 `Scheduler._step`), so a Ray sweep and a local one, or two Ray sweeps, of one spec split the
-trials. The driver runs the sweep's one MLflow mirror (tracking/mirror_sweep.py).
+trials. The driver runs the sweep's one MLflow mirror (tracking/mlflow/sweep_mirror.py).
 
 Results go to the store and MLflow URIs the driver resolved, passed to each trial, so every
 node must reach them: on a cluster of more than one node a SQLite store or a file-based
@@ -43,17 +43,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from fedcli import sweeps
 from fedcli.errors import ConfigError
-from fedcli.sweep_ray_task import TrialActor
+from fedcli.sweep.plan import RESUME, Plan
+from fedcli.sweep.ray_actor import TrialActor
+from fedcli.sweep.scheduler import KILL_AFTER_S as TRIAL_KILL_AFTER_S
+from fedcli.sweep.scheduler import Scheduler, TrialClaims, TrialOutcome
+from fedcli.sweep.spec import Trial
 
 if TYPE_CHECKING:
-    from fedcli.config import TrackingConfig
-    from fedcli.tracking.store import RunRecord
+    from fedcli.config.sections import TrackingConfig
+    from fedcli.tracking.store.records import RunRecord
 
 INSTALL = "pip install 'fedcli[ray]'"
 CONNECT_TIMEOUT_S = 5.0  # a TCP probe of HOST:PORT before ray.init (which retries for a long time)
-KILL_AFTER_S = sweeps.KILL_AFTER_S + 30.0  # the task itself kills its trial at KILL_AFTER_S
+KILL_AFTER_S = TRIAL_KILL_AFTER_S + 30.0  # a stop's wait before busy actors are killed: the local one's and a margin
 
 
 @dataclass
@@ -82,9 +85,9 @@ class RayCluster:
             total += fit
         return max(1, total)
 
-    def scheduler(self, plans: Sequence[sweeps.Plan], *, workers: int | None, parent_run: str | None,
-                  recheck: Callable[[sweeps.Plan], sweeps.Plan], read_runs: Callable[[], list[RunRecord]],
-                  track: TrackingConfig, claims: sweeps.TrialClaims | None = None, mirror: Any = None,
+    def scheduler(self, plans: Sequence[Plan], *, workers: int | None, parent_run: str | None,
+                  recheck: Callable[[Plan], Plan], read_runs: Callable[[], list[RunRecord]],
+                  track: TrackingConfig, claims: TrialClaims | None = None, mirror: Any = None,
                   source: Any = None) -> RayScheduler:
         from fedcli.tracking.urls import mask_url
 
@@ -230,11 +233,11 @@ def check_cluster(nodes: Sequence[Mapping[str, Any]], track: TrackingConfig, cpu
                           f"(the largest has {largest[0]:g} CPUs and {largest[1]:g} GPUs); lower them or add a node.")
 
 
-def absolute_root(trials: Sequence[sweeps.Trial]) -> list[sweeps.Trial]:
+def absolute_root(trials: Sequence[Trial]) -> list[Trial]:
     """The trials with tracking.root made absolute (their checkpoints land there on any node)."""
     def pinned(cfg: Any) -> Any:
         return dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, root=str(Path(cfg.tracking.root).resolve())))
-    return [sweeps.Trial(t.name, pinned(t.config)) for t in trials]
+    return [Trial(t.name, pinned(t.config)) for t in trials]
 
 
 def first_line(err: BaseException) -> str:
@@ -246,9 +249,9 @@ def first_line(err: BaseException) -> str:
 
 
 def masked_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A trial message (fedcli.sweep_worker_pool.trial_message) with its URLs masked: the hook's storage and a
+    """A trial message (fedcli.sweep.worker_pool.trial_message) with its URLs masked: the hook's storage and a
     resumed trial's tracking.store / tracking.tracking_uri. The actor (TrialActor.run) and the worker
-    (fedcli.config's given_url) take the real URLs from their environment."""
+    (fedcli.config.sections.given_url) take the real URLs from their environment."""
     from fedcli.tracking.urls import mask_url
 
     out = dict(message)
@@ -271,16 +274,16 @@ class Actor:
 
 @dataclass
 class RayTrial:
-    """A submitted (or ended) trial; read by the sweep's tables as a sweeps.TrialProcess."""
+    """A submitted (or ended) trial; read by the sweep's tables as a TrialProcess."""
 
-    plan: sweeps.Plan
+    plan: Plan
     ref: Any  # the ObjectRef of its TrialActor.run call
     actor: Actor | None = None
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
     run_id: str | None = None
     stopped: bool = False  # ended by the sweep's stop
-    result: dict[str, Any] | None = None  # what run_trial returned
+    result: dict[str, Any] | None = None  # what TrialActor.run returned (always with a `status`)
     error: str | None = None  # the Ray error that ended the task instead (cancelled, worker died)
 
     @property
@@ -291,56 +294,44 @@ class RayTrial:
     def status(self) -> str:
         if self.ended is None:
             return "running"
-        if self.result is not None and "status" in self.result:  # a TrialActor's answer
-            status = str(self.result["status"])
-            return "interrupted" if self.stopped and status == "failed" else status
-        if self.result is None and self.stopped:
-            return "interrupted"
-        code = None if self.result is None else self.result["code"]
-        if code == 0:
-            return "finished"
-        stop_codes = {128 + s for s in sweeps.STOP_SIGNALS}
-        return "interrupted" if self.stopped or code in stop_codes else "failed"
+        if self.result is None:  # the Ray call failed (the actor or its node died, or it was cancelled)
+            return "interrupted" if self.stopped else "failed"
+        status = str(self.result["status"])
+        return "interrupted" if self.stopped and status == "failed" else status
 
     def last_error(self) -> str:
-        """The trial's reason (its last stderr line), else the Ray error, else its exit code."""
+        """The trial's reason, else the Ray error, else its exit code."""
         if self.result is not None and self.result.get("reason"):
             return str(self.result["reason"])
-        lines = [] if self.result is None else self.result.get("stderr", [])
-        if lines:
-            return str(lines[-1]).strip()
         return self.error or f"exit code {None if self.result is None else self.result.get('code')}"
 
     def locate(self, records: Sequence[RunRecord]) -> str | None:
-        """The id of the run this trial trains: the one it printed, else the run of its config hash
-        (planned new right before it was submitted, so none of that hash existed then)."""
+        """The id of the run this trial trains: the one its worker reported, else the run of its config
+        hash (planned new right before it was submitted, so none of that hash existed then)."""
         if self.run_id is not None:
             return self.run_id
-        words = [] if self.result is None else " ".join(self.result.get("stdout", [])).split()
-        if words and len(words[-1]) == 32:
-            return words[-1]
         key = self.plan.trial.config.config_hash
         found = [r.id for r in records if (r.tags.get("fedcli.config_hash") or r.config_hash) == key]
         return found[-1] if found else None
 
 
-class RayScheduler(sweeps.Scheduler):
-    """sweeps.Scheduler whose trials run in long-lived Ray actors (`TrialActor`), at most `workers` at once.
+class RayScheduler(Scheduler):
+    """Scheduler whose trials run in long-lived Ray actors (`TrialActor`), at most `workers` at once.
 
     Each actor holds `--cpus-per-trial` CPUs and `--gpus-per-trial` GPUs and runs one sweep worker
-    (fedcli/sweep_worker.py) that trains many trials in-process, as the local backend's workers do;
+    (fedcli/sweep/worker.py) that trains many trials in-process, as the local backend's workers do;
     a new actor is created only while fewer than `workers` exist. A resumed trial goes preferably
     to an idle actor on the host of its run (its checkpoints may be on that node's disk only), a
     new actor is placed there when none is idle. An actor whose worker or node died costs its trial
     (`failed`, with how it died; its run reads `interrupted`, and a rerun resumes it) and is
     replaced. A stop asks each busy actor to stop its trial (SIGTERM to its worker: checkpointed,
     `interrupted`); actors still busy KILL_AFTER_S later are killed. `mirror`: the sweep's one
-    MLflow mirror (tracking/mirror_sweep.py), given each ended trial's run.
+    MLflow mirror (tracking/mlflow/sweep_mirror.py), given each ended trial's run.
     """
 
-    def __init__(self, plans: Sequence[sweeps.Plan], *, cluster: RayCluster, workers: int, parent_run: str | None,
-                 recheck: Callable[[sweeps.Plan], sweeps.Plan], read_runs: Callable[[], list[RunRecord]],
-                 env: Mapping[str, str], cwd: str, claims: sweeps.TrialClaims | None = None, mirror: Any = None,
+    def __init__(self, plans: Sequence[Plan], *, cluster: RayCluster, workers: int, parent_run: str | None,
+                 recheck: Callable[[Plan], Plan], read_runs: Callable[[], list[RunRecord]],
+                 env: Mapping[str, str], cwd: str, claims: TrialClaims | None = None, mirror: Any = None,
                  source: Any = None) -> None:
         super().__init__(plans, workers=workers, cores=cluster.cpus, parent_run=parent_run, recheck=recheck,
                          claims=claims, source=source, threads=cluster.cpus)
@@ -351,7 +342,7 @@ class RayScheduler(sweeps.Scheduler):
         self._actor_class = cluster.ray.remote(TrialActor)
         self._killed = False
 
-    def _actor(self, plan: sweeps.Plan) -> Actor:
+    def _actor(self, plan: Plan) -> Actor:
         """An idle actor (on the resumed run's host when there is one), else a new one."""
         host = self._host_of(plan)
         idle = [a for a in self.actors if a.busy is None]
@@ -369,8 +360,8 @@ class RayScheduler(sweeps.Scheduler):
         self.actors.append(actor)
         return actor
 
-    def start(self, plan: sweeps.Plan) -> RayTrial:  # type: ignore[override]
-        from fedcli.sweep_worker_pool import trial_message
+    def start(self, plan: Plan) -> RayTrial:  # type: ignore[override]
+        from fedcli.sweep.worker_pool import trial_message
 
         actor = self._actor(plan)
         hook = self.source.hook(plan) if self.source is not None else None
@@ -380,9 +371,9 @@ class RayScheduler(sweeps.Scheduler):
         self.processes.append(trial)
         return trial
 
-    def _host_of(self, plan: sweeps.Plan) -> str | None:
+    def _host_of(self, plan: Plan) -> str | None:
         """The host where a resumed trial's run trained last (None: any will do)."""
-        if plan.action != sweeps.RESUME or len(self.cluster.nodes) < 2:
+        if plan.action != RESUME or len(self.cluster.nodes) < 2:
             return None
         return next((r.host for r in self.read_runs() if r.id == plan.run_id), None)
 
@@ -410,7 +401,7 @@ class RayScheduler(sweeps.Scheduler):
                 actor.busy, actor.host = None, result.get("host") or actor.host
                 if trial.result is None or result.get("event") == "died" or result.get("signal"):
                     self._drop(actor)  # its worker is gone (or stopping with the sweep): a new actor replaces it
-            self._told(trial.plan, sweeps.TrialOutcome(trial.status, trial.run_id, "" if trial.status == "finished"
+            self._told(trial.plan, TrialOutcome(trial.status, trial.run_id, "" if trial.status == "finished"
                                                        else trial.last_error(), result.get("round"),
                                                        dict(result.get("metrics") or {})))
             if self.mirror is not None and trial.run_id is not None:

@@ -1,6 +1,6 @@
-"""Starting sweep worker processes (fedcli/sweep_worker.py) so that they end with the sweep: `die_with_parent`,
+"""Starting sweep worker processes (fedcli/sweep/worker.py) so that they end with the sweep: `die_with_parent`,
 and `spawn_early`, which starts one before the sweep imports torch. Imports nothing of fedcli: `fedcli
-sweep` calls `spawn_early` first thing, and the scheduler, the worker pool and fedcli.sweeps import it.
+sweep` calls `spawn_early` first thing, and the scheduler, the worker pool and fedcli.sweep import it.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def spawn_early() -> None:
         return
     fd, name = tempfile.mkstemp(prefix="fedcli-worker-", suffix=".stderr")
     with os.fdopen(fd, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep_worker"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, preexec_fn=die_with_parent(os.getpid()))
     _EARLY.append((proc, Path(name)))
     atexit.register(_remove, Path(name))

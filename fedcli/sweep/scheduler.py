@@ -1,6 +1,6 @@
 """The trial processes of a local sweep: claims in the store, the `Scheduler` that starts them and forwards stop signals.
 
-Split out of fedcli/sweeps.py (issue 25: no module over ~500 lines), whose docstring describes
+Split out of fedcli/sweep/__init__.py (issue 25: no module over ~500 lines), whose docstring describes
 how a sweep owns its trials and which re-exports every name here.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from fedcli.tracking.store import Claim, RunRecord
+    from fedcli.tracking.store.records import Claim, RunRecord
 
-from fedcli.sweep_plan import ELSEWHERE, NEW, RESUME, Plan, trial_command, trial_env
-from fedcli.sweep_process import die_with_parent
+from fedcli.sweep.plan import ELSEWHERE, NEW, RESUME, Plan, trial_command, trial_env
+from fedcli.sweep.process import die_with_parent
 
 # --------------------------------------------------------------------------- the trial processes
 
@@ -65,7 +65,7 @@ class TrialProcess:
     def locate(self, records: Sequence[RunRecord]) -> str | None:
         """The id of the run this process trains: the store's run of its host, pid and config hash,
         else the id it printed."""
-        from fedcli.tracking.store import HOSTNAME
+        from fedcli.tracking.store.common import HOSTNAME
 
         key = (HOSTNAME, self.proc.pid, self.plan.trial.config.config_hash)
         found = [r.id for r in records if (r.host, r.pid, r.tags.get("fedcli.config_hash")) == key]
@@ -143,7 +143,7 @@ class TrialClaims:
 
     def refresh(self) -> None:
         """Renew this sweep's claims every HEARTBEAT_S seconds (cheap to call often)."""
-        from fedcli.tracking.store import HEARTBEAT_S, stale_s
+        from fedcli.tracking.store.common import HEARTBEAT_S, stale_s
 
         if self.held and time.monotonic() - self._refreshed >= min(HEARTBEAT_S, stale_s() / 4):
             self._refreshed = time.monotonic()

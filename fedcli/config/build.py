@@ -6,12 +6,10 @@ Every user-facing check lives in this module and the two below, and raises `Conf
 message format of docs/style.md rule 11. Environment variables are read only there (FEDCLI_STORE,
 MLFLOW_TRACKING_URI).
 
-Layout (one import path: everything is importable from here): `fedcli.config_sections` holds
-the sections' frozen dataclasses, RunConfig, the config hash and the tracking URLs' environment
-fallback; `fedcli.config_checks` reads YAML and KEY=VALUE overrides, coerces values to the
-fields' types and validates (every check of user input); this module builds a run's config
-(`build_config`: merge, recommended settings, validate, freeze), reports degenerate settings
-and rebuilds a stored run's config for `--resume`. Import direction: sections <- checks <- this.
+The two other modules of the package (fedcli/config/__init__.py): `sections` (the frozen dataclasses,
+RunConfig, the hash) and `checks` (parsing, coercion, validation). This module builds a run's config
+(`build_config`: merge, recommended settings, validate, freeze), reports degenerate settings and
+rebuilds a stored run's config for `--resume`. Import direction: sections <- checks <- this.
 """
 
 from __future__ import annotations
@@ -21,59 +19,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedcli.config_checks import (
+from fedcli.config.checks import (
     INT_MAX,
-    MLFLOW_SCHEMES,
-    NAME_MAX_BYTES,
-    PARTITION_FLAGS,
-    THREADS_MAX,
     build_section,
-    check_name,
-    coerce,
     make_hyperparameters,
-    parse_assignments,
-    parse_value,
     read_yaml,
     record_model_source,
-    require_max_clients_support,
-    require_store,
-    store_file,
     suggest,
     validate,
-    validate_partition,
-    validate_tracking,
 )
-from fedcli.config_sections import (
-    EXECUTORS,
-    HASHED_UNLESS_DEFAULT,
+from fedcli.config.sections import (
     HP_ADDED,
-    NOT_HASHED,
-    PRECISIONS,
-    SCHEMES,
     SECTIONS,
     AlgorithmConfig,
     DataConfig,
-    PartitionConfig,
     RunConfig,
-    TrackingConfig,
     TrainConfig,
     canonical_json,
-    config_hash_of,
-    given_url,
 )
 from fedcli.errors import ConfigError
-
-__all__ = [  # the names other modules import from fedcli.config (those of config_sections and config_checks too)
-    "EXECUTORS", "HASHED_UNLESS_DEFAULT", "HP_ADDED", "INT_MAX", "MLFLOW_SCHEMES", "NAME_MAX_BYTES", "NOT_HASHED",
-    "PARTITION_FLAGS", "PRECISIONS", "RESUMABLE_OVERRIDES", "SCHEMES", "SECTIONS", "SERVER_OPT_KEYS", "THREADS_MAX",
-    "AlgorithmConfig", "ConfigError", "DataConfig", "PartitionConfig", "RunConfig", "TrackingConfig", "TrainConfig",
-    "build_config", "build_section", "canonical_json", "check_name", "coerce", "config_hash_of", "degeneracies",
-    "given_url", "make_hyperparameters", "parse_assignments", "parse_value", "read_yaml",
-    "require_max_clients_support", "require_store", "resolve_recommended", "resume_config", "run_tags",
-    "same_run_config", "store_file", "suggest", "validate", "validate_partition", "validate_tracking",
-    "shortfalls", "warn_degenerate",
-]
-
 
 # --------------------------------------------------------------------------- recommended settings, degeneracy
 # (docs/architecture.md §7, "Recommended settings"): an algorithm may recommend run settings for the run at

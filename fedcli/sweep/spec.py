@@ -1,6 +1,6 @@
 """A sweep spec: reading it (YAML or a recipe), checking its keys and values, expanding it into trials.
 
-Split out of fedcli/sweeps.py (issue 25: no module over ~500 lines), whose docstring describes
+Split out of fedcli/sweep/__init__.py (issue 25: no module over ~500 lines), whose docstring describes
 how a sweep owns its trials and which re-exports every name here.
 """
 
@@ -16,15 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedcli.config import (
-    NAME_MAX_BYTES,
-    SECTIONS,
-    AlgorithmConfig,
-    RunConfig,
-    build_config,
-    read_yaml,
-    suggest,
-)
+from fedcli.config.build import build_config
+from fedcli.config.checks import NAME_MAX_BYTES, read_yaml, suggest
+from fedcli.config.sections import SECTIONS, AlgorithmConfig, RunConfig
 from fedcli.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -33,7 +27,7 @@ if TYPE_CHECKING:
 
 
 SPEC_KEYS = ("experiment", "base", "grid", "variants", "seeds", "report", "description", "paper", "smoke", "study",
-             "max_trials", "search", "pruner", "data")  # search, pruner: fedcli/sweep_search_spec.py; data: fedcli/recipes
+             "max_trials", "search", "pruner", "data")  # search, pruner: fedcli/sweep/search_spec.py; data: fedcli/recipes
 REPORT_KEYS = ("metric", "thresholds", "at", "window", "smooth", "group_by", "output", "columns")  # `fedcli report` options
 MAX_TRIALS = 1000  # trials a spec may expand to unless it says `max_trials: N` (checked before expanding)
 
@@ -101,7 +95,7 @@ def load_spec(path: Path | None, recipe: str | None, *, smoke: bool = False) -> 
                               f"valid: {', '.join(REPORT_KEYS)}.")
     check_report_values(report or {})
     if spec.get("search") is not None or spec.get("pruner") is not None:
-        from fedcli.sweep_search_spec import check_search
+        from fedcli.sweep.search_spec import check_search
 
         check_search(spec)
     return spec
@@ -109,7 +103,7 @@ def load_spec(path: Path | None, recipe: str | None, *, smoke: bool = False) -> 
 
 def check_spec_values(spec: Mapping[str, Any]) -> None:
     """The type of every top-level value (a spec is data, not code: nothing is coerced)."""
-    from fedcli.config import INT_MAX, check_name
+    from fedcli.config.checks import INT_MAX, check_name
 
     if not isinstance(spec["experiment"], str):
         raise ConfigError(f"experiment must be a name (text); got {spec['experiment']!r}.")
@@ -181,7 +175,7 @@ def check_report_keys(block: Mapping[str, Any], trials: Sequence[Trial]) -> None
     accuracy, loss; regression and LSA: loss, dist_to_opt; other kinds are checked by the report)."""
     from fedcli.datasets.registry import TASKS
     from fedcli.tracking.keys import flatten_config
-    from fedcli.tracking.report import resolve_key, resolve_metric
+    from fedcli.tracking.report.model import resolve_key, resolve_metric
 
     group_by = block.get("group_by")
     if group_by is not None:

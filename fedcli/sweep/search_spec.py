@@ -1,6 +1,6 @@
 """The `search:` and `pruner:` blocks of a sweep spec, checked whole before anything runs (docs/sweeps.md).
 
-Apart from fedcli/sweep_search.py (which runs a search) so that reading a spec (fedcli/sweep_spec.py)
+Apart from fedcli/sweep/search.py (which runs a search) so that reading a spec (fedcli/sweep/spec.py)
 checks them without importing Optuna or the sweep's planning.
 """
 
@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fedcli.config import suggest
+from fedcli.config.checks import suggest
 from fedcli.errors import ConfigError
 
 SAMPLERS = ("tpe", "random", "grid")

@@ -1,7 +1,7 @@
 """`fedcli sweep --dry-run` estimates: each trial's federation, peak memory and time per round, measured.
 
 For every distinct trial config (seeds share one), a probe runs the trial as it would run, in a
-child process (`python -m fedcli.sweep_estimate`), for PROBE_ROUNDS rounds with nothing stored
+child process (`python -m fedcli.sweep.estimate`), for PROBE_ROUNDS rounds with nothing stored
 (a throwaway SQLite store in a temporary folder, no MLflow) and reports:
 
 - the federation: clients, training and test examples, the largest client, model parameters;
@@ -77,7 +77,7 @@ def probe(doc: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from fedcli.api_run import prepared_run
-    from fedcli.config import build_config
+    from fedcli.config.build import build_config
 
     with tempfile.TemporaryDirectory(prefix="fedcli-probe-") as tmp:
         doc = {
@@ -171,7 +171,7 @@ def run_probe(doc: dict[str, Any], timeout_s: float) -> dict[str, Any] | str:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "fedcli.sweep_estimate"],
+            [sys.executable, "-m", "fedcli.sweep.estimate"],
             input=json.dumps(doc),
             capture_output=True,
             text=True,
