@@ -48,22 +48,22 @@ GLOBAL_RNG = re.compile(r"\btorch\.(rand|randn|randint|randperm|normal|bernoulli
                         r"^\s*import random\b|\brandom\.(random|randint|choice|shuffle)\(", re.M)
 
 
-@pytest.mark.parametrize("path", sorted([*(ROOT / "algorithms").glob("*.py"), *(ROOT / "datasets").glob("*.py")]),
-                         ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", sorted([*(ROOT / "algorithms").glob("*.py"), *(ROOT / "datasets").rglob("*.py")]),
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_global_rng_in_algorithms_or_datasets(path: Path) -> None:
     text = path.read_text()
     for match in GLOBAL_RNG.finditer(text):
         line = text[: match.start()].count("\n") + 1
         context = text.splitlines()[line - 1]
-        assert "generator=" in context, f"{path.name}:{line} draws from a global RNG: {context.strip()}"
+        assert "generator=" in context, f"{path.relative_to(ROOT)}:{line} draws from a global RNG: {context.strip()}"
 
 
 @pytest.mark.parametrize(("folder", "banned"), [("datasets", ("fedcli.algorithms", "fedcli.engine", "fedcli.cli")),
                                                 ("tracking", ("fedcli.engine", "fedcli.cli", "fedcli.algorithms"))])
 def test_lower_layers_do_not_import_upper_layers(folder: str, banned: tuple[str, ...]) -> None:
-    for path in sorted((ROOT / folder).glob("*.py")):
+    for path in sorted((ROOT / folder).rglob("*.py")):
         for name in imports(path):
-            assert not name.startswith(banned), f"{folder}/{path.name} imports {name}"
+            assert not name.startswith(banned), f"{path.relative_to(ROOT)} imports {name}"
 
 
 # ----------------------------------------------------------------------------- no import circles
@@ -158,3 +158,122 @@ def test_the_cycle_check_finds_lazy_and_type_only_cycles(tmp_path: Path) -> None
     assert find_cycle(module_graph({"pkg": tmp_path / "pkg"})) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
     (tmp_path / "pkg" / "c.py").write_text("import os\n")
     assert find_cycle(module_graph({"pkg": tmp_path / "pkg"})) is None
+
+
+# ----------------------------------------------------------------------------- tracking below the run layer
+
+TRACKING_BANNED = ("fedcli.sweep", "fedcli.cli", "fedcli.api", "fedcli.runs", "fedcli.engine")  # prefixes
+
+
+def banned_imports(folder: Path, banned: tuple[str, ...]) -> list[str]:
+    """`path: module` for every import under `folder` (recursively) of a module starting with `banned`
+    (`from fedcli import cli` counts as `fedcli.cli`)."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            found += [f"{path.relative_to(folder.parent)}: {name}" for name in names if name.startswith(banned)][:1]
+    return found
+
+
+def test_tracking_imports_no_sweep_cli_api_or_engine() -> None:
+    """Nothing under tracking/ (its subpackages included) imports the sweep layer, the CLI, the Python API,
+    the run layer or the engine: the sweep hands its mirror what it needs (`fedcli.sweep.rows.parent_tags`)."""
+    assert (ROOT / "tracking" / "mlflow" / "sweep_mirror.py").exists()
+    assert banned_imports(ROOT / "tracking", TRACKING_BANNED) == []
+
+
+def test_the_tracking_rule_finds_a_nested_lazy_import(tmp_path: Path) -> None:
+    """The rule can fail: a lazy `from fedcli.sweep.rows import ...` two folders down is found."""
+    (tmp_path / "tracking" / "mlflow").mkdir(parents=True)
+    (tmp_path / "tracking" / "mlflow" / "x.py").write_text("def f():\n    from fedcli.sweep.rows import parent_tags\n")
+    (tmp_path / "tracking" / "y.py").write_text("import fedcli.runs.run\nimport fedcli.tracking.keys\nfrom fedcli import cli\n")
+    assert banned_imports(tmp_path / "tracking", TRACKING_BANNED) == ["tracking/mlflow/x.py: fedcli.sweep.rows",
+                                                                      "tracking/y.py: fedcli.runs.run",
+                                                                      "tracking/y.py: fedcli.cli"]
+
+
+# ----------------------------------------------------------------------------- nothing below the CLI imports it
+
+def cli_importers(root: Path) -> list[str]:
+    """`path: module` for every import of fedcli.cli (lazy ones too) outside fedcli/cli/ and fedcli/__main__.py,
+    in the package's folders under `root` (fedcli/, algorithms/, datasets/, tracking/)."""
+    found = []
+    for folder in ("fedcli", "algorithms", "datasets", "tracking"):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root)
+            if rel.parts[:2] == ("fedcli", "cli") or rel == Path("fedcli/__main__.py"):
+                continue
+            found += [f"{rel}: {name}" for name in imports(path) if name == "fedcli.cli" or name.startswith("fedcli.cli.")]
+    return found
+
+
+def test_only_the_cli_imports_the_cli() -> None:
+    """The Python API, the run layer (fedcli/runs/), the sweep, the engine and the lower layers never import
+    fedcli.cli: what both front ends need lives in fedcli/runs/ (docs/architecture.md §1)."""
+    assert (ROOT / "fedcli" / "api.py").exists() and (ROOT / "fedcli" / "runs" / "stores.py").exists()
+    assert cli_importers(ROOT) == []
+
+
+def test_the_cli_rule_finds_a_lazy_import(tmp_path: Path) -> None:
+    """The rule can fail: a lazy `from fedcli.cli.common import ...` in the API is found; the CLI's own
+    modules and fedcli/__main__.py are not counted."""
+    for folder in ("fedcli/cli", "algorithms", "datasets", "tracking"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "fedcli" / "api.py").write_text("def f():\n    from fedcli.cli.common import open_store\n")
+    (tmp_path / "fedcli" / "__main__.py").write_text("from fedcli.cli.main import main\n")
+    (tmp_path / "fedcli" / "cli" / "train.py").write_text("from fedcli.cli.common import Panel\n")
+    (tmp_path / "tracking" / "x.py").write_text("import fedcli.clients\n")
+    assert cli_importers(tmp_path) == ["fedcli/api.py: fedcli.cli.common"]
+
+
+# ----------------------------------------------------------------------------- datasets/ inside
+
+# datasets/ subpackage -> the other subpackages it may import (each may import the core modules
+# of datasets/: tasks, registry's records, federated, sources, models, metrics, ...)
+DATASETS_SUBPACKAGES = {"bundled": {"formats"}, "formats": set(), "partition": set(), "yours": set()}
+
+
+def datasets_rule_breaks(folder: Path) -> list[str]:
+    """`module -> module` for each import inside datasets/ (`folder`) that goes up or sideways: a core
+    module other than registry importing a subpackage, or a subpackage one not in DATASETS_SUBPACKAGES."""
+    graph = module_graph({"fedcli.datasets": folder})
+
+    def subpackage(module: str) -> str | None:  # fedcli.datasets.<sub>.<module> -> <sub>; core modules: None
+        parts = module.split(".")
+        return parts[2] if len(parts) > 3 else None
+
+    breaks = []
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            here, there = subpackage(module), subpackage(dep)
+            if there is None or there == here:
+                continue
+            if (module != "fedcli.datasets.registry") if here is None else (there not in DATASETS_SUBPACKAGES[here]):
+                breaks.append(f"{module} -> {dep}")
+    return breaks
+
+
+def test_datasets_subpackages_import_down_only() -> None:
+    """Inside datasets/ (docs/architecture.md §1): the core modules import no subpackage but registry
+    (it gathers bundled/ and yours/ tasks); bundled/ reads formats/; formats/, partition/ and yours/
+    import only the core. The rules above (no upper layers, no global RNG) read the subpackages too."""
+    assert {p.parent.name for p in (ROOT / "datasets").rglob("*.py")} >= {*DATASETS_SUBPACKAGES, "datasets"}
+    assert datasets_rule_breaks(ROOT / "datasets") == []
+
+
+def test_the_datasets_rule_finds_a_sideways_import(tmp_path: Path) -> None:
+    """The rule can fail: formats/ importing bundled/ lazily, and a core module importing yours/, are found."""
+    for sub in ("formats", "bundled", "yours"):
+        (tmp_path / "datasets" / sub).mkdir(parents=True)
+        (tmp_path / "datasets" / sub / "__init__.py").write_text("")
+    (tmp_path / "datasets" / "bundled" / "femnist.py").write_text("from fedcli.datasets.formats import leaf\n")
+    (tmp_path / "datasets" / "formats" / "leaf.py").write_text("def f():\n    from fedcli.datasets.bundled import femnist\n")
+    (tmp_path / "datasets" / "yours" / "model.py").write_text("")
+    (tmp_path / "datasets" / "tasks.py").write_text("from fedcli.datasets.yours.model import x\n")
+    (tmp_path / "datasets" / "registry.py").write_text("from fedcli.datasets.yours.model import x\n")
+    assert datasets_rule_breaks(tmp_path / "datasets") == [
+        "fedcli.datasets.formats.leaf -> fedcli.datasets.bundled.femnist",
+        "fedcli.datasets.tasks -> fedcli.datasets.yours.model"]
