@@ -30,16 +30,15 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedcli.datasets.formats.writers import write_leaf, write_tff
 from fedcli.errors import DataError
-
-BATCH = 2048  # clients generated (and written) together
 
 
 @dataclass(frozen=True)
@@ -129,94 +128,7 @@ def zipf_ids(rng: np.random.Generator, n: int, vocab: int, exponent: float = 1.1
     return np.searchsorted(cdf / cdf[-1], rng.random(n), side="right").clip(0, vocab - 1)
 
 
-# ----------------------------------------------------------------------------- progress
-
-
-class Progress:
-    """A rich progress bar over clients (silent with quiet=True or when stderr is not a TTY)."""
-
-    def __init__(self, total: int, label: str, quiet: bool) -> None:
-        self.bar: Any = None
-        if not quiet:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-            from rich.progress import (
-                Progress as Bar,
-            )
-
-            self.bar = Bar(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-            self.bar.start()
-            self.task = self.bar.add_task(label, total=total)
-
-    def advance(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.task, n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
-def batches(n: int) -> Iterator[tuple[int, int]]:
-    for a in range(0, n, BATCH):
-        yield a, min(n, a + BATCH)
-
-
 # ----------------------------------------------------------------------------- TFF h5
-
-
-def _h5_writer(path: Path) -> Any:
-    import h5py
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # libver="latest": new-style groups index their links in a B-tree, so 342k clients stay fast
-    return h5py.File(path, "w", libver="latest")
-
-
-def _put(group: Any, name: str, value: np.ndarray | list[bytes]) -> None:
-    import h5py
-
-    if isinstance(value, list):  # variable-length UTF-8 byte strings, as TFF stores text
-        group.create_dataset(name, data=np.array(value, dtype=object), dtype=h5py.string_dtype("utf-8"))
-    else:
-        group.create_dataset(name, data=value)
-
-
-def write_tff(
-    out: Path,
-    files: dict[str, np.ndarray],
-    ids: list[str],
-    make: Callable[[np.random.Generator, np.ndarray], list[dict[str, Any]]],
-    seed: int,
-    quiet: bool,
-) -> None:
-    """One h5 file per split name: files maps file name -> per-client counts (0 = client absent)."""
-    for split, (name, counts) in enumerate(files.items()):
-        tmp = out / f".{name}.partial"
-        progress = Progress(len(ids), f"{name}", quiet)
-        with _h5_writer(tmp) as h5:
-            examples = h5.create_group("examples")
-            for a, b in batches(len(ids)):
-                rng = np.random.default_rng([seed, split, a])
-                present = [k for k in range(a, b) if counts[k] > 0]
-                for k, fields in zip(present, make(rng, counts[present]), strict=True):
-                    group = examples.create_group(ids[k])
-                    for field, value in fields.items():
-                        _put(group, field, value)
-                progress.advance(b - a)
-        progress.close()
-        tmp.replace(out / name)  # a killed run leaves only the .partial file
 
 
 class StackOverflowText:
@@ -318,48 +230,7 @@ def _cifar_make(images: Images) -> Callable[[np.random.Generator, np.ndarray], l
 
 # ----------------------------------------------------------------------------- LEAF JSON
 
-LEAF_USERS_PER_FILE = 1000
 SHAKESPEARE_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
-
-
-def write_leaf(
-    out: Path,
-    ids: list[str],
-    splits: dict[str, np.ndarray],
-    make_user: Callable[[np.random.Generator, np.ndarray], list[tuple[bytes, bytes]]],
-    seed: int,
-    quiet: bool,
-    stem: str,
-) -> None:
-    """LEAF folders out/train, out/test: files of up to 1,000 users; x/y JSON text from make_user."""
-    for split, (name, counts) in enumerate(splits.items()):
-        folder = out / name
-        folder.mkdir(parents=True, exist_ok=True)
-        progress = Progress(len(ids), f"{stem} {name}", quiet)
-        for f, a in enumerate(range(0, len(ids), LEAF_USERS_PER_FILE)):
-            b = min(len(ids), a + LEAF_USERS_PER_FILE)
-            users = [k for k in range(a, b) if counts[k] > 0]
-            path = folder / f"all_data_{f}_niid_0_keep_0_{name}_9.json"
-            tmp = folder / f".{path.name}.partial"
-            rng = np.random.default_rng([seed, split, a])
-            with tmp.open("wb") as fh:
-                fh.write(b'{"users": ' + json.dumps([ids[k] for k in users]).encode())
-                fh.write(b', "num_samples": ' + json.dumps([int(counts[k]) for k in users]).encode())
-                fh.write(b', "user_data": {')
-                for i, ((x, y), k) in enumerate(zip(make_user(rng, counts[users]), users, strict=True)):
-                    fh.write(
-                        (b", " if i else b"")
-                        + json.dumps(ids[k]).encode()
-                        + b': {"x": '
-                        + x
-                        + b', "y": '
-                        + y
-                        + b"}"
-                    )
-                fh.write(b"}}")
-            tmp.replace(path)
-            progress.advance(b - a)
-        progress.close()
 
 
 def _femnist_user(images: Images) -> Callable[[np.random.Generator, np.ndarray], list[tuple[bytes, bytes]]]:
