@@ -6,7 +6,7 @@
     net = run.model()        # the trained global model as an nn.Module (eval mode)
     print(fedcli.report(runs=[run, other], root="runs"))
 
-The same path as `fedcli train` (fedcli/api_run.py: validation before anything is written, the SQL
+The same path as `fedcli train` (fedcli/runs/run.py: validation before anything is written, the SQL
 store, the MLflow mirror, checkpoints, stop signals, `resume=`), with the CLI's option names as
 keyword settings. Bad input raises `ConfigError` (or another `FedcliError`) whose message is the
 line the CLI prints after `error: `; nothing is written then.
@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import fedcli.tracking  # noqa: F401 - sets MLflow's defaults (no telemetry) before a run imports MLflow
-from fedcli.api_run import StoppedBeforeStart, preserved_state, run_config
 from fedcli.errors import ConfigError, FedcliError
+from fedcli.runs.objects import live_model, record_object_source, warn
+from fedcli.runs.run import StoppedBeforeStart, preserved_state, run_config
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -57,7 +58,7 @@ class Run:
 
     def record(self) -> RunRecord:
         """The run's row in the store, read now."""
-        from fedcli.cli.common import open_store
+        from fedcli.runs.stores import open_store
 
         db = open_store(self.store, must_exist=True)
         try:
@@ -69,7 +70,7 @@ class Run:
         """The logged round metrics: index `round` (0 = the initial model), one column per metric key
         (`eval/accuracy`, `train/loss`, `time/round_s`, ...); NaN where a round did not log a key
         (e.g. between evaluations with `eval_every` > 1)."""
-        from fedcli.cli.common import open_store
+        from fedcli.runs.stores import open_store
 
         db = open_store(self.store, must_exist=True)
         try:
@@ -173,10 +174,10 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
                            mlflow_optional=mlflow_optional, progress=progress, trust_code=trust_code,
                            settings=settings)
     with preserved_state():  # around everything: the first imports of fedcli's modules may draw from `random`
-        from fedcli.api_run import resolve_config
-        from fedcli.cli.errors import check_path_value
         from fedcli.datasets.yours.data import data_ref
         from fedcli.datasets.yours.model import model_reference
+        from fedcli.runs.outputs import check_path_value
+        from fedcli.runs.run import resolve_config
 
         for name in ("root", "data_dir", "partition"):  # "" (an unset variable) is the CLI's line, not "."
             check_path_value(name, settings.get(name))
@@ -191,10 +192,10 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
         if options["data"] is not None and not isinstance(data, (str, Path)):
             record_object_source(options["data"], data)
         cfg, resume_id = resolve_config(options, config=config, hp=hp, sections=sections,
-                                        resume=resume.id if isinstance(resume, Run) else resume, warn=_warn,
+                                        resume=resume.id if isinstance(resume, Run) else resume, warn=warn,
                                         trust_code=trust_code)
         if progress is True:
-            from fedcli.cli.common import train_progress
+            from fedcli.runs.progress import train_progress
 
             with train_progress(cfg) as shown:
                 result = run_config(cfg, resume_run_id=resume_id, mlflow_optional=mlflow_optional, progress=shown)
@@ -219,7 +220,7 @@ def load_run(ref: str, *, store: str | None = None, root: str | Path | None = No
     Raises:
         ConfigError: no store there, or no such run (the CLI's message).
     """
-    from fedcli.cli.common import open_store, tracking_config
+    from fedcli.runs.stores import open_store, tracking_config
 
     if not isinstance(ref, str) or not ref.strip():  # None found some run; an int was an AttributeError
         raise ConfigError(f"ref must be a run id, id prefix or name (str); got {_kind(ref)}. `fedcli list runs` "
@@ -250,10 +251,10 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
     Raises:
         ConfigError: bad options, no store, no matching run (the CLI's message); nothing is written.
     """
-    from fedcli.cli.common import open_store, tracking_config
-    from fedcli.cli.errors import check_output
-    from fedcli.cli.report import Format, parse_list, parse_metric, parse_where, write_report
     from fedcli.config.checks import require_store
+    from fedcli.runs.outputs import check_output
+    from fedcli.runs.reports import Format, parse_list, parse_metric, parse_where, write_report
+    from fedcli.runs.stores import open_store, tracking_config
     from fedcli.tracking.report.build import build_report
     from fedcli.tracking.report.model import ReportSpec
     from fedcli.tracking.report.render import render_markdown
@@ -324,7 +325,7 @@ def _path_argument(name: str, value: Any) -> str | None:
     """A path argument (`root`, `output`) as text: a str or a Path, not empty; an int or a list was str()-ed."""
     import os
 
-    from fedcli.cli.errors import check_path_value
+    from fedcli.runs.outputs import check_path_value
 
     if value is None:
         return None
@@ -423,129 +424,3 @@ def _split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
         else:
             options[name] = value
     return options, sections
-
-
-def _warn(line: str) -> None:
-    import logging
-
-    logging.getLogger("fedcli").warning("%s", line)
-
-
-# --------------------------------------------------------------------------- live objects (notebooks, scripts)
-
-
-def live_model(model: Any) -> Any:
-    """What `model_reference` records for a live object given to `train(model=...)` (docs/python-api.md, "Your
-    model and data from a notebook").
-
-    - an importable class or function: itself; one of a top-level module with a source file (a `mynet.py` next
-      to the notebook, or on a `sys.path` the notebook extended) is recorded by that file (`/abs/mynet.py:Net`,
-      the CLI's `--model mynet.py:Net`), which every process and a later session import without the
-      notebook's `sys.path`;
-    - an `nn.Module` instance: its class, when fedcli can build it again from the task's facts (the class
-      names only `num_classes` / `input_shape`, or has defaults for the rest): every process and `resume=`
-      build the model afresh under the run's seed, so the instance's own weights are not used (a warning
-      says so); otherwise one line asks for a factory;
-    - a class or function defined in a notebook cell or in the script being run (`__main__`): one line naming
-      what to do (write it to a .py file and pass it, or the `file.py:Name` reference): no other process and no
-      later session can import it.
-
-    Raises:
-        ConfigError: one line naming the object and the fix.
-    """
-    import sys
-
-    from torch import nn
-
-    given = model
-    if isinstance(model, nn.Module):
-        model = type(model)
-    if isinstance(model, str) or not callable(model):
-        return model  # model_reference names what is wrong with it
-    module, qual = getattr(model, "__module__", None), getattr(model, "__qualname__", "") or repr(model)
-    what = f"an nn.Module instance of {qual}" if given is not model else f"model {qual}"
-    source = _source_file(model)
-    if module in (None, "__main__") or "<locals>" in qual or "<lambda>" in qual:
-        if "<locals>" in qual or "<lambda>" in qual:
-            where, fix = "inside a function", "define it at the top level of a .py file and pass it from there"
-        elif source is None:
-            where, fix = ("in a notebook cell", f"write the cell to a file (%%writefile mynet.py) and pass "
-                          f"model='mynet.py:{qual}', or import {qual} from a .py file and pass it")
-        else:
-            where, fix = (f"in the script being run ({source})", f"pass model='{source}:{qual}' if the script "
-                          "trains only under `if __name__ == \"__main__\":` (other processes import it), or move "
-                          f"{qual} to a module of its own")
-        raise ConfigError(f"{what} is defined {where}, which no worker process, resume=, fedcli evaluate or MLflow "
-                          f"model can import again; {fix}.")
-    top = sys.modules.get(module)
-    out: Any = model
-    if source is not None and "." not in module and getattr(top, "__package__", "") in ("", None):
-        out = f"{source}:{qual}"  # a top-level module: its file, importable from any folder and process
-    if given is not model:
-        _check_rebuildable(model, qual)
-        recorded = out if isinstance(out, str) else f"{module}:{qual}"
-        _warn(f"model: the {qual} instance given is built again from its class ({recorded}) under the run's seed, "
-              "as every process and resume= build it, so its current weights are not used; pass the class or a "
-              "factory to say so.")
-    return out
-
-
-def _source_file(obj: Any) -> str | None:
-    """The .py file a class or function was compiled from, when it exists (a notebook cell's does not).
-
-    inspect.getsourcefile, except for a class: its module's `__file__` is the running program's for a class of
-    `__main__` (a notebook kernel's launcher), so the file of the code of its own methods decides."""
-    import inspect
-
-    code = getattr(obj, "__code__", None)
-    if isinstance(obj, type):
-        code = next((f.__code__ for f in vars(obj).values() if hasattr(f, "__code__")), None)
-    if code is not None:
-        path: str | None = code.co_filename
-    else:
-        try:
-            path = inspect.getsourcefile(obj)
-        except (TypeError, OSError):
-            return None
-    return str(Path(path).resolve()) if path and path.endswith(".py") and Path(path).is_file() else None
-
-
-def _check_rebuildable(cls: type, qual: str) -> None:
-    """An instance's class must be callable with only the facts fedcli passes (num_classes, input_shape)."""
-    import inspect
-
-    try:
-        params = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):
-        return
-    facts = ("num_classes", "input_shape")
-    missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in facts
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
-    if missing:
-        raise ConfigError(f"model: a {qual} instance cannot be built again by fedcli ({qual}() needs "
-                          f"{', '.join(missing)}, and fedcli passes only num_classes / input_shape); pass a factory "
-                          f"from a .py file instead, e.g. def make_net(num_classes): return {qual}({missing[0]}=...), "
-                          "then model=make_net.")
-
-
-def record_object_source(ref: str, data: Any) -> None:
-    """Record the source of a data object's class with the run (data.object_source: `/abs/file.py:Qual`, or
-    `<notebook>:Qual` for a class defined in a cell; data.object_source_sha256: the file's sha256), as a
-    `pkg.mod:fn` data reference records its own (docs/your-data.md, "Names and fingerprints")."""
-    import hashlib
-
-    from fedcli.datasets.yours import data as user_data
-
-    held = user_data.shipped(ref) if ref.startswith(user_data.PYTHON_PREFIX) else None
-    if held is None:
-        return
-    cls = type(data)
-    qual = getattr(cls, "__qualname__", cls.__name__)
-    source = _source_file(cls)
-    if source is None and cls.__module__ not in ("__main__", None):
-        return  # a library's class (a Hugging Face Dataset, torchvision's): its package names it
-    record = dict(held.record)
-    record["object_source"] = f"{source or '<notebook>'}:{qual}"
-    if source is not None:
-        record["object_source_sha256"] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
-    user_data.register(ref, dataclasses.replace(held, record=record))

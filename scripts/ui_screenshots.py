@@ -8,7 +8,7 @@ so that a sweep parent run with nested children exists), starts the UI with `fed
 prints the runs-table URL once the server answers /health) and photographs six pages:
 
     first-visit.png            the URL `fedcli ui` printed, in a new browser: fedcli's saved view
-                               (tracking/mlflow_view.py), MLflow's shared-view banner, and the
+                               (tracking/mlflow/view.py), MLflow's shared-view banner, and the
                                Assistant panel MLflow opens by itself on a first visit
     first-visit-mlflow-defaults.png  the same runs table without the view, in a new browser:
                                MLflow's own default columns (no metric, no param)
@@ -298,7 +298,7 @@ def _above_4(fd: int) -> int:
 def seed_state(ui_states: dict[str, dict[str, Any]]) -> str:
     """JavaScript that sets MLflow's per-browser UI state: the Assistant panel not opened on the
     first visit, and per experiment id the runs table's columns and expanded parent runs."""
-    from fedcli.tracking.mlflow_view import page_state
+    from fedcli.tracking.mlflow.view import page_state
 
     items = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true"}
     for experiment_id, state in ui_states.items():

@@ -3,7 +3,7 @@
 docs/style.md rule 15 sketches a `Sink` protocol. The two stores have different duties here:
 the SQL store is the source of truth (rounds, client metrics, checkpoints, the run's life)
 and is written by the training process, one transaction per round; MLflow is a copy made
-by a separate low-priority process (`fedcli.tracking.mirror`), so that MLflow never
+by a separate low-priority process (`fedcli.tracking.mlflow.mirror`), so that MLflow never
 delays a round, never races its schema set-up, and never gets a round twice after a
 resume. The fan-out is this one small class with both as explicit arguments (no global
 current run, rule 9).
@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedcli.tracking.keys import check_metrics
-from fedcli.tracking.store import RunRecord, SqlStore
+from fedcli.tracking.store.records import RunRecord
+from fedcli.tracking.store.sql_store import SqlStore
 
 if TYPE_CHECKING:
-    from fedcli.tracking.mirror import MirrorHandle
+    from fedcli.tracking.mlflow.handle import MirrorHandle
 
 __all__ = ["Tracker"]
 

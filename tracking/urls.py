@@ -14,11 +14,14 @@ with `render_as_string(hide_password=True)`, password-like query parameters (`pa
 `sslpassword`, ... any case) masked too; a string that does not parse is masked from the user
 name to its last `@`. SQLAlchemy is imported only for text that may hold a credential (an `@`
 or a password-like parameter), so the mirror and the CLI's fast paths stay standard-library only.
+
+`sqlite_path` is the one reader of a SQLite URL's database file (the store's, MLflow's).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -166,3 +169,27 @@ def connect_url(store: Any) -> str:
     section). Kept in memory and passed over the sweep workers' pipes, never written nor put on a command
     line (docs/architecture.md, "Security")."""
     return str(store._engine.url.render_as_string(hide_password=False))
+
+
+def sqlite_path(url: Any) -> Path | None:
+    """The database file of a SQLite URL (a string or a SQLAlchemy `URL`), `~` expanded, relative as
+    given: `sqlite:///runs/fedcli.db` -> runs/fedcli.db, `sqlite:////abs/fedcli.db` -> /abs/fedcli.db.
+
+    None for any other database, for in-memory SQLite (`sqlite://`, `sqlite:///:memory:`), for a
+    `file:` URI database (`?uri=true`) and for a string that does not parse as a URL.
+    """
+    if isinstance(url, str):
+        if not url.startswith("sqlite"):
+            return None
+        from sqlalchemy.engine.url import make_url
+
+        try:
+            url = make_url(url)
+        except Exception:  # noqa: BLE001 - ArgumentError, ValueError (a port that is not a number): no URL
+            return None
+    if url.get_backend_name() != "sqlite":
+        return None
+    database = url.database
+    if not database or database == ":memory:" or url.query.get("uri") or database.startswith("file:"):
+        return None
+    return Path(database).expanduser()

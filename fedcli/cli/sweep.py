@@ -18,9 +18,12 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from fedcli.cli.common import DataStore, Panel, console, open_store
-from fedcli.cli.errors import check_output, user_errors
+from fedcli.cli.common import DataStore, Panel
+from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError
+from fedcli.runs.outputs import check_output
+from fedcli.runs.progress import console
+from fedcli.runs.stores import open_store
 
 PLAIN_EVERY_S = 10.0  # progress line period when stderr is not a terminal
 
@@ -205,8 +208,8 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
     trial source (a search's fedcli.sweep.search.SearchSource) the scheduler asks instead of `plans`
     (then empty), with the trials' `track`ing config.
     """
-    from fedcli.cli.common import check_mlflow
     from fedcli.engine.machine import available_cores
+    from fedcli.runs.stores import check_mlflow
     from fedcli.sweep.plan import NEW, RESUME, Plan, plan_trials
     from fedcli.sweep.rows import METRIC_KEYS, experiment_runs, trial_rows
     from fedcli.sweep.scheduler import TrialClaims
@@ -261,16 +264,17 @@ def run_plans(db: Any, body: Mapping[str, Any], plans: list, workers: int | None
 def sweep_mirror(track: Any, spec: Mapping[str, Any]) -> Any:
     """The sweep's one MLflow mirror (tracking/mlflow/sweep_mirror.py), or None with --no-mlflow.
 
-    It opens (or reuses) the sweep's MLflow parent run from `spec` (fedcli.sweep.rows.parent_run), nests the
+    It opens (or reuses) the sweep's MLflow parent run found by `spec`'s tags (fedcli.sweep.rows.parent_tags), nests the
     trials under it and ends it as `SweepMirror.finish` says: the sweep process never imports MLflow
     (that import and MLflow's schema set-up held trial 1 back 2.3 s, issue 27).
     """
     if not track.use_mlflow:
         return None
+    from fedcli.sweep.rows import parent_tags
     from fedcli.tracking.mlflow.sweep_mirror import SweepMirror
 
     return SweepMirror(tracking_uri=track.mlflow_uri, experiment=track.experiment, store_url=track.store_url,
-                       runs_root=Path(track.root).resolve() / "runs").spawn(spec)
+                       runs_root=Path(track.root).resolve() / "runs").spawn(spec, parent_tags(spec))
 
 
 def show_results(rows: Sequence[Any], key: str, signum: int | None) -> list[Any]:
@@ -393,11 +397,11 @@ def report_output(body: Mapping[str, Any], root: str, *, always: bool = False) -
 
 def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Path) -> None:
     """Write the `fedcli report` markdown (and figures) of the sweep's finished runs."""
-    from fedcli.cli.errors import output_error, write_output
+    from fedcli.runs.outputs import output_error, write_output
     from fedcli.tracking.report.build import build_report
     from fedcli.tracking.report.model import ReportSpec
-    from fedcli.tracking.report.render import render_markdown, shown_store
     from fedcli.tracking.report.plots import report_figures
+    from fedcli.tracking.report.render import render_markdown, shown_store
 
     block = body["report"]
     numbers = lambda key: tuple(block.get(key) or ())  # noqa: E731

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedcli.cli.common import console
 from fedcli.errors import ConfigError
+from fedcli.runs.progress import console
 
 
 def prepare_search(body: Mapping[str, Any], tracking: Mapping[str, Any], report_path: Any) -> Any:
     """Check the search whole (ConfigError: exit 2, one line, nothing written) and print its plan; return
     the trials' tracking config. `fedcli sweep` then runs it with a `SearchSource` (or stops, `--dry-run`)."""
-    from fedcli.cli.errors import check_output
+    from fedcli.runs.outputs import check_output
     from fedcli.sweep.search import check_space_configs, trial_of
     from fedcli.sweep.spec import check_report_keys
 

@@ -16,9 +16,11 @@ from typing import Annotated, Any
 
 import typer
 
-from fedcli.cli.common import Panel, console, open_store, tracking_config
+from fedcli.cli.common import Panel
 from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError
+from fedcli.runs.progress import console
+from fedcli.runs.stores import open_store, tracking_config
 
 
 def sync(
@@ -40,7 +42,8 @@ def sync(
     Example: fedcli sync --experiment demo
     """
     from fedcli.tracking.mlflow.checks import preflight
-    from fedcli.tracking.mlflow.mirror import Mirror, quiet_mlflow
+    from fedcli.tracking.mlflow.lifeline import quiet_mlflow
+    from fedcli.tracking.mlflow.mirror import Mirror
     from fedcli.tracking.urls import mask_url
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):

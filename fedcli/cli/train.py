@@ -2,7 +2,7 @@
 
 Longer than the 150-line budget of docs/style.md rule 1 because the option list is the
 user-facing contract of docs/architecture.md §9 (every option with its help and default); the body
-is a thin layer over the Python API's run path (fedcli/api_run.py: `resolve_config`, `prepared_run`,
+is a thin layer over the Python API's run path (fedcli/runs/run.py: `resolve_config`, `prepared_run`,
 shared with `fedcli.train`): it adds the progress bar, the printed lines and the exit codes.
 """
 
@@ -15,7 +15,6 @@ from typing import Annotated
 
 import typer
 
-from fedcli.api_run import OPTION_KEYS
 from fedcli.cli.common import (
     DataStore,
     Panel,
@@ -23,9 +22,10 @@ from fedcli.cli.common import (
     stdout_is_terminal,
     store_options,
     summarise_run,
-    train_progress,
 )
 from fedcli.cli.errors import user_errors
+from fedcli.runs.progress import train_progress
+from fedcli.runs.run import OPTION_KEYS
 
 
 class ServerOpt(str, Enum):
@@ -226,12 +226,12 @@ def train(
         debug = bool(ctx.obj and ctx.obj.get("debug"))
         with user_errors(debug), contextlib.ExitStack() as group:
             try:  # the imports too: a signal while they load (the first second) is a stop in the set-up
-                from fedcli.api_run import prepared_run, resolve_config
-                from fedcli.cli.common import console
                 from fedcli.config.checks import parse_assignments
                 from fedcli.engine import distributed
                 from fedcli.engine.train import serve
                 from fedcli.errors import ConfigError
+                from fedcli.runs.progress import console
+                from fedcli.runs.run import prepared_run, resolve_config
 
                 peers = group.enter_context(distributed.process_group()) if executor is Executor.distributed else None
                 if peers is not None and not peers.is_leader:  # ranks 1..K-1 train slices of rank 0's run, write nothing
@@ -254,8 +254,8 @@ def train(
             except BaseException as exc:  # a stop signal in the set-up (options, data, executor): nothing written
                 if signals.pending is None or isinstance(exc, typer.Exit):
                     raise
-                from fedcli.api_run import StoppedBeforeStart  # (again, if the signal cut its import short)
-                from fedcli.cli.common import console
+                from fedcli.runs.progress import console
+                from fedcli.runs.run import StoppedBeforeStart  # (again, if the signal cut its import short)
 
                 console().print(str(StoppedBeforeStart(signals.pending)))
                 raise typer.Exit(128 + signals.pending) from None
@@ -278,7 +278,8 @@ def train(
 
 def stopped(cfg: object, run_id: str | None, stop: KeyboardInterrupt) -> None:
     """Say how the run ended and how to continue it; exit 128 + the signal (130 for Ctrl-C)."""
-    from fedcli.cli.common import console, resume_hint
+    from fedcli.cli.common import resume_hint
+    from fedcli.runs.progress import console
 
     code = getattr(stop, "exit_code", 130)
     if run_id:

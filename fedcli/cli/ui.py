@@ -28,10 +28,12 @@ from typing import Annotated, Any
 
 import typer
 
-from fedcli.cli.common import Panel, console, open_store, tracking_config
+from fedcli.cli.common import Panel
 from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError, TrackingError
-from fedcli.tracking.urls import has_password, mask_url
+from fedcli.runs.progress import console
+from fedcli.runs.stores import open_store, tracking_config
+from fedcli.tracking.urls import has_password, mask_url, sqlite_path
 
 READY_TIMEOUT_S = 120.0  # a cold MLflow start (imports, store migration check) on a busy laptop
 
@@ -65,7 +67,7 @@ def ui(
         uri = tracking_uri or (runs_tracking_uri(cfg.store_url) if store else None) or cfg.mlflow_uri
         if uri.startswith(("http://", "https://")):
             raise ConfigError(f"the tracking URI {mask_url(uri)} is already a server; open it in a browser.")
-        database = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+        database = sqlite_path(uri)
         if database is not None and not database.exists():
             raise ConfigError(f"no MLflow store at {database}: the runs were trained with --no-mlflow or under "
                               "another --root; pass --tracking-uri or --store.")

@@ -22,7 +22,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from fedcli.tracking.store import HEARTBEAT_S, RunTakenOver, SqlStore, stale_s
+from fedcli.tracking.store.common import HEARTBEAT_S, RunTakenOver, stale_s
+from fedcli.tracking.store.sql_store import SqlStore
 
 log = logging.getLogger(__name__)
 

@@ -10,14 +10,14 @@ from typing import Any
 
 def figure(width: float = 6.0, height: float = 4.0) -> Any:
     """A matplotlib Figure on an Agg canvas (no pyplot, no global state), as in fedcli reports."""
-    from fedcli.tracking.plots import _figure
+    from fedcli.tracking.report.plots import _figure
 
     return _figure(width, height)
 
 
 def save_figure(fig: Any, out: Path, name: str) -> str:
     """Write `<out stem>-<name>.png` (200 dpi) and .svg beside `out`; return the PNG's file name."""
-    from fedcli.tracking.plots import _save
+    from fedcli.tracking.report.plots import _save
 
     path = out.with_name(f"{out.stem}-{name}.png")
     _save(fig, path)

@@ -30,13 +30,13 @@ A sweep owns its trials:
   stops its trials in order (they checkpoint and read as `interrupted`). SIGTERM, SIGINT
   and SIGHUP to the sweep are forwarded to its running trials as SIGTERM; it waits for
   them to checkpoint and exit, starts nothing new, and reports the signal.
-- `parent_run` makes the sweep one MLflow parent run (tags `fedcli.sweep`,
-  `fedcli.sweep_spec_hash`) whose trials are nested children; a rerun reuses it.
+- the sweep has one MLflow parent run (tags `fedcli.sweep`, `fedcli.sweep_spec_hash`: `parent_tags`)
+  whose trials are nested children; a rerun reuses it. The sweep's MLflow mirror opens it.
 
 Layout (no module imports one below it back; import each name from the module that defines it):
 `spec` (reading, checking and expanding a spec) -> `plan` (`Plan`, `plan_trials`, a trial's command
 and environment) -> `scheduler` (`TrialProcess`, `TrialClaims`, `Scheduler`, `TrialOutcome`,
-`TrialSource`) -> `rows` (the live table's rows, `parent_run`); `process` starts sweep workers so that
+`TrialSource`) -> `rows` (the live table's rows, `parent_tags`); `process` starts sweep workers so that
 they end with the sweep; the long-lived workers that run the trials are `worker_pool` (the sweep's
 side, `WorkerScheduler`) and `worker` (the worker process); `search_spec` checks a spec's `search:`
 and `pruner:` blocks and `search` runs them with Optuna; `estimate` is `fedcli sweep --dry-run`'s

@@ -10,13 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import yaml
 
 from fedcli.errors import ConfigError
-from fedcli.tracking.urls import mask_url
 
 if TYPE_CHECKING:
-    from fedcli.tracking.mlflow.sink import MlflowSink
     from fedcli.tracking.store.records import RunRecord
 
 from fedcli.sweep.plan import DIVERGED, ELSEWHERE, NEW, RESUME, SKIP, Plan
@@ -105,34 +102,10 @@ def _row_status(plan: Plan, process: TrialProcess | None, stopped: bool) -> tupl
 SWEEP_TAG, SPEC_HASH_TAG = "fedcli.sweep", "fedcli.sweep_spec_hash"
 
 
-def parent_run(tracking_uri: str, spec: Mapping[str, Any]) -> MlflowSink:
-    """Open the sweep's MLflow parent run: the experiment's run tagged with this spec, else a new one.
+def parent_tags(spec: Mapping[str, Any]) -> dict[str, str]:
+    """The tags that find the sweep's MLflow parent run (the sweep's name and its spec's hash).
 
-    Raises:
-        TrackingError: MLflow cannot be opened or written.
+    The sweep's MLflow mirror (tracking/mlflow/sweep_mirror.py `parent_run`) opens the experiment's run
+    carrying these tags, else a new one with them: a rerun of the same spec reuses its parent run.
     """
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    from fedcli.errors import TrackingError
-    from fedcli.tracking.mlflow.checks import schema_lock
-    from fedcli.tracking.mlflow.sink import MlflowSink
-
-    experiment, digest = spec["experiment"], spec_hash(spec)
-    with schema_lock(tracking_uri):  # N processes on a fresh root set MLflow's schema up once
-        sink = MlflowSink(tracking_uri, experiment)
-    quoted = experiment.replace("\\", "\\\\").replace("'", "\\'")
-    try:
-        found = MlflowClient(tracking_uri=tracking_uri).search_runs(
-            [sink.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{quoted}' AND tags.`{SPEC_HASH_TAG}` = '{digest}'",
-            order_by=["attributes.start_time ASC"], max_results=1)
-    except MlflowException as err:
-        raise TrackingError(f"MLflow store {mask_url(tracking_uri)!r} could not be searched: {mask_url(str(err))}; "
-                            "pass --tracking-uri with a reachable MLflow store or use --no-mlflow") from err
-    if found:
-        sink.attach(found[0].info.run_id)
-        return sink
-    sink.start_run(run_name=f"sweep {experiment}", params={},
-                   tags={SWEEP_TAG: experiment, SPEC_HASH_TAG: digest, "fedcli.kind": "sweep"})
-    sink.log_text(yaml.safe_dump(dict(spec), sort_keys=False), "sweep.yaml")
-    return sink
+    return {SWEEP_TAG: spec["experiment"], SPEC_HASH_TAG: spec_hash(spec)}

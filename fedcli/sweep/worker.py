@@ -176,7 +176,7 @@ class Worker:
                 from fedcli.sweep.search import make_on_eval  # type: ignore[import-not-found, unused-ignore]
 
                 extra["on_eval"] = make_on_eval(message["hook"])
-            # fedcli train's own path (fedcli/api_run.py): validate and build, then train under preserved_state
+            # fedcli train's own path (fedcli/runs/run.py): validate and build, then train under preserved_state
             result = run_config(cfg, resume_run_id=resume_id, tracker=tracker, signals=signals,
                                 on_run=lambda run_id: send({"event": "started", "run_id": run_id}), **extra)
             return {"status": result.status, "run_id": result.run_id, "reason": "", "round": result.rounds_completed,
@@ -200,8 +200,8 @@ class Worker:
         """The trial's RunConfig (and the run it resumes), as `fedcli train --config | --resume` builds it."""
         import yaml
 
-        from fedcli.api_run import resumed_code
         from fedcli.config.build import build_config, resume_config
+        from fedcli.runs.run import resumed_code
 
         if message.get("resume"):
             overrides = dict(message.get("overrides") or {})
@@ -237,6 +237,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from fedcli.tracking.mlflow.mirror import exit_now
+    from fedcli.tracking.mlflow.lifeline import exit_now
 
     exit_now(main())  # every trial written and its stores closed: skip the teardown the sweep's end waited for

@@ -1,5 +1,5 @@
 """The configs shipped inside the package (`fedcli train --config demo`, `fedcli demo`) and the option
-table the CLI and the Python API share (fedcli/api_run.py OPTION_KEYS)."""
+table the CLI and the Python API share (fedcli/runs/run.py OPTION_KEYS)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.api_run import OPTION_KEYS, config_file, overrides_of, resolve_config
 from fedcli.cli.train import train
 from fedcli.configs import config_names, packaged_config
 from fedcli.errors import ConfigError
+from fedcli.runs.run import OPTION_KEYS, config_file, overrides_of, resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_fedcli_demo_runs_the_packaged_config(tmp_path: Path) -> None:
                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
-    from fedcli.tracking.store import SqlStore
+    from fedcli.tracking.store.sql_store import SqlStore
 
     (run,) = SqlStore(f"sqlite:///{tmp_path / 'r' / 'fedcli.db'}").list_runs()
     assert (run.algo, run.experiment, run.status, run.config["train"]["rounds"]) == ("fedpa", "demo", "finished", 1)

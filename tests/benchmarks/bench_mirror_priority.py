@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 SITECUSTOMIZE = """import os
 if os.environ.get("FEDCLI_BENCH_IDLE") == "1":

@@ -173,7 +173,7 @@ def run_cell(algo: str, task: str, rounds: int, root: Path, seed: int = 0, pytho
 
     `pythonpath` runs another checkout's fedcli (its packages assembled as `fedcli/...` there): the
     before/after tables of docs/out-of-the-box.md."""
-    from fedcli.tracking.store import SqlStore
+    from fedcli.tracking.store.sql_store import SqlStore
 
     command = [sys.executable, "-m", "fedcli", "-q", "train", "--algo", algo, "--task", task, "--rounds", str(rounds),
                "--seed", str(seed), "--threads", "1", "--no-mlflow", "--root", str(root), "--experiment", f"matrix-{task}",
@@ -197,7 +197,7 @@ def run_cell(algo: str, task: str, rounds: int, root: Path, seed: int = 0, pytho
 def stored_cell(algo: str, task: str, root: Path, seed: int = 0) -> Cell | None:
     """The newest finished run `algo task seed S` of the matrix's store under `root` (--from-store), or None."""
     from fedcli.errors import ConfigError
-    from fedcli.tracking.store import SqlStore
+    from fedcli.tracking.store.sql_store import SqlStore
 
     if not (root / "fedcli.db").exists():
         return None

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 BIN = Path(sys.executable).parent
 WORKLOADS = {"mlp-10": ("mlp", 10), "mlp-50": ("mlp", 50), "cnn-10": ("cnn", 10)}

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import fedcli
-from fedcli.api import live_model
 from fedcli.datasets.bundled.mnist import read_idx_pair
 from fedcli.errors import ConfigError
+from fedcli.runs.objects import live_model
 from fedcli.tracking.store.sql_store import SqlStore
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from fedcli.cli.listing import short_ids
 from fedcli.cli.main import app
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 RUNNER = CliRunner()
 

@@ -20,7 +20,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 ROUNDS, SMOOTH, WINDOW, AT = 12, 3, 5, 10
 RUNNER = CliRunner()

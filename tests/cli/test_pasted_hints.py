@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI", "COLUMNS")},
        "OMP_NUM_THREADS": "1"}

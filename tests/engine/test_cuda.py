@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"), pytest.mark.cuda]
 RUNNER = CliRunner()

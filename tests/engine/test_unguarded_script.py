@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from fedcli.engine.backends.process import unguarded_main_script
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 NET = '''
 import torch

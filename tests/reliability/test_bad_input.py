@@ -648,7 +648,7 @@ def test_catalog_covers_every_command() -> None:
                                              (errno.EISDIR, "which is a directory"),
                                              (errno.EROFS, "out/r.md: not writable (Read-only file system)")])
 def test_output_errors_say_what_happened_to_which_path(code: int, words: str) -> None:
-    from fedcli.cli.errors import output_error
+    from fedcli.runs.outputs import output_error
 
     message = str(output_error(Path("out/r.md"), "--output", OSError(code, os.strerror(code))))
     assert words in message and "--output" in message and "\n" not in message
@@ -666,7 +666,7 @@ def test_a_sweep_dry_run_writes_nothing(workdir: Path) -> None:
 def test_the_longest_allowed_names_work_on_postgresql(tmp_path: Path, pg_database) -> None:  # noqa: ANN001
     """The one name limit (200 bytes of UTF-8) fits PostgreSQL and MLflow on PostgreSQL, where a 300-character
     experiment failed after SQLite had kept it: a run and a sweep at the limit train and end `finished`."""
-    from fedcli.tracking.store import SqlStore
+    from fedcli.tracking.store.sql_store import SqlStore
 
     store_url, mlflow_url = pg_database(), pg_database()
     experiment, run_name = "é" * 100, "r" * 200  # 200 bytes each: the limit

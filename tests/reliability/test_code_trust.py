@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 PLANTED = """
 import math
@@ -311,7 +311,7 @@ def test_a_sweep_adopts_only_trials_whose_code_its_spec_names(planted: dict[str,
     model: the next `fedcli sweep` does not adopt it (the module never runs) and runs its own trial; a spec whose
     search space names that model adopts and runs it."""
     optuna = pytest.importorskip("optuna")
-    from fedcli.tracking.store import HOSTNAME
+    from fedcli.tracking.store.common import HOSTNAME
 
     a, marker, source, root = (planted[k] for k in ("a", "marker", "source", "root"))
     root.mkdir()

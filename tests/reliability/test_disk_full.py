@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 SPEC = """experiment: full
 base: {task: lsq, rounds: 300, clients_per_round: 4}
@@ -102,12 +102,14 @@ def test_ending_the_sweeps_mlflow_run_on_a_full_disk_is_one_warning_line(disk: P
     it opened the run."""
     import sqlite3
 
-    from fedcli.tracking.mirror_sweep import SweepMirror
+    from fedcli.sweep.rows import parent_tags
+    from fedcli.tracking.mlflow.sweep_mirror import SweepMirror
 
     SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")  # the trials' store (none to copy here)
     mirror = SweepMirror(tracking_uri=f"sqlite:///{disk / 'mlflow.db'}", experiment="full",
                          store_url=f"sqlite:///{tmp_path / 'fedcli.db'}", runs_root=tmp_path / "runs")
-    mirror.spawn({"experiment": "full", "grid": {"algo": ["fedavg"]}})
+    spec = {"experiment": "full", "grid": {"algo": ["fedavg"]}}
+    mirror.spawn(spec, parent_tags(spec))
     deadline, opened = time.monotonic() + 120, []
     while not opened and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -45,7 +45,7 @@ from typing import TypeVar
 import pytest
 from sqlalchemy import create_engine, inspect
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 from tests.reliability.test_disk_full import disk, fill  # noqa: F401 - `disk` is a fixture
 from tests.reliability.test_one_writer import gone, mirror_of
 

@@ -31,7 +31,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from fedcli.tracking.store import TAKEN_OVER_EXIT, SqlStore, sqlite_lock_holder
+from fedcli.tracking.store.common import TAKEN_OVER_EXIT
+from fedcli.tracking.store.engine import sqlite_lock_holder
+from fedcli.tracking.store.sql_store import SqlStore
 
 pytestmark = pytest.mark.timeout(600)
 START_S = 240.0  # a process's start-up on a loaded 2-core box (importing torch, MLflow)
@@ -82,7 +84,7 @@ def mirror_of(pid: int) -> int | None:
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
-                    and b"fedcli.tracking.mirror" in (entry / "cmdline").read_bytes():
+                    and b"fedcli.tracking.mlflow.mirror" in (entry / "cmdline").read_bytes():
                 return int(entry.name)
         except OSError:
             continue

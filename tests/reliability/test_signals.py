@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 SHORT = ["--task", "lsq", "--clients-per-round", "4", "--rounds", "120", "--checkpoint-every", "1"]  # vmap rounds
 

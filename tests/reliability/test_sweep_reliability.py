@@ -26,7 +26,8 @@ from typing import TypeVar
 
 import pytest
 
-from fedcli.tracking.store import RunRecord, SqlStore
+from fedcli.tracking.store.records import RunRecord
+from fedcli.tracking.store.sql_store import SqlStore
 
 T = TypeVar("T")
 ROUNDS_NEVER_REACHED = 100_000  # a trial that is stopped, never finished

@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 
 from fedcli.errors import ConfigError
-from fedcli.tracking.report import (
-    ReportSpec,
-    build_report,
-    render_csv,
-    render_json,
-    render_markdown,
-    resolve_key,
-)
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.report.build import build_report
+from fedcli.tracking.report.model import ReportSpec, resolve_key
+from fedcli.tracking.report.render import render_csv, render_json, render_markdown
+from fedcli.tracking.store.sql_store import SqlStore
 
 ROUNDS = 6
 
@@ -164,7 +159,7 @@ def test_labels_lead_with_the_algorithm_and_unset_or_execution_keys_never_split(
 def test_window_and_smooth_default_to_the_run_length_and_long_windows_warn(store: SqlStore) -> None:
     """Runs of 6 (and 4) rounds: R = 4, so W = max(1, min(100, 4 // 10)) = 1 and S = 1. An
     explicit --window 50 is kept, with a warning note; --smooth 2 fits and gives none."""
-    from fedcli.tracking.report import default_smooth, default_window
+    from fedcli.tracking.report.model import default_smooth, default_window
 
     default = build_report(store, ReportSpec(at=(4,)))
     long = build_report(store, ReportSpec(at=(4,), window=50, smooth=2))
@@ -199,7 +194,7 @@ def test_reports_show_a_sqlite_store_under_the_working_folder_relative(tmp_path:
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A committed report names no machine's paths: the store under the working folder is shown
     relative to it (the command still reruns from there); other stores as they are."""
-    from fedcli.tracking.report import shown_store
+    from fedcli.tracking.report.render import shown_store
 
     monkeypatch.chdir(tmp_path)
     assert shown_store(f"sqlite:///{tmp_path / 'runs' / 'fedcli.db'}") == "sqlite:///runs/fedcli.db"

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.tracking.report import BOLD_RULE, ReportSpec, build_report, render_markdown
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.report.build import build_report
+from fedcli.tracking.report.model import ReportSpec
+from fedcli.tracking.report.render import BOLD_RULE, render_markdown
+from fedcli.tracking.store.sql_store import SqlStore
 
 
 def _add(store: SqlStore, algo: str, seed: int, accuracy: list[float], tags: dict[str, str] | None = None,

@@ -1,4 +1,4 @@
-"""Report figures (tracking/plots.py): units, labels, markers, SVG twins, reproducible bytes.
+"""Report figures (tracking/report/plots.py): units, labels, markers, SVG twins, reproducible bytes.
 
 Matplotlib's SVG keeps every drawn string as a comment (`<!-- eval accuracy (%) -->`)
 before its glyph paths, so the tests read titles, tick labels and annotations from there.
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedcli.tracking.plots import axis_label, cost_curve, report_figures
-from fedcli.tracking.report import ReportSpec, build_report
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.report.plots import axis_label, cost_curve, report_figures
+from fedcli.tracking.report.build import build_report
+from fedcli.tracking.report.model import ReportSpec
+from fedcli.tracking.store.sql_store import SqlStore
 
 
 def _add(store: SqlStore, algo: str, seed: int, accuracy: list[float], cumulative: bool) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.tracking.store import SqlStore, default_store_url
+from fedcli.tracking.store.common import default_store_url
+from fedcli.tracking.store.sql_store import SqlStore
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def mlflow_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Creating an MLflow SQLite store runs its schema migrations (seconds), so it is done
     once here; tests isolate themselves with their own experiment names.
     """
-    from fedcli.tracking.mlflow_sink import MlflowSink, default_tracking_uri
+    from fedcli.tracking.mlflow.sink import MlflowSink, default_tracking_uri
 
     root = tmp_path_factory.mktemp("mlflow-root")
     MlflowSink(default_tracking_uri(root), "warm-up")  # runs the migrations once

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 
 def test_each_round_stores_its_clients_and_their_weighted_mean_is_the_round_metric(tmp_path: Path) -> None:

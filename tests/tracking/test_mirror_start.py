@@ -11,10 +11,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from fedcli.tracking import mirror_handle
-from fedcli.tracking.mirror import MirrorHandle
-from fedcli.tracking.mlflow_sink import default_tracking_uri
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.mlflow import handle as mirror_handle
+from fedcli.tracking.mlflow.handle import MirrorHandle
+from fedcli.tracking.mlflow.sink import default_tracking_uri
+from fedcli.tracking.store.sql_store import SqlStore
 from tests.tracking.test_mlflow_true import TINY, fedcli, mlflow_runs
 
 
@@ -93,7 +93,7 @@ def test_a_config_without_mlflow_ends_the_mirror_train_started_before_it_read_th
         for kid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
             try:
                 state = Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z" and b"fedcli.tracking.mirror" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                if state != "Z" and b"fedcli.tracking.mlflow.mirror" in Path(f"/proc/{kid}/cmdline").read_bytes():
                     found.append(int(kid))
             except OSError:  # it ended meanwhile
                 continue

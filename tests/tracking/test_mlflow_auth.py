@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 from tests.tracking.test_mlflow_true import TINY, env
 
 pytest.importorskip(

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from fedcli.tracking.mirror import MirrorHandle
-from fedcli.tracking.mlflow_sink import default_tracking_uri
+from fedcli.tracking.mlflow.handle import MirrorHandle
+from fedcli.tracking.mlflow.sink import default_tracking_uri
 from fedcli.tracking.sinks import Tracker
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 
 TINY = ["--task", "lsq", "--clients-per-round", "4"]
 
@@ -116,7 +116,7 @@ def test_a_mirror_killed_during_the_run_is_restarted_and_mlflow_gets_every_round
         if logged < 20:  # rounds are in the store: the mirror runs and has copied some
             continue
         for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
-            if b"fedcli.tracking.mirror" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
+            if b"fedcli.tracking.mlflow.mirror" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
                 mirror = int(child)
     assert mirror is not None, "the mirror process was not found while the run trained"
     os.kill(mirror, signal.SIGKILL)

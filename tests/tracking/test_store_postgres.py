@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from fedcli.tracking.store import SqlStore
+from fedcli.tracking.store.sql_store import SqlStore
 from tests.pg import PgServer, PgUnavailable
 
 CONFIG = {"seed": 1, "algorithm": {"name": "fedpa", "rho": 0.1}}

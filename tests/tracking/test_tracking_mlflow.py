@@ -12,10 +12,11 @@ from mlflow.tracking import MlflowClient
 
 from fedcli.errors import TrackingError
 from fedcli.tracking.keys import NonFiniteMetricsError, flatten_config
-from fedcli.tracking.mirror import MirrorHandle
-from fedcli.tracking.mlflow_sink import MlflowSink, default_tracking_uri
+from fedcli.tracking.mlflow.handle import MirrorHandle
+from fedcli.tracking.mlflow.sink import MlflowSink, default_tracking_uri
 from fedcli.tracking.sinks import Tracker
-from fedcli.tracking.store import SqlStore, config_hash, default_store_url
+from fedcli.tracking.store.common import config_hash, default_store_url
+from fedcli.tracking.store.sql_store import SqlStore
 
 CONFIG = {
     "seed": 4,
@@ -39,7 +40,7 @@ def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, flo
 
 
 def _mirror(uri: str, store: SqlStore, tmp_path: Path) -> MirrorHandle:
-    """The real MLflow mirror process of a run (fedcli.tracking.mirror)."""
+    """The real MLflow mirror process of a run (fedcli.tracking.mlflow.mirror)."""
     return MirrorHandle(tracking_uri=uri, experiment="tracker", store_url=store.url.replace("***", ""),
                         runs_root=tmp_path / "runs")
 
@@ -283,7 +284,7 @@ def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tm
     rows = saved["example"]
     expected = torch.func.functional_call(task.models[saved["model"]]().eval(), saved["params"], (task.prepare(rows),))
 
-    from fedcli.tracking.mlflow_sink import global_tracking_uri
+    from fedcli.tracking.mlflow.sink import global_tracking_uri
 
     with global_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):  # not left in os.environ for later tests
         loaded = mlflow.pyfunc.load_model(logged.model_uri)

@@ -14,7 +14,8 @@ import pytest
 
 from fedcli.errors import ConfigError, TrackingError
 from fedcli.tracking.keys import NonFiniteMetricsError
-from fedcli.tracking.store import SqlStore, canonical_json, config_hash, default_store_url
+from fedcli.tracking.store.common import canonical_json, config_hash, default_store_url
+from fedcli.tracking.store.sql_store import SqlStore
 
 CONFIG = {
     "seed": 1,

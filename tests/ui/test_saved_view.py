@@ -1,4 +1,4 @@
-"""`fedcli ui` writes the saved view its URL opens (tracking/mlflow_view.py), from the runs' own keys.
+"""`fedcli ui` writes the saved view its URL opens (tracking/mlflow/view.py), from the runs' own keys.
 
 Real `fedcli train` runs fill a real MLflow store; `fedcli ui --print-only` writes the experiment
 tag `mlflow.sharedViewState.fedcli-compare` in MLflow's saved-view envelope. Its state shows the
@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from typer.testing import CliRunner
 
 from fedcli.cli.main import app
-from fedcli.tracking.mlflow_view import TAG_PREFIX, VIEW_ID, VIEW_NAME, has_saved_views
+from fedcli.tracking.mlflow.view import TAG_PREFIX, VIEW_ID, VIEW_NAME, has_saved_views
 
 RUNNER = CliRunner()
 

@@ -1,7 +1,7 @@
 """Rendering a built report: number formats, markdown tables and page, tidy CSV, JSON (docs/architecture.md §6).
 
-Part of `fedcli.tracking.report` (re-exported there); the figures are drawn by
-`fedcli.tracking.plots`. Output is deterministic: fixed decimals, no timestamp.
+Part of the `fedcli.tracking.report` package; the figures are drawn by
+`fedcli.tracking.report.plots`. Output is deterministic: fixed decimals, no timestamp.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcli.tracking import metric_defs as md
-from fedcli.tracking.report_model import (
+from fedcli.tracking.report.model import (
     MISSING,
     NON_RESULT_KEYS,
     Column,
@@ -24,7 +24,7 @@ from fedcli.tracking.report_model import (
     display_key,
     run_config,
 )
-from fedcli.tracking.store import RunRecord
+from fedcli.tracking.store.records import RunRecord
 from fedcli.tracking.urls import mask_url
 
 BYTE_UNITS = ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1.0, "B"))
@@ -122,7 +122,7 @@ _TITLES = {
 
 
 # The F1 decision rule of a multi-label run, as recorded in its config (data.f1_rule, the task's `record`,
-# fedcli/datasets/mulan.py); a run that records none (stackoverflow-lr, every run before the rule was
+# fedcli/datasets/bundled/mulan.py); a run that records none (stackoverflow-lr, every run before the rule was
 # recorded) thresholded at 0.5 (fedcli/datasets/metrics.py).
 F1_RULE_KEY = "data.f1_rule"
 THRESHOLD_RULE = "a tag is predicted when sigmoid(logit) > 0.5"
@@ -188,7 +188,7 @@ def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> 
         lines += [f"## {title}", "", *markdown_table(report, columns), "", _definitions(report, name), "",
                   BOLD_RULE, ""]
     if report.search is not None:
-        from fedcli.tracking.report_search import search_markdown
+        from fedcli.tracking.report.search import search_markdown
 
         lines += search_markdown(report.search)
     if figures:

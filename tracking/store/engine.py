@@ -1,8 +1,7 @@
 """Opening a database: the SQLite connection settings (WAL, busy timeout, BEGIN IMMEDIATE), PostgreSQL
 session settings, the engine, and who holds SQLite's write lock (/proc/locks).
 
-Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
-there.
+Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from fedcli.errors import TrackingError
-from fedcli.tracking.store_common import (
+from fedcli.tracking.store.common import (
     _BEGIN_OPTION,
     _STORE_FIX,
     _WAL_SWITCH_S,
@@ -30,7 +29,7 @@ from fedcli.tracking.store_common import (
     SQLITE_BUSY_TIMEOUT_MS,
     _first_line,
 )
-from fedcli.tracking.urls import mask_url
+from fedcli.tracking.urls import mask_url, sqlite_path
 
 
 def _sqlite_connect_hook(busy_ms: int) -> Any:
@@ -110,14 +109,6 @@ def sqlite_lock_holder(db_file: Path) -> int | None:
     return None
 
 
-def _sqlite_file(url: URL) -> Path | None:
-    """The database file of a SQLite URL, or None for in-memory and `file:` URI databases."""
-    database = url.database
-    if not database or database == ":memory:" or url.query.get("uri") or database.startswith("file:"):
-        return None
-    return Path(database).expanduser()
-
-
 def _pg_session_args(parsed: URL, busy_ms: int) -> dict[str, str]:
     """libpq session settings of a PostgreSQL store (psycopg drivers), unless the URL sets them:
     `lock_timeout` (a row lock held by a stopped process is waited for `busy_ms`, then retried
@@ -141,7 +132,7 @@ def _create_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Eng
         ) from None
     shown = mask_url(parsed.render_as_string(hide_password=False))  # `?password=` too: not only user:***@
     is_sqlite = parsed.get_backend_name() == "sqlite"
-    db_file = _sqlite_file(parsed) if is_sqlite else None
+    db_file = sqlite_path(parsed)
     if db_file is not None:
         try:
             db_file.parent.mkdir(parents=True, exist_ok=True)

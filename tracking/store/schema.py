@@ -4,8 +4,7 @@
 masks the passwords that rows, checkpoints and `model.pt` files written by an older fedcli held
 (docs/architecture.md, "Security").
 
-Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
-there.
+Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from fedcli.tracking.store_common import _LOCK_KEY, RUN_STATUSES, _utcnow, canonical_json, log
+from fedcli.tracking.store.common import _LOCK_KEY, RUN_STATUSES, _utcnow, canonical_json, log
 from fedcli.tracking.urls import has_password, mask_url
 
 

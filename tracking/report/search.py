@@ -1,7 +1,7 @@
 """The search section of a report (docs/sweeps.md, "Reports of a search"): best trial, history, importances.
 
 Runs of a `search:` sweep carry the tags `fedcli.search_study` and `fedcli.search_trial`
-(fedcli/sweep_search.py). When the selected runs do, `search_summary` reads their Optuna study from
+(fedcli/sweep/search.py). When the selected runs do, `search_summary` reads their Optuna study from
 the same database (read only: no table is created) and the report gains the best trial (its
 parameters, metric and run), the trials by state, the share of trial-rounds the pruner saved, and two
 figures drawn by Optuna's matplotlib visualisation: the optimisation history and the parameter

@@ -1,7 +1,6 @@
 """`StoreQueries`: finding runs (`get_run`, `list_runs`) and reading metrics and evaluations as frames.
 
-Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
-there.
+Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ from sqlalchemy.orm import Session
 
 from fedcli.errors import ConfigError
 from fedcli.tracking.keys import check_metric_key
-from fedcli.tracking.store_common import _HEX_RE
-from fedcli.tracking.store_records import RunRecord, _filter_where, _to_record
-from fedcli.tracking.store_schema import ClientMetric, Evaluation, Experiment, RoundMetric, Run
-from fedcli.tracking.store_session import StoreSession, _retried
+from fedcli.tracking.store.common import _HEX_RE
+from fedcli.tracking.store.records import RunRecord, _filter_where, _to_record
+from fedcli.tracking.store.schema import ClientMetric, Evaluation, Experiment, RoundMetric, Run
+from fedcli.tracking.store.session import StoreSession, _retried
 
 if TYPE_CHECKING:
     import pandas as pd

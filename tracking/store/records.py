@@ -1,7 +1,6 @@
 """Runs and claims as read from the store (RunRecord, Claim), the row -> record conversion, `where` filters.
 
-Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
-there.
+Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ from typing import Any
 
 from fedcli.errors import ConfigError
 from fedcli.tracking.keys import flatten_config
-from fedcli.tracking.store_common import _utcnow
-from fedcli.tracking.store_liveness import _liveness
-from fedcli.tracking.store_schema import Run
+from fedcli.tracking.store.common import _utcnow
+from fedcli.tracking.store.liveness import _liveness
+from fedcli.tracking.store.schema import Run
 
 
 @dataclasses.dataclass(frozen=True)

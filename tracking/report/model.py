@@ -1,8 +1,7 @@
 """The report's vocabulary: what was asked (ReportSpec), its records (Column, Group, Report) and config keys.
 
-Part of `fedcli.tracking.report` (docs/architecture.md §6): `report_build` computes a Report
-from the store, `report_render` turns it into markdown, CSV and JSON; `fedcli.tracking.report`
-re-exports the public names of all three. This module imports none of them.
+Part of the `fedcli.tracking.report` package (docs/architecture.md §6): `build` computes a Report
+from the store, `render` turns it into markdown, CSV and JSON. This module imports neither.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import numpy as np
 from fedcli.errors import ConfigError
 from fedcli.tracking import metric_defs as md
 from fedcli.tracking.keys import flatten_config
-from fedcli.tracking.store import RunRecord
+from fedcli.tracking.store.records import RunRecord
 
 Curve = tuple[np.ndarray, np.ndarray]  # (rounds int64 ascending, values float64)
 PERCENT_NAMES = ("accuracy", "precision", "recall", "f1")  # metrics whose name contains one: fractions shown as %
@@ -103,7 +102,7 @@ class Report:
     curves: dict[str, dict[str, Curve]]  # run id -> key -> curve
     last_round: dict[str, int]
     notes: list[str] = field(default_factory=list)
-    search: Any = None  # report_search.SearchSummary of a search's runs (docs/sweeps.md), else None
+    search: Any = None  # search.SearchSummary of a search's runs (docs/sweeps.md), else None
 
 
 # --------------------------------------------------------------------------- keys

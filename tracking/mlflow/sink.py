@@ -28,14 +28,13 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.async_logging.run_operations import RunOperations
-from sqlalchemy.engine.url import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from fedcli.errors import TrackingError
-from fedcli.tracking.keys import check_metrics, flatten_config
-from fedcli.tracking.urls import mask_url
+from fedcli.tracking.keys import check_metrics
+from fedcli.tracking.urls import mask_url, sqlite_path
 
-__all__ = ["MlflowSink", "default_tracking_uri", "flatten_config"]
+__all__ = ["MlflowSink", "default_tracking_uri"]
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +71,8 @@ def default_tracking_uri(root: Path = Path("fedcli-runs")) -> str:
 def _local_root(tracking_uri: str) -> Path | None:
     """The local directory holding a `sqlite:` or `file:` tracking store, else None (a server)."""
     if tracking_uri.startswith("sqlite:"):
-        try:
-            database = make_url(tracking_uri).database
-        except ArgumentError:
-            return None
-        if not database or database == ":memory:":
-            return None
-        return Path(database).expanduser().resolve().parent
+        database = sqlite_path(tracking_uri)
+        return None if database is None else database.resolve().parent
     if tracking_uri.startswith("file:"):
         return Path(tracking_uri.removeprefix("file://").removeprefix("file:")).expanduser().resolve().parent
     if "://" not in tracking_uri:  # a bare path is MLflow's file store
@@ -357,7 +351,7 @@ class MlflowSink:
                   requirements: Sequence[str]) -> str:
         """Log the run's MLflow model `model`: a pyfunc model from code, nothing pickled.
 
-        The code is tracking/mlflow_model.py (MLflow copies it and runs it on load); its one
+        The code is tracking/mlflow/model.py (MLflow copies it and runs it on load); its one
         artifact is `weights` (`served.pt`, tracking/served.py). Explicit run id
         (`Model.log(run_id=...)`); the signature is inferred from `example` (rows of the data
         set, also the model's input example) and `output` (the module's output on it);
@@ -369,11 +363,11 @@ class MlflowSink:
         import mlflow.pyfunc
         from mlflow.models import Model, infer_signature
 
-        spec = importlib.util.find_spec("fedcli.tracking.mlflow_model")
+        spec = importlib.util.find_spec("fedcli.tracking.mlflow.model")
         code = spec.origin if spec is not None else None
         with self._errors("log the model"), global_tracking_uri(self.tracking_uri), _given_requirements():
             if code is None:
-                raise OSError("fedcli.tracking.mlflow_model is not installed")
+                raise OSError("fedcli.tracking.mlflow.model is not installed")
             rows = None if example is None else example.numpy()  # type: ignore[attr-defined]
             signature = None if rows is None else infer_signature(rows, output.numpy())  # type: ignore[union-attr]
             # created here, in the run's experiment: Model.log alone would put it in the active
@@ -384,7 +378,7 @@ class MlflowSink:
                       artifacts={"weights": str(weights)}, signature=signature, input_example=rows,
                       pip_requirements=list(requirements), step=step, model_id=logged.model_id,
                       # the loader's opt-in to import user code served.pt names: `mlflow.pyfunc.load_model(uri,
-                      # model_config={"trust_code": True})` (MLflow accepts only keys logged here; datasets/code_trust.py)
+                      # model_config={"trust_code": True})` (MLflow accepts only keys logged here; datasets/yours/trust.py)
                       model_config={"trust_code": False})
             return str(logged.model_id)
 

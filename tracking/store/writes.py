@@ -1,8 +1,7 @@
 """`StoreWrites`: the store's writes of rounds, per-client metrics, checkpoints and evaluations, and their
 reads by run (round rows, last round, checkpoints).
 
-Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
-there.
+Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.engine import CursorResult
 
 from fedcli.tracking.keys import NonFiniteMetricsError, check_metric_key, check_metrics
-from fedcli.tracking.store_common import _check_round_idx, _utcnow, canonical_json, log
-from fedcli.tracking.store_schema import Checkpoint, ClientMetric, Evaluation, RoundMetric, Run
-from fedcli.tracking.store_session import StoreSession, _retried
+from fedcli.tracking.store.common import _check_round_idx, _utcnow, canonical_json, log
+from fedcli.tracking.store.schema import Checkpoint, ClientMetric, Evaluation, RoundMetric, Run
+from fedcli.tracking.store.session import StoreSession, _retried
 
 
 class StoreWrites(StoreSession):

@@ -1,7 +1,6 @@
 """Checks of an MLflow tracking URI before a run writes anything, and MLflow's schema lock.
 
-Split out of tracking/mirror.py (issue 25: no module over ~500 lines); `fedcli.tracking.mirror`
-re-exports every name. `preflight` checks a tracking URI cheaply (no MLflow import) before
+Part of `fedcli.tracking.mlflow` (tracking/mlflow/mirror.py describes the mirror). `preflight` checks a tracking URI cheaply (no MLflow import) before
 anything is written; `schema_lock` makes N runs that start together on a fresh root set
 MLflow's schema up once (a lock file beside a SQLite database, an advisory lock on PostgreSQL);
 `mlflow_params` is what a run's MLflow params are.
@@ -20,24 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from fedcli.errors import ConfigError
-from fedcli.tracking.urls import mask_url
+from fedcli.tracking.urls import mask_url, sqlite_path
 
 MIN_FREE_BYTES = 4 << 20  # room a new MLflow SQLite store needs before the run starts (`_no_room`)
 _PG_LOCK_KEY = 0x6D6C666C  # "mlfl": advisory-lock key of MLflow's schema set-up
 
 # --------------------------------------------------------------------------- checks before a run
-
-
-def sqlite_path(uri: str) -> Path | None:
-    """The database file of a `sqlite:///` URI, else None."""
-    if not uri.startswith("sqlite:"):
-        return None
-    from sqlalchemy.engine.url import make_url
-
-    database = make_url(uri).database
-    if not database or database == ":memory:":
-        return None
-    return Path(database).expanduser().resolve()
 
 
 def preflight(uri: str, timeout_s: float = 5.0) -> None:
@@ -68,6 +55,7 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
     path = sqlite_path(uri)
     if path is None:
         return
+    path = path.resolve()
     folder = path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -122,7 +110,7 @@ def _check_credentials(uri: str, timeout_s: float, fix: str) -> None:
 def _no_room(folder: Path) -> str | None:
     """What a file system lacks for MLflow's set-up ("no free inode", "12 KiB free"), else None.
 
-    The run no longer waits for MLflow's set-up (tracking/mirror_handle.py `start`), so a disk
+    The run no longer waits for MLflow's set-up (tracking/mlflow/handle.py `start`), so a disk
     that cannot take MLflow's schema is named here, before anything is written, by statvfs
     (nothing created). MIN_FREE_BYTES: what a fresh MLflow SQLite store takes (~1 MiB) and more.
     """
@@ -155,6 +143,7 @@ def schema_lock(uri: str) -> Iterator[None]:
     """Hold an inter-process lock while MLflow creates or migrates its schema at `uri`."""
     path = sqlite_path(uri)
     if path is not None:
+        path = path.resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(f"{path}.lock", "a+") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)

@@ -1,7 +1,7 @@
 """Building a report: select runs, drop repeats, group them, compute every table cell (docs/architecture.md §6).
 
-Part of `fedcli.tracking.report` (re-exported there); the records it fills are in
-`report_model`, the renderers in `report_render`.
+Part of the `fedcli.tracking.report` package; the records it fills are in `model`, the renderers in
+`render`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 from fedcli.errors import ConfigError
 from fedcli.tracking import metric_defs as md
 from fedcli.tracking.keys import flatten_config
-from fedcli.tracking.report_model import (
+from fedcli.tracking.report.model import (
     MISSING,
     NON_RESULT_KEYS,
     PERCENT_NAMES,
@@ -33,8 +33,9 @@ from fedcli.tracking.report_model import (
     resolve_metric,
     run_config,
 )
-from fedcli.tracking.report_search import STUDY_TAG, search_summary
-from fedcli.tracking.store import RunRecord, SqlStore
+from fedcli.tracking.report.search import STUDY_TAG, search_summary
+from fedcli.tracking.store.records import RunRecord
+from fedcli.tracking.store.sql_store import SqlStore
 from fedcli.tracking.urls import connect_url
 
 # --------------------------------------------------------------------------- selection and groups
@@ -156,7 +157,7 @@ def logged_keys(store: SqlStore, ids: Sequence[str]) -> list[str]:
     """Distinct metric keys the runs logged, sorted (one indexed query)."""
     from sqlalchemy import select
 
-    from fedcli.tracking.store import RoundMetric
+    from fedcli.tracking.store.schema import RoundMetric
 
     stmt = select(RoundMetric.key).where(RoundMetric.run_id.in_(list(ids))).distinct()
     with store._session("read metric keys", write=False) as session:  # noqa: SLF001 - same package

@@ -1,8 +1,7 @@
 """The store's transactions: one session per call, failures in one line, the retry of a locked or
 lost store with the lock holder named, the lease check of every write (`StoreSession`).
 
-Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
-there.
+Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError,
 from sqlalchemy.orm import Session
 
 from fedcli.errors import ConfigError, TrackingError
-from fedcli.tracking.store_common import (
+from fedcli.tracking.store.common import (
     _STORE_FIX,
     HOSTNAME,
     RETRY_ENV,
@@ -36,9 +35,9 @@ from fedcli.tracking.store_common import (
     disk_full,
     log,
 )
-from fedcli.tracking.store_engine import sqlite_lock_holder
-from fedcli.tracking.store_liveness import _pid_state
-from fedcli.tracking.store_schema import Base, Run
+from fedcli.tracking.store.engine import sqlite_lock_holder
+from fedcli.tracking.store.liveness import _pid_state
+from fedcli.tracking.store.schema import Base, Run
 
 
 def _retried(method: Any) -> Any:

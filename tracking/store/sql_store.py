@@ -28,15 +28,9 @@ lock is taken only to create or migrate it), reads never lock (WAL), and a write
 the file locked, or a PostgreSQL server gone, is retried for `FEDCLI_STORE_RETRY_S` (60 s)
 with a line naming the holder ("locked by pid N (running run X)") before it gives up.
 
-Layout (import from here: this module re-exports the public names of the others):
-`store_common` (constants, canonical JSON and hashes, durations from the environment,
-exceptions), `store_schema` (the tables, their set-up and upgrade, secrets masking),
-`store_liveness` (whether a run's or a claim's process is alive), `store_records` (RunRecord,
-Claim, `where` filters), `store_engine` (SQLite/PostgreSQL connection settings, the lock
-holder), `store_session` (transactions, retries, lease checks: the `StoreSession` mixin),
-`store_writes` and `store_queries` (the metric/checkpoint/evaluation writes and the run and
-frame queries: mixins), and here `SqlStore` itself: opening a store, starting, ending and
-resuming runs, sweep-trial claims, run fields and tags. Imports go one way, from this module down.
+The store's other modules (the package's docstring lists them) hold its tables, sessions,
+writes and queries; this module holds `SqlStore` itself: opening a store, starting, ending and
+resuming runs, sweep-trial claims, run fields and tags.
 """
 
 from __future__ import annotations
@@ -55,70 +49,42 @@ from sqlalchemy import delete, inspect, select
 from sqlalchemy import update as sql_update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult
-from sqlalchemy.engine.url import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from fedcli.errors import ConfigError, TrackingError
-from fedcli.tracking.store_common import (
+from fedcli.tracking.store.common import (
     _BEGIN_OPTION,
     _RUN_ID_RE,
     _STORE_FIX,
     END_STATUSES,
-    HEARTBEAT_S,
     HOSTNAME,
     RETRY_ENV,
     RETRY_S,
-    RUN_STATUSES,
     SETTABLE_RUN_FIELDS,
     SQLITE_BUSY_TIMEOUT_MS,
-    STALE_ENV,
-    STALE_S,
-    TAKEN_OVER_EXIT,
-    RunTakenOver,
-    StoreUnavailable,
     _check_str_mapping,
     _env_seconds,
     _first_line,
     _Transient,
     _utcnow,
     canonical_json,
-    config_hash,
-    default_store_url,
-    disk_full,
     log,
-    retry_s,
-    stale_s,
 )
-from fedcli.tracking.store_engine import _create_engine, _sqlite_file, sqlite_lock_holder
-from fedcli.tracking.store_liveness import _claim_alive, _liveness, _pid_state, process_start
-from fedcli.tracking.store_queries import StoreQueries
-from fedcli.tracking.store_records import Claim, RunRecord
-from fedcli.tracking.store_schema import (
-    SECRETS_MASKED,
-    Base,
-    Checkpoint,
-    ClientMetric,
-    Evaluation,
+from fedcli.tracking.store.engine import _create_engine
+from fedcli.tracking.store.liveness import _claim_alive, _liveness, _pid_state, process_start
+from fedcli.tracking.store.queries import StoreQueries
+from fedcli.tracking.store.records import Claim
+from fedcli.tracking.store.schema import (
     Experiment,
-    RoundMetric,
     Run,
-    StoreMeta,
     TrialClaim,
-    UtcDateTime,
     _schema_current,
     _setup_schema,
 )
-from fedcli.tracking.store_session import StoreSession, _retried
-from fedcli.tracking.store_writes import StoreWrites
-
-__all__ = ["END_STATUSES", "HEARTBEAT_S", "HOSTNAME", "RETRY_ENV", "RETRY_S", "RUN_STATUSES",
-           "SECRETS_MASKED", "SETTABLE_RUN_FIELDS", "SQLITE_BUSY_TIMEOUT_MS", "STALE_ENV", "STALE_S",
-           "TAKEN_OVER_EXIT", "Base", "canonical_json", "Checkpoint", "Claim", "ClientMetric", "config_hash",
-           "default_store_url", "disk_full", "Evaluation", "Experiment", "process_start", "retry_s",
-           "RoundMetric", "Run", "RunRecord", "RunTakenOver", "sqlite_lock_holder", "SqlStore", "stale_s",
-           "StoreMeta", "StoreQueries", "StoreSession", "StoreUnavailable", "StoreWrites", "TrialClaim",
-           "UtcDateTime"]
+from fedcli.tracking.store.session import _retried
+from fedcli.tracking.store.writes import StoreWrites
+from fedcli.tracking.urls import sqlite_path
 
 
 class SqlStore(StoreWrites, StoreQueries):
@@ -149,7 +115,7 @@ class SqlStore(StoreWrites, StoreQueries):
         self._engine, self.url = _create_engine(url, int(min(SQLITE_BUSY_TIMEOUT_MS, self.retry_s * 250)))
         self._write_engine = self._engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
         self._sqlite = self._engine.dialect.name == "sqlite"
-        self._db_file = _sqlite_file(self._engine.url) if self._sqlite else None
+        self._db_file = sqlite_path(self._engine.url)
         self._leases: dict[str, str] = {}  # run id -> the lease token this process holds on it
         self._local = threading.local()  # per thread: inside a retried call (no nested retries)
         self._announced = -math.inf  # when a wait for this store was last announced (one warning per outage)
@@ -180,10 +146,7 @@ class SqlStore(StoreWrites, StoreQueries):
         Raises:
             TrackingError: The URL is malformed or the database cannot be read.
         """
-        try:
-            db_file = _sqlite_file(make_url(url)) if make_url(url).get_backend_name() == "sqlite" else None
-        except (ArgumentError, ValueError):
-            db_file = None  # the constructor names the malformed URL
+        db_file = sqlite_path(url)  # None for a malformed URL too: the constructor names it
         if db_file is not None and not db_file.exists():
             return None
         store = cls(url, setup_schema=False)

@@ -1,8 +1,7 @@
 """The training process's side of the MLflow mirror (`MirrorHandle`): spawn, start, check, finish.
 
-Split out of tracking/mirror.py (issue 25: no module over ~500 lines), which describes the
-mirror as a whole and re-exports every name here; the mirror process itself is
-`python -m fedcli.tracking.mirror`.
+tracking/mlflow/mirror.py describes the mirror as a whole; the mirror process itself is
+`python -m fedcli.tracking.mlflow.mirror`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before lea
 STOP_POLL_S = 0.1  # how often the wait above looks for a stop signal (`MirrorHandle.stopping`)
 STOP_WAIT_S = 1.5  # after a stop signal, how long the run's end still waits for the mirror's copy
 MAX_RESTARTS = 3  # a mirror that dies alone is restarted at most this often per run
-ORPHAN_WAIT_S = 60.0  # how long a mirror whose training process is gone may still copy (`mirror.watch_parent`)
+ORPHAN_WAIT_S = 60.0  # how long a mirror whose training process is gone may still copy (`lifeline.watch_parent`)
 PARENT_ENV = "FEDCLI_MIRROR_PARENT"  # the pid of the process that started a mirror, which it watches
 _DISK_FULL = ("database or disk is full", "No space left on device")  # a mirror that died so is not restarted
 
@@ -67,7 +66,7 @@ class MirrorHandle:
         that takes over the run at once (a restart)."""
         proc = _adopt_early() if run_id is None else None
         if proc is None:
-            command = [sys.executable, "-m", "fedcli.tracking.mirror"]
+            command = [sys.executable, "-m", "fedcli.tracking.mlflow.mirror"]
             if run_id is not None:
                 command += ["--run", run_id, "--restart"]
             proc = _popen(command)
@@ -231,7 +230,7 @@ def spawn_early() -> None:
     machine stayed busy).
     """
     if not _EARLY:
-        _EARLY.append(_popen([sys.executable, "-m", "fedcli.tracking.mirror"]))
+        _EARLY.append(_popen([sys.executable, "-m", "fedcli.tracking.mlflow.mirror"]))
         atexit.register(discard_early)  # a no-op once a run adopted it
 
 
@@ -260,7 +259,7 @@ def _popen(command: list[str]) -> subprocess.Popen[bytes]:
 
 def parent_env() -> dict[str, str]:
     """The environment of a mirror this process starts: its own, and this process's pid, which the
-    mirror watches (`fedcli.tracking.mirror.watch_parent`: it ends once this process is gone)."""
+    mirror watches (`fedcli.tracking.mlflow.lifeline.watch_parent`: it ends once this process is gone)."""
     return {**os.environ, PARENT_ENV: str(os.getpid())}
 
 

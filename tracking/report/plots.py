@@ -23,7 +23,7 @@ import numpy as np
 from fedcli.tracking import metric_defs as md
 
 if TYPE_CHECKING:
-    from fedcli.tracking.report import Group, Report
+    from fedcli.tracking.report.model import Group, Report
 
 __all__ = ["axis_label", "learning_curves", "metric_vs_cost", "partition_heatmap", "report_figures"]
 
@@ -43,7 +43,7 @@ COST_KEYS = tuple(k for cumulative, per_round, _, _ in COSTS.values() for k in (
 
 def is_percent(key: str) -> bool:
     """True for fractions the report shows in % (the tables' rule: accuracy, precision, recall, F1)."""
-    from fedcli.tracking.report import PERCENT_NAMES
+    from fedcli.tracking.report.model import PERCENT_NAMES
 
     return any(part in key.rsplit("/", 1)[-1] for part in PERCENT_NAMES)
 
@@ -189,7 +189,7 @@ def cost_curve(curves: dict[str, tuple[np.ndarray, np.ndarray]], cost: str, last
 
 def _cost_unit(kind: str, largest: float) -> tuple[float, str]:
     if kind == "bytes":
-        from fedcli.tracking.report import byte_unit
+        from fedcli.tracking.report.render import byte_unit
 
         return byte_unit(largest)
     return (3600.0, "h") if largest >= 3 * 3600 else (60.0, "min") if largest >= 180 else (1.0, "s")
@@ -283,8 +283,8 @@ def report_figures(report: Report, output: Path, counts: np.ndarray | None = Non
         partition_heatmap(counts, folder / name, counts_title)
         figures.append((f"Partition shared by every run: {counts_title}. SVG: {Path(name).with_suffix('.svg')}.",
                         name))
-    if report.search is not None:  # a search's history and importances (tracking/report_search.py)
-        from fedcli.tracking.report_search import search_figures
+    if report.search is not None:  # a search's history and importances (tracking/report/search.py)
+        from fedcli.tracking.report.search import search_figures
 
         figures += search_figures(report.search, output)
     return figures

@@ -1,8 +1,7 @@
 """Is a run's or a claim's process still there: /proc start times, signal 0, heartbeats (docs/architecture.md,
 "Run lifecycle").
 
-Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
-there.
+Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.
 """
 
 from __future__ import annotations
@@ -11,8 +10,8 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from fedcli.tracking.store_common import HOSTNAME, stale_s
-from fedcli.tracking.store_schema import Run, TrialClaim
+from fedcli.tracking.store.common import HOSTNAME, stale_s
+from fedcli.tracking.store.schema import Run, TrialClaim
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:

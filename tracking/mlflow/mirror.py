@@ -7,7 +7,7 @@ migrations raced when several runs started at once. The SQL store is the source 
 truth; MLflow is a copy that this process keeps up to date:
 
 - the training process writes rounds to the SQL store only and starts
-  `python -m fedcli.tracking.mirror`, which runs at nice 19 from its first line (not SCHED_IDLE, which
+  `python -m fedcli.tracking.mlflow.mirror`, which runs at nice 19 from its first line (not SCHED_IDLE, which
   starved on a busy machine: `low_priority`); nothing waits on MLflow, neither round 1 nor any round
   after it;
 - the mirror opens MLflow under an inter-process lock (`schema_lock`: a lock file beside a
@@ -32,49 +32,39 @@ truth; MLflow is a copy that this process keeps up to date:
 - the store and MLflow URLs reach it over its stdin, never on its command line: a password
   in them would be visible to every user in `ps` (docs/architecture.md, "Security").
 
-`MirrorHandle` (tracking/mirror_handle.py) is the training process's side; `preflight`
-(tracking/mirror_checks.py, with `schema_lock` and `mlflow_params`) checks a tracking URI
-cheaply (no MLflow import) before anything is written; this module is the mirror process and
-re-exports both.
+`MirrorHandle` (tracking/mlflow/handle.py) is the training process's side; `preflight`
+(tracking/mlflow/checks.py, with `schema_lock` and `mlflow_params`) checks a tracking URI
+cheaply (no MLflow import) before anything is written; this module is the mirror process.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import os
 import select
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fedcli.errors import TrackingError
-from fedcli.tracking.mirror_checks import (
-    half_migrated_tables,
+from fedcli.tracking.mlflow.checks import (
     mlflow_params,
-    preflight,
     schema_lock,
-    sqlite_path,
 )
-from fedcli.tracking.mirror_handle import (
-    FINISH_WAIT_S,
-    MAX_RESTARTS,
-    ORPHAN_WAIT_S,
-    PARENT_ENV,
-    STOP_POLL_S,
-    STOP_WAIT_S,
-    MirrorHandle,
+from fedcli.tracking.mlflow.lifeline import (
+    exit_now,
+    low_priority,
+    mlflow_set_up,
+    quiet_mlflow,
+    read_urls,
+    watch_parent,
 )
 from fedcli.tracking.urls import mask_url
 
-__all__ = ["FINISH_WAIT_S", "MAX_RESTARTS", "ORPHAN_WAIT_S", "STOP_POLL_S", "STOP_WAIT_S", "Mirror", "MirrorHandle",
-           "exit_now", "first_cause_line", "half_migrated_tables", "low_priority", "main", "mlflow_params",
-           "mlflow_set_up", "normal_priority", "preflight", "quiet_mlflow", "schema_lock", "sqlite_path", "watch_parent"]
+__all__ = ["Mirror", "first_cause_line", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +78,7 @@ RETRY_S = 60.0  # how long a failing MLflow write is retried (a busy SQLite file
 def _retry(what: str, call: Any) -> Any:
     """Call `call()`, retrying transient failures for up to RETRY_S seconds (a full disk is not
     retried: it does not clear in seconds, and the training process would wait for it at its end)."""
-    from fedcli.tracking.store import disk_full
+    from fedcli.tracking.store.common import disk_full
 
     deadline, delay = time.monotonic() + RETRY_S, 0.2
     while True:
@@ -130,8 +120,8 @@ class Mirror:
     """
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from fedcli.tracking.mlflow_sink import MlflowSink
-        from fedcli.tracking.store import SqlStore
+        from fedcli.tracking.mlflow.sink import MlflowSink
+        from fedcli.tracking.store.sql_store import SqlStore
 
         self.args = args
         if args.run is None:  # spawned early: MLflow is imported; wait for the run (EOF: never started)
@@ -160,7 +150,7 @@ class Mirror:
         owner = getattr(self.args, "owner", None)
         if owner is None:
             return True
-        from fedcli.tracking.store import HOSTNAME
+        from fedcli.tracking.store.common import HOSTNAME
 
         pid, started = owner
         same = (record.host, record.pid) == (HOSTNAME, pid)
@@ -193,7 +183,7 @@ class Mirror:
             run_name=record.run_name, params=mlflow_params(record.config), tags=tags,
             parent_run_id=self.args.parent_run, start_ms=int(record.created_at.timestamp() * 1000)))
         self.mlflow_run_id = run_id  # written to the store when the run ends (no store writes before)
-        from fedcli.tracking.store import canonical_json
+        from fedcli.tracking.store.common import canonical_json
 
         _retry("config", lambda: self.sink.log_text(canonical_json(record.config), "config.json"))
 
@@ -254,7 +244,7 @@ class Mirror:
         record = self.record
         if record.mlflow_run_id is None or record.mlflow_synced_round is None or record.status == "running":
             return False
-        from fedcli.tracking.mlflow_sink import MLFLOW_STATUS
+        from fedcli.tracking.mlflow.sink import MLFLOW_STATUS
 
         state = self.sink.run_state(record.mlflow_run_id)
         if state != (MLFLOW_STATUS[record.status], end_ms(record)):
@@ -288,7 +278,7 @@ class Mirror:
                 weights = Path(folder) / "served.pt"
                 write_served(saved, weights)
                 # the parameters fit the task's model; user code it names: a run's own mirror runs what its train
-                # command named (trust_code absent); `fedcli sync` passes its --trust-code (datasets/code_trust.py)
+                # command named (trust_code absent); `fedcli sync` passes its --trust-code (datasets/yours/trust.py)
                 module = load_served(weights, trust=getattr(self.args, "trust_code", True),
                                      fix="pass --trust-code to fedcli sync if you trust it")
                 with torch.no_grad():
@@ -345,15 +335,6 @@ class Mirror:
                     "without ending the MLflow run", record.id[:8], record.pid, record.host)
 
 
-def quiet_mlflow() -> None:
-    """Keep MLflow's and Alembic's INFO lines (schema set-up, input-example validation) off stderr.
-
-    Called after MLflow is imported: importing it sets its logger's level again.
-    """
-    for noisy in ("alembic", "mlflow"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-
-
 def end_ms(record: Any) -> int:
     """The run's end in MLflow's unit (ms since the epoch) as the store says: `ended_at`, else (a
     process that died without ending it) its last heartbeat, else now."""
@@ -361,129 +342,12 @@ def end_ms(record: Any) -> int:
     return int(ended.timestamp() * 1000) if ended is not None else int(time.time() * 1000)
 
 
-PARENT_POLL_S = 0.5  # how often the mirror looks whether the process that started it is still alive
-
-
-def low_priority() -> int:
-    """Lower this thread (and the threads it starts) to nice 19; return the nice value it had.
-
-    Nice 19 (SCHED_OTHER), not SCHED_IDLE (before issue 35): an idle-priority task runs only when a
-    core would otherwise idle, so on a machine kept busy by other work it never ran (8 runs that
-    ended with 0 of 8 in MLflow; mirrors left behind for hours by commands long gone). At nice 19 it
-    has 1.5 % of a core against one busy task at nice 0, and always progresses. The cost on round
-    time is measured in docs/architecture.md, "Tracking" (the MLflow mirror).
-    """
-    try:
-        before = os.getpriority(os.PRIO_PROCESS, 0)
-        os.setpriority(os.PRIO_PROCESS, 0, 19)  # Linux: this thread; threads started later inherit it
-    except (AttributeError, OSError):
-        return 0
-    return before
-
-
-def normal_priority(nice: int = 0) -> None:
-    """Back to `nice` from nice 19 for every thread of this process, where the system lets it (root, or an
-    RLIMIT_NICE that allows it); else nothing changes, and the time bound of `watch_parent` still holds."""
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    for thread in threads:
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, thread, nice)
-
-
-class _Lifeline:
-    """What the mirror may still do once the process that started it is gone (`watch_parent`)."""
-
-    lock = threading.RLock()
-    parent_gone = False
-    begun = False  # MLflow's set-up began: from here on the mirror may have written to MLflow
-    setting_up = False  # inside MLflow's schema set-up, which must not be cut short
-    give_up = False  # the time ran out during the set-up: exit once it is done
-
-
-@contextlib.contextmanager
-def mlflow_set_up() -> Iterator[None]:
-    """Mark MLflow's set-up (its schema, created or migrated under `schema_lock`) for `watch_parent`.
-
-    A mirror whose training process is gone exits before it (nothing written), and not during it: a
-    store cut mid-migration is left half-migrated, which `preflight` then refuses until it is moved
-    aside. The time bound (ORPHAN_WAIT_S) ends such a mirror as soon as the set-up is done.
-    """
-    with _Lifeline.lock:
-        if _Lifeline.parent_gone and not _Lifeline.begun:  # (the watcher exits such a mirror too, at its next look)
-            exit_now(0)
-        _Lifeline.begun = _Lifeline.setting_up = True
-    try:
-        yield
-    finally:
-        with _Lifeline.lock:
-            _Lifeline.setting_up = False
-            if _Lifeline.give_up:
-                exit_now(3)
-
-
-def watch_parent(wait_s: float = ORPHAN_WAIT_S) -> None:
-    """Start a thread that ends this mirror within a bounded time once the process that started it is gone.
-
-    The process that started it: `PARENT_ENV` (set by the spawning process), else the parent now.
-    Once it is gone (exited, or killed by SIGKILL: this process's parent changes), a mirror that has
-    not begun MLflow's set-up (`mlflow_set_up`: e.g. the command ended without a run, or was killed
-    while the mirror imported MLflow) exits at once, having written nothing; one that has goes back to
-    the nice value this thread has now (before `low_priority`) where the system lets it, and has `wait_s`
-    seconds to finish its copy (ending the MLflow run KILLED), then exits, at once or as soon as a schema
-    set-up in progress is done. What it has not copied, `fedcli sync` or `fedcli train --resume` copies:
-    the SQL store has the whole run. Issue 35: mirrors of rejected or killed commands lived on for hours
-    (at SCHED_IDLE on a busy machine they were never scheduled).
-    """
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
-    try:
-        parent = int(os.environ.get(PARENT_ENV) or os.getppid())
-    except ValueError:
-        parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        with _Lifeline.lock:
-            _Lifeline.parent_gone = True
-            if not _Lifeline.begun:
-                os._exit(0)
-        normal_priority(nice)
-        time.sleep(wait_s)
-        with _Lifeline.lock:
-            if not _Lifeline.setting_up:
-                os._exit(3)
-            _Lifeline.give_up = True  # `mlflow_set_up` exits once the schema is set up
-
-    threading.Thread(target=watch, name="fedcli-mirror-parent", daemon=True).start()
-
-
-def read_urls(args: argparse.Namespace, line: str | None = None) -> bool:
-    """Set args.store and args.tracking_uri (and experiment, runs_root, parent_run where the command
-    line left them unset) from stdin's first line, or `line`: JSON, never the command line, where
-    `ps` would show a password. False, after one line on stderr, when it holds no store and URI."""
-    try:
-        secrets = json.loads((sys.stdin.readline() if line is None else line) or "{}")
-        args.store, args.tracking_uri = str(secrets["store"]), str(secrets["tracking_uri"])
-    except (ValueError, KeyError, TypeError):
-        print("MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
-              "tracking_uri)", file=sys.stderr)
-        return False
-    for name in ("experiment", "runs_root", "parent_run"):
-        if getattr(args, name, None) is None and secrets.get(name) is not None:
-            setattr(args, name, str(secrets[name]))
-    args.sweep_spec = secrets.get("sweep_spec")  # the sweep's mirror opens the sweep's parent run (mirror_sweep)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     """The mirror process. Its first stdin line is JSON {"store": URL, "tracking_uri": URI, "experiment",
     "runs_root", "parent_run"} (secrets stay off the command line); then, unless --run is given, the
     run id. End of file before the first line: spawned early (`spawn_early`) for a command that
     ended without a run; it exits 0, having written nothing."""
-    parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mirror", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mlflow.mirror", description=__doc__.splitlines()[0])
     parser.add_argument("--run", help="the run; default: read its id from stdin (spawned early)")
     parser.add_argument("--experiment", help="default: from stdin's first line")
     parser.add_argument("--run-dir")
@@ -495,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.once:  # the training process that spawned it: the run's owner while the store says so
         # the watcher first, at the training process's priority: it ends this mirror once that process is gone
         watch_parent()
-        from fedcli.tracking.store import process_start
+        from fedcli.tracking.store.liveness import process_start
 
         args.owner = (os.getppid(), process_start(os.getppid()))
         # the run trains (or is about to): MLflow's import and set-up must not compete with its rounds;
@@ -504,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
     # the slow imports first (spawned early, while the training process imports torch and reads its
     # config): MLflow, and torch for the final model (`log_model`)
-    import fedcli.tracking.mlflow_sink  # noqa: F401
+    import fedcli.tracking.mlflow.sink  # noqa: F401
     import fedcli.tracking.served  # noqa: F401
 
     quiet_mlflow()
@@ -525,20 +389,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MLflow mirror: {type(err).__name__}: {first_cause_line(err)}; pass --tracking-uri with a "
               "writable MLflow store or use --no-mlflow", file=sys.stderr)
         return 1
-
-
-def exit_now(code: int) -> None:
-    """End the mirror process without the interpreter's teardown.
-
-    Everything is written by then (each SQL write committed, MLflow's queue flushed by
-    `end_run`, artifacts copied), and the teardown (MLflow's exit hooks, freeing torch's and
-    MLflow's modules) took 1.4 s, which the training process waited for at its end (issue 27).
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

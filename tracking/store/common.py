@@ -1,7 +1,6 @@
 """The store's constants, JSON and hash helpers, durations from the environment, exceptions, argument checks.
 
-Part of `fedcli.tracking.store` (docs/architecture.md §6), whose docstring gives the layout; import from
-there.
+Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from fedcli.errors import ConfigError, TrackingError
 log = logging.getLogger("fedcli.tracking.store")  # one logger for the store's modules
 
 # `pruned`: a search trial stopped early by its pruner (docs/sweeps.md, "Pruning"); added after the first
-# release, so an older store's CHECK constraint is widened when it is opened (store_schema._widen_status_check)
+# release, so an older store's CHECK constraint is widened when it is opened (schema._widen_status_check)
 RUN_STATUSES = ("running", "finished", "failed", "interrupted", "pruned")
 END_STATUSES = ("finished", "failed", "interrupted", "pruned")
 SETTABLE_RUN_FIELDS = frozenset({"model_path", "mlflow_run_id", "git_commit", "mlflow_synced_round"})

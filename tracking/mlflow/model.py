@@ -25,7 +25,7 @@ class FedcliModel(PythonModel):
     """The run's global model behind the task's input preparation, in eval mode."""
 
     def load_context(self, context) -> None:  # noqa: ANN001 - MLflow's PythonModelContext
-        from fedcli.datasets.code_trust import trusted_by_env
+        from fedcli.datasets.yours.trust import trusted_by_env
         from fedcli.tracking.served import load_served
 
         config = getattr(context, "model_config", None) or {}

@@ -1,26 +1,23 @@
-"""One MLflow mirror per sweep: `python -m fedcli.tracking.mirror_sweep` copies each trial's run once it ended.
+"""One MLflow mirror per sweep: `python -m fedcli.tracking.mlflow.sweep_mirror` copies each trial's run once it ended.
 
-Issue 27: a sweep of N trials started N mirror processes (each importing MLflow and opening its
-store: seconds each), and each trial's round 1 and exit waited for its own. Sweep workers
-(fedcli/sweep_worker.py) train with the SQL store only; the sweep starts this one process, at
-nice 19 (it yields a busy core to the trials, and still progresses: not SCHED_IDLE, issue 35), and
-hands it each trial's run id
-as the trial ends (`SweepMirror.add`). It copies the run as `fedcli sync` does
-(`Mirror.run_once`: rounds, files, model, status, nested under the sweep's parent run) and
-takes the next. No trial ever waits for it; the sweep's end waits for the copies still to do
-(`SweepMirror.finish`, at most FINISH_WAIT_S; after a stop signal STOP_WAIT_S, then it goes on
-alone in its own process group); once the sweep's stdin ends it leaves nice 19 to catch up (where the
-system lets it). Once the sweep process is gone (exited, killed) it has ORPHAN_WAIT_S to finish, then ends
-(`fedcli.tracking.mirror.watch_parent`).
-What it could not copy, `fedcli sync` copies later (the store has it all). The cost: MLflow shows a trial once it ended, not round by round while it trains.
+Sweep workers (fedcli/sweep/worker.py) train with the SQL store only; the sweep starts this one
+process, at nice 19 (it yields a busy core to the trials and still progresses: not SCHED_IDLE), and
+hands it each trial's run id as the trial ends (`SweepMirror.add`). It copies the run as `fedcli sync`
+does (`Mirror.run_once`: rounds, files, model, status, nested under the sweep's parent run) and takes
+the next. No trial ever waits for it; the sweep's end waits for the copies still to do
+(`SweepMirror.finish`, at most FINISH_WAIT_S; after a stop signal STOP_WAIT_S, then it goes on alone
+in its own process group); once the sweep's stdin ends it leaves nice 19 to catch up (where the
+system lets it). Once the sweep process is gone (exited, killed) it has ORPHAN_WAIT_S to finish, then
+ends (`fedcli.tracking.mlflow.lifeline.watch_parent`). What it could not copy, `fedcli sync` copies
+later (the store has it all). The cost: MLflow shows a trial once it ended, not round by round.
 
-It also opens the sweep's MLflow parent run (`sweeps.parent_run`: reused by a rerun) and ends
-it once every trial is copied, as the sweep's last line says: the sweep process never imports
-MLflow (its import and schema set-up held trial 1 back 2.3 s on 2 cores).
+It also opens the sweep's MLflow parent run (`parent_run`: the experiment's run carrying the tags the
+sweep hands it, so a rerun reuses it) and ends it once every trial is copied, as the sweep's last line
+says: the sweep process never imports MLflow, and this module imports nothing of the sweep's.
 
-Its stdin: the first line JSON {"store": URL, "tracking_uri": URI, "sweep_spec": {...}} (secrets
-stay off the command line, docs/architecture.md "Security"), then one run id per line, then
-`end:<status>` (finished, failed, interrupted); end of file: copy what is left, end the parent
+Its stdin: the first line JSON {"store": URL, "tracking_uri": URI, "sweep_spec": {...}, "parent_tags":
+{...}} (secrets stay off the command line, docs/architecture.md "Security"), then one run id per line,
+then `end:<status>` (finished, failed, interrupted); end of file: copy what is left, end the parent
 run (`interrupted` without an `end:` line: the sweep died) and exit.
 """
 
@@ -37,15 +34,19 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedcli.tracking.mirror_handle import (
+from fedcli.tracking.mlflow.handle import (
     FINISH_WAIT_S,
     STOP_POLL_S,
     STOP_WAIT_S,
     own_process_group,
     parent_env,
 )
+from fedcli.tracking.urls import mask_url
+
+if TYPE_CHECKING:
+    from fedcli.tracking.mlflow.sink import MlflowSink
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,11 @@ class SweepMirror:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def spawn(self, spec: Mapping[str, Any] | None = None) -> SweepMirror:
-        """Start the mirror; with the sweep's `spec`, it opens (or reuses) the sweep's MLflow parent run
-        itself and nests the trials under it (`sweeps.parent_run`): the sweep never imports MLflow."""
-        command = [sys.executable, "-m", "fedcli.tracking.mirror_sweep", "--experiment", self.experiment,
+    def spawn(self, spec: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None) -> SweepMirror:
+        """Start the mirror; with the sweep's `spec` and the `tags` that find its MLflow parent run
+        (`fedcli.sweep.rows.parent_tags`), it opens (or reuses) that run itself and nests the trials
+        under it (`parent_run`): the sweep never imports MLflow."""
+        command = [sys.executable, "-m", "fedcli.tracking.mlflow.sweep_mirror", "--experiment", self.experiment,
                    "--runs-root", str(self.runs_root)]
         if self.parent_run_id:
             command += ["--parent-run", self.parent_run_id]
@@ -80,7 +82,7 @@ class SweepMirror:
                                       stderr=subprocess.PIPE, env=parent_env(), **own_process_group())
         first: dict[str, Any] = {"store": self.store_url, "tracking_uri": self.tracking_uri}
         if spec is not None:
-            first["sweep_spec"] = dict(spec)
+            first["sweep_spec"], first["parent_tags"] = dict(spec), dict(tags or {})
         self._write(json.dumps(first, default=str))
         return self
 
@@ -123,7 +125,7 @@ class SweepMirror:
                 return (f"the sweep's MLflow mirror (pid {proc.pid}) still copies trials in the background; the SQL "
                         "store is complete, and `fedcli sync` copies into MLflow what it misses")
         if proc.returncode != 0:
-            from fedcli.tracking.mirror_handle import _death, _own_reason
+            from fedcli.tracking.mlflow.handle import _death, _own_reason
 
             parent = _own_reason(err or b"")
             if parent is not None and parent.startswith(PARENT_NOT_ENDED):  # the trials are copied: its own line
@@ -133,9 +135,47 @@ class SweepMirror:
         return None
 
 
+def _quoted(value: str) -> str:
+    """`value` inside single quotes of an MLflow search filter."""
+    return value.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def parent_run(tracking_uri: str, spec: Mapping[str, Any], tags: Mapping[str, str]) -> MlflowSink:
+    """Open the sweep's MLflow parent run: the experiment's run carrying every one of `tags`, else a new one
+    with `tags`, `fedcli.kind=sweep` and the spec as `sweep.yaml`.
+
+    Raises:
+        TrackingError: MLflow cannot be opened or written.
+    """
+    import yaml
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from fedcli.errors import TrackingError
+    from fedcli.tracking.mlflow.checks import schema_lock
+    from fedcli.tracking.mlflow.sink import MlflowSink
+
+    experiment = spec["experiment"]
+    with schema_lock(tracking_uri):  # N processes on a fresh root set MLflow's schema up once
+        sink = MlflowSink(tracking_uri, experiment)
+    match = " AND ".join(f"tags.`{key}` = '{_quoted(value)}'" for key, value in tags.items())
+    try:
+        found = MlflowClient(tracking_uri=tracking_uri).search_runs(
+            [sink.experiment_id], filter_string=match, order_by=["attributes.start_time ASC"], max_results=1)
+    except MlflowException as err:
+        raise TrackingError(f"MLflow store {mask_url(tracking_uri)!r} could not be searched: {mask_url(str(err))}; "
+                            "pass --tracking-uri with a reachable MLflow store or use --no-mlflow") from err
+    if found:
+        sink.attach(found[0].info.run_id)
+        return sink
+    sink.start_run(run_name=f"sweep {experiment}", params={}, tags={**tags, "fedcli.kind": "sweep"})
+    sink.log_text(yaml.safe_dump(dict(spec), sort_keys=False), "sweep.yaml")
+    return sink
+
+
 def copy_run(args: argparse.Namespace, run_id: str) -> None:
     """Copy one ended run into MLflow (`Mirror.run_once`, nested under the sweep's parent run)."""
-    from fedcli.tracking.mirror import Mirror
+    from fedcli.tracking.mlflow.mirror import Mirror
 
     Mirror(argparse.Namespace(store=args.store, run=run_id, tracking_uri=args.tracking_uri,
                               experiment=args.experiment, parent_run=args.parent_run, once=True,
@@ -144,7 +184,7 @@ def copy_run(args: argparse.Namespace, run_id: str) -> None:
 
 def _read_lines(lines: queue.Queue[str | None], nice: int) -> None:
     """Queue the run ids (and the `end:` status line) the sweep sends, then None at the end of its stdin."""
-    from fedcli.tracking.mirror import normal_priority
+    from fedcli.tracking.mlflow.lifeline import normal_priority
 
     for line in sys.stdin:
         if line.strip():
@@ -157,36 +197,34 @@ def _read_lines(lines: queue.Queue[str | None], nice: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The sweep's mirror process (module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mirror_sweep",
+    parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mlflow.sweep_mirror",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--experiment", required=True)
     parser.add_argument("--runs-root", required=True)
     parser.add_argument("--parent-run")
     args = parser.parse_args(argv)
-    from fedcli.tracking.mirror import (
-        first_cause_line,
+    from fedcli.tracking.mlflow.lifeline import (
         low_priority,
         mlflow_set_up,
         quiet_mlflow,
         read_urls,
         watch_parent,
     )
+    from fedcli.tracking.mlflow.mirror import first_cause_line
 
     watch_parent()  # the sweep gone: at most ORPHAN_WAIT_S to copy what it can, then it ends
     nice = low_priority()  # even MLflow's import yields a core the trials want
     logging.basicConfig(level=logging.WARNING, format="fedcli sweep mirror: %(message)s")
     if not read_urls(args):
         return 2
-    import fedcli.tracking.mlflow_sink  # noqa: F401 - the slow import, while the first trials train
+    import fedcli.tracking.mlflow.sink  # noqa: F401 - the slow import, while the first trials train
 
     quiet_mlflow()
     parent = None
     if args.sweep_spec is not None:  # the sweep's MLflow run: opened here, not in the sweep (2.3 s before trial 1)
-        from fedcli.sweep_rows import parent_run
-
         try:
             with mlflow_set_up():  # the schema, under its lock: never cut short by `watch_parent`
-                parent = parent_run(args.tracking_uri, args.sweep_spec)
+                parent = parent_run(args.tracking_uri, args.sweep_spec, args.parent_tags)
         except Exception as err:  # noqa: BLE001 - one line the sweep quotes; the SQL store has every trial
             print(f"MLflow mirror: the sweep's MLflow run could not be opened ({type(err).__name__}: "
                   f"{first_cause_line(err)}); pass --tracking-uri with a writable MLflow store or use --no-mlflow",
@@ -221,6 +259,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from fedcli.tracking.mirror import exit_now
+    from fedcli.tracking.mlflow.lifeline import exit_now
 
     exit_now(main())  # all copied: skip the interpreter's teardown (1.4 s the sweep would wait for)
