@@ -1,15 +1,20 @@
-"""Tracking: the SQL results store, the MLflow sink and the per-run `Tracker` fan-out.
+"""Tracking: the SQL results store, its MLflow copy, the reports, and the per-run `Tracker` fan-out.
 
-Modules (import them directly; this package imports nothing so that `import
-fedcli.tracking` stays cheap and MLflow is only imported when its sink is used):
+Import from the module that defines a name; this package imports nothing, so that `import
+fedcli.tracking` stays cheap and MLflow is only imported where it is used. Its layout:
 
-- `fedcli.tracking.keys` — metric-key and metric-value checks, `flatten_config`.
-- `fedcli.tracking.store` — `SqlStore` (SQLAlchemy 2, the source of truth for reports),
-  `RunRecord`, `canonical_json`, `config_hash`, `default_store_url`.
-- `fedcli.tracking.mlflow.sink` — `MlflowSink` (explicit-client MLflow, asynchronous
-  metric batches), `default_tracking_uri`. Importing it imports MLflow.
-- `fedcli.tracking.sinks` — `Tracker`, one per run: writes every round to the store and,
-  when given, to MLflow.
+- `store/` — the SQL results store (`store.sql_store.SqlStore`, SQLAlchemy 2), the source of truth;
+- `mlflow/` — the MLflow copy: `mlflow.sink.MlflowSink`, the mirror processes that keep it, the
+  logged model, the saved view of `fedcli ui`;
+- `report/` — `fedcli report`'s tables and figures, read from the SQL store only;
+- loose, what several of those share: `sinks` (`Tracker`, one per run: every round to the store
+  and, when given, to the run's MLflow mirror), `keys` (metric-key and metric-value checks,
+  `flatten_config`), `urls` (credentials masked in URLs, `sqlite_path`), `metric_defs` (the paper
+  tables' definitions, which the engine's evaluation reads too), `served` (a logged model's
+  weights; every logged MLflow model imports it by this path, so it stays here).
+
+Nothing here imports the sweep, the run layer, the Python API, the CLI or the engine
+(tests/test_layering.py).
 
 Importing this package sets two MLflow defaults (a user's own setting is kept), before any of
 fedcli's modules imports MLflow:
