@@ -170,6 +170,7 @@ def quantity_skew(num_examples: int, *, num_clients: int, alpha: float | None, s
             smallest = float(np.min(p * n))
             cuts = (np.cumsum(p / p.sum()) * n).astype(int)[:-1]
         else:  # FedLab lognormal_unbalance_partition, its deficit fix included
+            assert sigma is not None  # PartitionSpec: quantity takes alpha or sigma
             sizes = rng.lognormal(mean=math.log(int(n / num_clients)), sigma=sigma, size=num_clients)
             if not np.isfinite(sizes).all():
                 raise ConfigError(f"partition.sigma={sigma!r} draws client sizes too large for a float (exp of "
