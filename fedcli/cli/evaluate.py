@@ -17,9 +17,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fedcli.cli.common import DataStore, Panel, console, open_store, tracking_config
+from fedcli.cli.common import DataStore, Panel
 from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError
+from fedcli.runs.progress import console
+from fedcli.runs.stores import open_store, tracking_config
 
 SAMPLES = 16  # default K of --predictive ensemble
 

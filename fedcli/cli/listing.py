@@ -20,10 +20,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from fedcli.cli.common import Panel, open_store, tracking_config
+from fedcli.cli.common import Panel
 from fedcli.cli.errors import user_errors
 from fedcli.cli.hpdoc import algo_detail, algo_detail_rows, algo_rows
 from fedcli.errors import ConfigError
+from fedcli.runs.stores import open_store, tracking_config
 
 
 class What(str, Enum):

@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fedcli.cli.common import Panel, Scheme
-from fedcli.cli.errors import all_or_nothing, check_output, output_error, user_errors
+from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError
+from fedcli.runs.outputs import all_or_nothing, check_output, output_error
 
 
 def partition(

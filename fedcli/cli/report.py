@@ -2,7 +2,7 @@
 
 A little over the 150-line budget of docs/style.md rule 1: the option list is the contract of
 docs/architecture.md §9, and the partition heatmap needs the data layer, which `fedcli.tracking` must
-not import; everything else is in `fedcli.tracking.report` and `fedcli.tracking.report.plots`.
+not import; everything else is in the `fedcli.tracking.report` package.
 """
 
 from __future__ import annotations

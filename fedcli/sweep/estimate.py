@@ -76,8 +76,8 @@ def probe(doc: dict[str, Any]) -> dict[str, Any]:
     """Run the config `doc` (RunConfig.to_dict()) for PROBE_ROUNDS rounds in a throwaway store; measure."""
     import torch
 
-    from fedcli.api_run import prepared_run
     from fedcli.config.build import build_config
+    from fedcli.runs.run import prepared_run
 
     with tempfile.TemporaryDirectory(prefix="fedcli-probe-") as tmp:
         doc = {

@@ -34,7 +34,7 @@ def test_log_records_under_the_live_bar_go_through_the_bar_console() -> None:
     from rich.console import Console
     from rich.logging import RichHandler
 
-    from fedcli.cli.common import _logs_through
+    from fedcli.runs.progress import _logs_through
 
     own, bar = Console(file=io.StringIO()), Console(file=io.StringIO(), width=80)
     handler = RichHandler(console=own)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcli.api_run import resolve_config
 from fedcli.datasets.formats.generate import generate
 from fedcli.engine.footprint import VMAP_CPU_BUDGET, client_step_bytes, vmap_too_big
 from fedcli.engine.setup import build
+from fedcli.runs.run import resolve_config
 
 
 @pytest.fixture(scope="module")

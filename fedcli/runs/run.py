@@ -148,9 +148,9 @@ def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[s
     Raises:
         ConfigError: anything invalid; nothing is written.
     """
-    from fedcli.cli.common import find_run
     from fedcli.config.build import build_config, resume_config, warn_degenerate
     from fedcli.errors import ConfigError
+    from fedcli.runs.stores import find_run
 
     overrides = {**overrides_of(options), **dict(sections or {})}
     if resume is not None and (not isinstance(resume, str) or not resume.strip()):
@@ -299,9 +299,9 @@ def prepared_run(cfg: RunConfig, *, resume_run_id: str | None = None, tracker: T
         ConfigError, DataError, TrackingError: invalid input; nothing was written.
         StoppedBeforeStart: a stop signal during the set-up; nothing was written.
     """
-    from fedcli.cli.common import check_mlflow, open_tracker, spawn_mirror
     from fedcli.engine.lifecycle import GracefulSignals
     from fedcli.engine.setup import build
+    from fedcli.runs.stores import check_mlflow, open_tracker, spawn_mirror
 
     with preserved_state(), contextlib.ExitStack() as cleanup:
         if signals is None:
