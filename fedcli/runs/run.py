@@ -11,8 +11,9 @@ thread count and float flags, the global RNG states), so that a notebook or a lo
 worker can train many runs in one process. `fedcli train` (fedcli/cli/train.py) is a thin layer
 over `resolve_config` and `prepared_run`: it adds the progress bar, the printed lines and the exit codes.
 
-The API sits beside the CLI as a front end (docs/architecture.md §1): it shares cli/common.py's
-store and mirror helpers and imports the engine; nothing below imports it.
+Part of the run layer (fedcli/runs/__init__.py) that both front ends call: it opens the stores
+and the mirror through fedcli/runs/stores.py and imports the engine, never fedcli.cli; nothing
+below (engine, tracking, datasets, algorithms) imports it.
 """
 
 from __future__ import annotations
