@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from fedcli.algorithms.base import Params, flatten
 from fedcli.datasets.metrics import MULTILABEL, MetricFns, add_stats, next_token
@@ -57,6 +59,10 @@ if TYPE_CHECKING:
 ECE_BINS = 15
 PROBE_CHUNK = 64  # examples of an evaluation's first chunk
 OUTPUT_BUDGET = 1 << 25  # output elements per evaluation chunk (128 MiB of float32): chunks shrink below `chunk`
+# bytes of every tensor the forward makes for one chunk (its activations, summed, views included): an upper
+# bound of what a chunk holds at once. 2,048 EMNIST images through the 1.2M-parameter CNN made ~1 GB and
+# raised a run's peak by ~670 MiB in each chunk (docs/scaling.md, "Client state").
+ACTIVATION_BUDGET = 1 << 28
 EVAL_SAMPLE_SEED = 32  # the fixed seed of the --eval-sample draw (independent of the run's seed)
 # Paper defaults of train.eval_sample (None): FedPA (Al-Shedivat et al. 2021) Table 3 uses Reddi et al.'s
 # framework, which evaluates StackOverflow every round on 10,000 randomly sampled test examples (the full
@@ -124,12 +130,33 @@ def evaluate_predictions(task: Task, predict: Predict, prepare: Callable[[Tensor
             ix = torch.from_numpy(np.array(index[done : done + size], dtype=np.int64))
             xs, ys = x[ix.to(x.device)], y[ix.to(y.device)]
         xb = prepare(xs.to(device))
-        out = predict(xb)
+        if done == 0:
+            with _MadeBytes() as made:
+                out = predict(xb)
+            per_example = made.bytes // max(1, len(ys))
+        else:
+            out = predict(xb)
         acc.update(out, xb, ys.to(device))
         done += len(ys)
         # bound each chunk's outputs (next-token logits are [B, T, V]: 2,048 x 20 x 10,004 floats were 1.6 GB)
-        size = max(1, min(chunk, OUTPUT_BUDGET // max(1, out[:1].numel())))
+        # and everything its forward makes (ACTIVATION_BUDGET), both measured on the first chunk
+        size = max(1, min(chunk, OUTPUT_BUDGET // max(1, out[:1].numel()), ACTIVATION_BUDGET // max(1, per_example)))
     return acc.result()
+
+
+class _MadeBytes(TorchDispatchMode):
+    """Counts the bytes of every tensor the ops run inside it return (a forward's activations, summed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, Tensor):
+                self.bytes += leaf.numel() * leaf.element_size()
+        return out
 
 
 class _Accumulator:
