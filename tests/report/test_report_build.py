@@ -1,4 +1,4 @@
-"""Report building and rendering (tracking/report.py) on a store filled by hand."""
+"""Report building and rendering (tracking/report/) on a store filled by hand."""
 
 from __future__ import annotations
 
