@@ -173,3 +173,34 @@ def test_bad_eval_sample_is_one_line_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "fedcli.db").exists()
     with pytest.raises(fedcli.errors.ConfigError, match="eval_sample"):
         fedcli.train("fedavg", rounds=1, root=str(tmp_path), no_mlflow=True, train={"eval_sample": -1})
+
+
+def test_chunks_shrink_to_what_their_forward_makes_and_keep_the_metrics() -> None:
+    """A forward that makes ~1 MiB per example runs in chunks of at most ACTIVATION_BUDGET / 1 MiB
+    examples after the first (the probe); a light one keeps `chunk`; the metrics are the same."""
+    from fedcli.engine.evaluation import ACTIVATION_BUDGET, PROBE_CHUNK
+
+    task = TASKS["femnist"]
+    data = task.load(TaskOptions())
+    model = _linear()
+    sizes: dict[str, list[int]] = {"heavy": [], "light": []}
+
+    def heavy(xb: torch.Tensor) -> torch.Tensor:
+        sizes["heavy"].append(len(xb))
+        wide = xb.reshape(len(xb), -1).repeat(1, 2**18 // xb[0].numel() + 1)  # >= 1 MiB of float32 per example
+        return model(xb) + 0 * wide[:, :1]
+
+    def light(xb: torch.Tensor) -> torch.Tensor:
+        sizes["light"].append(len(xb))
+        return model(xb)
+
+    cpu = torch.device("cpu")
+    x, y = data.test_x, data.test_y
+    assert len(y) > 2 * 512
+    got = {k: evaluate_predictions(task, f, task.prepare, x, y, device=cpu, chunk=512)
+           for k, f in (("heavy", heavy), ("light", light))}
+    assert sizes["heavy"][0] == sizes["light"][0] == PROBE_CHUNK
+    assert max(sizes["heavy"][1:]) <= ACTIVATION_BUDGET // 2**20 < 512
+    assert max(sizes["light"][1:]) == 512
+    assert got["heavy"]["eval/accuracy"] == got["light"]["eval/accuracy"]
+    assert abs(got["heavy"]["eval/loss"] - got["light"]["eval/loss"]) < 1e-6 * abs(got["light"]["eval/loss"])
