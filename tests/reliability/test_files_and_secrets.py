@@ -212,7 +212,7 @@ class Watcher:
             lines = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
             for line in lines[1:]:
                 pid, _, args = line.strip().partition(" ")
-                self.seen_mirror |= "fedcli.tracking.mlflow.mirror" in args
+                self.seen_mirror |= "fedcli.tracking.mlflow." in args
                 if PASSWORD in args and int(pid) not in self.typed and "pytest" not in args:
                     self.ps_hits.add(args[:200])
             for path in self.folder.rglob("*"):  # temporary files (the sweep's trial configs) live only a while

@@ -84,7 +84,7 @@ def mirror_of(pid: int) -> int | None:
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
-                    and b"fedcli.tracking.mlflow.mirror" in (entry / "cmdline").read_bytes():
+                    and b"fedcli.tracking.mlflow." in (entry / "cmdline").read_bytes():
                 return int(entry.name)
         except OSError:
             continue

@@ -152,12 +152,12 @@ def parent_of(pid: int) -> int:
 
 
 def _module_of(pid: int) -> str | None:
-    """The fedcli.tracking.mlflow.mirror* module process `pid` runs, if any."""
+    """The fedcli.tracking.mlflow.* module (a mirror process) `pid` runs, if any."""
     try:
         argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
-    return next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mlflow.mirror")), None)
+    return next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mlflow.")), None)
 
 
 def mirrors(ancestor: int) -> set[tuple[int, str]]:
@@ -169,7 +169,7 @@ def mirrors(ancestor: int) -> set[tuple[int, str]]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            module = next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mlflow.mirror")), None)
+            module = next((a.decode() for a in argv if a.startswith(b"fedcli.tracking.mlflow.")), None)
             pid, up = int(entry.name), int(entry.name)
             if module is not None and module == _module_of(parent_of(pid)):
                 continue  # a child the mirror forked (before its exec it shows the mirror's argv), not a second mirror

@@ -93,7 +93,7 @@ def test_a_config_without_mlflow_ends_the_mirror_train_started_before_it_read_th
         for kid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
             try:
                 state = Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z" and b"fedcli.tracking.mlflow.mirror" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                if state != "Z" and b"fedcli.tracking.mlflow." in Path(f"/proc/{kid}/cmdline").read_bytes():
                     found.append(int(kid))
             except OSError:  # it ended meanwhile
                 continue

@@ -1,4 +1,4 @@
-"""Paper-table reports from the SQL store (`fedcli report`, docs/architecture.md, "Reports").
+"""Paper-table reports from the SQL store (`fedcli report`, docs/architecture.md §6).
 
 `build.build_report(store, spec)` selects runs, groups them (by default by every config key that
 differs between runs, except the seed and the `tracking` section), and computes per run the
