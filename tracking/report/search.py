@@ -124,7 +124,7 @@ def _evaluator() -> Any:
 
 
 def _save(fig: Any, path: Path) -> None:
-    """PNG and SVG, reproducible byte for byte, as fedcli/tracking/plots.py saves its figures."""
+    """PNG and SVG, reproducible byte for byte, as tracking/report/plots.py saves its figures."""
     import matplotlib
 
     path.parent.mkdir(parents=True, exist_ok=True)
