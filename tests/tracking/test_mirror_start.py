@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from fedcli.tracking.mlflow import handle as mirror_handle
 from fedcli.tracking.mlflow.handle import MirrorHandle
 from fedcli.tracking.mlflow.sink import default_tracking_uri
@@ -115,3 +117,15 @@ def test_a_config_without_mlflow_ends_the_mirror_train_started_before_it_read_th
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
+
+
+def test_a_sweep_mirror_is_not_started_without_the_tags_of_its_parent_run(tmp_path: Path) -> None:
+    """The sweep hands its mirror the tags that find its MLflow parent run (`fedcli.sweep.rows.parent_tags`):
+    a spec without them would search by no tag and nest the trials under any run of the experiment."""
+    from fedcli.tracking.mlflow.sweep_mirror import SweepMirror
+
+    mirror = SweepMirror(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="x",
+                         store_url=f"sqlite:///{tmp_path / 'fedcli.db'}", runs_root=tmp_path / "runs")
+    with pytest.raises(ValueError, match="the tags that find its parent run"):
+        mirror.spawn({"experiment": "x", "grid": {"algo": ["fedavg"]}})
+    assert mirror.pid is None  # nothing was started

@@ -3,8 +3,8 @@
 What both mirror processes do around their copying: the URLs from stdin's first line (`read_urls`:
 never the command line, where `ps` would show a password), nice 19 while the training or the sweep
 needs the cores (`low_priority`, `normal_priority`), a bounded life once the process that started
-them is gone (`watch_parent`, with `mlflow_set_up` marking MLflow's schema set-up, which is never cut
-short), MLflow's INFO lines off (`quiet_mlflow`), and an exit without the interpreter's teardown
+them is gone (`watch_parent`, with `Lifeline.mlflow_set_up` marking MLflow's schema set-up, which is
+never cut short), MLflow's INFO lines off (`quiet_mlflow`), and an exit without the interpreter's teardown
 (`exit_now`). The process that starts a mirror is in tracking/mlflow/handle.py.
 """
 
@@ -64,50 +64,56 @@ def normal_priority(nice: int = 0) -> None:
             os.setpriority(os.PRIO_PROCESS, thread, nice)
 
 
-class _Lifeline:
-    """What the mirror may still do once the process that started it is gone (`watch_parent`)."""
+class Lifeline:
+    """What a mirror process may still do once the process that started it is gone (`watch_parent`).
 
-    lock = threading.RLock()
-    parent_gone = False
-    begun = False  # MLflow's set-up began: from here on the mirror may have written to MLflow
-    setting_up = False  # inside MLflow's schema set-up, which must not be cut short
-    give_up = False  # the time ran out during the set-up: exit once it is done
-
-
-@contextlib.contextmanager
-def mlflow_set_up() -> Iterator[None]:
-    """Mark MLflow's set-up (its schema, created or migrated under `schema_lock`) for `watch_parent`.
-
-    A mirror whose training process is gone exits before it (nothing written), and not during it: a
-    store cut mid-migration is left half-migrated, which `preflight` then refuses until it is moved
-    aside. The time bound (ORPHAN_WAIT_S) ends such a mirror as soon as the set-up is done.
+    One per mirror process, made by `watch_parent` (or unwatched, for `fedcli sync`'s copy) and handed
+    to its `Mirror`s, which mark MLflow's set-up with `mlflow_set_up`.
     """
-    with _Lifeline.lock:
-        if _Lifeline.parent_gone and not _Lifeline.begun:  # (the watcher exits such a mirror too, at its next look)
-            exit_now(0)
-        _Lifeline.begun = _Lifeline.setting_up = True
-    try:
-        yield
-    finally:
-        with _Lifeline.lock:
-            _Lifeline.setting_up = False
-            if _Lifeline.give_up:
-                exit_now(3)
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.parent_gone = False
+        self.begun = False  # MLflow's set-up began: from here on the mirror may have written to MLflow
+        self.setting_up = False  # inside MLflow's schema set-up, which must not be cut short
+        self.give_up = False  # the time ran out during the set-up: exit once it is done
+
+    @contextlib.contextmanager
+    def mlflow_set_up(self) -> Iterator[None]:
+        """Mark MLflow's set-up (its schema, created or migrated under `schema_lock`) for `watch_parent`.
+
+        A mirror whose training process is gone exits before it (nothing written), and not during it: a
+        store cut mid-migration is left half-migrated, which `preflight` then refuses until it is moved
+        aside. The time bound (ORPHAN_WAIT_S) ends such a mirror as soon as the set-up is done.
+        """
+        with self.lock:
+            if self.parent_gone and not self.begun:  # (the watcher exits such a mirror too, at its next look)
+                exit_now(0)
+            self.begun = self.setting_up = True
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.setting_up = False
+                if self.give_up:
+                    exit_now(3)
 
 
-def watch_parent(wait_s: float = ORPHAN_WAIT_S) -> None:
-    """Start a thread that ends this mirror within a bounded time once the process that started it is gone.
+def watch_parent(wait_s: float = ORPHAN_WAIT_S) -> Lifeline:
+    """Start a thread that ends this mirror within a bounded time once the process that started it is
+    gone; return the `Lifeline` it watches.
 
     The process that started it: `PARENT_ENV` (set by the spawning process), else the parent now.
     Once it is gone (exited, or killed by SIGKILL: this process's parent changes), a mirror that has
-    not begun MLflow's set-up (`mlflow_set_up`: e.g. the command ended without a run, or was killed
-    while the mirror imported MLflow) exits at once, having written nothing; one that has goes back to
-    the nice value this thread has now (before `low_priority`) where the system lets it, and has `wait_s`
-    seconds to finish its copy (ending the MLflow run KILLED), then exits, at once or as soon as a schema
-    set-up in progress is done. What it has not copied, `fedcli sync` or `fedcli train --resume` copies:
-    the SQL store has the whole run. Issue 35: mirrors of rejected or killed commands lived on for hours
-    (at SCHED_IDLE on a busy machine they were never scheduled).
+    not begun MLflow's set-up (`Lifeline.mlflow_set_up`: e.g. the command ended without a run, or was
+    killed while the mirror imported MLflow) exits at once, having written nothing; one that has goes
+    back to the nice value this thread has now (before `low_priority`) where the system lets it, and
+    has `wait_s` seconds to finish its copy (ending the MLflow run KILLED), then exits, at once or as
+    soon as a schema set-up in progress is done. What it has not copied, `fedcli sync` or `fedcli train
+    --resume` copies: the SQL store has the whole run. Without it, mirrors of rejected or killed
+    commands lived on for hours.
     """
+    life = Lifeline()
     nice = os.getpriority(os.PRIO_PROCESS, 0)
     try:
         parent = int(os.environ.get(PARENT_ENV) or os.getppid())
@@ -117,18 +123,19 @@ def watch_parent(wait_s: float = ORPHAN_WAIT_S) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
-        with _Lifeline.lock:
-            _Lifeline.parent_gone = True
-            if not _Lifeline.begun:
+        with life.lock:
+            life.parent_gone = True
+            if not life.begun:
                 os._exit(0)
         normal_priority(nice)
         time.sleep(wait_s)
-        with _Lifeline.lock:
-            if not _Lifeline.setting_up:
+        with life.lock:
+            if not life.setting_up:
                 os._exit(3)
-            _Lifeline.give_up = True  # `mlflow_set_up` exits once the schema is set up
+            life.give_up = True  # `mlflow_set_up` exits once the schema is set up
 
     threading.Thread(target=watch, name="fedcli-mirror-parent", daemon=True).start()
+    return life
 
 
 def read_urls(args: argparse.Namespace, line: str | None = None) -> bool:

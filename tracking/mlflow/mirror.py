@@ -55,9 +55,9 @@ from fedcli.tracking.mlflow.checks import (
     schema_lock,
 )
 from fedcli.tracking.mlflow.lifeline import (
+    Lifeline,
     exit_now,
     low_priority,
-    mlflow_set_up,
     quiet_mlflow,
     read_urls,
     watch_parent,
@@ -134,7 +134,8 @@ class Mirror:
         # never take the store's write lock while the run trains: at nice 19 the mirror
         # could be descheduled holding it, and the training process's next round would wait
         self.store = SqlStore(args.store, setup_schema=False)
-        with mlflow_set_up(), schema_lock(args.tracking_uri):
+        lifeline = getattr(args, "lifeline", None) or Lifeline()  # `fedcli sync`: no process to outlive
+        with lifeline.mlflow_set_up(), schema_lock(args.tracking_uri):
             self.sink = MlflowSink(args.tracking_uri, args.experiment)
         self.record = self.store.get_run(args.run)
         self.synced = -1  # the store's rows of rounds <= synced were copied (or found in MLflow)
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.once:  # the training process that spawned it: the run's owner while the store says so
         # the watcher first, at the training process's priority: it ends this mirror once that process is gone
-        watch_parent()
+        args.lifeline = watch_parent()
         from fedcli.tracking.store.liveness import process_start
 
         args.owner = (os.getppid(), process_start(os.getppid()))

@@ -72,6 +72,8 @@ class SweepMirror:
         """Start the mirror; with the sweep's `spec` and the `tags` that find its MLflow parent run
         (`fedcli.sweep.rows.parent_tags`), it opens (or reuses) that run itself and nests the trials
         under it (`parent_run`): the sweep never imports MLflow."""
+        if spec is not None and not tags:  # no tag to search by would find any run of the experiment
+            raise ValueError("SweepMirror.spawn: a sweep's spec comes with the tags that find its parent run")
         command = [sys.executable, "-m", "fedcli.tracking.mlflow.sweep_mirror", "--experiment", self.experiment,
                    "--runs-root", str(self.runs_root)]
         if self.parent_run_id:
@@ -81,8 +83,8 @@ class SweepMirror:
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, env=parent_env(), **own_process_group())
         first: dict[str, Any] = {"store": self.store_url, "tracking_uri": self.tracking_uri}
-        if spec is not None:
-            first["sweep_spec"], first["parent_tags"] = dict(spec), dict(tags or {})
+        if spec is not None and tags:
+            first["sweep_spec"], first["parent_tags"] = dict(spec), dict(tags)
         self._write(json.dumps(first, default=str))
         return self
 
@@ -179,7 +181,7 @@ def copy_run(args: argparse.Namespace, run_id: str) -> None:
 
     Mirror(argparse.Namespace(store=args.store, run=run_id, tracking_uri=args.tracking_uri,
                               experiment=args.experiment, parent_run=args.parent_run, once=True,
-                              run_dir=str(Path(args.runs_root) / run_id))).run_once()
+                              run_dir=str(Path(args.runs_root) / run_id), lifeline=args.lifeline)).run_once()
 
 
 def _read_lines(lines: queue.Queue[str | None], nice: int) -> None:
@@ -205,14 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from fedcli.tracking.mlflow.lifeline import (
         low_priority,
-        mlflow_set_up,
         quiet_mlflow,
         read_urls,
         watch_parent,
     )
     from fedcli.tracking.mlflow.mirror import first_cause_line
 
-    watch_parent()  # the sweep gone: at most ORPHAN_WAIT_S to copy what it can, then it ends
+    args.lifeline = watch_parent()  # the sweep gone: at most ORPHAN_WAIT_S to copy what it can, then it ends
     nice = low_priority()  # even MLflow's import yields a core the trials want
     logging.basicConfig(level=logging.WARNING, format="fedcli sweep mirror: %(message)s")
     if not read_urls(args):
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parent = None
     if args.sweep_spec is not None:  # the sweep's MLflow run: opened here, not in the sweep (2.3 s before trial 1)
         try:
-            with mlflow_set_up():  # the schema, under its lock: never cut short by `watch_parent`
+            with args.lifeline.mlflow_set_up():  # the schema, under its lock: never cut short by `watch_parent`
                 parent = parent_run(args.tracking_uri, args.sweep_spec, args.parent_tags)
         except Exception as err:  # noqa: BLE001 - one line the sweep quotes; the SQL store has every trial
             print(f"MLflow mirror: the sweep's MLflow run could not be opened ({type(err).__name__}: "
