@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-
 from fedcli.errors import ConfigError
 
 if TYPE_CHECKING:
