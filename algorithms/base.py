@@ -75,6 +75,7 @@ class ClientOut(NamedTuple):
     """One client's result: what it uploads, its new private state, local metrics."""
 
     upload: dict[str, Any]  # tensors/pytrees sent to the server (counted as bytes up)
+    #                         server_update gets an UploadSums instead where the engine ran upload_sums
     state: Any  # new per-client state (None for stateless algorithms)
     metrics: dict[str, Tensor]  # scalar local metrics, e.g. {"train_loss": ...}
 
@@ -236,7 +237,7 @@ class Algorithm(NamedTuple):
     init_client_state: Callable[..., Any] | None = None  # (params, hp) -> state; None = stateless
     noise_shapes: Callable[..., dict[str, tuple[int, ...]]] | None = None  # (params, hp, num_steps)
     upload_nbytes: Callable[[dict[str, Any]], Tensor] | None = None  # default: dense count
-    download_nbytes: Callable[[Any], Tensor] | None = None  # default: dense count
+    download_nbytes: Callable[[Any], Tensor | int] | None = None  # default: dense count
     supports_vmap: bool = True
     description: str = ""
     # Bayesian algorithms: state -> (posterior mean, posterior variance), diagonal Gaussian

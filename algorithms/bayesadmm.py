@@ -235,7 +235,7 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
                         momentum=final.momentum if carry else {}, steps=final.step if carry else client_state.steps,
                         visited=torch.ones_like(client_state.visited))
     metrics = {"train_loss": loss, "bayesadmm_v_norm": tree_norm(state.v), "bayesadmm_u_norm": tree_norm(state.u)}
-    upload = {"mean": final.mean, "precision": precision}
+    upload: dict[str, Params | Tensor] = {"mean": final.mean, "precision": precision}
     if hp.dual_scope == "cohort":
         upload["first_visit"] = 1.0 - client_state.visited
     return ClientOut(upload=upload, state=state, metrics=metrics)

@@ -54,8 +54,8 @@ class Broadcast(NamedTuple):
     params: Params  # x_t, downloaded by every sampled client
 
 
-def server_init(params: Params, hp: FedAvgConfig, opt: OptimConfig) -> ServerState:
-    """Return the initial server state x_0 with zero optimiser moments."""
+def server_init(params: Params, hp: object, opt: OptimConfig) -> ServerState:
+    """Return the initial server state x_0 with zero optimiser moments (hp unread: any algorithm's config)."""
     return ServerState(params=dict(params), opt_state=server_opt_init(params))
 
 
@@ -70,9 +70,9 @@ def local_request(ctx: ClientContext, bc: Broadcast, client_state: None, hp: Fed
     return LocalSGD(start=bc.params)
 
 
-def finish(ctx: ClientContext, bc: Broadcast, client_state: None, hp: FedAvgConfig, opt: OptimConfig,
+def finish(ctx: ClientContext, bc: Broadcast, client_state: None, hp: object, opt: OptimConfig,
            local: LocalResult) -> ClientOut:
-    """Upload Delta_i = x_t - x_{i,K} (old minus new)."""
+    """Upload Delta_i = x_t - x_{i,K} (old minus new); hp unread: any algorithm's config."""
     delta = tree_sub(bc.params, local.params)
     return ClientOut(upload={"delta": delta}, state=None, metrics={"train_loss": local.mean_loss})
 

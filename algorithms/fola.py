@@ -289,7 +289,9 @@ def prior_round(hp: FOLAConfig, round_idx: int) -> int:
 def make_out(fit: LocalFit, precision: Params, spec: Spec) -> ClientOut:
     """Upload {"mean": mu_n, "precision": P_n} (or "precision_compressed") and the metrics."""
     upload: dict[str, object] = {"mean": fit.params, **upload_precision(precision, spec.compress_p)}
-    fisher_mean = sum(f.sum() for f in fit.fisher.values()) / sum(f.numel() for f in fit.fisher.values())
+    fisher_sum = sum(f.sum() for f in fit.fisher.values())
+    assert isinstance(fisher_sum, Tensor)  # a model has parameters: a tensor, never sum()'s start 0
+    fisher_mean = fisher_sum / sum(f.numel() for f in fit.fisher.values())
     metrics = {"train_loss": fit.task_loss, "prior_loss": fit.prior_loss, "fisher_mean": fisher_mean}
     return ClientOut(upload=upload, state=None, metrics=metrics)
 
@@ -326,8 +328,10 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FOLA
     fedavg_mean, _ = aggregate(means, precisions, weights, 0.0, False)
     numel = sum(p.numel() for p in precision.values())
     low = sum((p < max(10 * spec.damping, torch.finfo(p.dtype).tiny)).sum() for p in precision.values())
+    precision_sum = sum(p.sum() for p in precision.values())
+    assert isinstance(precision_sum, Tensor)  # a model has parameters: a tensor, never sum()'s start 0
     diagnostics = {
-        "server/precision_mean": sum(p.sum() for p in precision.values()) / numel,
+        "server/precision_mean": precision_sum / numel,
         "server/low_precision_frac": torch.as_tensor(low, dtype=torch.float64) / numel,
         "server/shift_from_fedavg": tree_norm(tree_sub(mean, fedavg_mean)) / tree_norm(fedavg_mean).clamp_min(1e-12),
     }

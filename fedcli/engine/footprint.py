@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from fedcli.algorithms.base import Batch
+from fedcli.datasets.federated import FederatedData
 from fedcli.engine.model import ModelFunctions
 
 # bytes a vmapped cohort's training step may hold on a CPU before auto runs the loop
@@ -27,6 +28,7 @@ def client_step_bytes(fns: ModelFunctions, params: dict[str, torch.Tensor], batc
     """Estimated bytes one client's local step holds under vmap, measured on the first `batch_size`
     training examples (stored order; fewer when the data has fewer)."""
     data = fns.data
+    assert isinstance(data, FederatedData)  # the run's data (engine/setup.py); a CohortData is a round's
     n = max(1, min(batch_size, len(data.x)))
     x, y = data.take(np.arange(n))
     x = fns.prepare(x)

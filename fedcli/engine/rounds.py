@@ -155,6 +155,7 @@ def stream_group(setup: Setup, store: ClientStateStore, params: dict[str, torch.
     STREAM_BUDGET when the whole cohort's do not (a client's noise, e.g. BayesADMM's IVON draws of
     S steps x the model, twice its state and one model of upload)."""
     chunk, backend = setup.cfg.train.cohort_chunk, setup.backend
+    group: int | None
     if isinstance(backend, LoopBackend):
         shapes = setup.alg.noise_shapes(params, setup.hp, num_steps) if setup.alg.noise_shapes else {}
         layout = store.layout
@@ -204,7 +205,8 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
                           states=None if group else store.gather(cohort, setup.device),
                           buffers=start_stats)
     job = CohortJob(alg, fns, bc, inputs, hp, setup.opt, round_idx, cfg.train.cohort_chunk, interrupt)
-    reduce = None if alg.upload_sums is None else (lambda up: alg.upload_sums(up, bc, hp))  # uploads summed per group
+    upload_sums = alg.upload_sums
+    reduce = None if upload_sums is None else (lambda up: upload_sums(up, bc, hp))  # uploads summed per group
     outs = setup.backend.run(job) if group is None else stream_cohort(  # a group's noise and states at a time
         job, setup.backend.run, group, lambda rows: draw_noise(setup, params, cohort[rows], round_idx, steps),
         lambda rows: store.gather(cohort[rows], setup.device), store.folder if store.on_disk else None, reduce)
@@ -231,8 +233,8 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     cohort, plan, outs = trained.cohort, trained.plan, trained.outs
     trained_at = time.perf_counter()
     weights = plan.num_examples
-    reduced = isinstance(outs.upload, UploadSums)  # summed a group at a time (Algorithm.upload_sums)
-    finite = outs.upload.finite if reduced else finite_rows(outs.upload, len(cohort))
+    sums = outs.upload if isinstance(outs.upload, UploadSums) else None  # reduced per group (upload_sums)
+    finite = sums.finite if sums is not None else finite_rows(outs.upload, len(cohort))
     dropped = int((~finite).sum())
     if dropped == len(cohort):
         raise DivergenceError(f"run diverged at round {round_idx}: every client's upload is NaN/inf; "
@@ -255,7 +257,7 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     timing.train += trained_at - trained.start
     timing.aggregate += time.perf_counter() - trained_at
     share = weights / weights.sum()
-    up = (trained.outs.upload.nbytes if reduced else alg.upload_nbytes(trained.outs.upload) if alg.upload_nbytes
+    up = (sums.nbytes if sums is not None else alg.upload_nbytes(trained.outs.upload) if alg.upload_nbytes
           else tree_nbytes(trained.outs.upload))
     up += sum(v.numel() * v.element_size() for k, v in trained.outs.metrics.items() if k.startswith(STATS_PREFIX))
     down = alg.download_nbytes(trained.broadcast) if alg.download_nbytes else tree_nbytes(trained.broadcast)

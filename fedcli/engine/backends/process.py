@@ -37,6 +37,7 @@ import os
 import pickle
 import signal
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,7 @@ from torch import Tensor
 
 from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
 from fedcli.datasets import augment as augmentation
-from fedcli.datasets.federated import FederatedData
+from fedcli.datasets.federated import MemoryData
 from fedcli.datasets.yours.data import shipped
 from fedcli.engine.backends import BackendInfo, BackendSetup, CohortBackend, Workload
 from fedcli.engine.backends.inprocess import IN_PROCESS
@@ -134,7 +135,7 @@ class WorkerSpec:
     cfg: RunConfig
     x: Tensor  # training examples (shared memory)
     y: Tensor
-    client_indices: list[np.ndarray]
+    client_indices: Sequence[np.ndarray]
     inner: str  # the in-process back end for a slice: fused | vmap | loop
     user_data: Any = None  # a data object's or function's tensors (datasets/yours/data.py); None for a file or task
 
@@ -160,12 +161,13 @@ def worker_functions(spec: WorkerSpec) -> Bound:
     if spec.user_data is not None:  # the parent's materialised data: never reloaded, never a Python object here
         from fedcli.datasets.yours.data import register
 
+        assert cfg.data.file is not None  # user_data is shipped only for a data reference (_ensure_bound)
         register(cfg.data.file, spec.user_data)
     task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file, cfg.data.model_args)
     transforms = augmentation.parse(cfg.data.augment)  # as the parent's set-up (engine/setup.py build)
     task = augmentation.with_normalisation(task, transforms)
     model = task.models[cfg.data.model or task.default_model]()  # parameters come with each broadcast
-    fed = FederatedData(spec.x, spec.y, spec.client_indices, cpu)
+    fed = MemoryData(spec.x, spec.y, spec.client_indices, cpu)
     fns = with_precision(model_functions(task, model, fed, cfg.train.bn_stats), cfg.train.precision, cpu)
     if transforms.random:
         fns = replace(fns, augment=augmentation.augmenter(transforms))
