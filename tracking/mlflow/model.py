@@ -25,12 +25,11 @@ class FedcliModel(PythonModel):
     """The run's global model behind the task's input preparation, in eval mode."""
 
     def load_context(self, context) -> None:  # noqa: ANN001 - MLflow's PythonModelContext
-        from fedcli.datasets.yours.trust import trusted_by_env
-        from fedcli.tracking.served import load_served
+        from fedcli.tracking.served import load_served  # the one fedcli path a logged model's copy names
 
         config = getattr(context, "model_config", None) or {}
-        trust = config.get("trust_code") is True or trusted_by_env()  # the loader's opt-in to the user's code
-        self.module = load_served(context.artifacts["weights"], trust=trust)
+        # the loader's opt-in to the user's code: model_config, else (None) FEDCLI_TRUST_CODE=1
+        self.module = load_served(context.artifacts["weights"], trust=True if config.get("trust_code") is True else None)
 
     def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:  # noqa: ANN001
         """Logits of the rows `model_input` (the data set's stored form, e.g. uint8 pixels)."""
