@@ -3,7 +3,7 @@
 Möllenhoff, Swaroop, Doshi-Velez, Khan. Federated ADMM from Bayesian Duality. arXiv:2506.13150
 (v1, the seed text). Code: team-approx-bayes/bayes-admm @ bd80f94 (`FedIVON`), read, not copied.
 Over the 250-line budget of docs/style.md rule 1: the docstring records the paper-vs-code choice
-behind each default (issue 24).
+behind each default.
 
 Implements: Alg. 1 line 4 / Eq. 28 (client VB step, solved by IVON with a general prior and
 Lagrange multipliers, Alg. 2 -> optim.local_ivon) with the tempering of App. D (Eqs. 39-41:
@@ -87,7 +87,7 @@ class BayesADMMConfig:
     cosine_rounds: int = 0  # 0: constant lr; R: lr (1 + cos(pi (r-1)/R))/2 (code use_scheduler)
     precision_floor: float = 1e-3  # clamp s_bar >= precision_floor * delta (guard; not in paper/code)
     # Sum v, Sum u in the server step: "cohort" = the cohort's share, (C / clients seen) x the sum over every
-    # client seen (Alg. 1's balance of C proximal terms and C duals) | "seen" = the sum itself (before issue 24)
+    # client seen (Alg. 1's balance of C proximal terms and C duals) | "seen" = the sum itself
     dual_scope: str = "cohort"
 
     def __post_init__(self) -> None:
@@ -246,7 +246,8 @@ def upload_sums(upload: dict[str, Params | Tensor], bc: Broadcast, hp: BayesADMM
     Sum s_k, Sum s_k m_k, the dual increments' sums (increment_sums) and Sum first_visit.
 
     One [G, ...] temporary at a time; summed over the groups of a cohort it equals the whole cohort's up to
-    float rounding (summation order): the engine then never holds the cohort's [C, P] uploads (issue 32).
+    float rounding (summation order): the engine then never holds the cohort's [C, P] uploads
+    (docs/scaling.md, "Client state").
     """
     m, s = upload["mean"], upload["precision"]
     assert isinstance(m, dict) and isinstance(s, dict)

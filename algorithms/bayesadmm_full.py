@@ -29,11 +29,11 @@ Deviations:
   main_onestep.py's lr = 1 is b = tau rho = 0.2 at t = 0, decayed by 1/(1 + 0.1 t) (hp.step_decay).
   Default b = 0.2 (that code's step); `recommend` sets b = 1 on regression tasks (squared loss: one
   Newton step solves the client exactly, Prop. 3.2). With b = 1 on the logistic loss the full Newton
-  steps overfit each client's few labels (issue 36's matrix, synthetic-1-1 seeds 0 / 1: 66.3 / 60.5 %,
+  steps overfit each client's few labels (docs/out-of-the-box.md, "The matrix"; synthetic-1-1 seeds 0 / 1: 66.3 / 60.5 %,
   eval loss 37 / 26, vs FedAvg 74.8 / 72.1 %); b = 0.2 gave 79.5 / 78.1 % (eval loss 5.9 / 2.7).
   Use full batches (--batch-size >= N_k, as the paper's toys; `recommend` sets 1,024 unless given):
   on a minibatch of B examples S_bar = delta I is the only curvature outside the batch's span, and a
-  step of size b moves m by ~ b lam g / delta with lam = N_k/(rho tau) (issue 36: synthetic-iid, B = 20:
+  step of size b moves m by ~ b lam g / delta with lam = N_k/(rho tau) (measured on synthetic-iid, B = 20:
   |m| 0 -> 75 -> 230 in round 1's first steps at b = 1; round 1 ended non-finite at b = 1, 0.2 and 0.02).
   A batch of 1,024 holds more examples than logreg's features, so its Hessian has the data's rank. For
   non-quadratic losses and small rho the client problem has only local minima (its far-field curvature
@@ -52,7 +52,7 @@ Deviations:
   S_bar - V_k/rho), and exact (Newton, b = 1) solves then leave the basin; with the small
   decaying steps the iteration converges to the MAP.
   Defaults: Fig. 3b / main_onestep.py (rho = 1/K = 0.2, gamma = rho, delta = 25, tau = 1).
-  Over the 250-line budget (docs/style.md rule 1) by the step guard and its error (issue 36).
+  Over the 250-line budget (docs/style.md rule 1) by the step guard and its error.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def max_step(S: Tensor, target: Tensor) -> Tensor:
 
 
 def recommend(run: RunFacts) -> dict[str, Advice]:
-    """B = 1,024: App. C.4's Newton VON steps need a full-rank batch Hessian (issue 36: B = 20 diverges).
+    """B = 1,024: App. C.4's Newton VON steps need a full-rank batch Hessian (B = 20 diverges).
     b = 1 on regression tasks: on a squared loss one Newton step is the exact client solve of Prop. 3.2
     (lsq seed 0, 25 rounds: distance to the optimum 0.045 at b = 1, 0.141 at the default 0.2)."""
     advice = {"train.batch_size": Advice(FULL_BATCH, "App. C.4's client solves are full-batch Newton steps (the "

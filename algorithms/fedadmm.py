@@ -28,7 +28,7 @@ Deviations:
   theta_bar starts at the model's initial parameters (the toy code starts at 0; pass zeros
   to server_init for that). The server step is closed form: --server-opt must be sgd, lr 1.
 Defaults: rho = 0.2 (Fig. 4, App. F.3); delta = 0 (ell_0 = 0, the consensus ADMM of Boyd et al.
-  §7.1.1), not Fig. 4's 0.2 (issue 36, docs/out-of-the-box.md "Defaults changed"). Fig. 4 is a
+  §7.1.1), not Fig. 4's 0.2 (docs/out-of-the-box.md, "Defaults changed"). Fig. 4 is a
   200-point logistic toy whose theta_bar starts at 0, where the prior cannot pull. Here theta_bar
   starts at the model's initialisation and Sum v starts at 0, so each early server step scales the
   cohort mean by rho C / (delta + rho C) (2 / 2.2 at rho = delta = 0.2, C = 10) before the duals

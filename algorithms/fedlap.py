@@ -116,7 +116,7 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
     which round 1's w_g = Sum_k rho w_k is the cohort's mean model; with rho = 0.01 and C = 10 it is 0.1 x
     that mean and the gradients vanish (docs/out-of-the-box.md). E = 10 local epochs: every released FedLap
     config (cifar10_acar, mnist_heterog, cifar100_resnet20). With E = 1 the server step w_g = the cohort's
-    unweighted mean of barely-moved clients trails FedAvg's example-weighted mean (issue 36: synthetic-iid
+    unweighted mean of barely-moved clients trails FedAvg's example-weighted mean (docs/out-of-the-box.md: synthetic-iid
     40.3 vs 46.9 %, vehicle 82.8 vs 86.9 % at 25 rounds). Except E = 1 on the shifted synthetic sets, whose
     lr suits one epoch (SHORTFALLS: 10 epochs drift the clients there)."""
     return {"hp.damping": Advice(1.0 / run.clients_per_round, f"1/C for the C = {run.clients_per_round} clients "

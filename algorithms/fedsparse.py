@@ -63,10 +63,10 @@ Deviations:
   48.7 % accuracy against FedAvg's 54.4 % (the paper: 1.0 / 45.6 / 62.8 % after 6,000 rounds).
   What this does not change: sparsity then stops growing, since ||w_g|| grows by ~1e-2 a round
   under server Adam (tens of units of a at T = 1e-3) and theta saturates at 1 for the surviving
-  units. hp.use_gate_grad_bound = false is App. A read literally (issue 24 then lowered this lr to
+  units. hp.use_gate_grad_bound = false is App. A read literally (an earlier version lowered this lr to
   1e-3, which kept the margin but pruned 0.4 % by round 20 at mid lambda0).
   fedcli's defaults (not App. A's): lambda0 1.5e-6 and server_gate_lr 5e-3; App. A's 5e-6 and 1e-2
-  are the recipe fedsparse-femnist's. Why (issue 36; measured in docs/reproductions.md, FedSparse):
+  are the recipe fedsparse-femnist's. Why (measured in docs/reproductions.md, FedSparse):
   with App. A's values at fedcli's training defaults (server SGD lr 1, client lr 0.1) FEMNIST's MLP
   lost 58 % of its weights and 14 points of accuracy in 25 rounds (MNIST: 26 %, -0.5). A client's
   Adamax on v steps by about gate_lr whatever the gradient's size, so every unit whose L0 cost

@@ -25,7 +25,7 @@ Deviations:
   Guard (not in paper or code): the prior's curvature lam c_r P_S is capped per coordinate at
   1 / lr (prior_stiffness), where one explicit step lands on mu_S instead of overshooting it.
   Without it FedCurv and FOLA-offline diverged on lsq at seed 1 (non-finite at rounds 8 and 10,
-  issue 36's matrix). Below the cap the run is unchanged bit for bit.
+  docs/out-of-the-box.md, "The matrix"). Below the cap the run is unchanged bit for bit.
   Eq. 15 averages per-sample squares over all of D_n at every step. Here fisher="per_sample"
   averages them over the step's minibatch (Batch.weight) and fisher_norm="mean" over the
   real steps, a stochastic Eq. 15. Code/Alg. 1: fisher="batch_sq" (square of the minibatch

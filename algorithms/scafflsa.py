@@ -135,7 +135,7 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
     fixes N before loading (the Garnet tasks). Under partial participation each agent applies its xi update
     a visit late, with the model of its next visit (Deviations above): on garnet-het-n100 at 10 of 100
     agents a round the distance to theta* fell 5.88 -> 5.69 by round 10, then grew to 398 at round 25
-    (seed 0); with all 100 agents it fell to 5.50 at round 25 (issue 36, docs/out-of-the-box.md)."""
+    (seed 0); with all 100 agents it fell to 5.50 at round 25 (docs/out-of-the-box.md)."""
     if run.num_clients is None or run.num_clients <= run.clients_per_round:
         return {}
     return {"train.clients_per_round": Advice(run.num_clients, "full participation, as the paper (Sec. 5, Fig. 1): "

@@ -107,7 +107,7 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-# ----------------------------------------------------------------------------- issue 3 models
+# ----------------------------------------------------------------------------- data-task models
 # Appended for the data tasks (mnist, cifar10/100, shakespeare, stackoverflow, har, sent140).
 
 

@@ -1,4 +1,4 @@
-"""Random ops in a user model's forward, drawn from the step's key (issue 37's "same seed, same run").
+"""Random ops in a user model's forward, drawn from the step's key: same seed, same run.
 
 A model that calls `torch.rand`, `torch.randn`, `torch.randint`, `torch.bernoulli`, `torch.normal`
 (or their `_like` forms, or the in-place `Tensor.uniform_` / `normal_` / `bernoulli_`) in its

@@ -6,13 +6,17 @@
 - `docs/architecture.md §N` has a `## N.` heading, `docs/architecture.md, "Name"` a heading
   that starts with Name, and `docs/style.md rule N` (or `rules N and M`, `rule N/M`) a
   `### Rule N:` heading;
-- relative links between the docs (files and `#anchors`) resolve.
+- relative links between the docs (files and `#anchors`) resolve;
+- docstrings and comments under algorithms/, datasets/ and fedcli/engine/ cite no issue number.
 """
 
 from __future__ import annotations
 
+import ast
+import io
 import re
 import subprocess
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -113,3 +117,38 @@ def test_links_between_docs_resolve(doc: Path) -> None:
         elif anchor and linked.suffix == ".md" and anchor not in {slug(h) for h in headings(linked)}:
             bad.append(f"{target}: no such heading")
     assert not bad, f"{doc.name}: " + "; ".join(bad)
+
+
+ISSUE = re.compile(r"[Ii]ssue \d+")
+NO_ISSUE_DIRS = ("algorithms/", "datasets/", "fedcli/engine/")  # docstrings and comments cite docs/, not issues
+
+
+def issue_citations(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every `issue N` in a module's docstrings and comments (string values are not read)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                doc = first.value.value  # its line: the docstring's first + the newlines before the match
+                found += [(first.lineno + doc.count("\n", 0, m.start()), m.group()) for m in ISSUE.finditer(doc)]
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            found += [(token.start[0], m.group()) for m in ISSUE.finditer(token.string)]
+    return found
+
+
+def test_issue_citations_are_found_in_docstrings_and_comments_only() -> None:
+    sample = '"""Module (issue 7)."""\n\ndef f():\n    """Why (issue 12)."""\n    return "issue 3"  # issue 4\n'
+    assert sorted(issue_citations(sample)) == [(1, "issue 7"), (4, "issue 12"), (5, "issue 4")]
+
+
+def test_no_docstring_or_comment_cites_an_issue_number() -> None:
+    """Docstrings and comments under algorithms/, datasets/ and fedcli/engine/ explain the code in words and
+    cite docs/ (docs/benchmarks.md for timings), never an issue number."""
+    files = [p for p in python_files() if p.relative_to(ROOT).as_posix().startswith(NO_ISSUE_DIRS)]
+    assert files, "no .py files found under " + ", ".join(NO_ISSUE_DIRS)
+    bad = [f"{path.relative_to(ROOT)}:{line}: {text}" for path in files
+           for line, text in issue_citations(path.read_text(encoding="utf-8"))]
+    assert not bad, "say what the issue decided, or cite the docs/ section that describes it:\n" + "\n".join(bad)

@@ -77,7 +77,7 @@ def _loader(alpha: float, beta: float, iid: bool):  # noqa: ANN202 - returns a T
     return load
 
 
-# The default train.client_lr (issue 36, docs/out-of-the-box.md "The synthetic tasks' client lr"). The
+# The default train.client_lr (docs/out-of-the-box.md, "The synthetic tasks' client lr"). The
 # paper's 0.01 goes with E = 20 local epochs of batch 10 (§5.1); at fedcli's E = 1, batch 20 FedAvg
 # reached 43.6 % on synthetic-iid in 25 rounds (2x the majority class is 69.9 %). Measured grid
 # (FedAvg, 25 rounds, seeds 0 and 1): IID features have small norms (v_k = 0, Sigma_jj = j^-1.2) and

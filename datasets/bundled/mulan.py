@@ -7,7 +7,7 @@ StackOverflow tag prediction: `bibtex` is multi-label logistic regression (one s
 per tag, loss = BCE summed over tags) with precision@0.5, recall@5 and micro/macro-F1
 (datasets/metrics.py).
 
-Defaults (issue 36; measurements in docs/out-of-the-box.md, "bibtex"): the F1 metrics decide by
+Defaults (measurements in docs/out-of-the-box.md, "bibtex"): the F1 metrics decide by
 top-k, k = `TOP_K` = 2, the training split's mean label cardinality (2.40 tags an entry) rounded:
 with 2.4 positives among 159 tags every sigmoid stays below 0.5 for many rounds, so the 0.5
 threshold predicted no tag (macro-F1 0.0001 after 25 rounds at lr 0.01) while the ranking was

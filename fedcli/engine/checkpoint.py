@@ -25,7 +25,7 @@ between rounds, kept `keep` at a time (older files and rows are pruned), and in 
 default `auto` cadence written after every round unless writing one takes longer than
 `AUTO_BUDGET` of a round, in which case they are spaced so that they cost about that.
 
-Format 3 (written since issue 32) is incremental: `round-NNNNNN.pt` holds the server state
+Format 3 (the current format) is incremental: `round-NNNNNN.pt` holds the server state
 and a manifest (`client_index`: client -> (file, row) for every client with a state, and the
 slot layout), and the client states changed since the previous checkpoint go to
 `round-NNNNNN.clients.npy` beside it (a numpy array of [changed clients, slot bytes], the

@@ -17,7 +17,7 @@ Metrics by task kind (keys `eval/<name>`):
   perplexity): the chunkable `MetricFns` of `fedcli.datasets.metrics`, summed over chunks
   so the numbers are exact corpus-level values (`kind_metrics` picks them).
 
-Evaluation at scale (issue 32): `--eval-sample N` (train.eval_sample) evaluates the rounds on a
+Evaluation at scale (docs/scaling.md, "Paper scale"): `--eval-sample N` (train.eval_sample) evaluates the rounds on a
 fixed sample of N test examples (`eval_sample_index`: drawn once from a fixed seed, sorted; the
 same sample every round, across resumes and across runs on the same test split, so runs stay
 comparable); None = the task's paper default (`PAPER_EVAL_SAMPLE`: StackOverflow NWP and LR

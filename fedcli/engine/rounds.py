@@ -343,7 +343,7 @@ class RoundLoop:
             with signals.critical():  # aggregation, evaluation and logging finish together
                 state, metrics = aggregate(setup, self.state, self.store, trained, round_idx, self.timing)
                 started, clients = trained.start, trained.clients
-                del trained  # the cohort's uploads: not held through evaluation and the next round (issue 32)
+                del trained  # the cohort's uploads: not held through evaluation and the next round
                 if round_idx % cfg.train.eval_every == 0 or round_idx == cfg.train.rounds:
                     eval_start = time.perf_counter()
                     metrics.update(self._evaluate(state))

@@ -18,10 +18,10 @@ slice of the cohort itself while P - 1 spawned workers train the others.
   engine/select.py picks). The per-client plan rows, step keys, noise and states are the
   parent's, so the result equals `loop`'s to float tolerance (tests/engine/test_equivalence.py).
 
-Opt-in since issue 25: on 2 cores it ran the CNN-10 round of `make bench` in 1.05 s against
-1.01 s for a plain per-client loop, and no dense workload pays for its copies; with --compile
-(0.86 s) or bf16 (0.73 s) it was the fastest CNN configuration (docs/architecture.md §3,
-"Which back ends stay").
+Opt-in: on 2 cores it ran the CNN round of `make bench` about as fast as a plain per-client
+loop, and no dense workload pays for its copies; with --compile or bf16 it was the fastest CNN
+configuration (timings in docs/benchmarks.md, "Last full run"; docs/architecture.md §3, "Which
+back ends stay").
 
 Workers ignore SIGINT, SIGTERM and SIGHUP (a Ctrl-C, a scheduler or a closed terminal may
 signal the whole process group: the parent stops the run in order and then its workers) and
