@@ -183,8 +183,8 @@ def increment_sums(m: Params, s: Params, m_bar: Params, s_bar: Params, gamma: fl
     """dual_increments summed over the leading client axis [C, ...], with one [C, ...] temporary at a time.
 
     Equal bit for bit to dual_increments(...)[i][k].sum(0) (the same elementwise operations, in place);
-    the cohort's whole (dv, du) and their temporaries were ~3 [C, P] tensors at once: 1.4 GB at 100
-    clients of the 1.2M-parameter CNN (docs/scaling.md, "Client state").
+    the cohort's whole (dv, du) and their temporaries were ~3 [C, P] tensors at once, gigabytes for a
+    paper-size cohort of CNN clients (docs/scaling.md, "Client state").
     """
     if coordinates != "natural":
         dv, du = dual_increments(m, s, m_bar, s_bar, gamma, coordinates)

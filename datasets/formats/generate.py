@@ -289,7 +289,8 @@ def generate(
 ) -> dict[str, Any]:
     """Write a synthetic federation of `clients` clients in format `fmt` under `out`; return a summary
     (format, clients, per-split example counts and the files written). DataError on bad arguments.
-    tokens_only (stackoverflow): write only `tokens` (enough for stackoverflow-nwp; ~3x faster)."""
+    tokens_only (stackoverflow): write only `tokens` (enough for stackoverflow-nwp; faster:
+    docs/scaling.md)."""
     if fmt not in DEFAULTS:
         raise DataError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}.")
     if clients < 1:

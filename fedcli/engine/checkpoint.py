@@ -722,7 +722,7 @@ class CheckpointWriter:
 
         Auto: ceil(median recent write / (AUTO_BUDGET x median recent round)), at least 1 and at
         most the rounds of `MAX_GAP_S` seconds. Medians (the lower one for an even count), not
-        means, so one outlier cannot switch checkpoints off: a write that stalled 301 s (the
+        means, so one outlier cannot switch checkpoints off: a write that stalled for minutes (the
         process stopped, the store locked) counts as one sample of five; and the cap makes the
         next write, which measures again, come even when the stalled one was the first.
         """

@@ -60,8 +60,8 @@ ECE_BINS = 15
 PROBE_CHUNK = 64  # examples of an evaluation's first chunk
 OUTPUT_BUDGET = 1 << 25  # output elements per evaluation chunk (128 MiB of float32): chunks shrink below `chunk`
 # bytes of every tensor the forward makes for one chunk (its activations, summed, views included): an upper
-# bound of what a chunk holds at once. 2,048 EMNIST images through the 1.2M-parameter CNN made ~1 GB and
-# raised a run's peak by ~670 MiB in each chunk (docs/scaling.md, "Client state").
+# bound of what a chunk holds at once: a chunk of 2,048 EMNIST images through the CNN makes all its
+# convolution activations at once, and such chunks set a run's memory peak (docs/scaling.md, "Client state").
 ACTIVATION_BUDGET = 1 << 28
 EVAL_SAMPLE_SEED = 32  # the fixed seed of the --eval-sample draw (independent of the run's seed)
 # Paper defaults of train.eval_sample (None): FedPA (Al-Shedivat et al. 2021) Table 3 uses Reddi et al.'s

@@ -2,11 +2,12 @@
 
 `vmap` trains the round's cohort as one batched computation, so every client's activations, gradients
 and parameter copies are alive at once: 50 clients of the StackOverflow next-word LSTM (20 x 20 tokens
-a batch, 10,004 logits a token) held 6.9 GB. `client_step_bytes` measures one client's step on a real
-batch of the training data (one forward and loss under `saved_tensors_hooks`: the distinct storages
-autograd keeps for the backward, parameters left out) and adds the per-client copies vmap makes of the
-parameters; `engine/select.py` compares the cohort's total with `VMAP_CPU_BUDGET` on a CPU and runs the
-loop (one client at a time) when it does not fit (docs/scaling.md, "Paper scale").
+a batch, 10,004 logits a token) held gigabytes (docs/benchmarks.md, "Figures behind the engine's choices").
+`client_step_bytes` measures one client's step on a real batch of the training data (one forward and
+loss under `saved_tensors_hooks`: the distinct storages autograd keeps for the backward, parameters
+left out) and adds the per-client copies vmap makes of the parameters; `engine/select.py` compares the
+cohort's total with `VMAP_CPU_BUDGET` on a CPU and runs the loop (one client at a time) when it does not
+fit (docs/scaling.md, "Paper scale").
 """
 
 from __future__ import annotations

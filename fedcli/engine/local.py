@@ -125,8 +125,8 @@ class CarryingStats:
     the statistics (training normalises by the batch's own statistics either way). After the
     training, `buffers` holds the client's final statistics. `eager` (the loop back end, whose
     trainer is `eager_train_local`): the gradient comes from torch.autograd on leaf copies
-    instead, as there (bit-equal outside vmap, and cheaper: BatchNorm CNN on mnist, 10 clients,
-    one thread, the loop's round 609 ms with torch.func.grad against 438 ms without statistics).
+    instead, as there (bit-equal outside vmap, and cheaper: on a BatchNorm CNN torch.func.grad made the
+    loop's round markedly slower, docs/benchmarks.md, "Figures behind the engine's choices").
     """
 
     def __init__(self, stats: Any, buffers: dict[str, torch.Tensor], eager: bool = False) -> None:

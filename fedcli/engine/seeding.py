@@ -35,8 +35,9 @@ _MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
 
 def derive_seeds(seed: int, stream: Stream, *keys: int, last: np.ndarray) -> np.ndarray:
     """Return [derive_seed(seed, stream, *keys, c) for c in last] as int64, bit for bit, at a
-    fraction of the cost: a round derives two seeds per client (batch order, step keys), 30 us each
-    through np.random.SeedSequence, 6 ms of host time per round at 100 clients.
+    fraction of the cost: a round derives two seeds per client (batch order, step keys), and one
+    np.random.SeedSequence per seed added milliseconds of host time to a round of 100 clients
+    (docs/benchmarks.md, "Figures behind the engine's choices").
 
     SeedSequence mixes its entropy words (the seed padded to the pool size, then the spawn key)
     into a pool of 4 words, word by word; every word but the last is the same for the whole

@@ -118,11 +118,11 @@ def choose(w: Workload, requested: str, *, launched: bool = False) -> Choice:
 def _spreads(w: Workload, obstacle: str | None) -> bool:
     """auto's one use of the process back end: the loop chosen for convolutions on a CPU with two or
     more cores for the cohort (train.workers or the usable cores, at most the cohort), where one
-    single-threaded process per core beat the loop with intra-op threads (CNN-10 on 2 cores: 1.10 s
-    against 1.25 s a round, and the plain PyTorch loop's 1.18 s; docs/architecture.md §3, "Which back
-    ends stay"). BatchNorm too (each worker trains its clients on batch statistics, as the loop
-    does). Never for an algorithm without vmap or a model vmap cannot run: the loop chose itself
-    for those, and they stay in one process."""
+    single-threaded process per core beat the loop with intra-op threads, and the plain PyTorch loop,
+    on the CNN round of `make bench` on 2 cores (docs/architecture.md §3, "Which back ends stay").
+    BatchNorm too (each worker trains its clients on batch statistics, as the loop does). Never for an
+    algorithm without vmap or a model vmap cannot run: the loop chose itself for those, and they stay
+    in one process."""
     return (w.slots >= 2 and w.has_conv and w.alg.supports_vmap and obstacle is None
             and process.INFO.refuses(w) is None)
 

@@ -4,10 +4,10 @@ Key: cohort (or chunk) size, epochs, padded steps per epoch, chunking, whether c
 exist, and the algorithm's round key (backends.round_key: FedPA's burn-in, BayesADMM's lr
 schedule position, FOLA's round). K is padded (cohort.pad_steps) to the federation's longest
 client where that is cheap, else up to a multiple of `bucket`, so few graphs are compiled. The
-local loop is unrolled, so compiling takes tens of seconds to minutes (MLP, 10 clients x 9
-steps: ~60 s on 2 cores); the time is logged and kept in `compile_s`. Inductor's on-disk cache
+local loop is unrolled, so compiling takes tens of seconds to minutes (docs/benchmarks.md,
+"Last full run"); the time is logged and kept in `compile_s`. Inductor's on-disk cache
 (TORCHINDUCTOR_CACHE_DIR, by default under the system temp folder) makes later runs of the same
-shapes compile faster. Opt-in: within 1.2-1.33x of `fused` on the MLP after minutes of
+shapes compile faster. Opt-in: it stays slower than `fused` on the MLP even after its
 compilation (docs/architecture.md §3, "Which back ends stay").
 
 Each graph is compiled from its own copy of the cohort function's code object: dynamo keeps its

@@ -212,9 +212,8 @@ BLOCK_BYTES = 8 * 2**20  # per block of clients: parameters, velocity and epoch 
 def block_size(params: Params, *, momentum: bool, average_epochs: bool) -> int:
     """Clients per block: as many as keep about BLOCK_BYTES of per-client tensors (at least one).
 
-    Measured on the FEMNIST MLP (838 KB per client), 50 clients, 2 threads: one call over the
-    whole cohort 0.080-0.085 s, blocks of 4 / 6 / 8 / 10 / 13 / 17 / 25 clients 0.080 / 0.075 /
-    0.070 / 0.066 / 0.067-0.077 / 0.067-0.10 / 0.095-0.12 s (tests/benchmarks, 2026-11-25).
+    On the FEMNIST MLP blocks of about this size were the fastest, against one call over the whole
+    cohort and against larger blocks (docs/benchmarks.md, "Figures behind the engine's choices").
     """
     copies = 1 + int(momentum) + int(average_epochs)
     per_client = copies * sum(v.numel() * v.element_size() for v in params.values())
@@ -339,13 +338,12 @@ def refuses(w: Workload) -> str | None:
 
 
 def prefers(w: Workload) -> str | None:
-    """auto: wherever it applies on a CPU (MLP workloads of make bench 2x faster than vmap); on CUDA up to
-    CUDA_FUSED_MAX_CLIENTS clients.
+    """auto: wherever it applies on a CPU (faster than vmap on the MLP workloads of make bench,
+    docs/benchmarks.md, "Last full run"); on CUDA up to CUDA_FUSED_MAX_CLIENTS clients.
 
-    Measured on an H100 (FEMNIST MLP, per round): 10 clients fused 0.015 s, vmap 0.042 s; 100
-    clients fused 0.128 s, vmap 0.052 s. fused grew 8.5x with the cohort (its CPU-cache-sized
-    blocks of clients, BLOCK_BYTES, run one after another) and vmap 1.2x, so the straight lines
-    through the two points cross near 33 clients.
+    On an H100 (FEMNIST MLP) fused's round time grows almost in proportion to the cohort (its
+    CPU-cache-sized blocks of clients, BLOCK_BYTES, run one after another) and vmap's hardly
+    grows, so vmap wins above about 33 clients (docs/benchmarks.md, "Figures behind the engine's choices").
     """
     if w.device.type == "cuda" and w.clients_per_round > CUDA_FUSED_MAX_CLIENTS:
         return None

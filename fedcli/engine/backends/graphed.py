@@ -1,10 +1,11 @@
 """`vmap + graph` (--graph): the cohort's local training as one program, built once per shape and replayed.
 
 Eager PyTorch pays Python and dispatcher time on every op of every local step. On an H100 a
-vmapped CNN round of 10 clients was 1,894 kernel launches and 89 ms of CPU-side dispatch for
-~15 ms of GPU work: the GPU idled 70-95 % of each round (docs/architecture.md §3, "One
-program per round"). This back end takes the dispatch out of the hot path without changing the
-algorithm contract (algorithms stay pure per-client functions):
+vmapped CNN round spent several times longer dispatching its kernels from the CPU than the GPU
+spent running them, so the GPU idled most of each round (docs/architecture.md §3, "One program
+per round"; docs/benchmarks.md, "Figures behind the engine's choices").
+This back end takes the dispatch out of the hot path without changing the algorithm contract
+(algorithms stay pure per-client functions):
 
 The cohort function is the one the `vmap` back end runs (`client_fn` vmapped over the cohort,
 every local step unrolled: forward, backward, update, keyed dropout, step masks) as a function
@@ -21,9 +22,9 @@ of the round's flat input tensors (broadcast, plan rows, step keys, noise, clien
 2. **Trace (CPU).** Without a capture, the per-op Python is saved by tracing the function once
    with make_fx (fake inputs, so nothing is computed while tracing) into a flat graph of ATen
    ops, then calling that graph each round. Python branching on tensor values cannot be traced;
-   `.item()` becomes an op of the graph, evaluated on each call's inputs. A trace costs about
-   1 ms per op (FedPA's 5-epoch demo round: 8,000 ops), which is why CUDA captures the eager
-   function instead of a trace.
+   `.item()` becomes an op of the graph, evaluated on each call's inputs. Tracing grows with the
+   round's op count (seconds for a multi-epoch round; docs/benchmarks.md, "Figures behind the
+   engine's choices"), which is why CUDA captures the eager function instead of a trace.
 
 A program is built per key: cohort (or chunk) size, epochs, padded steps per epoch (K is padded
 by `pad_steps`, as `--compile` does, so FEMNIST's uneven writers need a handful of programs),

@@ -58,10 +58,10 @@ def prefers(w: Workload) -> str | None:
     """auto: algorithms without vmap, convolutional and recurrent models on a CPU."""
     if not w.alg.supports_vmap:
         return f"{w.alg.name} has no vmap"
-    if w.has_rnn and w.device.type == "cpu":  # GRU, 50 clients, 1 thread, loaded machine: loop ~0.75 s, vmap ~0.77 s
+    if w.has_rnn and w.device.type == "cpu":  # the loop at least matched vmap on a GRU (docs/benchmarks.md)
         return ("RNNs run PyTorch's fused kernel client by client on a CPU, and under vmap a step-by-step "
                 "recurrence (datasets/stock_layers.py)")
-    if w.has_conv and w.device.type == "cpu":  # Reddi CNN, 10 clients, 1 thread: vmap 3.7 s, loop 2.6 s a round
+    if w.has_conv and w.device.type == "cpu":  # the loop beat vmap on Reddi's CNN (docs/benchmarks.md)
         return "convolutions run faster client by client than as vmap's grouped convolutions on a CPU"
     return None
 

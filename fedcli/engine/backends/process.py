@@ -18,8 +18,9 @@ slice of the cohort itself while P - 1 spawned workers train the others.
   engine/select.py picks). The per-client plan rows, step keys, noise and states are the
   parent's, so the result equals `loop`'s to float tolerance (tests/engine/test_equivalence.py).
 
-Opt-in: on 2 cores it ran the CNN round of `make bench` about as fast as a plain per-client
-loop, and no dense workload pays for its copies; with --compile or bf16 it was the fastest CNN
+auto picks it for convolutional models on a CPU with two or more cores for the cohort
+(engine/select.py, `_spreads`), where one single-threaded worker per core beat the loop with
+intra-op threads; elsewhere it is opt-in. With --compile or bf16 it was the fastest CNN
 configuration (timings in docs/benchmarks.md, "Last full run"; docs/architecture.md §3, "Which
 back ends stay").
 
