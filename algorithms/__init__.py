@@ -16,7 +16,24 @@ from types import MappingProxyType
 
 from fedcli.algorithms.base import Algorithm
 
-_BUILTIN_MODULES = ("fedavg", "fedpa", "fola", "fola_offline", "fedcurv", "fedprox", "fedsparse", "scaffold", "fedlsa", "scafflsa", "fedadmm", "bayesadmm", "bayesadmm_iso", "bayesadmm_full", "feddyn", "fedlap")
+_BUILTIN_MODULES = (
+    "fedavg",
+    "fedpa",
+    "fola",
+    "fola_offline",
+    "fedcurv",
+    "fedprox",
+    "fedsparse",
+    "scaffold",
+    "fedlsa",
+    "scafflsa",
+    "fedadmm",
+    "bayesadmm",
+    "bayesadmm_iso",
+    "bayesadmm_full",
+    "feddyn",
+    "fedlap",
+)
 
 
 def _load() -> Mapping[str, Algorithm]:

@@ -123,21 +123,33 @@ class OptimConfig:
     server_beta1: float = 0.9  # Adam/Yogi beta1 (FedPA Table 4)
     server_beta2: float = 0.99  # Adam/Yogi beta2 (FedPA Table 4)
     server_tau: float = 1e-3  # adaptivity tau of FedAdam/FedYogi/FedAdagrad (Reddi et al. §3)
-    server_bias_correction: bool = False  # Adam/Yogi moments / (1 - beta^t) (PyTorch); Reddi et al. Alg. 2 has none
-    server_adagrad_beta1: float = 0.0  # FedAdagrad momentum beta1; 0 = Reddi et al.'s code (Keras Adagrad), Alg. 2 prints one
+    server_bias_correction: bool = (
+        False  # Adam/Yogi moments / (1 - beta^t) (PyTorch); Reddi et al. Alg. 2 has none
+    )
+    server_adagrad_beta1: float = (
+        0.0  # FedAdagrad momentum beta1; 0 = Reddi et al.'s code (Keras Adagrad), Alg. 2 prints one
+    )
 
     def __post_init__(self) -> None:
         require(self.client_lr > 0, "train.client_lr", "> 0", self.client_lr)
         require(0 <= self.client_momentum < 1, "train.client_momentum", "in [0, 1)", self.client_momentum)
         require(self.local_epochs >= 1, "train.local_epochs", ">= 1", self.local_epochs)
-        require(self.server_opt in SERVER_OPTIMIZERS, "train.server_opt",
-                f"one of {', '.join(SERVER_OPTIMIZERS)}", self.server_opt)
+        require(
+            self.server_opt in SERVER_OPTIMIZERS,
+            "train.server_opt",
+            f"one of {', '.join(SERVER_OPTIMIZERS)}",
+            self.server_opt,
+        )
         require(self.server_lr > 0, "train.server_lr", "> 0", self.server_lr)
         require(0 <= self.server_momentum < 1, "train.server_momentum", "in [0, 1)", self.server_momentum)
         require(0 <= self.server_beta1 < 1, "train.server_beta1", "in [0, 1)", self.server_beta1)
         require(0 <= self.server_beta2 < 1, "train.server_beta2", "in [0, 1)", self.server_beta2)
-        require(0 <= self.server_adagrad_beta1 < 1, "train.server_adagrad_beta1", "in [0, 1)",
-                self.server_adagrad_beta1)
+        require(
+            0 <= self.server_adagrad_beta1 < 1,
+            "train.server_adagrad_beta1",
+            "in [0, 1)",
+            self.server_adagrad_beta1,
+        )
         require(self.server_tau > 0, "train.server_tau", "> 0", self.server_tau)
 
 
@@ -171,7 +183,9 @@ class LocalSGD(NamedTuple):
 
     start: Params  # theta_0 (and the proximal anchor): the broadcast model
     prox_mu: float = 0.0  # FedProx's mu (Li et al. Eq. 2); static, the same for the whole cohort
-    linear: Params | None = None  # a per-client constant added to every gradient (SCAFFOLD's c - c_i), or None
+    linear: Params | None = (
+        None  # a per-client constant added to every gradient (SCAFFOLD's c - c_i), or None
+    )
     average_epochs: bool = False  # also the mean iterate of each epoch (IASG samples, FedPA Alg. 4); static
 
 

@@ -80,8 +80,12 @@ class BayesADMMConfig:
     beta2: float = 0.99998  # IVON Hessian EMA (Alg. 2); cifar10_acar beta2_local
     mc_samples: int = 1  # MC samples per IVON step (code --mcsamples default)
     debias: bool = True  # momentum bias correction (Shen et al. Alg. 1 line 6; code debias=True)
-    ivon_state: str = "carry"  # carry: the code's persistence (default) | reset: fresh IVON each round (Alg. 2)
-    start: str = "init"  # round-1 local start: model initialisation (code, default) | prior: prior mean (Alg. 2)
+    ivon_state: str = (
+        "carry"  # carry: the code's persistence (default) | reset: fresh IVON each round (Alg. 2)
+    )
+    start: str = (
+        "init"  # round-1 local start: model initialisation (code, default) | prior: prior mean (Alg. 2)
+    )
     server_alpha: float = 0.0  # 0: alpha = 1/(1 + rho K) (Eq. 8); else fixed (code option; 1 = PVI)
     dual_coordinates: str = "natural"  # natural (Eq. 9) | expectation (BregmanADMM, Fig. 3a-b)
     cosine_rounds: int = 0  # 0: constant lr; R: lr (1 + cos(pi (r-1)/R))/2 (code use_scheduler)
@@ -93,15 +97,25 @@ class BayesADMMConfig:
     def __post_init__(self) -> None:
         for key in ("rho", "dual_damping", "delta", "tau"):
             require(getattr(self, key) > 0, f"hp.{key}", "> 0", getattr(self, key))
-        require(self.h0 >= 0, "hp.h0", ">= 0", self.h0, "h0 = 0 starts IVON at q_k = q_bar (s_bar > 0 keeps h + s_bar/ess > 0).")
+        require(
+            self.h0 >= 0,
+            "hp.h0",
+            ">= 0",
+            self.h0,
+            "h0 = 0 starts IVON at q_k = q_bar (s_bar > 0 keeps h + s_bar/ess > 0).",
+        )
         require(0 <= self.beta1 < 1, "hp.beta1", "in [0, 1)", self.beta1)
         require(0 <= self.beta2 < 1, "hp.beta2", "in [0, 1)", self.beta2)
         require(self.mc_samples >= 1, "hp.mc_samples", ">= 1", self.mc_samples)
         require(self.ivon_state in ("reset", "carry"), "hp.ivon_state", "reset or carry", self.ivon_state)
         require(self.start in ("prior", "init"), "hp.start", "prior or init", self.start)
         require(0 <= self.server_alpha <= 1, "hp.server_alpha", "in [0, 1]", self.server_alpha)
-        require(self.dual_coordinates in ("natural", "expectation"), "hp.dual_coordinates",
-                "natural or expectation", self.dual_coordinates)
+        require(
+            self.dual_coordinates in ("natural", "expectation"),
+            "hp.dual_coordinates",
+            "natural or expectation",
+            self.dual_coordinates,
+        )
         require(self.cosine_rounds >= 0, "hp.cosine_rounds", ">= 0", self.cosine_rounds)
         require(0 < self.precision_floor <= 1, "hp.precision_floor", "in (0, 1]", self.precision_floor)
         require(self.dual_scope in ("seen", "cohort"), "hp.dual_scope", "seen or cohort", self.dual_scope)
@@ -113,7 +127,9 @@ class ServerState(NamedTuple):
     start: Params  # where clients start IVON: round 1 per hp.start, then m_bar
     v_sum: Params  # Sum_k v_k over every client seen so far
     u_sum: Params  # Sum_k u_k
-    clients_seen: float = 0.0  # distinct clients visited (counted with hp.dual_scope = cohort; 0 in older files)
+    clients_seen: float = (
+        0.0  # distinct clients visited (counted with hp.dual_scope = cohort; 0 in older files)
+    )
 
 
 class Broadcast(NamedTuple):
@@ -133,20 +149,30 @@ class ClientState(NamedTuple):
 def server_init(params: Params, hp: BayesADMMConfig, opt: OptimConfig) -> ServerState:
     """Return q_bar = the prior N(0, 1/delta) (Alg. 1 Init) and zero dual sums."""
     fedadmm.require_closed_form_server(opt, "bayesadmm")
-    require(opt.client_momentum == 0, "train.client_momentum", "0 for bayesadmm (IVON's momentum is hp.beta1)",
-            opt.client_momentum)
+    require(
+        opt.client_momentum == 0,
+        "train.client_momentum",
+        "0 for bayesadmm (IVON's momentum is hp.beta1)",
+        opt.client_momentum,
+    )
     zeros = tree_zeros_like(params)
     start = dict(params) if hp.start == "init" else zeros
-    return ServerState(mean=zeros, precision={k: torch.full_like(p, hp.delta) for k, p in params.items()},
-                       start=start, v_sum=zeros, u_sum=zeros)
+    return ServerState(
+        mean=zeros,
+        precision={k: torch.full_like(p, hp.delta) for k, p in params.items()},
+        start=start,
+        v_sum=zeros,
+        u_sum=zeros,
+    )
 
 
 def init_client_state(params: Params, hp: BayesADMMConfig) -> ClientState:
     """Return v_k = u_k = 0 (and a zero IVON momentum when it is carried)."""
     scalar = torch.zeros((), dtype=next(iter(params.values())).dtype)
     momentum = tree_zeros_like(params) if hp.ivon_state == "carry" else {}
-    return ClientState(v=tree_zeros_like(params), u=tree_zeros_like(params), momentum=momentum,
-                       steps=scalar, visited=scalar)
+    return ClientState(
+        v=tree_zeros_like(params), u=tree_zeros_like(params), momentum=momentum, steps=scalar, visited=scalar
+    )
 
 
 def broadcast(state: ServerState, hp: BayesADMMConfig) -> Broadcast:
@@ -164,22 +190,26 @@ def noise_shapes(params: Params, hp: BayesADMMConfig, num_steps: int) -> dict[st
     return {f"ivon.{k}": (num_steps, hp.mc_samples, *p.shape) for k, p in params.items()}
 
 
-def dual_increments(m: Params, s: Params, m_bar: Params, s_bar: Params, gamma: float,
-                    coordinates: str) -> tuple[Params, Params]:
+def dual_increments(
+    m: Params, s: Params, m_bar: Params, s_bar: Params, gamma: float, coordinates: str
+) -> tuple[Params, Params]:
     """Return (dv, du): gamma (s m - s_bar m_bar), gamma (s - s_bar) (Alg. 1 lines 5-6).
 
     coordinates = "expectation" (BregmanADMM) adds gamma (mu_k - mu_bar) to lambda_hat =
     (v, -u/2) instead, with mu = (m, m^2 + 1/s). Broadcasting: m/s may carry a leading [C].
     """
     if coordinates == "natural":
-        return ({k: gamma * (s[k] * m[k] - s_bar[k] * m_bar[k]) for k in m},
-                {k: gamma * (s[k] - s_bar[k]) for k in m})
+        return (
+            {k: gamma * (s[k] * m[k] - s_bar[k] * m_bar[k]) for k in m},
+            {k: gamma * (s[k] - s_bar[k]) for k in m},
+        )
     second = {k: m[k] ** 2 + 1 / s[k] - m_bar[k] ** 2 - 1 / s_bar[k] for k in m}
     return {k: gamma * (m[k] - m_bar[k]) for k in m}, {k: -2 * gamma * second[k] for k in m}
 
 
-def increment_sums(m: Params, s: Params, m_bar: Params, s_bar: Params, gamma: float,
-                   coordinates: str) -> tuple[Params, Params]:
+def increment_sums(
+    m: Params, s: Params, m_bar: Params, s_bar: Params, gamma: float, coordinates: str
+) -> tuple[Params, Params]:
     """dual_increments summed over the leading client axis [C, ...], with one [C, ...] temporary at a time.
 
     Equal bit for bit to dual_increments(...)[i][k].sum(0) (the same elementwise operations, in place);
@@ -212,36 +242,63 @@ def schedule_position(hp: BayesADMMConfig, round_idx: int) -> int:
     return min(round_idx - 1, hp.cosine_rounds) if hp.cosine_rounds else 0
 
 
-def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: BayesADMMConfig,
-                  opt: OptimConfig) -> ClientOut:
+def client_update(
+    ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: BayesADMMConfig, opt: OptimConfig
+) -> ClientOut:
     """IVON on the tempered client problem (Eq. 41), then the natural-parameter dual steps."""
     n = ctx.num_examples
     ess = n / (hp.rho * hp.tau)  # lambda = N_k / (rho tau)
     scale = hp.tau / n  # multipliers enter IVON as (tau / N_k) v_k, (tau / N_k) u_k
-    target = IvonTarget(ess=ess, prior_mean=bc.mean, prior_prec={k: s / ess for k, s in bc.precision.items()},
-                        lin={k: scale * v for k, v in client_state.v.items()},
-                        quad={k: scale * u for k, u in client_state.u.items()})
+    target = IvonTarget(
+        ess=ess,
+        prior_mean=bc.mean,
+        prior_prec={k: s / ess for k, s in bc.precision.items()},
+        lin={k: scale * v for k, v in client_state.v.items()},
+        quad={k: scale * u for k, u in client_state.u.items()},
+    )
     carry = hp.ivon_state == "carry"
     h_start = hp.h0 * (1 - client_state.visited) if carry else torch.full_like(client_state.visited, hp.h0)
-    start = IvonState(mean=dict(bc.start), hess={k: torch.zeros_like(m) + h_start for k, m in bc.start.items()},
-                      momentum=client_state.momentum if carry else tree_zeros_like(bc.start),
-                      step=client_state.steps if carry else torch.zeros_like(client_state.steps))
-    final, loss = local_ivon(ctx, start, target, lr=round_lr(opt, hp, ctx.round_idx), beta1=hp.beta1,
-                             beta2=hp.beta2, mc_samples=hp.mc_samples, debias=hp.debias)
+    start = IvonState(
+        mean=dict(bc.start),
+        hess={k: torch.zeros_like(m) + h_start for k, m in bc.start.items()},
+        momentum=client_state.momentum if carry else tree_zeros_like(bc.start),
+        step=client_state.steps if carry else torch.zeros_like(client_state.steps),
+    )
+    final, loss = local_ivon(
+        ctx,
+        start,
+        target,
+        lr=round_lr(opt, hp, ctx.round_idx),
+        beta1=hp.beta1,
+        beta2=hp.beta2,
+        mc_samples=hp.mc_samples,
+        debias=hp.debias,
+    )
     precision = ivon_precision(final, target)  # s_k = lambda (h + s_bar / lambda)
-    dv, du = dual_increments(final.mean, precision, bc.mean, bc.precision, hp.dual_damping * hp.rho,
-                             hp.dual_coordinates)
-    state = ClientState(v={k: client_state.v[k] + dv[k] for k in dv}, u={k: client_state.u[k] + du[k] for k in du},
-                        momentum=final.momentum if carry else {}, steps=final.step if carry else client_state.steps,
-                        visited=torch.ones_like(client_state.visited))
-    metrics = {"train_loss": loss, "bayesadmm_v_norm": tree_norm(state.v), "bayesadmm_u_norm": tree_norm(state.u)}
+    dv, du = dual_increments(
+        final.mean, precision, bc.mean, bc.precision, hp.dual_damping * hp.rho, hp.dual_coordinates
+    )
+    state = ClientState(
+        v={k: client_state.v[k] + dv[k] for k in dv},
+        u={k: client_state.u[k] + du[k] for k in du},
+        momentum=final.momentum if carry else {},
+        steps=final.step if carry else client_state.steps,
+        visited=torch.ones_like(client_state.visited),
+    )
+    metrics = {
+        "train_loss": loss,
+        "bayesadmm_v_norm": tree_norm(state.v),
+        "bayesadmm_u_norm": tree_norm(state.u),
+    }
     upload: dict[str, Params | Tensor] = {"mean": final.mean, "precision": precision}
     if hp.dual_scope == "cohort":
         upload["first_visit"] = 1.0 - client_state.visited
     return ClientOut(upload=upload, state=state, metrics=metrics)
 
 
-def upload_sums(upload: dict[str, Params | Tensor], bc: Broadcast, hp: BayesADMMConfig) -> dict[str, Params | Tensor]:
+def upload_sums(
+    upload: dict[str, Params | Tensor], bc: Broadcast, hp: BayesADMMConfig
+) -> dict[str, Params | Tensor]:
     """Algorithm.upload_sums: what server_update reads of a group's uploads [G, ...], summed over the group:
     Sum s_k, Sum s_k m_k, the dual increments' sums (increment_sums) and Sum first_visit.
 
@@ -252,8 +309,12 @@ def upload_sums(upload: dict[str, Params | Tensor], bc: Broadcast, hp: BayesADMM
     m, s = upload["mean"], upload["precision"]
     assert isinstance(m, dict) and isinstance(s, dict)
     dv, du = increment_sums(m, s, bc.mean, bc.precision, hp.dual_damping * hp.rho, hp.dual_coordinates)
-    out: dict[str, Params | Tensor] = {"precision": {k: s[k].sum(0) for k in m},
-                                       "weighted_mean": {k: (s[k] * m[k]).sum(0) for k in m}, "dv": dv, "du": du}
+    out: dict[str, Params | Tensor] = {
+        "precision": {k: s[k].sum(0) for k in m},
+        "weighted_mean": {k: (s[k] * m[k]).sum(0) for k in m},
+        "dv": dv,
+        "du": du,
+    }
     if "first_visit" in upload:
         visits = upload["first_visit"]
         assert isinstance(visits, Tensor)
@@ -261,8 +322,9 @@ def upload_sums(upload: dict[str, Params | Tensor], bc: Broadcast, hp: BayesADMM
     return out
 
 
-def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: BayesADMMConfig,
-                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+def server_update(
+    state: ServerState, outs: ClientOut, weights: Tensor, hp: BayesADMMConfig, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
     """Alg. 1 lines 9-11 in natural parameters, unweighted over clients; then the precision guard.
 
     outs.upload: the cohort's stacked uploads [C, ...], or an UploadSums the engine summed a group at a time
@@ -286,7 +348,10 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: Baye
     raw = {k: (1 - alpha) * (sums["precision"][k] / num) + alpha * (hp.delta + share * u_sum[k]) for k in m}
     floor = hp.precision_floor * hp.delta
     precision = {k: p.clamp_min(floor) for k, p in raw.items()}
-    mean = {k: ((1 - alpha) * (sums["weighted_mean"][k] / num) + alpha * share * v_sum[k]) / precision[k] for k in m}
+    mean = {
+        k: ((1 - alpha) * (sums["weighted_mean"][k] / num) + alpha * share * v_sum[k]) / precision[k]
+        for k in m
+    }
     total = sum(p.numel() for p in raw.values())
     diagnostics = {
         "bayesadmm/min_precision": torch.stack([p.min() for p in raw.values()]).min(),
@@ -295,7 +360,9 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: Baye
         "bayesadmm/v_sum_norm": tree_norm(v_sum),
         "bayesadmm/u_sum_norm": tree_norm(u_sum),
     }
-    return ServerState(mean=mean, precision=precision, start=mean, v_sum=v_sum, u_sum=u_sum, clients_seen=seen), diagnostics
+    return ServerState(
+        mean=mean, precision=precision, start=mean, v_sum=v_sum, u_sum=u_sum, clients_seen=seen
+    ), diagnostics
 
 
 def global_params(state: ServerState) -> Params:
@@ -310,8 +377,13 @@ def posterior(state: ServerState) -> tuple[Params, Params]:
 
 def recommend(run: RunFacts) -> dict[str, Advice]:
     """E = 10 local epochs: the released configs of the paper's MLP benchmarks (mnist_heterog, fmnist_heterog10)."""
-    return {"train.local_epochs": Advice(10, "the released configs of Table 1-2's MLP benchmarks "
-                                         "(mnist_heterog, fmnist_heterog10): clients held near m_bar need the steps")}
+    return {
+        "train.local_epochs": Advice(
+            10,
+            "the released configs of Table 1-2's MLP benchmarks "
+            "(mnist_heterog, fmnist_heterog10): clients held near m_bar need the steps",
+        )
+    }
 
 
 # bibtex, seed 0, eval macro-F1 (%) of bayesadmm / FedAvg at rounds 10, 20, 25, 30, 40, 50 (`fedcli train --task
@@ -324,15 +396,21 @@ def degenerate(hp: BayesADMMConfig, opt: OptimConfig, run: RunFacts) -> list[Deg
     """A known shortfall (kind "shortfall"): on bibtex it trails FedAvg's macro-F1 before round 50."""
     if run.task != "bibtex" or run.rounds >= BIBTEX_LEVEL_ROUND:
         return []
-    return [Degeneracy("bayesadmm:slow-start", f"on bibtex it starts slower than FedAvg and draws level by round "
-                       f"{BIBTEX_LEVEL_ROUND} (macro-F1 5.3 vs 10.6 % at round 25, 16.7 vs 16.3 % at round 50, seed 0); "
-                       f"run --rounds {BIBTEX_LEVEL_ROUND} or more to compare them.", kind="shortfall")]
+    return [
+        Degeneracy(
+            "bayesadmm:slow-start",
+            f"on bibtex it starts slower than FedAvg and draws level by round "
+            f"{BIBTEX_LEVEL_ROUND} (macro-F1 5.3 vs 10.6 % at round 25, 16.7 vs 16.3 % at round 50, seed 0); "
+            f"run --rounds {BIBTEX_LEVEL_ROUND} or more to compare them.",
+            kind="shortfall",
+        )
+    ]
 
 
 ALGORITHM = Algorithm(
     name="bayesadmm",
     paper="Möllenhoff, Swaroop, Doshi-Velez, Khan. Federated ADMM from Bayesian Duality (Alg. 1-2). "
-          "arXiv:2506.13150",
+    "arXiv:2506.13150",
     config_cls=BayesADMMConfig,
     server_init=server_init,
     broadcast=broadcast,
@@ -347,14 +425,16 @@ ALGORITHM = Algorithm(
     round_key=schedule_position,
     recommend=recommend,
     degenerate=degenerate,
-    caveats=("A round costs about 10 FedAvg rounds: unless --local-epochs is set it trains the released configs' 10 "
-             "local epochs (with 1 the clients, held near the server mean, barely move: MNIST 48 % at 25 rounds). "
-             "h0 = 0.3, not cifar10_acar's 0.1, which diverges on MNIST at the task's client lr 0.1 (docstring). "
-             "On bibtex (a linear multi-label model, ~74 examples a client) it starts more slowly than FedAvg: "
-             "macro-F1 5.3 vs 10.0 % at 25 rounds (micro-F1 24.3 vs 30.5 %), level by round 50 (16.7 vs 16.3 % at "
-             "seed 0); a run of fewer rounds warns (docs/out-of-the-box.md, \"Known shortfalls\"). On a deep network with small clients (torchvision's "
-             "ResNet-18, 40 examples a client) IVON's weight noise, std 1/sqrt(N_k h0 / (rho tau) + delta) = 0.09, "
-             "exceeds the deep layers' initial scale and it stays at chance; --hp tau=0.001 (std 0.009) learns "
-             "(docs/bring-your-own.md)."),
+    caveats=(
+        "A round costs about 10 FedAvg rounds: unless --local-epochs is set it trains the released configs' 10 "
+        "local epochs (with 1 the clients, held near the server mean, barely move: MNIST 48 % at 25 rounds). "
+        "h0 = 0.3, not cifar10_acar's 0.1, which diverges on MNIST at the task's client lr 0.1 (docstring). "
+        "On bibtex (a linear multi-label model, ~74 examples a client) it starts more slowly than FedAvg: "
+        "macro-F1 5.3 vs 10.0 % at 25 rounds (micro-F1 24.3 vs 30.5 %), level by round 50 (16.7 vs 16.3 % at "
+        'seed 0); a run of fewer rounds warns (docs/out-of-the-box.md, "Known shortfalls"). On a deep network with small clients (torchvision\'s '
+        "ResNet-18, 40 examples a client) IVON's weight noise, std 1/sqrt(N_k h0 / (rho tau) + delta) = 0.09, "
+        "exceeds the deep layers' initial scale and it stays at chance; --hp tau=0.001 (std 0.009) learns "
+        "(docs/bring-your-own.md)."
+    ),
     description="BayesADMM, diagonal Gaussians: IVON local solver, natural-parameter duals, server mixing.",
 )

@@ -87,7 +87,9 @@ class BayesADMMFullConfig:
     dual_damping: float = 1.0  # gamma = dual_damping * rho (Eq. 36 has gamma = rho); Fig. 3b
     delta: float = 25.0  # delta, prior precision (S_bar init delta I); Fig. 3b / main_onestep.py
     tau: float = 1.0  # tau, temperature (App. D); 1 in the toys
-    step_size: float = 0.2  # VON step b; main_onestep.py's lr 1 = tau rho; 1 = Newton (Prop. 3.2; recommended on regression)
+    step_size: float = (
+        0.2  # VON step b; main_onestep.py's lr 1 = tau rho; 1 = Newton (Prop. 3.2; recommended on regression)
+    )
     step_decay: float = 0.1  # b_t = step_size / (1 + step_decay t); main_onestep.py, main_illustration.py
     mean_step_ratio: float = 1.0  # b_m / b_S (mean / precision steps); 1 main_onestep.py, 2 Fig. 4's code
     mc_samples: int = 0  # 0: delta/Laplace (laplace=True, Fig. 3b); >= 1: MC samples (Fig. 4 uses 1)
@@ -123,16 +125,29 @@ class ClientState(NamedTuple):
 def server_init(params: Params, hp: BayesADMMFullConfig, opt: OptimConfig) -> ServerState:
     """Refuse models with D > hp.max_params; return q_bar = the prior N(0, (delta I)^-1)."""
     d = sum(p.numel() for p in params.values())
-    require(d <= hp.max_params, "hp.max_params", f">= the model's {d} parameters (bayesadmm-full keeps "
-            f"{d} x {d} precision matrices per client and a {d} x {d} Hessian per step)", hp.max_params,
-            "Use --algo bayesadmm (diagonal) or a smaller model, e.g. --task lsq.")
+    require(
+        d <= hp.max_params,
+        "hp.max_params",
+        f">= the model's {d} parameters (bayesadmm-full keeps "
+        f"{d} x {d} precision matrices per client and a {d} x {d} Hessian per step)",
+        hp.max_params,
+        "Use --algo bayesadmm (diagonal) or a smaller model, e.g. --task lsq.",
+    )
     fedadmm.require_closed_form_server(opt, "bayesadmm-full")
-    require(opt.client_momentum == 0, "train.client_momentum", "0 for bayesadmm-full (VON has no momentum)",
-            opt.client_momentum)
+    require(
+        opt.client_momentum == 0,
+        "train.client_momentum",
+        "0 for bayesadmm-full (VON has no momentum)",
+        opt.client_momentum,
+    )
     flat = flatten(params)
     eye = torch.eye(d, dtype=flat.dtype, device=flat.device)
-    return ServerState(mean=tree_zeros_like(params), precision=hp.delta * eye, v_sum=torch.zeros_like(flat),
-                       V_sum=torch.zeros_like(eye))
+    return ServerState(
+        mean=tree_zeros_like(params),
+        precision=hp.delta * eye,
+        v_sum=torch.zeros_like(flat),
+        V_sum=torch.zeros_like(eye),
+    )
 
 
 def init_client_state(params: Params, hp: BayesADMMFullConfig) -> ClientState:
@@ -152,13 +167,17 @@ def noise_shapes(params: Params, hp: BayesADMMFullConfig, num_steps: int) -> dic
     return {"von": (num_steps, hp.mc_samples, d)} if hp.mc_samples else {}
 
 
-def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: BayesADMMFullConfig,
-                  opt: OptimConfig) -> ClientOut:
+def client_update(
+    ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: BayesADMMFullConfig, opt: OptimConfig
+) -> ClientOut:
     """VON on the tempered Eq. 34 from q_bar; then the dual steps of Eq. 36; upload (m_k, S_k)."""
     wide = torch.float64  # the D x D recursion runs in float64: solves amplify float32 rounding
     n = ctx.num_examples.to(wide)
     lam, scale = n / (hp.rho * hp.tau), hp.tau / n
-    v_t, V_t = scale * client_state.v.to(wide), scale * client_state.V.to(wide)  # (tau/N_k) v_k, (tau/N_k) V_k
+    v_t, V_t = (
+        scale * client_state.v.to(wide),
+        scale * client_state.V.to(wide),
+    )  # (tau/N_k) v_k, (tau/N_k) V_k
     m_bar, S_bar = flatten(bc.mean).to(wide), bc.precision.to(wide)
     dtype = bc.precision.dtype
 
@@ -166,15 +185,22 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
         return ctx.loss_fn(unflatten(theta.to(dtype), bc.mean), ctx.batch(step))
 
     grad_fn = torch.func.grad_and_value(loss)
-    hess_fn = torch.func.jacrev(torch.func.grad(loss))  # reverse-over-reverse (no jit-scripted decompositions)
+    hess_fn = torch.func.jacrev(
+        torch.func.grad(loss)
+    )  # reverse-over-reverse (no jit-scripted decompositions)
     m, S, t = m_bar, S_bar, torch.zeros((), dtype=wide, device=m_bar.device)
     rejected = torch.zeros((), dtype=wide, device=m_bar.device)
     loss_sum = torch.zeros((), dtype=ctx.step_mask.dtype, device=ctx.step_mask.device)
     for step in range(ctx.num_steps):
         if hp.mc_samples:
             chol = torch.linalg.cholesky_ex(S).L
-            thetas = [m + torch.linalg.solve_triangular(chol.mT, ctx.noise["von"][step, j].to(wide)[:, None],
-                                                        upper=True)[:, 0] for j in range(hp.mc_samples)]
+            thetas = [
+                m
+                + torch.linalg.solve_triangular(
+                    chol.mT, ctx.noise["von"][step, j].to(wide)[:, None], upper=True
+                )[:, 0]
+                for j in range(hp.mc_samples)
+            ]
         else:
             thetas = [m]
         grads, values = zip(*(grad_fn(theta, step) for theta in thetas), strict=True)
@@ -198,13 +224,18 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
     v = client_state.v + (gamma * (S @ m - S_bar @ m_bar)).to(dtype)
     state = ClientState(v=v, V=client_state.V + (gamma * (S - S_bar)).to(dtype))
     metrics = {"train_loss": loss_sum / ctx.step_mask.sum().clamp_min(1.0)}
-    upload = {"mean": m.to(dtype), "precision": S.to(dtype), "rejected": rejected.to(dtype),
-              "steps": ctx.step_mask.sum().to(dtype)}
+    upload = {
+        "mean": m.to(dtype),
+        "precision": S.to(dtype),
+        "rejected": rejected.to(dtype),
+        "steps": ctx.step_mask.sum().to(dtype),
+    }
     return ClientOut(upload=upload, state=state, metrics=metrics)
 
 
-def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: BayesADMMFullConfig,
-                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+def server_update(
+    state: ServerState, outs: ClientOut, weights: Tensor, hp: BayesADMMFullConfig, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
     """Eqs. 37-38 (unweighted means), with the eigenvalue guard on S_bar."""
     dtype, wide = state.precision.dtype, torch.float64  # solve in float64, store in the model's dtype
     rejected = outs.upload.get("rejected")  # absent from uploads built outside client_update (fedcli/studies)
@@ -225,12 +256,18 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: Baye
     floor = hp.precision_floor * hp.delta
     precision = (evecs * evals.clamp_min(floor)) @ evecs.mT
     mean = torch.linalg.solve(precision, (1 - alpha) * Sm.mean(0) + alpha * v_sum)
-    diagnostics = {"bayesadmm_full/min_eigenvalue": evals.min(),
-                   "bayesadmm_full/clamped_eigenvalues": (evals < floor).sum().to(dtype)}
+    diagnostics = {
+        "bayesadmm_full/min_eigenvalue": evals.min(),
+        "bayesadmm_full/clamped_eigenvalues": (evals < floor).sum().to(dtype),
+    }
     if rejected is not None:
         diagnostics["bayesadmm_full/rejected_steps"] = rejected.sum()
-    new = ServerState(mean=unflatten(mean.to(dtype), state.mean), precision=precision.to(dtype),
-                      v_sum=v_sum.to(dtype), V_sum=V_sum.to(dtype))
+    new = ServerState(
+        mean=unflatten(mean.to(dtype), state.mean),
+        precision=precision.to(dtype),
+        v_sum=v_sum.to(dtype),
+        V_sum=V_sum.to(dtype),
+    )
     return new, diagnostics
 
 
@@ -246,11 +283,19 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
     """B = 1,024: App. C.4's Newton VON steps need a full-rank batch Hessian (B = 20 diverges).
     b = 1 on regression tasks: on a squared loss one Newton step is the exact client solve of Prop. 3.2
     (lsq seed 0, 25 rounds: distance to the optimum 0.045 at b = 1, 0.141 at the default 0.2)."""
-    advice = {"train.batch_size": Advice(FULL_BATCH, "App. C.4's client solves are full-batch Newton steps (the "
-                                         "paper's toys); minibatches of 20 diverge (issue 36); full batch on vehicle")}
+    advice = {
+        "train.batch_size": Advice(
+            FULL_BATCH,
+            "App. C.4's client solves are full-batch Newton steps (the "
+            "paper's toys); minibatches of 20 diverge (issue 36); full batch on vehicle",
+        )
+    }
     if run.kind == "regression":
-        advice["hp.step_size"] = Advice(1.0, "a squared loss: one Newton step (b = 1) solves the client exactly "
-                                        "(Prop. 3.2); the default 0.2 is main_onestep.py's step for other losses")
+        advice["hp.step_size"] = Advice(
+            1.0,
+            "a squared loss: one Newton step (b = 1) solves the client exactly "
+            "(Prop. 3.2); the default 0.2 is main_onestep.py's step for other losses",
+        )
     return advice
 
 
@@ -263,7 +308,8 @@ def require_solvable(rejected: Tensor, steps: Tensor, hp: BayesADMMFullConfig) -
         raise HyperparameterError(
             f"bayesadmm-full: {int(rejected)} of the cohort's {int(steps)} VON steps gave a precision that is not "
             f"positive definite or values that are not finite (the client solves diverge); lower hp.step_size "
-            f"(now {hp.step_size:g}, e.g. --hp step_size={hp.step_size / 10:g}) or raise hp.delta (now {hp.delta:g}).")
+            f"(now {hp.step_size:g}, e.g. --hp step_size={hp.step_size / 10:g}) or raise hp.delta (now {hp.delta:g})."
+        )
 
 
 def global_params(state: ServerState) -> Params:
@@ -285,7 +331,7 @@ def posterior(state: ServerState) -> tuple[Params, Params]:
 ALGORITHM = Algorithm(
     name="bayesadmm-full",
     paper="Möllenhoff, Swaroop, Doshi-Velez, Khan. Federated ADMM from Bayesian Duality (App. C.4). "
-          "arXiv:2506.13150",
+    "arXiv:2506.13150",
     config_cls=BayesADMMFullConfig,
     server_init=server_init,
     broadcast=broadcast,
@@ -296,11 +342,13 @@ ALGORITHM = Algorithm(
     noise_shapes=noise_shapes,
     posterior=posterior,
     recommend=recommend,
-    caveats=("Models of at most hp.max_params = 1,024 parameters (a D x D precision per client). Its defaults are Fig. "
-             "3b's ridge-regression toy's (delta = 25, VON steps b_t = 0.2 / (1 + 0.1 t) as main_onestep.py; Newton steps "
-             "b = 1 on regression tasks, where they are exact), made for full-batch "
-             "solves: unless --batch-size is set it trains on batches of 1,024 (with the default 20 the client "
-             "iterates diverged on synthetic-iid, issue 36). A step whose precision target is indefinite is "
-             "shortened; a round where most steps give non-finite values stops with an error naming hp.step_size."),
+    caveats=(
+        "Models of at most hp.max_params = 1,024 parameters (a D x D precision per client). Its defaults are Fig. "
+        "3b's ridge-regression toy's (delta = 25, VON steps b_t = 0.2 / (1 + 0.1 t) as main_onestep.py; Newton steps "
+        "b = 1 on regression tasks, where they are exact), made for full-batch "
+        "solves: unless --batch-size is set it trains on batches of 1,024 (with the default 20 the client "
+        "iterates diverged on synthetic-iid, issue 36). A step whose precision target is indefinite is "
+        "shortened; a round where most steps give non-finite values stops with an error naming hp.step_size."
+    ),
     description="BayesADMM, full covariance (Newton-like, VON local solver); small models only.",
 )

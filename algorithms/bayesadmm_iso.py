@@ -43,7 +43,9 @@ from fedcli.algorithms.base import (
 @dataclass(frozen=True, kw_only=True)
 class BayesADMMIsoConfig:
     rho: float = 0.2  # rho (Eq. 27); Fig. 4, App. F.3
-    delta: float = 0.0  # delta, prior precision of l_0 = delta/2 ||theta||^2; fedadmm's default (0; Fig. 4: 0.2)
+    delta: float = (
+        0.0  # delta, prior precision of l_0 = delta/2 ||theta||^2; fedadmm's default (0; Fig. 4: 0.2)
+    )
     dual_damping: float = 1.0  # gamma = dual_damping * rho (Eq. 9 has gamma = rho)
     mc_samples: int = 0  # 0: delta approximation (= FedADMM, Sec. 3.2); >= 1: MC Gaussian smoothing
 
@@ -61,31 +63,45 @@ def _admm_hp(hp: BayesADMMIsoConfig) -> fedadmm.FedADMMConfig:
 def server_init(params: Params, hp: BayesADMMIsoConfig, opt: OptimConfig) -> fedadmm.ServerState:
     """Return m_bar = the initial parameters and a zero dual sum (as FedADMM)."""
     fedadmm.require_closed_form_server(opt, "bayesadmm-iso")
-    return fedadmm.ServerState(params=dict(params), dual_sum={k: torch.zeros_like(p) for k, p in params.items()})
+    return fedadmm.ServerState(
+        params=dict(params), dual_sum={k: torch.zeros_like(p) for k, p in params.items()}
+    )
 
 
 def noise_shapes(params: Params, hp: BayesADMMIsoConfig, num_steps: int) -> dict[str, tuple[int, ...]]:
     """iso.<name> -> (S, M, *shape) standard-normal draws for the Gaussian smoothing (none if M = 0)."""
-    return {f"iso.{k}": (num_steps, hp.mc_samples, *p.shape) for k, p in params.items()} if hp.mc_samples else {}
+    return (
+        {f"iso.{k}": (num_steps, hp.mc_samples, *p.shape) for k, p in params.items()} if hp.mc_samples else {}
+    )
 
 
-def client_update(ctx: ClientContext, bc: fedadmm.Broadcast, client_state: fedadmm.ClientState,
-                  hp: BayesADMMIsoConfig, opt: OptimConfig) -> ClientOut:
+def client_update(
+    ctx: ClientContext,
+    bc: fedadmm.Broadcast,
+    client_state: fedadmm.ClientState,
+    hp: BayesADMMIsoConfig,
+    opt: OptimConfig,
+) -> ClientOut:
     """Eq. 27 by local SGD on E_{N(m, I)}[loss] (MC) or loss(m) (delta), then the dual step."""
     data_loss = None
     if hp.mc_samples:
 
         def data_loss(params: Params, step: int) -> Tensor:
             batch = ctx.batch(step)
-            total = [ctx.loss_fn({k: p + ctx.noise[f"iso.{k}"][step, j].to(p.dtype) for k, p in params.items()},
-                                 batch) for j in range(hp.mc_samples)]
+            total = [
+                ctx.loss_fn(
+                    {k: p + ctx.noise[f"iso.{k}"][step, j].to(p.dtype) for k, p in params.items()}, batch
+                )
+                for j in range(hp.mc_samples)
+            ]
             return torch.stack(total).mean()
 
     return fedadmm.client_update(ctx, bc, client_state, _admm_hp(hp), opt, data_loss)
 
 
-def server_update(state: fedadmm.ServerState, outs: ClientOut, weights: Tensor, hp: BayesADMMIsoConfig,
-                  opt: OptimConfig) -> tuple[fedadmm.ServerState, dict[str, Tensor]]:
+def server_update(
+    state: fedadmm.ServerState, outs: ClientOut, weights: Tensor, hp: BayesADMMIsoConfig, opt: OptimConfig
+) -> tuple[fedadmm.ServerState, dict[str, Tensor]]:
     """Eq. 8 for the isotropic family: FedADMM's server step."""
     return fedadmm.server_update(state, outs, weights, _admm_hp(hp), opt)
 
@@ -98,16 +114,21 @@ def posterior(state: fedadmm.ServerState) -> tuple[Params, Params]:
 def degenerate(hp: BayesADMMIsoConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
     """mc_samples = 0 (the delta approximation, the default) is FedADMM exactly (Sec. 3.2, Fig. 2a)."""
     if hp.mc_samples == 0:
-        return [Degeneracy("bayesadmm-iso:fedadmm", "hp.mc_samples=0 (the delta approximation) makes bayesadmm-iso "
-                           "FedADMM exactly (Sec. 3.2): run fedadmm for it; --hp mc_samples=1 smooths the loss over "
-                           "q = N(m, I), whose unit variance dwarfs a network's weights (6 % on FEMNIST's MLP).")]
+        return [
+            Degeneracy(
+                "bayesadmm-iso:fedadmm",
+                "hp.mc_samples=0 (the delta approximation) makes bayesadmm-iso "
+                "FedADMM exactly (Sec. 3.2): run fedadmm for it; --hp mc_samples=1 smooths the loss over "
+                "q = N(m, I), whose unit variance dwarfs a network's weights (6 % on FEMNIST's MLP).",
+            )
+        ]
     return []
 
 
 ALGORITHM = Algorithm(
     name="bayesadmm-iso",
     paper="Möllenhoff, Swaroop, Doshi-Velez, Khan. Federated ADMM from Bayesian Duality (Sec. 3.2). "
-          "arXiv:2506.13150",
+    "arXiv:2506.13150",
     config_cls=BayesADMMIsoConfig,
     server_init=server_init,
     broadcast=fedadmm.broadcast,
@@ -119,7 +140,9 @@ ALGORITHM = Algorithm(
     posterior=posterior,
     degenerate=degenerate,
     description="BayesADMM over N(m, I): FedADMM (delta approximation) or Gaussian-smoothed ADMM (MC).",
-    caveats=("With its default hp.mc_samples = 0 (the delta approximation) it is FedADMM exactly (Sec. 3.2; "
-             "`train` warns). With MC samples the loss is smoothed over q = N(m, I), unit variance on every "
-             "weight, far wider than a network's weights: 6 % on FEMNIST's MLP at 25 rounds."),
+    caveats=(
+        "With its default hp.mc_samples = 0 (the delta approximation) it is FedADMM exactly (Sec. 3.2; "
+        "`train` warns). With MC samples the loss is smoothed over q = N(m, I), unit variance on every "
+        "weight, far wider than a network's weights: 6 % on FEMNIST's MLP at 25 rounds."
+    ),
 )

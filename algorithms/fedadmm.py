@@ -65,7 +65,9 @@ from fedcli.algorithms.optim import MaskedSGD
 @dataclass(frozen=True, kw_only=True)
 class FedADMMConfig:
     rho: float = 0.2  # rho, the proximal weight / inverse step size (Eq. 21); Fig. 4, App. F.3
-    delta: float = 0.0  # delta, prior precision of l_0 = delta/2 ||theta||^2 (Eq. 23); 0 = no prior (Boyd §7.1.1).
+    delta: float = (
+        0.0  # delta, prior precision of l_0 = delta/2 ||theta||^2 (Eq. 23); 0 = no prior (Boyd §7.1.1).
+    )
     # Fig. 4 / App. F.3's 0.2 is a 200-point toy started at 0: see Defaults in the module docstring.
     dual_damping: float = 1.0  # gamma = dual_damping * rho (Eq. 22 has 1); toy code `dual_damping`
 
@@ -90,10 +92,18 @@ class ClientState(NamedTuple):
 
 def require_closed_form_server(opt: OptimConfig, name: str) -> None:
     """Refuse server optimiser settings that a closed-form server step would silently ignore."""
-    require(opt.server_opt == "sgd", "train.server_opt", f"sgd for {name} (its server step is closed form)",
-            opt.server_opt)
-    require(opt.server_lr == 1.0, "train.server_lr", f"1.0 for {name} (its server step is closed form)",
-            opt.server_lr)
+    require(
+        opt.server_opt == "sgd",
+        "train.server_opt",
+        f"sgd for {name} (its server step is closed form)",
+        opt.server_opt,
+    )
+    require(
+        opt.server_lr == 1.0,
+        "train.server_lr",
+        f"1.0 for {name} (its server step is closed form)",
+        opt.server_lr,
+    )
 
 
 def server_init(params: Params, hp: FedADMMConfig, opt: OptimConfig) -> ServerState:
@@ -115,8 +125,15 @@ def broadcast(state: ServerState, hp: FedADMMConfig) -> Broadcast:
 DataLoss = Callable[[Params, int], Tensor]  # (params, step) -> minibatch loss of that step
 
 
-def proximal_sgd(ctx: ClientContext, start: Params, centre: Params, lin: Params, prox: Tensor | float,
-                 opt: OptimConfig, data_loss: DataLoss | None = None) -> tuple[Params, Tensor]:
+def proximal_sgd(
+    ctx: ClientContext,
+    start: Params,
+    centre: Params,
+    lin: Params,
+    prox: Tensor | float,
+    opt: OptimConfig,
+    data_loss: DataLoss | None = None,
+) -> tuple[Params, Tensor]:
     """Run the round's masked SGD(+momentum) steps on  loss + <lin, theta> + prox/2 ||theta - centre||^2.
 
     Returns (last iterate, mean data loss over the real steps); the reported loss excludes
@@ -140,8 +157,14 @@ def proximal_sgd(ctx: ClientContext, start: Params, centre: Params, lin: Params,
     return sgd.params, loss_sum / ctx.step_mask.sum().clamp_min(1.0)
 
 
-def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: FedADMMConfig,
-                  opt: OptimConfig, data_loss: DataLoss | None = None) -> ClientOut:
+def client_update(
+    ctx: ClientContext,
+    bc: Broadcast,
+    client_state: ClientState,
+    hp: FedADMMConfig,
+    opt: OptimConfig,
+    data_loss: DataLoss | None = None,
+) -> ClientOut:
     """Eq. 21 by local SGD (objective / N_k), then Eq. 22; upload theta_k."""
     n = ctx.num_examples
     lin = {k: v / n for k, v in client_state.v.items()}
@@ -152,8 +175,9 @@ def client_update(ctx: ClientContext, bc: Broadcast, client_state: ClientState, 
     return ClientOut(upload={"params": theta}, state=ClientState(v=v), metrics=metrics)
 
 
-def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FedADMMConfig,
-                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+def server_update(
+    state: ServerState, outs: ClientOut, weights: Tensor, hp: FedADMMConfig, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
     """Add the cohort's dual increments to Sum v; theta_bar = (rho C Mean theta_k + Sum v)/(delta + rho C).
 
     The client mean is unweighted (paper: Mean over clients, not N_k-weighted).
@@ -163,8 +187,10 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FedA
     gamma = hp.dual_damping * hp.rho
     dual_sum = {k: state.dual_sum[k] + gamma * (t - state.params[k]).sum(0) for k, t in cohort.items()}
     params = {k: (hp.rho * t.sum(0) + dual_sum[k]) / (hp.delta + hp.rho * num) for k, t in cohort.items()}
-    diagnostics = {"fedadmm/dual_sum_norm": tree_norm(dual_sum),
-                   "fedadmm/alpha": torch.tensor(1.0 / (hp.delta + hp.rho * num))}
+    diagnostics = {
+        "fedadmm/dual_sum_norm": tree_norm(dual_sum),
+        "fedadmm/alpha": torch.tensor(1.0 / (hp.delta + hp.rho * num)),
+    }
     return ServerState(params=params, dual_sum=dual_sum), diagnostics
 
 
@@ -176,7 +202,7 @@ def global_params(state: ServerState) -> Params:
 ALGORITHM = Algorithm(
     name="fedadmm",
     paper="Möllenhoff, Swaroop, Doshi-Velez, Khan. Federated ADMM from Bayesian Duality (Fig. 2a). "
-          "arXiv:2506.13150",
+    "arXiv:2506.13150",
     config_cls=FedADMMConfig,
     server_init=server_init,
     broadcast=broadcast,

@@ -64,14 +64,16 @@ def broadcast(state: ServerState, hp: FedAvgConfig) -> Broadcast:
     return Broadcast(params=state.params)
 
 
-def local_request(ctx: ClientContext, bc: Broadcast, client_state: None, hp: FedAvgConfig,
-                  opt: OptimConfig) -> LocalSGD:
+def local_request(
+    ctx: ClientContext, bc: Broadcast, client_state: None, hp: FedAvgConfig, opt: OptimConfig
+) -> LocalSGD:
     """Plain local SGD from x_t on the task loss (Reddi et al. Alg. 1)."""
     return LocalSGD(start=bc.params)
 
 
-def finish(ctx: ClientContext, bc: Broadcast, client_state: None, hp: object, opt: OptimConfig,
-           local: LocalResult) -> ClientOut:
+def finish(
+    ctx: ClientContext, bc: Broadcast, client_state: None, hp: object, opt: OptimConfig, local: LocalResult
+) -> ClientOut:
     """Upload Delta_i = x_t - x_{i,K} (old minus new); hp unread: any algorithm's config."""
     delta = tree_sub(bc.params, local.params)
     return ClientOut(upload={"delta": delta}, state=None, metrics={"train_loss": local.mean_loss})
@@ -81,17 +83,21 @@ LOCAL = Local(request=local_request, finish=finish)
 client_update = local_update(LOCAL)  # local SGD, then the delta: what every back end computes
 
 
-def apply_pseudo_gradient(state: ServerState, cohort_delta: Params, weights: Tensor,
-                          opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+def apply_pseudo_gradient(
+    state: ServerState, cohort_delta: Params, weights: Tensor, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
     """Average deltas with weights q_i / sum q and take one server optimiser step."""
     pseudo_grad = weighted_mean(cohort_delta, weights)
     params, opt_state = server_opt_step(state.params, pseudo_grad, state.opt_state, opt)
-    return (ServerState(params=params, opt_state=opt_state),
-            {"server/pseudo_grad_norm": tree_norm(pseudo_grad)})
+    return (
+        ServerState(params=params, opt_state=opt_state),
+        {"server/pseudo_grad_norm": tree_norm(pseudo_grad)},
+    )
 
 
-def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FedAvgConfig,
-                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+def server_update(
+    state: ServerState, outs: ClientOut, weights: Tensor, hp: FedAvgConfig, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
     """Apply the server optimiser to the weighted mean delta (Reddi et al. Alg. 2)."""
     return apply_pseudo_gradient(state, outs.upload["delta"], weights, opt)
 

@@ -35,7 +35,9 @@ from fedcli.algorithms.base import Algorithm, Degeneracy, OptimConfig, RunFacts
 
 @dataclass(frozen=True, kw_only=True)
 class FedCurvConfig:
-    lam: float = 1.0  # FedCurv lambda; FOLA paper: mu = 100 at alpha = 0.01 with the code Fisher (see Deviations)
+    lam: float = (
+        1.0  # FedCurv lambda; FOLA paper: mu = 100 at alpha = 0.01 with the code Fisher (see Deviations)
+    )
     fisher: str = "per_sample"  # Eq. 14 per-sample squares (FOLA); "batch_sq" = FOLA code
     fisher_norm: str = "mean"  # mean over the pass; "sum_weighted" = FOLA code (|b|/|D_n|)
     prior_form: str = "paper"  # prior lam/2 P_S; "code" = lam 0.5/r P_S (cnn_curv.py)
@@ -45,16 +47,30 @@ class FedCurvConfig:
         fola.validate_common(self.lam, self.fisher, self.fisher_norm, self.prior_form, self.clip_norm)
 
     def spec(self) -> fola.Spec:
-        return fola.Spec(self.lam, self.fisher, self.fisher_norm, self.prior_form, self.clip_norm,
-                         damping=0.0, compress_p=1.0, offline=True, product=False)
+        return fola.Spec(
+            self.lam,
+            self.fisher,
+            self.fisher_norm,
+            self.prior_form,
+            self.clip_norm,
+            damping=0.0,
+            compress_p=1.0,
+            offline=True,
+            product=False,
+        )
 
 
 def degenerate(hp: FedCurvConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
     """lam = 0 drops the penalty: FedAvg's mean of plain local SGD."""
     if hp.lam == 0:
-        return [Degeneracy("fedcurv:lam-zero", "hp.lam=0 drops the Fisher penalty: the run is FedAvg (with the "
-                           "Fisher pass computed and unused); use --hp lam=1.", ("hp.fisher", "hp.fisher_norm",
-                                                                                 "hp.prior_form"))]
+        return [
+            Degeneracy(
+                "fedcurv:lam-zero",
+                "hp.lam=0 drops the Fisher penalty: the run is FedAvg (with the "
+                "Fisher pass computed and unused); use --hp lam=1.",
+                ("hp.fisher", "hp.fisher_norm", "hp.prior_form"),
+            )
+        ]
     return []
 
 
@@ -68,11 +84,15 @@ ALGORITHM = Algorithm(
     server_update=fola.server_update,
     global_params=fola.global_params,
     round_key=fola.prior_round,
-    check_model=lambda model, hp, vmap_obstacle: fola.per_sample_obstacle(model, hp, vmap_obstacle, name="fedcurv"),
+    check_model=lambda model, hp, vmap_obstacle: fola.per_sample_obstacle(
+        model, hp, vmap_obstacle, name="fedcurv"
+    ),
     degenerate=degenerate,
-    caveats=("With lam = 1 and the per-sample Fisher the penalty is ~1e-3 of the task loss and barely moves the "
-             "clients: its accuracy equals FedAvg's to 0.1 points on FEMNIST, MNIST and synthetic-1-1 at 25 rounds "
-             "(eval/loss differs by ~1e-3), as in recipe fola-mnist; the FOLA paper searched lam in {1, ..., 1e4} "
-             "with the code's smaller batch-squared Fisher."),
+    caveats=(
+        "With lam = 1 and the per-sample Fisher the penalty is ~1e-3 of the task loss and barely moves the "
+        "clients: its accuracy equals FedAvg's to 0.1 points on FEMNIST, MNIST and synthetic-1-1 at 25 rounds "
+        "(eval/loss differs by ~1e-3), as in recipe fola-mnist; the FOLA paper searched lam in {1, ..., 1e4} "
+        "with the code's smaller batch-squared Fisher."
+    ),
     description="FedAvg mean + global offline diag-Fisher penalty lam/2 P_S (theta - mu_S)^2 (FOLA code's variant).",
 )

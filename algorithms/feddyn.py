@@ -70,8 +70,11 @@ def server_init(params: Params, hp: FedDynConfig, opt: OptimConfig) -> ServerSta
     """Return theta^0 = the initial parameters, h^0 = 0, m = 0."""
     fedadmm.require_closed_form_server(opt, "feddyn")
     device = next(iter(params.values())).device
-    return ServerState(params=dict(params), dual_sum=tree_zeros_like(params),
-                       clients_seen=torch.zeros((), dtype=torch.float64, device=device))
+    return ServerState(
+        params=dict(params),
+        dual_sum=tree_zeros_like(params),
+        clients_seen=torch.zeros((), dtype=torch.float64, device=device),
+    )
 
 
 def init_client_state(params: Params, hp: FedDynConfig) -> ClientState:
@@ -80,18 +83,22 @@ def init_client_state(params: Params, hp: FedDynConfig) -> ClientState:
     return ClientState(v=tree_zeros_like(params), visited=torch.zeros((), dtype=first.dtype))
 
 
-def client_update(ctx: ClientContext, bc: fedadmm.Broadcast, client_state: ClientState, hp: FedDynConfig,
-                  opt: OptimConfig) -> ClientOut:
+def client_update(
+    ctx: ClientContext, bc: fedadmm.Broadcast, client_state: ClientState, hp: FedDynConfig, opt: OptimConfig
+) -> ClientOut:
     """Solve the dynamically regularised local problem; update -grad L_k; upload theta_k."""
     theta, loss = fedadmm.proximal_sgd(ctx, bc.params, bc.params, client_state.v, hp.alpha, opt)
     v = {k: client_state.v[k] + hp.alpha * (theta[k] - bc.params[k]) for k in theta}
     state = ClientState(v=v, visited=torch.ones_like(client_state.visited))
     upload = {"params": theta, "first_visit": 1.0 - client_state.visited}
-    return ClientOut(upload=upload, state=state, metrics={"train_loss": loss, "feddyn_dual_norm": tree_norm(v)})
+    return ClientOut(
+        upload=upload, state=state, metrics={"train_loss": loss, "feddyn_dual_norm": tree_norm(v)}
+    )
 
 
-def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FedDynConfig,
-                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+def server_update(
+    state: ServerState, outs: ClientOut, weights: Tensor, hp: FedDynConfig, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
     """h <- h - alpha/m Sum (theta_k - theta); theta = Mean_P theta_k - h/alpha (unweighted mean)."""
     cohort = outs.upload["params"]  # [C, ...]
     seen = state.clients_seen + outs.upload["first_visit"].sum().to(state.clients_seen.dtype)

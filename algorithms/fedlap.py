@@ -52,8 +52,12 @@ from fedcli.algorithms.base import (
 
 @dataclass(frozen=True, kw_only=True)
 class FedLapConfig:
-    delta: float = 1.0  # delta, prior precision = proximal weight; BayesADMM code configs/mnist_heterog/fedlap
-    damping: float = 0.01  # rho, site damping; configs/mnist_heterog/fedlap (1/K, K = 100 clients, all every round).
+    delta: float = (
+        1.0  # delta, prior precision = proximal weight; BayesADMM code configs/mnist_heterog/fedlap
+    )
+    damping: float = (
+        0.01  # rho, site damping; configs/mnist_heterog/fedlap (1/K, K = 100 clients, all every round).
+    )
     #                        A run that does not set it gets 1/C for its cohort of C clients (`recommend`)
 
     def __post_init__(self) -> None:
@@ -87,19 +91,24 @@ def download_nbytes(bc: Broadcast) -> int:
     return tree_nbytes(bc.params)
 
 
-def client_update(ctx: ClientContext, bc: Broadcast, client_state: fedadmm.ClientState, hp: FedLapConfig,
-                  opt: OptimConfig) -> ClientOut:
+def client_update(
+    ctx: ClientContext, bc: Broadcast, client_state: fedadmm.ClientState, hp: FedLapConfig, opt: OptimConfig
+) -> ClientOut:
     """Minimise (l_k + delta <v_k, w> + delta/2 ||w - w_g||^2) / N_k; damped site update; upload w_k."""
     n = ctx.num_examples
     lin = {k: hp.delta * v / n for k, v in client_state.v.items()}
     w, loss = fedadmm.proximal_sgd(ctx, bc.start, bc.params, lin, hp.delta / n, opt)
     v = {k: client_state.v[k] + hp.damping * (w[k] - bc.params[k]) for k in w}
-    return ClientOut(upload={"params": w}, state=fedadmm.ClientState(v=v),
-                     metrics={"train_loss": loss, "fedlap_site_norm": tree_norm(v)})
+    return ClientOut(
+        upload={"params": w},
+        state=fedadmm.ClientState(v=v),
+        metrics={"train_loss": loss, "fedlap_site_norm": tree_norm(v)},
+    )
 
 
-def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FedLapConfig,
-                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+def server_update(
+    state: ServerState, outs: ClientOut, weights: Tensor, hp: FedLapConfig, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
     """w_g = Sum_k v_k: add the cohort's site increments rho (w_k - w_g)."""
     cohort = outs.upload["params"]  # [C, ...]
     params = {k: state.params[k] + hp.damping * (w - state.params[k]).sum(0) for k, w in cohort.items()}
@@ -119,13 +128,24 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
     unweighted mean of barely-moved clients trails FedAvg's example-weighted mean (docs/out-of-the-box.md: synthetic-iid
     40.3 vs 46.9 %, vehicle 82.8 vs 86.9 % at 25 rounds). Except E = 1 on the shifted synthetic sets, whose
     lr suits one epoch (SHORTFALLS: 10 epochs drift the clients there)."""
-    return {"hp.damping": Advice(1.0 / run.clients_per_round, f"1/C for the C = {run.clients_per_round} clients "
-                                 "of a round: the released config's 1/K (K = 100 clients, full participation)"),
-            "train.local_epochs": Advice(1, f"{run.task}'s client lr 0.1 suits one epoch: at the released "
-                                         "configs' 10 it trails FedAvg by 6-8 points, at 1 it meets it (issue 36)")
-            if run.task in SHORTFALLS else
-            Advice(10, "every released FedLap config (cifar10_acar, mnist_heterog, cifar100_resnet20) trains 10 "
-                   "local epochs")}
+    return {
+        "hp.damping": Advice(
+            1.0 / run.clients_per_round,
+            f"1/C for the C = {run.clients_per_round} clients "
+            "of a round: the released config's 1/K (K = 100 clients, full participation)",
+        ),
+        "train.local_epochs": Advice(
+            1,
+            f"{run.task}'s client lr 0.1 suits one epoch: at the released "
+            "configs' 10 it trails FedAvg by 6-8 points, at 1 it meets it (issue 36)",
+        )
+        if run.task in SHORTFALLS
+        else Advice(
+            10,
+            "every released FedLap config (cifar10_acar, mnist_heterog, cifar100_resnet20) trains 10 "
+            "local epochs",
+        ),
+    }
 
 
 # Known shortfalls at the released configs' E = 10, which `recommend` therefore lowers to 1 on these tasks
@@ -134,9 +154,9 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
 # epochs at that lr drift every client toward its own labels, FedAvg's included.
 SHORTFALLS = {
     "synthetic-0.5-0.5": "68.7 / 61.7 vs FedAvg 73.7 / 68.8; FedAvg at 10 epochs 67.2 / 53.2; fedlap at 1 "
-                         "epoch 76.6 / 67.6",
+    "epoch 76.6 / 67.6",
     "synthetic-1-1": "65.8 / 66.2 vs FedAvg 74.8 / 72.1; FedAvg at 10 epochs 64.0 / 58.7; fedlap at 1 epoch "
-                     "77.4 / 74.9",
+    "77.4 / 74.9",
 }
 
 
@@ -146,9 +166,14 @@ def degenerate(hp: FedLapConfig, opt: OptimConfig, run: RunFacts) -> list[Degene
     measured = SHORTFALLS.get(run.task)
     if measured is None or opt.local_epochs != 10:
         return []
-    return [Degeneracy("fedlap:local-drift", f"10 local epochs at {run.task}'s client lr {opt.client_lr:g} (tuned for "
-                       f"one epoch) drift the clients ({measured} %, 25 rounds, seeds 0 / 1); use --local-epochs 1.",
-                       kind="shortfall")]
+    return [
+        Degeneracy(
+            "fedlap:local-drift",
+            f"10 local epochs at {run.task}'s client lr {opt.client_lr:g} (tuned for "
+            f"one epoch) drift the clients ({measured} %, 25 rounds, seeds 0 / 1); use --local-epochs 1.",
+            kind="shortfall",
+        )
+    ]
 
 
 ALGORITHM = Algorithm(
@@ -165,9 +190,9 @@ ALGORITHM = Algorithm(
     recommend=recommend,
     degenerate=degenerate,
     caveats="A round costs about 10 FedAvg rounds: unless --local-epochs is set it trains the released configs' 10 "
-            "local epochs (with 1 it trailed FedAvg at the old client lr 0.01: synthetic-iid 40.3 vs 46.9 %, vehicle "
-            "82.8 vs 86.9 % at 25 rounds). On synthetic-0.5-0.5 and synthetic-1-1, whose lr 0.1 suits one epoch, "
-            "10 epochs drift the clients and it trails FedAvg by 6-8 points: there it recommends 1 epoch, which "
-            "meets FedAvg, and warns when 10 are set.",
+    "local epochs (with 1 it trailed FedAvg at the old client lr 0.01: synthetic-iid 40.3 vs 46.9 %, vehicle "
+    "82.8 vs 86.9 % at 25 rounds). On synthetic-0.5-0.5 and synthetic-1-1, whose lr 0.1 suits one epoch, "
+    "10 epochs drift the clients and it trails FedAvg by 6-8 points: there it recommends 1 epoch, which "
+    "meets FedAvg, and warns when 10 are set.",
     description="FedLap: isotropic-Gaussian PVI with a Laplace (delta) approximation, squared prox.",
 )

@@ -50,20 +50,31 @@ class FedLSAConfig:
     weighting: str = "uniform"  # "uniform" (§3.3: theta_{t+1} = 1/N sum_c) | "examples" (n_c)
 
     def __post_init__(self) -> None:
-        require(self.weighting in ("uniform", "examples"), "hp.weighting", "'uniform' or 'examples'",
-                self.weighting)
+        require(
+            self.weighting in ("uniform", "examples"),
+            "hp.weighting",
+            "'uniform' or 'examples'",
+            self.weighting,
+        )
 
 
 def check_lsa_setting(params: Params, opt: OptimConfig, algo: str) -> None:
     """Raise HyperparameterError unless the model is an LSA model and client momentum is 0."""
     names = sorted(params)
-    require(names == [LSA_PARAM] and params[LSA_PARAM].dim() == 1, "data.task",
-            f"a linear stochastic approximation task (kind 'lsa', a model whose only parameter is "
-            f"'{LSA_PARAM}', e.g. --task garnet-het-n10) for {algo}",
-            f"a model with parameters {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}",
-            f"{algo} runs local LSA steps; on neural tasks use scaffold or fedavg.")
-    require(opt.client_momentum == 0.0, "train.client_momentum", f"0 for {algo} (the LSA step has no momentum)",
-            opt.client_momentum)
+    require(
+        names == [LSA_PARAM] and params[LSA_PARAM].dim() == 1,
+        "data.task",
+        f"a linear stochastic approximation task (kind 'lsa', a model whose only parameter is "
+        f"'{LSA_PARAM}', e.g. --task garnet-het-n10) for {algo}",
+        f"a model with parameters {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}",
+        f"{algo} runs local LSA steps; on neural tasks use scaffold or fedavg.",
+    )
+    require(
+        opt.client_momentum == 0.0,
+        "train.client_momentum",
+        f"0 for {algo} (the LSA step has no momentum)",
+        opt.client_momentum,
+    )
 
 
 def server_init(params: Params, hp: FedLSAConfig, opt: OptimConfig) -> fedavg.ServerState:
@@ -77,11 +88,13 @@ def aggregation_weights(weights: Tensor, weighting: str) -> Tensor:
     return weights if weighting == "examples" else torch.ones_like(weights)
 
 
-def server_update(state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: FedLSAConfig,
-                  opt: OptimConfig) -> tuple[fedavg.ServerState, Diagnostics]:
+def server_update(
+    state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: FedLSAConfig, opt: OptimConfig
+) -> tuple[fedavg.ServerState, Diagnostics]:
     """theta_{t+1} = theta_t - server step on mean_q(theta_t - theta^c_{t,H})."""
-    return fedavg.apply_pseudo_gradient(state, outs.upload["delta"], aggregation_weights(weights, hp.weighting),
-                                        opt)
+    return fedavg.apply_pseudo_gradient(
+        state, outs.upload["delta"], aggregation_weights(weights, hp.weighting), opt
+    )
 
 
 def lsa_solution(a_bar: Tensor, b_bar: Tensor, weights: Tensor | None = None) -> Tensor:
@@ -94,8 +107,14 @@ def lsa_solution(a_bar: Tensor, b_bar: Tensor, weights: Tensor | None = None) ->
     return torch.linalg.solve(torch.einsum("c,cde->de", q, a_bar), q @ b_bar)
 
 
-def fedlsa_bias(a_bar: Tensor, b_bar: Tensor, eta: float, local_steps: int, weights: Tensor | None = None,
-                rounds: int | None = None) -> Tensor:
+def fedlsa_bias(
+    a_bar: Tensor,
+    b_bar: Tensor,
+    eta: float,
+    local_steps: int,
+    weights: Tensor | None = None,
+    rounds: int | None = None,
+) -> Tensor:
     """Return FedLSA's bias theta_inf - theta* (fedlsa.md §3.3), exact for the expected iterate.
 
         Gamma_c = (I - eta Abar^c)^H,  Gammabar = sum_c q_c Gamma_c,
@@ -132,14 +151,24 @@ EQUAL_CLIENT_TASKS = ("garnet-",)  # task-name prefixes whose clients all hold t
 def degenerate(hp: FedLSAConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
     """FedLSA's mean equals FedAvg's example-weighted mean: with weighting=examples, or equal-size clients."""
     if hp.weighting == "examples":
-        return [Degeneracy("fedlsa:is-fedavg", "hp.weighting=examples weights clients by their samples, as FedAvg "
-                           "does: the run computes --algo fedavg's model; the paper's FedLSA is --hp weighting=uniform "
-                           "(Mangold et al. §3.3).")]
+        return [
+            Degeneracy(
+                "fedlsa:is-fedavg",
+                "hp.weighting=examples weights clients by their samples, as FedAvg "
+                "does: the run computes --algo fedavg's model; the paper's FedLSA is --hp weighting=uniform "
+                "(Mangold et al. §3.3).",
+            )
+        ]
     if run.task.startswith(EQUAL_CLIENT_TASKS):
-        return [Degeneracy("fedlsa:is-fedavg", f"task {run.task!r} gives every agent the same number of samples, so "
-                           "FedLSA's uniform mean (Mangold et al. §3.3) is FedAvg's example-weighted mean: the run "
-                           "computes --algo fedavg's model (FedLSA is the biased baseline that --algo scafflsa "
-                           "corrects).")]
+        return [
+            Degeneracy(
+                "fedlsa:is-fedavg",
+                f"task {run.task!r} gives every agent the same number of samples, so "
+                "FedLSA's uniform mean (Mangold et al. §3.3) is FedAvg's example-weighted mean: the run "
+                "computes --algo fedavg's model (FedLSA is the biased baseline that --algo scafflsa "
+                "corrects).",
+            )
+        ]
     return []
 
 
@@ -155,7 +184,9 @@ ALGORITHM = Algorithm(
     global_params=fedavg.global_params,
     description="Federated LSA / TD(0): H local LSA steps, then averaging; biased under heterogeneity.",
     degenerate=degenerate,
-    caveats=("FedLSA is FedAvg on a linear stochastic approximation task (Mangold et al. §3): with clients of equal "
-             "size (its uniform mean = FedAvg's example-weighted mean, as on the garnet tasks) the two runs are "
-             "identical; it is the biased baseline that SCAFFLSA corrects."),
+    caveats=(
+        "FedLSA is FedAvg on a linear stochastic approximation task (Mangold et al. §3): with clients of equal "
+        "size (its uniform mean = FedAvg's example-weighted mean, as on the garnet tasks) the two runs are "
+        "identical; it is the biased baseline that SCAFFLSA corrects."
+    ),
 )

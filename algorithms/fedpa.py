@@ -64,7 +64,9 @@ from fedcli.algorithms.optim import LocalResult, local_update
 @dataclass(frozen=True, kw_only=True)
 class FedPAConfig:
     rho: float = 0.1  # shrinkage rho >= 0; Table 6, EMNIST-62 (0.01 for CIFAR-100 / StackOverflow)
-    burn_in_rounds: int = 100  # T_burn: rounds 1..T_burn run FedAvg exactly; Table 6, EMNIST-62 (of 1,500 rounds;
+    burn_in_rounds: int = (
+        100  # T_burn: rounds 1..T_burn run FedAvg exactly; Table 6, EMNIST-62 (of 1,500 rounds;
+    )
     #                            unset: ceil(R / 15) for a run of R rounds, `recommend`)
     burn_in_epochs: int = 1  # epochs per sampling round that are not samples (l = E - 1); TFF code
     #                          (client_mixin_epochs_per_round = 1, its README's 5 epochs -> 4 samples); paper text 0
@@ -87,8 +89,13 @@ def num_samples(hp: FedPAConfig, opt: OptimConfig) -> int:
 
 def server_init(params: Params, hp: FedPAConfig, opt: OptimConfig) -> fedavg.ServerState:
     """Check that l >= 1 and return FedAvg's initial server state."""
-    require(num_samples(hp, opt) >= 1, "hp.burn_in_epochs", f"< train.local_epochs={opt.local_epochs}",
-            hp.burn_in_epochs, "Each sampling round needs at least one IASG sample.")
+    require(
+        num_samples(hp, opt) >= 1,
+        "hp.burn_in_epochs",
+        f"< train.local_epochs={opt.local_epochs}",
+        hp.burn_in_epochs,
+        "Each sampling round needs at least one IASG sample.",
+    )
     return fedavg.server_init(params, hp, opt)
 
 
@@ -147,18 +154,25 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
     return head + torch.dot(a[whole:].to(torch.float64), b[whole:].to(torch.float64))
 
 
-def local_request(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedPAConfig,
-                  opt: OptimConfig) -> LocalSGD:
+def local_request(
+    ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedPAConfig, opt: OptimConfig
+) -> LocalSGD:
     """FedAvg's local SGD from theta_0; past burn-in with the per-epoch iterate means (IASG, Alg. 4)."""
     return LocalSGD(start=bc.params, average_epochs=sampling_round(hp, ctx.round_idx))
 
 
-def finish(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedPAConfig, opt: OptimConfig,
-           local: LocalResult) -> ClientOut:
+def finish(
+    ctx: ClientContext,
+    bc: fedavg.Broadcast,
+    client_state: None,
+    hp: FedPAConfig,
+    opt: OptimConfig,
+    local: LocalResult,
+) -> ClientOut:
     """FedAvg's delta during burn-in rounds; afterwards the DP delta of the IASG samples."""
     if not sampling_round(hp, ctx.round_idx):
         return fedavg.finish(ctx, bc, client_state, hp, opt, local)
-    samples = [flatten(s) for s in local.epoch_means[first_sample_epoch(hp, opt):]]
+    samples = [flatten(s) for s in local.epoch_means[first_sample_epoch(hp, opt) :]]
     x0 = flatten(bc.params)
     delta = unflatten(posterior_delta(x0, samples, hp.rho), bc.params)
     fedavg_delta = tree_sub(bc.params, local.params)
@@ -178,9 +192,16 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
     """FedPA-ME's settings for a run of R rounds (docs/out-of-the-box.md): E = 5 local epochs (Table 6,
     EMNIST-62), so l = E - 1 = 4 samples, and T_burn = ceil(R / BURN_IN_DIVISOR) burn-in rounds."""
     burn_in = math.ceil(run.rounds / BURN_IN_DIVISOR)
-    return {"train.local_epochs": Advice(5, "Table 6, EMNIST-62 (FedPA-ME): l = E - 1 = 4 IASG samples per round"),
-            "hp.burn_in_rounds": Advice(burn_in, f"ceil(R / {BURN_IN_DIVISOR}) of R = {run.rounds} rounds: "
-                                        "Table 6's EMNIST-62 burn-in, 100 of its 1,500 rounds")}
+    return {
+        "train.local_epochs": Advice(
+            5, "Table 6, EMNIST-62 (FedPA-ME): l = E - 1 = 4 IASG samples per round"
+        ),
+        "hp.burn_in_rounds": Advice(
+            burn_in,
+            f"ceil(R / {BURN_IN_DIVISOR}) of R = {run.rounds} rounds: "
+            "Table 6's EMNIST-62 burn-in, 100 of its 1,500 rounds",
+        ),
+    }
 
 
 BURN_IN_DIVISOR = 15  # Table 6 / Table 3a: T_burn = 100 of the 1,500 EMNIST-62 rounds
@@ -190,19 +211,34 @@ def degenerate(hp: FedPAConfig, opt: OptimConfig, run: RunFacts) -> list[Degener
     """FedAvg when no round samples; one sample per round (l = 1) makes rho inert (footnote 5)."""
     out = []
     if hp.burn_in_rounds >= run.rounds:
-        out.append(Degeneracy("fedpa:all-burn-in", f"hp.burn_in_rounds={hp.burn_in_rounds} >= train.rounds="
-                              f"{run.rounds}: every round is burn-in, so the run is FedAvg exactly; lower "
-                              f"--hp burn_in_rounds (e.g. {math.ceil(run.rounds / BURN_IN_DIVISOR)}) or raise --rounds.",
-                              ("hp.rho", "hp.burn_in_epochs")))
+        out.append(
+            Degeneracy(
+                "fedpa:all-burn-in",
+                f"hp.burn_in_rounds={hp.burn_in_rounds} >= train.rounds="
+                f"{run.rounds}: every round is burn-in, so the run is FedAvg exactly; lower "
+                f"--hp burn_in_rounds (e.g. {math.ceil(run.rounds / BURN_IN_DIVISOR)}) or raise --rounds.",
+                ("hp.rho", "hp.burn_in_epochs"),
+            )
+        )
     elif num_samples(hp, opt) == 1:
-        out.append(Degeneracy("fedpa:one-sample", f"l = {num_samples(hp, opt)} IASG sample per round "
-                              f"(train.local_epochs={opt.local_epochs}, hp.burn_in_epochs={hp.burn_in_epochs}): the "
-                              "delta is FedAvg's on the epoch's iterate mean and hp.rho has no effect; use "
-                              f"--local-epochs {hp.burn_in_epochs + 2} or more (Table 6: 5).",
-                              ("hp.rho", "hp.burn_in_epochs") if opt.local_epochs == 1 else ("hp.rho",)))
+        out.append(
+            Degeneracy(
+                "fedpa:one-sample",
+                f"l = {num_samples(hp, opt)} IASG sample per round "
+                f"(train.local_epochs={opt.local_epochs}, hp.burn_in_epochs={hp.burn_in_epochs}): the "
+                "delta is FedAvg's on the epoch's iterate mean and hp.rho has no effect; use "
+                f"--local-epochs {hp.burn_in_epochs + 2} or more (Table 6: 5).",
+                ("hp.rho", "hp.burn_in_epochs") if opt.local_epochs == 1 else ("hp.rho",),
+            )
+        )
     elif hp.rho == 0:
-        out.append(Degeneracy("fedpa:rho-zero", "hp.rho=0 makes Sigma_hat = I: the delta is FedAvg's on the mean of "
-                              "the l samples (no covariance); use --hp rho=0.1 (Table 6, EMNIST-62)."))
+        out.append(
+            Degeneracy(
+                "fedpa:rho-zero",
+                "hp.rho=0 makes Sigma_hat = I: the delta is FedAvg's on the mean of "
+                "the l samples (no covariance); use --hp rho=0.1 (Table 6, EMNIST-62).",
+            )
+        )
     return out
 
 
@@ -211,8 +247,9 @@ def sampling_round(hp: FedPAConfig, round_idx: int) -> bool:
     return round_idx > hp.burn_in_rounds
 
 
-def server_update(state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: FedPAConfig,
-                  opt: OptimConfig) -> tuple[fedavg.ServerState, Diagnostics]:
+def server_update(
+    state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: FedPAConfig, opt: OptimConfig
+) -> tuple[fedavg.ServerState, Diagnostics]:
     """Drop non-finite client deltas (weight 0), then FedAvg's server step."""
     cohort_delta = outs.upload["delta"]  # [C, ...]
     finite = finite_client_mask(cohort_delta)  # [C]
@@ -242,6 +279,8 @@ ALGORITHM = Algorithm(
     round_key=sampling_round,
     recommend=recommend,
     degenerate=degenerate,
-    description=("Posterior averaging: IASG samples (l = E - 1, the released code), shrinkage covariance, "
-                 "O(l^2 d) DP delta; FedAvg exactly for the first hp.burn_in_rounds rounds."),
+    description=(
+        "Posterior averaging: IASG samples (l = E - 1, the released code), shrinkage covariance, "
+        "O(l^2 d) DP delta; FedAvg exactly for the first hp.burn_in_rounds rounds."
+    ),
 )

@@ -54,23 +54,37 @@ class FedProxConfig:
     mu: float = 0.1
 
     def __post_init__(self) -> None:
-        require(self.mu >= 0, "hp.mu", ">= 0", self.mu,
-                "Li et al. tune mu in {0.001, 0.01, 0.1, 1}; mu = 0 is FedAvg.")
+        require(
+            self.mu >= 0,
+            "hp.mu",
+            ">= 0",
+            self.mu,
+            "Li et al. tune mu in {0.001, 0.01, 0.1, 1}; mu = 0 is FedAvg.",
+        )
 
 
-def local_request(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedProxConfig,
-                  opt: OptimConfig) -> LocalSGD:
+def local_request(
+    ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedProxConfig, opt: OptimConfig
+) -> LocalSGD:
     """Local SGD on h_k(w; w^t) = F_k(w) + mu/2 ||w - w^t||^2 from w^t (Eq. 2; optim.proximal_term)."""
     return LocalSGD(start=bc.params, prox_mu=hp.mu)
 
 
-def finish(ctx: ClientContext, bc: fedavg.Broadcast, client_state: None, hp: FedProxConfig, opt: OptimConfig,
-           local: LocalResult) -> ClientOut:
+def finish(
+    ctx: ClientContext,
+    bc: fedavg.Broadcast,
+    client_state: None,
+    hp: FedProxConfig,
+    opt: OptimConfig,
+    local: LocalResult,
+) -> ClientOut:
     """Upload Delta = w^t - w_k (old minus new); the reported loss is the mean data loss F_k."""
     delta = tree_sub(bc.params, local.params)
-    metrics = {"train_loss": local.mean_loss,  # mean data loss F_k over the real steps
-               "fedprox_prox_term": proximal_term(local.params, bc.params, hp.mu).detach(),
-               "fedprox_drift": tree_norm(delta).detach()}  # ||w_k - w^t||
+    metrics = {
+        "train_loss": local.mean_loss,  # mean data loss F_k over the real steps
+        "fedprox_prox_term": proximal_term(local.params, bc.params, hp.mu).detach(),
+        "fedprox_drift": tree_norm(delta).detach(),
+    }  # ||w_k - w^t||
     return ClientOut(upload={"delta": delta}, state=None, metrics=metrics)
 
 
@@ -81,8 +95,13 @@ client_update = local_update(LOCAL)
 def degenerate(hp: FedProxConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
     """mu = 0 is FedAvg exactly (tested bit for bit)."""
     if hp.mu == 0:
-        return [Degeneracy("fedprox:mu-zero", "hp.mu=0 removes the proximal term: the run is FedAvg exactly; use "
-                           "--hp mu=0.1 (Li et al.'s grid: 0.001, 0.01, 0.1, 1).")]
+        return [
+            Degeneracy(
+                "fedprox:mu-zero",
+                "hp.mu=0 removes the proximal term: the run is FedAvg exactly; use "
+                "--hp mu=0.1 (Li et al.'s grid: 0.001, 0.01, 0.1, 1).",
+            )
+        ]
     return []
 
 

@@ -118,14 +118,23 @@ class FOLAConfig:
         require(0 < self.compress_p <= 1, "hp.compress_p", "in (0, 1] (1 = no compression)", self.compress_p)
 
     def spec(self) -> Spec:
-        return Spec(self.lam, self.fisher, self.fisher_norm, self.prior_form, self.clip_norm,
-                    self.damping, self.compress_p)
+        return Spec(
+            self.lam,
+            self.fisher,
+            self.fisher_norm,
+            self.prior_form,
+            self.clip_norm,
+            self.damping,
+            self.compress_p,
+        )
 
 
 class ServerState(NamedTuple):
     mean: Params  # mu_S, the global model
     precision: Params  # P_S (prior_form="paper") or Omega_S ("code"), diagonal, zeros before round 1
-    num_examples: float = 0.0  # sum m_n of the last cohort (the posterior's scale); 0 before round 1 and in older files
+    num_examples: float = (
+        0.0  # sum m_n of the last cohort (the posterior's scale); 0 before round 1 and in older files
+    )
 
 
 class Broadcast(NamedTuple):
@@ -137,8 +146,13 @@ class Broadcast(NamedTuple):
 
 def server_init(params: Params, hp: FOLAConfig, opt: OptimConfig) -> ServerState:
     """mu_S = theta_0, P_S = 0 (the code's Omega_S = 0; Alg. 1 gives no values)."""
-    require(opt.server_opt == "sgd" and opt.server_lr == 1.0, "train.server_opt/server_lr", "sgd/1.0",
-            f"{opt.server_opt}/{opt.server_lr}", "The server sets theta = mu_S (Alg. 1); it has no optimiser.")
+    require(
+        opt.server_opt == "sgd" and opt.server_lr == 1.0,
+        "train.server_opt/server_lr",
+        "sgd/1.0",
+        f"{opt.server_opt}/{opt.server_lr}",
+        "The server sets theta = mu_S (Alg. 1); it has no optimiser.",
+    )
     return ServerState(mean=dict(params), precision=tree_zeros_like(params))
 
 
@@ -159,14 +173,20 @@ def fisher_increment(ctx: ClientContext, params: Params, batch: Batch, grads: Pa
         one = torch.ones_like(batch.weight[:1])
         return ctx.loss_fn(p, Batch(x=x.unsqueeze(0), y=y.unsqueeze(0), weight=one, key=batch.key))
 
-    per_example = torch.func.vmap(torch.func.grad(example_loss), in_dims=(None, 0, 0))(params, batch.x, batch.y)
+    per_example = torch.func.vmap(torch.func.grad(example_loss), in_dims=(None, 0, 0))(
+        params, batch.x, batch.y
+    )
     w = batch.weight  # [B]
     total = w.sum().clamp_min(1.0)
-    return {k: torch.tensordot(w.to(g.dtype), g * g, dims=([0], [0])) / total.to(g.dtype)
-            for k, g in per_example.items()}
+    return {
+        k: torch.tensordot(w.to(g.dtype), g * g, dims=([0], [0])) / total.to(g.dtype)
+        for k, g in per_example.items()
+    }
 
 
-def per_sample_obstacle(model: torch.nn.Module, hp: object, vmap_obstacle: str | None, name: str = "fola") -> str | None:
+def per_sample_obstacle(
+    model: torch.nn.Module, hp: object, vmap_obstacle: str | None, name: str = "fola"
+) -> str | None:
     """Why hp.fisher=per_sample (one gradient per example, a nested vmap over the batch) cannot run on
     `model`, or None (Algorithm.check_model of fola, fola-offline and fedcurv).
 
@@ -178,20 +198,29 @@ def per_sample_obstacle(model: torch.nn.Module, hp: object, vmap_obstacle: str |
     """
     if getattr(hp, "fisher", None) != "per_sample":
         return None
-    norms = [(n, type(m).__name__) for n, m in model.named_modules()
-             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    fix = ("use --hp fisher=batch_sq (Alg. 1 / the released code: the square of the minibatch gradient), "
-           "or GroupNorm in place of BatchNorm")
+    norms = [
+        (n, type(m).__name__)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    ]
+    fix = (
+        "use --hp fisher=batch_sq (Alg. 1 / the released code: the square of the minibatch gradient), "
+        "or GroupNorm in place of BatchNorm"
+    )
     if norms:
         where, kind = norms[0]
         more = f" and {len(norms) - 1} more" if len(norms) > 1 else ""
-        return (f"{name}'s default Fisher (hp.fisher=per_sample) needs one gradient per example, which this model's "
-                f"BatchNorm ({where}: {kind}{more}) does not have: it normalises over the batch; {fix}.")
+        return (
+            f"{name}'s default Fisher (hp.fisher=per_sample) needs one gradient per example, which this model's "
+            f"BatchNorm ({where}: {kind}{more}) does not have: it normalises over the batch; {fix}."
+        )
     obstacle = vmap_obstacle
     if obstacle is not None:
-        return (f"{name}'s default Fisher (hp.fisher=per_sample) takes per-example gradients under torch.func.vmap, "
-                f"which this model cannot run ({obstacle}); use --hp fisher=batch_sq (the square of the minibatch "
-                "gradient).")
+        return (
+            f"{name}'s default Fisher (hp.fisher=per_sample) takes per-example gradients under torch.func.vmap, "
+            f"which this model cannot run ({obstacle}); use --hp fisher=batch_sq (the square of the minibatch "
+            "gradient)."
+        )
     return None
 
 
@@ -265,8 +294,9 @@ def client_precision(fisher: Params, prior: Params, round_idx: int, prior_form: 
     return {k: fisher[k] / r + (r - 1) / r * prior[k] for k in fisher}
 
 
-def client_update(ctx: ClientContext, bc: Broadcast, client_state: None, hp: FOLAConfig,
-                  opt: OptimConfig) -> ClientOut:
+def client_update(
+    ctx: ClientContext, bc: Broadcast, client_state: None, hp: FOLAConfig, opt: OptimConfig
+) -> ClientOut:
     """Local training from mu_S, then upload (mu_n, P_n) (P_n compressed when p < 1)."""
     spec = hp.spec()
     fit = local_train(ctx, bc, spec, opt)
@@ -296,8 +326,9 @@ def make_out(fit: LocalFit, precision: Params, spec: Spec) -> ClientOut:
     return ClientOut(upload=upload, state=None, metrics=metrics)
 
 
-def aggregate(means: Params, precisions: Params, weights: Tensor, damping: float,
-              product: bool) -> tuple[Params, Params]:
+def aggregate(
+    means: Params, precisions: Params, weights: Tensor, damping: float, product: bool
+) -> tuple[Params, Params]:
     """Eq. 9 diagonal: P_S = sum a_n P_n, mu_S = sum a_n P_n mu_n / (P_S + gamma); a_n = m_n / sum m.
 
     Where P_S + gamma is 0 (gamma = 0 and no client has curvature there) mu_S is FedAvg's
@@ -313,13 +344,16 @@ def aggregate(means: Params, precisions: Params, weights: Tensor, damping: float
     for k, m in means.items():
         denom = precision[k] + damping
         tiny = torch.finfo(denom.dtype).tiny
-        product_mean = torch.tensordot(a.to(m.dtype), precisions[k] * m, dims=([0], [0])) / denom.clamp_min(tiny)
+        product_mean = torch.tensordot(a.to(m.dtype), precisions[k] * m, dims=([0], [0])) / denom.clamp_min(
+            tiny
+        )
         mean[k] = torch.where(denom > tiny, product_mean, average[k])
     return mean, precision
 
 
-def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FOLAConfig,
-                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+def server_update(
+    state: ServerState, outs: ClientOut, weights: Tensor, hp: FOLAConfig, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
     """Aggregate the cohort's (mu_n, P_n); theta = mu_S (Alg. 1)."""
     spec = hp.spec()
     means = outs.upload["mean"]  # [C, ...]
@@ -333,7 +367,8 @@ def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: FOLA
     diagnostics = {
         "server/precision_mean": precision_sum / numel,
         "server/low_precision_frac": torch.as_tensor(low, dtype=torch.float64) / numel,
-        "server/shift_from_fedavg": tree_norm(tree_sub(mean, fedavg_mean)) / tree_norm(fedavg_mean).clamp_min(1e-12),
+        "server/shift_from_fedavg": tree_norm(tree_sub(mean, fedavg_mean))
+        / tree_norm(fedavg_mean).clamp_min(1e-12),
     }
     return ServerState(mean=mean, precision=precision, num_examples=float(weights.sum())), diagnostics
 
@@ -345,15 +380,17 @@ def global_params(state: ServerState) -> Params:
 def posterior(state: ServerState) -> tuple[Params, Params]:
     """Return N(mu_S, 1 / (n P_S + delta_l)): the cohort's Laplace posterior with Eq. 18's prior (docstring)."""
     n = max(state.num_examples, 1.0)
-    var = {k: 1.0 / (n * p + 1.0 / state.mean[k].pow(2).mean().clamp_min(torch.finfo(p.dtype).tiny))
-           for k, p in state.precision.items()}
+    var = {
+        k: 1.0 / (n * p + 1.0 / state.mean[k].pow(2).mean().clamp_min(torch.finfo(p.dtype).tiny))
+        for k, p in state.precision.items()
+    }
     return state.mean, var
 
 
 ALGORITHM = Algorithm(
     name="fola",
     paper="Liu, Zheng. A Bayesian Federated Learning Framework with Multivariate Gaussian Product. "
-          "arXiv:2102.01936 (2021)",
+    "arXiv:2102.01936 (2021)",
     config_cls=FOLAConfig,
     server_init=server_init,
     broadcast=broadcast,
@@ -364,5 +401,5 @@ ALGORITHM = Algorithm(
     round_key=client_round,
     check_model=per_sample_obstacle,
     description="Gaussian-product aggregation of (mu_n, diag Fisher precision) + online Laplace prior "
-                "(--hp lam=0: aggregation only).",
+    "(--hp lam=0: aggregation only).",
 )

@@ -60,8 +60,9 @@ def offline_fisher(ctx: ClientContext, params: Params, spec: fola.Spec) -> Param
     return fisher
 
 
-def client_update(ctx: ClientContext, bc: fola.Broadcast, client_state: None, hp: FOLAOfflineConfig,
-                  opt: OptimConfig) -> ClientOut:
+def client_update(
+    ctx: ClientContext, bc: fola.Broadcast, client_state: None, hp: FOLAOfflineConfig, opt: OptimConfig
+) -> ClientOut:
     """Local training from mu_S, then upload (mu_n, offline Fisher at mu_n)."""
     spec = hp.spec()
     fit = fola.local_train(ctx, bc, spec, opt)
@@ -90,11 +91,16 @@ def degenerate(hp: FOLAOfflineConfig, opt: OptimConfig, run: RunFacts) -> list[D
     measured = SHORTFALLS.get(run.task)
     if measured is None:
         return []
-    return [Degeneracy("fola-offline:offline-product", f"the paper's offline-Laplace ablation (Sec. 4.3, Fig. 3): "
-                       "its product mean weights each client by the Fisher at its local optimum, small where the "
-                       f"client fits well, which on {run.task} cost accuracy at 25 rounds ({measured} %); run "
-                       "fola (online Fisher) for the method, fedcurv for the offline Fisher with FedAvg's mean.",
-                       kind="shortfall")]
+    return [
+        Degeneracy(
+            "fola-offline:offline-product",
+            f"the paper's offline-Laplace ablation (Sec. 4.3, Fig. 3): "
+            "its product mean weights each client by the Fisher at its local optimum, small where the "
+            f"client fits well, which on {run.task} cost accuracy at 25 rounds ({measured} %); run "
+            "fola (online Fisher) for the method, fedcurv for the offline Fisher with FedAvg's mean.",
+            kind="shortfall",
+        )
+    ]
 
 
 ALGORITHM = Algorithm(
@@ -107,11 +113,15 @@ ALGORITHM = Algorithm(
     server_update=fola.server_update,
     global_params=fola.global_params,
     round_key=fola.prior_round,
-    check_model=lambda model, hp, vmap_obstacle: fola.per_sample_obstacle(model, hp, vmap_obstacle, name="fola-offline"),
+    check_model=lambda model, hp, vmap_obstacle: fola.per_sample_obstacle(
+        model, hp, vmap_obstacle, name="fola-offline"
+    ),
     posterior=fola.posterior,
     degenerate=degenerate,
-    caveats=("The paper's offline-Laplace ablation: on heterogeneous tasks its product mean, weighted by the Fisher "
-             "at each client's local optimum, trails FedAvg (FEMNIST 40.3 vs 47.5 %, synthetic-1-1 54.6 vs 74.3 % "
-             "at 25 rounds); a warning says so before such a run starts."),
+    caveats=(
+        "The paper's offline-Laplace ablation: on heterogeneous tasks its product mean, weighted by the Fisher "
+        "at each client's local optimum, trails FedAvg (FEMNIST 40.3 vs 47.5 %, synthetic-1-1 54.6 vs 74.3 % "
+        "at 25 rounds); a warning says so before such a run starts."
+    ),
     description="FOLA with the Fisher taken once at the end of local training (no online accumulation).",
 )

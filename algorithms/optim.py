@@ -51,8 +51,9 @@ from fedcli.algorithms.base import (
 )
 
 
-def sgd_step(params: Params, grads: Params, velocity: Params, lr: float,
-             momentum: float) -> tuple[Params, Params]:
+def sgd_step(
+    params: Params, grads: Params, velocity: Params, lr: float, momentum: float
+) -> tuple[Params, Params]:
     """Return one SGD step: v' = m v + g, theta' = theta - lr v' (v unused when m = 0)."""
     if momentum == 0.0:
         return {k: p - lr * grads[k] for k, p in params.items()}, velocity
@@ -62,12 +63,14 @@ def sgd_step(params: Params, grads: Params, velocity: Params, lr: float,
 
 def server_opt_init(params: Params) -> ServerOptState:
     """Return zero moments and step 0 for any server optimiser."""
-    return ServerOptState(first=tree_zeros_like(params), second=tree_zeros_like(params),
-                          step=torch.zeros((), dtype=torch.int64))
+    return ServerOptState(
+        first=tree_zeros_like(params), second=tree_zeros_like(params), step=torch.zeros((), dtype=torch.int64)
+    )
 
 
-def server_opt_step(params: Params, pseudo_grad: Params, state: ServerOptState,
-                    opt: OptimConfig) -> tuple[Params, ServerOptState]:
+def server_opt_step(
+    params: Params, pseudo_grad: Params, state: ServerOptState, opt: OptimConfig
+) -> tuple[Params, ServerOptState]:
     """Apply one server step with g = pseudo_grad (old minus new); see the module table."""
     kind, lr, tau = opt.server_opt, opt.server_lr, opt.server_tau
     first, second = state.first, state.second
@@ -180,11 +183,20 @@ def scaled_objective(loss_fn: LossFn) -> Callable[[Params, Batch, Tensor], tuple
     return scaled_loss
 
 
-GradStep = Callable[[Params, Batch, Tensor], tuple[Params, Tensor]]  # (params, batch, coef) -> (coef * grad, loss)
+GradStep = Callable[
+    [Params, Batch, Tensor], tuple[Params, Tensor]
+]  # (params, batch, coef) -> (coef * grad, loss)
 
 
-def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig, objective: LossFn | None = None, *,
-              average_epochs: bool = False, grad_step: GradStep | None = None) -> LocalResult:
+def local_sgd(
+    ctx: ClientContext,
+    params: Params,
+    opt: OptimConfig,
+    objective: LossFn | None = None,
+    *,
+    average_epochs: bool = False,
+    grad_step: GradStep | None = None,
+) -> LocalResult:
     """Run E epochs x K masked SGD(+momentum) steps on `objective` from `params`.
 
     Momentum persists across the epochs of a round and starts at zero every round
@@ -216,12 +228,11 @@ def local_sgd(ctx: ClientContext, params: Params, opt: OptimConfig, objective: L
             if average_epochs:
                 running = accumulate(running, sgd.params)
         if average_epochs and running is not None:
-            real = ctx.step_mask[epoch * ctx.steps_per_epoch:(epoch + 1) * ctx.steps_per_epoch].sum()
+            real = ctx.step_mask[epoch * ctx.steps_per_epoch : (epoch + 1) * ctx.steps_per_epoch].sum()
             masked, count = ctx.steps_per_epoch - real, real.clamp_min(1.0)
             epoch_means.append({n: (v - masked * sgd.params[n]) / count for n, v in running.items()})
     mean_loss = loss_sum / ctx.step_mask.sum().clamp_min(1.0)
     return LocalResult(params=sgd.params, epoch_means=epoch_means, mean_loss=mean_loss)
-
 
 
 def proximal_term(params: Params, anchor: Params, mu: float) -> Tensor:
@@ -253,11 +264,18 @@ def local_objective(loss_fn: LossFn, request: LocalSGD) -> LossFn:
     return objective
 
 
-def train_local(ctx: ClientContext, request: LocalSGD, opt: OptimConfig,
-                grad_step: GradStep | None = None) -> LocalResult:
+def train_local(
+    ctx: ClientContext, request: LocalSGD, opt: OptimConfig, grad_step: GradStep | None = None
+) -> LocalResult:
     """Run the local SGD `request` declares, through autograd: the trainer of the generic back ends."""
-    return local_sgd(ctx, request.start, opt, local_objective(ctx.loss_fn, request),
-                     average_epochs=request.average_epochs, grad_step=grad_step)
+    return local_sgd(
+        ctx,
+        request.start,
+        opt,
+        local_objective(ctx.loss_fn, request),
+        average_epochs=request.average_epochs,
+        grad_step=grad_step,
+    )
 
 
 def local_update(local: Local) -> Callable[..., ClientOut]:
@@ -273,6 +291,7 @@ def local_update(local: Local) -> Callable[..., ClientOut]:
 
     client_update.__doc__ = f"{local.request.__doc__ or ''} Then: {local.finish.__doc__ or ''}".strip()
     return client_update
+
 
 # ---------------------------------------------------------------------------------------
 # IVON: Shen, Daheim, Cong, Nickl, Marconi, Bazan, Yokota, Gurevych, Cremers, Khan,
@@ -326,8 +345,17 @@ def ivon_sample(state: IvonState, target: IvonTarget, eps: Params) -> Params:
     return {k: m + eps[k] / torch.sqrt(prec[k]) for k, m in state.mean.items()}
 
 
-def ivon_step(state: IvonState, grad: Params, grad_eps: Params, target: IvonTarget, *, lr: float,
-              beta1: float, beta2: float, debias: bool = True) -> IvonState:
+def ivon_step(
+    state: IvonState,
+    grad: Params,
+    grad_eps: Params,
+    target: IvonTarget,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    debias: bool = True,
+) -> IvonState:
     """Return one IVON update (the table above).
 
     Args:
@@ -354,9 +382,18 @@ def ivon_step(state: IvonState, grad: Params, grad_eps: Params, target: IvonTarg
     return IvonState(mean=mean, hess=hess, momentum=momentum, step=step)
 
 
-def local_ivon(ctx: ClientContext, state: IvonState, target: IvonTarget, *, lr: float, beta1: float,
-               beta2: float, mc_samples: int, debias: bool = True, noise_prefix: str = "ivon."
-               ) -> tuple[IvonState, Tensor]:
+def local_ivon(
+    ctx: ClientContext,
+    state: IvonState,
+    target: IvonTarget,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    mc_samples: int,
+    debias: bool = True,
+    noise_prefix: str = "ivon.",
+) -> tuple[IvonState, Tensor]:
     """Run the E x K masked IVON steps of a round on ctx.loss_fn; return (state, mean loss).
 
     The standard-normal draws come from ctx.noise[noise_prefix + name][step, sample]

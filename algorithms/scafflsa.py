@@ -69,8 +69,12 @@ class SCAFFLSAConfig:
     weighting: str = "uniform"  # "uniform" (theta_{t+1} = 1/N sum_c, fedlsa.md §3.4) | "examples" (n_c)
 
     def __post_init__(self) -> None:
-        require(self.weighting in ("uniform", "examples"), "hp.weighting", "'uniform' or 'examples'",
-                self.weighting)
+        require(
+            self.weighting in ("uniform", "examples"),
+            "hp.weighting",
+            "'uniform' or 'examples'",
+            self.weighting,
+        )
 
 
 class ClientState(NamedTuple):
@@ -83,17 +87,25 @@ class ClientState(NamedTuple):
 def server_init(params: Params, hp: SCAFFLSAConfig, opt: OptimConfig) -> fedavg.ServerState:
     """Check the LSA task and the paper's server step (sgd, lr 1); return theta_0."""
     fedlsa.check_lsa_setting(params, opt, "scafflsa")
-    require(opt.server_opt == "sgd" and opt.server_lr == 1.0, "train.server_opt/train.server_lr",
-            "sgd/1.0 for scafflsa (theta_{t+1} is the plain average)", f"{opt.server_opt}/{opt.server_lr}",
-            "Other server steps break sum_c xi^c = 0 and move the fixed point away from theta*.")
+    require(
+        opt.server_opt == "sgd" and opt.server_lr == 1.0,
+        "train.server_opt/train.server_lr",
+        "sgd/1.0 for scafflsa (theta_{t+1} is the plain average)",
+        f"{opt.server_opt}/{opt.server_lr}",
+        "Other server steps break sum_c xi^c = 0 and move the fixed point away from theta*.",
+    )
     return fedavg.server_init(params, hp, opt)
 
 
 def init_client_state(params: Params, hp: SCAFFLSAConfig) -> ClientState:
     """Return xi^c_0 = 0 with no pending update."""
     dtype = params[fedlsa.LSA_PARAM].dtype
-    return ClientState(xi=tree_zeros_like(params), last=tree_zeros_like(params),
-                       steps=torch.ones((), dtype=dtype), pending=torch.zeros((), dtype=dtype))
+    return ClientState(
+        xi=tree_zeros_like(params),
+        last=tree_zeros_like(params),
+        steps=torch.ones((), dtype=dtype),
+        pending=torch.zeros((), dtype=dtype),
+    )
 
 
 def control_variate(bc: fedavg.Broadcast, client_state: ClientState, opt: OptimConfig) -> Params:
@@ -102,19 +114,25 @@ def control_variate(bc: fedavg.Broadcast, client_state: ClientState, opt: OptimC
     return {k: v + scale * (bc.params[k] - client_state.last[k]) for k, v in client_state.xi.items()}
 
 
-def local_request(ctx: ClientContext, bc: fedavg.Broadcast, client_state: ClientState, hp: SCAFFLSAConfig,
-                  opt: OptimConfig) -> LocalSGD:
+def local_request(
+    ctx: ClientContext, bc: fedavg.Broadcast, client_state: ClientState, hp: SCAFFLSAConfig, opt: OptimConfig
+) -> LocalSGD:
     """H corrected LSA steps from theta_t: the gradient A theta - b minus xi^c (a linear correction)."""
     return LocalSGD(start=bc.params, linear=tree_scale(control_variate(bc, client_state, opt), -1.0))
 
 
-def finish(ctx: ClientContext, bc: fedavg.Broadcast, client_state: ClientState, hp: SCAFFLSAConfig,
-           opt: OptimConfig, local: LocalResult) -> ClientOut:
+def finish(
+    ctx: ClientContext,
+    bc: fedavg.Broadcast,
+    client_state: ClientState,
+    hp: SCAFFLSAConfig,
+    opt: OptimConfig,
+    local: LocalResult,
+) -> ClientOut:
     """Keep xi^c_t, theta^c_{t,H} and H for the next visit; upload the delta theta_t - theta^c_{t,H}."""
     xi = control_variate(bc, client_state, opt)
     steps = ctx.step_mask.sum().clamp_min(1.0).to(client_state.steps.dtype)  # H, the real local steps
-    state = ClientState(xi=xi, last=local.params, steps=steps,
-                        pending=torch.ones_like(client_state.pending))
+    state = ClientState(xi=xi, last=local.params, steps=steps, pending=torch.ones_like(client_state.pending))
     metrics = {"train_loss": local.mean_loss, "xi_norm": tree_norm(xi)}
     return ClientOut(upload={"delta": tree_sub(bc.params, local.params)}, state=state, metrics=metrics)
 
@@ -123,11 +141,13 @@ LOCAL = Local(request=local_request, finish=finish)
 client_update = local_update(LOCAL)
 
 
-def server_update(state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: SCAFFLSAConfig,
-                  opt: OptimConfig) -> tuple[fedavg.ServerState, Diagnostics]:
+def server_update(
+    state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: SCAFFLSAConfig, opt: OptimConfig
+) -> tuple[fedavg.ServerState, Diagnostics]:
     """theta_{t+1} = sum_c q_c theta^c_{t,H} / sum_c q_c."""
-    return fedavg.apply_pseudo_gradient(state, outs.upload["delta"],
-                                        fedlsa.aggregation_weights(weights, hp.weighting), opt)
+    return fedavg.apply_pseudo_gradient(
+        state, outs.upload["delta"], fedlsa.aggregation_weights(weights, hp.weighting), opt
+    )
 
 
 def recommend(run: RunFacts) -> dict[str, Advice]:
@@ -138,8 +158,13 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
     (seed 0); with all 100 agents it fell to 5.50 at round 25 (docs/out-of-the-box.md)."""
     if run.num_clients is None or run.num_clients <= run.clients_per_round:
         return {}
-    return {"train.clients_per_round": Advice(run.num_clients, "full participation, as the paper (Sec. 5, Fig. 1): "
-                                              "under partial participation the control variates lag a visit")}
+    return {
+        "train.clients_per_round": Advice(
+            run.num_clients,
+            "full participation, as the paper (Sec. 5, Fig. 1): "
+            "under partial participation the control variates lag a visit",
+        )
+    }
 
 
 ALGORITHM = Algorithm(

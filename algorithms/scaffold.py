@@ -58,18 +58,28 @@ from fedcli.algorithms.optim import LocalResult, local_update, server_opt_init
 
 @dataclass(frozen=True, kw_only=True)
 class ScaffoldConfig:
-    option: str = "II"  # control-variate update of Alg. 1 line 12; §4: option II "cheaper and usually suffices"
+    option: str = (
+        "II"  # control-variate update of Alg. 1 line 12; §4: option II "cheaper and usually suffices"
+    )
     weighting: str = "examples"  # q_i: "examples" (n_i, as fedavg) | "uniform" (Alg. 1, 1/|S|)
     num_clients: int = 0  # N of Alg. 1 line 17 (c += |S|/N mean Delta c); 0 = mean over visited clients
 
     def __post_init__(self) -> None:
         require(self.option in ("I", "II"), "hp.option", "'I' or 'II'", self.option)
-        require(self.weighting in ("examples", "uniform"), "hp.weighting", "'examples' or 'uniform'",
-                self.weighting)
+        require(
+            self.weighting in ("examples", "uniform"),
+            "hp.weighting",
+            "'examples' or 'uniform'",
+            self.weighting,
+        )
         require(self.num_clients >= 0, "hp.num_clients", ">= 0", self.num_clients)
-        require(self.num_clients == 0 or self.weighting == "uniform", "hp.num_clients",
-                "0 unless hp.weighting='uniform'", self.num_clients,
-                "The paper's |S|/N rule averages control variates uniformly; set --hp weighting=uniform.")
+        require(
+            self.num_clients == 0 or self.weighting == "uniform",
+            "hp.num_clients",
+            "0 unless hp.weighting='uniform'",
+            self.num_clients,
+            "The paper's |S|/N rule averages control variates uniformly; set --hp weighting=uniform.",
+        )
 
 
 class ServerState(NamedTuple):
@@ -121,24 +131,36 @@ def full_local_gradient(ctx: ClientContext, params: Params) -> Params:
     return {k: v / count.clamp_min(1.0) for k, v in total.items()}
 
 
-def local_request(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: ScaffoldConfig,
-                  opt: OptimConfig) -> LocalSGD:
+def local_request(
+    ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: ScaffoldConfig, opt: OptimConfig
+) -> LocalSGD:
     """K local steps y_i <- y_i - eta_l (g_i(y_i) + c - c_i) from x (Alg. 1 line 10): a linear correction."""
     return LocalSGD(start=bc.params, linear=tree_sub(bc.control, client_state.control))  # c - c_i
 
 
-def finish(ctx: ClientContext, bc: Broadcast, client_state: ClientState, hp: ScaffoldConfig, opt: OptimConfig,
-           local: LocalResult) -> ClientOut:
+def finish(
+    ctx: ClientContext,
+    bc: Broadcast,
+    client_state: ClientState,
+    hp: ScaffoldConfig,
+    opt: OptimConfig,
+    local: LocalResult,
+) -> ClientOut:
     """Update c_i by option I or II; upload (x - y_i, Delta c_i)."""
     delta = tree_sub(bc.params, local.params)  # x - y_i (old minus new)
     if hp.option == "I":
         new_control = full_local_gradient(ctx, bc.params)
     else:
         steps = ctx.step_mask.sum().clamp_min(1.0)  # K_i, the client's real local steps
-        new_control = {k: client_state.control[k] - bc.control[k] + delta[k] / (steps.to(v.dtype) * opt.client_lr)
-                       for k, v in delta.items()}
-    upload = {"delta": delta, "delta_control": tree_sub(new_control, client_state.control),
-              "first_visit": 1.0 - client_state.visited}
+        new_control = {
+            k: client_state.control[k] - bc.control[k] + delta[k] / (steps.to(v.dtype) * opt.client_lr)
+            for k, v in delta.items()
+        }
+    upload = {
+        "delta": delta,
+        "delta_control": tree_sub(new_control, client_state.control),
+        "first_visit": 1.0 - client_state.visited,
+    }
     state = ClientState(control=new_control, visited=torch.ones_like(client_state.visited))
     metrics = {"train_loss": local.mean_loss, "control_norm": tree_norm(new_control)}
     return ClientOut(upload=upload, state=state, metrics=metrics)
@@ -153,14 +175,18 @@ def aggregation_weights(weights: Tensor, hp: ScaffoldConfig) -> Tensor:
     return weights if hp.weighting == "examples" else torch.ones_like(weights)
 
 
-def server_update(state: ServerState, outs: ClientOut, weights: Tensor, hp: ScaffoldConfig,
-                  opt: OptimConfig) -> tuple[ServerState, Diagnostics]:
+def server_update(
+    state: ServerState, outs: ClientOut, weights: Tensor, hp: ScaffoldConfig, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
     """x <- server step on mean_q(x - y_i); sum_q c += sum_i q_i Delta c_i (Alg. 1 lines 16-17)."""
     q = aggregation_weights(weights, hp)
-    moved, diagnostics = fedavg.apply_pseudo_gradient(fedavg.ServerState(state.params, state.opt_state),
-                                                      outs.upload["delta"], q, opt)
-    control_sum = {k: v + torch.tensordot(q.to(v.dtype), outs.upload["delta_control"][k], dims=([0], [0]))
-                   for k, v in state.control_sum.items()}
+    moved, diagnostics = fedavg.apply_pseudo_gradient(
+        fedavg.ServerState(state.params, state.opt_state), outs.upload["delta"], q, opt
+    )
+    control_sum = {
+        k: v + torch.tensordot(q.to(v.dtype), outs.upload["delta_control"][k], dims=([0], [0]))
+        for k, v in state.control_sum.items()
+    }
     first = outs.upload["first_visit"].to(state.visited_weight.dtype)
     visited_weight = state.visited_weight + (q.to(first.dtype) * first).sum()
     new_state = ServerState(moved.params, moved.opt_state, control_sum, visited_weight)

@@ -60,7 +60,9 @@ def parse(items: Sequence[str] | None) -> AugmentSpec:
         name, _, arg = str(item).strip().partition(":")
         if name == "crop":
             if not arg.isdigit() or int(arg) < 1:
-                raise ConfigError(f"data.augment item {item!r}: crop needs a padding of >= 1 pixels, e.g. crop:4.")
+                raise ConfigError(
+                    f"data.augment item {item!r}: crop needs a padding of >= 1 pixels, e.g. crop:4."
+                )
             spec = replace(spec, crop=int(arg))
         elif name == "flip" and not arg:
             spec = replace(spec, flip=True)
@@ -71,8 +73,10 @@ def parse(items: Sequence[str] | None) -> AugmentSpec:
             except ValueError:
                 m = s = ()
             if not m or len(m) != len(s) or any(v <= 0 for v in s):
-                raise ConfigError(f"data.augment item {item!r}: normalize needs a mean and a std > 0 (one, or one "
-                                  "per channel joined by /), e.g. normalize:0.5:0.25.")
+                raise ConfigError(
+                    f"data.augment item {item!r}: normalize needs a mean and a std > 0 (one, or one "
+                    "per channel joined by /), e.g. normalize:0.5:0.25."
+                )
             spec = replace(spec, mean=m, std=s)
         else:
             raise ConfigError(f"data.augment item {item!r} is not an operation; use {forms}.")
@@ -85,12 +89,16 @@ def check(spec: AugmentSpec, task: Task, example: Tensor) -> None:
         return
     shape = tuple(task.prepare(example[:1]).shape[1:])
     if len(shape) != 3:
-        raise ConfigError(f"data.augment {'crop/flip' if spec.random else 'normalize'} needs images [C, H, W]; task "
-                          f"{task.name} gives examples of shape {list(shape)}. Drop data.augment, or give images "
-                          "x [N, H, W] or [N, C, H, W].")
+        raise ConfigError(
+            f"data.augment {'crop/flip' if spec.random else 'normalize'} needs images [C, H, W]; task "
+            f"{task.name} gives examples of shape {list(shape)}. Drop data.augment, or give images "
+            "x [N, H, W] or [N, C, H, W]."
+        )
     if spec.mean is not None and len(spec.mean) not in (1, shape[0]):
-        raise ConfigError(f"data.augment normalize gives {len(spec.mean)} means for images of {shape[0]} channels; "
-                          "give one value or one per channel.")
+        raise ConfigError(
+            f"data.augment normalize gives {len(spec.mean)} means for images of {shape[0]} channels; "
+            "give one value or one per channel."
+        )
 
 
 def with_normalisation(task: Task, spec: AugmentSpec) -> Task:

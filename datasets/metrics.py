@@ -59,7 +59,9 @@ def decide(logits: Tensor, top_k: int | None = None) -> Tensor:
     return torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, True)
 
 
-def multilabel_stats(logits: Tensor, targets: Tensor, *, k: int = 5, top_k: int | None = None) -> dict[str, Tensor]:
+def multilabel_stats(
+    logits: Tensor, targets: Tensor, *, k: int = 5, top_k: int | None = None
+) -> dict[str, Tensor]:
     """Per-tag TP/FP/FN of the decision rule (threshold 0.5, or `top_k` tags per example), the
     0.5-threshold precision's counts and the top-k recall's hits: sums over the examples of a chunk."""
     truth = targets > 0.5  # [N, L]
@@ -86,7 +88,9 @@ def multilabel_finish(stats: dict[str, Tensor]) -> dict[str, float]:
     """precision, recall_at_5, micro_f1, macro_f1 from summed stats (see module docstring)."""
     tp, fp, fn = stats["tp"], stats["fp"], stats["fn"]
     per_tag_denominator = 2 * tp + fp + fn
-    per_tag_f1 = torch.where(per_tag_denominator > 0, 2 * tp / per_tag_denominator.clamp_min(1), torch.zeros_like(tp))
+    per_tag_f1 = torch.where(
+        per_tag_denominator > 0, 2 * tp / per_tag_denominator.clamp_min(1), torch.zeros_like(tp)
+    )
     return {
         "precision": _ratio(float(stats["tp_at_half"]), float(stats["predicted_at_half"])),
         "recall_at_5": _ratio(float(stats["topk_hits"]), float(stats["num_true"])),
@@ -95,7 +99,9 @@ def multilabel_finish(stats: dict[str, Tensor]) -> dict[str, float]:
     }
 
 
-def multilabel_metrics(logits: Tensor, targets: Tensor, *, k: int = 5, top_k: int | None = None) -> dict[str, float]:
+def multilabel_metrics(
+    logits: Tensor, targets: Tensor, *, k: int = 5, top_k: int | None = None
+) -> dict[str, float]:
     """All multi-label metrics of one batch."""
     return multilabel_finish(multilabel_stats(logits, targets, k=k, top_k=top_k))
 
@@ -106,11 +112,16 @@ def multilabel(top_k: int | None = None) -> MetricFns:
         return MetricFns(stats=multilabel_stats, finish=multilabel_finish, rule=THRESHOLD_RULE)
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1; got {top_k}.")
-    return MetricFns(stats=lambda out, y: multilabel_stats(out, y, top_k=top_k), finish=multilabel_finish,
-                     rule=top_k_rule(top_k))
+    return MetricFns(
+        stats=lambda out, y: multilabel_stats(out, y, top_k=top_k),
+        finish=multilabel_finish,
+        rule=top_k_rule(top_k),
+    )
 
 
-def token_stats(logits: Tensor, targets: Tensor, *, pad_id: int, special_ids: Sequence[int]) -> dict[str, Tensor]:
+def token_stats(
+    logits: Tensor, targets: Tensor, *, pad_id: int, special_ids: Sequence[int]
+) -> dict[str, Tensor]:
     """Correct / counted tokens (special ids excluded) and summed non-pad cross-entropy (no autograd graph)."""
     logits = logits.detach()  # a metric: called on training logits too, where it would keep their graph
     nll = torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
@@ -120,17 +131,26 @@ def token_stats(logits: Tensor, targets: Tensor, *, pad_id: int, special_ids: Se
     for token in special_ids:
         counted &= targets != token
     correct = (logits.argmax(dim=-1) == targets) & counted
-    return {"correct": correct.sum().to(torch.float64), "counted": counted.sum().to(torch.float64),
-            "nll_sum": (nll * real).sum(), "num_real": real.sum().to(torch.float64)}
+    return {
+        "correct": correct.sum().to(torch.float64),
+        "counted": counted.sum().to(torch.float64),
+        "nll_sum": (nll * real).sum(),
+        "num_real": real.sum().to(torch.float64),
+    }
 
 
 def token_finish(stats: dict[str, Tensor]) -> dict[str, float]:
     """accuracy (special tokens excluded) and perplexity (non-pad tokens) from summed stats."""
     mean_nll = _ratio(float(stats["nll_sum"]), float(stats["num_real"]))
-    return {"accuracy": _ratio(float(stats["correct"]), float(stats["counted"])), "perplexity": math.exp(mean_nll)}
+    return {
+        "accuracy": _ratio(float(stats["correct"]), float(stats["counted"])),
+        "perplexity": math.exp(mean_nll),
+    }
 
 
-def token_metrics(logits: Tensor, targets: Tensor, *, pad_id: int, special_ids: Sequence[int]) -> dict[str, float]:
+def token_metrics(
+    logits: Tensor, targets: Tensor, *, pad_id: int, special_ids: Sequence[int]
+) -> dict[str, float]:
     """All next-token metrics of one batch."""
     return token_finish(token_stats(logits, targets, pad_id=pad_id, special_ids=special_ids))
 
@@ -147,5 +167,6 @@ MULTILABEL = multilabel()
 
 def next_token(pad_id: int, special_ids: Sequence[int]) -> MetricFns:
     """MetricFns for a next-token task with the given pad and special token ids."""
-    return MetricFns(stats=lambda out, y: token_stats(out, y, pad_id=pad_id, special_ids=special_ids),
-                     finish=token_finish)
+    return MetricFns(
+        stats=lambda out, y: token_stats(out, y, pad_id=pad_id, special_ids=special_ids), finish=token_finish
+    )

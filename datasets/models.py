@@ -91,8 +91,9 @@ class ReddiCNN(nn.Module):
 class Linear(nn.Module):
     """Linear model x -> x @ w (+ b) for least squares / logistic regression."""
 
-    def __init__(self, in_features: int, out_features: int = 1, bias: bool = True,
-                 squeeze: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int = 1, bias: bool = True, squeeze: bool = False
+    ) -> None:
         super().__init__()
         self.linear = nn.Linear(in_features, out_features, bias=bias)
         self.squeeze = squeeze
@@ -114,7 +115,9 @@ def num_parameters(model: nn.Module) -> int:
 class SigmoidMLP(nn.Module):
     """Bayes-ADMM MLP (reference/bayes_admm.md §9.2): hidden (200, 100), sigmoid activations."""
 
-    def __init__(self, in_features: int = 784, hidden: tuple[int, ...] = (200, 100), num_classes: int = 10) -> None:
+    def __init__(
+        self, in_features: int = 784, hidden: tuple[int, ...] = (200, 100), num_classes: int = 10
+    ) -> None:
         super().__init__()
         sizes = (in_features, *hidden)
         self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=True))
@@ -134,7 +137,9 @@ class McMahanCNN(nn.Module):
     `image_size` (H, W) sizes the first dense layer for other inputs (bring-your-own data).
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, image_size: tuple[int, int] = (28, 28)) -> None:
+    def __init__(
+        self, num_classes: int = 10, in_channels: int = 1, image_size: tuple[int, int] = (28, 28)
+    ) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 32, 5, padding=2)
         self.conv2 = nn.Conv2d(32, 64, 5, padding=2)
@@ -225,8 +230,9 @@ class _BasicBlock(nn.Module):
         self.norm2 = nn.GroupNorm(groups, planes)
         self.shortcut = nn.Sequential()
         if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False),
-                                          nn.GroupNorm(groups, planes))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), nn.GroupNorm(groups, planes)
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.relu(self.norm1(self.conv1(x)))
@@ -266,7 +272,7 @@ class StackedLSTM(nn.Module):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        bound = hidden_size ** -0.5
+        bound = hidden_size**-0.5
         self.weights = nn.ParameterList()
         for layer in range(num_layers):
             size_in = input_size if layer == 0 else hidden_size
@@ -329,7 +335,9 @@ class TextLSTM(nn.Module):
     """Sent140-style classifier (LEAF stacked_lstm): Embedding -> 2-layer LSTM(100) on the
     last step -> Dense(128) -> Dense(K). Embeddings are learned (LEAF uses frozen GloVe)."""
 
-    def __init__(self, vocab_size: int, num_classes: int = 2, embed_dim: int = 100, hidden: int = 100) -> None:
+    def __init__(
+        self, vocab_size: int, num_classes: int = 2, embed_dim: int = 100, hidden: int = 100
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, embed_dim)
         self.lstm = StackedLSTM(embed_dim, hidden, 2)

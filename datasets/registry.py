@@ -23,20 +23,42 @@ from fedcli.datasets.tasks import Task
 
 log = logging.getLogger(__name__)
 
-_TASK_MODULES = tuple(f"bundled.{name}" for name in (
-    "femnist", "synthetic", "garnet", "mnist", "torchvision_sources", "tff_images", "stackoverflow", "shakespeare",
-    "sent140", "mulan", "har", "vehicle", "fedprox_synthetic", "quadratic"))
+_TASK_MODULES = tuple(
+    f"bundled.{name}"
+    for name in (
+        "femnist",
+        "synthetic",
+        "garnet",
+        "mnist",
+        "torchvision_sources",
+        "tff_images",
+        "stackoverflow",
+        "shakespeare",
+        "sent140",
+        "mulan",
+        "har",
+        "vehicle",
+        "fedprox_synthetic",
+        "quadratic",
+    )
+)
 
 
 # The partition a run of a task without natural clients gets when it names neither --scheme nor
 # --partition (Task.default_partition; recorded with the run as fedcli.recommended). Bundled tasks only:
 # the other tasks without natural clients read full data sets whose users choose their own split.
-DEFAULT_PARTITIONS: Mapping[str, tuple[Mapping[str, object], str]] = MappingProxyType({
-    "mnist": ({"scheme": "dirichlet", "alpha": 0.3, "num_clients": 100},
-              "the README's MNIST split, on which its client lr 0.1 was measured (docs/architecture.md §5)"),
-    "bibtex": ({"scheme": "dirichlet", "alpha": 0.3, "num_clients": 100},
-               "as mnist, over each example's primary tag (datasets/partition/schemes.py class_labels)"),
-})
+DEFAULT_PARTITIONS: Mapping[str, tuple[Mapping[str, object], str]] = MappingProxyType(
+    {
+        "mnist": (
+            {"scheme": "dirichlet", "alpha": 0.3, "num_clients": 100},
+            "the README's MNIST split, on which its client lr 0.1 was measured (docs/architecture.md §5)",
+        ),
+        "bibtex": (
+            {"scheme": "dirichlet", "alpha": 0.3, "num_clients": 100},
+            "as mnist, over each example's primary tag (datasets/partition/schemes.py class_labels)",
+        ),
+    }
+)
 
 
 def _load() -> tuple[Mapping[str, Task], Mapping[str, str]]:
@@ -46,7 +68,9 @@ def _load() -> tuple[Mapping[str, Task], Mapping[str, str]]:
         for task in import_module(f"fedcli.datasets.{module}").TASKS:
             if task.name in DEFAULT_PARTITIONS and task.default_partition is None:
                 spec, why = DEFAULT_PARTITIONS[task.name]
-                task = replace(task, default_partition=MappingProxyType(dict(spec)), default_partition_why=why)
+                task = replace(
+                    task, default_partition=MappingProxyType(dict(spec)), default_partition_why=why
+                )
             records[task.name] = task
             sources[task.name] = "fedcli"
     for ep in entry_points(group="fedcli.tasks"):
@@ -54,11 +78,21 @@ def _load() -> tuple[Mapping[str, Task], Mapping[str, str]]:
         try:
             record = ep.load()
         except Exception as err:  # noqa: BLE001 - a broken plugin must not stop fedcli: one line, left out
-            log.warning("task plugin %r of %s is left out: loading %s failed (%s: %s)", ep.name, package, ep.value,
-                        type(err).__name__, (str(err).splitlines() or [""])[0][:160])
+            log.warning(
+                "task plugin %r of %s is left out: loading %s failed (%s: %s)",
+                ep.name,
+                package,
+                ep.value,
+                type(err).__name__,
+                (str(err).splitlines() or [""])[0][:160],
+            )
             continue
         if not isinstance(record, Task) or record.name in records:
-            why = "is not a fedcli Task record" if not isinstance(record, Task) else f"reuses the name {record.name!r}"
+            why = (
+                "is not a fedcli Task record"
+                if not isinstance(record, Task)
+                else f"reuses the name {record.name!r}"
+            )
             log.warning("task plugin %r of %s is left out: %s %s", ep.name, package, ep.value, why)
             continue
         records[record.name] = record
@@ -68,7 +102,9 @@ def _load() -> tuple[Mapping[str, Task], Mapping[str, str]]:
 
 _LOADED = _load()
 TASKS: Mapping[str, Task] = _LOADED[0]
-TASK_SOURCES: Mapping[str, str] = _LOADED[1]  # task name -> the package that provides it ("fedcli" for built-ins)
+TASK_SOURCES: Mapping[str, str] = _LOADED[
+    1
+]  # task name -> the package that provides it ("fedcli" for built-ins)
 
 
 def resolve_task(task: str, model: str | None, data_file: str | None, model_args: str | None = None) -> Task:

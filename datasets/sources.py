@@ -67,8 +67,9 @@ def download(url: str, dest: Path, *, md5: str | None = None) -> Path:
             shutil.copyfileobj(response, fh)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot download {url}: {exc}; check the network or fetch the file by hand "
-                        f"into {dest.parent}.") from None
+        raise DataError(
+            f"cannot download {url}: {exc}; check the network or fetch the file by hand into {dest.parent}."
+        ) from None
     if md5 is not None and hashlib.md5(tmp.read_bytes()).hexdigest() != md5:  # noqa: S324 - publisher's checksum
         tmp.unlink(missing_ok=True)
         raise DataError(f"download of {url} has the wrong MD5 (expected {md5}); try again.")
@@ -91,7 +92,9 @@ def fetch_if_asked(options: TaskOptions, ready: Callable[[], bool], fetch: Calla
         fetch()
 
 
-def align_clients(names: list[str], test_names: list[str], test_indices: list[np.ndarray]) -> list[np.ndarray]:
+def align_clients(
+    names: list[str], test_names: list[str], test_indices: list[np.ndarray]
+) -> list[np.ndarray]:
     """Per training client (in `names` order), its test example indices; empty if it has none."""
     by_name = dict(zip(test_names, test_indices, strict=True))
     return [np.asarray(by_name.get(n, np.zeros(0, dtype=np.int64)), dtype=np.int64) for n in names]

@@ -43,7 +43,9 @@ class TaskData:
     num_classes: int | None = None  # classes (or tags / vocabulary) of y; None = not a class target
     # per-client test examples: client k -> indices into test_x (None = the task has none); `fedcli evaluate --per-client`
     test_client_indices: list[np.ndarray] | None = None
-    store: str | None = None  # the disk store's folder when the tensors are its memory maps (datasets/formats/diskstore.py)
+    store: str | None = (
+        None  # the disk store's folder when the tensors are its memory maps (datasets/formats/diskstore.py)
+    )
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ class Task:
     example_loss: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
     # Optional chunkable evaluation metrics (datasets.metrics.MetricFns); None = by `kind`.
     metrics: Any = None
-    reads_max_clients: bool = False  # True when `load` honours TaskOptions.max_clients (big natural-client data)
+    reads_max_clients: bool = (
+        False  # True when `load` honours TaskOptions.max_clients (big natural-client data)
+    )
     client_lr: float = 0.01  # the default train.client_lr (eta_l) on this task; tuned where the task says so
     # the number of clients where the task fixes it before any data is loaded (Garnet's N agents), so that an
     # algorithm's `recommend` can ask for full participation; None = known only after loading

@@ -24,9 +24,25 @@ __version__ = "0.1.0"
 # __version__), and tests/test_layering.py counts type-only imports as dependencies. Typed
 # code imports the names from fedcli.api (the same objects).
 # public name -> the module that defines it (loaded by `__getattr__` on first use)
-_LAZY = {"train": "fedcli.api", "load_run": "fedcli.api", "report": "fedcli.api", "Run": "fedcli.api",
-         "StoppedBeforeStart": "fedcli.api", "ConfigError": "fedcli.errors", "FedcliError": "fedcli.errors"}
-__all__ = ["ConfigError", "FedcliError", "Run", "StoppedBeforeStart", "__version__", "load_run", "report", "train"]
+_LAZY = {
+    "train": "fedcli.api",
+    "load_run": "fedcli.api",
+    "report": "fedcli.api",
+    "Run": "fedcli.api",
+    "StoppedBeforeStart": "fedcli.api",
+    "ConfigError": "fedcli.errors",
+    "FedcliError": "fedcli.errors",
+}
+__all__ = [
+    "ConfigError",
+    "FedcliError",
+    "Run",
+    "StoppedBeforeStart",
+    "__version__",
+    "load_run",
+    "report",
+    "train",
+]
 
 
 def __getattr__(name: str):  # no return annotation: Any to type checkers, without importing typing (2 ms)

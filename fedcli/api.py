@@ -31,8 +31,17 @@ if TYPE_CHECKING:
     from fedcli.engine.train import RunResult
     from fedcli.tracking.store.records import RunRecord
 
-__all__ = ["ConfigError", "FedcliError", "Run", "StoppedBeforeStart", "load_run", "preserved_state", "report",
-           "run_config", "train"]
+__all__ = [
+    "ConfigError",
+    "FedcliError",
+    "Run",
+    "StoppedBeforeStart",
+    "load_run",
+    "preserved_state",
+    "report",
+    "run_config",
+    "train",
+]
 
 SECTIONS = ("train", "tracking", "partition")  # settings that may be given as a mapping of the section's keys
 
@@ -54,7 +63,9 @@ class Run:
     config: dict[str, Any]
     store: str = dataclasses.field(repr=False)
     result: RunResult | None = dataclasses.field(default=None, repr=False)
-    trust_code: bool = dataclasses.field(default=False, repr=False)  # `model()`'s default (`load_run(trust_code=)`)
+    trust_code: bool = dataclasses.field(
+        default=False, repr=False
+    )  # `model()`'s default (`load_run(trust_code=)`)
 
     def record(self) -> RunRecord:
         """The run's row in the store, read now."""
@@ -101,20 +112,33 @@ class Run:
             _check_bool("trust_code", trust_code)  # trust_code="no" was truthy: the code ran
         record = self.record()
         if not record.model_path or not Path(record.model_path).exists():
-            raise ConfigError(f"run {self.id[:8]} has no stored final model (status {record.status}); resume it to "
-                              f"its end first: fedcli.train(resume={self.id[:8]!r}, ...).")
+            raise ConfigError(
+                f"run {self.id[:8]} has no stored final model (status {record.status}); resume it to "
+                f"its end first: fedcli.train(resume={self.id[:8]!r}, ...)."
+            )
         try:
             saved = read_model_file(Path(record.model_path))
-            data = (saved.get("config") or {}).get("data") or {}  # what the MLflow model records (write_served)
+            data = (saved.get("config") or {}).get(
+                "data"
+            ) or {}  # what the MLflow model records (write_served)
             buffers = saved.get("buffers")
             stored = record.config.get("data") if isinstance(record.config.get("data"), Mapping) else {}
             trust = self.trust_code if trust_code is None else trust_code
-            return served_model(saved["params"], saved["task"], saved["model"], data.get("file"), data.get("model_args"),
-                                data.get("model_sha256"), buffers if isinstance(buffers, Mapping) else None,
-                                data.get("augment"), trust=trust, data_sha256=stored.get("source_sha256"),
-                                source=f"the final model of run {self.id[:8]} ({record.model_path})",
-                                fix=f"pass trust_code=True (fedcli.load_run({self.id[:8]!r}, trust_code=True) or "
-                                    "run.model(trust_code=True)) if you trust it")
+            return served_model(
+                saved["params"],
+                saved["task"],
+                saved["model"],
+                data.get("file"),
+                data.get("model_args"),
+                data.get("model_sha256"),
+                buffers if isinstance(buffers, Mapping) else None,
+                data.get("augment"),
+                trust=trust,
+                data_sha256=stored.get("source_sha256"),
+                source=f"the final model of run {self.id[:8]} ({record.model_path})",
+                fix=f"pass trust_code=True (fedcli.load_run({self.id[:8]!r}, trust_code=True) or "
+                "run.model(trust_code=True)) if you trust it",
+            )
         except (ValueError, KeyError, RuntimeError) as err:  # RuntimeError: load_state_dict's shape mismatch
             raise ConfigError(f"the final model of run {self.id[:8]} cannot be rebuilt: {err}") from None
 
@@ -125,11 +149,21 @@ class Run:
         return report(runs=[self, *others], output=output, **options)
 
 
-def train(algo: str | None = None, model: Any = None, data: Any = None, task: str | None = None, *,
-          config: str | Path | Mapping[str, Any] | None = None, hp: Mapping[str, Any] | None = None,
-          data_options: Mapping[str, Any] | None = None, resume: str | Run | None = None,
-          mlflow_optional: bool = False, progress: bool | Callable[[int, dict[str, float]], None] = False,
-          trust_code: bool = False, **settings: Any) -> Run:
+def train(
+    algo: str | None = None,
+    model: Any = None,
+    data: Any = None,
+    task: str | None = None,
+    *,
+    config: str | Path | Mapping[str, Any] | None = None,
+    hp: Mapping[str, Any] | None = None,
+    data_options: Mapping[str, Any] | None = None,
+    resume: str | Run | None = None,
+    mlflow_optional: bool = False,
+    progress: bool | Callable[[int, dict[str, float]], None] = False,
+    trust_code: bool = False,
+    **settings: Any,
+) -> Run:
     """Train one algorithm on one task in this process, like `fedcli train`, and return the run.
 
     Args:
@@ -170,9 +204,18 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
             (continue it with `resume=`).
         FedcliError: other user-facing failures (data, store, MLflow).
     """
-    _check_train_arguments(algo=algo, task=task, config=config, hp=hp, data_options=data_options, resume=resume,
-                           mlflow_optional=mlflow_optional, progress=progress, trust_code=trust_code,
-                           settings=settings)
+    _check_train_arguments(
+        algo=algo,
+        task=task,
+        config=config,
+        hp=hp,
+        data_options=data_options,
+        resume=resume,
+        mlflow_optional=mlflow_optional,
+        progress=progress,
+        trust_code=trust_code,
+        settings=settings,
+    )
     with preserved_state():  # around everything: the first imports of fedcli's modules may draw from `random`
         from fedcli.datasets.yours.data import data_ref
         from fedcli.datasets.yours.model import model_reference
@@ -183,31 +226,53 @@ def train(algo: str | None = None, model: Any = None, data: Any = None, task: st
             check_path_value(name, settings.get(name))
 
         options, sections = _split_settings(settings)
-        if isinstance(options.get("partition"), (str, Path)) and Path(options["partition"]).expanduser().is_file():
-            options["partition"] = Path(options["partition"]).expanduser().resolve()  # as the CLI's --partition
+        if (
+            isinstance(options.get("partition"), (str, Path))
+            and Path(options["partition"]).expanduser().is_file()
+        ):
+            options["partition"] = (
+                Path(options["partition"]).expanduser().resolve()
+            )  # as the CLI's --partition
         if isinstance(data, (str, Path)) and Path(data).expanduser().is_file():
-            data = Path(data).expanduser().resolve()  # as the CLI's --data: a resume from another folder finds it
-        options.update(algo=algo, task=task, model=None if model is None else model_reference(live_model(model)),
-                       data=None if data is None and not data_options else data_ref(data, **dict(data_options or {})))
+            data = (
+                Path(data).expanduser().resolve()
+            )  # as the CLI's --data: a resume from another folder finds it
+        options.update(
+            algo=algo,
+            task=task,
+            model=None if model is None else model_reference(live_model(model)),
+            data=None if data is None and not data_options else data_ref(data, **dict(data_options or {})),
+        )
         if options["data"] is not None and not isinstance(data, (str, Path)):
             record_object_source(options["data"], data)
-        cfg, resume_id = resolve_config(options, config=config, hp=hp, sections=sections,
-                                        resume=resume.id if isinstance(resume, Run) else resume, warn=warn,
-                                        trust_code=trust_code)
+        cfg, resume_id = resolve_config(
+            options,
+            config=config,
+            hp=hp,
+            sections=sections,
+            resume=resume.id if isinstance(resume, Run) else resume,
+            warn=warn,
+            trust_code=trust_code,
+        )
         if progress is True:
             from fedcli.runs.progress import train_progress
 
             with train_progress(cfg) as shown:
-                result = run_config(cfg, resume_run_id=resume_id, mlflow_optional=mlflow_optional, progress=shown)
+                result = run_config(
+                    cfg, resume_run_id=resume_id, mlflow_optional=mlflow_optional, progress=shown
+                )
         else:
-            result = run_config(cfg, resume_run_id=resume_id, mlflow_optional=mlflow_optional,
-                                progress=progress or None)
+            result = run_config(
+                cfg, resume_run_id=resume_id, mlflow_optional=mlflow_optional, progress=progress or None
+            )
     run = load_run(result.run_id, store=cfg.tracking.store_url)
     run.result = result
     return run
 
 
-def load_run(ref: str, *, store: str | None = None, root: str | Path | None = None, trust_code: bool = False) -> Run:
+def load_run(
+    ref: str, *, store: str | None = None, root: str | Path | None = None, trust_code: bool = False
+) -> Run:
     """Find a run by id, unique id prefix, run name or MLflow run id.
 
     Args:
@@ -223,8 +288,9 @@ def load_run(ref: str, *, store: str | None = None, root: str | Path | None = No
     from fedcli.runs.stores import open_store, tracking_config
 
     if not isinstance(ref, str) or not ref.strip():  # None found some run; an int was an AttributeError
-        raise ConfigError(f"ref must be a run id, id prefix or name (str); got {_kind(ref)}. `fedcli list runs` "
-                          "shows them.")
+        raise ConfigError(
+            f"ref must be a run id, id prefix or name (str); got {_kind(ref)}. `fedcli list runs` shows them."
+        )
     _check_bool("trust_code", trust_code)
     url = tracking_config(_store_settings(store, root)).store_url
     db = open_store(url, must_exist=True)
@@ -232,15 +298,30 @@ def load_run(ref: str, *, store: str | None = None, root: str | Path | None = No
         record = db.get_run(ref)
     finally:
         db.close()
-    return Run(id=record.id, status=record.status, config=dict(record.config), store=url, trust_code=trust_code)
+    return Run(
+        id=record.id, status=record.status, config=dict(record.config), store=url, trust_code=trust_code
+    )
 
 
-def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequence[str] | None = None,
-           where: Mapping[str, Any] | None = None, group_by: str | Sequence[str] | None = None,
-           metric: str | None = None, thresholds: Sequence[float] = (), at: Sequence[int] = (),
-           window: int | None = None, smooth: int | None = None, columns: Sequence[str] = (),
-           include_unfinished: bool = False, format: str = "md", output: str | Path | None = None,
-           partition_heatmap: bool = False, store: str | None = None, root: str | Path | None = None) -> str:
+def report(
+    *,
+    runs: Sequence[Run | str] | None = None,
+    experiment: str | Sequence[str] | None = None,
+    where: Mapping[str, Any] | None = None,
+    group_by: str | Sequence[str] | None = None,
+    metric: str | None = None,
+    thresholds: Sequence[float] = (),
+    at: Sequence[int] = (),
+    window: int | None = None,
+    smooth: int | None = None,
+    columns: Sequence[str] = (),
+    include_unfinished: bool = False,
+    format: str = "md",
+    output: str | Path | None = None,
+    partition_heatmap: bool = False,
+    store: str | None = None,
+    root: str | Path | None = None,
+) -> str:
     """`fedcli report` from Python: the report's text (markdown, CSV or JSON); with `output`, also
     written there (the markdown's PNG figures beside it), all or nothing.
 
@@ -261,8 +342,15 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
 
     if format not in {f.value for f in Format}:
         raise ConfigError(f"format must be one of md, csv, json; got {format!r}.")
-    _check_report_arguments(experiment=experiment, where=where, group_by=group_by, metric=metric, columns=columns,
-                            include_unfinished=include_unfinished, partition_heatmap=partition_heatmap)
+    _check_report_arguments(
+        experiment=experiment,
+        where=where,
+        group_by=group_by,
+        metric=metric,
+        columns=columns,
+        include_unfinished=include_unfinished,
+        partition_heatmap=partition_heatmap,
+    )
     output = _path_argument("output", output)
     settings = _store_settings(store, root)
     if isinstance(runs, str):  # one reference, not its characters as references
@@ -279,14 +367,23 @@ def report(*, runs: Sequence[Run | str] | None = None, experiment: str | Sequenc
     if store is None and root is None:
         settings["tracking.store"] = next((r.store for r in runs or () if isinstance(r, Run)), None)
     spec = ReportSpec(
-        experiments=(experiment,) if isinstance(experiment, str) else tuple(experiment or ()), runs=tuple(refs),
+        experiments=(experiment,) if isinstance(experiment, str) else tuple(experiment or ()),
+        runs=tuple(refs),
         where=parse_where([f"{k}={v}" for k, v in (where or {}).items()]),
-        group_by=None if group_by is None else tuple(
-            p.strip() for p in (group_by.split(",") if isinstance(group_by, str) else group_by) if p.strip()),
-        metric=parse_metric(metric), thresholds=_numbers("thresholds", thresholds, float),
+        group_by=None
+        if group_by is None
+        else tuple(
+            p.strip() for p in (group_by.split(",") if isinstance(group_by, str) else group_by) if p.strip()
+        ),
+        metric=parse_metric(metric),
+        thresholds=_numbers("thresholds", thresholds, float),
         at=_numbers("at", at, int),
-        window=window, smooth=smooth, include_unfinished=include_unfinished, columns=tuple(columns),
-        command=f"fedcli.report(runs={refs!r})" if refs else "fedcli.report(...)")
+        window=window,
+        smooth=smooth,
+        include_unfinished=include_unfinished,
+        columns=tuple(columns),
+        command=f"fedcli.report(runs={refs!r})" if refs else "fedcli.report(...)",
+    )
     path = None if output is None else Path(output)
     check_output(path, "output")  # before any work: a rejected report writes nothing
     url = tracking_config(settings).store_url
@@ -338,11 +435,15 @@ def _path_argument(name: str, value: Any) -> str | None:
 def _store_settings(store: Any, root: Any) -> dict[str, Any]:
     """`store=` / `root=` of load_run and report as tracking overrides, checked as `train`'s are."""
     if store is not None and not isinstance(store, str):  # a Path is no URL: it was str()-ed, then refused
-        raise ConfigError(f"store must be a SQLAlchemy URL (str) such as 'sqlite:////abs/path/fedcli.db'; got "
-                          f"{_kind(store)}. Pass root= for the store of a folder.")
+        raise ConfigError(
+            f"store must be a SQLAlchemy URL (str) such as 'sqlite:////abs/path/fedcli.db'; got "
+            f"{_kind(store)}. Pass root= for the store of a folder."
+        )
     if store is not None and not store.strip():
-        raise ConfigError(f"tracking.store must be a SQLAlchemy URL; got {store!r}. Pass --store a value, or leave it "
-                          "out for the default.")
+        raise ConfigError(
+            f"tracking.store must be a SQLAlchemy URL; got {store!r}. Pass --store a value, or leave it "
+            "out for the default."
+        )
     return {"tracking.store": store, "tracking.root": _path_argument("root", root)}
 
 
@@ -350,13 +451,25 @@ def _names(name: str, value: Any) -> None:
     """A name or a list of names (str): an int was iterated (TypeError) or a list's int str()-ed."""
     if value is None or isinstance(value, str):
         return
-    bad = next((v for v in value if not isinstance(v, str)), None) if isinstance(value, (list, tuple)) else value
+    bad = (
+        next((v for v in value if not isinstance(v, str)), None)
+        if isinstance(value, (list, tuple))
+        else value
+    )
     if bad is not None:
         raise ConfigError(f"{name} must be a name (str) or a list of names; got {_kind(bad)}.")
 
 
-def _check_report_arguments(*, experiment: Any, where: Any, group_by: Any, metric: Any, columns: Any,
-                            include_unfinished: Any, partition_heatmap: Any) -> None:
+def _check_report_arguments(
+    *,
+    experiment: Any,
+    where: Any,
+    group_by: Any,
+    metric: Any,
+    columns: Any,
+    include_unfinished: Any,
+    partition_heatmap: Any,
+) -> None:
     """`report`'s arguments other than runs/at/thresholds/window/smooth: one ConfigError line naming the
     argument (an int experiment or group_by was a TypeError, a str where= an AttributeError)."""
     _names("experiment", experiment)
@@ -366,7 +479,9 @@ def _check_report_arguments(*, experiment: Any, where: Any, group_by: Any, metri
         raise ConfigError(f"metric must be a metric name (str) such as 'accuracy'; got {_kind(metric)}.")
     if where is not None:
         if not isinstance(where, Mapping):
-            raise ConfigError(f"where must be a mapping such as where={{'algo': 'fedpa'}}; got {_kind(where)}.")
+            raise ConfigError(
+                f"where must be a mapping such as where={{'algo': 'fedpa'}}; got {_kind(where)}."
+            )
         for key, value in where.items():
             if not isinstance(key, str):
                 raise ConfigError(f"where keys must be config keys (str) such as 'algo'; got {_kind(key)}.")
@@ -381,8 +496,19 @@ def _kind(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def _check_train_arguments(*, algo: Any, task: Any, config: Any, hp: Any, data_options: Any, resume: Any,
-                           mlflow_optional: Any, progress: Any, trust_code: Any, settings: Mapping[str, Any]) -> None:
+def _check_train_arguments(
+    *,
+    algo: Any,
+    task: Any,
+    config: Any,
+    hp: Any,
+    data_options: Any,
+    resume: Any,
+    mlflow_optional: Any,
+    progress: Any,
+    trust_code: Any,
+    settings: Mapping[str, Any],
+) -> None:
     """The types of `train`'s arguments, before anything runs: one ConfigError line naming the argument
     (a str `hp="rho=0.1"` was a bare "dictionary update sequence" ValueError, a str `progress` a
     "'str' object is not callable" TypeError once the run had started)."""
@@ -390,10 +516,14 @@ def _check_train_arguments(*, algo: Any, task: Any, config: Any, hp: Any, data_o
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{name} must be a name (str); got {_kind(value)}.")
     if config is not None and not isinstance(config, (str, Path, Mapping)):
-        raise ConfigError(f"config must be a YAML file, a shipped config's name or a mapping of sections; got "
-                          f"{_kind(config)}.")
-    for name, value, example in (("hp", hp, "hp={'rho': 0.1}"),
-                                 ("data_options", data_options, "data_options={'client': 'writer_id'}")):
+        raise ConfigError(
+            f"config must be a YAML file, a shipped config's name or a mapping of sections; got "
+            f"{_kind(config)}."
+        )
+    for name, value, example in (
+        ("hp", hp, "hp={'rho': 0.1}"),
+        ("data_options", data_options, "data_options={'client': 'writer_id'}"),
+    ):
         if value is not None and not isinstance(value, Mapping):
             raise ConfigError(f"{name} must be a mapping such as {example}; got {_kind(value)}.")
         bad = next((k for k in value or {} if not isinstance(k, str)), None)
@@ -404,14 +534,18 @@ def _check_train_arguments(*, algo: Any, task: Any, config: Any, hp: Any, data_o
     if not isinstance(mlflow_optional, bool):
         raise ConfigError(f"mlflow_optional must be True or False; got {_kind(mlflow_optional)}.")
     if not isinstance(progress, bool) and not callable(progress):
-        raise ConfigError(f"progress must be True, False or a function f(round, metrics); got {_kind(progress)}.")
+        raise ConfigError(
+            f"progress must be True, False or a function f(round, metrics); got {_kind(progress)}."
+        )
     _check_bool("trust_code", trust_code)  # trust_code="no" was truthy: a resumed run's code ran
     for name in SECTIONS:
         if name == "partition" and isinstance(settings.get(name), (str, Path)):
             continue  # `partition="p.json"`: the --partition file
         if name in settings and settings[name] is not None and not isinstance(settings[name], Mapping):
-            raise ConfigError(f"{name}= must be a mapping of the {name} section's config keys, such as "
-                              f"{name}={{...}}; got {_kind(settings[name])}.")
+            raise ConfigError(
+                f"{name}= must be a mapping of the {name} section's config keys, such as "
+                f"{name}={{...}}; got {_kind(settings[name])}."
+            )
 
 
 def _split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

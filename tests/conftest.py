@@ -2,7 +2,9 @@
 is not oversubscribed when a test spawns worker processes), and the real-service fixtures
 (`pg_url`, `pg_database`: PostgreSQL through tests/pg.py; see docs/testing.md)."""
 
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +46,30 @@ def pg_url(pg_database: Callable[[], str]) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "cuda: needs a CUDA device; `--device auto` is not pinned to the CPU in it")
+    config.addinivalue_line(
+        "markers", "cuda: needs a CUDA device; `--device auto` is not pinned to the CPU in it"
+    )
+
+
+# ----------------------------------------------------------------------------- tiers
+
+# A module that starts processes (a CLI run, workers, a PostgreSQL server, a Ray head, torchrun):
+# every test in it is `slow`, so `make test-fast` (-m "not slow") leaves it out. In-process tests
+# that take seconds carry `@pytest.mark.slow` themselves (docs/testing.md "Tiers").
+STARTS_PROCESSES = re.compile(
+    r"^\s*(?:import|from)\s+(?:subprocess|multiprocessing|tests\.pg|tests\.ray_head|ray)\b|\bpg_(?:url|database|server)\b",
+    re.M,
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    starts: dict[Path, bool] = {}
+    for item in items:
+        path = item.path
+        if path not in starts:
+            starts[path] = bool(STARTS_PROCESSES.search(path.read_text()))
+        if starts[path]:
+            item.add_marker(pytest.mark.slow)
 
 
 def pin_auto_device_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -256,12 +256,27 @@ class PgServer:
         Only for a throwaway cluster (`owned`): an external server is never restarted.
         """
         if not self.owned or self.workdir is None:
-            raise RuntimeError("restart() needs the throwaway cluster of PgServer.start(), not an external server")
+            raise RuntimeError(
+                "restart() needs the throwaway cluster of PgServer.start(), not an external server"
+            )
         data = str(self.workdir / "data")
         self._run("pg_ctl", ["-D", data, "-m", "fast", "-w", "-t", str(START_TIMEOUT_S), "stop"])
         time.sleep(down_s)
-        self._run("pg_ctl", ["-D", data, "-l", str(self.workdir / "server.log"), "-w", "-t", str(START_TIMEOUT_S),
-                             "-o", self._options, "start"])
+        self._run(
+            "pg_ctl",
+            [
+                "-D",
+                data,
+                "-l",
+                str(self.workdir / "server.log"),
+                "-w",
+                "-t",
+                str(START_TIMEOUT_S),
+                "-o",
+                self._options,
+                "start",
+            ],
+        )
 
     # ----------------------------------------------------------------- databases
 

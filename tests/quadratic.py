@@ -12,22 +12,41 @@ from torch import Tensor
 from fedcli.algorithms.base import Batch, ClientContext, ClientOut, Params
 
 
-def quadratic_context(a: Tensor, mu: Tensor, *, num_epochs: int, steps_per_epoch: int, num_examples: float,
-                      round_idx: int = 1, key: str = "w") -> ClientContext:
+def quadratic_context(
+    a: Tensor,
+    mu: Tensor,
+    *,
+    num_epochs: int,
+    steps_per_epoch: int,
+    num_examples: float,
+    round_idx: int = 1,
+    key: str = "w",
+) -> ClientContext:
     """Return a context whose loss is 1/2 (p[key] - mu)^T a (p[key] - mu) at every step."""
     dtype = mu.dtype
     num_steps = num_epochs * steps_per_epoch
-    dummy = Batch(x=torch.zeros(1, dtype=dtype), y=torch.zeros(1, dtype=dtype), weight=torch.ones(1, dtype=dtype),
-                  key=torch.zeros((), dtype=torch.int64))
+    dummy = Batch(
+        x=torch.zeros(1, dtype=dtype),
+        y=torch.zeros(1, dtype=dtype),
+        weight=torch.ones(1, dtype=dtype),
+        key=torch.zeros((), dtype=torch.int64),
+    )
 
     def loss_fn(params: Params, batch: Batch) -> Tensor:
         d = params[key] - mu
         return 0.5 * d @ (a @ d)
 
-    return ClientContext(loss_fn=loss_fn, apply_fn=lambda p, x: x, batch=lambda s: dummy,
-                         step_mask=torch.ones(num_steps, dtype=dtype),
-                         num_examples=torch.tensor(num_examples, dtype=dtype), num_epochs=num_epochs,
-                         steps_per_epoch=steps_per_epoch, round_idx=round_idx, noise={})
+    return ClientContext(
+        loss_fn=loss_fn,
+        apply_fn=lambda p, x: x,
+        batch=lambda s: dummy,
+        step_mask=torch.ones(num_steps, dtype=dtype),
+        num_examples=torch.tensor(num_examples, dtype=dtype),
+        num_epochs=num_epochs,
+        steps_per_epoch=steps_per_epoch,
+        round_idx=round_idx,
+        noise={},
+    )
 
 
 def stack_outs(outs: list[ClientOut]) -> ClientOut:

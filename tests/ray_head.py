@@ -30,10 +30,25 @@ def ray_head_on_loopback(cpus: int, start_s: float = 120.0) -> Iterator[str]:
     port, temp = free_port(), Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths
     log = open(temp / "head.log", "wb")  # noqa: SIM115 - closed below, after the head
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
-                             "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--num-gpus=0",
-                             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={cpus}",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + start_s
         while head.poll() is None and b"Ray runtime started" not in (temp / "head.log").read_bytes():

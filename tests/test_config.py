@@ -14,7 +14,11 @@ from fedcli.errors import ConfigError
 def test_defaults_resolve_hyperparameters_and_hash_is_stable() -> None:
     a = build_config(overrides={"algorithm.name": "fedpa"})
     b = build_config(overrides={"algorithm.name": "fedpa", "tracking.experiment": "other"})
-    assert a.algorithm.hp == {"rho": 0.1, "burn_in_rounds": 4, "burn_in_epochs": 1}  # ceil(50 / 15): FedPA's advice
+    assert a.algorithm.hp == {
+        "rho": 0.1,
+        "burn_in_rounds": 4,
+        "burn_in_epochs": 1,
+    }  # ceil(50 / 15): FedPA's advice
     assert a.config_hash == b.config_hash  # tracking does not change results
     assert a.config_hash != build_config(overrides={"algorithm.name": "fedpa", "seed": 1}).config_hash
 
@@ -26,9 +30,11 @@ def test_adding_train_graph_left_every_stored_config_hash_unchanged() -> None:
     assert build_config().config_hash == "273f0734dc2c261d9123e9b7f71523d5baeb3dcd2fa83544fbbc7c9bcca6e82e"
     scaffold = {"algorithm.name": "scaffold", "train.executor": "vmap"}
     assert build_config(overrides=scaffold).config_hash == (
-        "6f08191a5c36723a11a90a59d783ba568c7d14ad2c568e0a5904f51b1422fb3c")
+        "6f08191a5c36723a11a90a59d783ba568c7d14ad2c568e0a5904f51b1422fb3c"
+    )
     assert build_config(overrides={**scaffold, "train.graph": True}).config_hash != (
-        "6f08191a5c36723a11a90a59d783ba568c7d14ad2c568e0a5904f51b1422fb3c")
+        "6f08191a5c36723a11a90a59d783ba568c7d14ad2c568e0a5904f51b1422fb3c"
+    )
 
 
 def test_yaml_file_is_overridden_by_cli(tmp_path: Path) -> None:
@@ -39,18 +45,27 @@ def test_yaml_file_is_overridden_by_cli(tmp_path: Path) -> None:
     assert cfg.algorithm.hp["rho"] == 0.5 and cfg.algorithm.hp["burn_in_rounds"] == 4
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"overrides": {"algorithm.name": "fedpx"}}, r"unknown algorithm 'fedpx'.*choose one of"),
-    ({"overrides": {"data.task": "femnst"}}, r"unknown task 'femnst' \(did you mean 'femnist'\?\)"),
-    ({"overrides": {"algorithm.name": "fedpa"}, "hp": {"rhoo": 1}}, r"unknown hyperparameter 'hp.rhoo' for fedpa \(did you mean 'rho'\?\)"),
-    ({"overrides": {"algorithm.name": "fedpa"}, "hp": {"rho": "high"}}, r"hp.rho must be float; got 'high'"),
-    ({"overrides": {"train.rounds": 0}}, r"train.rounds must be >= 1; got 0"),
-    ({"overrides": {"train.client_lr": -1.0}}, r"train.client_lr must be > 0; got -1.0"),
-    ({"overrides": {"train.server_opt": "lion"}}, r"train.server_opt must be one of sgd, momentum"),
-    ({"overrides": {"train.device": "tpu"}}, r"train.device must be auto, cpu, cuda"),
-    ({"overrides": {"data.model": "resnet"}}, r"data.model must be one of mlp, cnn for task femnist"),
-    ({"overrides": {"seed": -2}}, r"seed must be an integer >= 0; got -2"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"overrides": {"algorithm.name": "fedpx"}}, r"unknown algorithm 'fedpx'.*choose one of"),
+        ({"overrides": {"data.task": "femnst"}}, r"unknown task 'femnst' \(did you mean 'femnist'\?\)"),
+        (
+            {"overrides": {"algorithm.name": "fedpa"}, "hp": {"rhoo": 1}},
+            r"unknown hyperparameter 'hp.rhoo' for fedpa \(did you mean 'rho'\?\)",
+        ),
+        (
+            {"overrides": {"algorithm.name": "fedpa"}, "hp": {"rho": "high"}},
+            r"hp.rho must be float; got 'high'",
+        ),
+        ({"overrides": {"train.rounds": 0}}, r"train.rounds must be >= 1; got 0"),
+        ({"overrides": {"train.client_lr": -1.0}}, r"train.client_lr must be > 0; got -1.0"),
+        ({"overrides": {"train.server_opt": "lion"}}, r"train.server_opt must be one of sgd, momentum"),
+        ({"overrides": {"train.device": "tpu"}}, r"train.device must be auto, cpu, cuda"),
+        ({"overrides": {"data.model": "resnet"}}, r"data.model must be one of mlp, cnn for task femnist"),
+        ({"overrides": {"seed": -2}}, r"seed must be an integer >= 0; got -2"),
+    ],
+)
 def test_invalid_values_name_key_value_and_fix(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_config(**kwargs)

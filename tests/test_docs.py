@@ -34,17 +34,28 @@ SKIP_DIRS = {".git", ".venv", "build", "fedcli-runs", "mlruns", "__pycache__", "
 def python_files() -> list[Path]:
     """Tracked .py files (git ls-files), or every .py file outside build/venv folders without git."""
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--", "*.py"], cwd=ROOT, capture_output=True, timeout=30,
-                             check=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--", "*.py"], cwd=ROOT, capture_output=True, timeout=30, check=True
+        ).stdout
         files = [ROOT / name for name in out.decode().split("\0") if name]
     except (OSError, subprocess.SubprocessError):
-        files = [p for p in ROOT.rglob("*.py") if not SKIP_DIRS & set(p.relative_to(ROOT).parts)
-                 and not any(part.startswith(".") or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts)]
+        files = [
+            p
+            for p in ROOT.rglob("*.py")
+            if not SKIP_DIRS & set(p.relative_to(ROOT).parts)
+            and not any(
+                part.startswith(".") or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts
+            )
+        ]
     return sorted(p for p in files if p.is_file())
 
 
 def headings(doc: Path) -> list[str]:
-    return [line.lstrip("#").strip() for line in doc.read_text(encoding="utf-8").splitlines() if line.startswith("#")]
+    return [
+        line.lstrip("#").strip()
+        for line in doc.read_text(encoding="utf-8").splitlines()
+        if line.startswith("#")
+    ]
 
 
 def slug(heading: str) -> str:
@@ -63,14 +74,22 @@ def where(path: Path, text: str, pos: int) -> str:
 
 
 def test_no_python_file_cites_the_notes_outside_the_repo() -> None:
-    found = [where(path, text, m.start()) + f": {m.group(0)}" for path, text in citations()
-             for m in OLD_NOTES.finditer(text) if text[max(0, m.start() - 5) : m.start()] != "docs/"]
+    found = [
+        where(path, text, m.start()) + f": {m.group(0)}"
+        for path, text in citations()
+        for m in OLD_NOTES.finditer(text)
+        if text[max(0, m.start() - 5) : m.start()] != "docs/"
+    ]
     assert not found, "cite docs/architecture.md §N / docs/style.md rule N instead:\n" + "\n".join(found)
 
 
 def test_cited_docs_exist() -> None:
-    missing = [where(path, text, m.start()) + f": {m.group(0)}" for path, text in citations()
-               for m in DOC_PATH.finditer(text) if not (ROOT / m.group(0)).is_file()]
+    missing = [
+        where(path, text, m.start()) + f": {m.group(0)}"
+        for path, text in citations()
+        for m in DOC_PATH.finditer(text)
+        if not (ROOT / m.group(0)).is_file()
+    ]
     assert not missing, "\n".join(missing)
 
 
@@ -86,7 +105,9 @@ def test_cited_sections_and_rules_exist() -> None:
                 bad.append(where(path, text, m.start()) + f": no '## {m.group(1)}.' in docs/architecture.md")
         for m in ARCH_NAMED.finditer(text):
             if not any(name.startswith(m.group(1).lower()) for name in names):
-                bad.append(where(path, text, m.start()) + f": no heading {m.group(1)!r} in docs/architecture.md")
+                bad.append(
+                    where(path, text, m.start()) + f": no heading {m.group(1)!r} in docs/architecture.md"
+                )
         for m in STYLE_RULES.finditer(text):
             for number in re.findall(r"\d+", m.group(1)):
                 if number not in rules:
@@ -97,7 +118,9 @@ def test_cited_sections_and_rules_exist() -> None:
 def test_style_keeps_rules_1_to_19_and_architecture_sections_1_to_9() -> None:
     """Old citations used these numbers; the docs keep them."""
     rules = [int(m.group(1)) for h in headings(DOCS / "style.md") if (m := re.match(r"Rule (\d+):", h))]
-    sections = [int(m.group(1)) for h in headings(DOCS / "architecture.md") if (m := re.match(r"(\d+)\.\s", h))]
+    sections = [
+        int(m.group(1)) for h in headings(DOCS / "architecture.md") if (m := re.match(r"(\d+)\.\s", h))
+    ]
     assert rules == list(range(1, 20))
     assert sections == list(range(1, 10))
 
@@ -120,7 +143,11 @@ def test_links_between_docs_resolve(doc: Path) -> None:
 
 
 ISSUE = re.compile(r"[Ii]ssue \d+")
-NO_ISSUE_DIRS = ("algorithms/", "datasets/", "fedcli/engine/")  # docstrings and comments cite docs/, not issues
+NO_ISSUE_DIRS = (
+    "algorithms/",
+    "datasets/",
+    "fedcli/engine/",
+)  # docstrings and comments cite docs/, not issues
 
 
 def issue_citations(source: str) -> list[tuple[int, str]]:
@@ -129,10 +156,15 @@ def issue_citations(source: str) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
-                    first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 doc = first.value.value  # its line: the docstring's first + the newlines before the match
-                found += [(first.lineno + doc.count("\n", 0, m.start()), m.group()) for m in ISSUE.finditer(doc)]
+                found += [
+                    (first.lineno + doc.count("\n", 0, m.start()), m.group()) for m in ISSUE.finditer(doc)
+                ]
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
             found += [(token.start[0], m.group()) for m in ISSUE.finditer(token.string)]
@@ -140,7 +172,9 @@ def issue_citations(source: str) -> list[tuple[int, str]]:
 
 
 def test_issue_citations_are_found_in_docstrings_and_comments_only() -> None:
-    sample = '"""Module (issue 7)."""\n\ndef f():\n    """Why (issue 12)."""\n    return "issue 3"  # issue 4\n'
+    sample = (
+        '"""Module (issue 7)."""\n\ndef f():\n    """Why (issue 12)."""\n    return "issue 3"  # issue 4\n'
+    )
     assert sorted(issue_citations(sample)) == [(1, "issue 7"), (4, "issue 12"), (5, "issue 4")]
 
 
@@ -149,6 +183,11 @@ def test_no_docstring_or_comment_cites_an_issue_number() -> None:
     cite docs/ (docs/benchmarks.md for timings), never an issue number."""
     files = [p for p in python_files() if p.relative_to(ROOT).as_posix().startswith(NO_ISSUE_DIRS)]
     assert files, "no .py files found under " + ", ".join(NO_ISSUE_DIRS)
-    bad = [f"{path.relative_to(ROOT)}:{line}: {text}" for path in files
-           for line, text in issue_citations(path.read_text(encoding="utf-8"))]
-    assert not bad, "say what the issue decided, or cite the docs/ section that describes it:\n" + "\n".join(bad)
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {text}"
+        for path in files
+        for line, text in issue_citations(path.read_text(encoding="utf-8"))
+    ]
+    assert not bad, "say what the issue decided, or cite the docs/ section that describes it:\n" + "\n".join(
+        bad
+    )

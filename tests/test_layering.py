@@ -17,9 +17,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ALLOWED_IN_ALGORITHMS = {"torch", "dataclasses", "math", "types", "typing", "collections", "__future__", "fedcli"}
-FORBIDDEN_IN_ALGORITHMS = {"mlflow", "sqlalchemy", "typer", "click", "logging", "os", "pathlib", "random", "time",
-                           "numpy", "pandas"}
+ALLOWED_IN_ALGORITHMS = {
+    "torch",
+    "dataclasses",
+    "math",
+    "types",
+    "typing",
+    "collections",
+    "__future__",
+    "fedcli",
+}
+FORBIDDEN_IN_ALGORITHMS = {
+    "mlflow",
+    "sqlalchemy",
+    "typer",
+    "click",
+    "logging",
+    "os",
+    "pathlib",
+    "random",
+    "time",
+    "numpy",
+    "pandas",
+}
 
 
 def imports(path: Path) -> list[str]:
@@ -43,23 +63,36 @@ def test_algorithms_import_only_torch_stdlib_math_and_base(path: Path) -> None:
             assert name.startswith("fedcli.algorithms"), f"{path.name} imports {name}"
 
 
-GLOBAL_RNG = re.compile(r"\btorch\.(rand|randn|randint|randperm|normal|bernoulli|multinomial)\(|"
-                        r"\bnp\.random\.(rand|randn|randint|choice|permutation|shuffle|normal|uniform|seed)\(|"
-                        r"^\s*import random\b|\brandom\.(random|randint|choice|shuffle)\(", re.M)
+GLOBAL_RNG = re.compile(
+    r"\btorch\.(rand|randn|randint|randperm|normal|bernoulli|multinomial)\(|"
+    r"\bnp\.random\.(rand|randn|randint|choice|permutation|shuffle|normal|uniform|seed)\(|"
+    r"^\s*import random\b|\brandom\.(random|randint|choice|shuffle)\(",
+    re.M,
+)
 
 
-@pytest.mark.parametrize("path", sorted([*(ROOT / "algorithms").glob("*.py"), *(ROOT / "datasets").rglob("*.py")]),
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path",
+    sorted([*(ROOT / "algorithms").glob("*.py"), *(ROOT / "datasets").rglob("*.py")]),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_no_global_rng_in_algorithms_or_datasets(path: Path) -> None:
     text = path.read_text()
     for match in GLOBAL_RNG.finditer(text):
         line = text[: match.start()].count("\n") + 1
         context = text.splitlines()[line - 1]
-        assert "generator=" in context, f"{path.relative_to(ROOT)}:{line} draws from a global RNG: {context.strip()}"
+        assert "generator=" in context, (
+            f"{path.relative_to(ROOT)}:{line} draws from a global RNG: {context.strip()}"
+        )
 
 
-@pytest.mark.parametrize(("folder", "banned"), [("datasets", ("fedcli.algorithms", "fedcli.engine", "fedcli.cli")),
-                                                ("tracking", ("fedcli.engine", "fedcli.cli", "fedcli.algorithms"))])
+@pytest.mark.parametrize(
+    ("folder", "banned"),
+    [
+        ("datasets", ("fedcli.algorithms", "fedcli.engine", "fedcli.cli")),
+        ("tracking", ("fedcli.engine", "fedcli.cli", "fedcli.algorithms")),
+    ],
+)
 def test_lower_layers_do_not_import_upper_layers(folder: str, banned: tuple[str, ...]) -> None:
     for path in sorted((ROOT / folder).rglob("*.py")):
         for name in imports(path):
@@ -68,8 +101,12 @@ def test_lower_layers_do_not_import_upper_layers(folder: str, banned: tuple[str,
 
 # ----------------------------------------------------------------------------- no import circles
 
-PACKAGES = {"fedcli": ROOT / "fedcli", "fedcli.algorithms": ROOT / "algorithms",
-            "fedcli.datasets": ROOT / "datasets", "fedcli.tracking": ROOT / "tracking"}  # as installed (pyproject)
+PACKAGES = {
+    "fedcli": ROOT / "fedcli",
+    "fedcli.algorithms": ROOT / "algorithms",
+    "fedcli.datasets": ROOT / "datasets",
+    "fedcli.tracking": ROOT / "tracking",
+}  # as installed (pyproject)
 
 
 def module_graph(packages: dict[str, Path]) -> dict[str, set[str]]:
@@ -109,8 +146,10 @@ def module_graph(packages: dict[str, Path]) -> dict[str, set[str]]:
                     for _ in range(node.level - 1):
                         package = package.rpartition(".")[0]
                     base = f"{package}.{base}" if base else package
-                deps.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else known(base)
-                            for alias in node.names)
+                deps.update(
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else known(base)
+                    for alias in node.names
+                )
         graph[name] = {d for d in deps if d is not None and d != name}
     return graph
 
@@ -125,7 +164,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)) is not None:
                 return cycle
         path.pop()
@@ -153,7 +192,9 @@ def test_the_cycle_check_finds_lazy_and_type_only_cycles(tmp_path: Path) -> None
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "a.py").write_text("def f():\n    from pkg.b import g\n")
-    (tmp_path / "pkg" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import c\n")
+    (tmp_path / "pkg" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import c\n"
+    )
     (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
     assert find_cycle(module_graph({"pkg": tmp_path / "pkg"})) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
     (tmp_path / "pkg" / "c.py").write_text("import os\n")
@@ -171,10 +212,18 @@ def banned_imports(folder: Path, banned: tuple[str, ...]) -> list[str]:
     found = []
     for path in sorted(folder.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
-            found += [f"{path.relative_to(folder.parent)}: {name}" for name in names if name.startswith(banned)][:1]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else (
+                    [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                    else []
+                )
+            )
+            found += [
+                f"{path.relative_to(folder.parent)}: {name}" for name in names if name.startswith(banned)
+            ][:1]
     return found
 
 
@@ -188,14 +237,21 @@ def test_tracking_imports_no_sweep_cli_api_or_engine() -> None:
 def test_the_tracking_rule_finds_a_nested_lazy_import(tmp_path: Path) -> None:
     """The rule can fail: a lazy `from fedcli.sweep.rows import ...` two folders down is found."""
     (tmp_path / "tracking" / "mlflow").mkdir(parents=True)
-    (tmp_path / "tracking" / "mlflow" / "x.py").write_text("def f():\n    from fedcli.sweep.rows import parent_tags\n")
-    (tmp_path / "tracking" / "y.py").write_text("import fedcli.runs.run\nimport fedcli.tracking.keys\nfrom fedcli import cli\n")
-    assert banned_imports(tmp_path / "tracking", TRACKING_BANNED) == ["tracking/mlflow/x.py: fedcli.sweep.rows",
-                                                                      "tracking/y.py: fedcli.runs.run",
-                                                                      "tracking/y.py: fedcli.cli"]
+    (tmp_path / "tracking" / "mlflow" / "x.py").write_text(
+        "def f():\n    from fedcli.sweep.rows import parent_tags\n"
+    )
+    (tmp_path / "tracking" / "y.py").write_text(
+        "import fedcli.runs.run\nimport fedcli.tracking.keys\nfrom fedcli import cli\n"
+    )
+    assert banned_imports(tmp_path / "tracking", TRACKING_BANNED) == [
+        "tracking/mlflow/x.py: fedcli.sweep.rows",
+        "tracking/y.py: fedcli.runs.run",
+        "tracking/y.py: fedcli.cli",
+    ]
 
 
 # ----------------------------------------------------------------------------- nothing below the CLI imports it
+
 
 def cli_importers(root: Path) -> list[str]:
     """`path: module` for every import of fedcli.cli (lazy ones too) outside fedcli/cli/ and fedcli/__main__.py,
@@ -206,7 +262,11 @@ def cli_importers(root: Path) -> list[str]:
             rel = path.relative_to(root)
             if rel.parts[:2] == ("fedcli", "cli") or rel == Path("fedcli/__main__.py"):
                 continue
-            found += [f"{rel}: {name}" for name in imports(path) if name == "fedcli.cli" or name.startswith("fedcli.cli.")]
+            found += [
+                f"{rel}: {name}"
+                for name in imports(path)
+                if name == "fedcli.cli" or name.startswith("fedcli.cli.")
+            ]
     return found
 
 
@@ -251,7 +311,11 @@ def datasets_rule_breaks(folder: Path) -> list[str]:
             here, there = subpackage(module), subpackage(dep)
             if there is None or there == here:
                 continue
-            if (module != "fedcli.datasets.registry") if here is None else (there not in DATASETS_SUBPACKAGES[here]):
+            if (
+                (module != "fedcli.datasets.registry")
+                if here is None
+                else (there not in DATASETS_SUBPACKAGES[here])
+            ):
                 breaks.append(f"{module} -> {dep}")
     return breaks
 
@@ -269,11 +333,16 @@ def test_the_datasets_rule_finds_a_sideways_import(tmp_path: Path) -> None:
     for sub in ("formats", "bundled", "yours"):
         (tmp_path / "datasets" / sub).mkdir(parents=True)
         (tmp_path / "datasets" / sub / "__init__.py").write_text("")
-    (tmp_path / "datasets" / "bundled" / "femnist.py").write_text("from fedcli.datasets.formats import leaf\n")
-    (tmp_path / "datasets" / "formats" / "leaf.py").write_text("def f():\n    from fedcli.datasets.bundled import femnist\n")
+    (tmp_path / "datasets" / "bundled" / "femnist.py").write_text(
+        "from fedcli.datasets.formats import leaf\n"
+    )
+    (tmp_path / "datasets" / "formats" / "leaf.py").write_text(
+        "def f():\n    from fedcli.datasets.bundled import femnist\n"
+    )
     (tmp_path / "datasets" / "yours" / "model.py").write_text("")
     (tmp_path / "datasets" / "tasks.py").write_text("from fedcli.datasets.yours.model import x\n")
     (tmp_path / "datasets" / "registry.py").write_text("from fedcli.datasets.yours.model import x\n")
     assert datasets_rule_breaks(tmp_path / "datasets") == [
         "fedcli.datasets.formats.leaf -> fedcli.datasets.bundled.femnist",
-        "fedcli.datasets.tasks -> fedcli.datasets.yours.model"]
+        "fedcli.datasets.tasks -> fedcli.datasets.yours.model",
+    ]

@@ -18,14 +18,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALLED = {"fedcli": "fedcli", "algorithms": "fedcli.algorithms", "datasets": "fedcli.datasets",
-             "tracking": "fedcli.tracking"}  # folder -> installed name (pyproject's package-dir)
+INSTALLED = {
+    "fedcli": "fedcli",
+    "algorithms": "fedcli.algorithms",
+    "datasets": "fedcli.datasets",
+    "tracking": "fedcli.tracking",
+}  # folder -> installed name (pyproject's package-dir)
 
 
 def source_files() -> list[str]:
     """The working tree's files git would add (tracked, or new and not ignored)."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, check=True, timeout=60).stdout.decode()
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.decode()
     return sorted(name for name in out.split("\0") if name and (ROOT / name).is_file())
 
 
@@ -44,8 +53,11 @@ def test_every_folder_of_the_installed_tree_is_a_listed_package() -> None:
 
     config = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]
     assert config["package-dir"] == {name: folder for folder, name in INSTALLED.items()}
-    folders = {".".join(Path(path).parent.parts[:depth]) for path in package_files()
-               for depth in range(1, len(Path(path).parent.parts) + 1)}  # with the folders between
+    folders = {
+        ".".join(Path(path).parent.parts[:depth])
+        for path in package_files()
+        for depth in range(1, len(Path(path).parent.parts) + 1)
+    }  # with the folders between
 
     assert folders - set(config["packages"]) == set(), "add these to [tool.setuptools] packages"
     assert set(config["packages"]) - folders == set(), "listed packages without files"
@@ -57,8 +69,23 @@ def test_the_wheel_holds_every_file_and_its_build_prints_no_warning(tmp_path: Pa
     for name in source_files():
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         (tree / name).write_bytes((ROOT / name).read_bytes())
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(tree), "--no-deps", "--no-build-isolation",
-                            "-v", "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=540)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(tree),
+            "--no-deps",
+            "--no-build-isolation",
+            "-v",
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("fedcli-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

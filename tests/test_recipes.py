@@ -17,8 +17,18 @@ from fedcli.errors import ConfigError
 from fedcli.recipes import read_recipe, recipe_names, smoke_spec
 from fedcli.sweep.spec import expand, load_spec
 
-PAPER_RECIPES = ("fedpa-toy", "fedpa-bias", "fedpa-table1", "fedpa-femnist", "fedsparse-femnist", "fola-toy",
-                 "fola-mnist", "bayesadmm-toys", "bayesadmm-mnist", "scafflsa-garnet")
+PAPER_RECIPES = (
+    "fedpa-toy",
+    "fedpa-bias",
+    "fedpa-table1",
+    "fedpa-femnist",
+    "fedsparse-femnist",
+    "fola-toy",
+    "fola-mnist",
+    "bayesadmm-toys",
+    "bayesadmm-mnist",
+    "scafflsa-garnet",
+)
 
 
 def test_the_issue_s_recipes_are_shipped_with_a_paper_claim_and_a_smoke_form() -> None:
@@ -31,12 +41,20 @@ def test_the_issue_s_recipes_are_shipped_with_a_paper_claim_and_a_smoke_form() -
 
 
 def test_variants_cross_grid_and_seeds_and_win_over_both() -> None:
-    spec = {"experiment": "v", "base": {"task": "lsq", "rounds": 2, "local_epochs": 3},
-            "variants": [{"label": "A-1E", "algo": "fedavg", "local_epochs": 1}, {"label": "P", "algo": "fedpa"}],
-            "grid": {"client_lr": [0.01, 0.1]}, "seeds": [0, 1]}
+    spec = {
+        "experiment": "v",
+        "base": {"task": "lsq", "rounds": 2, "local_epochs": 3},
+        "variants": [{"label": "A-1E", "algo": "fedavg", "local_epochs": 1}, {"label": "P", "algo": "fedpa"}],
+        "grid": {"client_lr": [0.01, 0.1]},
+        "seeds": [0, 1],
+    }
     trials = expand(spec)
-    assert [t.name for t in trials][:4] == ["A-1E client_lr=0.01 s0", "A-1E client_lr=0.01 s1",
-                                            "A-1E client_lr=0.1 s0", "A-1E client_lr=0.1 s1"]
+    assert [t.name for t in trials][:4] == [
+        "A-1E client_lr=0.01 s0",
+        "A-1E client_lr=0.01 s1",
+        "A-1E client_lr=0.1 s0",
+        "A-1E client_lr=0.1 s1",
+    ]
     assert len(trials) == 8 and len({t.config.config_hash for t in trials}) == 8
     assert {t.config.train.local_epochs for t in trials if t.name.startswith("A-1E")} == {1}
     assert {t.config.train.local_epochs for t in trials if t.name.startswith("P ")} == {3}  # base
@@ -44,9 +62,13 @@ def test_variants_cross_grid_and_seeds_and_win_over_both() -> None:
 
 
 def test_smoke_overrides_merge_and_rename_the_experiment() -> None:
-    spec = {"experiment": "x", "base": {"task": "lsq", "rounds": 50, "local_epochs": 2}, "seeds": [0, 1, 2],
-            "report": {"metric": "dist_to_opt", "at": [50]},
-            "smoke": {"base": {"rounds": 2}, "seeds": [0], "report": {"at": [2]}}}
+    spec = {
+        "experiment": "x",
+        "base": {"task": "lsq", "rounds": 50, "local_epochs": 2},
+        "seeds": [0, 1, 2],
+        "report": {"metric": "dist_to_opt", "at": [50]},
+        "smoke": {"base": {"rounds": 2}, "seeds": [0], "report": {"at": [2]}},
+    }
     out = smoke_spec(spec)
     assert out["experiment"] == "x-smoke" and out["seeds"] == [0] and "smoke" not in out
     assert out["base"] == {"task": "lsq", "rounds": 2, "local_epochs": 2}
@@ -74,8 +96,22 @@ def test_list_recipes_shows_every_recipe_with_its_paper() -> None:
 @pytest.mark.parametrize("name", recipe_names())
 def test_recipe_smoke_run_writes_its_report(name: str, tmp_path: Path) -> None:
     out = tmp_path / "report" / f"{name}.md"
-    result = CliRunner().invoke(app, ["sweep", "--recipe", name, "--smoke", "--no-mlflow", "--workers", "2",
-                                      "--root", str(tmp_path / "runs"), "--output", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--recipe",
+            name,
+            "--smoke",
+            "--no-mlflow",
+            "--workers",
+            "2",
+            "--root",
+            str(tmp_path / "runs"),
+            "--output",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.strip().splitlines()[-1] == str(out)
     text = out.read_text()

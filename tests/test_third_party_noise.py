@@ -34,8 +34,10 @@ def test_the_probe_line_is_dropped_and_other_records_are_kept(tmp_path: Path) ->
 
     control = python("import torch.utils.cpp_extension", env)
     quiet = python("import fedcli, torch.utils.cpp_extension", env)
-    other = python("import logging, fedcli; logging.getLogger('torch.utils.cpp_extension').warning('compiler mismatch')",
-                   env)
+    other = python(
+        "import logging, fedcli; logging.getLogger('torch.utils.cpp_extension').warning('compiler mismatch')",
+        env,
+    )
 
     assert control.returncode == 0 and PROBE in control.stderr, control.stderr[-2000:]
     assert quiet.returncode == 0 and PROBE not in quiet.stderr, quiet.stderr[-2000:]
@@ -45,10 +47,33 @@ def test_the_probe_line_is_dropped_and_other_records_are_kept(tmp_path: Path) ->
 @pytest.mark.timeout(400)
 def test_compiled_training_in_worker_processes_prints_no_probe_line(tmp_path: Path) -> None:
     """The issue's case: `--compile` on a CPU printed the line once per compiling process."""
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "lsq", "--executor", "process",
-                           "--workers", "2", "--compile", "--rounds", "1", "--clients-per-round", "4", "--root",
-                           str(tmp_path / "runs"), "--no-mlflow"], capture_output=True, text=True,
-                          env=cpu_only_with_a_toolkit(tmp_path), timeout=360)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "lsq",
+            "--executor",
+            "process",
+            "--workers",
+            "2",
+            "--compile",
+            "--rounds",
+            "1",
+            "--clients-per-round",
+            "4",
+            "--root",
+            str(tmp_path / "runs"),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        env=cpu_only_with_a_toolkit(tmp_path),
+        timeout=360,
+    )
 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert PROBE not in proc.stderr and proc.stderr == "", proc.stderr[-3000:]

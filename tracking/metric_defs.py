@@ -62,13 +62,17 @@ def _checked(rounds: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nda
     rounds = np.asarray(rounds, dtype=np.int64)
     values = np.asarray(values, dtype=np.float64)
     if rounds.shape != values.shape or rounds.ndim != 1:
-        raise ValueError(f"rounds and values must be 1-d of equal length; got {rounds.shape} and {values.shape}.")
+        raise ValueError(
+            f"rounds and values must be 1-d of equal length; got {rounds.shape} and {values.shape}."
+        )
     if rounds.size > 1 and np.any(np.diff(rounds) <= 0):
         raise ValueError("rounds must be strictly increasing.")
     return rounds, values
 
 
-def running_average(rounds: np.ndarray, values: np.ndarray, smooth: int, full_window: bool = True) -> np.ndarray:
+def running_average(
+    rounds: np.ndarray, values: np.ndarray, smooth: int, full_window: bool = True
+) -> np.ndarray:
     """Trailing `smooth`-round running average at each logged round (NaN where undefined).
 
     Args:
@@ -104,8 +108,9 @@ def running_average(rounds: np.ndarray, values: np.ndarray, smooth: int, full_wi
     return out
 
 
-def rounds_to_threshold(rounds: np.ndarray, values: np.ndarray, threshold: float, smooth: int,
-                        lower_is_better: bool = False) -> int | None:
+def rounds_to_threshold(
+    rounds: np.ndarray, values: np.ndarray, threshold: float, smooth: int, lower_is_better: bool = False
+) -> int | None:
     """First round whose trailing running average reaches `threshold`, or None if none does.
 
     Args:
@@ -124,8 +129,9 @@ def rounds_to_threshold(rounds: np.ndarray, values: np.ndarray, threshold: float
     return int(rounds[hits[0]]) if hits.size else None
 
 
-def window_mean(rounds: np.ndarray, values: np.ndarray, at: int, window: int,
-                last_round: int | None = None) -> float | None:
+def window_mean(
+    rounds: np.ndarray, values: np.ndarray, at: int, window: int, last_round: int | None = None
+) -> float | None:
     """metric@R: mean over the logged rounds s with R - W < s <= R and s >= 1.
 
     Args:

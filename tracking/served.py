@@ -44,11 +44,21 @@ class ServedModel(nn.Module):
         return self.net(self.prepare(x))
 
 
-def served_model(params: Mapping[str, Tensor], task: str, model: str, data_file: str | None,
-                 model_args: str | None = None, model_sha256: str | None = None,
-                 buffers: Mapping[str, Tensor] | None = None, augment: Sequence[str] | None = None, *,
-                 trust: bool = False, data_sha256: str | None = None, source: str = "the model file",
-                 fix: str = "pass trust_code=True if you trust it") -> ServedModel:
+def served_model(
+    params: Mapping[str, Tensor],
+    task: str,
+    model: str,
+    data_file: str | None,
+    model_args: str | None = None,
+    model_sha256: str | None = None,
+    buffers: Mapping[str, Tensor] | None = None,
+    augment: Sequence[str] | None = None,
+    *,
+    trust: bool = False,
+    data_sha256: str | None = None,
+    source: str = "the model file",
+    fix: str = "pass trust_code=True if you trust it",
+) -> ServedModel:
     """The task's `model` module with `params` loaded, behind the task's `prepare`, in eval mode.
 
     Your own model (`module:factory`, fedcli/datasets/yours/model.py) is rebuilt by importing it
@@ -70,8 +80,14 @@ def served_model(params: Mapping[str, Tensor], task: str, model: str, data_file:
     from fedcli.datasets.yours.model import check_source, is_reference
     from fedcli.datasets.yours.trust import allow_code, recorded_code
 
-    allow_code(recorded_code({"model": model, "model_sha256": model_sha256}, data_file=data_file,
-                             data_sha256=data_sha256), source=source, fix=fix, trust=trust)
+    allow_code(
+        recorded_code(
+            {"model": model, "model_sha256": model_sha256}, data_file=data_file, data_sha256=data_sha256
+        ),
+        source=source,
+        fix=fix,
+        trust=trust,
+    )
     if is_reference(model):
         check_source(model, model_sha256, on_change="warn")
     resolved = resolve_task(task, model, data_file, model_args)
@@ -82,8 +98,10 @@ def served_model(params: Mapping[str, Tensor], task: str, model: str, data_file:
     missing, unexpected = net.load_state_dict(weights, strict=False)
     names = dict(net.named_parameters())
     if unexpected or any(k in names for k in missing):
-        raise ValueError(f"the parameters do not fit model {model!r}: missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]}")
+        raise ValueError(
+            f"the parameters do not fit model {model!r}: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
     module = ServedModel(net, resolved.prepare).eval()
     for p in module.parameters():
         p.requires_grad_(False)
@@ -100,13 +118,20 @@ def read_model_file(path: Path) -> dict[str, Any]:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
-        raise ValueError(f"{path} needs code to load (a pickled {found[1] if found else 'object'}); fedcli never "
-                         "runs code from a file. If you wrote it and trust it, convert it: "
-                         f"python -m fedcli.engine.checkpoint --trust {path}") from None
+        raise ValueError(
+            f"{path} needs code to load (a pickled {found[1] if found else 'object'}); fedcli never "
+            "runs code from a file. If you wrote it and trust it, convert it: "
+            f"python -m fedcli.engine.checkpoint --trust {path}"
+        ) from None
     except Exception as err:  # noqa: BLE001 - a damaged file: RuntimeError, EOFError, OSError ...
-        raise ValueError(f"{path} cannot be read ({(str(err).splitlines() or [type(err).__name__])[0][:160]})") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("params"), dict) or \
-            not all(isinstance(saved.get(k), str) for k in ("task", "model")):
+        raise ValueError(
+            f"{path} cannot be read ({(str(err).splitlines() or [type(err).__name__])[0][:160]})"
+        ) from None
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(saved.get("params"), dict)
+        or not all(isinstance(saved.get(k), str) for k in ("task", "model"))
+    ):
         raise ValueError(f"{path} is not a fedcli model.pt (no params, task and model)")
     return saved
 
@@ -115,17 +140,32 @@ def write_served(saved: Mapping[str, Any], path: Path) -> None:
     """Write the MLflow model's artifact `served.pt` from a read `model.pt`: parameters and names only."""
     config = saved.get("config")
     data = config.get("data") if isinstance(config, Mapping) else None
-    recorded = {k: data.get(k) for k in ("file", "model_args", "model_sha256", "augment")} \
-        if isinstance(data, Mapping) else {}
+    recorded = (
+        {k: data.get(k) for k in ("file", "model_args", "model_sha256", "augment")}
+        if isinstance(data, Mapping)
+        else {}
+    )
     buffers = saved.get("buffers")
-    torch.save({"format": SERVED_FORMAT, "params": dict(saved["params"]), "task": saved["task"],
-                "model": saved["model"], "data_file": recorded.get("file"), "model_args": recorded.get("model_args"),
-                "model_sha256": recorded.get("model_sha256"), "augment": recorded.get("augment"),
-                "buffers": dict(buffers) if isinstance(buffers, Mapping) else None}, path)
+    torch.save(
+        {
+            "format": SERVED_FORMAT,
+            "params": dict(saved["params"]),
+            "task": saved["task"],
+            "model": saved["model"],
+            "data_file": recorded.get("file"),
+            "model_args": recorded.get("model_args"),
+            "model_sha256": recorded.get("model_sha256"),
+            "augment": recorded.get("augment"),
+            "buffers": dict(buffers) if isinstance(buffers, Mapping) else None,
+        },
+        path,
+    )
 
 
-LOADER_FIX = ("load it with mlflow.pyfunc.load_model(uri, model_config={'trust_code': True}) or set "
-              "FEDCLI_TRUST_CODE=1 if you trust that code")  # how the MLflow model's loader allows user code
+LOADER_FIX = (
+    "load it with mlflow.pyfunc.load_model(uri, model_config={'trust_code': True}) or set "
+    "FEDCLI_TRUST_CODE=1 if you trust that code"
+)  # how the MLflow model's loader allows user code
 
 
 def load_served(path: str | Path, *, trust: bool | None = None, fix: str = LOADER_FIX) -> ServedModel:
@@ -142,6 +182,16 @@ def load_served(path: str | Path, *, trust: bool | None = None, fix: str = LOADE
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(saved, dict) or saved.get("format") != SERVED_FORMAT:
         raise ValueError(f"{path} is not a fedcli served.pt of format {SERVED_FORMAT}")
-    return served_model(saved["params"], saved["task"], saved["model"], saved.get("data_file"), saved.get("model_args"),
-                        saved.get("model_sha256"), saved.get("buffers"), saved.get("augment"), trust=trust,
-                        source=f"the MLflow model's weights ({Path(path).name})", fix=fix)
+    return served_model(
+        saved["params"],
+        saved["task"],
+        saved["model"],
+        saved.get("data_file"),
+        saved.get("model_args"),
+        saved.get("model_sha256"),
+        saved.get("buffers"),
+        saved.get("augment"),
+        trust=trust,
+        source=f"the MLflow model's weights ({Path(path).name})",
+        fix=fix,
+    )

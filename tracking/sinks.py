@@ -89,9 +89,19 @@ class Tracker:
         """
         sql_tags = {**(tags or {}), "fedcli.dataset": dataset, "fedcli.partitioner": partitioner}
         self._run_id = self.store.start_run(
-            experiment=experiment, run_name=run_name, config=config, algo=algo, task=task, seed=seed,
-            tags=sql_tags, fedcli_version=fedcli_version, torch_version=torch_version,
-            git_commit=git_commit, run_id=run_id, requested=requested, config_hash=config_hash,
+            experiment=experiment,
+            run_name=run_name,
+            config=config,
+            algo=algo,
+            task=task,
+            seed=seed,
+            tags=sql_tags,
+            fedcli_version=fedcli_version,
+            torch_version=torch_version,
+            git_commit=git_commit,
+            run_id=run_id,
+            requested=requested,
+            config_hash=config_hash,
         )
         if self.on_run is not None:
             self.on_run(self._run_id)
@@ -103,8 +113,15 @@ class Tracker:
         if self.mirror is not None:
             self.mirror.start(self.run_id)
 
-    def resume(self, run_ref: str, *, from_round: int | None = None, config: Mapping[str, Any] | None = None,
-               config_hash: str | None = None, requested: Mapping[str, Any] | None = None) -> RunRecord:
+    def resume(
+        self,
+        run_ref: str,
+        *,
+        from_round: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        config_hash: str | None = None,
+        requested: Mapping[str, Any] | None = None,
+    ) -> RunRecord:
         """Reattach to an existing run: status back to `running` in this process, MLflow mirror restarted.
 
         Args:
@@ -132,8 +149,9 @@ class Tracker:
         log.info("run %s resumed%s", record.id, "" if from_round is None else f" after round {from_round}")
         return self.store.get_run(record.id)
 
-    def log_round(self, round_idx: int, metrics: Mapping[str, float],
-                  clients: Iterable[tuple[int, str, float]] = ()) -> None:
+    def log_round(
+        self, round_idx: int, metrics: Mapping[str, float], clients: Iterable[tuple[int, str, float]] = ()
+    ) -> None:
         """Write one round, with its per-client `(client_id, key, value)` rows, to the store in one
         transaction (the mirror copies the round metrics to MLflow later; client rows stay in SQL).
 

@@ -34,8 +34,9 @@ from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 NUM_USERS, DIM, NUM_CLASSES = 30, 60, 10
 
 
-def generate_synthetic(*, alpha: float, beta: float, iid: bool, rng: np.random.Generator,
-                       num_users: int = NUM_USERS) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def generate_synthetic(
+    *, alpha: float, beta: float, iid: bool, rng: np.random.Generator, num_users: int = NUM_USERS
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Return per-user features [n_k, 60] float64 and argmax labels [n_k] (FedProx §5.1)."""
     sizes = rng.lognormal(4, 2, num_users).astype(int) + 50
     mean_w = rng.normal(0, alpha, num_users)  # u_k, shared by W_k and b_k
@@ -67,12 +68,17 @@ def _loader(alpha: float, beta: float, iid: bool):  # noqa: ANN202 - returns a T
             test_y.append(y[order[cut:]])
         xt = torch.as_tensor(np.concatenate(train_x), dtype=torch.float32)
         yt = torch.as_tensor(np.concatenate(train_y), dtype=torch.int64)
-        return TaskData(x=xt, y=yt, client_indices=consecutive([len(y) for y in train_y]),
-                        client_names=[f"f_{k:05d}" for k in range(len(xs))],
-                        test_x=torch.as_tensor(np.concatenate(test_x), dtype=torch.float32),
-                        test_y=torch.as_tensor(np.concatenate(test_y), dtype=torch.int64),
-                        fingerprint=fingerprint(xt, yt), num_classes=NUM_CLASSES,
-                        test_client_indices=consecutive([len(y) for y in test_y]))
+        return TaskData(
+            x=xt,
+            y=yt,
+            client_indices=consecutive([len(y) for y in train_y]),
+            client_names=[f"f_{k:05d}" for k in range(len(xs))],
+            test_x=torch.as_tensor(np.concatenate(test_x), dtype=torch.float32),
+            test_y=torch.as_tensor(np.concatenate(test_y), dtype=torch.int64),
+            fingerprint=fingerprint(xt, yt),
+            num_classes=NUM_CLASSES,
+            test_client_indices=consecutive([len(y) for y in test_y]),
+        )
 
     return load
 

@@ -57,8 +57,10 @@ def verify_checksums(directory: Path) -> None:
         if not path.exists():
             raise DataError(f"bundled data file {path} is missing; reinstall fedcli.")
         if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
-            raise DataError(f"bundled data file {path} fails its SHA-256 check; it is corrupted. "
-                            "Reinstall fedcli or restore the file from git.")
+            raise DataError(
+                f"bundled data file {path} fails its SHA-256 check; it is corrupted. "
+                "Reinstall fedcli or restore the file from git."
+            )
 
 
 CACHE_DIR = Path("~/.cache/fedcli/femnist").expanduser()
@@ -72,15 +74,24 @@ def load_femnist(directory: Path = BUNDLED_DIR, cache_dir: Path | None = CACHE_D
     SHA256SUMS); a corrupt or stale cache entry is ignored and rewritten.
     """
     if not directory.exists():
-        raise DataError(f"FEMNIST folder {directory} does not exist; pass --data-dir with LEAF's "
-                        "data/femnist/data folder (it holds train/ and test/).")
+        raise DataError(
+            f"FEMNIST folder {directory} does not exist; pass --data-dir with LEAF's "
+            "data/femnist/data folder (it holds train/ and test/)."
+        )
     verify_checksums(directory)
     cache = None if cache_dir is None else cache_dir / f"{_folder_digest(directory)}.npz"
     if cache is not None and cache.exists():
         try:
             with np.load(cache, allow_pickle=False) as npz:
-                return FemnistArrays(npz["train_x"], npz["train_y"], npz["train_writer"], npz["test_x"],
-                                     npz["test_y"], npz["test_writer"], [str(w) for w in npz["writers"]])
+                return FemnistArrays(
+                    npz["train_x"],
+                    npz["train_y"],
+                    npz["train_writer"],
+                    npz["test_x"],
+                    npz["test_y"],
+                    npz["test_writer"],
+                    [str(w) for w in npz["writers"]],
+                )
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable FEMNIST cache %s", cache)
     arrays = _decode(directory)
@@ -106,9 +117,16 @@ def _write_cache(cache: Path, arrays: FemnistArrays) -> None:
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(tmp, train_x=arrays.train_x, train_y=arrays.train_y, train_writer=arrays.train_writer,
-                 test_x=arrays.test_x, test_y=arrays.test_y, test_writer=arrays.test_writer,
-                 writers=np.array(arrays.writers))
+        np.savez(
+            tmp,
+            train_x=arrays.train_x,
+            train_y=arrays.train_y,
+            train_writer=arrays.train_writer,
+            test_x=arrays.test_x,
+            test_y=arrays.test_y,
+            test_writer=arrays.test_writer,
+            writers=np.array(arrays.writers),
+        )
         os.replace(tmp, cache)
     except OSError as exc:
         log.warning("could not cache decoded FEMNIST at %s: %s", cache, exc)
@@ -126,8 +144,9 @@ def _decode(directory: Path) -> FemnistArrays:
     return FemnistArrays(train_x, train_y, train_w, test_x, test_y, test_w, writers)
 
 
-def _stack(split: dict[str, dict[str, list[object]]], writers: list[str]
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _stack(
+    split: dict[str, dict[str, list[object]]], writers: list[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xs, ys, ws = [], [], []
     for k, writer in enumerate(writers):
         x = np.asarray(split[writer]["x"], dtype=np.float32).reshape(-1, 28, 28)
@@ -137,11 +156,13 @@ def _stack(split: dict[str, dict[str, list[object]]], writers: list[str]
     return np.concatenate(xs), np.concatenate(ys), np.concatenate(ws)
 
 
-
 def _user_rows(record: dict[str, list[object]], where: str) -> dict[str, np.ndarray]:
     """One writer's LEAF record as `_stack` encodes it (disk store, datasets/formats/leaf.py stream_leaf_store)."""
     x = np.asarray(record["x"], dtype=np.float32).reshape(-1, 28, 28)
-    return {"x": np.rint((1.0 - x) * 255.0).clip(0, 255).astype(np.uint8), "y": np.asarray(record["y"], dtype=np.int64)}
+    return {
+        "x": np.rint((1.0 - x) * 255.0).clip(0, 255).astype(np.uint8),
+        "y": np.asarray(record["y"], dtype=np.int64),
+    }
 
 
 def _load_femnist(options: TaskOptions) -> TaskData:
@@ -152,10 +173,16 @@ def _load_femnist(options: TaskOptions) -> TaskData:
     arrays = load_femnist(options.data_dir or BUNDLED_DIR)
     x, y = torch.from_numpy(arrays.train_x), torch.from_numpy(arrays.train_y)
     indices = [np.flatnonzero(arrays.train_writer == k) for k in range(len(arrays.writers))]
-    return TaskData(x=x, y=y, client_indices=indices, client_names=arrays.writers,
-                    test_x=torch.from_numpy(arrays.test_x), test_y=torch.from_numpy(arrays.test_y),
-                    fingerprint=fingerprint(x, y),
-                    test_client_indices=[np.flatnonzero(arrays.test_writer == k) for k in range(len(arrays.writers))])
+    return TaskData(
+        x=x,
+        y=y,
+        client_indices=indices,
+        client_names=arrays.writers,
+        test_x=torch.from_numpy(arrays.test_x),
+        test_y=torch.from_numpy(arrays.test_y),
+        fingerprint=fingerprint(x, y),
+        test_client_indices=[np.flatnonzero(arrays.test_writer == k) for k in range(len(arrays.writers))],
+    )
 
 
 def _images(x: Tensor) -> Tensor:
@@ -169,10 +196,12 @@ FEMNIST = Task(
     source="bundled LEAF sample (datasets/data/femnist); full LEAF via --data-dir",
     offline=True,
     kind="classification",
-    models=MappingProxyType({
-        "mlp": lambda: models.MLP(784, (200, 200), 62),
-        "cnn": lambda: models.ReddiCNN(62),
-    }),
+    models=MappingProxyType(
+        {
+            "mlp": lambda: models.MLP(784, (200, 200), 62),
+            "cnn": lambda: models.ReddiCNN(62),
+        }
+    ),
     default_model="mlp",
     load=_load_femnist,
     prepare=_images,

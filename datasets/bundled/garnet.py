@@ -73,8 +73,17 @@ class GarnetMDP:
         return float((1 - self.gamma) * np.linalg.eigvalsh(gram)[:, 0].min() / 2)
 
 
-def make_garnet(*, num_agents: int, heterogeneity: float, rng: np.random.Generator, num_states: int = 30,
-                num_actions: int = 2, branching: int = 2, dim: int = 8, gamma: float = 0.95) -> GarnetMDP:
+def make_garnet(
+    *,
+    num_agents: int,
+    heterogeneity: float,
+    rng: np.random.Generator,
+    num_states: int = 30,
+    num_actions: int = 2,
+    branching: int = 2,
+    dim: int = 8,
+    gamma: float = 0.95,
+) -> GarnetMDP:
     """Generate N Garnet MDPs in the authors' RNG order (reference §4.2 steps 1-7).
 
     heterogeneity < 1 perturbs one shared kernel and reward by U[0, hg]; >= 1 alternates
@@ -82,8 +91,10 @@ def make_garnet(*, num_agents: int, heterogeneity: float, rng: np.random.Generat
     reward sign of odd agents.
     """
     if num_agents < 1 or heterogeneity < 0 or not 1 <= branching <= num_states or num_actions < 2:
-        raise ValueError(f"Garnet needs num_agents >= 1, heterogeneity >= 0, 1 <= branching <= num_states "
-                         f"and num_actions >= 2; got {num_agents}, {heterogeneity}, {branching}, {num_actions}.")
+        raise ValueError(
+            f"Garnet needs num_agents >= 1, heterogeneity >= 0, 1 <= branching <= num_states "
+            f"and num_actions >= 2; got {num_agents}, {heterogeneity}, {branching}, {num_actions}."
+        )
     shape = (num_states, num_actions, num_states)
     if heterogeneity < 1:
         base = np.zeros(shape)
@@ -122,8 +133,9 @@ def make_garnet(*, num_agents: int, heterogeneity: float, rng: np.random.Generat
     b_bar = np.einsum("cs,cs,sd->cd", stationary, rewards, features)
     local = np.linalg.solve(a_bar, b_bar[..., None])[..., 0]
     theta_star = np.linalg.solve(a_bar.sum(axis=0), b_bar.sum(axis=0))
-    return GarnetMDP(kernels, rewards, features, policy, gamma, transition, stationary, a_bar, b_bar,
-                     local, theta_star)
+    return GarnetMDP(
+        kernels, rewards, features, policy, gamma, transition, stationary, a_bar, b_bar, local, theta_star
+    )
 
 
 def _stationary(transition: np.ndarray) -> np.ndarray:
@@ -133,8 +145,9 @@ def _stationary(transition: np.ndarray) -> np.ndarray:
     return np.abs(np.real(vector / vector.sum()))
 
 
-def sample_transitions(mdp: GarnetMDP, num_samples: int, *, rng: np.random.Generator
-                       ) -> tuple[np.ndarray, np.ndarray]:
+def sample_transitions(
+    mdp: GarnetMDP, num_samples: int, *, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Draw i.i.d. (s, s') per agent: s ~ mu^c, s' ~ P^c_pi(s, .) by inverse CDF.
 
     Returns:
@@ -187,8 +200,14 @@ class LSAModel(nn.Module):
         return theta.expand(x.shape[0], theta.shape[0])
 
 
-def load_garnet(options: TaskOptions, *, num_agents: int, heterogeneity: float, train_per_agent: int = 1000,
-                test_per_agent: int = 100) -> TaskData:
+def load_garnet(
+    options: TaskOptions,
+    *,
+    num_agents: int,
+    heterogeneity: float,
+    train_per_agent: int = 1000,
+    test_per_agent: int = 100,
+) -> TaskData:
     """Pools of TD samples per agent (from options.seed) on the gen_seed-42 Garnet MDPs."""
     mdp = make_garnet(num_agents=num_agents, heterogeneity=heterogeneity, rng=np.random.default_rng(GEN_SEED))
     rng = np.random.default_rng(options.seed)
@@ -200,18 +219,26 @@ def load_garnet(options: TaskOptions, *, num_agents: int, heterogeneity: float, 
     dim = x.shape[-1]
     x_flat, y_flat = x_t.reshape(-1, dim), y_t.reshape(-1)
     indices = [np.arange(c * train_per_agent, (c + 1) * train_per_agent) for c in range(num_agents)]
-    return TaskData(x=x_flat, y=y_flat, client_indices=indices, client_names=[f"agent{c}" for c in range(num_agents)],
-                    test_x=torch.as_tensor(test_x.reshape(-1, dim), dtype=torch.float64),
-                    test_y=torch.as_tensor(test_y.reshape(-1), dtype=torch.float64),
-                    optimum=optimum, fingerprint=fingerprint(x_flat, y_flat))
+    return TaskData(
+        x=x_flat,
+        y=y_flat,
+        client_indices=indices,
+        client_names=[f"agent{c}" for c in range(num_agents)],
+        test_x=torch.as_tensor(test_x.reshape(-1, dim), dtype=torch.float64),
+        test_y=torch.as_tensor(test_y.reshape(-1), dtype=torch.float64),
+        optimum=optimum,
+        fingerprint=fingerprint(x_flat, y_flat),
+    )
 
 
 def _task(num_agents: int, heterogeneity: float, label: str) -> Task:
     return Task(
         name=f"garnet-{label}-n{num_agents}",
-        description=(f"federated TD(0) on {num_agents} Garnet MDPs (30 states, d=8, gamma=0.95), "
-                     f"{'heterogeneous' if heterogeneity >= 1 else 'homogeneous'} hg={heterogeneity}; "
-                     "1000 samples/agent; SCAFFLSA paper §5"),
+        description=(
+            f"federated TD(0) on {num_agents} Garnet MDPs (30 states, d=8, gamma=0.95), "
+            f"{'heterogeneous' if heterogeneity >= 1 else 'homogeneous'} hg={heterogeneity}; "
+            "1000 samples/agent; SCAFFLSA paper §5"
+        ),
         source="generated (MDP gen_seed 42, samples from --seed)",
         offline=True,
         kind="lsa",

@@ -33,8 +33,17 @@ from fedcli.datasets.sources import consecutive, data_dir, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
-CHANNELS = ("body_acc_x", "body_acc_y", "body_acc_z", "body_gyro_x", "body_gyro_y", "body_gyro_z",
-            "total_acc_x", "total_acc_y", "total_acc_z")
+CHANNELS = (
+    "body_acc_x",
+    "body_acc_y",
+    "body_acc_z",
+    "body_gyro_x",
+    "body_gyro_y",
+    "body_gyro_z",
+    "total_acc_x",
+    "total_acc_y",
+    "total_acc_z",
+)
 WINDOW = 128
 ACTIVITIES = ("WALKING", "WALKING_UPSTAIRS", "WALKING_DOWNSTAIRS", "SITTING", "STANDING", "LAYING")
 
@@ -45,12 +54,16 @@ def read_subject_file(path: Path) -> dict[str, np.ndarray]:
         archive = np.load(io.BytesIO(lzma.open(path).read()), allow_pickle=False)
         arrays = {k: archive[k] for k in ("x_train", "y_train", "x_test", "y_test")}
     except (OSError, EOFError, lzma.LZMAError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-        raise DataError(f"HAR file {path} cannot be read ({type(exc).__name__}: {exc}); it is truncated or "
-                        "corrupted, or lacks x_train/y_train/x_test/y_test.") from None
+        raise DataError(
+            f"HAR file {path} cannot be read ({type(exc).__name__}: {exc}); it is truncated or "
+            "corrupted, or lacks x_train/y_train/x_test/y_test."
+        ) from None
     for split in ("train", "test"):
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if x.ndim != 3 or x.shape[1:] != (WINDOW, len(CHANNELS)) or len(x) != len(y):
-            raise DataError(f"HAR file {path}: x_{split} {x.shape} / y_{split} {y.shape}; expected [n, 128, 9] / [n].")
+            raise DataError(
+                f"HAR file {path}: x_{split} {x.shape} / y_{split} {y.shape}; expected [n, 128, 9] / [n]."
+            )
     return {k: v.astype(np.float32) if k.startswith("x") else v.astype(np.int64) for k, v in arrays.items()}
 
 
@@ -64,8 +77,10 @@ def _read_uci_split(root: Path, split: str) -> tuple[np.ndarray, np.ndarray, np.
         raise DataError(f"UCI HAR {split} files under {root} cannot be read ({exc}).") from None
     x = np.stack(channels, axis=-1)  # [n, 128, 9]
     if x.shape[1] != WINDOW or not len(x) == len(subject) == len(y):
-        raise DataError(f"UCI HAR {split} files under {root} disagree: signals {x.shape}, {len(subject)} subjects, "
-                        f"{len(y)} labels; expected [n, 128] per channel.")
+        raise DataError(
+            f"UCI HAR {split} files under {root} disagree: signals {x.shape}, {len(subject)} subjects, "
+            f"{len(y)} labels; expected [n, 128] per channel."
+        )
     return x, y, subject
 
 
@@ -84,8 +99,12 @@ def load_har(options: TaskOptions) -> TaskData:
     else:
         root = folder / "UCI HAR Dataset" if (folder / "UCI HAR Dataset").exists() else folder
         if not (root / "train" / "Inertial Signals").exists():
-            raise missing_data("UCI HAR", folder, "subject_XX.npz.xz files or 'UCI HAR Dataset/train/Inertial "
-                               "Signals'", "download UCI HAR from the UCI repository and pass --data-dir.")
+            raise missing_data(
+                "UCI HAR",
+                folder,
+                "subject_XX.npz.xz files or 'UCI HAR Dataset/train/Inertial Signals'",
+                "download UCI HAR from the UCI repository and pass --data-dir.",
+            )
         x, y, subject = _read_uci_split(root, "train")
         test_x, test_y, _ = _read_uci_split(root, "test")
         ids = np.unique(subject)[: options.max_clients]
@@ -93,12 +112,22 @@ def load_har(options: TaskOptions) -> TaskData:
         train_y = np.concatenate([y[subject == s] for s in ids])
         names = [f"subject_{s:02d}" for s in ids]
         test_clients = None  # UCI's test subjects are not training clients
-    if np.any((train_y < 0) | (train_y >= len(ACTIVITIES))) or np.any((test_y < 0) | (test_y >= len(ACTIVITIES))):
+    if np.any((train_y < 0) | (train_y >= len(ACTIVITIES))) or np.any(
+        (test_y < 0) | (test_y >= len(ACTIVITIES))
+    ):
         raise DataError(f"UCI HAR labels under {folder} must be activities 0-5.")
     xt, yt = torch.from_numpy(np.concatenate(train_x)), torch.from_numpy(train_y)
-    return TaskData(x=xt, y=yt, client_indices=consecutive([len(a) for a in train_x]), client_names=names,
-                    test_x=torch.from_numpy(test_x), test_y=torch.from_numpy(test_y), fingerprint=fingerprint(xt, yt),
-                    num_classes=len(ACTIVITIES), test_client_indices=test_clients)
+    return TaskData(
+        x=xt,
+        y=yt,
+        client_indices=consecutive([len(a) for a in train_x]),
+        client_names=names,
+        test_x=torch.from_numpy(test_x),
+        test_y=torch.from_numpy(test_y),
+        fingerprint=fingerprint(xt, yt),
+        num_classes=len(ACTIVITIES),
+        test_client_indices=test_clients,
+    )
 
 
 HAR = Task(
@@ -107,8 +136,12 @@ HAR = Task(
     source="UCI HAR per-subject npz.xz or 'UCI HAR Dataset' in --data-dir (default ~/.cache/fedcli/har)",
     offline=False,
     kind="classification",
-    models=MappingProxyType({"cnn": lambda: models.HarCNN(len(ACTIVITIES)),
-                             "mlp": lambda: models.MLP(WINDOW * len(CHANNELS), (200, 200), len(ACTIVITIES))}),
+    models=MappingProxyType(
+        {
+            "cnn": lambda: models.HarCNN(len(ACTIVITIES)),
+            "mlp": lambda: models.MLP(WINDOW * len(CHANNELS), (200, 200), len(ACTIVITIES)),
+        }
+    ),
     default_model="cnn",
     load=load_har,
     reads_max_clients=True,  # the loader keeps the first --max-clients clients

@@ -41,19 +41,25 @@ def read_idx(path: Path) -> np.ndarray:
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
-        raise DataError(f"IDX file {path} cannot be read or un-gzipped ({exc}); it is truncated or "
-                        "corrupted: download it again.") from None
+        raise DataError(
+            f"IDX file {path} cannot be read or un-gzipped ({exc}); it is truncated or "
+            "corrupted: download it again."
+        ) from None
     if len(raw) < 4 or raw[0:2] != b"\x00\x00" or raw[2] not in _IDX_TYPES:
-        raise DataError(f"{path} is not an IDX file (bad magic {raw[:4].hex()}); expected e.g. "
-                        "train-images-idx3-ubyte from the MNIST site.")
+        raise DataError(
+            f"{path} is not an IDX file (bad magic {raw[:4].hex()}); expected e.g. "
+            "train-images-idx3-ubyte from the MNIST site."
+        )
     ndim = raw[3]
     header = 4 + 4 * ndim
-    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     dtype = np.dtype(_IDX_TYPES[raw[2]])
     expected = int(np.prod(shape)) * dtype.itemsize
     if len(raw) - header != expected:
-        raise DataError(f"IDX file {path} holds {len(raw) - header} data bytes but its header "
-                        f"{shape} needs {expected}; the file is truncated: download it again.")
+        raise DataError(
+            f"IDX file {path} holds {len(raw) - header} data bytes but its header "
+            f"{shape} needs {expected}; the file is truncated: download it again."
+        )
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
 
@@ -75,13 +81,18 @@ def find_idx_split(folder: Path, prefix: str) -> tuple[Path, Path] | None:
     return None
 
 
-def load_idx_dataset(folder: Path, *, name: str, train: str = "train", test: str = "t10k"
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def load_idx_dataset(
+    folder: Path, *, name: str, train: str = "train", test: str = "t10k"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Read the train and test IDX pairs of an MNIST-format data set from folder."""
     found = [find_idx_split(folder, prefix) for prefix in (train, test)]
     if found[0] is None or found[1] is None:
-        raise missing_data(name, folder, f"{train}/{test}-images-idx3-ubyte(.gz) and -labels-idx1-ubyte(.gz)",
-                           "pass --data-dir with those files, or --download to fetch them with torchvision.")
+        raise missing_data(
+            name,
+            folder,
+            f"{train}/{test}-images-idx3-ubyte(.gz) and -labels-idx1-ubyte(.gz)",
+            "pass --data-dir with those files, or --download to fetch them with torchvision.",
+        )
     return (*read_idx_pair(*found[0]), *read_idx_pair(*found[1]))
 
 
@@ -105,15 +116,27 @@ def torchvision_download(dataset: str, folder: Path) -> None:
         raise DataError(f"torchvision could not download {dataset} into {folder}: {exc}") from None
 
 
-def image_task_data(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
-                    num_classes: int, natural: list[np.ndarray] | None = None,
-                    names: list[str] | None = None) -> TaskData:
+def image_task_data(
+    train_x: np.ndarray,
+    train_y: np.ndarray,
+    test_x: np.ndarray,
+    test_y: np.ndarray,
+    num_classes: int,
+    natural: list[np.ndarray] | None = None,
+    names: list[str] | None = None,
+) -> TaskData:
     """Wrap decoded uint8 images and labels as TaskData (fingerprint over the training tensors)."""
     x, y = torch.from_numpy(np.ascontiguousarray(train_x)), torch.from_numpy(train_y.astype(np.int64))
-    return TaskData(x=x, y=y, client_indices=natural or [], client_names=names or [],
-                    test_x=torch.from_numpy(np.ascontiguousarray(test_x)),
-                    test_y=torch.from_numpy(test_y.astype(np.int64)),
-                    fingerprint=fingerprint(x, y), num_classes=num_classes)
+    return TaskData(
+        x=x,
+        y=y,
+        client_indices=natural or [],
+        client_names=names or [],
+        test_x=torch.from_numpy(np.ascontiguousarray(test_x)),
+        test_y=torch.from_numpy(test_y.astype(np.int64)),
+        fingerprint=fingerprint(x, y),
+        num_classes=num_classes,
+    )
 
 
 def grey_images(x: Tensor) -> Tensor:
@@ -130,11 +153,13 @@ def _load_mnist(options: TaskOptions) -> TaskData:
     return image_task_data(*load_idx_dataset(folder, name="MNIST"), num_classes=10)
 
 
-MNIST_MODELS = MappingProxyType({
-    "mlp": lambda: models.MLP(784, (200, 200), 10),  # 2NN of McMahan et al. 2017
-    "cnn": lambda: models.McMahanCNN(10),  # CNN of McMahan et al. 2017
-    "bayes-mlp": lambda: models.SigmoidMLP(784, (200, 100), 10),  # Bayes-ADMM MLP
-})
+MNIST_MODELS = MappingProxyType(
+    {
+        "mlp": lambda: models.MLP(784, (200, 200), 10),  # 2NN of McMahan et al. 2017
+        "cnn": lambda: models.McMahanCNN(10),  # CNN of McMahan et al. 2017
+        "bayes-mlp": lambda: models.SigmoidMLP(784, (200, 100), 10),  # Bayes-ADMM MLP
+    }
+)
 
 MNIST = Task(
     name="mnist",

@@ -67,7 +67,9 @@ def read_label_names(path: Path) -> list[str]:
 def read_sparse_arff(path: Path) -> tuple[list[str], np.ndarray, np.ndarray, int]:
     """Attribute names, (row, column) of every non-zero entry, and the number of rows."""
     try:
-        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as fh:
+        with (
+            gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
+        ) as fh:
             lines = fh.read().splitlines()
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
         raise DataError(f"ARFF file {path} cannot be read ({exc}); it is truncated or corrupted.") from None
@@ -79,8 +81,10 @@ def read_sparse_arff(path: Path) -> tuple[list[str], np.ndarray, np.ndarray, int
             continue
         if data or names and text.lower().startswith("@data"):
             if data and not (text.startswith("{") and text.endswith("}")):
-                raise DataError(f"{path}:{number}: expected a sparse row {{i v,...}}; got {text[:40]!r} "
-                                "(truncated file?).")
+                raise DataError(
+                    f"{path}:{number}: expected a sparse row {{i v,...}}; got {text[:40]!r} "
+                    "(truncated file?)."
+                )
             data.append(text)
         elif text.lower().startswith("@attribute"):
             names.append(text.split()[1].strip("'\""))
@@ -127,15 +131,25 @@ def _load_bibtex(options: TaskOptions) -> TaskData:
     folder = Path(options.data_dir) if options.data_dir is not None else BUNDLED_DIR
     arff = folder / "bibtex.arff.gz" if (folder / "bibtex.arff.gz").exists() else folder / "bibtex.arff"
     if not arff.exists() or not (folder / "bibtex.xml").exists():
-        raise DataError(f"BibTeX data not found in {folder} (expected bibtex.arff(.gz) and bibtex.xml from MULAN).")
+        raise DataError(
+            f"BibTeX data not found in {folder} (expected bibtex.arff(.gz) and bibtex.xml from MULAN)."
+        )
     verify_checksums(folder)
     features, tags, _ = load_mulan(arff, folder / "bibtex.xml")
     order = np.random.default_rng(0).permutation(len(tags))
     cut = len(tags) - int(round(TEST_FRACTION * len(tags)))
     train, test = np.sort(order[:cut]), np.sort(order[cut:])
     x, y = torch.from_numpy(features[train]), torch.from_numpy(tags[train])
-    return TaskData(x=x, y=y, client_indices=[], client_names=[], test_x=torch.from_numpy(features[test]),
-                    test_y=torch.from_numpy(tags[test]), fingerprint=fingerprint(x, y), num_classes=tags.shape[1])
+    return TaskData(
+        x=x,
+        y=y,
+        client_indices=[],
+        client_names=[],
+        test_x=torch.from_numpy(features[test]),
+        test_y=torch.from_numpy(tags[test]),
+        fingerprint=fingerprint(x, y),
+        num_classes=tags.shape[1],
+    )
 
 
 def _as_float(x: Tensor) -> Tensor:
@@ -156,8 +170,12 @@ BIBTEX = Task(
     metrics=multilabel(top_k=TOP_K),
     client_lr=CLIENT_LR,
     # recorded with every run (data.f1_rule); `fedcli report` prints it under its F1 tables
-    record=MappingProxyType({"f1_rule": multilabel(top_k=TOP_K).rule + "; k = the training split's mean "
-                             "label cardinality 2.40, rounded"}),
+    record=MappingProxyType(
+        {
+            "f1_rule": multilabel(top_k=TOP_K).rule + "; k = the training split's mean "
+            "label cardinality 2.40, rounded"
+        }
+    ),
 )
 
 TASKS = (BIBTEX,)

@@ -37,8 +37,9 @@ def random_quadratic(dim: int, *, rng: np.random.Generator) -> tuple[np.ndarray,
     return a, np.linalg.solve(a, 10.0 * rng.normal(size=dim))
 
 
-def quadratic_clients(*, copies: tuple[int, ...], dim: int, rng: np.random.Generator
-                      ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, list[np.ndarray], list[np.ndarray]]:
+def quadratic_clients(
+    *, copies: tuple[int, ...], dim: int, rng: np.random.Generator
+) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, list[np.ndarray], list[np.ndarray]]:
     """Least-squares rows per client, the global optimum, and each client's (A_i, mu_i)."""
     xs, ys, precisions, optima = [], [], [], []
     for r in copies:
@@ -51,7 +52,9 @@ def quadratic_clients(*, copies: tuple[int, ...], dim: int, rng: np.random.Gener
         optima.append(mu)
     weights = [len(x) for x in xs]
     pooled = sum(w * a for w, a in zip(weights, precisions, strict=True))
-    optimum = np.linalg.solve(pooled, sum(w * a @ mu for w, a, mu in zip(weights, precisions, optima, strict=True)))
+    optimum = np.linalg.solve(
+        pooled, sum(w * a @ mu for w, a, mu in zip(weights, precisions, optima, strict=True))
+    )
     return xs, ys, optimum, precisions, optima
 
 
@@ -60,9 +63,17 @@ def _load(options: TaskOptions) -> TaskData:
     x = torch.as_tensor(np.concatenate(xs), dtype=torch.float32)
     y = torch.as_tensor(np.concatenate(ys), dtype=torch.float32)
     clients = consecutive([len(v) for v in ys])
-    return TaskData(x=x, y=y, client_indices=clients, client_names=[f"client{i}" for i in range(len(xs))],
-                    test_x=x.clone(), test_y=y.clone(), optimum=torch.as_tensor(optimum, dtype=torch.float32),
-                    fingerprint=fingerprint(x, y), test_client_indices=clients)
+    return TaskData(
+        x=x,
+        y=y,
+        client_indices=clients,
+        client_names=[f"client{i}" for i in range(len(xs))],
+        test_x=x.clone(),
+        test_y=y.clone(),
+        optimum=torch.as_tensor(optimum, dtype=torch.float32),
+        fingerprint=fingerprint(x, y),
+        test_client_indices=clients,
+    )
 
 
 QUADRATIC_2D = Task(

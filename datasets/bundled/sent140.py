@@ -71,7 +71,10 @@ def _stream_sent140(folder: Path, max_clients: int | None) -> TaskData:
         if any(v not in (0, 1) for v in labels):
             raise DataError(f"{where}: Sent140 labels must be 0 or 1.")
         ids = [line_to_indices(tweet_text(x, where), vocab) for x in record["x"]]
-        return {"x": np.asarray(ids, dtype=np.int64).reshape(-1, MAX_WORDS), "y": np.asarray(labels, dtype=np.int64)}
+        return {
+            "x": np.asarray(ids, dtype=np.int64).reshape(-1, MAX_WORDS),
+            "y": np.asarray(labels, dtype=np.int64),
+        }
 
     return stream_leaf_store("sent140", folder, rows, num_classes=2, max_clients=max_clients)
 
@@ -80,8 +83,12 @@ def load_sent140(options: TaskOptions) -> TaskData:
     """LEAF Sent140 from data_dir/{train,test}; users sorted by id."""
     folder = data_dir(options, "sent140")
     if not (folder / "train").exists() or not (folder / "test").exists():
-        raise missing_data("Sent140", folder, "train/ and test/ folders of LEAF JSON",
-                           "run LEAF's data/sent140/preprocess.sh and pass --data-dir data/sent140/data.")
+        raise missing_data(
+            "Sent140",
+            folder,
+            "train/ and test/ folders of LEAF JSON",
+            "run LEAF's data/sent140/preprocess.sh and pass --data-dir data/sent140/data.",
+        )
     if diskstore.wants_disk(options, sorted(folder.rglob("*.json*"))):
         return _stream_sent140(folder, options.max_clients)
     train = read_leaf_dir(folder / "train")
@@ -90,7 +97,9 @@ def load_sent140(options: TaskOptions) -> TaskData:
     texts = {u: [tweet_text(x, f"{folder / 'train'} user {u}") for x in train[u]["x"]] for u in users}
     vocab = build_vocab([t for u in users for t in texts[u]])
 
-    def encode(split: dict[str, dict[str, list[Any]]], names: list[str], where: str) -> tuple[np.ndarray, np.ndarray]:
+    def encode(
+        split: dict[str, dict[str, list[Any]]], names: list[str], where: str
+    ) -> tuple[np.ndarray, np.ndarray]:
         rows = [line_to_indices(tweet_text(x, where), vocab) for u in names for x in split[u]["x"]]
         labels = [int(v) for u in names for v in split[u]["y"]]
         if any(v not in (0, 1) for v in labels):
@@ -101,11 +110,19 @@ def load_sent140(options: TaskOptions) -> TaskData:
     test_users = [u for u in users if u in test]
     test_x, test_y = encode(test, test_users, str(folder / "test"))
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    return TaskData(x=xt, y=yt, client_indices=consecutive([len(train[u]["y"]) for u in users]),
-                    client_names=users, test_x=torch.from_numpy(test_x), test_y=torch.from_numpy(test_y),
-                    fingerprint=fingerprint(xt, yt), num_classes=2,
-                    test_client_indices=align_clients(users, test_users,
-                                                      consecutive([len(test[u]["y"]) for u in test_users])))
+    return TaskData(
+        x=xt,
+        y=yt,
+        client_indices=consecutive([len(train[u]["y"]) for u in users]),
+        client_names=users,
+        test_x=torch.from_numpy(test_x),
+        test_y=torch.from_numpy(test_y),
+        fingerprint=fingerprint(xt, yt),
+        num_classes=2,
+        test_client_indices=align_clients(
+            users, test_users, consecutive([len(test[u]["y"]) for u in test_users])
+        ),
+    )
 
 
 SENT140 = Task(

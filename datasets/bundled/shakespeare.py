@@ -43,7 +43,9 @@ def encode(texts: list[str], where: str) -> np.ndarray:
     try:
         raw = np.frombuffer("".join(texts).encode("latin-1"), dtype=np.uint8)
     except UnicodeEncodeError as exc:
-        raise DataError(f"{where}: character {exc.object[exc.start]!r} is not in LEAF's Shakespeare alphabet.") from None
+        raise DataError(
+            f"{where}: character {exc.object[exc.start]!r} is not in LEAF's Shakespeare alphabet."
+        ) from None
     if len(raw) != len(texts) * len(texts[0]):
         raise DataError(f"{where}: windows have different lengths; expected all {len(texts[0])} characters.")
     ids = _LOOKUP[raw]
@@ -53,8 +55,9 @@ def encode(texts: list[str], where: str) -> np.ndarray:
     return ids.astype(np.uint8).reshape(len(texts), -1)
 
 
-def _split(users: dict[str, dict[str, list[str]]], roles: list[str], where: str
-           ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+def _split(
+    users: dict[str, dict[str, list[str]]], roles: list[str], where: str
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     xs, ys, natural, start = [], [], [], 0
     for role in roles:
         record = users[role]
@@ -69,16 +72,27 @@ def load_shakespeare(options: TaskOptions) -> TaskData:
     """LEAF Shakespeare from data_dir/{train,test} (default: the bundled 10-role sample)."""
     folder = Path(options.data_dir) if options.data_dir is not None else BUNDLED_DIR
     if not folder.exists():
-        raise DataError(f"Shakespeare folder {folder} does not exist; pass --data-dir with LEAF's "
-                        "data/shakespeare/data folder (it holds train/ and test/).")
+        raise DataError(
+            f"Shakespeare folder {folder} does not exist; pass --data-dir with LEAF's "
+            "data/shakespeare/data folder (it holds train/ and test/)."
+        )
     verify_checksums(folder)
     if diskstore.wants_disk(options, sorted(folder.rglob("*.json*"))):  # one JSON file in memory at a time
 
         def rows(record: dict[str, list[str]], where: str) -> dict[str, np.ndarray]:
-            return {"x": encode(record["x"], where), "y": encode(record["y"], where).reshape(-1).astype(np.int64)}
+            return {
+                "x": encode(record["x"], where),
+                "y": encode(record["y"], where).reshape(-1).astype(np.int64),
+            }
 
-        return stream_leaf_store("shakespeare", folder, rows, num_classes=len(ALL_LETTERS),
-                                 max_clients=options.max_clients, exact_counts=False)
+        return stream_leaf_store(
+            "shakespeare",
+            folder,
+            rows,
+            num_classes=len(ALL_LETTERS),
+            max_clients=options.max_clients,
+            exact_counts=False,
+        )
     train = read_leaf_dir(folder / "train", exact_counts=False)
     test = read_leaf_dir(folder / "test", exact_counts=False)
     roles = sorted(train)[: options.max_clients]
@@ -86,9 +100,17 @@ def load_shakespeare(options: TaskOptions) -> TaskData:
     test_roles = [r for r in roles if r in test]
     test_x, test_y, test_natural = _split(test, test_roles, str(folder / "test"))
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    return TaskData(x=xt, y=yt, client_indices=natural, client_names=roles, test_x=torch.from_numpy(test_x),
-                    test_y=torch.from_numpy(test_y), fingerprint=fingerprint(xt, yt), num_classes=len(ALL_LETTERS),
-                    test_client_indices=align_clients(roles, test_roles, test_natural))
+    return TaskData(
+        x=xt,
+        y=yt,
+        client_indices=natural,
+        client_names=roles,
+        test_x=torch.from_numpy(test_x),
+        test_y=torch.from_numpy(test_y),
+        fingerprint=fingerprint(xt, yt),
+        num_classes=len(ALL_LETTERS),
+        test_client_indices=align_clients(roles, test_roles, test_natural),
+    )
 
 
 def _ids(x: Tensor) -> Tensor:

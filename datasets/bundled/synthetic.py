@@ -33,8 +33,15 @@ class LeastSquaresData:
     optimum: np.ndarray  # [D+1] theta*, the exact minimiser of the pooled mean loss
 
 
-def make_least_squares(*, num_clients: int, dim: int, mean_size: int, heterogeneity: float,
-                       noise: float, rng: np.random.Generator) -> LeastSquaresData:
+def make_least_squares(
+    *,
+    num_clients: int,
+    dim: int,
+    mean_size: int,
+    heterogeneity: float,
+    noise: float,
+    rng: np.random.Generator,
+) -> LeastSquaresData:
     """Generate heterogeneous least-squares clients and the exact global optimum."""
     sizes = np.maximum(dim + 2, rng.lognormal(np.log(mean_size), 0.5, size=num_clients).astype(int))
     w = rng.normal(size=dim + 1)
@@ -54,19 +61,22 @@ def make_least_squares(*, num_clients: int, dim: int, mean_size: int, heterogene
     return LeastSquaresData(x_all, y_all, np.concatenate(owners), x_all[test_idx], y_all[test_idx], optimum)
 
 
-
 def _load_lsq(options: TaskOptions) -> TaskData:
     rng = np.random.default_rng(options.seed)
-    data = make_least_squares(num_clients=20, dim=10, mean_size=50, heterogeneity=1.0,
-                              noise=0.1, rng=rng)
+    data = make_least_squares(num_clients=20, dim=10, mean_size=50, heterogeneity=1.0, noise=0.1, rng=rng)
     x = torch.as_tensor(data.x, dtype=torch.float32)
     y = torch.as_tensor(data.y, dtype=torch.float32)
     indices = [np.flatnonzero(data.client == k) for k in range(20)]
-    return TaskData(x=x, y=y, client_indices=indices, client_names=[f"client{k}" for k in range(20)],
-                    test_x=torch.as_tensor(data.test_x, dtype=torch.float32),
-                    test_y=torch.as_tensor(data.test_y, dtype=torch.float32),
-                    optimum=torch.as_tensor(data.optimum, dtype=torch.float32),
-                    fingerprint=fingerprint(x, y))
+    return TaskData(
+        x=x,
+        y=y,
+        client_indices=indices,
+        client_names=[f"client{k}" for k in range(20)],
+        test_x=torch.as_tensor(data.test_x, dtype=torch.float32),
+        test_y=torch.as_tensor(data.test_y, dtype=torch.float32),
+        optimum=torch.as_tensor(data.optimum, dtype=torch.float32),
+        fingerprint=fingerprint(x, y),
+    )
 
 
 LEAST_SQUARES = Task(

@@ -42,9 +42,15 @@ from fedcli.errors import DataError
 
 CIFAR10_DIR = "cifar-10-batches-py"
 CIFAR100_DIR = "cifar-100-python"
-_ALLOWED_GLOBALS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-                    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-                    ("numpy._core.multiarray", "scalar"), ("_codecs", "encode")}
+_ALLOWED_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("_codecs", "encode"),
+}
 
 
 class _ArrayUnpickler(pickle.Unpickler):
@@ -62,33 +68,50 @@ def read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray
         with path.open("rb") as fh:
             batch = _ArrayUnpickler(fh, encoding="bytes").load()
     except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as exc:
-        raise DataError(f"CIFAR batch {path} cannot be unpickled ({type(exc).__name__}: {exc}); it is "
-                        "truncated or corrupted: download it again.") from None
+        raise DataError(
+            f"CIFAR batch {path} cannot be unpickled ({type(exc).__name__}: {exc}); it is "
+            "truncated or corrupted: download it again."
+        ) from None
     batch = {k.decode() if isinstance(k, bytes) else k: v for k, v in dict(batch).items()}
     if "data" not in batch or label_key not in batch:
         raise DataError(f"CIFAR batch {path} lacks 'data' or {label_key!r}; is it a CIFAR python batch?")
     data = np.asarray(batch["data"], dtype=np.uint8)
     labels = np.asarray(batch[label_key], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(labels):
-        raise DataError(f"CIFAR batch {path} has data {data.shape} and {len(labels)} labels; expected "
-                        "[n, 3072] with n labels.")
+        raise DataError(
+            f"CIFAR batch {path} has data {data.shape} and {len(labels)} labels; expected "
+            "[n, 3072] with n labels."
+        )
     return data.reshape(-1, 3, 32, 32), labels
 
 
 def load_cifar(folder: Path, *, num_classes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Read CIFAR-10 (num_classes=10) or CIFAR-100 from torchvision's extracted folder."""
     if num_classes == 10:
-        root, train_files, test_files, key = folder / CIFAR10_DIR, [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], "labels"
+        root, train_files, test_files, key = (
+            folder / CIFAR10_DIR,
+            [f"data_batch_{i}" for i in range(1, 6)],
+            ["test_batch"],
+            "labels",
+        )
     else:
         root, train_files, test_files, key = folder / CIFAR100_DIR, ["train"], ["test"], "fine_labels"
     missing = [f for f in train_files + test_files if not (root / f).exists()]
     if missing:
-        raise missing_data(f"CIFAR-{num_classes}", root, ", ".join(train_files + test_files),
-                           f"missing {', '.join(missing)}; pass --data-dir holding {root.name}/ or add --download.")
+        raise missing_data(
+            f"CIFAR-{num_classes}",
+            root,
+            ", ".join(train_files + test_files),
+            f"missing {', '.join(missing)}; pass --data-dir holding {root.name}/ or add --download.",
+        )
     train = [read_cifar_batch(root / f, key) for f in train_files]
     test = [read_cifar_batch(root / f, key) for f in test_files]
-    return (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]),
-            np.concatenate([x for x, _ in test]), np.concatenate([y for _, y in test]))
+    return (
+        np.concatenate([x for x, _ in train]),
+        np.concatenate([y for _, y in train]),
+        np.concatenate([x for x, _ in test]),
+        np.concatenate([y for _, y in test]),
+    )
 
 
 def cifar_images(x: Tensor) -> Tensor:
@@ -107,8 +130,9 @@ def load_cifar_data(options: TaskOptions, num_classes: int) -> TaskData:
 
 def load_emnist_idx(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """EMNIST ByClass from torchvision's layout, images transposed back to upright."""
-    train_x, train_y, test_x, test_y = load_idx_dataset(folder, name="EMNIST ByClass", train="emnist-byclass-train",
-                                                        test="emnist-byclass-test")
+    train_x, train_y, test_x, test_y = load_idx_dataset(
+        folder, name="EMNIST ByClass", train="emnist-byclass-train", test="emnist-byclass-test"
+    )
     return train_x.transpose(0, 2, 1), train_y, test_x.transpose(0, 2, 1), test_y
 
 
@@ -142,11 +166,13 @@ CIFAR10 = Task(
     source="torchvision cifar-10-batches-py in --data-dir (default ~/.cache/fedcli/cifar10)",
     offline=False,
     kind="classification",
-    models=MappingProxyType({
-        "lenet5": lambda: models.LeNet5(10),
-        "zenke-cnn": lambda: models.ZenkeCNN(10),  # Bayes-ADMM "CNN from Zenke et al."
-        "acar-cnn": lambda: models.AcarCNN(10),  # Bayes-ADMM "CNN from Acar et al."
-    }),
+    models=MappingProxyType(
+        {
+            "lenet5": lambda: models.LeNet5(10),
+            "zenke-cnn": lambda: models.ZenkeCNN(10),  # Bayes-ADMM "CNN from Zenke et al."
+            "acar-cnn": lambda: models.AcarCNN(10),  # Bayes-ADMM "CNN from Acar et al."
+        }
+    ),
     default_model="lenet5",
     load=lambda options: load_cifar_data(options, 10),
     prepare=cifar_images,

@@ -46,7 +46,9 @@ def _arrays(record: dict[str, list[Any]], where: str) -> tuple[np.ndarray, np.nd
     x = np.asarray(record["x"], dtype=np.float32).reshape(len(record["x"]), -1)
     y = np.asarray(record["y"]).reshape(-1)
     if x.shape[1] != NUM_FEATURES or len(y) != len(x) or not np.isin(y, (-1, 1)).all():
-        raise DataError(f"{where}: expected {NUM_FEATURES} features and labels in {{-1, 1}}; got x {x.shape}.")
+        raise DataError(
+            f"{where}: expected {NUM_FEATURES} features and labels in {{-1, 1}}; got x {x.shape}."
+        )
     return x, (y > 0).astype(np.int64)
 
 
@@ -55,12 +57,19 @@ def load_vehicle(options: TaskOptions) -> TaskData:
     folder = data_dir(options, "vehicle")
     train = _read(folder, "train")
     if train is None:
-        raise missing_data("Vehicle", folder, "mytrain.json(.gz) or train/*.json", "get data/vehicle from "
-                           "litian96/ditto (or MOCHA) and pass --data-dir.")
+        raise missing_data(
+            "Vehicle",
+            folder,
+            "mytrain.json(.gz) or train/*.json",
+            "get data/vehicle from litian96/ditto (or MOCHA) and pass --data-dir.",
+        )
     test = _read(folder, "test")
     if test is None:
-        log.warning("vehicle: no test file in %s; holding out %d%% of each sensor's samples as the test split.",
-                    folder, int(HOLDOUT * 100))
+        log.warning(
+            "vehicle: no test file in %s; holding out %d%% of each sensor's samples as the test split.",
+            folder,
+            int(HOLDOUT * 100),
+        )
     sensors = sorted(train)[: options.max_clients]
     xs, ys, test_xs, test_ys = [], [], [], []
     for sensor in sensors:
@@ -82,9 +91,17 @@ def load_vehicle(options: TaskOptions) -> TaskData:
     if not sum(test_sizes):
         raise DataError(f"the vehicle test file in {folder} holds none of the training sensors.")
     xt, yt = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
-    return TaskData(x=xt, y=yt, client_indices=consecutive([len(y) for y in ys]), client_names=sensors,
-                    test_x=torch.from_numpy(np.concatenate(test_xs)), test_y=torch.from_numpy(np.concatenate(test_ys)),
-                    fingerprint=fingerprint(xt, yt), num_classes=2, test_client_indices=consecutive(test_sizes))
+    return TaskData(
+        x=xt,
+        y=yt,
+        client_indices=consecutive([len(y) for y in ys]),
+        client_names=sensors,
+        test_x=torch.from_numpy(np.concatenate(test_xs)),
+        test_y=torch.from_numpy(np.concatenate(test_ys)),
+        fingerprint=fingerprint(xt, yt),
+        num_classes=2,
+        test_client_indices=consecutive(test_sizes),
+    )
 
 
 VEHICLE = Task(
@@ -93,8 +110,9 @@ VEHICLE = Task(
     source="LEAF-style JSON (litian96/ditto data/vehicle) in --data-dir (default ~/.cache/fedcli/vehicle)",
     offline=False,
     kind="classification",
-    models=MappingProxyType({"logreg": lambda: models.Linear(NUM_FEATURES, 2),
-                             "mlp": lambda: models.MLP(NUM_FEATURES, (64,), 2)}),
+    models=MappingProxyType(
+        {"logreg": lambda: models.Linear(NUM_FEATURES, 2), "mlp": lambda: models.MLP(NUM_FEATURES, (64,), 2)}
+    ),
     default_model="logreg",
     load=load_vehicle,
     reads_max_clients=True,  # the loader keeps the first --max-clients clients

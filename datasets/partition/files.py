@@ -30,8 +30,15 @@ def _canonical(doc: dict[str, Any]) -> str:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
-def save_partition(path: Path, clients: list[np.ndarray], *, spec: PartitionSpec, dataset: str,
-                   fingerprint: str, labels: np.ndarray) -> None:
+def save_partition(
+    path: Path,
+    clients: list[np.ndarray],
+    *,
+    spec: PartitionSpec,
+    dataset: str,
+    fingerprint: str,
+    labels: np.ndarray,
+) -> None:
     """Write a partition file atomically (temp file + rename): clients, spec, checks, hash.
 
     The file is canonical JSON (sorted keys, no whitespace), so the same partition always
@@ -39,8 +46,13 @@ def save_partition(path: Path, clients: list[np.ndarray], *, spec: PartitionSpec
     """
     hist = label_histograms(clients, labels)
     doc: dict[str, Any] = {
-        "format": FORMAT, "version": FORMAT_VERSION, "dataset": dataset, "fingerprint": fingerprint,
-        "spec": asdict(spec), "num_examples": int(len(labels)), "num_clients": len(clients),
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "dataset": dataset,
+        "fingerprint": fingerprint,
+        "spec": asdict(spec),
+        "num_examples": int(len(labels)),
+        "num_clients": len(clients),
         "clients": [[int(i) for i in c] for c in clients],
         "label_histograms": None if hist is None else hist.tolist(),
     }
@@ -65,9 +77,11 @@ def load_partition(path: Path, *, dataset: str, fingerprint: str) -> tuple[list[
     path = Path(path)
     doc = _read_partition(path, dataset=dataset)
     if doc.get("fingerprint") != fingerprint:
-        raise ConfigError(f"partition file {path} was made for different {dataset!r} data (fingerprint "
-                          f"{str(doc.get('fingerprint'))[:12]}… ≠ {fingerprint[:12]}…): the data files, --data-dir "
-                          f"or the seed of generated data differ; {_redo(path, dataset)}.")
+        raise ConfigError(
+            f"partition file {path} was made for different {dataset!r} data (fingerprint "
+            f"{str(doc.get('fingerprint'))[:12]}… ≠ {fingerprint[:12]}…): the data files, --data-dir "
+            f"or the seed of generated data differ; {_redo(path, dataset)}."
+        )
     return _parse_clients(path, doc), _parse_spec(path, doc)
 
 
@@ -86,34 +100,45 @@ def _read_partition(path: Path, *, dataset: str | None) -> dict[str, Any]:
     """The checked JSON document of a partition file (format, version, content hash, dataset name)."""
     redo = _redo(path, dataset)
     if path.is_dir():
-        raise ConfigError(f"partition.file must be a partition file; got the directory {str(path)!r}. "
-                          "Pass the .json file `fedcli partition --out` wrote.")
+        raise ConfigError(
+            f"partition.file must be a partition file; got the directory {str(path)!r}. "
+            "Pass the .json file `fedcli partition --out` wrote."
+        )
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read partition file {path}: {exc.strerror or exc}.") from None
     except (ValueError, UnicodeDecodeError):
-        raise ConfigError(f"partition file {path} is not valid JSON (truncated or not a partition file); "
-                          f"{redo}.") from None
+        raise ConfigError(
+            f"partition file {path} is not valid JSON (truncated or not a partition file); {redo}."
+        ) from None
     except RecursionError:  # [[[[...]]]] thousands deep: json's parser recurses per level
-        raise ConfigError(f"partition file {path} is nested too deeply to be a partition file (clients are "
-                          f"lists of example indices); {redo}.") from None
+        raise ConfigError(
+            f"partition file {path} is nested too deeply to be a partition file (clients are "
+            f"lists of example indices); {redo}."
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ConfigError(f"{path} is not a fedcli partition file; write one with `fedcli partition`.")
     version = doc.get("version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ConfigError(f"partition file {path} has format version {version!r}; this fedcli reads versions "
-                          f"<= {FORMAT_VERSION}. Upgrade fedcli or {redo}.")
+        raise ConfigError(
+            f"partition file {path} has format version {version!r}; this fedcli reads versions "
+            f"<= {FORMAT_VERSION}. Upgrade fedcli or {redo}."
+        )
     claimed = doc.pop("content_sha256", None)
     try:
         actual = hashlib.sha256(_canonical(doc).encode()).hexdigest()
     except (RecursionError, ValueError):  # nested deeper than json.dumps writes, or a non-finite number
         actual = None
     if claimed != actual:
-        raise ConfigError(f"partition file {path} fails its content hash: it was edited or corrupted; {redo}.")
+        raise ConfigError(
+            f"partition file {path} fails its content hash: it was edited or corrupted; {redo}."
+        )
     if dataset is not None and doc.get("dataset") != dataset:
-        raise ConfigError(f"partition file {path} was made for dataset {doc.get('dataset')!r}, not {dataset!r}; "
-                          f"use --task {doc.get('dataset')} or {redo}.")
+        raise ConfigError(
+            f"partition file {path} was made for dataset {doc.get('dataset')!r}, not {dataset!r}; "
+            f"use --task {doc.get('dataset')} or {redo}."
+        )
     return doc
 
 
@@ -124,21 +149,26 @@ def _parse_clients(path: Path, doc: dict[str, Any]) -> list[np.ndarray]:
     redo = _redo(path, doc.get("dataset"))
     raw = doc.get("clients")
     if not isinstance(raw, list) or not raw or not all(isinstance(c, list) for c in raw):
-        raise ConfigError(f"partition file {path} must hold a non-empty list of clients, each a list of example "
-                          f"indices; {redo}.")
+        raise ConfigError(
+            f"partition file {path} must hold a non-empty list of clients, each a list of example "
+            f"indices; {redo}."
+        )
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ConfigError(f"partition file {path} has num_examples {n!r}, not a count of examples; {redo}.")
     for k, client in enumerate(raw):
         bad = next((i for i in client if type(i) is not int or not 0 <= i < n), _NONE)
         if bad is not _NONE:
             what = f"outside 0..{n - 1}" if type(bad) is int else "not an integer"
-            raise ConfigError(f"partition file {path} has example index {_short(bad)} in client {k} ({what}); "
-                              f"indices must be integers in 0..{n - 1}; {redo}.")
+            raise ConfigError(
+                f"partition file {path} has example index {_short(bad)} in client {k} ({what}); "
+                f"indices must be integers in 0..{n - 1}; {redo}."
+            )
     clients = [np.asarray(c, dtype=np.int64) for c in raw]
     flat = np.concatenate(clients)
     if len(np.unique(flat)) != len(flat):
-        raise ConfigError(f"partition file {path} assigns some example to two clients; "
-                          f"{_redo(path, doc.get('dataset'))}.")
+        raise ConfigError(
+            f"partition file {path} assigns some example to two clients; {_redo(path, doc.get('dataset'))}."
+        )
     return clients
 
 

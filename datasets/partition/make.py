@@ -81,8 +81,9 @@ from fedcli.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def make_partition(spec: PartitionSpec, *, labels: np.ndarray, natural: list[np.ndarray] | None
-                   ) -> list[np.ndarray]:
+def make_partition(
+    spec: PartitionSpec, *, labels: np.ndarray, natural: list[np.ndarray] | None
+) -> list[np.ndarray]:
     """Return client -> sorted example indices for `spec`; ConfigError on impossible requests.
 
     Args:
@@ -103,21 +104,40 @@ def make_partition(spec: PartitionSpec, *, labels: np.ndarray, natural: list[np.
     elif spec.scheme == "dirichlet" and spec.balanced:
         clients = balanced_dirichlet(y, num_clients=k, alpha=spec.alpha, rng=rng)
     elif spec.scheme == "dirichlet":
-        clients = dirichlet_label_skew(y, num_clients=k, alpha=spec.alpha, min_size=spec.min_size,
-                                       max_tries=spec.max_tries, rng=rng)
+        clients = dirichlet_label_skew(
+            y, num_clients=k, alpha=spec.alpha, min_size=spec.min_size, max_tries=spec.max_tries, rng=rng
+        )
     elif spec.scheme == "shards":
         clients = shard_partition(y, num_clients=k, shards_per_client=spec.shards_per_client, rng=rng)
     elif spec.scheme == "labels":
-        clients = labels_per_client_partition(y, num_clients=k, labels_per_client=spec.labels_per_client, rng=rng)
+        clients = labels_per_client_partition(
+            y, num_clients=k, labels_per_client=spec.labels_per_client, rng=rng
+        )
     elif spec.scheme == "quantity":
-        clients = quantity_skew(n, num_clients=k, alpha=spec.alpha, sigma=spec.sigma, min_size=spec.min_size,
-                                max_tries=spec.max_tries, rng=rng)
+        clients = quantity_skew(
+            n,
+            num_clients=k,
+            alpha=spec.alpha,
+            sigma=spec.sigma,
+            min_size=spec.min_size,
+            max_tries=spec.max_tries,
+            rng=rng,
+        )
     else:
-        clients = two_level_dirichlet(y, num_clients=k, alpha=spec.alpha, size_alpha=spec.size_alpha,
-                                      min_size=spec.min_size, max_tries=spec.max_tries, rng=rng)
+        clients = two_level_dirichlet(
+            y,
+            num_clients=k,
+            alpha=spec.alpha,
+            size_alpha=spec.size_alpha,
+            min_size=spec.min_size,
+            max_tries=spec.max_tries,
+            rng=rng,
+        )
     clients = [np.sort(np.asarray(c, dtype=np.int64)) for c in clients]
     empty = [i for i, c in enumerate(clients) if len(c) == 0]
     if empty:
-        raise ConfigError(f"scheme {spec.scheme!r} left {len(empty)} of {len(clients)} clients with no examples "
-                          f"(first: client {empty[0]}); lower --clients or choose less extreme parameters.")
+        raise ConfigError(
+            f"scheme {spec.scheme!r} left {len(empty)} of {len(clients)} clients with no examples "
+            f"(first: client {empty[0]}); lower --clients or choose less extreme parameters."
+        )
     return clients

@@ -26,8 +26,10 @@ def class_labels(labels: np.ndarray, scheme: str) -> np.ndarray:
     if labels.ndim == 2 and np.isin(labels, (0, 1)).all():
         return primary_tags(labels)
     kind = "real-valued" if labels.ndim == 1 else f"{labels.ndim}-D sequence"
-    raise ConfigError(f"partition.scheme={scheme!r} needs class labels, but this task's targets are {kind}; "
-                      "use --scheme iid, quantity or natural.")
+    raise ConfigError(
+        f"partition.scheme={scheme!r} needs class labels, but this task's targets are {kind}; "
+        "use --scheme iid, quantity or natural."
+    )
 
 
 def primary_tags(multi_hot: np.ndarray) -> np.ndarray:
@@ -48,8 +50,15 @@ def iid_partition(num_examples: int, *, num_clients: int, rng: np.random.Generat
     return list(np.array_split(rng.permutation(num_examples), num_clients))
 
 
-def dirichlet_label_skew(labels: np.ndarray, *, num_clients: int, alpha: float, min_size: int,
-                         max_tries: int, rng: np.random.Generator) -> list[np.ndarray]:
+def dirichlet_label_skew(
+    labels: np.ndarray,
+    *,
+    num_clients: int,
+    alpha: float,
+    min_size: int,
+    max_tries: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
     """Split each class's examples across clients with shares p ~ Dir(alpha 1_K) (NIID-Bench).
 
     Balance step: a client already holding >= N/K examples gets p_j = 0 for later classes.
@@ -73,13 +82,16 @@ def dirichlet_label_skew(labels: np.ndarray, *, num_clients: int, alpha: float, 
         smallest = int(sizes.min())
         if smallest >= min_size:
             return [np.concatenate(p) for p in parts]
-    raise ConfigError(f"scheme 'dirichlet' found no draw with every client >= min_size={min_size} examples in "
-                      f"max_tries={max_tries} attempts (smallest client: {smallest}); raise --alpha, lower "
-                      "--clients or lower --min-size.")
+    raise ConfigError(
+        f"scheme 'dirichlet' found no draw with every client >= min_size={min_size} examples in "
+        f"max_tries={max_tries} attempts (smallest client: {smallest}); raise --alpha, lower "
+        "--clients or lower --min-size."
+    )
 
 
-def balanced_dirichlet(labels: np.ndarray, *, num_clients: int, alpha: float,
-                       rng: np.random.Generator) -> list[np.ndarray]:
+def balanced_dirichlet(
+    labels: np.ndarray, *, num_clients: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Equal-size clients whose class mix follows a prior q_k ~ Dir(alpha 1_C) (FedLab).
 
     Repeatedly pick a non-full client uniformly and draw a class from its prior restricted
@@ -105,26 +117,31 @@ def balanced_dirichlet(labels: np.ndarray, *, num_clients: int, alpha: float,
     return [np.asarray(p, dtype=np.int64) for p in parts]
 
 
-def shard_partition(labels: np.ndarray, *, num_clients: int, shards_per_client: int,
-                    rng: np.random.Generator) -> list[np.ndarray]:
+def shard_partition(
+    labels: np.ndarray, *, num_clients: int, shards_per_client: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """McMahan et al.: sort by label, cut K*s equal shards, give each client s random shards."""
     n, num_shards = len(labels), num_clients * shards_per_client
     if num_shards > n or n % num_shards:
-        valid = [d // shards_per_client for d in range(shards_per_client, n + 1, shards_per_client)
-                 if n % d == 0]
+        valid = [
+            d // shards_per_client for d in range(shards_per_client, n + 1, shards_per_client) if n % d == 0
+        ]
         near = sorted(valid, key=lambda k: abs(k - num_clients))[:3]
-        raise ConfigError(f"partition.num_clients={num_clients} x shards_per_client={shards_per_client} = "
-                          f"{num_shards} shards must divide the {n} examples into equal shards; remainder "
-                          f"{n % num_shards if num_shards <= n else n}. Valid --clients for this data and "
-                          f"--shards-per-client: {', '.join(map(str, sorted(near))) or 'none'}.")
+        raise ConfigError(
+            f"partition.num_clients={num_clients} x shards_per_client={shards_per_client} = "
+            f"{num_shards} shards must divide the {n} examples into equal shards; remainder "
+            f"{n % num_shards if num_shards <= n else n}. Valid --clients for this data and "
+            f"--shards-per-client: {', '.join(map(str, sorted(near))) or 'none'}."
+        )
     size = n // num_shards
     order = np.argsort(labels, kind="stable")
     shard_ids = rng.permutation(num_shards).reshape(num_clients, shards_per_client)
-    return [np.concatenate([order[s * size:(s + 1) * size] for s in row]) for row in shard_ids]
+    return [np.concatenate([order[s * size : (s + 1) * size] for s in row]) for row in shard_ids]
 
 
-def labels_per_client_partition(labels: np.ndarray, *, num_clients: int, labels_per_client: int,
-                                rng: np.random.Generator) -> list[np.ndarray]:
+def labels_per_client_partition(
+    labels: np.ndarray, *, num_clients: int, labels_per_client: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """NIID-Bench noniid-#labelK: client i holds class i mod C and K-1 other random classes;
     each class is split evenly (array_split) among its holders.
 
@@ -134,17 +151,28 @@ def labels_per_client_partition(labels: np.ndarray, *, num_clients: int, labels_
     classes = np.unique(labels)
     num_classes = len(classes)
     if labels_per_client > num_classes:
-        raise ConfigError(f"partition.labels_per_client must be <= the {num_classes} classes of this data; "
-                          f"got {labels_per_client}.")
+        raise ConfigError(
+            f"partition.labels_per_client must be <= the {num_classes} classes of this data; "
+            f"got {labels_per_client}."
+        )
     if num_clients * labels_per_client < num_classes:
-        raise ConfigError(f"partition.num_clients={num_clients} x labels_per_client={labels_per_client} cannot "
-                          f"cover the {num_classes} classes; raise --clients or --labels-per-client.")
+        raise ConfigError(
+            f"partition.num_clients={num_clients} x labels_per_client={labels_per_client} cannot "
+            f"cover the {num_classes} classes; raise --clients or --labels-per-client."
+        )
     holds: list[list[int]] = []
     for i in range(num_clients):
         held = [i % num_classes]
         while len(held) < labels_per_client:
-            unheld = [c for c in range(num_classes) if c not in held and all(c not in h for h in holds)
-                      and c >= num_clients] if num_clients < num_classes else []
+            unheld = (
+                [
+                    c
+                    for c in range(num_classes)
+                    if c not in held and all(c not in h for h in holds) and c >= num_clients
+                ]
+                if num_clients < num_classes
+                else []
+            )
             c = int(unheld[rng.integers(len(unheld))]) if unheld else int(rng.integers(num_classes))
             if c not in held:
                 held.append(c)
@@ -158,8 +186,16 @@ def labels_per_client_partition(labels: np.ndarray, *, num_clients: int, labels_
     return [np.concatenate(p) for p in parts]
 
 
-def quantity_skew(num_examples: int, *, num_clients: int, alpha: float | None, sigma: float | None,
-                  min_size: int, max_tries: int, rng: np.random.Generator) -> list[np.ndarray]:
+def quantity_skew(
+    num_examples: int,
+    *,
+    num_clients: int,
+    alpha: float | None,
+    sigma: float | None,
+    min_size: int,
+    max_tries: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
     """IID labels, skewed sizes: p ~ Dir(alpha) (NIID-Bench) or LogNormal(log(N/K), sigma) (FedLab)."""
     n = num_examples
     perm = rng.permutation(n)
@@ -173,8 +209,10 @@ def quantity_skew(num_examples: int, *, num_clients: int, alpha: float | None, s
             assert sigma is not None  # PartitionSpec: quantity takes alpha or sigma
             sizes = rng.lognormal(mean=math.log(int(n / num_clients)), sigma=sigma, size=num_clients)
             if not np.isfinite(sizes).all():
-                raise ConfigError(f"partition.sigma={sigma!r} draws client sizes too large for a float (exp of "
-                                  "sigma x N(0, 1)); use a sigma below 10 (FedLab's examples use 0.1 to 1).")
+                raise ConfigError(
+                    f"partition.sigma={sigma!r} draws client sizes too large for a float (exp of "
+                    "sigma x N(0, 1)); use a sigma below 10 (FedLab's examples use 0.1 to 1)."
+                )
             sizes = (sizes / sizes.sum() * n).astype(int)
             diff = int(sizes.sum()) - n  # <= 0
             if diff:
@@ -183,13 +221,23 @@ def quantity_skew(num_examples: int, *, num_clients: int, alpha: float | None, s
             cuts = np.cumsum(sizes)[:-1]
         if smallest >= min_size:
             return list(np.split(perm, cuts))
-    raise ConfigError(f"scheme 'quantity' found no draw with every client >= min_size={min_size} examples in "
-                      f"max_tries={max_tries} attempts (smallest client: {smallest:.0f}); raise --alpha / lower "
-                      "--sigma, lower --clients or lower --min-size.")
+    raise ConfigError(
+        f"scheme 'quantity' found no draw with every client >= min_size={min_size} examples in "
+        f"max_tries={max_tries} attempts (smallest client: {smallest:.0f}); raise --alpha / lower "
+        "--sigma, lower --clients or lower --min-size."
+    )
 
 
-def two_level_dirichlet(labels: np.ndarray, *, num_clients: int, alpha: float, size_alpha: float,
-                        min_size: int, max_tries: int, rng: np.random.Generator) -> list[np.ndarray]:
+def two_level_dirichlet(
+    labels: np.ndarray,
+    *,
+    num_clients: int,
+    alpha: float,
+    size_alpha: float,
+    min_size: int,
+    max_tries: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
     """Bayesian-ADMM split: p ~ Dir(size_alpha 1_K), q_k ~ Dir(alpha 1_C); client k gets
     round(n_c p_k q_kc / sum_j p_j q_jc) examples of class c (1 -> 2), sliced in turn from a
     shuffled class list (so a class can run short for the last clients)."""
@@ -206,22 +254,28 @@ def two_level_dirichlet(labels: np.ndarray, *, num_clients: int, alpha: float, s
             counts[counts == 1] = 2
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
             for k in range(num_clients):
-                parts[k].append(members[starts[k]:starts[k] + counts[k]])
+                parts[k].append(members[starts[k] : starts[k] + counts[k]])
         sizes = [sum(len(p) for p in client) for client in parts]
         smallest = min(sizes)
         if smallest >= min_size:
             return [np.concatenate(p) for p in parts]
-    raise ConfigError(f"scheme 'two-level' found no draw with every client >= min_size={min_size} examples in "
-                      f"max_tries={max_tries} attempts (smallest client: {smallest}); raise --size-alpha, lower "
-                      "--clients or lower --min-size.")
+    raise ConfigError(
+        f"scheme 'two-level' found no draw with every client >= min_size={min_size} examples in "
+        f"max_tries={max_tries} attempts (smallest client: {smallest}); raise --size-alpha, lower "
+        "--clients or lower --min-size."
+    )
 
 
 def natural_partition(natural: list[np.ndarray] | None, *, num_clients: int | None) -> list[np.ndarray]:
     """The data's own owners in sorted-id order; num_clients keeps the first num_clients."""
     if not natural:
-        raise ConfigError("partition.scheme='natural' needs data with owners (writers, users, subjects); this "
-                          "task has none. Use --scheme iid, dirichlet, shards, labels, quantity or two-level.")
+        raise ConfigError(
+            "partition.scheme='natural' needs data with owners (writers, users, subjects); this "
+            "task has none. Use --scheme iid, dirichlet, shards, labels, quantity or two-level."
+        )
     if num_clients is not None and num_clients > len(natural):
-        raise ConfigError(f"partition.num_clients={num_clients} exceeds the {len(natural)} natural clients of "
-                          "this data; lower --clients or omit it to use them all.")
+        raise ConfigError(
+            f"partition.num_clients={num_clients} exceeds the {len(natural)} natural clients of "
+            "this data; lower --clients or omit it to use them all."
+        )
     return [np.asarray(ix) for ix in natural[: num_clients or len(natural)]]

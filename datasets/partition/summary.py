@@ -42,11 +42,16 @@ class PartitionSummary:
         return None if self.tv is None else float(self.tv.mean())
 
 
-def label_histograms(clients: list[np.ndarray], labels: np.ndarray, num_classes: int | None = None
-                     ) -> np.ndarray | None:
+def label_histograms(
+    clients: list[np.ndarray], labels: np.ndarray, num_classes: int | None = None
+) -> np.ndarray | None:
     """Return [K, C] per-client label counts (tag counts for multi-hot), or None if no classes."""
     labels = np.asarray(labels)
-    if labels.ndim == 1 and np.issubdtype(labels.dtype, np.integer) and (len(labels) == 0 or labels.min() >= 0):
+    if (
+        labels.ndim == 1
+        and np.issubdtype(labels.dtype, np.integer)
+        and (len(labels) == 0 or labels.min() >= 0)
+    ):
         c = max(num_classes or 0, int(labels.max()) + 1 if len(labels) else 0)
         return np.stack([np.bincount(labels[ix], minlength=c) for ix in clients]).astype(np.int64)
     if labels.ndim == 2 and np.isin(labels, (0, 1)).all():
@@ -74,13 +79,23 @@ def summarize(clients: list[np.ndarray], labels: np.ndarray, num_classes: int | 
         tv = 0.5 * np.abs(dist - overall).sum(axis=1)
     assigned = int(len(np.unique(np.concatenate(clients)))) if clients else 0
     return PartitionSummary(
-        num_clients=len(clients), num_examples=len(labels), num_assigned=assigned,
-        size_min=int(sizes.min()), size_median=float(np.median(sizes)), size_max=int(sizes.max()),
-        size_mean=float(sizes.mean()), num_classes=None if hist is None else hist.shape[1],
-        entropy=entropy, global_entropy=global_entropy, tv=tv)
+        num_clients=len(clients),
+        num_examples=len(labels),
+        num_assigned=assigned,
+        size_min=int(sizes.min()),
+        size_median=float(np.median(sizes)),
+        size_max=int(sizes.max()),
+        size_mean=float(sizes.mean()),
+        num_classes=None if hist is None else hist.shape[1],
+        entropy=entropy,
+        global_entropy=global_entropy,
+        tv=tv,
+    )
 
 
-def plot_partition(clients: list[np.ndarray], labels: np.ndarray, num_classes: int | None, path: Path) -> None:
+def plot_partition(
+    clients: list[np.ndarray], labels: np.ndarray, num_classes: int | None, path: Path
+) -> None:
     """Draw the client x label count heatmap and the client size histogram to a PNG."""
     fig = partition_figure(clients, labels, num_classes)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -82,12 +82,21 @@ class UserData:
 
 def is_data_ref(value: str) -> bool:
     """Whether data.file names a data object (`python:...`) or a function (`pkg.mod:fn`, `file.py:fn`)."""
-    return value.startswith(PYTHON_PREFIX) or (_CALLABLE.fullmatch(value) is not None
-                                               and not value.endswith((".npz", ".csv", ".parquet")))
+    return value.startswith(PYTHON_PREFIX) or (
+        _CALLABLE.fullmatch(value) is not None and not value.endswith((".npz", ".csv", ".parquet"))
+    )
 
 
-def data_ref(data: Any, *, name: str | None = None, client: Any = None, partition: Any = None,
-             x: str | Sequence[str] | None = None, y: str = "label", test: Any = None) -> str:
+def data_ref(
+    data: Any,
+    *,
+    name: str | None = None,
+    client: Any = None,
+    partition: Any = None,
+    x: str | Sequence[str] | None = None,
+    y: str = "label",
+    test: Any = None,
+) -> str:
     """Return the `data.file` value of a user's data (module docstring); objects are registered here.
 
     Args:
@@ -104,8 +113,10 @@ def data_ref(data: Any, *, name: str | None = None, client: Any = None, partitio
     """
     if isinstance(data, (str, Path)):
         if any(v is not None for v in (client, partition, x, test)) or name is not None:
-            raise ConfigError(f"data {str(data)!r} is a file or function reference; client/partition/x/test/name "
-                              "apply to data objects only. Return a dict with those keys from your function.")
+            raise ConfigError(
+                f"data {str(data)!r} is a file or function reference; client/partition/x/test/name "
+                "apply to data objects only. Return a dict with those keys from your function."
+            )
         return normalise(str(data))
     user = materialise(data, name=name, client=client, partition=partition, x=x, y=y, test=test)
     ref = f"{PYTHON_PREFIX}{user.name}@{user.digest()[:16]}"
@@ -143,29 +154,47 @@ def lookup(ref: str) -> UserData:
     """The materialised data of a data reference: registered (`python:`) or loaded by calling the function."""
     if ref.startswith(PYTHON_PREFIX):
         if ref not in _REGISTRY:
-            raise ConfigError(f"data {ref!r} is a Python object given to another process; pass the same object to "
-                              "fedcli.train again (resume included), or save it with numpy.savez and use --data FILE.")
+            raise ConfigError(
+                f"data {ref!r} is a Python object given to another process; pass the same object to "
+                "fedcli.train again (resume included), or save it with numpy.savez and use --data FILE."
+            )
         return _REGISTRY[ref]
     if ref not in _LOADED:
         fn, digest = load_function(ref)
         try:
             made = fn()
         except Exception as exc:  # noqa: BLE001 - the user's code: one line, not a traceback
-            raise DataError(f"data function {ref} raised {type(exc).__name__}: {exc}; fix it and rerun.") from None
+            raise DataError(
+                f"data function {ref} raised {type(exc).__name__}: {exc}; fix it and rerun."
+            ) from None
         options = dict(made) if isinstance(made, Mapping) else {"data": made}
         if "data" not in options:
-            raise DataError(f"data function {ref} returned a dict without 'data'; return the dataset, or "
-                            "{'data': ds, 'client': ..., 'partition': ..., 'x': ..., 'y': ..., 'test': ...}.")
+            raise DataError(
+                f"data function {ref} returned a dict without 'data'; return the dataset, or "
+                "{'data': ds, 'client': ..., 'partition': ..., 'x': ..., 'y': ..., 'test': ...}."
+            )
         unknown = sorted(set(options) - {"data", "name", "client", "partition", "x", "y", "test"})
         if unknown:
-            raise DataError(f"data function {ref} returned unknown key(s) {unknown}; use data, name, client, "
-                            "partition, x, y, test.")
+            raise DataError(
+                f"data function {ref} returned unknown key(s) {unknown}; use data, name, client, "
+                "partition, x, y, test."
+            )
         obj = options.pop("data")
         module, _, fn_name = ref.rpartition(":")
-        options.setdefault("name", f"{Path(module).stem if module.endswith('.py') else module.rpartition('.')[2]}-{fn_name}")
+        options.setdefault(
+            "name", f"{Path(module).stem if module.endswith('.py') else module.rpartition('.')[2]}-{fn_name}"
+        )
         user = materialise(obj, **options)
-        _LOADED[ref] = UserData(user.name, user.x, user.y, user.client, user.x_test, user.y_test, source=ref,
-                                record={"source": ref, "source_sha256": digest})
+        _LOADED[ref] = UserData(
+            user.name,
+            user.x,
+            user.y,
+            user.client,
+            user.x_test,
+            user.y_test,
+            source=ref,
+            record={"source": ref, "source_sha256": digest},
+        )
     return _LOADED[ref]
 
 
@@ -201,12 +230,16 @@ def load_function(ref: str) -> tuple[Callable[[], Any], str]:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - an import of the user's code: one line
-        raise ConfigError(f"data {ref}: cannot import {module_name} ({type(exc).__name__}: {exc}); check the "
-                          "module is importable from here (installed, or in the working folder).") from None
+        raise ConfigError(
+            f"data {ref}: cannot import {module_name} ({type(exc).__name__}: {exc}); check the "
+            "module is importable from here (installed, or in the working folder)."
+        ) from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ConfigError(f"data {ref}: {module_name} has no function {fn_name!r}; name a function that returns "
-                          "the dataset.")
+        raise ConfigError(
+            f"data {ref}: {module_name} has no function {fn_name!r}; name a function that returns "
+            "the dataset."
+        )
     source = getattr(module, "__file__", None)
     digest = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
     from fedcli.datasets.yours.model import remember_import
@@ -215,8 +248,16 @@ def load_function(ref: str) -> tuple[Callable[[], Any], str]:
     return fn, digest
 
 
-def materialise(data: Any, *, name: str | None = None, client: Any = None, partition: Any = None,
-                x: str | Sequence[str] | None = None, y: str = "label", test: Any = None) -> UserData:
+def materialise(
+    data: Any,
+    *,
+    name: str | None = None,
+    client: Any = None,
+    partition: Any = None,
+    x: str | Sequence[str] | None = None,
+    y: str = "label",
+    test: Any = None,
+) -> UserData:
     """One data object as tensors (`data_ref` documents the arguments)."""
     _check_names(name=name, x=x, y=y)
     if _is_partitioner(partition) or _is_partitioner(data):
@@ -231,12 +272,16 @@ def materialise(data: Any, *, name: str | None = None, client: Any = None, parti
     elif _is_torch_dataset(data):
         label = f"torch Dataset {type(data).__name__}"
         if x is not None or y != "label":
-            raise ConfigError(f"{label}: x= and y= name Hugging Face columns; a torch Dataset gives (x, y) pairs.")
+            raise ConfigError(
+                f"{label}: x= and y= name Hugging Face columns; a torch Dataset gives (x, y) pairs."
+            )
         xs, ys = _torch_arrays(data, label)
         owners, kind = client, "torch"
     else:
-        raise ConfigError(f"data must be a file path, a pkg.mod:fn string, a torch Dataset, a Hugging Face Dataset "
-                          f"or a flwr-datasets Partitioner; got {type(data).__name__}.")
+        raise ConfigError(
+            f"data must be a file path, a pkg.mod:fn string, a torch Dataset, a Hugging Face Dataset "
+            f"or a flwr-datasets Partitioner; got {type(data).__name__}."
+        )
     if owners is not None and partition is not None:
         raise ConfigError(f"{label}: give client ids or a partition, not both.")
     n = len(ys)
@@ -245,30 +290,49 @@ def materialise(data: Any, *, name: str | None = None, client: Any = None, parti
         owner = _partition_ids(partition, n, label)
     x_test = y_test = None
     if test is not None:
-        tx, ty = (_hf_arrays(test, x, y, None, label)[:2] if _is_hf(test) else _torch_arrays(test, f"{label} (test)"))
+        tx, ty = (
+            _hf_arrays(test, x, y, None, label)[:2]
+            if _is_hf(test)
+            else _torch_arrays(test, f"{label} (test)")
+        )
         x_test, y_test = torch.from_numpy(tx), torch.from_numpy(ty)
     default_name = (getattr(data.info, "dataset_name", None) or "hf") if kind == "hf" else type(data).__name__
-    return UserData(_slug(name or default_name), torch.from_numpy(xs), torch.from_numpy(ys), owner, x_test, y_test,
-                    source=label)
+    return UserData(
+        _slug(name or default_name),
+        torch.from_numpy(xs),
+        torch.from_numpy(ys),
+        owner,
+        x_test,
+        y_test,
+        source=label,
+    )
 
 
 def _check_names(*, name: Any, x: Any, y: Any) -> None:
     """name, x and y name things (str): an int or a Path name was str()-ed, an empty one defaulted."""
+
     def kind(value: Any) -> str:
         return f"{type(value).__name__} {value!r}"[:80]
 
     if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise ConfigError(f"name must be a non-empty name (str) for the data; got {kind(name)}. Leave it out for the "
-                          "object's class name.")
+        raise ConfigError(
+            f"name must be a non-empty name (str) for the data; got {kind(name)}. Leave it out for the "
+            "object's class name."
+        )
     if not isinstance(y, str) or not y.strip():
         raise ConfigError(f"y must be the name (str) of a Hugging Face label column; got {kind(y)}.")
     if x is not None:
         columns = [x] if isinstance(x, str) else x
-        bad = next((c for c in columns if not isinstance(c, str) or not c.strip()), None) \
-            if isinstance(columns, (list, tuple)) else x
+        bad = (
+            next((c for c in columns if not isinstance(c, str) or not c.strip()), None)
+            if isinstance(columns, (list, tuple))
+            else x
+        )
         if bad is not None or not columns:
-            raise ConfigError(f"x must be a column name (str) or a list of column names; got "
-                              f"{kind(x if bad is None else bad)}.")
+            raise ConfigError(
+                f"x must be a column name (str) or a list of column names; got "
+                f"{kind(x if bad is None else bad)}."
+            )
 
 
 def _slug(text: str) -> str:
@@ -277,12 +341,17 @@ def _slug(text: str) -> str:
 
 
 def _is_hf(obj: Any) -> bool:
-    return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names") and hasattr(obj, "with_format")
+    return (
+        type(obj).__module__.startswith("datasets.")
+        and hasattr(obj, "column_names")
+        and hasattr(obj, "with_format")
+    )
 
 
 def _is_torch_dataset(obj: Any) -> bool:
-    return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
-                                                          and not isinstance(obj, (str, bytes, Mapping)))
+    return isinstance(obj, torch.utils.data.Dataset) or (
+        hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, Mapping))
+    )
 
 
 def _is_partitioner(obj: Any) -> bool:
@@ -292,9 +361,11 @@ def _is_partitioner(obj: Any) -> bool:
 def _check_size(label: str, n: int, example_bytes: int) -> None:
     total = n * example_bytes
     if total > MAX_BYTES:
-        raise DataError(f"{label}: {n} examples of {example_bytes} bytes make {total / 2**30:.1f} GiB of tensors, more "
-                        f"than the {MAX_BYTES / 2**30:.0f} GiB fedcli holds in memory; store images as uint8, or use a "
-                        "subset (docs/your-data.md, \"Memory\").")
+        raise DataError(
+            f"{label}: {n} examples of {example_bytes} bytes make {total / 2**30:.1f} GiB of tensors, more "
+            f"than the {MAX_BYTES / 2**30:.0f} GiB fedcli holds in memory; store images as uint8, or use a "
+            'subset (docs/your-data.md, "Memory").'
+        )
 
 
 def _torch_arrays(ds: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
@@ -305,15 +376,19 @@ def _torch_arrays(ds: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
     tensors = getattr(ds, "tensors", None)
     if isinstance(tensors, tuple) and all(isinstance(t, Tensor) for t in tensors):
         if len(tensors) < 2:
-            raise DataError(f"{label}: examples must be (x, y) pairs; it has {len(tensors)} tensor(s) and no labels. "
-                            "Add the labels: TensorDataset(x, y).")
+            raise DataError(
+                f"{label}: examples must be (x, y) pairs; it has {len(tensors)} tensor(s) and no labels. "
+                "Add the labels: TensorDataset(x, y)."
+            )
         xs, ys = tensors[0].detach().cpu(), tensors[1].detach().cpu()
         _check_size(label, n, xs[0].numel() * xs.element_size())
         return xs.numpy(), ys.numpy()
     first = ds[0]
     if not isinstance(first, (tuple, list)) or len(first) < 2:
-        raise DataError(f"{label}: ds[i] must return an (x, y) pair; ds[0] is {type(first).__name__}. Return the "
-                        "label with each example.")
+        raise DataError(
+            f"{label}: ds[i] must return an (x, y) pair; ds[0] is {type(first).__name__}. Return the "
+            "label with each example."
+        )
     x0 = torch.as_tensor(np.array(first[0]))
     _check_size(label, n, x0.numel() * x0.element_size())
     getitems = getattr(ds, "__getitems__", None)
@@ -322,26 +397,33 @@ def _torch_arrays(ds: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
         xs = np.stack([np.asarray(r[0]) for r in rows])
         values = [np.asarray(r[1]).item() for r in rows]
     except (ValueError, TypeError) as exc:
-        raise DataError(f"{label}: examples must share one shape and have one scalar label each ({exc}); "
-                        "resize or pad them in the dataset.") from None
+        raise DataError(
+            f"{label}: examples must share one shape and have one scalar label each ({exc}); "
+            "resize or pad them in the dataset."
+        ) from None
     kinds = [_kind(v) for v in values]
     row = next((i for i, k in enumerate(kinds) if k not in ("int", "float") or k != kinds[0]), None)
     if row is not None:  # numpy would make [1, 0.5] floats (regression) and [True, 2] integers
         first = f" (example 0: {type(values[0]).__name__} {values[0]!r})" if row else ""
-        raise DataError(f"{label}: labels must all be integers (classes) or all floats (regression targets); got "
-                        f"{type(values[row]).__name__} {values[row]!r} at example {row}{first}. Return one kind of "
-                        "label; fedcli casts none.")
+        raise DataError(
+            f"{label}: labels must all be integers (classes) or all floats (regression targets); got "
+            f"{type(values[row]).__name__} {values[row]!r} at example {row}{first}. Return one kind of "
+            "label; fedcli casts none."
+        )
     ys = np.asarray(values)
     pil = hasattr(first[0], "getbands")  # PIL images (a torchvision dataset without transform): [H, W, C]
     return (xs.transpose(0, 3, 1, 2).copy() if pil and xs.ndim == 4 else xs), ys
 
 
-def _hf_arrays(ds: Any, x: str | Sequence[str] | None, y: str, client: Any, label: str
-               ) -> tuple[np.ndarray, np.ndarray, Any]:
+def _hf_arrays(
+    ds: Any, x: str | Sequence[str] | None, y: str, client: Any, label: str
+) -> tuple[np.ndarray, np.ndarray, Any]:
     """(x, y, client) of a Hugging Face Dataset read as NumPy columns (batched, no per-row Python)."""
     columns = list(ds.column_names)
     if y not in columns:
-        raise DataError(f"{label}: no label column {y!r}; columns are {columns[:8]}. Pass y='<label column>'.")
+        raise DataError(
+            f"{label}: no label column {y!r}; columns are {columns[:8]}. Pass y='<label column>'."
+        )
     if len(ds) == 0:
         raise DataError(f"{label}: the dataset must hold at least one example; got 0.")
     if x is None:
@@ -353,18 +435,26 @@ def _hf_arrays(ds: Any, x: str | Sequence[str] | None, y: str, client: Any, labe
     missing = [c for c in names + ([client] if isinstance(client, str) else []) if c not in columns]
     if missing:
         raise DataError(f"{label}: no column(s) {missing}; columns are {columns[:8]}.")
-    table = ds.with_format("numpy")[0:len(ds)]
+    table = ds.with_format("numpy")[0 : len(ds)]
     parts = [np.asarray(table[c]) for c in names]
     if len(parts) == 1 and type(ds.features.get(names[0])).__name__ == "Image" and parts[0].ndim == 4:
         parts = [parts[0].transpose(0, 3, 1, 2)]  # an Image column reads as [N, H, W, C]: channels first
     if any(p.dtype.kind not in "biuf" for p in parts):
-        raise DataError(f"{label}: input column(s) {names} must be numeric arrays; decode images or text first.")
-    xs = parts[0] if len(parts) == 1 and parts[0].ndim > 1 else np.stack([p.reshape(len(p), -1) for p in parts], 1)
+        raise DataError(
+            f"{label}: input column(s) {names} must be numeric arrays; decode images or text first."
+        )
+    xs = (
+        parts[0]
+        if len(parts) == 1 and parts[0].ndim > 1
+        else np.stack([p.reshape(len(p), -1) for p in parts], 1)
+    )
     xs = xs.reshape(len(xs), -1) if len(parts) > 1 else xs
     if xs.ndim == 1:
         xs = xs[:, None]
     if xs.dtype.kind in "iu" and xs.ndim >= 3 and xs.min(initial=0) >= 0 and xs.max(initial=0) <= 255:
-        xs = xs.astype(np.uint8)  # integer images (HF stores them as int64): scaled by 1/255 like an .npz's uint8
+        xs = xs.astype(
+            np.uint8
+        )  # integer images (HF stores them as int64): scaled by 1/255 like an .npz's uint8
     elif xs.dtype.kind != "f" or xs.dtype == np.float64:
         xs = xs.astype(np.float32)
     _check_size(label, len(xs), xs[0].nbytes)
@@ -380,19 +470,27 @@ def _client_ids(owners: Any, n: int, label: str) -> np.ndarray:
     """
     if isinstance(owners, Tensor):
         owners = owners.detach().cpu().numpy()
-    if not isinstance(owners, np.ndarray) and isinstance(owners, Sequence) and not isinstance(owners, (str, bytes)):
+    if (
+        not isinstance(owners, np.ndarray)
+        and isinstance(owners, Sequence)
+        and not isinstance(owners, (str, bytes))
+    ):
         kinds = [_kind(v) for v in owners]
         row = next((i for i, k in enumerate(kinds) if k not in ("int", "str")), None)
         row = next((i for i, k in enumerate(kinds) if k != kinds[0]), None) if row is None else row
         if row is not None:
             first = f" (example 0: {type(owners[0]).__name__} {owners[0]!r})" if row else ""
-            raise DataError(f"{label}: client ids must all be integers or all be names (str); got "
-                            f"{type(owners[row]).__name__} {owners[row]!r} at example {row}{first}. Give each client "
-                            "one integer id or one name; fedcli casts none.")
+            raise DataError(
+                f"{label}: client ids must all be integers or all be names (str); got "
+                f"{type(owners[row]).__name__} {owners[row]!r} at example {row}{first}. Give each client "
+                "one integer id or one name; fedcli casts none."
+            )
     ids = np.asarray(owners)
     if ids.ndim != 1 or len(ids) != n:
-        raise DataError(f"{label}: client must give one id per example (length {n}); got shape {ids.shape}. "
-                        "Give an id per example, or a partition (a list of index arrays).")
+        raise DataError(
+            f"{label}: client must give one id per example (length {n}); got shape {ids.shape}. "
+            "Give an id per example, or a partition (a list of index arrays)."
+        )
     check_client_ids(ids, label, "client")
     return np.unique(ids, return_inverse=True)[1].astype(np.int64)
 
@@ -429,8 +527,10 @@ def check_client_ids(ids: np.ndarray, label: str, column: str) -> None:
     else:
         row = 0
     value = ids[row].item() if isinstance(ids[row], np.generic) else ids[row]
-    raise DataError(f"{label}: {column} must hold integer ids or names; got dtype {ids.dtype} (e.g. {value!r} at "
-                    f"row {row}). Save the ids as integers or text; fedcli casts none.")
+    raise DataError(
+        f"{label}: {column} must hold integer ids or names; got dtype {ids.dtype} (e.g. {value!r} at "
+        f"row {row}). Save the ids as integers or text; fedcli casts none."
+    )
 
 
 def _partition_ids(partition: Any, n: int, label: str) -> np.ndarray:
@@ -441,37 +541,49 @@ def _partition_ids(partition: Any, n: int, label: str) -> np.ndarray:
         if raw.size and raw.dtype.kind not in "iu":
             example = raw[_first_non_integer(raw) if raw.dtype.kind == "f" else 0]
             example = example.item() if isinstance(example, np.generic) else example
-            raise DataError(f"{label}: partition client {k} must be integer example indices; got dtype {raw.dtype} "
-                            f"(e.g. {example!r}). Give integer arrays; fedcli truncates no index.")
+            raise DataError(
+                f"{label}: partition client {k} must be integer example indices; got dtype {raw.dtype} "
+                f"(e.g. {example!r}). Give integer arrays; fedcli truncates no index."
+            )
         ix = raw.astype(np.int64)
         if len(ix) and (ix.min() < 0 or ix.max() >= n):
-            raise DataError(f"{label}: partition client {k} has index {int(ix.max() if ix.max() >= n else ix.min())} "
-                            f"outside 0..{n - 1}; give indices into the dataset.")
+            raise DataError(
+                f"{label}: partition client {k} has index {int(ix.max() if ix.max() >= n else ix.min())} "
+                f"outside 0..{n - 1}; give indices into the dataset."
+            )
         if (owner[ix] >= 0).any() or len(np.unique(ix)) != len(ix):
-            raise DataError(f"{label}: partition client {k} repeats an example that another client (or itself) "
-                            "holds; give disjoint index arrays.")
+            raise DataError(
+                f"{label}: partition client {k} repeats an example that another client (or itself) "
+                "holds; give disjoint index arrays."
+            )
         owner[ix] = k
     return owner
 
 
 def _partitioner_dataset(partitioner: Any) -> Any:
     if not getattr(partitioner, "is_dataset_assigned", lambda: False)():
-        raise ConfigError("the flwr-datasets partitioner has no dataset; set partitioner.dataset = ds, or pass "
-                          "data=ds, partition=partitioner.")
+        raise ConfigError(
+            "the flwr-datasets partitioner has no dataset; set partitioner.dataset = ds, or pass "
+            "data=ds, partition=partitioner."
+        )
     return partitioner.dataset
 
 
 def _flwr_partition(partitioner: Any, ds: Any) -> list[np.ndarray]:
     """A flwr-datasets partitioner's partitions as index arrays into `ds` (read from a row-number column)."""
     if not _is_hf(ds):
-        raise ConfigError("a flwr-datasets partitioner partitions a Hugging Face Dataset; got "
-                          f"{type(ds).__name__}. Convert it with datasets.Dataset.from_dict.")
+        raise ConfigError(
+            "a flwr-datasets partitioner partitions a Hugging Face Dataset; got "
+            f"{type(ds).__name__}. Convert it with datasets.Dataset.from_dict."
+        )
     # a deep copy (its random state and any partitions it made included, its dataset left out) given the same
     # rows plus their numbers: flwr-datasets assigns a dataset only once, and the user's partitioner is left
     # as it was, so its own partitions are these
     if "_dataset" not in vars(partitioner):
-        raise ConfigError(f"the flwr-datasets partitioner {type(partitioner).__name__} keeps its dataset where "
-                          "fedcli does not look; pass its partitions as partition=[indices, ...] instead.")
+        raise ConfigError(
+            f"the flwr-datasets partitioner {type(partitioner).__name__} keeps its dataset where "
+            "fedcli does not look; pass its partitions as partition=[indices, ...] instead."
+        )
     own = vars(partitioner)["_dataset"]
     vars(partitioner)["_dataset"] = None
     try:
@@ -479,5 +591,7 @@ def _flwr_partition(partitioner: Any, ds: Any) -> list[np.ndarray]:
     finally:
         vars(partitioner)["_dataset"] = own
     mine.dataset = ds.add_column("__fedcli_row", np.arange(len(ds)))
-    return [np.asarray(mine.load_partition(k).with_format("numpy")[:]["__fedcli_row"], dtype=np.int64)
-            for k in range(mine.num_partitions)]
+    return [
+        np.asarray(mine.load_partition(k).with_format("numpy")[:]["__fedcli_row"], dtype=np.int64)
+        for k in range(mine.num_partitions)
+    ]

@@ -69,8 +69,12 @@ def model_plugins() -> Mapping[str, tuple[str, str]]:
         for ep in entry_points(group="fedcli.models"):
             package = ep.dist.name if ep.dist is not None else "?"
             if not is_reference(ep.value) or ep.name in found:
-                log.warning("model plugin %r of %s is left out: %r is not a unique 'module:factory'", ep.name,
-                            package, ep.value)
+                log.warning(
+                    "model plugin %r of %s is left out: %r is not a unique 'module:factory'",
+                    ep.name,
+                    package,
+                    ep.value,
+                )
                 continue
             found[ep.name] = (ep.value.replace(" ", ""), package)
         _PLUGINS = MappingProxyType(dict(sorted(found.items())))
@@ -92,33 +96,49 @@ def model_reference(model: Any, *, base: Path | None = None) -> str:
             module that does not import, a missing file or attribute).
     """
     if isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a class or factory, not a built module ({type(model).__name__} instance); "
-                          "pass the class (or a function returning the module) so every process can rebuild it.")
+        raise ConfigError(
+            f"model must be a class or factory, not a built module ({type(model).__name__} instance); "
+            "pass the class (or a function returning the module) so every process can rebuild it."
+        )
     if not isinstance(model, str):
         if not callable(model):
-            raise ConfigError(f"model must be a name, 'module:factory', 'file.py:factory' or a class/function; "
-                              f"got {type(model).__name__}.")
+            raise ConfigError(
+                f"model must be a name, 'module:factory', 'file.py:factory' or a class/function; "
+                f"got {type(model).__name__}."
+            )
         module, qual = getattr(model, "__module__", None), getattr(model, "__qualname__", "")
         if module in (None, "__main__") or "<locals>" in qual or "<lambda>" in qual:
-            where = "a notebook or the script being run (__main__)" if module in (None, "__main__") else "a function"
-            raise ConfigError(f"model {qual or model!r} is defined in {where}, so worker processes, --resume, "
-                              "fedcli evaluate and the MLflow model cannot rebuild it; put it in a .py file and pass "
-                              "'path/to/file.py:Name' (or import it from there and pass the object).")
+            where = (
+                "a notebook or the script being run (__main__)"
+                if module in (None, "__main__")
+                else "a function"
+            )
+            raise ConfigError(
+                f"model {qual or model!r} is defined in {where}, so worker processes, --resume, "
+                "fedcli evaluate and the MLflow model cannot rebuild it; put it in a .py file and pass "
+                "'path/to/file.py:Name' (or import it from there and pass the object)."
+            )
         model = f"{module}:{qual}"
     if not is_reference(model):
         return model  # a name: the task's own model, else a model plugin's (fedcli/config/checks.py record_model_source)
     target, _, attr = model.rpartition(":")
     if not target or not attr:
-        raise ConfigError(f"data.model {model!r} must read 'module:factory' or 'file.py:factory'; e.g. "
-                          "mynet:Net or ./mynet.py:make_net.")
+        raise ConfigError(
+            f"data.model {model!r} must read 'module:factory' or 'file.py:factory'; e.g. "
+            "mynet:Net or ./mynet.py:make_net."
+        )
     base = Path.cwd() if base is None else base
     if target.endswith(".py") or "/" in target or "\\" in target:
         path = (base / target).resolve()
         if not path.is_file():
-            raise ConfigError(f"data.model {model!r}: file {path} does not exist; give the path of the .py file "
-                              "that defines the model (a stored run's: restore the file where it was).")
+            raise ConfigError(
+                f"data.model {model!r}: file {path} does not exist; give the path of the .py file "
+                "that defines the model (a stored run's: restore the file where it was)."
+            )
         return f"{path}:{attr}"
-    local = base / f"{target}.py"  # a module of the working directory: recorded by its file, found from anywhere
+    local = (
+        base / f"{target}.py"
+    )  # a module of the working directory: recorded by its file, found from anywhere
     if "." not in target and local.is_file():
         spec = _find_spec(model, target)
         if spec is None or (spec.origin and Path(spec.origin).resolve() == local.resolve()):
@@ -132,11 +152,15 @@ def _source_file(ref: str) -> Path:
         return Path(target)
     spec = _find_spec(ref, target)
     if spec is None:
-        raise ConfigError(f"data.model {ref!r}: module {target!r} is not importable here; install it or put its "
-                          "folder on PYTHONPATH, or pass the file: 'path/to/file.py:Name'.")
+        raise ConfigError(
+            f"data.model {ref!r}: module {target!r} is not importable here; install it or put its "
+            "folder on PYTHONPATH, or pass the file: 'path/to/file.py:Name'."
+        )
     if not spec.origin or not Path(spec.origin).is_file():
-        raise ConfigError(f"data.model {ref!r}: module {target!r} has no source file to record; define the model in "
-                          "a .py module.")
+        raise ConfigError(
+            f"data.model {ref!r}: module {target!r} has no source file to record; define the model in "
+            "a .py module."
+        )
     return Path(spec.origin)
 
 
@@ -144,8 +168,10 @@ def _find_spec(ref: str, target: str) -> Any:
     try:
         return importlib.util.find_spec(target)
     except (ImportError, ValueError) as err:
-        raise ConfigError(f"data.model {ref!r}: module {target!r} cannot be found ({err}); install it or put "
-                          "its folder on PYTHONPATH, or pass the file: 'path/to/file.py:Name'.") from None
+        raise ConfigError(
+            f"data.model {ref!r}: module {target!r} cannot be found ({err}); install it or put "
+            "its folder on PYTHONPATH, or pass the file: 'path/to/file.py:Name'."
+        ) from None
 
 
 def source_sha256(ref: str) -> str:
@@ -187,31 +213,41 @@ def load_factory(ref: str) -> Callable[..., nn.Module]:
     try:
         if target.endswith(".py"):
             if not Path(target).is_file():
-                raise ConfigError(f"model file {target} no longer exists (data.model {ref!r}); restore it, or start "
-                                  "a new run with the model's current location.")
+                raise ConfigError(
+                    f"model file {target} no longer exists (data.model {ref!r}); restore it, or start "
+                    "a new run with the model's current location."
+                )
             module = _import_file(Path(target))
         else:
             module = importlib.import_module(target)
             source = getattr(module, "__file__", None)
-            if source and _IMPORTED.setdefault(target, _sha(source)) != _sha(source):  # edited since imported here
+            if source and _IMPORTED.setdefault(target, _sha(source)) != _sha(
+                source
+            ):  # edited since imported here
                 module = importlib.reload(module)
                 _IMPORTED[target] = _sha(source)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - any error of the user's module is reported in one line
-        raise ConfigError(f"data.model {ref!r}: importing {target} failed: {_first_line(err)}. Fix the module, or "
-                          "check that it is importable here (PYTHONPATH, installed package).") from None
+        raise ConfigError(
+            f"data.model {ref!r}: importing {target} failed: {_first_line(err)}. Fix the module, or "
+            "check that it is importable here (PYTHONPATH, installed package)."
+        ) from None
     source = getattr(module, "__file__", None)
     remember_import(ref, _sha(source) if source else "")  # imported here: later gates of the same code pass
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"data.model {ref!r}: {target} has no attribute {attr!r}; name the class or function "
-                              "that builds the model.")
+            raise ConfigError(
+                f"data.model {ref!r}: {target} has no attribute {attr!r}; name the class or function "
+                "that builds the model."
+            )
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ConfigError(f"data.model {ref!r}: {attr} is a {type(obj).__name__}, not a class or function; name "
-                          "what builds the model.")
+        raise ConfigError(
+            f"data.model {ref!r}: {attr} is a {type(obj).__name__}, not a class or function; name "
+            "what builds the model."
+        )
     return obj  # type: ignore[no-any-return]
 
 
@@ -257,11 +293,14 @@ def make_model(ref: str, kwargs: Mapping[str, Any]) -> nn.Module:
     try:
         model = factory(**args)
     except Exception as err:  # noqa: BLE001 - the user's constructor: one line, no traceback
-        raise ConfigError(f"data.model {ref!r}: building the model failed ({_first_line(err)}); called with "
-                          f"{_describe(args)}. Fix the factory.") from None
+        raise ConfigError(
+            f"data.model {ref!r}: building the model failed ({_first_line(err)}); called with "
+            f"{_describe(args)}. Fix the factory."
+        ) from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"data.model {ref!r} returned a {type(model).__name__}, not a torch.nn.Module; return "
-                          "the module.")
+        raise ConfigError(
+            f"data.model {ref!r} returned a {type(model).__name__}, not a torch.nn.Module; return the module."
+        )
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"data.model {ref!r} has no parameters to train; return a module with parameters.")
     return model
@@ -313,10 +352,12 @@ def check_source(ref: str, recorded: str | None, *, on_change: str) -> str:
 
     now = source_sha256(ref)
     if recorded and recorded != now:
-        what = (f"the source of model {ref} changed since the run (sha256 {recorded[:12]} recorded, {now[:12]} now)")
+        what = f"the source of model {ref} changed since the run (sha256 {recorded[:12]} recorded, {now[:12]} now)"
         if on_change == "refuse" and os.environ.get("FEDCLI_ALLOW_MODEL_CHANGE") != "1":
-            raise ConfigError(f"{what}; restore the file to resume bit-exact, or set FEDCLI_ALLOW_MODEL_CHANGE=1 to "
-                              "continue with the changed code.")
+            raise ConfigError(
+                f"{what}; restore the file to resume bit-exact, or set FEDCLI_ALLOW_MODEL_CHANGE=1 to "
+                "continue with the changed code."
+            )
         log.warning("%s; the results may differ from the run's", what)
     return now
 
@@ -326,9 +367,18 @@ def vmap_obstacle(model: nn.Module) -> str | None:
     return _VMAP_OBSTACLES.get(model)
 
 
-def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | None, x: Tensor, y: Tensor,
-                loss: Callable[[Tensor, Tensor, Tensor], Tensor], carry_stats: bool = True,
-                precision: str = "fp32") -> None:
+def check_model(
+    ref: str,
+    model: nn.Module,
+    *,
+    kind: str,
+    num_classes: int | None,
+    x: Tensor,
+    y: Tensor,
+    loss: Callable[[Tensor, Tensor, Tensor], Tensor],
+    carry_stats: bool = True,
+    precision: str = "fp32",
+) -> None:
     """One forward pass on a real batch (`x` prepared, `y` its targets): output shape and a finite loss.
 
     Then runs what training runs (engine/model.py `model_functions`): BatchNorm on batch
@@ -358,26 +408,39 @@ def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | Non
         with torch.no_grad(), StockLayers(torch.zeros((), dtype=torch.int64, device=x.device)):
             out = torch.func.functional_call(model, {**params, **buffers}, (x,), key)
     except Exception as err:  # noqa: BLE001 - the user's forward
-        raise ConfigError(f"data.model {ref!r}: the forward pass on a batch of shape {list(x.shape)} failed "
-                          f"({_first_line(err)}); make forward accept [B, *input_shape] = {list(x.shape)}.") from None
+        raise ConfigError(
+            f"data.model {ref!r}: the forward pass on a batch of shape {list(x.shape)} failed "
+            f"({_first_line(err)}); make forward accept [B, *input_shape] = {list(x.shape)}."
+        ) from None
     if not isinstance(out, Tensor):
-        raise ConfigError(f"data.model {ref!r}: forward returned a {type(out).__name__}; return one tensor of outputs.")
+        raise ConfigError(
+            f"data.model {ref!r}: forward returned a {type(out).__name__}; return one tensor of outputs."
+        )
     batch = len(x)
     shapes: dict[str, list[int | None]] = {"classification": [batch, num_classes], "regression": [batch]}
     want = shapes.get(kind)
     if want is not None and None not in want and list(out.shape) != want:
-        fix = ("end with nn.Linear(..., num_classes)" if kind == "classification" else "return shape [B]: add "
-               ".squeeze(-1) to a one-output head")
-        raise ConfigError(f"data.model {ref!r}: output shape {list(out.shape)} on a batch of {batch}, expected {want} "
-                          f"for this {kind} task; {fix}.")
+        fix = (
+            "end with nn.Linear(..., num_classes)"
+            if kind == "classification"
+            else "return shape [B]: add .squeeze(-1) to a one-output head"
+        )
+        raise ConfigError(
+            f"data.model {ref!r}: output shape {list(out.shape)} on a batch of {batch}, expected {want} "
+            f"for this {kind} task; {fix}."
+        )
     try:
         losses = loss(out.float(), x, y)
     except Exception as err:  # noqa: BLE001 - a shape the loss cannot take
-        raise ConfigError(f"data.model {ref!r}: output shape {list(out.shape)} does not fit the {kind} task's loss "
-                          f"({_first_line(err)}); return what the built-in models of the task return.") from None
+        raise ConfigError(
+            f"data.model {ref!r}: output shape {list(out.shape)} does not fit the {kind} task's loss "
+            f"({_first_line(err)}); return what the built-in models of the task return."
+        ) from None
     if list(losses.shape) != [batch]:
-        raise ConfigError(f"data.model {ref!r}: output shape {list(out.shape)} gives a loss of shape "
-                          f"{list(losses.shape)}, expected [{batch}]; return one output row per example.")
+        raise ConfigError(
+            f"data.model {ref!r}: output shape {list(out.shape)} gives a loss of shape "
+            f"{list(losses.shape)}, expected [{batch}]; return one output row per example."
+        )
     obstacle = _probe_training(ref, model, params, buffers, x, y, bool(key), loss, carry_stats, precision)
     if obstacle is not None:
         _VMAP_OBSTACLES[model] = obstacle
@@ -388,9 +451,18 @@ def check_model(ref: str, model: nn.Module, *, kind: str, num_classes: int | Non
 PROBE_CLIENTS = 3  # the cohort the model check vmaps one training step over
 
 
-def _probe_training(ref: str, model: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor,
-                    y: Tensor, keyed: bool, loss: Callable[[Tensor, Tensor, Tensor], Tensor], carry_stats: bool,
-                    precision: str) -> str | None:
+def _probe_training(
+    ref: str,
+    model: nn.Module,
+    params: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    x: Tensor,
+    y: Tensor,
+    keyed: bool,
+    loss: Callable[[Tensor, Tensor, Tensor], Tensor],
+    carry_stats: bool,
+    precision: str,
+) -> str | None:
     """One client's training step (ConfigError if it fails), then why a vmapped cohort step fails, or None."""
     from contextlib import nullcontext
 
@@ -398,24 +470,35 @@ def _probe_training(ref: str, model: nn.Module, params: dict[str, Tensor], buffe
 
     norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
     ids = {id(m) for m in norms}
-    carried = {name: buffers[name] for prefix, m in model.named_modules() if carry_stats and id(m) in ids
-               for name in (f"{prefix}.{n}" if prefix else n for n, _ in m.named_buffers(recurse=False))}
+    carried = {
+        name: buffers[name]
+        for prefix, m in model.named_modules()
+        if carry_stats and id(m) in ids
+        for name in (f"{prefix}.{n}" if prefix else n for n, _ in m.named_buffers(recurse=False))
+    }
     cumulative = [m for m in norms if m.momentum is None] if carried else []
     training = model.training
 
     def autocast() -> Any:
         return torch.autocast(x.device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
 
-    def client_loss(p: dict[str, Tensor], xb: Tensor, yb: Tensor, k: Tensor, stats: dict[str, Tensor]
-                    ) -> tuple[Tensor, dict[str, Tensor]]:
-        own = {n: v.clone() for n, v in stats.items()}  # the step's copy, written by BatchNorm (CarryingStats)
+    def client_loss(
+        p: dict[str, Tensor], xb: Tensor, yb: Tensor, k: Tensor, stats: dict[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        own = {
+            n: v.clone() for n, v in stats.items()
+        }  # the step's copy, written by BatchNorm (CarryingStats)
         with StockLayers(k), autocast(), tracking(norms, bool(own)):
-            out = torch.func.functional_call(model, {**p, **buffers, **own}, (xb,), {"key": k} if keyed else {})
+            out = torch.func.functional_call(
+                model, {**p, **buffers, **own}, (xb,), {"key": k} if keyed else {}
+            )
         return loss(out.float(), xb, yb).mean(), own
 
     keys = torch.arange(1, PROBE_CLIENTS + 1, dtype=torch.int64, device=x.device)
     for m in norms:
-        m.track_running_stats = False  # as training runs it (engine/model.py): batch statistics, no buffer written
+        m.track_running_stats = (
+            False  # as training runs it (engine/model.py): batch statistics, no buffer written
+        )
     for m in cumulative:  # CarryingStats' first step's factor (engine/model.py ClientStats.cumulative)
         count = m.num_batches_tracked
         m.momentum = 1.0 / (int(count) + 1) if count is not None else 1.0
@@ -423,13 +506,19 @@ def _probe_training(ref: str, model: nn.Module, params: dict[str, Tensor], buffe
     try:
         try:
             own = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in params.items()}
-            wanted = [v for v in own.values() if v.requires_grad]  # the loop's gradients: torch.autograd (local.py)
+            wanted = [
+                v for v in own.values() if v.requires_grad
+            ]  # the loop's gradients: torch.autograd (local.py)
             torch.autograd.grad(client_loss(own, x, y, keys[0], carried)[0], wanted, allow_unused=True)
         except Exception as err:  # noqa: BLE001 - the user's forward or backward
-            raise ConfigError(f"data.model {ref!r}: a training step (forward and gradient, train mode) on a batch of "
-                              f"shape {list(x.shape)} failed ({_first_line(err)}); fix the model's forward.") from None
+            raise ConfigError(
+                f"data.model {ref!r}: a training step (forward and gradient, train mode) on a batch of "
+                f"shape {list(x.shape)} failed ({_first_line(err)}); fix the model's forward."
+            ) from None
         stacked = {k: torch.stack([v] * PROBE_CLIENTS) for k, v in params.items()}
-        xs = torch.stack([x.roll(c, 0) for c in range(PROBE_CLIENTS)])  # each client its own order of the examples
+        xs = torch.stack(
+            [x.roll(c, 0) for c in range(PROBE_CLIENTS)]
+        )  # each client its own order of the examples
         ys = torch.stack([y.roll(c, 0) for c in range(PROBE_CLIENTS)])
         per_client = {k: torch.stack([v] * PROBE_CLIENTS) for k, v in carried.items()}
         try:

@@ -85,14 +85,18 @@ def resume_hint(cfg: Any, run_id: str) -> str:
 
     from fedcli.datasets.yours.trust import recorded_code
 
-    for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file}):  # named again: allowed to run
+    for code in recorded_code(
+        {"model": cfg.data.model, "file": cfg.data.file}
+    ):  # named again: allowed to run
         resume += f" --{'model' if code.what == 'model' else 'data'} {shlex.quote(code.ref)}"
     if cfg.train.executor == "distributed":
         from fedcli.engine.distributed import launch_env
 
         world = (launch_env() or (0, 2))[1]
-        return (f"torchrun --nproc-per-node {world} -m fedcli {resume} --executor distributed "
-                f"(or in one process: {command_name()} {resume} --executor auto)")
+        return (
+            f"torchrun --nproc-per-node {world} -m fedcli {resume} --executor distributed "
+            f"(or in one process: {command_name()} {resume} --executor auto)"
+        )
     return f"{command_name()} {resume}"
 
 
@@ -102,15 +106,22 @@ def summarise_run(cfg: RunConfig, result: RunResult) -> None:
 
     out = console()
     metrics = result.final_metrics
-    shown = [f"{k}={metrics[k]:.4f}" for k in ("eval/accuracy", "eval/loss", "eval/dist_to_opt") if k in metrics]
+    shown = [
+        f"{k}={metrics[k]:.4f}" for k in ("eval/accuracy", "eval/loss", "eval/dist_to_opt") if k in metrics
+    ]
     split = result.timing.per_round()
     # the training time (issue 27): the rounds' own seconds (time/cum_train_s, resumed runs included), not
     # the process's set-up or its MLflow mirror's waits, which the second figure adds
     trained = metrics.get("time/cum_train_s")
-    took = f"in {result.wall_s:.1f}s" if trained is None else \
-        f"in {trained:.1f}s of training ({result.wall_s:.1f}s with set-up and tracking)"
-    out.print(f"[bold green]run {result.run_id[:8]} finished[/] after {result.rounds_completed} rounds "
-              f"{took} ({result.executor} executor): " + "  ".join(shown))
+    took = (
+        f"in {result.wall_s:.1f}s"
+        if trained is None
+        else f"in {trained:.1f}s of training ({result.wall_s:.1f}s with set-up and tracking)"
+    )
+    out.print(
+        f"[bold green]run {result.run_id[:8]} finished[/] after {result.rounds_completed} rounds "
+        f"{took} ({result.executor} executor): " + "  ".join(shown)
+    )
     out.print("per round: " + "  ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
     out.print(f"store:   {mask_url(cfg.tracking.store_url)}", soft_wrap=True)
     if result.model_path:
@@ -118,10 +129,14 @@ def summarise_run(cfg: RunConfig, result: RunResult) -> None:
     fedcli, where = command_name(), store_options(cfg)
     if cfg.tracking.use_mlflow:
         out.print(f"browse:  {fedcli} ui{where}", soft_wrap=True)
-    out.print(f"report:  {fedcli} report --runs {result.run_id[:8]}{where} --output report.md", soft_wrap=True)
+    out.print(
+        f"report:  {fedcli} report --runs {result.run_id[:8]}{where} --output report.md", soft_wrap=True
+    )
     if fedcli != "fedcli":
-        out.print(f"(or put {Path(fedcli).parent} on PATH: export PATH=\"{Path(fedcli).parent}:$PATH\")",
-                  soft_wrap=True)
+        out.print(
+            f'(or put {Path(fedcli).parent} on PATH: export PATH="{Path(fedcli).parent}:$PATH")',
+            soft_wrap=True,
+        )
 
 
 def stdout_is_terminal() -> bool:

@@ -39,7 +39,9 @@ def user_errors(debug: bool = False) -> Iterator[None]:
         if debug:
             raise
         print_error(str(exc))
-        raise typer.Exit(getattr(exc, "exit_code", 2)) from None  # 75: the run was taken over (tracking.store)
+        raise typer.Exit(
+            getattr(exc, "exit_code", 2)
+        ) from None  # 75: the run was taken over (tracking.store)
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted; the run is marked 'interrupted' in the store.")
         raise typer.Exit(130) from None
@@ -72,8 +74,14 @@ class OneLineUsageErrors(TyperGroup):
                 check_path_value(key, raw[key])
         return name, cmd, rest
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
-             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,  # type: ignore[override]
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:

@@ -66,7 +66,11 @@ def _class_comments(cls: type) -> dict[str, str]:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             continue
         end = stmt.end_lineno or stmt.lineno
-        own = [comments[n][1].strip() for n in range(stmt.lineno, end + 1) if n in comments and not comments[n][0]]
+        own = [
+            comments[n][1].strip()
+            for n in range(stmt.lineno, end + 1)
+            if n in comments and not comments[n][0]
+        ]
         if own:  # its trailing comment, and the indented comment-only lines right under it
             text = own + [whole[n].strip() for n in _run(whole, end + 1, 1, indented=True)]
         else:  # the block of comment-only lines right above it
@@ -108,9 +112,17 @@ def algo_rows(**_: Any) -> list[dict[str, Any]]:
             names.insert(2, "fused (dense classifiers)")
         return ", ".join(names)
 
-    return [{"id": a.name, "name": a.name, "paper": a.paper, "hyperparameters": hyperparameter_defaults(a.config_cls),
-             "executors": executors(a), "description": a.description}
-            for a in ALGORITHMS.values()]
+    return [
+        {
+            "id": a.name,
+            "name": a.name,
+            "paper": a.paper,
+            "hyperparameters": hyperparameter_defaults(a.config_cls),
+            "executors": executors(a),
+            "description": a.description,
+        }
+        for a in ALGORITHMS.values()
+    ]
 
 
 def algo_detail_rows(name: str) -> list[dict[str, Any]]:
@@ -125,14 +137,28 @@ def algo_detail_rows(name: str) -> list[dict[str, Any]]:
     from fedcli.errors import ConfigError
 
     if name not in ALGORITHMS:
-        raise ConfigError(f"algorithm must be one of `fedcli list algos`; got {name!r}{suggest(name, list(ALGORITHMS))}.")
+        raise ConfigError(
+            f"algorithm must be one of `fedcli list algos`; got {name!r}{suggest(name, list(ALGORITHMS))}."
+        )
     row = next(r for r in algo_rows() if r["name"] == name)
     record = ALGORITHMS[name]
-    return [{**row, "hyperparameter_details": hyperparameter_rows(record.config_cls),
-             "recommended": recommended_rows(record), "caveats": record.caveats}]
+    return [
+        {
+            **row,
+            "hyperparameter_details": hyperparameter_rows(record.config_cls),
+            "recommended": recommended_rows(record),
+            "caveats": record.caveats,
+        }
+    ]
 
 
-EXAMPLE_RUN = {"task": "femnist", "kind": "classification", "model": "mlp", "rounds": 50, "clients_per_round": 10}
+EXAMPLE_RUN = {
+    "task": "femnist",
+    "kind": "classification",
+    "model": "mlp",
+    "rounds": 50,
+    "clients_per_round": 10,
+}
 
 
 def recommended_rows(record: Any) -> list[dict[str, Any]]:
@@ -152,8 +178,12 @@ def algo_detail(row: dict[str, Any]) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    head = Text.assemble((row["name"], "bold"), f"  {row['paper']}\n", row["description"] or "",
-                         f"\nexecutors: {row['executors']}")
+    head = Text.assemble(
+        (row["name"], "bold"),
+        f"  {row['paper']}\n",
+        row["description"] or "",
+        f"\nexecutors: {row['executors']}",
+    )
     details = row["hyperparameter_details"]
     if not details:
         return Group(head, Text("\nno hyperparameters of its own (the shared train.* options apply)"))
@@ -166,8 +196,10 @@ def algo_detail(row: dict[str, Any]) -> Any:
         table.add_row(hp["name"], str(hp["default"]), hp["type"], hp["description"] or "—")
     parts: list[Any] = [head, Text(""), table]
     if row.get("recommended"):
-        advice = Table(title="recommended for a run that does not set them (applied, recorded as fedcli.recommended)",
-                       title_justify="left")
+        advice = Table(
+            title="recommended for a run that does not set them (applied, recorded as fedcli.recommended)",
+            title_justify="left",
+        )
         advice.add_column("key", no_wrap=True)
         advice.add_column("default run", no_wrap=True)
         advice.add_column("rule; source", overflow="fold")

@@ -38,33 +38,59 @@ class What(str, Enum):
 def list_command(
     ctx: typer.Context,
     what: Annotated[What, typer.Argument(help="runs | algos | tasks | models | recipes")],
-    name: Annotated[str | None, typer.Argument(help="With algos: one algorithm, each hyperparameter with its "
-                                               "default and meaning.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects (for scripts).")] = False,
+    name: Annotated[
+        str | None,
+        typer.Argument(help="With algos: one algorithm, each hyperparameter with its default and meaning."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print a JSON list of objects (for scripts).")
+    ] = False,
     experiment: Annotated[str | None, typer.Option(help="Only runs of this experiment.")] = None,
-    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]",
-                                              rich_help_panel=Panel.TRACK)] = None,
-    root: Annotated[Path | None, typer.Option(help="Folder of the default store (<root>/fedcli.db). "
-                                              "\\[default: ./fedcli-runs]", rich_help_panel=Panel.TRACK)] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]", rich_help_panel=Panel.TRACK),
+    ] = None,
+    root: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder of the default store (<root>/fedcli.db). \\[default: ./fedcli-runs]",
+            rich_help_panel=Panel.TRACK,
+        ),
+    ] = None,
 ) -> None:
     """List runs, algorithms, tasks, models or sweep recipes.
 
     Example: fedcli list runs --experiment demo --json; fedcli list algos fedpa
     """
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
-        given = [flag for flag, value in (("--experiment", experiment), ("--store", store), ("--root", root))
-                 if value is not None]
+        given = [
+            flag
+            for flag, value in (("--experiment", experiment), ("--store", store), ("--root", root))
+            if value is not None
+        ]
         if what is not What.runs and given:
-            raise ConfigError(f"{given[0]} applies to `fedcli list runs` only; got `fedcli list {what.value} "
-                              f"{given[0]}`. Drop {given[0]}, or list runs.")
+            raise ConfigError(
+                f"{given[0]} applies to `fedcli list runs` only; got `fedcli list {what.value} "
+                f"{given[0]}`. Drop {given[0]}, or list runs."
+            )
         if name is not None and what is not What.algos:
-            raise ConfigError(f"a NAME applies to `fedcli list algos NAME` only; got `fedcli list {what.value} "
-                              f"{name}`. Drop {name!r}, or list algos.")
-        rows = (algo_detail_rows(name) if name is not None
-                else ROWS[what](experiment=experiment, store=store, root=root))
+            raise ConfigError(
+                f"a NAME applies to `fedcli list algos NAME` only; got `fedcli list {what.value} "
+                f"{name}`. Drop {name!r}, or list algos."
+            )
+        rows = (
+            algo_detail_rows(name)
+            if name is not None
+            else ROWS[what](experiment=experiment, store=store, root=root)
+        )
     if as_json:
-        typer.echo(json.dumps([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
-                              indent=2, default=str))
+        typer.echo(
+            json.dumps(
+                [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
+                indent=2,
+                default=str,
+            )
+        )
         return
     out = Console()
     if name is not None:
@@ -78,7 +104,11 @@ def list_command(
         out.print(records(what, rows))
 
 
-WIDE = {What.algos: 140, What.tasks: 160, What.models: 120}  # narrower terminals get records(): a table would wrap cells to a word
+WIDE = {
+    What.algos: 140,
+    What.tasks: 160,
+    What.models: 120,
+}  # narrower terminals get records(): a table would wrap cells to a word
 
 
 def plain_table(what: What, rows: list[dict[str, Any]]) -> Table:
@@ -111,10 +141,15 @@ def records(what: What, rows: list[dict[str, Any]]) -> Table:
 
 RECORD_FIELDS: dict[What, tuple[str, list[tuple[str, Any]]]] = {
     What.algos: ("paper", [("hyperparameters", "hyperparameters"), ("executors", "executors")]),
-    What.tasks: ("description", [("model", lambda r: f"{r['model']} ({r['params']:,} parameters); models: {r['models']}"),
-                                 ("client lr", "client_lr"),
-                                 ("data", lambda r: f"{r['source']}; {'offline' if r['offline'] else 'not bundled'}"),
-                                 ("package", "package")]),
+    What.tasks: (
+        "description",
+        [
+            ("model", lambda r: f"{r['model']} ({r['params']:,} parameters); models: {r['models']}"),
+            ("client lr", "client_lr"),
+            ("data", lambda r: f"{r['source']}; {'offline' if r['offline'] else 'not bundled'}"),
+            ("package", "package"),
+        ],
+    ),
     What.models: ("tasks", [("package", "package"), ("reference", "reference")]),
     What.recipes: ("description", []),
 }
@@ -130,9 +165,12 @@ def runs_table(rows: list[dict[str, Any]], width: int) -> Table:
     """
     shorts = short_ids([row["id"] for row in rows])
     cells = {c: [_cell(row.get(c)) for row in rows] for c in COLUMNS[What.runs]}
-    cells.update(id=[shorts[row["id"]] for row in rows],
-                 hp=[" ".join(f"{k}={v}" for k, v in row["non_default_hyperparameters"].items()) or "—"
-                     for row in rows])
+    cells.update(
+        id=[shorts[row["id"]] for row in rows],
+        hp=[
+            " ".join(f"{k}={v}" for k, v in row["non_default_hyperparameters"].items()) or "—" for row in rows
+        ],
+    )
     sizes = {c: max([len(c), *map(len, v)]) for c, v in cells.items()}
     claim = {**sizes, "hp": min(sizes["hp"], 16)}
     shown, used = ["name"], 1 + min(sizes["name"], 12) + 3  # left border; the name keeps >= 12 characters
@@ -144,19 +182,36 @@ def runs_table(rows: list[dict[str, Any]], width: int) -> Table:
         grown = min(sizes["hp"], claim["hp"] + width - used)
         used, claim["hp"] = used + grown - claim["hp"], grown
     sizes["name"] = min(sizes["name"], 32, 12 + width - used)  # and takes what is left, cut with …
-    order = [c for c in ("id", "name", "status", "algo", "hp", "task", "experiment", "seed", "rounds", "accuracy")
-             if c in shown]
+    order = [
+        c
+        for c in ("id", "name", "status", "algo", "hp", "task", "experiment", "seed", "rounds", "accuracy")
+        if c in shown
+    ]
     table = Table(title="fedcli runs")
     for column in order:
-        table.add_column(column, no_wrap=column != "hp", overflow="ellipsis" if column == "name" else "fold",
-                         max_width={"name": sizes["name"], "hp": claim["hp"]}.get(column),
-                         justify="right" if column in ("seed", "rounds", "accuracy") else "left")
+        table.add_column(
+            column,
+            no_wrap=column != "hp",
+            overflow="ellipsis" if column == "name" else "fold",
+            max_width={"name": sizes["name"], "hp": claim["hp"]}.get(column),
+            justify="right" if column in ("seed", "rounds", "accuracy") else "left",
+        )
     for i in range(len(rows)):
         table.add_row(*(cells[c][i] for c in order))
     return table
 
 
-RUN_PRIORITY = ("id", "status", "algo", "hp", "accuracy", "rounds", "task", "seed", "experiment")  # besides name
+RUN_PRIORITY = (
+    "id",
+    "status",
+    "algo",
+    "hp",
+    "accuracy",
+    "rounds",
+    "task",
+    "seed",
+    "experiment",
+)  # besides name
 
 
 def short_ids(ids: list[str], minimum: int = 8) -> dict[str, str]:
@@ -217,11 +272,23 @@ def run_rows(*, experiment: str | None, store: str | None, root: Path | None) ->
         hp = flatten_config(run.config.get("algorithm", {}).get("hp") or {})
         last = db.metrics_frame([run.id], keys=["eval/accuracy", "eval/loss"])
         final = {k: float(g.sort_values("round_idx")["value"].iloc[-1]) for k, g in last.groupby("key")}
-        rows.append({"id": run.id, "name": run.run_name, "run_name": run.run_name, "status": run.status,
-                     "algo": run.algo, "task": run.task, "experiment": run.experiment, "seed": run.seed,
-                     "rounds": db.last_round(run.id), "accuracy": final.get("eval/accuracy"),
-                     "created": run.created_at.isoformat(timespec="seconds"), "hyperparameters": hp,
-                     "non_default_hyperparameters": non_default(run.algo, hp)})
+        rows.append(
+            {
+                "id": run.id,
+                "name": run.run_name,
+                "run_name": run.run_name,
+                "status": run.status,
+                "algo": run.algo,
+                "task": run.task,
+                "experiment": run.experiment,
+                "seed": run.seed,
+                "rounds": db.last_round(run.id),
+                "accuracy": final.get("eval/accuracy"),
+                "created": run.created_at.isoformat(timespec="seconds"),
+                "hyperparameters": hp,
+                "non_default_hyperparameters": non_default(run.algo, hp),
+            }
+        )
     return rows
 
 
@@ -233,10 +300,21 @@ def task_rows(**_: Any) -> list[dict[str, Any]]:
     rows = []
     for task in TASKS.values():
         params = num_parameters(task.models[task.default_model]())
-        rows.append({"id": task.name, "name": task.name, "model": task.default_model,
-                     "models": ", ".join(task.models), "params": params, "client_lr": task.client_lr,
-                     "source": task.source, "package": TASK_SOURCES[task.name],
-                     "offline": task.offline, "kind": task.kind, "description": task.description})
+        rows.append(
+            {
+                "id": task.name,
+                "name": task.name,
+                "model": task.default_model,
+                "models": ", ".join(task.models),
+                "params": params,
+                "client_lr": task.client_lr,
+                "source": task.source,
+                "package": TASK_SOURCES[task.name],
+                "offline": task.offline,
+                "kind": task.kind,
+                "description": task.description,
+            }
+        )
     return rows
 
 
@@ -250,10 +328,20 @@ def model_rows(**_: Any) -> list[dict[str, Any]]:
     for task in TASKS.values():
         for name in task.models:
             own.setdefault((name, TASK_SOURCES[task.name]), []).append(task.name)
-    rows = [{"id": name, "name": name, "package": package, "tasks": ", ".join(tasks), "reference": None}
-            for (name, package), tasks in sorted(own.items())]
-    rows += [{"id": name, "name": name, "package": package, "tasks": "any (your own model: --model NAME)",
-              "reference": ref} for name, (ref, package) in model_plugins().items()]
+    rows = [
+        {"id": name, "name": name, "package": package, "tasks": ", ".join(tasks), "reference": None}
+        for (name, package), tasks in sorted(own.items())
+    ]
+    rows += [
+        {
+            "id": name,
+            "name": name,
+            "package": package,
+            "tasks": "any (your own model: --model NAME)",
+            "reference": ref,
+        }
+        for name, (ref, package) in model_plugins().items()
+    ]
     return rows
 
 
@@ -261,11 +349,18 @@ def recipe_rows(**_: Any) -> list[dict[str, Any]]:
     """Built-in sweep recipes (fedcli sweep --recipe NAME)."""
     from fedcli.recipes import read_recipe, recipe_names
 
-    return [{"id": name, "name": name, "description": read_recipe(name)["description"]} for name in recipe_names()]
+    return [
+        {"id": name, "name": name, "description": read_recipe(name)["description"]} for name in recipe_names()
+    ]
 
 
-ROWS = {What.runs: run_rows, What.algos: algo_rows, What.tasks: task_rows, What.models: model_rows,
-        What.recipes: recipe_rows}
+ROWS = {
+    What.runs: run_rows,
+    What.algos: algo_rows,
+    What.tasks: task_rows,
+    What.models: model_rows,
+    What.recipes: recipe_rows,
+}
 COLUMNS = {
     What.runs: ("id", "name", "status", "algo", "task", "experiment", "seed", "rounds", "accuracy"),
     What.algos: ("name", "paper", "hyperparameters", "executors"),

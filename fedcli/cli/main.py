@@ -26,7 +26,7 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode="rich",
     help="Federated-learning research toolkit: Bayesian FL algorithms (FedPA, FedSparse, FOLA, "
-         "BayesADMM, SCAFFLSA) and the FedOpt baselines, tracked in MLflow and SQL, reported as paper tables.",
+    "BayesADMM, SCAFFLSA) and the FedOpt baselines, tracked in MLflow and SQL, reported as paper tables.",
 )
 
 
@@ -46,8 +46,10 @@ def root(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log DEBUG detail to stderr.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Log warnings only.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for user errors too.")] = False,
-    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
-                                          help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
+    ] = False,
 ) -> None:
     """Configure logging once for every command."""
     from rich.logging import RichHandler
@@ -56,7 +58,9 @@ def root(
     from rich.console import Console
 
     # logs go to stderr (stdout carries only results, e.g. the run id); no wrapping without a terminal
-    handler = RichHandler(console=Console(stderr=True, soft_wrap=True), show_path=False, rich_tracebacks=False)
+    handler = RichHandler(
+        console=Console(stderr=True, soft_wrap=True), show_path=False, rich_tracebacks=False
+    )
     logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]", handlers=[handler], force=True)
     for noisy in ("alembic", "mlflow", "urllib3", "matplotlib", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -66,10 +70,15 @@ def root(
 def demo(
     ctx: typer.Context,
     rounds: Annotated[int | None, typer.Option(min=1, help="Communication rounds. \\[default: 40]")] = None,
-    root: Annotated[Path | None, typer.Option(help="Folder for stores, models, checkpoints. "
-                                              "\\[default: ./fedcli-runs]")] = None,
-    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the results store. \\[env: FEDCLI_STORE]")] = None,
-    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI. \\[env: MLFLOW_TRACKING_URI]")] = None,
+    root: Annotated[
+        Path | None, typer.Option(help="Folder for stores, models, checkpoints. \\[default: ./fedcli-runs]")
+    ] = None,
+    store: Annotated[
+        str | None, typer.Option(help="SQLAlchemy URL of the results store. \\[env: FEDCLI_STORE]")
+    ] = None,
+    tracking_uri: Annotated[
+        str | None, typer.Option(help="MLflow tracking URI. \\[env: MLFLOW_TRACKING_URI]")
+    ] = None,
     no_mlflow: Annotated[bool, typer.Option("--no-mlflow", help="Log to the SQL store only.")] = False,
 ) -> None:
     """Train the demo: FedPA on the bundled FEMNIST writers, 40 rounds (about 30 s on 2 CPU cores).
@@ -77,7 +86,15 @@ def demo(
     The config ships with fedcli (`fedcli train --config demo` is the same run, with every option of
     train); a copy to edit is examples/fedpa-femnist-demo.yaml in the repository.
     """
-    train(ctx, config="demo", rounds=rounds, root=root, store=store, tracking_uri=tracking_uri, no_mlflow=no_mlflow)
+    train(
+        ctx,
+        config="demo",
+        rounds=rounds,
+        root=root,
+        store=store,
+        tracking_uri=tracking_uri,
+        no_mlflow=no_mlflow,
+    )
 
 
 app.command("train")(train)

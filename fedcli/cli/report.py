@@ -21,7 +21,6 @@ from fedcli.runs.reports import Format, parse_list, parse_metric, parse_numbers,
 from fedcli.runs.stores import open_store, tracking_config
 
 if TYPE_CHECKING:
-
     pass
 
 SELECT, TABLES = "Selection", "Tables"
@@ -29,37 +28,107 @@ SELECT, TABLES = "Selection", "Tables"
 
 def report(
     ctx: typer.Context,
-    experiment: Annotated[list[str] | None, typer.Option(help="Experiment to cover (repeatable).", rich_help_panel=SELECT)] = None,
-    runs: Annotated[list[str] | None, typer.Option(help="Run ids/names to cover (repeatable or comma-separated).",
-                                                   rich_help_panel=SELECT)] = None,
-    where: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE", help="Keep runs whose config/field matches "
-                                                    "(repeatable), e.g. algo=fedpa, hp.rho=0.1.", rich_help_panel=SELECT)] = None,
-    group_by: Annotated[str | None, typer.Option(help="Comma-separated config keys, e.g. algo,hp.rho. \\[default: every "
-                                                 "key that differs between runs, except seed]", rich_help_panel=SELECT)] = None,
-    metric: Annotated[str | None, typer.Option(help="accuracy or eval/accuracy, … \\[default: accuracy, else dist_to_opt]",
-                                               rich_help_panel=TABLES)] = None,
-    thresholds: Annotated[str | None, typer.Option(help="Comma-separated thresholds for rounds-to, e.g. 0.84,0.86.",
-                                                   rich_help_panel=TABLES)] = None,
-    at: Annotated[str | None, typer.Option(help="Comma-separated round limits R of metric@R. \\[default: the last "
-                                           "round every run reached]", rich_help_panel=TABLES)] = None,
-    window: Annotated[int | None, typer.Option(min=1, help="metric@R = mean over rounds (R-W, R]. \\[default: "
-                                               "max(1, min(100, R // 10)), R = rounds every run ran]",
-                                               rich_help_panel=TABLES)] = None,
-    smooth: Annotated[int | None, typer.Option(min=1, help="Running-average window S of rounds-to-threshold. "
-                                               "\\[default: max(1, min(10, R // 10))]", rich_help_panel=TABLES)] = None,
-    columns: Annotated[str | None, typer.Option(help="Comma-separated logged keys for the last table, e.g. "
-                                                "fedsparse/sparsity.", rich_help_panel=TABLES)] = None,
-    include_unfinished: Annotated[bool, typer.Option("--include-unfinished", help="Also report runs that did not "
-                                                     "finish (interrupted, failed, running).", rich_help_panel=SELECT)] = False,
-    output_format: Annotated[Format, typer.Option("--format", help="md (with PNGs), csv or json.")] = Format.md,
-    output: Annotated[Path | None, typer.Option(help="Write here (PNGs beside it). \\[default: stdout]")] = None,
-    partition_heatmap: Annotated[bool, typer.Option("--partition-heatmap", help="Also draw a shared partition that has "
-                                                    "no partition file, by loading the task's data (slow for big data).",
-                                                    rich_help_panel=TABLES)] = False,
-    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]",
-                                              rich_help_panel=Panel.TRACK)] = None,
-    root: Annotated[Path | None, typer.Option(help="Folder of the default store (<root>/fedcli.db). "
-                                              "\\[default: ./fedcli-runs]", rich_help_panel=Panel.TRACK)] = None,
+    experiment: Annotated[
+        list[str] | None, typer.Option(help="Experiment to cover (repeatable).", rich_help_panel=SELECT)
+    ] = None,
+    runs: Annotated[
+        list[str] | None,
+        typer.Option(help="Run ids/names to cover (repeatable or comma-separated).", rich_help_panel=SELECT),
+    ] = None,
+    where: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="KEY=VALUE",
+            help="Keep runs whose config/field matches (repeatable), e.g. algo=fedpa, hp.rho=0.1.",
+            rich_help_panel=SELECT,
+        ),
+    ] = None,
+    group_by: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated config keys, e.g. algo,hp.rho. \\[default: every "
+            "key that differs between runs, except seed]",
+            rich_help_panel=SELECT,
+        ),
+    ] = None,
+    metric: Annotated[
+        str | None,
+        typer.Option(
+            help="accuracy or eval/accuracy, … \\[default: accuracy, else dist_to_opt]",
+            rich_help_panel=TABLES,
+        ),
+    ] = None,
+    thresholds: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated thresholds for rounds-to, e.g. 0.84,0.86.", rich_help_panel=TABLES
+        ),
+    ] = None,
+    at: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated round limits R of metric@R. \\[default: the last round every run reached]",
+            rich_help_panel=TABLES,
+        ),
+    ] = None,
+    window: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="metric@R = mean over rounds (R-W, R]. \\[default: "
+            "max(1, min(100, R // 10)), R = rounds every run ran]",
+            rich_help_panel=TABLES,
+        ),
+    ] = None,
+    smooth: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Running-average window S of rounds-to-threshold. \\[default: max(1, min(10, R // 10))]",
+            rich_help_panel=TABLES,
+        ),
+    ] = None,
+    columns: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated logged keys for the last table, e.g. fedsparse/sparsity.",
+            rich_help_panel=TABLES,
+        ),
+    ] = None,
+    include_unfinished: Annotated[
+        bool,
+        typer.Option(
+            "--include-unfinished",
+            help="Also report runs that did not finish (interrupted, failed, running).",
+            rich_help_panel=SELECT,
+        ),
+    ] = False,
+    output_format: Annotated[
+        Format, typer.Option("--format", help="md (with PNGs), csv or json.")
+    ] = Format.md,
+    output: Annotated[
+        Path | None, typer.Option(help="Write here (PNGs beside it). \\[default: stdout]")
+    ] = None,
+    partition_heatmap: Annotated[
+        bool,
+        typer.Option(
+            "--partition-heatmap",
+            help="Also draw a shared partition that has "
+            "no partition file, by loading the task's data (slow for big data).",
+            rich_help_panel=TABLES,
+        ),
+    ] = False,
+    store: Annotated[
+        str | None,
+        typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]", rich_help_panel=Panel.TRACK),
+    ] = None,
+    root: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder of the default store (<root>/fedcli.db). \\[default: ./fedcli-runs]",
+            rich_help_panel=Panel.TRACK,
+        ),
+    ] = None,
 ) -> None:
     """Write the paper tables of runs in the store: metric@R, rounds to threshold, bytes, time, curves.
 
@@ -71,12 +140,19 @@ def report(
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
         spec = ReportSpec(
-            experiments=tuple(experiment or ()), runs=parse_list("--runs", runs, "run"), where=parse_where(where or []),
+            experiments=tuple(experiment or ()),
+            runs=parse_list("--runs", runs, "run"),
+            where=parse_where(where or []),
             group_by=parse_list("--group-by", [group_by], "config key") if group_by is not None else None,
-            metric=parse_metric(metric), thresholds=tuple(parse_numbers("--thresholds", thresholds, float)),
-            at=tuple(parse_numbers("--at", at, int)), window=window, smooth=smooth,
-            include_unfinished=include_unfinished, command=canonical_command(ctx),
-            columns=parse_list("--columns", [columns], "metric key") if columns else ())
+            metric=parse_metric(metric),
+            thresholds=tuple(parse_numbers("--thresholds", thresholds, float)),
+            at=tuple(parse_numbers("--at", at, int)),
+            window=window,
+            smooth=smooth,
+            include_unfinished=include_unfinished,
+            command=canonical_command(ctx),
+            columns=parse_list("--columns", [columns], "metric key") if columns else (),
+        )
         check_output(output, "--output")  # before any work: a rejected report writes nothing
         url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
         require_store(url)
@@ -102,7 +178,8 @@ def canonical_command(ctx: typer.Context) -> str:
             parts.append(flag)
             continue
         for item in value if isinstance(value, (list, tuple)) else [value]:
-            parts += [flag, mask_url(str(item.value if isinstance(item, Enum) else item))]  # a --store password
+            parts += [
+                flag,
+                mask_url(str(item.value if isinstance(item, Enum) else item)),
+            ]  # a --store password
     return shlex.join(parts)
-
-

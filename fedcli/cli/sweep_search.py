@@ -24,8 +24,10 @@ def prepare_search(body: Mapping[str, Any], tracking: Mapping[str, Any], report_
     try:
         import optuna  # noqa: F401 - the search's sampler, pruner and study
     except ImportError:
-        raise ConfigError("a `search:` sweep needs Optuna; install it with pip install 'fedcli[search]', or sweep "
-                          "a grid instead.") from None
+        raise ConfigError(
+            "a `search:` sweep needs Optuna; install it with pip install 'fedcli[search]', or sweep "
+            "a grid instead."
+        ) from None
     tracking = {k: v for k, v in tracking.items() if v is not None}
     check_space_configs(body, tracking)  # every corner of the space builds a valid config
     sample = trial_of(body, {}, 0, tracking)
@@ -47,20 +49,33 @@ def show_search(body: Mapping[str, Any], track: Any) -> None:
     from fedcli.sweep.search_spec import budget
 
     search, pruner = body["search"], body.get("pruner")
-    done = study_progress(track.store_url, body["experiment"])  # first: a store it cannot read is the one line shown
+    done = study_progress(
+        track.store_url, body["experiment"]
+    )  # first: a store it cannot read is the one line shown
     out = console()
-    out.print(f"search {study_name(body['experiment'])}: sampler {search.get('sampler', 'tpe')} "
-              f"(seed {search.get('seed', 0)}), {budget(search)} trials, "
-              f"{search.get('direction', 'max')}imise {_metric(search, body)} at the last round, "
-              f"seed {body.get('seeds', [0])[0]} per trial", highlight=False, soft_wrap=True)
+    out.print(
+        f"search {study_name(body['experiment'])}: sampler {search.get('sampler', 'tpe')} "
+        f"(seed {search.get('seed', 0)}), {budget(search)} trials, "
+        f"{search.get('direction', 'max')}imise {_metric(search, body)} at the last round, "
+        f"seed {body.get('seeds', [0])[0]} per trial",
+        highlight=False,
+        soft_wrap=True,
+    )
     for key, value in search["space"].items():
-        shown = f"one of {value}" if isinstance(value, list) else \
-            f"{next(iter(value))} in [{next(iter(value.values()))[0]}, {next(iter(value.values()))[1]}]"
+        shown = (
+            f"one of {value}"
+            if isinstance(value, list)
+            else f"{next(iter(value))} in [{next(iter(value.values()))[0]}, {next(iter(value.values()))[1]}]"
+        )
         out.print(f"  {key}: {shown}", highlight=False, soft_wrap=True)
     if pruner:
         options = ", ".join(f"{k} {v}" for k, v in pruner.items() if k != "type")
-        out.print(f"pruner: {pruner['type']}{f' ({options})' if options else ''}, at evaluation rounds "
-                  f"(every {sample_eval_every(body)} rounds)", highlight=False, soft_wrap=True)
+        out.print(
+            f"pruner: {pruner['type']}{f' ({options})' if options else ''}, at evaluation rounds "
+            f"(every {sample_eval_every(body)} rounds)",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
         out.print("pruner: none (every trial runs all its rounds)", highlight=False)
     if done:
@@ -94,7 +109,10 @@ def study_progress(url: str, experiment: str) -> dict[str, int]:
         try:
             storage = optuna.storages.RDBStorage(url, skip_table_creation=True, skip_compatibility_check=True)
             study = optuna.load_study(study_name=study_name(experiment), storage=storage)
-        except (KeyError, SQLAlchemyError):  # none yet, or another sweep is creating Optuna's tables right now
+        except (
+            KeyError,
+            SQLAlchemyError,
+        ):  # none yet, or another sweep is creating Optuna's tables right now
             return {}
         counts: dict[str, int] = {}
         for trial in study.get_trials(deepcopy=False):

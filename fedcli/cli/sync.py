@@ -25,17 +25,32 @@ from fedcli.runs.stores import open_store, tracking_config
 
 def sync(
     ctx: typer.Context,
-    runs: Annotated[list[str] | None, typer.Argument(help="Run ids/names (default: every ended run).")] = None,
+    runs: Annotated[
+        list[str] | None, typer.Argument(help="Run ids/names (default: every ended run).")
+    ] = None,
     experiment: Annotated[str | None, typer.Option(help="Only runs of this experiment.")] = None,
-    root: Annotated[Path | None, typer.Option(help="Folder of the default stores. \\[default: ./fedcli-runs]",
-                                              rich_help_panel=Panel.TRACK)] = None,
-    store: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]",
-                                              rich_help_panel=Panel.TRACK)] = None,
-    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI. \\[env: MLFLOW_TRACKING_URI]",
-                                                     rich_help_panel=Panel.TRACK)] = None,
-    trust_code: Annotated[bool, typer.Option("--trust-code", help="Import the model / data function code a run's "
-                                             "final model names, to log its MLflow model (its sha256 must match).")
-                          ] = False,
+    root: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder of the default stores. \\[default: ./fedcli-runs]", rich_help_panel=Panel.TRACK
+        ),
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(help="SQLAlchemy URL of the store. \\[env: FEDCLI_STORE]", rich_help_panel=Panel.TRACK),
+    ] = None,
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(help="MLflow tracking URI. \\[env: MLFLOW_TRACKING_URI]", rich_help_panel=Panel.TRACK),
+    ] = None,
+    trust_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-code",
+            help="Import the model / data function code a run's "
+            "final model names, to log its MLflow model (its sha256 must match).",
+        ),
+    ] = False,
 ) -> None:
     """Copy runs from the SQL store into MLflow, one point per round, and end them as the store says.
 
@@ -47,8 +62,13 @@ def sync(
     from fedcli.tracking.urls import mask_url
 
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
-        cfg = tracking_config({"tracking.root": root and str(root), "tracking.store": store,
-                               "tracking.tracking_uri": tracking_uri})
+        cfg = tracking_config(
+            {
+                "tracking.root": root and str(root),
+                "tracking.store": store,
+                "tracking.tracking_uri": tracking_uri,
+            }
+        )
         db = open_store(cfg.store_url, must_exist=True)
         records = [db.get_run(ref) for ref in runs] if runs else db.list_runs(experiment=experiment)
         alive = [r.id[:8] for r in records if r.status == "running"]
@@ -60,13 +80,29 @@ def sync(
         import fedcli.tracking.mlflow.sink  # noqa: F401 - MLflow imported, then its INFO lines off (as in the mirror)
 
         quiet_mlflow()
-        copied = [record for record in records if record.status != "running" and Mirror(argparse.Namespace(
-            store=cfg.store_url, run=record.id, tracking_uri=cfg.mlflow_uri, experiment=record.experiment,
-            parent_run=None, once=True, run_dir=str(Path(cfg.root).resolve() / "runs" / record.id),
-            trust_code=trust_code)).run_once()]
+        copied = [
+            record
+            for record in records
+            if record.status != "running"
+            and Mirror(
+                argparse.Namespace(
+                    store=cfg.store_url,
+                    run=record.id,
+                    tracking_uri=cfg.mlflow_uri,
+                    experiment=record.experiment,
+                    parent_run=None,
+                    once=True,
+                    run_dir=str(Path(cfg.root).resolve() / "runs" / record.id),
+                    trust_code=trust_code,
+                )
+            ).run_once()
+        ]
         if copied or alive:
-            console().print(f"{len(copied)} run(s) copied into MLflow at {mask_url(cfg.mlflow_uri)}"
-                            + (f"; {len(alive)} still training" if alive else ""), soft_wrap=True)
+            console().print(
+                f"{len(copied)} run(s) copied into MLflow at {mask_url(cfg.mlflow_uri)}"
+                + (f"; {len(alive)} still training" if alive else ""),
+                soft_wrap=True,
+            )
 
 
 def check_code(records: list[Any], runs_dir: Path) -> None:
@@ -90,6 +126,11 @@ def check_code(records: list[Any], runs_dir: Path) -> None:
         config = saved.get("config")
         found = config.get("data") if isinstance(config, dict) else None
         data: dict[str, Any] = found if isinstance(found, dict) else {}
-        allow_code(recorded_code({"model": saved["model"], "model_sha256": data.get("model_sha256")},
-                                 data_file=data.get("file")), source=f"the final model of run {record.id[:8]} ({path})",
-                   fix="pass --trust-code if you trust it, or sync the other runs by name")
+        allow_code(
+            recorded_code(
+                {"model": saved["model"], "model_sha256": data.get("model_sha256")},
+                data_file=data.get("file"),
+            ),
+            source=f"the final model of run {record.id[:8]} ({path})",
+            fix="pass --trust-code if you trust it, or sync the other runs by name",
+        )

@@ -41,16 +41,36 @@ READY_TIMEOUT_S = 120.0  # a cold MLflow start (imports, store migration check) 
 def ui(
     ctx: typer.Context,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port on 127.0.0.1.")] = 5000,
-    experiment: Annotated[str | None, typer.Option(help="Open this MLflow experiment's runs. \\[default: the "
-                                                   "experiment of the newest run in the store]")] = None,
-    open_browser: Annotated[bool, typer.Option("--open", help="Open the URL in a browser once the server answers.")] = False,
-    store: Annotated[str | None, typer.Option(help="SQL store whose runs' MLflow store to open. \\[env: FEDCLI_STORE]",
-                                              rich_help_panel=Panel.TRACK)] = None,
-    root: Annotated[Path | None, typer.Option(help="Folder of the default stores. \\[default: ./fedcli-runs]",
-                                              rich_help_panel=Panel.TRACK)] = None,
-    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI. \\[env: MLFLOW_TRACKING_URI]",
-                                                     rich_help_panel=Panel.TRACK)] = None,
-    print_only: Annotated[bool, typer.Option("--print-only", help="Print the URL and command instead of running it.")] = False,
+    experiment: Annotated[
+        str | None,
+        typer.Option(
+            help="Open this MLflow experiment's runs. \\[default: the "
+            "experiment of the newest run in the store]"
+        ),
+    ] = None,
+    open_browser: Annotated[
+        bool, typer.Option("--open", help="Open the URL in a browser once the server answers.")
+    ] = False,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="SQL store whose runs' MLflow store to open. \\[env: FEDCLI_STORE]",
+            rich_help_panel=Panel.TRACK,
+        ),
+    ] = None,
+    root: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder of the default stores. \\[default: ./fedcli-runs]", rich_help_panel=Panel.TRACK
+        ),
+    ] = None,
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(help="MLflow tracking URI. \\[env: MLFLOW_TRACKING_URI]", rich_help_panel=Panel.TRACK),
+    ] = None,
+    print_only: Annotated[
+        bool, typer.Option("--print-only", help="Print the URL and command instead of running it.")
+    ] = False,
 ) -> None:
     """Start the MLflow UI on the runs' tracking store (127.0.0.1 only) and print its URL.
 
@@ -62,30 +82,53 @@ def ui(
     Example: fedcli ui --root fedcli-runs --port 5000 --open
     """
     with user_errors(bool(ctx.obj and ctx.obj.get("debug"))):
-        cfg = tracking_config({"tracking.root": root and str(root), "tracking.tracking_uri": tracking_uri,
-                               "tracking.store": store})
+        cfg = tracking_config(
+            {
+                "tracking.root": root and str(root),
+                "tracking.tracking_uri": tracking_uri,
+                "tracking.store": store,
+            }
+        )
         uri = tracking_uri or (runs_tracking_uri(cfg.store_url) if store else None) or cfg.mlflow_uri
         if uri.startswith(("http://", "https://")):
             raise ConfigError(f"the tracking URI {mask_url(uri)} is already a server; open it in a browser.")
         database = sqlite_path(uri)
         if database is not None and not database.exists():
-            raise ConfigError(f"no MLflow store at {database}: the runs were trained with --no-mlflow or under "
-                              "another --root; pass --tracking-uri or --store.")
+            raise ConfigError(
+                f"no MLflow store at {database}: the runs were trained with --no-mlflow or under "
+                "another --root; pass --tracking-uri or --store."
+            )
         if print_only and open_browser:
-            raise ConfigError("--open needs the server running; got --open with --print-only. Drop one of them.")
+            raise ConfigError(
+                "--open needs the server running; got --open with --print-only. Drop one of them."
+            )
         mlflow = shutil.which("mlflow") or str(Path(sys.executable).with_name("mlflow"))
         # a password goes to the server in its environment, never on its command line (`ps` shows that)
         secret = has_password(uri)
-        command = [mlflow, "ui", *([] if secret else ["--backend-store-uri", uri]), "--host", "127.0.0.1",
-                   "--port", str(port), "--workers", "1"]
+        command = [
+            mlflow,
+            "ui",
+            *([] if secret else ["--backend-store-uri", uri]),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ]
         base = f"http://127.0.0.1:{port}"
         if print_only:
             typer.echo(landing_url(base, uri, experiment, cfg.store_url))
             typer.echo((f"MLFLOW_BACKEND_STORE_URI={mask_url(uri)} " if secret else "") + " ".join(command))
             return
         require_free_port(port)
-        code = serve(command, base, lambda: landing_url(base, uri, experiment, cfg.store_url),
-                     open_browser, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": uri} if secret else None)
+        code = serve(
+            command,
+            base,
+            lambda: landing_url(base, uri, experiment, cfg.store_url),
+            open_browser,
+            env={**os.environ, "MLFLOW_BACKEND_STORE_URI": uri} if secret else None,
+        )
     raise typer.Exit(code)
 
 
@@ -104,7 +147,9 @@ def runs_url(base: str, experiment: str | None, view: bool = False) -> str:
     if not experiment:
         return base
     route = f"{experiment}/runs" if has_saved_views() else experiment
-    return f"{base}/#/experiments/{route}?workflowType=machine_learning" + (f"&viewStateShareKey={VIEW_ID}" if view else "")
+    return f"{base}/#/experiments/{route}?workflowType=machine_learning" + (
+        f"&viewStateShareKey={VIEW_ID}" if view else ""
+    )
 
 
 def comparison_view(uri: str, experiment: str) -> bool:
@@ -116,25 +161,35 @@ def comparison_view(uri: str, experiment: str) -> bool:
     from fedcli.tracking.mlflow import view as mlflow_view
 
     out = console()
-    default = ("the runs table opens on MLflow's default columns (Run Name, Created, Dataset, Duration, Source, "
-               "Models): its Columns button adds the metrics (eval/accuracy, eval/loss) and params (algorithm.name, "
-               "hp.*) to compare runs by.")
+    default = (
+        "the runs table opens on MLflow's default columns (Run Name, Created, Dataset, Duration, Source, "
+        "Models): its Columns button adds the metrics (eval/accuracy, eval/loss) and params (algorithm.name, "
+        "hp.*) to compare runs by."
+    )
     if not mlflow_view.has_saved_views():
         out.print(f"MLflow {mlflow_version()} has no saved views (3.15+): {default}", soft_wrap=True)
         return False
     try:
         columns = mlflow_view.write_view(MlflowClient(tracking_uri=uri), experiment)
     except Exception as err:  # noqa: BLE001 - the page still opens, on MLflow's default columns
-        out.print(mask_url(f"[yellow]warning:[/] could not write fedcli's saved view to {uri}: "
-                           f"{(str(err).splitlines() or [type(err).__name__])[0]}; {default}"), soft_wrap=True)
+        out.print(
+            mask_url(
+                f"[yellow]warning:[/] could not write fedcli's saved view to {uri}: "
+                f"{(str(err).splitlines() or [type(err).__name__])[0]}; {default}"
+            ),
+            soft_wrap=True,
+        )
         return False
     if not columns:
         return False
     shown = ", ".join(c.split("`")[1] for c in columns)
-    out.print(f"The URL opens the view '{mlflow_view.VIEW_NAME}' (runs page, Views menu): {shown}. MLflow's "
-              "Assistant panel opens by itself on a browser's first visit; its x closes it for good. A sweep's "
-              "trials are folded under its parent run: the box left of its name lists them.",
-              soft_wrap=True, markup=False)
+    out.print(
+        f"The URL opens the view '{mlflow_view.VIEW_NAME}' (runs page, Views menu): {shown}. MLflow's "
+        "Assistant panel opens by itself on a browser's first visit; its x closes it for good. A sweep's "
+        "trials are folded under its parent run: the box left of its name lists them.",
+        soft_wrap=True,
+        markup=False,
+    )
     return True
 
 
@@ -158,8 +213,13 @@ def experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - only the URL's precision depends on it
-        console().print(mask_url(f"[yellow]warning:[/] could not look the experiment up in {uri}: "
-                                 f"{(str(err).splitlines() or [type(err).__name__])[0]}"), soft_wrap=True)
+        console().print(
+            mask_url(
+                f"[yellow]warning:[/] could not look the experiment up in {uri}: "
+                f"{(str(err).splitlines() or [type(err).__name__])[0]}"
+            ),
+            soft_wrap=True,
+        )
         return None
 
 
@@ -172,8 +232,10 @@ def _experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
         found = client.get_experiment_by_name(name)
         if found is None:
             known = sorted(e.name for e in client.search_experiments())
-            raise ConfigError(f"--experiment must name an MLflow experiment of {uri}; got {name!r}. "
-                              f"It has: {', '.join(known) or 'none'}.")
+            raise ConfigError(
+                f"--experiment must name an MLflow experiment of {uri}; got {name!r}. "
+                f"It has: {', '.join(known) or 'none'}."
+            )
         return str(found.experiment_id)
     newest = _newest_run(store_url)
     if newest is not None and newest.mlflow_run_id:
@@ -202,16 +264,23 @@ def require_free_port(port: int) -> None:
     """ConfigError when something listens on 127.0.0.1:port (its /health would look like ours)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:
-            raise ConfigError(f"--port {port} is in use on 127.0.0.1; pass another --port (or open "
-                              f"http://127.0.0.1:{port} if that is an MLflow UI already).")
+            raise ConfigError(
+                f"--port {port} is in use on 127.0.0.1; pass another --port (or open "
+                f"http://127.0.0.1:{port} if that is an MLflow UI already)."
+            )
 
 
 class _Stop(Exception):
     """SIGINT or SIGTERM arrived: stop the server and exit."""
 
 
-def serve(command: list[str], base: str, find_url: Callable[[], str], open_browser: bool,
-          env: dict[str, str] | None = None) -> int:
+def serve(
+    command: list[str],
+    base: str,
+    find_url: Callable[[], str],
+    open_browser: bool,
+    env: dict[str, str] | None = None,
+) -> int:
     """Run the server (`env`: its environment, default this one's), print the runs URL once /health
     answers, and stop it on SIGINT/SIGTERM."""
     import webbrowser
@@ -220,7 +289,9 @@ def serve(command: list[str], base: str, find_url: Callable[[], str], open_brows
         out: Any = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # a captured stderr (tests): keep the server's
         out = None
-    server = subprocess.Popen(command, start_new_session=True, stdout=out, env=env)  # own group: stopped as a whole
+    server = subprocess.Popen(
+        command, start_new_session=True, stdout=out, env=env
+    )  # own group: stopped as a whole
 
     def stop(signum: int, frame: Any) -> None:
         raise _Stop
@@ -250,8 +321,10 @@ def wait_ready(health: str, server: subprocess.Popen[bytes], timeout_s: float = 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise TrackingError(f"the MLflow server exited with code {server.returncode} before it answered "
-                                f"{health}; its messages are above.")
+            raise TrackingError(
+                f"the MLflow server exited with code {server.returncode} before it answered "
+                f"{health}; its messages are above."
+            )
         try:
             with urllib.request.urlopen(health, timeout=2) as response:  # noqa: S310 - loopback http
                 if response.status == 200:
@@ -298,14 +371,22 @@ def runs_tracking_uri(store_url: str) -> str | None:
     for record in open_store(store_url).list_runs():
         saved = record.config.get("tracking", {})
         if record.mlflow_run_id and saved:
-            uris[tracking_config({"tracking.root": stored_root(saved.get("root"), store_url),
-                                  "tracking.tracking_uri": saved.get("tracking_uri")}).mlflow_uri] += 1
+            uris[
+                tracking_config(
+                    {
+                        "tracking.root": stored_root(saved.get("root"), store_url),
+                        "tracking.tracking_uri": saved.get("tracking_uri"),
+                    }
+                ).mlflow_uri
+            ] += 1
     if not uris:
         return None
     (uri, count), *others = sorted(uris.items(), key=lambda item: (-item[1], item[0]))
     if others:
-        console().print(f"{count} runs logged to {uri}; others to {', '.join(u for u, _ in others)} "
-                        "(pass --tracking-uri to open one of those).")
+        console().print(
+            f"{count} runs logged to {uri}; others to {', '.join(u for u, _ in others)} "
+            "(pass --tracking-uri to open one of those)."
+        )
     return uri
 
 

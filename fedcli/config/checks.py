@@ -69,11 +69,14 @@ def load_yaml(text: str, source: str) -> Any:
     try:
         return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except DuplicateKeyError as exc:
-        raise ConfigError(f"{source} gives key {exc.key!r} twice (lines {exc.first_line} and {exc.line}); "
-                          "keep one (YAML would silently use the last).") from None
+        raise ConfigError(
+            f"{source} gives key {exc.key!r} twice (lines {exc.first_line} and {exc.line}); "
+            "keep one (YAML would silently use the last)."
+        ) from None
     except RecursionError:
-        raise ConfigError(f"{source} is nested too deeply to read; a config is a few levels of mappings "
-                          "and lists.") from None
+        raise ConfigError(
+            f"{source} is nested too deeply to read; a config is a few levels of mappings and lists."
+        ) from None
     except yaml.YAMLError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"{source} is not valid YAML: {first}") from None
@@ -122,13 +125,17 @@ def parse_assignments(items: list[str], flag: str) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f"{flag} must be KEY=VALUE; got {item!r}.")
         if key.strip() in out:
-            raise ConfigError(f"{flag} {key.strip()} must be given once; got {key.strip()}={out[key.strip()]!r} and "
-                              f"{item!r}. Keep one.")
+            raise ConfigError(
+                f"{flag} {key.strip()} must be given once; got {key.strip()}={out[key.strip()]!r} and "
+                f"{item!r}. Keep one."
+            )
         out[key.strip()] = parse_value(value.strip(), flag)
     return out
 
 
-INT_MAX = 2**31 - 1  # the largest integer setting: the stores keep seeds and rounds as 32-bit integers on PostgreSQL
+INT_MAX = (
+    2**31 - 1
+)  # the largest integer setting: the stores keep seeds and rounds as 32-bit integers on PostgreSQL
 NAME_MAX_BYTES = 200  # experiment and run names (UTF-8): both stores and MLflow keep them; a report file is named after one
 THREADS_MAX = 1024  # train.threads and train.workers: more is a typo, not a machine
 
@@ -201,16 +208,20 @@ def make_hyperparameters(algo_name: str, values: Mapping[str, Any]) -> Any:
     from fedcli.algorithms import ALGORITHMS
 
     if algo_name not in ALGORITHMS:
-        raise ConfigError(f"unknown algorithm {algo_name!r}{suggest(algo_name, list(ALGORITHMS))}; "
-                          f"choose one of: {', '.join(ALGORITHMS)}.")
+        raise ConfigError(
+            f"unknown algorithm {algo_name!r}{suggest(algo_name, list(ALGORITHMS))}; "
+            f"choose one of: {', '.join(ALGORITHMS)}."
+        )
     cls = ALGORITHMS[algo_name].config_cls
     known = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
         if key not in known:
             valid = ", ".join(known) or "none"
-            raise ConfigError(f"unknown hyperparameter 'hp.{key}' for {algo_name}{suggest(key, list(known))}; "
-                              f"valid: {valid}.")
+            raise ConfigError(
+                f"unknown hyperparameter 'hp.{key}' for {algo_name}{suggest(key, list(known))}; "
+                f"valid: {valid}."
+            )
         kwargs[key] = coerce(f"hp.{key}", known[key].type, value)
     try:
         return cls(**kwargs)
@@ -225,11 +236,15 @@ def validate(cfg: RunConfig) -> None:
     from fedcli.datasets.registry import TASKS
 
     t = cfg.train
-    for key, value, low in (("rounds", t.rounds, 1), ("clients_per_round", t.clients_per_round, 1),
-                            ("batch_size", t.batch_size, 1), ("eval_every", t.eval_every, 1),
-                            ("checkpoint_every", 0 if t.checkpoint_every is None else t.checkpoint_every, 0),
-                            ("keep_checkpoints", t.keep_checkpoints, 1),
-                            ("eval_sample", 0 if t.eval_sample is None else t.eval_sample, 0)):
+    for key, value, low in (
+        ("rounds", t.rounds, 1),
+        ("clients_per_round", t.clients_per_round, 1),
+        ("batch_size", t.batch_size, 1),
+        ("eval_every", t.eval_every, 1),
+        ("checkpoint_every", 0 if t.checkpoint_every is None else t.checkpoint_every, 0),
+        ("keep_checkpoints", t.keep_checkpoints, 1),
+        ("eval_sample", 0 if t.eval_sample is None else t.eval_sample, 0),
+    ):
         if value < low:
             raise ConfigError(f"train.{key} must be >= {low}; got {value!r}.")
     if t.executor not in EXECUTORS:
@@ -250,8 +265,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.threads must be >= 1; got {t.threads!r}.")
     for key, count in (("workers", t.workers), ("threads", t.threads)):
         if count is not None and count > THREADS_MAX:
-            raise ConfigError(f"train.{key} must be <= {THREADS_MAX}; got {count!r}. Give the cores to use "
-                              f"(--{key} N), or leave it out for the cores this process may use.")
+            raise ConfigError(
+                f"train.{key} must be <= {THREADS_MAX}; got {count!r}. Give the cores to use "
+                f"(--{key} N), or leave it out for the cores this process may use."
+            )
     if t.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}; got {t.precision!r}.")
     if not (t.device in ("auto", "cpu", "cuda", "mps") or t.device.startswith("cuda:")):
@@ -261,54 +278,97 @@ def validate(cfg: RunConfig) -> None:
     except HyperparameterError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.data.data_dir is not None and not cfg.data.data_dir.strip():  # `--data-dir "$DIR"` with DIR unset
-        raise ConfigError(f"data.data_dir must be a folder; got {cfg.data.data_dir!r}. Pass --data-dir a folder, or "
-                          "leave it out for the default.")
+        raise ConfigError(
+            f"data.data_dir must be a folder; got {cfg.data.data_dir!r}. Pass --data-dir a folder, or "
+            "leave it out for the default."
+        )
     if cfg.data.file is not None:
         from fedcli.datasets.yours.data import is_data_ref
         from fedcli.datasets.yours.files import MODELS, SUFFIXES, has_client
 
-        reference = is_data_ref(cfg.data.file)  # an object or a function (docs/your-data.md): built by the set-up
+        reference = is_data_ref(
+            cfg.data.file
+        )  # an object or a function (docs/your-data.md): built by the set-up
         if reference:
             source = cfg.data.file.rpartition(":")[0]
             if source.endswith(".py") and not Path(source).is_file():
-                raise ConfigError(f"data.file {cfg.data.file!r} names a file that does not exist; give "
-                                  "path/to/file.py:function or pkg.module:function.")
+                raise ConfigError(
+                    f"data.file {cfg.data.file!r} names a file that does not exist; give "
+                    "path/to/file.py:function or pkg.module:function."
+                )
         elif not Path(cfg.data.file).is_file():
-            raise ConfigError(f"data.file {cfg.data.file!r} does not exist; pass an .npz/.csv/.parquet file to --data.")
+            raise ConfigError(
+                f"data.file {cfg.data.file!r} does not exist; pass an .npz/.csv/.parquet file to --data."
+            )
         elif Path(cfg.data.file).suffix not in SUFFIXES:
-            raise ConfigError(f"data.file must be a {', '.join(SUFFIXES)} file; got {cfg.data.file!r}. "
-                              "Save your arrays with numpy.savez or your table as CSV/Parquet.")
+            raise ConfigError(
+                f"data.file must be a {', '.join(SUFFIXES)} file; got {cfg.data.file!r}. "
+                "Save your arrays with numpy.savez or your table as CSV/Parquet."
+            )
         defaults = DataConfig()
-        ignored = [(k, flag) for k, flag in (("task", "--task"), ("data_dir", "--data-dir"), ("download", "--download"),
-                                             ("max_clients", "--max-clients"))
-                   if getattr(cfg.data, k) != getattr(defaults, k)]
+        ignored = [
+            (k, flag)
+            for k, flag in (
+                ("task", "--task"),
+                ("data_dir", "--data-dir"),
+                ("download", "--download"),
+                ("max_clients", "--max-clients"),
+            )
+            if getattr(cfg.data, k) != getattr(defaults, k)
+        ]
         if ignored:
             key, flag = ignored[0]
-            raise ConfigError(f"data.{key} must be left unset with data.file; got data.{key}="
-                              f"{getattr(cfg.data, key)!r} and data.file={cfg.data.file!r}. Drop {flag}: "
-                              "--data is the whole data set.")
-        if cfg.data.model is not None and cfg.data.model not in MODELS and not is_reference(cfg.data.model) \
-                and cfg.data.model not in model_plugins():
-            raise ConfigError(f"data.model must be one of {', '.join(MODELS)} with --data; got {cfg.data.model!r}"
-                              f"{suggest(cfg.data.model, MODELS)}.")
-        if not reference and cfg.partition.file is None and cfg.partition.scheme == "natural" \
-                and has_client(Path(cfg.data.file)) is False:
-            raise ConfigError(f"partition.scheme 'natural' needs a client array or column in {Path(cfg.data.file).name};"
-                              " got none. Pass --scheme iid --clients N (or dirichlet, shards, ...), or add `client`.")
+            raise ConfigError(
+                f"data.{key} must be left unset with data.file; got data.{key}="
+                f"{getattr(cfg.data, key)!r} and data.file={cfg.data.file!r}. Drop {flag}: "
+                "--data is the whole data set."
+            )
+        if (
+            cfg.data.model is not None
+            and cfg.data.model not in MODELS
+            and not is_reference(cfg.data.model)
+            and cfg.data.model not in model_plugins()
+        ):
+            raise ConfigError(
+                f"data.model must be one of {', '.join(MODELS)} with --data; got {cfg.data.model!r}"
+                f"{suggest(cfg.data.model, MODELS)}."
+            )
+        if (
+            not reference
+            and cfg.partition.file is None
+            and cfg.partition.scheme == "natural"
+            and has_client(Path(cfg.data.file)) is False
+        ):
+            raise ConfigError(
+                f"partition.scheme 'natural' needs a client array or column in {Path(cfg.data.file).name};"
+                " got none. Pass --scheme iid --clients N (or dirichlet, shards, ...), or add `client`."
+            )
     elif cfg.data.task not in TASKS:
-        raise ConfigError(f"unknown task {cfg.data.task!r}{suggest(cfg.data.task, list(TASKS))}; "
-                          f"choose one of: {', '.join(TASKS)}.")
+        raise ConfigError(
+            f"unknown task {cfg.data.task!r}{suggest(cfg.data.task, list(TASKS))}; "
+            f"choose one of: {', '.join(TASKS)}."
+        )
     task = TASKS.get(cfg.data.task)
     if task is not None and cfg.data.file is None:
         require_max_clients_support(task, cfg.data.max_clients)
-    if task is not None and cfg.data.file is None and cfg.data.model is not None and cfg.data.model not in task.models \
-            and not is_reference(cfg.data.model) and cfg.data.model not in model_plugins():
-        raise ConfigError(f"data.model must be one of {', '.join([*task.models, *model_plugins()])} for task "
-                          f"{task.name}, or your own 'module:factory' / 'file.py:factory'; got {cfg.data.model!r}.")
+    if (
+        task is not None
+        and cfg.data.file is None
+        and cfg.data.model is not None
+        and cfg.data.model not in task.models
+        and not is_reference(cfg.data.model)
+        and cfg.data.model not in model_plugins()
+    ):
+        raise ConfigError(
+            f"data.model must be one of {', '.join([*task.models, *model_plugins()])} for task "
+            f"{task.name}, or your own 'module:factory' / 'file.py:factory'; got {cfg.data.model!r}."
+        )
     if cfg.data.data_store not in ("auto", "memory", "disk"):
         raise ConfigError(f"data.data_store must be auto, memory or disk; got {cfg.data.data_store!r}.")
     if cfg.partition.scheme not in SCHEMES:
-        raise ConfigError(f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}.")
+        raise ConfigError(
+            f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}."
+        )
     if cfg.data.augment is not None:
         from fedcli.datasets.augment import parse
 
@@ -331,13 +391,21 @@ def record_model_source(cfg: RunConfig) -> RunConfig:
     from fedcli.datasets.yours.files import MODELS
     from fedcli.datasets.yours.model import model_reference, source_sha256
 
-    own = MODELS if cfg.data.file is not None else TASKS[cfg.data.task].models if cfg.data.task in TASKS else {}
-    if cfg.data.model in model_plugins() and cfg.data.model not in own:  # a plugin's model: recorded by reference
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, model=model_plugins()[cfg.data.model][0]))
+    own = (
+        MODELS if cfg.data.file is not None else TASKS[cfg.data.task].models if cfg.data.task in TASKS else {}
+    )
+    if (
+        cfg.data.model in model_plugins() and cfg.data.model not in own
+    ):  # a plugin's model: recorded by reference
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, model=model_plugins()[cfg.data.model][0])
+        )
     if not is_reference(cfg.data.model):
         if cfg.data.model_sha256 is not None or cfg.data.model_args is not None:
-            raise ConfigError(f"data.model_sha256 and data.model_args belong to your own model ('module:factory'); "
-                              f"got them with data.model={cfg.data.model!r}. Remove them.")
+            raise ConfigError(
+                f"data.model_sha256 and data.model_args belong to your own model ('module:factory'); "
+                f"got them with data.model={cfg.data.model!r}. Remove them."
+            )
         return cfg
     ref = model_reference(cfg.data.model)
     sha = cfg.data.model_sha256 or source_sha256(ref)
@@ -352,28 +420,47 @@ def check_name(key: str, value: str, flag: str) -> None:
     refuses NUL characters.
     """
     if not value.strip():
-        raise ConfigError(f"{key} must be a non-empty name; got {value!r}. Pass {flag} NAME, or leave it out.")
+        raise ConfigError(
+            f"{key} must be a non-empty name; got {value!r}. Pass {flag} NAME, or leave it out."
+        )
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > NAME_MAX_BYTES:
-        raise ConfigError(f"{key} must be at most {NAME_MAX_BYTES} bytes (UTF-8); got {size} bytes "
-                          f"({value[:40]!r}...). Pass {flag} a shorter name.")
+        raise ConfigError(
+            f"{key} must be at most {NAME_MAX_BYTES} bytes (UTF-8); got {size} bytes "
+            f"({value[:40]!r}...). Pass {flag} a shorter name."
+        )
     bad = sorted({c for c in value if ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF})
     if bad:
-        raise ConfigError(f"{key} must not hold control characters; got {value!r} (with {bad[0]!r}). "
-                          f"Pass {flag} a name of printable characters.")
+        raise ConfigError(
+            f"{key} must not hold control characters; got {value!r} (with {bad[0]!r}). "
+            f"Pass {flag} a name of printable characters."
+        )
 
 
-MLFLOW_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")  # MLflow's SQL and REST stores
+MLFLOW_SCHEMES = (
+    "sqlite",
+    "postgresql",
+    "mysql",
+    "mssql",
+    "http",
+    "https",
+    "databricks",
+)  # MLflow's SQL and REST stores
 
 
 def check_blank_tracking(track: TrackingConfig) -> None:
     """An empty root, store or MLflow URI (e.g. `--store "$STORE"` with STORE unset) is refused, not the default."""
-    for key, flag, what in (("root", "--root", "a folder"), ("store", "--store", "a SQLAlchemy URL"),
-                            ("tracking_uri", "--tracking-uri", "an MLflow URI")):
+    for key, flag, what in (
+        ("root", "--root", "a folder"),
+        ("store", "--store", "a SQLAlchemy URL"),
+        ("tracking_uri", "--tracking-uri", "an MLflow URI"),
+    ):
         value = getattr(track, key)
         if value is not None and not value.strip():
-            raise ConfigError(f"tracking.{key} must be {what}; got {value!r}. Pass {flag} a value, or leave it out "
-                              "for the default.")
+            raise ConfigError(
+                f"tracking.{key} must be {what}; got {value!r}. Pass {flag} a value, or leave it out "
+                "for the default."
+            )
 
 
 def in_memory_sqlite(url: str) -> bool:
@@ -387,9 +474,11 @@ def in_memory_sqlite(url: str) -> bool:
 def check_not_in_memory(key: str, url: str | None, source: str) -> None:
     """An in-memory SQLite URL keeps nothing past its connection (a run trained, then failed on "no such table")."""
     if url and in_memory_sqlite(url):
-        raise ConfigError(f"{key} must be a database that outlives the command; got {mask_url(url)!r} (from "
-                          f"{source}), an in-memory SQLite database. Pass a file such as sqlite:////abs/path/fedcli.db, "
-                          "or leave it out for the default.")
+        raise ConfigError(
+            f"{key} must be a database that outlives the command; got {mask_url(url)!r} (from "
+            f"{source}), an in-memory SQLite database. Pass a file such as sqlite:////abs/path/fedcli.db, "
+            "or leave it out for the default."
+        )
 
 
 def validate_tracking(track: TrackingConfig) -> None:
@@ -398,23 +487,35 @@ def validate_tracking(track: TrackingConfig) -> None:
     if track.run_name is not None:
         check_name("tracking.run_name", track.run_name, "--run-name")
     check_blank_tracking(track)
-    check_not_in_memory("tracking.store", track.store or os.environ.get("FEDCLI_STORE"),
-                        "--store" if track.store else "FEDCLI_STORE")
+    check_not_in_memory(
+        "tracking.store",
+        track.store or os.environ.get("FEDCLI_STORE"),
+        "--store" if track.store else "FEDCLI_STORE",
+    )
     if not track.use_mlflow:
         return
-    check_not_in_memory("tracking.tracking_uri", track.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"),
-                        "--tracking-uri" if track.tracking_uri else "MLFLOW_TRACKING_URI")
+    check_not_in_memory(
+        "tracking.tracking_uri",
+        track.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"),
+        "--tracking-uri" if track.tracking_uri else "MLFLOW_TRACKING_URI",
+    )
     # a stored config's URI has its password masked (given_url asks for it when MLflow is used): check its scheme
     uri = track.tracking_uri if track.tracking_uri and is_masked(track.tracking_uri) else track.mlflow_uri
     source = "--tracking-uri" if track.tracking_uri else "MLFLOW_TRACKING_URI"
-    scheme = uri.partition(":")[0].partition("+")[0].lower() if "://" in uri or uri.startswith("databricks") else ""
+    scheme = (
+        uri.partition(":")[0].partition("+")[0].lower()
+        if "://" in uri or uri.startswith("databricks")
+        else ""
+    )
     if scheme in MLFLOW_SCHEMES:
         return
     if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true") and scheme in ("", "file"):
         return  # MLflow's folder store, allowed by the user (MLflow 3 refuses it otherwise)
-    raise ConfigError(f"tracking.tracking_uri must be an MLflow store URI such as sqlite:///PATH/mlflow.db, "
-                      f"postgresql://HOST/DB or http://HOST:PORT; got {mask_url(uri)!r} (from {source}). Fix {source}, "
-                      "or pass --no-mlflow.")
+    raise ConfigError(
+        f"tracking.tracking_uri must be an MLflow store URI such as sqlite:///PATH/mlflow.db, "
+        f"postgresql://HOST/DB or http://HOST:PORT; got {mask_url(uri)!r} (from {source}). Fix {source}, "
+        "or pass --no-mlflow."
+    )
 
 
 def require_max_clients_support(task: Any, max_clients: int | None) -> None:
@@ -424,14 +525,24 @@ def require_max_clients_support(task: Any, max_clients: int | None) -> None:
     if max_clients is None or task.reads_max_clients:
         return
     readers = ", ".join(name for name, t in TASKS.items() if t.reads_max_clients)
-    raise ConfigError(f"data.max_clients is not used by task {task.name!r}; got {max_clients!r}. Drop --max-clients "
-                      f"(it applies to {readers}); --clients N keeps the first N natural clients of any task.")
+    raise ConfigError(
+        f"data.max_clients is not used by task {task.name!r}; got {max_clients!r}. Drop --max-clients "
+        f"(it applies to {readers}); --clients N keeps the first N natural clients of any task."
+    )
 
 
 # CLI flag of each partition field; a partition file fixes all of them.
-PARTITION_FLAGS = {"scheme": "--scheme", "num_clients": "--clients", "alpha": "--alpha",
-                   "shards_per_client": "--shards-per-client", "labels_per_client": "--labels-per-client",
-                   "sigma": "--sigma", "size_alpha": "--size-alpha", "balanced": "--balanced", "min_size": "--min-size"}
+PARTITION_FLAGS = {
+    "scheme": "--scheme",
+    "num_clients": "--clients",
+    "alpha": "--alpha",
+    "shards_per_client": "--shards-per-client",
+    "labels_per_client": "--labels-per-client",
+    "sigma": "--sigma",
+    "size_alpha": "--size-alpha",
+    "balanced": "--balanced",
+    "min_size": "--min-size",
+}
 
 
 def validate_partition(part: PartitionConfig, data: DataConfig) -> None:
@@ -448,15 +559,26 @@ def validate_partition(part: PartitionConfig, data: DataConfig) -> None:
         given = [k for k in PARTITION_FLAGS if getattr(part, k) != getattr(defaults, k)]
         if given:
             values = ", ".join(f"partition.{k}={getattr(part, k)!r}" for k in given)
-            raise ConfigError(f"partition.{given[0]} must be left unset with partition.file; got {values} and "
-                              f"partition.file={part.file!r}. Drop {'/'.join(PARTITION_FLAGS[k] for k in given)}: "
-                              "the partition file fixes them.")
+            raise ConfigError(
+                f"partition.{given[0]} must be left unset with partition.file; got {values} and "
+                f"partition.file={part.file!r}. Drop {'/'.join(PARTITION_FLAGS[k] for k in given)}: "
+                "the partition file fixes them."
+            )
         check_partition_file(Path(part.file), dataset=data.task if data.file is None else None)
         return
-    check_unused_defaults(PartitionSpec(
-        scheme=part.scheme, num_clients=part.num_clients, alpha=part.alpha, shards_per_client=part.shards_per_client,
-        labels_per_client=part.labels_per_client, min_size=part.min_size, balanced=part.balanced, sigma=part.sigma,
-        size_alpha=part.size_alpha))
+    check_unused_defaults(
+        PartitionSpec(
+            scheme=part.scheme,
+            num_clients=part.num_clients,
+            alpha=part.alpha,
+            shards_per_client=part.shards_per_client,
+            labels_per_client=part.labels_per_client,
+            min_size=part.min_size,
+            balanced=part.balanced,
+            sigma=part.sigma,
+            size_alpha=part.size_alpha,
+        )
+    )
 
 
 def store_file(url: str) -> Path | None:
@@ -464,7 +586,9 @@ def store_file(url: str) -> Path | None:
     if not url.startswith("sqlite:///"):
         return None
     database = url.removeprefix("sqlite:///").split("?", 1)[0]
-    return None if database in ("", ":memory:") or database.startswith("file:") else Path(database).expanduser()
+    return (
+        None if database in ("", ":memory:") or database.startswith("file:") else Path(database).expanduser()
+    )
 
 
 def require_store(url: str) -> None:
@@ -474,5 +598,7 @@ def require_store(url: str) -> None:
     if path is None or path.is_file():
         return
     what = "a directory" if path.is_dir() else "no such file"
-    raise ConfigError(f"tracking.store must be an existing results store; got {url!r} ({what}). Train a run "
-                      "into it first (fedcli train), or pass --store / set FEDCLI_STORE to the store you trained into.")
+    raise ConfigError(
+        f"tracking.store must be an existing results store; got {url!r} ({what}). Train a run "
+        "into it first (fedcli train), or pass --store / set FEDCLI_STORE to the store you trained into."
+    )

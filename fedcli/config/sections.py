@@ -29,15 +29,21 @@ SCHEMES = ("natural", "iid", "dirichlet", "shards", "labels", "quantity", "two-l
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     task: str = "femnist"  # a name from `fedcli list tasks`
-    model: str | None = None  # None = the task's default model; `pkg.mod:factory` / `file.py:factory`: your own
+    model: str | None = (
+        None  # None = the task's default model; `pkg.mod:factory` / `file.py:factory`: your own
+    )
     # your own model (datasets/yours/model.py): sha256 of its module's source, filled in when the config is built
     model_sha256: str | None = None
-    model_args: str | None = None  # your own model: JSON of the keyword arguments its factory got (recorded by the run)
+    model_args: str | None = (
+        None  # your own model: JSON of the keyword arguments its factory got (recorded by the run)
+    )
     data_dir: str | None = None  # None = the bundled / default copy of the data
     file: str | None = None  # bring your own data: .npz/.csv/.parquet (see `fedcli train --help`)
     download: bool = False  # fetch missing public files into data_dir (needs a network)
     max_clients: int | None = None  # natural-client data sets: read only the first N clients
-    data_store: str = "auto"  # auto | memory | disk: where the examples live (datasets/federated.py, docs/scaling.md)
+    data_store: str = (
+        "auto"  # auto | memory | disk: where the examples live (datasets/federated.py, docs/scaling.md)
+    )
     # per-example transforms, e.g. ["crop:4", "flip", "normalize:0.5:0.25"] (datasets/augment.py); None = none
     augment: tuple[str, ...] | None = None
 
@@ -78,7 +84,9 @@ class TrainConfig:
     server_beta2: float = 0.99
     server_tau: float = 1e-3
     server_bias_correction: bool = False  # Adam/Yogi: divide moments by 1 - beta^t (PyTorch's Adam form)
-    server_adagrad_beta1: float = 0.0  # FedAdagrad momentum b1: 0 = Reddi et al.'s code (Keras Adagrad), 0.9 = Alg. 2
+    server_adagrad_beta1: float = (
+        0.0  # FedAdagrad momentum b1: 0 = Reddi et al.'s code (Keras Adagrad), 0.9 = Alg. 2
+    )
     eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
     eval_sample: int | None = None  # evaluate on a fixed sample of N test examples; None = the task's paper
     # default (StackOverflow: 10,000; fedcli/engine/evaluation.py PAPER_EVAL_SAMPLE), 0 = the whole test split
@@ -89,15 +97,23 @@ class TrainConfig:
     cohort_chunk: int | None = None  # vmap chunk size, clients grouped by length; None = whole cohort
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     # --- issue 7 (speed)
-    workers: int | None = None  # process executor: processes training clients, main included; None = CPU cores
-    threads: int | None = None  # intra-op threads of this process; None = the cores it may use (affinity, quota)
+    workers: int | None = (
+        None  # process executor: processes training clients, main included; None = CPU cores
+    )
+    threads: int | None = (
+        None  # intra-op threads of this process; None = the cores it may use (affinity, quota)
+    )
     compile: bool = False  # torch.compile: vmap -> the cohort's update; loop/process -> each client's step
     graph: bool = False  # vmap's cohort update built once per shape and replayed: a CUDA graph on CUDA, a trace on CPU (engine/backends/graphed.py)
     precision: str = "fp32"  # fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run
     # --- issue 32 (client state out of RAM; docs/architecture.md §3, its client-state store)
-    state_store: str = "auto"  # auto | ram | disk; auto = disk when every client's state would exceed the cache
+    state_store: str = (
+        "auto"  # auto | ram | disk; auto = disk when every client's state would exceed the cache
+    )
     state_cache_mb: int = 512  # disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)
-    state_precision: str = "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
+    state_precision: str = (
+        "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
+    )
     # --- issue 37 (BatchNorm): aggregate = the clients carry the running statistics, the server averages them
     # (example-weighted); local = each client keeps its own (FedBN); estimate = the server re-estimates them
     # before each evaluation (engine/model.py)
@@ -149,8 +165,10 @@ def given_url(key: str, value: str | None, env_name: str, flag: str) -> str | No
     if value and not is_masked(value):
         return value
     if value and env is None:
-        raise ConfigError(f"{key} must carry its password; got {value!r} (fedcli stores and shows URLs with the "
-                          f"password masked). Pass the full URL with {flag}, or set {env_name}.")
+        raise ConfigError(
+            f"{key} must carry its password; got {value!r} (fedcli stores and shows URLs with the "
+            f"password masked). Pass the full URL with {flag}, or set {env_name}."
+        )
     return env
 
 
@@ -172,7 +190,10 @@ class RunConfig:
         out = dataclasses.asdict(self)
         out.pop("recommended")
         out["algorithm"]["hp"] = dict(self.algorithm.hp)
-        for key in ("store", "tracking_uri"):  # never a password in what is stored (docs/architecture.md, "Security")
+        for key in (
+            "store",
+            "tracking_uri",
+        ):  # never a password in what is stored (docs/architecture.md, "Security")
             out["tracking"][key] = out["tracking"][key] and mask_url(out["tracking"][key])
         return out
 
@@ -190,33 +211,53 @@ class RunConfig:
 def config_hash_of(doc: Mapping[str, Any]) -> str:
     """`RunConfig.config_hash` of a stored config (`RunConfig.to_dict()`, e.g. a checkpoint's)."""
     body = {k: v for k, v in doc.items() if k != "tracking"}
-    body["data"] = {k: v for k, v in (body.get("data") or {}).items() if k not in DATA_NOT_HASHED
-                    and not (k in DATA_HASHED_UNLESS_NONE and v is None)}
-    body["train"] = {k: v for k, v in body["train"].items() if k not in NOT_HASHED
-                     and not (k in HASHED_UNLESS_DEFAULT and v == HASHED_UNLESS_DEFAULT[k])}
+    body["data"] = {
+        k: v
+        for k, v in (body.get("data") or {}).items()
+        if k not in DATA_NOT_HASHED and not (k in DATA_HASHED_UNLESS_NONE and v is None)
+    }
+    body["train"] = {
+        k: v
+        for k, v in body["train"].items()
+        if k not in NOT_HASHED and not (k in HASHED_UNLESS_DEFAULT and v == HASHED_UNLESS_DEFAULT[k])
+    }
     added = HP_ADDED.get(str(body["algorithm"].get("name")), {})
-    body["algorithm"] = {**body["algorithm"], "hp": {k: v for k, v in (body["algorithm"].get("hp") or {}).items()
-                                                     if not (k in added and v == added[k])}}
+    body["algorithm"] = {
+        **body["algorithm"],
+        "hp": {
+            k: v for k, v in (body["algorithm"].get("hp") or {}).items() if not (k in added and v == added[k])
+        },
+    }
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
 NOT_HASHED = ("workers", "threads", "checkpoint_every", "keep_checkpoints", "state_store", "state_cache_mb")
 # data keys: a user model's source hash counts where set (an edited model is another config); left out
 # while None, so configs of built-in models keep their hashes. model_args follows from the data: never hashed
-DATA_HASHED_UNLESS_NONE = ("model_sha256", "augment")  # augment: None keeps the hashes of runs before it existed
+DATA_HASHED_UNLESS_NONE = (
+    "model_sha256",
+    "augment",
+)  # augment: None keeps the hashes of runs before it existed
 DATA_NOT_HASHED = ("model_args", "data_store")  # data_store: where the examples live, not what they are
 # train keys added after runs were stored: left out of the hash at their default, so a config
 # that does not use them keeps the hash it had before they existed (sweeps find its runs)
-HASHED_UNLESS_DEFAULT: Mapping[str, object] = {"graph": False, "state_precision": "state", "eval_sample": None,
-                                               "bn_stats": "aggregate"}
+HASHED_UNLESS_DEFAULT: Mapping[str, object] = {
+    "graph": False,
+    "state_precision": "state",
+    "eval_sample": None,
+    "bn_stats": "aggregate",
+}
 # hyperparameters added after runs were stored, with the value that reproduces those runs (issue 24): left
 # out of the hash at that value, and given to a stored config that lacks the key (`resume_config`), so an
 # earlier run resumes as it ran and keeps its hash
 HP_ADDED: Mapping[str, Mapping[str, object]] = {"bayesadmm": {"dual_scope": "seen"}}
 
 SECTIONS: Mapping[str, type] = {
-    "data": DataConfig, "partition": PartitionConfig, "algorithm": AlgorithmConfig,
-    "train": TrainConfig, "tracking": TrackingConfig,
+    "data": DataConfig,
+    "partition": PartitionConfig,
+    "algorithm": AlgorithmConfig,
+    "train": TrainConfig,
+    "tracking": TrackingConfig,
 }
 
 

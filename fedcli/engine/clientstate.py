@@ -183,7 +183,9 @@ class SpilledSlot:
         finally:
             os.close(fd)
         if got != self.nbytes:
-            raise TrackingError(f"the checkpoint's spill file {self.path} is shorter than it should be; resume the run")
+            raise TrackingError(
+                f"the checkpoint's spill file {self.path} is shorter than it should be; resume the run"
+            )
         return buffer
 
 

@@ -83,12 +83,23 @@ class CohortJob:
             self.interrupt()
 
 
-def make_context(fns: ModelFunctions, index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor,
-                 num_examples: Tensor, noise: dict[str, Tensor], num_epochs: int, steps_per_epoch: int,
-                 round_idx: int) -> ClientContext:
+def make_context(
+    fns: ModelFunctions,
+    index: Tensor,
+    weight: Tensor,
+    step_mask: Tensor,
+    keys: Tensor,
+    num_examples: Tensor,
+    noise: dict[str, Tensor],
+    num_epochs: int,
+    steps_per_epoch: int,
+    round_idx: int,
+) -> ClientContext:
     """Build one client's ClientContext; batches are gathered lazily by index."""
 
-    augment = getattr(fns, "augment", None)  # None unless data.augment: no extra work then (any ModelFunctions-like fns)
+    augment = getattr(
+        fns, "augment", None
+    )  # None unless data.augment: no extra work then (any ModelFunctions-like fns)
 
     def batch(step: int) -> Batch:
         ix = index[step]  # [B]
@@ -97,18 +108,37 @@ def make_context(fns: ModelFunctions, index: Tensor, weight: Tensor, step_mask: 
             x = augment(x, keys[step])
         return Batch(x=x, y=fns.data.y[ix], weight=weight[step], key=keys[step])
 
-    return ClientContext(loss_fn=fns.loss_fn, apply_fn=fns.apply_fn, batch=batch, step_mask=step_mask,
-                         num_examples=num_examples, num_epochs=num_epochs, steps_per_epoch=steps_per_epoch,
-                         round_idx=round_idx, noise=noise)
+    return ClientContext(
+        loss_fn=fns.loss_fn,
+        apply_fn=fns.apply_fn,
+        batch=batch,
+        step_mask=step_mask,
+        num_examples=num_examples,
+        num_epochs=num_epochs,
+        steps_per_epoch=steps_per_epoch,
+        round_idx=round_idx,
+        noise=noise,
+    )
 
 
-ClientFn = Callable[..., tuple[Any, Any, Any]]  # (index, weight, step_mask, keys, num_examples, noise, state[, buffers])
+ClientFn = Callable[
+    ..., tuple[Any, Any, Any]
+]  # (index, weight, step_mask, keys, num_examples, noise, state[, buffers])
 STATS_PREFIX = "bn_stats/"  # a client's final BatchNorm statistics ride in its metrics under this prefix
 # (every back end stacks, slices and gathers metrics already); engine/rounds.py takes them out first
 
 
-def client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt: OptimConfig, num_epochs: int,
-              steps_per_epoch: int, round_idx: int, trainer: Trainer | None = None) -> ClientFn:
+def client_fn(
+    alg: Algorithm,
+    fns: ModelFunctions,
+    broadcast: Any,
+    hp: Any,
+    opt: OptimConfig,
+    num_epochs: int,
+    steps_per_epoch: int,
+    round_idx: int,
+    trainer: Trainer | None = None,
+) -> ClientFn:
     """One client's update (run_client: the declared local training with `trainer`, or client_update)
     as a function of its plan slices, returning (upload, state or {}, metrics).
 
@@ -117,14 +147,30 @@ def client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt:
     client's final statistics under STATS_PREFIX.
     """
 
-    def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
-            noise: dict[str, Tensor], state: Any, buffers: dict[str, Tensor] | None = None) -> tuple[Any, Any, Any]:
-        ctx = make_context(fns, index, weight, step_mask, keys, num_examples, noise, num_epochs,
-                           steps_per_epoch, round_idx)
-        carrier = None if buffers is None else CarryingStats(fns.client_stats, buffers, trainer is eager_train_local)
+    def one(
+        index: Tensor,
+        weight: Tensor,
+        step_mask: Tensor,
+        keys: Tensor,
+        num_examples: Tensor,
+        noise: dict[str, Tensor],
+        state: Any,
+        buffers: dict[str, Tensor] | None = None,
+    ) -> tuple[Any, Any, Any]:
+        ctx = make_context(
+            fns, index, weight, step_mask, keys, num_examples, noise, num_epochs, steps_per_epoch, round_idx
+        )
+        carrier = (
+            None
+            if buffers is None
+            else CarryingStats(fns.client_stats, buffers, trainer is eager_train_local)
+        )
         out = run_client(alg, ctx, broadcast, state, hp, opt, trainer if carrier is None else carrier)
-        metrics = out.metrics if carrier is None else {
-            **out.metrics, **{STATS_PREFIX + k: v for k, v in carrier.buffers.items()}}
+        metrics = (
+            out.metrics
+            if carrier is None
+            else {**out.metrics, **{STATS_PREFIX + k: v for k, v in carrier.buffers.items()}}
+        )
         return out.upload, ({} if out.state is None else out.state), metrics
 
     return one
@@ -133,19 +179,41 @@ def client_fn(alg: Algorithm, fns: ModelFunctions, broadcast: Any, hp: Any, opt:
 def job_client_fn(job: CohortJob, trainer: Trainer | None = None) -> ClientFn:
     """client_fn for the job's cohort as planned (its padded steps per epoch)."""
     plan = job.inputs.plan
-    return client_fn(job.alg, job.fns, job.broadcast, job.hp, job.opt, plan.num_epochs, plan.steps_per_epoch,
-                     job.round_idx, trainer)
+    return client_fn(
+        job.alg,
+        job.fns,
+        job.broadcast,
+        job.hp,
+        job.opt,
+        plan.num_epochs,
+        plan.steps_per_epoch,
+        job.round_idx,
+        trainer,
+    )
 
 
-def vmap_clients(one: Callable[..., tuple[Any, Any, Any]], inputs: CohortInputs, *extra: Any,
-                 chunk_size: int | None = None) -> ClientOut:
+def vmap_clients(
+    one: Callable[..., tuple[Any, Any, Any]], inputs: CohortInputs, *extra: Any, chunk_size: int | None = None
+) -> ClientOut:
     """vmap a client function over the cohort's plan, keys, noise, states (and extra batched inputs)."""
     plan, state_dim = inputs.plan, None if inputs.states is None else 0
-    if inputs.buffers is not None:  # each client's own BatchNorm statistics (batched: the update is per client)
+    if (
+        inputs.buffers is not None
+    ):  # each client's own BatchNorm statistics (batched: the update is per client)
         extra = (inputs.buffers, *extra)
-    batched = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, state_dim) + (0,) * len(extra), chunk_size=chunk_size)
-    upload, state, metrics = batched(plan.index, plan.weight, plan.step_mask, inputs.keys,
-                                     plan.num_examples, inputs.noise, inputs.states, *extra)
+    batched = torch.func.vmap(
+        one, in_dims=(0, 0, 0, 0, 0, 0, state_dim) + (0,) * len(extra), chunk_size=chunk_size
+    )
+    upload, state, metrics = batched(
+        plan.index,
+        plan.weight,
+        plan.step_mask,
+        inputs.keys,
+        plan.num_examples,
+        inputs.noise,
+        inputs.states,
+        *extra,
+    )
     return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
 
 
@@ -181,13 +249,24 @@ def take_clients(inputs: CohortInputs, rows: np.ndarray) -> CohortInputs:
         t = t.reshape(len(rows), epochs, padded, *t.shape[2:])[:, :, :own]
         return t.reshape(len(rows), epochs * own, *t.shape[3:])
 
-    sliced = CohortPlan(index=cut(plan.index), weight=cut(plan.weight), step_mask=cut(plan.step_mask),
-                        num_examples=take(plan.num_examples),
-                        steps_per_client=plan.steps_per_client[rows], num_epochs=epochs, steps_per_epoch=own)
+    sliced = CohortPlan(
+        index=cut(plan.index),
+        weight=cut(plan.weight),
+        step_mask=cut(plan.step_mask),
+        num_examples=take(plan.num_examples),
+        steps_per_client=plan.steps_per_client[rows],
+        num_epochs=epochs,
+        steps_per_epoch=own,
+    )
     states = None if inputs.states is None else pytree.tree_map(take, inputs.states)
     buffers = None if inputs.buffers is None else {k: take(v) for k, v in inputs.buffers.items()}
-    return CohortInputs(plan=sliced, keys=cut(inputs.keys), noise={k: cut(v) for k, v in inputs.noise.items()},
-                        states=states, buffers=buffers)
+    return CohortInputs(
+        plan=sliced,
+        keys=cut(inputs.keys),
+        noise={k: cut(v) for k, v in inputs.noise.items()},
+        states=states,
+        buffers=buffers,
+    )
 
 
 def split_cohort(steps: np.ndarray, parts: int) -> list[np.ndarray]:
@@ -286,10 +365,20 @@ def pad_steps(inputs: CohortInputs, multiple: int, max_steps: int | None = None)
         extra = torch.zeros(t.shape[0], epochs, target - k, *t.shape[3:], dtype=t.dtype, device=t.device)
         return torch.cat([t, extra], dim=2).reshape(t.shape[0], epochs * target, *t.shape[3:])
 
-    padded = replace(plan, index=pad(plan.index), weight=pad(plan.weight), step_mask=pad(plan.step_mask),
-                     steps_per_epoch=target)
-    return CohortInputs(plan=padded, keys=pad(inputs.keys), noise={n: pad(v) for n, v in inputs.noise.items()},
-                        states=inputs.states, buffers=inputs.buffers)
+    padded = replace(
+        plan,
+        index=pad(plan.index),
+        weight=pad(plan.weight),
+        step_mask=pad(plan.step_mask),
+        steps_per_epoch=target,
+    )
+    return CohortInputs(
+        plan=padded,
+        keys=pad(inputs.keys),
+        noise={n: pad(v) for n, v in inputs.noise.items()},
+        states=inputs.states,
+        buffers=inputs.buffers,
+    )
 
 
 def finite_rows(upload: Any, num_clients: int) -> np.ndarray:
@@ -301,9 +390,14 @@ def finite_rows(upload: Any, num_clients: int) -> np.ndarray:
     cost a sizeable share of a fused round (docs/benchmarks.md, "Figures behind the engine's choices").
     One host sync for the whole upload.
     """
-    leaves = [leaf.reshape(num_clients, -1) for leaf in pytree.tree_leaves(upload)
-              if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == num_clients
-              and leaf.is_floating_point()]
+    leaves = [
+        leaf.reshape(num_clients, -1)
+        for leaf in pytree.tree_leaves(upload)
+        if isinstance(leaf, Tensor)
+        and leaf.dim() > 0
+        and leaf.shape[0] == num_clients
+        and leaf.is_floating_point()
+    ]
     if not leaves:
         return np.ones(num_clients, dtype=bool)
     sums = torch.stack([leaf.sum(dim=1, dtype=torch.float32) for leaf in leaves])  # [L, C]
@@ -315,13 +409,27 @@ def finite_rows(upload: Any, num_clients: int) -> np.ndarray:
 
 def take_rows(tree: Any, rows: Tensor) -> Any:
     """The pytree with only `rows` of every tensor's leading (client) axis (and of SpilledStates)."""
-    return pytree.tree_map(lambda t: t.index_select(0, rows.to(t.device)) if isinstance(t, Tensor)
-                           and t.dim() > 0 else t.take(rows) if isinstance(t, SpilledStates) else t, tree)
+    return pytree.tree_map(
+        lambda t: (
+            t.index_select(0, rows.to(t.device))
+            if isinstance(t, Tensor) and t.dim() > 0
+            else t.take(rows)
+            if isinstance(t, SpilledStates)
+            else t
+        ),
+        tree,
+    )
 
 
-def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_size: int,
-                  noise_of: Callable[[np.ndarray], dict[str, Tensor]], states_of: Callable[[np.ndarray], Any],
-                  spill_dir: Path | None = None, reduce: Callable[[Any], Any] | None = None) -> ClientOut:
+def stream_cohort(
+    job: CohortJob,
+    run: Callable[[CohortJob], ClientOut],
+    group_size: int,
+    noise_of: Callable[[np.ndarray], dict[str, Tensor]],
+    states_of: Callable[[np.ndarray], Any],
+    spill_dir: Path | None = None,
+    reduce: Callable[[Any], Any] | None = None,
+) -> ClientOut:
     """The cohort's local training in groups of `group_size` similar-length clients (longest first:
     in_chunks' groups), each group's noise and client states made only when it runs.
 
@@ -346,7 +454,9 @@ def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_s
     spec: Any = None
     sums: Any = None
     finite, nbytes = np.ones(num_clients, dtype=bool), 0.0
-    states: SpilledStates | list[tuple[np.ndarray, Any]] = [] if spill_dir is None else SpilledStates(spill_dir)
+    states: SpilledStates | list[tuple[np.ndarray, Any]] = (
+        [] if spill_dir is None else SpilledStates(spill_dir)
+    )
     for start in range(0, num_clients, group_size):
         rows = order[start : start + group_size]
         job.at_safe_point()
@@ -360,16 +470,26 @@ def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_s
         if reduce is not None:
             keep = finite_rows(out.upload, len(rows))
             finite[rows] = keep
-            nbytes += float(job.alg.upload_nbytes(out.upload) if job.alg.upload_nbytes else tree_nbytes(out.upload))
+            nbytes += float(
+                job.alg.upload_nbytes(out.upload) if job.alg.upload_nbytes else tree_nbytes(out.upload)
+            )
             if keep.any():
-                part = reduce(out.upload if keep.all() else take_rows(out.upload, torch.from_numpy(np.flatnonzero(keep))))
+                part = reduce(
+                    out.upload
+                    if keep.all()
+                    else take_rows(out.upload, torch.from_numpy(np.flatnonzero(keep)))
+                )
                 sums = part if sums is None else pytree.tree_map(torch.add, sums, part)
                 del part
             out = out._replace(upload={})
         leaves, spec = pytree.tree_flatten((out.upload, out.metrics))
         if merged is None:
-            merged = [None if leaf is None else torch.empty((num_clients, *leaf.shape[1:]), dtype=leaf.dtype,
-                                                            device=leaf.device) for leaf in leaves]
+            merged = [
+                None
+                if leaf is None
+                else torch.empty((num_clients, *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
+                for leaf in leaves
+            ]
         take = RowIndex(rows)
         for into, leaf in zip(merged, leaves, strict=True):
             if into is not None:
@@ -389,7 +509,9 @@ def stream_cohort(job: CohortJob, run: Callable[[CohortJob], ClientOut], group_s
     if isinstance(states, SpilledStates):
         return ClientOut(upload=upload, state=states, metrics=metrics)
     take = RowIndex(np.argsort(np.concatenate([r for r, _ in states]), kind="stable"))  # as merge_outs
-    state = pytree.tree_map(lambda *xs: None if xs[0] is None else take(torch.cat(xs)), *[s for _, s in states])
+    state = pytree.tree_map(
+        lambda *xs: None if xs[0] is None else take(torch.cat(xs)), *[s for _, s in states]
+    )
     return ClientOut(upload=upload, state=state, metrics=metrics)
 
 
@@ -424,18 +546,24 @@ class SpilledStates:
         folder.mkdir(parents=True, exist_ok=True)
         self.file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115  # closed with this object
         self.spec: Any = None
-        self.meta: list[tuple[torch.dtype, tuple[int, ...], int]] = []  # per leaf: dtype, row shape, row bytes
+        self.meta: list[
+            tuple[torch.dtype, tuple[int, ...], int]
+        ] = []  # per leaf: dtype, row shape, row bytes
         self.where: dict[int, list[int]] = {}  # cohort row -> file offset of each leaf's row
         self.order: np.ndarray | None = None  # take(): positions into the original rows
 
     def write(self, rows: np.ndarray, stacked: Any) -> None:
         leaves, self.spec = pytree.tree_flatten(stacked)
         if not self.meta:
-            self.meta = [(leaf.dtype, tuple(leaf.shape[1:]), leaf[0].numel() * leaf.element_size()) for leaf in leaves]
+            self.meta = [
+                (leaf.dtype, tuple(leaf.shape[1:]), leaf[0].numel() * leaf.element_size()) for leaf in leaves
+            ]
         offset = self.file.seek(0, os.SEEK_END)
         for j, row in enumerate(rows):
-            self.where[int(row)] = [offset + sum(m[2] for m in self.meta[:i]) * len(rows) + j * self.meta[i][2]
-                                    for i in range(len(leaves))]
+            self.where[int(row)] = [
+                offset + sum(m[2] for m in self.meta[:i]) * len(rows) + j * self.meta[i][2]
+                for i in range(len(leaves))
+            ]
         for leaf in leaves:
             self.file.write(leaf.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         self.file.flush()
@@ -454,7 +582,13 @@ class SpilledStates:
         fd = self.file.fileno()
         leaves = []
         for i, (dtype, shape, nbytes) in enumerate(self.meta):
-            parts = [torch.frombuffer(bytearray(os.pread(fd, nbytes, self.where[r][i])), dtype=dtype).reshape(shape)
-                     if nbytes else torch.empty(shape, dtype=dtype) for r in source]
+            parts = [
+                torch.frombuffer(bytearray(os.pread(fd, nbytes, self.where[r][i])), dtype=dtype).reshape(
+                    shape
+                )
+                if nbytes
+                else torch.empty(shape, dtype=dtype)
+                for r in source
+            ]
             leaves.append(torch.stack(parts))
         return pytree.tree_unflatten(leaves, self.spec)

@@ -70,8 +70,10 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_S = 1800.0  # a collective waits this long for a rank that hangs (a dead one is noticed at once)
 LAUNCH = "torchrun --nproc-per-node K -m fedcli train ... --executor distributed"
-NOT_LAUNCHED = (f"--executor distributed runs one process per rank under torchrun; launch it with `{LAUNCH}` "
-                "(across hosts add --nnodes and --rdzv-endpoint), or pick another --executor.")
+NOT_LAUNCHED = (
+    f"--executor distributed runs one process per rank under torchrun; launch it with `{LAUNCH}` "
+    "(across hosts add --nnodes and --rdzv-endpoint), or pick another --executor."
+)
 
 
 class RankLost(FedcliError):
@@ -139,10 +141,14 @@ class Peers:
     def _guard(self, collective: Callable[[], Any], during: str) -> None:
         try:
             collective()
-        except RuntimeError as err:  # DistBackendError, DistNetworkError: a peer died, hangs or is unreachable
+        except (
+            RuntimeError
+        ) as err:  # DistBackendError, DistNetworkError: a peer died, hangs or is unreachable
             self.lost = True
             who = "rank 0" if not self.is_leader else f"another of the {self.world_size} ranks"
-            raise RankLost(f"lost contact with {who} {during} ({_first_line(err)}); every rank stops.") from None
+            raise RankLost(
+                f"lost contact with {who} {during} ({_first_line(err)}); every rank stops."
+            ) from None
 
 
 def lost_hint(lost: RankLost, run_id: str | None, world_size: int, store_options: str = "") -> RankLost:
@@ -150,9 +156,11 @@ def lost_hint(lost: RankLost, run_id: str | None, world_size: int, store_options
     if not run_id:
         return lost
     resume = f"train --resume {run_id[:8]}{store_options}"
-    return RankLost(f"{lost} Run {run_id[:8]} is marked failed; continue it from its newest checkpoint with "
-                    f"`torchrun --nproc-per-node {world_size} -m fedcli {resume} --executor distributed` "
-                    f"(or in one process: `fedcli {resume} --executor auto`).")
+    return RankLost(
+        f"{lost} Run {run_id[:8]} is marked failed; continue it from its newest checkpoint with "
+        f"`torchrun --nproc-per-node {world_size} -m fedcli {resume} --executor distributed` "
+        f"(or in one process: `fedcli {resume} --executor auto`)."
+    )
 
 
 def _first_line(err: BaseException) -> str:
@@ -185,8 +193,10 @@ def launch_env() -> tuple[int, int, int, int] | None:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         local_rank, local_world = int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", world))
     except ValueError:
-        raise ConfigError(f"RANK, WORLD_SIZE, LOCAL_RANK must be integers; got RANK={env['RANK']!r}, "
-                          f"WORLD_SIZE={env['WORLD_SIZE']!r}. {NOT_LAUNCHED}") from None
+        raise ConfigError(
+            f"RANK, WORLD_SIZE, LOCAL_RANK must be integers; got RANK={env['RANK']!r}, "
+            f"WORLD_SIZE={env['WORLD_SIZE']!r}. {NOT_LAUNCHED}"
+        ) from None
     return rank, world, local_rank, local_world
 
 
@@ -214,9 +224,11 @@ def join(timeout_s: float = TIMEOUT_S) -> Peers:
         except ValueError as err:  # env:// without MASTER_ADDR / MASTER_PORT
             raise ConfigError(f"{_first_line(err)}. {NOT_LAUNCHED}") from None
         except RuntimeError as err:
-            raise RankLost(f"rank {rank} could not join the {world} ranks within {timeout_s:.0f} s "
-                           f"({_first_line(err)}); check that every rank was started with the same "
-                           "MASTER_ADDR / --rdzv-endpoint.") from None
+            raise RankLost(
+                f"rank {rank} could not join the {world} ranks within {timeout_s:.0f} s "
+                f"({_first_line(err)}); check that every rank was started with the same "
+                "MASTER_ADDR / --rdzv-endpoint."
+            ) from None
     log.debug("rank %d of %d joined (local rank %d)", rank, world, local_rank)
     return Peers(rank, world, local_rank, local_world)
 
@@ -262,9 +274,13 @@ def placement(cfg: RunConfig, device: torch.device, peers: Peers | None) -> tupl
     if device.type != "cuda":
         return device, threads
     if cfg.train.device.startswith("cuda:"):
-        raise ConfigError(f"train.device={cfg.train.device!r} with --executor distributed: each rank takes the GPU "
-                          "of its LOCAL_RANK; use --device cuda (or auto).")
+        raise ConfigError(
+            f"train.device={cfg.train.device!r} with --executor distributed: each rank takes the GPU "
+            "of its LOCAL_RANK; use --device cuda (or auto)."
+        )
     if peers.local_rank >= torch.cuda.device_count():
-        raise ConfigError(f"LOCAL_RANK={peers.local_rank} but this host has {torch.cuda.device_count()} GPU(s); "
-                          "start at most one rank per GPU (--nproc-per-node), or use --device cpu.")
+        raise ConfigError(
+            f"LOCAL_RANK={peers.local_rank} but this host has {torch.cuda.device_count()} GPU(s); "
+            "start at most one rank per GPU (--nproc-per-node), or use --device cpu."
+        )
     return torch.device("cuda", peers.local_rank), threads

@@ -58,7 +58,9 @@ if TYPE_CHECKING:
 
 ECE_BINS = 15
 PROBE_CHUNK = 64  # examples of an evaluation's first chunk
-OUTPUT_BUDGET = 1 << 25  # output elements per evaluation chunk (128 MiB of float32): chunks shrink below `chunk`
+OUTPUT_BUDGET = (
+    1 << 25
+)  # output elements per evaluation chunk (128 MiB of float32): chunks shrink below `chunk`
 # bytes of every tensor the forward makes for one chunk (its activations, summed, views included): an upper
 # bound of what a chunk holds at once: a chunk of 2,048 EMNIST images through the CNN makes all its
 # convolution activations at once, and such chunks set a run's memory peak (docs/scaling.md, "Client state").
@@ -90,9 +92,18 @@ def eval_sample_index(num_examples: int, sample: int) -> np.ndarray | None:
 
 
 @torch.no_grad()
-def evaluate(task: Task, fns: ModelFunctions, params: Params, x: Tensor, y: Tensor,
-             optimum: Tensor | None = None, chunk: int = 2048, *, calibration: bool = False,
-             index: np.ndarray | None = None) -> dict[str, float]:
+def evaluate(
+    task: Task,
+    fns: ModelFunctions,
+    params: Params,
+    x: Tensor,
+    y: Tensor,
+    optimum: Tensor | None = None,
+    chunk: int = 2048,
+    *,
+    calibration: bool = False,
+    index: np.ndarray | None = None,
+) -> dict[str, float]:
     """Return the task's `eval/*` metrics of `params` on (x, y); see the module docstring.
 
     Args:
@@ -105,18 +116,37 @@ def evaluate(task: Task, fns: ModelFunctions, params: Params, x: Tensor, y: Tens
         calibration: Add `eval/nll`, `eval/brier`, `eval/ece` for classification tasks.
         index: Evaluate only these examples of (x, y) (the --eval-sample, `eval_sample_index`); None = all.
     """
-    metrics = evaluate_predictions(task, lambda xb: fns.apply_fn(params, xb), fns.prepare, x, y,
-                                   device=next(iter(params.values())).device, chunk=chunk, calibration=calibration,
-                                   index=index)
+    metrics = evaluate_predictions(
+        task,
+        lambda xb: fns.apply_fn(params, xb),
+        fns.prepare,
+        x,
+        y,
+        device=next(iter(params.values())).device,
+        chunk=chunk,
+        calibration=calibration,
+        index=index,
+    )
     if optimum is not None:
-        metrics["eval/dist_to_opt"] = float(torch.linalg.vector_norm(flatten(params) - optimum.to(flatten(params).device)))
+        metrics["eval/dist_to_opt"] = float(
+            torch.linalg.vector_norm(flatten(params) - optimum.to(flatten(params).device))
+        )
     return metrics
 
 
 @torch.no_grad()
-def evaluate_predictions(task: Task, predict: Predict, prepare: Callable[[Tensor], Tensor], x: Tensor, y: Tensor,
-                         *, device: torch.device, chunk: int = 2048, calibration: bool = False,
-                         index: np.ndarray | None = None) -> dict[str, float]:
+def evaluate_predictions(
+    task: Task,
+    predict: Predict,
+    prepare: Callable[[Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    *,
+    device: torch.device,
+    chunk: int = 2048,
+    calibration: bool = False,
+    index: np.ndarray | None = None,
+) -> dict[str, float]:
     """Metrics of any predictor (a model, or a posterior ensemble) on (x, y) or its examples `index`,
     chunk by chunk (each chunk gathered by itself: the split is never copied whole)."""
     acc = _Accumulator(task, calibration)
@@ -140,7 +170,9 @@ def evaluate_predictions(task: Task, predict: Predict, prepare: Callable[[Tensor
         done += len(ys)
         # bound each chunk's outputs (next-token logits are [B, T, V]: 2,048 x 20 x 10,004 floats were 1.6 GB)
         # and everything its forward makes (ACTIVATION_BUDGET), both measured on the first chunk
-        size = max(1, min(chunk, OUTPUT_BUDGET // max(1, out[:1].numel()), ACTIVATION_BUDGET // max(1, per_example)))
+        size = max(
+            1, min(chunk, OUTPUT_BUDGET // max(1, out[:1].numel()), ACTIVATION_BUDGET // max(1, per_example))
+        )
     return acc.result()
 
 
@@ -190,8 +222,9 @@ class _Accumulator:
         bins = (torch.ceil(conf * ECE_BINS).long() - 1).clamp(0, ECE_BINS - 1).cpu().numpy()
         self.bin_count += np.bincount(bins, minlength=ECE_BINS)
         self.bin_conf += np.bincount(bins, weights=conf.cpu().numpy(), minlength=ECE_BINS)
-        self.bin_correct += np.bincount(bins, weights=(pred == yb).cpu().numpy().astype(np.float64),
-                                        minlength=ECE_BINS)
+        self.bin_correct += np.bincount(
+            bins, weights=(pred == yb).cpu().numpy().astype(np.float64), minlength=ECE_BINS
+        )
 
     def result(self) -> dict[str, float]:
         n = max(self.count, 1)
@@ -228,8 +261,11 @@ def kind_metrics(task: Task) -> MetricFns | None:
     if task.kind == "multilabel":
         return MULTILABEL
     if task.kind == "next_token":
-        warnings.warn(f"task {task.name} declares no special token ids; next-token accuracy counts every "
-                      "non-pad (id 0) token", stacklevel=2)
+        warnings.warn(
+            f"task {task.name} declares no special token ids; next-token accuracy counts every "
+            "non-pad (id 0) token",
+            stacklevel=2,
+        )
         return next_token(pad_id=0, special_ids=())
     return None
 
@@ -251,12 +287,16 @@ def sample_posterior(mean: Params, var: Params, num_samples: int, generator: tor
         for key in sorted(mean):
             eps = torch.randn(mean[key].shape, generator=generator, dtype=torch.float64)
             std = var[key].clamp_min(0).to(torch.float64).sqrt().cpu()
-            member[key] = (mean[key].cpu().to(torch.float64) + std * eps).to(mean[key].dtype).to(mean[key].device)
+            member[key] = (
+                (mean[key].cpu().to(torch.float64) + std * eps).to(mean[key].dtype).to(mean[key].device)
+            )
         members.append({k: member[k] for k in mean})
     return members
 
 
-def ensemble_predict(task: Task, apply_fn: Callable[[Params, Tensor], Tensor], members: Sequence[Params]) -> Predict:
+def ensemble_predict(
+    task: Task, apply_fn: Callable[[Params, Tensor], Tensor], members: Sequence[Params]
+) -> Predict:
     """The posterior predictive of `members` in output form (see the module docstring)."""
     log_k = math.log(len(members))
 
@@ -275,9 +315,17 @@ def ensemble_predict(task: Task, apply_fn: Callable[[Params, Tensor], Tensor], m
 
 
 @torch.no_grad()
-def evaluate_clients(task: Task, predict: Predict, prepare: Callable[[Tensor], Tensor], x: Tensor, y: Tensor,
-                     client_indices: Sequence[np.ndarray], *, device: torch.device, chunk: int = 2048
-                     ) -> list[dict[str, float]]:
+def evaluate_clients(
+    task: Task,
+    predict: Predict,
+    prepare: Callable[[Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    client_indices: Sequence[np.ndarray],
+    *,
+    device: torch.device,
+    chunk: int = 2048,
+) -> list[dict[str, float]]:
     """Metrics of `predict` on each client's examples (clients without examples are skipped).
 
     Streams: consecutive clients share chunks of at most `chunk` examples (a larger client spans
@@ -312,8 +360,9 @@ def evaluate_clients(task: Task, predict: Predict, prepare: Callable[[Tensor], T
     return [acc.result() for acc in accs]
 
 
-def summarize_clients(per_client: Sequence[dict[str, float]], lower_is_better: Callable[[str], bool]
-                      ) -> dict[str, float]:
+def summarize_clients(
+    per_client: Sequence[dict[str, float]], lower_is_better: Callable[[str], bool]
+) -> dict[str, float]:
     """Distribution over clients of each metric: unweighted mean, std (ddof 0), worst 10%.
 
     `<name>_worst10` is the mean over the worst ceil(10% of clients) clients (lowest accuracy,
@@ -328,8 +377,13 @@ def summarize_clients(per_client: Sequence[dict[str, float]], lower_is_better: C
             values = values[::-1]
         worst = values[: max(1, math.ceil(0.1 * len(values)))]
         name = key.split("/", 1)[-1]
-        out.update({f"client/{name}_mean": float(values.mean()), f"client/{name}_std": float(values.std()),
-                    f"client/{name}_worst10": float(worst.mean())})
+        out.update(
+            {
+                f"client/{name}_mean": float(values.mean()),
+                f"client/{name}_std": float(values.std()),
+                f"client/{name}_worst10": float(worst.mean()),
+            }
+        )
     out["client/clients"] = float(len(per_client))
     return out
 
@@ -347,8 +401,16 @@ class SplitEvaluation:
 
 
 @torch.no_grad()
-def evaluate_split(setup: Setup, predict: Predict, *, split: str, per_client: bool = False,
-                   params: Params | None = None, chunk: int = 2048, sample: int = 0) -> SplitEvaluation:
+def evaluate_split(
+    setup: Setup,
+    predict: Predict,
+    *,
+    split: str,
+    per_client: bool = False,
+    params: Params | None = None,
+    chunk: int = 2048,
+    sample: int = 0,
+) -> SplitEvaluation:
     """Evaluate `predict` on a run's `test` split or its clients' `train` examples.
 
     With `per_client`, clients are the run's partition clients: on `test` each client's own
@@ -368,10 +430,13 @@ def evaluate_split(setup: Setup, predict: Predict, *, split: str, per_client: bo
         own = np.concatenate(list(fed.client_indices)) if fed.num_clients else np.zeros(0, dtype=np.int64)
         sampled = eval_sample_index(len(own), sample)
         index = own if sampled is None else own[sampled]
-    metrics = evaluate_predictions(setup.task, predict, prepare, x, y, device=setup.device, chunk=chunk,
-                                   calibration=True, index=index)
+    metrics = evaluate_predictions(
+        setup.task, predict, prepare, x, y, device=setup.device, chunk=chunk, calibration=True, index=index
+    )
     if params is not None and data.optimum is not None:
-        metrics["eval/dist_to_opt"] = float(torch.linalg.vector_norm(flatten(params).cpu() - data.optimum.cpu()))
+        metrics["eval/dist_to_opt"] = float(
+            torch.linalg.vector_norm(flatten(params).cpu() - data.optimum.cpu())
+        )
     if not per_client:
         return SplitEvaluation(metrics, {}, None)
     test_indices = getattr(data, "test_client_indices", None)

@@ -104,8 +104,11 @@ class GracefulSignals:
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.pending is not None:  # a second Ctrl-C/SIGTERM must not cut the orderly stop short
-            log.warning("already stopping (%s): the run stops at its next safe point and checkpoints; "
-                        "SIGKILL stops at once", signal.Signals(self.pending).name)
+            log.warning(
+                "already stopping (%s): the run stops at its next safe point and checkpoints; "
+                "SIGKILL stops at once",
+                signal.Signals(self.pending).name,
+            )
             return
         self.pending = signum
         if self._immediate:  # set-up: nothing written yet, nothing to keep consistent

@@ -31,8 +31,15 @@ from fedcli.algorithms.optim import LocalResult, local_objective, local_sgd, sca
 Trainer = Callable[[ClientContext, LocalSGD, OptimConfig], LocalResult]
 
 
-def run_client(alg: Algorithm, ctx: ClientContext, broadcast: Any, state: Any, hp: Any, opt: OptimConfig,
-               trainer: Trainer | None = None) -> ClientOut:
+def run_client(
+    alg: Algorithm,
+    ctx: ClientContext,
+    broadcast: Any,
+    state: Any,
+    hp: Any,
+    opt: OptimConfig,
+    trainer: Trainer | None = None,
+) -> ClientOut:
     """Run one client: request -> trainer (default: autograd) -> finish, or the algorithm's client_update."""
     local = alg.local
     if local is None:
@@ -90,11 +97,17 @@ class CompiledStep:
                 terms = LocalSGD(start=start, prox_mu=mu, linear=linear if has_linear else None)
                 return scaled_objective(local_objective(loss_fn, terms))(params, batch, coef)
 
-            fn = self.compiled[key] = torch.compile(torch.func.grad(step, has_aux=True), dynamic=False,
-                                                    backend=self.backend)
+            fn = self.compiled[key] = torch.compile(
+                torch.func.grad(step, has_aux=True), dynamic=False, backend=self.backend
+            )
         start, linear = request.start, request.linear or {}
-        return local_sgd(ctx, request.start, opt, average_epochs=request.average_epochs,
-                         grad_step=lambda params, batch, coef: fn(params, batch, coef, start, linear))
+        return local_sgd(
+            ctx,
+            request.start,
+            opt,
+            average_epochs=request.average_epochs,
+            grad_step=lambda params, batch, coef: fn(params, batch, coef, start, linear),
+        )
 
 
 def eager_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -107,7 +120,8 @@ def eager_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
             value, aux = fn(leaves, *rest)
             grads = torch.autograd.grad(value, list(leaves.values()))
         return dict(zip(leaves, grads, strict=True)), pytree.tree_map(
-            lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
+            lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux
+        )
 
     return grad
 
@@ -136,7 +150,9 @@ class CarryingStats:
         objective = scaled_objective(local_objective(ctx.loss_fn, request))
         stats = self.stats
 
-        def carried(params: Params, batch: Batch, coef: torch.Tensor, buffers: dict[str, torch.Tensor]) -> Any:
+        def carried(
+            params: Params, batch: Batch, coef: torch.Tensor, buffers: dict[str, torch.Tensor]
+        ) -> Any:
             own = {k: v.clone() for k, v in buffers.items()}
             stats.client = own
             try:

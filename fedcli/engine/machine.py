@@ -25,8 +25,10 @@ def available_cores() -> int:
 
 def _cgroup_cpu_quota() -> float | None:
     """CPUs allowed by the cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), or None when unlimited."""
-    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
-                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+    for quota_file, period_file in (
+        ("/sys/fs/cgroup/cpu.max", None),
+        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+    ):
         try:
             text = open(quota_file).read().split()
             if period_file is None:

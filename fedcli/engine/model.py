@@ -46,7 +46,9 @@ class ModelFunctions:
     client_stats: ClientStats | None = None
 
 
-def model_functions(task: Task, model: nn.Module, data: FederatedData, bn_stats: str = "aggregate") -> ModelFunctions:
+def model_functions(
+    task: Task, model: nn.Module, data: FederatedData, bn_stats: str = "aggregate"
+) -> ModelFunctions:
     """Build apply/loss functions around `model` with torch.func.functional_call.
 
     The dropout key goes to forward only when its signature names `key` (a user's model may not:
@@ -66,7 +68,9 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData, bn_stats:
     if bn_stats not in BN_STATS:
         raise ConfigError(f"train.bn_stats must be one of {', '.join(BN_STATS)}; got {bn_stats!r}.")
     for m in norms:
-        m.track_running_stats = False  # batch statistics, no buffer written, unless a client carries them (ClientStats)
+        m.track_running_stats = (
+            False  # batch statistics, no buffer written, unless a client carries them (ClientStats)
+        )
     carried = ClientStats(model, norms, bn_stats) if norms and bn_stats != "estimate" else None
     stats = BatchNormStats(model, task, data, norms) if norms and carried is None else None
 
@@ -76,7 +80,9 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData, bn_stats:
                 return torch.func.functional_call(model, params, (x,))
         if stats is not None:
             stats.update(params)
-        tensors = params if carried is None else {**params, **carried.current}  # eval mode: the global statistics
+        tensors = (
+            params if carried is None else {**params, **carried.current}
+        )  # eval mode: the global statistics
         model.eval()
         try:
             with StockLayers(None) if stock else nullcontext():
@@ -88,11 +94,15 @@ def model_functions(task: Task, model: nn.Module, data: FederatedData, bn_stats:
         own = None if carried is None else carried.client  # set only inside a carrying trainer's step
         tensors = params if own is None else {**params, **own}
         with StockLayers(batch.key) if stock else nullcontext(), tracking(norms, own is not None):
-            output = torch.func.functional_call(model, tensors, (batch.x,), {"key": batch.key} if keyed else {})
+            output = torch.func.functional_call(
+                model, tensors, (batch.x,), {"key": batch.key} if keyed else {}
+            )
         losses = per_example_loss(task, output, batch.x, batch.y)  # [B]
         return (losses * batch.weight).sum() / batch.weight.sum().clamp_min(1.0)
 
-    return ModelFunctions(apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare, client_stats=carried)
+    return ModelFunctions(
+        apply_fn=apply_fn, loss_fn=loss_fn, data=data, prepare=task.prepare, client_stats=carried
+    )
 
 
 BN_STATS = ("aggregate", "local", "estimate")  # train.bn_stats (docs/bring-your-own.md, "BatchNorm")
@@ -115,8 +125,13 @@ class ClientStats:
     def __init__(self, model: nn.Module, norms: list[_BatchNorm], mode: str) -> None:
         self.mode = mode
         ids = {id(m) for m in norms}
-        self.names = tuple(f"{prefix}.{name}" if prefix else name for prefix, m in model.named_modules()
-                           if id(m) in ids for name in RUNNING if getattr(m, name, None) is not None)
+        self.names = tuple(
+            f"{prefix}.{name}" if prefix else name
+            for prefix, m in model.named_modules()
+            if id(m) in ids
+            for name in RUNNING
+            if getattr(m, name, None) is not None
+        )
         buffers = dict(model.named_buffers())
         self.current: dict[str, Tensor] = {k: buffers[k].detach().clone() for k in self.names}
         self.client: dict[str, Tensor] | None = None
@@ -131,8 +146,11 @@ class ClientStats:
             self.store = ClientStateStore(lambda: {k: v.clone() for k, v in initial.items()})
         # momentum=None (a cumulative average): BatchNorm reads its count as a Python number, which vmap
         # cannot; `cumulative_momenta` sets one factor for the step, `cumulative_fix` each client's own
-        self.cumulative = [(m, f"{prefix}." if prefix else "")
-                           for prefix, m in model.named_modules() if id(m) in ids and m.momentum is None]
+        self.cumulative = [
+            (m, f"{prefix}." if prefix else "")
+            for prefix, m in model.named_modules()
+            if id(m) in ids and m.momentum is None
+        ]
 
     def cumulative_momenta(self, step: int) -> tracking_momenta:
         """Inside the block, each momentum=None BatchNorm uses 1 / (its global count + step + 1): what
@@ -142,7 +160,9 @@ class ClientStats:
     def _factor(self, prefix: str, step: int) -> float:
         return 1.0 / (int(self.current[prefix + "num_batches_tracked"]) + step + 1)
 
-    def cumulative_fix(self, before: dict[str, Tensor], own: dict[str, Tensor], step: int) -> dict[str, Tensor]:
+    def cumulative_fix(
+        self, before: dict[str, Tensor], own: dict[str, Tensor], step: int
+    ) -> dict[str, Tensor]:
         """`own` with each momentum=None BatchNorm's statistics at the client's own factor, 1 / (its count
         + 1): where masked steps came before (a shorter client's epoch), the step's shared factor f
         was not its; the batch statistic is recovered from the update (b = (own - (1 - f) old) / f)."""
@@ -164,7 +184,9 @@ class ClientStats:
             return dict(self.store.gather(cohort, device))
         return {k: v.unsqueeze(0).expand(len(cohort), *v.shape).clone() for k, v in self.current.items()}
 
-    def update(self, cohort: Any, seen: Any, start: dict[str, Tensor], new: dict[str, Tensor], weights: Tensor) -> None:
+    def update(
+        self, cohort: Any, seen: Any, start: dict[str, Tensor], new: dict[str, Tensor], weights: Tensor
+    ) -> None:
         """The round's kept clients' final statistics `new` [C, ...] (`start`: theirs at its start; `seen`:
         [C] bool, the client had stored statistics before; `weights`: [C] examples): aggregate, the
         global ones become their example-weighted mean; local, each client stores its own and the
@@ -181,7 +203,9 @@ class ClientStats:
             self.sum[k] = self.sum[k] + added if k in self.sum else added
         self.weight += float(n[~old].sum())
         mean = {k: s / self.weight for k, s in self.sum.items()}
-        self.current = {k: (m if new[k].is_floating_point() else m.round()).to(new[k].dtype) for k, m in mean.items()}
+        self.current = {
+            k: (m if new[k].is_floating_point() else m.round()).to(new[k].dtype) for k, m in mean.items()
+        }
 
     def snapshot(self) -> dict[str, Tensor]:
         """What a checkpoint keeps (tensors by name): the global statistics; local, also the running
@@ -201,8 +225,10 @@ class ClientStats:
             ConfigError: `buffers` lacks one of this model's statistics or has another shape.
         """
         if any(k not in buffers or buffers[k].shape != self.current[k].shape for k in self.names):
-            raise ConfigError(f"{what} holds BatchNorm statistics of another model ({len(buffers)} buffers, this "
-                              f"model has {len(self.names)}); use the model the run trained.")
+            raise ConfigError(
+                f"{what} holds BatchNorm statistics of another model ({len(buffers)} buffers, this "
+                f"model has {len(self.names)}); use the model the run trained."
+            )
         self.current = {k: buffers[k].to(self.current[k].device, self.current[k].dtype) for k in self.names}
         if self.store is None or "weight" not in buffers:
             return
@@ -285,9 +311,11 @@ class BatchNormStats:
         try:
             with torch.no_grad():
                 for start in range(0, len(self.index), self.BATCH):
-                    x, _ = self.data.take(self.index[start: start + self.BATCH])
+                    x, _ = self.data.take(self.index[start : start + self.BATCH])
                     x = self.prepare(x).to(self.data.dtype)
-                    with StockLayers(torch.zeros((), dtype=torch.int64, device=x.device)):  # fixed dropout masks
+                    with StockLayers(
+                        torch.zeros((), dtype=torch.int64, device=x.device)
+                    ):  # fixed dropout masks
                         torch.func.functional_call(self.model, {**params, **buffers}, (x,))
         finally:
             for m, momentum in zip(self.norms, momenta, strict=True):
@@ -304,16 +332,20 @@ def with_precision(fns: ModelFunctions, precision: str, device: torch.device) ->
     back end, whose dense trainer is fp32 only, refuses bf16 (backends/fused.py).
     """
     if precision == "tf32" and device.type != "cuda":
-        raise ConfigError(f"train.precision='tf32' needs a CUDA device; got device {device}. "
-                          "Use --precision bf16 on a CPU, or fp32.")
+        raise ConfigError(
+            f"train.precision='tf32' needs a CUDA device; got device {device}. "
+            "Use --precision bf16 on a CPU, or fp32."
+        )
     if device.type == "cuda":
         cuda_tf32_flags(precision)
     if precision in ("fp32", "tf32"):
         return fns
     if device.type == "cpu" and not _native_bf16_cpu():
-        log.warning("train.precision='bf16' on a CPU without native bf16 (no avx512_bf16/amx_bf16 flag): "
-                    "PyTorch emulates it, and its convolutions fall back to a slow reference kernel (8x slower "
-                    "than fp32 in make bench on such a CPU); use --precision fp32 here.")
+        log.warning(
+            "train.precision='bf16' on a CPU without native bf16 (no avx512_bf16/amx_bf16 flag): "
+            "PyTorch emulates it, and its convolutions fall back to a slow reference kernel (8x slower "
+            "than fp32 in make bench on such a CPU); use --precision fp32 here."
+        )
     loss_fn, apply_fn = fns.loss_fn, fns.apply_fn
 
     def bf16_loss(params: dict[str, Tensor], batch: Any) -> Tensor:
@@ -349,8 +381,9 @@ def _native_bf16_cpu() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def build_user_model(cfg: RunConfig, task: Task, data: TaskData, *, on_change: str = "refuse"
-                     ) -> tuple[Task, nn.Module, RunConfig]:
+def build_user_model(
+    cfg: RunConfig, task: Task, data: TaskData, *, on_change: str = "refuse"
+) -> tuple[Task, nn.Module, RunConfig]:
     """Your own model (`data.model` = `module:factory`, datasets/yours/model.py), built and checked.
 
     Checks the source against the recorded sha256 (`on_change`: "refuse" for a run and its
@@ -368,7 +401,9 @@ def build_user_model(cfg: RunConfig, task: Task, data: TaskData, *, on_change: s
     ref = str(cfg.data.model)
     user_model.check_source(ref, cfg.data.model_sha256, on_change=on_change)
     num_classes = data.num_classes
-    if num_classes is None and task.kind == "classification":  # the loader does not say: the built-in model's outputs
+    if (
+        num_classes is None and task.kind == "classification"
+    ):  # the loader does not say: the built-in model's outputs
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             builtin = task.models[task.default_model]()
             num_classes = int(builtin(task.prepare(data.x[:1]).to(torch.float32)).shape[-1])
@@ -380,9 +415,17 @@ def build_user_model(cfg: RunConfig, task: Task, data: TaskData, *, on_change: s
 
     alg = ALGORITHMS.get(cfg.algorithm.name)  # the statistics are carried as engine/setup.py bn_stats_of says
     carry = cfg.train.bn_stats != "estimate" and alg is not None and alg.local is not None
-    user_model.check_model(ref, model, kind=task.kind, num_classes=num_classes, x=x, y=data.y[:8],
-                           loss=lambda out, xb, yb: per_example_loss(task, out, xb, yb), carry_stats=carry,
-                           precision=cfg.train.precision)
+    user_model.check_model(
+        ref,
+        model,
+        kind=task.kind,
+        num_classes=num_classes,
+        x=x,
+        y=data.y[:8],
+        loss=lambda out, xb, yb: per_example_loss(task, out, xb, yb),
+        carry_stats=carry,
+        precision=cfg.train.precision,
+    )
     cfg = replace(cfg, data=replace(cfg.data, model_args=user_model.encode_args(kwargs)))
     return user_model.with_model(task, ref, kwargs), model, cfg
 
@@ -397,5 +440,7 @@ def final_buffers(fns: ModelFunctions, model: nn.Module | None, params: Params) 
         buffers = {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
         return {**buffers, **{k: v.detach().cpu().clone() for k, v in fns.client_stats.current.items()}}
     on_device = {k: v.to(fns.data.device) for k, v in params.items()}
-    fns.apply_fn(on_device, fns.prepare(fns.data.x[:1].to(fns.data.device)).to(fns.data.dtype))  # estimates them for these parameters
+    fns.apply_fn(
+        on_device, fns.prepare(fns.data.x[:1].to(fns.data.device)).to(fns.data.dtype)
+    )  # estimates them for these parameters
     return {k: v.detach().cpu().clone() for k, v in model.named_buffers()}

@@ -56,8 +56,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[int, dict[str, float]], None]
 EvalHook = Callable[[int, dict[str, float]], bool]  # (round, its metrics) -> stop the run (pruned)
-CUMULATIVE = {"comm/bytes_up": "comm/cum_bytes_up", "comm/bytes_down": "comm/cum_bytes_down",
-              "time/round_s": "time/cum_train_s"}  # round metric -> its running total (x-axes of the curves)
+CUMULATIVE = {
+    "comm/bytes_up": "comm/cum_bytes_up",
+    "comm/bytes_down": "comm/cum_bytes_down",
+    "time/round_s": "time/cum_train_s",
+}  # round metric -> its running total (x-axes of the curves)
 
 
 class DivergenceError(FedcliError):
@@ -76,8 +79,12 @@ class Timing:
 
     def per_round(self) -> dict[str, float]:
         n = max(self.rounds, 1)
-        return {"train": self.train / n, "aggregate": self.aggregate / n,
-                "evaluate": self.evaluate / n, "tracking": self.tracking / n}
+        return {
+            "train": self.train / n,
+            "aggregate": self.aggregate / n,
+            "evaluate": self.evaluate / n,
+            "tracking": self.tracking / n,
+        }
 
 
 @dataclass
@@ -100,13 +107,16 @@ def plan_round(setup: Setup, round_idx: int, on_host: bool = False) -> RoundPlan
     """Sample the round's cohort and build its plan and step keys (on the run's device, or in
     pinned host memory with on_host, for a plan built ahead while the GPU trains)."""
     cfg = setup.cfg
-    cohort = sample_cohort(setup.fed.num_clients, cfg.train.clients_per_round, seed=cfg.seed, round_idx=round_idx)
+    cohort = sample_cohort(
+        setup.fed.num_clients, cfg.train.clients_per_round, seed=cfg.seed, round_idx=round_idx
+    )
     # largest local data first (ties by id): the clients still training at local step k are then a
     # prefix of the cohort, which the fused back end uses without permuting (results do not depend on it)
     cohort = cohort[np.argsort(-setup.fed.sizes[cohort], kind="stable")]
     rngs = numpy_rngs(cfg.seed, Stream.BATCH_ORDER, round_idx, cohort)
-    plan = setup.fed.plan(cohort, num_epochs=setup.opt.local_epochs, batch_size=cfg.train.batch_size, rngs=rngs,
-                          on_host=on_host)
+    plan = setup.fed.plan(
+        cohort, num_epochs=setup.opt.local_epochs, batch_size=cfg.train.batch_size, rngs=rngs, on_host=on_host
+    )
     keys = step_keys(cfg.seed, round_idx, cohort, plan.num_epochs * plan.steps_per_epoch)
     if on_host and setup.device.type == "cuda":
         keys = keys.pin_memory()
@@ -129,25 +139,33 @@ def prefetched(setup: Setup, round_idx: int) -> RoundPlan | None:
     return ahead.result() if isinstance(ahead, Future) else ahead
 
 
-def draw_noise(setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray, round_idx: int,
-               num_steps: int) -> dict[str, torch.Tensor]:
+def draw_noise(
+    setup: Setup, params: dict[str, torch.Tensor], cohort: np.ndarray, round_idx: int, num_steps: int
+) -> dict[str, torch.Tensor]:
     """Pre-draw each client's N(0, 1) noise from its own stream (shapes lead with S steps)."""
     if setup.alg.noise_shapes is None:
         return {}
     shapes = setup.alg.noise_shapes(params, setup.hp, num_steps)
     out: dict[str, torch.Tensor] = {}
     for slot, (name, shape) in enumerate(sorted(shapes.items()), start=1):
-        draws = [torch.randn(shape, generator=torch_generator(setup.cfg.seed, Stream.NOISE, round_idx, int(c), slot))
-                 for c in cohort]
+        draws = [
+            torch.randn(
+                shape, generator=torch_generator(setup.cfg.seed, Stream.NOISE, round_idx, int(c), slot)
+            )
+            for c in cohort
+        ]
         out[name] = torch.stack(draws).to(setup.device)
     return out
 
 
-STREAM_BUDGET = 64 * 2**20  # bytes: the loop makes a round's per-client inputs and outputs this many at a time
+STREAM_BUDGET = (
+    64 * 2**20
+)  # bytes: the loop makes a round's per-client inputs and outputs this many at a time
 
 
-def stream_group(setup: Setup, store: ClientStateStore, params: dict[str, torch.Tensor], num_clients: int,
-                 num_steps: int) -> int | None:
+def stream_group(
+    setup: Setup, store: ClientStateStore, params: dict[str, torch.Tensor], num_clients: int, num_steps: int
+) -> int | None:
     """How many clients' noise and states a round makes at once (cohort.stream_cohort), or None: the
     whole cohort's, the back end's own path. --cohort-chunk N on the in-process back ends that chunk
     (vmap, fused, graph): N, their own chunks, so results are unchanged; the loop (whose clients run
@@ -159,8 +177,11 @@ def stream_group(setup: Setup, store: ClientStateStore, params: dict[str, torch.
     if isinstance(backend, LoopBackend):
         shapes = setup.alg.noise_shapes(params, setup.hp, num_steps) if setup.alg.noise_shapes else {}
         layout = store.layout
-        state = 0 if layout is None else sum(int(np.prod(s)) * d.itemsize for s, d in zip(layout.shapes, layout.dtypes,
-                                                                                          strict=True))
+        state = (
+            0
+            if layout is None
+            else sum(int(np.prod(s)) * d.itemsize for s, d in zip(layout.shapes, layout.dtypes, strict=True))
+        )
         per_client = 4 * sum(int(np.prod(s)) for s in shapes.values()) + 2 * state + tree_nbytes(params)
         group = chunk or max(1, STREAM_BUDGET // max(per_client, 1))
     elif isinstance(backend, VmapBackend | FusedBackend | GraphedVmap):
@@ -176,8 +197,13 @@ def overlaps_host_work(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: int,
-                 interrupt: Callable[[], None] | None = None) -> Trained:
+def train_cohort(
+    setup: Setup,
+    state: Any,
+    store: ClientStateStore,
+    round_idx: int,
+    interrupt: Callable[[], None] | None = None,
+) -> Trained:
     """Sample the round's cohort and run its local training (no state changes: interruptible).
 
     `interrupt` (GracefulSignals.check) is called between the clients (`loop`) or cohort chunks
@@ -190,26 +216,49 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
     start = time.perf_counter()
     planned = prefetched(setup, round_idx) or plan_round(setup, round_idx)
     cohort, plan = planned.cohort, planned.plan.to(setup.device)
-    fns = setup.fns if plan.data is None else replace(setup.fns, data=plan.data)  # disk store: the cohort's examples
+    fns = (
+        setup.fns if plan.data is None else replace(setup.fns, data=plan.data)
+    )  # disk store: the cohort's examples
     ahead = None
-    if setup.fed.prefetches and round_idx < cfg.train.rounds:  # disk store: read the next cohort while this one trains
+    if (
+        setup.fed.prefetches and round_idx < cfg.train.rounds
+    ):  # disk store: read the next cohort while this one trains
         ahead = prefetcher().submit(plan_round, setup, round_idx + 1, setup.device.type == "cuda")
     bc = alg.broadcast(state, hp)
     params, steps = alg.global_params(state), plan.num_epochs * plan.steps_per_epoch
     group = stream_group(setup, store, params, len(cohort), steps)  # None: the whole cohort's inputs at once
-    carried = setup.fns.client_stats  # BatchNorm statistics the clients carry: the global ones, or (local) its own
-    seen = None if carried is None or carried.store is None else np.array([int(c) in carried.store for c in cohort])
+    carried = (
+        setup.fns.client_stats
+    )  # BatchNorm statistics the clients carry: the global ones, or (local) its own
+    seen = (
+        None
+        if carried is None or carried.store is None
+        else np.array([int(c) in carried.store for c in cohort])
+    )
     start_stats = None if carried is None else carried.start(cohort, setup.device)
-    inputs = CohortInputs(plan=plan, keys=planned.keys.to(setup.device, non_blocking=True),
-                          noise={} if group else draw_noise(setup, params, cohort, round_idx, steps),
-                          states=None if group else store.gather(cohort, setup.device),
-                          buffers=start_stats)
+    inputs = CohortInputs(
+        plan=plan,
+        keys=planned.keys.to(setup.device, non_blocking=True),
+        noise={} if group else draw_noise(setup, params, cohort, round_idx, steps),
+        states=None if group else store.gather(cohort, setup.device),
+        buffers=start_stats,
+    )
     job = CohortJob(alg, fns, bc, inputs, hp, setup.opt, round_idx, cfg.train.cohort_chunk, interrupt)
     upload_sums = alg.upload_sums
     reduce = None if upload_sums is None else (lambda up: upload_sums(up, bc, hp))  # uploads summed per group
-    outs = setup.backend.run(job) if group is None else stream_cohort(  # a group's noise and states at a time
-        job, setup.backend.run, group, lambda rows: draw_noise(setup, params, cohort[rows], round_idx, steps),
-        lambda rows: store.gather(cohort[rows], setup.device), store.folder if store.on_disk else None, reduce)
+    outs = (
+        setup.backend.run(job)
+        if group is None
+        else stream_cohort(  # a group's noise and states at a time
+            job,
+            setup.backend.run,
+            group,
+            lambda rows: draw_noise(setup, params, cohort[rows], round_idx, steps),
+            lambda rows: store.gather(cohort[rows], setup.device),
+            store.folder if store.on_disk else None,
+            reduce,
+        )
+    )
     setup.prefetched.clear()
     if ahead is not None:
         setup.prefetched[round_idx + 1] = ahead  # type: ignore[assignment]  # a Future of the RoundPlan
@@ -219,8 +268,9 @@ def train_cohort(setup: Setup, state: Any, store: ClientStateStore, round_idx: i
     return Trained(cohort, plan, bc, outs, start, stats_start=start_stats, stats_seen=seen)
 
 
-def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Trained, round_idx: int,
-              timing: Timing) -> tuple[Any, dict[str, float]]:
+def aggregate(
+    setup: Setup, state: Any, store: ClientStateStore, trained: Trained, round_idx: int, timing: Timing
+) -> tuple[Any, dict[str, float]]:
     """Drop clients whose upload is not finite, aggregate, store client states. Returns (state, metrics).
 
     A client whose upload holds NaN/inf is left out of this round as if it had not been
@@ -237,8 +287,10 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     finite = sums.finite if sums is not None else finite_rows(outs.upload, len(cohort))
     dropped = int((~finite).sum())
     if dropped == len(cohort):
-        raise DivergenceError(f"run diverged at round {round_idx}: every client's upload is NaN/inf; "
-                              "lower --client-lr. The run is marked failed.")
+        raise DivergenceError(
+            f"run diverged at round {round_idx}: every client's upload is NaN/inf; "
+            "lower --client-lr. The run is marked failed."
+        )
     stats_start, stats_seen = trained.stats_start, trained.stats_seen
     if dropped:
         keep = torch.nonzero(torch.as_tensor(finite)).flatten()
@@ -246,9 +298,11 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
         weights, cohort = weights[keep.to(weights.device)], cohort[finite]
         stats_start = None if stats_start is None else take_rows(stats_start, keep)
         stats_seen = None if stats_seen is None else stats_seen[finite]
-    stats = {k[len(STATS_PREFIX):]: v for k, v in outs.metrics.items() if k.startswith(STATS_PREFIX)}
+    stats = {k[len(STATS_PREFIX) :]: v for k, v in outs.metrics.items() if k.startswith(STATS_PREFIX)}
     if stats:
-        outs = outs._replace(metrics={k: v for k, v in outs.metrics.items() if not k.startswith(STATS_PREFIX)})
+        outs = outs._replace(
+            metrics={k: v for k, v in outs.metrics.items() if not k.startswith(STATS_PREFIX)}
+        )
     state, diagnostics = alg.server_update(state, outs, weights, hp, opt)
     if stats and setup.fns.client_stats is not None and stats_start is not None:
         setup.fns.client_stats.update(cohort, stats_seen, stats_start, stats, weights)
@@ -257,9 +311,16 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     timing.train += trained_at - trained.start
     timing.aggregate += time.perf_counter() - trained_at
     share = weights / weights.sum()
-    up = (sums.nbytes if sums is not None else alg.upload_nbytes(trained.outs.upload) if alg.upload_nbytes
-          else tree_nbytes(trained.outs.upload))
-    up += sum(v.numel() * v.element_size() for k, v in trained.outs.metrics.items() if k.startswith(STATS_PREFIX))
+    up = (
+        sums.nbytes
+        if sums is not None
+        else alg.upload_nbytes(trained.outs.upload)
+        if alg.upload_nbytes
+        else tree_nbytes(trained.outs.upload)
+    )
+    up += sum(
+        v.numel() * v.element_size() for k, v in trained.outs.metrics.items() if k.startswith(STATS_PREFIX)
+    )
     down = alg.download_nbytes(trained.broadcast) if alg.download_nbytes else tree_nbytes(trained.broadcast)
     if setup.fns.client_stats is not None:  # the global BatchNorm statistics go down with the broadcast
         down += sum(v.numel() * v.element_size() for v in setup.fns.client_stats.current.values())
@@ -274,7 +335,9 @@ def aggregate(setup: Setup, state: Any, store: ClientStateStore, trained: Traine
     metrics["comm/bytes_up"] = host["comm/bytes_up"][0]
     metrics["comm/bytes_down"] = float(down) * len(trained.cohort)
     metrics["client/dropped_nonfinite"] = float(dropped)
-    trained.clients = [(int(c), key, float(host[("column", key)][i])) for key in columns for i, c in enumerate(cohort)]
+    trained.clients = [
+        (int(c), key, float(host[("column", key)][i])) for key in columns for i, c in enumerate(cohort)
+    ]
     return state, metrics
 
 
@@ -283,8 +346,12 @@ def to_host(scalars: dict[str, Any], columns: dict[str, torch.Tensor]) -> dict[A
     in one transfer: {name: [value]} and {("column", name): [value per client]}."""
     names: list[Any] = [*scalars, *(("column", k) for k in columns)]
     parts = [*scalars.values(), *columns.values()]
-    flat = [p.detach().reshape(-1).to(torch.float64) if isinstance(p, torch.Tensor)
-            else torch.tensor([float(p)], dtype=torch.float64) for p in parts]
+    flat = [
+        p.detach().reshape(-1).to(torch.float64)
+        if isinstance(p, torch.Tensor)
+        else torch.tensor([float(p)], dtype=torch.float64)
+        for p in parts
+    ]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(flat):
         by_device.setdefault(t.device, []).append(i)
@@ -293,13 +360,14 @@ def to_host(scalars: dict[str, Any], columns: dict[str, torch.Tensor]) -> dict[A
         values = torch.cat([flat[i] for i in rows]).cpu().tolist()
         start = 0
         for i in rows:
-            out[names[i]] = values[start:start + flat[i].numel()]
+            out[names[i]] = values[start : start + flat[i].numel()]
             start += flat[i].numel()
     return out
 
 
-def run_round(setup: Setup, state: Any, store: ClientStateStore, round_idx: int, timing: Timing
-              ) -> tuple[Any, dict[str, float]]:
+def run_round(
+    setup: Setup, state: Any, store: ClientStateStore, round_idx: int, timing: Timing
+) -> tuple[Any, dict[str, float]]:
     """One communication round: sample, train clients, aggregate. Returns (state, metrics)."""
     return aggregate(setup, state, store, train_cohort(setup, state, store, round_idx), round_idx, timing)
 
@@ -359,8 +427,12 @@ class RoundLoop:
                 self.cumulative = {v: metrics[v] for v in CUMULATIVE.values()}
                 if self.writer.due(round_idx, round_s) or round_idx == cfg.train.rounds:
                     self.checkpoint()
-                if self.on_eval is not None and round_idx % cfg.train.eval_every == 0 and round_idx < cfg.train.rounds \
-                        and self.on_eval(round_idx, metrics):
+                if (
+                    self.on_eval is not None
+                    and round_idx % cfg.train.eval_every == 0
+                    and round_idx < cfg.train.rounds
+                    and self.on_eval(round_idx, metrics)
+                ):
                     self.pruned_at = round_idx
                     if self.writer.last_round != round_idx:
                         self.checkpoint()
@@ -371,8 +443,14 @@ class RoundLoop:
     def checkpoint(self) -> None:
         """Snapshot the last completed round; the writer saves it on its own thread."""
         cfg, carried = self.setup.cfg, self.setup.fns.client_stats
-        self.writer.submit(self.completed, self.state, self.store.take_changes(self.completed), cfg.to_dict(), cfg.seed,
-                           buffers=None if carried is None else carried.snapshot())
+        self.writer.submit(
+            self.completed,
+            self.state,
+            self.store.take_changes(self.completed),
+            cfg.to_dict(),
+            cfg.seed,
+            buffers=None if carried is None else carried.snapshot(),
+        )
 
     def save_on_exit(self) -> None:
         """Checkpoint the last completed round if it is not yet (an orderly stop loses no finished round)."""
@@ -386,26 +464,54 @@ class RoundLoop:
 
     def _evaluate(self, state: Any) -> dict[str, float]:
         setup = self.setup
-        sample = resolve_eval_sample(setup.cfg.train.eval_sample, setup.task.name)  # --eval-sample: a fixed sample
-        return evaluate(setup.task, setup.fns, setup.alg.global_params(state), setup.data.test_x,
-                        setup.data.test_y, setup.data.optimum, index=eval_sample_index(len(setup.data.test_y), sample))
+        sample = resolve_eval_sample(
+            setup.cfg.train.eval_sample, setup.task.name
+        )  # --eval-sample: a fixed sample
+        return evaluate(
+            setup.task,
+            setup.fns,
+            setup.alg.global_params(state),
+            setup.data.test_x,
+            setup.data.test_y,
+            setup.data.optimum,
+            index=eval_sample_index(len(setup.data.test_y), sample),
+        )
 
-    def _log(self, round_idx: int, metrics: dict[str, float], clients: list[tuple[int, str, float]],
-             progress: ProgressFn | None) -> None:
+    def _log(
+        self,
+        round_idx: int,
+        metrics: dict[str, float],
+        clients: list[tuple[int, str, float]],
+        progress: ProgressFn | None,
+    ) -> None:
         start = time.perf_counter()
         self.tracker.log_round(round_idx, metrics, clients)
         self.timing.tracking += time.perf_counter() - start
-        log.info("round %d  %s", round_idx, "  ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())
-                                                      if k.startswith(("eval/", "train/"))))
+        log.info(
+            "round %d  %s",
+            round_idx,
+            "  ".join(
+                f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if k.startswith(("eval/", "train/"))
+            ),
+        )
         if progress is not None:
             progress(round_idx, metrics)
 
     def _check_finite(self, round_idx: int, metrics: dict[str, float]) -> None:
         bad = sorted(k for k, v in metrics.items() if not np.isfinite(v))
         if bad:
-            self.tracker.finish("failed", reason=f"non-finite {', '.join(bad)} at round {round_idx}",
-                                diverged_at_round=round_idx)
-            fix = (" for the initial model, before any training; check the model's forward pass, its initialisation "
-                   "and the data" if round_idx == 0 else "; lower --client-lr / --server-lr")
-            raise DivergenceError(f"run diverged at round {round_idx}: {', '.join(bad)} not finite{fix}. "
-                                  "The run is marked failed.")
+            self.tracker.finish(
+                "failed",
+                reason=f"non-finite {', '.join(bad)} at round {round_idx}",
+                diverged_at_round=round_idx,
+            )
+            fix = (
+                " for the initial model, before any training; check the model's forward pass, its initialisation "
+                "and the data"
+                if round_idx == 0
+                else "; lower --client-lr / --server-lr"
+            )
+            raise DivergenceError(
+                f"run diverged at round {round_idx}: {', '.join(bad)} not finite{fix}. "
+                "The run is marked failed."
+            )

@@ -108,7 +108,9 @@ def numpy_rng(seed: int, stream: Stream, *keys: int) -> np.random.Generator:
     return np.random.default_rng(derive_seed(seed, stream, *keys))
 
 
-def torch_generator(seed: int, stream: Stream, *keys: int, device: str | torch.device = "cpu") -> torch.Generator:
+def torch_generator(
+    seed: int, stream: Stream, *keys: int, device: str | torch.device = "cpu"
+) -> torch.Generator:
     """Return a torch.Generator on the derived stream."""
     return torch.Generator(device=device).manual_seed(derive_seed(seed, stream, *keys))
 
@@ -122,11 +124,15 @@ def sample_cohort(num_clients: int, cohort_size: int, *, seed: int, round_idx: i
 def step_keys(seed: int, round_idx: int, cohort: np.ndarray, num_steps: int) -> torch.Tensor:
     """Return [C, S] int64 per-step keys for in-model randomness (dropout) and data.augment's crops and flips
     (datasets/augment.py: a hash of the key and the example's slot in the batch)."""
-    base = torch.from_numpy(derive_seeds(seed, Stream.NOISE, round_idx, last=np.asarray(cohort, dtype=np.int64)))
+    base = torch.from_numpy(
+        derive_seeds(seed, Stream.NOISE, round_idx, last=np.asarray(cohort, dtype=np.int64))
+    )
     return base[:, None] + torch.arange(num_steps, dtype=torch.int64)[None, :]
 
 
 def numpy_rngs(seed: int, stream: Stream, round_idx: int, cohort: np.ndarray) -> list[np.random.Generator]:
     """[numpy_rng(seed, stream, round_idx, c) for c in cohort], with the seeds derived in one batch."""
-    return [np.random.default_rng(int(s))
-            for s in derive_seeds(seed, stream, round_idx, last=np.asarray(cohort, dtype=np.int64))]
+    return [
+        np.random.default_rng(int(s))
+        for s in derive_seeds(seed, stream, round_idx, last=np.asarray(cohort, dtype=np.int64))
+    ]

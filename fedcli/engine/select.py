@@ -38,7 +38,11 @@ from fedcli.errors import ConfigError
 log = logging.getLogger(__name__)
 
 BACKENDS: MappingProxyType[str, BackendInfo] = MappingProxyType(
-    {**IN_PROCESS, **{info.name: info for info in (process.INFO, distributed.INFO, compiled.INFO, graphed.INFO)}})
+    {
+        **IN_PROCESS,
+        **{info.name: info for info in (process.INFO, distributed.INFO, compiled.INFO, graphed.INFO)},
+    }
+)
 
 
 class Choice(NamedTuple):
@@ -66,7 +70,9 @@ def in_process(w: Workload) -> tuple[str, str]:
         if why is not None:
             too_big = vmap_too_big(w.client_bytes, w.clients_per_round, w.device) if name == "vmap" else None
             return ("loop", too_big) if too_big is not None else (name, why)
-    raise AssertionError("vmap or loop takes every workload")  # loop refuses nothing, vmap prefers every other
+    raise AssertionError(
+        "vmap or loop takes every workload"
+    )  # loop refuses nothing, vmap prefers every other
 
 
 def choose(w: Workload, requested: str, *, launched: bool = False) -> Choice:
@@ -78,14 +84,18 @@ def choose(w: Workload, requested: str, *, launched: bool = False) -> Choice:
         ConfigError: a combination that cannot run, with the fix.
     """
     if w.has_batchnorm and w.compile:
-        raise ConfigError("--compile does not handle BatchNorm layers (their running statistics are mutable "
-                          "state); use GroupNorm in the model, or drop --compile.")
+        raise ConfigError(
+            "--compile does not handle BatchNorm layers (their running statistics are mutable "
+            "state); use GroupNorm in the model, or drop --compile."
+        )
     obstacle = vmap_obstacle(w.model)
     if obstacle is not None and (w.graph or requested == "vmap"):
         flag = "--graph" if w.graph else "--executor vmap"
-        raise ConfigError(f"{flag} cannot run this model: {obstacle}. Use --executor loop (or auto), or fix the "
-                          "model's forward (no .item() or branch on a tensor's value, no packed sequences, no random "
-                          "op other than dropout; docs/bring-your-own.md, \"Stock layers\").")
+        raise ConfigError(
+            f"{flag} cannot run this model: {obstacle}. Use --executor loop (or auto), or fix the "
+            "model's forward (no .item() or branch on a tensor's value, no packed sequences, no random "
+            'op other than dropout; docs/bring-your-own.md, "Stock layers").'
+        )
     if w.graph:
         return _graph(w, requested)
     if requested != "auto":
@@ -102,16 +112,24 @@ def choose(w: Workload, requested: str, *, launched: bool = False) -> Choice:
     if requested != "auto":
         return Choice(requested, requested, None, "requested")
     if w.compile and compiled.INFO.refuses(w) is None and obstacle is None:
-        return Choice(compiled.INFO.name, "vmap", None, "--compile: the cohort vmapped and compiled in the main process")
+        return Choice(
+            compiled.INFO.name, "vmap", None, "--compile: the cohort vmapped and compiled in the main process"
+        )
     name, why = in_process(w)
     if w.device.type != "cpu":
         why = f"{w.device.type}: the whole cohort on one device ({why})"
     elif name == "loop" and _spreads(w, obstacle):
-        return Choice(process.INFO.name, process.INFO.name, "loop",
-                      f"{why}; one single-threaded process per core ({w.slots}) trains the clients side by side")
+        return Choice(
+            process.INFO.name,
+            process.INFO.name,
+            "loop",
+            f"{why}; one single-threaded process per core ({w.slots}) trains the clients side by side",
+        )
     elif name == "loop" and w.slots >= 2 and w.has_conv and (script := process.unguarded_main_script()):
-        why = (f"{why}; in one process, not one per core: {script} has no `if __name__ == \"__main__\":` guard, "
-               "which worker processes need (they re-run the script)")
+        why = (
+            f'{why}; in one process, not one per core: {script} has no `if __name__ == "__main__":` guard, '
+            "which worker processes need (they re-run the script)"
+        )
     return Choice(name, name, None, why)
 
 
@@ -123,23 +141,37 @@ def _spreads(w: Workload, obstacle: str | None) -> bool:
     BatchNorm too (each worker trains its clients on batch statistics, as the loop does). Never for an
     algorithm without vmap or a model vmap cannot run: the loop chose itself for those, and they stay
     in one process."""
-    return (w.slots >= 2 and w.has_conv and w.alg.supports_vmap and obstacle is None
-            and process.INFO.refuses(w) is None)
+    return (
+        w.slots >= 2
+        and w.has_conv
+        and w.alg.supports_vmap
+        and obstacle is None
+        and process.INFO.refuses(w) is None
+    )
 
 
 def _graph(w: Workload, requested: str) -> Choice:
     """--graph: the vmapped cohort as one program, where it can run."""
     if w.compile:
-        raise ConfigError("--graph and --compile are two ways to build the round's program; choose one of them.")
+        raise ConfigError(
+            "--graph and --compile are two ways to build the round's program; choose one of them."
+        )
     if requested not in ("auto", "vmap"):
-        raise ConfigError(f"--graph replays the vmapped cohort update; it does not apply to --executor {requested}. "
-                          "Use --executor vmap (or auto) with --graph, or drop --graph.")
+        raise ConfigError(
+            f"--graph replays the vmapped cohort update; it does not apply to --executor {requested}. "
+            "Use --executor vmap (or auto) with --graph, or drop --graph."
+        )
     refusal = graphed.INFO.refuses(w)
     if refusal is not None:
         raise ConfigError(refusal)
-    why = "requested" if requested == "vmap" else ("--graph: the cohort vmapped, built once per shape and replayed as "
-                                                   + ("one CUDA graph" if w.device.type == "cuda" else
-                                                      "a traced ATen graph"))
+    why = (
+        "requested"
+        if requested == "vmap"
+        else (
+            "--graph: the cohort vmapped, built once per shape and replayed as "
+            + ("one CUDA graph" if w.device.type == "cuda" else "a traced ATen graph")
+        )
+    )
     return Choice(graphed.INFO.name, "vmap", None, why)
 
 

@@ -64,9 +64,13 @@ class Setup:
     partition: list[np.ndarray] | None = None  # client -> example indices actually used
     partition_spec: PartitionSpec | None = None  # the PartitionSpec that produced it
     executor_reason: str = ""  # why the back end was chosen (logged, tagged)
-    opt: OptimConfig = field(default_factory=OptimConfig)  # cfg.train's optimiser, client_lr None -> the task's
+    opt: OptimConfig = field(
+        default_factory=OptimConfig
+    )  # cfg.train's optimiser, client_lr None -> the task's
     model: torch.nn.Module | None = None  # the module behind `fns` (its parameters are init_params)
-    prefetched: dict[int, RoundPlan] = field(default_factory=dict)  # the next round's plan, built during this one
+    prefetched: dict[int, RoundPlan] = field(
+        default_factory=dict
+    )  # the next round's plan, built during this one
 
     @property
     def executor(self) -> str:
@@ -98,16 +102,26 @@ def client_partition(cfg: RunConfig, data: TaskData, name: str | None = None) ->
     part, task = cfg.partition, name or cfg.data.task  # name: the resolved task's (byo-<name> for your data)
     if part.file is not None:
         return load_partition(Path(part.file), dataset=task, fingerprint=data.fingerprint)
-    spec = PartitionSpec(scheme=part.scheme, num_clients=part.num_clients, alpha=part.alpha,
-                         shards_per_client=part.shards_per_client, labels_per_client=part.labels_per_client,
-                         min_size=part.min_size, seed=derive_seed(cfg.seed, Stream.PARTITION) % (2**31),
-                         balanced=part.balanced, sigma=part.sigma, size_alpha=part.size_alpha)
+    spec = PartitionSpec(
+        scheme=part.scheme,
+        num_clients=part.num_clients,
+        alpha=part.alpha,
+        shards_per_client=part.shards_per_client,
+        labels_per_client=part.labels_per_client,
+        min_size=part.min_size,
+        seed=derive_seed(cfg.seed, Stream.PARTITION) % (2**31),
+        balanced=part.balanced,
+        sigma=part.sigma,
+        size_alpha=part.size_alpha,
+    )
     if part.scheme == "natural":
         if not data.client_indices:
             raise ConfigError(f"task {task} has no natural clients; choose --scheme iid|dirichlet|... .")
         if part.num_clients is not None and part.num_clients > len(data.client_indices):
-            raise ConfigError(f"partition.num_clients={part.num_clients} exceeds the {len(data.client_indices)} "
-                              f"natural clients of task {task}; lower --clients.")
+            raise ConfigError(
+                f"partition.num_clients={part.num_clients} exceeds the {len(data.client_indices)} "
+                f"natural clients of task {task}; lower --clients."
+            )
         return data.client_indices[: part.num_clients or len(data.client_indices)], spec
     return make_partition(spec, labels=data.y.numpy(), natural=data.client_indices or None), spec
 
@@ -125,30 +139,48 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
         device, threads = placement(cfg, device, peers)
     torch.set_num_threads(threads)
     task = resolve_task(cfg.data.task, cfg.data.model, cfg.data.file)
-    data = load_data(task, cfg, TaskOptions(seed=cfg.seed, data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir
-                                            else None, download=cfg.data.download, max_clients=cfg.data.max_clients,
-                                            data_store=cfg.data.data_store))
+    data = load_data(
+        task,
+        cfg,
+        TaskOptions(
+            seed=cfg.seed,
+            data_dir=Path(cfg.data.data_dir) if cfg.data.data_dir else None,
+            download=cfg.data.download,
+            max_clients=cfg.data.max_clients,
+            data_store=cfg.data.data_store,
+        ),
+    )
     store = choose_store(cfg.data.data_store, data.x.nbytes + data.y.nbytes, data.store is not None)
-    if store == "disk" and data.store is None:  # loaded in memory: written to a disk store once, reopened from it
+    if (
+        store == "disk" and data.store is None
+    ):  # loaded in memory: written to a disk store once, reopened from it
         from fedcli.datasets.formats.diskstore import store_task_data
 
         data = store_task_data(data, f"task {task.name}")
-    transforms = augmentation.parse(cfg.data.augment)  # crop / flip / normalize (docs/your-data.md, "Augmentation")
+    transforms = augmentation.parse(
+        cfg.data.augment
+    )  # crop / flip / normalize (docs/your-data.md, "Augmentation")
     augmentation.check(transforms, task, data.x)
     task = augmentation.with_normalisation(task, transforms)
     indices, spec = client_partition(cfg, data, task.name)
     if cfg.train.clients_per_round > len(indices):
-        raise ConfigError(f"train.clients_per_round={cfg.train.clients_per_round} exceeds the "
-                          f"{len(indices)} clients of the partition; lower --clients-per-round.")
+        raise ConfigError(
+            f"train.clients_per_round={cfg.train.clients_per_round} exceeds the "
+            f"{len(indices)} clients of the partition; lower --clients-per-round."
+        )
     check_plan_size(cfg, max((len(ix) for ix in indices), default=0))
     with torch.random.fork_rng(devices=[]):  # model init from its own stream, global RNG untouched
         torch.manual_seed(derive_seed(cfg.seed, Stream.INIT))
         model_name = cfg.data.model or task.default_model
-        if is_reference(model_name):  # your own model: built, checked on a real batch, recorded (engine/model.py)
+        if is_reference(
+            model_name
+        ):  # your own model: built, checked on a real batch, recorded (engine/model.py)
             task, model, cfg = build_user_model(cfg, task, data, on_change=model_change)
         elif model_name not in task.models:
-            raise ConfigError(f"data.model must be one of {', '.join(task.models)} for task {task.name}; "
-                              f"got {model_name!r}.")
+            raise ConfigError(
+                f"data.model must be one of {', '.join(task.models)} for task {task.name}; "
+                f"got {model_name!r}."
+            )
         else:
             model = task.models[model_name]()
     model = model.to(device)
@@ -161,29 +193,65 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
     refusal = alg.check_model(model, hp, vmap_obstacle(model)) if alg.check_model is not None else None
     if refusal is not None:  # the algorithm's own passes (FOLA's per-example Fisher) cannot run on this model
         raise ConfigError(refusal)
-    fns = with_precision(model_functions(task, model, fed, bn_stats_of(cfg, alg, model)), cfg.train.precision, device)
+    fns = with_precision(
+        model_functions(task, model, fed, bn_stats_of(cfg, alg, model)), cfg.train.precision, device
+    )
     if transforms.random:  # training batches only; nothing added to the step without data.augment
         fns = replace(fns, augment=augmentation.augmenter(transforms))
     t = cfg.train
     workers = min(t.workers or available_cores(), t.clients_per_round)  # the process back end's processes
     estimate = t.executor in ("auto", "process") and device.type == "cpu" and not (t.compile or t.graph)
-    workload = Workload(alg=alg, task=task, model=model, device=device, precision=t.precision,
-                        clients_per_round=t.clients_per_round, compile=t.compile, graph=t.graph,
-                        augment=transforms.random, slots=workers,
-                        client_bytes=client_step_bytes(fns, init_params, t.batch_size) if estimate else 0)
+    workload = Workload(
+        alg=alg,
+        task=task,
+        model=model,
+        device=device,
+        precision=t.precision,
+        clients_per_round=t.clients_per_round,
+        compile=t.compile,
+        graph=t.graph,
+        augment=transforms.random,
+        slots=workers,
+        client_bytes=client_step_bytes(fns, init_params, t.batch_size) if estimate else 0,
+    )
     choice = select.choose(workload, t.executor, launched=peers is not None)
-    if fed.store == "disk" and choice.backend not in DISK_EXECUTORS and t.executor == "auto" and not t.compile \
-            and not t.graph:  # auto spread the loop over worker processes: the disk store's cohorts stay in-process
+    if (
+        fed.store == "disk"
+        and choice.backend not in DISK_EXECUTORS
+        and t.executor == "auto"
+        and not t.compile
+        and not t.graph
+    ):  # auto spread the loop over worker processes: the disk store's cohorts stay in-process
         name, why = select.in_process(workload)
-        choice = select.Choice(name, name, None, f"{why}; the disk data store reads each cohort in this process")
+        choice = select.Choice(
+            name, name, None, f"{why}; the disk data store reads each cohort in this process"
+        )
     if fed.store == "disk" and choice.backend not in DISK_EXECUTORS:
-        raise ConfigError(f"the disk data store (data.data_store={cfg.data.data_store}) runs with --executor "
-                          f"{'|'.join(DISK_EXECUTORS)} without --compile/--graph; got {choice.backend!r}. Use one of "
-                          "those, or --data-store memory if the examples fit in memory.")
-    backend = select.build(choice, BackendSetup(cfg=cfg, model=model, fed=fed, device=device, workers=workers,
-                                                peers=peers))
-    return Setup(cfg, task, data, fed, fns, alg, hp, device, backend, init_params, indices, spec, choice.why,
-                 t.optim(task.client_lr), model)
+        raise ConfigError(
+            f"the disk data store (data.data_store={cfg.data.data_store}) runs with --executor "
+            f"{'|'.join(DISK_EXECUTORS)} without --compile/--graph; got {choice.backend!r}. Use one of "
+            "those, or --data-store memory if the examples fit in memory."
+        )
+    backend = select.build(
+        choice, BackendSetup(cfg=cfg, model=model, fed=fed, device=device, workers=workers, peers=peers)
+    )
+    return Setup(
+        cfg,
+        task,
+        data,
+        fed,
+        fns,
+        alg,
+        hp,
+        device,
+        backend,
+        init_params,
+        indices,
+        spec,
+        choice.why,
+        t.optim(task.client_lr),
+        model,
+    )
 
 
 def bn_stats_of(cfg: RunConfig, alg: Algorithm, model: torch.nn.Module) -> str:
@@ -193,13 +261,23 @@ def bn_stats_of(cfg: RunConfig, alg: Algorithm, model: torch.nn.Module) -> str:
     requested = cfg.train.bn_stats
     if requested == "estimate" or alg.local is not None:
         return requested
-    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in model.modules()):
-        log.info("BatchNorm statistics: %s runs its own client update, which cannot carry them; the server "
-                 "estimates them before each evaluation (train.bn_stats=estimate)", alg.name)
+    if any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+        for m in model.modules()
+    ):
+        log.info(
+            "BatchNorm statistics: %s runs its own client update, which cannot carry them; the server "
+            "estimates them before each evaluation (train.bn_stats=estimate)",
+            alg.name,
+        )
     return "estimate"
 
 
-DISK_EXECUTORS = ("loop", "vmap", "fused")  # back ends that read each round's batches from job.fns (CohortPlan.data)
+DISK_EXECUTORS = (
+    "loop",
+    "vmap",
+    "fused",
+)  # back ends that read each round's batches from job.fns (CohortPlan.data)
 
 
 # A long-lived sweep worker's task data (fedcli/sweep/worker.py sets it to {}): None, the default, loads per run
@@ -218,7 +296,9 @@ def load_data(task: Task, cfg: RunConfig, options: TaskOptions) -> TaskData:
     return DATA_CACHE[key]
 
 
-PLAN_LIMIT = 2**28  # example slots of one round's padded plan: 3 GiB of indices and weights (docs/architecture.md §8)
+PLAN_LIMIT = (
+    2**28
+)  # example slots of one round's padded plan: 3 GiB of indices and weights (docs/architecture.md §8)
 
 
 def check_plan_size(cfg: RunConfig, largest: int) -> None:
@@ -232,4 +312,5 @@ def check_plan_size(cfg: RunConfig, largest: int) -> None:
             f"{t.clients_per_round} make each round's plan {slots:,} example slots (clients x epochs x ceil(n / B) x B, "
             f"the largest client n = {largest}), more than the limit of {PLAN_LIMIT:,}. Lower --batch-size (a batch "
             f"of {largest}, the largest client, is already full-batch training), --local-epochs or "
-            "--clients-per-round.")
+            "--clients-per-round."
+        )

@@ -51,15 +51,23 @@ def smoke_data(spec: Mapping[str, Any], root: Path) -> Path | None:
     if not gen:
         return None
     if not isinstance(gen, Mapping) or not {"format", "clients"} <= gen.keys():
-        raise ConfigError(f"data.generate must be a mapping with format and clients, e.g. {{format: emnist, "
-                          f"clients: 12, mean_size: 8}}; got {gen!r}.")
+        raise ConfigError(
+            f"data.generate must be a mapping with format and clients, e.g. {{format: emnist, "
+            f"clients: 12, mean_size: 8}}; got {gen!r}."
+        )
     from fedcli.datasets.formats.generate import generate
 
     folder = Path(root) / "smoke-data" / str(spec["experiment"])
     done = folder / ".generated"
     if not done.exists():
-        generate(str(gen["format"]), int(gen["clients"]), folder, int(gen.get("seed", 0)),
-                 mean_size=gen.get("mean_size"), quiet=True)
+        generate(
+            str(gen["format"]),
+            int(gen["clients"]),
+            folder,
+            int(gen.get("seed", 0)),
+            mean_size=gen.get("mean_size"),
+            quiet=True,
+        )
         done.write_text("ok\n")
     return folder.resolve()
 
@@ -68,7 +76,12 @@ def smoke_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The spec with its `smoke` overrides applied (see the module docstring)."""
     out = {k: v for k, v in spec.items() if k != "smoke"}
     smoke = spec.get("smoke") or {}
-    for key in ("base", "grid", "report", "search"):  # search: a `search:` sweep's smoke budget (docs/sweeps.md)
+    for key in (
+        "base",
+        "grid",
+        "report",
+        "search",
+    ):  # search: a `search:` sweep's smoke budget (docs/sweeps.md)
         if key in smoke:
             out[key] = {**(out.get(key) or {}), **smoke[key]}
     for key in ("seeds", "variants"):

@@ -23,7 +23,11 @@ from fedcli.recipes import read_recipe, recipe_names
 
 def paper_recipes() -> list[str]:
     """Every recipe with a `paper:` key, but those that need files not bundled (`data:`, paper scale)."""
-    return [name for name in recipe_names() if read_recipe(name).get("paper") and not read_recipe(name).get("data")]
+    return [
+        name
+        for name in recipe_names()
+        if read_recipe(name).get("paper") and not read_recipe(name).get("data")
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,14 +40,28 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or paper_recipes()
     unknown = sorted(set(names) - set(recipe_names()))
     if unknown:
-        print(f"error: unknown recipe {unknown[0]!r}; `fedcli sweep --list-recipes` lists them.", file=sys.stderr)
+        print(
+            f"error: unknown recipe {unknown[0]!r}; `fedcli sweep --list-recipes` lists them.",
+            file=sys.stderr,
+        )
         return 2
     fedcli = Path(sys.executable).with_name("fedcli")
     rows, failed = [], []
     for name in names:
         report = args.out / name / f"{name}.md"
-        command = [str(fedcli), "sweep", "--recipe", name, "--root", str(args.out / "runs"), "--output", str(report),
-                   "--workers", str(args.workers), *(["--smoke"] if args.smoke else [])]
+        command = [
+            str(fedcli),
+            "sweep",
+            "--recipe",
+            name,
+            "--root",
+            str(args.out / "runs"),
+            "--output",
+            str(report),
+            "--workers",
+            str(args.workers),
+            *(["--smoke"] if args.smoke else []),
+        ]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
         started = time.perf_counter()
         code = subprocess.call(command)
@@ -52,9 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             failed.append(name)
     host = f"{platform.machine()}, {os.cpu_count()} CPUs"
-    table = ["# Recipe wall times", "", f"`make reproduce` on {host}; minutes per recipe, including its runs' "
-             "start-up and report (a rerun skips finished trials, so only a first run's times count).", "",
-             "| recipe | minutes | exit code |", "|---|---|---|", *rows]
+    table = [
+        "# Recipe wall times",
+        "",
+        f"`make reproduce` on {host}; minutes per recipe, including its runs' "
+        "start-up and report (a rerun skips finished trials, so only a first run's times count).",
+        "",
+        "| recipe | minutes | exit code |",
+        "|---|---|---|",
+        *rows,
+    ]
     if not args.smoke and not args.only:
         (args.out / "timings.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))

@@ -55,16 +55,27 @@ def live_model(model: Any) -> Any:
     source = _source_file(model)
     if module in (None, "__main__") or "<locals>" in qual or "<lambda>" in qual:
         if "<locals>" in qual or "<lambda>" in qual:
-            where, fix = "inside a function", "define it at the top level of a .py file and pass it from there"
+            where, fix = (
+                "inside a function",
+                "define it at the top level of a .py file and pass it from there",
+            )
         elif source is None:
-            where, fix = ("in a notebook cell", f"write the cell to a file (%%writefile mynet.py) and pass "
-                          f"model='mynet.py:{qual}', or import {qual} from a .py file and pass it")
+            where, fix = (
+                "in a notebook cell",
+                f"write the cell to a file (%%writefile mynet.py) and pass "
+                f"model='mynet.py:{qual}', or import {qual} from a .py file and pass it",
+            )
         else:
-            where, fix = (f"in the script being run ({source})", f"pass model='{source}:{qual}' if the script "
-                          "trains only under `if __name__ == \"__main__\":` (other processes import it), or move "
-                          f"{qual} to a module of its own")
-        raise ConfigError(f"{what} is defined {where}, which no worker process, resume=, fedcli evaluate or MLflow "
-                          f"model can import again; {fix}.")
+            where, fix = (
+                f"in the script being run ({source})",
+                f"pass model='{source}:{qual}' if the script "
+                'trains only under `if __name__ == "__main__":` (other processes import it), or move '
+                f"{qual} to a module of its own",
+            )
+        raise ConfigError(
+            f"{what} is defined {where}, which no worker process, resume=, fedcli evaluate or MLflow "
+            f"model can import again; {fix}."
+        )
     top = sys.modules.get(module)
     out: Any = model
     if source is not None and "." not in module and getattr(top, "__package__", "") in ("", None):
@@ -72,9 +83,11 @@ def live_model(model: Any) -> Any:
     if given is not model:
         _check_rebuildable(model, qual)
         recorded = out if isinstance(out, str) else f"{module}:{qual}"
-        warn(f"model: the {qual} instance given is built again from its class ({recorded}) under the run's seed, "
-              "as every process and resume= build it, so its current weights are not used; pass the class or a "
-              "factory to say so.")
+        warn(
+            f"model: the {qual} instance given is built again from its class ({recorded}) under the run's seed, "
+            "as every process and resume= build it, so its current weights are not used; pass the class or a "
+            "factory to say so."
+        )
     return out
 
 
@@ -107,13 +120,20 @@ def _check_rebuildable(cls: type, qual: str) -> None:
     except (TypeError, ValueError):
         return
     facts = ("num_classes", "input_shape")
-    missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in facts
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
+    missing = [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.name not in facts
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)
+    ]
     if missing:
-        raise ConfigError(f"model: a {qual} instance cannot be built again by fedcli ({qual}() needs "
-                          f"{', '.join(missing)}, and fedcli passes only num_classes / input_shape); pass a factory "
-                          f"from a .py file instead, e.g. def make_net(num_classes): return {qual}({missing[0]}=...), "
-                          "then model=make_net.")
+        raise ConfigError(
+            f"model: a {qual} instance cannot be built again by fedcli ({qual}() needs "
+            f"{', '.join(missing)}, and fedcli passes only num_classes / input_shape); pass a factory "
+            f"from a .py file instead, e.g. def make_net(num_classes): return {qual}({missing[0]}=...), "
+            "then model=make_net."
+        )
 
 
 def record_object_source(ref: str, data: Any) -> None:

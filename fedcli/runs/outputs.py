@@ -24,15 +24,20 @@ def output_error(path: Path, flag: str, exc: OSError) -> ConfigError:
     """The one-line ConfigError for an OSError on an output file the user named."""
     code = exc.errno
     if code == errno.ENOSPC:
-        return ConfigError(f"no space left on device: {path}; free some space or pass {flag} a path on another disk.")
+        return ConfigError(
+            f"no space left on device: {path}; free some space or pass {flag} a path on another disk."
+        )
     if code in (errno.EACCES, errno.EPERM):
         return ConfigError(f"permission denied: {path}; pass {flag} a path in a directory you can write.")
     if code == errno.EISDIR:
-        return ConfigError(f"{flag} must be a file path; got {str(path)!r}, which is a directory. "
-                           "Name a file inside it.")
+        return ConfigError(
+            f"{flag} must be a file path; got {str(path)!r}, which is a directory. Name a file inside it."
+        )
     if code == errno.ENOTDIR:
-        return ConfigError(f"{flag} must be a path under a directory; got {str(path)!r}: not a directory "
-                           "(a parent is a file). Pick another path.")
+        return ConfigError(
+            f"{flag} must be a path under a directory; got {str(path)!r}: not a directory "
+            "(a parent is a file). Pick another path."
+        )
     why = "" if code == errno.ENOENT else f" ({exc.strerror or exc})"  # ENOENT here: /proc and the like
     return ConfigError(f"{path}: not writable{why}; pass {flag} a path in a writable directory.")
 
@@ -135,9 +140,9 @@ def write_output(path: Path, data: str | bytes, flag: str) -> None:
 EMPTY_PATH_MESSAGES: dict[str, str] = {
     "root": "tracking.root must be a folder; got {value!r}. Pass --root a value, or leave it out for the default.",
     "data_dir": "data.data_dir must be a folder; got {value!r}. Pass --data-dir a folder, or leave it out for the "
-                "default.",
+    "default.",
     "partition": "partition.file must be a partition file; got {value!r}. Pass --partition the .json file "
-                 "`fedcli partition --out` wrote, or leave it out.",
+    "`fedcli partition --out` wrote, or leave it out.",
     "output": "--output must name a file; got {value!r}. Pass --output a file path, or leave it out for the default.",
     "out": "--out must name a file; got {value!r}. Pass --out the partition file to write (.json).",
     "plot": "--plot must name a file; got {value!r}. Pass --plot an image path (.png), or leave it out.",

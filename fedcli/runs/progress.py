@@ -57,9 +57,13 @@ def train_progress(cfg: RunConfig, quiet: bool = False) -> Iterator[ProgressFn |
 def _bar(cfg: RunConfig, out: Console) -> Iterator[ProgressFn]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (MofNCompleteColumn(), TimeRemainingColumn(compact=True, elapsed_when_finished=True),
-               BarColumn(bar_width=None if out.width >= 120 else 12),
-               TextColumn("[bold]{task.description}"), TextColumn("{task.fields[metrics]}"))
+    columns = (
+        MofNCompleteColumn(),
+        TimeRemainingColumn(compact=True, elapsed_when_finished=True),
+        BarColumn(bar_width=None if out.width >= 120 else 12),
+        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.fields[metrics]}"),
+    )
     with Progress(*columns, console=out, transient=False, expand=False) as progress, _logs_through(out):
         bar = progress.add_task(f"{cfg.algorithm.name}/{cfg.data.task}", total=cfg.train.rounds, metrics="")
         shown: dict[str, float] = {}
@@ -111,8 +115,12 @@ def _plain_lines(cfg: RunConfig, out: Console, every_s: float = 10.0) -> Progres
         last[0] = now
         done = max(round_idx, 1)
         eta = (now - start) / done * (total - round_idx)
-        out.print(f"round {round_idx}/{total} ({100 * round_idx // total} %)  {_metrics_text(shown, 200)}"
-                  f"  ETA {eta:.0f} s", soft_wrap=True, highlight=False)
+        out.print(
+            f"round {round_idx}/{total} ({100 * round_idx // total} %)  {_metrics_text(shown, 200)}"
+            f"  ETA {eta:.0f} s",
+            soft_wrap=True,
+            highlight=False,
+        )
 
     return update
 
@@ -131,5 +139,10 @@ def _metrics_text(shown: Mapping[str, float], width: int) -> str:
     return "  ".join(parts)
 
 
-LIVE_KEYS = {"eval/accuracy": "acc", "eval/dist_to_opt": "dist", "time/round_s": "s/round", "eval/loss": "eval_loss",
-             "train/loss": "train_loss"}
+LIVE_KEYS = {
+    "eval/accuracy": "acc",
+    "eval/dist_to_opt": "dist",
+    "time/round_s": "s/round",
+    "eval/loss": "eval_loss",
+    "train/loss": "train_loss",
+}

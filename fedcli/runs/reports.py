@@ -33,8 +33,9 @@ def parse_numbers(flag: str, text: str | None, kind: type) -> list[Any]:
     try:
         values = [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ConfigError(f"{flag} must be comma-separated {'integers' if kind is int else 'numbers'}; "
-                          f"got {text!r}.") from None
+        raise ConfigError(
+            f"{flag} must be comma-separated {'integers' if kind is int else 'numbers'}; got {text!r}."
+        ) from None
     if kind is int and any(v < 1 for v in values):
         raise ConfigError(f"{flag} rounds must be >= 1; got {text!r}.")
     if any(v != v or v in (float("inf"), float("-inf")) for v in values):
@@ -46,7 +47,9 @@ def parse_list(flag: str, items: list[str] | None, what: str) -> tuple[str, ...]
     """['a,b', 'c'] -> ('a', 'b', 'c'); a flag given but naming nothing (',') is a ConfigError."""
     parts = tuple(part.strip() for item in items or [] for part in item.split(",") if part.strip())
     if items and not parts:
-        raise ConfigError(f"{flag} must name at least one {what}; got {','.join(items)!r}. Drop {flag} for the default.")
+        raise ConfigError(
+            f"{flag} must name at least one {what}; got {','.join(items)!r}. Drop {flag} for the default."
+        )
     twice = next((p for i, p in enumerate(parts) if p in parts[:i]), None)
     if twice is not None:  # a repeated column or group key was shown twice (or dropped): say which
         raise ConfigError(f"{flag} names {what} {twice!r} twice; keep one.")
@@ -55,8 +58,10 @@ def parse_list(flag: str, items: list[str] | None, what: str) -> tuple[str, ...]
 
 def parse_metric(metric: str | None) -> str | None:
     if metric is not None and not metric.strip():
-        raise ConfigError("--metric must be a metric name such as accuracy or eval/loss; got ''. "
-                          "Drop --metric for the default.")
+        raise ConfigError(
+            "--metric must be a metric name such as accuracy or eval/loss; got ''. "
+            "Drop --metric for the default."
+        )
     return metric
 
 
@@ -68,8 +73,10 @@ def parse_where(items: list[str]) -> dict[str, str]:
         if not sep or not key.strip():
             raise ConfigError(f"--where must be KEY=VALUE (e.g. algo=fedpa); got {item!r}.")
         if key.strip() in out:  # the last one won: `--where algo=a --where algo=b` matched algo=b only
-            raise ConfigError(f"--where {key.strip()} must be given once; got {key.strip()}={out[key.strip()]} and "
-                              f"{item.strip()!r}. Keep one (a report filters on one value per key).")
+            raise ConfigError(
+                f"--where {key.strip()} must be given once; got {key.strip()}={out[key.strip()]} and "
+                f"{item.strip()!r}. Keep one (a report filters on one value per key)."
+            )
         out[key.strip()] = value.strip()
     return out
 
@@ -110,11 +117,21 @@ def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None,
         return None, ""
     file = shared.get("partition.file", "None")
     if file not in ("None", "—"):
-        hist = json.loads(Path(file).read_text(encoding="utf-8")).get("label_histograms") if Path(file).exists() else None
-        return (None, "") if hist is None else (np.asarray(hist), f"{shared['data.task']}, partition file {Path(file).name}")
+        hist = (
+            json.loads(Path(file).read_text(encoding="utf-8")).get("label_histograms")
+            if Path(file).exists()
+            else None
+        )
+        return (
+            (None, "")
+            if hist is None
+            else (np.asarray(hist), f"{shared['data.task']}, partition file {Path(file).name}")
+        )
     if not load_data:
-        built.notes.append(f"The runs share the {shared.get('partition.scheme')} partition of {shared['data.task']}; "
-                           "its heatmap needs the data: add --partition-heatmap.")
+        built.notes.append(
+            f"The runs share the {shared.get('partition.scheme')} partition of {shared['data.task']}; "
+            "its heatmap needs the data: add --partition-heatmap."
+        )
         return None, ""
     from fedcli.config.build import resume_config
     from fedcli.datasets.partition.summary import label_histograms
@@ -125,8 +142,10 @@ def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None,
     stored = dict(built.groups[0].runs[0].config)
     code = recorded_code(stored.get("data") if isinstance(stored.get("data"), dict) else None)
     if any(c.what == "data function" for c in code):
-        built.notes.append("No partition heatmap: the runs' data comes from a data function, user code that fedcli "
-                           "report does not import (docs/architecture.md, \"Security\").")  # a row names it
+        built.notes.append(
+            "No partition heatmap: the runs' data comes from a data function, user code that fedcli "
+            'report does not import (docs/architecture.md, "Security").'
+        )  # a row names it
         return None, ""
     if code:  # the runs' own model is user code: the data and partition do not depend on the model, the default does
         stored["data"] = {**stored["data"], "model": None, "model_sha256": None, "model_args": None}

@@ -37,32 +37,74 @@ if TYPE_CHECKING:
     from fedcli.tracking.mlflow.handle import MirrorHandle
     from fedcli.tracking.sinks import Tracker
 
-__all__ = ["OPTION_KEYS", "PreparedRun", "StoppedBeforeStart", "overrides_of", "prepared_run", "preserved_state",
-           "resolve_config", "run_config"]
+__all__ = [
+    "OPTION_KEYS",
+    "PreparedRun",
+    "StoppedBeforeStart",
+    "overrides_of",
+    "prepared_run",
+    "preserved_state",
+    "resolve_config",
+    "run_config",
+]
 
 # The options of `fedcli train` (as Python names) -> the config keys they set (docs/python-api.md, "Settings").
 OPTION_KEYS: dict[str, str] = {
-    "algo": "algorithm.name", "task": "data.task", "model": "data.model", "data_dir": "data.data_dir",
-    "data": "data.file", "download": "data.download", "max_clients": "data.max_clients",
+    "algo": "algorithm.name",
+    "task": "data.task",
+    "model": "data.model",
+    "data_dir": "data.data_dir",
+    "data": "data.file",
+    "download": "data.download",
+    "max_clients": "data.max_clients",
     "data_store": "data.data_store",
-    "partition": "partition.file", "scheme": "partition.scheme", "alpha": "partition.alpha",
-    "clients": "partition.num_clients", "shards_per_client": "partition.shards_per_client",
-    "labels_per_client": "partition.labels_per_client", "min_size": "partition.min_size",
-    "balanced": "partition.balanced", "sigma": "partition.sigma", "size_alpha": "partition.size_alpha",
-    "rounds": "train.rounds", "clients_per_round": "train.clients_per_round", "local_epochs": "train.local_epochs",
-    "batch_size": "train.batch_size", "client_lr": "train.client_lr", "client_momentum": "train.client_momentum",
-    "server_opt": "train.server_opt", "server_lr": "train.server_lr", "server_momentum": "train.server_momentum",
-    "device": "train.device", "executor": "train.executor", "cohort_chunk": "train.cohort_chunk",
-    "workers": "train.workers", "threads": "train.threads", "compile": "train.compile", "graph": "train.graph",
-    "precision": "train.precision", "eval_every": "train.eval_every", "eval_sample": "train.eval_sample", "checkpoint_every": "train.checkpoint_every",
-    "keep_checkpoints": "train.keep_checkpoints", "state_store": "train.state_store",
-    "state_cache_mb": "train.state_cache_mb", "state_precision": "train.state_precision",
-    "bn_stats": "train.bn_stats", "seed": "seed", "experiment": "tracking.experiment",
-    "run_name": "tracking.run_name", "root": "tracking.root", "store": "tracking.store",
-    "tracking_uri": "tracking.tracking_uri", "no_mlflow": "tracking.use_mlflow",
+    "partition": "partition.file",
+    "scheme": "partition.scheme",
+    "alpha": "partition.alpha",
+    "clients": "partition.num_clients",
+    "shards_per_client": "partition.shards_per_client",
+    "labels_per_client": "partition.labels_per_client",
+    "min_size": "partition.min_size",
+    "balanced": "partition.balanced",
+    "sigma": "partition.sigma",
+    "size_alpha": "partition.size_alpha",
+    "rounds": "train.rounds",
+    "clients_per_round": "train.clients_per_round",
+    "local_epochs": "train.local_epochs",
+    "batch_size": "train.batch_size",
+    "client_lr": "train.client_lr",
+    "client_momentum": "train.client_momentum",
+    "server_opt": "train.server_opt",
+    "server_lr": "train.server_lr",
+    "server_momentum": "train.server_momentum",
+    "device": "train.device",
+    "executor": "train.executor",
+    "cohort_chunk": "train.cohort_chunk",
+    "workers": "train.workers",
+    "threads": "train.threads",
+    "compile": "train.compile",
+    "graph": "train.graph",
+    "precision": "train.precision",
+    "eval_every": "train.eval_every",
+    "eval_sample": "train.eval_sample",
+    "checkpoint_every": "train.checkpoint_every",
+    "keep_checkpoints": "train.keep_checkpoints",
+    "state_store": "train.state_store",
+    "state_cache_mb": "train.state_cache_mb",
+    "state_precision": "train.state_precision",
+    "bn_stats": "train.bn_stats",
+    "seed": "seed",
+    "experiment": "tracking.experiment",
+    "run_name": "tracking.run_name",
+    "root": "tracking.root",
+    "store": "tracking.store",
+    "tracking_uri": "tracking.tracking_uri",
+    "no_mlflow": "tracking.use_mlflow",
     "augment": "data.augment",  # the API's: per-example augmentation, e.g. ["crop:4", "flip"] (docs/python-api.md)
 }
-FLAGS = frozenset({"download", "balanced", "compile", "graph", "no_mlflow"})  # switch on only: False = not given
+FLAGS = frozenset(
+    {"download", "balanced", "compile", "graph", "no_mlflow"}
+)  # switch on only: False = not given
 PATH_SETTINGS = frozenset({"data_dir", "data", "partition", "root"})  # the settings a pathlib.Path may give
 
 
@@ -93,8 +135,10 @@ def overrides_of(options: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in options.items():
         if name not in OPTION_KEYS:
-            raise ConfigError(f"unknown setting {name!r}{suggest(name, list(OPTION_KEYS))}; the settings are "
-                              "`fedcli train`'s options (docs/python-api.md, \"Settings\").")
+            raise ConfigError(
+                f"unknown setting {name!r}{suggest(name, list(OPTION_KEYS))}; the settings are "
+                '`fedcli train`\'s options (docs/python-api.md, "Settings").'
+            )
         if name in FLAGS:
             if value is not None and not isinstance(value, bool):  # no_mlflow="no" was truthy: MLflow off
                 raise ConfigError(f"{name} must be True or False; got {type(value).__name__} {value!r}.")
@@ -103,8 +147,14 @@ def overrides_of(options: Mapping[str, Any]) -> dict[str, Any]:
             value = value.value
         elif isinstance(value, Path):
             if name not in PATH_SETTINGS:  # store=Path("x.db") was str()-ed into a URL SQLAlchemy refused
-                hint = " (a URL such as sqlite:////abs/path/fedcli.db)" if name in ("store", "tracking_uri") else ""
-                raise ConfigError(f"{name} must be str{hint}, not a path; got {type(value).__name__} {str(value)!r}.")
+                hint = (
+                    " (a URL such as sqlite:////abs/path/fedcli.db)"
+                    if name in ("store", "tracking_uri")
+                    else ""
+                )
+                raise ConfigError(
+                    f"{name} must be str{hint}, not a path; got {type(value).__name__} {str(value)!r}."
+                )
             value = str(value)
         out[OPTION_KEYS[name]] = value
     return out
@@ -126,14 +176,22 @@ def config_file(config: str | Path | None) -> Path | None:
         return path.resolve()
     if str(config) in config_names():
         return packaged_config(str(config))
-    raise ConfigError(f"--config {str(config)!r} is neither a YAML file nor a config shipped with fedcli "
-                      f"({', '.join(config_names())}); check the path.")
+    raise ConfigError(
+        f"--config {str(config)!r} is neither a YAML file nor a config shipped with fedcli "
+        f"({', '.join(config_names())}); check the path."
+    )
 
 
-def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[str, Any] | None = None,
-                   hp: Mapping[str, Any] | None = None, resume: str | None = None,
-                   sections: Mapping[str, Any] | None = None,
-                   warn: Callable[[str], None] | None = None, trust_code: bool = False) -> tuple[RunConfig, str | None]:
+def resolve_config(
+    options: Mapping[str, Any],
+    *,
+    config: str | Path | Mapping[str, Any] | None = None,
+    hp: Mapping[str, Any] | None = None,
+    resume: str | None = None,
+    sections: Mapping[str, Any] | None = None,
+    warn: Callable[[str], None] | None = None,
+    trust_code: bool = False,
+) -> tuple[RunConfig, str | None]:
     """Build a run's config as `fedcli train` does: (RunConfig, the full id of the run to resume or None).
 
     Args:
@@ -156,11 +214,15 @@ def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[s
     overrides = {**overrides_of(options), **dict(sections or {})}
     if resume is not None and (not isinstance(resume, str) or not resume.strip()):
         # `--resume "$RUN"` with RUN empty would otherwise train a fresh run from scratch
-        raise ConfigError(f"--resume must name a run (its id, id prefix or name); got {resume!r}. Pass the run "
-                          "`fedcli list runs` shows, or leave --resume out to start a new run.")
+        raise ConfigError(
+            f"--resume must name a run (its id, id prefix or name); got {resume!r}. Pass the run "
+            "`fedcli list runs` shows, or leave --resume out to start a new run."
+        )
     if trust_code and not resume:
-        raise ConfigError("--trust-code applies to --resume only (code you name with --model / --data runs without "
-                          "it); drop it.")
+        raise ConfigError(
+            "--trust-code applies to --resume only (code you name with --model / --data runs without "
+            "it); drop it."
+        )
     if resume:
         if config is not None or hp:
             raise ConfigError("--resume continues a run with its stored config; drop --config and --hp.")
@@ -169,16 +231,27 @@ def resolve_config(options: Mapping[str, Any], *, config: str | Path | Mapping[s
         overrides = resumed_code(record.id, stored, record.config, overrides, trust=trust_code)
         return resume_config(stored, overrides), record.id
     doc = dict(config) if isinstance(config, Mapping) else None
-    cfg = build_config(file=None if doc is not None else config_file(config),  # type: ignore[arg-type]
-                       overrides=overrides, hp=hp, doc=doc)
+    cfg = build_config(
+        file=None if doc is not None else config_file(config),  # type: ignore[arg-type]
+        overrides=overrides,
+        hp=hp,
+        doc=doc,
+    )
     for line in warn_degenerate([cfg]):  # issue 24: a config that makes the algorithm another one
         if warn is not None:
             warn(line)
     return cfg, None
 
 
-def resumed_code(run_id: str, stored: Mapping[str, Any], resolved: Mapping[str, Any], overrides: Mapping[str, Any],
-                 *, trust: bool, fix: str | None = None) -> dict[str, Any]:
+def resumed_code(
+    run_id: str,
+    stored: Mapping[str, Any],
+    resolved: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    *,
+    trust: bool,
+    fix: str | None = None,
+) -> dict[str, Any]:
     """Check that a resumed run's user code may run; return the overrides without the references that name it.
 
     The stored config's model and data function (datasets/yours/trust.py) run only when the
@@ -203,8 +276,13 @@ def resumed_code(run_id: str, stored: Mapping[str, Any], resolved: Mapping[str, 
             named.append(given)
             del out[key]  # the same code: no change to the run
     flags = " ".join(f"--{'model' if c.what == 'model' else 'data'} {c.ref}" for c in code)
-    allow_code(code, source=f"run {run_id[:8]}'s stored config", named=named, trust=trust,
-               fix=fix or f"name it again ({flags}) or pass --trust-code (Python: trust_code=True) if you trust it")
+    allow_code(
+        code,
+        source=f"run {run_id[:8]}'s stored config",
+        named=named,
+        trust=trust,
+        fix=fix or f"name it again ({flags}) or pass --trust-code (Python: trust_code=True) if you trust it",
+    )
     return out
 
 
@@ -230,10 +308,17 @@ def preserved_state() -> Iterator[None]:
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     handlers = {s: signal.getsignal(s) for s in stops} if main else {}
     threads = torch.get_num_threads()
-    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    flags = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
     matmul = torch.get_float32_matmul_precision()
-    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    deterministic = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
     try:
         yield
@@ -242,13 +327,19 @@ def preserved_state() -> Iterator[None]:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = flags
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark,
+        ) = flags
         if torch.get_float32_matmul_precision() != matmul:
             torch.set_float32_matmul_precision(matmul)
         # only when changed: in torch 2.14 the call imports torch._inductor, _dynamo and sympy (about 1 s)
-        if (torch.are_deterministic_algorithms_enabled(),
-                torch.is_deterministic_algorithms_warn_only_enabled()) != deterministic:
+        if (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ) != deterministic:
             torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         torch.set_rng_state(rng[0])
         np.random.set_state(rng[1])
@@ -277,15 +368,30 @@ class PreparedRun:
     def run(self, progress: ProgressFn | None = None) -> RunResult:
         from fedcli.engine.train import train
 
-        return train(self.cfg, tracker=self.tracker, progress=progress, resume_run_id=self.resume_run_id,
-                     setup=self.setup, signals=self.signals, **self.engine_kwargs)
+        return train(
+            self.cfg,
+            tracker=self.tracker,
+            progress=progress,
+            resume_run_id=self.resume_run_id,
+            setup=self.setup,
+            signals=self.signals,
+            **self.engine_kwargs,
+        )
 
 
 @contextlib.contextmanager
-def prepared_run(cfg: RunConfig, *, resume_run_id: str | None = None, tracker: Tracker | None = None,
-                 parent_run: str | None = None, mlflow_optional: bool = False,
-                 signals: GracefulSignals | None = None, peers: Peers | None = None,
-                 on_run: Callable[[str], None] | None = None, **engine_kwargs: Any) -> Iterator[PreparedRun]:
+def prepared_run(
+    cfg: RunConfig,
+    *,
+    resume_run_id: str | None = None,
+    tracker: Tracker | None = None,
+    parent_run: str | None = None,
+    mlflow_optional: bool = False,
+    signals: GracefulSignals | None = None,
+    peers: Peers | None = None,
+    on_run: Callable[[str], None] | None = None,
+    **engine_kwargs: Any,
+) -> Iterator[PreparedRun]:
     """Validate and build `cfg`'s run, open its store; on the way out close what was opened here.
 
     The order is the CLI's (docs/architecture.md §8, "Validation before anything is written"): MLflow
@@ -306,7 +412,9 @@ def prepared_run(cfg: RunConfig, *, resume_run_id: str | None = None, tracker: T
 
     with preserved_state(), contextlib.ExitStack() as cleanup:
         if signals is None:
-            signals = GracefulSignals(immediate=True)  # the set-up writes nothing: a signal there stops it at once
+            signals = GracefulSignals(
+                immediate=True
+            )  # the set-up writes nothing: a signal there stops it at once
             signals.install()
             cleanup.callback(signals.restore)
         mirror: MirrorHandle | None = None
@@ -317,11 +425,15 @@ def prepared_run(cfg: RunConfig, *, resume_run_id: str | None = None, tracker: T
                 if mirror is not None:
                     cleanup.callback(mirror.abort)  # a mirror that was never finished ends with the call
                     held = signals
-                    mirror.stopping = lambda: held.pending is not None  # a stop cuts the waits for MLflow short
+                    mirror.stopping = lambda: (
+                        held.pending is not None
+                    )  # a stop cuts the waits for MLflow short
             setup = build(cfg, peers=peers)
             signals.defer()  # the store is written from here on: a signal stops the run at its next safe point
         except BaseException:
-            if signals.pending is not None:  # whatever the signal surfaced as (RunInterrupted, a library's error)
+            if (
+                signals.pending is not None
+            ):  # whatever the signal surfaced as (RunInterrupted, a library's error)
                 raise StoppedBeforeStart(signals.pending) from None
             raise
         if tracker is None:
@@ -332,11 +444,19 @@ def prepared_run(cfg: RunConfig, *, resume_run_id: str | None = None, tracker: T
         yield PreparedRun(cfg, setup, tracker, signals, resume_run_id, engine_kwargs)
 
 
-def run_config(cfg: RunConfig, *, resume_run_id: str | None = None, tracker: Tracker | None = None,
-               parent_run: str | None = None, mlflow_optional: bool = False,
-               progress: ProgressFn | None = None, signals: GracefulSignals | None = None,
-               peers: Peers | None = None, on_run: Callable[[str], None] | None = None,
-               **engine_kwargs: Any) -> RunResult:
+def run_config(
+    cfg: RunConfig,
+    *,
+    resume_run_id: str | None = None,
+    tracker: Tracker | None = None,
+    parent_run: str | None = None,
+    mlflow_optional: bool = False,
+    progress: ProgressFn | None = None,
+    signals: GracefulSignals | None = None,
+    peers: Peers | None = None,
+    on_run: Callable[[str], None] | None = None,
+    **engine_kwargs: Any,
+) -> RunResult:
     """Train `cfg`'s run (or resume `resume_run_id`) to its end in this process; return its result.
 
     `prepared_run` then `PreparedRun.run`: the contract of docs/python-api.md, "Many runs in one
@@ -348,7 +468,15 @@ def run_config(cfg: RunConfig, *, resume_run_id: str | None = None, tracker: Tra
         RunInterrupted: a stop signal after the run started; it is `interrupted` and checkpointed.
         DivergenceError: a metric became non-finite; the run is `failed`.
     """
-    with prepared_run(cfg, resume_run_id=resume_run_id, tracker=tracker, parent_run=parent_run,
-                      mlflow_optional=mlflow_optional, signals=signals, peers=peers, on_run=on_run,
-                      **engine_kwargs) as prepared:
+    with prepared_run(
+        cfg,
+        resume_run_id=resume_run_id,
+        tracker=tracker,
+        parent_run=parent_run,
+        mlflow_optional=mlflow_optional,
+        signals=signals,
+        peers=peers,
+        on_run=on_run,
+        **engine_kwargs,
+    ) as prepared:
         return prepared.run(progress)

@@ -26,8 +26,10 @@ def open_store(url: str, must_exist: bool = False) -> SqlStore:
     path = sqlite_path(url)
     path = path and path.resolve()
     if must_exist and path is not None and not path.exists():
-        raise ConfigError(f"no results store at {path}; pass --root or --store of the folder your runs are in "
-                          "(`fedcli train` creates it).")
+        raise ConfigError(
+            f"no results store at {path}; pass --root or --store of the folder your runs are in "
+            "(`fedcli train` creates it)."
+        )
     return SqlStore(url)
 
 
@@ -36,7 +38,9 @@ def tracking_config(overrides: Mapping[str, Any]) -> TrackingConfig:
     from fedcli.config.checks import build_section, check_blank_tracking
     from fedcli.config.sections import TrackingConfig
 
-    values = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("tracking.") and v is not None}
+    values = {
+        k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("tracking.") and v is not None
+    }
     track: TrackingConfig = build_section("tracking", TrackingConfig, values)
     check_blank_tracking(track)  # `--store ""` read the default store
     return track
@@ -51,8 +55,13 @@ def spawn_mirror(cfg: TrackingConfig, parent_run_id: str | None = None) -> Mirro
 
         discard_early()  # `fedcli train` started one before it knew (tracking.use_mlflow: false in a config)
         return None
-    return MirrorHandle(tracking_uri=cfg.mlflow_uri, experiment=cfg.experiment, store_url=cfg.store_url,
-                        runs_root=Path(cfg.root).resolve() / "runs", parent_run_id=parent_run_id).spawn()
+    return MirrorHandle(
+        tracking_uri=cfg.mlflow_uri,
+        experiment=cfg.experiment,
+        store_url=cfg.store_url,
+        runs_root=Path(cfg.root).resolve() / "runs",
+        parent_run_id=parent_run_id,
+    ).spawn()
 
 
 def open_tracker(cfg: TrackingConfig, mirror: MirrorHandle | None = None) -> Tracker:

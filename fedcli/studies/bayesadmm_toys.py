@@ -125,15 +125,67 @@ from fedcli.studies.bayesadmm_toys_shared import (
 from fedcli.studies.common import write_report
 
 __all__ = [
-    "BOUNDARY_TOL", "F64", "FIG3A_METHODS", "FIG4_DELTA", "FIG4_RHO", "FIG4_WINDOW", "OPT", "RIDGE_NAMES", "SMOKE",
-    "Cohort", "Ridge", "Sizes", "Softmax", "admm_client", "batch_vb", "boundary_disagreement", "cell",
-    "cohort_round", "fig3a_checks", "fig3a_figure", "fig3a_section", "fig3b_checks", "fig3b_numbers",
-    "fig3b_section", "fig4_bayes_config", "fig4_checks", "fig4_clients", "fig4_figure", "fig4_numbers",
-    "fig4_rows", "fig4_section", "first_round", "full_batch_context", "integer_rounds", "ivon_solve",
-    "map_estimate", "neg_elbo", "pad_cohort", "plot_boundaries", "plt_color", "polyak_heavy_ball", "reach_text",
-    "relative_error", "ridge_loss", "ridge_objective", "ridge_optimum", "ridge_problem", "run", "run_fig3a_method",
-    "run_fig4_admm", "run_fig4_bayes", "run_ridge_admm", "run_ridge_bayes", "semilogy", "sigmoid", "softmax_grad",
-    "softmax_problem", "spread", "stack_tree", "vb_estimate", "von_client",
+    "BOUNDARY_TOL",
+    "F64",
+    "FIG3A_METHODS",
+    "FIG4_DELTA",
+    "FIG4_RHO",
+    "FIG4_WINDOW",
+    "OPT",
+    "RIDGE_NAMES",
+    "SMOKE",
+    "Cohort",
+    "Ridge",
+    "Sizes",
+    "Softmax",
+    "admm_client",
+    "batch_vb",
+    "boundary_disagreement",
+    "cell",
+    "cohort_round",
+    "fig3a_checks",
+    "fig3a_figure",
+    "fig3a_section",
+    "fig3b_checks",
+    "fig3b_numbers",
+    "fig3b_section",
+    "fig4_bayes_config",
+    "fig4_checks",
+    "fig4_clients",
+    "fig4_figure",
+    "fig4_numbers",
+    "fig4_rows",
+    "fig4_section",
+    "first_round",
+    "full_batch_context",
+    "integer_rounds",
+    "ivon_solve",
+    "map_estimate",
+    "neg_elbo",
+    "pad_cohort",
+    "plot_boundaries",
+    "plt_color",
+    "polyak_heavy_ball",
+    "reach_text",
+    "relative_error",
+    "ridge_loss",
+    "ridge_objective",
+    "ridge_optimum",
+    "ridge_problem",
+    "run",
+    "run_fig3a_method",
+    "run_fig4_admm",
+    "run_fig4_bayes",
+    "run_ridge_admm",
+    "run_ridge_bayes",
+    "semilogy",
+    "sigmoid",
+    "softmax_grad",
+    "softmax_problem",
+    "spread",
+    "stack_tree",
+    "vb_estimate",
+    "von_client",
 ]
 
 
@@ -151,8 +203,17 @@ def run(out: Path, *, smoke: bool = False) -> None:
         sections = [fig3b_section(out, sizes), fig4_section(out, sizes), fig3a_section(out, sizes)]
     finally:
         torch.set_num_threads(threads)
-    intro = ["Möllenhoff, Swaroop, Doshi-Velez, Khan. Federated ADMM from Bayesian Duality. arXiv:2506.13150 (v1), "
-             "§4 and App. F; toy code team-approx-bayes/bayes-admm (toyexamples/). Everything runs on CPU, float64.", ""]
+    intro = [
+        "Möllenhoff, Swaroop, Doshi-Velez, Khan. Federated ADMM from Bayesian Duality. arXiv:2506.13150 (v1), "
+        "§4 and App. F; toy code team-approx-bayes/bayes-admm (toyexamples/). Everything runs on CPU, float64.",
+        "",
+    ]
     lines = intro + [line for section in sections for line in [*section, ""]]
-    write_report(out, "BayesADMM toys: Figs. 3b, 4 and 3a", lines, recipe="bayesadmm-toys", smoke=smoke,
-                 started=started)
+    write_report(
+        out,
+        "BayesADMM toys: Figs. 3b, 4 and 3a",
+        lines,
+        recipe="bayesadmm-toys",
+        smoke=smoke,
+        started=started,
+    )

@@ -57,25 +57,38 @@ def neg_elbo(problem: Softmax, mean: Tensor, precision: Tensor, eps: Tensor) -> 
     return float(nll + kl)
 
 
-def ivon_solve(cohort: Cohort, target: Any, start: Tensor, hp: Any, lr: float, steps: int,
-               generator: torch.Generator) -> tuple[Tensor, Tensor]:
+def ivon_solve(
+    cohort: Cohort, target: Any, start: Tensor, hp: Any, lr: float, steps: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
     """A fresh IVON per client (main_elbo.py: h0, 1 MC sample, full batch, steps + 1 updates with the
     cosine lr(t) = lr (1 + cos(pi t / steps)) / 2), by optim.ivon_step; returns (m_k, s_k) [C, 10, P]."""
     from fedcli.algorithms.optim import IvonState, ivon_precision, ivon_sample, ivon_step
 
-    state = IvonState(mean={"w": start}, hess={"w": torch.full_like(start, hp.h0)},
-                      momentum={"w": torch.zeros_like(start)}, step=torch.zeros((), dtype=F64))
+    state = IvonState(
+        mean={"w": start},
+        hess={"w": torch.full_like(start, hp.h0)},
+        momentum={"w": torch.zeros_like(start)},
+        step=torch.zeros((), dtype=F64),
+    )
     for t in range(steps + 1):
         eps = {"w": torch.randn(start.shape, generator=generator, dtype=F64)}
         grad = softmax_grad(ivon_sample(state, target, eps)["w"], cohort)
-        state = ivon_step(state, {"w": grad}, {"w": grad * eps["w"]}, target,
-                          lr=lr * 0.5 * (1 + math.cos(math.pi * t / steps)), beta1=hp.beta1, beta2=hp.beta2,
-                          debias=hp.debias)
+        state = ivon_step(
+            state,
+            {"w": grad},
+            {"w": grad * eps["w"]},
+            target,
+            lr=lr * 0.5 * (1 + math.cos(math.pi * t / steps)),
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            debias=hp.debias,
+        )
     return state.mean["w"], ivon_precision(state, target)["w"]
 
 
-def run_fig3a_method(problem: Softmax, hp: Any, rounds: int, steps: int, lr: float, eps: Tensor,
-                     generator: torch.Generator) -> list[float]:
+def run_fig3a_method(
+    problem: Softmax, hp: Any, rounds: int, steps: int, lr: float, eps: Tensor, generator: torch.Generator
+) -> list[float]:
     """Diagonal BayesADMM and its relatives (hp: bayesadmm.BayesADMMConfig) with IVON clients; neg-ELBO per round.
 
     Client step as bayesadmm.client_update (ess N_k/(rho tau), multipliers (tau/N_k) v_k, (tau/N_k) u_k, prior
@@ -94,11 +107,17 @@ def run_fig3a_method(problem: Softmax, hp: Any, rounds: int, steps: int, lr: flo
     curve = []
     for _ in range(rounds):
         m_bar, s_bar = state.mean["w"], state.precision["w"]
-        target = IvonTarget(ess=ess, prior_mean={"w": m_bar}, prior_prec={"w": s_bar / ess}, lin={"w": scale * v},
-                            quad={"w": scale * u})
+        target = IvonTarget(
+            ess=ess,
+            prior_mean={"w": m_bar},
+            prior_prec={"w": s_bar / ess},
+            lin={"w": scale * v},
+            quad={"w": scale * u},
+        )
         m, s = ivon_solve(cohort, target, m_bar.expand(k, *shape), hp, lr, steps, generator)
-        dv, du = bayesadmm.dual_increments({"w": m}, {"w": s}, {"w": m_bar}, {"w": s_bar},
-                                           hp.dual_damping * hp.rho, hp.dual_coordinates)
+        dv, du = bayesadmm.dual_increments(
+            {"w": m}, {"w": s}, {"w": m_bar}, {"w": s_bar}, hp.dual_damping * hp.rho, hp.dual_coordinates
+        )
         v, u = v + dv["w"], u + du["w"]
         outs = ClientOut(upload={"mean": {"w": m}, "precision": {"w": s}}, state=None, metrics={})
         state, _ = bayesadmm.server_update(state, outs, cohort.num_examples, hp, OPT)
@@ -106,14 +125,18 @@ def run_fig3a_method(problem: Softmax, hp: Any, rounds: int, steps: int, lr: flo
     return curve
 
 
-def batch_vb(problem: Softmax, hp: Any, steps: int, lr: float, eps: Tensor, generator: torch.Generator) -> float:
+def batch_vb(
+    problem: Softmax, hp: Any, steps: int, lr: float, eps: Tensor, generator: torch.Generator
+) -> float:
     """The reference: one IVON on all N examples (ess N, prior N(0, 1/delta)) for `steps` steps; its neg-ELBO."""
     from fedcli.algorithms.optim import IvonTarget
 
     pooled = pad_cohort([(problem.x, problem.y)])
     n = pooled.num_examples[:, None, None]
     zeros = torch.zeros(1, 10, problem.x.shape[1], dtype=F64)
-    target = IvonTarget(ess=n, prior_mean={"w": zeros}, prior_prec={"w": problem.delta / n + zeros}, lin={}, quad={})
+    target = IvonTarget(
+        ess=n, prior_mean={"w": zeros}, prior_prec={"w": problem.delta / n + zeros}, lin={}, quad={}
+    )
     m, s = ivon_solve(pooled, target, zeros, hp, lr, steps, generator)
     return neg_elbo(problem, m[0], s[0], eps)
 
@@ -121,7 +144,9 @@ def batch_vb(problem: Softmax, hp: Any, steps: int, lr: float, eps: Tensor, gene
 # ------------------------------------------------------------------------------------------ report section
 
 
-FIG3A_METHODS: dict[str, dict[str, Any]] = {  # main_elbo.py: rho = 1 for all; gamma = damping x rho; alpha = 1/(1 + rho K) unless fixed
+FIG3A_METHODS: dict[
+    str, dict[str, Any]
+] = {  # main_elbo.py: rho = 1 for all; gamma = damping x rho; alpha = 1/(1 + rho K) unless fixed
     "BayesADMM": {"dual_damping": 1.0},
     "BregmanADMM": {"dual_damping": 0.2, "dual_coordinates": "expectation"},
     "PVI": {"dual_damping": 1.0, "server_alpha": 1.0},
@@ -147,14 +172,22 @@ def fig3a_checks(curves: dict[str, list[float]]) -> list[str]:
     """Fig. 3a's three statements, computed from the curves."""
     bayes, bregman, pvi, damped = (curves[name] for name in FIG3A_METHODS)
     return [
-        check_line("Undamped PVI does not converge (its neg-ELBO rises again)", pvi[-1] > 1.05 * min(pvi),
-                   f"min {min(pvi):.1f}, last {pvi[-1]:.1f}"),
-        check_line("Damping makes PVI decrease monotonically, but it stays above BayesADMM every round",
-                   all(b < a for a, b in zip(damped, damped[1:], strict=False))
-                   and all(b < d for b, d in zip(bayes, damped, strict=True)),
-                   f"last round: damped PVI {damped[-1]:.1f}, BayesADMM {bayes[-1]:.1f}"),
-        check_line("BayesADMM is below BregmanADMM every round", all(b < g for b, g in zip(bayes, bregman, strict=True)),
-                   f"last round: {bayes[-1]:.1f} vs {bregman[-1]:.1f}"),
+        check_line(
+            "Undamped PVI does not converge (its neg-ELBO rises again)",
+            pvi[-1] > 1.05 * min(pvi),
+            f"min {min(pvi):.1f}, last {pvi[-1]:.1f}",
+        ),
+        check_line(
+            "Damping makes PVI decrease monotonically, but it stays above BayesADMM every round",
+            all(b < a for a, b in zip(damped, damped[1:], strict=False))
+            and all(b < d for b, d in zip(bayes, damped, strict=True)),
+            f"last round: damped PVI {damped[-1]:.1f}, BayesADMM {bayes[-1]:.1f}",
+        ),
+        check_line(
+            "BayesADMM is below BregmanADMM every round",
+            all(b < g for b, g in zip(bayes, bregman, strict=True)),
+            f"last round: {bayes[-1]:.1f} vs {bregman[-1]:.1f}",
+        ),
     ]
 
 
@@ -165,19 +198,38 @@ def fig3a_section(out: Path, sizes: Sizes) -> list[str]:
     problem = softmax_problem(sizes.elbo_count, sizes.elbo_side)
     generator = torch.Generator().manual_seed(0)
     eps = torch.randn(32, 10, problem.x.shape[1], generator=generator, dtype=F64)
-    common: dict[str, Any] = {"rho": 1.0, "delta": problem.delta, "tau": 1.0, "h0": 0.0, "beta1": 0.9, "beta2": 0.9995,
-              "mc_samples": 1, "dual_scope": "seen"}  # Alg. 1's sums: every client uploads every round
-    curves = {name: run_fig3a_method(problem, bayesadmm.BayesADMMConfig(**common, **extra), sizes.elbo_rounds,
-                                     sizes.elbo_steps, 0.002, eps, generator)
-              for name, extra in FIG3A_METHODS.items()}
+    common: dict[str, Any] = {
+        "rho": 1.0,
+        "delta": problem.delta,
+        "tau": 1.0,
+        "h0": 0.0,
+        "beta1": 0.9,
+        "beta2": 0.9995,
+        "mc_samples": 1,
+        "dual_scope": "seen",
+    }  # Alg. 1's sums: every client uploads every round
+    curves = {
+        name: run_fig3a_method(
+            problem,
+            bayesadmm.BayesADMMConfig(**common, **extra),
+            sizes.elbo_rounds,
+            sizes.elbo_steps,
+            0.002,
+            eps,
+            generator,
+        )
+        for name, extra in FIG3A_METHODS.items()
+    }
     total = sizes.elbo_rounds * (sizes.elbo_steps + 1)  # as many IVON updates as each client made
     reference = batch_vb(problem, bayesadmm.BayesADMMConfig(**common), total - 1, 0.002, eps, generator)
     rows = [[r + 1, *(f"{curves[name][r]:.1f}" for name in FIG3A_METHODS)] for r in range(sizes.elbo_rounds)]
     ratio = 26 * 1251 / total
     return [
-        "## Fig. 3a (reduced scale): PVI, damped PVI, BregmanADMM and BayesADMM", "",
-        "**Claim (§4, Fig. 3a).** \"PVI can diverge on logistic regression (MNIST). The damping used by Ashman "
-        "et al. improves this, but is slower than BayesADMM ... BayesADMM clearly improves over BregmanADMM.\"", "",
+        "## Fig. 3a (reduced scale): PVI, damped PVI, BregmanADMM and BayesADMM",
+        "",
+        '**Claim (§4, Fig. 3a).** "PVI can diverge on logistic regression (MNIST). The damping used by Ashman '
+        'et al. improves this, but is slower than BayesADMM ... BayesADMM clearly improves over BregmanADMM."',
+        "",
         f"**Setup.** The released script (main_elbo.py) at a smaller scale: the first {sizes.elbo_count} images of "
         f"the bundled training split, {sizes.elbo_side} x {sizes.elbo_side} (nearest), linear softmax without bias, "
         "K = 5 class-pair clients, diagonal Gaussians, prior delta = 10, tau = 1, rho = 1; gamma = rho "
@@ -190,9 +242,13 @@ def fig3a_section(out: Path, sizes: Sizes) -> list[str]:
         "the toy code's update of u is +gamma Delta(m^2 + 1/s), the opposite sign and half the size, not run "
         "here). Objective: the script's neg-ELBO of q_bar (32 fixed MC samples). The paper's "
         "reference (batch VON to convergence; 2312 on its data) is replaced by one batch IVON run of as many "
-        "steps, an upper bound on the minimum.", "",
-        *markdown_table(["round", *FIG3A_METHODS], rows), "",
-        f"Batch IVON reference ({total} updates on all data, lr 0.002 with one cosine): {reference:.1f}.", "",
-        f"![neg-ELBO per round]({fig3a_figure(curves, reference, total, out)})", "",
+        "steps, an upper bound on the minimum.",
+        "",
+        *markdown_table(["round", *FIG3A_METHODS], rows),
+        "",
+        f"Batch IVON reference ({total} updates on all data, lr 0.002 with one cosine): {reference:.1f}.",
+        "",
+        f"![neg-ELBO per round]({fig3a_figure(curves, reference, total, out)})",
+        "",
         *fig3a_checks(curves),
     ]

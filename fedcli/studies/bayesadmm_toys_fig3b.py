@@ -72,18 +72,32 @@ def run_ridge_bayes(problem: Ridge, rounds: int, init_precision: float) -> list[
     init_precision = delta is Prop. 3.2's start (the prior); 1.0 is the released toy's S_init = I.
     """
     k, dim = len(problem.clients), problem.x.shape[1] * 10
-    hp = bayesadmm_full.BayesADMMFullConfig(rho=1 / k, dual_damping=1.0, delta=problem.delta, tau=1.0, max_params=dim,
-                                            step_size=1.0)  # a Newton step: the exact client solve
+    hp = bayesadmm_full.BayesADMMFullConfig(
+        rho=1 / k, dual_damping=1.0, delta=problem.delta, tau=1.0, max_params=dim, step_size=1.0
+    )  # a Newton step: the exact client solve
     params = {"w": torch.zeros(10, problem.x.shape[1], dtype=F64)}
     start = bayesadmm_full.server_init(params, hp, OPT)
-    state = bayesadmm_full.ServerState(mean=start.mean, precision=init_precision * torch.eye(dim, dtype=F64),
-                                       v_sum=start.v_sum, V_sum=start.V_sum)
+    state = bayesadmm_full.ServerState(
+        mean=start.mean,
+        precision=init_precision * torch.eye(dim, dtype=F64),
+        v_sum=start.v_sum,
+        V_sum=start.V_sum,
+    )
     cohort = pad_cohort(problem.clients)
     client_states = stack_tree([bayesadmm_full.init_client_state(params, hp) for _ in problem.clients])
     history = []
     for r in range(1, rounds + 1):
-        outs = cohort_round(bayesadmm_full.client_update, cohort, bayesadmm_full.broadcast(state, hp),
-                            client_states, hp, OPT, ridge_loss, 1, r)
+        outs = cohort_round(
+            bayesadmm_full.client_update,
+            cohort,
+            bayesadmm_full.broadcast(state, hp),
+            client_states,
+            hp,
+            OPT,
+            ridge_loss,
+            1,
+            r,
+        )
         client_states = outs.state
         state, _ = bayesadmm_full.server_update(state, outs, cohort.num_examples, hp, OPT)
         history.append((state.mean["w"].clone(), state.precision.clone()))
@@ -93,7 +107,9 @@ def run_ridge_bayes(problem: Ridge, rounds: int, init_precision: float) -> list[
 def polyak_heavy_ball(problem: Ridge, rho: float) -> OptimConfig:
     """Polyak's heavy ball for the per-example client objectives A_k/N_k + rho/N_k I (fedadmm's scaling):
     lr = 4 / (sqrt(L) + sqrt(mu))^2, momentum = ((sqrt(L) - sqrt(mu)) / (sqrt(L) + sqrt(mu)))^2."""
-    eig = [float(e) + rho / len(y) for x, y in problem.clients for e in torch.linalg.eigvalsh(x.T @ x / len(y))]
+    eig = [
+        float(e) + rho / len(y) for x, y in problem.clients for e in torch.linalg.eigvalsh(x.T @ x / len(y))
+    ]
     lo, hi = min(eig) ** 0.5, max(eig) ** 0.5
     return OptimConfig(client_lr=4 / (lo + hi) ** 2, client_momentum=((hi - lo) / (hi + lo)) ** 2)
 
@@ -108,8 +124,17 @@ def run_ridge_admm(problem: Ridge, rounds: int, rho: float, steps: int) -> list[
     client_states = stack_tree([fedadmm.init_client_state(params, hp) for _ in problem.clients])
     means = []
     for r in range(1, rounds + 1):
-        outs = cohort_round(fedadmm.client_update, cohort, fedadmm.broadcast(state, hp), client_states, hp, opt,
-                            ridge_loss, steps, r)
+        outs = cohort_round(
+            fedadmm.client_update,
+            cohort,
+            fedadmm.broadcast(state, hp),
+            client_states,
+            hp,
+            opt,
+            ridge_loss,
+            steps,
+            r,
+        )
         client_states = outs.state
         state, _ = fedadmm.server_update(state, outs, cohort.num_examples, hp, OPT)
         means.append(state.params["w"].clone())
@@ -128,13 +153,16 @@ def fig3b_numbers(sizes: Sizes) -> dict[str, Any]:
     w_star = ridge_optimum(problem)
     f_star = ridge_objective(problem, w_star)
     p = problem.x.shape[1]
-    s_star = torch.kron(torch.eye(10, dtype=F64), problem.x.T @ problem.x) + problem.delta * torch.eye(10 * p, dtype=F64)
+    s_star = torch.kron(torch.eye(10, dtype=F64), problem.x.T @ problem.x) + problem.delta * torch.eye(
+        10 * p, dtype=F64
+    )
     admm = run_ridge_admm(problem, sizes.ridge_admm_rounds, 200.0, sizes.ridge_admm_steps)
     prior = run_ridge_bayes(problem, sizes.ridge_bayes_rounds, problem.delta)
     eye = run_ridge_bayes(problem, sizes.ridge_bayes_rounds, 1.0)
     runs = dict(zip(RIDGE_NAMES, (admm, [m for m, _ in prior], [m for m, _ in eye]), strict=True))
     return {
-        "f_star": f_star, "p": p,
+        "f_star": f_star,
+        "p": p,
         "gaps": {n: [(ridge_objective(problem, w) - f_star) / f_star for w in ws] for n, ws in runs.items()},
         "errs": {n: [float((w - w_star).norm() / w_star.norm()) for w in ws] for n, ws in runs.items()},
         "prec_err": [float((s - s_star).norm() / s_star.norm()) for _, s in eye],
@@ -147,15 +175,24 @@ def fig3b_checks(n: dict[str, Any]) -> list[str]:
     admm_reach = first_round(admm_gap, 1e-6)
     halving = [b / a for a, b in zip(prec_err, prec_err[1:], strict=False)]
     return [
-        check_line("BayesADMM (full covariance, rho = 1/K, server at the prior) is exact after one round (Prop. 3.2)",
-                   prior_err[0] <= 1e-10, f"||m_bar_1 - W*|| / ||W*|| = {prior_err[0]:.1e}"),
-        check_line("FederatedADMM needs many rounds (relative gap <= 1e-6)", admm_reach is None or admm_reach > 5,
-                   f"reached at round {admm_reach}" if admm_reach else
-                   f"not within {len(admm_gap)} rounds; gap {admm_gap[-1]:.2e} at the last"),
-        check_line("Starting the server at S = I (the released code) instead of the prior loses one-round exactness; "
-                   "the precision error then halves every round (alpha = 1/(1 + rho K) = 1/2)",
-                   prec_err[0] > 1e-3 and all(abs(h - 0.5) < 1e-6 for h in halving),
-                   "||S_bar_r - S*|| / ||S*|| = " + ", ".join(f"{e:.3g}" for e in prec_err)),
+        check_line(
+            "BayesADMM (full covariance, rho = 1/K, server at the prior) is exact after one round (Prop. 3.2)",
+            prior_err[0] <= 1e-10,
+            f"||m_bar_1 - W*|| / ||W*|| = {prior_err[0]:.1e}",
+        ),
+        check_line(
+            "FederatedADMM needs many rounds (relative gap <= 1e-6)",
+            admm_reach is None or admm_reach > 5,
+            f"reached at round {admm_reach}"
+            if admm_reach
+            else f"not within {len(admm_gap)} rounds; gap {admm_gap[-1]:.2e} at the last",
+        ),
+        check_line(
+            "Starting the server at S = I (the released code) instead of the prior loses one-round exactness; "
+            "the precision error then halves every round (alpha = 1/(1 + rho K) = 1/2)",
+            prec_err[0] > 1e-3 and all(abs(h - 0.5) < 1e-6 for h in halving),
+            "||S_bar_r - S*|| / ||S*|| = " + ", ".join(f"{e:.3g}" for e in prec_err),
+        ),
     ]
 
 
@@ -163,17 +200,21 @@ def fig3b_section(out: Path, sizes: Sizes) -> list[str]:
     """Fig. 3b: ridge regression, FedADMM vs full-covariance BayesADMM (two server starts)."""
     n = fig3b_numbers(sizes)
     gaps, errs = n["gaps"], n["errs"]
-    rows = [[r + 1, *(x for name in RIDGE_NAMES for x in (cell(gaps[name], r), cell(errs[name], r)))]
-            for r in range(sizes.ridge_admm_rounds)]
+    rows = [
+        [r + 1, *(x for name in RIDGE_NAMES for x in (cell(gaps[name], r), cell(errs[name], r)))]
+        for r in range(sizes.ridge_admm_rounds)
+    ]
     fig = figure(6.0, 4.0)
     ax = fig.subplots()
     semilogy(ax, gaps, 1e-17, dict(zip(RIDGE_NAMES, ("s-", "^-", "v--"), strict=True)))
     ax.set_ylabel("(F(m_bar) - F*) / F*  (floor 1e-17)")
     png = save_figure(fig, out, "fig3b")
     return [
-        "## Fig. 3b: one-round convergence on ridge regression", "",
+        "## Fig. 3b: one-round convergence on ridge regression",
+        "",
         "**Claim (§4, Fig. 3b, Prop. 3.2).** On a quadratic (conjugate) problem, full-covariance BayesADMM with "
-        "rho = 1/K and the server at the prior converges in a single round; FederatedADMM needs many.", "",
+        "rho = 1/K and the server at the prior converges in a single round; FederatedADMM needs many.",
+        "",
         f"**Setup.** The first {sizes.ridge_count} images of the bundled MNIST training split, {sizes.ridge_side} x "
         f"{sizes.ridge_side} (nearest), one-hot targets, W in R^(10 x {n['p']}) (D = {10 * n['p']}), K = 5 clients "
         "holding the class pairs (0,1), ..., (8,9); F(W) = Sum_i 1/2 ||W x_i - y_i||^2 + delta/2 ||W||^2, delta = "
@@ -182,10 +223,24 @@ def fig3b_section(out: Path, sizes: Sizes) -> list[str]:
         f"(the released code's), gamma = rho, {sizes.ridge_admm_steps} heavy-ball steps with Polyak's rates "
         "per solve (exact to ~1e-12). The released code's data are the first 500 MNIST *training* images, "
         f"which fedcli does not ship: its reference F* = 161.1069 is for other data; here F* = {n['f_star']:.4f} "
-        "(exact solve). Metrics at the server mean m_bar (the code plots client 1's mean).", "",
-        *markdown_table(["round", "FedADMM gap", "FedADMM err", "Bayes (prior) gap", "Bayes (prior) err",
-                         "Bayes (S = I) gap", "Bayes (S = I) err"], rows), "",
-        "gap = (F(m_bar) - F*) / F* (float64 rounding ~1e-16); err = ||m_bar - W*|| / ||W*||; — = not run.", "",
-        f"![relative objective gap per round]({png})", "",
+        "(exact solve). Metrics at the server mean m_bar (the code plots client 1's mean).",
+        "",
+        *markdown_table(
+            [
+                "round",
+                "FedADMM gap",
+                "FedADMM err",
+                "Bayes (prior) gap",
+                "Bayes (prior) err",
+                "Bayes (S = I) gap",
+                "Bayes (S = I) err",
+            ],
+            rows,
+        ),
+        "",
+        "gap = (F(m_bar) - F*) / F* (float64 rounding ~1e-16); err = ||m_bar - W*|| / ||W*||; — = not run.",
+        "",
+        f"![relative objective gap per round]({png})",
+        "",
         *fig3b_checks(n),
     ]

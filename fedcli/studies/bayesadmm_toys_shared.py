@@ -20,13 +20,22 @@ OPT = OptimConfig()  # server steps are closed form (sgd, lr 1); client rates ar
 # ------------------------------------------------------------------------------------------ shared
 
 
-def full_batch_context(x: Tensor, y: Tensor, loss_fn: Any, steps: int, round_idx: int,
-                       noise: dict[str, Tensor] | None = None) -> ClientContext:
+def full_batch_context(
+    x: Tensor, y: Tensor, loss_fn: Any, steps: int, round_idx: int, noise: dict[str, Tensor] | None = None
+) -> ClientContext:
     """A client context whose every step sees all N_k examples (the toys are full batch)."""
     batch = Batch(x=x, y=y, weight=torch.ones(len(y), dtype=F64), key=torch.zeros((), dtype=torch.int64))
-    return ClientContext(loss_fn=loss_fn, apply_fn=lambda p, z: z, batch=lambda step: batch,
-                         step_mask=torch.ones(steps, dtype=F64), num_examples=torch.tensor(float(len(y)), dtype=F64),
-                         num_epochs=1, steps_per_epoch=steps, round_idx=round_idx, noise=noise or {})
+    return ClientContext(
+        loss_fn=loss_fn,
+        apply_fn=lambda p, z: z,
+        batch=lambda step: batch,
+        step_mask=torch.ones(steps, dtype=F64),
+        num_examples=torch.tensor(float(len(y)), dtype=F64),
+        num_epochs=1,
+        steps_per_epoch=steps,
+        round_idx=round_idx,
+        noise=noise or {},
+    )
 
 
 class Cohort(NamedTuple):
@@ -42,9 +51,12 @@ def pad_cohort(clients: list[tuple[Tensor, Tensor]]) -> Cohort:
     """Stack (x_k, y_k) with zero-weight padding; the losses are weighted means, so padding changes nothing."""
     n_max = max(len(y) for _, y in clients)
     pad = lambda t: torch.cat([t, t[:1].expand(n_max - len(t), *t.shape[1:])])  # noqa: E731
-    return Cohort(x=torch.stack([pad(x) for x, _ in clients]), y=torch.stack([pad(y) for _, y in clients]),
-                  weight=torch.stack([(torch.arange(n_max) < len(y)).to(F64) for _, y in clients]),
-                  num_examples=torch.tensor([float(len(y)) for _, y in clients], dtype=F64))
+    return Cohort(
+        x=torch.stack([pad(x) for x, _ in clients]),
+        y=torch.stack([pad(y) for _, y in clients]),
+        weight=torch.stack([(torch.arange(n_max) < len(y)).to(F64) for _, y in clients]),
+        num_examples=torch.tensor([float(len(y)) for _, y in clients], dtype=F64),
+    )
 
 
 def stack_tree(trees: list[Any]) -> Any:
@@ -54,15 +66,32 @@ def stack_tree(trees: list[Any]) -> Any:
     return pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
 
 
-def cohort_round(update: Any, cohort: Cohort, bc: Any, states: Any, hp: Any, opt: OptimConfig, loss_fn: Any,
-                 steps: int, round_idx: int) -> ClientOut:
+def cohort_round(
+    update: Any,
+    cohort: Cohort,
+    bc: Any,
+    states: Any,
+    hp: Any,
+    opt: OptimConfig,
+    loss_fn: Any,
+    steps: int,
+    round_idx: int,
+) -> ClientOut:
     """Run update(ctx, bc, state, hp, opt) for every client at once with torch.func.vmap (as the engine does)."""
 
     def one(x: Tensor, y: Tensor, w: Tensor, n: Tensor, state: Any) -> tuple[Any, Any]:
         batch = Batch(x=x, y=y, weight=w, key=torch.zeros((), dtype=torch.int64))
-        ctx = ClientContext(loss_fn=loss_fn, apply_fn=lambda p, z: z, batch=lambda step: batch,
-                            step_mask=torch.ones(steps, dtype=F64), num_examples=n, num_epochs=1,
-                            steps_per_epoch=steps, round_idx=round_idx, noise={})
+        ctx = ClientContext(
+            loss_fn=loss_fn,
+            apply_fn=lambda p, z: z,
+            batch=lambda step: batch,
+            step_mask=torch.ones(steps, dtype=F64),
+            num_examples=n,
+            num_epochs=1,
+            steps_per_epoch=steps,
+            round_idx=round_idx,
+            noise={},
+        )
         out = update(ctx, bc, state, hp, opt)
         return out.upload, out.state
 
@@ -97,9 +126,22 @@ class Sizes(NamedTuple):
     elbo_steps: int = 150  # main_elbo.py: 1250 (+1)
 
 
-SMOKE = Sizes(ridge_count=100, ridge_side=4, ridge_admm_rounds=2, ridge_admm_steps=10, ridge_bayes_rounds=2,
-              fig4_admm_rounds=2, fig4_bayes_rounds=2, fig4_mc_runs=1, fig4_von_steps=100, fig4_admm_max_steps=500,
-              elbo_count=300, elbo_side=7, elbo_rounds=2, elbo_steps=10)
+SMOKE = Sizes(
+    ridge_count=100,
+    ridge_side=4,
+    ridge_admm_rounds=2,
+    ridge_admm_steps=10,
+    ridge_bayes_rounds=2,
+    fig4_admm_rounds=2,
+    fig4_bayes_rounds=2,
+    fig4_mc_runs=1,
+    fig4_von_steps=100,
+    fig4_admm_max_steps=500,
+    elbo_count=300,
+    elbo_side=7,
+    elbo_rounds=2,
+    elbo_steps=10,
+)
 
 
 def cell(values: list[float], r: int) -> float | str:
@@ -110,7 +152,9 @@ def cell(values: list[float], r: int) -> float | str:
 def semilogy(ax: Any, curves: dict[str, list[float]], floor: float, styles: dict[str, str]) -> None:
     """Plot max(|y|, floor) against the 1-based round on a log axis."""
     for name, ys in curves.items():
-        ax.semilogy(range(1, len(ys) + 1), [max(abs(y), floor) for y in ys], styles.get(name, "o-"), label=name)
+        ax.semilogy(
+            range(1, len(ys) + 1), [max(abs(y), floor) for y in ys], styles.get(name, "o-"), label=name
+        )
     ax.set_xlabel("server iteration (round)")
     integer_rounds(ax)
     ax.legend(fontsize=7)

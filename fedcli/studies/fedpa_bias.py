@@ -71,10 +71,17 @@ class Settings:
         return [fedpa.num_samples(fedpa.FedPAConfig(), OptimConfig(local_epochs=e)) for e in self.epochs]
 
 
-FULL = Settings(num_problems=10, num_inits=10, num_streams=32, epochs=(1, 2, 3, 5, 9, 17, 33),
-                rhos=(0.0, 1e-3, 1e-2, 0.1, 1.0, 10.0), fixed_epochs=17)
-SMOKE = Settings(num_problems=2, num_inits=2, num_streams=8, epochs=(1, 2, 3, 5), rhos=(0.0, 0.1, 1.0),
-                 fixed_epochs=5)
+FULL = Settings(
+    num_problems=10,
+    num_inits=10,
+    num_streams=32,
+    epochs=(1, 2, 3, 5, 9, 17, 33),
+    rhos=(0.0, 1e-3, 1e-2, 0.1, 1.0, 10.0),
+    fixed_epochs=17,
+)
+SMOKE = Settings(
+    num_problems=2, num_inits=2, num_streams=8, epochs=(1, 2, 3, 5), rhos=(0.0, 0.1, 1.0), fixed_epochs=5
+)
 
 
 class Problems(NamedTuple):
@@ -99,22 +106,36 @@ def least_squares_loss(params: Params, batch: Batch) -> Tensor:
     return 0.5 * (batch.weight * residual * residual).mean()
 
 
-def lsq_context(batch: Callable[[int], Batch], *, num_epochs: int, steps_per_epoch: int,
-                dtype: torch.dtype) -> ClientContext:
+def lsq_context(
+    batch: Callable[[int], Batch], *, num_epochs: int, steps_per_epoch: int, dtype: torch.dtype
+) -> ClientContext:
     """Return a ClientContext on least_squares_loss whose step s uses batch(s) (num_examples unused: 1)."""
-    return ClientContext(loss_fn=least_squares_loss, apply_fn=lambda p, x: x @ p["w"], batch=batch,
-                         step_mask=torch.ones(num_epochs * steps_per_epoch, dtype=dtype),
-                         num_examples=torch.ones((), dtype=dtype), num_epochs=num_epochs,
-                         steps_per_epoch=steps_per_epoch, round_idx=1, noise={})
+    return ClientContext(
+        loss_fn=least_squares_loss,
+        apply_fn=lambda p, x: x @ p["w"],
+        batch=batch,
+        step_mask=torch.ones(num_epochs * steps_per_epoch, dtype=dtype),
+        num_examples=torch.ones((), dtype=dtype),
+        num_epochs=num_epochs,
+        steps_per_epoch=steps_per_epoch,
+        round_idx=1,
+        noise={},
+    )
 
 
 def make_problems(s: Settings) -> Problems:
     """Draw s.num_problems clients of make_least_squares with noise sqrt(B K) (calibrated IASG)."""
-    data = make_least_squares(num_clients=s.num_problems, dim=s.dim, mean_size=500, heterogeneity=1.0,
-                              noise=math.sqrt(s.batch_size * s.steps_per_sample),
-                              rng=numpy_rng(s.seed, Stream.PARTITION))
+    data = make_least_squares(
+        num_clients=s.num_problems,
+        dim=s.dim,
+        mean_size=500,
+        heterogeneity=1.0,
+        noise=math.sqrt(s.batch_size * s.steps_per_sample),
+        rng=numpy_rng(s.seed, Stream.PARTITION),
+    )
     pad = lambda v: torch.nn.utils.rnn.pad_sequence(  # noqa: E731
-        [torch.as_tensor(v[data.client == p]) for p in range(s.num_problems)], batch_first=True)
+        [torch.as_tensor(v[data.client == p]) for p in range(s.num_problems)], batch_first=True
+    )
     x, y, sizes = pad(data.x), pad(data.y), torch.as_tensor(np.bincount(data.client))  # [P, N, D] [P, N] [P]
     precision = x.transpose(1, 2) @ x / sizes[:, None, None]
     optimum = torch.linalg.solve(precision, (x.transpose(1, 2) @ y[..., None])[..., 0] / sizes[:, None])
@@ -126,8 +147,9 @@ def exact_delta(precision: Tensor, optimum: Tensor, theta: Tensor) -> Tensor:
     return torch.einsum("...ij,...j->...i", precision, theta - optimum)
 
 
-def client_deltas(x: Tensor, y: Tensor, theta0: Tensor, index: Tensor,
-                  s: Settings) -> tuple[Tensor, Tensor, Tensor]:
+def client_deltas(
+    x: Tensor, y: Tensor, theta0: Tensor, index: Tensor, s: Settings
+) -> tuple[Tensor, Tensor, Tensor]:
     """Return FedAvg's [G, D] and FedPA's [G, rho, D] deltas and the IASG samples [E_max, D] of one run.
 
     index: [S_max, B] the example indices of every step (vmap over runs and problems).
@@ -137,18 +159,21 @@ def client_deltas(x: Tensor, y: Tensor, theta0: Tensor, index: Tensor,
     samples: list[Tensor] = []
     fedavg_deltas, fedpa_deltas, done = [], [], 0
     for epochs in s.epochs:
+
         def batch_at(k: int, o: int = done * s.steps_per_sample) -> Batch:  # step k of this segment
             return Batch(x[index[o + k]], y[index[o + k]], ones, key)
 
-        ctx = lsq_context(batch_at, num_epochs=epochs - done, steps_per_epoch=s.steps_per_sample,
-                          dtype=x.dtype)
-        local = local_sgd(ctx, params, OptimConfig(client_lr=s.client_lr, local_epochs=epochs - done),
-                          average_epochs=True)
+        ctx = lsq_context(
+            batch_at, num_epochs=epochs - done, steps_per_epoch=s.steps_per_sample, dtype=x.dtype
+        )
+        local = local_sgd(
+            ctx, params, OptimConfig(client_lr=s.client_lr, local_epochs=epochs - done), average_epochs=True
+        )
         params, done = local.params, epochs
         samples += [m["w"] for m in local.epoch_means]
         fedavg_deltas.append(theta0 - params["w"])  # fedavg.client_update's upload
         opt = OptimConfig(client_lr=s.client_lr, local_epochs=epochs)
-        sampled = samples[fedpa.first_sample_epoch(fedpa.FedPAConfig(), opt):epochs]
+        sampled = samples[fedpa.first_sample_epoch(fedpa.FedPAConfig(), opt) : epochs]
         fedpa_deltas.append(torch.stack([fedpa.posterior_delta(theta0, sampled, rho) for rho in s.rhos]))
     return torch.stack(fedavg_deltas), torch.stack(fedpa_deltas), torch.stack(samples)
 
@@ -169,12 +194,26 @@ def estimate(s: Settings) -> Estimates:
     pr = make_problems(s)
     (_, width, num_dims), steps = pr.x.shape, s.epochs[-1] * s.steps_per_sample
     shape = (s.num_problems, s.num_inits, s.num_streams)
-    theta = torch.stack([torch.randn(s.num_inits, num_dims, generator=torch_generator(s.seed, Stream.INIT, p),
-                                     dtype=torch.float64) for p in range(s.num_problems)])  # [P, T, D]
-    index = torch.stack([  # [P T R, S, B] rows of x_flat: problem p's examples start at p * width
-        torch.randint(int(pr.sizes[p]), (steps, s.batch_size), dtype=torch.int32,
-                      generator=torch_generator(s.seed, Stream.BATCH_ORDER, p, t, r)) + p * width
-        for p, t, r in itertools.product(*map(range, shape))])
+    theta = torch.stack(
+        [
+            torch.randn(
+                s.num_inits, num_dims, generator=torch_generator(s.seed, Stream.INIT, p), dtype=torch.float64
+            )
+            for p in range(s.num_problems)
+        ]
+    )  # [P, T, D]
+    index = torch.stack(
+        [  # [P T R, S, B] rows of x_flat: problem p's examples start at p * width
+            torch.randint(
+                int(pr.sizes[p]),
+                (steps, s.batch_size),
+                dtype=torch.int32,
+                generator=torch_generator(s.seed, Stream.BATCH_ORDER, p, t, r),
+            )
+            + p * width
+            for p, t, r in itertools.product(*map(range, shape))
+        ]
+    )
     x_flat, y_flat = pr.x.reshape(-1, num_dims), pr.y.reshape(-1)
     theta_lanes = theta[:, :, None].expand(*shape, -1).reshape(-1, num_dims)  # [P T R, D]
     runs = torch.func.vmap(lambda t, i: client_deltas(x_flat, y_flat, t, i, s))
@@ -194,8 +233,9 @@ def oracle_deltas(pr: Problems, theta_lanes: Tensor, s: Settings) -> Tensor:
     """Return [P T R, G, D] posterior_delta at fixed_rho on exact N(mu, A^-1) samples (JAX post_avg_exact)."""
     lanes, num_dims = theta_lanes.shape
     chol = torch.linalg.cholesky(pr.precision).repeat_interleave(lanes // s.num_problems, 0)  # A = L L^T
-    eps = torch.randn(lanes, num_dims, s.epochs[-1], generator=torch_generator(s.seed, Stream.NOISE),
-                      dtype=torch.float64)
+    eps = torch.randn(
+        lanes, num_dims, s.epochs[-1], generator=torch_generator(s.seed, Stream.NOISE), dtype=torch.float64
+    )
     mean = pr.optimum.repeat_interleave(lanes // s.num_problems, 0)[:, None]
     samples = mean + torch.linalg.solve_triangular(chol.mT, eps, upper=True).mT  # mu + L^-T eps ~ N(mu, A^-1)
 
@@ -210,18 +250,32 @@ def run(out: Path, *, smoke: bool = False) -> None:
     started, s = time.perf_counter(), SMOKE if smoke else FULL
     est = estimate(s)
     steps, counts = [e * s.steps_per_sample for e in s.epochs], s.num_samples
-    header = ["local steps S", "samples l", "FedAvg", *[f"FedPA rho={r:g}" for r in s.rhos],
-              f"FedPA exact samples rho={s.fixed_rho:g}"]
+    header = [
+        "local steps S",
+        "samples l",
+        "FedAvg",
+        *[f"FedPA rho={r:g}" for r in s.rhos],
+        f"FedPA exact samples rho={s.fixed_rho:g}",
+    ]
     tables = {}
     for k, name in enumerate(("bias", "variance")):
-        rows = [[steps[g], counts[g], float(est.fedavg[k][g]), *map(float, est.fedpa[k][g]),
-                 float(est.oracle[k][g])] for g in range(len(steps))]
+        rows = [
+            [
+                steps[g],
+                counts[g],
+                float(est.fedavg[k][g]),
+                *map(float, est.fedpa[k][g]),
+                float(est.oracle[k][g]),
+            ]
+            for g in range(len(steps))
+        ]
         tables[name] = markdown_table(header, rows)
     png = save_figure(_plot(est, s, steps), out, "fig3")
     lines = [
         "**Claim** (FedPA, App. A.1, Fig. 3): with more local steps FedAvg's delta bias grows and its "
         "variance falls (3a); FedPA's bias consistently falls, its variance first rises and then falls at a "
-        "fixed rho (3b); at a fixed number of steps rho trades bias for variance (3c).", "",
+        "fixed rho (3b); at a fixed number of steps rho trades bias for variance (3c).",
+        "",
         f"**Setup:** {s.num_problems} least-squares clients of `make_least_squares` (d = {s.dim} + ones "
         f"column, ~500 points, noise sqrt(B K)), {s.num_inits} initial thetas ~ N(0, I) each, "
         f"{s.num_streams} seeded batch streams per theta; SGD lr {s.client_lr}, batch B = {s.batch_size}, "
@@ -230,15 +284,32 @@ def run(out: Path, *, smoke: bool = False) -> None:
         "Exact delta A (theta - mu), A = X^T X / n. Bias = ||E Delta_hat - Delta|| / ||Delta|| (debiased "
         "for R), variance = ||Cov Delta_hat||_F / ||Delta||^2, means over problems and thetas.",
         f"IASG calibration tr(S_hat A) / D = {est.calibration:.3f} (1: samples ~ N(mu, A^-1)); the identity "
-        f"covariance's limit theta - mu (FedAvg as K -> infinity) has bias {est.identity_bias:.3f}.", "",
-        "**Bias** (relative):", "", *tables["bias"], "",
-        "**Variance** (relative):", "", *tables["variance"], "",
-        f"![Fig. 3: bias and variance vs local steps and rho]({png})", "", *_checks(est, s, steps), "",
+        f"covariance's limit theta - mu (FedAvg as K -> infinity) has bias {est.identity_bias:.3f}.",
+        "",
+        "**Bias** (relative):",
+        "",
+        *tables["bias"],
+        "",
+        "**Variance** (relative):",
+        "",
+        *tables["variance"],
+        "",
+        f"![Fig. 3: bias and variance vs local steps and rho]({png})",
+        "",
+        *_checks(est, s, steps),
+        "",
         "Note: on noisy data the last iterate of constant-lr SGD tends to SGD's stationary spread (about "
         "lr s^2 / (2B) per coordinate), not to 0, so FedAvg's variance need not fall with S; the paper does "
-        "not state its data noise."]
-    write_report(out, "FedPA Fig. 3: bias and variance of client deltas", lines, recipe="fedpa-bias",
-                 smoke=smoke, started=started)
+        "not state its data noise.",
+    ]
+    write_report(
+        out,
+        "FedPA Fig. 3: bias and variance of client deltas",
+        lines,
+        recipe="fedpa-bias",
+        smoke=smoke,
+        started=started,
+    )
 
 
 def _checks(est: Estimates, s: Settings, steps: list[int]) -> list[str]:
@@ -250,26 +321,43 @@ def _checks(est: Estimates, s: Settings, steps: list[int]) -> list[str]:
     up_down = lambda v: 0 < int(v.argmax()) < len(v) - 1  # noqa: E731
     rho, best = f"rho = {s.fixed_rho:g}", int(bias_c.argmin())
     return [
-        check_line("FedAvg's bias grows with local steps (Fig. 3a)", bool(fa_b[-1] > fa_b[0]),
-                   f"S = {steps[0]}..{steps[-1]}: {fmt(fa_b)}"),
+        check_line(
+            "FedAvg's bias grows with local steps (Fig. 3a)",
+            bool(fa_b[-1] > fa_b[0]),
+            f"S = {steps[0]}..{steps[-1]}: {fmt(fa_b)}",
+        ),
         check_line("FedAvg's variance falls with local steps (Fig. 3a)", bool(fa_v[-1] < fa_v[0]), fmt(fa_v)),
-        check_line(f"FedPA's bias ({rho}) consistently falls with local steps (Fig. 3b)",
-                   bool((pa_b.diff() <= 0).all()), f"l = 1..{s.num_samples[-1]}: {fmt(pa_b)}"),
-        check_line(f"FedPA's variance ({rho}) first rises, then falls (Fig. 3b)", up_down(pa_v),
-                   f"l = 1..{s.num_samples[-1]}: {fmt(pa_v)}; rises then falls for rho in "
-                   f"{[r for k, r in enumerate(s.rhos) if up_down(est.fedpa[1][1:, k])]}"),
-        check_line(f"At S = {steps[g]}, rho trades bias for variance: the lowest-bias rho beats rho = 0 at a "
-                   "higher variance, and the largest rho has the largest variance (Fig. 3c)",
-                   bool(bias_c[best] < bias_c[0] and var_c[best] > var_c[0]
-                        and int(var_c.argmax()) == len(s.rhos) - 1),
-                   f"rho = {', '.join(f'{r:g}' for r in s.rhos)}: bias {fmt(bias_c)}; variance {fmt(var_c)}"),
-        check_line(f"FedPA's delta ({rho}) approaches the exact delta with more steps while FedAvg's does "
-                   "not (App. A.1)",
-                   bool(pa_b[-1] < est.fedpa[0][0, j] and pa_b[-1] < fa_b[-1] and fa_b[-1] >= fa_b[0]),
-                   f"S = {steps[0]} -> {steps[-1]}: FedPA {est.fedpa[0][0, j]:.3f} -> {pa_b[-1]:.3f}, "
-                   f"FedAvg {fa_b[0]:.3f} -> {fa_b[-1]:.3f}"),
-        check_line(f"On exact posterior samples the DP delta's bias ({rho}) falls as l grows (Theorem 3)",
-                   bool(or_b[-1] < or_b[0]), fmt(or_b)),
+        check_line(
+            f"FedPA's bias ({rho}) consistently falls with local steps (Fig. 3b)",
+            bool((pa_b.diff() <= 0).all()),
+            f"l = 1..{s.num_samples[-1]}: {fmt(pa_b)}",
+        ),
+        check_line(
+            f"FedPA's variance ({rho}) first rises, then falls (Fig. 3b)",
+            up_down(pa_v),
+            f"l = 1..{s.num_samples[-1]}: {fmt(pa_v)}; rises then falls for rho in "
+            f"{[r for k, r in enumerate(s.rhos) if up_down(est.fedpa[1][1:, k])]}",
+        ),
+        check_line(
+            f"At S = {steps[g]}, rho trades bias for variance: the lowest-bias rho beats rho = 0 at a "
+            "higher variance, and the largest rho has the largest variance (Fig. 3c)",
+            bool(
+                bias_c[best] < bias_c[0] and var_c[best] > var_c[0] and int(var_c.argmax()) == len(s.rhos) - 1
+            ),
+            f"rho = {', '.join(f'{r:g}' for r in s.rhos)}: bias {fmt(bias_c)}; variance {fmt(var_c)}",
+        ),
+        check_line(
+            f"FedPA's delta ({rho}) approaches the exact delta with more steps while FedAvg's does "
+            "not (App. A.1)",
+            bool(pa_b[-1] < est.fedpa[0][0, j] and pa_b[-1] < fa_b[-1] and fa_b[-1] >= fa_b[0]),
+            f"S = {steps[0]} -> {steps[-1]}: FedPA {est.fedpa[0][0, j]:.3f} -> {pa_b[-1]:.3f}, "
+            f"FedAvg {fa_b[0]:.3f} -> {fa_b[-1]:.3f}",
+        ),
+        check_line(
+            f"On exact posterior samples the DP delta's bias ({rho}) falls as l grows (Theorem 3)",
+            bool(or_b[-1] < or_b[0]),
+            fmt(or_b),
+        ),
     ]
 
 

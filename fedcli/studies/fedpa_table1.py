@@ -46,12 +46,17 @@ from fedcli.studies.fedpa_bias import lsq_context
 EPOCHS, STEPS_PER_EPOCH, NUM_POINTS, RHO = 5, 100, 500, 0.1  # Table 1: 5 epochs x 100 steps; Table 6 rho
 DP_STEP_CALLS = 5  # timed calls of the cheap DP step per repeat
 REPEATS = 7  # interleaved repetitions per d (the minimum of 7 readings: issue 24's protocol)
-PAPER = [("100", "72", "91 +26%", "82 +12%"), ("1K", "76", "92 +21%", "104 +36%"),
-         ("10K", "80", "93 +16%", "797 +896%"), ("100K", "149", "155 +4%", "—")]  # Table 1, verbatim (ms)
+PAPER = [
+    ("100", "72", "91 +26%", "82 +12%"),
+    ("1K", "76", "92 +21%", "104 +36%"),
+    ("10K", "80", "93 +16%", "797 +896%"),
+    ("100K", "149", "155 +4%", "—"),
+]  # Table 1, verbatim (ms)
 
 
-def exact_client_update(ctx: ClientContext, bc: fedavg.Broadcast, hp: fedpa.FedPAConfig,
-                        opt: OptimConfig) -> Tensor:
+def exact_client_update(
+    ctx: ClientContext, bc: fedavg.Broadcast, hp: fedpa.FedPAConfig, opt: OptimConfig
+) -> Tensor:
     """Return Sigma_hat^-1 (theta_0 - mu_hat), Sigma_hat = rho_l I + (1 - rho_l) S_hat as a d x d matrix."""
     local = local_sgd(ctx, bc.params, opt, average_epochs=True)
     samples = torch.stack([flatten(m) for m in local.epoch_means])  # [l, D]
@@ -67,8 +72,9 @@ def exact_fits(dim: int) -> bool:
     return 3 * 4 * dim**2 < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
 
 
-def time_dim(dim: int, *, repeats: int, steps_per_epoch: int, warm_up: bool, seed: int
-             ) -> tuple[dict[str, list[float]], float]:
+def time_dim(
+    dim: int, *, repeats: int, steps_per_epoch: int, warm_up: bool, seed: int
+) -> tuple[dict[str, list[float]], float]:
     """Return {method: ms readings} at dimension dim and the DP-vs-dense relative gap (nan: skipped)."""
     gen = torch_generator(seed, Stream.PARTITION, dim)
     x = torch.randn(NUM_POINTS, dim, generator=gen) / math.sqrt(dim)  # ||x|| ~ 1: lr 0.1 is stable at any d
@@ -76,8 +82,12 @@ def time_dim(dim: int, *, repeats: int, steps_per_epoch: int, warm_up: bool, see
     batch = NUM_POINTS // STEPS_PER_EPOCH
     ones, key = torch.ones(batch), torch.zeros((), dtype=torch.int64)
     rows = lambda v, s: v.narrow(0, s % steps_per_epoch * batch, batch)  # noqa: E731  (fixed batch order)
-    ctx = lsq_context(lambda s: Batch(rows(x, s), rows(y, s), ones, key), num_epochs=EPOCHS,
-                      steps_per_epoch=steps_per_epoch, dtype=x.dtype)
+    ctx = lsq_context(
+        lambda s: Batch(rows(x, s), rows(y, s), ones, key),
+        num_epochs=EPOCHS,
+        steps_per_epoch=steps_per_epoch,
+        dtype=x.dtype,
+    )
     bc = fedavg.Broadcast(params={"w": torch.zeros(dim)})
     opt = OptimConfig(client_lr=0.1, local_epochs=EPOCHS)
     hp = fedpa.FedPAConfig(rho=RHO, burn_in_rounds=0, burn_in_epochs=0)
@@ -86,7 +96,8 @@ def time_dim(dim: int, *, repeats: int, steps_per_epoch: int, warm_up: bool, see
         "FedAvg": lambda: fedavg.client_update(ctx, bc, None, fedavg.FedAvgConfig(), opt),
         "FedPA-DP": lambda: fedpa.client_update(ctx, bc, None, hp, opt),
         "IASG": lambda: local_sgd(ctx, bc.params, opt, average_epochs=True).params,
-        "DP step": lambda: fedpa.posterior_delta(bc.params["w"], samples, RHO)}
+        "DP step": lambda: fedpa.posterior_delta(bc.params["w"], samples, RHO),
+    }
     if exact_fits(dim):
         methods["exact"] = lambda: exact_client_update(ctx, bc, hp, opt)
     outputs = {name: fn() for name, fn in methods.items() if warm_up}
@@ -112,53 +123,105 @@ def run(out: Path, *, smoke: bool = False) -> None:
     dims, repeats, steps = ([100, 1000], 2, 10) if smoke else full
     torch.set_num_threads(1)  # one thread: no intra-op scheduling noise between the methods
     try:
-        results = {d: time_dim(d, repeats=repeats, steps_per_epoch=steps, warm_up=d == dims[0], seed=0)
-                   for d in dims}
+        results = {
+            d: time_dim(d, repeats=repeats, steps_per_epoch=steps, warm_up=d == dims[0], seed=0) for d in dims
+        }
     finally:
         torch.set_num_threads(threads)
     end_load = os.getloadavg()[0]
     ms = {d: {name: min(r) for name, r in res[0].items()} for d, res in results.items()}  # the minimum
     median = {d: {name: statistics.median(r) for name, r in res[0].items()} for d, res in results.items()}
-    spread = {d: {name: (max(r) - min(r)) / min(r) for name, r in res[0].items()} for d, res in results.items()}
+    spread = {
+        d: {name: (max(r) - min(r)) / min(r) for name, r in res[0].items()} for d, res in results.items()
+    }
     pct = lambda d, name: f"{ms[d][name]:.0f} {ms[d][name] / ms[d]['FedAvg'] - 1:+.1%}"  # noqa: E731
-    rows = [[f"{d:.0e}", f"{ms[d]['FedAvg']:.0f} ({spread[d]['FedAvg']:.0%})",
-             f"{pct(d, 'FedPA-DP')} ({spread[d]['FedPA-DP']:.0%})", f"{pct(d, 'IASG')} ({spread[d]['IASG']:.0%})",
-             pct(d, "exact") if "exact" in ms[d] else "—¹", f"{ms[d]['DP step']:.2f}",
-             f"{ms[d]['FedPA-DP'] / ms[d]['FedAvg']:.3f}",
-             f"{median[d]['FedPA-DP'] / median[d]['FedAvg']:.3f}"]
-            for d in dims]
+    rows = [
+        [
+            f"{d:.0e}",
+            f"{ms[d]['FedAvg']:.0f} ({spread[d]['FedAvg']:.0%})",
+            f"{pct(d, 'FedPA-DP')} ({spread[d]['FedPA-DP']:.0%})",
+            f"{pct(d, 'IASG')} ({spread[d]['IASG']:.0%})",
+            pct(d, "exact") if "exact" in ms[d] else "—¹",
+            f"{ms[d]['DP step']:.2f}",
+            f"{ms[d]['FedPA-DP'] / ms[d]['FedAvg']:.3f}",
+            f"{median[d]['FedPA-DP'] / median[d]['FedAvg']:.3f}",
+        ]
+        for d in dims
+    ]
     skipped = [d for d in dims if "exact" not in ms[d]]
     lines = [
         "**Claim** (FedPA, Table 1, Theorem 3): the DP delta costs O(l^2 d) time and O(l d) memory, so "
         "its overhead over FedAvg shrinks as d grows (+26% at d = 100, +4% at 100K), while the exact "
-        "inversion is ~10x slower than FedAvg at 10K and infeasible beyond.", "",
+        "inversion is ~10x slower than FedAvg at 10K and infeasible beyond.",
+        "",
         f"**Setup:** one client update, {EPOCHS} epochs x {steps} steps of batch "
         f"{NUM_POINTS // STEPS_PER_EPOCH} (x ~ N(0, I / d), lr 0.1), l = {EPOCHS} samples, rho = {RHO}, "
         f"float32, seed 0; {repeats} timed calls per method and d, interleaved method by method within each "
         f"repetition, one untimed warm-up call per method (at d = {dims[0]}); 1 torch thread on a CPU with "
         f"{os.cpu_count()} cores; 1-min load average {load:.1f} at the start, {end_load:.1f} at the end "
-        "(a verdict needs a quiet machine: load well below the core count).", "",
+        "(a verdict needs a quiet machine: load well below the core count).",
+        "",
         "**This machine** (ms, the minimum of the readings, with their spread (max - min) / min in "
         "parentheses; % relative to FedAvg's minimum; IASG = FedAvg's local SGD plus the per-epoch iterate "
-        "means, FedPA's sampling without the DP; \"DP step alone\" times fedpa.posterior_delta on its own; "
-        "the last two columns are FedPA-DP / FedAvg of the minima and of the medians):", "",
-        *markdown_table(["d", "FedAvg", "FedPA DP", "IASG (no DP)", "FedPA exact", "DP step alone",
-                         "DP / FedAvg (min)", "DP / FedAvg (median)"], rows), "",
-        *([f"¹ skipped at d = {', '.join(f'{d:.0e}' for d in skipped)}: the dense solve needs three d x d "
-           f"float32 buffers (12 d^2 bytes = {12 * skipped[0] ** 2 / 1e9:.3g} GB at d = {skipped[0]:.0e}), "
-           "more than half of this machine's memory.", ""] if skipped else []),
-        "**Paper, Table 1** (ms, verbatim; 5 local epochs):", "",
-        *markdown_table(["Dim", "Delta_FedAvg", "Delta_l (DP)", "Delta_l (exact)"], PAPER), "",
-        f"![client update time vs d]({save_figure(_plot(ms, dims), out, 'time')})", "",
+        'means, FedPA\'s sampling without the DP; "DP step alone" times fedpa.posterior_delta on its own; '
+        "the last two columns are FedPA-DP / FedAvg of the minima and of the medians):",
+        "",
+        *markdown_table(
+            [
+                "d",
+                "FedAvg",
+                "FedPA DP",
+                "IASG (no DP)",
+                "FedPA exact",
+                "DP step alone",
+                "DP / FedAvg (min)",
+                "DP / FedAvg (median)",
+            ],
+            rows,
+        ),
+        "",
+        *(
+            [
+                f"¹ skipped at d = {', '.join(f'{d:.0e}' for d in skipped)}: the dense solve needs three d x d "
+                f"float32 buffers (12 d^2 bytes = {12 * skipped[0] ** 2 / 1e9:.3g} GB at d = {skipped[0]:.0e}), "
+                "more than half of this machine's memory.",
+                "",
+            ]
+            if skipped
+            else []
+        ),
+        "**Paper, Table 1** (ms, verbatim; 5 local epochs):",
+        "",
+        *markdown_table(["Dim", "Delta_FedAvg", "Delta_l (DP)", "Delta_l (exact)"], PAPER),
+        "",
+        f"![client update time vs d]({save_figure(_plot(ms, dims), out, 'time')})",
+        "",
         "**Where FedPA's extra time goes** (ms, minima): IASG - FedAvg is the iterate averaging, "
-        "FedPA-DP - IASG the DP delta with its flattening:", "",
-        *markdown_table(["d", "FedPA-DP - FedAvg", "IASG - FedAvg", "FedPA-DP - IASG"],
-                        [[f"{d:.0e}", f"{ms[d]['FedPA-DP'] - ms[d]['FedAvg']:.1f}",
-                          f"{ms[d]['IASG'] - ms[d]['FedAvg']:.1f}", f"{ms[d]['FedPA-DP'] - ms[d]['IASG']:.1f}"]
-                         for d in dims]), "",
-        *_checks(ms, {d: r[1] for d, r in results.items() if d not in skipped})]
-    write_report(out, "FedPA Table 1: client-update time, FedAvg vs FedPA (DP) vs exact", lines,
-                 recipe="fedpa-table1", smoke=smoke, started=started)
+        "FedPA-DP - IASG the DP delta with its flattening:",
+        "",
+        *markdown_table(
+            ["d", "FedPA-DP - FedAvg", "IASG - FedAvg", "FedPA-DP - IASG"],
+            [
+                [
+                    f"{d:.0e}",
+                    f"{ms[d]['FedPA-DP'] - ms[d]['FedAvg']:.1f}",
+                    f"{ms[d]['IASG'] - ms[d]['FedAvg']:.1f}",
+                    f"{ms[d]['FedPA-DP'] - ms[d]['IASG']:.1f}",
+                ]
+                for d in dims
+            ],
+        ),
+        "",
+        *_checks(ms, {d: r[1] for d, r in results.items() if d not in skipped}),
+    ]
+    write_report(
+        out,
+        "FedPA Table 1: client-update time, FedAvg vs FedPA (DP) vs exact",
+        lines,
+        recipe="fedpa-table1",
+        smoke=smoke,
+        started=started,
+    )
 
 
 def _checks(ms: dict[int, dict[str, float]], gaps: dict[int, float]) -> list[str]:
@@ -168,21 +231,34 @@ def _checks(ms: dict[int, dict[str, float]], gaps: dict[int, float]) -> list[str
     dp_share = [ms[d]["DP step"] / ms[d]["FedAvg"] for d in dims]
     exact_vs_dp = [ms[d]["exact"] / ms[d]["FedPA-DP"] for d in exact_dims]
     return [
-        check_line("The DP's overhead over FedAvg shrinks as d grows (Table 1)", ratio[-1] < ratio[0],
-                   f"DP / FedAvg = {ratio[0]:.3f} at d = {dims[0]:.0e}, "
-                   f"{ratio[-1]:.3f} at d = {dims[-1]:.0e}"),
-        check_line("The DP step itself is cheap next to the SGD steps: < 5% of a FedAvg update at every d "
-                   "(Theorem 3: O(l^2 d) vs O(E K B d))", max(dp_share) < 0.05,
-                   ", ".join(f"{100 * r:.2g}% at d = {d:.0e}" for d, r in zip(dims, dp_share, strict=True))),
-        check_line(f"The exact solve is slower than the DP at the largest d it runs (d = {big:.0e}; Table 1)",
-                   ms[big]["exact"] > ms[big]["FedPA-DP"],
-                   f"{ms[big]['exact']:.0f} ms vs {ms[big]['FedPA-DP']:.0f} ms"),
-        check_line("The exact solve beats the DP only at d = 100 (Table 1)",
-                   [r < 1 for r in exact_vs_dp] == [d == 100 for d in exact_dims],
-                   ", ".join(f"d = {d:.0e}: exact / DP = {r:.2f}" for d, r in zip(exact_dims, exact_vs_dp,
-                                                                                  strict=True))),
-        check_line("The DP delta equals the dense solve (Theorem 3): relative difference < 1e-4 in float32",
-                   max(gaps.values()) < 1e-4, ", ".join(f"{g:.1e} at d = {d:.0e}" for d, g in gaps.items())),
+        check_line(
+            "The DP's overhead over FedAvg shrinks as d grows (Table 1)",
+            ratio[-1] < ratio[0],
+            f"DP / FedAvg = {ratio[0]:.3f} at d = {dims[0]:.0e}, {ratio[-1]:.3f} at d = {dims[-1]:.0e}",
+        ),
+        check_line(
+            "The DP step itself is cheap next to the SGD steps: < 5% of a FedAvg update at every d "
+            "(Theorem 3: O(l^2 d) vs O(E K B d))",
+            max(dp_share) < 0.05,
+            ", ".join(f"{100 * r:.2g}% at d = {d:.0e}" for d, r in zip(dims, dp_share, strict=True)),
+        ),
+        check_line(
+            f"The exact solve is slower than the DP at the largest d it runs (d = {big:.0e}; Table 1)",
+            ms[big]["exact"] > ms[big]["FedPA-DP"],
+            f"{ms[big]['exact']:.0f} ms vs {ms[big]['FedPA-DP']:.0f} ms",
+        ),
+        check_line(
+            "The exact solve beats the DP only at d = 100 (Table 1)",
+            [r < 1 for r in exact_vs_dp] == [d == 100 for d in exact_dims],
+            ", ".join(
+                f"d = {d:.0e}: exact / DP = {r:.2f}" for d, r in zip(exact_dims, exact_vs_dp, strict=True)
+            ),
+        ),
+        check_line(
+            "The DP delta equals the dense solve (Theorem 3): relative difference < 1e-4 in float32",
+            max(gaps.values()) < 1e-4,
+            ", ".join(f"{g:.1e} at d = {d:.0e}" for d, g in gaps.items()),
+        ),
     ]
 
 
@@ -190,7 +266,13 @@ def _plot(ms: dict[int, dict[str, float]], dims: list[int]) -> object:
     """Median client-update time against d, log-log, one line per method."""
     fig = figure(5.5, 4.0)
     ax = fig.subplots()
-    for name, style in (("FedAvg", "o-"), ("FedPA-DP", "s-"), ("IASG", "d-."), ("exact", "^--"), ("DP step", "x:")):
+    for name, style in (
+        ("FedAvg", "o-"),
+        ("FedPA-DP", "s-"),
+        ("IASG", "d-."),
+        ("exact", "^--"),
+        ("DP step", "x:"),
+    ):
         shown = [d for d in dims if name in ms[d]]
         ax.plot(shown, [ms[d][name] for d in shown], style, label=name)
     ax.set(xscale="log", yscale="log", xlabel="dimension d", ylabel="time (ms, minimum of the readings)")

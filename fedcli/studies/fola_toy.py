@@ -49,12 +49,27 @@ class Case(NamedTuple):
 
 
 CASES = (
-    Case("A", np.array([[0.0, 1.0], [1.0, 0.0]]), np.array([[4.0, 0.05], [0.05, 4.0]]),
-         np.array([0.5, 0.5]), (-1.0, 2.0, -1.0, 2.0)),
-    Case("B", np.array([[0.0, 1.0], [1.0, 0.0]]), np.array([[4.0, 0.05], [0.05, 4.0]]),
-         np.array([0.8, 0.2]), (-1.0, 2.0, -1.0, 2.0)),
-    Case("C", np.array([[0.0, 0.0], [3.0, 0.0]]), np.array([[0.3, 0.3], [0.3, 0.3]]),
-         np.array([0.5, 0.5]), (-1.5, 4.5, -2.0, 2.0)),
+    Case(
+        "A",
+        np.array([[0.0, 1.0], [1.0, 0.0]]),
+        np.array([[4.0, 0.05], [0.05, 4.0]]),
+        np.array([0.5, 0.5]),
+        (-1.0, 2.0, -1.0, 2.0),
+    ),
+    Case(
+        "B",
+        np.array([[0.0, 1.0], [1.0, 0.0]]),
+        np.array([[4.0, 0.05], [0.05, 4.0]]),
+        np.array([0.8, 0.2]),
+        (-1.0, 2.0, -1.0, 2.0),
+    ),
+    Case(
+        "C",
+        np.array([[0.0, 0.0], [3.0, 0.0]]),
+        np.array([[0.3, 0.3], [0.3, 0.3]]),
+        np.array([0.5, 0.5]),
+        (-1.5, 4.5, -2.0, 2.0),
+    ),
 )
 
 
@@ -65,14 +80,19 @@ def aggregates(case: Case) -> dict[str, np.ndarray]:
     weights = torch.tensor(case.alpha, dtype=torch.float64)  # [N]
     product, precision = aggregate(means, precisions, weights, damping=0.0, product=True)
     fedavg, _ = aggregate(means, precisions, weights, damping=0.0, product=False)
-    return {"fedavg": fedavg["theta"].numpy(), "product": product["theta"].numpy(),
-            "precision": precision["theta"].numpy()}
+    return {
+        "fedavg": fedavg["theta"].numpy(),
+        "product": product["theta"].numpy(),
+        "precision": precision["theta"].numpy(),
+    }
 
 
 def log_components(case: Case, theta: np.ndarray) -> np.ndarray:
     """Return log q_n(theta) for points theta [..., 2]: shape [..., N]."""
     diff = theta[..., None, :] - case.means  # [..., N, 2]
-    return -0.5 * ((diff**2 / case.variances).sum(-1) + np.log(case.variances).sum(-1) + 2 * math.log(2 * math.pi))
+    return -0.5 * (
+        (diff**2 / case.variances).sum(-1) + np.log(case.variances).sum(-1) + 2 * math.log(2 * math.pi)
+    )
 
 
 def log_mixture(case: Case, theta: np.ndarray) -> np.ndarray:
@@ -133,12 +153,23 @@ def case_rows(case: Case, grid_size: int) -> tuple[dict[str, np.ndarray], list[l
     points = aggregates(case)
     points["mode"] = mixture_mode(case, grid_size)
     rows = []
-    for label, key in (("FedAvg (Eq. 6 mean)", "fedavg"), ("FOLA product (Eq. 9)", "product"),
-                       ("mixture mode" + (" (one of two, symmetric)" if case.name == "C" else ""), "mode")):
+    for label, key in (
+        ("FedAvg (Eq. 6 mean)", "fedavg"),
+        ("FOLA product (Eq. 9)", "product"),
+        ("mixture mode" + (" (one of two, symmetric)" if case.name == "C" else ""), "mode"),
+    ):
         theta = points[key]
-        rows.append([case.name, label, f"({theta[0]:.5f}, {theta[1]:.5f})", float(np.exp(log_mixture(case, theta))),
-                     float(log_mixture(case, theta)), float(log_tempered_product(case, theta)),
-                     float(np.linalg.norm(theta - points["mode"]))])
+        rows.append(
+            [
+                case.name,
+                label,
+                f"({theta[0]:.5f}, {theta[1]:.5f})",
+                float(np.exp(log_mixture(case, theta))),
+                float(log_mixture(case, theta)),
+                float(log_tempered_product(case, theta)),
+                float(np.linalg.norm(theta - points["mode"])),
+            ]
+        )
     return points, rows
 
 
@@ -173,39 +204,72 @@ def checks(points: list[dict[str, np.ndarray]]) -> list[str]:
     dist_b = float(np.linalg.norm(pb["product"] - pb["mode"]))
     gap_c = float(np.abs(pc["product"] - pc["fedavg"]).max())
     valley_c = dens(c, pc["fedavg"]) / dens(c, pc["mode"])
-    tempered = [float(log_tempered_product(case, p["product"]) - log_tempered_product(case, p["fedavg"]))
-                for case, p in zip(CASES, points, strict=True)]
+    tempered = [
+        float(log_tempered_product(case, p["product"]) - log_tempered_product(case, p["fedavg"]))
+        for case, p in zip(CASES, points, strict=True)
+    ]
     return [
-        check_line("Case A (Fig. 1): the product point is the global mode of the mixture",
-                   dist_a < 1e-6 and grad_a < 1e-10,
-                   f"||theta_prod - mode|| = {dist_a:.1e}, ||grad log q_mix(theta_prod)|| = {grad_a:.1e}"),
-        check_line("Case A (Fig. 1): FedAvg lies in a valley with >= 10x lower mixture density than the product point",
-                   ratio_a >= 10.0, f"q_mix(theta_prod) / q_mix(theta_avg) = {ratio_a:.2f}"),
-        check_line("Case B: with unequal weights the product point stays near the mode (< 0.01) and above FedAvg",
-                   dist_b < 0.01 and dens(b, pb["product"]) > dens(b, pb["fedavg"]),
-                   f"||theta_prod - mode|| = {dist_b:.4f}, q_mix {dens(b, pb['product']):.4f} vs "
-                   f"{dens(b, pb['fedavg']):.4f}"),
-        check_line("Case C: with equal precisions the product point is FedAvg's mean (Eq. 9 reduces to Eq. 6)",
-                   gap_c <= 1e-12, f"max |theta_prod - theta_avg| = {gap_c:.1e}"),
-        check_line("Case C: both then sit in the valley between the modes (the claim of Fig. 1 fails here)",
-                   valley_c < 0.1, f"q_mix(theta_avg) / q_mix(mode) = {valley_c:.4f}"),
-        check_line("All cases: the product point maximises sum_n a_n log q_n (Eq. 7), so it never scores below FedAvg",
-                   min(tempered) >= -1e-12,
-                   "gain over FedAvg " + ", ".join(f"{c.name} {g:.4f}" for c, g in zip(CASES, tempered, strict=True))),
+        check_line(
+            "Case A (Fig. 1): the product point is the global mode of the mixture",
+            dist_a < 1e-6 and grad_a < 1e-10,
+            f"||theta_prod - mode|| = {dist_a:.1e}, ||grad log q_mix(theta_prod)|| = {grad_a:.1e}",
+        ),
+        check_line(
+            "Case A (Fig. 1): FedAvg lies in a valley with >= 10x lower mixture density than the product point",
+            ratio_a >= 10.0,
+            f"q_mix(theta_prod) / q_mix(theta_avg) = {ratio_a:.2f}",
+        ),
+        check_line(
+            "Case B: with unequal weights the product point stays near the mode (< 0.01) and above FedAvg",
+            dist_b < 0.01 and dens(b, pb["product"]) > dens(b, pb["fedavg"]),
+            f"||theta_prod - mode|| = {dist_b:.4f}, q_mix {dens(b, pb['product']):.4f} vs "
+            f"{dens(b, pb['fedavg']):.4f}",
+        ),
+        check_line(
+            "Case C: with equal precisions the product point is FedAvg's mean (Eq. 9 reduces to Eq. 6)",
+            gap_c <= 1e-12,
+            f"max |theta_prod - theta_avg| = {gap_c:.1e}",
+        ),
+        check_line(
+            "Case C: both then sit in the valley between the modes (the claim of Fig. 1 fails here)",
+            valley_c < 0.1,
+            f"q_mix(theta_avg) / q_mix(mode) = {valley_c:.4f}",
+        ),
+        check_line(
+            "All cases: the product point maximises sum_n a_n log q_n (Eq. 7), so it never scores below FedAvg",
+            min(tempered) >= -1e-12,
+            "gain over FedAvg "
+            + ", ".join(f"{c.name} {g:.4f}" for c, g in zip(CASES, tempered, strict=True)),
+        ),
     ]
 
 
 def setup_rows() -> list[list[str]]:
     """One row per case: mu_n, Sigma_n, a."""
     pair = lambda v: f"({v[0]:g}, {v[1]:g})"  # noqa: E731
-    return [[c.name, pair(c.means[0]), "diag" + pair(c.variances[0]), pair(c.means[1]), "diag" + pair(c.variances[1]),
-             pair(c.alpha)] for c in CASES]
+    return [
+        [
+            c.name,
+            pair(c.means[0]),
+            "diag" + pair(c.variances[0]),
+            pair(c.means[1]),
+            "diag" + pair(c.variances[1]),
+            pair(c.alpha),
+        ]
+        for c in CASES
+    ]
 
 
 def precision_rows(points: list[dict[str, np.ndarray]]) -> list[list[str]]:
     """One row per case: FOLA's P_S = sum a_n P_n and its covariance."""
-    return [[c.name, f"({p['precision'][0]:.4f}, {p['precision'][1]:.4f})",
-             f"({1 / p['precision'][0]:.5f}, {1 / p['precision'][1]:.5f})"] for c, p in zip(CASES, points, strict=True)]
+    return [
+        [
+            c.name,
+            f"({p['precision'][0]:.4f}, {p['precision'][1]:.4f})",
+            f"({1 / p['precision'][0]:.5f}, {1 / p['precision'][1]:.5f})",
+        ]
+        for c, p in zip(CASES, points, strict=True)
+    ]
 
 
 def run(out: Path, *, smoke: bool = False) -> None:
@@ -220,8 +284,8 @@ def run(out: Path, *, smoke: bool = False) -> None:
     png = save_figure(plot(CASES, points, grid_size), out, "mixtures")
     lines = [
         "**Claim (Liu & Zheng, arXiv:2102.01936 v1, Fig. 1 and Sec. 3.1).** With heterogeneous clients the mixture of "
-        "local posteriors is multimodal; the Gaussian-product aggregate (Eq. 9) is \"the joint mode on the ridge\", "
-        "while simple averaging (FedAvg) \"lies around the valley, resulting in larger AE\". Fig. 1 is a sketch "
+        'local posteriors is multimodal; the Gaussian-product aggregate (Eq. 9) is "the joint mode on the ridge", '
+        'while simple averaging (FedAvg) "lies around the valley, resulting in larger AE". Fig. 1 is a sketch '
         "without numbers; below it is computed on 2-D Gaussians.",
         "",
         "**Setup.** Two clients with Gaussian (Laplace) posteriors q_n = N(mu_n, Sigma_n), diagonal Sigma_n, weights "
@@ -234,8 +298,18 @@ def run(out: Path, *, smoke: bool = False) -> None:
         "",
         "**Aggregates.** Distances are to the mixture's global mode.",
         "",
-        *markdown_table(["case", "point", "theta", "q_mix(theta)", "log q_mix(theta)", "sum a_n log q_n(theta)",
-                         "||theta - mode||"], rows),
+        *markdown_table(
+            [
+                "case",
+                "point",
+                "theta",
+                "q_mix(theta)",
+                "log q_mix(theta)",
+                "sum a_n log q_n(theta)",
+                "||theta - mode||",
+            ],
+            rows,
+        ),
         "",
         "FOLA's aggregated precision P_S = sum a_n P_n and covariance diag(P_S)^-1:",
         "",
@@ -253,5 +327,11 @@ def run(out: Path, *, smoke: bool = False) -> None:
         "client precisions are equal, Eq. 9 is FedAvg exactly and both aggregates sit in the valley. Fig. 1's claim "
         "therefore holds when the clients' curvatures differ (anisotropic, crossed posteriors), not in general.",
     ]
-    write_report(out, "FOLA Fig. 1: Gaussian-product aggregation vs FedAvg on 2-D mixtures", lines,
-                 recipe="fola-toy", smoke=smoke, started=started)
+    write_report(
+        out,
+        "FOLA Fig. 1: Gaussian-product aggregation vs FedAvg on 2-D mixtures",
+        lines,
+        recipe="fola-toy",
+        smoke=smoke,
+        started=started,
+    )

@@ -63,7 +63,11 @@ from fedcli.engine.seeding import Stream, torch_generator
 from fedcli.studies.common import check_line, figure, markdown_table, save_figure, write_report
 
 RECIPE = "scafflsa-garnet"
-COLORS = {"fedlsa": "#0173B2", "scafflsa": "#DE8F05", "bias": "#029E73"}  # the authors' seaborn "colorblind" 0-2
+COLORS = {
+    "fedlsa": "#0173B2",
+    "scafflsa": "#DE8F05",
+    "bias": "#029E73",
+}  # the authors' seaborn "colorblind" 0-2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +104,9 @@ def _atoms(mdp: GarnetMDP) -> tuple[Tensor, np.ndarray, np.ndarray, np.ndarray]:
     return torch.as_tensor(probs[:, support]), phi.T.copy(), (phi - mdp.gamma * phi_next).T.copy(), rewards
 
 
-def _draw(atoms: tuple[Tensor, np.ndarray, np.ndarray, np.ndarray], steps: int, reps: int,
-          gen: torch.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _draw(
+    atoms: tuple[Tensor, np.ndarray, np.ndarray, np.ndarray], steps: int, reps: int, gen: torch.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Draw one atom per (step, repetition, agent); return phi, psi [D, steps, R, N] and r [steps, R, N]."""
     probs, phi, psi, rewards = atoms
     n = probs.shape[0]
@@ -128,7 +133,9 @@ def _communicate(group: _Group, local_steps: int) -> np.ndarray:
 
 def simulate(num_agents: int, setup: Setup) -> list[dict[str, Any]]:
     """Run FedLSA and SCAFFLSA for every H of `setup` at once; return one row per H (see module docstring)."""
-    mdp = make_garnet(num_agents=num_agents, heterogeneity=setup.heterogeneity, rng=np.random.default_rng(GEN_SEED))
+    mdp = make_garnet(
+        num_agents=num_agents, heterogeneity=setup.heterogeneity, rng=np.random.default_rng(GEN_SEED)
+    )
     atoms = _atoms(mdp)
     hs, eta, reps, num_h = setup.local_steps, setup.eta, setup.reps, len(setup.local_steps)
     rounds = [setup.num_rounds(h) for h in hs]
@@ -137,7 +144,9 @@ def simulate(num_agents: int, setup: Setup) -> list[dict[str, Any]]:
     bias = np.stack([fedlsa_bias(a_bar, b_bar, eta, h).numpy() for h in hs])  # [K, D]
     theta_star = mdp.theta_star[:, None, None]  # [D, 1, 1]
     # groups g < K: FedLSA with H_g; g >= K: SCAFFLSA with H_{g-K}
-    theta = np.repeat((theta_star + 1.0)[:, :, :, None], 2 * num_h, axis=1).repeat(reps, 2).repeat(num_agents, 3)
+    theta = (
+        np.repeat((theta_star + 1.0)[:, :, :, None], 2 * num_h, axis=1).repeat(reps, 2).repeat(num_agents, 3)
+    )
     eta_xi = np.zeros((theta.shape[0], num_h, reps, num_agents))  # [D, K, R, N]
     groups = [_Group(theta[:, k::num_h], theta[:, num_h + k], eta_xi[:, k]) for k in range(num_h)]
     sq, debiased, counts = np.zeros((num_h, 2, reps)), np.zeros((num_h, reps)), [0] * num_h
@@ -157,23 +166,44 @@ def simulate(num_agents: int, setup: Setup) -> list[dict[str, Any]]:
                     sq[k] += (err**2).sum(axis=0)
                     debiased[k] += ((err[:, 0] - bias[k][:, None]) ** 2).sum(axis=0)
                     counts[k] += 1
-    return [_row(num_agents, setup, h, rounds[k], bias[k], sq[k] / counts[k], debiased[k] / counts[k])
-            for k, h in enumerate(hs)]
+    return [
+        _row(num_agents, setup, h, rounds[k], bias[k], sq[k] / counts[k], debiased[k] / counts[k])
+        for k, h in enumerate(hs)
+    ]
 
 
-def _row(num_agents: int, setup: Setup, local_steps: int, num_rounds: int, bias: np.ndarray, mse: np.ndarray,
-         debiased: np.ndarray) -> dict[str, Any]:
+def _row(
+    num_agents: int,
+    setup: Setup,
+    local_steps: int,
+    num_rounds: int,
+    bias: np.ndarray,
+    mse: np.ndarray,
+    debiased: np.ndarray,
+) -> dict[str, Any]:
     """One result row; mse [2, R] (FedLSA, SCAFFLSA) and debiased [R] are per-repetition window means."""
     std = (lambda v: float(v.std(ddof=1))) if setup.reps > 1 else (lambda v: 0.0)  # noqa: E731
-    return {"N": num_agents, "hg": setup.heterogeneity, "eta": setup.eta, "H": local_steps, "T": num_rounds,
-            "reps": setup.reps, "bias2": float((bias**2).sum()), "fedlsa": float(mse[0].mean()),
-            "fedlsa_std": std(mse[0]), "debiased": float(debiased.mean()), "scafflsa": float(mse[1].mean()),
-            "scafflsa_std": std(mse[1])}
+    return {
+        "N": num_agents,
+        "hg": setup.heterogeneity,
+        "eta": setup.eta,
+        "H": local_steps,
+        "T": num_rounds,
+        "reps": setup.reps,
+        "bias2": float((bias**2).sum()),
+        "fedlsa": float(mse[0].mean()),
+        "fedlsa_std": std(mse[0]),
+        "debiased": float(debiased.mean()),
+        "scafflsa": float(mse[1].mean()),
+        "scafflsa_std": std(mse[1]),
+    }
 
 
 def bias_curve(num_agents: int, setup: Setup, num_points: int = 40) -> tuple[np.ndarray, np.ndarray]:
     """Theorem 4.1's ||theta_inf^bias||^2 on a log grid of integer H in [2, max H] (H = 1 gives 0)."""
-    mdp = make_garnet(num_agents=num_agents, heterogeneity=setup.heterogeneity, rng=np.random.default_rng(GEN_SEED))
+    mdp = make_garnet(
+        num_agents=num_agents, heterogeneity=setup.heterogeneity, rng=np.random.default_rng(GEN_SEED)
+    )
     a_bar, b_bar = torch.as_tensor(mdp.a_bar), torch.as_tensor(mdp.b_bar)
     grid = np.unique(np.geomspace(2, max(setup.local_steps), num_points).round().astype(int))
     return grid, np.array([float((fedlsa_bias(a_bar, b_bar, setup.eta, int(h)) ** 2).sum()) for h in grid])
@@ -188,12 +218,30 @@ def _plot(out: Path, rows: list[dict[str, Any]], setup: Setup) -> str:
         hs = [r["H"] for r in sub]
         grid, curve = bias_curve(n, setup)
         ax.plot(grid, curve, "--", color=COLORS["bias"], label="FedLSA bias (Thm 4.1)")
-        ax.errorbar(hs, [r["fedlsa"] for r in sub], yerr=[r["fedlsa_std"] for r in sub], fmt="o-",
-                    color=COLORS["fedlsa"], label="FedLSA")
-        ax.plot(hs, [r["debiased"] for r in sub], "o:", mfc="none", color=COLORS["fedlsa"],
-                label="FedLSA, ‖θ − θ⋆ − bias‖²")
-        ax.errorbar(hs, [r["scafflsa"] for r in sub], yerr=[r["scafflsa_std"] for r in sub], fmt="x-",
-                    color=COLORS["scafflsa"], label="SCAFFLSA")
+        ax.errorbar(
+            hs,
+            [r["fedlsa"] for r in sub],
+            yerr=[r["fedlsa_std"] for r in sub],
+            fmt="o-",
+            color=COLORS["fedlsa"],
+            label="FedLSA",
+        )
+        ax.plot(
+            hs,
+            [r["debiased"] for r in sub],
+            "o:",
+            mfc="none",
+            color=COLORS["fedlsa"],
+            label="FedLSA, ‖θ − θ⋆ − bias‖²",
+        )
+        ax.errorbar(
+            hs,
+            [r["scafflsa"] for r in sub],
+            yerr=[r["scafflsa_std"] for r in sub],
+            fmt="x-",
+            color=COLORS["scafflsa"],
+            label="SCAFFLSA",
+        )
         ax.set(xscale="log", yscale="log", xlabel="local steps H", title=f"N = {n}")
     low = min(min(r["debiased"], r["scafflsa"]) for r in rows)
     axes[0].set(ylabel="MSE ‖θ − θ⋆‖², last 10 % of rounds", ylim=(low / 5, None))
@@ -224,37 +272,81 @@ def _checks(rows: list[dict[str, Any]], setup: Setup) -> list[str]:
     scaf = {n: np.array([by_n[n][h]["scafflsa"] for h in hs]) for n in setup.agents}
     scaf_ratio = math.exp(float(np.mean(np.log(scaf[few] / scaf[many]))))
     return [
-        check_line("FedLSA plateaus at its bias: its MSE is Theorem 4.1's ‖bias‖² plus the variance floor, within a "
-                   "factor 2, at every (N, H)", all(0.5 <= x <= 2 for x in predicted),
-                   f"MSE / (‖bias‖² + floor) = {fmt(predicted)}, in the order of the second table"),
-        check_line("around θ⋆ + bias FedLSA is at the variance floor: ‖θ − θ⋆ − bias‖² / SCAFFLSA's MSE within a "
-                   "factor 2 at every (N, H)", all(0.5 <= x <= 2 for x in spread), f"ratios {fmt(spread)}"),
-        check_line("the closed-form bias grows with H", all(bool(np.all(np.diff(v) > 0)) for v in bias2.values()),
-                   "; ".join(f"N = {n}: " + ", ".join(f"{b:.2e}" for b in v) for n, v in bias2.items())),
-        check_line(f"FedLSA's bias does not shrink with N: ‖bias‖²(N = {many}) >= ‖bias‖²(N = {few}) for every H > 1, "
-                   f"and where the bias dominates at both N the measured MSE ratio is >= 0.5 (a 1/N law would give "
-                   f"{few / many:.2f})", min(bias_n) >= 1 and bool(fed_n) and min(fed_n) >= 0.5,
-                   f"closed-form ratios {fmt(bias_n)}; MSE ratios {fmt(fed_n)} at H = {', '.join(map(str, dominant))}"),
-        check_line("SCAFFLSA has no bias: its MSE varies by at most a factor 2 over H, and where FedLSA's bias "
-                   "dominates it is below ‖bias‖² / 10", all(v.max() <= 2 * v.min() for v in scaf.values())
-                   and all(by_n[n][h]["scafflsa"] <= by_n[n][h]["bias2"] / 10 for n in (few, many) for h in dominant),
-                   "; ".join(f"N = {n}: max / min = {v.max() / v.min():.2f}" for n, v in scaf.items())),
-        check_line(f"SCAFFLSA's floor shrinks as 1/N: MSE(N = {few}) / MSE(N = {many}), geometric mean over H, within a "
-                   f"factor 3 of {many / few:g}", many / few / 3 <= scaf_ratio <= 3 * many / few, f"{scaf_ratio:.2f}"),
+        check_line(
+            "FedLSA plateaus at its bias: its MSE is Theorem 4.1's ‖bias‖² plus the variance floor, within a "
+            "factor 2, at every (N, H)",
+            all(0.5 <= x <= 2 for x in predicted),
+            f"MSE / (‖bias‖² + floor) = {fmt(predicted)}, in the order of the second table",
+        ),
+        check_line(
+            "around θ⋆ + bias FedLSA is at the variance floor: ‖θ − θ⋆ − bias‖² / SCAFFLSA's MSE within a "
+            "factor 2 at every (N, H)",
+            all(0.5 <= x <= 2 for x in spread),
+            f"ratios {fmt(spread)}",
+        ),
+        check_line(
+            "the closed-form bias grows with H",
+            all(bool(np.all(np.diff(v) > 0)) for v in bias2.values()),
+            "; ".join(f"N = {n}: " + ", ".join(f"{b:.2e}" for b in v) for n, v in bias2.items()),
+        ),
+        check_line(
+            f"FedLSA's bias does not shrink with N: ‖bias‖²(N = {many}) >= ‖bias‖²(N = {few}) for every H > 1, "
+            f"and where the bias dominates at both N the measured MSE ratio is >= 0.5 (a 1/N law would give "
+            f"{few / many:.2f})",
+            min(bias_n) >= 1 and bool(fed_n) and min(fed_n) >= 0.5,
+            f"closed-form ratios {fmt(bias_n)}; MSE ratios {fmt(fed_n)} at H = {', '.join(map(str, dominant))}",
+        ),
+        check_line(
+            "SCAFFLSA has no bias: its MSE varies by at most a factor 2 over H, and where FedLSA's bias "
+            "dominates it is below ‖bias‖² / 10",
+            all(v.max() <= 2 * v.min() for v in scaf.values())
+            and all(
+                by_n[n][h]["scafflsa"] <= by_n[n][h]["bias2"] / 10 for n in (few, many) for h in dominant
+            ),
+            "; ".join(f"N = {n}: max / min = {v.max() / v.min():.2f}" for n, v in scaf.items()),
+        ),
+        check_line(
+            f"SCAFFLSA's floor shrinks as 1/N: MSE(N = {few}) / MSE(N = {many}), geometric mean over H, within a "
+            f"factor 3 of {many / few:g}",
+            many / few / 3 <= scaf_ratio <= 3 * many / few,
+            f"{scaf_ratio:.2f}",
+        ),
     ]
 
 
 def _tables(rows: list[dict[str, Any]], setup: Setup) -> list[str]:
     """The paper's layout (rows H; columns N per quantity, {:.2e}) and the full rows."""
     e = lambda v: f"{v:.2e}"  # noqa: E731
-    header = ["H", "T"] + [f"{name} N = {n}" for name in ("‖bias‖²", "FedLSA", "SCAFFLSA") for n in setup.agents]
-    paper = [[h, setup.num_rounds(h)] + [e(_pick(rows, n)[h][key]) for key in ("bias2", "fedlsa", "scafflsa")
-                                         for n in setup.agents] for h in setup.local_steps]
-    full = [[r["N"], r["H"], r["T"], e(r["bias2"]), f"{e(r['fedlsa'])} ± {e(r['fedlsa_std'])}", e(r["debiased"]),
-             f"{e(r['scafflsa'])} ± {e(r['scafflsa_std'])}"] for r in sorted(rows, key=lambda r: (r["N"], r["H"]))]
-    return [*markdown_table(header, paper), "", "Per (N, H), mean ± std over the repetitions:", "",
-            *markdown_table(["N", "H", "T", "‖bias‖² (Thm 4.1)", "FedLSA MSE", "FedLSA ‖θ − θ⋆ − bias‖²",
-                             "SCAFFLSA MSE"], full)]
+    header = ["H", "T"] + [
+        f"{name} N = {n}" for name in ("‖bias‖²", "FedLSA", "SCAFFLSA") for n in setup.agents
+    ]
+    paper = [
+        [h, setup.num_rounds(h)]
+        + [e(_pick(rows, n)[h][key]) for key in ("bias2", "fedlsa", "scafflsa") for n in setup.agents]
+        for h in setup.local_steps
+    ]
+    full = [
+        [
+            r["N"],
+            r["H"],
+            r["T"],
+            e(r["bias2"]),
+            f"{e(r['fedlsa'])} ± {e(r['fedlsa_std'])}",
+            e(r["debiased"]),
+            f"{e(r['scafflsa'])} ± {e(r['scafflsa_std'])}",
+        ]
+        for r in sorted(rows, key=lambda r: (r["N"], r["H"]))
+    ]
+    return [
+        *markdown_table(header, paper),
+        "",
+        "Per (N, H), mean ± std over the repetitions:",
+        "",
+        *markdown_table(
+            ["N", "H", "T", "‖bias‖² (Thm 4.1)", "FedLSA MSE", "FedLSA ‖θ − θ⋆ − bias‖²", "SCAFFLSA MSE"],
+            full,
+        ),
+    ]
 
 
 def run(out: Path, *, smoke: bool = False) -> None:
@@ -289,5 +381,11 @@ def run(out: Path, *, smoke: bool = False) -> None:
         "",
         *_checks(rows, setup),
     ]
-    write_report(out, "SCAFFLSA vs FedLSA: heterogeneity bias on Garnet", lines, recipe=RECIPE, smoke=smoke,
-                 started=started)
+    write_report(
+        out,
+        "SCAFFLSA vs FedLSA: heterogeneity bias on Garnet",
+        lines,
+        recipe=RECIPE,
+        smoke=smoke,
+        started=started,
+    )

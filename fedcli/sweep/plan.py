@@ -59,10 +59,14 @@ def plan_trials(trials: Sequence[Trial], records: Sequence[RunRecord]) -> list[P
         elif done:
             plans.append(Plan(trial, SKIP, done[-1].id, f"{done[-1].status} before"))
         elif runs and runs[-1].diverged_at_round is not None:
-            plans.append(Plan(trial, DIVERGED, runs[-1].id, f"diverged at round {runs[-1].diverged_at_round}"))
+            plans.append(
+                Plan(trial, DIVERGED, runs[-1].id, f"diverged at round {runs[-1].diverged_at_round}")
+            )
         elif runs:
             last = runs[-1]
-            plans.append(Plan(trial, RESUME, last.id, f"{last.status}: {last.failure_reason or 'no reason stored'}"))
+            plans.append(
+                Plan(trial, RESUME, last.id, f"{last.status}: {last.failure_reason or 'no reason stored'}")
+            )
         else:
             plans.append(Plan(trial, NEW))
     return plans
@@ -71,8 +75,9 @@ def plan_trials(trials: Sequence[Trial], records: Sequence[RunRecord]) -> list[P
 SETTLE_S = 5.0  # how long a sweep waits for runs alive elsewhere to end before it plans them as running
 
 
-def plan_settled(trials: Sequence[Trial], read_runs: Callable[[], list[RunRecord]],
-                 settle_s: float = SETTLE_S) -> list[Plan]:
+def plan_settled(
+    trials: Sequence[Trial], read_runs: Callable[[], list[RunRecord]], settle_s: float = SETTLE_S
+) -> list[Plan]:
     """`plan_trials`, giving runs alive in another process up to `settle_s` seconds to end first.
 
     A sweep killed a moment ago leaves its trials a second or two to checkpoint and read
@@ -86,8 +91,9 @@ def plan_settled(trials: Sequence[Trial], read_runs: Callable[[], list[RunRecord
         time.sleep(0.5)
 
 
-def trial_command(plan: Plan, config_path: Path, cores: int, parent_run: str | None,
-                  threads: int | None = None) -> list[str]:
+def trial_command(
+    plan: Plan, config_path: Path, cores: int, parent_run: str | None, threads: int | None = None
+) -> list[str]:
     """The `fedcli train` command line of a planned trial (a new run, or `--resume` of its run).
 
     `cores`: the trial's share of the CPU, given as train.workers unless its config sets it
@@ -98,7 +104,14 @@ def trial_command(plan: Plan, config_path: Path, cores: int, parent_run: str | N
     text = trial_config_text(plan, cores, threads)
     if text is not None:
         config_path.write_text(text)
-    return [sys.executable, "-m", "fedcli", "-q", "train", *trial_args(plan, config_path, cores, parent_run, threads)]
+    return [
+        sys.executable,
+        "-m",
+        "fedcli",
+        "-q",
+        "train",
+        *trial_args(plan, config_path, cores, parent_run, threads),
+    ]
 
 
 def trial_config_text(plan: Plan, cores: int, threads: int | None = None) -> str | None:
@@ -124,12 +137,16 @@ def trial_env(track: Any) -> dict[str, str] | None:
 
 def trial_secrets(track: Any) -> dict[str, str]:
     """FEDCLI_STORE / MLFLOW_TRACKING_URI for the sweep's URLs that carry a password (what `trial_env` adds)."""
-    return {name: url for name, url in (("FEDCLI_STORE", track.store_url), ("MLFLOW_TRACKING_URI", track.mlflow_uri))
-            if has_password(url)}
+    return {
+        name: url
+        for name, url in (("FEDCLI_STORE", track.store_url), ("MLFLOW_TRACKING_URI", track.mlflow_uri))
+        if has_password(url)
+    }
 
 
-def trial_args(plan: Plan, config_path: Path | str, cores: int, parent_run: str | None,
-               threads: int | None = None) -> list[str]:
+def trial_args(
+    plan: Plan, config_path: Path | str, cores: int, parent_run: str | None, threads: int | None = None
+) -> list[str]:
     """The arguments after `fedcli train` of trial_command."""
     cfg = plan.trial.config
     workers = cfg.train.workers or cores
@@ -157,5 +174,8 @@ def named_code(cfg: Any) -> list[str]:
     resumed trial's run imports its recorded code only when named again (datasets/yours/trust.py)."""
     from fedcli.datasets.yours.trust import recorded_code
 
-    return [arg for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file})
-            for arg in ("--model" if code.what == "model" else "--data", code.ref)]
+    return [
+        arg
+        for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file})
+        for arg in ("--model" if code.what == "model" else "--data", code.ref)
+    ]

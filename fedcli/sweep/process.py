@@ -51,8 +51,13 @@ def spawn_early() -> None:
         return
     fd, name = tempfile.mkstemp(prefix="fedcli-worker-", suffix=".stderr")
     with os.fdopen(fd, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep.worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, preexec_fn=die_with_parent(os.getpid()))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedcli.sweep.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            preexec_fn=die_with_parent(os.getpid()),
+        )
     _EARLY.append((proc, Path(name)))
     atexit.register(_remove, Path(name))
 

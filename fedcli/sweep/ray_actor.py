@@ -43,9 +43,15 @@ class TrialActor:
         # an unnamed file: Ray ends actors with ray.kill, so a folder made here was never removed (one
         # per actor was left in /tmp); it is freed with this process
         self.stderr = tempfile.TemporaryFile(prefix="fedcli-worker-")  # noqa: SIM115 - lives with the actor
-        self.proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, cwd=cwd if os.path.isdir(cwd) else None,
-                                     env={**os.environ, **env}, preexec_fn=die_with_parent(os.getpid()))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fedcli.sweep.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            cwd=cwd if os.path.isdir(cwd) else None,
+            env={**os.environ, **env},
+            preexec_fn=die_with_parent(os.getpid()),
+        )
 
     def where(self) -> tuple[str, int]:
         """(host, worker pid)."""
@@ -58,7 +64,10 @@ class TrialActor:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         hook = message.get("hook")
         if isinstance(hook, Mapping) and _masked(hook.get("storage")) and os.environ.get("FEDCLI_STORE"):
-            message = {**message, "hook": {**hook, "storage": os.environ["FEDCLI_STORE"]}}  # through a pipe only
+            message = {
+                **message,
+                "hook": {**hook, "storage": os.environ["FEDCLI_STORE"]},
+            }  # through a pipe only
         run_id = message.get("resume")
         try:
             self.proc.stdin.write((json.dumps(dict(message)) + "\n").encode())
@@ -77,10 +86,17 @@ class TrialActor:
         code = self.proc.wait()
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         tail = _tail_of(self.stderr)
-        return {"event": "died", "status": "failed", "run_id": run_id, "round": None, "metrics": {},
-                "reason": f"its sweep worker (pid {self.proc.pid} on {socket.gethostname()}) {how}"
-                          + (f" ({tail[-1][:300]})" if tail and code > 0 else ""),
-                "host": socket.gethostname(), "pid": self.proc.pid}
+        return {
+            "event": "died",
+            "status": "failed",
+            "run_id": run_id,
+            "round": None,
+            "metrics": {},
+            "reason": f"its sweep worker (pid {self.proc.pid} on {socket.gethostname()}) {how}"
+            + (f" ({tail[-1][:300]})" if tail and code > 0 else ""),
+            "host": socket.gethostname(),
+            "pid": self.proc.pid,
+        }
 
     def stop(self) -> None:
         """SIGTERM to the worker: its trial stops in order (checkpointed, `interrupted`) and it exits."""

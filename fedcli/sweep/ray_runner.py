@@ -56,7 +56,9 @@ if TYPE_CHECKING:
 
 INSTALL = "pip install 'fedcli[ray]'"
 CONNECT_TIMEOUT_S = 5.0  # a TCP probe of HOST:PORT before ray.init (which retries for a long time)
-KILL_AFTER_S = TRIAL_KILL_AFTER_S + 30.0  # a stop's wait before busy actors are killed: the local one's and a margin
+KILL_AFTER_S = (
+    TRIAL_KILL_AFTER_S + 30.0
+)  # a stop's wait before busy actors are killed: the local one's and a margin
 
 
 @dataclass
@@ -85,19 +87,40 @@ class RayCluster:
             total += fit
         return max(1, total)
 
-    def scheduler(self, plans: Sequence[Plan], *, workers: int | None, parent_run: str | None,
-                  recheck: Callable[[Plan], Plan], read_runs: Callable[[], list[RunRecord]],
-                  track: TrackingConfig, claims: TrialClaims | None = None, mirror: Any = None,
-                  source: Any = None) -> RayScheduler:
+    def scheduler(
+        self,
+        plans: Sequence[Plan],
+        *,
+        workers: int | None,
+        parent_run: str | None,
+        recheck: Callable[[Plan], Plan],
+        read_runs: Callable[[], list[RunRecord]],
+        track: TrackingConfig,
+        claims: TrialClaims | None = None,
+        mirror: Any = None,
+        source: Any = None,
+    ) -> RayScheduler:
         from fedcli.tracking.urls import mask_url
 
         env = {"FEDCLI_STORE": track.store_url}
         if track.use_mlflow:
             env["MLFLOW_TRACKING_URI"] = track.mlflow_uri
-        env = {key: mask_url(value) for key, value in env.items()}  # the actors read the password from their env
-        return RayScheduler(plans, cluster=self, workers=workers or self.default_workers(), parent_run=parent_run,
-                            recheck=recheck, read_runs=read_runs, env=env, cwd=str(Path.cwd()), claims=claims,
-                            mirror=mirror, source=source)
+        env = {
+            key: mask_url(value) for key, value in env.items()
+        }  # the actors read the password from their env
+        return RayScheduler(
+            plans,
+            cluster=self,
+            workers=workers or self.default_workers(),
+            parent_run=parent_run,
+            recheck=recheck,
+            read_runs=read_runs,
+            env=env,
+            cwd=str(Path.cwd()),
+            claims=claims,
+            mirror=mirror,
+            source=source,
+        )
 
 
 def secret_env(track: TrackingConfig) -> dict[str, str]:
@@ -131,18 +154,23 @@ def check_secrets(ray: Any, secrets: Mapping[str, str]) -> None:
     try:
         seen = ray.get(ray.remote(_masked_env).options(num_cpus=0).remote(sorted(secrets)), timeout=120)
     except Exception as err:  # noqa: BLE001 - any failure of the probe task: one line
-        raise ConfigError(f"cannot read the environment of the Ray cluster's workers ({first_line(err)}).") from None
+        raise ConfigError(
+            f"cannot read the environment of the Ray cluster's workers ({first_line(err)})."
+        ) from None
     for key, value in sorted(secrets.items()):
         if seen.get(key) != mask_url(value):
             found = "does not set it" if seen.get(key) is None else f"sets {seen[key]!r}"
-            raise ConfigError(f"the URL {mask_url(value)!r} holds a password, which fedcli never passes to Ray as an "
-                              f"argument (Ray may log them), but the Ray cluster's workers' environment {found}; set "
-                              f"{key} to it where `ray start` runs on every node, then rerun.")
+            raise ConfigError(
+                f"the URL {mask_url(value)!r} holds a password, which fedcli never passes to Ray as an "
+                f"argument (Ray may log them), but the Ray cluster's workers' environment {found}; set "
+                f"{key} to it where `ray start` runs on every node, then rerun."
+            )
 
 
 @contextmanager
-def connect(address: str | None, cpus: int, gpus: float,
-            track: TrackingConfig | None = None) -> Iterator[RayCluster]:
+def connect(
+    address: str | None, cpus: int, gpus: float, track: TrackingConfig | None = None
+) -> Iterator[RayCluster]:
     """Connect to the Ray cluster at `address` for the duration of the block (None: Ray's default,
     RAY_ADDRESS, else the cluster `ray start` started on this machine, else a new local instance).
 
@@ -154,19 +182,27 @@ def connect(address: str | None, cpus: int, gpus: float,
     """
     use_token_if_there()  # before Ray reads its config
     if track is not None:
-        os.environ.update(secret_env(track))  # inherited by the raylet and workers of an instance started here
+        os.environ.update(
+            secret_env(track)
+        )  # inherited by the raylet and workers of an instance started here
     try:
         import ray
     except ImportError:
-        raise ConfigError(f"--backend ray needs Ray, which is not installed; install it with: {INSTALL}") from None
+        raise ConfigError(
+            f"--backend ray needs Ray, which is not installed; install it with: {INSTALL}"
+        ) from None
     if address not in (None, "auto", "local"):
         probe(address)
-    extra: dict[str, Any] = {} if address else {"include_dashboard": False}  # only for an instance ray.init starts
+    extra: dict[str, Any] = (
+        {} if address else {"include_dashboard": False}
+    )  # only for an instance ray.init starts
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **extra)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:
-        raise ConfigError(f"cannot connect to the Ray cluster at {address or 'RAY_ADDRESS'!r} ({first_line(err)}); "
-                          "start one with `ray start --head` or pass --address of a running cluster.") from None
+        raise ConfigError(
+            f"cannot connect to the Ray cluster at {address or 'RAY_ADDRESS'!r} ({first_line(err)}); "
+            "start one with `ray start --head` or pass --address of a running cluster."
+        ) from None
     try:
         yield RayCluster(ray, [n for n in ray.nodes() if n.get("Alive")], cpus, gpus)
     finally:
@@ -184,8 +220,11 @@ def use_token_if_there() -> None:
     """
     if "RAY_AUTH_MODE" in os.environ:
         return
-    sources = [os.environ.get("RAY_AUTH_TOKEN"), os.environ.get("RAY_AUTH_TOKEN_PATH"),
-               (Path.home() / ".ray" / "auth_token").is_file() or None]
+    sources = [
+        os.environ.get("RAY_AUTH_TOKEN"),
+        os.environ.get("RAY_AUTH_TOKEN_PATH"),
+        (Path.home() / ".ray" / "auth_token").is_file() or None,
+    ]
     if any(sources):
         os.environ["RAY_AUTH_MODE"] = "token"
 
@@ -199,8 +238,10 @@ def probe(address: str) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as err:
-        raise ConfigError(f"the Ray cluster at {address!r} cannot be reached ({err.strerror or err}); start it "
-                          f"(`ray start --head --port {port}` on {host}) or pass --address of a running cluster.") from None
+        raise ConfigError(
+            f"the Ray cluster at {address!r} cannot be reached ({err.strerror or err}); start it "
+            f"(`ray start --head --port {port}` on {host}) or pass --address of a running cluster."
+        ) from None
 
 
 def check_cluster(nodes: Sequence[Mapping[str, Any]], track: TrackingConfig, cpus: int, gpus: float) -> None:
@@ -219,24 +260,34 @@ def check_cluster(nodes: Sequence[Mapping[str, Any]], track: TrackingConfig, cpu
     """
     if len(nodes) > 1:
         if track.store_url.startswith("sqlite"):
-            raise ConfigError(f"the store {track.store_url!r} is a SQLite file, but the trials run on the "
-                              f"{len(nodes)} nodes of the Ray cluster, which cannot share it; pass --store "
-                              "postgresql+psycopg://USER@HOST/DB (or set FEDCLI_STORE) with a database every node reaches.")
+            raise ConfigError(
+                f"the store {track.store_url!r} is a SQLite file, but the trials run on the "
+                f"{len(nodes)} nodes of the Ray cluster, which cannot share it; pass --store "
+                "postgresql+psycopg://USER@HOST/DB (or set FEDCLI_STORE) with a database every node reaches."
+            )
         if track.use_mlflow and urlsplit(track.mlflow_uri).scheme in ("", "file", "sqlite"):
-            raise ConfigError(f"the MLflow tracking URI {track.mlflow_uri!r} is a local file, but the trials run on "
-                              f"the {len(nodes)} nodes of the Ray cluster, which cannot share it; pass --tracking-uri "
-                              "http://HOST:5000 (an `mlflow server` every node reaches) or --no-mlflow.")
+            raise ConfigError(
+                f"the MLflow tracking URI {track.mlflow_uri!r} is a local file, but the trials run on "
+                f"the {len(nodes)} nodes of the Ray cluster, which cannot share it; pass --tracking-uri "
+                "http://HOST:5000 (an `mlflow server` every node reaches) or --no-mlflow."
+            )
     sizes = [(n.get("Resources", {}).get("CPU", 0.0), n.get("Resources", {}).get("GPU", 0.0)) for n in nodes]
     if not any(cpu >= cpus and gpu >= gpus for cpu, gpu in sizes):
         largest = max(sizes, default=(0.0, 0.0))
-        raise ConfigError(f"--cpus-per-trial {cpus} --gpus-per-trial {gpus:g} fits no node of the Ray cluster "
-                          f"(the largest has {largest[0]:g} CPUs and {largest[1]:g} GPUs); lower them or add a node.")
+        raise ConfigError(
+            f"--cpus-per-trial {cpus} --gpus-per-trial {gpus:g} fits no node of the Ray cluster "
+            f"(the largest has {largest[0]:g} CPUs and {largest[1]:g} GPUs); lower them or add a node."
+        )
 
 
 def absolute_root(trials: Sequence[Trial]) -> list[Trial]:
     """The trials with tracking.root made absolute (their checkpoints land there on any node)."""
+
     def pinned(cfg: Any) -> Any:
-        return dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, root=str(Path(cfg.tracking.root).resolve())))
+        return dataclasses.replace(
+            cfg, tracking=dataclasses.replace(cfg.tracking, root=str(Path(cfg.tracking.root).resolve()))
+        )
+
     return [Trial(t.name, pinned(t.config)) for t in trials]
 
 
@@ -258,8 +309,10 @@ def masked_message(message: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("hook"), Mapping) and isinstance(out["hook"].get("storage"), str):
         out["hook"] = {**out["hook"], "storage": mask_url(out["hook"]["storage"])}
     if isinstance(out.get("overrides"), Mapping):
-        out["overrides"] = {k: mask_url(v) if k in ("tracking.store", "tracking.tracking_uri") and isinstance(v, str)
-                            else v for k, v in out["overrides"].items()}
+        out["overrides"] = {
+            k: mask_url(v) if k in ("tracking.store", "tracking.tracking_uri") and isinstance(v, str) else v
+            for k, v in out["overrides"].items()
+        }
     return out
 
 
@@ -329,12 +382,31 @@ class RayScheduler(Scheduler):
     MLflow mirror (tracking/mlflow/sweep_mirror.py), given each ended trial's run.
     """
 
-    def __init__(self, plans: Sequence[Plan], *, cluster: RayCluster, workers: int, parent_run: str | None,
-                 recheck: Callable[[Plan], Plan], read_runs: Callable[[], list[RunRecord]],
-                 env: Mapping[str, str], cwd: str, claims: TrialClaims | None = None, mirror: Any = None,
-                 source: Any = None) -> None:
-        super().__init__(plans, workers=workers, cores=cluster.cpus, parent_run=parent_run, recheck=recheck,
-                         claims=claims, source=source, threads=cluster.cpus)
+    def __init__(
+        self,
+        plans: Sequence[Plan],
+        *,
+        cluster: RayCluster,
+        workers: int,
+        parent_run: str | None,
+        recheck: Callable[[Plan], Plan],
+        read_runs: Callable[[], list[RunRecord]],
+        env: Mapping[str, str],
+        cwd: str,
+        claims: TrialClaims | None = None,
+        mirror: Any = None,
+        source: Any = None,
+    ) -> None:
+        super().__init__(
+            plans,
+            workers=workers,
+            cores=cluster.cpus,
+            parent_run=parent_run,
+            recheck=recheck,
+            claims=claims,
+            source=source,
+            threads=cluster.cpus,
+        )
         self.cluster, self.read_runs, self.env, self.cwd = cluster, read_runs, dict(env), cwd
         self.processes: list[RayTrial] = []  # type: ignore[assignment]
         self.actors: list[Actor] = []
@@ -348,10 +420,17 @@ class RayScheduler(Scheduler):
         idle = [a for a in self.actors if a.busy is None]
         if idle:
             return next((a for a in idle if host is not None and a.host == host), idle[0])
-        options: dict[str, Any] = {"num_cpus": self.cores, "num_gpus": self.cluster.gpus, "max_concurrency": 2,
-                                   "max_restarts": 0}
-        node = next((n["NodeID"] for n in self.cluster.nodes if n.get("NodeManagerHostname") == host), None) \
-            if host is not None and len(self.cluster.nodes) > 1 else None
+        options: dict[str, Any] = {
+            "num_cpus": self.cores,
+            "num_gpus": self.cluster.gpus,
+            "max_concurrency": 2,
+            "max_restarts": 0,
+        }
+        node = (
+            next((n["NodeID"] for n in self.cluster.nodes if n.get("NodeManagerHostname") == host), None)
+            if host is not None and len(self.cluster.nodes) > 1
+            else None
+        )
         if node is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -400,10 +479,19 @@ class RayScheduler(Scheduler):
             if actor is not None:
                 actor.busy, actor.host = None, result.get("host") or actor.host
                 if trial.result is None or result.get("event") == "died" or result.get("signal"):
-                    self._drop(actor)  # its worker is gone (or stopping with the sweep): a new actor replaces it
-            self._told(trial.plan, TrialOutcome(trial.status, trial.run_id, "" if trial.status == "finished"
-                                                       else trial.last_error(), result.get("round"),
-                                                       dict(result.get("metrics") or {})))
+                    self._drop(
+                        actor
+                    )  # its worker is gone (or stopping with the sweep): a new actor replaces it
+            self._told(
+                trial.plan,
+                TrialOutcome(
+                    trial.status,
+                    trial.run_id,
+                    "" if trial.status == "finished" else trial.last_error(),
+                    result.get("round"),
+                    dict(result.get("metrics") or {}),
+                ),
+            )
             if self.mirror is not None and trial.run_id is not None:
                 self.mirror.add(trial.run_id)
         return bool(ready)

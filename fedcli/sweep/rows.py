@@ -39,8 +39,14 @@ class TrialRow:
     note: str = ""
 
 
-def trial_rows(store: Any, experiment: str, plans: Sequence[Plan], processes: Sequence[TrialProcess],
-               metric_keys: Sequence[str], stopped: bool = False) -> tuple[list[TrialRow], str]:
+def trial_rows(
+    store: Any,
+    experiment: str,
+    plans: Sequence[Plan],
+    processes: Sequence[TrialProcess],
+    metric_keys: Sequence[str],
+    stopped: bool = False,
+) -> tuple[list[TrialRow], str]:
     """Rows of every planned trial, rounds and metric read from the store; and the metric key shown.
 
     `processes`: TrialProcess, or any object with its attributes (fedcli.sweep.ray_runner.RayTrial).
@@ -50,9 +56,19 @@ def trial_rows(store: Any, experiment: str, plans: Sequence[Plan], processes: Se
         if started.run_id is None:  # a new run: the store knows it by the trial process's pid
             started.run_id = started.locate(records)
     by_plan = {id(p.plan): p for p in processes}
-    elsewhere = {id(p): _run_of(p.trial, records) for p in plans if p.action == ELSEWHERE and id(p) not in by_plan}
-    ids = [i for i in (by_plan[id(p)].run_id if id(p) in by_plan else
-                       getattr(elsewhere.get(id(p)), "id", None) or p.run_id for p in plans) if i]
+    elsewhere = {
+        id(p): _run_of(p.trial, records) for p in plans if p.action == ELSEWHERE and id(p) not in by_plan
+    }
+    ids = [
+        i
+        for i in (
+            by_plan[id(p)].run_id
+            if id(p) in by_plan
+            else getattr(elsewhere.get(id(p)), "id", None) or p.run_id
+            for p in plans
+        )
+        if i
+    ]
     frame = store.metrics_frame(ids, keys=list(metric_keys)) if ids else None
     key = next((k for k in metric_keys if frame is not None and (frame["key"] == k).any()), metric_keys[0])
     latest = {} if frame is None else frame[frame["key"] == key].groupby("run_id")["value"].last().to_dict()
@@ -65,15 +81,26 @@ def trial_rows(store: Any, experiment: str, plans: Sequence[Plan], processes: Se
         if other is not None:  # the run another process trains for this trial: how it stands now
             run_id = other.id
             status = ELSEWHERE if other.is_alive else f"{other.status} elsewhere"
-        rows.append(TrialRow(plan.trial.name, status, store.last_round(run_id) if run_id else None,
-                             plan.trial.config.train.rounds, latest.get(run_id),
-                             None if process is None else process.elapsed_s, run_id, note))
+        rows.append(
+            TrialRow(
+                plan.trial.name,
+                status,
+                store.last_round(run_id) if run_id else None,
+                plan.trial.config.train.rounds,
+                latest.get(run_id),
+                None if process is None else process.elapsed_s,
+                run_id,
+                note,
+            )
+        )
     return rows, key
 
 
 def _run_of(trial: Trial, records: Sequence[RunRecord]) -> RunRecord | None:
     """The newest run of the trial's config hash, if any."""
-    same = [r for r in records if (r.tags.get("fedcli.config_hash") or r.config_hash) == trial.config.config_hash]
+    same = [
+        r for r in records if (r.tags.get("fedcli.config_hash") or r.config_hash) == trial.config.config_hash
+    ]
     return same[-1] if same else None
 
 
@@ -89,10 +116,13 @@ def _row_status(plan: Plan, process: TrialProcess | None, stopped: bool) -> tupl
     if process is not None:
         status = process.status
         return status, process.last_error() if status in ("failed", "interrupted") else (
-            "resumed" if plan.action == RESUME else "")
+            "resumed" if plan.action == RESUME else ""
+        )
     if plan.action in (NEW, RESUME):
         return ("not started" if stopped else "waiting"), ("to resume" if plan.action == RESUME else "")
-    return {SKIP: "finished (skip)", ELSEWHERE: ELSEWHERE, DIVERGED: "diverged (skip)"}[plan.action], plan.note
+    return {SKIP: "finished (skip)", ELSEWHERE: ELSEWHERE, DIVERGED: "diverged (skip)"}[
+        plan.action
+    ], plan.note
 
 
 # --------------------------------------------------------------------------- the MLflow parent run

@@ -58,8 +58,11 @@ class TrialProcess:
     def last_error(self) -> str:
         """The trial's last non-empty stderr line (why it failed), else its exit code."""
         path = self.folder / "stderr.txt"
-        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()] \
-            if path.exists() else []
+        lines = (
+            [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+            if path.exists()
+            else []
+        )
         return lines[-1] if lines else f"exit code {self.proc.returncode}"
 
     def locate(self, records: Sequence[RunRecord]) -> str | None:
@@ -169,13 +172,24 @@ class Scheduler:
     in its resolved config; None leaves it to `fedcli train` (all the process's cores).
     """
 
-    def __init__(self, plans: Sequence[Plan], *, workers: int, cores: int, parent_run: str | None,
-                 recheck: Callable[[Plan], Plan] | None = None, claims: TrialClaims | None = None,
-                 source: TrialSource | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        plans: Sequence[Plan],
+        *,
+        workers: int,
+        cores: int,
+        parent_run: str | None,
+        recheck: Callable[[Plan], Plan] | None = None,
+        claims: TrialClaims | None = None,
+        source: TrialSource | None = None,
+        threads: int | None = None,
+    ) -> None:
         self.plans = list(plans)  # as planned, each replaced by its recheck when its turn comes
         self.pending = [p for p in plans if p.action in (NEW, RESUME)]
         self.source, self.threads = source, threads
-        self.recheck = recheck  # plans a trial again right before it starts (another process may have taken it)
+        self.recheck = (
+            recheck  # plans a trial again right before it starts (another process may have taken it)
+        )
         self.claims = claims
         self.workers, self.cores, self.parent_run = workers, cores, parent_run
         self.processes: list[TrialProcess] = []
@@ -191,8 +205,14 @@ class Scheduler:
         folder.mkdir()
         command = trial_command(plan, folder / "run.yaml", self.cores, self.parent_run, self.threads)
         with open(folder / "stdout.txt", "wb") as out, open(folder / "stderr.txt", "wb") as err:
-            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    preexec_fn=die_with_parent(os.getpid()), env=trial_env(plan.trial.config.tracking))
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                preexec_fn=die_with_parent(os.getpid()),
+                env=trial_env(plan.trial.config.tracking),
+            )
         process = TrialProcess(plan, proc, folder, run_id=plan.run_id)
         self.processes.append(process)
         return process
@@ -277,8 +297,14 @@ class Scheduler:
         for process in self.running:
             if process.proc.poll() is not None:
                 process.ended, changed = time.monotonic(), True
-                self._told(process.plan, TrialOutcome(process.status, process.run_id, "" if process.status ==
-                                                      "finished" else process.last_error()))
+                self._told(
+                    process.plan,
+                    TrialOutcome(
+                        process.status,
+                        process.run_id,
+                        "" if process.status == "finished" else process.last_error(),
+                    ),
+                )
         return changed
 
     def _stop(self) -> None:

@@ -54,13 +54,20 @@ def make_pruner(block: Mapping[str, Any] | None) -> Any:
         return optuna.pruners.NopPruner()
     kind, warmup = block["type"], block.get("warmup")
     if kind == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=block.get("startup_trials", 5),
-                                           n_warmup_steps=(warmup or 0) + 1, interval_steps=block.get("interval", 1))
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=block.get("startup_trials", 5),
+            n_warmup_steps=(warmup or 0) + 1,
+            interval_steps=block.get("interval", 1),
+        )
     if kind == "successive_halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=warmup or "auto",
-                                                      reduction_factor=block.get("reduction_factor", 4),
-                                                      min_early_stopping_rate=block.get("min_early_stopping_rate", 0))
-    return optuna.pruners.HyperbandPruner(min_resource=warmup or 1, reduction_factor=block.get("reduction_factor", 3))
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=warmup or "auto",
+            reduction_factor=block.get("reduction_factor", 4),
+            min_early_stopping_rate=block.get("min_early_stopping_rate", 0),
+        )
+    return optuna.pruners.HyperbandPruner(
+        min_resource=warmup or 1, reduction_factor=block.get("reduction_factor", 3)
+    )
 
 
 def make_sampler(search: Mapping[str, Any], seed: int | None) -> Any:
@@ -81,7 +88,9 @@ def storage(url: str) -> Any:
     from sqlalchemy.exc import SQLAlchemyError
 
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-    for attempt in range(20):  # sweeps started together race to create Optuna's tables: the loser sees them made
+    for attempt in range(
+        20
+    ):  # sweeps started together race to create Optuna's tables: the loser sees them made
         try:
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
         except SQLAlchemyError as err:
@@ -113,8 +122,9 @@ def suggest_params(trial: Any, space: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def trial_of(spec: Mapping[str, Any], params: Mapping[str, Any], number: int,
-             tracking: Mapping[str, Any] | None = None) -> Trial:
+def trial_of(
+    spec: Mapping[str, Any], params: Mapping[str, Any], number: int, tracking: Mapping[str, Any] | None = None
+) -> Trial:
     """The fedcli trial (name `#3 client_lr=0.0123 rho=0.1 s0`, validated RunConfig) of sampled params."""
     aliases = short_keys()
     values = {_dotted(k, aliases): v for k, v in (spec.get("base") or {}).items()}
@@ -123,15 +133,23 @@ def trial_of(spec: Mapping[str, Any], params: Mapping[str, Any], number: int,
     hp = {k[3:]: v for k, v in values.items() if k.startswith("hp.") and _has_hp(algo, k[3:])}
     overrides = {k: v for k, v in values.items() if not k.startswith("hp.")}
     seed = spec.get("seeds", [0])[0]
-    cfg = build_config(overrides={**overrides, **(tracking or {}), "seed": seed,
-                                  "tracking.experiment": spec["experiment"]}, hp=hp)
-    shown = " ".join(f"{k.split('.')[-1]}={v:.4g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
-                     for k, v in params.items() if not k.startswith("hp.") or k[3:] in hp)
+    cfg = build_config(
+        overrides={**overrides, **(tracking or {}), "seed": seed, "tracking.experiment": spec["experiment"]},
+        hp=hp,
+    )
+    shown = " ".join(
+        f"{k.split('.')[-1]}={v:.4g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
+        for k, v in params.items()
+        if not k.startswith("hp.") or k[3:] in hp
+    )
     name = f"#{number} {cfg.algorithm.name} {shown} s{seed}".replace("  ", " ")
     return Trial(name=name[:NAME_MAX_BYTES], config=cfg)
 
 
-CODE_KEYS = {"data.model": "model", "data.file": "data function"}  # config keys whose value may name user code
+CODE_KEYS = {
+    "data.model": "model",
+    "data.file": "data function",
+}  # config keys whose value may name user code
 
 
 def unnamed_code(spec: Mapping[str, Any], params: Mapping[str, Any]) -> str | None:
@@ -158,7 +176,9 @@ def unnamed_code(spec: Mapping[str, Any], params: Mapping[str, Any]) -> str | No
         what = CODE_KEYS.get(dotted(key) or "")
         if what is None or not isinstance(value, str):
             continue
-        code = is_reference(value) if what == "model" else is_data_ref(value) and not value.startswith("python:")
+        code = (
+            is_reference(value) if what == "model" else is_data_ref(value) and not value.startswith("python:")
+        )
         if code and _canonical(value) not in named:
             return f"{key}={value}"
     return None
@@ -177,8 +197,11 @@ def check_space_configs(spec: Mapping[str, Any], tracking: Mapping[str, Any] | N
     value out of a config key's range fails before anything runs."""
     space = spec["search"]["space"]
     aliases = short_keys()
-    check_hp_keys({_dotted(k, aliases): v for k, v in (spec.get("base") or {}).items()},
-                  {_dotted(k, aliases): v if isinstance(v, list) else [] for k, v in space.items()}, [{}])
+    check_hp_keys(
+        {_dotted(k, aliases): v for k, v in (spec.get("base") or {}).items()},
+        {_dotted(k, aliases): v if isinstance(v, list) else [] for k, v in space.items()},
+        [{}],
+    )
     lows = {k: v[0] if isinstance(v, list) else next(iter(v.values()))[0] for k, v in space.items()}
     highs = {k: v[-1] if isinstance(v, list) else next(iter(v.values()))[1] for k, v in space.items()}
     trial_of(spec, lows, 0, tracking)
@@ -198,7 +221,9 @@ class SearchSource:
     interrupted one stays RUNNING for the next sweep. `hook(plan)` is the pruning hook's spec.
     """
 
-    def __init__(self, spec: Mapping[str, Any], tracking: Mapping[str, Any], db: Any, *, create: bool = True) -> None:
+    def __init__(
+        self, spec: Mapping[str, Any], tracking: Mapping[str, Any], db: Any, *, create: bool = True
+    ) -> None:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -215,13 +240,20 @@ class SearchSource:
         except KeyError:
             existing = None
         if existing is not None and existing.direction.name.lower() != direction:
-            raise ConfigError(f"study {name} was started with direction {existing.direction.name.lower()[:3]}; "
-                              f"got search.direction {self.search.get('direction', 'max')}. Keep the direction, or "
-                              "use a new experiment name.")
+            raise ConfigError(
+                f"study {name} was started with direction {existing.direction.name.lower()[:3]}; "
+                f"got search.direction {self.search.get('direction', 'max')}. Keep the direction, or "
+                "use a new experiment name."
+            )
         self.seed = self.search.get("seed", 0)
-        self.study = optuna.create_study(study_name=name, storage=self.storage, direction=direction,
-                                         sampler=make_sampler(self.search, self.seed),
-                                         pruner=make_pruner(spec.get("pruner")), load_if_exists=True)
+        self.study = optuna.create_study(
+            study_name=name,
+            storage=self.storage,
+            direction=direction,
+            sampler=make_sampler(self.search, self.seed),
+            pruner=make_pruner(spec.get("pruner")),
+            load_if_exists=True,
+        )
         self.study.set_user_attr("fedcli.metric", self.metric)
         self.in_flight: dict[str, int] = {}  # config hash -> Optuna trial number, trials this process runs
         self._ids: dict[int, int] = {}  # trial number -> trial id
@@ -241,8 +273,11 @@ class SearchSource:
         enqueued by hand (`study.enqueue_trial`, WAITING) which the next asks take first."""
         import optuna
 
-        return sum(1 for t in self._trials() if "fedcli.void" not in t.user_attrs
-                   and t.state != optuna.trial.TrialState.WAITING)
+        return sum(
+            1
+            for t in self._trials()
+            if "fedcli.void" not in t.user_attrs and t.state != optuna.trial.TrialState.WAITING
+        )
 
     @property
     def exhausted(self) -> bool:
@@ -257,8 +292,11 @@ class SearchSource:
         """RUNNING trials with a config that no live process runs (their sweep died): adopt them."""
         import optuna
 
-        running = [t for t in self._trials() if t.state == optuna.trial.TrialState.RUNNING
-                   and t.number not in self.in_flight.values()]
+        running = [
+            t
+            for t in self._trials()
+            if t.state == optuna.trial.TrialState.RUNNING and t.number not in self.in_flight.values()
+        ]
         if not running:
             return []
         from fedcli.tracking.store.common import HOSTNAME
@@ -278,7 +316,7 @@ class SearchSource:
             if key in claims or key in alive:
                 continue
             # the sweep that asked (or adopted) it: on this host, gone; elsewhere, no claim nor run for ORPHAN_S
-            if (not _pid_alive(int(pid)) if host == HOSTNAME and pid.isdigit() else old):
+            if not _pid_alive(int(pid)) if host == HOSTNAME and pid.isdigit() else old:
                 out.append(t)
         return out
 
@@ -306,7 +344,8 @@ class SearchSource:
     def _trial_id(self, number: int) -> int:
         if number not in self._ids:
             self._ids[number] = self.study._storage.get_trial_id_from_study_id_trial_number(
-                self.study._study_id, number)
+                self.study._study_id, number
+            )
         return self._ids[number]
 
     # ------------------------------------------------------------------ the trial source
@@ -321,11 +360,19 @@ class SearchSource:
     def _ask(self) -> Plan | None:
         for orphan in self._orphans():
             unnamed = unnamed_code(self.spec, orphan.params)
-            if unnamed is not None:  # a trial the spec could not have asked: its code is not the user's to run
+            if (
+                unnamed is not None
+            ):  # a trial the spec could not have asked: its code is not the user's to run
                 logging.getLogger(__name__).warning(
                     "trial #%d of study %s is not adopted: its parameter %s names code the sweep's spec does not "
-                    "name (datasets/yours/trust.py)", orphan.number, study_name(self.experiment), unnamed)
-                self._void(orphan.number, f"its parameter {unnamed} names code the sweep's spec does not name")
+                    "name (datasets/yours/trust.py)",
+                    orphan.number,
+                    study_name(self.experiment),
+                    unnamed,
+                )
+                self._void(
+                    orphan.number, f"its parameter {unnamed} names code the sweep's spec does not name"
+                )
                 continue
             self._set_attr(orphan.number, "fedcli.owner", self._owner)
             plan = self._plan(trial_of(self.spec, orphan.params, orphan.number, self.tracking), orphan.number)
@@ -336,7 +383,9 @@ class SearchSource:
         while self.used() < self.budget:
             # the sampler's seed for this draw: the search's seed and the trials so far, so one process drawing from
             # start to end is reproducible, and a rerun or a second sweep process does not repeat earlier draws
-            self.study.sampler = make_sampler(self.search, (self.seed * 1_000_003 + len(self._trials()) * 7919) % 2**31)
+            self.study.sampler = make_sampler(
+                self.search, (self.seed * 1_000_003 + len(self._trials()) * 7919) % 2**31
+            )
             trial = self.study.ask()
             if trial.number >= self.budget + 1000:  # a space whose every config runs now: try again later
                 self._void(trial.number, "over budget")
@@ -345,7 +394,9 @@ class SearchSource:
                 self._void(trial.number, "over budget (asked together with another sweep)")
                 return None
             params = suggest_params(trial, self.search["space"])
-            unnamed = unnamed_code(self.spec, params)  # a trial enqueued by hand may fix a value outside the space
+            unnamed = unnamed_code(
+                self.spec, params
+            )  # a trial enqueued by hand may fix a value outside the space
             if unnamed is not None:
                 self._void(trial.number, f"its parameter {unnamed} names code the sweep's spec does not name")
                 continue
@@ -368,7 +419,9 @@ class SearchSource:
             claim = claims.get(key)
             if claim is not None and (claim.host, claim.pid) != (HOSTNAME, os.getpid()):
                 del self.in_flight[key]
-                if number in self.adopted:  # another sweep adopted the same dead sweep's trial first: its trial now
+                if (
+                    number in self.adopted
+                ):  # another sweep adopted the same dead sweep's trial first: its trial now
                     self.adopted.discard(number)
                 else:  # a config this process drew that another process runs as its own trial
                     self._void(number, f"its config was {claim}")
@@ -386,7 +439,9 @@ class SearchSource:
             self.in_flight[trial.config.config_hash] = number
             self._ids.setdefault(number, self._trial_id(number))
             return plan
-        if plan.action == SKIP and plan.run_id is not None:  # the same config ran before: its result, no training
+        if (
+            plan.action == SKIP and plan.run_id is not None
+        ):  # the same config ran before: its result, no training
             record = self.db.get_run(plan.run_id)
             self._tell_run(number, record.status, plan.run_id)
             return None
@@ -401,8 +456,14 @@ class SearchSource:
         number = self.in_flight.get(plan.trial.config.config_hash)
         if number is None:
             return None
-        return {"storage": connect_url(self.db), "study": study_name(self.experiment), "trial_id": self._trial_id(number),
-                "number": number, "metric": self.metric, "pruner": dict(self.spec.get("pruner") or {})}
+        return {
+            "storage": connect_url(self.db),
+            "study": study_name(self.experiment),
+            "trial_id": self._trial_id(number),
+            "number": number,
+            "metric": self.metric,
+            "pruner": dict(self.spec.get("pruner") or {}),
+        }
 
     def tell(self, plan: Plan, outcome: Any) -> None:
         """A trial ended: finished -> its final metric, pruned -> PRUNED, failed -> FAIL; interrupted or
@@ -412,9 +473,14 @@ class SearchSource:
         status, run_id = getattr(outcome, "status", None), getattr(outcome, "run_id", None)
         if number is None or status not in ("finished", "pruned", "failed"):
             return
-        if run_id is None:  # a trial process that ended before the scheduler learnt its run: the store knows it
-            runs = [r for r in self._runs() if (r.tags.get("fedcli.config_hash") or r.config_hash)
-                    == plan.trial.config.config_hash]
+        if (
+            run_id is None
+        ):  # a trial process that ended before the scheduler learnt its run: the store knows it
+            runs = [
+                r
+                for r in self._runs()
+                if (r.tags.get("fedcli.config_hash") or r.config_hash) == plan.trial.config.config_hash
+            ]
             run_id, status = (runs[-1].id, runs[-1].status) if runs else (None, status)
         if run_id is not None:
             self._tell_run(number, status, run_id)
@@ -451,8 +517,9 @@ def make_on_eval(spec: Mapping[str, Any]) -> Callable[[int, dict[str, float]], b
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=spec["study"], storage=storage(spec["storage"]),
-                              pruner=make_pruner(spec.get("pruner")))
+    study = optuna.load_study(
+        study_name=spec["study"], storage=storage(spec["storage"]), pruner=make_pruner(spec.get("pruner"))
+    )
     trial = optuna.trial.Trial(study, spec["trial_id"])
     metric = spec["metric"]
 
@@ -464,8 +531,11 @@ def make_on_eval(spec: Mapping[str, Any]) -> Callable[[int, dict[str, float]], b
             trial.report(float(value), round_idx)
             return bool(trial.should_prune())
         except Exception as err:  # noqa: BLE001 - the study unreachable a moment: the trial trains on, unpruned
-            logging.getLogger(__name__).warning("pruning: could not report round %d to the study (%s); the trial "
-                                                "goes on", round_idx, type(err).__name__)  # no text: it may hold a URL
+            logging.getLogger(__name__).warning(
+                "pruning: could not report round %d to the study (%s); the trial goes on",
+                round_idx,
+                type(err).__name__,
+            )  # no text: it may hold a URL
             return False
 
     return on_eval

@@ -63,8 +63,15 @@ class ProcessState:
         import numpy as np
         import torch
 
-        return cls(torch.get_num_threads(), torch.get_num_interop_threads(), torch.get_rng_state(),
-                   np.random.get_state(), random.getstate(), _flags(), {s: signal.getsignal(s) for s in STOP_SIGNALS})
+        return cls(
+            torch.get_num_threads(),
+            torch.get_num_interop_threads(),
+            torch.get_rng_state(),
+            np.random.get_state(),
+            random.getstate(),
+            _flags(),
+            {s: signal.getsignal(s) for s in STOP_SIGNALS},
+        )
 
     def restore(self) -> None:
         import numpy as np
@@ -79,9 +86,16 @@ class ProcessState:
         torch.backends.cudnn.deterministic = self.flags["cudnn_deterministic"]
         torch.backends.cudnn.benchmark = self.flags["cudnn_benchmark"]
         torch.set_float32_matmul_precision(self.flags["matmul_precision"])
-        if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
-                self.flags["deterministic"], self.flags["deterministic_warn"]):  # the call imports torch._inductor (s)
-            torch.use_deterministic_algorithms(self.flags["deterministic"], warn_only=self.flags["deterministic_warn"])
+        if (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ) != (
+            self.flags["deterministic"],
+            self.flags["deterministic_warn"],
+        ):  # the call imports torch._inductor (s)
+            torch.use_deterministic_algorithms(
+                self.flags["deterministic"], warn_only=self.flags["deterministic_warn"]
+            )
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
 
@@ -89,12 +103,15 @@ class ProcessState:
 def _flags() -> dict[str, Any]:
     import torch
 
-    return {"matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-            "cudnn_deterministic": torch.backends.cudnn.deterministic,
-            "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "matmul_precision": torch.get_float32_matmul_precision(),
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "deterministic_warn": torch.is_deterministic_algorithms_warn_only_enabled()}
+    return {
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn": torch.is_deterministic_algorithms_warn_only_enabled(),
+    }
 
 
 def send(event: dict[str, Any]) -> None:
@@ -140,7 +157,9 @@ class Worker:
                 continue
             if not readable:
                 continue
-            chunk = os.read(sys.stdin.fileno(), 1)  # byte by byte up to the newline: nothing read ahead is lost
+            chunk = os.read(
+                sys.stdin.fileno(), 1
+            )  # byte by byte up to the newline: nothing read ahead is lost
             if not chunk:
                 return None
             if chunk == b"\n":
@@ -161,7 +180,9 @@ class Worker:
         from fedcli.errors import FedcliError
 
         self.state.restore()  # every trial starts from the process as it was before the first
-        os.environ.update(message.get("env") or {})  # a worker started early: the URLs' passwords (trial_secrets)
+        os.environ.update(
+            message.get("env") or {}
+        )  # a worker started early: the URLs' passwords (trial_secrets)
         signals = GracefulSignals(immediate=True)  # set-up writes nothing: a stop there ends at once
         signals.install()
         tracker = None
@@ -170,28 +191,59 @@ class Worker:
             from fedcli.api import run_config
             from fedcli.tracking.sinks import Tracker
 
-            tracker = Tracker(self.store(cfg.tracking.store_url), None)  # MLflow: the sweep's one mirror copies it
+            tracker = Tracker(
+                self.store(cfg.tracking.store_url), None
+            )  # MLflow: the sweep's one mirror copies it
             extra: dict[str, Any] = {}
             if message.get("hook") is not None:
                 from fedcli.sweep.search import make_on_eval  # type: ignore[import-not-found, unused-ignore]
 
                 extra["on_eval"] = make_on_eval(message["hook"])
             # fedcli train's own path (fedcli/runs/run.py): validate and build, then train under preserved_state
-            result = run_config(cfg, resume_run_id=resume_id, tracker=tracker, signals=signals,
-                                on_run=lambda run_id: send({"event": "started", "run_id": run_id}), **extra)
-            return {"status": result.status, "run_id": result.run_id, "reason": "", "round": result.rounds_completed,
-                    "metrics": {k: float(v) for k, v in result.final_metrics.items()}}
-        except KeyboardInterrupt as stop:  # RunInterrupted: the run (if it started) is checkpointed, interrupted
+            result = run_config(
+                cfg,
+                resume_run_id=resume_id,
+                tracker=tracker,
+                signals=signals,
+                on_run=lambda run_id: send({"event": "started", "run_id": run_id}),
+                **extra,
+            )
+            return {
+                "status": result.status,
+                "run_id": result.run_id,
+                "reason": "",
+                "round": result.rounds_completed,
+                "metrics": {k: float(v) for k, v in result.final_metrics.items()},
+            }
+        except (
+            KeyboardInterrupt
+        ) as stop:  # RunInterrupted: the run (if it started) is checkpointed, interrupted
             signum = getattr(stop, "signum", int(signal.SIGINT))
-            return {"status": "interrupted", "run_id": _run_id(tracker), "signal": signum,
-                    "reason": f"stopped by {signal.Signals(signum).name}", "round": None, "metrics": {}}
+            return {
+                "status": "interrupted",
+                "run_id": _run_id(tracker),
+                "signal": signum,
+                "reason": f"stopped by {signal.Signals(signum).name}",
+                "round": None,
+                "metrics": {},
+            }
         except FedcliError as err:  # the line `fedcli train` would end with
-            return {"status": "failed", "run_id": _run_id(tracker), "reason": "error: " + (
-                str(err).splitlines()[0] if str(err) else type(err).__name__), "round": None, "metrics": {}}
+            return {
+                "status": "failed",
+                "run_id": _run_id(tracker),
+                "reason": "error: " + (str(err).splitlines()[0] if str(err) else type(err).__name__),
+                "round": None,
+                "metrics": {},
+            }
         except Exception as err:  # noqa: BLE001 - a trial's crash costs that trial only; train() marked it failed
             log.debug("trial failed", exc_info=True)
-            return {"status": "failed", "run_id": _run_id(tracker), "reason": f"{type(err).__name__}: {err}"[:500],
-                    "round": None, "metrics": {}}
+            return {
+                "status": "failed",
+                "run_id": _run_id(tracker),
+                "reason": f"{type(err).__name__}: {err}"[:500],
+                "round": None,
+                "metrics": {},
+            }
         finally:
             signals.restore()
             self.state.restore()
@@ -205,7 +257,11 @@ class Worker:
 
         if message.get("resume"):
             overrides = dict(message.get("overrides") or {})
-            root = {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith("tracking.") and v is not None}
+            root = {
+                k.split(".", 1)[1]: v
+                for k, v in overrides.items()
+                if k.startswith("tracking.") and v is not None
+            }
             from fedcli.config.checks import build_section
             from fedcli.config.sections import TrackingConfig
 
@@ -213,11 +269,18 @@ class Worker:
             record = self.store(track.store_url).get_run(message["resume"])
             stored = record.requested or record.config
             # user code the run's row names runs only when the sweep's spec names the same (datasets/yours/trust.py)
-            overrides = resumed_code(record.id, stored, record.config, overrides, trust=False,
-                                     fix="the sweep's spec does not name it; resume that run yourself to allow it")
+            overrides = resumed_code(
+                record.id,
+                stored,
+                record.config,
+                overrides,
+                trust=False,
+                fix="the sweep's spec does not name it; resume that run yourself to allow it",
+            )
             return resume_config(stored, overrides), record.id
-        return build_config(doc=yaml.safe_load(message["config"]),
-                            overrides={"tracking.run_name": message.get("run_name")}), None
+        return build_config(
+            doc=yaml.safe_load(message["config"]), overrides={"tracking.run_name": message.get("run_name")}
+        ), None
 
 
 def _run_id(tracker: Any) -> str | None:
@@ -239,4 +302,6 @@ def main() -> int:
 if __name__ == "__main__":
     from fedcli.tracking.mlflow.lifeline import exit_now
 
-    exit_now(main())  # every trial written and its stores closed: skip the teardown the sweep's end waited for
+    exit_now(
+        main()
+    )  # every trial written and its stores closed: skip the teardown the sweep's end waited for

@@ -51,14 +51,22 @@ END_WAIT_S = 10.0  # how long the sweep's end waits for an idle worker to exit a
 class SweepWorker:
     """One worker process and the events it printed (a reader thread fills `events`)."""
 
-    def __init__(self, env: dict[str, str] | None, stderr: Path,
-                 proc: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(
+        self, env: dict[str, str] | None, stderr: Path, proc: subprocess.Popen[bytes] | None = None
+    ) -> None:
         if proc is None:
             with open(stderr, "wb") as err:
-                proc = subprocess.Popen([sys.executable, "-m", "fedcli.sweep.worker"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=err, preexec_fn=die_with_parent(os.getpid()),
-                                        env=env)
-        self.proc = proc  # `proc`: one started early (fedcli.sweep.worker.spawn_early), whose stderr is `stderr`
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "fedcli.sweep.worker"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    preexec_fn=die_with_parent(os.getpid()),
+                    env=env,
+                )
+        self.proc = (
+            proc  # `proc`: one started early (fedcli.sweep.worker.spawn_early), whose stderr is `stderr`
+        )
         self.stderr = stderr
         self.trial: WorkerTrial | None = None
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -95,8 +103,11 @@ class SweepWorker:
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with code {code}"
-        lines = [x.strip() for x in self.stderr.read_text(errors="replace").splitlines() if x.strip()] \
-            if self.stderr.exists() else []
+        lines = (
+            [x.strip() for x in self.stderr.read_text(errors="replace").splitlines() if x.strip()]
+            if self.stderr.exists()
+            else []
+        )
         return how + (f" ({lines[-1][:300]})" if lines and code not in (0, None) and (code or 0) > 0 else "")
 
 
@@ -137,13 +148,21 @@ def trial_message(plan: Plan, cores: int, threads: int | None, hook: dict[str, A
     cfg = plan.trial.config
     if plan.action == RESUME:
         track = cfg.tracking
-        overrides = {"train.workers": cfg.train.workers or cores, "train.threads": cfg.train.threads or threads,
-                     "tracking.root": track.root, "tracking.store": track.store,
-                     "tracking.tracking_uri": track.tracking_uri,
-                     "tracking.use_mlflow": None if track.use_mlflow else False}
+        overrides = {
+            "train.workers": cfg.train.workers or cores,
+            "train.threads": cfg.train.threads or threads,
+            "tracking.root": track.root,
+            "tracking.store": track.store,
+            "tracking.tracking_uri": track.tracking_uri,
+            "tracking.use_mlflow": None if track.use_mlflow else False,
+        }
         # the user code the spec names, named again: the resumed run's recorded code runs only if it is the same
-        overrides.update({"data.model" if code.what == "model" else "data.file": code.ref
-                          for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file})})
+        overrides.update(
+            {
+                "data.model" if code.what == "model" else "data.file": code.ref
+                for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file})
+            }
+        )
         return {"resume": plan.run_id, "overrides": overrides, "hook": hook}
     return {"config": trial_config_text(plan, cores, threads), "run_name": plan.trial.name, "hook": hook}
 
@@ -176,7 +195,9 @@ class WorkerScheduler(Scheduler):
         if early is not None:  # started before the sweep imported torch (its secrets come with each trial)
             worker = SweepWorker(None, early[1], proc=early[0])
         else:
-            worker = SweepWorker(trial_env(plan.trial.config.tracking), self._tmp / f"worker-{self._spawned}.stderr")
+            worker = SweepWorker(
+                trial_env(plan.trial.config.tracking), self._tmp / f"worker-{self._spawned}.stderr"
+            )
         self.pool.append(worker)
         return worker
 
@@ -192,8 +213,10 @@ class WorkerScheduler(Scheduler):
     def message(self, plan: Plan) -> dict[str, Any]:
         # `env`: what trial_env puts in a worker's environment (URLs with a password), for a worker started
         # early with the sweep's own environment; over the pipe, never on a command line
-        return {**trial_message(plan, self.cores, self.threads, self.source.hook(plan) if self.source else None),
-                "env": trial_secrets(plan.trial.config.tracking)}
+        return {
+            **trial_message(plan, self.cores, self.threads, self.source.hook(plan) if self.source else None),
+            "env": trial_secrets(plan.trial.config.tracking),
+        }
 
     def _reap(self) -> bool:
         changed = False
@@ -220,8 +243,16 @@ class WorkerScheduler(Scheduler):
             return True
         if event.get("event") == "ended":
             trial.run_id = event.get("run_id") or trial.run_id
-            self._end(trial, TrialOutcome(str(event.get("status")), trial.run_id, str(event.get("reason") or ""),
-                                          event.get("round"), dict(event.get("metrics") or {})))
+            self._end(
+                trial,
+                TrialOutcome(
+                    str(event.get("status")),
+                    trial.run_id,
+                    str(event.get("reason") or ""),
+                    event.get("round"),
+                    dict(event.get("metrics") or {}),
+                ),
+            )
             worker.trial = None
             return True
         return False
@@ -238,8 +269,12 @@ class WorkerScheduler(Scheduler):
             return False
         why = f"its sweep worker (pid {worker.proc.pid}) {worker.death()}"
         status = "interrupted" if trial.stopped else "failed"
-        self._end(trial, TrialOutcome(status, trial.run_id, why + ("; rerun the sweep to resume it" if trial.run_id
-                                                                   else "")))
+        self._end(
+            trial,
+            TrialOutcome(
+                status, trial.run_id, why + ("; rerun the sweep to resume it" if trial.run_id else "")
+            ),
+        )
         return True
 
     def _end(self, trial: WorkerTrial, outcome: TrialOutcome) -> None:

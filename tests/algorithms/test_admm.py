@@ -37,18 +37,29 @@ def squared_loss(params: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
     return 0.5 * ((residual**2) * batch.weight).sum() / batch.weight.sum()
 
 
-def make_ctx(x: torch.Tensor, y: torch.Tensor, steps: int, loss_fn=squared_loss, noise=None,
-             round_idx: int = 1) -> ClientContext:
+def make_ctx(
+    x: torch.Tensor, y: torch.Tensor, steps: int, loss_fn=squared_loss, noise=None, round_idx: int = 1
+) -> ClientContext:
     """A full-batch client context: every step sees all N_k examples."""
     full = Batch(x=x, y=y, weight=torch.ones(len(y), dtype=F64), key=torch.zeros((), dtype=torch.int64))
-    return ClientContext(loss_fn=loss_fn, apply_fn=lambda p, z: z @ p["w"], batch=lambda step: full,
-                         step_mask=torch.ones(steps, dtype=F64), num_examples=torch.tensor(float(len(y)), dtype=F64), num_epochs=1,
-                         steps_per_epoch=steps, round_idx=round_idx, noise=noise or {})
+    return ClientContext(
+        loss_fn=loss_fn,
+        apply_fn=lambda p, z: z @ p["w"],
+        batch=lambda step: full,
+        step_mask=torch.ones(steps, dtype=F64),
+        num_examples=torch.tensor(float(len(y)), dtype=F64),
+        num_epochs=1,
+        steps_per_epoch=steps,
+        round_idx=round_idx,
+        noise=noise or {},
+    )
 
 
 def stack(outs: list[ClientOut]) -> ClientOut:
     """Stack per-client outputs on a leading client axis, as the executors do."""
-    return ClientOut(*pytree.tree_map(lambda *xs: torch.stack(xs), *[(o.upload, o.state, o.metrics) for o in outs]))
+    return ClientOut(
+        *pytree.tree_map(lambda *xs: torch.stack(xs), *[(o.upload, o.state, o.metrics) for o in outs])
+    )
 
 
 def run_rounds(alg, hp, opt, params, clients, rounds: int, steps: int, make=make_ctx):
@@ -58,7 +69,10 @@ def run_rounds(alg, hp, opt, params, clients, rounds: int, steps: int, make=make
     weights = torch.tensor([float(len(y)) for _, y in clients], dtype=F64)
     for r in range(1, rounds + 1):
         bc = alg.broadcast(state, hp)
-        outs = [alg.client_update(make(x, y, steps, round_idx=r), bc, s, hp, opt) for (x, y), s in zip(clients, states, strict=True)]
+        outs = [
+            alg.client_update(make(x, y, steps, round_idx=r), bc, s, hp, opt)
+            for (x, y), s in zip(clients, states, strict=True)
+        ]
         states = [o.state for o in outs]
         state, _ = alg.server_update(state, stack(outs), weights, hp, opt)
     return state
@@ -68,8 +82,12 @@ def exact_opt(clients, prox: float) -> OptimConfig:
     """Polyak's optimal heavy ball for the clients' per-example objectives A_k/N_k + prox/N_k I:
     lr = 4/(sqrt(L) + sqrt(mu))^2, momentum = ((sqrt(L) - sqrt(mu))/(sqrt(L) + sqrt(mu)))^2; the error
     contracts by sqrt(momentum) per step (< 0.3 here), so STEPS = 30 steps solve to ~1e-15."""
-    eig = torch.cat([torch.linalg.eigvalsh((x.T @ x + prox * torch.eye(x.shape[1], dtype=F64)) / len(y))
-                     for x, y in clients])
+    eig = torch.cat(
+        [
+            torch.linalg.eigvalsh((x.T @ x + prox * torch.eye(x.shape[1], dtype=F64)) / len(y))
+            for x, y in clients
+        ]
+    )
     lo, hi = float(eig.min()) ** 0.5, float(eig.max()) ** 0.5
     return OptimConfig(client_lr=4 / (lo + hi) ** 2, client_momentum=((hi - lo) / (hi + lo)) ** 2)
 
@@ -77,15 +95,19 @@ def exact_opt(clients, prox: float) -> OptimConfig:
 STEPS = 30
 
 
-def admm_reference(clients, rho: float, delta: float, gamma: float, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
+def admm_reference(
+    clients, rho: float, delta: float, gamma: float, rounds: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fig. 2a with exact client argmins on l_k = 1/2 ||X_k theta - y_k||^2:
     theta_k = (A_k + rho I)^-1 (b_k - v_k + rho theta_bar);  v_k += gamma (theta_k - theta_bar);
     theta_bar = (rho K Mean theta_k + Sum v_k) / (delta + rho K). Returns (theta_bar, Sum v_k)."""
     dim = clients[0][0].shape[1]
     theta_bar, v = torch.zeros(dim, dtype=F64), [torch.zeros(dim, dtype=F64) for _ in clients]
     for _ in range(rounds):
-        thetas = [torch.linalg.solve(x.T @ x + rho * torch.eye(dim, dtype=F64), x.T @ y - v[k] + rho * theta_bar)
-                  for k, (x, y) in enumerate(clients)]
+        thetas = [
+            torch.linalg.solve(x.T @ x + rho * torch.eye(dim, dtype=F64), x.T @ y - v[k] + rho * theta_bar)
+            for k, (x, y) in enumerate(clients)
+        ]
         v = [v[k] + gamma * (t - theta_bar) for k, t in enumerate(thetas)]
         theta_bar = (rho * sum(thetas) + sum(v)) / (delta + rho * len(clients))
     return theta_bar, sum(v)
@@ -96,8 +118,9 @@ def test_fedadmm_two_rounds_match_the_admm_recursion() -> None:
     `admm_reference` (exact argmins, prior-delta server form, unweighted client mean)."""
     clients = ridge_clients()
     hp = FEDADMM.config_cls(rho=3.0, delta=2.0, dual_damping=0.5)
-    state = run_rounds(FEDADMM, hp, exact_opt(clients, 3.0), {"w": torch.zeros(3, dtype=F64)}, clients, rounds=2,
-                       steps=STEPS)
+    state = run_rounds(
+        FEDADMM, hp, exact_opt(clients, 3.0), {"w": torch.zeros(3, dtype=F64)}, clients, rounds=2, steps=STEPS
+    )
     expected, dual_sum = admm_reference(clients, rho=3.0, delta=2.0, gamma=1.5, rounds=2)
     torch.testing.assert_close(state.params["w"], expected, rtol=0, atol=1e-10)
     torch.testing.assert_close(state.dual_sum["w"], dual_sum, rtol=0, atol=1e-10)
@@ -119,11 +142,17 @@ def test_fedadmm_ridge_solution_is_a_fixed_point() -> None:
     hp = FEDADMM.config_cls(rho=rho, delta=delta)
     opt = exact_opt(clients, rho)
     state = FEDADMM.server_init({"w": star}, hp, opt)._replace(dual_sum={"w": delta * star})
-    duals = [FEDADMM.init_client_state({"w": star}, hp)._replace(v={"w": x.T @ y - x.T @ x @ star})
-             for x, y in clients]
+    duals = [
+        FEDADMM.init_client_state({"w": star}, hp)._replace(v={"w": x.T @ y - x.T @ x @ star})
+        for x, y in clients
+    ]
     for r in (1, 2):
-        outs = [FEDADMM.client_update(make_ctx(x, y, STEPS, round_idx=r), FEDADMM.broadcast(state, hp), cs, hp, opt)
-                for (x, y), cs in zip(clients, duals, strict=True)]
+        outs = [
+            FEDADMM.client_update(
+                make_ctx(x, y, STEPS, round_idx=r), FEDADMM.broadcast(state, hp), cs, hp, opt
+            )
+            for (x, y), cs in zip(clients, duals, strict=True)
+        ]
         duals = [o.state for o in outs]
         state, _ = FEDADMM.server_update(state, stack(outs), torch.ones(3, dtype=F64), hp, opt)
     torch.testing.assert_close(state.params["w"], star, rtol=0, atol=1e-12)
@@ -134,8 +163,15 @@ def test_fedadmm_converges_to_the_exact_ridge_solution() -> None:
     error of 2.8e-5 after 15 rounds at rho = 40 on these clients, so FedADMM must be within 1e-4."""
     clients, delta, rho = ridge_clients(seed=1), 5.0, 40.0
     hp = FEDADMM.config_cls(rho=rho, delta=delta)
-    state = run_rounds(FEDADMM, hp, exact_opt(clients, rho), {"w": torch.zeros(3, dtype=F64)}, clients,
-                       rounds=15, steps=STEPS)
+    state = run_rounds(
+        FEDADMM,
+        hp,
+        exact_opt(clients, rho),
+        {"w": torch.zeros(3, dtype=F64)},
+        clients,
+        rounds=15,
+        steps=STEPS,
+    )
     torch.testing.assert_close(state.params["w"], ridge_solution(clients, delta), rtol=0, atol=1e-4)
 
 
@@ -147,7 +183,9 @@ def test_fedadmm_masked_steps_are_no_ops() -> None:
     bc = FEDADMM.broadcast(FEDADMM.server_init({"w": torch.ones(3, dtype=F64)}, hp, opt), hp)
     cs = FEDADMM.init_client_state({"w": torch.ones(3, dtype=F64)}, hp)
     short = FEDADMM.client_update(make_ctx(x, y, 40), bc, cs, hp, opt)
-    padded_ctx = make_ctx(x, y, 60)._replace(step_mask=torch.cat([torch.ones(40, dtype=F64), torch.zeros(20, dtype=F64)]))
+    padded_ctx = make_ctx(x, y, 60)._replace(
+        step_mask=torch.cat([torch.ones(40, dtype=F64), torch.zeros(20, dtype=F64)])
+    )
     padded = FEDADMM.client_update(padded_ctx, bc, cs, hp, opt)
     torch.testing.assert_close(padded.upload["params"]["w"], short.upload["params"]["w"], rtol=0, atol=0)
     torch.testing.assert_close(padded.metrics["train_loss"], short.metrics["train_loss"], rtol=0, atol=1e-15)
@@ -156,7 +194,9 @@ def test_fedadmm_masked_steps_are_no_ops() -> None:
 def test_fedadmm_refuses_a_server_optimizer() -> None:
     """The server step is closed form, so --server-opt adam would be silently ignored: refuse."""
     with pytest.raises(HyperparameterError, match=r"train.server_opt must be sgd for fedadmm"):
-        FEDADMM.server_init({"w": torch.zeros(2, dtype=F64)}, FEDADMM.config_cls(), OptimConfig(server_opt="adam"))
+        FEDADMM.server_init(
+            {"w": torch.zeros(2, dtype=F64)}, FEDADMM.config_cls(), OptimConfig(server_opt="adam")
+        )
 
 
 def test_fedadmm_rejects_bad_hyperparameters() -> None:

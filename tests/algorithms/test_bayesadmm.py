@@ -47,8 +47,13 @@ SIZES = (13, 21, 34)
 def diag_clients(seed: int = 0, dim: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(a [N_k, D] in [0.5, 1.5], c [N_k, D]) per client; client means differ (heterogeneous)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.rand(n, dim, generator=g, dtype=F64) + 0.5, torch.randn(n, dim, generator=g, dtype=F64) + 2 * k)
-            for k, n in enumerate(SIZES)]
+    return [
+        (
+            torch.rand(n, dim, generator=g, dtype=F64) + 0.5,
+            torch.randn(n, dim, generator=g, dtype=F64) + 2 * k,
+        )
+        for k, n in enumerate(SIZES)
+    ]
 
 
 def diag_loss(params: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
@@ -61,7 +66,9 @@ def linear_clients(seed: int = 0, dim: int = 3) -> list[tuple[torch.Tensor, torc
     out = []
     for k, n in enumerate(SIZES):
         x = torch.randn(n, dim, generator=g, dtype=F64) + torch.eye(dim, dtype=F64)[k % dim]
-        out.append((x, x @ torch.randn(dim, generator=g, dtype=F64) + 0.1 * torch.randn(n, generator=g, dtype=F64)))
+        out.append(
+            (x, x @ torch.randn(dim, generator=g, dtype=F64) + 0.1 * torch.randn(n, generator=g, dtype=F64))
+        )
     return out
 
 
@@ -78,32 +85,77 @@ def antithetic(name: str, steps: int, shape: tuple[int, ...], seed: int) -> dict
 
 def make_ctx(x, y, loss_fn, steps: int, noise=None, round_idx: int = 1) -> ClientContext:
     full = Batch(x=x, y=y, weight=torch.ones(len(y), dtype=F64), key=torch.zeros((), dtype=torch.int64))
-    return ClientContext(loss_fn=loss_fn, apply_fn=lambda p, z: z, batch=lambda step: full,
-                         step_mask=torch.ones(steps, dtype=F64), num_examples=torch.tensor(float(len(y)), dtype=F64),
-                         num_epochs=1, steps_per_epoch=steps, round_idx=round_idx, noise=noise or {})
+    return ClientContext(
+        loss_fn=loss_fn,
+        apply_fn=lambda p, z: z,
+        batch=lambda step: full,
+        step_mask=torch.ones(steps, dtype=F64),
+        num_examples=torch.tensor(float(len(y)), dtype=F64),
+        num_epochs=1,
+        steps_per_epoch=steps,
+        round_idx=round_idx,
+        noise=noise or {},
+    )
 
 
 def stack(outs: list[ClientOut]) -> ClientOut:
-    return ClientOut(*pytree.tree_map(lambda *xs: torch.stack(xs), *[(o.upload, o.state, o.metrics) for o in outs]))
+    return ClientOut(
+        *pytree.tree_map(lambda *xs: torch.stack(xs), *[(o.upload, o.state, o.metrics) for o in outs])
+    )
 
 
-def run(alg, hp, opt, clients, loss_fn, rounds: int, steps: int, noise_fn=None, params=None, state=None, states=None):
+def run(
+    alg,
+    hp,
+    opt,
+    clients,
+    loss_fn,
+    rounds: int,
+    steps: int,
+    noise_fn=None,
+    params=None,
+    state=None,
+    states=None,
+):
     """Full-participation rounds by hand; noise_fn(round, client) -> ctx.noise. Returns the server state."""
-    params = params or {"w": torch.zeros(clients[0][1].shape[-1] if loss_fn is diag_loss else clients[0][0].shape[1],
-                                         dtype=F64)}
+    params = params or {
+        "w": torch.zeros(
+            clients[0][1].shape[-1] if loss_fn is diag_loss else clients[0][0].shape[1], dtype=F64
+        )
+    }
     state = state or alg.server_init(params, hp, opt)
     states = states or [alg.init_client_state(params, hp) for _ in clients]
     for r in range(1, rounds + 1):
         bc = alg.broadcast(state, hp)
-        outs = [alg.client_update(make_ctx(x, y, loss_fn, steps, noise_fn(r, k) if noise_fn else None, r), bc,
-                                  states[k], hp, opt) for k, (x, y) in enumerate(clients)]
+        outs = [
+            alg.client_update(
+                make_ctx(x, y, loss_fn, steps, noise_fn(r, k) if noise_fn else None, r),
+                bc,
+                states[k],
+                hp,
+                opt,
+            )
+            for k, (x, y) in enumerate(clients)
+        ]
         states = [o.state for o in outs]
-        state, _ = alg.server_update(state, stack(outs), torch.tensor([float(len(y)) for _, y in clients]), hp, opt)
+        state, _ = alg.server_update(
+            state, stack(outs), torch.tensor([float(len(y)) for _, y in clients]), hp, opt
+        )
     return state
 
 
-def natural_recursion(stats, delta: float, tau: float, rho: float, gamma: float, rounds: int, dim: int,
-                      full: bool = False, alpha: float = 0.0, coordinates: str = "natural"):
+def natural_recursion(
+    stats,
+    delta: float,
+    tau: float,
+    rho: float,
+    gamma: float,
+    rounds: int,
+    dim: int,
+    full: bool = False,
+    alpha: float = 0.0,
+    coordinates: str = "natural",
+):
     """The exact-client BayesADMM recursion of the module docstring. stats = [(t1_k, t2_k)] with
     t2_k a vector (diagonal) or matrix (full). Returns (m_bar, s_bar) after `rounds` rounds."""
     eye = torch.eye(dim, dtype=F64) if full else torch.ones(dim, dtype=F64)
@@ -121,7 +173,10 @@ def natural_recursion(stats, delta: float, tau: float, rho: float, gamma: float,
         else:  # BregmanADMM: lambda_hat = (v, -u/2) += gamma (mu_k - mu_bar), mu = (m, m^2 + 1/s)
             m_k, m_bar = [n / s for n, s in zip(n_k, s_k, strict=True)], n_bar / s_bar
             v = [v[k] + gamma * (m_k[k] - m_bar) for k in range(len(stats))]
-            u = [u[k] - 2 * gamma * (m_k[k] ** 2 + 1 / s_k[k] - m_bar**2 - 1 / s_bar) for k in range(len(stats))]
+            u = [
+                u[k] - 2 * gamma * (m_k[k] ** 2 + 1 / s_k[k] - m_bar**2 - 1 / s_bar)
+                for k in range(len(stats))
+            ]
         s_bar = (1 - alpha) * sum(s_k) / len(stats) + alpha * (delta * eye + sum(u))
         n_bar = (1 - alpha) * sum(n_k) / len(stats) + alpha * sum(v)
     return solve(s_bar, n_bar), s_bar
@@ -150,11 +205,20 @@ def test_ivon_step_matches_algorithm_2() -> None:
     / (2 (h + d)), m' = m - lr (g'/(1 - b1^t) + v - u m + d (m - m_p)) / (h' + d)."""
     g = torch.Generator().manual_seed(1)
     m, h, mom, mp, g_hat, g_eps, v = (torch.randn(5, generator=g, dtype=F64) for _ in range(7))
-    h, d, u = h.abs() + 0.5, torch.rand(5, generator=g, dtype=F64) + 0.1, 0.3 * torch.rand(5, generator=g, dtype=F64)
+    h, d, u = (
+        h.abs() + 0.5,
+        torch.rand(5, generator=g, dtype=F64) + 0.1,
+        0.3 * torch.rand(5, generator=g, dtype=F64),
+    )
     ess, lr, b1, b2, t = 30.0, 0.05, 0.9, 0.99, 4.0
     state = IvonState(mean={"w": m}, hess={"w": h}, momentum={"w": mom}, step=torch.tensor(t - 1, dtype=F64))
-    target = IvonTarget(ess=torch.tensor(ess, dtype=F64), prior_mean={"w": mp}, prior_prec={"w": d}, lin={"w": v},
-                        quad={"w": u})
+    target = IvonTarget(
+        ess=torch.tensor(ess, dtype=F64),
+        prior_mean={"w": mp},
+        prior_prec={"w": d},
+        lin={"w": v},
+        quad={"w": u},
+    )
     new = ivon_step(state, {"w": g_hat}, {"w": g_eps}, target, lr=lr, beta1=b1, beta2=b2)
     h_hat = g_eps * torch.sqrt(ess * (h + d)) - u
     mom_new = b1 * mom + (1 - b1) * g_hat
@@ -172,11 +236,23 @@ def test_ivon_converges_to_the_exact_gaussian_posterior() -> None:
     (a, c), *_ = diag_clients(seed=2)
     g = torch.Generator().manual_seed(3)
     abar, tbar = a.mean(0), (a * c).mean(0)
-    mp, v, d, u = torch.randn(4, generator=g, dtype=F64), torch.randn(4, generator=g, dtype=F64), 0.3, 0.2 * abar
-    target = IvonTarget(ess=torch.tensor(40.0, dtype=F64), prior_mean={"w": mp}, prior_prec={"w": torch.full((4,), d, dtype=F64)},
-                        lin={"w": v}, quad={"w": u})
+    mp, v, d, u = (
+        torch.randn(4, generator=g, dtype=F64),
+        torch.randn(4, generator=g, dtype=F64),
+        0.3,
+        0.2 * abar,
+    )
+    target = IvonTarget(
+        ess=torch.tensor(40.0, dtype=F64),
+        prior_mean={"w": mp},
+        prior_prec={"w": torch.full((4,), d, dtype=F64)},
+        lin={"w": v},
+        quad={"w": u},
+    )
     zeros = torch.zeros(4, dtype=F64)
-    state = IvonState(mean={"w": zeros}, hess={"w": zeros + 0.5}, momentum={"w": zeros}, step=torch.tensor(0.0, dtype=F64))
+    state = IvonState(
+        mean={"w": zeros}, hess={"w": zeros + 0.5}, momentum={"w": zeros}, step=torch.tensor(0.0, dtype=F64)
+    )
     ctx = make_ctx(a, c, diag_loss, 80, antithetic("ivon.w", 80, (4,), seed=4))
     final, _ = local_ivon(ctx, state, target, lr=0.8, beta1=0.5, beta2=0.6, mc_samples=2)
     torch.testing.assert_close(final.mean["w"], (tbar - v + d * mp) / (abar - u + d), rtol=0, atol=1e-11)
@@ -186,14 +262,30 @@ def test_ivon_converges_to_the_exact_gaussian_posterior() -> None:
 def test_ivon_masked_steps_are_no_ops() -> None:
     """Steps with mask 0 leave mean, Hessian, momentum and the step count unchanged."""
     (a, c), *_ = diag_clients()
-    target = IvonTarget(ess=torch.tensor(9.0, dtype=F64), prior_mean={"w": torch.zeros(4, dtype=F64)},
-                        prior_prec={"w": torch.ones(4, dtype=F64)}, lin={}, quad={})
+    target = IvonTarget(
+        ess=torch.tensor(9.0, dtype=F64),
+        prior_mean={"w": torch.zeros(4, dtype=F64)},
+        prior_prec={"w": torch.ones(4, dtype=F64)},
+        lin={},
+        quad={},
+    )
     zeros = torch.zeros(4, dtype=F64)
-    state = IvonState(mean={"w": zeros}, hess={"w": zeros + 1}, momentum={"w": zeros}, step=torch.tensor(0.0, dtype=F64))
+    state = IvonState(
+        mean={"w": zeros}, hess={"w": zeros + 1}, momentum={"w": zeros}, step=torch.tensor(0.0, dtype=F64)
+    )
     noise = antithetic("ivon.w", 10, (4,), seed=0)
-    short, _ = local_ivon(make_ctx(a, c, diag_loss, 6, {"ivon.w": noise["ivon.w"][:6]}), state, target, lr=0.1,
-                          beta1=0.9, beta2=0.99, mc_samples=2)
-    ctx = make_ctx(a, c, diag_loss, 10, noise)._replace(step_mask=torch.tensor([1.0] * 6 + [0.0] * 4, dtype=F64))
+    short, _ = local_ivon(
+        make_ctx(a, c, diag_loss, 6, {"ivon.w": noise["ivon.w"][:6]}),
+        state,
+        target,
+        lr=0.1,
+        beta1=0.9,
+        beta2=0.99,
+        mc_samples=2,
+    )
+    ctx = make_ctx(a, c, diag_loss, 10, noise)._replace(
+        step_mask=torch.tensor([1.0] * 6 + [0.0] * 4, dtype=F64)
+    )
     padded, _ = local_ivon(ctx, state, target, lr=0.1, beta1=0.9, beta2=0.99, mc_samples=2)
     for got, want in zip(pytree.tree_leaves(padded), pytree.tree_leaves(short), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -217,17 +309,27 @@ def test_bayesadmm_is_exact_after_one_round_prop_3_2() -> None:
     torch.testing.assert_close(var["w"], 1 / s_star, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize(("coordinates", "server_alpha"), [("natural", 0.0), ("expectation", 0.0), ("natural", 1.0)])
+@pytest.mark.parametrize(
+    ("coordinates", "server_alpha"), [("natural", 0.0), ("expectation", 0.0), ("natural", 1.0)]
+)
 def test_bayesadmm_matches_the_exact_client_recursion(coordinates: str, server_alpha: float) -> None:
     """Two rounds with rho = 0.8, gamma = 0.4 (damping 0.5), delta = 1.5, tau = 0.7 equal
     `natural_recursion`: BayesADMM (Eq. 9 duals, alpha = 1/(1 + rho K)), BregmanADMM (duals in
     expectation coordinates) and PVI-style alpha = 1 (server_alpha, code --fedivon_server_stepsize)."""
     clients = diag_clients(seed=5)
-    hp = DIAG.config_cls(rho=0.8, dual_damping=0.5, delta=1.5, tau=0.7, dual_coordinates=coordinates,
-                         server_alpha=server_alpha, **EXACT_IVON)
+    hp = DIAG.config_cls(
+        rho=0.8,
+        dual_damping=0.5,
+        delta=1.5,
+        tau=0.7,
+        dual_coordinates=coordinates,
+        server_alpha=server_alpha,
+        **EXACT_IVON,
+    )
     state = run(DIAG, hp, IVON_OPT, clients, diag_loss, rounds=2, steps=IVON_STEPS, noise_fn=diag_noise)
-    mean, prec = natural_recursion(diag_stats(clients), 1.5, 0.7, 0.8, 0.4, 2, 4, alpha=server_alpha,
-                                   coordinates=coordinates)
+    mean, prec = natural_recursion(
+        diag_stats(clients), 1.5, 0.7, 0.8, 0.4, 2, 4, alpha=server_alpha, coordinates=coordinates
+    )
     torch.testing.assert_close(state.precision["w"], prec, rtol=1e-10, atol=0)
     torch.testing.assert_close(state.mean["w"], mean, rtol=0, atol=1e-9)
 
@@ -243,11 +345,27 @@ def test_bayesadmm_exact_posterior_is_a_fixed_point() -> None:
     hp = DIAG.config_cls(rho=0.6, dual_damping=0.3, delta=delta, tau=tau, ivon_state="carry", **EXACT_IVON)
     params = {"w": torch.zeros(4, dtype=F64)}
     state = DIAG.server_init(params, hp, IVON_OPT)._replace(
-        mean={"w": m_star}, precision={"w": s_star}, start={"w": m_star},
-        v_sum={"w": sum(t1 for t1, _ in stats) / tau}, u_sum={"w": sum(t2 for _, t2 in stats) / tau})
-    states = [DIAG.init_client_state(params, hp)._replace(v={"w": t1 / tau}, u={"w": t2 / tau}) for t1, t2 in stats]
-    out = run(DIAG, hp, IVON_OPT, clients, diag_loss, rounds=2, steps=IVON_STEPS, noise_fn=diag_noise,
-              state=state, states=states)
+        mean={"w": m_star},
+        precision={"w": s_star},
+        start={"w": m_star},
+        v_sum={"w": sum(t1 for t1, _ in stats) / tau},
+        u_sum={"w": sum(t2 for _, t2 in stats) / tau},
+    )
+    states = [
+        DIAG.init_client_state(params, hp)._replace(v={"w": t1 / tau}, u={"w": t2 / tau}) for t1, t2 in stats
+    ]
+    out = run(
+        DIAG,
+        hp,
+        IVON_OPT,
+        clients,
+        diag_loss,
+        rounds=2,
+        steps=IVON_STEPS,
+        noise_fn=diag_noise,
+        state=state,
+        states=states,
+    )
     torch.testing.assert_close(out.precision["w"], s_star, rtol=1e-12, atol=0)
     torch.testing.assert_close(out.mean["w"], m_star, rtol=0, atol=1e-10)
 
@@ -263,7 +381,9 @@ def test_bayesadmm_carry_keeps_ivon_momentum_and_step_count_in_the_client_state(
         cs = DIAG.init_client_state(params, hp)
         bc = DIAG.broadcast(DIAG.server_init(params, hp, IVON_OPT), hp)
         for r in (1, 2):
-            cs = DIAG.client_update(make_ctx(a, c, diag_loss, IVON_STEPS, diag_noise(r, 0), r), bc, cs, hp, IVON_OPT).state
+            cs = DIAG.client_update(
+                make_ctx(a, c, diag_loss, IVON_STEPS, diag_noise(r, 0), r), bc, cs, hp, IVON_OPT
+            ).state
         assert float(cs.steps) == count and bool(cs.momentum) == has_momentum and float(cs.visited) == 1.0
 
 
@@ -287,14 +407,21 @@ def test_bayesadmm_precision_guard_clamps_and_reports() -> None:
     hp = DIAG.config_cls(rho=1.0, dual_damping=1.0, delta=1.0, precision_floor=0.01, dual_scope="seen")
     params = {"w": torch.zeros(2, dtype=F64)}
     state = DIAG.server_init(params, hp, IVON_OPT)
-    outs = ClientOut(upload={"mean": {"w": torch.zeros(2, 2, dtype=F64)},
-                             "precision": {"w": torch.tensor([[0.01, 5.0], [0.01, 5.0]], dtype=F64)}},
-                     state=None, metrics={})
+    outs = ClientOut(
+        upload={
+            "mean": {"w": torch.zeros(2, 2, dtype=F64)},
+            "precision": {"w": torch.tensor([[0.01, 5.0], [0.01, 5.0]], dtype=F64)},
+        },
+        state=None,
+        metrics={},
+    )
     new, diag = DIAG.server_update(state, outs, torch.ones(2, dtype=F64), hp, IVON_OPT)
     # alpha = 1/3; u_sum = 2 (s_k - 1) = (-1.98, 8); raw s_bar = 2/3 0.01 + 1/3 (1 - 1.98) < 0
     raw = 2 / 3 * 0.01 + (1 + 2 * (0.01 - 1)) / 3
     torch.testing.assert_close(new.precision["w"][0], torch.tensor(0.01, dtype=F64), rtol=0, atol=0)
-    torch.testing.assert_close(diag["bayesadmm/min_precision"], torch.tensor(raw, dtype=F64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        diag["bayesadmm/min_precision"], torch.tensor(raw, dtype=F64), rtol=1e-12, atol=0
+    )
     assert float(diag["bayesadmm/precision_clamped_frac"]) == 0.5
 
 
@@ -359,8 +486,16 @@ def test_bayesadmm_iso_gaussian_smoothing_of_a_quadratic_equals_admm() -> None:
     and antithetic draws (eps, -eps) make the MC gradient exact, so the MC iterates equal the delta ones."""
     clients, opt = linear_clients(seed=9), OptimConfig(client_lr=0.05, client_momentum=0.5)
     common = dict(rho=1.0, delta=2.0, dual_damping=0.5)
-    mc = run(ISO, ISO.config_cls(mc_samples=2, **common), opt, clients, squared_loss, rounds=2, steps=10,
-             noise_fn=lambda r, k: antithetic("iso.w", 10, (3,), seed=10 * r + k))
+    mc = run(
+        ISO,
+        ISO.config_cls(mc_samples=2, **common),
+        opt,
+        clients,
+        squared_loss,
+        rounds=2,
+        steps=10,
+        noise_fn=lambda r, k: antithetic("iso.w", 10, (3,), seed=10 * r + k),
+    )
     delta_method = run(ISO, ISO.config_cls(**common), opt, clients, squared_loss, rounds=2, steps=10)
     torch.testing.assert_close(mc.params["w"], delta_method.params["w"], rtol=0, atol=1e-12)
 
@@ -411,9 +546,19 @@ def test_bayesadmm_full_mc_with_antithetic_draws_equals_the_delta_method() -> No
     Hessian is constant, so MC VON (mc_samples = 2) returns exactly what the delta method returns."""
     clients = linear_clients(seed=13)
     common = dict(rho=0.5, dual_damping=0.8, delta=2.0, tau=1.0, step_size=0.7)
-    mc = run(FULL, FULL.config_cls(mc_samples=2, **common), OptimConfig(), clients, squared_loss, rounds=2, steps=4,
-             noise_fn=lambda r, k: {"von": antithetic("von", 4, (3,), seed=r * 7 + k)["von"]})
-    delta_method = run(FULL, FULL.config_cls(**common), OptimConfig(), clients, squared_loss, rounds=2, steps=4)
+    mc = run(
+        FULL,
+        FULL.config_cls(mc_samples=2, **common),
+        OptimConfig(),
+        clients,
+        squared_loss,
+        rounds=2,
+        steps=4,
+        noise_fn=lambda r, k: {"von": antithetic("von", 4, (3,), seed=r * 7 + k)["von"]},
+    )
+    delta_method = run(
+        FULL, FULL.config_cls(**common), OptimConfig(), clients, squared_loss, rounds=2, steps=4
+    )
     torch.testing.assert_close(mc.precision, delta_method.precision, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(mc.mean["w"], delta_method.mean["w"], rtol=0, atol=1e-11)
 
@@ -427,6 +572,7 @@ def logistic_loss(p, b):
 def numpy_logistic_derivatives(x, y, theta):
     """Sum-loss gradient X^T (p - y) and Hessian X^T diag(p (1 - p)) X, p = sigmoid(X theta)."""
     import numpy as np
+
     p = 1.0 / (1.0 + np.exp(-x @ theta))
     return x.T @ (p - y), x.T @ (x * (p * (1 - p))[:, None])
 
@@ -448,6 +594,7 @@ def test_bayesadmm_full_separate_decaying_steps_follow_the_toy_code_recursion() 
     from (m, S) = (m_bar, S_bar). It equals bayesadmm-full with step_size = r_S / lam = lr_S tau rho and
     mean_step_ratio = lr_m / lr_S (Fig. 4: lr_m = 2 lr_S). 30 steps, rho = 0.2, tau = 1 (the toys'), lr_S = 0.2."""
     import numpy as np
+
     x, y, m_bar, s_bar, v, V = client_problem(seed=21)
     rho, tau, lr_s, lr_m, steps = 0.2, 1.0, 0.2, 0.4, 30
     lam = 1.0 / (tau * rho)
@@ -458,12 +605,20 @@ def test_bayesadmm_full_separate_decaying_steps_follow_the_toy_code_recursion() 
         g, H = numpy_logistic_derivatives(xn, yn, m)
         S = (1 - r_s / lam) * S + r_s * (H - Vn + sb / lam)
         m = m - r_m * np.linalg.solve(S, g + vn - Vn @ m + sb @ (m - mb) / lam)
-    hp = FULL.config_cls(rho=rho, tau=tau, dual_damping=1.0, delta=0.2, step_size=lr_s / lam,
-                         mean_step_ratio=lr_m / lr_s, step_decay=0.1)
+    hp = FULL.config_cls(
+        rho=rho,
+        tau=tau,
+        dual_damping=1.0,
+        delta=0.2,
+        step_size=lr_s / lam,
+        mean_step_ratio=lr_m / lr_s,
+        step_decay=0.1,
+    )
     bc = bayesadmm_full.Broadcast(mean={"w": m_bar}, precision=s_bar)
 
-    out = FULL.client_update(make_ctx(x, y, logistic_loss, steps), bc, bayesadmm_full.ClientState(v=v, V=V), hp,
-                             OptimConfig())
+    out = FULL.client_update(
+        make_ctx(x, y, logistic_loss, steps), bc, bayesadmm_full.ClientState(v=v, V=V), hp, OptimConfig()
+    )
 
     torch.testing.assert_close(out.upload["precision"], torch.from_numpy(S), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out.upload["mean"], torch.from_numpy(m), rtol=1e-10, atol=1e-10)
@@ -476,6 +631,7 @@ def test_bayesadmm_full_mc_samples_have_the_covariance_s_inverse() -> None:
     in numpy with a Cholesky factor of the current S at every step:
       S' = (1 - b) S + b (lam (H(theta)/N - V~) + S_bar);  m' = m - b S'^-1 (lam (g(theta)/N + v~ - V~ m) + S_bar (m - m_bar))."""
     import numpy as np
+
     x, y, m_bar, s_bar, v, V = client_problem(seed=22)
     rho, tau, b, steps = 0.5, 1.0, 0.6, 2
     g = torch.Generator().manual_seed(5)
@@ -491,11 +647,18 @@ def test_bayesadmm_full_mc_samples_have_the_covariance_s_inverse() -> None:
         S_new = (1 - b) * S + b * (lam * (hess / n - Vt) + sb)
         m = m - b * np.linalg.solve(S_new, lam * (grad / n + vt - Vt @ m) + sb @ (m - mb))
         S = S_new
-    hp = FULL.config_cls(rho=rho, tau=tau, dual_damping=1.0, delta=1.0, step_size=b, step_decay=0.0, mc_samples=1)
+    hp = FULL.config_cls(
+        rho=rho, tau=tau, dual_damping=1.0, delta=1.0, step_size=b, step_decay=0.0, mc_samples=1
+    )
     bc = bayesadmm_full.Broadcast(mean={"w": m_bar}, precision=s_bar)
 
-    out = FULL.client_update(make_ctx(x, y, logistic_loss, steps, noise={"von": eps}), bc,
-                             bayesadmm_full.ClientState(v=v, V=V), hp, OptimConfig())
+    out = FULL.client_update(
+        make_ctx(x, y, logistic_loss, steps, noise={"von": eps}),
+        bc,
+        bayesadmm_full.ClientState(v=v, V=V),
+        hp,
+        OptimConfig(),
+    )
 
     torch.testing.assert_close(out.upload["precision"], torch.from_numpy(S), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out.upload["mean"], torch.from_numpy(m), rtol=1e-10, atol=1e-10)
@@ -519,14 +682,29 @@ def test_bayesadmm_full_fig4_converges_with_the_papers_inexact_client_schedule()
         theta = theta - torch.linalg.solve(hess, x.T @ (p - y) + delta * theta)
     steps = 20
     total = sum(0.001 / (1 + 0.1 * t) for t in range(10_001))
-    hp = FULL.config_cls(rho=rho, delta=delta, dual_damping=1.0, tau=1.0, mean_step_ratio=2.0, step_decay=0.1,
-                         step_size=total / sum(1 / (1 + 0.1 * t) for t in range(steps)))
+    hp = FULL.config_cls(
+        rho=rho,
+        delta=delta,
+        dual_damping=1.0,
+        tau=1.0,
+        mean_step_ratio=2.0,
+        step_decay=0.1,
+        step_size=total / sum(1 / (1 + 0.1 * t) for t in range(steps)),
+    )
     params = {"w": torch.zeros(3, dtype=F64)}
     state, errors = FULL.server_init(params, hp, OptimConfig()), []
     states = [FULL.init_client_state(params, hp) for _ in clients]
     for r in range(1, 5):
-        outs = [FULL.client_update(make_ctx(cx, cy, logistic_loss, steps, round_idx=r), FULL.broadcast(state, hp),
-                                   states[k], hp, OptimConfig()) for k, (cx, cy) in enumerate(clients)]
+        outs = [
+            FULL.client_update(
+                make_ctx(cx, cy, logistic_loss, steps, round_idx=r),
+                FULL.broadcast(state, hp),
+                states[k],
+                hp,
+                OptimConfig(),
+            )
+            for k, (cx, cy) in enumerate(clients)
+        ]
         states = [o.state for o in outs]
         state, _ = FULL.server_update(state, stack(outs), torch.ones(2, dtype=F64), hp, OptimConfig())
         errors.append(float((state.mean["w"] - theta).norm() / theta.norm()))
@@ -547,24 +725,37 @@ def test_bayesadmm_full_eigenvalue_guard() -> None:
     hp = FULL.config_cls(rho=1.0, dual_damping=1.0, delta=1.0, precision_floor=0.05)
     state = FULL.server_init({"w": torch.zeros(2, dtype=F64)}, hp, OptimConfig())
     s_k = torch.diag(torch.tensor([-4.0, 9.0], dtype=F64))
-    outs = ClientOut(upload={"mean": torch.zeros(1, 2, dtype=F64), "precision": s_k[None],
-                             "rejected": torch.zeros(1, dtype=F64), "steps": torch.ones(1, dtype=F64)},
-                     state=None, metrics={})
+    outs = ClientOut(
+        upload={
+            "mean": torch.zeros(1, 2, dtype=F64),
+            "precision": s_k[None],
+            "rejected": torch.zeros(1, dtype=F64),
+            "steps": torch.ones(1, dtype=F64),
+        },
+        state=None,
+        metrics={},
+    )
     new, diag = FULL.server_update(state, outs, torch.ones(1, dtype=F64), hp, OptimConfig())
     # alpha = 1/2, V_sum = S_k - I; raw = (S_k + I + S_k - I)/2 = S_k
-    torch.testing.assert_close(new.precision, torch.diag(torch.tensor([0.05, 9.0], dtype=F64)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        new.precision, torch.diag(torch.tensor([0.05, 9.0], dtype=F64)), rtol=0, atol=1e-12
+    )
     assert float(diag["bayesadmm_full/min_eigenvalue"]) == pytest.approx(-4.0)
     assert float(diag["bayesadmm_full/clamped_eigenvalues"]) == 1.0
 
 
-def _broken_client(nan: bool) -> tuple[torch.Tensor, torch.Tensor, bayesadmm_full.Broadcast, bayesadmm_full.ClientState]:
+def _broken_client(
+    nan: bool,
+) -> tuple[torch.Tensor, torch.Tensor, bayesadmm_full.Broadcast, bayesadmm_full.ClientState]:
     """A 2-D least-squares client with ||x_i|| = 1 (H = X^T X / N_k <= I) and V_k = 100 I (nan: a NaN feature)."""
     x, y = linear_clients(dim=2)[0]
     x = (x / x.norm(dim=1, keepdim=True)).clone()
     if nan:
         x[0, 0] = float("nan")
-    bc = bayesadmm_full.Broadcast(mean={"w": torch.tensor([0.5, -1.0], dtype=F64)},
-                                  precision=torch.tensor([[30.0, 2.0], [2.0, 40.0]], dtype=F64))
+    bc = bayesadmm_full.Broadcast(
+        mean={"w": torch.tensor([0.5, -1.0], dtype=F64)},
+        precision=torch.tensor([[30.0, 2.0], [2.0, 40.0]], dtype=F64),
+    )
     return x, y, bc, bayesadmm_full.ClientState(v=torch.ones(2, dtype=F64), V=100.0 * torch.eye(2, dtype=F64))
 
 
@@ -581,8 +772,11 @@ def test_bayesadmm_full_rejects_non_finite_von_steps_and_the_server_names_the_fi
     torch.testing.assert_close(out.state.v, client.v, rtol=0, atol=0)  # gamma (S m - S_bar m_bar) = 0
     torch.testing.assert_close(out.state.V, client.V, rtol=0, atol=0)
     state = FULL.server_init({"w": torch.zeros(2, dtype=F64)}, hp, OptimConfig())
-    with pytest.raises(HyperparameterError, match=r"^bayesadmm-full: 4 of the cohort's 4 VON steps .* lower "
-                       r"hp.step_size \(now 1, e.g. --hp step_size=0.1\) or raise hp.delta \(now 25\)\.$"):
+    with pytest.raises(
+        HyperparameterError,
+        match=r"^bayesadmm-full: 4 of the cohort's 4 VON steps .* lower "
+        r"hp.step_size \(now 1, e.g. --hp step_size=0.1\) or raise hp.delta \(now 25\)\.$",
+    ):
         FULL.server_update(state, stack([out]), torch.ones(1, dtype=F64), hp, OptimConfig())
 
 
@@ -615,15 +809,35 @@ def test_bayesadmm_full_breakdown_is_one_error_line_exit_2(tmp_path) -> None:
 
     from fedcli.tracking.store.sql_store import SqlStore
 
-    cmd = [sys.executable, "-m", "fedcli", "-q", "train", "--algo", "bayesadmm-full", "--task", "lsq", "--rounds", "2",
-           "--hp", "step_size=1e308", "--no-mlflow", "--root", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedcli",
+        "-q",
+        "train",
+        "--algo",
+        "bayesadmm-full",
+        "--task",
+        "lsq",
+        "--rounds",
+        "2",
+        "--hp",
+        "step_size=1e308",
+        "--no-mlflow",
+        "--root",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert errors[0].startswith("error: run diverged at round 1: bayesadmm-full: 10 of the cohort's 10 VON steps")
-    assert errors[0].endswith("lower hp.step_size (now 1e+308, e.g. --hp step_size=1e+307) or raise hp.delta "
-                              "(now 25). The run is marked failed."), errors[0]
+    assert errors[0].startswith(
+        "error: run diverged at round 1: bayesadmm-full: 10 of the cohort's 10 VON steps"
+    )
+    assert errors[0].endswith(
+        "lower hp.step_size (now 1e+308, e.g. --hp step_size=1e+307) or raise hp.delta "
+        "(now 25). The run is marked failed."
+    ), errors[0]
     with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
         assert store.get_run(proc.stdout.split()[0]).stored_status == "failed"
 
@@ -650,7 +864,9 @@ def test_bayesadmm_full_takes_newton_steps_on_regression_and_the_codes_step_else
         cfg = build_config(overrides={"algorithm.name": "bayesadmm-full", "data.task": task})
         assert cfg.algorithm.hp.get("step_size", 0.2) == step, task
         assert ("hp.step_size" in cfg.recommended) == (step == 1.0), task
-    mine = build_config(overrides={"algorithm.name": "bayesadmm-full", "data.task": "lsq"}, hp={"step_size": 0.5})
+    mine = build_config(
+        overrides={"algorithm.name": "bayesadmm-full", "data.task": "lsq"}, hp={"step_size": 0.5}
+    )
     assert mine.algorithm.hp["step_size"] == 0.5 and "hp.step_size" not in mine.recommended
 
 
@@ -659,8 +875,13 @@ def test_bayesadmm_full_counts_no_rejection_on_a_convex_client() -> None:
     hp = FULL.config_cls(step_size=1.0)
     x, y = linear_clients(dim=2)[0]
     state = FULL.server_init({"w": torch.zeros(2, dtype=F64)}, hp, OptimConfig())
-    out = FULL.client_update(make_ctx(x, y, squared_loss, 3), FULL.broadcast(state, hp),
-                             FULL.init_client_state({"w": torch.zeros(2, dtype=F64)}, hp), hp, OptimConfig())
+    out = FULL.client_update(
+        make_ctx(x, y, squared_loss, 3),
+        FULL.broadcast(state, hp),
+        FULL.init_client_state({"w": torch.zeros(2, dtype=F64)}, hp),
+        hp,
+        OptimConfig(),
+    )
     assert float(out.upload["rejected"]) == 0.0
     assert not torch.equal(out.upload["mean"], torch.zeros(2, dtype=F64))
     _, diag = FULL.server_update(state, stack([out]), torch.ones(1, dtype=F64), hp, OptimConfig())
@@ -679,11 +900,13 @@ def _mnist(count: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     from pathlib import Path
 
     import fedcli.datasets
+
     folder = Path(fedcli.datasets.__file__).parent / "data" / "mnist"
     raw = gzip.open(folder / "t10k-images-idx3-ubyte.gz").read()
     images = torch.frombuffer(bytearray(raw[16:]), dtype=torch.uint8).reshape(-1, 28, 28)[:count]
-    labels = torch.frombuffer(bytearray(gzip.open(folder / "t10k-labels-idx1-ubyte.gz").read()[8:]),
-                              dtype=torch.uint8)[:count].long()
+    labels = torch.frombuffer(
+        bytearray(gzip.open(folder / "t10k-labels-idx1-ubyte.gz").read()[8:]), dtype=torch.uint8
+    )[:count].long()
     small = torch.nn.functional.interpolate(images[:, None].to(F64) / 255.0, size=(side, side))
     return small.reshape(count, -1), labels
 
@@ -702,7 +925,9 @@ def _vmapped_run(alg, hp, opt, clients, loss_fn, params, rounds: int, steps: int
     ws = torch.stack([(torch.arange(n_max) < len(y)).to(F64) for _, y in clients])
     ns = torch.tensor([float(len(y)) for _, y in clients], dtype=F64)
     state, cstates = alg.server_init(params, hp, opt), None
-    cstates = pytree.tree_map(lambda *t: torch.stack(t), *[alg.init_client_state(params, hp) for _ in clients])
+    cstates = pytree.tree_map(
+        lambda *t: torch.stack(t), *[alg.init_client_state(params, hp) for _ in clients]
+    )
     g = torch.Generator().manual_seed(seed)
     for r in range(1, rounds + 1):
         bc = alg.broadcast(state, hp)
@@ -711,9 +936,17 @@ def _vmapped_run(alg, hp, opt, clients, loss_fn, params, rounds: int, steps: int
 
         def one(x, y, w, n, eps, cs, r=r, bc=bc):
             full = Batch(x=x, y=y, weight=w, key=torch.zeros((), dtype=torch.int64))
-            ctx = ClientContext(loss_fn=loss_fn, apply_fn=lambda p, z: z, batch=lambda step: full,
-                                step_mask=torch.ones(steps, dtype=F64), num_examples=n, num_epochs=1,
-                                steps_per_epoch=steps, round_idx=r, noise=eps)
+            ctx = ClientContext(
+                loss_fn=loss_fn,
+                apply_fn=lambda p, z: z,
+                batch=lambda step: full,
+                step_mask=torch.ones(steps, dtype=F64),
+                num_examples=n,
+                num_epochs=1,
+                steps_per_epoch=steps,
+                round_idx=r,
+                noise=eps,
+            )
             out = alg.client_update(ctx, bc, cs, hp, opt)
             return out.upload, out.state, out.metrics
 
@@ -744,26 +977,50 @@ def toy_fig3a(rounds: int = 15, steps: int = 400, lr: float = 0.002) -> dict[str
 
     def neg_elbo(mean, prec):
         std = prec.rsqrt()
-        nll = torch.stack([torch.nn.functional.cross_entropy(x @ (mean + std * e).T, y, reduction="sum")
-                           for e in eps]).mean()
+        nll = torch.stack(
+            [torch.nn.functional.cross_entropy(x @ (mean + std * e).T, y, reduction="sum") for e in eps]
+        ).mean()
         kl = 0.5 * (delta / prec + delta * mean**2 - 1 + torch.log(prec / delta)).sum()
         return float(nll + kl)
 
     common = dict(delta=delta, tau=1.0, beta1=0.9, beta2=0.9995, h0=0.0, mc_samples=1, rho=1.0)
-    methods = {"BayesADMM": dict(dual_damping=1.0), "BregmanADMM": dict(dual_damping=0.2, dual_coordinates="expectation"),
-               "PVI": dict(dual_damping=1.0, server_alpha=1.0), "damped PVI": dict(dual_damping=0.2, server_alpha=1.0)}
+    methods = {
+        "BayesADMM": dict(dual_damping=1.0),
+        "BregmanADMM": dict(dual_damping=0.2, dual_coordinates="expectation"),
+        "PVI": dict(dual_damping=1.0, server_alpha=1.0),
+        "damped PVI": dict(dual_damping=0.2, server_alpha=1.0),
+    }
     out: dict[str, list[float]] = {}
     for name, extra in methods.items():
         curve: list[float] = []
         hp = DIAG.config_cls(**common, **extra)
-        _vmapped_run(DIAG, hp, OptimConfig(client_lr=lr), clients, ce, params, rounds, steps, seed=1,
-                     on_round=lambda r, st, c=curve: c.append(neg_elbo(st.mean["w"], st.precision["w"])))
+        _vmapped_run(
+            DIAG,
+            hp,
+            OptimConfig(client_lr=lr),
+            clients,
+            ce,
+            params,
+            rounds,
+            steps,
+            seed=1,
+            on_round=lambda r, st, c=curve: c.append(neg_elbo(st.mean["w"], st.precision["w"])),
+        )
         out[name] = curve
     ess = torch.tensor(float(len(y)), dtype=F64)
-    target = IvonTarget(ess=ess, prior_mean=params, prior_prec={"w": torch.full((10, 196), delta / len(y), dtype=F64)},
-                        lin={}, quad={})
-    state = IvonState(mean=params, hess={"w": torch.zeros(10, 196, dtype=F64)}, momentum={"w": torch.zeros(10, 196, dtype=F64)},
-                      step=torch.zeros((), dtype=F64))
+    target = IvonTarget(
+        ess=ess,
+        prior_mean=params,
+        prior_prec={"w": torch.full((10, 196), delta / len(y), dtype=F64)},
+        lin={},
+        quad={},
+    )
+    state = IvonState(
+        mean=params,
+        hess={"w": torch.zeros(10, 196, dtype=F64)},
+        momentum={"w": torch.zeros(10, 196, dtype=F64)},
+        step=torch.zeros((), dtype=F64),
+    )
     total = rounds * steps
     ctx = make_ctx(x, y, ce, total, {"ivon.w": torch.randn(total, 1, 10, 196, generator=g, dtype=F64)})
     final, _ = local_ivon(ctx, state, target, lr=lr, beta1=0.9, beta2=0.9995, mc_samples=1)
@@ -779,7 +1036,9 @@ def toy_fig3b(rounds: int = 10) -> dict[str, list[float]]:
     ||W x_i - y_i||^2 + delta/2 ||W||^2 (the released code evaluates at client 1's mean instead)."""
     x, labels = _mnist(500, 7)
     y = torch.nn.functional.one_hot(labels, 10).to(F64)
-    clients = [(x[(labels == c) | (labels == c + 1)], y[(labels == c) | (labels == c + 1)]) for c in range(0, 10, 2)]
+    clients = [
+        (x[(labels == c) | (labels == c + 1)], y[(labels == c) | (labels == c + 1)]) for c in range(0, 10, 2)
+    ]
     delta = 25.0
 
     def sq(p, b):
@@ -798,14 +1057,18 @@ def toy_fig3b(rounds: int = 10) -> dict[str, list[float]]:
     states = [FULL.init_client_state(params, hp) for _ in clients]
     for r in range(1, rounds + 1):
         bc = FULL.broadcast(state, hp)
-        outs = [FULL.client_update(make_ctx(cx, cy, sq, 10, round_idx=r), bc, states[k], hp, OptimConfig())
-                for k, (cx, cy) in enumerate(clients)]
+        outs = [
+            FULL.client_update(make_ctx(cx, cy, sq, 10, round_idx=r), bc, states[k], hp, OptimConfig())
+            for k, (cx, cy) in enumerate(clients)
+        ]
         states = [o.state for o in outs]
         state, _ = FULL.server_update(state, stack(outs), torch.ones(5, dtype=F64), hp, OptimConfig())
         full_curve.append(objective(state.mean["w"]) - f_star)
     out["BayesADMM (full)"] = full_curve
     rho = 200.0
-    curv = [float(e) + rho / len(cy) for cx, cy in clients for e in torch.linalg.eigvalsh(cx.T @ cx / len(cy))]
+    curv = [
+        float(e) + rho / len(cy) for cx, cy in clients for e in torch.linalg.eigvalsh(cx.T @ cx / len(cy))
+    ]
     admm_curve: list[float] = []
     hp = ADMM.config_cls(rho=rho, delta=delta, dual_damping=1.0)
     opt = heavy_ball(curv)
@@ -813,8 +1076,10 @@ def toy_fig3b(rounds: int = 10) -> dict[str, list[float]]:
     states = [ADMM.init_client_state(params, hp) for _ in clients]
     for r in range(1, rounds + 1):
         bc = ADMM.broadcast(state, hp)
-        outs = [ADMM.client_update(make_ctx(cx, cy, sq, 60, round_idx=r), bc, states[k], hp, opt)
-                for k, (cx, cy) in enumerate(clients)]
+        outs = [
+            ADMM.client_update(make_ctx(cx, cy, sq, 60, round_idx=r), bc, states[k], hp, opt)
+            for k, (cx, cy) in enumerate(clients)
+        ]
         states = [o.state for o in outs]
         state, _ = ADMM.server_update(state, stack(outs), torch.ones(5, dtype=F64), hp, opt)
         admm_curve.append(objective(state.params["w"]) - f_star)
@@ -827,15 +1092,24 @@ def _fig4_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The two clients of main_illustration.py (float64, features [x1, x2, 1]); numpy seed 1 each, draw order
     as listed in the reference (the exact order of the released script is not known, so points differ)."""
     import numpy as np
+
     rng = np.random.RandomState(1)
-    c1 = np.vstack([rng.randn(45, 2) * 0.6 + [-5, 0], rng.randn(5, 2) * 6.0 + [-5, 0],
-                    [[-2.5, -2.5], [-2.4, -2.6], [-2.5, -2.4]], rng.randn(50, 2) * 0.6 + [5, 0]])
+    c1 = np.vstack(
+        [
+            rng.randn(45, 2) * 0.6 + [-5, 0],
+            rng.randn(5, 2) * 6.0 + [-5, 0],
+            [[-2.5, -2.5], [-2.4, -2.6], [-2.5, -2.4]],
+            rng.randn(50, 2) * 0.6 + [5, 0],
+        ]
+    )
     y1 = np.r_[np.ones(53), np.zeros(50)]
     rng = np.random.RandomState(1)
     c2 = np.vstack([rng.randn(100, 2) * 0.25 + [-3.2, 0.2], rng.randn(100, 2) * 0.25 + [-0.4, 0.9]])
     y2 = np.r_[np.ones(100), np.zeros(100)]
-    return [(torch.tensor(np.hstack([c, np.ones((len(c), 1))]), dtype=F64), torch.tensor(t, dtype=F64))
-            for c, t in ((c1, y1), (c2, y2))]
+    return [
+        (torch.tensor(np.hstack([c, np.ones((len(c), 1))]), dtype=F64), torch.tensor(t, dtype=F64))
+        for c, t in ((c1, y1), (c2, y2))
+    ]
 
 
 def toy_fig4(rounds: int = 4) -> dict[str, list[float]]:
@@ -862,19 +1136,45 @@ def toy_fig4(rounds: int = 4) -> dict[str, list[float]]:
     params = {"w": torch.zeros(3, dtype=F64)}
     out = {}
     for name, alg, hp, opt, steps in (
-        ("BayesADMM (full)", FULL, FULL.config_cls(rho=rho, delta=delta, dual_damping=1.0, tau=1.0, step_size=0.001,
-                                                   mean_step_ratio=2.0, step_decay=0.1), OptimConfig(), 10_001),
-        ("FedADMM", ADMM, ADMM.config_cls(rho=rho, delta=delta, dual_damping=1.0),
-         OptimConfig(client_lr=1.0 / max(float(torch.linalg.eigvalsh(c.T @ c / len(t)).max()) / 4 + rho / len(t)
-                                         for c, t in clients), client_momentum=0.8), 3000),
+        (
+            "BayesADMM (full)",
+            FULL,
+            FULL.config_cls(
+                rho=rho,
+                delta=delta,
+                dual_damping=1.0,
+                tau=1.0,
+                step_size=0.001,
+                mean_step_ratio=2.0,
+                step_decay=0.1,
+            ),
+            OptimConfig(),
+            10_001,
+        ),
+        (
+            "FedADMM",
+            ADMM,
+            ADMM.config_cls(rho=rho, delta=delta, dual_damping=1.0),
+            OptimConfig(
+                client_lr=1.0
+                / max(
+                    float(torch.linalg.eigvalsh(c.T @ c / len(t)).max()) / 4 + rho / len(t)
+                    for c, t in clients
+                ),
+                client_momentum=0.8,
+            ),
+            3000,
+        ),
     ):
         curve: list[float] = []
         state = alg.server_init(params, hp, opt)
         states = [alg.init_client_state(params, hp) for _ in clients]
         for r in range(1, rounds + 1):
             bc = alg.broadcast(state, hp)
-            outs = [alg.client_update(make_ctx(cx, cy, logistic, steps, round_idx=r), bc, states[k], hp, opt)
-                    for k, (cx, cy) in enumerate(clients)]
+            outs = [
+                alg.client_update(make_ctx(cx, cy, logistic, steps, round_idx=r), bc, states[k], hp, opt)
+                for k, (cx, cy) in enumerate(clients)
+            ]
             states = [o.state for o in outs]
             state, _ = alg.server_update(state, stack(outs), torch.ones(2, dtype=F64), hp, opt)
             curve.append(rel(alg.global_params(state)["w"]))
@@ -905,16 +1205,26 @@ def test_bayesadmm_cohort_dual_scope_weighs_the_duals_by_the_cohorts_share() -> 
     for scope in cohort:
         hp = DIAG.config_cls(rho=rho, dual_damping=gamma / rho, delta=delta, dual_scope=scope)
         state = DIAG.server_init({"w": torch.zeros(1, dtype=F64)}, hp, IVON_OPT)
-        rounds = [(torch.tensor([[1.0], [2.0]], dtype=F64), torch.tensor([[3.0], [5.0]], dtype=F64), [1.0, 1.0]),
-                  (torch.tensor([[0.5], [1.5]], dtype=F64), torch.tensor([[4.0], [6.0]], dtype=F64), [0.0, 1.0])]
+        rounds = [
+            (torch.tensor([[1.0], [2.0]], dtype=F64), torch.tensor([[3.0], [5.0]], dtype=F64), [1.0, 1.0]),
+            (torch.tensor([[0.5], [1.5]], dtype=F64), torch.tensor([[4.0], [6.0]], dtype=F64), [0.0, 1.0]),
+        ]
         for m, s, first in rounds:
             upload = {"mean": {"w": m}, "precision": {"w": s}, "first_visit": torch.tensor(first, dtype=F64)}
-            state, _ = DIAG.server_update(state, ClientOut(upload=upload, state=None, metrics={}),
-                                          torch.ones(2, dtype=F64), hp, IVON_OPT)
+            state, _ = DIAG.server_update(
+                state,
+                ClientOut(upload=upload, state=None, metrics={}),
+                torch.ones(2, dtype=F64),
+                hp,
+                IVON_OPT,
+            )
         cohort[scope] = state
     alpha = 1 / (1 + rho * 2)
     # round 1 (m_bar = 0, s_bar = delta): u = gamma (s - 1), v = gamma s m; share 1 in both scopes
-    u1, v1 = gamma * (torch.tensor([3.0, 5.0], dtype=F64) - delta), gamma * torch.tensor([3.0, 10.0], dtype=F64)
+    u1, v1 = (
+        gamma * (torch.tensor([3.0, 5.0], dtype=F64) - delta),
+        gamma * torch.tensor([3.0, 10.0], dtype=F64),
+    )
     s1 = (1 - alpha) * 4.0 + alpha * (delta + u1.sum())
     m1 = ((1 - alpha) * (3.0 + 10.0) / 2 + alpha * v1.sum()) / s1
     # round 2: increments against (m1, s1)
@@ -957,8 +1267,9 @@ def mean_form(state, outs: ClientOut, hp):
     m, s = outs.upload["mean"], outs.upload["precision"]
     num = next(iter(m.values())).shape[0]
     alpha = hp.server_alpha or 1.0 / (1.0 + hp.rho * num)
-    dv, du = bayesadmm.increment_sums(m, s, state.mean, state.precision, hp.dual_damping * hp.rho,
-                                      hp.dual_coordinates)
+    dv, du = bayesadmm.increment_sums(
+        m, s, state.mean, state.precision, hp.dual_damping * hp.rho, hp.dual_coordinates
+    )
     v_sum = {k: state.v_sum[k] + dv[k] for k in m}
     u_sum = {k: state.u_sum[k] + du[k] for k in m}
     seen, share = state.clients_seen, 1.0
@@ -979,12 +1290,17 @@ def server_after_one_round(hp) -> bayesadmm.ServerState:
     return state
 
 
-@pytest.mark.parametrize(("coordinates", "scope"), [("natural", "cohort"), ("natural", "seen"),
-                                                    ("expectation", "cohort")])
-def test_bayesadmm_server_step_on_stacked_uploads_is_bit_for_bit_the_mean_form(coordinates: str, scope: str) -> None:
+@pytest.mark.parametrize(
+    ("coordinates", "scope"), [("natural", "cohort"), ("natural", "seen"), ("expectation", "cohort")]
+)
+def test_bayesadmm_server_step_on_stacked_uploads_is_bit_for_bit_the_mean_form(
+    coordinates: str, scope: str
+) -> None:
     """server_update over stacked uploads (upload_sums of the whole cohort, then / C) gives exactly the
     `.mean(0)` form it replaced (on CPU a mean is the sum divided by C): in-memory runs are unchanged."""
-    hp = DIAG.config_cls(dual_coordinates=coordinates, dual_scope=scope, server_alpha=0.0 if scope == "seen" else 0.3)
+    hp = DIAG.config_cls(
+        dual_coordinates=coordinates, dual_scope=scope, server_alpha=0.0 if scope == "seen" else 0.3
+    )
     state = server_after_one_round(hp)
     outs = random_cohort(7, seed=2)
     new, _ = DIAG.server_update(state, outs, torch.ones(7), hp, IVON_OPT)
@@ -995,8 +1311,9 @@ def test_bayesadmm_server_step_on_stacked_uploads_is_bit_for_bit_the_mean_form(c
     assert new.clients_seen == seen
 
 
-@pytest.mark.parametrize(("coordinates", "scope"), [("natural", "cohort"), ("natural", "seen"),
-                                                    ("expectation", "cohort")])
+@pytest.mark.parametrize(
+    ("coordinates", "scope"), [("natural", "cohort"), ("natural", "seen"), ("expectation", "cohort")]
+)
 def test_bayesadmm_server_step_from_group_sums_equals_the_whole_cohort(coordinates: str, scope: str) -> None:
     """The engine's group-wise reduction (UploadSums of groups 3 + 1 + 3 of a cohort of 7) gives the
     whole cohort's server step within float32 rounding (rtol 1e-5: only the summation order differs),
@@ -1006,11 +1323,16 @@ def test_bayesadmm_server_step_from_group_sums_equals_the_whole_cohort(coordinat
     outs = random_cohort(7, seed=3)
     bc = DIAG.broadcast(state, hp)
     whole, whole_diag = DIAG.server_update(state, outs, torch.ones(7), hp, IVON_OPT)
-    one, _ = DIAG.server_update(state, ClientOut(group_sums(outs, bc, hp, [range(7)]), None, {}), torch.ones(7),
-                                hp, IVON_OPT)
+    one, _ = DIAG.server_update(
+        state, ClientOut(group_sums(outs, bc, hp, [range(7)]), None, {}), torch.ones(7), hp, IVON_OPT
+    )
     grouped, grouped_diag = DIAG.server_update(
-        state, ClientOut(group_sums(outs, bc, hp, [range(0, 3), range(3, 4), range(4, 7)]), None, {}),
-        torch.ones(7), hp, IVON_OPT)
+        state,
+        ClientOut(group_sums(outs, bc, hp, [range(0, 3), range(3, 4), range(4, 7)]), None, {}),
+        torch.ones(7),
+        hp,
+        IVON_OPT,
+    )
     for field in ("mean", "precision", "v_sum", "u_sum"):
         a, b, c = getattr(whole, field), getattr(one, field), getattr(grouped, field)
         assert all(torch.equal(a[k], b[k]) for k in a)

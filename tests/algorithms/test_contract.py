@@ -33,10 +33,19 @@ def round_setup(algo: str) -> tuple[Setup, object, CohortInputs]:
     """A setup of `algo` on its task, round 1's inputs and the round-1 broadcast; the client states
     are made unequal (as after a round) so that a state-dependent update cannot pass by accident."""
     hp = {"burn_in_rounds": 1} if algo == "fedpa" else {}
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": pick_task(algo), "train.executor": "loop",
-                                  "train.device": "cpu", "train.clients_per_round": 4, "train.local_epochs": 2,
-                                  "train.batch_size": 16, "train.client_lr": 0.01},
-                       hp={**hp, **required_hyperparameters(algo)})
+    cfg = build_config(
+        overrides={
+            "algorithm.name": algo,
+            "data.task": pick_task(algo),
+            "train.executor": "loop",
+            "train.device": "cpu",
+            "train.clients_per_round": 4,
+            "train.local_epochs": 2,
+            "train.batch_size": 16,
+            "train.client_lr": 0.01,
+        },
+        hp={**hp, **required_hyperparameters(algo)},
+    )
     setup = build(cfg)
     alg = setup.alg
     state = alg.server_init(setup.init_params, setup.hp, setup.opt)
@@ -45,11 +54,23 @@ def round_setup(algo: str) -> tuple[Setup, object, CohortInputs]:
     planned = plan_round(setup, 1)
     states = store.gather(planned.cohort, setup.device)
     if states is not None:
-        states = pytree.tree_map(lambda t: t + 0.01 * torch.arange(1, 5, dtype=t.dtype).reshape(-1, *[1] * (t.dim() - 1))
-                                 if t.is_floating_point() else t, states)
+        states = pytree.tree_map(
+            lambda t: (
+                t + 0.01 * torch.arange(1, 5, dtype=t.dtype).reshape(-1, *[1] * (t.dim() - 1))
+                if t.is_floating_point()
+                else t
+            ),
+            states,
+        )
     plan = planned.plan
-    noise = draw_noise(setup, alg.global_params(state), planned.cohort, 1, plan.num_epochs * plan.steps_per_epoch)
-    return setup, alg.broadcast(state, setup.hp), CohortInputs(plan=plan, keys=planned.keys, noise=noise, states=states)
+    noise = draw_noise(
+        setup, alg.global_params(state), planned.cohort, 1, plan.num_epochs * plan.steps_per_epoch
+    )
+    return (
+        setup,
+        alg.broadcast(state, setup.hp),
+        CohortInputs(plan=plan, keys=planned.keys, noise=noise, states=states),
+    )
 
 
 def same_key_rounds(setup: Setup) -> tuple[int, int] | None:
@@ -58,8 +79,10 @@ def same_key_rounds(setup: Setup) -> tuple[int, int] | None:
     key = setup.alg.round_key
     if key is None:
         return 2, 7
-    return next(((a, b) for a, b in itertools.combinations(range(1, 13), 2)
-                 if key(setup.hp, a) == key(setup.hp, b)), None)
+    return next(
+        ((a, b) for a, b in itertools.combinations(range(1, 13), 2) if key(setup.hp, a) == key(setup.hp, b)),
+        None,
+    )
 
 
 def assert_identical(a: object, b: object, what: str) -> None:
@@ -72,19 +95,30 @@ def test_rounds_with_equal_round_keys_give_identical_client_outputs(algo: str) -
     setup, bc, inputs = round_setup(algo)
     rounds = same_key_rounds(setup)
     if rounds is None:
-        pytest.skip(f"{algo}'s round_key differs in every round 1..12 (a program per round: --graph runs it eagerly)")
-    outs = [LoopBackend().run(CohortJob(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, r)) for r in rounds]
+        pytest.skip(
+            f"{algo}'s round_key differs in every round 1..12 (a program per round: --graph runs it eagerly)"
+        )
+    outs = [
+        LoopBackend().run(CohortJob(setup.alg, setup.fns, bc, inputs, setup.hp, setup.opt, r)) for r in rounds
+    ]
     declared = "its round_key" if setup.alg.round_key is not None else "it declares no round_key"
-    assert_identical(outs[0], outs[1], f"{algo}: client outputs differ between rounds {rounds}, but {declared} "
-                     "says they may not (declare Algorithm.round_key: what the client code's use of ctx.round_idx "
-                     "depends on)")
+    assert_identical(
+        outs[0],
+        outs[1],
+        f"{algo}: client outputs differ between rounds {rounds}, but {declared} "
+        "says they may not (declare Algorithm.round_key: what the client code's use of ctx.round_idx "
+        "depends on)",
+    )
 
 
 def test_an_undeclared_dependence_on_the_round_fails_the_check() -> None:
     """The check can fail: FOLA without its round_key (its P_n = F_n / r + ... depends on the round)."""
     setup, bc, inputs = round_setup("fola")
     undeclared = setup.alg._replace(round_key=None)
-    outs = [LoopBackend().run(CohortJob(undeclared, setup.fns, bc, inputs, setup.hp, setup.opt, r)) for r in (2, 7)]
+    outs = [
+        LoopBackend().run(CohortJob(undeclared, setup.fns, bc, inputs, setup.hp, setup.opt, r))
+        for r in (2, 7)
+    ]
     with pytest.raises(AssertionError, match="declares no round_key"):
         assert_identical(outs[0], outs[1], "fola: it declares no round_key")
 

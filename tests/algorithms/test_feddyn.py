@@ -21,7 +21,9 @@ FEDDYN, FEDLAP, FEDADMM = ALGORITHMS["feddyn"], ALGORITHMS["fedlap"], ALGORITHMS
 STEPS = 30
 
 
-def clients_of(sizes: tuple[int, ...], seed: int = 0, dim: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def clients_of(
+    sizes: tuple[int, ...], seed: int = 0, dim: int = 3
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Heterogeneous least-squares clients whose A_k / N_k have eigenvalues in about [0.7, 1.4]."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -39,20 +41,35 @@ def squared_loss(params: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
 
 def make_ctx(x: torch.Tensor, y: torch.Tensor, round_idx: int = 1) -> ClientContext:
     full = Batch(x=x, y=y, weight=torch.ones(len(y), dtype=F64), key=torch.zeros((), dtype=torch.int64))
-    return ClientContext(loss_fn=squared_loss, apply_fn=lambda p, z: z @ p["w"], batch=lambda step: full,
-                         step_mask=torch.ones(STEPS, dtype=F64), num_examples=torch.tensor(float(len(y)), dtype=F64),
-                         num_epochs=1, steps_per_epoch=STEPS, round_idx=round_idx, noise={})
+    return ClientContext(
+        loss_fn=squared_loss,
+        apply_fn=lambda p, z: z @ p["w"],
+        batch=lambda step: full,
+        step_mask=torch.ones(STEPS, dtype=F64),
+        num_examples=torch.tensor(float(len(y)), dtype=F64),
+        num_epochs=1,
+        steps_per_epoch=STEPS,
+        round_idx=round_idx,
+        noise={},
+    )
 
 
 def exact_opt(clients, per_example_extra: list[float]) -> OptimConfig:
     """Polyak's heavy ball for Hessians A_k/N_k + c_k I (c_k = per_example_extra[k])."""
-    eig = torch.cat([torch.linalg.eigvalsh(x.T @ x / len(y)) + c for (x, y), c in zip(clients, per_example_extra, strict=True)])
+    eig = torch.cat(
+        [
+            torch.linalg.eigvalsh(x.T @ x / len(y)) + c
+            for (x, y), c in zip(clients, per_example_extra, strict=True)
+        ]
+    )
     lo, hi = float(eig.min()) ** 0.5, float(eig.max()) ** 0.5
     return OptimConfig(client_lr=4 / (lo + hi) ** 2, client_momentum=((hi - lo) / (hi + lo)) ** 2)
 
 
 def stack(outs: list[ClientOut]) -> ClientOut:
-    return ClientOut(*pytree.tree_map(lambda *xs: torch.stack(xs), *[(o.upload, o.state, o.metrics) for o in outs]))
+    return ClientOut(
+        *pytree.tree_map(lambda *xs: torch.stack(xs), *[(o.upload, o.state, o.metrics) for o in outs])
+    )
 
 
 def run(alg, hp, opt, clients, cohorts: list[list[int]], params=None, state=None, states=None):
@@ -60,7 +77,11 @@ def run(alg, hp, opt, clients, cohorts: list[list[int]], params=None, state=None
     return the final server state."""
     params = params or {"w": torch.zeros(clients[0][0].shape[1], dtype=F64)}
     state = state or alg.server_init(params, hp, opt)
-    states = dict(enumerate(states)) if states else {k: alg.init_client_state(params, hp) for k in range(len(clients))}
+    states = (
+        dict(enumerate(states))
+        if states
+        else {k: alg.init_client_state(params, hp) for k in range(len(clients))}
+    )
     for r, cohort in enumerate(cohorts, start=1):
         bc = alg.broadcast(state, hp)
         outs = [alg.client_update(make_ctx(*clients[k], round_idx=r), bc, states[k], hp, opt) for k in cohort]
@@ -82,7 +103,9 @@ def feddyn_reference(clients, alpha: float, cohorts: list[list[int]]) -> torch.T
             x, y = clients[k]
             n = len(y)
             vk = v.get(k, torch.zeros(dim, dtype=F64))
-            new[k] = torch.linalg.solve(x.T @ x / n + alpha * torch.eye(dim, dtype=F64), x.T @ y / n - vk + alpha * theta)
+            new[k] = torch.linalg.solve(
+                x.T @ x / n + alpha * torch.eye(dim, dtype=F64), x.T @ y / n - vk + alpha * theta
+            )
             v[k] = vk + alpha * (new[k] - theta)
         seen |= set(cohort)
         theta = sum(new.values()) / len(cohort) + sum(v.values()) / (alpha * len(seen))
@@ -95,7 +118,9 @@ def test_feddyn_matches_its_recursion_with_partial_participation() -> None:
     clients, alpha = clients_of((20, 31, 45)), 0.8
     cohorts = [[0, 1], [1, 2], [0, 2]]
     state = run(FEDDYN, FEDDYN.config_cls(alpha=alpha), exact_opt(clients, [alpha] * 3), clients, cohorts)
-    torch.testing.assert_close(state.params["w"], feddyn_reference(clients, alpha, cohorts), rtol=0, atol=1e-11)
+    torch.testing.assert_close(
+        state.params["w"], feddyn_reference(clients, alpha, cohorts), rtol=0, atol=1e-11
+    )
     assert float(state.clients_seen) == 3.0
 
 
@@ -110,10 +135,15 @@ def test_feddyn_fixed_point_is_the_minimiser_of_the_mean_client_loss() -> None:
     hp = FEDDYN.config_cls(alpha=alpha)
     duals = [(x.T @ y - x.T @ x @ star) / len(y) for x, y in clients]
     state = FEDDYN.server_init({"w": star}, hp, OptimConfig())._replace(
-        dual_sum={"w": sum(duals)}, clients_seen=torch.tensor(3.0, dtype=F64))
-    states = [FEDDYN.init_client_state({"w": star}, hp)._replace(v={"w": v}, visited=torch.tensor(1.0, dtype=F64))
-              for v in duals]
-    out = run(FEDDYN, hp, exact_opt(clients, [alpha] * 3), clients, [[0, 1, 2]] * 2, state=state, states=states)
+        dual_sum={"w": sum(duals)}, clients_seen=torch.tensor(3.0, dtype=F64)
+    )
+    states = [
+        FEDDYN.init_client_state({"w": star}, hp)._replace(v={"w": v}, visited=torch.tensor(1.0, dtype=F64))
+        for v in duals
+    ]
+    out = run(
+        FEDDYN, hp, exact_opt(clients, [alpha] * 3), clients, [[0, 1, 2]] * 2, state=state, states=states
+    )
     torch.testing.assert_close(out.params["w"], star, rtol=0, atol=1e-12)
     assert float(out.clients_seen) == 3.0
 
@@ -134,8 +164,12 @@ def fedlap_reference(clients, delta: float, damping: float, rounds: int) -> torc
     dim = clients[0][0].shape[1]
     w_g, v = torch.zeros(dim, dtype=F64), [torch.zeros(dim, dtype=F64) for _ in clients]
     for _ in range(rounds):
-        w = [torch.linalg.solve(x.T @ x + delta * torch.eye(dim, dtype=F64), x.T @ y - delta * v[k] + delta * w_g)
-             for k, (x, y) in enumerate(clients)]
+        w = [
+            torch.linalg.solve(
+                x.T @ x + delta * torch.eye(dim, dtype=F64), x.T @ y - delta * v[k] + delta * w_g
+            )
+            for k, (x, y) in enumerate(clients)
+        ]
         v = [v[k] + damping * (w[k] - w_g) for k in range(len(clients))]
         w_g = sum(v)
     return w_g
@@ -152,7 +186,9 @@ def test_fedlap_round_one_is_the_mean_of_local_map_solutions() -> None:
     local_map = [torch.linalg.solve(x.T @ x + delta * torch.eye(3, dtype=F64), x.T @ y) for x, y in clients]
     torch.testing.assert_close(one.params["w"], sum(local_map) / 3, rtol=0, atol=1e-11)
     two = run(FEDLAP, hp, opt, clients, [[0, 1, 2]] * 2, params=start)
-    torch.testing.assert_close(two.params["w"], fedlap_reference(clients, delta, 1 / 3, 2), rtol=0, atol=1e-11)
+    torch.testing.assert_close(
+        two.params["w"], fedlap_reference(clients, delta, 1 / 3, 2), rtol=0, atol=1e-11
+    )
 
 
 def test_fedlap_fixed_point_is_the_map_estimate() -> None:
@@ -165,8 +201,10 @@ def test_fedlap_fixed_point_is_the_map_estimate() -> None:
     star = torch.linalg.solve(a, sum(x.T @ y for x, y in clients))
     hp = FEDLAP.config_cls(delta=delta, damping=0.3)
     state = FEDLAP.server_init({"w": star}, hp, OptimConfig())._replace(params={"w": star})
-    states = [FEDLAP.init_client_state({"w": star}, hp)._replace(v={"w": (x.T @ y - x.T @ x @ star) / delta})
-              for x, y in clients]
+    states = [
+        FEDLAP.init_client_state({"w": star}, hp)._replace(v={"w": (x.T @ y - x.T @ x @ star) / delta})
+        for x, y in clients
+    ]
     opt = exact_opt(clients, [delta / len(y) for _, y in clients])
     out = run(FEDLAP, hp, opt, clients, [[0, 1, 2]] * 2, state=state, states=states)
     torch.testing.assert_close(out.params["w"], star, rtol=0, atol=1e-12)

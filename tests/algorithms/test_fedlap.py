@@ -15,8 +15,9 @@ from fedcli.config.build import build_config, run_tags
 
 
 def test_fedlap_recommends_the_released_local_epochs_and_damping() -> None:
-    advice = ALGORITHMS["fedlap"].recommend(RunFacts(task="vehicle", kind="classification", model="logreg",
-                                                     rounds=25, clients_per_round=8))
+    advice = ALGORITHMS["fedlap"].recommend(
+        RunFacts(task="vehicle", kind="classification", model="logreg", rounds=25, clients_per_round=8)
+    )
     assert advice["train.local_epochs"].value == 10
     assert advice["hp.damping"].value == pytest.approx(1 / 8)
     cfg = build_config(overrides={"algorithm.name": "fedlap"})

@@ -56,10 +56,20 @@ def lsa_loss(params: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
 
 def agent(a_mat: torch.Tensor, b_vec: torch.Tensor, steps: int) -> ClientContext:
     """A noise-free LSA agent taking `steps` local steps (one epoch of `steps` batches)."""
-    batch = Batch(x=a_mat[None], y=b_vec[None], weight=torch.ones(1, dtype=DT), key=torch.zeros((), dtype=torch.int64))
-    return ClientContext(loss_fn=lsa_loss, apply_fn=lambda p, v: v, batch=lambda s: batch,
-                         step_mask=torch.ones(steps, dtype=DT), num_examples=torch.tensor(1.0, dtype=DT),
-                         num_epochs=1, steps_per_epoch=steps, round_idx=1, noise={})
+    batch = Batch(
+        x=a_mat[None], y=b_vec[None], weight=torch.ones(1, dtype=DT), key=torch.zeros((), dtype=torch.int64)
+    )
+    return ClientContext(
+        loss_fn=lsa_loss,
+        apply_fn=lambda p, v: v,
+        batch=lambda s: batch,
+        step_mask=torch.ones(steps, dtype=DT),
+        num_examples=torch.tensor(1.0, dtype=DT),
+        num_epochs=1,
+        steps_per_epoch=steps,
+        round_idx=1,
+        noise={},
+    )
 
 
 def stack(outs: list[ClientOut]) -> ClientOut:
@@ -133,13 +143,26 @@ def test_fedlsa_fixed_point_is_the_closed_form_bias(weighting: str) -> None:
     q = None if weighting == "uniform" else n
     lr, h = 0.2, 5
     expected = np_fixed_point(a_bar, b_bar, lr, h, q)
-    torch.testing.assert_close(fedlsa.lsa_solution(a_bar, b_bar, q), np_solution(a_bar, b_bar, q), rtol=0, atol=1e-12)
-    torch.testing.assert_close(fedlsa.fedlsa_bias(a_bar, b_bar, lr, h, q), expected - np_solution(a_bar, b_bar, q),
-                               rtol=0.0, atol=1e-10)
+    torch.testing.assert_close(
+        fedlsa.lsa_solution(a_bar, b_bar, q), np_solution(a_bar, b_bar, q), rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(
+        fedlsa.fedlsa_bias(a_bar, b_bar, lr, h, q),
+        expected - np_solution(a_bar, b_bar, q),
+        rtol=0.0,
+        atol=1e-10,
+    )
     hp, opt = fedlsa.FedLSAConfig(weighting=weighting), OptimConfig(client_lr=lr)
 
-    final = run(ALGORITHMS["fedlsa"], [agent(a, b, h) for a, b in zip(a_bar, b_bar, strict=True)],
-                torch.zeros(D, dtype=DT), 25, hp, opt, n)
+    final = run(
+        ALGORITHMS["fedlsa"],
+        [agent(a, b, h) for a, b in zip(a_bar, b_bar, strict=True)],
+        torch.zeros(D, dtype=DT),
+        25,
+        hp,
+        opt,
+        n,
+    )
 
     assert float(fedlsa.fedlsa_bias(a_bar, b_bar, lr, h, q).norm()) > 0.05
     torch.testing.assert_close(final.params[P], expected, rtol=0.0, atol=1e-10)
@@ -154,14 +177,29 @@ def test_fedlsa_bias_vanishes_for_one_step_or_equal_matrices(h: int, equal_a: bo
     theta_star = np_solution(a_bar, b_bar)
     hp, opt, n = fedlsa.FedLSAConfig(), OptimConfig(client_lr=0.2), torch.ones(N, dtype=DT)
 
-    final = run(ALGORITHMS["fedlsa"], [agent(a, b, h) for a, b in zip(a_bar, b_bar, strict=True)],
-                theta_star, 3, hp, opt, n)
+    final = run(
+        ALGORITHMS["fedlsa"],
+        [agent(a, b, h) for a, b in zip(a_bar, b_bar, strict=True)],
+        theta_star,
+        3,
+        hp,
+        opt,
+        n,
+    )
     hetero_a, hetero_b = lsa_problem(1)
-    moved = run(ALGORITHMS["fedlsa"], [agent(a, b, 5) for a, b in zip(hetero_a, hetero_b, strict=True)],
-                np_solution(hetero_a, hetero_b), 1, hp, opt, n)
+    moved = run(
+        ALGORITHMS["fedlsa"],
+        [agent(a, b, 5) for a, b in zip(hetero_a, hetero_b, strict=True)],
+        np_solution(hetero_a, hetero_b),
+        1,
+        hp,
+        opt,
+        n,
+    )
 
-    torch.testing.assert_close(fedlsa.fedlsa_bias(a_bar, b_bar, 0.2, h), torch.zeros(D, dtype=DT),
-                               rtol=0.0, atol=1e-13)
+    torch.testing.assert_close(
+        fedlsa.fedlsa_bias(a_bar, b_bar, 0.2, h), torch.zeros(D, dtype=DT), rtol=0.0, atol=1e-13
+    )
     torch.testing.assert_close(np_fixed_point(a_bar, b_bar, 0.2, h), theta_star, rtol=0.0, atol=1e-11)
     torch.testing.assert_close(final.params[P], theta_star, rtol=0.0, atol=1e-12)
     assert float((moved.params[P] - np_solution(hetero_a, hetero_b)).norm()) > 1e-2
@@ -180,14 +218,26 @@ def test_fedlsa_bias_finite_horizon_and_one_shot_limit() -> None:
     for _ in range(3):
         expected = m @ expected + r
 
-    final = run(ALGORITHMS["fedlsa"], [agent(a, b, 4) for a, b in zip(a_bar, b_bar, strict=True)],
-                theta_star, 3, hp, opt, torch.ones(N, dtype=DT))
+    final = run(
+        ALGORITHMS["fedlsa"],
+        [agent(a, b, 4) for a, b in zip(a_bar, b_bar, strict=True)],
+        theta_star,
+        3,
+        hp,
+        opt,
+        torch.ones(N, dtype=DT),
+    )
 
     torch.testing.assert_close(final.params[P], torch.from_numpy(expected), rtol=0.0, atol=1e-12)
-    torch.testing.assert_close(fedlsa.fedlsa_bias(a_bar, b_bar, 0.1, 4, rounds=3), torch.from_numpy(expected) - theta_star,
-                               rtol=0.0, atol=1e-12)
-    torch.testing.assert_close(fedlsa.fedlsa_bias(a_bar, b_bar, 0.1, 3000), local.mean(0) - theta_star,
-                               rtol=0.0, atol=1e-10)
+    torch.testing.assert_close(
+        fedlsa.fedlsa_bias(a_bar, b_bar, 0.1, 4, rounds=3),
+        torch.from_numpy(expected) - theta_star,
+        rtol=0.0,
+        atol=1e-12,
+    )
+    torch.testing.assert_close(
+        fedlsa.fedlsa_bias(a_bar, b_bar, 0.1, 3000), local.mean(0) - theta_star, rtol=0.0, atol=1e-10
+    )
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "examples"])
@@ -204,9 +254,17 @@ def test_scafflsa_fixed_point_is_the_true_solution(weighting: str) -> None:
     states: dict[int, scafflsa.ClientState] = {}
     sums: list[torch.Tensor] = []
 
-    final = run(ALGORITHMS["scafflsa"], [agent(a, b, 5) for a, b in zip(a_bar, b_bar, strict=True)],
-                torch.zeros(D, dtype=DT), 45, hp, opt, n, states,
-                on_round=lambda st: sums.append(sum(q[c] * s.xi[P] for c, s in st.items())))
+    final = run(
+        ALGORITHMS["scafflsa"],
+        [agent(a, b, 5) for a, b in zip(a_bar, b_bar, strict=True)],
+        torch.zeros(D, dtype=DT),
+        45,
+        hp,
+        opt,
+        n,
+        states,
+        on_round=lambda st: sums.append(sum(q[c] * s.xi[P] for c, s in st.items())),
+    )
 
     assert float((np_fixed_point(a_bar, b_bar, 0.2, 5, q) - theta_star).norm()) > 0.05  # FedLSA's bias
     torch.testing.assert_close(final.params[P], theta_star, rtol=0.0, atol=1e-10)
@@ -221,7 +279,11 @@ def test_scafflsa_is_scaffold_option_two_under_full_participation() -> None:
     §3.4 [D]), so both produce the same iterates round after round (checked for 4 rounds)."""
     a_bar, b_bar = lsa_problem(3)
     agents = [agent(a, b, 4) for a, b in zip(a_bar, b_bar, strict=True)]
-    opt, n, theta0 = OptimConfig(client_lr=0.15), torch.tensor([2.0, 1.0, 4.0], dtype=DT), torch.ones(D, dtype=DT)
+    opt, n, theta0 = (
+        OptimConfig(client_lr=0.15),
+        torch.tensor([2.0, 1.0, 4.0], dtype=DT),
+        torch.ones(D, dtype=DT),
+    )
     for rounds in (1, 4):
         ours = run(ALGORITHMS["scafflsa"], agents, theta0, rounds, scafflsa.SCAFFLSAConfig(), opt, n)
         hp = scaffold.ScaffoldConfig(weighting="uniform")
@@ -230,8 +292,15 @@ def test_scafflsa_is_scaffold_option_two_under_full_participation() -> None:
 
 
 def garnet_setup(algo: str, executor: str, **overrides: object):  # noqa: ANN201
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": "garnet-het-n10", "train.executor": executor,
-                                  "train.client_lr": 0.5, **overrides})
+    cfg = build_config(
+        overrides={
+            "algorithm.name": algo,
+            "data.task": "garnet-het-n10",
+            "train.executor": executor,
+            "train.client_lr": 0.5,
+            **overrides,
+        }
+    )
     setup = build(cfg)
     state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     init = setup.alg.init_client_state
@@ -245,8 +314,9 @@ def test_loop_and_vmap_executors_agree_on_garnet(algo: str) -> None:
     4 of 10 agents per round, 2 epochs of 2 minibatches, 3 rounds (xi crosses rounds)."""
     results = {}
     for executor in ("loop", "vmap"):
-        setup, state, store = garnet_setup(algo, executor, **{"train.clients_per_round": 4, "train.batch_size": 500,
-                                                              "train.local_epochs": 2})
+        setup, state, store = garnet_setup(
+            algo, executor, **{"train.clients_per_round": 4, "train.batch_size": 500, "train.local_epochs": 2}
+        )
         for r in (1, 2, 3):
             state, _ = run_round(setup, state, store, r, Timing())
         results[executor] = (state.params, store.state_dict())
@@ -268,8 +338,9 @@ def test_engine_fedlsa_on_garnet_matches_the_deterministic_recursion() -> None:
     theta = torch.zeros(8, dtype=DT)
     for _ in range(2):
         theta = (local + torch.einsum("cde,ce->cd", gammas, theta - local)).mean(0)
-    setup, state, store = garnet_setup("fedlsa", "vmap", **{"train.clients_per_round": 10, "train.batch_size": 1000,
-                                                            "train.local_epochs": 3})
+    setup, state, store = garnet_setup(
+        "fedlsa", "vmap", **{"train.clients_per_round": 10, "train.batch_size": 1000, "train.local_epochs": 3}
+    )
 
     for r in (1, 2):
         state, _ = run_round(setup, state, store, r, Timing())
@@ -281,17 +352,25 @@ def test_lsa_algorithms_refuse_other_tasks_and_settings() -> None:
     """FedLSA/SCAFFLSA need an LSA model and no client momentum; SCAFFLSA the plain average."""
     cfg = build_config(overrides={"algorithm.name": "fedlsa", "data.task": "lsq"})
     setup = build(cfg)
-    with pytest.raises(HyperparameterError, match=r"data.task must be a linear stochastic approximation task"):
+    with pytest.raises(
+        HyperparameterError, match=r"data.task must be a linear stochastic approximation task"
+    ):
         setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     theta = {P: torch.zeros(D, dtype=DT)}
-    with pytest.raises(HyperparameterError, match=r"train.client_momentum must be 0 for fedlsa .*; got 0.9\."):
+    with pytest.raises(
+        HyperparameterError, match=r"train.client_momentum must be 0 for fedlsa .*; got 0.9\."
+    ):
         fedlsa.server_init(theta, fedlsa.FedLSAConfig(), OptimConfig(client_momentum=0.9))
-    with pytest.raises(HyperparameterError, match=r"train.server_opt/train.server_lr must be sgd/1.0 .*got 'sgd/0.5'"):
+    with pytest.raises(
+        HyperparameterError, match=r"train.server_opt/train.server_lr must be sgd/1.0 .*got 'sgd/0.5'"
+    ):
         scafflsa.server_init(theta, scafflsa.SCAFFLSAConfig(), OptimConfig(server_lr=0.5))
     with pytest.raises(HyperparameterError, match=r"hp.weighting must be 'uniform' or 'examples'; got 'n'\."):
         fedlsa.FedLSAConfig(weighting="n")
     assert garnet.LSA_PARAM == fedlsa.LSA_PARAM
-    assert fedavg.global_params(fedlsa.server_init(theta, fedlsa.FedLSAConfig(), OptimConfig()))[P] is not None
+    assert (
+        fedavg.global_params(fedlsa.server_init(theta, fedlsa.FedLSAConfig(), OptimConfig()))[P] is not None
+    )
 
 
 def test_fedlsa_warns_where_it_computes_fedavgs_model():
@@ -310,9 +389,13 @@ def test_fedlsa_warns_where_it_computes_fedavgs_model():
         return RunFacts(task=task, kind="lsa", model="linear", rounds=10, clients_per_round=10)
 
     on_garnet = record.degenerate(FedLSAConfig(), OptimConfig(), facts("garnet-het-n10"))
-    assert [d.code for d in on_garnet] == ["fedlsa:is-fedavg"] and "same number of samples" in on_garnet[0].message
+    assert [d.code for d in on_garnet] == ["fedlsa:is-fedavg"] and "same number of samples" in on_garnet[
+        0
+    ].message
     by_examples = record.degenerate(FedLSAConfig(weighting="examples"), OptimConfig(), facts("lsq"))
-    assert [d.code for d in by_examples] == ["fedlsa:is-fedavg"] and "weighting=examples" in by_examples[0].message
+    assert [d.code for d in by_examples] == ["fedlsa:is-fedavg"] and "weighting=examples" in by_examples[
+        0
+    ].message
     assert record.degenerate(FedLSAConfig(), OptimConfig(), facts("lsq")) == []
 
 
@@ -324,8 +407,13 @@ def test_scafflsa_recommends_full_participation_where_the_task_fixes_n() -> None
     unknown gets no advice."""
     cfg = build_config(overrides={"algorithm.name": "scafflsa", "data.task": "garnet-het-n100"})
     assert cfg.train.clients_per_round == 100 and set(cfg.recommended) == {"train.clients_per_round"}
-    mine = build_config(overrides={"algorithm.name": "scafflsa", "data.task": "garnet-het-n100",
-                                   "train.clients_per_round": 10})
+    mine = build_config(
+        overrides={
+            "algorithm.name": "scafflsa",
+            "data.task": "garnet-het-n100",
+            "train.clients_per_round": 10,
+        }
+    )
     assert (mine.train.clients_per_round, dict(mine.recommended)) == (10, {})
     small = build_config(overrides={"algorithm.name": "scafflsa", "data.task": "garnet-het-n10"})
     assert (small.train.clients_per_round, dict(small.recommended)) == (10, {})

@@ -25,13 +25,17 @@ def dense_delta(x0: torch.Tensor, samples: torch.Tensor, rho: float) -> torch.Te
     return torch.linalg.solve(sigma, x0 - mean)
 
 
-@pytest.mark.parametrize(("dim", "num", "rho"), [(5, 2, 0.5), (20, 5, 0.1), (50, 8, 1.0), (7, 10, 100.0),
-                                                 (300, 4, 0.01), (3, 6, 0.0)])
+@pytest.mark.parametrize(
+    ("dim", "num", "rho"),
+    [(5, 2, 0.5), (20, 5, 0.1), (50, 8, 1.0), (7, 10, 100.0), (300, 4, 0.01), (3, 6, 0.0)],
+)
 def test_dp_delta_equals_dense_shrinkage_solve(dim: int, num: int, rho: float) -> None:
     """The O(l^2 d) Sherman-Morrison DP (Eqs. 21-28) equals the dense solve
     Sigma_hat^-1 (theta - mu_hat) of the shrinkage estimator to 1e-8 relative in float64."""
     g = torch.Generator().manual_seed(dim * 100 + num)
-    samples = torch.randn(num, dim, generator=g, dtype=torch.float64) * torch.rand(dim, generator=g, dtype=torch.float64)
+    samples = torch.randn(num, dim, generator=g, dtype=torch.float64) * torch.rand(
+        dim, generator=g, dtype=torch.float64
+    )
     x0 = torch.randn(dim, generator=g, dtype=torch.float64)
     got = fedpa.posterior_delta(x0, list(samples), rho)
     torch.testing.assert_close(got, dense_delta(x0, samples, rho), rtol=1e-8, atol=1e-10)
@@ -42,7 +46,9 @@ def test_rho_zero_and_single_sample_give_iterate_mean_delta() -> None:
     g = torch.Generator().manual_seed(1)
     samples = torch.randn(4, 9, generator=g, dtype=torch.float64)
     x0 = torch.randn(9, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(fedpa.posterior_delta(x0, list(samples), 0.0), x0 - samples.mean(0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        fedpa.posterior_delta(x0, list(samples), 0.0), x0 - samples.mean(0), rtol=0, atol=1e-12
+    )
     torch.testing.assert_close(fedpa.posterior_delta(x0, [samples[0]], 0.7), x0 - samples[0], rtol=0, atol=0)
 
 
@@ -57,14 +63,18 @@ def numpy_shrinkage_delta(x0: np.ndarray, samples: np.ndarray, rho: float) -> np
     return np.linalg.solve(rho_l * np.eye(dim) + (1.0 - rho_l) * cov, x0 - mean)
 
 
-@pytest.mark.parametrize(("hp", "epochs", "first"), [
-    (fedpa.FedPAConfig(rho=0.1, burn_in_rounds=1), 4, 1),  # default: the TFF code's l = E - 1
-    (fedpa.FedPAConfig(rho=0.5, burn_in_rounds=1, burn_in_epochs=0), 4, 0),  # the paper text's l = E
-    (fedpa.FedPAConfig(rho=0.3, burn_in_rounds=1, burn_in_epochs=2), 5, 2),
-    (fedpa.FedPAConfig(rho=0.1, burn_in_rounds=1), 1, 0),  # E = 1: the one epoch is the sample (TFF)
-])
-def test_client_delta_is_the_shrinkage_solve_on_the_sampled_epochs(hp: fedpa.FedPAConfig, epochs: int,
-                                                                    first: int) -> None:
+@pytest.mark.parametrize(
+    ("hp", "epochs", "first"),
+    [
+        (fedpa.FedPAConfig(rho=0.1, burn_in_rounds=1), 4, 1),  # default: the TFF code's l = E - 1
+        (fedpa.FedPAConfig(rho=0.5, burn_in_rounds=1, burn_in_epochs=0), 4, 0),  # the paper text's l = E
+        (fedpa.FedPAConfig(rho=0.3, burn_in_rounds=1, burn_in_epochs=2), 5, 2),
+        (fedpa.FedPAConfig(rho=0.1, burn_in_rounds=1), 1, 0),  # E = 1: the one epoch is the sample (TFF)
+    ],
+)
+def test_client_delta_is_the_shrinkage_solve_on_the_sampled_epochs(
+    hp: fedpa.FedPAConfig, epochs: int, first: int
+) -> None:
     """On a quadratic client, E epochs of K = 3 GD steps (momentum 0.6: u_k = m u_{k-1} + g_k,
     theta_k = theta_{k-1} - lr u_k). Sample e is the mean of epoch e's 3 post-step iterates (Alg. 4);
     epochs first..E-1 are samples (l = E - burn_in_epochs), and the upload is Theorem 3's
@@ -115,32 +125,50 @@ def test_fedpa_with_exact_moments_converges_to_global_optimum_fedavg_is_biased()
     precisions = [random_spd(dim, 0.6, 3.0, g) for _ in sizes]
     means = [3.0 * torch.randn(dim, generator=g, dtype=torch.float64) for _ in sizes]
     q = torch.tensor(sizes, dtype=torch.float64)
-    optimum = torch.linalg.solve(sum(qi * a for qi, a in zip(q, precisions, strict=False)),
-                                 sum(qi * a @ m for qi, a, m in zip(q, precisions, means, strict=False)))
+    optimum = torch.linalg.solve(
+        sum(qi * a for qi, a in zip(q, precisions, strict=False)),
+        sum(qi * a @ m for qi, a, m in zip(q, precisions, means, strict=False)),
+    )
     rho, opt = 1.0, OptimConfig(server_opt="sgd", server_lr=0.3)
     hp = fedpa.FedPAConfig(rho=rho, burn_in_rounds=0)
     state = fedpa.server_init({"w": torch.zeros(dim, dtype=torch.float64)}, hp, opt)
-    client_samples = [exact_moment_samples(m, torch.linalg.inv(a), rho) for a, m in zip(precisions, means, strict=False)]
+    client_samples = [
+        exact_moment_samples(m, torch.linalg.inv(a), rho) for a, m in zip(precisions, means, strict=False)
+    ]
     for _ in range(300):
         theta = state.params["w"]
         deltas = [fedpa.posterior_delta(theta, samples, rho) for samples in client_samples]
-        outs = stack_outs([fedavg.ClientOut(upload={"delta": {"w": d}}, state=None, metrics={}) for d in deltas])
+        outs = stack_outs(
+            [fedavg.ClientOut(upload={"delta": {"w": d}}, state=None, metrics={}) for d in deltas]
+        )
         state, _ = fedpa.server_update(state, outs, q, hp, opt)
     torch.testing.assert_close(state.params["w"], optimum, rtol=1e-9, atol=1e-9)
 
     lr, steps = 0.1, 20
     avg_opt = OptimConfig(client_lr=lr, local_epochs=steps, server_opt="sgd", server_lr=1.0)
-    avg_state = fedavg.server_init({"w": torch.zeros(dim, dtype=torch.float64)}, fedavg.FedAvgConfig(), avg_opt)
+    avg_state = fedavg.server_init(
+        {"w": torch.zeros(dim, dtype=torch.float64)}, fedavg.FedAvgConfig(), avg_opt
+    )
     for _ in range(120):
-        outs = stack_outs([fedavg.client_update(quadratic_context(a, m, num_epochs=steps, steps_per_epoch=1,
-                                                                  num_examples=n), fedavg.broadcast(avg_state, None),
-                                                None, fedavg.FedAvgConfig(), avg_opt)
-                           for a, m, n in zip(precisions, means, sizes, strict=False)])
+        outs = stack_outs(
+            [
+                fedavg.client_update(
+                    quadratic_context(a, m, num_epochs=steps, steps_per_epoch=1, num_examples=n),
+                    fedavg.broadcast(avg_state, None),
+                    None,
+                    fedavg.FedAvgConfig(),
+                    avg_opt,
+                )
+                for a, m, n in zip(precisions, means, sizes, strict=False)
+            ]
+        )
         avg_state, _ = fedavg.server_update(avg_state, outs, q, fedavg.FedAvgConfig(), avg_opt)
     eye = torch.eye(dim, dtype=torch.float64)
     ms = [eye - torch.linalg.matrix_power(eye - lr * a, steps) for a in precisions]
-    fedavg_fixed_point = torch.linalg.solve(sum(qi * m for qi, m in zip(q, ms, strict=False)),
-                                            sum(qi * m @ mu for qi, m, mu in zip(q, ms, means, strict=False)))
+    fedavg_fixed_point = torch.linalg.solve(
+        sum(qi * m for qi, m in zip(q, ms, strict=False)),
+        sum(qi * m @ mu for qi, m, mu in zip(q, ms, means, strict=False)),
+    )
     torch.testing.assert_close(avg_state.params["w"], fedavg_fixed_point, rtol=1e-8, atol=1e-8)
     # the bias (~0.04 here) is 10^6 times the tolerance both fixed points were checked to
     assert torch.linalg.vector_norm(fedavg_fixed_point - optimum) > 0.01
@@ -155,9 +183,17 @@ def test_burn_in_rounds_are_fedavg_exactly() -> None:
 
     finals = {}
     for name, hp in (("fedavg", {}), ("fedpa", {"burn_in_rounds": 2})):
-        cfg = build_config(overrides={"algorithm.name": name, "data.task": "lsq", "train.clients_per_round": 3,
-                                      "train.local_epochs": 2, "train.client_momentum": 0.9,
-                                      "train.server_opt": "momentum"}, hp=hp)
+        cfg = build_config(
+            overrides={
+                "algorithm.name": name,
+                "data.task": "lsq",
+                "train.clients_per_round": 3,
+                "train.local_epochs": 2,
+                "train.client_momentum": 0.9,
+                "train.server_opt": "momentum",
+            },
+            hp=hp,
+        )
         setup = build(cfg)
         state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
         for round_idx in (1, 2):
@@ -171,8 +207,10 @@ def test_fedpa_needs_a_sample_per_round() -> None:
     """l = E - burn_in_epochs must be >= 1; the engine reports it as a config error."""
     from fedcli.engine.setup import build
 
-    cfg = build_config(overrides={"algorithm.name": "fedpa", "data.task": "lsq", "train.local_epochs": 2},
-                       hp={"burn_in_epochs": 2})
+    cfg = build_config(
+        overrides={"algorithm.name": "fedpa", "data.task": "lsq", "train.local_epochs": 2},
+        hp={"burn_in_epochs": 2},
+    )
     setup = build(cfg)
     with pytest.raises(Exception, match=r"hp.burn_in_epochs must be < train.local_epochs=2"):
         setup.alg.server_init(setup.init_params, setup.hp, setup.opt)

@@ -36,9 +36,17 @@ def full_batch_ctx(x: torch.Tensor, y: torch.Tensor, epochs: int, steps: int) ->
         return 0.5 * ((batch.x @ params["w"] - batch.y) ** 2 * batch.weight).sum() / batch.weight.sum()
 
     batch = Batch(x=x, y=y, weight=torch.ones(len(y), dtype=DT), key=torch.zeros((), dtype=torch.int64))
-    return ClientContext(loss_fn=loss_fn, apply_fn=lambda p, v: v @ p["w"], batch=lambda s: batch,
-                         step_mask=torch.ones(epochs * steps, dtype=DT), num_examples=torch.tensor(len(y), dtype=DT),
-                         num_epochs=epochs, steps_per_epoch=steps, round_idx=1, noise={})
+    return ClientContext(
+        loss_fn=loss_fn,
+        apply_fn=lambda p, v: v @ p["w"],
+        batch=lambda s: batch,
+        step_mask=torch.ones(epochs * steps, dtype=DT),
+        num_examples=torch.tensor(len(y), dtype=DT),
+        num_epochs=epochs,
+        steps_per_epoch=steps,
+        round_idx=1,
+        noise={},
+    )
 
 
 def moments(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,12 +65,18 @@ def test_local_gd_matches_closed_form_proximal_recursion() -> None:
     w_star = torch.linalg.solve(a + mu * eye, b + mu * w0)
     w_s = w_star + torch.linalg.matrix_power(eye - lr * (a + mu * eye), epochs * steps) @ (w0 - w_star)
 
-    out = fedprox.client_update(full_batch_ctx(x, y, epochs, steps), fedavg.Broadcast(params={"w": w0}), None,
-                                fedprox.FedProxConfig(mu=mu), OptimConfig(client_lr=lr, local_epochs=epochs))
+    out = fedprox.client_update(
+        full_batch_ctx(x, y, epochs, steps),
+        fedavg.Broadcast(params={"w": w0}),
+        None,
+        fedprox.FedProxConfig(mu=mu),
+        OptimConfig(client_lr=lr, local_epochs=epochs),
+    )
 
     torch.testing.assert_close(out.upload["delta"]["w"], w0 - w_s, rtol=0.0, atol=1e-12)
-    torch.testing.assert_close(out.metrics["fedprox_prox_term"], 0.5 * mu * ((w_s - w0) ** 2).sum(),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        out.metrics["fedprox_prox_term"], 0.5 * mu * ((w_s - w0) ** 2).sum(), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_heavy_ball_reaches_the_proximal_solution() -> None:
@@ -79,9 +93,13 @@ def test_heavy_ball_reaches_the_proximal_solution() -> None:
     big = torch.cat([torch.cat([eye - lr * h, -lr * m * eye], 1), torch.cat([h, m * eye], 1)], 0)
     error = (torch.linalg.matrix_power(big, steps) @ torch.cat([w0 - w_star, torch.zeros(3, dtype=DT)]))[:3]
 
-    out = fedprox.client_update(full_batch_ctx(x, y, 2, steps // 2), fedavg.Broadcast(params={"w": w0}), None,
-                                fedprox.FedProxConfig(mu=mu), OptimConfig(client_lr=lr, client_momentum=m,
-                                                                          local_epochs=2))
+    out = fedprox.client_update(
+        full_batch_ctx(x, y, 2, steps // 2),
+        fedavg.Broadcast(params={"w": w0}),
+        None,
+        fedprox.FedProxConfig(mu=mu),
+        OptimConfig(client_lr=lr, client_momentum=m, local_epochs=2),
+    )
 
     w_local = w0 - out.upload["delta"]["w"]
     torch.testing.assert_close(w_local, w_star + error, rtol=0.0, atol=1e-10)
@@ -96,7 +114,10 @@ def test_two_rounds_average_proximal_iterates_with_server_momentum() -> None:
     clients = [lsq_client(5, 2, seed=3), lsq_client(11, 2, seed=4)]
     steps = [2, 4]
     mu, lr, beta = 0.7, 0.2, 0.9
-    hp, opt = fedprox.FedProxConfig(mu=mu), OptimConfig(client_lr=lr, server_opt="momentum", server_momentum=beta)
+    hp, opt = (
+        fedprox.FedProxConfig(mu=mu),
+        OptimConfig(client_lr=lr, server_opt="momentum", server_momentum=beta),
+    )
     eye = torch.eye(2, dtype=DT)
     weights = torch.tensor([5.0, 11.0], dtype=DT)
     w, u = torch.tensor([0.2, -0.4], dtype=DT), torch.zeros(2, dtype=DT)
@@ -111,10 +132,15 @@ def test_two_rounds_average_proximal_iterates_with_server_momentum() -> None:
         w = w - u
 
         bc = fedprox.ALGORITHM.broadcast(state, hp)
-        outs = [fedprox.client_update(full_batch_ctx(x, y, 1, s), bc, None, hp, opt)
-                for (x, y), s in zip(clients, steps, strict=True)]
-        stacked = ClientOut(upload={"delta": {"w": torch.stack([o.upload["delta"]["w"] for o in outs])}},
-                            state=None, metrics={})
+        outs = [
+            fedprox.client_update(full_batch_ctx(x, y, 1, s), bc, None, hp, opt)
+            for (x, y), s in zip(clients, steps, strict=True)
+        ]
+        stacked = ClientOut(
+            upload={"delta": {"w": torch.stack([o.upload["delta"]["w"] for o in outs])}},
+            state=None,
+            metrics={},
+        )
         state, _ = fedprox.ALGORITHM.server_update(state, stacked, weights, hp, opt)
 
     torch.testing.assert_close(state.params["w"], w, rtol=0.0, atol=1e-12)
@@ -122,9 +148,19 @@ def test_two_rounds_average_proximal_iterates_with_server_momentum() -> None:
 
 def run_rounds(algo: str, hp: dict[str, float], executor: str, rounds: int = 2) -> tuple[dict, list[dict]]:
     """Run `rounds` rounds of `algo` on the lsq task; return the global params and metrics."""
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": "lsq", "train.executor": executor,
-                                  "train.local_epochs": 2, "train.client_momentum": 0.9, "train.client_lr": 0.02,
-                                  "train.clients_per_round": 5, "train.batch_size": 16}, hp=hp)
+    cfg = build_config(
+        overrides={
+            "algorithm.name": algo,
+            "data.task": "lsq",
+            "train.executor": executor,
+            "train.local_epochs": 2,
+            "train.client_momentum": 0.9,
+            "train.client_lr": 0.02,
+            "train.clients_per_round": 5,
+            "train.batch_size": 16,
+        },
+        hp=hp,
+    )
     setup = build(cfg)
     state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     store, history = ClientStateStore(None), []
@@ -140,8 +176,9 @@ def test_mu_zero_is_fedavg_bit_for_bit() -> None:
     avg_params, avg_metrics = run_rounds("fedavg", {}, "vmap")
     prox_params, prox_metrics = run_rounds("fedprox", {"mu": 0.0}, "vmap")
     assert all(torch.equal(avg_params[k], prox_params[k]) for k in avg_params)
-    assert [{k: v for k, v in m.items() if k != "time/round_s"} for m in avg_metrics] == \
-           [{k: v for k, v in m.items() if k != "time/round_s"} for m in prox_metrics]
+    assert [{k: v for k, v in m.items() if k != "time/round_s"} for m in avg_metrics] == [
+        {k: v for k, v in m.items() if k != "time/round_s"} for m in prox_metrics
+    ]
 
 
 def test_mu_positive_changes_the_iterates_and_loop_equals_vmap() -> None:

@@ -36,13 +36,17 @@ DT = torch.float64
 def mlp_params(hidden: int = 4, d: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
     """A d-hidden-1 tanh network; 'hidden' is gated (one gate per unit), 'out' is the classifier."""
     g = torch.Generator().manual_seed(seed)
-    return {"hidden.weight": torch.randn(hidden, d, generator=g, dtype=DT),
-            "hidden.bias": 0.5 * torch.randn(hidden, generator=g, dtype=DT),
-            "out.weight": torch.randn(1, hidden, generator=g, dtype=DT),
-            "out.bias": torch.zeros(1, dtype=DT)}
+    return {
+        "hidden.weight": torch.randn(hidden, d, generator=g, dtype=DT),
+        "hidden.bias": 0.5 * torch.randn(hidden, generator=g, dtype=DT),
+        "out.weight": torch.randn(1, hidden, generator=g, dtype=DT),
+        "out.bias": torch.zeros(1, dtype=DT),
+    }
 
 
-def mlp_apply(params: dict[str, torch.Tensor], x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
+def mlp_apply(
+    params: dict[str, torch.Tensor], x: torch.Tensor, key: torch.Tensor | None = None
+) -> torch.Tensor:
     h = torch.tanh(x @ params["hidden.weight"].T + params["hidden.bias"])
     return (h @ params["out.weight"].T + params["out.bias"]).squeeze(-1)
 
@@ -57,18 +61,29 @@ def federated(sizes: tuple[int, ...], d: int = 3) -> ModelFunctions:
     x = torch.randn(sum(sizes), d, generator=g, dtype=DT)
     y = torch.sin(x.sum(1)) + 0.1 * torch.randn(sum(sizes), generator=g, dtype=DT)
     bounds = np.cumsum((0, *sizes))
-    data = FederatedData(x, y, [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
-                         torch.device("cpu"), dtype=DT)
+    data = FederatedData(
+        x,
+        y,
+        [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
+        torch.device("cpu"),
+        dtype=DT,
+    )
     return ModelFunctions(apply_fn=mlp_apply, loss_fn=mlp_loss, data=data, prepare=lambda v: v)
 
 
-def run(alg, hp, opt: OptimConfig, fns: ModelFunctions, rounds: int, executor=LoopBackend(), batch_size: int = 3):
+def run(
+    alg, hp, opt: OptimConfig, fns: ModelFunctions, rounds: int, executor=LoopBackend(), batch_size: int = 3
+):
     """Run rounds of `alg` on every client of fns; return (state, per-round (bytes up, bytes down))."""
     state = alg.server_init(mlp_params(), hp, opt)
     cohort, comm = np.arange(fns.data.num_clients), []
     for r in range(1, rounds + 1):
-        plan = fns.data.plan(cohort, num_epochs=opt.local_epochs, batch_size=batch_size,
-                             rngs=[np.random.default_rng([r, int(c)]) for c in cohort])
+        plan = fns.data.plan(
+            cohort,
+            num_epochs=opt.local_epochs,
+            batch_size=batch_size,
+            rngs=[np.random.default_rng([r, int(c)]) for c in cohort],
+        )
         steps = plan.num_epochs * plan.steps_per_epoch
         shapes = alg.noise_shapes(alg.global_params(state), hp, steps) if alg.noise_shapes else {}
         g = torch.Generator().manual_seed(r)
@@ -94,14 +109,17 @@ def test_gates_forced_on_is_fedavg_and_its_drift_is_fedprox() -> None:
     rounding (FedAvg scales its gradient inside the backward pass, FedSparse after it)."""
     fns = federated((5, 8, 13))
     avg_state, avg_comm = run(fedavg.ALGORITHM, fedavg.FedAvgConfig(), OPT, fns, rounds=2)
-    on_state, on_comm = run(fedsparse.ALGORITHM, FedSparseConfig(init_inclusion=1.0, prune_threshold=0.0),
-                            OPT, fns, rounds=2)
+    on_state, on_comm = run(
+        fedsparse.ALGORITHM, FedSparseConfig(init_inclusion=1.0, prune_threshold=0.0), OPT, fns, rounds=2
+    )
     for k in avg_state.params:
         torch.testing.assert_close(on_state.params[k], avg_state.params[k], rtol=1e-12, atol=1e-14)
     assert on_comm == avg_comm
 
     prox_state, _ = run(fedprox.ALGORITHM, fedprox.FedProxConfig(mu=0.8), OPT, fns, rounds=2)
-    drift_state, _ = run(fedsparse.ALGORITHM, FedSparseConfig(init_inclusion=1.0, drift=0.8), OPT, fns, rounds=2)
+    drift_state, _ = run(
+        fedsparse.ALGORITHM, FedSparseConfig(init_inclusion=1.0, drift=0.8), OPT, fns, rounds=2
+    )
     torch.testing.assert_close(drift_state.params, prox_state.params, rtol=0.0, atol=1e-12)
 
 
@@ -114,9 +132,17 @@ def linear_loss(params: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
 def full_batch_ctx(loss_fn, x: torch.Tensor, y: torch.Tensor, steps: int, noise: dict) -> ClientContext:
     """A ClientContext whose every step is one full-batch step on loss_fn."""
     batch = Batch(x=x, y=y, weight=torch.ones(len(y), dtype=DT), key=torch.zeros((), dtype=torch.int64))
-    return ClientContext(loss_fn=loss_fn, apply_fn=lambda p, v: v, batch=lambda s: batch,
-                         step_mask=torch.ones(steps, dtype=DT), num_examples=torch.tensor(len(y), dtype=DT),
-                         num_epochs=1, steps_per_epoch=steps, round_idx=1, noise=noise)
+    return ClientContext(
+        loss_fn=loss_fn,
+        apply_fn=lambda p, v: v,
+        batch=lambda s: batch,
+        step_mask=torch.ones(steps, dtype=DT),
+        num_examples=torch.tensor(len(y), dtype=DT),
+        num_epochs=1,
+        steps_per_epoch=steps,
+        round_idx=1,
+        noise=noise,
+    )
 
 
 def test_client_rows_follow_least_squares_gd_and_upload_zero_temperature_gates() -> None:
@@ -130,8 +156,10 @@ def test_client_rows_follow_least_squares_gd_and_upload_zero_temperature_gates()
     hp = FedSparseConfig(temperature=0.1, lambda0=1e-2, ce_scale=0.5, use_output_layer_gates=True)
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(6, 2, generator=g, dtype=DT), torch.randn(6, 4, generator=g, dtype=DT)
-    params = {"lin.weight": torch.randn(4, 2, generator=g, dtype=DT) + 1.0,
-              "lin.bias": torch.randn(4, generator=g, dtype=DT)}
+    params = {
+        "lin.weight": torch.randn(4, 2, generator=g, dtype=DT) + 1.0,
+        "lin.bias": torch.randn(4, generator=g, dtype=DT),
+    }
     state = fedsparse.server_init(params, hp, OptimConfig())
     alive = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=DT)
     w0 = {"lin.weight": params["lin.weight"] * alive[:, None], "lin.bias": params["lin.bias"] * alive}
@@ -178,18 +206,29 @@ def test_client_objective_gradients_match_eq_41() -> None:
     prior = fedsparse.gate_logits(w, state.gates, {"hidden.weight": ("hidden.bias",)}, hp.temperature)
 
     (g_w, g_v), _ = torch.func.grad(fedsparse.client_objective, has_aux=True)(
-        (w_s, v_s), batch, {"hidden.weight": torch.full((4,), 40.0, dtype=DT)}, ctx, bc, prior, hp)
+        (w_s, v_s), batch, {"hidden.weight": torch.full((4,), 40.0, dtype=DT)}, ctx, bc, prior, hp
+    )
 
     t, lam, size = hp.temperature, hp.drift, 4
     norm_s = (w_s["hidden.weight"].pow(2).sum(1) + w_s["hidden.bias"] ** 2).sqrt()
     p = torch.sigmoid((norm_s - softplus(v_s["hidden.weight"])) / t - HC_BETA * math.log(-HC_GAMMA / HC_ZETA))
-    diff_sq = (w_s["hidden.weight"] - w["hidden.weight"]).pow(2).sum(1) + (w_s["hidden.bias"] - w["hidden.bias"]) ** 2
+    diff_sq = (w_s["hidden.weight"] - w["hidden.weight"]).pow(2).sum(1) + (
+        w_s["hidden.bias"] - w["hidden.bias"]
+    ) ** 2
     a_theta = prior["hidden.weight"]
-    expected_v = ((lam / 2 * diff_sq + size * hp.lambda0 - hp.ce_scale * a_theta) * p * (1 - p)
-                  * -torch.sigmoid(v_s["hidden.weight"]) / t)
+    expected_v = (
+        (lam / 2 * diff_sq + size * hp.lambda0 - hp.ce_scale * a_theta)
+        * p
+        * (1 - p)
+        * -torch.sigmoid(v_s["hidden.weight"])
+        / t
+    )
     data_grad = torch.func.grad(mlp_loss)(w_s, batch)
-    expected_w = {k: data_grad[k] + lam * (w_s[k] - w[k]) * (p[:, None] if k == "hidden.weight" else
-                                                             p if k == "hidden.bias" else 1.0) for k in w}
+    expected_w = {
+        k: data_grad[k]
+        + lam * (w_s[k] - w[k]) * (p[:, None] if k == "hidden.weight" else p if k == "hidden.bias" else 1.0)
+        for k in w
+    }
     torch.testing.assert_close(g_v["hidden.weight"], expected_v, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g_w, expected_w, rtol=1e-10, atol=1e-12)
 
@@ -231,7 +270,10 @@ def test_server_steps_are_eqs_21_22_with_adamax_and_prune_below_eps() -> None:
         w_new = {k: state.params[k] - torch.tensordot(q, deltas[k], 1) for k in w}
         norm_new = (w_new["hidden.weight"].pow(2).sum(1) + w_new["hidden.bias"] ** 2).sqrt()
         alive = alive * (torch.sigmoid((norm_new - softplus(v)) / t) > 0.1)
-        w_new["hidden.weight"], w_new["hidden.bias"] = w_new["hidden.weight"] * alive[:, None], w_new["hidden.bias"] * alive
+        w_new["hidden.weight"], w_new["hidden.bias"] = (
+            w_new["hidden.weight"] * alive[:, None],
+            w_new["hidden.bias"] * alive,
+        )
 
         state, diag = server_round(state, hp, opt, deltas, z, weights)
 
@@ -239,7 +281,9 @@ def test_server_steps_are_eqs_21_22_with_adamax_and_prune_below_eps() -> None:
         torch.testing.assert_close(state.gates["hidden.weight"], v, rtol=1e-12, atol=1e-14)
         assert state.alive["hidden.weight"].tolist() == alive.tolist()
     assert alive[0] == 0.0
-    assert float(diag["fedsparse/sparsity"]) == pytest.approx(float(4 - alive.sum()) * 4 / 21)  # |g| = 4 of 21
+    assert float(diag["fedsparse/sparsity"]) == pytest.approx(
+        float(4 - alive.sum()) * 4 / 21
+    )  # |g| = 4 of 21
 
 
 def test_pruned_units_never_revive() -> None:
@@ -252,14 +296,26 @@ def test_pruned_units_never_revive() -> None:
     state = fedsparse.server_init(mlp_params(), hp, opt)
     weights = torch.tensor([2.0, 7.0], dtype=DT)
     deltas = {k: torch.zeros(2, *p.shape, dtype=DT) for k, p in state.params.items()}
-    deltas["hidden.weight"][:, 0], deltas["hidden.bias"][:, 0] = state.params["hidden.weight"][0], state.params["hidden.bias"][0]
+    deltas["hidden.weight"][:, 0], deltas["hidden.bias"][:, 0] = (
+        state.params["hidden.weight"][0],
+        state.params["hidden.bias"][0],
+    )
     state, _ = server_round(state, hp, opt, deltas, torch.ones(2, 4, dtype=DT), weights)
     assert state.alive["hidden.weight"].tolist() == [0.0, 1.0, 1.0, 1.0]
     assert state.opt_state.first["hidden.weight"][0].abs().sum() > 0
-    gates = {"hidden.weight": torch.where(state.alive["hidden.weight"].bool(), state.gates["hidden.weight"], -30.0)}
-    state = fedsparse.ServerState(params=state.params, opt_state=state.opt_state, gates=gates,
-                                  alive=state.alive, gate_opt=state.gate_opt)
-    logits = fedsparse.gate_logits(state.params, state.gates, {"hidden.weight": ("hidden.bias",)}, hp.temperature)
+    gates = {
+        "hidden.weight": torch.where(state.alive["hidden.weight"].bool(), state.gates["hidden.weight"], -30.0)
+    }
+    state = fedsparse.ServerState(
+        params=state.params,
+        opt_state=state.opt_state,
+        gates=gates,
+        alive=state.alive,
+        gate_opt=state.gate_opt,
+    )
+    logits = fedsparse.gate_logits(
+        state.params, state.gates, {"hidden.weight": ("hidden.bias",)}, hp.temperature
+    )
     assert torch.sigmoid(logits["hidden.weight"][0]) > hp.prune_threshold
     z = torch.tensor([[0.0, 1.0, 1.0, 1.0]] * 2, dtype=DT)
     for _ in range(2):
@@ -275,8 +331,12 @@ def test_byte_counters_match_a_hand_count() -> None:
     Up, 3 clients sending 1, 3 and 0 units: (16 + min(4, 5)) + (48 + min(12, 5)) + 0 + 3 * 4 * 82.
     Down, 38 alive units: 4 * 4 * 38 + min(152, 5) + 4 * 38 (one v each) + 4 * 82.
     Dense FedAvg would be 4 * (120 + 40 + 82) = 968 bytes per client and direction."""
-    params = {"h.weight": torch.ones(40, 3), "h.bias": torch.ones(40), "o.weight": torch.ones(2, 40),
-              "o.bias": torch.ones(2)}
+    params = {
+        "h.weight": torch.ones(40, 3),
+        "h.bias": torch.ones(40),
+        "o.weight": torch.ones(2, 40),
+        "o.bias": torch.ones(2),
+    }
     z = torch.zeros(3, 40)
     z[0, 5], z[1, [0, 9, 39]] = 1.0, 1.0
     upload = {"delta": {k: torch.stack([p] * 3) for k, p in params.items()}, "gates": {"h.weight": z}}
@@ -284,7 +344,10 @@ def test_byte_counters_match_a_hand_count() -> None:
     alive[[3, 17]] = 0.0
     bc = fedsparse.Broadcast(params=params, gates={"h.weight": torch.zeros(40)}, alive={"h.weight": alive})
     group, classifier = 4 * 4, 4 * 82
-    assert float(fedsparse.upload_nbytes(upload)) == (group + min(4, 5)) + (3 * group + min(12, 5)) + 3 * classifier
+    assert (
+        float(fedsparse.upload_nbytes(upload))
+        == (group + min(4, 5)) + (3 * group + min(12, 5)) + 3 * classifier
+    )
     assert float(fedsparse.download_nbytes(bc)) == 38 * group + min(4 * 38, 5) + 4 * 38 + classifier
     assert tree_nbytes(params) == 968
 
@@ -296,8 +359,12 @@ def test_loop_and_vmap_agree_with_learned_gates() -> None:
     1, 2 and 2 batches per epoch leave padded (masked) steps in the vmapped plan."""
     hp = FedSparseConfig(temperature=0.01, lambda0=1e-3)
     fns = federated((3, 5, 7))
-    loop_state, loop_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=LoopBackend(), batch_size=4)
-    vmap_state, vmap_comm = run(fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=VmapBackend(), batch_size=4)
+    loop_state, loop_comm = run(
+        fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=LoopBackend(), batch_size=4
+    )
+    vmap_state, vmap_comm = run(
+        fedsparse.ALGORITHM, hp, OPT, fns, rounds=2, executor=VmapBackend(), batch_size=4
+    )
     torch.testing.assert_close(loop_state.params, vmap_state.params, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(loop_state.gates, vmap_state.gates, rtol=1e-10, atol=1e-12)
     assert loop_comm == vmap_comm
@@ -307,16 +374,31 @@ def test_groups_are_units_with_their_bias_and_norm_affine() -> None:
     """Shapes decide the groups: each >= 2-d parameter but the last gets one gate per row, and the
     parameters right after it with one entry per row (bias, norm weight and bias) share that gate;
     gate z_g = 0 zeroes the whole unit, so the channel is removed, not only its filter."""
-    params = {"conv.weight": torch.ones(4, 2, 3), "conv.bias": torch.ones(4), "norm.weight": torch.ones(4),
-              "norm.bias": torch.ones(4), "fc.weight": torch.ones(3, 4), "fc.bias": torch.ones(3),
-              "out.weight": torch.ones(2, 3), "out.bias": torch.ones(2)}
+    params = {
+        "conv.weight": torch.ones(4, 2, 3),
+        "conv.bias": torch.ones(4),
+        "norm.weight": torch.ones(4),
+        "norm.bias": torch.ones(4),
+        "fc.weight": torch.ones(3, 4),
+        "fc.bias": torch.ones(3),
+        "out.weight": torch.ones(2, 3),
+        "out.bias": torch.ones(2),
+    }
     layout = fedsparse.gated_layers(params, FedSparseConfig())
     assert layout == {"conv.weight": ("conv.bias", "norm.weight", "norm.bias"), "fc.weight": ("fc.bias",)}
     assert fedsparse.gated_layers(params, FedSparseConfig(init_inclusion=1.0)) == {}
-    gated = fedsparse.apply_gates(params, {"conv.weight": torch.tensor([1.0, 0.0, 1.0, 1.0]),
-                                           "fc.weight": torch.ones(3)}, layout)
-    assert [k for k, p in gated.items() if p.eq(0).any()] == ["conv.weight", "conv.bias", "norm.weight", "norm.bias"]
-    assert all(float(gated[k][1].abs().sum()) == 0 for k in ("conv.weight", "conv.bias", "norm.weight", "norm.bias"))
+    gated = fedsparse.apply_gates(
+        params, {"conv.weight": torch.tensor([1.0, 0.0, 1.0, 1.0]), "fc.weight": torch.ones(3)}, layout
+    )
+    assert [k for k, p in gated.items() if p.eq(0).any()] == [
+        "conv.weight",
+        "conv.bias",
+        "norm.weight",
+        "norm.bias",
+    ]
+    assert all(
+        float(gated[k][1].abs().sum()) == 0 for k in ("conv.weight", "conv.bias", "norm.weight", "norm.bias")
+    )
 
 
 def test_init_sets_theta0_and_rejects_unreachable_models() -> None:
@@ -324,18 +406,25 @@ def test_init_sets_theta0_and_rejects_unreachable_models() -> None:
     with ||w_g|| <= T logit theta_0 would need tau <= 0, which softplus cannot give."""
     hp = FedSparseConfig()
     state = fedsparse.server_init(mlp_params(), hp, OptimConfig())
-    logits = fedsparse.gate_logits(state.params, state.gates, {"hidden.weight": ("hidden.bias",)}, hp.temperature)
-    torch.testing.assert_close(torch.sigmoid(logits["hidden.weight"]), torch.full((4,), 0.99, dtype=DT),
-                               rtol=0.0, atol=1e-9)
+    logits = fedsparse.gate_logits(
+        state.params, state.gates, {"hidden.weight": ("hidden.bias",)}, hp.temperature
+    )
+    torch.testing.assert_close(
+        torch.sigmoid(logits["hidden.weight"]), torch.full((4,), 0.99, dtype=DT), rtol=0.0, atol=1e-9
+    )
     zero_unit = mlp_params()
     zero_unit["hidden.weight"][1], zero_unit["hidden.bias"][1] = 0.0, 0.0
-    with pytest.raises(HyperparameterError, match=r"hp.init_inclusion must be < sigmoid\(min \|\|w_g\|\| / T\)"):
+    with pytest.raises(
+        HyperparameterError, match=r"hp.init_inclusion must be < sigmoid\(min \|\|w_g\|\| / T\)"
+    ):
         fedsparse.server_init(zero_unit, hp, OptimConfig())
 
 
 def test_hyperparameters_are_validated() -> None:
     """Messages name the key, the constraint and the value (STYLE rule 11)."""
-    with pytest.raises(HyperparameterError, match=r"hp.prune_threshold must be in \[0, hp.init_inclusion=0.5\)"):
+    with pytest.raises(
+        HyperparameterError, match=r"hp.prune_threshold must be in \[0, hp.init_inclusion=0.5\)"
+    ):
         FedSparseConfig(init_inclusion=0.5, prune_threshold=0.5)
     with pytest.raises(HyperparameterError, match=r"hp.temperature must be > 0; got 0.0\."):
         FedSparseConfig(temperature=0.0)
@@ -346,14 +435,19 @@ def test_hyperparameters_are_validated() -> None:
 def silent_net(fan_in: tuple[int, int], width: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """Two gated tanh layers (groups of |g| = fan_in + 1, ||w_g|| ~ 3) and a zero classifier."""
     g = torch.Generator().manual_seed(seed)
-    return {"h1.weight": 3 * torch.randn(fan_in[1], fan_in[0], generator=g, dtype=DT) / math.sqrt(fan_in[0]),
-            "h1.bias": torch.zeros(fan_in[1], dtype=DT),
-            "h2.weight": 3 * torch.randn(width, fan_in[1], generator=g, dtype=DT) / math.sqrt(fan_in[1]),
-            "h2.bias": torch.zeros(width, dtype=DT),
-            "out.weight": torch.zeros(1, width, dtype=DT), "out.bias": torch.zeros(1, dtype=DT)}
+    return {
+        "h1.weight": 3 * torch.randn(fan_in[1], fan_in[0], generator=g, dtype=DT) / math.sqrt(fan_in[0]),
+        "h1.bias": torch.zeros(fan_in[1], dtype=DT),
+        "h2.weight": 3 * torch.randn(width, fan_in[1], generator=g, dtype=DT) / math.sqrt(fan_in[1]),
+        "h2.bias": torch.zeros(width, dtype=DT),
+        "out.weight": torch.zeros(1, width, dtype=DT),
+        "out.bias": torch.zeros(1, dtype=DT),
+    }
 
 
-def silent_apply(params: dict[str, torch.Tensor], x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
+def silent_apply(
+    params: dict[str, torch.Tensor], x: torch.Tensor, key: torch.Tensor | None = None
+) -> torch.Tensor:
     h = torch.tanh(x @ params["h1.weight"].T + params["h1.bias"])
     h = torch.tanh(h @ params["h2.weight"].T + params["h2.bias"])
     return (h @ params["out.weight"].T + params["out.bias"]).squeeze(-1)
@@ -373,23 +467,34 @@ def sparsity_after(hp: FedSparseConfig, rounds: int = 1, d: int = 200) -> tuple[
     g = torch.Generator().manual_seed(11)
     x = torch.randn(sum(sizes), d, generator=g, dtype=DT)
     bounds = np.cumsum((0, *sizes))
-    data = FederatedData(x, torch.zeros(sum(sizes), dtype=DT),
-                         [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
-                         torch.device("cpu"), dtype=DT)
+    data = FederatedData(
+        x,
+        torch.zeros(sum(sizes), dtype=DT),
+        [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
+        torch.device("cpu"),
+        dtype=DT,
+    )
     fns = ModelFunctions(apply_fn=silent_apply, loss_fn=silent_loss, data=data, prepare=lambda v: v)
-    opt = OptimConfig(client_lr=0.05, local_epochs=4, server_opt="adam", server_lr=1e-3, server_beta2=0.999,
-                      server_tau=1e-8)
+    opt = OptimConfig(
+        client_lr=0.05, local_epochs=4, server_opt="adam", server_lr=1e-3, server_beta2=0.999, server_tau=1e-8
+    )
     state = fedsparse.server_init(silent_net((d, 16), 8), hp, opt)
     cohort = np.arange(len(sizes))
     for r in range(1, rounds + 1):
-        plan = data.plan(cohort, num_epochs=opt.local_epochs, batch_size=5,
-                         rngs=[np.random.default_rng([r, int(c)]) for c in cohort])
+        plan = data.plan(
+            cohort,
+            num_epochs=opt.local_epochs,
+            batch_size=5,
+            rngs=[np.random.default_rng([r, int(c)]) for c in cohort],
+        )
         steps = plan.num_epochs * plan.steps_per_epoch
         shapes = fedsparse.noise_shapes(state.params, hp, steps)
         gen = torch.Generator().manual_seed(r)
         noise = {k: torch.randn(len(cohort), *s, generator=gen) for k, s in sorted(shapes.items())}
         inputs = CohortInputs(plan, torch.zeros(len(cohort), steps, dtype=torch.int64), noise, None)
-        outs = LoopBackend().run(CohortJob(fedsparse.ALGORITHM, fns, fedsparse.broadcast(state, hp), inputs, hp, opt, r))
+        outs = LoopBackend().run(
+            CohortJob(fedsparse.ALGORITHM, fns, fedsparse.broadcast(state, hp), inputs, hp, opt, r)
+        )
         state, diag = fedsparse.server_update(state, outs, plan.num_examples, hp, opt)
     return float(diag["fedsparse/sparsity"]), [float(m.mean()) for m in state.alive.values()]
 
@@ -416,8 +521,10 @@ def test_sparsity_grows_with_lambda0() -> None:
     """As above, pruning needs lambda0 |g| > c log 99 = 4.6e-4. App. A's low lambda0 = 5e-7 prunes
     no group of |g| <= 201; the high 5e-5 prunes |g| > 9.2, both layers. With mid (above):
     0 < sparsity(mid) < sparsity(high). Two rounds each, as above."""
-    low, high = (sparsity_after(FedSparseConfig(lambda0=lam, server_gate_lr=APP_A_GATE_LR), rounds=2)
-                 for lam in (5e-7, 5e-5))
+    low, high = (
+        sparsity_after(FedSparseConfig(lambda0=lam, server_gate_lr=APP_A_GATE_LR), rounds=2)
+        for lam in (5e-7, 5e-5)
+    )
 
     assert low == (0.0, [1.0, 1.0])
     assert high[1] == [0.0, 0.0]
@@ -463,9 +570,13 @@ def test_server_adam_on_w_is_pytorchs_bias_corrected_adam_by_default() -> None:
         torch_adam.step()
 
         state, _ = server_round(state, hp, opt, deltas, z, weights)
-        plain, _ = server_round(plain, FedSparseConfig(use_server_bias_correction=False), opt, deltas, z, weights)
+        plain, _ = server_round(
+            plain, FedSparseConfig(use_server_bias_correction=False), opt, deltas, z, weights
+        )
 
-        torch.testing.assert_close(state.params, {k: p.detach() for k, p in shadow.items()}, rtol=0.0, atol=1e-15)
+        torch.testing.assert_close(
+            state.params, {k: p.detach() for k, p in shadow.items()}, rtol=0.0, atol=1e-15
+        )
     assert not torch.allclose(plain.params["out.weight"], state.params["out.weight"], rtol=0.0, atol=1e-6)
 
 
@@ -482,9 +593,12 @@ def test_round_one_gate_step_follows_the_votes_and_prunes_only_what_eq_20_would(
     fan_in, votes = 300, torch.tensor([1.0, 0.9, 0.5, 0.2, 0.1, 0.0], dtype=DT)
     g = torch.Generator().manual_seed(5)
     bound = 1 / math.sqrt(fan_in)  # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-    params = {"hidden.weight": (2 * torch.rand(6, fan_in, generator=g, dtype=DT) - 1) * bound,
-              "hidden.bias": (2 * torch.rand(6, generator=g, dtype=DT) - 1) * bound,
-              "out.weight": torch.zeros(1, 6, dtype=DT), "out.bias": torch.zeros(1, dtype=DT)}
+    params = {
+        "hidden.weight": (2 * torch.rand(6, fan_in, generator=g, dtype=DT) - 1) * bound,
+        "hidden.bias": (2 * torch.rand(6, generator=g, dtype=DT) - 1) * bound,
+        "out.weight": torch.zeros(1, 6, dtype=DT),
+        "out.bias": torch.zeros(1, dtype=DT),
+    }
     opt = OptimConfig(server_opt="adam", server_lr=1e-3, server_beta2=0.999, server_tau=1e-8)
     clients = torch.arange(10, dtype=DT)[:, None]
     z = (clients < 10 * votes).to(DT)  # [10, 6]: client s keeps unit g iff s < 10 zbar_g
@@ -494,7 +608,9 @@ def test_round_one_gate_step_follows_the_votes_and_prunes_only_what_eq_20_would(
     theta = {}
     for bounded in (True, False):
         hp = FedSparseConfig(server_gate_lr=APP_A_GATE_LR, use_gate_grad_bound=bounded)
-        state, _ = server_round(fedsparse.server_init(params, hp, opt), hp, opt, deltas, z, torch.ones(10, dtype=DT))
+        state, _ = server_round(
+            fedsparse.server_init(params, hp, opt), hp, opt, deltas, z, torch.ones(10, dtype=DT)
+        )
         logits = fedsparse.gate_logits(state.params, state.gates, layout, hp.temperature)["hidden.weight"]
         theta[bounded] = torch.sigmoid(logits)
         if bounded:

@@ -64,11 +64,21 @@ MASK = torch.tensor([1.0, 1.0, 0.0], dtype=F64)
 def context(q: Quad, round_idx: int, num_epochs: int) -> ClientContext:
     def batch(step: int) -> Batch:
         k = step % 3
-        return Batch(x=SIGNS[k], y=torch.zeros(4, dtype=F64), weight=WEIGHTS[k], key=torch.zeros((), dtype=torch.int64))
+        return Batch(
+            x=SIGNS[k], y=torch.zeros(4, dtype=F64), weight=WEIGHTS[k], key=torch.zeros((), dtype=torch.int64)
+        )
 
-    return ClientContext(loss_fn=q.loss_fn, apply_fn=lambda p, x: x, batch=batch, step_mask=MASK.repeat(num_epochs),
-                         num_examples=torch.tensor(6.0, dtype=F64), num_epochs=num_epochs, steps_per_epoch=3,
-                         round_idx=round_idx, noise={})
+    return ClientContext(
+        loss_fn=q.loss_fn,
+        apply_fn=lambda p, x: x,
+        batch=batch,
+        step_mask=MASK.repeat(num_epochs),
+        num_examples=torch.tensor(6.0, dtype=F64),
+        num_epochs=num_epochs,
+        steps_per_epoch=3,
+        round_idx=round_idx,
+        noise={},
+    )
 
 
 def stack(trees: list) -> object:
@@ -79,16 +89,32 @@ def stack(trees: list) -> object:
 
 
 def cohort(outs: list[ClientOut]) -> ClientOut:
-    return ClientOut(upload=stack([o.upload for o in outs]), state=None, metrics=stack([o.metrics for o in outs]))
+    return ClientOut(
+        upload=stack([o.upload for o in outs]), state=None, metrics=stack([o.metrics for o in outs])
+    )
 
 
 def upload_of(means: list[torch.Tensor], precisions: list[torch.Tensor]) -> ClientOut:
-    return ClientOut(upload={"mean": stack([params_of(m) for m in means]),
-                             "precision": stack([params_of(p) for p in precisions])}, state=None, metrics={})
+    return ClientOut(
+        upload={
+            "mean": stack([params_of(m) for m in means]),
+            "precision": stack([params_of(p) for p in precisions]),
+        },
+        state=None,
+        metrics={},
+    )
 
 
-def run_round(alg_name: str, hp: object, state: fola.ServerState, clients: list[Quad], sizes: torch.Tensor,
-              round_idx: int, opt: OptimConfig, num_epochs: int) -> fola.ServerState:
+def run_round(
+    alg_name: str,
+    hp: object,
+    state: fola.ServerState,
+    clients: list[Quad],
+    sizes: torch.Tensor,
+    round_idx: int,
+    opt: OptimConfig,
+    num_epochs: int,
+) -> fola.ServerState:
     alg = ALGORITHMS[alg_name]
     bc = alg.broadcast(state, hp)
     outs = [alg.client_update(context(q, round_idx, num_epochs), bc, None, hp, opt) for q in clients]
@@ -110,13 +136,17 @@ SIZES = torch.tensor([3.0, 7.0, 12.0], dtype=F64)  # unequal m_n
 OPT = OptimConfig(client_lr=0.2, client_momentum=0.5)
 
 
-@pytest.mark.parametrize(("fisher", "fisher_norm", "prior_form", "clip_norm"), [
-    ("per_sample", "mean", "paper", 0.0),
-    ("batch_sq", "sum_weighted", "code", 0.5),
-    ("per_sample", "sum_weighted", "paper", 0.5),
-])
-def test_fola_client_matches_heavy_ball_recursion(fisher: str, fisher_norm: str, prior_form: str,
-                                                  clip_norm: float) -> None:
+@pytest.mark.parametrize(
+    ("fisher", "fisher_norm", "prior_form", "clip_norm"),
+    [
+        ("per_sample", "mean", "paper", 0.0),
+        ("batch_sq", "sum_weighted", "code", 0.5),
+        ("per_sample", "sum_weighted", "paper", 0.5),
+    ],
+)
+def test_fola_client_matches_heavy_ball_recursion(
+    fisher: str, fisher_norm: str, prior_form: str, clip_norm: float
+) -> None:
     """Round r = 2, broadcast (μ_S, P_S) with P_S > 0, E = 2 epochs of 2 real steps + 1 masked.
 
     Each real step t: d = θ_t − a; g = A d + λ c_r P_S (θ_t − μ_S) with c_r = 1 (paper, Alg. 1)
@@ -130,8 +160,9 @@ def test_fola_client_matches_heavy_ball_recursion(fisher: str, fisher_norm: str,
     g = torch.Generator().manual_seed(2)
     mu_s, p_s = torch.randn(5, generator=g, dtype=F64), 0.2 + torch.rand(5, generator=g, dtype=F64)
     lam, r, lr, m = 0.7, 2, OPT.client_lr, OPT.client_momentum
-    hp = fola.FOLAConfig(lam=lam, fisher=fisher, fisher_norm=fisher_norm, prior_form=prior_form,
-                         clip_norm=clip_norm)
+    hp = fola.FOLAConfig(
+        lam=lam, fisher=fisher, fisher_norm=fisher_norm, prior_form=prior_form, clip_norm=clip_norm
+    )
     c = 1.0 if prior_form == "paper" else 1.0 / r
     theta, v, fisher_sum = mu_s.clone(), torch.zeros(5, dtype=F64), torch.zeros(5, dtype=F64)
     for batch_size in (4, 2, 4, 2):  # the real steps of the two epochs
@@ -146,7 +177,9 @@ def test_fola_client_matches_heavy_ball_recursion(fisher: str, fisher_norm: str,
     f_n = fisher_sum / 4 if fisher_norm == "mean" else fisher_sum
     expected_p = f_n / r + (r - 1) / r * p_s if prior_form == "paper" else p_s + f_n
 
-    out = fola.client_update(context(q, r, 2), fola.ServerState(params_of(mu_s), params_of(p_s)), None, hp, OPT)
+    out = fola.client_update(
+        context(q, r, 2), fola.ServerState(params_of(mu_s), params_of(p_s)), None, hp, OPT
+    )
 
     torch.testing.assert_close(flatten(out.upload["mean"]), theta, rtol=0, atol=1e-12)
     torch.testing.assert_close(flatten(out.upload["precision"]), expected_p, rtol=0, atol=1e-12)
@@ -182,15 +215,22 @@ def test_equal_precisions_reduce_to_fedavg_weighted_mean() -> None:
     theta0 = params_of(torch.randn(5, generator=g, dtype=F64))
     hp = fola.FOLAConfig(damping=0.0)
     deltas = stack([{k: theta0[k] - v for k, v in params_of(m).items()} for m in means])
-    expected, _ = fedavg.server_update(fedavg.server_init(theta0, fedavg.FedAvgConfig(), OPT),
-                                       ClientOut({"delta": deltas}, None, {}), SIZES, fedavg.FedAvgConfig(), OPT)
+    expected, _ = fedavg.server_update(
+        fedavg.server_init(theta0, fedavg.FedAvgConfig(), OPT),
+        ClientOut({"delta": deltas}, None, {}),
+        SIZES,
+        fedavg.FedAvgConfig(),
+        OPT,
+    )
 
-    state, diagnostics = fola.server_update(fola.server_init(theta0, hp, OPT), upload_of(means, [shared] * 3),
-                                            SIZES, hp, OPT)
+    state, diagnostics = fola.server_update(
+        fola.server_init(theta0, hp, OPT), upload_of(means, [shared] * 3), SIZES, hp, OPT
+    )
 
     torch.testing.assert_close(flatten(state.mean), flatten(expected.params), rtol=0, atol=1e-12)
-    torch.testing.assert_close(diagnostics["server/shift_from_fedavg"], torch.zeros((), dtype=F64),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        diagnostics["server/shift_from_fedavg"], torch.zeros((), dtype=F64), rtol=0, atol=1e-12
+    )
 
 
 def test_scaling_all_precisions_keeps_the_mean() -> None:
@@ -219,11 +259,18 @@ def test_damping_shrinks_low_precision_coordinates_towards_zero() -> None:
     alpha = SIZES / SIZES.sum()
     fedavg_mean = sum(a * m for a, m in zip(alpha, means, strict=True))
 
-    state, diagnostics = fola.server_update(fola.server_init(params_of(torch.zeros(5, dtype=F64)), hp, OPT),
-                                            upload_of(means, [torch.full((5,), tiny, dtype=F64)] * 3), SIZES, hp, OPT)
+    state, diagnostics = fola.server_update(
+        fola.server_init(params_of(torch.zeros(5, dtype=F64)), hp, OPT),
+        upload_of(means, [torch.full((5,), tiny, dtype=F64)] * 3),
+        SIZES,
+        hp,
+        OPT,
+    )
 
     torch.testing.assert_close(flatten(state.mean), fedavg_mean * tiny / (tiny + gamma), rtol=1e-12, atol=0)
-    torch.testing.assert_close(flatten(state.precision), torch.full((5,), tiny, dtype=F64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        flatten(state.precision), torch.full((5,), tiny, dtype=F64), rtol=1e-12, atol=0
+    )
     assert float(diagnostics["server/low_precision_frac"]) == 1.0
 
 
@@ -238,7 +285,9 @@ def test_coordinates_without_curvature_take_the_fedavg_mean() -> None:
     hp = fola.FOLAConfig(damping=0.0)
     state0 = fola.server_init(params_of(torch.zeros(5, dtype=F64)), hp, OPT)
     delta = 1e-9
-    reference, _ = fola.server_update(state0, upload_of(means, [p + delta for p in precisions]), SIZES, hp, OPT)
+    reference, _ = fola.server_update(
+        state0, upload_of(means, [p + delta for p in precisions]), SIZES, hp, OPT
+    )
 
     state, diagnostics = fola.server_update(state0, upload_of(means, precisions), SIZES, hp, OPT)
 
@@ -269,9 +318,12 @@ def test_paper_and_code_bookkeeping_give_the_same_means_over_rounds() -> None:
     for r in (1, 2, 3):
         states = {f: run_round("fola", forms[f], states[f], clients, SIZES, r, OPT, 1) for f in forms}
 
-        torch.testing.assert_close(flatten(states["code"].mean), flatten(states["paper"].mean), rtol=0, atol=1e-12)
-        torch.testing.assert_close(flatten(states["code"].precision), r * flatten(states["paper"].precision),
-                                   rtol=1e-12, atol=0)
+        torch.testing.assert_close(
+            flatten(states["code"].mean), flatten(states["paper"].mean), rtol=0, atol=1e-12
+        )
+        torch.testing.assert_close(
+            flatten(states["code"].precision), r * flatten(states["paper"].precision), rtol=1e-12, atol=0
+        )
 
 
 def test_fedcurv_keeps_fedavg_mean_and_averages_offline_fishers() -> None:
@@ -281,13 +333,26 @@ def test_fedcurv_keeps_fedavg_mean_and_averages_offline_fishers() -> None:
     hp, opt = fedcurv.FedCurvConfig(), OptimConfig(client_lr=1.0)
     alpha = SIZES / SIZES.sum()
 
-    state = run_round("fedcurv", hp, fola.server_init(params_of(torch.zeros(5, dtype=F64)), hp, opt), clients,
-                      SIZES, 1, opt, 60)
+    state = run_round(
+        "fedcurv",
+        hp,
+        fola.server_init(params_of(torch.zeros(5, dtype=F64)), hp, opt),
+        clients,
+        SIZES,
+        1,
+        opt,
+        60,
+    )
 
-    torch.testing.assert_close(flatten(state.mean), sum(a * q.a for a, q in zip(alpha, clients, strict=True)),
-                               rtol=0, atol=1e-12)
-    torch.testing.assert_close(flatten(state.precision), sum(a * q.A for a, q in zip(alpha, clients, strict=True)),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        flatten(state.mean), sum(a * q.a for a, q in zip(alpha, clients, strict=True)), rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(
+        flatten(state.precision),
+        sum(a * q.A for a, q in zip(alpha, clients, strict=True)),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 def test_compression_keeps_top_p_and_fills_with_dropped_mean() -> None:
@@ -318,8 +383,10 @@ def test_compressed_upload_bytes_and_server_reconstruction() -> None:
     outs = [fola.client_update(context(q, 1, 1), state0, None, hp, OPT) for q in clients]
     dense = [fola.client_update(context(q, 1, 1), state0, None, dense_hp, OPT) for q in clients]
     expected_bytes = 5 * 8 + sum(kept_count(n, 0.5) * 12 + 8 for n in SPLIT)
-    recon = [decompress_precision(stack([o.upload["precision_compressed"]]), stack([o.upload["mean"]]))
-             for o in outs]
+    recon = [
+        decompress_precision(stack([o.upload["precision_compressed"]]), stack([o.upload["mean"]]))
+        for o in outs
+    ]
     sizes = SIZES[:2]
     expected_p = sum(s * flatten({k: v[0] for k, v in r.items()}) for s, r in zip(sizes, recon, strict=True))
 
@@ -336,8 +403,10 @@ def test_client_update_under_vmap_matches_loop() -> None:
     clients = random_quads(2, seed=10, exact_hessian=False)
     hp = fola.FOLAConfig(lam=0.5, clip_norm=1.0, compress_p=0.5)
     g = torch.Generator().manual_seed(11)
-    bc = fola.ServerState(params_of(torch.randn(5, generator=g, dtype=F64)),
-                          params_of(0.2 + torch.rand(5, generator=g, dtype=F64)))
+    bc = fola.ServerState(
+        params_of(torch.randn(5, generator=g, dtype=F64)),
+        params_of(0.2 + torch.rand(5, generator=g, dtype=F64)),
+    )
 
     def one(a: torch.Tensor, A: torch.Tensor, b: torch.Tensor) -> tuple:
         out = fola.client_update(context(Quad(a, A, b), 2, 2), bc, None, hp, OPT)
@@ -346,27 +415,35 @@ def test_client_update_under_vmap_matches_loop() -> None:
     looped = [one(q.a, q.A, q.b) for q in clients]
     vmapped = torch.func.vmap(one)(*(torch.stack([getattr(q, n) for q in clients]) for n in ("a", "A", "b")))
 
-    torch.testing.assert_close(vmapped, tuple(stack([lp[i] for lp in looped]) for i in range(2)),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        vmapped, tuple(stack([lp[i] for lp in looped]) for i in range(2)), rtol=1e-12, atol=1e-12
+    )
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"lam": -1.0}, r"hp.lam must be >= 0; got -1.0"),
-    ({"fisher": "exact"}, r"hp.fisher must be one of per_sample, batch_sq; got 'exact'"),
-    ({"fisher_norm": "sum"}, r"hp.fisher_norm must be one of mean, sum_weighted; got 'sum'"),
-    ({"prior_form": "eq18"}, r"hp.prior_form must be one of paper, code; got 'eq18'"),
-    ({"damping": -1e-5}, r"hp.damping must be >= 0; got -1e-05"),
-    ({"compress_p": 0.0}, r"hp.compress_p must be in \(0, 1\] \(1 = no compression\); got 0.0"),
-    ({"clip_norm": -1.0}, r"hp.clip_norm must be >= 0 \(0 = no clipping\); got -1.0"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lam": -1.0}, r"hp.lam must be >= 0; got -1.0"),
+        ({"fisher": "exact"}, r"hp.fisher must be one of per_sample, batch_sq; got 'exact'"),
+        ({"fisher_norm": "sum"}, r"hp.fisher_norm must be one of mean, sum_weighted; got 'sum'"),
+        ({"prior_form": "eq18"}, r"hp.prior_form must be one of paper, code; got 'eq18'"),
+        ({"damping": -1e-5}, r"hp.damping must be >= 0; got -1e-05"),
+        ({"compress_p": 0.0}, r"hp.compress_p must be in \(0, 1\] \(1 = no compression\); got 0.0"),
+        ({"clip_norm": -1.0}, r"hp.clip_norm must be >= 0 \(0 = no clipping\); got -1.0"),
+    ],
+)
 def test_invalid_hyperparameters_are_rejected(kwargs: dict, message: str) -> None:
     with pytest.raises(HyperparameterError, match=message):
         fola.FOLAConfig(**kwargs)
 
 
 def test_server_optimiser_is_rejected() -> None:
-    with pytest.raises(HyperparameterError, match=r"train.server_opt/server_lr must be sgd/1.0; got 'adam/1.0'"):
-        fola.server_init(params_of(torch.zeros(5, dtype=F64)), fola.FOLAConfig(), OptimConfig(server_opt="adam"))
+    with pytest.raises(
+        HyperparameterError, match=r"train.server_opt/server_lr must be sgd/1.0; got 'adam/1.0'"
+    ):
+        fola.server_init(
+            params_of(torch.zeros(5, dtype=F64)), fola.FOLAConfig(), OptimConfig(server_opt="adam")
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -376,7 +453,7 @@ def test_server_optimiser_is_rejected() -> None:
 
 def log_gauss(theta: torch.Tensor, mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """log N(θ | μ, diag(var)) for θ [..., 2]."""
-    return (-0.5 * ((theta - mu) ** 2 / var).sum(-1) - 0.5 * torch.log(2 * math.pi * var).sum())
+    return -0.5 * ((theta - mu) ** 2 / var).sum(-1) - 0.5 * torch.log(2 * math.pi * var).sum()
 
 
 def mixture_density(theta: torch.Tensor, alpha: torch.Tensor, mus: list, variances: list) -> torch.Tensor:
@@ -390,10 +467,14 @@ def run_toy(sizes: tuple[float, float], mus: list, variances: list) -> dict[str,
     weights = torch.tensor(sizes, dtype=F64)
     alpha = weights / weights.sum()
     hp = fola.FOLAConfig(damping=0.0)
-    upload = ClientOut(upload={"mean": {"t": torch.stack(mus)}, "precision": {"t": 1.0 / torch.stack(variances)}},
-                       state=None, metrics={})
-    state, _ = fola.server_update(fola.server_init({"t": torch.zeros(2, dtype=F64)}, hp, OPT), upload, weights,
-                                  hp, OPT)
+    upload = ClientOut(
+        upload={"mean": {"t": torch.stack(mus)}, "precision": {"t": 1.0 / torch.stack(variances)}},
+        state=None,
+        metrics={},
+    )
+    state, _ = fola.server_update(
+        fola.server_init({"t": torch.zeros(2, dtype=F64)}, hp, OPT), upload, weights, hp, OPT
+    )
     prod, avg = state.mean["t"], (alpha[:, None] * torch.stack(mus)).sum(0)
     axis = torch.linspace(-1.0, 2.0, 301, dtype=F64)
     grid = torch.stack(torch.meshgrid(axis, axis, indexing="ij"), -1).reshape(-1, 2)
@@ -402,10 +483,18 @@ def run_toy(sizes: tuple[float, float], mus: list, variances: list) -> dict[str,
         mode.requires_grad_(True)
         step = torch.autograd.grad(mixture_density(mode, alpha, mus, variances).log(), mode)[0]
         mode = (mode + 0.01 * step).detach()
-    density = {name: float(mixture_density(p, alpha, mus, variances))
-               for name, p in (("prod", prod), ("avg", avg), ("mode", mode), ("mu1", mus[0]), ("mu2", mus[1]))}
-    return {"prod": prod.tolist(), "avg": avg.tolist(), "mode": mode.tolist(), "precision": state.precision["t"].tolist(),
-            "density": density, "prod_to_mode": float((prod - mode).norm())}
+    density = {
+        name: float(mixture_density(p, alpha, mus, variances))
+        for name, p in (("prod", prod), ("avg", avg), ("mode", mode), ("mu1", mus[0]), ("mu2", mus[1]))
+    }
+    return {
+        "prod": prod.tolist(),
+        "avg": avg.tolist(),
+        "mode": mode.tolist(),
+        "precision": state.precision["t"].tolist(),
+        "density": density,
+        "prod_to_mode": float((prod - mode).norm()),
+    }
 
 
 CROSSED_MUS = [torch.tensor([0.0, 1.0], dtype=F64), torch.tensor([1.0, 0.0], dtype=F64)]
@@ -440,8 +529,9 @@ def test_toy_equal_covariances_product_is_the_average_in_the_valley() -> None:
     toy = run_toy((50.0, 50.0), mus, variances)
     print(f"§9.2 toy case C: {toy}")
 
-    torch.testing.assert_close(torch.tensor(toy["prod"], dtype=F64), torch.tensor(toy["avg"], dtype=F64),
-                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        torch.tensor(toy["prod"], dtype=F64), torch.tensor(toy["avg"], dtype=F64), rtol=0, atol=1e-15
+    )
     assert toy["density"]["avg"] < 0.1 * toy["density"]["mu1"]
 
 

@@ -43,7 +43,12 @@ def test_fedpa_with_its_defaults_samples_and_records_why() -> None:
     assert set(cfg.recommended) == {"train.local_epochs", "hp.burn_in_rounds"}
     assert "Table 6" in cfg.recommended["train.local_epochs"]
     assert run_tags(cfg) == {"fedcli.recommended": "hp.burn_in_rounds=4; train.local_epochs=5"}
-    assert build_config(overrides={"algorithm.name": "fedpa", "train.rounds": 200}).algorithm.hp["burn_in_rounds"] == 14
+    assert (
+        build_config(overrides={"algorithm.name": "fedpa", "train.rounds": 200}).algorithm.hp[
+            "burn_in_rounds"
+        ]
+        == 14
+    )
     assert degeneracies(cfg) == []
 
 
@@ -51,13 +56,25 @@ def test_what_the_user_sets_wins_and_a_resumed_run_keeps_what_ran() -> None:
     """--local-epochs and --hp burn_in_rounds are the user's; resume_config rebuilds the stored request
     (every key set), so a run resumed with more rounds keeps the burn-in it trained with. The same
     computation has the same hash whether its values were recommended or typed."""
-    mine = build_config(overrides={"algorithm.name": "fedpa", "train.local_epochs": 3}, hp={"burn_in_rounds": 7})
-    assert (mine.train.local_epochs, mine.algorithm.hp["burn_in_rounds"], dict(mine.recommended)) == (3, 7, {})
+    mine = build_config(
+        overrides={"algorithm.name": "fedpa", "train.local_epochs": 3}, hp={"burn_in_rounds": 7}
+    )
+    assert (mine.train.local_epochs, mine.algorithm.hp["burn_in_rounds"], dict(mine.recommended)) == (
+        3,
+        7,
+        {},
+    )
     recommended = build_config(overrides={"algorithm.name": "fedpa"})
-    typed = build_config(overrides={"algorithm.name": "fedpa", "train.local_epochs": 5}, hp={"burn_in_rounds": 4})
+    typed = build_config(
+        overrides={"algorithm.name": "fedpa", "train.local_epochs": 5}, hp={"burn_in_rounds": 4}
+    )
     assert recommended.config_hash == typed.config_hash
     resumed = resume_config(recommended.to_dict(), {"train.rounds": 400})
-    assert (resumed.train.rounds, resumed.train.local_epochs, resumed.algorithm.hp["burn_in_rounds"]) == (400, 5, 4)
+    assert (resumed.train.rounds, resumed.train.local_epochs, resumed.algorithm.hp["burn_in_rounds"]) == (
+        400,
+        5,
+        4,
+    )
 
 
 def test_fedlap_damps_by_its_cohort_and_fedprox_needs_no_hp() -> None:
@@ -66,7 +83,10 @@ def test_fedlap_damps_by_its_cohort_and_fedprox_needs_no_hp() -> None:
     assert build_config(overrides={"algorithm.name": "fedlap"}).algorithm.hp["damping"] == pytest.approx(0.1)
     cfg = build_config(overrides={"algorithm.name": "fedlap", "train.clients_per_round": 20})
     assert cfg.algorithm.hp["damping"] == pytest.approx(0.05)
-    assert build_config(overrides={"algorithm.name": "fedlap"}, hp={"damping": 0.01}).algorithm.hp["damping"] == 0.01
+    assert (
+        build_config(overrides={"algorithm.name": "fedlap"}, hp={"damping": 0.01}).algorithm.hp["damping"]
+        == 0.01
+    )
     assert build_config(overrides={"algorithm.name": "fedprox"}).algorithm.hp == {"mu": 0.1}
 
 
@@ -76,7 +96,9 @@ def test_mnist_without_a_scheme_gets_the_readme_split_and_says_so() -> None:
     cfg = build_config(overrides={"data.task": "mnist"})
     assert (cfg.partition.scheme, cfg.partition.alpha, cfg.partition.num_clients) == ("dirichlet", 0.3, 100)
     assert "partition.scheme=dirichlet" in run_tags(cfg)["fedcli.recommended"]
-    iid = build_config(overrides={"data.task": "mnist", "partition.scheme": "iid", "partition.num_clients": 10})
+    iid = build_config(
+        overrides={"data.task": "mnist", "partition.scheme": "iid", "partition.num_clients": 10}
+    )
     assert (iid.partition.scheme, iid.partition.alpha, dict(iid.recommended)) == ("iid", None, {})
 
 
@@ -85,29 +107,56 @@ def test_stored_hashes_of_configs_without_recommendations_are_unchanged() -> Non
     assert build_config().config_hash == "273f0734dc2c261d9123e9b7f71523d5baeb3dcd2fa83544fbbc7c9bcca6e82e"
     scaffold = {"algorithm.name": "scaffold", "train.executor": "vmap"}
     assert build_config(overrides=scaffold).config_hash == (
-        "6f08191a5c36723a11a90a59d783ba568c7d14ad2c568e0a5904f51b1422fb3c")
+        "6f08191a5c36723a11a90a59d783ba568c7d14ad2c568e0a5904f51b1422fb3c"
+    )
 
 
 # ------------------------------------------------------------------------------------------ degeneracy
 
 DEGENERATE = [  # (overrides, hp, code, words of the fix)
-    ({"algorithm.name": "fedpa", "train.local_epochs": 5}, {"burn_in_rounds": 100}, "fedpa:all-burn-in",
-     "lower --hp burn_in_rounds"),
-    ({"algorithm.name": "fedpa", "train.local_epochs": 1}, {}, "fedpa:one-sample", "--local-epochs 3 or more"),
-    ({"algorithm.name": "fedpa", "train.local_epochs": 2}, {}, "fedpa:one-sample", "--local-epochs 3 or more"),
+    (
+        {"algorithm.name": "fedpa", "train.local_epochs": 5},
+        {"burn_in_rounds": 100},
+        "fedpa:all-burn-in",
+        "lower --hp burn_in_rounds",
+    ),
+    (
+        {"algorithm.name": "fedpa", "train.local_epochs": 1},
+        {},
+        "fedpa:one-sample",
+        "--local-epochs 3 or more",
+    ),
+    (
+        {"algorithm.name": "fedpa", "train.local_epochs": 2},
+        {},
+        "fedpa:one-sample",
+        "--local-epochs 3 or more",
+    ),
     ({"algorithm.name": "fedpa"}, {"rho": 0.0}, "fedpa:rho-zero", "--hp rho=0.1"),
     ({"algorithm.name": "fedprox"}, {"mu": 0.0}, "fedprox:mu-zero", "--hp mu=0.1"),
-    ({"algorithm.name": "fedsparse"}, {"init_inclusion": 1.0}, "fedsparse:no-gates", "--hp init_inclusion=0.99"),
-    ({"algorithm.name": "fedsparse", "data.task": "synthetic-1-1"}, {}, "fedsparse:no-gates", "hidden layers"),
+    (
+        {"algorithm.name": "fedsparse"},
+        {"init_inclusion": 1.0},
+        "fedsparse:no-gates",
+        "--hp init_inclusion=0.99",
+    ),
+    (
+        {"algorithm.name": "fedsparse", "data.task": "synthetic-1-1"},
+        {},
+        "fedsparse:no-gates",
+        "hidden layers",
+    ),
     ({"algorithm.name": "bayesadmm-iso"}, {}, "bayesadmm-iso:fedadmm", "run fedadmm"),
     ({"algorithm.name": "fedcurv"}, {"lam": 0.0}, "fedcurv:lam-zero", "--hp lam=1"),
 ]
 
 
-@pytest.mark.parametrize(("overrides", "hp", "code", "fix"), DEGENERATE, ids=[c[2] + str(i) for i, c in
-                                                                            enumerate(DEGENERATE)])
-def test_each_degenerate_configuration_is_one_warning_line_with_its_fix(overrides: dict, hp: dict, code: str,
-                                                                       fix: str) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "hp", "code", "fix"), DEGENERATE, ids=[c[2] + str(i) for i, c in enumerate(DEGENERATE)]
+)
+def test_each_degenerate_configuration_is_one_warning_line_with_its_fix(
+    overrides: dict, hp: dict, code: str, fix: str
+) -> None:
     cfg = build_config(overrides=overrides, hp=hp)
     found = degeneracies(cfg)
     assert [d.code for d in found] == [code]
@@ -131,17 +180,23 @@ SHORTFALLS = [  # (algorithm, task, overrides, the code, words of the message): 
 ]
 
 
-@pytest.mark.parametrize(("algo", "task", "overrides", "code", "words"), SHORTFALLS,
-                         ids=[f"{a}-{t}" for a, t, *_ in SHORTFALLS])
+@pytest.mark.parametrize(
+    ("algo", "task", "overrides", "code", "words"), SHORTFALLS, ids=[f"{a}-{t}" for a, t, *_ in SHORTFALLS]
+)
 def test_a_known_shortfall_is_one_warning_line_and_its_own_tag_not_a_degeneracy(
-        algo: str, task: str, overrides: dict, code: str, words: str) -> None:
+    algo: str, task: str, overrides: dict, code: str, words: str
+) -> None:
     """Where the matrix measured an algorithm below FedAvg - 3 points at its defaults and the cause is its
     own (the paper's offline ablation; the released configs' 10 epochs at a one-epoch lr), the run warns
     before it starts ("is known to trail FedAvg here") and records tag fedcli.shortfall, not fedcli.degenerate."""
     cfg = build_config(overrides={"algorithm.name": algo, "data.task": task, **overrides})
     assert degeneracies(cfg) == [] and [d.code for d in shortfalls(cfg)] == [code]
     lines = warn_degenerate([cfg])
-    assert len(lines) == 1 and lines[0].startswith(f"{algo} is known to trail FedAvg here: ") and words in lines[0]
+    assert (
+        len(lines) == 1
+        and lines[0].startswith(f"{algo} is known to trail FedAvg here: ")
+        and words in lines[0]
+    )
     tags = run_tags(cfg)
     assert tags["fedcli.shortfall"].startswith(f"{code}: ") and "fedcli.degenerate" not in tags
 
@@ -149,8 +204,12 @@ def test_a_known_shortfall_is_one_warning_line_and_its_own_tag_not_a_degeneracy(
 def test_no_shortfall_where_the_matrix_met_the_targets() -> None:
     """fola-offline met FedAvg on mnist and synthetic-iid; fedlap at one epoch met it on synthetic-1-1; bayesadmm
     at bibtex's default 50 rounds drew level with FedAvg."""
-    for algo, task in (("fola-offline", "mnist"), ("fola-offline", "synthetic-iid"), ("fedlap", "synthetic-1-1"),
-                       ("bayesadmm", "bibtex")):
+    for algo, task in (
+        ("fola-offline", "mnist"),
+        ("fola-offline", "synthetic-iid"),
+        ("fedlap", "synthetic-1-1"),
+        ("bayesadmm", "bibtex"),
+    ):
         cfg = build_config(overrides={"algorithm.name": algo, "data.task": task})
         assert shortfalls(cfg) == [] and warn_degenerate([cfg]) == [], (algo, task)
 
@@ -158,44 +217,81 @@ def test_no_shortfall_where_the_matrix_met_the_targets() -> None:
 def test_fedlap_recommends_one_epoch_on_the_shifted_synthetic_sets_and_ten_elsewhere() -> None:
     """The released configs' E = 10 drifts the clients at the shifted sets' one-epoch lr 0.1 (fedlap 65.8 / 66.2
     vs FedAvg 74.8 / 72.1 % on synthetic-1-1); E = 1 met FedAvg there (77.4 / 74.9 %)."""
-    epochs = {t: build_config(overrides={"algorithm.name": "fedlap", "data.task": t}).train.local_epochs
-              for t in ("synthetic-0.5-0.5", "synthetic-1-1", "synthetic-0-0", "synthetic-iid", "femnist")}
-    assert epochs == {"synthetic-0.5-0.5": 1, "synthetic-1-1": 1, "synthetic-0-0": 10, "synthetic-iid": 10,
-                      "femnist": 10}
+    epochs = {
+        t: build_config(overrides={"algorithm.name": "fedlap", "data.task": t}).train.local_epochs
+        for t in ("synthetic-0.5-0.5", "synthetic-1-1", "synthetic-0-0", "synthetic-iid", "femnist")
+    }
+    assert epochs == {
+        "synthetic-0.5-0.5": 1,
+        "synthetic-1-1": 1,
+        "synthetic-0-0": 10,
+        "synthetic-iid": 10,
+        "femnist": 10,
+    }
 
 
 def test_a_sweep_over_a_key_without_effect_is_named() -> None:
     """hp.rho swept for FedPA with 2 local epochs (l = 1: rho inert) and server_momentum swept with the
     sgd server: each trial pair repeats one run; the sweep warns once per key and once per degeneracy."""
-    trials = [build_config(overrides={"algorithm.name": "fedpa", "train.local_epochs": 2, "train.server_momentum": m},
-                           hp={"rho": rho}) for rho in (0.01, 0.1) for m in (0.5, 0.9)]
+    trials = [
+        build_config(
+            overrides={"algorithm.name": "fedpa", "train.local_epochs": 2, "train.server_momentum": m},
+            hp={"rho": rho},
+        )
+        for rho in (0.01, 0.1)
+        for m in (0.5, 0.9)
+    ]
     lines = warn_degenerate(trials, swept=["hp.rho", "train.server_momentum"])
     assert len(lines) == 3
     assert any(line.startswith("swept key hp.rho has no effect in 4 trial(s) (fedpa)") for line in lines)
-    assert any(line.startswith("swept key train.server_momentum has no effect in 4 trial(s) (server_opt=sgd)")
-               for line in lines)
+    assert any(
+        line.startswith("swept key train.server_momentum has no effect in 4 trial(s) (server_opt=sgd)")
+        for line in lines
+    )
 
 
 def test_a_sweep_whose_trials_differ_in_a_recommended_shared_key_says_so() -> None:
     """fedavg vs fedpa without local_epochs in the spec: fedpa takes 5 from its recommendation, fedavg
     keeps 1, so the sweep compares unequal settings; one line says which key and how to align it."""
     trials = [build_config(overrides={"algorithm.name": a}) for a in ("fedavg", "fedpa")]
-    assert warn_degenerate(trials) == ["trials differ in train.local_epochs through recommendations (fedavg 1, "
-                                       "fedpa 5): set local_epochs in the spec's base to compare at equal settings."]
-    aligned = [build_config(overrides={"algorithm.name": a, "train.local_epochs": 5}) for a in ("fedavg", "fedpa")]
+    assert warn_degenerate(trials) == [
+        "trials differ in train.local_epochs through recommendations (fedavg 1, "
+        "fedpa 5): set local_epochs in the spec's base to compare at equal settings."
+    ]
+    aligned = [
+        build_config(overrides={"algorithm.name": a, "train.local_epochs": 5}) for a in ("fedavg", "fedpa")
+    ]
     assert warn_degenerate(aligned) == []
 
 
 def test_train_warns_and_records_the_degeneracy(tmp_path: Path) -> None:
     """The user's path: `fedcli train` prints the one line on stderr (before training) and the run's tag
     holds it for `fedcli report`."""
-    cmd = [sys.executable, "-m", "fedcli", "-q", "train", "--algo", "fedprox", "--hp", "mu=0", "--task", "lsq",
-           "--rounds", "2", "--no-mlflow", "--root", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedcli",
+        "-q",
+        "train",
+        "--algo",
+        "fedprox",
+        "--hp",
+        "mu=0",
+        "--task",
+        "lsq",
+        "--rounds",
+        "2",
+        "--no-mlflow",
+        "--root",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
-    assert warnings == ["warning: fedprox is degenerate here: hp.mu=0 removes the proximal term: the run is FedAvg "
-                        "exactly; use --hp mu=0.1 (Li et al.'s grid: 0.001, 0.01, 0.1, 1)."]
+    assert warnings == [
+        "warning: fedprox is degenerate here: hp.mu=0 removes the proximal term: the run is FedAvg "
+        "exactly; use --hp mu=0.1 (Li et al.'s grid: 0.001, 0.01, 0.1, 1)."
+    ]
     with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
         tags = store.get_run(proc.stdout.strip().splitlines()[-1]).tags
     assert tags["fedcli.degenerate"].startswith("fedprox:mu-zero: hp.mu=0 removes the proximal term")
@@ -203,10 +299,26 @@ def test_train_warns_and_records_the_degeneracy(tmp_path: Path) -> None:
 
 def test_sweep_dry_run_warns_about_a_swept_key_without_effect(tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
-    spec.write_text("experiment: inert\nbase: {task: lsq, rounds: 2, local_epochs: 2}\n"
-                    "grid: {algo: [fedpa], hp.rho: [0.01, 0.1]}\nseeds: [0]\n")
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "sweep", str(spec), "--dry-run", "--root", str(tmp_path),
-                           "--no-mlflow"], capture_output=True, text=True, timeout=300)
+    spec.write_text(
+        "experiment: inert\nbase: {task: lsq, rounds: 2, local_epochs: 2}\n"
+        "grid: {algo: [fedpa], hp.rho: [0.01, 0.1]}\nseeds: [0]\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "sweep",
+            str(spec),
+            "--dry-run",
+            "--root",
+            str(tmp_path),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 2 and "fedpa:" not in warnings[0] and "l = 1 IASG sample" in warnings[0]
@@ -233,11 +345,15 @@ def test_fedsparse_app_a_first_gate_step_erases_the_inclusion_margin() -> None:
     v = tau + torch.log(-torch.expm1(-tau))  # softplus^-1
     zeros = {"g": torch.zeros(1, dtype=torch.float64)}
     state = fedsparse.AdamaxState(zeros, zeros, torch.zeros((), dtype=torch.int64))
-    grad = {"g": torch.sigmoid(v) / temperature * (0.9 - 0.99)}  # 9 of 10 clients keep the gate: mean z - theta
+    grad = {
+        "g": torch.sigmoid(v) / temperature * (0.9 - 0.99)
+    }  # 9 of 10 clients keep the gate: mean z - theta
     for lr, lowest in ((1e-2, 0.5), (1e-3, 0.98)):
         new, _ = fedsparse.adamax_step({"g": v}, grad, state, lr)  # server_update's step on v
         rise = float(torch.nn.functional.softplus(new["g"]) - tau)
-        assert rise == pytest.approx(lr * float(torch.sigmoid(v)), rel=1e-2)  # softplus' = sigmoid, to first order
+        assert rise == pytest.approx(
+            lr * float(torch.sigmoid(v)), rel=1e-2
+        )  # softplus' = sigmoid, to first order
         theta = float(torch.sigmoid(torch.tensor((margin - rise) / temperature)))
         assert theta > lowest and (lr == 1e-3 or theta < 0.6)
 
@@ -245,17 +361,28 @@ def test_fedsparse_app_a_first_gate_step_erases_the_inclusion_margin() -> None:
 # ------------------------------------------------------------------------------------------ the short matrix
 
 
-def _train(algo: str, task: str, rounds: int, root: Path, metric: str = "eval/accuracy",
-           **overrides: object) -> tuple[list[float], list[float], dict[str, str]]:
+def _train(
+    algo: str, task: str, rounds: int, root: Path, metric: str = "eval/accuracy", **overrides: object
+) -> tuple[list[float], list[float], dict[str, str]]:
     """One in-process run with the algorithm's defaults (as `fedcli train --algo A --task T --rounds R`, plus
     `overrides`, e.g. a smaller cohort): (`metric` by round, loss by round, tags); round 0 is the initial model."""
     from fedcli.engine.train import train
     from fedcli.tracking.sinks import Tracker
 
     url = f"sqlite:///{root / 'fedcli.db'}"
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": task, "train.rounds": rounds,
-                                  "train.threads": 1, "tracking.store": url, "tracking.root": str(root),
-                                  "tracking.use_mlflow": False, "tracking.experiment": "oob", **overrides})
+    cfg = build_config(
+        overrides={
+            "algorithm.name": algo,
+            "data.task": task,
+            "train.rounds": rounds,
+            "train.threads": 1,
+            "tracking.store": url,
+            "tracking.root": str(root),
+            "tracking.use_mlflow": False,
+            "tracking.experiment": "oob",
+            **overrides,
+        }
+    )
     with SqlStore(url) as store:
         result = train(cfg, tracker=Tracker(store))
         frame = store.metrics_frame([result.run_id], keys=[metric, "eval/loss"]).sort_values("round_idx")
@@ -266,10 +393,23 @@ def _train(algo: str, task: str, rounds: int, root: Path, metric: str = "eval/ac
 
 # task -> (rounds, clients per round) of the short matrix: few rounds at which FedAvg with the task's defaults
 # clears the target below (FEMNIST's MLP sits at the majority rate for ~8 rounds at E = 1: 15 rounds)
-SHORT = {"femnist": (15, 10), "mnist": (8, 10), "har": (5, 10), "vehicle": (5, 10), "synthetic-0-0": (10, 10),
-         "synthetic-0.5-0.5": (10, 10), "synthetic-1-1": (10, 10), "synthetic-iid": (10, 10), "bibtex": (12, 10),
-         "shakespeare": (1, 2), "lsq": (3, 10), "garnet-het-n10": (3, 10),
-         "garnet-het-n100": (3, 10), "garnet-hom-n10": (3, 10), "garnet-hom-n100": (3, 10)}
+SHORT = {
+    "femnist": (15, 10),
+    "mnist": (8, 10),
+    "har": (5, 10),
+    "vehicle": (5, 10),
+    "synthetic-0-0": (10, 10),
+    "synthetic-0.5-0.5": (10, 10),
+    "synthetic-1-1": (10, 10),
+    "synthetic-iid": (10, 10),
+    "bibtex": (12, 10),
+    "shakespeare": (1, 2),
+    "lsq": (3, 10),
+    "garnet-het-n10": (3, 10),
+    "garnet-het-n100": (3, 10),
+    "garnet-hom-n10": (3, 10),
+    "garnet-hom-n100": (3, 10),
+}
 
 
 def test_short_matrix_covers_every_task_of_make_matrix() -> None:
@@ -281,17 +421,23 @@ def test_short_matrix_covers_every_task_of_make_matrix() -> None:
 def _cells() -> list[tuple[str, str]]:
     from tests.benchmarks.matrix import applies
 
-    return [(task, algo) for task in SHORT for algo in ["fedavg", *(a for a in ALGORITHMS if a != "fedavg")]
-            if algo != "bayesadmm-full" and applies(algo, task)]
+    return [
+        (task, algo)
+        for task in SHORT
+        for algo in ["fedavg", *(a for a in ALGORITHMS if a != "fedavg")]
+        if algo != "bayesadmm-full" and applies(algo, task)
+    ]
 
 
-_FEDAVG: dict[str, tuple[list[float], list[float]]] = {}  # task -> FedAvg's (metric, loss) curves, once per session
+_FEDAVG: dict[
+    str, tuple[list[float], list[float]]
+] = {}  # task -> FedAvg's (metric, loss) curves, once per session
 
 
 @pytest.mark.parametrize(("task", "algo"), _cells(), ids=[f"{t}-{a}" for t, a in _cells()])
-def test_short_matrix_every_algorithm_learns_and_none_is_silently_fedavg(task: str, algo: str,
-                                                                         tmp_path_factory: pytest.TempPathFactory
-                                                                         ) -> None:
+def test_short_matrix_every_algorithm_learns_and_none_is_silently_fedavg(
+    task: str, algo: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """`make matrix`'s checks, a few rounds per cell (SHORT; one seed; `fedcli train` defaults otherwise),
     every algorithm that applies to the task (bayesadmm-full is left to `make matrix`: 8 s a round; bayesadmm,
     whose recommended 10 local epochs make a round 10x FedAvg's, runs 1 round and is only compared with
@@ -319,15 +465,27 @@ def test_short_matrix_every_algorithm_learns_and_none_is_silently_fedavg(task: s
         _FEDAVG[task] = (values, loss)
     elif task in _FEDAVG:  # run fedavg-first: the same session
         fedavg_loss = _FEDAVG[task][1]
-        assert loss != fedavg_loss[: rounds + 1] or "fedcli.degenerate" in tags \
-            or bool(ALGORITHMS[algo].caveats) and kind == "lsa", f"{algo} trains FedAvg's model on {task}, unwarned"
+        assert (
+            loss != fedavg_loss[: rounds + 1]
+            or "fedcli.degenerate" in tags
+            or bool(ALGORITHMS[algo].caveats)
+            and kind == "lsa"
+        ), f"{algo} trains FedAvg's model on {task}, unwarned"
     else:
-        _, fedavg_loss, _ = _train("fedavg", task, rounds, root, metric, **{"train.clients_per_round": cohort})
-        assert loss != fedavg_loss or "fedcli.degenerate" in tags \
-            or bool(ALGORITHMS[algo].caveats) and kind == "lsa", f"{algo} trains FedAvg's model on {task}, unwarned"
+        _, fedavg_loss, _ = _train(
+            "fedavg", task, rounds, root, metric, **{"train.clients_per_round": cohort}
+        )
+        assert (
+            loss != fedavg_loss
+            or "fedcli.degenerate" in tags
+            or bool(ALGORITHMS[algo].caveats)
+            and kind == "lsa"
+        ), f"{algo} trains FedAvg's model on {task}, unwarned"
     if algo == "bayesadmm":
         return
-    final = values[-1] if kind != "classification" else max(values[1:])  # a few rounds in, accuracy still jumps
+    final = (
+        values[-1] if kind != "classification" else max(values[1:])
+    )  # a few rounds in, accuracy still jumps
     if kind == "classification":
         base = baseline(task)[1]
         assert base is not None and final > base + 0.05, (algo, task, final, base)
@@ -352,9 +510,15 @@ def test_bibtex_fedavg_at_its_defaults_predicts_tags_and_beats_the_trivial_predi
     micro = list(frame["value"])
     trivial = trivial_multilabel("bibtex")
     assert len(micro) == len(macro) == 9  # both logged at every round, 0 to 8
-    assert micro[-1] > trivial["eval/micro_f1"] and macro[-1] > trivial["eval/macro_f1"], (micro, macro, trivial)
-    assert run.config["data"]["f1_rule"].startswith("the 2 highest-scoring tags") and \
-        run.config["train"]["client_lr"] == 0.3
+    assert micro[-1] > trivial["eval/micro_f1"] and macro[-1] > trivial["eval/macro_f1"], (
+        micro,
+        macro,
+        trivial,
+    )
+    assert (
+        run.config["data"]["f1_rule"].startswith("the 2 highest-scoring tags")
+        and run.config["train"]["client_lr"] == 0.3
+    )
 
 
 def test_fedpa_with_its_defaults_is_not_fedavg_with_its_defaults(tmp_path: Path) -> None:
@@ -373,8 +537,10 @@ def test_the_readme_loop_compares_fedpa_that_samples_at_equal_settings() -> None
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     loop = next(line for line in readme.splitlines() if "fedcli -q train --algo $algo" in line)
     assert "--local-epochs 5" in loop
-    fedavg, fedpa = (build_config(overrides={"algorithm.name": a, "train.local_epochs": 5, "train.threads": 1})
-                     for a in ("fedavg", "fedpa"))
+    fedavg, fedpa = (
+        build_config(overrides={"algorithm.name": a, "train.local_epochs": 5, "train.threads": 1})
+        for a in ("fedavg", "fedpa")
+    )
     assert fedavg.train == fedpa.train and degeneracies(fedpa) == []
     assert fedpa.algorithm.hp["burn_in_rounds"] == 4 < fedpa.train.rounds
 
@@ -393,7 +559,9 @@ def test_list_algos_shows_the_recommendations_and_the_caveats() -> None:
     assert "recommended for a run that does not set them" in shown.stdout
 
 
-def test_evaluate_says_when_and_why_the_posterior_ensemble_is_worse_than_the_mean_model(tmp_path: Path) -> None:
+def test_evaluate_says_when_and_why_the_posterior_ensemble_is_worse_than_the_mean_model(
+    tmp_path: Path,
+) -> None:
     """FOLA's posterior (n P_S + delta_l, finite everywhere) on a short run: `fedcli evaluate --predictive
     ensemble` prints one warning line exactly when the ensemble's accuracy or loss is worse than the
     mean model's (computed here from the two --json outputs), naming the share of wide weights."""
@@ -410,9 +578,14 @@ def test_evaluate_says_when_and_why_the_posterior_ensemble_is_worse_than_the_mea
     result = runner.invoke(app, [*base, "--predictive", "ensemble", "--samples", "4"])
     assert result.exit_code == 0, result.output
     ensemble = json.loads(result.stdout)["metrics"]
-    worse = (ensemble["test/ensemble/accuracy"] < mean["test/accuracy"]
-             or ensemble["test/ensemble/loss"] > mean["test/loss"])
+    worse = (
+        ensemble["test/ensemble/accuracy"] < mean["test/accuracy"]
+        or ensemble["test/ensemble/loss"] > mean["test/loss"]
+    )
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == int(worse)
     if worse:
-        assert "worse than the run's mean model" in warnings[0] and "% of the weights have a posterior std" in warnings[0]
+        assert (
+            "worse than the run's mean model" in warnings[0]
+            and "% of the weights have a posterior std" in warnings[0]
+        )

@@ -44,17 +44,28 @@ def context(batches: list[Batch], epochs: int, mask: list[float] | None = None) 
     """A ClientContext cycling through `batches` each epoch (step s uses batches[s % K])."""
     k = len(batches)
     step_mask = torch.tensor(mask * epochs if mask else [1.0] * (k * epochs), dtype=DT)
-    return ClientContext(loss_fn=quad_loss, apply_fn=lambda p, v: v, batch=lambda s: batches[s % k],
-                         step_mask=step_mask, num_examples=torch.tensor(1.0, dtype=DT), num_epochs=epochs,
-                         steps_per_epoch=k, round_idx=1, noise={})
+    return ClientContext(
+        loss_fn=quad_loss,
+        apply_fn=lambda p, v: v,
+        batch=lambda s: batches[s % k],
+        step_mask=step_mask,
+        num_examples=torch.tensor(1.0, dtype=DT),
+        num_epochs=epochs,
+        steps_per_epoch=k,
+        round_idx=1,
+        noise={},
+    )
 
 
 def full_batch(a_mat: torch.Tensor, a_vec: torch.Tensor) -> Batch:
-    return Batch(x=a_mat[None], y=a_vec[None], weight=torch.ones(1, dtype=DT), key=torch.zeros((), dtype=torch.int64))
+    return Batch(
+        x=a_mat[None], y=a_vec[None], weight=torch.ones(1, dtype=DT), key=torch.zeros((), dtype=torch.int64)
+    )
 
 
 def stack(outs: list[ClientOut]) -> ClientOut:
     """Stack per-client outputs on a leading client axis, as the executors do."""
+
     def stacked(field: int) -> object:
         parts = [tuple(o)[field] for o in outs]
         return None if parts[0] is None else pytree.tree_map(lambda *xs: torch.stack(xs), *parts)
@@ -78,7 +89,9 @@ def run_rounds(alg_client, alg_server, state, bc_fn, clients, cohorts, states, w
 def scaffold_state(x: torch.Tensor, c: torch.Tensor, weight: float) -> scaffold.ServerState:
     """A server state broadcasting (x, c): control_sum = weight * c over visited weight `weight`."""
     params = {"w": x}
-    return scaffold.ServerState(params, server_opt_init(params), {"w": weight * c}, torch.tensor(weight, dtype=DT))
+    return scaffold.ServerState(
+        params, server_opt_init(params), {"w": weight * c}, torch.tensor(weight, dtype=DT)
+    )
 
 
 @pytest.mark.parametrize("option", ["I", "II"])
@@ -98,8 +111,9 @@ def test_one_round_matches_closed_form(option: str) -> None:
     batch = full_batch(a_mat, a_vec)
     ctx = context([batch, batch, batch], epochs=2, mask=[1.0, 1.0, 0.0])
 
-    out = scaffold.client_update(ctx, bc, scaffold.ClientState({"w": c_i}, torch.tensor(1.0)), hp,
-                                 OptimConfig(client_lr=lr))
+    out = scaffold.client_update(
+        ctx, bc, scaffold.ClientState({"w": c_i}, torch.tensor(1.0)), hp, OptimConfig(client_lr=lr)
+    )
 
     torch.testing.assert_close(bc.control["w"], c, rtol=0.0, atol=1e-15)
     torch.testing.assert_close(out.upload["delta"]["w"], x - y_k, rtol=0.0, atol=1e-12)
@@ -115,16 +129,28 @@ def test_option_one_is_the_full_local_gradient_over_unequal_batches() -> None:
     x = torch.tensor([0.5, 0.5, -1.0], dtype=DT)
     expected = sum(m @ (x - v) for m, v in quads) / 3
     key = torch.zeros((), dtype=torch.int64)
-    first = Batch(x=torch.stack([quads[0][0], quads[1][0]]), y=torch.stack([quads[0][1], quads[1][1]]),
-                  weight=torch.ones(2, dtype=DT), key=key)
-    second = Batch(x=torch.stack([quads[2][0], quads[2][0]]), y=torch.stack([quads[2][1], quads[2][1]]),
-                   weight=torch.tensor([1.0, 0.0], dtype=DT), key=key)
+    first = Batch(
+        x=torch.stack([quads[0][0], quads[1][0]]),
+        y=torch.stack([quads[0][1], quads[1][1]]),
+        weight=torch.ones(2, dtype=DT),
+        key=key,
+    )
+    second = Batch(
+        x=torch.stack([quads[2][0], quads[2][0]]),
+        y=torch.stack([quads[2][1], quads[2][1]]),
+        weight=torch.tensor([1.0, 0.0], dtype=DT),
+        key=key,
+    )
     hp = scaffold.ScaffoldConfig(option="I")
     params = {"w": x}
 
-    out = scaffold.client_update(context([first, second], epochs=1), scaffold.broadcast(
-        scaffold.server_init(params, hp, OptimConfig()), hp), scaffold.init_client_state(params, hp), hp,
-        OptimConfig(client_lr=0.1))
+    out = scaffold.client_update(
+        context([first, second], epochs=1),
+        scaffold.broadcast(scaffold.server_init(params, hp, OptimConfig()), hp),
+        scaffold.init_client_state(params, hp),
+        hp,
+        OptimConfig(client_lr=0.1),
+    )
 
     torch.testing.assert_close(out.state.control["w"], expected, rtol=0.0, atol=1e-12)
     assert float(out.upload["first_visit"]) == 1.0
@@ -140,23 +166,36 @@ def test_converges_to_the_global_optimum_where_fedavg_is_biased(option: str) -> 
     checked to be non-zero so that this test can fail."""
     quads = [quadratic(s) for s in (5, 6, 7)]
     n = torch.tensor([1.0, 2.0, 5.0], dtype=DT)
-    x_star = torch.linalg.solve(sum(q * m for q, (m, _) in zip(n, quads, strict=True)),
-                                sum(q * m @ v for q, (m, v) in zip(n, quads, strict=True)))
+    x_star = torch.linalg.solve(
+        sum(q * m for q, (m, _) in zip(n, quads, strict=True)),
+        sum(q * m @ v for q, (m, v) in zip(n, quads, strict=True)),
+    )
     clients = [context([full_batch(m, v)], epochs=5) for m, v in quads]
     hp, opt = scaffold.ScaffoldConfig(option=option), OptimConfig(client_lr=0.25)
     params = {"w": torch.zeros(D, dtype=DT)}
     states = {i: scaffold.init_client_state(params, hp) for i in range(3)}
 
-    final, _ = run_rounds(scaffold.client_update, scaffold.server_update, scaffold.server_init(params, hp, opt),
-                          scaffold.broadcast, clients, [(0, 1, 2)] * 40, states, n, hp, opt)
+    final, _ = run_rounds(
+        scaffold.client_update,
+        scaffold.server_update,
+        scaffold.server_init(params, hp, opt),
+        scaffold.broadcast,
+        clients,
+        [(0, 1, 2)] * 40,
+        states,
+        n,
+        hp,
+        opt,
+    )
     a_bar = torch.stack([m for m, _ in quads])
     fedavg_bias = fedlsa.fedlsa_bias(a_bar, torch.stack([m @ v for m, v in quads]), 0.25, 5, weights=n)
 
     torch.testing.assert_close(final.params["w"], x_star, rtol=0.0, atol=1e-10)
     for i, (m, v) in enumerate(quads):
         torch.testing.assert_close(states[i].control["w"], m @ (x_star - v), rtol=0.0, atol=1e-9)
-    torch.testing.assert_close(scaffold.broadcast(final, hp).control["w"], torch.zeros(D, dtype=DT),
-                               rtol=0.0, atol=1e-9)
+    torch.testing.assert_close(
+        scaffold.broadcast(final, hp).control["w"], torch.zeros(D, dtype=DT), rtol=0.0, atol=1e-9
+    )
     assert float(fedavg_bias.norm()) > 1e-2
 
 
@@ -174,10 +213,30 @@ def test_one_local_step_equals_fedavg_sgd(option: str) -> None:
     params = {"w": torch.tensor([1.0, 2.0, -1.0], dtype=DT)}
     states = {i: scaffold.init_client_state(params, hp) for i in range(3)}
 
-    _, ours = run_rounds(scaffold.client_update, scaffold.server_update, scaffold.server_init(params, hp, opt),
-                         scaffold.broadcast, clients, [(0, 1, 2)] * 4, states, n, hp, opt)
-    _, avg = run_rounds(fedavg.client_update, fedavg.server_update, fedavg.server_init(params, hp, opt),
-                        fedavg.broadcast, clients, [(0, 1, 2)] * 4, {}, n, hp, opt)
+    _, ours = run_rounds(
+        scaffold.client_update,
+        scaffold.server_update,
+        scaffold.server_init(params, hp, opt),
+        scaffold.broadcast,
+        clients,
+        [(0, 1, 2)] * 4,
+        states,
+        n,
+        hp,
+        opt,
+    )
+    _, avg = run_rounds(
+        fedavg.client_update,
+        fedavg.server_update,
+        fedavg.server_init(params, hp, opt),
+        fedavg.broadcast,
+        clients,
+        [(0, 1, 2)] * 4,
+        {},
+        n,
+        hp,
+        opt,
+    )
 
     assert float(states[0].control["w"].norm()) > 0.1  # the corrections are really exercised
     for mine, theirs in zip(ours, avg, strict=True):
@@ -193,18 +252,33 @@ def test_control_variates_sum_to_zero_under_partial_participation(weighting: str
     quads = [quadratic(s) for s in range(11, 16)]
     n = torch.tensor([1.0, 4.0, 2.0, 3.0, 5.0], dtype=DT)
     clients = [context([full_batch(m, v)], epochs=3) for m, v in quads]
-    hp, opt = scaffold.ScaffoldConfig(weighting=weighting, num_clients=num_clients), OptimConfig(client_lr=0.1)
+    hp, opt = (
+        scaffold.ScaffoldConfig(weighting=weighting, num_clients=num_clients),
+        OptimConfig(client_lr=0.1),
+    )
     params = {"w": torch.zeros(D, dtype=DT)}
     states: dict[int, scaffold.ClientState] = {}
     state = scaffold.server_init(params, hp, opt)
     for cohort in [(0, 1), (2, 3), (1, 4), (0, 2), (3, 4), (1, 2)]:
         for i in cohort:
             states.setdefault(i, scaffold.init_client_state(params, hp))
-        state, _ = run_rounds(scaffold.client_update, scaffold.server_update, state, scaffold.broadcast, clients,
-                              [cohort], states, n, hp, opt)
+        state, _ = run_rounds(
+            scaffold.client_update,
+            scaffold.server_update,
+            state,
+            scaffold.broadcast,
+            clients,
+            [cohort],
+            states,
+            n,
+            hp,
+            opt,
+        )
         c = scaffold.broadcast(state, hp).control["w"]
         if num_clients:
-            total = sum(states.get(i, scaffold.init_client_state(params, hp)).control["w"] - c for i in range(5))
+            total = sum(
+                states.get(i, scaffold.init_client_state(params, hp)).control["w"] - c for i in range(5)
+            )
         else:
             total = sum(n[i] * (s.control["w"] - c) for i, s in states.items())
         assert float(c.norm()) > 1e-2
@@ -218,10 +292,20 @@ def test_loop_and_vmap_executors_agree(option: str) -> None:
     2 epochs of several minibatches, client momentum 0.5, 2 rounds so c_i crosses rounds)."""
     results = {}
     for executor in ("loop", "vmap"):
-        cfg = build_config(overrides={"algorithm.name": "scaffold", "data.task": "lsq", "train.executor": executor,
-                                      "train.rounds": 2, "train.clients_per_round": 3, "train.batch_size": 25,
-                                      "train.local_epochs": 2, "train.client_lr": 0.02, "train.client_momentum": 0.5},
-                           hp={"option": option})
+        cfg = build_config(
+            overrides={
+                "algorithm.name": "scaffold",
+                "data.task": "lsq",
+                "train.executor": executor,
+                "train.rounds": 2,
+                "train.clients_per_round": 3,
+                "train.batch_size": 25,
+                "train.local_epochs": 2,
+                "train.client_lr": 0.02,
+                "train.client_momentum": 0.5,
+            },
+            hp={"option": option},
+        )
         setup = build(cfg)
         state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
         store = ClientStateStore(lambda s=setup: s.alg.init_client_state(s.init_params, s.hp))
@@ -240,7 +324,9 @@ def test_invalid_hyperparameters_are_refused_with_the_value() -> None:
     """Option must be I or II; the paper's N rule needs uniform weights."""
     with pytest.raises(HyperparameterError, match=r"hp.option must be 'I' or 'II'; got 'III'\."):
         scaffold.ScaffoldConfig(option="III")
-    with pytest.raises(HyperparameterError, match=r"hp.num_clients must be 0 unless hp.weighting='uniform'; got 5\."):
+    with pytest.raises(
+        HyperparameterError, match=r"hp.num_clients must be 0 unless hp.weighting='uniform'; got 5\."
+    ):
         scaffold.ScaffoldConfig(num_clients=5)
     with pytest.raises(HyperparameterError, match=r"hp.num_clients must be >= 0; got -1\."):
         scaffold.ScaffoldConfig(weighting="uniform", num_clients=-1)

@@ -23,23 +23,35 @@ import torch
 
 from fedcli.tracking.store.sql_store import SqlStore
 
-TINY = dict(task="lsq", clients_per_round=4, no_mlflow=True)  # 20 clients, 11 parameters: rounds take milliseconds
+TINY = dict(
+    task="lsq", clients_per_round=4, no_mlflow=True
+)  # 20 clients, 11 parameters: rounds take milliseconds
 SMALL = dict(task="synthetic-iid", clients_per_round=5, no_mlflow=True)  # classification: accuracy is logged
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def python(script: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedcli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "fedcli", *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=ENV
+    )
 
 
-def test_train_gives_a_run_with_its_metrics_frame_and_the_model_fedcli_evaluate_scores(tmp_path: Path) -> None:
-    out = python(f"""
+def test_train_gives_a_run_with_its_metrics_frame_and_the_model_fedcli_evaluate_scores(
+    tmp_path: Path,
+) -> None:
+    out = python(
+        f"""
         import json, torch, fedcli
         from fedcli.datasets.registry import resolve_task
         from fedcli.datasets.tasks import TaskOptions
@@ -55,7 +67,9 @@ def test_train_gives_a_run_with_its_metrics_frame_and_the_model_fedcli_evaluate_
                           "acc": frame["eval/accuracy"].tolist(), "model_acc": acc,
                           "loaded": [again.id, again.status, again.config["train"]["rounds"]],
                           "training": net.training}}))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["status"] == "finished" and got["rounds"] == [0, 1, 2, 3]
@@ -71,20 +85,34 @@ def test_train_gives_a_run_with_its_metrics_frame_and_the_model_fedcli_evaluate_
 
 
 def test_a_sigkilled_run_resumed_through_the_api_equals_the_uninterrupted_run(tmp_path: Path) -> None:
-    reference = python(f"""
+    reference = python(
+        f"""
         import fedcli
         print(fedcli.train(rounds=150, root="ref", **{TINY!r}).id)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert reference.returncode == 0, reference.stderr
     ref_id = reference.stdout.split()[-1]
 
-    victim = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    victim = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import fedcli, time
         def slow(round_idx, metrics):  # rounds take milliseconds: slow them down so the kill lands mid-run
             print(round_idx, flush=True)
             time.sleep(0.05)
         fedcli.train(rounds=150, root="killed", progress=slow, **{TINY!r})
-    """)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    """),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     assert victim.stdout is not None
     for line in victim.stdout:
         if int(line) >= 5:
@@ -95,11 +123,14 @@ def test_a_sigkilled_run_resumed_through_the_api_equals_the_uninterrupted_run(tm
     (killed,) = db.list_runs()
     assert killed.status == "interrupted" and 5 <= (db.last_round(killed.id) or 0) < 150
 
-    resumed = python(f"""
+    resumed = python(
+        f"""
         import fedcli
         run = fedcli.train(resume={killed.id[:8]!r}, root="killed", no_mlflow=True)
         print(run.id, run.status, run.result.rounds_completed)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.split()[-3:] == [killed.id, "finished", "150"]
     ref = torch.load(tmp_path / "ref" / "runs" / ref_id / "model.pt", weights_only=True)["params"]
@@ -108,39 +139,50 @@ def test_a_sigkilled_run_resumed_through_the_api_equals_the_uninterrupted_run(tm
 
 
 def test_bad_input_raises_the_clis_one_line_message_and_writes_nothing(tmp_path: Path) -> None:
-    cases = {"hp": (["--algo", "fedprox", "--hp", "mu=-1"], 'algo="fedprox", hp={"mu": -1}'),
-             "task": (["--task", "femnistt"], 'task="femnistt"'),
-             "clients": (["--task", "lsq", "--clients-per-round", "500"], 'task="lsq", clients_per_round=500'),
-             "config": (["--config", "nope.yaml"], 'config="nope.yaml"')}
+    cases = {
+        "hp": (["--algo", "fedprox", "--hp", "mu=-1"], 'algo="fedprox", hp={"mu": -1}'),
+        "task": (["--task", "femnistt"], 'task="femnistt"'),
+        "clients": (["--task", "lsq", "--clients-per-round", "500"], 'task="lsq", clients_per_round=500'),
+        "config": (["--config", "nope.yaml"], 'config="nope.yaml"'),
+    }
     for name, (flags, call) in cases.items():
         shown = cli("train", "--root", f"cli-{name}", "--no-mlflow", *flags, cwd=tmp_path)
         assert shown.returncode == 2, (name, shown.stderr)
         line = shown.stderr.strip()
         assert line.startswith("error: ") and "\n" not in line, (name, line)
-        raised = python(f"""
+        raised = python(
+            f"""
             import fedcli
             try:
                 fedcli.train(root="api-{name}", no_mlflow=True, {call})
             except fedcli.ConfigError as err:
                 print(type(err).__name__, str(err))
-        """, tmp_path)
+        """,
+            tmp_path,
+        )
         assert raised.returncode == 0, (name, raised.stderr)
-        assert " ".join(raised.stdout.split()) == "ConfigError " + " ".join(line.removeprefix("error: ").split()), name
+        assert " ".join(raised.stdout.split()) == "ConfigError " + " ".join(
+            line.removeprefix("error: ").split()
+        ), name
         assert not (tmp_path / f"api-{name}").exists() and not (tmp_path / f"cli-{name}").exists(), name
-    unknown = python("""
+    unknown = python(
+        """
         import fedcli
         try:
             fedcli.train(roundz=3)
         except fedcli.ConfigError as err:
             print(err)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "unknown setting 'roundz' (did you mean 'rounds'?)" in unknown.stdout, unknown.stderr
 
 
 def test_two_trainings_in_one_process_leave_it_as_they_found_it(tmp_path: Path) -> None:
     """Signal handlers, threads, torch's thread count, TF32/deterministic flags and RNG states are put
     back, and no MLflow mirror process outlives a call (the second run logs to MLflow)."""
-    out = python(f"""
+    out = python(
+        f"""
         import json, os, random, signal, threading, numpy as np, torch, fedcli
 
         def mine(signum, frame):
@@ -173,7 +215,10 @@ def test_two_trainings_in_one_process_leave_it_as_they_found_it(tmp_path: Path) 
         after = state()
         print(json.dumps({{"before": before, "after": after, "status": [first.status, second.status],
                           "mlflow": second.config["tracking"]["use_mlflow"]}}))
-    """, tmp_path, timeout=600)
+    """,
+        tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["status"] == ["finished", "finished"] and got["mlflow"] is True
@@ -185,13 +230,16 @@ def test_two_trainings_in_one_process_leave_it_as_they_found_it(tmp_path: Path) 
 def test_your_model_file_and_a_torch_dataset_train_through_the_api(tmp_path: Path) -> None:
     """A model factory in a file of the user's and a map-style torch Dataset with a client id per example
     (fedcli.datasets.yours.model / user_data do the work; the API passes them through)."""
-    (tmp_path / "mynet.py").write_text(textwrap.dedent("""
+    (tmp_path / "mynet.py").write_text(
+        textwrap.dedent("""
         from torch import nn
 
         def Net(num_classes, input_shape):
             return nn.Sequential(nn.Linear(input_shape[0], 16), nn.ReLU(), nn.Linear(16, num_classes))
-    """))
-    out = python("""
+    """)
+    )
+    out = python(
+        """
         import json, torch, fedcli
         from torch.utils.data import TensorDataset
 
@@ -204,7 +252,9 @@ def test_your_model_file_and_a_torch_dataset_train_through_the_api(tmp_path: Pat
             logits = run.model()(x[:5])
         print(json.dumps({"status": run.status, "task": run.config["data"]["task"], "model": run.config["data"]["model"],
                           "rounds": list(run.metrics().index), "logits": list(logits.shape)}))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["status"] == "finished" and got["task"] == "byo-toy" and got["rounds"] == [0, 1, 2]
@@ -212,7 +262,11 @@ def test_your_model_file_and_a_torch_dataset_train_through_the_api(tmp_path: Pat
 
 
 def test_sigterm_during_training_raises_run_interrupted_and_the_handlers_come_back(tmp_path: Path) -> None:
-    victim = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    victim = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import signal, time, fedcli
         from fedcli.engine.lifecycle import RunInterrupted
 
@@ -223,7 +277,14 @@ def test_sigterm_during_training_raises_run_interrupted_and_the_handlers_come_ba
             fedcli.train(rounds=400, root="runs", progress=slow, **{TINY!r})
         except RunInterrupted as stop:
             print("stopped", stop.exit_code, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
-    """)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    """),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     assert victim.stdout is not None
     for line in victim.stdout:
         if int(line) >= 3:

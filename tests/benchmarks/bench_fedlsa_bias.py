@@ -31,7 +31,9 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, nargs="+", default=list(FULL.local_steps))
     parser.add_argument("--hg", type=float, default=FULL.heterogeneity, help="Garnet heterogeneity")
     parser.add_argument("--eta", type=float, default=FULL.eta)
-    parser.add_argument("--budget", type=int, default=FULL.budget, help="local steps per agent (T = budget / H)")
+    parser.add_argument(
+        "--budget", type=int, default=FULL.budget, help="local steps per agent (T = budget / H)"
+    )
     parser.add_argument("--min-rounds", type=int, default=FULL.min_rounds)
     parser.add_argument("--reps", type=int, default=FULL.reps)
     parser.add_argument("--seed", type=int, default=FULL.seed)
@@ -39,8 +41,16 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    setup = Setup(agents=tuple(args.agents), local_steps=tuple(args.local_steps), heterogeneity=args.hg,
-                  eta=args.eta, budget=args.budget, min_rounds=args.min_rounds, reps=args.reps, seed=args.seed)
+    setup = Setup(
+        agents=tuple(args.agents),
+        local_steps=tuple(args.local_steps),
+        heterogeneity=args.hg,
+        eta=args.eta,
+        budget=args.budget,
+        min_rounds=args.min_rounds,
+        reps=args.reps,
+        seed=args.seed,
+    )
     rows = []
     for n in setup.agents:
         start = time.perf_counter()
@@ -49,8 +59,10 @@ def main() -> None:
     print("| N | H | T | bias^2 (closed form) | FedLSA MSE | FedLSA - bias | SCAFFLSA MSE |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['N']} | {r['H']} | {r['T']} | {r['bias2']:.3e} | {r['fedlsa']:.3e} | {r['debiased']:.3e} "
-              f"| {r['scafflsa']:.3e} |")
+        print(
+            f"| {r['N']} | {r['H']} | {r['T']} | {r['bias2']:.3e} | {r['fedlsa']:.3e} | {r['debiased']:.3e} "
+            f"| {r['scafflsa']:.3e} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -57,16 +57,27 @@ def _lsq_context(dim: int, epochs: int, steps: int, batch: int) -> ClientContext
         return inputs @ params["w"]
 
     weight, key = torch.ones(batch), torch.zeros((), dtype=torch.int64)
-    return ClientContext(loss_fn=loss_fn, apply_fn=apply_fn,
-                         batch=lambda step: Batch(x=x[step % 2], y=y[step % 2], weight=weight, key=key),
-                         step_mask=torch.ones(epochs * steps), num_examples=torch.tensor(float(steps * batch)),
-                         num_epochs=epochs, steps_per_epoch=steps, round_idx=1, noise={})
+    return ClientContext(
+        loss_fn=loss_fn,
+        apply_fn=apply_fn,
+        batch=lambda step: Batch(x=x[step % 2], y=y[step % 2], weight=weight, key=key),
+        step_mask=torch.ones(epochs * steps),
+        num_examples=torch.tensor(float(steps * batch)),
+        num_epochs=epochs,
+        steps_per_epoch=steps,
+        round_idx=1,
+        noise={},
+    )
 
 
-def fedpa_overhead(dims: list[int], repeats: int = 5, steps: int = 100, batch: int = 10) -> list[dict[str, float]]:
+def fedpa_overhead(
+    dims: list[int], repeats: int = 5, steps: int = 100, batch: int = 10
+) -> list[dict[str, float]]:
     """Return per d: ms of FedAvg's and FedPA's client update and FedPA's overhead (%)."""
-    cfg = build_config(overrides={"algorithm.name": "fedpa", "train.local_epochs": 5, "train.client_lr": 1e-3},
-                       hp={"burn_in_rounds": 0})
+    cfg = build_config(
+        overrides={"algorithm.name": "fedpa", "train.local_epochs": 5, "train.client_lr": 1e-3},
+        hp={"burn_in_rounds": 0},
+    )
     opt = cfg.train.optim(default_client_lr=1e-3)  # client_lr is set above; the default is unused
     fedavg, fedpa = ALGORITHMS["fedavg"], ALGORITHMS["fedpa"]
     hp_avg, hp_pa = make_hyperparameters("fedavg", {}), make_hyperparameters("fedpa", {"burn_in_rounds": 0})
@@ -78,14 +89,24 @@ def fedpa_overhead(dims: list[int], repeats: int = 5, steps: int = 100, batch: i
         for alg, hp in ((fedavg, hp_avg), (fedpa, hp_pa)):  # warm-up: first-call costs of torch.func
             alg.client_update(ctx, alg.broadcast(alg.server_init(params, hp, opt), hp), None, hp, opt)
         for _ in range(repeats if dim < 1_000_000 else max(2, repeats // 2)):
-            for name, alg, hp in (("fedavg", fedavg, hp_avg), ("fedpa", fedpa, hp_pa)):  # interleaved: same noise
+            for name, alg, hp in (
+                ("fedavg", fedavg, hp_avg),
+                ("fedpa", fedpa, hp_pa),
+            ):  # interleaved: same noise
                 bc = alg.broadcast(alg.server_init(params, hp, opt), hp)
                 start = time.perf_counter()
                 alg.client_update(ctx, bc, None, hp, opt)
                 times[name].append(time.perf_counter() - start)
         avg, pa = statistics.median(times["fedavg"]), statistics.median(times["fedpa"])
-        rows.append({"d": dim, "fedavg_ms": 1e3 * avg, "fedpa_ms": 1e3 * pa, "overhead_pct": 100 * (pa / avg - 1),
-                     "paper_pct": PAPER_FEDPA.get(dim)})
+        rows.append(
+            {
+                "d": dim,
+                "fedavg_ms": 1e3 * avg,
+                "fedpa_ms": 1e3 * pa,
+                "overhead_pct": 100 * (pa / avg - 1),
+                "paper_pct": PAPER_FEDPA.get(dim),
+            }
+        )
     return rows
 
 
@@ -96,8 +117,12 @@ def _cli_round_times(args: list[str], root: Path) -> list[float]:
 
     from fedcli.tracking.store.sql_store import SqlStore
 
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), *args],
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"fedcli train failed: {proc.stderr.strip().splitlines()[-1:]}")
     store = SqlStore(f"sqlite:///{root / 'fedcli.db'}")
@@ -106,8 +131,9 @@ def _cli_round_times(args: list[str], root: Path) -> list[float]:
     return [float(v) for v in frame.sort_values("round_idx")["value"]]
 
 
-def component_cost(base: list[str], with_args: list[str], without_args: list[str], reps: int,
-                   root: Path, first: int = 10) -> dict[str, float]:
+def component_cost(
+    base: list[str], with_args: list[str], without_args: list[str], reps: int, root: Path, first: int = 10
+) -> dict[str, float]:
     """Round wall time of `fedcli train` with vs without a component, as users run it (CLI, fresh root).
 
     The two variants alternate (with, without, with, ...) so both meet the same machine; each
@@ -135,20 +161,37 @@ def tracking_share(rounds: int, root: Path) -> dict[str, dict[str, float]]:
     """
     out = {}
     for clients in (10, 50):
-        base = ["--algo", "fedavg", "--task", "femnist", "--rounds", str(rounds), "--clients-per-round",
-                str(clients), "--device", "cpu"]
+        base = [
+            "--algo",
+            "fedavg",
+            "--task",
+            "femnist",
+            "--rounds",
+            str(rounds),
+            "--clients-per-round",
+            str(clients),
+            "--device",
+            "cpu",
+        ]
         out[f"clients_{clients}"] = component_cost(base, [], ["--no-mlflow"], 3, root / f"mlflow-{clients}")
     return out
 
 
 def checkpoint_cost(rounds: int, root: Path) -> dict[str, float]:
     """The default checkpoints' cost on the demo (FedPA, examples/fedpa-femnist-demo.yaml) vs none."""
-    base = ["--config", str(Path(__file__).resolve().parents[2] / "examples" / "fedpa-femnist-demo.yaml"),
-            "--rounds", str(rounds), "--no-mlflow", "--device", "cpu"]
+    base = [
+        "--config",
+        str(Path(__file__).resolve().parents[2] / "examples" / "fedpa-femnist-demo.yaml"),
+        "--rounds",
+        str(rounds),
+        "--no-mlflow",
+        "--device",
+        "cpu",
+    ]
     return component_cost(base, [], ["--checkpoint-every", "0"], 3, root / "checkpoints")
 
 
-_PROBE = textwrap.dedent('''
+_PROBE = textwrap.dedent("""
     import importlib.abc, importlib.util, sys, time
     class _FirstRound(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
@@ -169,7 +212,7 @@ _PROBE = textwrap.dedent('''
             spec.loader.exec_module = exec_module
             return spec
     sys.meta_path.insert(0, _FirstRound())
-''')
+""")
 
 
 def startup(args: list[str], root: Path) -> dict[str, float]:
@@ -198,7 +241,9 @@ def _rss_mb() -> tuple[float, float]:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # return freed heap pages, so RSS shows live memory
     except OSError:
         pass
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    fields = dict(
+        line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line
+    )
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
@@ -216,22 +261,48 @@ def synthetic_setup(num_clients: int, per_client: int, cohort: int, chunk: int |
     x = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=gen)
     y = torch.randint(0, 62, (n,), generator=gen)
     indices = list(np.arange(n).reshape(num_clients, per_client))
-    task = Task(name="synthetic-emnist", description="", source="", offline=True, kind="classification",
-                models=MappingProxyType({"mlp": lambda: models.MLP(784, (200, 200), 62)}), default_model="mlp",
-                load=lambda options: None, prepare=FEMNIST.prepare)  # type: ignore[arg-type,return-value]
+    task = Task(
+        name="synthetic-emnist",
+        description="",
+        source="",
+        offline=True,
+        kind="classification",
+        models=MappingProxyType({"mlp": lambda: models.MLP(784, (200, 200), 62)}),
+        default_model="mlp",
+        load=lambda options: None,
+        prepare=FEMNIST.prepare,
+    )  # type: ignore[arg-type,return-value]
     data = TaskData(x=x, y=y, client_indices=indices, client_names=[], test_x=x[:1], test_y=y[:1])
-    cfg = build_config(overrides={"algorithm.name": algo, "train.clients_per_round": cohort,
-                                  "train.cohort_chunk": chunk, "train.executor": "vmap", "seed": 0})
+    cfg = build_config(
+        overrides={
+            "algorithm.name": algo,
+            "train.clients_per_round": cohort,
+            "train.cohort_chunk": chunk,
+            "train.executor": "vmap",
+            "seed": 0,
+        }
+    )
     torch.manual_seed(0)
     model = task.models["mlp"]()
     fed = FederatedData(x, y, indices, torch.device("cpu"))
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return Setup(cfg, task, data, fed, model_functions(task, model, fed), ALGORITHMS[algo],
-                 make_hyperparameters(algo, {}), torch.device("cpu"), VmapBackend(), params)
+    return Setup(
+        cfg,
+        task,
+        data,
+        fed,
+        model_functions(task, model, fed),
+        ALGORITHMS[algo],
+        make_hyperparameters(algo, {}),
+        torch.device("cpu"),
+        VmapBackend(),
+        params,
+    )
 
 
-def memory(num_clients: int = 3400, per_client: int = 200, visits: int = 300,
-           algo: str = "scaffold") -> dict[str, object]:
+def memory(
+    num_clients: int = 3400, per_client: int = 200, visits: int = 300, algo: str = "scaffold"
+) -> dict[str, object]:
     """RSS vs clients visited (cohort 10) and the per-round transient for cohorts 10, 50, 50/chunk 10."""
     rss_empty = _rss_mb()[0]
     out: dict[str, object] = {"num_clients": num_clients, "examples": num_clients * per_client, "algo": algo}
@@ -249,11 +320,25 @@ def memory(num_clients: int = 3400, per_client: int = 200, visits: int = 300,
             state, _ = run_round(setup, state, store, round_idx, Timing())
             now, peak = _rss_mb()
             transients.append(peak - before)
-            curve.append({"visited": len(store), "rss_mb": now, "growth_mb": now - base,
-                          "store_mb": len(store) * state_bytes / 2**20})
-        runs.append({"cohort": cohort, "chunk": chunk, "base_rss_mb": base, "curve": curve[:: max(1, len(curve) // 10)],
-                     "final": curve[-1], "transient_mb_median": statistics.median(transients[1:] or transients),
-                     "state_mb_per_client": state_bytes / 2**20})
+            curve.append(
+                {
+                    "visited": len(store),
+                    "rss_mb": now,
+                    "growth_mb": now - base,
+                    "store_mb": len(store) * state_bytes / 2**20,
+                }
+            )
+        runs.append(
+            {
+                "cohort": cohort,
+                "chunk": chunk,
+                "base_rss_mb": base,
+                "curve": curve[:: max(1, len(curve) // 10)],
+                "final": curve[-1],
+                "transient_mb_median": statistics.median(transients[1:] or transients),
+                "state_mb_per_client": state_bytes / 2**20,
+            }
+        )
         del setup, state, store
     out["rss_before_data_mb"] = rss_empty
     out["runs"] = runs

@@ -34,8 +34,11 @@ def femnist():  # noqa: ANN201 - (task, xs, ys), decoded once per process
     if cached is None:
         task = TASKS["femnist"]
         data = task.load(TaskOptions())
-        cached = (task, [task.prepare(data.x[ix]) for ix in data.client_indices],
-                  [data.y[ix] for ix in data.client_indices])
+        cached = (
+            task,
+            [task.prepare(data.x[ix]) for ix in data.client_indices],
+            [data.y[ix] for ix in data.client_indices],
+        )
         module._bench_cache = cached  # per Ray actor process: decoded once, reused by every client call
     return cached
 
@@ -54,7 +57,7 @@ def make_client(model_name: str, cid: int):  # noqa: ANN201
             x, y = xs[cid], ys[cid]
             order = torch.randperm(len(y))
             for step, first in enumerate(range(0, len(y), BATCH)):
-                idx = order[first:first + BATCH]
+                idx = order[first : first + BATCH]
                 opt.zero_grad()
                 F.cross_entropy(model(x[idx], key=torch.tensor(step)), y[idx]).backward()
                 opt.step()
@@ -91,21 +94,34 @@ def main() -> None:
             marks["aggregate"].append(time.time())
             return out
 
-    strategy = TimedFedAvg(fraction_fit=args.clients_per_round / num_clients, min_fit_clients=args.clients_per_round,
-                           min_available_clients=num_clients, fraction_evaluate=0.0, min_evaluate_clients=0,
-                           initial_parameters=ndarrays_to_parameters(init))
+    strategy = TimedFedAvg(
+        fraction_fit=args.clients_per_round / num_clients,
+        min_fit_clients=args.clients_per_round,
+        min_available_clients=num_clients,
+        fraction_evaluate=0.0,
+        min_evaluate_clients=0,
+        initial_parameters=ndarrays_to_parameters(init),
+    )
     fl.simulation.start_simulation(
         client_fn=lambda context: make_client(args.model, int(context.node_config["partition-id"])),
-        num_clients=num_clients, config=fl.server.ServerConfig(num_rounds=args.rounds), strategy=strategy,
+        num_clients=num_clients,
+        config=fl.server.ServerConfig(num_rounds=args.rounds),
+        strategy=strategy,
         client_resources={"num_cpus": 1, "num_gpus": 0.0},
-        ray_init_args={"include_dashboard": False, "ignore_reinit_error": True})
+        ray_init_args={"include_dashboard": False, "ignore_reinit_error": True},
+    )
     ends = marks["aggregate"]
     starts = [marks["configure"][0], *ends[:-1]]
-    args.out.write_text(json.dumps({
-        "round_s": [e - s for s, e in zip(starts, ends, strict=True)],
-        "startup_s": marks["configure"][0] - args.t0, "flwr": fl.__version__,
-        "cohort_examples_mean": float(np.mean([len(x) for x in xs])) * args.clients_per_round,
-    }))
+    args.out.write_text(
+        json.dumps(
+            {
+                "round_s": [e - s for s, e in zip(starts, ends, strict=True)],
+                "startup_s": marks["configure"][0] - args.t0,
+                "flwr": fl.__version__,
+                "cohort_examples_mean": float(np.mean([len(x) for x in xs])) * args.clients_per_round,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

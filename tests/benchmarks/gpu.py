@@ -32,8 +32,14 @@ GPU_WORKLOADS = (("mlp", 10), ("mlp", 100), ("cnn", 10), ("cnn", 100))
 GPU_ROUNDS = {"full": 8, "quick": 3}
 # The GPU-engine issue's targets, seconds per whole round (aggregation included), and the
 # speed-up over the plain GPU loop at the same precision that every workload must reach.
-GPU_TARGETS = {("mlp-10", "fp32"): 0.002, ("mlp-100", "fp32"): 0.005, ("cnn-10", "fp32"): 0.012,
-               ("cnn-10", "tf32"): 0.006, ("cnn-100", "fp32"): 0.100, ("cnn-100", "tf32"): 0.050}
+GPU_TARGETS = {
+    ("mlp-10", "fp32"): 0.002,
+    ("mlp-100", "fp32"): 0.005,
+    ("cnn-10", "fp32"): 0.012,
+    ("cnn-10", "tf32"): 0.006,
+    ("cnn-100", "fp32"): 0.100,
+    ("cnn-100", "tf32"): 0.050,
+}
 GPU_VS_PLAIN = 20.0
 
 
@@ -46,8 +52,12 @@ def unavailable() -> str | None:
 
 def gpu_info() -> dict[str, object]:
     props = torch.cuda.get_device_properties(0)
-    return {"name": torch.cuda.get_device_name(0), "capability": f"{props.major}.{props.minor}",
-            "memory_gib": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda}
+    return {
+        "name": torch.cuda.get_device_name(0),
+        "capability": f"{props.major}.{props.minor}",
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "cuda": torch.version.cuda,
+    }
 
 
 def _rate(op: Callable[[], torch.Tensor], flops: float, seconds: float) -> float:
@@ -76,9 +86,15 @@ def gpu_throughput(seconds: float) -> dict[str, float]:
         gemm = _rate(lambda: torch.mm(a, b), 2.0 * n**3, seconds)
         batch, c_in, h, w, c_out, k = probes.CONV
         batch *= 8
-        x, weight = torch.randn(batch, c_in, h, w, device="cuda"), torch.randn(c_out, c_in, k, k, device="cuda")
-        conv = _rate(lambda: F.conv2d(x, weight), 2.0 * batch * (h - k + 1) * (w - k + 1) * c_out * c_in * k * k,
-                     seconds)
+        x, weight = (
+            torch.randn(batch, c_in, h, w, device="cuda"),
+            torch.randn(c_out, c_in, k, k, device="cuda"),
+        )
+        conv = _rate(
+            lambda: F.conv2d(x, weight),
+            2.0 * batch * (h - k + 1) * (w - k + 1) * c_out * c_in * k * k,
+            seconds,
+        )
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     return {"gemm": gemm, "conv": conv}
@@ -115,12 +131,16 @@ def run_gpu_workloads(mode: str, reps: int) -> dict[str, object]:
     for model, cohort in GPU_WORKLOADS:
         key = f"{model}-{cohort}"
 
-        def fedcli(executor: str, model: str = model, cohort: int = cohort, **kw: object
-                   ) -> Callable[[], workloads.FedcliRunner]:
-            return lambda: W.FedcliRunner(model, cohort, executor, torch.get_num_threads(), device="cuda",
-                                          **kw)  # type: ignore[arg-type]
+        def fedcli(
+            executor: str, model: str = model, cohort: int = cohort, **kw: object
+        ) -> Callable[[], workloads.FedcliRunner]:
+            return lambda: W.FedcliRunner(
+                model, cohort, executor, torch.get_num_threads(), device="cuda", **kw
+            )  # type: ignore[arg-type]
 
-        def plain(precision: str, model: str = model, cohort: int = cohort) -> Callable[[], workloads.PlainRunner]:
+        def plain(
+            precision: str, model: str = model, cohort: int = cohort
+        ) -> Callable[[], workloads.PlainRunner]:
             return lambda: W.PlainRunner(model, cohort, device="cuda", precision=precision)
 
         approaches: dict[str, Callable[[], workloads.FedcliRunner | workloads.PlainRunner]] = {}
@@ -128,7 +148,8 @@ def run_gpu_workloads(mode: str, reps: int) -> dict[str, object]:
         if model == "mlp":
             approaches["fedcli fused"] = fedcli("fused")
             approaches["fedcli fused, one block"] = lambda model=model, cohort=cohort: OneBlockFused(
-                model, cohort, "fused", torch.get_num_threads(), device="cuda")
+                model, cohort, "fused", torch.get_num_threads(), device="cuda"
+            )
         approaches["fedcli vmap"] = fedcli("vmap")
         approaches["fedcli vmap + graph"] = fedcli("vmap", graph=True)
         approaches["plain GPU loop"] = plain("fp32")
@@ -146,11 +167,20 @@ def run_gpu_workloads(mode: str, reps: int) -> dict[str, object]:
         examples = statistics.mean(W.cohort_examples(cohort, rounds)[1:] or W.cohort_examples(cohort, 1))
         fastest = min(ours, key=ours.get)  # type: ignore[arg-type]
         out["workloads"][key] = {  # type: ignore[index]
-            "model": model, "cohort": cohort, "rounds": rounds, "runs": runs, "best_s": best,
-            "fedcli_best": fastest, "fedcli_best_s": ours[fastest], "plain_s": best["plain GPU loop"],
+            "model": model,
+            "cohort": cohort,
+            "rounds": rounds,
+            "runs": runs,
+            "best_s": best,
+            "fedcli_best": fastest,
+            "fedcli_best_s": ours[fastest],
+            "plain_s": best["plain GPU loop"],
             "auto": {"executor": auto["executor"], "reason": auto["reason"]},
             "floor": floor_seconds(model, examples, probes_rates(rates)),
-            "build_s": {name: [r.get("compile_s") for r in rs] for name, rs in runs.items() if "graph" in name}}
+            "build_s": {
+                name: [r.get("compile_s") for r in rs] for name, rs in runs.items() if "graph" in name
+            },
+        }
     out["targets"] = gpu_targets(out["workloads"])  # type: ignore[arg-type]
     return out
 
@@ -167,19 +197,36 @@ def gpu_targets(work: dict[str, dict[str, object]]) -> list[dict[str, object]]:
             target = GPU_TARGETS.get((key, precision))
             if ours is None or target is None:
                 continue
-            rows.append({"name": f"{key} {precision}: seconds per round (--graph)", "value": ours,
-                         "target": f"<= {target:g}", "status": "met" if ours <= target else "MISSED"})
+            rows.append(
+                {
+                    "name": f"{key} {precision}: seconds per round (--graph)",
+                    "value": ours,
+                    "target": f"<= {target:g}",
+                    "status": "met" if ours <= target else "MISSED",
+                }
+            )
             if plain is not None:
-                rows.append({"name": f"{key} {precision}: plain GPU loop / --graph", "value": plain / ours,
-                             "target": f">= {GPU_VS_PLAIN:g}x",
-                             "status": "met" if plain / ours >= GPU_VS_PLAIN else "MISSED"})
+                rows.append(
+                    {
+                        "name": f"{key} {precision}: plain GPU loop / --graph",
+                        "value": plain / ours,
+                        "target": f">= {GPU_VS_PLAIN:g}x",
+                        "status": "met" if plain / ours >= GPU_VS_PLAIN else "MISSED",
+                    }
+                )
     return rows
 
 
 def probes_rates(rates: dict[str, float]) -> probes.Throughput:
     """The GPU's rates in the shape floor_seconds takes (its best GEMM and convolution rates)."""
-    return probes.Throughput(gemm_1t=rates["gemm"], gemm_threads=rates["gemm"], gemm_procs=rates["gemm"],
-                             conv_1t=rates["conv"], conv_threads=rates["conv"], conv_procs=rates["conv"])
+    return probes.Throughput(
+        gemm_1t=rates["gemm"],
+        gemm_threads=rates["gemm"],
+        gemm_procs=rates["gemm"],
+        conv_1t=rates["conv"],
+        conv_threads=rates["conv"],
+        conv_procs=rates["conv"],
+    )
 
 
 def markdown(gpu: dict[str, object] | None) -> list[str]:
@@ -189,21 +236,37 @@ def markdown(gpu: dict[str, object] | None) -> list[str]:
     if "skipped" in gpu:
         return ["## GPU", "", f"Skipped: {gpu['skipped']}.", ""]
     d, r = gpu["device"], gpu["throughput_gflops"]
-    lines = [f"## GPU: {d['name']} (compute capability {d['capability']}, {d['memory_gib']} GiB, CUDA {d['cuda']})",
-             "", "Seconds per round with `--device cuda`, fp32 (TF32 off), median of rounds 2..R, best repetition. "
-             f"Measured now: fp32 GEMM {r['gemm'] / 1e3:.1f} TFLOP/s, convolution {r['conv'] / 1e3:.1f} TFLOP/s; "
-             "the floor is the round's counted FLOPs at those rates.", ""]
+    lines = [
+        f"## GPU: {d['name']} (compute capability {d['capability']}, {d['memory_gib']} GiB, CUDA {d['cuda']})",
+        "",
+        "Seconds per round with `--device cuda`, fp32 (TF32 off), median of rounds 2..R, best repetition. "
+        f"Measured now: fp32 GEMM {r['gemm'] / 1e3:.1f} TFLOP/s, convolution {r['conv'] / 1e3:.1f} TFLOP/s; "
+        "the floor is the round's counted FLOPs at those rates.",
+        "",
+    ]
     work = gpu["workloads"]
     names = list(dict.fromkeys(n for w in work.values() for n in w["best_s"]))
-    lines += ["| workload | floor s | " + " | ".join(names) + " | plain / fedcli best | fedcli best / floor "
-              "| auto picks |", "|---|---|" + "---|" * len(names) + "---|---|---|"]
+    lines += [
+        "| workload | floor s | " + " | ".join(names) + " | plain / fedcli best | fedcli best / floor "
+        "| auto picks |",
+        "|---|---|" + "---|" * len(names) + "---|---|---|",
+    ]
     for key, w in work.items():
         floor_s, fastest = w["floor"]["floor_s"], w["fedcli_best_s"]
         cells = " | ".join(f"{w['best_s'][n]:.3g}" if n in w["best_s"] else "—" for n in names)
-        lines.append(f"| {key} (R={w['rounds']}) | {floor_s:.3g} | {cells} | {w['plain_s'] / fastest:.2f}x | "
-                     f"{fastest / floor_s:.2f}x | {w['auto']['executor']} |")
+        lines.append(
+            f"| {key} (R={w['rounds']}) | {floor_s:.3g} | {cells} | {w['plain_s'] / fastest:.2f}x | "
+            f"{fastest / floor_s:.2f}x | {w['auto']['executor']} |"
+        )
     if gpu.get("targets"):
-        lines += ["", "Targets (reported here, not part of make bench's exit status):", "",
-                  "| target | value | required | status |", "|---|---|---|---|"]
-        lines += [f"| {t['name']} | {t['value']:.3g} | {t['target']} | {t['status']} |" for t in gpu["targets"]]
+        lines += [
+            "",
+            "Targets (reported here, not part of make bench's exit status):",
+            "",
+            "| target | value | required | status |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {t['name']} | {t['value']:.3g} | {t['target']} | {t['status']} |" for t in gpu["targets"]
+        ]
     return lines + [""]

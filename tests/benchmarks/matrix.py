@@ -40,11 +40,29 @@ from pathlib import Path
 
 import numpy as np
 
-TASKS = ("femnist", "mnist", "har", "vehicle", "synthetic-0-0", "synthetic-0.5-0.5", "synthetic-1-1",
-         "synthetic-iid", "bibtex", "shakespeare", "lsq", "garnet-het-n10", "garnet-het-n100",
-         "garnet-hom-n10", "garnet-hom-n100")
-METRIC = {"classification": "eval/accuracy", "multilabel": "eval/macro_f1", "lsa": "eval/dist_to_opt",
-          "regression": "eval/dist_to_opt"}
+TASKS = (
+    "femnist",
+    "mnist",
+    "har",
+    "vehicle",
+    "synthetic-0-0",
+    "synthetic-0.5-0.5",
+    "synthetic-1-1",
+    "synthetic-iid",
+    "bibtex",
+    "shakespeare",
+    "lsq",
+    "garnet-het-n10",
+    "garnet-het-n100",
+    "garnet-hom-n10",
+    "garnet-hom-n100",
+)
+METRIC = {
+    "classification": "eval/accuracy",
+    "multilabel": "eval/macro_f1",
+    "lsa": "eval/dist_to_opt",
+    "regression": "eval/dist_to_opt",
+}
 SECONDARY = {"multilabel": ("eval/micro_f1",)}  # shown beside the headline metric
 # `fedcli train` options a task needs beyond the defaults (--tasks quadratic-2d: the 2-client toy, not in TASKS,
 # is fewer clients than the default cohort of 10: `fedcli train --task quadratic-2d` alone exits 2)
@@ -52,8 +70,10 @@ TASK_OPTIONS = {"quadratic-2d": ["--clients-per-round", "2"]}
 LSA_ONLY = ("fedlsa", "scafflsa")  # they refuse any task but linear stochastic approximation
 MARGIN = 0.03  # "none more than 3 points below fedavg"
 # Tasks left out unless named with --tasks, with the measurement that says why (docs/out-of-the-box.md).
-UNAFFORDABLE = {"shakespeare": "the bundled LEAF roles train an LSTM over ~4,200 80-character windows per client: "
-                               "130-190 s a round for 2 clients on the 2-core machine, some 15 hours a seed"}
+UNAFFORDABLE = {
+    "shakespeare": "the bundled LEAF roles train an LSTM over ~4,200 80-character windows per client: "
+    "130-190 s a round for 2 clients on the 2-core machine, some 15 hours a seed"
+}
 
 
 @dataclass
@@ -62,11 +82,15 @@ class Cell:
 
     algo: str
     task: str
-    value: float | None = None  # the headline metric at the last round, mean over seeds; None when a run failed
+    value: float | None = (
+        None  # the headline metric at the last round, mean over seeds; None when a run failed
+    )
     values: tuple[float | None, ...] = ()  # per seed
     start: float | None = None  # the headline metric of the initial model (round 0), mean over seeds
     secondary: dict[str, float] = field(default_factory=dict)  # e.g. eval/micro_f1, mean over seeds
-    curve: tuple[float, ...] = ()  # eval/loss at every evaluated round, seeds one after another: = fedavg's = same model
+    curve: tuple[
+        float, ...
+    ] = ()  # eval/loss at every evaluated round, seeds one after another: = fedavg's = same model
     tags: dict[str, str] = field(default_factory=dict)
     error: str = ""  # the run's last stderr line when it exited non-zero
     seconds: float = 0.0
@@ -150,8 +174,9 @@ def baseline(task: str, seed: int = 0) -> tuple[str, float | None]:
     return "majority class", float(np.bincount(y.astype(np.int64)).max() / len(y))
 
 
-def _read(store: object, run_id: str, task: str) -> tuple[float | None, float | None, dict[str, float],
-                                                          tuple[float, ...]]:
+def _read(
+    store: object, run_id: str, task: str
+) -> tuple[float | None, float | None, dict[str, float], tuple[float, ...]]:
     """(final headline value, round-0 value, final secondary values, loss curve) of one stored run."""
     from fedcli.datasets.registry import TASKS as REGISTRY
 
@@ -162,25 +187,59 @@ def _read(store: object, run_id: str, task: str) -> tuple[float | None, float | 
     head = frame[frame["key"] == metric]
     value = float(head["value"].iloc[-1]) if len(head) else None
     start = float(head[head["round_idx"] == 0]["value"].iloc[0]) if (head["round_idx"] == 0).any() else None
-    secondary = {k: float(frame[frame["key"] == k]["value"].iloc[-1]) for k in SECONDARY.get(kind, ())
-                 if (frame["key"] == k).any()}
+    secondary = {
+        k: float(frame[frame["key"] == k]["value"].iloc[-1])
+        for k in SECONDARY.get(kind, ())
+        if (frame["key"] == k).any()
+    }
     return value, start, secondary, tuple(float(v) for v in frame[frame["key"] == "eval/loss"]["value"])
 
 
-def run_cell(algo: str, task: str, rounds: int, root: Path, seed: int = 0, pythonpath: str = "",
-             extra: Sequence[str] = ()) -> Cell:
+def run_cell(
+    algo: str,
+    task: str,
+    rounds: int,
+    root: Path,
+    seed: int = 0,
+    pythonpath: str = "",
+    extra: Sequence[str] = (),
+) -> Cell:
     """Train `algo` on `task` with its defaults as a user would (one seed), and read the run back.
 
     `pythonpath` runs another checkout's fedcli (its packages assembled as `fedcli/...` there): the
     before/after tables of docs/out-of-the-box.md."""
     from fedcli.tracking.store.sql_store import SqlStore
 
-    command = [sys.executable, "-m", "fedcli", "-q", "train", "--algo", algo, "--task", task, "--rounds", str(rounds),
-               "--seed", str(seed), "--threads", "1", "--no-mlflow", "--root", str(root), "--experiment", f"matrix-{task}",
-               "--run-name", f"{algo} {task} seed {seed}", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "fedcli",
+        "-q",
+        "train",
+        "--algo",
+        algo,
+        "--task",
+        task,
+        "--rounds",
+        str(rounds),
+        "--seed",
+        str(seed),
+        "--threads",
+        "1",
+        "--no-mlflow",
+        "--root",
+        str(root),
+        "--experiment",
+        f"matrix-{task}",
+        "--run-name",
+        f"{algo} {task} seed {seed}",
+        *extra,
+    ]
     start = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({"PYTHONPATH": pythonpath} if pythonpath else {})}
-    root.mkdir(parents=True, exist_ok=True)  # run from there: `python -m` puts the working folder first on sys.path
+    root.mkdir(
+        parents=True, exist_ok=True
+    )  # run from there: `python -m` puts the working folder first on sys.path
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root)
     cell = Cell(algo, task, seconds=time.perf_counter() - start)
     if proc.returncode != 0:
@@ -211,8 +270,16 @@ def stored_cell(algo: str, task: str, root: Path, seed: int = 0) -> Cell | None:
             return None
         record = max(runs, key=lambda r: r.created_at)
         value, start, secondary, curve = _read(store, record.id, task)
-    return Cell(algo, task, value=value, values=(value,), start=start, secondary=secondary, curve=curve,
-                tags=dict(record.tags))
+    return Cell(
+        algo,
+        task,
+        value=value,
+        values=(value,),
+        start=start,
+        secondary=secondary,
+        curve=curve,
+        tags=dict(record.tags),
+    )
 
 
 def merge(seeds: Sequence[Cell]) -> Cell:
@@ -223,13 +290,20 @@ def merge(seeds: Sequence[Cell]) -> Cell:
     values = tuple(v for c in seeds for v in c.values)
     present = [v for v in values if v is not None]
     keys = set.intersection(*(set(c.secondary) for c in seeds))
-    return Cell(first.algo, first.task, value=float(np.mean(present)) if present and len(present) == len(values)
-                else None, values=values,
-                start=float(np.mean(starts)) if len(starts := [c.start for c in seeds if c.start is not None]) == len(seeds)
-                else None,
-                secondary={k: float(np.mean([c.secondary[k] for c in seeds])) for k in sorted(keys)},
-                curve=tuple(x for c in seeds for x in c.curve), tags=first.tags,
-                error=failed.error if failed else "", seconds=sum(c.seconds for c in seeds))
+    return Cell(
+        first.algo,
+        first.task,
+        value=float(np.mean(present)) if present and len(present) == len(values) else None,
+        values=values,
+        start=float(np.mean(starts))
+        if len(starts := [c.start for c in seeds if c.start is not None]) == len(seeds)
+        else None,
+        secondary={k: float(np.mean([c.secondary[k] for c in seeds])) for k in sorted(keys)},
+        curve=tuple(x for c in seeds for x in c.curve),
+        tags=first.tags,
+        error=failed.error if failed else "",
+        seconds=sum(c.seconds for c in seeds),
+    )
 
 
 def accuracy_target(majority: float) -> float:
@@ -266,8 +340,15 @@ def verdict(cell: Cell, fedavg: Cell | None, base: float | None, kind: str, cave
             misses.append("= fedavg")
     if not misses:
         return ""
-    reason = ("degenerate (tag)" if cell.tags.get("fedcli.degenerate") else
-              "warned (tag)" if cell.tags.get("fedcli.shortfall") else "caveat" if caveat else "UNEXPLAINED")
+    reason = (
+        "degenerate (tag)"
+        if cell.tags.get("fedcli.degenerate")
+        else "warned (tag)"
+        if cell.tags.get("fedcli.shortfall")
+        else "caveat"
+        if caveat
+        else "UNEXPLAINED"
+    )
     return f"{'; '.join(misses)} [{reason}]"
 
 
@@ -287,10 +368,18 @@ def algorithms() -> list[str]:
     return list(ALGORITHMS)
 
 
-def run_matrix(tasks: Sequence[str], rounds: int, root: Path, only: Sequence[str] = (),
-               pythonpath: str = "", extra: dict[str, list[str]] | None = None,
-               from_store: bool = False, seeds: int = 1, forced: Sequence[str] = (), stored_only: bool = False
-               ) -> tuple[dict[str, dict[str, Cell]], dict[str, str]]:
+def run_matrix(
+    tasks: Sequence[str],
+    rounds: int,
+    root: Path,
+    only: Sequence[str] = (),
+    pythonpath: str = "",
+    extra: dict[str, list[str]] | None = None,
+    from_store: bool = False,
+    seeds: int = 1,
+    forced: Sequence[str] = (),
+    stored_only: bool = False,
+) -> tuple[dict[str, dict[str, Cell]], dict[str, str]]:
     """(task -> algo -> Cell, fedavg first on each task (the reference column); task -> why it was not run).
     `from_store` reuses the finished runs already under `root` and trains only the missing cells; `forced`
     tasks run even when `UNAFFORDABLE`; `stored_only` trains nothing (cells without a stored run are left out,
@@ -298,8 +387,13 @@ def run_matrix(tasks: Sequence[str], rounds: int, root: Path, only: Sequence[str
     out: dict[str, dict[str, Cell]] = {}
     skipped: dict[str, str] = {}
     for task in tasks:
-        why = "" if pythonpath else "" if task in forced and task in UNAFFORDABLE and not unavailable_data(task) \
+        why = (
+            ""
+            if pythonpath
+            else ""
+            if task in forced and task in UNAFFORDABLE and not unavailable_data(task)
             else unavailable(task)
+        )
         if why:
             skipped[task] = why
             print(f"{task:>17} not run: {why}", file=sys.stderr, flush=True)
@@ -318,8 +412,18 @@ def run_matrix(tasks: Sequence[str], rounds: int, root: Path, only: Sequence[str
                 stored = stored_cell(algo, task, root, seed) if from_store or stored_only else None
                 if stored is None and stored_only:
                     break
-                per_seed.append(stored or run_cell(algo, task, rounds, root, seed=seed, pythonpath=pythonpath,
-                                                   extra=[*TASK_OPTIONS.get(task, []), *(extra or {}).get(task, [])]))
+                per_seed.append(
+                    stored
+                    or run_cell(
+                        algo,
+                        task,
+                        rounds,
+                        root,
+                        seed=seed,
+                        pythonpath=pythonpath,
+                        extra=[*TASK_OPTIONS.get(task, []), *(extra or {}).get(task, [])],
+                    )
+                )
             if len(per_seed) < seeds:
                 continue
             out[task][algo] = cell = merge(per_seed)
@@ -334,16 +438,24 @@ def _fmt(value: float | None, kind: str) -> str:
     return f"{value:.3f}" if md_lower(kind) else f"{100 * value:.1f}"
 
 
-def render(results: dict[str, dict[str, Cell]], rounds: int, command: str, seeds: int = 1,
-           skipped: dict[str, str] | None = None) -> str:
+def render(
+    results: dict[str, dict[str, Cell]],
+    rounds: int,
+    command: str,
+    seeds: int = 1,
+    skipped: dict[str, str] | None = None,
+) -> str:
     """The markdown page: one table per task, the value next to FedAvg's, the targets and the reasons."""
     from fedcli.algorithms import ALGORITHMS
     from fedcli.datasets.registry import TASKS as REGISTRY
     from fedcli.engine.evaluation import kind_metrics
 
     seed_words = "seed 0" if seeds == 1 else f"seeds 0-{seeds - 1}, mean"
-    lines = [f"Command: `{command}` ({rounds} rounds, {seed_words}, one thread per run; {platform.machine()}, "
-             f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d', time.gmtime())}).", ""]
+    lines = [
+        f"Command: `{command}` ({rounds} rounds, {seed_words}, one thread per run; {platform.machine()}, "
+        f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d', time.gmtime())}).",
+        "",
+    ]
     unexplained = 0
     failed: list[str] = []
     for task, cells in results.items():
@@ -360,42 +472,67 @@ def render(results: dict[str, dict[str, Cell]], rounds: int, command: str, seeds
         elif kind == "multilabel" and base is not None:
             fns = kind_metrics(record)
             micro = trivial_multilabel(task)["eval/micro_f1"]
-            lines.append(f"Decision rule of the F1 metrics: {fns.rule if fns else '?'}. Trivial predictor (best "
-                         f"constant: no tag, every tag, or the 1-5 most frequent training tags): macro-F1 "
-                         f"{100 * base:.1f}, micro-F1 {100 * micro:.1f} (target: macro-F1 above it).")
+            lines.append(
+                f"Decision rule of the F1 metrics: {fns.rule if fns else '?'}. Trivial predictor (best "
+                f"constant: no tag, every tag, or the 1-5 most frequent training tags): macro-F1 "
+                f"{100 * base:.1f}, micro-F1 {100 * micro:.1f} (target: macro-F1 above it)."
+            )
         else:
             start = fedavg.start if fedavg is not None else None
-            lines.append("lower is better; target: below the initial model's distance"
-                         + (f" ({start:.3f} for fedavg, mean over seeds; each cell is compared with its own)" if start is not None else ""))
-        partition = sorted({k for c in cells.values() for k in recommended_items(c) if k.startswith("partition.")})
+            lines.append(
+                "lower is better; target: below the initial model's distance"
+                + (
+                    f" ({start:.3f} for fedavg, mean over seeds; each cell is compared with its own)"
+                    if start is not None
+                    else ""
+                )
+            )
+        partition = sorted(
+            {k for c in cells.values() for k in recommended_items(c) if k.startswith("partition.")}
+        )
         if partition:
             lines += ["", f"Partition: the task's default, recorded as recommended ({'; '.join(partition)})."]
         shown = metric.split("/")[1]
-        lines += ["", f"| algorithm | {shown} |" + "".join(f" {k.split('/')[1]} |" for k in extra)
-                  + " fedavg | vs fedavg | targets | recorded with the run |",
-                  "|---|---:|" + "---:|" * len(extra) + "---:|---:|---|---|"]
+        lines += [
+            "",
+            f"| algorithm | {shown} |"
+            + "".join(f" {k.split('/')[1]} |" for k in extra)
+            + " fedavg | vs fedavg | targets | recorded with the run |",
+            "|---|---:|" + "---:|" * len(extra) + "---:|---:|---|---|",
+        ]
         for algo, cell in cells.items():
             miss = verdict(cell, fedavg, base, kind, ALGORITHMS[algo].caveats)
             unexplained += "UNEXPLAINED" in miss or miss.startswith("failed")
             if miss.startswith("failed"):
                 failed.append(f"{task}/{algo}")
             ref = fedavg.value if fedavg is not None else None
-            diff = "—" if algo == "fedavg" or cell.value is None or ref is None else (
-                f"{cell.value - ref:+.3f}" if md_lower(kind) else f"{100 * (cell.value - ref):+.1f}")
-            recorded = "; ".join(f"{what} {v.split(': ', 1)[0]}" for what, tag in (("degenerate", "fedcli.degenerate"),
-                                                                               ("shortfall", "fedcli.shortfall"))
-                                 for v in (cell.tags.get(tag) or "").split(" | ") if v)
+            diff = (
+                "—"
+                if algo == "fedavg" or cell.value is None or ref is None
+                else (f"{cell.value - ref:+.3f}" if md_lower(kind) else f"{100 * (cell.value - ref):+.1f}")
+            )
+            recorded = "; ".join(
+                f"{what} {v.split(': ', 1)[0]}"
+                for what, tag in (("degenerate", "fedcli.degenerate"), ("shortfall", "fedcli.shortfall"))
+                for v in (cell.tags.get(tag) or "").split(" | ")
+                if v
+            )
             own = [k for k in recommended_items(cell) if not k.startswith("partition.")]
             if own:
                 recorded = "; ".join(x for x in (recorded, f"recommended {'; '.join(own)}") if x)
             more = "".join(f" {_fmt(cell.secondary.get(k), kind)} |" for k in extra)
-            lines.append(f"| {algo} | {_fmt(cell.value, kind)} |{more} {_fmt(ref, kind)} | {diff} | {miss or 'met'} | "
-                         f"{recorded or '—'} |")
+            lines.append(
+                f"| {algo} | {_fmt(cell.value, kind)} |{more} {_fmt(ref, kind)} | {diff} | {miss or 'met'} | "
+                f"{recorded or '—'} |"
+            )
         lines.append("")
     if skipped:
         lines += ["Not run:", "", *[f"- {task}: {why.rstrip('.')}." for task, why in skipped.items()], ""]
-    lines += [f"Targets missed without a recorded reason (failed runs included): {unexplained}"
-              + (f"; failed: {', '.join(failed)}." if failed else "."), ""]
+    lines += [
+        f"Targets missed without a recorded reason (failed runs included): {unexplained}"
+        + (f"; failed: {', '.join(failed)}." if failed else "."),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -407,22 +544,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=[], help="only these algorithms (and fedavg)")
     parser.add_argument("--root", type=Path, default=Path("matrix-runs"))
     parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
-    parser.add_argument("--command", default=None, help="the command the page names (default: make matrix with "
-                                                         "--out, else this command line)")
-    parser.add_argument("--pythonpath", default="", help="run the fedcli importable from here (another checkout)")
-    parser.add_argument("--extra", nargs="*", default=[], metavar="TASK=OPTIONS",
-                        help="more `fedcli train` options for a task's runs (e.g. the scheme an older fedcli needs)")
-    parser.add_argument("--from-store", action="store_true",
-                        help="reuse the finished runs under --root (render again; train only missing cells)")
-    parser.add_argument("--run-unaffordable", action="store_true",
-                        help=f"run {', '.join(UNAFFORDABLE)} too (hours: module docstring)")
-    parser.add_argument("--stored-only", action="store_true",
-                        help="train nothing: render the finished runs under --root (a matrix cut short)")
+    parser.add_argument(
+        "--command",
+        default=None,
+        help="the command the page names (default: make matrix with --out, else this command line)",
+    )
+    parser.add_argument(
+        "--pythonpath", default="", help="run the fedcli importable from here (another checkout)"
+    )
+    parser.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        metavar="TASK=OPTIONS",
+        help="more `fedcli train` options for a task's runs (e.g. the scheme an older fedcli needs)",
+    )
+    parser.add_argument(
+        "--from-store",
+        action="store_true",
+        help="reuse the finished runs under --root (render again; train only missing cells)",
+    )
+    parser.add_argument(
+        "--run-unaffordable",
+        action="store_true",
+        help=f"run {', '.join(UNAFFORDABLE)} too (hours: module docstring)",
+    )
+    parser.add_argument(
+        "--stored-only",
+        action="store_true",
+        help="train nothing: render the finished runs under --root (a matrix cut short)",
+    )
     args = parser.parse_args(argv)
     extra = {k: v.split() for k, _, v in (item.partition("=") for item in args.extra)}
-    results, skipped = run_matrix(args.tasks, args.rounds, args.root.resolve(), args.only, args.pythonpath, extra,
-                                  args.from_store, args.seeds, stored_only=args.stored_only,
-                                  forced=list(UNAFFORDABLE) if args.run_unaffordable else ())
+    results, skipped = run_matrix(
+        args.tasks,
+        args.rounds,
+        args.root.resolve(),
+        args.only,
+        args.pythonpath,
+        extra,
+        args.from_store,
+        args.seeds,
+        stored_only=args.stored_only,
+        forced=list(UNAFFORDABLE) if args.run_unaffordable else (),
+    )
     command = args.command or ("make matrix" if args.out else " ".join(sys.argv))
     text = render(results, args.rounds, command, args.seeds, skipped)
     if args.out is None:

@@ -31,9 +31,14 @@ def machine() -> dict[str, object]:
                 model = line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"cpu": model, "cores": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg(),
-            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "torch": torch.__version__,
-            "python": platform.python_version()}
+    return {
+        "cpu": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "load_avg": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _rate(kind: str, threads: int, seconds: float) -> float:
@@ -52,6 +57,7 @@ def _rate(kind: str, threads: int, seconds: float) -> float:
 
         def op() -> None:
             F.conv2d(x, weight)
+
     op()
     best, deadline = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < deadline:

@@ -39,8 +39,14 @@ ROUNDS = {"full": {"mlp-10": 12, "mlp-50": 8, "cnn-10": 5}, "quick": {"mlp-10": 
 # loop, the CNN within 1.2x of its FLOP floor; the other ratios are reported beside their bounds
 # (what the reference itself leaves: plain loop / floor, Flower / floor), without a target.
 STEPS = ("flower", "workloads", "gpu", "fedpa", "tracking", "startup", "sweeps", "memory")
-TARGETS = {"vs_flower_mlp": 10.0, "vs_plain_mlp": 3.0, "vs_floor_cnn": 1.2, "startup_s": 3.0,
-           "tracking_pct": 5.0, "checkpoint_pct": 3.0}
+TARGETS = {
+    "vs_flower_mlp": 10.0,
+    "vs_plain_mlp": 3.0,
+    "vs_floor_cnn": 1.2,
+    "startup_s": 3.0,
+    "tracking_pct": 5.0,
+    "checkpoint_pct": 3.0,
+}
 
 
 def log(message: str) -> None:
@@ -54,12 +60,18 @@ def floor_seconds(model: str, examples: float, rates: probes.Throughput) -> dict
     torch.manual_seed(0)
     per = probes.flops_per_example(task.models[model](), task.prepare(data.x[:20]), data.y[:20])
     seconds = examples * (per["matmul"] / (rates.gemm * 1e9) + per["conv"] / (rates.conv * 1e9))
-    return {"flop_per_example": per["total"], "conv_share": per["conv"] / per["total"],
-            "examples_per_round": examples, "gflop_per_round": examples * per["total"] / 1e9, "floor_s": seconds}
+    return {
+        "flop_per_example": per["total"],
+        "conv_share": per["conv"] / per["total"],
+        "examples_per_round": examples,
+        "gflop_per_round": examples * per["total"] / 1e9,
+        "floor_s": seconds,
+    }
 
 
-def workload_approaches(model: str, cohort: int, cores: int
-                        ) -> dict[str, Callable[[], workloads.FedcliRunner | workloads.PlainRunner]]:
+def workload_approaches(
+    model: str, cohort: int, cores: int
+) -> dict[str, Callable[[], workloads.FedcliRunner | workloads.PlainRunner]]:
     """Every approach timed on one workload: name -> a factory of its runner (built when timed)."""
     W = workloads
 
@@ -69,7 +81,9 @@ def workload_approaches(model: str, cohort: int, cores: int
     approaches: dict[str, Callable[[], workloads.FedcliRunner | workloads.PlainRunner]] = {}
     # every back end of engine/backends/ that can run the workload (docs/architecture.md §3, "Which back
     # ends stay" rests on these columns): auto's picks (fused for the MLP, loop for the CNN) and the opt-in ones
-    if model == "mlp":  # the dense classifier's hand-derived cohort SGD (engine/backends/fused.py), auto's pick
+    if (
+        model == "mlp"
+    ):  # the dense classifier's hand-derived cohort SGD (engine/backends/fused.py), auto's pick
         approaches[f"fedcli fused {cores}t"] = fedcli("fused", cores)
         approaches["fedcli fused 1t"] = fedcli("fused", 1)
     approaches[f"fedcli vmap {cores}t"] = fedcli("vmap", cores)
@@ -93,8 +107,9 @@ def workload_approaches(model: str, cohort: int, cores: int
     return approaches
 
 
-def run_workload(model: str, cohort: int, rounds: int, reps: int, flower: str | None,
-                 rates: probes.Throughput) -> dict[str, object]:
+def run_workload(
+    model: str, cohort: int, rounds: int, reps: int, flower: str | None, rates: probes.Throughput
+) -> dict[str, object]:
     """Every approach on one workload, `reps` repetitions; figure = best rep's median.
 
     Within a repetition the in-process approaches run interleaved round by round
@@ -113,28 +128,59 @@ def run_workload(model: str, cohort: int, rounds: int, reps: int, flower: str | 
         if flower is not None:
             log(f"{model}-{cohort} rep {rep + 1}/{reps}: Flower (Ray)")
             runs["Flower (Ray)"].append(W.flower_rounds(flower, model, cohort, rounds, timeout=900))
-    best = {name: min((r["median_s"] for r in rs if "median_s" in r), default=None) for name, rs in runs.items()}
+    best = {
+        name: min((r["median_s"] for r in rs if "median_s" in r), default=None) for name, rs in runs.items()
+    }
     auto = W.fedcli_rounds(model, cohort, 1, "auto", cores)  # one round: only the choice is kept
     examples = statistics.mean(W.cohort_examples(cohort, rounds)[1:] or W.cohort_examples(cohort, 1))
     ours = {k: v for k, v in best.items() if k.startswith("fedcli") and "bf16" not in k and v is not None}
     plain = {k: v for k, v in best.items() if k.startswith("plain") and v is not None}
     best_name = min(ours, key=ours.get)  # type: ignore[arg-type]
-    return {"model": model, "cohort": cohort, "rounds": rounds, "runs": runs, "best_s": best,
-            "fedcli_best": best_name, "fedcli_best_s": ours[best_name], "plain_best_s": min(plain.values()),
-            "flower_s": best.get("Flower (Ray)"), "auto": {"executor": auto["executor"], "reason": auto["reason"]},
-            "floor": floor_seconds(model, examples, rates)}
+    return {
+        "model": model,
+        "cohort": cohort,
+        "rounds": rounds,
+        "runs": runs,
+        "best_s": best,
+        "fedcli_best": best_name,
+        "fedcli_best_s": ours[best_name],
+        "plain_best_s": min(plain.values()),
+        "flower_s": best.get("Flower (Ray)"),
+        "auto": {"executor": auto["executor"], "reason": auto["reason"]},
+        "floor": floor_seconds(model, examples, rates),
+    }
 
 
-def check(targets: list[dict[str, object]], name: str, value: float | None, target: float | None, *,
-          at_most: bool, unit: str = "", bound: float | None = None) -> None:
+def check(
+    targets: list[dict[str, object]],
+    name: str,
+    value: float | None,
+    target: float | None,
+    *,
+    at_most: bool,
+    unit: str = "",
+    bound: float | None = None,
+) -> None:
     """Record a figure against its target (None: reported only, beside its bound when given)."""
     if target is None:
-        targets.append({"name": name, "value": value, "target": "reported" if bound is None else
-                        f"bound {bound:.3g}{unit}", "status": "not measured" if value is None else "reported"})
+        targets.append(
+            {
+                "name": name,
+                "value": value,
+                "target": "reported" if bound is None else f"bound {bound:.3g}{unit}",
+                "status": "not measured" if value is None else "reported",
+            }
+        )
         return
     met = None if value is None else (value <= target if at_most else value >= target)
-    targets.append({"name": name, "value": value, "target": f"{'<=' if at_most else '>='} {target:g}{unit}",
-                    "status": "not measured" if met is None else "met" if met else "MISSED"})
+    targets.append(
+        {
+            "name": name,
+            "value": value,
+            "target": f"{'<=' if at_most else '>='} {target:g}{unit}",
+            "status": "not measured" if met is None else "met" if met else "MISSED",
+        }
+    )
 
 
 def evaluate_targets(results: dict[str, object]) -> list[dict[str, object]]:
@@ -143,33 +189,85 @@ def evaluate_targets(results: dict[str, object]) -> list[dict[str, object]]:
         fedcli, plain, flower = w["fedcli_best_s"], w["plain_best_s"], w["flower_s"]
         floor = w["floor"]["floor_s"]
         mlp = w["model"] == "mlp"
-        check(targets, f"{key}: Flower / fedcli", None if flower is None else flower / fedcli,
-              TARGETS["vs_flower_mlp"] if mlp else None, at_most=False, unit="x",
-              bound=None if flower is None else flower / floor)
-        check(targets, f"{key}: plain loop / fedcli", plain / fedcli, TARGETS["vs_plain_mlp"] if mlp else None,
-              at_most=False, unit="x", bound=plain / floor)
-        check(targets, f"{key}: fedcli / FLOP floor", fedcli / floor, None if mlp else TARGETS["vs_floor_cnn"],
-              at_most=True, unit="x", bound=1.0)
+        check(
+            targets,
+            f"{key}: Flower / fedcli",
+            None if flower is None else flower / fedcli,
+            TARGETS["vs_flower_mlp"] if mlp else None,
+            at_most=False,
+            unit="x",
+            bound=None if flower is None else flower / floor,
+        )
+        check(
+            targets,
+            f"{key}: plain loop / fedcli",
+            plain / fedcli,
+            TARGETS["vs_plain_mlp"] if mlp else None,
+            at_most=False,
+            unit="x",
+            bound=plain / floor,
+        )
+        check(
+            targets,
+            f"{key}: fedcli / FLOP floor",
+            fedcli / floor,
+            None if mlp else TARGETS["vs_floor_cnn"],
+            at_most=True,
+            unit="x",
+            bound=1.0,
+        )
     for row in results.get("fedpa", []):
         if row["paper_pct"] is not None:
-            check(targets, f"FedPA overhead d={row['d']:g}", row["overhead_pct"], row["paper_pct"], at_most=True,
-                  unit="%")
+            check(
+                targets,
+                f"FedPA overhead d={row['d']:g}",
+                row["overhead_pct"],
+                row["paper_pct"],
+                at_most=True,
+                unit="%",
+            )
     for key, cost in (results.get("tracking") or {}).items():
-        check(targets, f"MLflow's cost, {key.replace('_', ' ')} (wall time vs --no-mlflow)", cost["overhead_pct"],
-              TARGETS["tracking_pct"], at_most=True, unit="%")
-        check(targets, f"MLflow's cost, {key.replace('_', ' ')}, rounds 1-10", cost["overhead_first_pct"],
-              TARGETS["tracking_pct"], at_most=True, unit="%")
+        check(
+            targets,
+            f"MLflow's cost, {key.replace('_', ' ')} (wall time vs --no-mlflow)",
+            cost["overhead_pct"],
+            TARGETS["tracking_pct"],
+            at_most=True,
+            unit="%",
+        )
+        check(
+            targets,
+            f"MLflow's cost, {key.replace('_', ' ')}, rounds 1-10",
+            cost["overhead_first_pct"],
+            TARGETS["tracking_pct"],
+            at_most=True,
+            unit="%",
+        )
     if "checkpoints" in results:
-        check(targets, "default checkpoints' cost on the demo", results["checkpoints"]["overhead_pct"],
-              TARGETS["checkpoint_pct"], at_most=True, unit="%")
+        check(
+            targets,
+            "default checkpoints' cost on the demo",
+            results["checkpoints"]["overhead_pct"],
+            TARGETS["checkpoint_pct"],
+            at_most=True,
+            unit="%",
+        )
     if "startup" in results:
-        check(targets, "start-up to round 1 (fedcli train, defaults)",
-              results["startup"]["default"].get("to_first_round_s"), TARGETS["startup_s"], at_most=True, unit=" s")
+        check(
+            targets,
+            "start-up to round 1 (fedcli train, defaults)",
+            results["startup"]["default"].get("to_first_round_s"),
+            TARGETS["startup_s"],
+            at_most=True,
+            unit=" s",
+        )
     if "sweeps" in results:
         from tests.benchmarks.sweeps import TARGETS as SWEEP_TARGETS
 
         for key, bound in SWEEP_TARGETS.items():
-            check(targets, f"sweep {key}", results["sweeps"]["ratios"].get(key), bound, at_most=True, unit="x")
+            check(
+                targets, f"sweep {key}", results["sweeps"]["ratios"].get(key), bound, at_most=True, unit="x"
+            )
     return targets
 
 
@@ -177,28 +275,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--quick", action="store_true", help="tiny settings, to test the harness")
-    parser.add_argument("--skip", default="",
-                        help="comma list of: flower, workloads, gpu, fedpa, tracking, startup, sweeps, memory")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma list of: flower, workloads, gpu, fedpa, tracking, startup, sweeps, memory",
+    )
     parser.add_argument("--only", default="", help="comma list of the steps to run (the others skipped)")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="repetitions per approach (default: 3 for the MLP workloads, which take seconds, and 2 "
-                             "for the CNN; quick 1)")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="repetitions per approach (default: 3 for the MLP workloads, which take seconds, and 2 "
+        "for the CNN; quick 1)",
+    )
     args = parser.parse_args(argv)
     skip, mode = set(filter(None, args.skip.split(","))), "quick" if args.quick else "full"
     if args.only:
         skip |= set(STEPS) - set(filter(None, args.only.split(",")))
     reps = args.reps or (1 if args.quick else 2)
-    mlp_reps = args.reps or (1 if args.quick else 3)  # the machine is noisy: more repetitions where they are cheap
+    mlp_reps = args.reps or (
+        1 if args.quick else 3
+    )  # the machine is noisy: more repetitions where they are cheap
     started = time.time()
-    results: dict[str, object] = {"machine": probes.machine(), "mode": mode,
-                                  "reps": reps if mlp_reps == reps else f"{mlp_reps} (MLP), {reps} (CNN)"}
+    results: dict[str, object] = {
+        "machine": probes.machine(),
+        "mode": mode,
+        "reps": reps if mlp_reps == reps else f"{mlp_reps} (MLP), {reps} (CNN)",
+    }
     results["machine"]["gpu"] = None if gpu.unavailable() else gpu.gpu_info()["name"]
     log(f"machine: {results['machine']}")
     flower = None if "flower" in skip else workloads.flower_python()
-    results["flower"] = {"python": flower, "note": None if flower else
-                         ("skipped (--skip flower)" if "flower" in skip else
-                          "flwr[simulation] is not importable here or in .venv-flower: the Flower column is not "
-                          "measured (pip install -e '.[bench]' in a separate environment)")}
+    results["flower"] = {
+        "python": flower,
+        "note": None
+        if flower
+        else (
+            "skipped (--skip flower)"
+            if "flower" in skip
+            else "flwr[simulation] is not importable here or in .venv-flower: the Flower column is not "
+            "measured (pip install -e '.[bench]' in a separate environment)"
+        ),
+    }
     if "workloads" not in skip:
         log("throughput probes")
         rates = probes.throughput(0.3 if args.quick else 2.0)
@@ -206,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         results["workloads"] = {}
         for model, cohort in WORKLOADS:
             key = f"{model}-{cohort}"
-            results["workloads"][key] = run_workload(model, cohort, ROUNDS[mode][key],
-                                                     mlp_reps if model == "mlp" else reps, flower, rates)
+            results["workloads"][key] = run_workload(
+                model, cohort, ROUNDS[mode][key], mlp_reps if model == "mlp" else reps, flower, rates
+            )
             _write(args.out, results)
     if "gpu" not in skip:
         log("GPU workloads" if gpu.unavailable() is None else f"GPU: {gpu.unavailable()}")
@@ -229,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             "no_mlflow": extras.startup(["--rounds", "1", "--no-mlflow"], extras.tmpdir()),
             # issue 27: `fedcli train --rounds 20` (FEMNIST writers, MLP) to round 1 and to its end, MLflow on/off
             "mlp_20": extras.startup(["--model", "mlp", "--rounds", "20"], extras.tmpdir()),
-            "mlp_20_no_mlflow": extras.startup(["--model", "mlp", "--rounds", "20", "--no-mlflow"], extras.tmpdir()),
+            "mlp_20_no_mlflow": extras.startup(
+                ["--model", "mlp", "--rounds", "20", "--no-mlflow"], extras.tmpdir()
+            ),
             "flower": {"to_first_round_s": _flower_startup(results)},
         }
     if "sweeps" not in skip:
@@ -240,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.out, results)
     if "memory" not in skip:
         log("memory")
-        results["memory"] = (extras.memory(num_clients=400, per_client=50, visits=60) if args.quick
-                             else extras.memory())
+        results["memory"] = (
+            extras.memory(num_clients=400, per_client=50, visits=60) if args.quick else extras.memory()
+        )
     results["targets"] = evaluate_targets(results)
     results["machine"]["load_avg_end"] = os.getloadavg()
     results["wall_s"] = time.time() - started
@@ -252,8 +373,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _flower_startup(results: dict[str, object]) -> float | None:
-    values = [r.get("startup_s") for w in results.get("workloads", {}).values()
-              for r in w["runs"].get("Flower (Ray)", [])]
+    values = [
+        r.get("startup_s")
+        for w in results.get("workloads", {}).values()
+        for r in w["runs"].get("Flower (Ray)", [])
+    ]
     values = [v for v in values if v is not None]
     return min(values) if values else None
 

@@ -28,12 +28,17 @@ from typing import Any
 from fedcli.tracking.store.sql_store import SqlStore
 
 ROUNDS = {"full": 20, "quick": 2}
-SPEC = ("experiment: bench-sweep\n"
-        "base: {{task: femnist, model: mlp, rounds: {rounds}}}\n"
-        "grid: {{algo: [fedavg, fedprox], hp.mu: [0.01]}}\n"
-        "seeds: [0, 1, 2]\n")
-SWEEPS = {"workers_1": ["--workers", "1"], "workers_2": ["--workers", "2"],
-          "workers_1_no_mlflow": ["--workers", "1", "--no-mlflow"]}
+SPEC = (
+    "experiment: bench-sweep\n"
+    "base: {{task: femnist, model: mlp, rounds: {rounds}}}\n"
+    "grid: {{algo: [fedavg, fedprox], hp.mu: [0.01]}}\n"
+    "seeds: [0, 1, 2]\n"
+)
+SWEEPS = {
+    "workers_1": ["--workers", "1"],
+    "workers_2": ["--workers", "2"],
+    "workers_1_no_mlflow": ["--workers", "1", "--no-mlflow"],
+}
 TRAINS = {"train": [], "train_no_mlflow": ["--no-mlflow"]}
 
 
@@ -47,9 +52,12 @@ def trained(root: Path) -> dict[str, Any]:
     records = db.list_runs()
     frame = db.metrics_frame([r.id for r in records], keys=["time/cum_train_s"])
     last = frame.sort_values("round_idx").groupby("run_id")["value"].last()
-    return {"runs": len(records), "finished": sum(r.status == "finished" for r in records),
-            "train_s": float(last.sum()), "first_created": min((r.created_at.timestamp() for r in records),
-                                                               default=None)}
+    return {
+        "runs": len(records),
+        "finished": sum(r.status == "finished" for r in records),
+        "train_s": float(last.sum()),
+        "first_created": min((r.created_at.timestamp() for r in records), default=None),
+    }
 
 
 def measure(args: list[str], root: Path) -> dict[str, Any]:
@@ -57,15 +65,25 @@ def measure(args: list[str], root: Path) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
     launched = time.time()
-    proc = subprocess.run([fedcli(), "-q", *args, "--root", str(root)], capture_output=True, text=True, env=env,
-                          timeout=3600, cwd=root)
+    proc = subprocess.run(
+        [fedcli(), "-q", *args, "--root", str(root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+        cwd=root,
+    )
     wall = time.time() - launched
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout)[-1500:]}
     inside = trained(root)
     first = inside.pop("first_created")
-    return {"wall_s": wall, **inside, "wall_per_train": wall / inside["train_s"] if inside["train_s"] else None,
-            "to_first_run_s": None if first is None else first - launched}
+    return {
+        "wall_s": wall,
+        **inside,
+        "wall_per_train": wall / inside["train_s"] if inside["train_s"] else None,
+        "to_first_run_s": None if first is None else first - launched,
+    }
 
 
 def sweep_table(mode: str, folder: Path) -> dict[str, Any]:
@@ -76,21 +94,26 @@ def sweep_table(mode: str, folder: Path) -> dict[str, Any]:
     spec.write_text(SPEC.format(rounds=rounds))
     rows: dict[str, Any] = {}
     for name, extra in TRAINS.items():
-        rows[name] = measure(["train", "--task", "femnist", "--model", "mlp", "--rounds", str(rounds), *extra],
-                             folder / name)
+        rows[name] = measure(
+            ["train", "--task", "femnist", "--model", "mlp", "--rounds", str(rounds), *extra], folder / name
+        )
     for name, extra in SWEEPS.items():
         rows[name] = measure(["sweep", str(spec), *extra], folder / name)
     rows.update(ray_rows(spec, folder))
     if mode == "full":  # for information: the same sweep with 5x the rounds, where the fixed costs weigh less
         longer = folder / "spec_100.yaml"
         longer.write_text(SPEC.format(rounds=100))
-        rows["workers_1_100_rounds"] = measure(["sweep", str(longer), "--workers", "1"], folder / "workers_1_100")
+        rows["workers_1_100_rounds"] = measure(
+            ["sweep", str(longer), "--workers", "1"], folder / "workers_1_100"
+        )
     one, two = rows["workers_1"], rows["workers_2"]
     ratios = {}
     if "error" not in one and "error" not in two:
-        ratios = {"workers_1_wall_per_train": one["wall_per_train"],
-                  "workers_2_vs_1_wall": two["wall_s"] / one["wall_s"],
-                  "workers_2_vs_1_train": two["train_s"] / one["train_s"] if one["train_s"] else None}
+        ratios = {
+            "workers_1_wall_per_train": one["wall_per_train"],
+            "workers_2_vs_1_wall": two["wall_s"] / one["wall_s"],
+            "workers_2_vs_1_train": two["train_s"] / one["train_s"] if one["train_s"] else None,
+        }
     return {"rounds": rounds, "rows": rows, "ratios": ratios}
 
 
@@ -107,27 +130,38 @@ def ray_rows(spec: Path, folder: Path) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     with ray_head_on_loopback(cpus=os.cpu_count() or 2) as address:
         for name, extra in RAY_SWEEPS.items():
-            rows[name] = measure(["sweep", str(spec), "--backend", "ray", "--address", address, *extra], folder / name)
+            rows[name] = measure(
+                ["sweep", str(spec), "--backend", "ray", "--address", address, *extra], folder / name
+            )
     return rows
 
 
-RAY_SWEEPS = {"ray_workers_1": ["--workers", "1", "--cpus-per-trial", "2"],
-              "ray_workers_2": ["--workers", "2", "--cpus-per-trial", "1"]}
+RAY_SWEEPS = {
+    "ray_workers_1": ["--workers", "1", "--cpus-per-trial", "2"],
+    "ray_workers_2": ["--workers", "2", "--cpus-per-trial", "1"],
+}
 TARGETS = {"workers_1_wall_per_train": 2.0, "workers_2_vs_1_wall": 1.0, "workers_2_vs_1_train": 1.3}
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The issue's table: what, wall, training inside it, wall / training."""
-    lines = [f"### Sweeps ({result['rounds']} rounds per trial; 6 trials; FEMNIST writers, MLP)", "",
-             "| what | wall (s) | Σ time/cum_train_s (s) | wall / training | launch to first run (s) |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"### Sweeps ({result['rounds']} rounds per trial; 6 trials; FEMNIST writers, MLP)",
+        "",
+        "| what | wall (s) | Σ time/cum_train_s (s) | wall / training | launch to first run (s) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, row in result["rows"].items():
         if "error" in row:
-            lines.append(f"| {name} | error: {row['error'].splitlines()[-1] if row['error'] else '?'} | | | |")
+            lines.append(
+                f"| {name} | error: {row['error'].splitlines()[-1] if row['error'] else '?'} | | | |"
+            )
             continue
         first = row.get("to_first_run_s")
-        lines.append(f"| {name} | {row['wall_s']:.1f} | {row['train_s']:.1f} | {row['wall_per_train']:.1f}x | "
-                     f"{'—' if first is None else f'{first:.1f}'} |")
+        lines.append(
+            f"| {name} | {row['wall_s']:.1f} | {row['train_s']:.1f} | {row['wall_per_train']:.1f}x | "
+            f"{'—' if first is None else f'{first:.1f}'} |"
+        )
     for key, bound in TARGETS.items():
         value = result["ratios"].get(key)
         verdict = "not measured" if value is None else "met" if value <= bound else "missed"
@@ -139,6 +173,8 @@ if __name__ == "__main__":
     import json
     import tempfile
 
-    out = sweep_table("quick" if "--quick" in sys.argv else "full", Path(tempfile.mkdtemp(prefix="bench-sweeps-")))
+    out = sweep_table(
+        "quick" if "--quick" in sys.argv else "full", Path(tempfile.mkdtemp(prefix="bench-sweeps-"))
+    )
     print(json.dumps(out, indent=1, default=str))
     print(markdown(out))

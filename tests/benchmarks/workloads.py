@@ -59,13 +59,33 @@ class FedcliRunner:
     asked), so the CPU tables stay CPU figures on a machine with a GPU.
     """
 
-    def __init__(self, model: str, cohort: int, executor: str, threads: int, precision: str = "fp32",
-                 compile: bool = False, device: str = "cpu", graph: bool = False) -> None:
-        cfg = build_config(overrides={"algorithm.name": "fedavg", "data.task": "femnist", "data.model": model,
-                                      "train.clients_per_round": cohort, "train.batch_size": BATCH,
-                                      "train.client_lr": LR, "train.executor": executor, "seed": 0,
-                                      "train.precision": precision, "train.compile": compile or None,
-                                      "train.graph": graph or None, "train.device": device})
+    def __init__(
+        self,
+        model: str,
+        cohort: int,
+        executor: str,
+        threads: int,
+        precision: str = "fp32",
+        compile: bool = False,
+        device: str = "cpu",
+        graph: bool = False,
+    ) -> None:
+        cfg = build_config(
+            overrides={
+                "algorithm.name": "fedavg",
+                "data.task": "femnist",
+                "data.model": model,
+                "train.clients_per_round": cohort,
+                "train.batch_size": BATCH,
+                "train.client_lr": LR,
+                "train.executor": executor,
+                "seed": 0,
+                "train.precision": precision,
+                "train.compile": compile or None,
+                "train.graph": graph or None,
+                "train.device": device,
+            }
+        )
         self.setup, self.threads, self.compile, self.precision = build(cfg), threads, compile, precision
         self.state = self.setup.alg.server_init(self.setup.init_params, self.setup.hp, self.setup.opt)
         self.store = ClientStateStore(None)
@@ -81,13 +101,24 @@ class FedcliRunner:
     def result(self, times: list[float]) -> dict[str, object]:
         median = median_after_first(times)
         backend = self.setup.backend
-        compile_s = (backend.compile_s if isinstance(backend, CompiledVmap) else
-                     backend.build_s if isinstance(backend, GraphedVmap) else None)
+        compile_s = (
+            backend.compile_s
+            if isinstance(backend, CompiledVmap)
+            else backend.build_s
+            if isinstance(backend, GraphedVmap)
+            else None
+        )
         if self.compile and compile_s is None:  # per-client compiled steps: round 1 minus a typical round
             compile_s = times[0] - median
-        return {"executor": self.setup.executor, "backend": self.setup.backend.name,
-                "reason": self.setup.executor_reason, "threads": self.threads,
-                "round_s": times, "median_s": median, "compile_s": compile_s}
+        return {
+            "executor": self.setup.executor,
+            "backend": self.setup.backend.name,
+            "reason": self.setup.executor_reason,
+            "threads": self.threads,
+            "round_s": times,
+            "median_s": median,
+            "compile_s": compile_s,
+        }
 
     def close(self) -> None:
         self.setup.backend.close()
@@ -99,8 +130,14 @@ class PlainRunner:
     memory, weighted average of the state dicts. threads=None: PyTorch's default intra-op threads.
     On `device` cuda the data and model live on the GPU and each round ends with a synchronize."""
 
-    def __init__(self, model: str, cohort: int, threads: int | None = None, device: str = "cpu",
-                 precision: str = "fp32") -> None:
+    def __init__(
+        self,
+        model: str,
+        cohort: int,
+        threads: int | None = None,
+        device: str = "cpu",
+        precision: str = "fp32",
+    ) -> None:
         task = TASKS["femnist"]
         data = task.load(TaskOptions())
         self.device = torch.device(device)
@@ -122,12 +159,16 @@ class PlainRunner:
                 local = copy.deepcopy(global_model)
                 opt = torch.optim.SGD(local.parameters(), lr=LR)
                 x, y = self.xs[client], self.ys[client]
-                order = torch.randperm(len(y), generator=torch.Generator().manual_seed(round_idx * 10_000 + int(client)))
+                order = torch.randperm(
+                    len(y), generator=torch.Generator().manual_seed(round_idx * 10_000 + int(client))
+                )
                 order = order.to(self.device)
                 for step, first in enumerate(range(0, len(y), BATCH)):
-                    idx = order[first:first + BATCH]
+                    idx = order[first : first + BATCH]
                     opt.zero_grad()
-                    F.cross_entropy(local(x[idx], key=torch.tensor(step, device=self.device)), y[idx]).backward()
+                    F.cross_entropy(
+                        local(x[idx], key=torch.tensor(step, device=self.device)), y[idx]
+                    ).backward()
                     opt.step()
                 for k, v in local.state_dict().items():
                     summed[k] += len(y) * v
@@ -144,8 +185,9 @@ class PlainRunner:
         pass
 
 
-def interleaved(factories: dict[str, Callable[[], FedcliRunner | PlainRunner]], rounds: int
-                ) -> dict[str, dict[str, object]]:
+def interleaved(
+    factories: dict[str, Callable[[], FedcliRunner | PlainRunner]], rounds: int
+) -> dict[str, dict[str, object]]:
     """Build every runner, then time round r of each before round r + 1 of any, rotating who goes
     first: all approaches sample the same moments of a noisy machine (load, frequency, neighbours)."""
     runners = {name: make() for name, make in factories.items()}
@@ -162,25 +204,40 @@ def interleaved(factories: dict[str, Callable[[], FedcliRunner | PlainRunner]], 
     return {name: runners[name].result(times[name]) for name in names}
 
 
-def fedcli_rounds(model: str, cohort: int, rounds: int, executor: str, threads: int,
-                  precision: str = "fp32", compile: bool = False) -> dict[str, object]:
+def fedcli_rounds(
+    model: str,
+    cohort: int,
+    rounds: int,
+    executor: str,
+    threads: int,
+    precision: str = "fp32",
+    compile: bool = False,
+) -> dict[str, object]:
     """Time `rounds` FedAvg rounds of fedcli with one executor alone; returns times and what ran."""
-    return interleaved({"one": lambda: FedcliRunner(model, cohort, executor, threads, precision, compile)},
-                       rounds)["one"]
+    return interleaved(
+        {"one": lambda: FedcliRunner(model, cohort, executor, threads, precision, compile)}, rounds
+    )["one"]
 
 
 def cohort_examples(cohort: int, rounds: int) -> list[int]:
     """Examples trained per round (one epoch) for the cohorts of seed 0, rounds 1..R."""
     sizes = np.array([len(ix) for ix in TASKS["femnist"].load(TaskOptions()).client_indices])
-    return [int(sizes[sample_cohort(len(sizes), cohort, seed=0, round_idx=r)].sum()) for r in range(1, rounds + 1)]
+    return [
+        int(sizes[sample_cohort(len(sizes), cohort, seed=0, round_idx=r)].sum()) for r in range(1, rounds + 1)
+    ]
 
 
 def flower_python() -> str | None:
     """Return an interpreter that can import flwr (this one, or ./.venv-flower), or None."""
     candidates = [sys.executable, str(Path(".venv-flower/bin/python").absolute())]
     for python in candidates:
-        if Path(python).exists() and subprocess.run([python, "-c", "import flwr, ray"], capture_output=True,
-                                                    timeout=120).returncode == 0:
+        if (
+            Path(python).exists()
+            and subprocess.run(
+                [python, "-c", "import flwr, ray"], capture_output=True, timeout=120
+            ).returncode
+            == 0
+        ):
             return python
     return None
 
@@ -191,10 +248,26 @@ def flower_rounds(python: str, model: str, cohort: int, rounds: int, timeout: fl
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "flower.json"
         started = time.time()
-        proc = subprocess.run([python, str(script), "--model", model, "--clients-per-round", str(cohort),
-                               "--rounds", str(rounds), "--out", str(out), "--t0", repr(started)],
-                              capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONWARNINGS": "ignore"})
+        proc = subprocess.run(
+            [
+                python,
+                str(script),
+                "--model",
+                model,
+                "--clients-per-round",
+                str(cohort),
+                "--rounds",
+                str(rounds),
+                "--out",
+                str(out),
+                "--t0",
+                repr(started),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONWARNINGS": "ignore"},
+        )
         if proc.returncode != 0 or not out.exists():
             return {"error": (proc.stderr or proc.stdout)[-2000:]}
         result = json.loads(out.read_text())

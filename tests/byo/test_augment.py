@@ -29,8 +29,10 @@ from fedcli.tracking.store.sql_store import SqlStore
 
 def images(n: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (n, 3, 8, 8), generator=g, dtype=torch.uint8),
-            torch.randint(0, 4, (n,), generator=g))
+    return (
+        torch.randint(0, 256, (n, 3, 8, 8), generator=g, dtype=torch.uint8),
+        torch.randint(0, 4, (n,), generator=g),
+    )
 
 
 def reference(x: torch.Tensor, key: torch.Tensor, pad: int) -> torch.Tensor:
@@ -57,7 +59,9 @@ def test_batched_crop_and_flip_equal_the_per_example_reference() -> None:
 def test_draws_are_a_pure_function_of_the_key_and_the_slot_and_vmap_needs_no_randomness() -> None:
     key = torch.tensor(-987654321012345, dtype=torch.int64)
     assert torch.equal(augment.draws(key, 16), augment.draws(key, 16))
-    assert torch.equal(augment.draws(key, 16)[:8], augment.draws(key, 8))  # slot b's draw: not the batch size's
+    assert torch.equal(
+        augment.draws(key, 16)[:8], augment.draws(key, 8)
+    )  # slot b's draw: not the batch size's
     assert not torch.equal(augment.draws(key, 16), augment.draws(key + 1, 16))
     assert bool((augment.draws(key, 16) >= 0).all())
     fn = augment.augmenter(augment.parse(["crop:3", "flip"]))
@@ -67,15 +71,25 @@ def test_draws_are_a_pure_function_of_the_key_and_the_slot_and_vmap_needs_no_ran
 
 
 def rounds(ref: str, executor: str, aug: list[str] | None, n: int = 2) -> tuple[dict, dict]:
-    overrides = {"data.file": ref, "data.model": "cnn", "algorithm.name": "fedavg", "train.clients_per_round": 3,
-                 "train.device": "cpu", "train.executor": executor, "train.workers": 2, "train.batch_size": 8}
+    overrides = {
+        "data.file": ref,
+        "data.model": "cnn",
+        "algorithm.name": "fedavg",
+        "train.clients_per_round": 3,
+        "train.device": "cpu",
+        "train.executor": executor,
+        "train.workers": 2,
+        "train.batch_size": 8,
+    }
     setup = build(build_config(overrides={**overrides, "data.augment": aug}))
     try:
         state, store = setup.alg.server_init(setup.init_params, setup.hp, setup.opt), ClientStateStore(None)
         for round_idx in range(1, n + 1):
             state, _ = run_round(setup, state, store, round_idx, Timing())
         params = setup.alg.global_params(state)
-        return params, evaluate(setup.task, setup.fns, setup.init_params, setup.data.test_x, setup.data.test_y)
+        return params, evaluate(
+            setup.task, setup.fns, setup.init_params, setup.data.test_x, setup.data.test_y
+        )
     finally:
         setup.backend.close()
 
@@ -90,7 +104,9 @@ def test_torch_dataset_with_augmentation_is_the_same_on_loop_vmap_and_process() 
     plain, plain_eval = rounds(ref, "loop", None)
     for name, tensor in loop.items():
         assert torch.equal(process[name], tensor), name  # the same kernels in a worker: bit-equal
-        torch.testing.assert_close(vmap[name], tensor, rtol=1e-5, atol=1e-6)  # batched kernels: float tolerance
+        torch.testing.assert_close(
+            vmap[name], tensor, rtol=1e-5, atol=1e-6
+        )  # batched kernels: float tolerance
     assert any(not torch.allclose(plain[k], loop[k]) for k in loop)  # the augmentation changed training
     assert plain_eval == loop_eval  # evaluation never augmented
 
@@ -102,7 +118,8 @@ def test_normalisation_applies_to_training_and_evaluation_inputs() -> None:
     plain = build(build_config(overrides=base))
     normed = build(build_config(overrides={**base, "data.augment": ["normalize:0.5/0.4/0.3:0.25/0.2/0.1"]}))
     want = (plain.fns.prepare(x[:4]) - torch.tensor([0.5, 0.4, 0.3]).view(-1, 1, 1)) / torch.tensor(
-        [0.25, 0.2, 0.1]).view(-1, 1, 1)
+        [0.25, 0.2, 0.1]
+    ).view(-1, 1, 1)
     torch.testing.assert_close(normed.fns.prepare(x[:4]), want)
     assert normed.fns.augment is None and plain.fns.augment is None  # nothing random: the step is unchanged
 
@@ -110,17 +127,26 @@ def test_normalisation_applies_to_training_and_evaluation_inputs() -> None:
 def test_refusals_are_one_line() -> None:
     x, y = images(40)
     ref = data_ref(TensorDataset(x, y), name="pictures-refused", client=np.arange(len(y)) % 4)
-    base = {"data.file": ref, "data.model": "mlp", "train.clients_per_round": 2, "train.device": "cpu",
-            "data.augment": ["crop:2"]}
+    base = {
+        "data.file": ref,
+        "data.model": "mlp",
+        "train.clients_per_round": 2,
+        "train.device": "cpu",
+        "data.augment": ["crop:2"],
+    }
     with pytest.raises(ConfigError, match="fused gathers its own batches"):
         build(build_config(overrides={**base, "train.executor": "fused"}))
     assert build(build_config(overrides=base)).executor != "fused"  # auto picks one that augments
-    for bad, message in ((["crop:0"], "padding of >= 1"), (["rotate"], "not an operation"),
-                         (["normalize:0.5:0"], "std > 0")):
+    for bad, message in (
+        (["crop:0"], "padding of >= 1"),
+        (["rotate"], "not an operation"),
+        (["normalize:0.5:0"], "std > 0"),
+    ):
         with pytest.raises(ConfigError, match=message):
             build_config(overrides={**base, "data.augment": bad})
-    features = data_ref(TensorDataset(torch.randn(30, 5), torch.zeros(30).long()), name="flat",
-                        client=np.arange(30) % 3)
+    features = data_ref(
+        TensorDataset(torch.randn(30, 5), torch.zeros(30).long()), name="flat", client=np.arange(30) % 3
+    )
     with pytest.raises(ConfigError, match=r"needs images \[C, H, W\]"):
         build(build_config(overrides={**base, "data.file": features}))
 
@@ -137,15 +163,39 @@ def test_augmented_run_killed_and_resumed_equals_the_uninterrupted_run(tmp_path:
     (tmp_path / "pictures.py").write_text(
         "import numpy as np, torch\nfrom torch.utils.data import TensorDataset\n\n\n"
         "def load():\n    d = torch.load('pictures.pt', weights_only=True)\n"
-        "    return {'data': TensorDataset(d['x'], d['y']), 'client': np.arange(len(d['y'])) % 8}\n")
+        "    return {'data': TensorDataset(d['x'], d['y']), 'client': np.arange(len(d['y'])) % 8}\n"
+    )
     (tmp_path / "run.yaml").write_text("data:\n  augment: [crop:2, flip]\n")
-    args = ["-q", "train", "--data", "pictures.py:load", "--model", "mlp", "--config", "run.yaml", "--rounds", rounds,
-            "--clients-per-round", "3", "--batch-size", "8", "--executor", "loop", "--no-mlflow"]
+    args = [
+        "-q",
+        "train",
+        "--data",
+        "pictures.py:load",
+        "--model",
+        "mlp",
+        "--config",
+        "run.yaml",
+        "--rounds",
+        rounds,
+        "--clients-per-round",
+        "3",
+        "--batch-size",
+        "8",
+        "--executor",
+        "loop",
+        "--no-mlflow",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def fedcli(root: Path, *extra: str) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "fedcli", *args, "--root", str(root), *extra], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "fedcli", *args, "--root", str(root), *extra],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     whole = fedcli(tmp_path / "ref")
     assert whole.wait(timeout=600) == 0, whole.stderr.read() if whole.stderr else ""
@@ -165,9 +215,26 @@ def test_augmented_run_killed_and_resumed_equals_the_uninterrupted_run(tmp_path:
     victim.wait(timeout=30)
     db = SqlStore(f"sqlite:///{root / 'fedcli.db'}")
     assert (db.last_round(run_id) or 0) < int(rounds), "killed too late to test a resume"
-    resumed = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), "--resume",
-                              run_id[:8], "--data", "pictures.py:load"],  # its data function named again (issue 35)
-                             cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--root",
+            str(root),
+            "--resume",
+            run_id[:8],
+            "--data",
+            "pictures.py:load",
+        ],  # its data function named again (issue 35)
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr
     want = torch.load(tmp_path / "ref" / "runs" / ref_id / "model.pt", weights_only=True)["params"]
     got = torch.load(root / "runs" / run_id / "model.pt", weights_only=True)["params"]
@@ -184,10 +251,19 @@ def test_the_served_model_normalises_as_training_did(tmp_path: Path) -> None:
     x, y = images(40)
     np.savez(tmp_path / "pictures.npz", x=x.numpy(), y=y.numpy(), client=np.arange(40) % 4)
     url = f"sqlite:///{tmp_path / 's.db'}"
-    cfg = build_config(overrides={"data.file": str(tmp_path / "pictures.npz"), "data.model": "cnn", "train.rounds": 1,
-                                  "train.clients_per_round": 2, "train.device": "cpu", "tracking.root": str(tmp_path),
-                                  "tracking.store": url, "tracking.use_mlflow": False,
-                                  "data.augment": ["normalize:0.5:0.25", "flip"]})
+    cfg = build_config(
+        overrides={
+            "data.file": str(tmp_path / "pictures.npz"),
+            "data.model": "cnn",
+            "train.rounds": 1,
+            "train.clients_per_round": 2,
+            "train.device": "cpu",
+            "tracking.root": str(tmp_path),
+            "tracking.store": url,
+            "tracking.use_mlflow": False,
+            "data.augment": ["normalize:0.5:0.25", "flip"],
+        }
+    )
     result = train(cfg, tracker=Tracker(SqlStore(url)))
     write_served(read_model_file(result.model_path), tmp_path / "served.pt")
     served = load_served(tmp_path / "served.pt")
@@ -197,7 +273,9 @@ def test_the_served_model_normalises_as_training_did(tmp_path: Path) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh runs it on a GPU)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh runs it on a GPU)"
+)
 def test_crops_and_flips_on_cuda_equal_the_cpu_ones() -> None:
     """The int64 hash wraps the same way on the GPU: every back end on every device draws the same."""
     fn = augment.augmenter(augment.parse(["crop:4", "flip"]))

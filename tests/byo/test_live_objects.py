@@ -99,7 +99,10 @@ def user_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     for name in ("mynet", "mydata"):
         sys.modules.pop(name, None)
     yield folder
-    for name in ("mynet", "mydata"):  # imported from this test's folder: a later test's `mynet` is another file
+    for name in (
+        "mynet",
+        "mydata",
+    ):  # imported from this test's folder: a later test's `mynet` is another file
         sys.modules.pop(name, None)
 
 

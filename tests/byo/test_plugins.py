@@ -29,19 +29,41 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     base = tmp_path_factory.mktemp("plugin-task")
     source, site = base / "src", base / "site"
     shutil.copytree(PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    env = {**{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")},
-           "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                           "--no-build-isolation", "--target", str(site), str(source)],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=base)
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")},
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "PIP_NO_INPUT": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=base,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
 
 
 def fedcli(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedcli", *args], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "fedcli", *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd
+    )
 
 
 def test_list_tasks_and_models_name_the_plugin_package(env: dict[str, str], tmp_path: Path) -> None:
@@ -59,8 +81,26 @@ def test_train_the_plugin_task_with_the_plugin_model(env: dict[str, str], tmp_pa
     """`--task sines --model sine-cnn` by fedpa on vmap: the run records the model by its reference and
     source hash, the task by its own name; `fedcli evaluate` rebuilds both."""
     root = tmp_path / "runs"
-    done = fedcli(env, tmp_path, "train", "--task", "sines", "--model", "sine-cnn", "--algo", "fedpa",
-                  "--rounds", "2", "--clients-per-round", "4", "--executor", "vmap", "--no-mlflow", "--root", str(root))
+    done = fedcli(
+        env,
+        tmp_path,
+        "train",
+        "--task",
+        "sines",
+        "--model",
+        "sine-cnn",
+        "--algo",
+        "fedpa",
+        "--rounds",
+        "2",
+        "--clients-per-round",
+        "4",
+        "--executor",
+        "vmap",
+        "--no-mlflow",
+        "--root",
+        str(root),
+    )
     assert done.returncode == 0, done.stderr
     with SqlStore(f"sqlite:///{root / 'fedcli.db'}") as store:
         (run,) = store.list_runs()
@@ -75,7 +115,23 @@ def test_train_the_plugin_task_with_the_plugin_model(env: dict[str, str], tmp_pa
 
 def test_a_plugin_model_name_unknown_without_the_plugin(tmp_path: Path) -> None:
     """Without the plugin installed, `--model sine-cnn` is one line naming the models there are, exit 2."""
-    done = subprocess.run([sys.executable, "-m", "fedcli", "train", "--task", "femnist", "--model", "sine-cnn",
-                           "--no-mlflow", "--root", str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "train",
+            "--task",
+            "femnist",
+            "--model",
+            "sine-cnn",
+            "--no-mlflow",
+            "--root",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "data.model must be one of mlp, cnn" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()

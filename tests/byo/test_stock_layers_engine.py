@@ -114,6 +114,7 @@ def setup_folder(folder: Path) -> Path:
     (folder / "stocknets.py").write_text(MODELS)
     return har(folder)
 
+
 def load_stocknets(folder: Path, name: str) -> types.ModuleType:
     """The test's MODELS written into `folder` and imported under `name` (not on sys.path: no clash between tests)."""
     import importlib.util
@@ -126,7 +127,6 @@ def load_stocknets(folder: Path, name: str) -> types.ModuleType:
     return nets
 
 
-
 def metrics(root: Path, run_id: str) -> dict[tuple[int, str], float]:
     frame = store(root).metrics_frame([run_id])
     return {
@@ -134,6 +134,7 @@ def metrics(root: Path, run_id: str) -> dict[tuple[int, str], float]:
         for r, k, v in zip(frame.round_idx, frame.key, frame.value, strict=True)
         if k.startswith(("eval/", "train/loss"))
     }
+
 
 Runs = dict[tuple[str, int], tuple[dict[tuple[int, str], float], dict[str, torch.Tensor]]]
 
@@ -145,8 +146,19 @@ def twice_on_loop_and_vmap(tmp_path: Path, data: Path, model_ref: str, seed: str
     for executor in ("loop", "vmap"):
         for i in (1, 2):
             root = tmp_path / f"{executor}{i}"
-            done = fedcli(root, "--data", str(data), "--model", model_ref, "--executor", executor, "--seed", seed,
-                          *SMALL, cwd=tmp_path)
+            done = fedcli(
+                root,
+                "--data",
+                str(data),
+                "--model",
+                model_ref,
+                "--executor",
+                executor,
+                "--seed",
+                seed,
+                *SMALL,
+                cwd=tmp_path,
+            )
             assert done.returncode == 0, done.stderr
             (run,) = store(root).list_runs()
             runs[executor, i] = metrics(root, run.id), final_params(root, run.id)
@@ -155,8 +167,6 @@ def twice_on_loop_and_vmap(tmp_path: Path, data: Path, model_ref: str, seed: str
         assert m1 and m1 == m2, executor
         assert all(torch.equal(p1[k], p2[k]) for k in p1), executor
     return runs
-
-
 
 
 # ---- in process -------------------------------------------------------------------------------

@@ -193,7 +193,9 @@ def test_algorithm_on_stock_model(tmp_path: Path, tiny: Path, model: str, algo: 
             m,
             marks=[pytest.mark.xfail(strict=True, reason=ENGINE[(m, "seed")])]
             if (m, "seed") in ENGINE
-            else [pytest.mark.wide] if m == "resnet18" else [],
+            else [pytest.mark.wide]
+            if m == "resnet18"
+            else [],
         )
         for m in MODELS
     ],

@@ -118,13 +118,24 @@ def write(folder: Path, name: str, source: str) -> Path:
     return path
 
 
-def fedcli(root: Path, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-           command: str = "train", popen: bool = False) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
-    full = {**{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")},
-            "OMP_NUM_THREADS": "1", **(env or {})}
+def fedcli(
+    root: Path,
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    command: str = "train",
+    popen: bool = False,
+) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
+    full = {
+        **{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")},
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
     argv = [sys.executable, "-m", "fedcli", "-q", command, *(["--root", str(root)] if root else []), *args]
     if popen:
-        return subprocess.Popen(argv, cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            argv, cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     return subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=300)
 
 
@@ -153,7 +164,9 @@ def reference_and_killed(tmp_path: Path, args: list[str], rounds: int) -> tuple[
             run_id = next((r.id for r in reader.list_runs() if (reader.last_round(r.id) or 0) >= 3), None)
         time.sleep(0.05)
     assert run_id is not None, (
-        victim.communicate(timeout=30)[1][-2000:] if victim.poll() is not None else "no run reached round 3 in 300 s"
+        victim.communicate(timeout=30)[1][-2000:]
+        if victim.poll() is not None
+        else "no run reached round 3 in 300 s"
     )
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
@@ -167,9 +180,13 @@ SMALL = ["--rounds", "2", "--clients-per-round", "3", "--no-mlflow"]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("algo", "executors"), [("scaffold", ("loop", "vmap", "process")), ("fedpa", ("loop", "vmap")),
-                                                 ("fola", ("loop", "vmap"))])
-def test_signal_cnn_trains_alike_on_every_executor(tmp_path: Path, algo: str, executors: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("algo", "executors"),
+    [("scaffold", ("loop", "vmap", "process")), ("fedpa", ("loop", "vmap")), ("fola", ("loop", "vmap"))],
+)
+def test_signal_cnn_trains_alike_on_every_executor(
+    tmp_path: Path, algo: str, executors: tuple[str, ...]
+) -> None:
     """The test's 1-D CNN, named as `file:factory` from its folder, trains under fedpa / fola /
     scaffold to the same model on loop, vmap and process; the run records the reference, the
     source's sha256 and the factory's arguments."""
@@ -178,8 +195,21 @@ def test_signal_cnn_trains_alike_on_every_executor(tmp_path: Path, algo: str, ex
     params = {}
     for executor in executors:
         root = tmp_path / executor
-        done = fedcli(root, "--data", str(data), "--model", "signalnet:SignalCNN", "--algo", algo,
-                      "--executor", executor, "--workers", "2", *SMALL, cwd=tmp_path)
+        done = fedcli(
+            root,
+            "--data",
+            str(data),
+            "--model",
+            "signalnet:SignalCNN",
+            "--algo",
+            algo,
+            "--executor",
+            executor,
+            "--workers",
+            "2",
+            *SMALL,
+            cwd=tmp_path,
+        )
         assert done.returncode == 0, done.stderr
         (run,) = store(root).list_runs()
         params[executor] = final_params(root, run.id)
@@ -207,16 +237,42 @@ def test_resnet_module_reference_evaluate_and_mlflow_model_rebuild_it(tmp_path: 
     data = cifar_data(tmp_path)
     env = {"PYTHONPATH": str(tmp_path / "src")}
     root = tmp_path / "root"
-    done = fedcli(root, "--data", str(data), "--model", "cifarnets.resnet:make_resnet", "--algo", "fedpa",
-                  "--scheme", "iid", "--clients", "6", "--rounds", "1", "--clients-per-round", "2", env=env)
+    done = fedcli(
+        root,
+        "--data",
+        str(data),
+        "--model",
+        "cifarnets.resnet:make_resnet",
+        "--algo",
+        "fedpa",
+        "--scheme",
+        "iid",
+        "--clients",
+        "6",
+        "--rounds",
+        "1",
+        "--clients-per-round",
+        "2",
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     (run,) = store(root).list_runs()
     assert run.config["data"]["model"] == "cifarnets.resnet:make_resnet"
 
     evaluated = fedcli(root, run.id[:8], "--json", command="evaluate", cwd=tmp_path, env=env)
-    assert evaluated.returncode == 2 and "--trust-code" in evaluated.stderr  # the row names code: not run unasked
-    evaluated = fedcli(root, run.id[:8], "--json", "--model", "cifarnets.resnet:make_resnet", command="evaluate",
-                       cwd=tmp_path, env=env)
+    assert (
+        evaluated.returncode == 2 and "--trust-code" in evaluated.stderr
+    )  # the row names code: not run unasked
+    evaluated = fedcli(
+        root,
+        run.id[:8],
+        "--json",
+        "--model",
+        "cifarnets.resnet:make_resnet",
+        command="evaluate",
+        cwd=tmp_path,
+        env=env,
+    )
     assert evaluated.returncode == 0, evaluated.stderr
     import json
 
@@ -226,7 +282,7 @@ def test_resnet_module_reference_evaluate_and_mlflow_model_rebuild_it(tmp_path: 
     probe = f'''
 import json, sys, mlflow, numpy as np, torch
 from mlflow import MlflowClient
-mlflow.set_tracking_uri("sqlite:///{root / 'mlflow.db'}")
+mlflow.set_tracking_uri("sqlite:///{root / "mlflow.db"}")
 run = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()])[0]
 (logged,) = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list")
 rows = np.load("{data}")["x"][:3]
@@ -234,8 +290,14 @@ print(json.dumps({{"params": {{k: v for k, v in run.data.params.items() if k.sta
                   "logits": mlflow.pyfunc.load_model(logged.model_uri, model_config={{"trust_code": True}}
                                                      ).predict(rows).tolist()}}))
 '''
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd="/",
-                            env={**os.environ, **env})
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={**os.environ, **env},
+    )
     assert loaded.returncode == 0, loaded.stderr
     out = json.loads(loaded.stdout.strip().splitlines()[-1])
     assert out["params"]["data.model"] == "cifarnets.resnet:make_resnet"
@@ -257,11 +319,26 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path: Path) -> None:
     bit, as the uninterrupted run."""
     data = har_data(tmp_path)
     write(tmp_path, "signalnet.py", HAR_NET)
-    args = ["--data", str(data), "--model", "./signalnet.py:SignalCNN", "--algo", "scaffold", "--rounds", "20",
-            "--clients-per-round", "3", "--checkpoint-every", "1", "--no-mlflow"]
+    args = [
+        "--data",
+        str(data),
+        "--model",
+        "./signalnet.py:SignalCNN",
+        "--algo",
+        "scaffold",
+        "--rounds",
+        "20",
+        "--clients-per-round",
+        "3",
+        "--checkpoint-every",
+        "1",
+        "--no-mlflow",
+    ]
     ref_id, root, run_id = reference_and_killed(tmp_path, args, rounds=20)
 
-    resumed = fedcli(root, "--resume", run_id[:8], "--model", f"{tmp_path / 'signalnet.py'}:SignalCNN", cwd="/")
+    resumed = fedcli(
+        root, "--resume", run_id[:8], "--model", f"{tmp_path / 'signalnet.py'}:SignalCNN", cwd="/"
+    )
     assert resumed.returncode == 0, resumed.stderr
     for name, tensor in final_params(tmp_path / "ref", ref_id).items():
         assert torch.equal(final_params(root, run_id)[name], tensor), name
@@ -272,13 +349,30 @@ def test_changed_source_resume_refuses_evaluate_warns(tmp_path: Path) -> None:
     untouched) unless FEDCLI_ALLOW_MODEL_CHANGE=1; `fedcli evaluate --model` warns and evaluates, while
     `--trust-code` (which trusts the recorded source only) refuses. On a registry task (bundled femnist)
     with the model as a module on PYTHONPATH."""
-    source = write(tmp_path, "femnet.py", "from torch import nn\n\n\ndef tiny(num_classes, input_shape):\n"
-                   "    return nn.Sequential(nn.Flatten(), nn.Linear(int(__import__('math').prod(input_shape)), "
-                   "num_classes))\n")
+    source = write(
+        tmp_path,
+        "femnet.py",
+        "from torch import nn\n\n\ndef tiny(num_classes, input_shape):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(int(__import__('math').prod(input_shape)), "
+        "num_classes))\n",
+    )
     env = {"PYTHONPATH": str(tmp_path)}
     root = tmp_path / "root"
-    done = fedcli(root, "--task", "femnist", "--clients", "8", "--model", "femnet:tiny", "--rounds", "1",
-                  "--clients-per-round", "2", "--no-mlflow", env=env)
+    done = fedcli(
+        root,
+        "--task",
+        "femnist",
+        "--clients",
+        "8",
+        "--model",
+        "femnet:tiny",
+        "--rounds",
+        "1",
+        "--clients-per-round",
+        "2",
+        "--no-mlflow",
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     (run,) = store(root).list_runs()
     assert run.config["data"]["model_args"] == '{"input_shape": [1, 28, 28], "num_classes": 62}'
@@ -292,11 +386,23 @@ def test_changed_source_resume_refuses_evaluate_warns(tmp_path: Path) -> None:
 
     evaluated = fedcli(root, run.id[:8], "--model", "femnet:tiny", command="evaluate", env=env)
     assert evaluated.returncode == 0 and "changed since the run" in evaluated.stderr, evaluated.stderr
-    trusted = fedcli(root, run.id[:8], "--trust-code", command="evaluate", env=env)  # trusts the recorded code only
-    assert trusted.returncode == 2 and "source changed since the run recorded it" in trusted.stderr, trusted.stderr
+    trusted = fedcli(
+        root, run.id[:8], "--trust-code", command="evaluate", env=env
+    )  # trusts the recorded code only
+    assert trusted.returncode == 2 and "source changed since the run recorded it" in trusted.stderr, (
+        trusted.stderr
+    )
 
-    allowed = fedcli(root, "--resume", run.id[:8], "--rounds", "2", "--model", "femnet:tiny",
-                     env={**env, "FEDCLI_ALLOW_MODEL_CHANGE": "1"})
+    allowed = fedcli(
+        root,
+        "--resume",
+        run.id[:8],
+        "--rounds",
+        "2",
+        "--model",
+        "femnet:tiny",
+        env={**env, "FEDCLI_ALLOW_MODEL_CHANGE": "1"},
+    )
     assert allowed.returncode == 0, allowed.stderr
     assert store(root).last_round(run.id) == 2
 
@@ -319,22 +425,41 @@ def test_batchnorm_model_runs_on_the_loop_process_and_vmap_alike(tmp_path: Path)
     assert not torch.equal(saved["buffers"]["3.running_var"], torch.ones(8))  # estimated, not the initial 1s
     for executor in ("process", "vmap"):  # workers and vmap train with batch statistics too
         other_root = tmp_path / executor
-        spread = fedcli(other_root, "--data", str(data), "--model", "signalnet.py:batchnorm_net", "--executor",
-                        executor, "--workers", "2", *SMALL, cwd=tmp_path)
+        spread = fedcli(
+            other_root,
+            "--data",
+            str(data),
+            "--model",
+            "signalnet.py:batchnorm_net",
+            "--executor",
+            executor,
+            "--workers",
+            "2",
+            *SMALL,
+            cwd=tmp_path,
+        )
         assert spread.returncode == 0, spread.stderr
         (other,) = store(other_root).list_runs()
         assert other.config["train"]["executor"] == executor
         for name, tensor in final_params(root, run.id).items():
-            assert torch.allclose(final_params(other_root, other.id)[name], tensor, atol=1e-5), (executor, name)
+            assert torch.allclose(final_params(other_root, other.id)[name], tensor, atol=1e-5), (
+                executor,
+                name,
+            )
 
 
-@pytest.mark.parametrize(("model", "expected"), [
-    ("signalnet.py:missing", "has no attribute 'missing'"),
-    ("brokenimport:Net", "importing"),
-    ("signalnet.py:broken", "building the model failed (ValueError: width must be even)"),
-    ("signalnet.py:wrong_shape", "expected [8, 6] for this classification task"),
-])
-def test_bad_factories_exit_2_with_one_line_and_write_nothing(tmp_path: Path, model: str, expected: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("signalnet.py:missing", "has no attribute 'missing'"),
+        ("brokenimport:Net", "importing"),
+        ("signalnet.py:broken", "building the model failed (ValueError: width must be even)"),
+        ("signalnet.py:wrong_shape", "expected [8, 6] for this classification task"),
+    ],
+)
+def test_bad_factories_exit_2_with_one_line_and_write_nothing(
+    tmp_path: Path, model: str, expected: str
+) -> None:
     data = har_data(tmp_path)
     write(tmp_path, "signalnet.py", HAR_NET)
     write(tmp_path, "brokenimport.py", "import torch\nraise ImportError('needs torchvision')\n")
@@ -348,9 +473,15 @@ def test_bad_factories_exit_2_with_one_line_and_write_nothing(tmp_path: Path, mo
 
 def test_wrong_output_shape_names_expected_shape(tmp_path: Path) -> None:
     """A classifier with one output too many: the line names the shape found and the one expected."""
-    write(tmp_path, "bad.py", "from torch import nn\n\n\ndef net(num_classes, input_shape):\n"
-          "    return nn.Sequential(nn.Flatten(), nn.Linear(32 * 9, num_classes + 1))\n")
-    done = fedcli(tmp_path / "root", "--data", str(har_data(tmp_path)), "--model", "bad.py:net", *SMALL, cwd=tmp_path)
+    write(
+        tmp_path,
+        "bad.py",
+        "from torch import nn\n\n\ndef net(num_classes, input_shape):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(32 * 9, num_classes + 1))\n",
+    )
+    done = fedcli(
+        tmp_path / "root", "--data", str(har_data(tmp_path)), "--model", "bad.py:net", *SMALL, cwd=tmp_path
+    )
     assert done.returncode == 2
     assert "output shape [8, 7] on a batch of 8, expected [8, 6]" in done.stderr, done.stderr
     assert not (tmp_path / "root").exists()
@@ -368,7 +499,9 @@ def test_model_reference_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
     write(tmp_path, "mynet.py", HAR_NET)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "mynet", raising=False)  # another test's mynet: a module already imported wins
+    monkeypatch.delitem(
+        sys.modules, "mynet", raising=False
+    )  # another test's mynet: a module already imported wins
     assert model_reference("mlp") == "mlp"
     assert model_reference("./mynet.py:SignalCNN") == f"{tmp_path / 'mynet.py'}:SignalCNN"
     assert model_reference("mynet:SignalCNN") == f"{tmp_path / 'mynet.py'}:SignalCNN"
@@ -378,8 +511,13 @@ def test_model_reference_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         return torch.nn.Linear(1, 1)
 
     main = type("Net", (torch.nn.Module,), {"__module__": "__main__"})
-    for bad, words in [(local, "defined in a function"), (main, "__main__"), (torch.nn.Linear(1, 1), "not a built"),
-                       ("nosuchfile.py:Net", "does not exist"), ("mynet.py:", "must read")]:
+    for bad, words in [
+        (local, "defined in a function"),
+        (main, "__main__"),
+        (torch.nn.Linear(1, 1), "not a built"),
+        ("nosuchfile.py:Net", "does not exist"),
+        ("mynet.py:", "must read"),
+    ]:
         with pytest.raises(ConfigError, match=words):
             model_reference(bad)
 
@@ -398,10 +536,16 @@ def test_built_in_model_configs_keep_their_hash() -> None:
     old = {**doc, "data": {k: v for k, v in doc["data"].items() if k not in ("model_sha256", "model_args")}}
     assert cfg.config_hash == config_hash_of(old)
     edited = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, model="m:f", model_sha256="ab"))
-    assert edited.config_hash != dataclasses.replace(edited, data=dataclasses.replace(
-        edited.data, model_sha256="cd")).config_hash
-    assert edited.config_hash == dataclasses.replace(edited, data=dataclasses.replace(
-        edited.data, model_args='{"num_classes": 3}')).config_hash
+    assert (
+        edited.config_hash
+        != dataclasses.replace(edited, data=dataclasses.replace(edited.data, model_sha256="cd")).config_hash
+    )
+    assert (
+        edited.config_hash
+        == dataclasses.replace(
+            edited, data=dataclasses.replace(edited.data, model_args='{"num_classes": 3}')
+        ).config_hash
+    )
 
 
 @pytest.mark.timeout(400)
@@ -410,13 +554,47 @@ def test_torchrun_ranks_rebuild_the_model_and_match_one_process(tmp_path: Path) 
     imports it; the final model equals the single-process run's."""
     data = har_data(tmp_path)
     write(tmp_path, "signalnet.py", HAR_NET)
-    args = ["train", "--data", str(data), "--model", "signalnet.py:SignalCNN", "--algo", "scaffold", "--rounds", "2",
-            "--clients-per-round", "4", "--no-mlflow"]
-    env = {**{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")},
-           "OMP_NUM_THREADS": "1"}
-    launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "fedcli", "-q", *args, "--root", str(tmp_path / "dist"), "--executor", "distributed"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    args = [
+        "train",
+        "--data",
+        str(data),
+        "--model",
+        "signalnet.py:SignalCNN",
+        "--algo",
+        "scaffold",
+        "--rounds",
+        "2",
+        "--clients-per-round",
+        "4",
+        "--no-mlflow",
+    ]
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")},
+        "OMP_NUM_THREADS": "1",
+    }
+    launch = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fedcli",
+            "-q",
+            *args,
+            "--root",
+            str(tmp_path / "dist"),
+            "--executor",
+            "distributed",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert launch.returncode == 0, launch.stderr[-3000:]
     one = fedcli(tmp_path / "one", *args[1:], cwd=tmp_path)
     assert one.returncode == 0, one.stderr
@@ -433,9 +611,13 @@ def test_sweep_grid_over_models_reruns_only_an_edited_model(tmp_path: Path) -> N
     the config hash) and skips the built-in one."""
     data = har_data(tmp_path)
     source = write(tmp_path, "signalnet.py", HAR_NET)
-    spec = write(tmp_path, "sweep.yaml", f"experiment: models\nbase: {{data.file: {data}, rounds: 1, "
-                 "clients_per_round: 2, tracking.use_mlflow: false}\n"
-                 "grid: {model: [mlp, ./signalnet.py:SignalCNN]}\nseeds: [0]\n")
+    spec = write(
+        tmp_path,
+        "sweep.yaml",
+        f"experiment: models\nbase: {{data.file: {data}, rounds: 1, "
+        "clients_per_round: 2, tracking.use_mlflow: false}\n"
+        "grid: {model: [mlp, ./signalnet.py:SignalCNN]}\nseeds: [0]\n",
+    )
     for attempt, expected in enumerate((2, 2, 3)):
         if attempt == 2:
             source.write_text(HAR_NET + "\n# edited\n")
@@ -447,8 +629,9 @@ def test_sweep_grid_over_models_reruns_only_an_edited_model(tmp_path: Path) -> N
     assert models == ["mlp", "signalnet.py:SignalCNN", "signalnet.py:SignalCNN"]
 
 
-def test_an_edited_model_is_imported_again_in_a_long_lived_process(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_edited_model_is_imported_again_in_a_long_lived_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A sweep worker runs many trials in one process: after the model's source changes, the next
     build imports the new code (file and module forms), so the code that runs is the code hashed."""
     from fedcli.datasets.yours.model import load_factory

@@ -27,10 +27,25 @@ RUNNER = CliRunner()
 
 
 def _add(store: SqlStore, run_id: str, algo: str, rho: float | None, name: str) -> None:
-    config = {"seed": 0, "algorithm": {"name": algo, "hp": {} if rho is None else {"rho": rho, "burn_in_rounds": 4}},
-              "data": {"task": "toy"}, "train": {"rounds": 2}}
-    store.start_run(experiment="a-rather-long-experiment-name", run_name=name, config=config, algo=algo, task="toy",
-                    seed=0, tags={}, fedcli_version="t", torch_version="t", git_commit=None, run_id=run_id)
+    config = {
+        "seed": 0,
+        "algorithm": {"name": algo, "hp": {} if rho is None else {"rho": rho, "burn_in_rounds": 4}},
+        "data": {"task": "toy"},
+        "train": {"rounds": 2},
+    }
+    store.start_run(
+        experiment="a-rather-long-experiment-name",
+        run_name=name,
+        config=config,
+        algo=algo,
+        task="toy",
+        seed=0,
+        tags={},
+        fedcli_version="t",
+        torch_version="t",
+        git_commit=None,
+        run_id=run_id,
+    )
     for round_idx in (0, 1, 2):
         store.log_round(run_id, round_idx, {"eval/accuracy": 0.25 * round_idx, "eval/loss": 1.0})
     store.end_run(run_id, "finished")
@@ -60,7 +75,11 @@ def test_list_runs_fits_80_columns_with_short_ids_and_non_default_hyperparameter
     assert table.exit_code == 0, table.output
     lines = table.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
-    rows = {line.split("│")[1].strip(): line for line in lines if line.startswith("│") and line.split("│")[1].strip()}
+    rows = {
+        line.split("│")[1].strip(): line
+        for line in lines
+        if line.startswith("│") and line.split("│")[1].strip()
+    }
     assert sorted(rows) == ["0123456789abc", "0123456789abd", "99999999"]
     assert "burn_in_rounds=4" in rows["0123456789abc"] and "burn_in_rounds=4" in rows["0123456789abd"]
     assert "rho=0.3" in table.stdout and "rho=0.1" not in table.stdout and "…" in rows["0123456789abc"]
@@ -88,16 +107,22 @@ def test_report_under_root_with_run_length_defaults_and_unfinished_runs_on_reque
         store.end_run(ids[2], "interrupted")
 
     finished = RUNNER.invoke(app, ["report", "--root", str(tmp_path)])
-    everything = RUNNER.invoke(app, ["report", "--root", str(tmp_path), "--include-unfinished", "--window", "50"])
+    everything = RUNNER.invoke(
+        app, ["report", "--root", str(tmp_path), "--include-unfinished", "--window", "50"]
+    )
 
     assert finished.exit_code == 0, finished.output
     assert "window 1; smoothing 1" in finished.stdout
     assert "| fedpa rho=0.1 | 1 |" in finished.stdout and "| fedpa rho=0.3 | 1 |" in finished.stdout
     assert ids[2] not in finished.stdout
     assert everything.exit_code == 0, everything.output
-    assert "| fedavg | 1 |" in everything.stdout and "did not finish (status interrupted)" in everything.stdout
+    assert (
+        "| fedavg | 1 |" in everything.stdout and "did not finish (status interrupted)" in everything.stdout
+    )
     assert "Warning: --window 50 exceeds the 2 rounds every run ran" in everything.stdout
-    assert f"- command: `fedcli report --window 50 --include-unfinished --root {tmp_path}`" in everything.stdout
+    assert (
+        f"- command: `fedcli report --window 50 --include-unfinished --root {tmp_path}`" in everything.stdout
+    )
 
 
 def _free_port() -> int:
@@ -107,7 +132,9 @@ def _free_port() -> int:
 
 
 def _processes_with(text: str) -> list[str]:
-    listing = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    listing = subprocess.run(
+        ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True
+    ).stdout
     return [line for line in listing.splitlines() if text in line and "ps -ww" not in line]
 
 
@@ -118,23 +145,48 @@ def test_ui_serves_the_experiments_runs_table_and_stops_cleanly_on_sigterm(tmp_p
     command and every server process (one worker, MLflow's own process group)."""
     env = {**os.environ, "FEDCLI_STORE": "", "MLFLOW_TRACKING_URI": ""}
     env = {k: v for k, v in env.items() if v}
-    trained = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "lsq", "--rounds", "2",
-                              "--root", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    trained = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "lsq",
+            "--rounds",
+            "2",
+            "--root",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert trained.returncode == 0, trained.stderr
     port = _free_port()
     from mlflow import MlflowClient
 
     experiment = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_experiment_by_name("default")
-    named = RUNNER.invoke(app, ["ui", "--root", str(tmp_path), "--port", str(port), "--experiment", "default",
-                                "--print-only"])
+    named = RUNNER.invoke(
+        app, ["ui", "--root", str(tmp_path), "--port", str(port), "--experiment", "default", "--print-only"]
+    )
     unknown = RUNNER.invoke(app, ["ui", "--root", str(tmp_path), "--experiment", "nope", "--print-only"])
 
-    ui = subprocess.Popen([sys.executable, "-m", "fedcli", "ui", "--root", str(tmp_path), "--port", str(port)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "fedcli", "ui", "--root", str(tmp_path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         url = ui.stdout.readline().strip()  # printed only once /health answers
-        with urllib.request.urlopen(url, timeout=10) as page, \
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as health:
+        with (
+            urllib.request.urlopen(url, timeout=10) as page,
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as health,
+        ):
             statuses = (page.status, health.status)
         assert _processes_with(f"--port {port} --workers 1")
     finally:
@@ -142,8 +194,10 @@ def test_ui_serves_the_experiments_runs_table_and_stops_cleanly_on_sigterm(tmp_p
         code = ui.wait(timeout=30)
     stderr = ui.stderr.read()
 
-    assert url == (f"http://127.0.0.1:{port}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
-                   "&viewStateShareKey=fedcli-compare")
+    assert url == (
+        f"http://127.0.0.1:{port}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+        "&viewStateShareKey=fedcli-compare"
+    )
     assert named.exit_code == 0 and named.stdout.splitlines()[0] == url
     assert unknown.exit_code == 2 and "--experiment must name an MLflow experiment" in unknown.stderr
     assert statuses == (200, 200)

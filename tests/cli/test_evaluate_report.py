@@ -36,10 +36,33 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
         for seed in (0, 1):
             extra = ["--hp", "burn_in_rounds=4"] if algo == "fedpa" else []
             extra += ["--checkpoint-every", "4"] if (algo, seed) == ("fedavg", 0) else []
-            result = RUNNER.invoke(app, ["-q", "train", "--algo", algo, "--task", "lsq", "--rounds", str(ROUNDS),
-                                         "--clients-per-round", "3", "--local-epochs", "2", "--seed", str(seed),
-                                         "--experiment", f"lsq-{algo}", "--no-mlflow", "--store", url,
-                                         "--root", str(root), *extra])
+            result = RUNNER.invoke(
+                app,
+                [
+                    "-q",
+                    "train",
+                    "--algo",
+                    algo,
+                    "--task",
+                    "lsq",
+                    "--rounds",
+                    str(ROUNDS),
+                    "--clients-per-round",
+                    "3",
+                    "--local-epochs",
+                    "2",
+                    "--seed",
+                    str(seed),
+                    "--experiment",
+                    f"lsq-{algo}",
+                    "--no-mlflow",
+                    "--store",
+                    url,
+                    "--root",
+                    str(root),
+                    *extra,
+                ],
+            )
             assert result.exit_code == 0, result.output
             ids[f"{algo}-{seed}"] = result.stdout.strip().splitlines()[-1]
     yield url, root, ids
@@ -74,8 +97,12 @@ def _expected_cells(frame: pd.DataFrame, ids: dict[str, str], algo: str, thresho
         text = f"{present.mean():{fmt}}" + (f" ± {present.std(ddof=1):{fmt}}" if len(present) > 1 else "")
         return text + (f" ({len(present)}/{len(values)})" if len(present) < len(values) else "")
 
-    return {"at": cell(at, ".4f"), "hit": cell(hit, ".0f") if any(h is not None for h in hit) else f"— ({ROUNDS} rounds)",
-            "final": cell(final, ".4f"), "up_raw": up}
+    return {
+        "at": cell(at, ".4f"),
+        "hit": cell(hit, ".0f") if any(h is not None for h in hit) else f"— ({ROUNDS} rounds)",
+        "final": cell(final, ".4f"),
+        "up_raw": up,
+    }
 
 
 def _table(markdown: str, heading: str) -> tuple[list[str], dict[str, list[str]]]:
@@ -87,14 +114,36 @@ def _table(markdown: str, heading: str) -> tuple[list[str], dict[str, list[str]]
 
 
 def _report(url: str, out: Path, *extra: str) -> str:
-    result = RUNNER.invoke(app, ["report", "--experiment", "lsq-fedavg", "--experiment", "lsq-fedpa", "--metric",
-                                 "dist_to_opt", "--at", str(AT), "--window", str(WINDOW), "--smooth", str(SMOOTH),
-                                 "--store", url, "--output", str(out), *extra])
+    result = RUNNER.invoke(
+        app,
+        [
+            "report",
+            "--experiment",
+            "lsq-fedavg",
+            "--experiment",
+            "lsq-fedpa",
+            "--metric",
+            "dist_to_opt",
+            "--at",
+            str(AT),
+            "--window",
+            str(WINDOW),
+            "--smooth",
+            str(SMOOTH),
+            "--store",
+            url,
+            "--output",
+            str(out),
+            *extra,
+        ],
+    )
     assert result.exit_code == 0, result.output
     return out.read_text(encoding="utf-8")
 
 
-def test_report_tables_match_metrics_recomputed_from_the_store(trained: tuple[str, Path, dict[str, str]]) -> None:
+def test_report_tables_match_metrics_recomputed_from_the_store(
+    trained: tuple[str, Path, dict[str, str]],
+) -> None:
     url, root, ids = trained
     frame = _frame(url, ids)
     reference = _series(frame, ids["fedavg-0"], "eval/dist_to_opt")
@@ -126,8 +175,12 @@ def test_report_is_byte_identical_and_draws_valid_pngs(trained: tuple[str, Path,
 
     assert first.replace("/a/", "/b/") == second  # only the --output path in the header differs
     pngs = sorted(p.name for p in (root / "a").glob("*.png"))
-    assert pngs == ["report-eval_dist_to_opt-vs-bytes.png", "report-eval_dist_to_opt-vs-time.png",
-                    "report-eval_dist_to_opt.png", "report-eval_loss.png"]
+    assert pngs == [
+        "report-eval_dist_to_opt-vs-bytes.png",
+        "report-eval_dist_to_opt-vs-time.png",
+        "report-eval_dist_to_opt.png",
+        "report-eval_loss.png",
+    ]
     for name in pngs:
         assert f"]({name})" in first
         with Image.open(root / "a" / name) as image:
@@ -156,7 +209,9 @@ def test_report_json_and_csv_carry_the_same_numbers(trained: tuple[str, Path, di
     assert "fedpa,,,main,final,mean," in text
 
 
-def test_report_says_which_keys_differ_inside_a_forced_group(trained: tuple[str, Path, dict[str, str]]) -> None:
+def test_report_says_which_keys_differ_inside_a_forced_group(
+    trained: tuple[str, Path, dict[str, str]],
+) -> None:
     url, root, _ = trained
     markdown = _report(url, root / "one" / "report.md", "--group-by", "task")
 
@@ -166,14 +221,18 @@ def test_report_says_which_keys_differ_inside_a_forced_group(trained: tuple[str,
     assert "differ between runs and do not change results: `train.checkpoint_every`: 4, None." in markdown
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--metric", "accuracy"], "metric 'eval/accuracy' is not logged"),
-    (["--thresholds", "0.8,x"], "--thresholds must be comma-separated numbers"),
-    (["--group-by", "algoo"], "unknown config key 'algoo' (did you mean 'algo'?)"),
-    (["--experiment", "nope"], "unknown experiment 'nope'"),
-])
-def test_report_mistakes_exit_2_with_one_line(trained: tuple[str, Path, dict[str, str]], args: list[str],
-                                              message: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--metric", "accuracy"], "metric 'eval/accuracy' is not logged"),
+        (["--thresholds", "0.8,x"], "--thresholds must be comma-separated numbers"),
+        (["--group-by", "algoo"], "unknown config key 'algoo' (did you mean 'algo'?)"),
+        (["--experiment", "nope"], "unknown experiment 'nope'"),
+    ],
+)
+def test_report_mistakes_exit_2_with_one_line(
+    trained: tuple[str, Path, dict[str, str]], args: list[str], message: str
+) -> None:
     url, _, _ = trained
     result = RUNNER.invoke(app, ["report", "--store", url, *args])
 
@@ -188,7 +247,9 @@ def _evaluate(url: str, *args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_evaluate_final_model_and_checkpoint_match_the_training_metrics(trained: tuple[str, Path, dict[str, str]]) -> None:
+def test_evaluate_final_model_and_checkpoint_match_the_training_metrics(
+    trained: tuple[str, Path, dict[str, str]],
+) -> None:
     """The final model re-evaluated on the test split gives the round-12 eval metrics the
     training loop logged; checkpoint 4 gives round 4's. Both are stored against the run."""
     url, _, ids = trained
@@ -221,14 +282,18 @@ def test_evaluate_per_client_on_training_examples(trained: tuple[str, Path, dict
     assert doc["client_split"] == "train"
 
 
-def test_evaluate_finds_a_run_by_mlflow_id_under_root(trained: tuple[str, Path, dict[str, str]], tmp_path: Path) -> None:
+def test_evaluate_finds_a_run_by_mlflow_id_under_root(
+    trained: tuple[str, Path, dict[str, str]], tmp_path: Path
+) -> None:
     """`--root R` reads R/fedcli.db; the run is named by the id MLflow shows for it."""
     import sqlite3
     from contextlib import closing
 
     url, _, ids = trained
-    with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as source, \
-            closing(sqlite3.connect(tmp_path / "fedcli.db")) as copy:
+    with (
+        closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as source,
+        closing(sqlite3.connect(tmp_path / "fedcli.db")) as copy,
+    ):
         source.backup(copy)  # the store may be in WAL mode: a file copy can miss rows
     mlflow_id = "0123456789abcdef0123456789abcdef"
     with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
@@ -241,12 +306,19 @@ def test_evaluate_finds_a_run_by_mlflow_id_under_root(trained: tuple[str, Path, 
     assert doc["id"] == ids["fedavg-1"] and doc["round_idx"] == ROUNDS
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--checkpoint", "5"], "has no checkpoint of round 5; it has rounds [4, 8, 12]"),
-    (["--predictive", "ensemble"], "--predictive ensemble needs a posterior, and algorithm 'fedavg' keeps none"),
-])
-def test_evaluate_mistakes_exit_2_with_one_line(trained: tuple[str, Path, dict[str, str]], args: list[str],
-                                                message: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--checkpoint", "5"], "has no checkpoint of round 5; it has rounds [4, 8, 12]"),
+        (
+            ["--predictive", "ensemble"],
+            "--predictive ensemble needs a posterior, and algorithm 'fedavg' keeps none",
+        ),
+    ],
+)
+def test_evaluate_mistakes_exit_2_with_one_line(
+    trained: tuple[str, Path, dict[str, str]], args: list[str], message: str
+) -> None:
     url, _, ids = trained
     result = RUNNER.invoke(app, ["evaluate", ids["fedavg-0"], *args, "--store", url])
 
@@ -272,19 +344,33 @@ def test_ensemble_predictor_of_a_bayesian_algorithm() -> None:
         return state["mean"], state["var"]
 
     bayes = ALGORITHMS["fedavg"]._replace(name="toy-bayes", posterior=posterior)
-    task = Task(name="toy", description="", source="", offline=True, kind="classification", models={},
-                default_model="", load=lambda options: None)
+    task = Task(
+        name="toy",
+        description="",
+        source="",
+        offline=True,
+        kind="classification",
+        models={},
+        default_model="",
+        load=lambda options: None,
+    )
     setup = SimpleNamespace(alg=bayes, task=task, fns=SimpleNamespace(apply_fn=lambda p, x: x @ p["w"]))
     mean = {"w": torch.tensor([[1.0, -1.0], [0.5, 2.0]], dtype=torch.float64)}
     x = torch.tensor([[1.0, 0.0], [0.3, -0.7]], dtype=torch.float64)
 
-    exact = make_predictor(setup, {"mean": mean, "var": {"w": torch.zeros(2, 2, dtype=torch.float64)}}, mean, 4, 0)
-    noisy = make_predictor(setup, {"mean": mean, "var": {"w": torch.full((2, 2), 0.25, dtype=torch.float64)}},
-                           mean, 3, 5)
+    exact = make_predictor(
+        setup, {"mean": mean, "var": {"w": torch.zeros(2, 2, dtype=torch.float64)}}, mean, 4, 0
+    )
+    noisy = make_predictor(
+        setup, {"mean": mean, "var": {"w": torch.full((2, 2), 0.25, dtype=torch.float64)}}, mean, 3, 5
+    )
 
-    torch.testing.assert_close(torch.softmax(exact(x), -1), torch.softmax(x @ mean["w"], -1), rtol=0, atol=1e-12)
-    members = sample_posterior(mean, {"w": torch.full((2, 2), 0.25, dtype=torch.float64)}, 3,
-                               torch.Generator().manual_seed(5))
+    torch.testing.assert_close(
+        torch.softmax(exact(x), -1), torch.softmax(x @ mean["w"], -1), rtol=0, atol=1e-12
+    )
+    members = sample_posterior(
+        mean, {"w": torch.full((2, 2), 0.25, dtype=torch.float64)}, 3, torch.Generator().manual_seed(5)
+    )
     expected = torch.stack([torch.softmax(x @ m["w"], -1) for m in members]).mean(0)
     torch.testing.assert_close(torch.softmax(noisy(x), -1), expected, rtol=0, atol=1e-12)
 
@@ -298,7 +384,13 @@ def test_ui_prints_the_loopback_url_and_refuses_missing_stores(tmp_path: Path) -
 
     assert shown.exit_code == 0, shown.output
     assert shown.stdout.splitlines()[0].startswith("http://127.0.0.1:5123")
-    assert (f"--backend-store-uri sqlite:///{tmp_path / 'mlflow.db'} --host 127.0.0.1 --port 5123 --workers 1"
-            in shown.stdout)
-    assert missing.exit_code == 2 and "no MLflow store at" in missing.stderr and "Traceback" not in missing.output
+    assert (
+        f"--backend-store-uri sqlite:///{tmp_path / 'mlflow.db'} --host 127.0.0.1 --port 5123 --workers 1"
+        in shown.stdout
+    )
+    assert (
+        missing.exit_code == 2
+        and "no MLflow store at" in missing.stderr
+        and "Traceback" not in missing.output
+    )
     assert server.exit_code == 2 and "already a server" in server.stderr

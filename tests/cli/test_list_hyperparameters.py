@@ -91,5 +91,9 @@ def test_list_algos_name_json_and_mistakes() -> None:
     (mu,) = row["hyperparameter_details"]
     assert mu["name"] == "mu" and mu["default"] == 0.1 and "proximal weight" in mu["description"]
     assert row["recommended"] == [] and row["caveats"] == ALGORITHMS["fedprox"].caveats
-    assert unknown.exit_code == 2 and "did you mean 'fedpa'" in unknown.stderr and "Traceback" not in unknown.output
+    assert (
+        unknown.exit_code == 2
+        and "did you mean 'fedpa'" in unknown.stderr
+        and "Traceback" not in unknown.output
+    )
     assert misplaced.exit_code == 2 and "applies to `fedcli list algos NAME` only" in misplaced.stderr

@@ -57,8 +57,13 @@ def test_list_algos_at_80_columns_shows_every_default_whole() -> None:
 
 def test_list_algos_in_a_pipe_is_the_80_column_layout() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "list", "algos"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedcli", "list", "algos"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
     assert proc.returncode == 0, proc.stderr
     assert_whole(proc.stdout, 80)
@@ -67,8 +72,13 @@ def test_list_algos_in_a_pipe_is_the_80_column_layout() -> None:
 
 def test_list_tasks_in_a_pipe_shows_every_description_and_source_whole() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "list", "tasks"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedcli", "list", "tasks"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
     assert proc.returncode == 0, proc.stderr
     assert max(len(line) for line in proc.stdout.splitlines()) <= 80 and "…" not in proc.stdout
@@ -108,10 +118,28 @@ def test_list_runs_shows_each_runs_non_default_hyperparameters(tmp_path: Path) -
     run: the hp column showed "—" for both (mu did not differ between the listed runs); now each
     shows mu=0.01, at 80 columns too, and --json carries every hyperparameter and the non-default ones."""
     ids = []
-    for algo, hp in (("fedprox", ["--hp", "mu=0.01"]), ("fedprox", ["--hp", "mu=0.01", "--seed", "1"]),
-                     ("fedavg", [])):
-        result = RUNNER.invoke(app, ["-q", "train", "--task", "lsq", "--algo", algo, *hp, "--rounds", "1",
-                                     "--root", str(tmp_path), "--no-mlflow"])
+    for algo, hp in (
+        ("fedprox", ["--hp", "mu=0.01"]),
+        ("fedprox", ["--hp", "mu=0.01", "--seed", "1"]),
+        ("fedavg", []),
+    ):
+        result = RUNNER.invoke(
+            app,
+            [
+                "-q",
+                "train",
+                "--task",
+                "lsq",
+                "--algo",
+                algo,
+                *hp,
+                "--rounds",
+                "1",
+                "--root",
+                str(tmp_path),
+                "--no-mlflow",
+            ],
+        )
         assert result.exit_code == 0, result.output
         ids.append(result.stdout.strip())
 
@@ -125,4 +153,7 @@ def test_list_runs_shows_each_runs_non_default_hyperparameters(tmp_path: Path) -
     assert "│ —" in rows[ids[2][:8]]
     listed = {row["id"]: row for row in json.loads(as_json.stdout)}
     assert listed[ids[0]]["non_default_hyperparameters"] == {"mu": "0.01"}
-    assert listed[ids[0]]["hyperparameters"]["mu"] == "0.01" and listed[ids[2]]["non_default_hyperparameters"] == {}
+    assert (
+        listed[ids[0]]["hyperparameters"]["mu"] == "0.01"
+        and listed[ids[2]]["non_default_hyperparameters"] == {}
+    )

@@ -29,8 +29,10 @@ import yaml
 
 from fedcli.tracking.store.sql_store import SqlStore
 
-ENV = {**{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI", "COLUMNS")},
-       "OMP_NUM_THREADS": "1"}
+ENV = {
+    **{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI", "COLUMNS")},
+    "OMP_NUM_THREADS": "1",
+}
 FEDCLI = [sys.executable, "-m", "fedcli"]
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -41,8 +43,9 @@ def fedcli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedP
 
 def paste(hint: str, cwd: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """Run a printed command line as a shell would, in `cwd` (its program is the printed one)."""
-    return subprocess.run([*shlex.split(hint), *extra], cwd=cwd, capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+    return subprocess.run(
+        [*shlex.split(hint), *extra], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=timeout
+    )
 
 
 def hint(stderr: str, after: str) -> str:
@@ -74,9 +77,25 @@ def folders(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_quiet_prints_warnings_only_and_the_run_id(tmp_path: Path) -> None:
     """A clean run prints nothing on stderr under -q; a degenerate one keeps its warning line."""
-    clean = fedcli("-q", "train", "--task", "lsq", "--rounds", "3", "--root", "runs", "--no-mlflow", cwd=tmp_path)
-    warned = fedcli("-q", "train", "--task", "lsq", "--algo", "fedprox", "--hp", "mu=0", "--rounds", "2", "--root",
-                    "runs", "--no-mlflow", cwd=tmp_path)
+    clean = fedcli(
+        "-q", "train", "--task", "lsq", "--rounds", "3", "--root", "runs", "--no-mlflow", cwd=tmp_path
+    )
+    warned = fedcli(
+        "-q",
+        "train",
+        "--task",
+        "lsq",
+        "--algo",
+        "fedprox",
+        "--hp",
+        "mu=0",
+        "--rounds",
+        "2",
+        "--root",
+        "runs",
+        "--no-mlflow",
+        cwd=tmp_path,
+    )
 
     assert clean.returncode == 0, clean.stderr
     assert clean.stderr == "" and RUN_ID.fullmatch(clean.stdout.strip())
@@ -102,9 +121,14 @@ def test_train_hints_work_pasted_in_another_folder(tmp_path: Path, root: str | N
 
     assert browse.returncode == 0, browse.stderr
     url, command = browse.stdout.splitlines()
-    assert re.fullmatch(rf"http://127\.0\.0\.1:{port}/#/experiments/\d+/runs\?workflowType=machine_learning"
-                        r"&viewStateShareKey=fedcli-compare", url), url
-    assert f"--backend-store-uri sqlite:///{here.resolve() / (root or 'fedcli-runs') / 'mlflow.db'} " in command
+    assert re.fullmatch(
+        rf"http://127\.0\.0\.1:{port}/#/experiments/\d+/runs\?workflowType=machine_learning"
+        r"&viewStateShareKey=fedcli-compare",
+        url,
+    ), url
+    assert (
+        f"--backend-store-uri sqlite:///{here.resolve() / (root or 'fedcli-runs') / 'mlflow.db'} " in command
+    )
     assert report.returncode == 0, report.stderr
     assert run_id[:8] in (elsewhere / "report.md").read_text()
     assert not (elsewhere / "fedcli-runs").exists() and not (elsewhere / "runs").exists()
@@ -115,9 +139,27 @@ def test_a_stopped_run_printed_its_id_and_its_resume_hint_works_elsewhere(tmp_pa
     """`RUN=$(fedcli -q train …)` then SIGTERM: the id was on stdout before the stop (and nothing
     else is), the run is interrupted, and the printed resume command finishes it from elsewhere."""
     here, elsewhere = folders(tmp_path)
-    proc = subprocess.Popen([*FEDCLI, "-q", "train", "--task", "lsq", "--rounds", "100000", "--checkpoint-every", "1",
-                             "--root", "runs", "--no-mlflow"], cwd=here, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [
+            *FEDCLI,
+            "-q",
+            "train",
+            "--task",
+            "lsq",
+            "--rounds",
+            "100000",
+            "--checkpoint-every",
+            "1",
+            "--root",
+            "runs",
+            "--no-mlflow",
+        ],
+        cwd=here,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     try:
         printed = first_line(proc, 180).strip()
         store = SqlStore(f"sqlite:///{here / 'runs' / 'fedcli.db'}")
@@ -146,10 +188,24 @@ def test_a_stopped_sweeps_rerun_hint_works_elsewhere(tmp_path: Path) -> None:
     """A sweep of a relative spec under the relative root `runs`, stopped by SIGTERM in its first
     trial: the printed rerun command, pasted in another folder, finishes that trial."""
     here, elsewhere = folders(tmp_path)
-    (here / "spec.yaml").write_text(yaml.safe_dump({"experiment": "hints", "base": {"task": "lsq", "rounds": 300},
-                                                    "grid": {"algo": ["fedavg"]}, "seeds": [0]}))
-    proc = subprocess.Popen([*FEDCLI, "sweep", "spec.yaml", "--root", "runs", "--no-mlflow"], cwd=here,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    (here / "spec.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "experiment": "hints",
+                "base": {"task": "lsq", "rounds": 300},
+                "grid": {"algo": ["fedavg"]},
+                "seeds": [0],
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [*FEDCLI, "sweep", "spec.yaml", "--root", "runs", "--no-mlflow"],
+        cwd=here,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     db = here / "runs" / "fedcli.db"
     try:
         deadline = time.monotonic() + 180

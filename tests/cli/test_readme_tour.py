@@ -29,7 +29,10 @@ from typer.testing import CliRunner
 from fedcli.cli.main import app
 
 REPO = Path(__file__).resolve().parents[2]
-FIRST_RUN, POSTERIOR_RUN = "3f2a9c", "7c1e04"  # the tour's run ids: its first run; a run that keeps a posterior
+FIRST_RUN, POSTERIOR_RUN = (
+    "3f2a9c",
+    "7c1e04",
+)  # the tour's run ids: its first run; a run that keeps a posterior
 
 
 def readme_section(title: str) -> str:
@@ -88,8 +91,12 @@ def write_inputs(folder: Path) -> None:
     np.savez(folder / "mydata.npz", x=x, y=(x[:, 0] > 0).astype(np.int64), client=np.arange(240) % 12)
     (spec_text,) = fenced(readme_section("Running many experiments"), "yaml")
     spec = yaml.safe_load(spec_text)
-    spec["smoke"] = {"base": {"rounds": 1, "clients_per_round": 2, "local_epochs": 1},
-                     "grid": {"hp.rho": [0.1]}, "seeds": [0], "report": {"at": [1]}}
+    spec["smoke"] = {
+        "base": {"rounds": 1, "clients_per_round": 2, "local_epochs": 1},
+        "grid": {"hp.rho": [0.1]},
+        "seeds": [0],
+        "report": {"at": [1]},
+    }
     (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
 
 
@@ -111,7 +118,9 @@ def test_every_tour_command_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for argv in tour_commands():
         args = smoke(argv[1:], root, run_ids)
         result = runner.invoke(app, args)
-        assert result.exit_code == 0, f"fedcli {' '.join(args)} exited {result.exit_code}:\n{result.output[-3000:]}"
+        assert result.exit_code == 0, (
+            f"fedcli {' '.join(args)} exited {result.exit_code}:\n{result.output[-3000:]}"
+        )
         if args[0] == "train" and "--resume" not in args:
             made = result.stdout.strip().splitlines()[-1]
             run_ids.setdefault(FIRST_RUN, made)
@@ -125,8 +134,22 @@ def test_the_old_tour_line_fails_with_a_hint_train_understands(tmp_path: Path) -
     """Dirichlet(0.1) over 100 clients of the 10,000 bundled MNIST images leaves some client below
     10 examples: the error suggests --min-size, which `train` now accepts (it did not)."""
     runner = CliRunner()
-    base = ["train", "--task", "mnist", "--scheme", "dirichlet", "--alpha", "0.1", "--clients", "100", "--rounds", "1",
-            "--no-mlflow", "--root", str(tmp_path)]
+    base = [
+        "train",
+        "--task",
+        "mnist",
+        "--scheme",
+        "dirichlet",
+        "--alpha",
+        "0.1",
+        "--clients",
+        "100",
+        "--rounds",
+        "1",
+        "--no-mlflow",
+        "--root",
+        str(tmp_path),
+    ]
 
     failed = runner.invoke(app, base)
     helped = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "200"})

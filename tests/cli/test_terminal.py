@@ -10,8 +10,24 @@ from pathlib import Path
 def test_stdout_is_only_the_run_id_and_progress_is_plain_lines_on_stderr(tmp_path: Path) -> None:
     """Without -q and without a terminal: stdout = the run id alone; stderr has plain progress lines
     with the round count and an ETA, and hints that name the store of a non-default root."""
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "train", "--task", "lsq", "--rounds", "3", "--root",
-                           str(tmp_path), "--no-mlflow"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "train",
+            "--task",
+            "lsq",
+            "--rounds",
+            "3",
+            "--root",
+            str(tmp_path),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1 and len(lines[0]) == 32
@@ -21,7 +37,9 @@ def test_stdout_is_only_the_run_id_and_progress_is_plain_lines_on_stderr(tmp_pat
 
 
 def test_version() -> None:
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "--version"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedcli", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("fedcli ")
 
 

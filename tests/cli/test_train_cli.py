@@ -25,8 +25,18 @@ def store_args(tmp_path: Path) -> list[str]:
 
 
 def test_train_lsq_writes_store_and_prints_run_id(tmp_path: Path) -> None:
-    result = cli("-q", "train", "--task", "lsq", "--rounds", "3", "--no-mlflow", "--clients-per-round", "4",
-                 *store_args(tmp_path))
+    result = cli(
+        "-q",
+        "train",
+        "--task",
+        "lsq",
+        "--rounds",
+        "3",
+        "--no-mlflow",
+        "--clients-per-round",
+        "4",
+        *store_args(tmp_path),
+    )
     assert result.exit_code == 0, result.output
     run_id = result.stdout.strip().splitlines()[-1]
     listed = cli("list", "runs", "--json", "--store", f"sqlite:///{tmp_path / 's.db'}")
@@ -38,15 +48,21 @@ def test_train_lsq_writes_store_and_prints_run_id(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / run_id / "model.pt").exists()
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["train", "--algo", "fedpx"], "unknown algorithm 'fedpx'"),
-    (["train", "--hp", "rho"], "--hp must be KEY=VALUE"),
-    (["train", "--algo", "fedpa", "--hp", "rho=-1"], "hp.rho must be >= 0"),
-    (["train", "--task", "lsq", "--clients-per-round", "50"], "train.clients_per_round=50 exceeds the 20 clients"),
-    (["train", "--store", "sqlite:////proc/forbidden/x.db"], "not writable"),
-    (["train", "--resume", "nosuchrun"], "no results store at"),
-    (["train", "--executor", "fused", "--task", "lsq"], "--executor fused trains dense classifiers"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--algo", "fedpx"], "unknown algorithm 'fedpx'"),
+        (["train", "--hp", "rho"], "--hp must be KEY=VALUE"),
+        (["train", "--algo", "fedpa", "--hp", "rho=-1"], "hp.rho must be >= 0"),
+        (
+            ["train", "--task", "lsq", "--clients-per-round", "50"],
+            "train.clients_per_round=50 exceeds the 20 clients",
+        ),
+        (["train", "--store", "sqlite:////proc/forbidden/x.db"], "not writable"),
+        (["train", "--resume", "nosuchrun"], "no results store at"),
+        (["train", "--executor", "fused", "--task", "lsq"], "--executor fused trains dense classifiers"),
+    ],
+)
 def test_user_errors_are_one_line_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     extra = [] if "--store" in args else ["--store", f"sqlite:///{tmp_path / 's.db'}"]
     result = CliRunner().invoke(app, [*args, *extra, "--root", str(tmp_path), "--no-mlflow"])
@@ -85,9 +101,17 @@ def test_interrupt_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     """A run stopped in round 3 (checkpoint at round 2) and resumed ends bit-identical to an
     uninterrupted run: cohorts, batches and noise derive from (seed, round, client) only."""
     url = f"sqlite:///{tmp_path / 's.db'}"
-    overrides = {"algorithm.name": "fedavg", "data.task": "lsq", "train.rounds": 4, "train.checkpoint_every": 2,
-                 "train.client_momentum": 0.9, "train.server_opt": "adam", "tracking.store": url,
-                 "tracking.root": str(tmp_path), "tracking.use_mlflow": False}
+    overrides = {
+        "algorithm.name": "fedavg",
+        "data.task": "lsq",
+        "train.rounds": 4,
+        "train.checkpoint_every": 2,
+        "train.client_momentum": 0.9,
+        "train.server_opt": "adam",
+        "tracking.store": url,
+        "tracking.root": str(tmp_path),
+        "tracking.use_mlflow": False,
+    }
     cfg = build_config(overrides=overrides)
     full = run_training(cfg, tracker=Tracker(SqlStore(url)))
     with pytest.raises(KeyboardInterrupt):
@@ -111,8 +135,21 @@ def test_run_metrics_identical_in_sql_store_and_mlflow(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = cli("-q", "train", "--task", "lsq", "--rounds", "3", "--eval-every", "2", "--tracking-uri", uri,
-                 "--experiment", "parity", *store_args(tmp_path))
+    result = cli(
+        "-q",
+        "train",
+        "--task",
+        "lsq",
+        "--rounds",
+        "3",
+        "--eval-every",
+        "2",
+        "--tracking-uri",
+        uri,
+        "--experiment",
+        "parity",
+        *store_args(tmp_path),
+    )
     assert result.exit_code == 0, result.output
     run_id = result.stdout.strip().splitlines()[-1]
     record = SqlStore(f"sqlite:///{tmp_path / 's.db'}").get_run(run_id)
@@ -132,8 +169,17 @@ def test_unusable_mlflow_store_fails_the_run_with_one_line(tmp_path: Path) -> No
     one line naming the store and the fix, no SQL store, no run."""
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    result = cli("-q", "train", "--task", "lsq", "--rounds", "2", "--tracking-uri",
-                 f"sqlite:///{blocker}/mlflow.db", *store_args(tmp_path))
+    result = cli(
+        "-q",
+        "train",
+        "--task",
+        "lsq",
+        "--rounds",
+        "2",
+        "--tracking-uri",
+        f"sqlite:///{blocker}/mlflow.db",
+        *store_args(tmp_path),
+    )
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     message = " ".join(result.stderr.split())
@@ -146,11 +192,29 @@ def test_client_lr_defaults_to_the_tasks_and_the_run_records_it(tmp_path: Path) 
     nothing in 50 rounds; 0.01 on lsq, where 0.1 diverges) and the resolved config records it,
     while the request keeps None; an explicit --client-lr wins."""
     tasks = {r["name"]: r for r in json.loads(cli("list", "tasks", "--json").stdout)}
-    assert (tasks["femnist"]["client_lr"], tasks["mnist"]["client_lr"], tasks["lsq"]["client_lr"]) == (0.1, 0.1, 0.01)
-    for task, extra, want in (("lsq", [], 0.01), ("femnist", ["--clients", "4"], 0.1),
-                              ("lsq", ["--client-lr", "0.03"], 0.03)):
-        result = cli("-q", "train", "--task", task, "--rounds", "1", "--clients-per-round", "2", "--no-mlflow",
-                     *extra, *store_args(tmp_path))
+    assert (tasks["femnist"]["client_lr"], tasks["mnist"]["client_lr"], tasks["lsq"]["client_lr"]) == (
+        0.1,
+        0.1,
+        0.01,
+    )
+    for task, extra, want in (
+        ("lsq", [], 0.01),
+        ("femnist", ["--clients", "4"], 0.1),
+        ("lsq", ["--client-lr", "0.03"], 0.03),
+    ):
+        result = cli(
+            "-q",
+            "train",
+            "--task",
+            task,
+            "--rounds",
+            "1",
+            "--clients-per-round",
+            "2",
+            "--no-mlflow",
+            *extra,
+            *store_args(tmp_path),
+        )
         assert result.exit_code == 0, result.output
         run = SqlStore(f"sqlite:///{tmp_path / 's.db'}").get_run(result.stdout.split()[-1])
         assert run.config["train"]["client_lr"] == want, (task, extra)
@@ -160,11 +224,26 @@ def test_client_lr_defaults_to_the_tasks_and_the_run_records_it(tmp_path: Path) 
 def test_train_takes_every_partition_option(tmp_path: Path) -> None:
     """--size-alpha (two-level), --sigma (quantity) and --balanced (dirichlet) reach the partition
     and the stored config, as with `fedcli partition`."""
-    for extra, key, want in ((["--scheme", "two-level", "--alpha", "0.5", "--size-alpha", "2"], "size_alpha", 2.0),
-                             (["--scheme", "quantity", "--sigma", "0.5"], "sigma", 0.5),
-                             (["--scheme", "dirichlet", "--alpha", "0.5", "--balanced"], "balanced", True)):
-        result = cli("-q", "train", "--task", "mnist", "--clients", "10", "--rounds", "1", "--clients-per-round",
-                     "2", "--no-mlflow", *extra, *store_args(tmp_path))
+    for extra, key, want in (
+        (["--scheme", "two-level", "--alpha", "0.5", "--size-alpha", "2"], "size_alpha", 2.0),
+        (["--scheme", "quantity", "--sigma", "0.5"], "sigma", 0.5),
+        (["--scheme", "dirichlet", "--alpha", "0.5", "--balanced"], "balanced", True),
+    ):
+        result = cli(
+            "-q",
+            "train",
+            "--task",
+            "mnist",
+            "--clients",
+            "10",
+            "--rounds",
+            "1",
+            "--clients-per-round",
+            "2",
+            "--no-mlflow",
+            *extra,
+            *store_args(tmp_path),
+        )
         assert result.exit_code == 0, result.output
         run = SqlStore(f"sqlite:///{tmp_path / 's.db'}").get_run(result.stdout.split()[-1])
         assert run.config["partition"][key] == want, (extra, run.config["partition"])

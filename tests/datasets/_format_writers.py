@@ -16,15 +16,18 @@ _IDX_CODE = {np.dtype(np.uint8): 0x08, np.dtype(np.int32): 0x0C, np.dtype(np.flo
 def write_idx(path: Path, array: np.ndarray, *, gz: bool = True) -> Path:
     """IDX: 0x0000, type code, ndim, big-endian uint32 dims, big-endian data."""
     array = np.asarray(array)
-    header = bytes([0, 0, _IDX_CODE[array.dtype], array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    header = bytes([0, 0, _IDX_CODE[array.dtype], array.ndim]) + b"".join(
+        d.to_bytes(4, "big") for d in array.shape
+    )
     raw = header + array.astype(array.dtype.newbyteorder(">")).tobytes()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(gzip.compress(raw, mtime=0) if gz else raw)
     return path
 
 
-def write_mnist_folder(root: Path, *, prefix_train: str = "train", prefix_test: str = "t10k", n: int = 12,
-                       seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def write_mnist_folder(
+    root: Path, *, prefix_train: str = "train", prefix_test: str = "t10k", n: int = 12, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Four IDX files in torchvision's <root>/MNIST/raw layout; returns the train images/labels."""
     rng = np.random.default_rng(seed)
     x = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
@@ -42,11 +45,15 @@ def write_cifar_batch(path: Path, data: np.ndarray, labels: list[int], label_key
         pickle.dump({b"batch_label": b"test", label_key: labels, b"data": data}, fh, protocol=2)
 
 
-def write_leaf(path: Path, users: dict[str, tuple[list[object], list[object]]], *,
-               num_samples_extra: int = 0) -> None:
+def write_leaf(
+    path: Path, users: dict[str, tuple[list[object], list[object]]], *, num_samples_extra: int = 0
+) -> None:
     """A LEAF JSON(.gz) file {users, num_samples, user_data}."""
-    doc = {"users": list(users), "num_samples": [len(x) + num_samples_extra for x, _ in users.values()],
-           "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()}}
+    doc = {
+        "users": list(users),
+        "num_samples": [len(x) + num_samples_extra for x, _ in users.values()],
+        "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()},
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(doc)
     path.write_bytes(gzip.compress(text.encode(), mtime=0) if path.suffix == ".gz" else text.encode())
@@ -68,11 +75,16 @@ def write_stackoverflow(folder: Path) -> None:
     """TFF StackOverflow files: two train clients, one test client, 4-word vocabulary, 2 tags."""
     words = ["the", "a", "python", "error"]  # ranks 0..3 -> NWP ids 1..4
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "stackoverflow.word_count").write_text("".join(f"{w}\t{100 - i}\n" for i, w in enumerate(words)))
+    (folder / "stackoverflow.word_count").write_text(
+        "".join(f"{w}\t{100 - i}\n" for i, w in enumerate(words))
+    )
     (folder / "stackoverflow.tag_count").write_text(json.dumps({"python": 9, "java": 5}))
     encode = lambda items: np.array([s.encode() for s in items], dtype=object)  # noqa: E731
-    client = {"tokens": encode(["the python error", "a zebra"]), "title": encode(["python", "the"]),
-              "tags": encode(["python|java", "ruby"])}
+    client = {
+        "tokens": encode(["the python error", "a zebra"]),
+        "title": encode(["python", "the"]),
+        "tags": encode(["python|java", "ruby"]),
+    }
     write_tff_h5(folder / "stackoverflow_train.h5", {"u9": client, "u1": client})
     write_tff_h5(folder / "stackoverflow_test.h5", {"u1": client})
 
@@ -87,10 +99,16 @@ def write_task_fixture(task: str, folder: Path) -> Path:
         write_mnist_folder(folder / "FashionMNIST" / "raw")
     elif task == "cifar10":
         for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-            write_cifar_batch(folder / "cifar-10-batches-py" / name, rng.integers(0, 256, (4, 3072), dtype=np.uint8),
-                              [0, 1, 2, 3])
+            write_cifar_batch(
+                folder / "cifar-10-batches-py" / name,
+                rng.integers(0, 256, (4, 3072), dtype=np.uint8),
+                [0, 1, 2, 3],
+            )
     elif task == "cifar100":
-        client = {"image": rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8), "label": np.array([0, 5, 99, 5])}
+        client = {
+            "image": rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8),
+            "label": np.array([0, 5, 99, 5]),
+        }
         write_tff_h5(folder / "fed_cifar100_train.h5", {"a": client, "b": client})
         write_tff_h5(folder / "fed_cifar100_test.h5", {"a": client})
     elif task == "emnist":
@@ -107,8 +125,13 @@ def write_task_fixture(task: str, folder: Path) -> Path:
     elif task == "har":
         for subject in (1, 2):
             buffer = io.BytesIO()
-            np.savez(buffer, x_train=rng.normal(size=(4, 128, 9)).astype(np.float32), y_train=np.array([0, 1, 2, 5]),
-                     x_test=rng.normal(size=(2, 128, 9)).astype(np.float32), y_test=np.array([3, 4]))
+            np.savez(
+                buffer,
+                x_train=rng.normal(size=(4, 128, 9)).astype(np.float32),
+                y_train=np.array([0, 1, 2, 5]),
+                x_test=rng.normal(size=(2, 128, 9)).astype(np.float32),
+                y_test=np.array([3, 4]),
+            )
             (folder / f"subject_{subject:02d}.npz.xz").write_bytes(lzma.compress(buffer.getvalue()))
     elif task == "vehicle":
         rows = rng.normal(size=(4, 100)).tolist()

@@ -51,13 +51,25 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.setdefault("FEDCLI_DATA_CACHE", tempfile.mkdtemp(prefix="fedcli-rss-store-"))
     for store in args.stores.split(","):
-        overrides = {"data.task": args.task, "data.data_store": store, "train.device": "cpu", "train.rounds": 1,
-                     "train.clients_per_round": args.clients_per_round, "train.batch_size": args.batch_size,
-                     "train.executor": "vmap", "train.threads": 1}
+        overrides = {
+            "data.task": args.task,
+            "data.data_store": store,
+            "train.device": "cpu",
+            "train.rounds": 1,
+            "train.clients_per_round": args.clients_per_round,
+            "train.batch_size": args.batch_size,
+            "train.executor": "vmap",
+            "train.threads": 1,
+        }
         if args.data_dir:
             overrides["data.data_dir"] = args.data_dir
-        proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(overrides)], capture_output=True, text=True,
-                              env=env, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, json.dumps(overrides)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
         if proc.returncode != 0:
             print(f"{store}: failed\n{proc.stderr[-2000:]}", flush=True)
             continue

@@ -19,8 +19,14 @@ from fedcli.errors import ConfigError, DataError
 
 def test_byo_npz_with_clients_and_images(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "mine.npz", x=rng.integers(0, 256, (10, 8, 8), dtype=np.uint8), y=np.arange(10) % 3,
-             client=np.array(list("bbaab" * 2)), x_test=np.zeros((2, 8, 8), np.uint8), y_test=np.array([0, 1]))
+    np.savez(
+        tmp_path / "mine.npz",
+        x=rng.integers(0, 256, (10, 8, 8), dtype=np.uint8),
+        y=np.arange(10) % 3,
+        client=np.array(list("bbaab" * 2)),
+        x_test=np.zeros((2, 8, 8), np.uint8),
+        y_test=np.array([0, 1]),
+    )
     task = byo_task(tmp_path / "mine.npz", "cnn")
     data = task.load(TaskOptions())
     assert task.name == "byo-mine" and task.kind == "classification" and data.num_classes == 3
@@ -34,30 +40,63 @@ def test_byo_csv_regression_holds_out_a_test_split(tmp_path: Path) -> None:
     frame.to_csv(tmp_path / "reg.csv", index=False)
     task = byo_task(tmp_path / "reg.csv", "mlp")
     data = task.load(TaskOptions())
-    assert task.kind == "regression" and len(data.y) == 8 and len(data.test_y) == 2 and data.client_indices == []
+    assert (
+        task.kind == "regression" and len(data.y) == 8 and len(data.test_y) == 2 and data.client_indices == []
+    )
     assert task.models["mlp"]()(data.x[:3]).shape == (3,)
 
 
 def test_byo_parquet_with_split_column(tmp_path: Path) -> None:
-    frame = pd.DataFrame({"a": [0.0, 1.0, 2.0], "y": [0, 1, 1], "client": [7, 7, 9], "split": ["train", "train", "test"]})
+    frame = pd.DataFrame(
+        {"a": [0.0, 1.0, 2.0], "y": [0, 1, 1], "client": [7, 7, 9], "split": ["train", "train", "test"]}
+    )
     frame.to_parquet(tmp_path / "t.parquet")
     data = byo_task(tmp_path / "t.parquet", "logreg").load(TaskOptions())
     assert data.x.shape == (2, 1) and data.test_y.tolist() == [1] and data.client_names == ["7"]
 
 
-@pytest.mark.parametrize("setup, model, error, message", [
-    (lambda d: (d / "a.txt").write_text("x"), "mlp", ConfigError, r"--data must be a \.npz, \.csv, \.parquet file"),
-    (lambda d: pd.DataFrame({"a": [1.0]}).to_csv(d / "a.csv", index=False), "mlp", DataError, r"has no column 'y'"),
-    (lambda d: pd.DataFrame({"a": ["s"], "y": [1]}).to_csv(d / "a.csv", index=False), "mlp", DataError,
-     r"feature columns must be numeric"),
-    (lambda d: np.savez(d / "a.npz", x=np.zeros((5, 3))), "mlp", DataError, r"lacks array\(s\) y"),
-    (lambda d: np.savez(d / "a.npz", x=np.zeros((5, 3)), y=np.zeros(5)), "logreg", ConfigError,
-     r"--model logreg needs integer class labels"),
-    (lambda d: np.savez(d / "a.npz", x=np.zeros((5, 3)), y=np.arange(5)), "cnn", ConfigError,
-     r"--model cnn needs images"),
-    (lambda d: np.savez(d / "a.npz", x=np.zeros((5, 3)), y=np.arange(5)), "resnet", ConfigError,
-     r"--model must be one of linear, logreg, mlp, cnn"),
-])
+@pytest.mark.parametrize(
+    "setup, model, error, message",
+    [
+        (
+            lambda d: (d / "a.txt").write_text("x"),
+            "mlp",
+            ConfigError,
+            r"--data must be a \.npz, \.csv, \.parquet file",
+        ),
+        (
+            lambda d: pd.DataFrame({"a": [1.0]}).to_csv(d / "a.csv", index=False),
+            "mlp",
+            DataError,
+            r"has no column 'y'",
+        ),
+        (
+            lambda d: pd.DataFrame({"a": ["s"], "y": [1]}).to_csv(d / "a.csv", index=False),
+            "mlp",
+            DataError,
+            r"feature columns must be numeric",
+        ),
+        (lambda d: np.savez(d / "a.npz", x=np.zeros((5, 3))), "mlp", DataError, r"lacks array\(s\) y"),
+        (
+            lambda d: np.savez(d / "a.npz", x=np.zeros((5, 3)), y=np.zeros(5)),
+            "logreg",
+            ConfigError,
+            r"--model logreg needs integer class labels",
+        ),
+        (
+            lambda d: np.savez(d / "a.npz", x=np.zeros((5, 3)), y=np.arange(5)),
+            "cnn",
+            ConfigError,
+            r"--model cnn needs images",
+        ),
+        (
+            lambda d: np.savez(d / "a.npz", x=np.zeros((5, 3)), y=np.arange(5)),
+            "resnet",
+            ConfigError,
+            r"--model must be one of linear, logreg, mlp, cnn",
+        ),
+    ],
+)
 def test_byo_errors(tmp_path: Path, setup, model: str, error: type, message: str) -> None:  # noqa: ANN001
     setup(tmp_path)
     path = next(tmp_path.iterdir())
@@ -84,7 +123,9 @@ def test_quadratic_toy_optimum_is_exact() -> None:
     """Each client's rows give X^T X / n = A_i and X^T y / n = A_i mu_i, so the example-weighted
     objective's gradient sum_i n_i (A_i theta - A_i mu_i) vanishes at the logged optimum, and
     its least-squares solution over the pooled rows is that optimum."""
-    xs, ys, optimum, precisions, optima = quadratic_clients(copies=(1, 3), dim=2, rng=np.random.default_rng(0))
+    xs, ys, optimum, precisions, optima = quadratic_clients(
+        copies=(1, 3), dim=2, rng=np.random.default_rng(0)
+    )
     for x, y, a, mu in zip(xs, ys, precisions, optima, strict=True):
         np.testing.assert_allclose(x.T @ x / len(x), a, rtol=1e-12)
         np.testing.assert_allclose(x.T @ y / len(x), a @ mu, rtol=1e-10)

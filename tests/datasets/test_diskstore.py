@@ -210,9 +210,31 @@ def test_a_natural_partition_on_the_disk_store_writes_no_partition_file(tmp_path
     """The natural clients of a disk-stored source are the store's own index: no JSON copy of every example
     index beside the run (206 MB for 20,000 StackOverflow clients), and the run still trains."""
     root = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "femnist", "--data-store", "disk",
-                           "--rounds", "1", "--clients-per-round", "3", "--no-mlflow", "--root", str(root)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "femnist",
+            "--data-store",
+            "disk",
+            "--rounds",
+            "1",
+            "--clients-per-round",
+            "3",
+            "--no-mlflow",
+            "--root",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     run_id = proc.stdout.strip().splitlines()[-1]
     assert (root / "runs" / run_id).is_dir() and not (root / "runs" / run_id / "partition.json").exists()

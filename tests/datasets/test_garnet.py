@@ -17,9 +17,18 @@ from fedcli.datasets.registry import TASKS
 from fedcli.datasets.tasks import TaskOptions, per_example_loss
 
 
-@pytest.mark.parametrize("num_agents,hg,norm,delta_het", [(10, 0.02, 36.1093, 0.1192), (10, 10.0, 1.7149, 22.8958),
-                                                          (100, 0.02, 26.3213, 0.0958), (100, 10.0, 5.8182, 31.4458)])
-def test_reproduces_the_authors_environments(num_agents: int, hg: float, norm: float, delta_het: float) -> None:
+@pytest.mark.parametrize(
+    "num_agents,hg,norm,delta_het",
+    [
+        (10, 0.02, 36.1093, 0.1192),
+        (10, 10.0, 1.7149, 22.8958),
+        (100, 0.02, 26.3213, 0.0958),
+        (100, 10.0, 5.8182, 31.4458),
+    ],
+)
+def test_reproduces_the_authors_environments(
+    num_agents: int, hg: float, norm: float, delta_het: float
+) -> None:
     """Regression pins, not a derivation: ||theta*|| and Delta_het = mean_c ||theta* - theta*^c|| of
     the gen_seed-42 Garnets as tabulated in reference/fedlsa.md §4.2 (re-derived there and matched
     to the authors' GarnetEnv.py to 1e-14). They hold only if the RNG consumption order is exact."""
@@ -34,12 +43,18 @@ def test_reproduces_the_authors_environments(num_agents: int, hg: float, norm: f
 def test_lsa_system_is_the_expectation_of_the_td_samples() -> None:
     """mu^c P^c_pi = mu^c (stationary, sums to 1); Abar^c and bbar^c equal the explicit double
     sums over (s, s') of the module docstring; theta*^c and theta* solve their systems."""
-    mdp = garnet.make_garnet(num_agents=3, heterogeneity=0.5, num_states=6, dim=3, rng=np.random.default_rng(0))
+    mdp = garnet.make_garnet(
+        num_agents=3, heterogeneity=0.5, num_states=6, dim=3, rng=np.random.default_rng(0)
+    )
     phi = mdp.features
 
     for c in range(3):
         mu, p = mdp.stationary[c], mdp.transition[c]
-        a = sum(mu[s] * p[s, t] * np.outer(phi[s], phi[s] - mdp.gamma * phi[t]) for s in range(6) for t in range(6))
+        a = sum(
+            mu[s] * p[s, t] * np.outer(phi[s], phi[s] - mdp.gamma * phi[t])
+            for s in range(6)
+            for t in range(6)
+        )
         b = sum(mu[s] * mdp.rewards[c, s] * phi[s] for s in range(6))
         np.testing.assert_allclose(mu @ p, mu, rtol=0, atol=1e-12)
         assert mu.sum() == pytest.approx(1.0, abs=1e-12)

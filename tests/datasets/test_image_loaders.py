@@ -126,8 +126,10 @@ def test_cifar100_tff_h5_has_natural_clients(tmp_path: Path) -> None:
     """TFF CIFAR-100: /examples/<id>/image uint8 [n, 32, 32, 3] (HWC) -> stored CHW."""
     rng = np.random.default_rng(0)
     images = {cid: rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8) for cid, n in (("7", 2), ("12", 3))}
-    clients = {cid: {"image": img, "label": np.arange(len(img)), "coarse_label": np.zeros(len(img))}
-               for cid, img in images.items()}
+    clients = {
+        cid: {"image": img, "label": np.arange(len(img)), "coarse_label": np.zeros(len(img))}
+        for cid, img in images.items()
+    }
     write_tff_h5(tmp_path / "fed_cifar100_train.h5", clients)
     write_tff_h5(tmp_path / "fed_cifar100_test.h5", {"7": clients["7"]})
     data = CIFAR100.load(TaskOptions(data_dir=tmp_path))
@@ -142,9 +144,11 @@ def test_federated_emnist_h5_inverts_pixels_and_limits_clients(tmp_path: Path) -
     """TFF EMNIST pixels are floats with 1.0 = background; stored as uint8 ink = round(255(1-p))."""
     pixels = np.full((2, 28, 28), 1.0, np.float32)
     pixels[0, 0, 0] = 0.0
-    clients = {"f0001": {"pixels": pixels, "label": np.array([3, 61])},
-               "f0000": {"pixels": pixels[:1], "label": np.array([5])},
-               "f0002": {"pixels": pixels[:1], "label": np.array([7])}}
+    clients = {
+        "f0001": {"pixels": pixels, "label": np.array([3, 61])},
+        "f0000": {"pixels": pixels[:1], "label": np.array([5])},
+        "f0002": {"pixels": pixels[:1], "label": np.array([7])},
+    }
     write_tff_h5(tmp_path / "fed_emnist_train.h5", clients)
     write_tff_h5(tmp_path / "fed_emnist_test.h5", clients)
     data = EMNIST.load(TaskOptions(data_dir=tmp_path, max_clients=2))

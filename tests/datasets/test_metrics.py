@@ -37,7 +37,9 @@ def test_multilabel_matches_sklearn(seed: int) -> None:
     top5 = np.argsort(-logits.numpy(), axis=1, kind="stable")[:, :5]
     recall5 = sum(truth[i, top5[i]].sum() for i in range(len(truth))) / truth.sum()
     metrics = multilabel_metrics(logits, targets)
-    assert metrics["precision"] == pytest.approx(precision_score(truth, predicted, average="micro", zero_division=0))
+    assert metrics["precision"] == pytest.approx(
+        precision_score(truth, predicted, average="micro", zero_division=0)
+    )
     assert metrics["micro_f1"] == pytest.approx(f1_score(truth, predicted, average="micro", zero_division=0))
     assert metrics["macro_f1"] == pytest.approx(f1_score(truth, predicted, average="macro", zero_division=0))
     assert metrics["recall_at_5"] == pytest.approx(recall5)
@@ -47,7 +49,7 @@ def test_multilabel_chunked_equals_whole() -> None:
     logits, targets = _multilabel_case(3)
     total = None
     for start in range(0, 40, 7):
-        total = add_stats(total, MULTILABEL.stats(logits[start:start + 7], targets[start:start + 7]))
+        total = add_stats(total, MULTILABEL.stats(logits[start : start + 7], targets[start : start + 7]))
     assert MULTILABEL.finish(total) == pytest.approx(multilabel_metrics(logits, targets))
 
 
@@ -83,7 +85,9 @@ def test_top_k_decision_rule_predicts_k_tags_per_example(seed: int, top_k: int) 
     from fedcli.datasets.metrics import decide, multilabel
 
     logits, targets = _multilabel_case(seed)
-    logits = logits - 10.0  # every sigmoid < 0.5: the threshold rule predicts nothing, top-k still k tags a row
+    logits = (
+        logits - 10.0
+    )  # every sigmoid < 0.5: the threshold rule predicts nothing, top-k still k tags a row
     truth = targets.numpy().astype(int)
     mask = np.zeros_like(truth)
     np.put_along_axis(mask, np.argsort(-logits.numpy(), axis=1, kind="stable")[:, :top_k], 1, axis=1)
@@ -94,7 +98,9 @@ def test_top_k_decision_rule_predicts_k_tags_per_example(seed: int, top_k: int) 
     assert got["macro_f1"] == pytest.approx(f1_score(truth, mask, average="macro", zero_division=0))
     assert got["micro_f1"] > 0 and multilabel_metrics(logits, targets)["micro_f1"] == 0.0
     assert got["precision"] == 0.0  # nothing above 0.5
-    chunked = fns.finish(add_stats(fns.stats(logits[:13], targets[:13]), fns.stats(logits[13:], targets[13:])))
+    chunked = fns.finish(
+        add_stats(fns.stats(logits[:13], targets[:13]), fns.stats(logits[13:], targets[13:]))
+    )
     assert chunked == pytest.approx(got)
     assert fns.rule == f"the {top_k} highest-scoring tags of each example are predicted (top-{top_k})"
     with pytest.raises(ValueError, match="top_k must be >= 1"):

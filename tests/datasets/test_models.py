@@ -10,12 +10,15 @@ from fedcli.datasets import models
 from fedcli.datasets.bundled.stackoverflow import bag_of_words
 
 
-@pytest.mark.parametrize("build, count", [
-    (lambda: models.MLP(784, (200, 200), 10), 199_210),  # McMahan et al. 2017: 2NN
-    (lambda: models.McMahanCNN(10), 1_663_370),  # McMahan et al. 2017: CNN
-    (lambda: models.WordLSTM(10004), 4_050_748),  # Reddi et al. 2021 Table 7: Stack Overflow NWP
-    (lambda: models.LeNet5(10), 62_006),
-])
+@pytest.mark.parametrize(
+    "build, count",
+    [
+        (lambda: models.MLP(784, (200, 200), 10), 199_210),  # McMahan et al. 2017: 2NN
+        (lambda: models.McMahanCNN(10), 1_663_370),  # McMahan et al. 2017: CNN
+        (lambda: models.WordLSTM(10004), 4_050_748),  # Reddi et al. 2021 Table 7: Stack Overflow NWP
+        (lambda: models.LeNet5(10), 62_006),
+    ],
+)
 def test_published_parameter_counts(build, count: int) -> None:  # noqa: ANN001
     assert models.num_parameters(build()) == count
 
@@ -27,7 +30,7 @@ def test_stacked_lstm_equals_torch_lstm() -> None:
     reference = nn.LSTM(5, 7, num_layers=2, batch_first=True).double()
     with torch.no_grad():
         for layer in range(2):
-            w_ih, w_hh, bias = ours.weights[3 * layer: 3 * layer + 3]
+            w_ih, w_hh, bias = ours.weights[3 * layer : 3 * layer + 3]
             getattr(reference, f"weight_ih_l{layer}").copy_(w_ih)
             getattr(reference, f"weight_hh_l{layer}").copy_(w_hh)
             getattr(reference, f"bias_ih_l{layer}").copy_(bias)
@@ -36,11 +39,14 @@ def test_stacked_lstm_equals_torch_lstm() -> None:
     torch.testing.assert_close(ours(x), reference(x)[0], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("build, make_x", [
-    (lambda: models.CharLSTM(80, hidden=16), lambda g: torch.randint(0, 80, (2, 3, 6), generator=g)),
-    (lambda: models.HarCNN(6), lambda g: torch.randn(2, 3, 128, 9, generator=g)),
-    (lambda: models.ZenkeCNN(10), lambda g: torch.rand(2, 3, 3, 32, 32, generator=g)),
-])
+@pytest.mark.parametrize(
+    "build, make_x",
+    [
+        (lambda: models.CharLSTM(80, hidden=16), lambda g: torch.randint(0, 80, (2, 3, 6), generator=g)),
+        (lambda: models.HarCNN(6), lambda g: torch.randn(2, 3, 128, 9, generator=g)),
+        (lambda: models.ZenkeCNN(10), lambda g: torch.rand(2, 3, 3, 32, 32, generator=g)),
+    ],
+)
 def test_vmap_over_clients_equals_loop(build, make_x) -> None:  # noqa: ANN001
     """functional_call vmapped over 2 clients' params and batches = each client alone, with
     dropout keyed identically (key = 11 + client)."""
@@ -81,7 +87,9 @@ def test_keyed_uniform_is_uniform_deterministic_and_keyed() -> None:
     assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < bound
     v = models.keyed_uniform(torch.tensor(8), torch.Size([n]), torch.device("cpu")).double()
     assert abs(float(torch.corrcoef(torch.stack([u, v]))[0, 1])) < bound
-    assert torch.equal(u, models.keyed_uniform(torch.tensor(7), torch.Size([n]), torch.device("cpu")).double())
+    assert torch.equal(
+        u, models.keyed_uniform(torch.tensor(7), torch.Size([n]), torch.device("cpu")).double()
+    )
 
 
 def test_keyed_dropout_under_vmap_equals_per_key_calls() -> None:
@@ -97,10 +105,15 @@ def test_keyed_dropout_under_vmap_equals_per_key_calls() -> None:
     assert torch.allclose(alone[kept], torch.tensor(1 / 0.75))
 
 
-@pytest.mark.parametrize("build", [lambda: models.CharLSTM(hidden=16),
-                                   lambda: models.WordLSTM(vocab_size=50, embed_dim=8, hidden=16),
-                                   lambda: models.TextLSTM(vocab_size=50, embed_dim=8, hidden=16)],
-                         ids=["char", "word", "text"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: models.CharLSTM(hidden=16),
+        lambda: models.WordLSTM(vocab_size=50, embed_dim=8, hidden=16),
+        lambda: models.TextLSTM(vocab_size=50, embed_dim=8, hidden=16),
+    ],
+    ids=["char", "word", "text"],
+)
 def test_the_loop_back_ends_autograd_reaches_every_lstm_weight(build) -> None:  # noqa: ANN001
     """The loop back end differentiates `functional_call(model, leaves)` with torch.autograd.grad
     (engine/local.py): every parameter must get a gradient. StackedLSTM sliced its ParameterList,

@@ -55,7 +55,9 @@ SPECS = {
 @pytest.mark.parametrize("name", sorted(SPECS))
 @FAST
 @given(labels=labelled_data(), num_clients=st.integers(2, 6), seed=st.integers(0, 1000))
-def test_every_example_exactly_once_and_seeded(name: str, labels: np.ndarray, num_clients: int, seed: int) -> None:
+def test_every_example_exactly_once_and_seeded(
+    name: str, labels: np.ndarray, num_clients: int, seed: int
+) -> None:
     """Each scheme covers 0..N-1 exactly once with K non-empty clients; same seed, same output.
     (#labels gets K >= C clients, which guarantees every class a holder.)"""
     if name == "labels":
@@ -77,8 +79,11 @@ def test_shards_are_equal_label_sorted_slices(labels: np.ndarray, shards_per_cli
     n = len(labels) - len(labels) % (num_clients * shards_per_client)
     labels = labels[:n]
     assume(len(np.unique(labels)) == labels.max() + 1)
-    clients = make_partition(PartitionSpec("shards", num_clients, shards_per_client=shards_per_client, seed=seed),
-                             labels=labels, natural=None)
+    clients = make_partition(
+        PartitionSpec("shards", num_clients, shards_per_client=shards_per_client, seed=seed),
+        labels=labels,
+        natural=None,
+    )
     _exactly_once(clients, n)
     size = n // (num_clients * shards_per_client)
     position = np.argsort(np.argsort(labels, kind="stable"))  # rank of each example in sorted order
@@ -92,8 +97,11 @@ def test_shards_are_equal_label_sorted_slices(labels: np.ndarray, shards_per_cli
 def test_labels_per_client_bounds_the_classes(labels: np.ndarray, per_client: int, seed: int) -> None:
     """noniid-#labelK: every client sees at most K distinct classes."""
     num_clients = int(labels.max()) + 1  # client i holds class i mod C, so every class has a holder
-    clients = make_partition(PartitionSpec("labels", num_clients, labels_per_client=per_client, seed=seed),
-                             labels=labels, natural=None)
+    clients = make_partition(
+        PartitionSpec("labels", num_clients, labels_per_client=per_client, seed=seed),
+        labels=labels,
+        natural=None,
+    )
     assert all(len(np.unique(labels[c])) <= per_client for c in clients)
 
 
@@ -122,15 +130,25 @@ def test_natural_keeps_owner_order_and_subsets() -> None:
 SKEW_DATA = np.repeat(np.arange(10), 200)  # 2,000 examples, 10 balanced classes
 
 
-@pytest.mark.parametrize("scheme, extra", [("dirichlet", {}), ("dirichlet", {"balanced": True}),
-                                           ("two-level", {})])
+@pytest.mark.parametrize(
+    "scheme, extra", [("dirichlet", {}), ("dirichlet", {"balanced": True}), ("two-level", {})]
+)
 def test_label_entropy_falls_as_alpha_falls(scheme: str, extra: dict[str, object]) -> None:
     """Smaller alpha = more label skew: mean client label entropy (3 seeds) strictly decreases
     along alpha = 100, 1, 0.1, and stays near log2(10) ≈ 3.32 bits for alpha = 100."""
     means = []
     for alpha in (100.0, 1.0, 0.1):
-        runs = [_mean_entropy(make_partition(PartitionSpec(scheme, 10, alpha=alpha, min_size=1, seed=s, **extra),
-                                             labels=SKEW_DATA, natural=None), SKEW_DATA) for s in range(3)]
+        runs = [
+            _mean_entropy(
+                make_partition(
+                    PartitionSpec(scheme, 10, alpha=alpha, min_size=1, seed=s, **extra),
+                    labels=SKEW_DATA,
+                    natural=None,
+                ),
+                SKEW_DATA,
+            )
+            for s in range(3)
+        ]
         means.append(float(np.mean(runs)))
     assert means[0] > means[1] > means[2]
     assert means[0] > 3.1
@@ -145,8 +163,11 @@ def test_quantity_skew_spreads_sizes_keeps_labels_iid(field: str, values: tuple[
     for value in values:
         cvs = []
         for seed in range(3):
-            clients = make_partition(PartitionSpec("quantity", 10, min_size=1, seed=seed, **{field: value}),
-                                     labels=SKEW_DATA, natural=None)
+            clients = make_partition(
+                PartitionSpec("quantity", 10, min_size=1, seed=seed, **{field: value}),
+                labels=SKEW_DATA,
+                natural=None,
+            )
             sizes = np.array([len(c) for c in clients])
             cvs.append(sizes.std() / sizes.mean())
             tv = summarize(clients, SKEW_DATA, 10).tv
@@ -165,34 +186,68 @@ def test_different_seed_gives_different_partition() -> None:
 # ----------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("spec, labels, message", [
-    (PartitionSpec("iid", 11), np.zeros(10, np.int64), r"num_clients=11 exceeds the 10 training examples"),
-    (PartitionSpec("shards", 3, shards_per_client=2), np.arange(100) % 10, r"6 shards must divide the 100 examples"),
-    (PartitionSpec("labels", 2, labels_per_client=11), np.arange(100) % 10, r"labels_per_client must be <= the 10"),
-    (PartitionSpec("labels", 2, labels_per_client=1), np.arange(100) % 10, r"cannot cover the 10 classes"),
-    (PartitionSpec("natural"), np.zeros(10, np.int64), r"needs data with owners"),
-    (PartitionSpec("dirichlet", 10, alpha=0.5, min_size=50, max_tries=3), np.arange(400) % 4,
-     r"max_tries=3 attempts"),
-    (PartitionSpec("quantity", 10, alpha=0.1, min_size=30, max_tries=2), np.zeros(400, np.int64),
-     r"max_tries=2 attempts"),
-    (PartitionSpec("dirichlet", 2, alpha=1.0), np.linspace(0, 1, 50), r"needs class labels.*real-valued"),
-])
+@pytest.mark.parametrize(
+    "spec, labels, message",
+    [
+        (
+            PartitionSpec("iid", 11),
+            np.zeros(10, np.int64),
+            r"num_clients=11 exceeds the 10 training examples",
+        ),
+        (
+            PartitionSpec("shards", 3, shards_per_client=2),
+            np.arange(100) % 10,
+            r"6 shards must divide the 100 examples",
+        ),
+        (
+            PartitionSpec("labels", 2, labels_per_client=11),
+            np.arange(100) % 10,
+            r"labels_per_client must be <= the 10",
+        ),
+        (
+            PartitionSpec("labels", 2, labels_per_client=1),
+            np.arange(100) % 10,
+            r"cannot cover the 10 classes",
+        ),
+        (PartitionSpec("natural"), np.zeros(10, np.int64), r"needs data with owners"),
+        (
+            PartitionSpec("dirichlet", 10, alpha=0.5, min_size=50, max_tries=3),
+            np.arange(400) % 4,
+            r"max_tries=3 attempts",
+        ),
+        (
+            PartitionSpec("quantity", 10, alpha=0.1, min_size=30, max_tries=2),
+            np.zeros(400, np.int64),
+            r"max_tries=2 attempts",
+        ),
+        (PartitionSpec("dirichlet", 2, alpha=1.0), np.linspace(0, 1, 50), r"needs class labels.*real-valued"),
+    ],
+)
 def test_impossible_requests_are_config_errors(spec: PartitionSpec, labels: np.ndarray, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         make_partition(spec, labels=labels, natural=None)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"scheme": "dirichlet", "num_clients": 3, "alpha": -0.5}, r"partition.alpha must be > 0; got -0.5"),
-    ({"scheme": "dirichlet", "num_clients": 3}, r"partition.alpha must be set for scheme 'dirichlet'"),
-    ({"scheme": "iid"}, r"partition.num_clients must be set for scheme 'iid'"),
-    ({"scheme": "iid", "num_clients": 3, "alpha": 0.1}, r"partition.alpha is not used by scheme 'iid'"),
-    ({"scheme": "quantity", "num_clients": 3, "alpha": 1.0, "sigma": 1.0}, r"exactly one of partition.alpha"),
-    ({"scheme": "shards", "num_clients": 3}, r"shards_per_client must be set"),
-    ({"scheme": "iid", "num_clients": 0}, r"num_clients must be an integer >= 1; got 0"),
-    ({"scheme": "dirichlt", "num_clients": 3}, r"did you mean 'dirichlet'"),
-    ({"scheme": "iid", "num_clients": 3, "balanced": True}, r"balanced applies to scheme 'dirichlet' only"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"scheme": "dirichlet", "num_clients": 3, "alpha": -0.5}, r"partition.alpha must be > 0; got -0.5"),
+        ({"scheme": "dirichlet", "num_clients": 3}, r"partition.alpha must be set for scheme 'dirichlet'"),
+        ({"scheme": "iid"}, r"partition.num_clients must be set for scheme 'iid'"),
+        ({"scheme": "iid", "num_clients": 3, "alpha": 0.1}, r"partition.alpha is not used by scheme 'iid'"),
+        (
+            {"scheme": "quantity", "num_clients": 3, "alpha": 1.0, "sigma": 1.0},
+            r"exactly one of partition.alpha",
+        ),
+        ({"scheme": "shards", "num_clients": 3}, r"shards_per_client must be set"),
+        ({"scheme": "iid", "num_clients": 0}, r"num_clients must be an integer >= 1; got 0"),
+        ({"scheme": "dirichlt", "num_clients": 3}, r"did you mean 'dirichlet'"),
+        (
+            {"scheme": "iid", "num_clients": 3, "balanced": True},
+            r"balanced applies to scheme 'dirichlet' only",
+        ),
+    ],
+)
 def test_spec_validation_messages(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         PartitionSpec(**kwargs)  # type: ignore[arg-type]
@@ -258,12 +313,18 @@ def test_partition_file_round_trip_and_byte_identity(tmp_path) -> None:  # noqa:
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed away
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda text: text[: len(text) // 2], r"is not valid JSON"),
-    (lambda text: text.replace('"clients":[[', '"clients":[[1,'), r"fails its content hash"),
-    (lambda text: text.replace('"version":1', '"version":99'), r"format version 99"),
-    (lambda text: text.replace('"format":"fedcli-partition"', '"format":"other"'), r"is not a fedcli partition"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda text: text[: len(text) // 2], r"is not valid JSON"),
+        (lambda text: text.replace('"clients":[[', '"clients":[[1,'), r"fails its content hash"),
+        (lambda text: text.replace('"version":1', '"version":99'), r"format version 99"),
+        (
+            lambda text: text.replace('"format":"fedcli-partition"', '"format":"other"'),
+            r"is not a fedcli partition",
+        ),
+    ],
+)
 def test_damaged_partition_files_are_rejected(tmp_path, damage, message: str) -> None:  # noqa: ANN001
     path, _, _ = _write(tmp_path, seed=1)
     path.write_text(damage(path.read_text()))
@@ -306,7 +367,8 @@ def test_labels_with_fewer_clients_than_classes_covers_every_class() -> None:
     """5 clients x 2 labels on 10 classes (the Bayes-ADMM toy's class pairs): every class has
     exactly one holder, so every example is assigned once and each client has 2 classes."""
     for seed in range(5):
-        clients = make_partition(PartitionSpec("labels", 5, labels_per_client=2, seed=seed), labels=SKEW_DATA,
-                                 natural=None)
+        clients = make_partition(
+            PartitionSpec("labels", 5, labels_per_client=2, seed=seed), labels=SKEW_DATA, natural=None
+        )
         _exactly_once(clients, len(SKEW_DATA))
         assert [len(np.unique(SKEW_DATA[c])) for c in clients] == [2] * 5

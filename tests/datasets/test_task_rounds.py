@@ -32,10 +32,27 @@ from fedcli.engine.rounds import Timing, run_round
 from fedcli.engine.setup import Setup
 from tests.datasets._format_writers import write_task_fixture
 
-BUNDLED = ("mnist", "shakespeare", "bibtex", "quadratic-2d", "synthetic-0-0", "synthetic-0.5-0.5", "synthetic-1-1",
-           "synthetic-iid")
-FIXTURES = ("fashion-mnist", "cifar10", "cifar100", "emnist", "stackoverflow-nwp", "stackoverflow-lr", "sent140",
-            "har", "vehicle")
+BUNDLED = (
+    "mnist",
+    "shakespeare",
+    "bibtex",
+    "quadratic-2d",
+    "synthetic-0-0",
+    "synthetic-0.5-0.5",
+    "synthetic-1-1",
+    "synthetic-iid",
+)
+FIXTURES = (
+    "fashion-mnist",
+    "cifar10",
+    "cifar100",
+    "emnist",
+    "stackoverflow-nwp",
+    "stackoverflow-lr",
+    "sent140",
+    "har",
+    "vehicle",
+)
 
 
 # Cut sequences / images where the model does not fix the input size, to keep each round
@@ -53,8 +70,9 @@ def _shrink(name: str, data):  # noqa: ANN001, ANN202
         return data
     x, y = SHRINK[name](data.x, data.y)
     test_x, test_y = SHRINK[name](data.test_x, data.test_y)
-    return dataclasses.replace(data, x=x.contiguous(), y=y.contiguous(), test_x=test_x.contiguous(),
-                               test_y=test_y.contiguous())
+    return dataclasses.replace(
+        data, x=x.contiguous(), y=y.contiguous(), test_x=test_x.contiguous(), test_y=test_y.contiguous()
+    )
 
 
 def _tiny_clients(data, per_client: int = 4) -> list[np.ndarray]:  # noqa: ANN001
@@ -69,16 +87,35 @@ def test_one_round(name: str, tmp_path: Path) -> None:
     data_dir = write_task_fixture(name, tmp_path) if name in FIXTURES else None
     data = _shrink(name, task.load(TaskOptions(seed=0, data_dir=data_dir)))
     clients = _tiny_clients(data)
-    cfg = build_config(overrides={"algorithm.name": "fedavg", "data.task": name, "train.clients_per_round": 2,
-                                  "train.batch_size": 4, "train.executor": "vmap", "train.client_lr": 0.05})
+    cfg = build_config(
+        overrides={
+            "algorithm.name": "fedavg",
+            "data.task": name,
+            "train.clients_per_round": 2,
+            "train.batch_size": 4,
+            "train.executor": "vmap",
+            "train.client_lr": 0.05,
+        }
+    )
     torch.manual_seed(0)
     model = task.models[task.default_model]()
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
     fed = FederatedData(data.x, data.y, clients, torch.device("cpu"))
     alg = ALGORITHMS["fedavg"]
     hp = make_hyperparameters("fedavg", {})
-    setup = Setup(cfg, task, data, fed, model_functions(task, model, fed), alg, hp, torch.device("cpu"), VmapBackend(), init,
-                  opt=cfg.train.optim(task.client_lr))
+    setup = Setup(
+        cfg,
+        task,
+        data,
+        fed,
+        model_functions(task, model, fed),
+        alg,
+        hp,
+        torch.device("cpu"),
+        VmapBackend(),
+        init,
+        opt=cfg.train.optim(task.client_lr),
+    )
     state = alg.server_init(init, hp, setup.opt)
     state, round_metrics = run_round(setup, state, ClientStateStore(None), 1, Timing())
     params = alg.global_params(state)
@@ -91,7 +128,12 @@ def test_one_round(name: str, tmp_path: Path) -> None:
     assert ("eval/dist_to_opt" in scores) == (data.optimum is not None)
     output = setup.fns.apply_fn(params, task.prepare(test_x))
     if task.kind == "multilabel":
-        assert set(metrics.multilabel_metrics(output, test_y)) == {"precision", "recall_at_5", "micro_f1", "macro_f1"}
+        assert set(metrics.multilabel_metrics(output, test_y)) == {
+            "precision",
+            "recall_at_5",
+            "micro_f1",
+            "macro_f1",
+        }
     if task.kind == "next_token":
         values = metrics.token_metrics(output, test_y, pad_id=PAD, special_ids=(OOV, BOS, EOS))
         assert values["perplexity"] > 1.0

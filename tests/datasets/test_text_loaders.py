@@ -44,7 +44,9 @@ def test_bundled_shakespeare_has_ten_roles() -> None:
 
 def test_shakespeare_encodes_with_leaf_alphabet(tmp_path: Path) -> None:
     """x chars -> ALL_LETTERS.find(c); the test file's num_samples is overstated by 79 as in LEAF."""
-    write_leaf(tmp_path / "train" / "a.json", {"B_ROLE": ([WINDOW, WINDOW], ["m", "!"]), "A_ROLE": ([WINDOW], ["x"])})
+    write_leaf(
+        tmp_path / "train" / "a.json", {"B_ROLE": ([WINDOW, WINDOW], ["m", "!"]), "A_ROLE": ([WINDOW], ["x"])}
+    )
     write_leaf(tmp_path / "test" / "a.json.gz", {"B_ROLE": ([WINDOW], ["}"])}, num_samples_extra=79)
     data = SHAKESPEARE.load(TaskOptions(data_dir=tmp_path))
     assert data.client_names == ["A_ROLE", "B_ROLE"]
@@ -70,7 +72,10 @@ def test_sent140_tokenises_like_leaf(tmp_path: Path) -> None:
     """Words = [\\w']+ or punctuation; vocabulary = training words by count (ties alphabetical);
     first 25 ids, UNK = len(vocab) for unknown words and padding."""
     tweet = lambda text: ["1", "Mon Apr 06", "NO_QUERY", "user", text]  # noqa: E731
-    write_leaf(tmp_path / "train" / "t.json", {"u2": ([tweet("good good day!")], [1]), "u1": ([tweet("bad day")], [0])})
+    write_leaf(
+        tmp_path / "train" / "t.json",
+        {"u2": ([tweet("good good day!")], [1]), "u1": ([tweet("bad day")], [0])},
+    )
     write_leaf(tmp_path / "test" / "t.json", {"u1": ([tweet("good zebra")], [1])})
     data = SENT140.load(TaskOptions(data_dir=tmp_path))
     vocab = {"day": 0, "good": 1, "!": 2, "bad": 3}  # counts 2, 2, 1, 1 -> ties alphabetical
@@ -108,11 +113,15 @@ def test_missing_stackoverflow_names_files(tmp_path: Path) -> None:
 
 
 def test_mulan_sparse_arff(tmp_path: Path) -> None:
-    arff = "@relation t\n@attribute w0 {0,1}\n@attribute w1 {0,1}\n@attribute TAG_a {0,1}\n@attribute TAG_b {0,1}\n" \
-           "@data\n{0 1,3 1}\n{1 1,2 1,3 1}\n{}\n"
+    arff = (
+        "@relation t\n@attribute w0 {0,1}\n@attribute w1 {0,1}\n@attribute TAG_a {0,1}\n@attribute TAG_b {0,1}\n"
+        "@data\n{0 1,3 1}\n{1 1,2 1,3 1}\n{}\n"
+    )
     (tmp_path / "t.arff").write_text(arff)
-    (tmp_path / "t.xml").write_text('<labels xmlns="http://mulan.sourceforge.net/labels">'
-                                     '<label name="TAG_a"></label><label name="TAG_b"></label></labels>')
+    (tmp_path / "t.xml").write_text(
+        '<labels xmlns="http://mulan.sourceforge.net/labels">'
+        '<label name="TAG_a"></label><label name="TAG_b"></label></labels>'
+    )
     x, y, names = load_mulan(tmp_path / "t.arff", tmp_path / "t.xml")
     assert x.tolist() == [[1, 0], [0, 1], [0, 0]] and y.tolist() == [[0, 1], [1, 1], [0, 0]]
     assert names == ["TAG_a", "TAG_b"]
@@ -129,7 +138,9 @@ def test_bundled_bibtex_statistics() -> None:
     assert cardinality == pytest.approx(2.402, abs=5e-4)
 
 
-needs_shared = pytest.mark.skipif(not SHARED_DATA.exists(), reason=f"shared data folder {SHARED_DATA} is absent")
+needs_shared = pytest.mark.skipif(
+    not SHARED_DATA.exists(), reason=f"shared data folder {SHARED_DATA} is absent"
+)
 
 
 @needs_shared
@@ -146,17 +157,36 @@ def test_har_uci_text_layout_and_corrupt_file(tmp_path: Path) -> None:
     for split, subjects in (("train", [3, 1, 3]), ("test", [2])):
         signals = root / split / "Inertial Signals"
         signals.mkdir(parents=True)
-        for k, channel in enumerate(("body_acc_x", "body_acc_y", "body_acc_z", "body_gyro_x", "body_gyro_y",
-                                     "body_gyro_z", "total_acc_x", "total_acc_y", "total_acc_z")):
+        for k, channel in enumerate(
+            (
+                "body_acc_x",
+                "body_acc_y",
+                "body_acc_z",
+                "body_gyro_x",
+                "body_gyro_y",
+                "body_gyro_z",
+                "total_acc_x",
+                "total_acc_y",
+                "total_acc_z",
+            )
+        ):
             np.savetxt(signals / f"{channel}_{split}.txt", np.full((len(subjects), 128), float(k)))
         np.savetxt(root / split / f"subject_{split}.txt", subjects, fmt="%d")
         np.savetxt(root / split / f"y_{split}.txt", [1 + i for i in range(len(subjects))], fmt="%d")
     data = HAR.load(TaskOptions(data_dir=tmp_path))
-    assert data.client_names == ["subject_01", "subject_03"] and [len(c) for c in data.client_indices] == [1, 2]
+    assert data.client_names == ["subject_01", "subject_03"] and [len(c) for c in data.client_indices] == [
+        1,
+        2,
+    ]
     assert data.y.tolist() == [1, 0, 2] and data.x[0, 5].tolist() == list(range(9))
     buffer = io.BytesIO()
-    np.savez(buffer, x_train=np.zeros((2, 128, 9), np.float32), y_train=np.zeros(2), x_test=np.zeros((1, 128, 9)),
-             y_test=np.zeros(1))
+    np.savez(
+        buffer,
+        x_train=np.zeros((2, 128, 9), np.float32),
+        y_train=np.zeros(2),
+        x_test=np.zeros((1, 128, 9)),
+        y_test=np.zeros(1),
+    )
     packed = lzma.compress(buffer.getvalue())
     (tmp_path / "subject_01.npz.xz").write_bytes(packed[: len(packed) // 2])
     with pytest.raises(DataError, match=r"HAR file .*subject_01.npz.xz cannot be read"):

@@ -70,9 +70,14 @@ def test_a_state_of_another_algorithm_or_model_is_refused() -> None:
     scaffold, _ = states("scaffold", 0)
     with pytest.raises(ckpt.CheckpointError, match="fedavg.ServerState'.*does not have"):
         ckpt.from_plain(ckpt.to_plain(fedavg), scaffold, "f")
-    bigger = ALGORITHMS["fedavg"].server_init({"linear.weight": torch.zeros(2, 4), "linear.bias": torch.zeros(2)},
-                                              make_hyperparameters("fedavg", {}), OptimConfig(client_lr=0.1))
-    with pytest.raises(ckpt.CheckpointError, match=r"a tensor of \(2, 4\) torch.float32 where the run has \(2, 3\)"):
+    bigger = ALGORITHMS["fedavg"].server_init(
+        {"linear.weight": torch.zeros(2, 4), "linear.bias": torch.zeros(2)},
+        make_hyperparameters("fedavg", {}),
+        OptimConfig(client_lr=0.1),
+    )
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"a tensor of \(2, 4\) torch.float32 where the run has \(2, 3\)"
+    ):
         ckpt.from_plain(ckpt.to_plain(bigger), fedavg, "f")
 
 
@@ -84,12 +89,18 @@ def test_a_checkpoint_must_be_its_runs_rounds_and_configs() -> None:
     longer = build_config(overrides={"data.task": "lsq", "train.rounds": 9})
     other = build_config(overrides={"data.task": "lsq", "train.rounds": 6, "seed": 1})
     server, _ = states("fedavg", 0)
-    payload = ckpt.checkpoint_payload(round_idx=4, server_state=server, client_states={}, config=cfg.to_dict(),
-                                      seed=0, run_id="a" * 32)
+    payload = ckpt.checkpoint_payload(
+        round_idx=4, server_state=server, client_states={}, config=cfg.to_dict(), seed=0, run_id="a" * 32
+    )
     assert payload["config_hash"] == cfg.config_hash
 
     def check(body: dict[str, Any], **row: Any) -> None:
-        expect = {"run_id": "a" * 32, "config_hash": cfg.config_hash, "requested": cfg.to_dict(), "round_idx": 4}
+        expect = {
+            "run_id": "a" * 32,
+            "config_hash": cfg.config_hash,
+            "requested": cfg.to_dict(),
+            "round_idx": 4,
+        }
         ckpt.check_identity(body, "f", ckpt.CHECKPOINT_KEYS, **{**expect, **row})
 
     check(payload)
@@ -100,7 +111,9 @@ def test_a_checkpoint_must_be_its_runs_rounds_and_configs() -> None:
         check({**payload, "run_id": "b" * 32})
     with pytest.raises(ckpt.CheckpointError, match="holds round 4, not 5"):
         check(payload, round_idx=5)
-    with pytest.raises(ckpt.CheckpointError, match=f"config hash {cfg.config_hash[:10]}.*another configuration"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=f"config hash {cfg.config_hash[:10]}.*another configuration"
+    ):
         check(payload, config_hash=other.config_hash, requested=other.to_dict())
     with pytest.raises(ckpt.CheckpointError, match="format 4"):
         check({**payload, "format_version": 4})
@@ -119,22 +132,38 @@ def test_load_checkpoint_refuses_a_file_that_needs_code_and_runs_none(tmp_path: 
     torch.save({"format_version": 2, "server_state": Payload()}, path)
     server, _ = states("fedavg", 0)
     with pytest.raises(ckpt.CheckpointError) as err:
-        ckpt.load_checkpoint(path, "checkpoint of round 1", server_template=server, client_template=None,
-                             run_id="a" * 32, config_hash="h", requested=None, round_idx=1)
-    assert "needs code to load" in str(err.value) and "system" in str(err.value) and "\n" not in str(err.value)
+        ckpt.load_checkpoint(
+            path,
+            "checkpoint of round 1",
+            server_template=server,
+            client_template=None,
+            run_id="a" * 32,
+            config_hash="h",
+            requested=None,
+            round_idx=1,
+        )
+    assert (
+        "needs code to load" in str(err.value) and "system" in str(err.value) and "\n" not in str(err.value)
+    )
     assert f"python -m fedcli.engine.checkpoint --trust {path}" in str(err.value)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize(("text", "shown", "secret"), [
-    ("postgresql+psycopg://user:PW@host:5432/db", "postgresql+psycopg://user:***@host:5432/db", True),
-    ("http://u:p@ss@mlflow:5000/", "http://u:***@mlflow:5000/", True),
-    ("sqlite:////tmp/fedcli.db", "sqlite:////tmp/fedcli.db", False),
-    ("postgresql://user@host/db", "postgresql://user@host/db", False),
-    ("http://host:5000", "http://host:5000", False),
-    ("fedcli report --store 'postgresql://u:s%40cret@h/db' --x http://a:b@c",
-     "fedcli report --store 'postgresql://u:***@h/db' --x http://a:***@c", True),
-])
+@pytest.mark.parametrize(
+    ("text", "shown", "secret"),
+    [
+        ("postgresql+psycopg://user:PW@host:5432/db", "postgresql+psycopg://user:***@host:5432/db", True),
+        ("http://u:p@ss@mlflow:5000/", "http://u:***@mlflow:5000/", True),
+        ("sqlite:////tmp/fedcli.db", "sqlite:////tmp/fedcli.db", False),
+        ("postgresql://user@host/db", "postgresql://user@host/db", False),
+        ("http://host:5000", "http://host:5000", False),
+        (
+            "fedcli report --store 'postgresql://u:s%40cret@h/db' --x http://a:b@c",
+            "fedcli report --store 'postgresql://u:***@h/db' --x http://a:***@c",
+            True,
+        ),
+    ],
+)
 def test_mask_url_hides_every_password_and_nothing_else(text: str, shown: str, secret: bool) -> None:
     assert mask_url(text) == shown
     assert has_password(text) is secret and has_password(shown) is False
@@ -155,7 +184,9 @@ def test_a_stored_config_holds_urls_masked_and_the_hash_is_unchanged(monkeypatch
     assert cfg.config_hash == build_config(overrides={"data.task": "lsq"}).config_hash
     rebuilt = resume_config(cfg.to_dict(), {})
     monkeypatch.delenv("FEDCLI_STORE", raising=False)
-    with pytest.raises(ConfigError, match=r"tracking.store must carry its password.*--store, or set FEDCLI_STORE"):
+    with pytest.raises(
+        ConfigError, match=r"tracking.store must carry its password.*--store, or set FEDCLI_STORE"
+    ):
         _ = rebuilt.tracking.store_url
     monkeypatch.setenv("FEDCLI_STORE", url)
     assert rebuilt.tracking.store_url == url

@@ -23,9 +23,31 @@ ROUNDS = 6
 
 
 def _train(root: Path, url: str, *args: str) -> str:
-    result = RUNNER.invoke(app, ["-q", "train", "--task", "lsq", "--rounds", str(ROUNDS), "--clients-per-round", "4",
-                                 "--local-epochs", "2", "--seed", "3", "--no-mlflow", "--store", url,
-                                 "--root", str(root), "--checkpoint-every", "3", *args])
+    result = RUNNER.invoke(
+        app,
+        [
+            "-q",
+            "train",
+            "--task",
+            "lsq",
+            "--rounds",
+            str(ROUNDS),
+            "--clients-per-round",
+            "4",
+            "--local-epochs",
+            "2",
+            "--seed",
+            "3",
+            "--no-mlflow",
+            "--store",
+            url,
+            "--root",
+            str(root),
+            "--checkpoint-every",
+            "3",
+            *args,
+        ],
+    )
     assert result.exit_code == 0, result.output
     return result.stdout.strip().splitlines()[-1]
 
@@ -37,7 +59,9 @@ def _final(url: str, run_id: str, key: str) -> float:
 
 
 @pytest.mark.parametrize("algo", ["fedavg", "fedpa"])
-def test_cuda_vmap_run_equals_the_cpu_loop_and_its_checkpoints_evaluate_on_cpu(tmp_path: Path, algo: str) -> None:
+def test_cuda_vmap_run_equals_the_cpu_loop_and_its_checkpoints_evaluate_on_cpu(
+    tmp_path: Path, algo: str
+) -> None:
     """The lsq federation trained with the cohort vmapped on the GPU reaches the same distance
     to the exact optimum (closed form, see tests/quadratic.py) as the client-by-client CPU loop
     on the same seed; its final model and round-3 checkpoint load with --device cpu and give
@@ -67,7 +91,11 @@ def test_cuda_fused_run_equals_the_cpu_loop(tmp_path: Path, algo: str) -> None:
     """Softmax regression on the FedProx synthetic federation, the cohort's local SGD fused on the
     GPU (engine/backends/fused.py: bmm/baddbmm on CUDA) vs the CPU loop: the same final training loss."""
     url = f"sqlite:///{tmp_path / 'store.db'}"
-    extra = ["--task", "synthetic-1-1", "--hp", "burn_in_rounds=2"] if algo == "fedpa" else ["--task", "synthetic-1-1"]
+    extra = (
+        ["--task", "synthetic-1-1", "--hp", "burn_in_rounds=2"]
+        if algo == "fedpa"
+        else ["--task", "synthetic-1-1"]
+    )
     gpu = _train(tmp_path, url, "--algo", algo, "--device", "cuda", "--executor", "fused", *extra)
     cpu = _train(tmp_path, url, "--algo", algo, "--device", "cpu", "--executor", "loop", *extra)
     assert _final(url, gpu, "train/loss") == pytest.approx(_final(url, cpu, "train/loss"), rel=1e-4)

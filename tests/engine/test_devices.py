@@ -65,19 +65,25 @@ def test_take_clients_and_merge_outs_keep_cuda_tensors_on_cuda() -> None:
     whole = vmap_run(setup, bc, inputs)
     groups = [np.array([4, 0]), np.array([5, 1, 3]), np.array([2])]
     parts = [take_clients(inputs, g) for g in groups]
-    assert all(t.device.type == "cuda" for p in parts for t in pytree.tree_leaves(p) if isinstance(t, torch.Tensor))
+    assert all(
+        t.device.type == "cuda" for p in parts for t in pytree.tree_leaves(p) if isinstance(t, torch.Tensor)
+    )
     merged = merge_outs(groups, [vmap_run(setup, bc, p) for p in parts])
     assert_trees_close(merged, whole)
 
 
 @needs_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize(("executor", "task", "extra"), [
-    ("vmap", "lsq", {}),
-    ("fused", "synthetic-1-1", {"data.model": "logreg"}),
-])
-def test_cohort_chunk_on_cuda_equals_the_cpu_loop(executor: str, task: str, extra: dict,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("executor", "task", "extra"),
+    [
+        ("vmap", "lsq", {}),
+        ("fused", "synthetic-1-1", {"data.model": "logreg"}),
+    ],
+)
+def test_cohort_chunk_on_cuda_equals_the_cpu_loop(
+    executor: str, task: str, extra: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--cohort-chunk 3 (and, for fused, blocks of one client: the index_copy_ of each block's
     rows) on the GPU: SCAFFOLD's parameters and client states equal the CPU loop's."""
     from fedcli.engine.backends import fused
@@ -85,16 +91,22 @@ def test_cohort_chunk_on_cuda_equals_the_cpu_loop(executor: str, task: str, extr
     monkeypatch.setattr(fused, "BLOCK_BYTES", 1)
     extra = {**extra, "train.client_lr": 0.05}
     loop_params, loop_states = two_rounds("scaffold", "loop", task, {**extra, "train.device": "cpu"})
-    gpu_params, gpu_states = two_rounds("scaffold", executor, task,
-                                        {**extra, "train.device": "cuda", "train.cohort_chunk": 3})
+    gpu_params, gpu_states = two_rounds(
+        "scaffold", executor, task, {**extra, "train.device": "cuda", "train.cohort_chunk": 3}
+    )
     for key in loop_params:
         torch.testing.assert_close(gpu_params[key].cpu(), loop_params[key], rtol=1e-4, atol=1e-5)
     for client in loop_states:
-        pytree.tree_map(lambda a, b: torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5),
-                        loop_states[client], gpu_states[client])
+        pytree.tree_map(
+            lambda a, b: torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5),
+            loop_states[client],
+            gpu_states[client],
+        )
 
 
-def test_tests_pin_device_auto_to_the_cpu_even_where_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tests_pin_device_auto_to_the_cpu_even_where_cuda_is_available(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """tests/conftest.py's autouse pin (tests not marked `cuda`): `auto` resolves to the CPU,
     explicit devices pass through. CUDA is faked as available: resolve_device only names it."""
     import fedcli.engine.setup as setup
@@ -212,25 +224,60 @@ def test_bench_gpu_table_renders_and_says_why_it_is_skipped() -> None:
         skipped = gpu.run_gpu_workloads("quick", 1)
         assert "no CUDA device" in skipped["skipped"]
         assert "Skipped: no CUDA device" in "\n".join(gpu.markdown(skipped))
-    work = {"model": "mlp", "cohort": 100, "rounds": 3, "best_s": {"fedcli fused": 0.128, "fedcli vmap": 0.052,
-                                                                    "plain GPU loop": 1.3},
-            "fedcli_best_s": 0.052, "plain_s": 1.3, "auto": {"executor": "vmap"}, "floor": {"floor_s": 0.004}}
-    measured = {"device": {"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.1, "cuda": "12.8"},
-                "throughput_gflops": {"gemm": 51_000.0, "conv": 30_000.0}, "workloads": {"mlp-100": work}}
+    work = {
+        "model": "mlp",
+        "cohort": 100,
+        "rounds": 3,
+        "best_s": {"fedcli fused": 0.128, "fedcli vmap": 0.052, "plain GPU loop": 1.3},
+        "fedcli_best_s": 0.052,
+        "plain_s": 1.3,
+        "auto": {"executor": "vmap"},
+        "floor": {"floor_s": 0.004},
+    }
+    measured = {
+        "device": {"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.1, "cuda": "12.8"},
+        "throughput_gflops": {"gemm": 51_000.0, "conv": 30_000.0},
+        "workloads": {"mlp-100": work},
+    }
     text = "\n".join(gpu.markdown(measured))
-    assert "## GPU: NVIDIA H100 80GB HBM3" in text and "| mlp-100 (R=3) | 0.004 | 0.128 | 0.052 | 1.3 | 25.00x" in text
-    cnn = {"model": "cnn", "cohort": 10, "rounds": 3, "best_s": {"fedcli vmap": 0.08, "fedcli vmap + graph": 0.010,
-                                                                  "fedcli vmap + graph, tf32": 0.007,
-                                                                  "plain GPU loop": 0.31, "plain GPU loop, tf32": 0.1},
-           "fedcli_best_s": 0.010, "plain_s": 0.31, "auto": {"executor": "vmap"}, "floor": {"floor_s": 0.0019}}
+    assert (
+        "## GPU: NVIDIA H100 80GB HBM3" in text
+        and "| mlp-100 (R=3) | 0.004 | 0.128 | 0.052 | 1.3 | 25.00x" in text
+    )
+    cnn = {
+        "model": "cnn",
+        "cohort": 10,
+        "rounds": 3,
+        "best_s": {
+            "fedcli vmap": 0.08,
+            "fedcli vmap + graph": 0.010,
+            "fedcli vmap + graph, tf32": 0.007,
+            "plain GPU loop": 0.31,
+            "plain GPU loop, tf32": 0.1,
+        },
+        "fedcli_best_s": 0.010,
+        "plain_s": 0.31,
+        "auto": {"executor": "vmap"},
+        "floor": {"floor_s": 0.0019},
+    }
     targets = gpu.gpu_targets({"cnn-10": cnn})
     assert [(t["name"], t["status"]) for t in targets] == [
-        ("cnn-10 fp32: seconds per round (--graph)", "met"), ("cnn-10 fp32: plain GPU loop / --graph", "met"),
-        ("cnn-10 tf32: seconds per round (--graph)", "MISSED"), ("cnn-10 tf32: plain GPU loop / --graph", "MISSED")]
+        ("cnn-10 fp32: seconds per round (--graph)", "met"),
+        ("cnn-10 fp32: plain GPU loop / --graph", "met"),
+        ("cnn-10 tf32: seconds per round (--graph)", "MISSED"),
+        ("cnn-10 tf32: plain GPU loop / --graph", "MISSED"),
+    ]
     text = "\n".join(gpu.markdown({**measured, "workloads": {"cnn-10": cnn}, "targets": targets}))
     assert "| cnn-10 tf32: seconds per round (--graph) | 0.007 | <= 0.006 | MISSED |" in text
-    machine = {"cpu": "x", "cores": 2, "torch": "2", "python": "3", "date": "d", "load_avg": (0.0, 0.0, 0.0),
-               "gpu": "NVIDIA H100 80GB HBM3"}
+    machine = {
+        "cpu": "x",
+        "cores": 2,
+        "torch": "2",
+        "python": "3",
+        "date": "d",
+        "load_avg": (0.0, 0.0, 0.0),
+        "gpu": "NVIDIA H100 80GB HBM3",
+    }
     assert "GPU NVIDIA H100 80GB HBM3" in report.markdown({"machine": machine, "gpu": measured})
 
 
@@ -262,8 +309,11 @@ def test_next_rounds_plan_built_during_this_round_changes_nothing(monkeypatch: p
     for key in plain_params:
         assert torch.equal(ahead_params[key], plain_params[key])
     for client in plain_states:
-        pytree.tree_map(lambda a, b: torch.testing.assert_close(b, a, rtol=0, atol=0), plain_states[client],
-                        ahead_states[client])
+        pytree.tree_map(
+            lambda a, b: torch.testing.assert_close(b, a, rtol=0, atol=0),
+            plain_states[client],
+            ahead_states[client],
+        )
 
 
 def test_round_metrics_cross_to_the_host_in_one_copy_with_their_exact_values() -> None:
@@ -271,9 +321,17 @@ def test_round_metrics_cross_to_the_host_in_one_copy_with_their_exact_values() -
     columns come back as the floats float() / tolist() give, whatever their dtype."""
     from fedcli.engine.rounds import to_host
 
-    scalars = {"a": torch.tensor(0.1, dtype=torch.float32), "b": torch.tensor(1 / 3, dtype=torch.float64),
-               "n": torch.tensor(7), "up": 123456789, "x": 2.5}
-    columns = {"loss": torch.tensor([0.25, 1e-8, 3.0]), "n_i": torch.tensor([10.0, 20.0, 30.0], dtype=torch.float64)}
+    scalars = {
+        "a": torch.tensor(0.1, dtype=torch.float32),
+        "b": torch.tensor(1 / 3, dtype=torch.float64),
+        "n": torch.tensor(7),
+        "up": 123456789,
+        "x": 2.5,
+    }
+    columns = {
+        "loss": torch.tensor([0.25, 1e-8, 3.0]),
+        "n_i": torch.tensor([10.0, 20.0, 30.0], dtype=torch.float64),
+    }
     host = to_host(scalars, columns)
     assert {k: host[k] for k in scalars} == {k: [float(v)] for k, v in scalars.items()}
     assert host[("column", "loss")] == columns["loss"].tolist()

@@ -45,8 +45,14 @@ def free_port() -> int:
 
 def rank_env(rank: int, port: int, world: int = 2) -> dict[str, str]:
     """What torchrun sets for each rank (single host)."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+    }
 
 
 def cases() -> list[tuple[str, str, dict]]:
@@ -59,15 +65,28 @@ def cases() -> list[tuple[str, str, dict]]:
     return out
 
 
-def two_rounds(algo: str, task: str, extra: dict, executor: str, peers: object = None) -> tuple[dict, dict, list]:
+def two_rounds(
+    algo: str, task: str, extra: dict, executor: str, peers: object = None
+) -> tuple[dict, dict, list]:
     """Run two rounds; return (global params, client states, per-round metrics without timings)."""
     from tests.engine.test_equivalence import required_hyperparameters
 
     hp = {"burn_in_rounds": 1} if algo == "fedpa" else {}
     hp.update(required_hyperparameters(algo))
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": task, "train.executor": executor,
-                                  "train.device": "cpu", "train.clients_per_round": 4, "train.local_epochs": 2,
-                                  "train.batch_size": 16, "train.client_lr": 0.01, **extra}, hp=hp)
+    cfg = build_config(
+        overrides={
+            "algorithm.name": algo,
+            "data.task": task,
+            "train.executor": executor,
+            "train.device": "cpu",
+            "train.clients_per_round": 4,
+            "train.local_epochs": 2,
+            "train.batch_size": 16,
+            "train.client_lr": 0.01,
+            **extra,
+        },
+        hp=hp,
+    )
     setup = build(cfg, peers=peers)
     assert setup.executor == executor or executor != "distributed"
     state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
@@ -95,11 +114,14 @@ def _equivalence_rank(rank: int, port: int) -> None:
             ref_params, ref_states, ref_metrics = two_rounds(algo, task, extra, "loop")
             params, states, metrics = two_rounds(algo, task, extra, "distributed", peers)
             for key in ref_params:
-                torch.testing.assert_close(params[key], ref_params[key], **TOL, msg=lambda m, a=algo: f"{a}: {m}")
+                torch.testing.assert_close(
+                    params[key], ref_params[key], **TOL, msg=lambda m, a=algo: f"{a}: {m}"
+                )
             assert states.keys() == ref_states.keys(), algo
             for client in ref_states:
-                pytree.tree_map(lambda a, b: torch.testing.assert_close(b, a, **TOL), ref_states[client],
-                                states[client])
+                pytree.tree_map(
+                    lambda a, b: torch.testing.assert_close(b, a, **TOL), ref_states[client], states[client]
+                )
             for got, want in zip(metrics, ref_metrics, strict=True):
                 assert got.keys() == want.keys(), algo
                 for key in want:
@@ -131,9 +153,17 @@ def test_leaving_the_group_stops_gloo_threads_even_after_a_local_step(tmp_path: 
     defaults bind `group.WORLD`: imported after the group exists, they kept it alive past
     destroy_process_group, and rank 0 aborted at exit in about one torchrun launch in four."""
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, "-c", LEAVE_GROUP], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, **rank_env(rank, port)})
-             for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", LEAVE_GROUP],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **rank_env(rank, port)},
+        )
+        for rank in (0, 1)
+    ]
     for rank, proc in enumerate(ranks):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, (rank, err[-2000:])
@@ -144,8 +174,9 @@ def test_leaving_the_group_stops_gloo_threads_even_after_a_local_step(tmp_path: 
 def test_outside_torchrun_it_exits_2_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    result = CliRunner().invoke(app, ["train", "--task", "lsq", "--executor", "distributed", "--no-mlflow",
-                                      "--root", str(tmp_path)])
+    result = CliRunner().invoke(
+        app, ["train", "--task", "lsq", "--executor", "distributed", "--no-mlflow", "--root", str(tmp_path)]
+    )
     assert result.exit_code == 2, result.output
     assert "torchrun --nproc-per-node K -m fedcli train" in result.stderr and "Traceback" not in result.output
     assert result.stderr.count("error:") == 1
@@ -153,8 +184,15 @@ def test_outside_torchrun_it_exits_2_with_one_line(tmp_path: Path, monkeypatch: 
 
 
 def fedcli(*args: str, env: dict | None = None, **kwargs: object) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fedcli", "-q", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedcli", "-q", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        **kwargs,
+    )
 
 
 TRAIN = ["train", "--task", "lsq", "--algo", "scaffold", "--clients-per-round", "5", "--local-epochs", "2"]
@@ -168,9 +206,28 @@ def test_torchrun_launch_makes_one_run_equal_to_the_single_process_run(tmp_path:
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = [*TRAIN, "--rounds", "3", "--tracking-uri", uri]
-    launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "fedcli", "-q", *common, "--root", str(tmp_path / "dist"),
-                             "--executor", "distributed"], cwd=REPO, capture_output=True, text=True, timeout=150)
+    launch = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fedcli",
+            "-q",
+            *common,
+            "--root",
+            str(tmp_path / "dist"),
+            "--executor",
+            "distributed",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert launch.returncode == 0, launch.stderr[-3000:]
     single = fedcli(*common, "--root", str(tmp_path / "one"))
     out, err = single.communicate(timeout=120)
@@ -216,8 +273,22 @@ def test_a_lost_rank_fails_the_run_with_one_line_and_it_resumes(tmp_path: Path) 
     assert run.status == "failed"
     last = max(r for r, _ in store.checkpoints(run.id))
     port = free_port()
-    resumed = [fedcli("train", "--resume", run.id, "--root", str(tmp_path), "--executor", "distributed",
-                      "--no-mlflow", "--rounds", str(last + 2), env=rank_env(rank, port)) for rank in (0, 1)]
+    resumed = [
+        fedcli(
+            "train",
+            "--resume",
+            run.id,
+            "--root",
+            str(tmp_path),
+            "--executor",
+            "distributed",
+            "--no-mlflow",
+            "--rounds",
+            str(last + 2),
+            env=rank_env(rank, port),
+        )
+        for rank in (0, 1)
+    ]
     outs = [rank.communicate(timeout=120) for rank in resumed]
     assert [rank.returncode for rank in resumed] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     assert outs[0][0].split() == [run.id] and outs[1] == ("", "")  # rank 1 prints nothing
@@ -230,8 +301,18 @@ def test_a_user_error_on_rank_0_stops_every_rank(tmp_path: Path) -> None:
     the usual one line and exits 2; rank 1, waiting for the run's config, is told to stop and exits
     0 without output; nothing is written."""
     port = free_port()
-    args = ["train", "--task", "lsq", "--clients-per-round", "50", "--no-mlflow", "--root", str(tmp_path),
-            "--executor", "distributed"]
+    args = [
+        "train",
+        "--task",
+        "lsq",
+        "--clients-per-round",
+        "50",
+        "--no-mlflow",
+        "--root",
+        str(tmp_path),
+        "--executor",
+        "distributed",
+    ]
     ranks = [fedcli(*args, env=rank_env(rank, port)) for rank in (0, 1)]
     (out0, err0), (out1, err1) = (rank.communicate(timeout=60) for rank in ranks)
     assert [rank.returncode for rank in ranks] == [2, 0], err0 + err1
@@ -246,9 +327,25 @@ def test_ctrl_c_under_torchrun_checkpoints_the_run_and_it_resumes(tmp_path: Path
     command printed, no traceback from fedcli), rank 1 leaves when told, and `--resume ...
     --executor auto` continues the run under its id in one process."""
     args = [*TRAIN, "--rounds", "100000", "--no-mlflow", "--root", str(tmp_path), "--executor", "distributed"]
-    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               "-m", "fedcli", "-q", *args], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    launch = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fedcli",
+            "-q",
+            *args,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while not list((tmp_path / "runs").glob("*/checkpoints/round-*.pt")) and time.monotonic() < deadline:
         assert launch.poll() is None, launch.communicate()
@@ -259,13 +356,26 @@ def test_ctrl_c_under_torchrun_checkpoints_the_run_and_it_resumes(tmp_path: Path
     assert not [line for line in err.splitlines() if 'File "' in line and "fedcli" in line], err[-3000:]
     store = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
     (run,) = store.list_runs()
-    assert run.status == "interrupted" and "SIGINT" in (run.failure_reason or ""), (run.status, run.failure_reason)
+    assert run.status == "interrupted" and "SIGINT" in (run.failure_reason or ""), (
+        run.status,
+        run.failure_reason,
+    )
     hint = " ".join(err.split())
     assert f"torchrun --nproc-per-node 2 -m fedcli train --resume {run.id[:8]}" in hint, err[-3000:]
     assert f"train --resume {run.id[:8]}" in hint and "--executor auto" in hint, err[-3000:]
     last = max(r for r, _ in store.checkpoints(run.id))
-    one = fedcli("train", "--resume", run.id, "--root", str(tmp_path), "--executor", "auto", "--no-mlflow",
-                 "--rounds", str(last + 2))  # the hint's second form: the checkpoint is a single process's
+    one = fedcli(
+        "train",
+        "--resume",
+        run.id,
+        "--root",
+        str(tmp_path),
+        "--executor",
+        "auto",
+        "--no-mlflow",
+        "--rounds",
+        str(last + 2),
+    )  # the hint's second form: the checkpoint is a single process's
     out, err = one.communicate(timeout=120)
     assert one.returncode == 0 and out.split() == [run.id], err[-3000:]
     assert store.get_run(run.id).status == "finished"

@@ -35,8 +35,11 @@ def required_hyperparameters(algo: str) -> dict:
     import dataclasses
 
     fields = dataclasses.fields(ALGORITHMS[algo].config_cls)
-    return {f.name: (1 if "int" in str(f.type) else 0.1) for f in fields
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    return {
+        f.name: (1 if "int" in str(f.type) else 0.1)
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +48,35 @@ def pool():  # noqa: ANN201 - one worker process shared by this module's `proces
         yield workers
 
 
-def two_rounds(algo: str, executor: str, task: str, extra: dict, rounds: int = 2,
-               pool: WorkerPool | None = None) -> tuple[dict, dict]:
+def two_rounds(
+    algo: str, executor: str, task: str, extra: dict, rounds: int = 2, pool: WorkerPool | None = None
+) -> tuple[dict, dict]:
     hp = {"burn_in_rounds": 1} if algo == "fedpa" else {}
     hp.update(required_hyperparameters(algo))
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": task, "train.executor": executor, "train.device": "cpu",
-                                  "train.clients_per_round": 4, "train.local_epochs": 2, "train.batch_size": 16,
-                                  **extra}, hp=hp)
+    cfg = build_config(
+        overrides={
+            "algorithm.name": algo,
+            "data.task": task,
+            "train.executor": executor,
+            "train.device": "cpu",
+            "train.clients_per_round": 4,
+            "train.local_epochs": 2,
+            "train.batch_size": 16,
+            **extra,
+        },
+        hp=hp,
+    )
     setup = build(cfg)
     if executor == "process":  # the same back end, on the module's pool instead of a pool of its own
         setup.backend.close()
-        on_pool = BackendSetup(cfg=cfg, model=setup.model, fed=setup.fed, device=setup.device, workers=2,
-                               inner=setup.backend.inner)
+        on_pool = BackendSetup(
+            cfg=cfg,
+            model=setup.model,
+            fed=setup.fed,
+            device=setup.device,
+            workers=2,
+            inner=setup.backend.inner,
+        )
         setup = dataclasses.replace(setup, backend=ProcessBackend(on_pool, pool=pool))
     state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     init = setup.alg.init_client_state
@@ -67,8 +87,10 @@ def two_rounds(algo: str, executor: str, task: str, extra: dict, rounds: int = 2
 
 
 def pick_task(algo: str) -> str:
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": "lsq", "train.device": "cpu"},
-                       hp=required_hyperparameters(algo))
+    cfg = build_config(
+        overrides={"algorithm.name": algo, "data.task": "lsq", "train.device": "cpu"},
+        hp=required_hyperparameters(algo),
+    )
     setup = build(cfg)
     try:
         setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
@@ -89,16 +111,27 @@ def test_loop_and_vmap_agree(algo: str, executor: str, request: pytest.FixtureRe
         torch.testing.assert_close(vmap_params[key], loop_params[key], rtol=1e-4, atol=1e-5)
     assert loop_states.keys() == vmap_states.keys()
     for client in loop_states:
-        pytree.tree_map(lambda a, b: torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5),
-                        loop_states[client], vmap_states[client])
+        pytree.tree_map(
+            lambda a, b: torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5),
+            loop_states[client],
+            vmap_states[client],
+        )
 
 
 @pytest.mark.parametrize("executor", ["vmap", "process"])
-def test_loop_and_vmap_agree_on_femnist_cnn_with_dropout(executor: str, request: pytest.FixtureRequest) -> None:
+def test_loop_and_vmap_agree_on_femnist_cnn_with_dropout(
+    executor: str, request: pytest.FixtureRequest
+) -> None:
     """Dropout masks come from per-(seed, round, client, step) keys, so even the CNN with two dropout
     layers gives the same result in both executors (one round: the CNN is compute-heavy on CPU)."""
-    extra = {"data.model": "cnn", "partition.num_clients": 5, "train.clients_per_round": 2, "train.local_epochs": 1,
-             "train.batch_size": 64, "train.client_momentum": 0.9}
+    extra = {
+        "data.model": "cnn",
+        "partition.num_clients": 5,
+        "train.clients_per_round": 2,
+        "train.local_epochs": 1,
+        "train.batch_size": 64,
+        "train.client_momentum": 0.9,
+    }
     loop_params, _ = two_rounds("fedavg", "loop", "femnist", extra, rounds=1)
     pool = request.getfixturevalue("pool") if executor == "process" else None
     vmap_params, _ = two_rounds("fedavg", executor, "femnist", extra, rounds=1, pool=pool)
@@ -118,12 +151,16 @@ def test_chunked_vmap_agrees_with_the_loop(algo: str) -> None:
         torch.testing.assert_close(chunk_params[key], loop_params[key], rtol=1e-4, atol=1e-5)
     assert loop_states.keys() == chunk_states.keys()
     for client in loop_states:
-        pytree.tree_map(lambda a, b: torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5),
-                        loop_states[client], chunk_states[client])
+        pytree.tree_map(
+            lambda a, b: torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5),
+            loop_states[client],
+            chunk_states[client],
+        )
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA device: the CUDA run of the equivalence suite needs one")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the CUDA run of the equivalence suite needs one"
+)
 
 
 @needs_cuda
@@ -139,7 +176,9 @@ def test_every_algorithm_on_cuda_equals_the_cpu_loop(algo: str, executor: str) -
     task = pick_task(algo)
     extra = {"train.client_lr": 0.01}
     gpu = {**extra, "train.device": "cuda", **({"train.graph": True} if executor == "vmap+graph" else {})}
-    assert_same_run(two_rounds(algo, executor.split("+")[0], task, gpu), two_rounds(algo, "loop", task, extra))
+    assert_same_run(
+        two_rounds(algo, executor.split("+")[0], task, gpu), two_rounds(algo, "loop", task, extra)
+    )
 
 
 def assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
@@ -149,5 +188,8 @@ def assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
         torch.testing.assert_close(got_params[key].cpu(), want_params[key], rtol=1e-4, atol=1e-5)
     assert got_states.keys() == want_states.keys()
     for client in want_states:
-        pytree.tree_map(lambda a, b: torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5),
-                        want_states[client], got_states[client])
+        pytree.tree_map(
+            lambda a, b: torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5),
+            want_states[client],
+            got_states[client],
+        )

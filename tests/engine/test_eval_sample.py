@@ -187,7 +187,9 @@ def test_chunks_shrink_to_what_their_forward_makes_and_keep_the_metrics() -> Non
 
     def heavy(xb: torch.Tensor) -> torch.Tensor:
         sizes["heavy"].append(len(xb))
-        wide = xb.reshape(len(xb), -1).repeat(1, 2**18 // xb[0].numel() + 1)  # >= 1 MiB of float32 per example
+        wide = xb.reshape(len(xb), -1).repeat(
+            1, 2**18 // xb[0].numel() + 1
+        )  # >= 1 MiB of float32 per example
         return model(xb) + 0 * wide[:, :1]
 
     def light(xb: torch.Tensor) -> torch.Tensor:
@@ -197,8 +199,10 @@ def test_chunks_shrink_to_what_their_forward_makes_and_keep_the_metrics() -> Non
     cpu = torch.device("cpu")
     x, y = data.test_x, data.test_y
     assert len(y) > 2 * 512
-    got = {k: evaluate_predictions(task, f, task.prepare, x, y, device=cpu, chunk=512)
-           for k, f in (("heavy", heavy), ("light", light))}
+    got = {
+        k: evaluate_predictions(task, f, task.prepare, x, y, device=cpu, chunk=512)
+        for k, f in (("heavy", heavy), ("light", light))
+    }
     assert sizes["heavy"][0] == sizes["light"][0] == PROBE_CHUNK
     assert max(sizes["heavy"][1:]) <= ACTIVATION_BUDGET // 2**20 < 512
     assert max(sizes["light"][1:]) == 512

@@ -41,7 +41,9 @@ def test_graph_agrees_with_the_loop_for_every_algorithm(algo: str, caplog: pytes
         graph_run = two_rounds(algo, "vmap", task, {**extra, "train.graph": True})
     assert_same_run(graph_run, two_rounds(algo, "loop", task, extra))
     warnings = [r.getMessage() for r in caplog.records]
-    hp = make_hyperparameters(algo, {**required_hyperparameters(algo), **({"burn_in_rounds": 1} if algo == "fedpa" else {})})
+    hp = make_hyperparameters(
+        algo, {**required_hyperparameters(algo), **({"burn_in_rounds": 1} if algo == "fedpa" else {})}
+    )
     if keyed_every_round(ALGORITHMS[algo], hp, 1):
         assert len(warnings) == 1 and "round_key changes every round" in warnings[0]
     else:
@@ -51,21 +53,33 @@ def test_graph_agrees_with_the_loop_for_every_algorithm(algo: str, caplog: pytes
 def test_graph_keeps_the_cnn_dropout_keys() -> None:
     """The CNN's two dropout layers draw their masks from the step keys, which are program inputs:
     a round of the FEMNIST CNN with --graph equals the loop's (momentum 0.9 carried in the program)."""
-    extra = {"data.model": "cnn", "partition.num_clients": 5, "train.clients_per_round": 2, "train.local_epochs": 1,
-             "train.batch_size": 64, "train.client_momentum": 0.9}
-    assert_same_run(two_rounds("fedavg", "vmap", "femnist", {**extra, "train.graph": True}, rounds=1),
-                    two_rounds("fedavg", "loop", "femnist", extra, rounds=1))
+    extra = {
+        "data.model": "cnn",
+        "partition.num_clients": 5,
+        "train.clients_per_round": 2,
+        "train.local_epochs": 1,
+        "train.batch_size": 64,
+        "train.client_momentum": 0.9,
+    }
+    assert_same_run(
+        two_rounds("fedavg", "vmap", "femnist", {**extra, "train.graph": True}, rounds=1),
+        two_rounds("fedavg", "loop", "femnist", extra, rounds=1),
+    )
 
 
 def test_graph_with_cohort_chunks_agrees_with_the_loop() -> None:
     """--cohort-chunk 3 on a cohort of 4: one program per chunk shape, results back in cohort order."""
     extra = {"train.client_lr": 0.01}
-    assert_same_run(two_rounds("scaffold", "vmap", "lsq", {**extra, "train.graph": True, "train.cohort_chunk": 3}),
-                    two_rounds("scaffold", "loop", "lsq", extra))
+    assert_same_run(
+        two_rounds("scaffold", "vmap", "lsq", {**extra, "train.graph": True, "train.cohort_chunk": 3}),
+        two_rounds("scaffold", "loop", "lsq", extra),
+    )
 
 
 @pytest.mark.parametrize(("algo", "programs"), [("fedavg", 1), ("scaffold", 1), ("fedpa", 2)])
-def test_a_program_is_built_once_per_key_and_replayed_with_each_rounds_inputs(algo: str, programs: int) -> None:
+def test_a_program_is_built_once_per_key_and_replayed_with_each_rounds_inputs(
+    algo: str, programs: int
+) -> None:
     """Six rounds of the same shapes: FedAvg and SCAFFOLD build one program, FedPA two (burn-in rounds
     1-3 run FedAvg, rounds 4-6 sample: its round_key). Each round's inputs differ (the broadcast moves,
     the keys change), and every round's result equals the eager vmap executor's on the same inputs,
@@ -98,7 +112,9 @@ def test_a_new_shape_is_a_new_program() -> None:
     assert len(runner.programs) == 2
 
 
-def test_client_code_keyed_by_every_round_runs_eagerly_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_client_code_keyed_by_every_round_runs_eagerly_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """FOLA's client code depends on the round itself (P_n = F_n / r + ..., its declared round_key): a
     program per round never pays, so --graph runs it with the eager vmap computation, builds nothing,
     warns once."""
@@ -113,8 +129,9 @@ def test_client_code_keyed_by_every_round_runs_eagerly_with_one_warning(caplog: 
     assert "round_key changes every round" in caplog.records[0].getMessage()
 
 
-def test_a_program_that_cannot_be_traced_runs_eagerly(monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_program_that_cannot_be_traced_runs_eagerly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """When tracing fails the key runs the eager vmap executor (same results), with one warning
     naming the error, and is not traced again in later rounds."""
     import torch.fx.experimental.proxy_tensor as proxy_tensor
@@ -174,23 +191,64 @@ def test_capture_refuses_a_program_with_host_tensors() -> None:
         graphed.capture(program, [inputs.plan.weight])
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--executor", "process"], "does not apply to --executor process"),
-    (["--compile"], "choose one of them"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--executor", "process"], "does not apply to --executor process"),
+        (["--compile"], "choose one of them"),
+    ],
+)
 def test_cli_refuses_graph_where_it_cannot_apply(tmp_path, args: list[str], message: str) -> None:  # noqa: ANN001
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "lsq", "--rounds", "1", "--graph",
-                           "--device", "cpu", "--root", str(tmp_path), "--no-mlflow", *args],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "lsq",
+            "--rounds",
+            "1",
+            "--graph",
+            "--device",
+            "cpu",
+            "--root",
+            str(tmp_path),
+            "--no-mlflow",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "fedcli.db").exists() or "finished" not in proc.stdout
 
 
 def test_cli_graph_run_names_its_executor(tmp_path) -> None:  # noqa: ANN001
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "train", "--task", "lsq", "--rounds", "2", "--graph",
-                           "--device", "cpu", "--root", str(tmp_path), "--no-mlflow"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "train",
+            "--task",
+            "lsq",
+            "--rounds",
+            "2",
+            "--graph",
+            "--device",
+            "cpu",
+            "--root",
+            str(tmp_path),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "(vmap + graph executor)" in proc.stdout + proc.stderr
 
@@ -205,8 +263,10 @@ def test_captured_graph_on_cuda_equals_the_cpu_loop(algo: str) -> None:
     """On the GPU every program is captured (graph present) and two rounds replayed from it equal the
     CPU loop's parameters and client states."""
     extra = {"train.client_lr": 0.01}
-    assert_same_run(two_rounds(algo, "vmap", "lsq", {**extra, "train.graph": True, "train.device": "cuda"}),
-                    two_rounds(algo, "loop", "lsq", {**extra, "train.device": "cpu"}))
+    assert_same_run(
+        two_rounds(algo, "vmap", "lsq", {**extra, "train.graph": True, "train.device": "cuda"}),
+        two_rounds(algo, "loop", "lsq", {**extra, "train.device": "cpu"}),
+    )
 
 
 @needs_cuda
@@ -227,8 +287,17 @@ def test_captured_programs_replay_new_inputs_on_cuda() -> None:
 @needs_cuda
 @pytest.mark.cuda
 def test_captured_cnn_with_dropout_on_cuda_equals_the_cpu_loop() -> None:
-    extra = {"data.model": "cnn", "partition.num_clients": 5, "train.clients_per_round": 2, "train.local_epochs": 1,
-             "train.batch_size": 64, "train.client_momentum": 0.9}
-    assert_same_run(two_rounds("fedavg", "vmap", "femnist", {**extra, "train.graph": True, "train.device": "cuda"},
-                               rounds=1),
-                    two_rounds("fedavg", "loop", "femnist", {**extra, "train.device": "cpu"}, rounds=1))
+    extra = {
+        "data.model": "cnn",
+        "partition.num_clients": 5,
+        "train.clients_per_round": 2,
+        "train.local_epochs": 1,
+        "train.batch_size": 64,
+        "train.client_momentum": 0.9,
+    }
+    assert_same_run(
+        two_rounds(
+            "fedavg", "vmap", "femnist", {**extra, "train.graph": True, "train.device": "cuda"}, rounds=1
+        ),
+        two_rounds("fedavg", "loop", "femnist", {**extra, "train.device": "cpu"}, rounds=1),
+    )

@@ -15,8 +15,15 @@ from fedcli.engine.setup import build
 
 
 def _setup(algo: str):  # noqa: ANN202
-    cfg = build_config(overrides={"algorithm.name": algo, "data.task": "lsq", "train.clients_per_round": 4,
-                                  "train.device": "cpu", "train.executor": "loop"})
+    cfg = build_config(
+        overrides={
+            "algorithm.name": algo,
+            "data.task": "lsq",
+            "train.clients_per_round": 4,
+            "train.device": "cpu",
+            "train.executor": "loop",
+        }
+    )
     setup = build(cfg)
     state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     init = None
@@ -27,12 +34,14 @@ def _setup(algo: str):  # noqa: ANN202
 
 def _poison(outs, row: int):  # noqa: ANN001, ANN202
     """The cohort's outputs with client `row`'s upload set to NaN."""
+
     def nan_row(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dim() == 0:
             return t
         t = t.clone()
         t[row] = math.nan
         return t
+
     return outs._replace(upload=pytree.tree_map(nan_row, outs.upload))
 
 
@@ -46,10 +55,10 @@ def test_a_nan_client_is_left_out_as_if_it_had_not_been_sampled(algo: str) -> No
     new_state, metrics = aggregate(setup, state, store, poisoned, 1, Timing())
 
     keep = torch.tensor([0, 2, 3])
-    subset = pytree.tree_map(lambda t: t.index_select(0, keep) if isinstance(t, torch.Tensor) and t.dim() else t,
-                             trained.outs)
-    expected, _ = setup.alg.server_update(state, subset, trained.plan.num_examples[keep], setup.hp,
-                                          setup.opt)
+    subset = pytree.tree_map(
+        lambda t: t.index_select(0, keep) if isinstance(t, torch.Tensor) and t.dim() else t, trained.outs
+    )
+    expected, _ = setup.alg.server_update(state, subset, trained.plan.num_examples[keep], setup.hp, setup.opt)
     for got, want in zip(pytree.tree_leaves(new_state), pytree.tree_leaves(expected), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert metrics["client/dropped_nonfinite"] == 1.0
@@ -76,9 +85,29 @@ def test_a_run_whose_cohort_is_all_nan_ends_failed_with_its_round(tmp_path) -> N
 
     from fedcli.tracking.store.sql_store import SqlStore
 
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "lsq", "--client-lr", "1e30",
-                           "--local-epochs", "5", "--rounds", "3", "--root", str(tmp_path), "--no-mlflow"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "lsq",
+            "--client-lr",
+            "1e30",
+            "--local-epochs",
+            "5",
+            "--rounds",
+            "3",
+            "--root",
+            str(tmp_path),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     record = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}").list_runs()[0]
     assert (record.stored_status, record.diverged_at_round) == ("failed", 1)
@@ -98,7 +127,12 @@ def test_finite_rows_is_exact_when_finite_entries_overflow_their_sum() -> None:
     weights[4, 2, 0] = -math.inf
     bias = torch.zeros(6, 4, dtype=torch.float64)
     bias[5, 0], bias[5, 1] = math.inf, -math.inf  # the row sums to NaN
-    upload = {"w": weights, "b": bias, "scalar": torch.tensor(math.nan), "count": torch.full((6,), 7),
-              "other": torch.full((2, 3), math.nan)}
+    upload = {
+        "w": weights,
+        "b": bias,
+        "scalar": torch.tensor(math.nan),
+        "count": torch.full((6,), 7),
+        "other": torch.full((2, 3), math.nan),
+    }
     assert finite_rows(upload, 6).tolist() == [True, True, False, False, False, False]
     assert finite_rows({"none": torch.tensor(1.0)}, 3).tolist() == [True, True, True]

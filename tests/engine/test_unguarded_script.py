@@ -22,7 +22,7 @@ import pytest
 from fedcli.engine.backends.process import unguarded_main_script
 from fedcli.tracking.store.sql_store import SqlStore
 
-NET = '''
+NET = """
 import torch
 from torch import nn
 
@@ -36,10 +36,12 @@ class ConvNet(nn.Module):
     def forward(self, x):
         h = torch.relu(self.conv(x.reshape(len(x), *x.shape[-2:]).transpose(-1, -2)))
         return self.out(h.mean(-1))
-'''
+"""
 
-CALL = ('fedcli.train("fedavg", model="convnet.py:ConvNet", data="signals.npz", rounds=1, clients_per_round=4, '
-        'no_mlflow=True, root="runs"{extra})')
+CALL = (
+    'fedcli.train("fedavg", model="convnet.py:ConvNet", data="signals.npz", rounds=1, clients_per_round=4, '
+    'no_mlflow=True, root="runs"{extra})'
+)
 
 
 def script(folder: Path, *, guarded: bool, extra: str = "") -> Path:
@@ -56,16 +58,21 @@ def script(folder: Path, *, guarded: bool, extra: str = "") -> Path:
 
 
 def run_script(path: Path) -> subprocess.CompletedProcess[str]:
-    env = {**{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")},
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, path.name], cwd=path.parent, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")},
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, path.name], cwd=path.parent, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def executors(folder: Path) -> list[tuple[str, str, str]]:
     db = folder / "runs" / "fedcli.db"
     runs = SqlStore(f"sqlite:///{db}").list_runs() if db.exists() else []
-    return [(r.status, r.tags.get("fedcli.executor", ""), r.tags.get("fedcli.executor_reason", "")) for r in runs]
+    return [
+        (r.status, r.tags.get("fedcli.executor", ""), r.tags.get("fedcli.executor_reason", "")) for r in runs
+    ]
 
 
 @pytest.mark.timeout(900)
@@ -74,8 +81,10 @@ def test_auto_keeps_an_unguarded_script_in_one_process_and_process_is_refused(tm
     assert done.returncode == 0, done.stderr
     ((status, executor, reason),) = executors(tmp_path)
     assert status == "finished" and executor != "process"
-    if (os.cpu_count() or 1) >= 2:  # auto would have taken process workers here: the reason says why it did not
-        assert "no `if __name__ == \"__main__\":` guard" in reason
+    if (
+        os.cpu_count() or 1
+    ) >= 2:  # auto would have taken process workers here: the reason says why it did not
+        assert 'no `if __name__ == "__main__":` guard' in reason
     refused = tmp_path / "refused"
     refused.mkdir()
     done = run_script(script(refused, guarded=False, extra=', executor="process"'))

@@ -31,10 +31,13 @@ def disk(tmp_path: Path) -> Iterator[Path]:
     """A 32 MB tmpfs, unmounted (lazily: a trial's MLflow mirror may still hold a file) after the test."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip() or 'not root'}); the disk-full tests need root")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({made.stderr.strip() or 'not root'}); the disk-full tests need root"
+        )
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
@@ -57,13 +60,19 @@ def fill(folder: Path) -> Path:
 
 def sweep(spec: Path, root: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    return subprocess.Popen([sys.executable, "-m", "fedcli", "sweep", str(spec), "--root", str(root)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**env, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedcli", "sweep", str(spec), "--root", str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+    )
 
 
 @pytest.mark.timeout(1500)
-def test_a_disk_filling_up_under_a_sweep_is_one_line_exit_2_and_a_rerun_continues(disk: Path, tmp_path: Path) -> None:
+def test_a_disk_filling_up_under_a_sweep_is_one_line_exit_2_and_a_rerun_continues(
+    disk: Path, tmp_path: Path
+) -> None:
     """The sweep's root (its store, MLflow store, checkpoints) fills up while its first trial trains:
     the sweep stops with exit 2 and one `error:` line naming the full disk, with no traceback and
     no log record of MLflow's (it ends the sweep's MLflow run quietly on the way out). With the
@@ -83,7 +92,7 @@ def test_a_disk_filling_up_under_a_sweep_is_one_line_exit_2_and_a_rerun_continue
     assert "Traceback" not in err and " ERROR " not in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no space left on device" in errors[0], err[-3000:]
-    tail = err[err.index("error:"):]
+    tail = err[err.index("error:") :]
     assert tail.strip() == errors[0].strip() or " ".join(tail.split()) == " ".join(errors[0].split()), tail
 
     filler.unlink()
@@ -91,8 +100,12 @@ def test_a_disk_filling_up_under_a_sweep_is_one_line_exit_2_and_a_rerun_continue
     out, err = rerun.communicate(timeout=900)
     assert rerun.returncode == 0, err[-3000:]
     runs = SqlStore(f"sqlite:///{root / 'fedcli.db'}").list_runs()
-    assert sorted(r.status for r in runs) == ["finished"] * 2, [(r.run_name, r.status, r.failure_reason) for r in runs]
-    assert len({r.config_hash for r in runs}) == 2  # each trial once: the stopped one was resumed, not restarted
+    assert sorted(r.status for r in runs) == ["finished"] * 2, [
+        (r.run_name, r.status, r.failure_reason) for r in runs
+    ]
+    assert (
+        len({r.config_hash for r in runs}) == 2
+    )  # each trial once: the stopped one was resumed, not restarted
 
 
 def test_ending_the_sweeps_mlflow_run_on_a_full_disk_is_one_warning_line(disk: Path, tmp_path: Path) -> None:
@@ -106,8 +119,12 @@ def test_ending_the_sweeps_mlflow_run_on_a_full_disk_is_one_warning_line(disk: P
     from fedcli.tracking.mlflow.sweep_mirror import SweepMirror
 
     SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")  # the trials' store (none to copy here)
-    mirror = SweepMirror(tracking_uri=f"sqlite:///{disk / 'mlflow.db'}", experiment="full",
-                         store_url=f"sqlite:///{tmp_path / 'fedcli.db'}", runs_root=tmp_path / "runs")
+    mirror = SweepMirror(
+        tracking_uri=f"sqlite:///{disk / 'mlflow.db'}",
+        experiment="full",
+        store_url=f"sqlite:///{tmp_path / 'fedcli.db'}",
+        runs_root=tmp_path / "runs",
+    )
     spec = {"experiment": "full", "grid": {"algo": ["fedavg"]}}
     mirror.spawn(spec, parent_tags(spec))
     deadline, opened = time.monotonic() + 120, []
@@ -121,5 +138,7 @@ def test_ending_the_sweeps_mlflow_run_on_a_full_disk_is_one_warning_line(disk: P
     assert opened == [("sweep",)], "the mirror did not open the sweep's MLflow run"
     fill(disk)
     warning = mirror.finish(status="finished")
-    assert warning == ("MLflow could not end the sweep's run (database or disk is full); it stays open, and "
-                       "rerunning the sweep ends it."), warning
+    assert warning == (
+        "MLflow could not end the sweep's run (database or disk is full); it stays open, and "
+        "rerunning the sweep ends it."
+    ), warning

@@ -43,10 +43,17 @@ def env() -> dict[str, str]:
     return {**out, "OMP_NUM_THREADS": "1"}
 
 
-def fedcli(*args: str, extra_env: dict[str, str] | None = None, cwd: Path | None = None,
-           timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedcli", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**env(), **(extra_env or {})}, cwd=cwd)
+def fedcli(
+    *args: str, extra_env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fedcli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**env(), **(extra_env or {})},
+        cwd=cwd,
+    )
 
 
 def train(root: Path, *args: str) -> str:
@@ -65,10 +72,27 @@ def params(root: Path, run_id: str) -> dict[str, torch.Tensor]:
 
 def plant(path: Path, marker: Path, kind: str, round_idx: int = 0, run_id: str = "") -> None:
     """Replace `path` with a torch file whose unpickling creates `marker` (pickling it here runs nothing)."""
-    body = {"format_version": 2, "round_idx": round_idx, "seed": 0, "run_id": run_id, "config": {},
-            "server_state": Payload(marker), "client_states": {}} if kind == "checkpoint" else \
-        {"params": Payload(marker), "server_state": Payload(marker), "config": {}, "task": "lsq", "algorithm": "fedavg",
-         "model": "linear", "example": None}
+    body = (
+        {
+            "format_version": 2,
+            "round_idx": round_idx,
+            "seed": 0,
+            "run_id": run_id,
+            "config": {},
+            "server_state": Payload(marker),
+            "client_states": {},
+        }
+        if kind == "checkpoint"
+        else {
+            "params": Payload(marker),
+            "server_state": Payload(marker),
+            "config": {},
+            "task": "lsq",
+            "algorithm": "fedavg",
+            "model": "linear",
+            "example": None,
+        }
+    )
     torch.save(body, path)
 
 
@@ -102,7 +126,9 @@ def test_files_that_need_code_are_refused_by_every_reader(tmp_path: Path) -> Non
     evaluated = fedcli("evaluate", run_id[:8], "--root", str(root), "--no-mlflow")
     assert evaluated.returncode == 2 and "needs code to load" in one_line(evaluated.stderr)
     assert f"--trust {run_dir / 'model.pt'}" in evaluated.stderr  # how to convert a file one trusts
-    at_checkpoint = fedcli("evaluate", run_id[:8], "--checkpoint", str(rounds[-1]), "--root", str(root), "--no-mlflow")
+    at_checkpoint = fedcli(
+        "evaluate", run_id[:8], "--checkpoint", str(rounds[-1]), "--root", str(root), "--no-mlflow"
+    )
     assert at_checkpoint.returncode == 2 and "needs code to load" in one_line(at_checkpoint.stderr)
     synced = fedcli("sync", "--root", str(root))
     assert synced.returncode == 0 and "needscodetoload" in squash(synced.stderr), synced.stderr
@@ -125,14 +151,17 @@ def test_checkpoints_that_are_not_the_runs_are_skipped_and_the_resume_is_bit_exa
     run_id = train(root, "--rounds", "6", "--no-mlflow", "--checkpoint-every", "1", "--keep-checkpoints", "4")
     folder = root / "runs" / run_id / "checkpoints"
     assert [r for r, _ in store(root).checkpoints(run_id)] == [3, 4, 5, 6]
-    (folder / "round-000006.pt").write_bytes((tmp_path / "full" / "runs" / full / "checkpoints" /
-                                              "round-000006.pt").read_bytes())
+    (folder / "round-000006.pt").write_bytes(
+        (tmp_path / "full" / "runs" / full / "checkpoints" / "round-000006.pt").read_bytes()
+    )
     (folder / "round-000005.pt").write_bytes((folder / "round-000003.pt").read_bytes())
     torch.save({"format_version": 2, "round_idx": 4, "seed": 0, "run_id": run_id}, folder / "round-000004.pt")
 
     evaluated = fedcli("evaluate", run_id[:8], "--checkpoint", "5", "--root", str(root), "--no-mlflow")
     assert evaluated.returncode == 2 and "holds round 3, not 5" in one_line(evaluated.stderr)
-    resumed = fedcli("-q", "train", "--resume", run_id[:8], "--rounds", "8", "--root", str(root), "--no-mlflow")
+    resumed = fedcli(
+        "-q", "train", "--resume", run_id[:8], "--rounds", "8", "--root", str(root), "--no-mlflow"
+    )
     assert resumed.returncode == 0, resumed.stderr
     said = squash(resumed.stderr)
     assert squash(f"belongs to run {full[:8]}, not {run_id[:8]}") in said
@@ -161,27 +190,42 @@ def test_checkpoints_of_the_previous_format_still_load_and_resume_bit_exact(tmp_
     template = alg.server_init(shapes, alg.config_cls(), OptimConfig(client_lr=0.01))
     client_template = alg.init_client_state(shapes, alg.config_cls())
     new = torch.load(path, weights_only=True)
-    old = {"format_version": 1, "round_idx": 4, "seed": new["seed"], "config": new["config"],
-           "server_state": ckpt.from_plain(new["server_state"], template, "test"),
-           "client_states": ckpt.StoredClientStates.of(path.parent, new["client_index"], client_template,
-                                                       "test").to_dict()}  # format 3: the .clients.npy files
+    old = {
+        "format_version": 1,
+        "round_idx": 4,
+        "seed": new["seed"],
+        "config": new["config"],
+        "server_state": ckpt.from_plain(new["server_state"], template, "test"),
+        "client_states": ckpt.StoredClientStates.of(
+            path.parent, new["client_index"], client_template, "test"
+        ).to_dict(),
+    }  # format 3: the .clients.npy files
     assert old["client_states"], "scaffold keeps client states"
     torch.save(old, path)
 
-    resumed = fedcli("-q", "train", "--resume", run_id[:8], "--rounds", "6", "--root", str(root), "--no-mlflow")
+    resumed = fedcli(
+        "-q", "train", "--resume", run_id[:8], "--rounds", "6", "--root", str(root), "--no-mlflow"
+    )
     assert resumed.returncode == 0 and "tryinganolderone" not in squash(resumed.stderr), resumed.stderr
     for name, tensor in params(tmp_path / "full", full).items():
         assert torch.equal(params(root, run_id)[name], tensor), name
 
     model = root / "runs" / run_id / "model.pt"
     saved = torch.load(model, weights_only=True)
-    torch.save({k: v for k, v in saved.items() if k not in ("format_version", "run_id", "config_hash")}
-               | {"server_state": ckpt.from_plain(saved["server_state"], template, "test")}, model)
+    torch.save(
+        {k: v for k, v in saved.items() if k not in ("format_version", "run_id", "config_hash")}
+        | {"server_state": ckpt.from_plain(saved["server_state"], template, "test")},
+        model,
+    )
     first = fedcli("sync", "--root", str(root))
     assert first.returncode == 0, first.stderr
     assert squash(f"convert it: python -m fedcli.engine.checkpoint --trust {model}") in squash(first.stderr)
-    converted = subprocess.run([sys.executable, "-m", "fedcli.engine.checkpoint", "--trust", str(model)],
-                               capture_output=True, text=True, timeout=120)
+    converted = subprocess.run(
+        [sys.executable, "-m", "fedcli.engine.checkpoint", "--trust", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert converted.returncode == 0 and "format 2" in converted.stdout, converted.stderr
     assert torch.load(model, weights_only=True)["run_id"] == run_id
     again = fedcli("sync", "--root", str(root))
@@ -209,13 +253,17 @@ class Watcher:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            lines = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+            lines = subprocess.run(
+                ["ps", "-eo", "pid,args"], capture_output=True, text=True
+            ).stdout.splitlines()
             for line in lines[1:]:
                 pid, _, args = line.strip().partition(" ")
                 self.seen_mirror |= "fedcli.tracking.mlflow." in args
                 if PASSWORD in args and int(pid) not in self.typed and "pytest" not in args:
                     self.ps_hits.add(args[:200])
-            for path in self.folder.rglob("*"):  # temporary files (the sweep's trial configs) live only a while
+            for path in self.folder.rglob(
+                "*"
+            ):  # temporary files (the sweep's trial configs) live only a while
                 try:
                     if path.is_file() and PASSWORD.encode() in path.read_bytes():
                         self.file_hits.add(str(path))
@@ -223,9 +271,17 @@ class Watcher:
                     pass
             time.sleep(0.1)
 
-    def run(self, *args: str, extra_env: dict[str, str] | None = None, cwd: Path) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.Popen([sys.executable, "-m", "fedcli", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**env(), **(extra_env or {})}, cwd=cwd)
+    def run(
+        self, *args: str, extra_env: dict[str, str] | None = None, cwd: Path
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedcli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env(), **(extra_env or {})},
+            cwd=cwd,
+        )
         self.typed.add(proc.pid)
         out, err = proc.communicate(timeout=400)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -240,7 +296,9 @@ def secret(url: str) -> str:
     return make_url(url).set(password=PASSWORD).render_as_string(hide_password=False)
 
 
-def assert_nothing_holds_the_password(tmp_path: Path, watcher: Watcher, outputs: list[str], urls: list[str]) -> None:
+def assert_nothing_holds_the_password(
+    tmp_path: Path, watcher: Watcher, outputs: list[str], urls: list[str]
+) -> None:
     """No output line, no file under `tmp_path`, no row of the databases (pg_dump) and no command
     line of a process fedcli started holds the password; the ps check saw the MLflow mirror."""
     from tests.pg import find_bindir
@@ -252,9 +310,22 @@ def assert_nothing_holds_the_password(tmp_path: Path, watcher: Watcher, outputs:
     assert watcher.file_hits == set() and watcher.ps_hits == set()
     for url in urls:
         parsed = make_url(url)
-        dump = subprocess.run([str(find_bindir() / "pg_dump"), "--data-only", "-h", str(parsed.host), "-p",
-                               str(parsed.port), "-U", str(parsed.username), str(parsed.database)],
-                              capture_output=True, text=True, timeout=120)
+        dump = subprocess.run(
+            [
+                str(find_bindir() / "pg_dump"),
+                "--data-only",
+                "-h",
+                str(parsed.host),
+                "-p",
+                str(parsed.port),
+                "-U",
+                str(parsed.username),
+                str(parsed.database),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert dump.returncode == 0 and "COPY" in dump.stdout, dump.stderr
         assert PASSWORD not in dump.stdout
 
@@ -279,7 +350,9 @@ def test_no_password_is_written_anywhere_or_shown(tmp_path: Path, pg_database) -
     track = ["--store", store_url, "--tracking-uri", mlflow_uri, "--root", str(root)]
     watcher, outputs = Watcher(temp), []
 
-    def run(*args: str, expect: int = 0, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, expect: int = 0, extra_env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         done = watcher.run(*args, extra_env={"TMPDIR": str(temp), **(extra_env or {})}, cwd=work)
         outputs.append(done.stdout + done.stderr)
         assert done.returncode == expect, (args[:2], done.stderr)
@@ -290,23 +363,56 @@ def test_no_password_is_written_anywhere_or_shown(tmp_path: Path, pg_database) -
         run_id = trained.stdout.strip().splitlines()[-1]
         shown = re.search(r"--store '?(\S+?)'? ", trained.stderr)
         assert shown and ":***@" in shown[1] and "store:   postgresql+psycopg://fedcli:***@" in trained.stderr
-        run("train", "--resume", run_id[:8], "--rounds", "32", "--store", shown[1], "--root", str(root),
-            extra_env={"FEDCLI_STORE": store_url, "MLFLOW_TRACKING_URI": mlflow_uri})
-        refused = run("train", "--resume", run_id[:8], "--rounds", "34", "--store", store_url, "--root", str(root),
-                      expect=2)  # the run's MLflow URI is stored masked: it must be given again
+        run(
+            "train",
+            "--resume",
+            run_id[:8],
+            "--rounds",
+            "32",
+            "--store",
+            shown[1],
+            "--root",
+            str(root),
+            extra_env={"FEDCLI_STORE": store_url, "MLFLOW_TRACKING_URI": mlflow_uri},
+        )
+        refused = run(
+            "train",
+            "--resume",
+            run_id[:8],
+            "--rounds",
+            "34",
+            "--store",
+            store_url,
+            "--root",
+            str(root),
+            expect=2,
+        )  # the run's MLflow URI is stored masked: it must be given again
         assert "tracking.tracking_uri must carry its password" in one_line(refused.stderr)
         run("evaluate", run_id[:8], "--store", store_url, "--tracking-uri", mlflow_uri)
         listed = run("list", "runs", "--json", "--store", store_url)
         assert run_id in listed.stdout  # its output joins `outputs`, grepped for the password below
         run("sync", *track)
-        bad = run("train", *TINY, "--rounds", "2", "--store", store_url, "--tracking-uri",
-                  f"http://fedcli:{PASSWORD}@127.0.0.1:9/", "--root", str(root), expect=2)
+        bad = run(
+            "train",
+            *TINY,
+            "--rounds",
+            "2",
+            "--store",
+            store_url,
+            "--tracking-uri",
+            f"http://fedcli:{PASSWORD}@127.0.0.1:9/",
+            "--root",
+            str(root),
+            expect=2,
+        )
         assert "fedcli:***@127.0.0.1:9" in one_line(bad.stderr)
     finally:
         watcher.stop()
     for fmt in ("md", "json"):  # in this process: `fedcli report` reads the store only
         output = work / f"report.{fmt}"
-        reported = CliRunner().invoke(app, ["report", "--store", store_url, "--format", fmt, "--output", str(output)])
+        reported = CliRunner().invoke(
+            app, ["report", "--store", store_url, "--format", fmt, "--output", str(output)]
+        )
         assert reported.exit_code == 0 and "fedcli:***@" in output.read_text(), reported.output
         outputs.append(reported.output)
 
@@ -327,12 +433,24 @@ def test_sweep_keeps_passwords_secret_soak(tmp_path: Path, pg_database) -> None:
     temp.mkdir()
     watcher = Watcher(temp)
     spec = work / "spec.yaml"
-    spec.write_text("experiment: secret\nbase: {task: lsq, clients_per_round: 4, rounds: 3}\n"
-                    "grid: {train.client_lr: [0.01, 0.02]}\nseeds: [0]\n"
-                    f"report: {{metric: dist_to_opt, output: {work / 'sweep.md'}}}\n")
+    spec.write_text(
+        "experiment: secret\nbase: {task: lsq, clients_per_round: 4, rounds: 3}\n"
+        "grid: {train.client_lr: [0.01, 0.02]}\nseeds: [0]\n"
+        f"report: {{metric: dist_to_opt, output: {work / 'sweep.md'}}}\n"
+    )
     try:
-        done = watcher.run("sweep", str(spec), "--store", store_url, "--tracking-uri", mlflow_uri, "--root",
-                           str(tmp_path / "root"), extra_env={"TMPDIR": str(temp)}, cwd=work)
+        done = watcher.run(
+            "sweep",
+            str(spec),
+            "--store",
+            store_url,
+            "--tracking-uri",
+            mlflow_uri,
+            "--root",
+            str(tmp_path / "root"),
+            extra_env={"TMPDIR": str(temp)},
+            cwd=work,
+        )
     finally:
         watcher.stop()
     assert done.returncode == 0, done.stderr
@@ -358,4 +476,3 @@ def test_a_sweep_passes_passwords_to_its_trials_by_environment(tmp_path: Path) -
     assert "me:***@db.example" in text and "postgresql+psycopg://me:***@db.example/runs" in args
     assert trial_env(cfg.tracking) == {**os.environ, "FEDCLI_STORE": url, "MLFLOW_TRACKING_URI": url}
     assert trial_env(build_config(overrides={"data.task": "lsq"}).tracking) is None
-

@@ -63,13 +63,20 @@ def env(**extra: str) -> dict[str, str]:
 
 def spawn(*args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
     """`python -m fedcli ARGS`, output captured."""
-    return subprocess.Popen([sys.executable, "-m", "fedcli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env(), cwd=cwd)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedcli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+        cwd=cwd,
+    )
 
 
 def fedcli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedcli", *args], capture_output=True, text=True, env=env(),
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fedcli", *args], capture_output=True, text=True, env=env(), timeout=timeout
+    )
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = START_S) -> T:
@@ -121,13 +128,17 @@ def point_counts(tracking_uri: str) -> Counter[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.soak)])
-def test_a_stop_signal_with_trials_waiting_ends_the_sweep_and_a_rerun_finishes(tmp_path: Path, signum: int) -> None:
+def test_a_stop_signal_with_trials_waiting_ends_the_sweep_and_a_rerun_finishes(
+    tmp_path: Path, signum: int
+) -> None:
     """2 trials, 1 worker: a stop signal while the first trains ends the sweep with 128 + signum,
     the first trial interrupted and checkpointed, the second never started; the rerun resumes the
     first under its id and runs the second (before: the sweep printed "1/2 done; 1 waiting" forever)."""
     spec = tmp_path / "spec.yaml"
-    spec.write_text("experiment: stop\nbase: {task: lsq, rounds: 20, clients_per_round: 4, local_epochs: 2, "
-                    "batch_size: 5}\ngrid: {server_opt: [sgd, adam]}\nseeds: [0]\n")
+    spec.write_text(
+        "experiment: stop\nbase: {task: lsq, rounds: 20, clients_per_round: 4, local_epochs: 2, "
+        "batch_size: 5}\ngrid: {server_opt: [sgd, adam]}\nseeds: [0]\n"
+    )
     args = ["sweep", str(spec), "--root", str(tmp_path), "--no-mlflow"]
     proc = spawn(*args, cwd=tmp_path)
 
@@ -143,9 +154,12 @@ def test_a_stop_signal_with_trials_waiting_ends_the_sweep_and_a_rerun_finishes(t
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate()
-        raise AssertionError(f"the sweep did not end within 90 s of {signal.Signals(signum).name}: "
-                             f"{err[-600:]}") from None
-    print(f"sweep ended {time.monotonic() - began:.1f} s after {signal.Signals(signum).name}, exit {proc.returncode}")
+        raise AssertionError(
+            f"the sweep did not end within 90 s of {signal.Signals(signum).name}: {err[-600:]}"
+        ) from None
+    print(
+        f"sweep ended {time.monotonic() - began:.1f} s after {signal.Signals(signum).name}, exit {proc.returncode}"
+    )
     assert proc.returncode == 128 + signum, err[-3000:]
     assert f"sweep stopped by {signal.Signals(signum).name}" in err and "Traceback" not in err, err[-3000:]
     db = sqlite_store(tmp_path)
@@ -171,10 +185,23 @@ def test_a_resume_from_an_older_checkpoint_logs_no_mlflow_point_twice(tmp_path: 
     then shows exactly one point per (metric, step), for every step 0..M+3."""
     root = tmp_path / "root"
     mlflow_db = root / "mlflow.db"
-    proc = spawn("-q", "train", *TINY, "--rounds", "100000", "--checkpoint-every", "1", "--keep-checkpoints", "100000",
-                 "--root", str(root))
+    proc = spawn(
+        "-q",
+        "train",
+        *TINY,
+        "--rounds",
+        "100000",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "100000",
+        "--root",
+        str(root),
+    )
     newest = "SELECT max(step) FROM metrics WHERE key = 'eval/loss'"
-    wait_for("MLflow holding round 3", lambda: ((mlflow_rows(mlflow_db, newest) or [(None,)])[0][0] or 0) >= 3)
+    wait_for(
+        "MLflow holding round 3", lambda: ((mlflow_rows(mlflow_db, newest) or [(None,)])[0][0] or 0) >= 3
+    )
     mirror = mirror_of(proc.pid)
     assert mirror is not None
     os.kill(mirror, signal.SIGSTOP)  # the whole job dies at once: the mirror writes nothing more
@@ -184,8 +211,11 @@ def test_a_resume_from_an_older_checkpoint_logs_no_mlflow_point_twice(tmp_path: 
     wait_for("the mirror's end", lambda: gone(mirror), timeout=30)
     run_id = str(the_run(root))
     held = mlflow_rows(mlflow_db, newest)[0][0]
-    spoiled = [p for p in (root / "runs" / run_id / "checkpoints").glob("round-*.pt")
-               if int(p.stem.split("-")[1]) > held - 2]
+    spoiled = [
+        p
+        for p in (root / "runs" / run_id / "checkpoints").glob("round-*.pt")
+        if int(p.stem.split("-")[1]) > held - 2
+    ]
     assert spoiled, "no checkpoint after MLflow's newest round - 2"
     for path in spoiled:
         path.write_bytes(b"not a checkpoint")
@@ -194,8 +224,10 @@ def test_a_resume_from_an_older_checkpoint_logs_no_mlflow_point_twice(tmp_path: 
     assert "tryinganolderone" in "".join(resumed.stderr.split())  # it did fall back
     counts = point_counts(f"sqlite:///{mlflow_db}")
     twice = {point: n for point, n in counts.items() if n > 1}
-    print(f"MLflow held round {held}; {len(spoiled)} checkpoints spoiled; {sum(counts.values())} points, "
-          f"{len(twice)} (metric, step) logged more than once")
+    print(
+        f"MLflow held round {held}; {len(spoiled)} checkpoints spoiled; {sum(counts.values())} points, "
+        f"{len(twice)} (metric, step) logged more than once"
+    )
     assert twice == {}, f"{len(twice)} duplicate (metric, step): {sorted(twice)[:6]}"
     assert {step for key, step in counts if key == "eval/loss"} == set(range(held + 4))
 
@@ -208,10 +240,15 @@ def no_inode_left(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs with room for 64 files, all taken: creating any file there fails with ENOSPC."""
     mount = tmp_path / "inodes"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=64", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=64", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip() or 'not root'}); the disk-full tests need root")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({made.stderr.strip() or 'not root'}); the disk-full tests need root"
+        )
     try:
         for i in range(64):
             (mount / f"f{i}").touch()
@@ -221,14 +258,26 @@ def no_inode_left(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_under_mlflows_store_at_set_up_is_named_in_one_line(no_inode_left: Path, tmp_path: Path) -> None:
+def test_a_full_disk_under_mlflows_store_at_set_up_is_named_in_one_line(
+    no_inode_left: Path, tmp_path: Path
+) -> None:
     """`--tracking-uri` on a file system where no file can be created: one error line before anything
     is written, "No space left on device" (before: "no answer in 300 s", printed although the mirror
     had died at once). Since round 1 no longer waits for MLflow's set-up (issue 27), `preflight`
     finds it (statvfs: no free inode), not the mirror."""
     began = time.monotonic()
-    done = fedcli("-q", "train", *TINY, "--rounds", "2", "--root", str(tmp_path / "root"), "--tracking-uri",
-                  f"sqlite:///{no_inode_left / 'mlflow.db'}", timeout=400)
+    done = fedcli(
+        "-q",
+        "train",
+        *TINY,
+        "--rounds",
+        "2",
+        "--root",
+        str(tmp_path / "root"),
+        "--tracking-uri",
+        f"sqlite:///{no_inode_left / 'mlflow.db'}",
+        timeout=400,
+    )
     took = time.monotonic() - began
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     print(f"exit {done.returncode} after {took:.1f} s: {lines}")
@@ -238,18 +287,24 @@ def test_a_full_disk_under_mlflows_store_at_set_up_is_named_in_one_line(no_inode
 
 
 @pytest.mark.soak
-def test_a_full_disk_under_an_existing_mlflow_store_is_named_and_not_retried_soak(disk: Path,  # noqa: F811
-                                                                                   tmp_path: Path) -> None:
+def test_a_full_disk_under_an_existing_mlflow_store_is_named_and_not_retried_soak(
+    disk: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     """MLflow's store exists (an earlier run) and its disk is full when the next run starts: the
     warning quotes SQLite's "database or disk is full", not the note on autoflush MLflow wraps it
     in, in one line (the mirror is not restarted to fail again), and the mirror does not retry it
     for RETRY_S (before: the run waited ~60 s at its end)."""
     uri = f"sqlite:///{disk / 'mlflow.db'}"
-    first = fedcli("-q", "train", *TINY, "--rounds", "2", "--root", str(tmp_path / "root"), "--tracking-uri", uri)
+    first = fedcli(
+        "-q", "train", *TINY, "--rounds", "2", "--root", str(tmp_path / "root"), "--tracking-uri", uri
+    )
     assert first.returncode == 0, first.stderr
     fill(disk)
     began = time.monotonic()
-    done = fedcli("-q", "train", *TINY, "--rounds", "2", "--root", str(tmp_path / "root"), "--tracking-uri", uri)
+    done = fedcli(
+        "-q", "train", *TINY, "--rounds", "2", "--root", str(tmp_path / "root"), "--tracking-uri", uri
+    )
     took = time.monotonic() - began
     said = " ".join(done.stderr.split())
     print(f"exit {done.returncode} after {took:.1f} s: {records(done.stderr)}")
@@ -301,8 +356,10 @@ def test_mlflows_set_up_held_delays_no_round_and_a_stop_then_ends_train_at_once(
         proc = spawn("-q", "train", *TINY, "--rounds", "5", "--root", str(root))
         run_id = wait_for("the run in the store", lambda: the_run(root))
         mirror = wait_for("the mirror", lambda: mirror_of(proc.pid))
-        wait_for("every round trained while MLflow's set-up is held",
-                 lambda: sqlite_store(root).get_run(run_id).stored_status == "finished")
+        wait_for(
+            "every round trained while MLflow's set-up is held",
+            lambda: sqlite_store(root).get_run(run_id).stored_status == "finished",
+        )
         assert not (root / "mlflow.db").exists()  # MLflow was not set up for any of them
         time.sleep(1.0)  # into the final wait for the mirror
         took, err = stop_and_time(proc)
@@ -313,7 +370,9 @@ def test_mlflows_set_up_held_delays_no_round_and_a_stop_then_ends_train_at_once(
     mlflow_lines = [line for line in lines if "MLflow" in line]
     assert len(mlflow_lines) == 1 and "still copies the run in the background" in mlflow_lines[0], err
     assert "(this process was stopped by a signal)" in mlflow_lines[0], err
-    assert set(lines) - set(mlflow_lines) <= {"WARNING SIGTERM arrived after the last round; the run finished"}, lines
+    assert set(lines) - set(mlflow_lines) <= {
+        "WARNING SIGTERM arrived after the last round; the run finished"
+    }, lines
     assert sqlite_store(root).get_run(run_id).stored_status == "finished"
     wait_for("the mirror to finish alone", lambda: gone(mirror), timeout=120)
     assert mlflow_rows(root / "mlflow.db", "SELECT status FROM runs") == [("FINISHED",)]
@@ -335,8 +394,10 @@ def test_a_stop_during_the_final_mlflow_copy_ends_train_at_once(tmp_path: Path) 
     blocker = sqlite3.connect(mlflow_db, timeout=30, isolation_level=None)
     try:
         blocker.execute("BEGIN EXCLUSIVE")  # MLflow cannot write until this test lets it
-        wait_for("the run's end in the store", lambda: sqlite_store(root).get_run(str(the_run(root))).stored_status
-                 == "finished")
+        wait_for(
+            "the run's end in the store",
+            lambda: sqlite_store(root).get_run(str(the_run(root))).stored_status == "finished",
+        )
         time.sleep(1.0)  # into the final wait for the mirror
         took, err = stop_and_time(proc)
     finally:
@@ -348,7 +409,9 @@ def test_a_stop_during_the_final_mlflow_copy_ends_train_at_once(tmp_path: Path) 
     mlflow_lines = [line for line in lines if "MLflow" in line]
     assert len(mlflow_lines) == 1 and "still copies the run in the background" in mlflow_lines[0], err
     assert "(this process was stopped by a signal)" in mlflow_lines[0], err
-    assert set(lines) - set(mlflow_lines) <= {"WARNING SIGTERM arrived after the last round; the run finished"}, lines
+    assert set(lines) - set(mlflow_lines) <= {
+        "WARNING SIGTERM arrived after the last round; the run finished"
+    }, lines
     assert sqlite_store(root).get_run(str(the_run(root))).stored_status == "finished"
     wait_for("the mirror to finish alone", lambda: gone(mirror), timeout=120)
     assert mlflow_rows(mlflow_db, "SELECT status FROM runs") == [("FINISHED",)]
@@ -361,14 +424,18 @@ def test_a_stop_during_the_final_mlflow_copy_ends_train_at_once(tmp_path: Path) 
 
 def dry_run_spec(folder: Path) -> Path:
     spec = folder / "spec.yaml"
-    spec.write_text("experiment: dry\nbase: {task: lsq, rounds: 2, clients_per_round: 4}\n"
-                    "grid: {server_opt: [sgd, adam]}\nseeds: [0]\n")
+    spec.write_text(
+        "experiment: dry\nbase: {task: lsq, rounds: 2, clients_per_round: 4}\n"
+        "grid: {server_opt: [sgd, adam]}\nseeds: [0]\n"
+    )
     return spec
 
 
 def test_a_dry_run_creates_no_table_in_a_fresh_postgresql_database(tmp_path: Path, pg_url: str) -> None:
     """Before: `sweep --dry-run --store postgresql+psycopg://…` created fedcli's tables."""
-    done = fedcli("sweep", str(dry_run_spec(tmp_path)), "--dry-run", "--store", pg_url, "--root", str(tmp_path / "r"))
+    done = fedcli(
+        "sweep", str(dry_run_spec(tmp_path)), "--dry-run", "--store", pg_url, "--root", str(tmp_path / "r")
+    )
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert (done.stdout + done.stderr).count("to run") == 2, done.stdout + done.stderr
     engine = create_engine(pg_url)
@@ -384,16 +451,18 @@ def test_a_dry_run_creates_no_sqlite_file_and_upgrades_no_older_store(tmp_path: 
     """No SQLite file appears for a store that is not there (exit 0, the plan shown)."""
     fresh = tmp_path / "fresh"
     done = fedcli("sweep", str(dry_run_spec(tmp_path)), "--dry-run", "--root", str(fresh))
-    assert done.returncode == 0 and (done.stdout + done.stderr).count("to run") == 2, done.stdout + done.stderr
+    assert done.returncode == 0 and (done.stdout + done.stderr).count("to run") == 2, (
+        done.stdout + done.stderr
+    )
     assert not fresh.exists(), list(fresh.rglob("*"))
 
 
 # --------------------------------------------------------------------------- 7. passwords a store already holds
 
 
-def test_an_older_store_holding_passwords_is_read_as_is_by_a_dry_run_then_masked_once(tmp_path: Path,
-                                                                                     caplog: pytest.LogCaptureFixture
-                                                                                     ) -> None:
+def test_an_older_store_holding_passwords_is_read_as_is_by_a_dry_run_then_masked_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A store as an older fedcli left it, made with raw SQL from a real sweep's: no `store_meta`,
     `trial_claims` or `runs.pid_start`; a tracking URI with its password in config_json and
     requested_json; one run's config_hash the sha256 of that config_json (fedcli before the hash
@@ -413,17 +482,23 @@ def test_an_older_store_holding_passwords_is_read_as_is_by_a_dry_run_then_masked
         conn.execute("DROP TABLE IF EXISTS store_meta")
         conn.execute("DROP TABLE trial_claims")
         conn.execute("ALTER TABLE runs DROP COLUMN pid_start")
-        rows = conn.execute("SELECT id, config_json, requested_json, tags_json FROM runs ORDER BY id").fetchall()
+        rows = conn.execute(
+            "SELECT id, config_json, requested_json, tags_json FROM runs ORDER BY id"
+        ).fetchall()
         for i, (run_id, config_json, requested_json, _) in enumerate(rows):
             config, requested = json.loads(config_json), json.loads(requested_json or "{}")
             config["tracking"]["tracking_uri"] = uri
             requested.setdefault("tracking", {})["tracking_uri"] = uri
             config_json = json.dumps(config, sort_keys=True, separators=(",", ":"))
-            conn.execute("UPDATE runs SET config_json = ?, requested_json = ? WHERE id = ?",
-                         (config_json, json.dumps(requested, sort_keys=True, separators=(",", ":")), run_id))
+            conn.execute(
+                "UPDATE runs SET config_json = ?, requested_json = ? WHERE id = ?",
+                (config_json, json.dumps(requested, sort_keys=True, separators=(",", ":")), run_id),
+            )
             if i == 0:  # the oldest kind: the column hashed the whole config, password included
-                conn.execute("UPDATE runs SET config_hash = ? WHERE id = ?",
-                             (hashlib.sha256(config_json.encode()).hexdigest(), run_id))
+                conn.execute(
+                    "UPDATE runs SET config_hash = ? WHERE id = ?",
+                    (hashlib.sha256(config_json.encode()).hexdigest(), run_id),
+                )
         conn.commit()  # and closed: its WAL folded into the file, so that the bytes compare
     tags = {run_id: json.loads(tags_json)["fedcli.config_hash"] for run_id, _, _, tags_json in rows}
     before, files = hashlib.sha256(db_file.read_bytes()).hexdigest(), sorted(p.name for p in root.iterdir())
@@ -445,7 +520,10 @@ def test_an_older_store_holding_passwords_is_read_as_is_by_a_dry_run_then_masked
     assert len(stored) == 2
     for run_id, config_json, requested_json, config_hash in stored:
         assert PASSWORD not in config_json + requested_json
-        assert json.loads(config_json)["tracking"]["tracking_uri"] == "postgresql+psycopg://me:***@db.example/mlflow"
+        assert (
+            json.loads(config_json)["tracking"]["tracking_uri"]
+            == "postgresql+psycopg://me:***@db.example/mlflow"
+        )
         assert config_hash == tags[run_id]  # what sweeps and `report` group by
     assert PASSWORD.encode() not in db_file.read_bytes()
 
@@ -453,19 +531,25 @@ def test_an_older_store_holding_passwords_is_read_as_is_by_a_dry_run_then_masked
         SqlStore(f"sqlite:///{db_file}").close()
     assert [r for r in caplog.records if "masked" in r.getMessage()] == []
     with contextlib.closing(sqlite3.connect(db_file)) as conn:
-        assert conn.execute("SELECT id, config_json, requested_json, config_hash FROM runs").fetchall() == stored
+        assert (
+            conn.execute("SELECT id, config_json, requested_json, config_hash FROM runs").fetchall() == stored
+        )
 
 
 # --------------------------------------------------------------------------- 8. URLs that do not parse
 
 
-@pytest.mark.parametrize(("option", "url"), [
-    ("--store", f"postgresql+psycopg//me:{PASSWORD}@127.0.0.1/db"),  # no ":" after the scheme
-    ("--store", f"postgresql+psycopg://me:{PASSWORD}@127.0.0.1:abc/db"),  # a port that is not a number
-    ("--tracking-uri", f"postgresql+psycopg://me:{PASSWORD}@127.0.0.1:abc/db"),
-])
-def test_a_url_that_does_not_parse_is_one_masked_line_and_nothing_is_written(tmp_path: Path, option: str,
-                                                                            url: str) -> None:
+@pytest.mark.parametrize(
+    ("option", "url"),
+    [
+        ("--store", f"postgresql+psycopg//me:{PASSWORD}@127.0.0.1/db"),  # no ":" after the scheme
+        ("--store", f"postgresql+psycopg://me:{PASSWORD}@127.0.0.1:abc/db"),  # a port that is not a number
+        ("--tracking-uri", f"postgresql+psycopg://me:{PASSWORD}@127.0.0.1:abc/db"),
+    ],
+)
+def test_a_url_that_does_not_parse_is_one_masked_line_and_nothing_is_written(
+    tmp_path: Path, option: str, url: str
+) -> None:
     """Before: the first printed the password in clear (mask_url needs a well-formed "scheme://"),
     the second was a 72-line traceback (exit 1), the third left a `failed` run in the store."""
     done = fedcli("-q", "train", *TINY, "--rounds", "1", "--root", str(tmp_path / "root"), option, url)

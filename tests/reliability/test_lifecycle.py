@@ -26,8 +26,13 @@ TINY = ["--task", "lsq", "--clients-per-round", "4"]  # 20 clients, 11 parameter
 
 def fedcli(root: Path, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def store(root: Path) -> SqlStore:
@@ -51,10 +56,13 @@ def mlflow_points(root: Path) -> tuple[int, int, dict[str, str]]:
     """(metric rows, distinct (run, key, step), MLflow run status by fedcli run id) of the MLflow store."""
     with sqlite3.connect(root / "mlflow.db") as conn:
         rows, distinct = conn.execute(
-            "SELECT count(*), count(DISTINCT run_uuid || '|' || key || '|' || step) FROM metrics").fetchone()
-        status = dict(conn.execute(
-            "SELECT t.value, r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND t.key = 'fedcli.run_id'"
-        ).fetchall())
+            "SELECT count(*), count(DISTINCT run_uuid || '|' || key || '|' || step) FROM metrics"
+        ).fetchone()
+        status = dict(
+            conn.execute(
+                "SELECT t.value, r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND t.key = 'fedcli.run_id'"
+            ).fetchall()
+        )
     return rows, distinct, status
 
 
@@ -104,12 +112,29 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path: Path, kill_at: i
     killed = store(root).get_run(run_id)
     assert killed.status == "interrupted"  # the store tells a killed run from a live one at once
     assert (store(root).last_round(run_id) or 0) < int(rounds)
-    report = subprocess.run([sys.executable, "-m", "fedcli", "report", "--runs", run_id, "--store",
-                             f"sqlite:///{root / 'fedcli.db'}"], capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "report",
+            "--runs",
+            run_id,
+            "--store",
+            f"sqlite:///{root / 'fedcli.db'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 2 and "--include-unfinished" in " ".join(report.stderr.split())
 
-    resumed = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), "--resume",
-                              run_id[:8]], capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), "--resume", run_id[:8]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.strip().splitlines()[-1] == run_id  # the same run, continued
     for name, tensor in final_params(tmp_path / "ref", ref_id).items():
@@ -148,9 +173,25 @@ def test_checkpoints_are_kept_three_at_a_time_and_temp_files_cleaned(tmp_path: P
     assert sorted(p.name for p in folder.iterdir()) == [f"round-0000{r:02d}.pt" for r in (10, 11, 12)]
     assert [r for r, _ in store(tmp_path).checkpoints(run_id)] == [10, 11, 12]
     (folder / ".round-000013.pt.abc123").write_bytes(b"half a checkpoint")  # a write cut by a kill
-    resumed = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(tmp_path),
-                              "--resume", run_id, "--rounds", "14", "--no-mlflow"],
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--root",
+            str(tmp_path),
+            "--resume",
+            run_id,
+            "--rounds",
+            "14",
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(p.name for p in folder.iterdir()) == [f"round-0000{r:02d}.pt" for r in (12, 13, 14)]
     record = store(tmp_path).get_run(run_id)
@@ -158,14 +199,45 @@ def test_checkpoints_are_kept_three_at_a_time_and_temp_files_cleaned(tmp_path: P
 
 
 def test_unreachable_mlflow_server_fails_before_anything_is_written(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "train", *TINY, "--root", str(tmp_path / "r"),
-                           "--tracking-uri", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "train",
+            *TINY,
+            "--root",
+            str(tmp_path / "r"),
+            "--tracking-uri",
+            "http://127.0.0.1:9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "not reachable" in proc.stderr and "Traceback" not in proc.stderr
     assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1
     assert not (tmp_path / "r").exists()
-    optional = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "2", "--root",
-                               str(tmp_path / "r"), "--tracking-uri", "http://127.0.0.1:9", "--mlflow-optional"],
-                              capture_output=True, text=True, timeout=120)
+    optional = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            *TINY,
+            "--rounds",
+            "2",
+            "--root",
+            str(tmp_path / "r"),
+            "--tracking-uri",
+            "http://127.0.0.1:9",
+            "--mlflow-optional",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert optional.returncode == 0 and "SQL store only" in " ".join(optional.stderr.split())
 
 
@@ -174,8 +246,24 @@ def test_stored_config_is_what_ran_and_resume_uses_the_request(tmp_path: Path) -
     the request is kept beside it, and the config hash is the request's (so sweeps match trials)."""
     from fedcli.config.build import build_config
 
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "2", "--root",
-                           str(tmp_path), "--no-mlflow"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            *TINY,
+            "--rounds",
+            "2",
+            "--root",
+            str(tmp_path),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     record = store(tmp_path).list_runs()[0]
     train = record.config["train"]
@@ -183,20 +271,45 @@ def test_stored_config_is_what_ran_and_resume_uses_the_request(tmp_path: Path) -
     assert train["threads"] >= 1 and record.config["partition"]["num_clients"] == 20
     assert record.requested is not None and record.requested["train"]["executor"] == "auto"
     assert record.requested["data"]["model"] is None
-    overrides = {"data.task": "lsq", "train.clients_per_round": 4, "train.rounds": 2, "tracking.root": str(tmp_path),
-                 "tracking.use_mlflow": False}
+    overrides = {
+        "data.task": "lsq",
+        "train.clients_per_round": 4,
+        "train.rounds": 2,
+        "tracking.root": str(tmp_path),
+        "tracking.use_mlflow": False,
+    }
     assert record.config_hash == build_config(overrides=overrides).config_hash
 
 
 def test_sync_copies_runs_into_mlflow_once_however_often_it_runs(tmp_path: Path) -> None:
     """A run trained with --no-mlflow is copied by `fedcli sync`; a second sync adds nothing."""
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "3", "--root",
-                           str(tmp_path), "--no-mlflow"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            *TINY,
+            "--rounds",
+            "3",
+            "--root",
+            str(tmp_path),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     run_id = store(tmp_path).list_runs()[0].id
     for _ in range(2):
-        synced = subprocess.run([sys.executable, "-m", "fedcli", "sync", "--root", str(tmp_path)],
-                                capture_output=True, text=True, timeout=300)
+        synced = subprocess.run(
+            [sys.executable, "-m", "fedcli", "sync", "--root", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert synced.returncode == 0, synced.stderr
         rows, distinct, status = mlflow_points(tmp_path)
         assert rows == distinct == len(store(tmp_path).metrics_frame([run_id]))
@@ -208,11 +321,14 @@ def small_disk(tmp_path: Path):  # noqa: ANN201 - a generator fixture
     """A 3 MB tmpfs (root only); resized with `remount`. Skipped where mounting is not allowed."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip() or 'not root'}); "
-                    "the disk-full test needs root (CI runs as root)")
+        pytest.skip(
+            f"cannot mount a small tmpfs here ({made.stderr.strip() or 'not root'}); "
+            "the disk-full test needs root (CI runs as root)"
+        )
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
@@ -221,18 +337,48 @@ def test_disk_full_while_checkpointing_says_so_in_one_line_and_resumes(small_dis
     """FEMNIST MLP checkpoints (0.8 MB each) fill a 3 MB disk: one line naming 'no space left on device',
     no traceback, the store consistent; with space again the run resumes and finishes."""
     root = small_disk / "runs"
-    args = ["--algo", "fedavg", "--task", "femnist", "--rounds", "12", "--clients-per-round", "3", "--no-mlflow",
-            "--checkpoint-every", "1", "--keep-checkpoints", "3"]
+    args = [
+        "--algo",
+        "fedavg",
+        "--task",
+        "femnist",
+        "--rounds",
+        "12",
+        "--clients-per-round",
+        "3",
+        "--no-mlflow",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "3",
+    ]
     proc = fedcli(root, *args)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "no space left on device" in " ".join(err.split()) and "Traceback" not in err, err
-    assert len([line for line in err.splitlines() if line.strip()]) <= 3, err  # one message (rich may wrap it)
+    assert len([line for line in err.splitlines() if line.strip()]) <= 3, (
+        err
+    )  # one message (rich may wrap it)
     record = store(root).list_runs()[0]
     assert record.status in ("failed", "interrupted")
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
-    resumed = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), "--resume",
-                              record.id, "--no-mlflow"], capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--root",
+            str(root),
+            "--resume",
+            record.id,
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert store(root).get_run(record.id).status == "finished" and store(root).last_round(record.id) == 12
 
@@ -241,8 +387,21 @@ def test_parallel_starts_on_fresh_postgresql_databases(tmp_path: Path, pg_databa
     """4 runs started together with the results store AND MLflow on fresh PostgreSQL databases: all finish
     (MLflow's schema set-up and fedcli's table creation each happen once, under advisory locks)."""
     store_url, mlflow_url = pg_database(), pg_database()
-    procs = [fedcli(tmp_path, *TINY, "--rounds", "3", "--seed", str(seed), "--store", store_url,
-                    "--tracking-uri", mlflow_url) for seed in range(4)]
+    procs = [
+        fedcli(
+            tmp_path,
+            *TINY,
+            "--rounds",
+            "3",
+            "--seed",
+            str(seed),
+            "--store",
+            store_url,
+            "--tracking-uri",
+            mlflow_url,
+        )
+        for seed in range(4)
+    ]
     outs = [proc.communicate(timeout=600) for proc in procs]
     assert [proc.returncode for proc in procs] == [0] * 4, [err for _, err in outs]
     runs = SqlStore(store_url).list_runs()
@@ -264,8 +423,12 @@ def test_an_mlflow_store_left_half_migrated_is_named_with_its_fix(tmp_path: Path
     with sqlite3.connect(tmp_path / "mlflow.db") as conn:
         conn.execute("CREATE TABLE _alembic_tmp_params (key TEXT)")
     before = sorted(p.name for p in tmp_path.iterdir())
-    proc = subprocess.run([sys.executable, "-m", "fedcli", "train", *TINY, "--root", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedcli", "train", *TINY, "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     message = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "half-migrated" in message and "_alembic_tmp_params" in message
     assert "mv " in message and "Traceback" not in proc.stderr

@@ -42,8 +42,14 @@ START_S = 240.0  # a process's start-up on a loaded 2-core box (importing torch,
 def spawn(args: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
     """`python -m fedcli ARGS` with output captured; FEDCLI_STORE/MLFLOW_TRACKING_URI from the caller dropped."""
     base = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    return subprocess.Popen([sys.executable, "-m", "fedcli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=cwd, env={**base, "OMP_NUM_THREADS": "1", "COLUMNS": "200", **env})
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedcli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={**base, "OMP_NUM_THREADS": "1", "COLUMNS": "200", **env},
+    )
 
 
 def wait_for(what: str, probe: Callable[[], object], timeout: float = START_S) -> object:
@@ -62,8 +68,12 @@ def in_transaction(store_url: str, pid: int) -> bool:
     if store_url.startswith("sqlite"):
         return sqlite_lock_holder(Path(store_url.removeprefix("sqlite:///"))) == pid
     with SqlStore(store_url, setup_schema=False)._engine.connect() as conn:  # noqa: SLF001 - a test probe
-        busy = conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                                 "AND pid <> pg_backend_pid() AND state <> 'idle'")).scalar_one()
+        busy = conn.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND state <> 'idle'"
+            )
+        ).scalar_one()
     return bool(busy)
 
 
@@ -83,8 +93,11 @@ def mirror_of(pid: int) -> int | None:
     """The MLflow mirror process that training process `pid` spawned (from /proc), if it runs."""
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
-                    and b"fedcli.tracking.mlflow." in (entry / "cmdline").read_bytes():
+            if (
+                entry.name.isdigit()
+                and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid
+                and b"fedcli.tracking.mlflow." in (entry / "cmdline").read_bytes()
+            ):
                 return int(entry.name)
         except OSError:
             continue
@@ -110,8 +123,10 @@ def store_snapshot(db: SqlStore, run_id: str) -> tuple[list[tuple], list[tuple]]
 def write_spec(folder: Path, seeds: list[int]) -> Path:
     """2 lsq trials per seed, of 2 rounds: seconds each, mostly the trial process's start-up."""
     path = folder / "spec.yaml"
-    path.write_text("experiment: twice\nbase: {task: lsq, rounds: 2, clients_per_round: 4}\n"
-                    f"grid: {{server_opt: [sgd, adam]}}\nseeds: {seeds}\n")
+    path.write_text(
+        "experiment: twice\nbase: {task: lsq, rounds: 2, clients_per_round: 4}\n"
+        f"grid: {{server_opt: [sgd, adam]}}\nseeds: {seeds}\n"
+    )
     return path
 
 
@@ -128,7 +143,9 @@ def two_sweeps(tmp_path: Path, store_url: str, apart_s: float, seeds: list[int])
     runs = db.list_runs()
     hashes = [r.config_hash for r in runs]
     trials = 2 * len(seeds)
-    assert len(runs) == trials and len(set(hashes)) == trials, f"{len(runs)} runs for {len(set(hashes))} trials"
+    assert len(runs) == trials and len(set(hashes)) == trials, (
+        f"{len(runs)} runs for {len(set(hashes))} trials"
+    )
     assert {r.status for r in runs} == {"finished"}
     for _, err in outs:
         assert "sweep done:" in err and "Traceback" not in err
@@ -140,13 +157,17 @@ def test_two_sweeps_of_one_spec_started_together_run_each_trial_once_sqlite(tmp_
     two_sweeps(tmp_path, f"sqlite:///{tmp_path / 'root' / 'fedcli.db'}", apart_s=0.0, seeds=[0])
 
 
-def test_two_sweeps_of_one_spec_started_together_run_each_trial_once_postgresql(tmp_path: Path, pg_url: str) -> None:
+def test_two_sweeps_of_one_spec_started_together_run_each_trial_once_postgresql(
+    tmp_path: Path, pg_url: str
+) -> None:
     two_sweeps(tmp_path, pg_url, apart_s=0.0, seeds=[0])
 
 
 @pytest.mark.soak
 @pytest.mark.parametrize("apart_s", [2.0, 5.0])
-def test_two_sweeps_of_one_spec_seconds_apart_run_each_trial_once_soak(tmp_path: Path, apart_s: float) -> None:
+def test_two_sweeps_of_one_spec_seconds_apart_run_each_trial_once_soak(
+    tmp_path: Path, apart_s: float
+) -> None:
     two_sweeps(tmp_path, f"sqlite:///{tmp_path / 'root' / 'fedcli.db'}", apart_s=apart_s, seeds=[0, 1])
 
 
@@ -158,11 +179,17 @@ def stopped_run_is_never_written_twice(tmp_path: Path, store_url: str) -> None:
     mlflow_uri = f"sqlite:///{root / 'mlflow.db'}"
     common = ["--root", str(root), "--store", store_url, "--tracking-uri", mlflow_uri]
     env = {"FEDCLI_STALE_S": "2"}
-    old = spawn(["-q", "train", "--task", "lsq", "--clients-per-round", "4", "--rounds", "300", *common], tmp_path,
-                **env)
+    old = spawn(
+        ["-q", "train", "--task", "lsq", "--clients-per-round", "4", "--rounds", "300", *common],
+        tmp_path,
+        **env,
+    )
     db = SqlStore(store_url)
-    run_id = str(wait_for("round 5", lambda: next((r.id for r in db.list_runs() if (db.last_round(r.id) or 0) >= 5),
-                                                 None)))
+    run_id = str(
+        wait_for(
+            "round 5", lambda: next((r.id for r in db.list_runs() if (db.last_round(r.id) or 0) >= 5), None)
+        )
+    )
     stop_outside_transaction(old, store_url)
     # its mirror, found now: after the takeover below it may see the lease gone and end on its own
     # before the old owner is continued (a full suite on a loaded machine saw it gone)
@@ -180,20 +207,30 @@ def stopped_run_is_never_written_twice(tmp_path: Path, store_url: str) -> None:
     with db._engine.begin() as conn:  # noqa: SLF001
         conn.execute(text("UPDATE runs SET host = 'another-machine' WHERE id = :id"), {"id": run_id})
     resumer = spawn(["-q", "train", "--resume", run_id[:8], *common], tmp_path, **env)
-    wait_for("the resumed run's first round", lambda: db.get_run(run_id).pid == resumer.pid
-             and db.round_rows(run_id, -1, 10**9) and resumer.poll() is None)
+    wait_for(
+        "the resumed run's first round",
+        lambda: (
+            db.get_run(run_id).pid == resumer.pid
+            and db.round_rows(run_id, -1, 10**9)
+            and resumer.poll() is None
+        ),
+    )
     stop_outside_transaction(resumer, store_url)
     before = store_snapshot(db, run_id)
 
     os.kill(old.pid, signal.SIGCONT)
     _, err = old.communicate(timeout=120)
     assert old.returncode == TAKEN_OVER_EXIT, err
-    assert f"was taken over by pid {resumer.pid} on host {socket.gethostname()}; this process stopped writing" \
-        in " ".join(err.split()), err
+    assert (
+        f"was taken over by pid {resumer.pid} on host {socket.gethostname()}; this process stopped writing"
+        in " ".join(err.split())
+    ), err
     assert "Traceback" not in err
     assert store_snapshot(db, run_id) == before  # not one row more, changed or dropped by the old owner
     wait_for("the old owner's mirror to end", lambda: gone(old_mirror), timeout=120)
-    with sqlite3.connect(f"file:{root / 'mlflow.db'}?mode=ro", uri=True) as conn:  # the old mirror ended nothing
+    with sqlite3.connect(
+        f"file:{root / 'mlflow.db'}?mode=ro", uri=True
+    ) as conn:  # the old mirror ended nothing
         assert conn.execute("SELECT status, end_time FROM runs").fetchall() == [("RUNNING", None)]
         assert conn.execute("SELECT value FROM tags WHERE key = 'fedcli.status'").fetchall() == []
 
@@ -205,7 +242,8 @@ def stopped_run_is_never_written_twice(tmp_path: Path, store_url: str) -> None:
     assert sorted(set(db.metrics_frame([run_id])["round_idx"])) == list(range(301))
     with sqlite3.connect(root / "mlflow.db") as conn:
         rows, distinct = conn.execute(
-            "SELECT count(*), count(DISTINCT run_uuid || '|' || key || '|' || step) FROM metrics").fetchone()
+            "SELECT count(*), count(DISTINCT run_uuid || '|' || key || '|' || step) FROM metrics"
+        ).fetchone()
         steps = {s for (s,) in conn.execute("SELECT DISTINCT step FROM metrics WHERE key = 'eval/loss'")}
         status = conn.execute("SELECT status FROM runs").fetchall()
     assert rows == distinct, f"{rows - distinct} duplicate MLflow points"
@@ -217,6 +255,7 @@ def test_a_stopped_run_is_refused_then_a_taken_over_owner_stops_writing_sqlite(t
 
 
 @pytest.mark.soak
-def test_a_stopped_run_is_refused_then_a_taken_over_owner_stops_writing_postgresql_soak(tmp_path: Path,
-                                                                                         pg_url: str) -> None:
+def test_a_stopped_run_is_refused_then_a_taken_over_owner_stops_writing_postgresql_soak(
+    tmp_path: Path, pg_url: str
+) -> None:
     stopped_run_is_never_written_twice(tmp_path, pg_url)

@@ -38,13 +38,27 @@ import pytest
 
 from fedcli.tracking.store.sql_store import SqlStore
 
-SHORT = ["--task", "lsq", "--clients-per-round", "4", "--rounds", "120", "--checkpoint-every", "1"]  # vmap rounds
+SHORT = [
+    "--task",
+    "lsq",
+    "--clients-per-round",
+    "4",
+    "--rounds",
+    "120",
+    "--checkpoint-every",
+    "1",
+]  # vmap rounds
 
 
 def start(root: Path, *args: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    return subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedcli", "-q", "train", "--root", str(root), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def outcome(root: Path, code: int, out: str, err: str) -> str:
@@ -65,8 +79,12 @@ def outcome(root: Path, code: int, out: str, err: str) -> str:
         assert code in (0, -signal.SIGTERM), (code, err[-2000:])
         assert out.split()[-1:] == [run.id], out
         return "finished"
-    assert (code, run.stored_status) == (143, "interrupted"), (code, run.stored_status, run.failure_reason,
-                                                                err[-2000:])
+    assert (code, run.stored_status) == (143, "interrupted"), (
+        code,
+        run.stored_status,
+        run.failure_reason,
+        err[-2000:],
+    )
     assert "SIGTERM" in (run.failure_reason or ""), run.failure_reason
     last = store.last_round(run.id) or 0
     if last > 0:
@@ -122,7 +140,9 @@ def test_sigterm_soak_many_moments_with_and_without_mlflow(tmp_path: Path) -> No
     """60 deliveries (a third with MLflow on: its set-up before round 1, its copy at the end): every
     one accepted, and the loop reached the set-up, the rounds and the end."""
     seen = deliveries(tmp_path, 60, seed=2311, mlflow_every=3)
-    assert seen["interrupted"] >= 10 and seen["set-up"] + seen["start-up"] >= 1 and seen["finished"] >= 1, seen
+    assert seen["interrupted"] >= 10 and seen["set-up"] + seen["start-up"] >= 1 and seen["finished"] >= 1, (
+        seen
+    )
 
 
 def test_a_signal_inside_torch_vmap_is_recorded_not_raised() -> None:
@@ -137,6 +157,7 @@ def test_a_signal_inside_torch_vmap_is_recorded_not_raised() -> None:
     signals = GracefulSignals()
     signals.install()
     try:
+
         def one(x: torch.Tensor) -> torch.Tensor:
             os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside vmap
             return (2 * x).sin()
@@ -183,7 +204,17 @@ def wait_for_round(root: Path, at_least: int, timeout: float = 120.0) -> float:
 
 # A round of 20 clients x 600 local epochs (up to 5 steps each) on lsq: minutes of local training
 # per round, seconds per client. A stop that had to wait for the round would take minutes.
-LONG_ROUND = ["--task", "lsq", "--clients-per-round", "20", "--local-epochs", "600", "--rounds", "2", "--no-mlflow"]
+LONG_ROUND = [
+    "--task",
+    "lsq",
+    "--clients-per-round",
+    "20",
+    "--local-epochs",
+    "600",
+    "--rounds",
+    "2",
+    "--no-mlflow",
+]
 
 
 def stop_latency(tmp_path: Path, *args: str) -> float:
@@ -223,8 +254,19 @@ def test_unchunked_executors_stop_after_the_cohorts_local_training(tmp_path: Pat
     """Without chunks a whole cohort trains in one call (the process executor: each process one
     slice, the workers' slices waited for): SIGTERM mid-round stops the run once that returns (the
     round is abandoned, not aggregated), with exit 143 and no traceback."""
-    args = ["--task", "femnist", "--clients-per-round", "10", "--local-epochs", "20", "--rounds", "3", "--no-mlflow",
-            "--executor", executor] + (["--workers", "2"] if executor == "process" else [])
+    args = [
+        "--task",
+        "femnist",
+        "--clients-per-round",
+        "10",
+        "--local-epochs",
+        "20",
+        "--rounds",
+        "3",
+        "--no-mlflow",
+        "--executor",
+        executor,
+    ] + (["--workers", "2"] if executor == "process" else [])
     proc = start(tmp_path, *args)
     wait_for_round(tmp_path, 0, timeout=300)
     time.sleep(1.0)

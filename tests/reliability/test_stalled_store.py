@@ -56,20 +56,37 @@ def hold_write_lock(db_file: Path) -> subprocess.Popen[str]:
 
 def fedcli(*args: str, **env: str) -> subprocess.Popen[str]:
     base = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    return subprocess.Popen([sys.executable, "-m", "fedcli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**base, "OMP_NUM_THREADS": "1", "COLUMNS": "200", **env})
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedcli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**base, "OMP_NUM_THREADS": "1", "COLUMNS": "200", **env},
+    )
 
 
 def finished_run(db: SqlStore) -> str:
-    run_id = db.start_run(experiment="stall", run_name="kept", config={"seed": 0}, algo="fedavg", task="lsq", seed=0,
-                          tags={}, fedcli_version="x", torch_version="y", git_commit=None)
+    run_id = db.start_run(
+        experiment="stall",
+        run_name="kept",
+        config={"seed": 0},
+        algo="fedavg",
+        task="lsq",
+        seed=0,
+        tags={},
+        fedcli_version="x",
+        torch_version="y",
+        git_commit=None,
+    )
     for round_idx in range(3):
         db.log_round(run_id, round_idx, {"eval/loss": 1.0 / (round_idx + 1)})
     db.end_run(run_id, "finished")
     return run_id
 
 
-def test_readers_answer_and_writers_wait_with_a_true_message_while_a_writer_is_stopped(tmp_path: Path) -> None:
+def test_readers_answer_and_writers_wait_with_a_true_message_while_a_writer_is_stopped(
+    tmp_path: Path,
+) -> None:
     root = tmp_path / "root"
     url = f"sqlite:///{root / 'fedcli.db'}"
     run_id = finished_run(SqlStore(url))
@@ -87,15 +104,31 @@ def test_readers_answer_and_writers_wait_with_a_true_message_while_a_writer_is_s
         readers_s = time.monotonic() - start
         assert readers_s < 60, f"readers took {readers_s:.0f} s"  # before: they failed after 37-80 s
 
-        writer = fedcli("-q", "train", "--task", "lsq", "--rounds", "2", "--no-mlflow", "--root", str(root),
-                        FEDCLI_STORE_RETRY_S="4")
+        writer = fedcli(
+            "-q",
+            "train",
+            "--task",
+            "lsq",
+            "--rounds",
+            "2",
+            "--no-mlflow",
+            "--root",
+            str(root),
+            FEDCLI_STORE_RETRY_S="4",
+        )
         _, err = writer.communicate(timeout=120)
         lines = [line for line in err.splitlines() if line.strip()]
         assert writer.returncode == 2, err
         assert "Traceback" not in err
-        assert any(f"is locked by pid {holder.pid} (python, stopped); waiting up to 4 s" in line for line in lines), err
-        assert lines[-1].startswith("error: ") and f"locked by pid {holder.pid}" in lines[-1] \
-            and f"kill -CONT {holder.pid}" in lines[-1] and "not writable" not in lines[-1], err
+        assert any(
+            f"is locked by pid {holder.pid} (python, stopped); waiting up to 4 s" in line for line in lines
+        ), err
+        assert (
+            lines[-1].startswith("error: ")
+            and f"locked by pid {holder.pid}" in lines[-1]
+            and f"kill -CONT {holder.pid}" in lines[-1]
+            and "not writable" not in lines[-1]
+        ), err
         assert [r.id for r in SqlStore(url).list_runs()] == [run_id]  # the refused writer wrote nothing
 
         waiter = fedcli("-q", "train", "--task", "lsq", "--rounds", "2", "--no-mlflow", "--root", str(root))
@@ -120,11 +153,26 @@ def test_a_checkpoint_write_stalled_by_a_locked_store_does_not_switch_checkpoint
     writing after every round, as before the stall."""
     root = tmp_path / "root"
     db = SqlStore(f"sqlite:///{root / 'fedcli.db'}")
-    run_id = db.start_run(experiment="cadence", run_name=None, config={}, algo="fedavg", task="lsq", seed=0, tags={},
-                          fedcli_version="x", torch_version="y", git_commit=None)
-    writer = CheckpointWriter(root / "runs" / run_id, record=lambda r, p: db.add_checkpoint(run_id, r, p),
-                              forget=lambda rounds: db.delete_checkpoints(run_id, rounds), existing=[], every=None,
-                              keep=1000)
+    run_id = db.start_run(
+        experiment="cadence",
+        run_name=None,
+        config={},
+        algo="fedavg",
+        task="lsq",
+        seed=0,
+        tags={},
+        fedcli_version="x",
+        torch_version="y",
+        git_commit=None,
+    )
+    writer = CheckpointWriter(
+        root / "runs" / run_id,
+        record=lambda r, p: db.add_checkpoint(run_id, r, p),
+        forget=lambda rounds: db.delete_checkpoints(run_id, rounds),
+        existing=[],
+        every=None,
+        keep=1000,
+    )
     state, config = {"w": torch.zeros(10)}, build_config(overrides={"data.task": "lsq"}).to_dict()
     written: list[int] = []
     stalled_round, slowest = 20, 0.0
@@ -148,10 +196,13 @@ def test_a_checkpoint_write_stalled_by_a_locked_store_does_not_switch_checkpoint
 def test_the_auto_cadence_measures_again_when_the_first_write_stalled(tmp_path: Path) -> None:
     """A stalled first write is the only sample: the cap of MAX_GAP_S seconds of rounds still brings
     the next checkpoint (which measures again) instead of none for 33 000 rounds."""
-    writer = CheckpointWriter(tmp_path, record=lambda r, p: None, forget=lambda rounds: None, existing=[], every=None,
-                              keep=3)
+    writer = CheckpointWriter(
+        tmp_path, record=lambda r, p: None, forget=lambda rounds: None, existing=[], every=None, keep=3
+    )
     writer._write_s = 1000.0  # noqa: SLF001 - what the writer thread stores after a write stalled 1000 s
     assert not writer.due(1, 1.0) or writer.interval == 1
-    assert writer.interval == min(int(CheckpointWriter.MAX_GAP_S / 1.0), int(1000.0 / (AUTO_BUDGET * 1.0)) + 1)
+    assert writer.interval == min(
+        int(CheckpointWriter.MAX_GAP_S / 1.0), int(1000.0 / (AUTO_BUDGET * 1.0)) + 1
+    )
     assert writer.interval == 600
     writer.close()

@@ -35,13 +35,17 @@ START_S = 240.0  # how long a sweep may take to get its trials going on a busy 2
 pytestmark = pytest.mark.timeout(600)
 
 
-def write_spec(folder: Path, experiment: str, rounds: int, server_opts: list[str], local_epochs: int = 1) -> Path:
+def write_spec(
+    folder: Path, experiment: str, rounds: int, server_opts: list[str], local_epochs: int = 1
+) -> Path:
     """lsq trials: ~25 ms a round; 2 local epochs of batch 5 make it ~50-150 ms (time to kill mid-way)."""
     path = folder / f"{experiment}.yaml"
-    path.write_text(f"experiment: {experiment}\n"
-                    f"base: {{task: lsq, rounds: {rounds}, clients_per_round: 4, local_epochs: {local_epochs}, "
-                    f"batch_size: 5}}\n"
-                    f"grid: {{server_opt: [{', '.join(server_opts)}]}}\nseeds: [0]\n")
+    path.write_text(
+        f"experiment: {experiment}\n"
+        f"base: {{task: lsq, rounds: {rounds}, clients_per_round: 4, local_epochs: {local_epochs}, "
+        f"batch_size: 5}}\n"
+        f"grid: {{server_opt: [{', '.join(server_opts)}]}}\nseeds: [0]\n"
+    )
     return path
 
 
@@ -49,8 +53,14 @@ def sweep(root: Path, spec: Path, *args: str) -> subprocess.Popen[str]:
     """Start `fedcli sweep SPEC --root ROOT ARGS` as its own process (output captured)."""
     env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
     env.update(OMP_NUM_THREADS="1", COLUMNS="200")  # wide tables: no status cut across lines
-    return subprocess.Popen([sys.executable, "-m", "fedcli", "sweep", str(spec), "--root", str(root), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedcli", "sweep", str(spec), "--root", str(root), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=root,
+    )
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 300.0) -> tuple[int, str]:
@@ -80,10 +90,18 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = START_S)
 
 def run_at_round(root: Path, at_least: int) -> Callable[[], RunRecord | None]:
     """A probe: some live run of the store has logged round >= at_least."""
+
     def probe() -> RunRecord | None:
         db = store(root) if (root / "fedcli.db").exists() else None
-        return next((r for r in (db.list_runs() if db else []) if r.is_alive and (db.last_round(r.id) or 0) >= at_least),
-                    None)
+        return next(
+            (
+                r
+                for r in (db.list_runs() if db else [])
+                if r.is_alive and (db.last_round(r.id) or 0) >= at_least
+            ),
+            None,
+        )
+
     return probe
 
 
@@ -115,7 +133,9 @@ def one_run_per_hash(records: list[RunRecord]) -> dict[str, RunRecord]:
     return by_hash
 
 
-def test_sweep_finishes_all_trials_as_mlflow_children_and_rerun_skips_or_reuses_parent(tmp_path: Path) -> None:
+def test_sweep_finishes_all_trials_as_mlflow_children_and_rerun_skips_or_reuses_parent(
+    tmp_path: Path,
+) -> None:
     """2 trials, --workers 2, real SQLite MLflow store: both finish as children of one parent run
     tagged with the sweep; a rerun skips both; after one run is marked interrupted a rerun resumes
     it under the same MLflow child and parent (no second parent)."""
@@ -130,7 +150,10 @@ def test_sweep_finishes_all_trials_as_mlflow_children_and_rerun_skips_or_reuses_
     parents = client.search_runs([experiment], "tags.`fedcli.sweep` = 'mlf'")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     kids = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
-    assert sorted(k.data.tags["mlflow.runName"] for k in kids) == ["fedavg server_opt=adam s0", "fedavg server_opt=sgd s0"]
+    assert sorted(k.data.tags["mlflow.runName"] for k in kids) == [
+        "fedavg server_opt=adam s0",
+        "fedavg server_opt=sgd s0",
+    ]
     assert {k.info.status for k in kids} == {"FINISHED"}
 
     code, err = finish(sweep(tmp_path, spec))
@@ -191,4 +214,8 @@ def test_rerun_leaves_a_live_trial_alone_and_sigterm_stops_the_sweep_with_143(tm
     assert "sweep stopped by SIGTERM" in err and "fedcli sweep" in err  # the rerun hint
     stopped = store(tmp_path).get_run(live.id)
     assert stopped.stored_status == "interrupted" and "SIGTERM" in (stopped.failure_reason or "")
-    assert store(tmp_path).checkpoints(live.id)[-1][0] == store(tmp_path).last_round(live.id) < ROUNDS_NEVER_REACHED
+    assert (
+        store(tmp_path).checkpoints(live.id)[-1][0]
+        == store(tmp_path).last_round(live.id)
+        < ROUNDS_NEVER_REACHED
+    )

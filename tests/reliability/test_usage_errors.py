@@ -33,13 +33,16 @@ def other() -> None:
     typer.echo("other")
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["run", "--rounds", "0"], "Invalid value for '--rounds'"),
-    (["run", "--rounds", "x"], "'--rounds'"),
-    (["run", "--roundz", "3"], "No such option: --roundz"),
-    (["nosuch"], "No such command 'nosuch'"),
-    (["run", "--fail"], "train.rounds must be >= 1; got 0."),
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "--rounds", "0"], "Invalid value for '--rounds'"),
+        (["run", "--rounds", "x"], "'--rounds'"),
+        (["run", "--roundz", "3"], "No such option: --roundz"),
+        (["nosuch"], "No such command 'nosuch'"),
+        (["run", "--fail"], "train.rounds must be >= 1; got 0."),
+    ],
+)
 def test_usage_errors_are_one_line(args: list[str], needle: str) -> None:
     result = CliRunner().invoke(app, args)
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -18,20 +18,35 @@ ROUNDS = 6
 
 
 def _config(algo: str, seed: int, lr: float = 0.1, rho: float | None = None, executor: str = "auto") -> dict:
-    return {"seed": seed, "algorithm": {"name": algo, "hp": {} if rho is None else {"rho": rho}},
-            "data": {"task": "toy"}, "partition": {"scheme": "natural"},
-            "train": {"client_lr": lr, "rounds": ROUNDS, "executor": executor},
-            "tracking": {"root": f"/somewhere/{seed}"}}
+    return {
+        "seed": seed,
+        "algorithm": {"name": algo, "hp": {} if rho is None else {"rho": rho}},
+        "data": {"task": "toy"},
+        "partition": {"scheme": "natural"},
+        "train": {"client_lr": lr, "rounds": ROUNDS, "executor": executor},
+        "tracking": {"root": f"/somewhere/{seed}"},
+    }
 
 
 def _add(store: SqlStore, config: dict, accuracy: list[float], experiment: str = "exp") -> str:
-    run_id = store.start_run(experiment=experiment, run_name=None, config=config, algo=config["algorithm"]["name"],
-                             task="toy", seed=config["seed"], tags={}, fedcli_version="t", torch_version="t",
-                             git_commit=None)
+    run_id = store.start_run(
+        experiment=experiment,
+        run_name=None,
+        config=config,
+        algo=config["algorithm"]["name"],
+        task="toy",
+        seed=config["seed"],
+        tags={},
+        fedcli_version="t",
+        torch_version="t",
+        git_commit=None,
+    )
     for round_idx, value in enumerate(accuracy):
         metrics = {"eval/accuracy": value, "eval/loss": 1.0 - value}
         if round_idx:
-            metrics.update({"comm/bytes_up": 1000.0 * round_idx, "comm/bytes_down": 500.0, "time/round_s": 0.5})
+            metrics.update(
+                {"comm/bytes_up": 1000.0 * round_idx, "comm/bytes_down": 500.0, "time/round_s": 0.5}
+            )
         store.log_round(run_id, round_idx, metrics)
     store.end_run(run_id, "finished")
     return run_id
@@ -76,7 +91,11 @@ def test_table_cells_follow_the_definitions(store: SqlStore) -> None:
     fedavg = _row(markdown, "eval/accuracy (Table 3 layout)", "fedavg")
     fedpa = _row(markdown, "eval/accuracy (Table 3 layout)", "fedpa")
     std = np.std([0.6, 0.5], ddof=1) * 100
-    assert fedavg[:3] == ["2", f"55.00 ± {std:.2f}", "70.00 ± 14.14"]  # the only group with every seed: no bold
+    assert fedavg[:3] == [
+        "2",
+        f"55.00 ± {std:.2f}",
+        "70.00 ± 14.14",
+    ]  # the only group with every seed: no bold
     assert fedpa[:3] == ["2", "**90.00 ± 0.00**", "90.00 (1/2)"]  # the 4-round run never reached R = 6
     assert fedavg[3] == f"3.5 ± {np.std([3, 4], ddof=1):.1f}"
     assert fedpa[3] == "**2 ± 0**"
@@ -131,7 +150,9 @@ def test_same_store_same_text_and_scripting_formats(store: SqlStore) -> None:
     as_json, as_csv = render_json(build_report(store, spec)), render_csv(build_report(store, spec))
 
     assert first == second
-    assert "fedcli report --at 4" in first and "20" not in first.split("\n", 3)[1]  # no timestamp in the header
+    assert (
+        "fedcli report --at 4" in first and "20" not in first.split("\n", 3)[1]
+    )  # no timestamp in the header
     assert '"label": "fedpa"' in as_json
     assert as_csv.splitlines()[0] == "group,run_id,seed,table,column,statistic,value"
     assert "fedpa,,,main,at@4,mean,0.9" in as_csv
@@ -168,12 +189,15 @@ def test_window_and_smooth_default_to_the_run_length_and_long_windows_warn(store
     assert [default_window(r) for r in (4, 25, 500, 5000)] == [1, 2, 50, 100]
     assert [default_smooth(r) for r in (4, 25, 500)] == [1, 2, 10]
     assert not any(n.startswith("Warning") for n in default.notes)
-    assert any(n.startswith("Window 1 and smoothing 1: the default for runs of 4 rounds") for n in default.notes)
+    assert any(
+        n.startswith("Window 1 and smoothing 1: the default for runs of 4 rounds") for n in default.notes
+    )
     assert not any("the default for runs" in n for n in long.notes)
     assert (long.spec.window, long.spec.smooth) == (50, 2)
     assert [n for n in long.notes if n.startswith("Warning")] == [
         "Warning: --window 50 exceeds the 4 rounds every run ran: metric@R averages all rounds 1..R. "
-        "Drop --window for the default (1 here: max(1, min(100, rounds // 10)))."]
+        "Drop --window for the default (1 here: max(1, min(100, rounds // 10)))."
+    ]
     assert "window 50; smoothing 2" in render_markdown(long)
 
 
@@ -190,8 +214,9 @@ def test_unfinished_runs_only_when_asked(tmp_path: Path) -> None:
     assert any("did not finish (status interrupted)" in n for n in report.notes)
 
 
-def test_reports_show_a_sqlite_store_under_the_working_folder_relative(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reports_show_a_sqlite_store_under_the_working_folder_relative(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A committed report names no machine's paths: the store under the working folder is shown
     relative to it (the command still reruns from there); other stores as they are."""
     from fedcli.tracking.report.render import shown_store

@@ -14,12 +14,32 @@ from fedcli.tracking.report.render import BOLD_RULE, render_markdown
 from fedcli.tracking.store.sql_store import SqlStore
 
 
-def _add(store: SqlStore, algo: str, seed: int, accuracy: list[float], tags: dict[str, str] | None = None,
-         epochs: int = 1) -> str:
-    config = {"seed": seed, "algorithm": {"name": algo, "hp": {}}, "data": {"task": "toy"},
-              "train": {"rounds": len(accuracy) - 1, "local_epochs": epochs}}
-    run_id = store.start_run(experiment="exp", run_name=None, config=config, algo=algo, task="toy", seed=seed,
-                             tags=tags or {}, fedcli_version="t", torch_version="t", git_commit=None)
+def _add(
+    store: SqlStore,
+    algo: str,
+    seed: int,
+    accuracy: list[float],
+    tags: dict[str, str] | None = None,
+    epochs: int = 1,
+) -> str:
+    config = {
+        "seed": seed,
+        "algorithm": {"name": algo, "hp": {}},
+        "data": {"task": "toy"},
+        "train": {"rounds": len(accuracy) - 1, "local_epochs": epochs},
+    }
+    run_id = store.start_run(
+        experiment="exp",
+        run_name=None,
+        config=config,
+        algo=algo,
+        task="toy",
+        seed=seed,
+        tags=tags or {},
+        fedcli_version="t",
+        torch_version="t",
+        git_commit=None,
+    )
     for round_idx, value in enumerate(accuracy):
         store.log_round(run_id, round_idx, {"eval/accuracy": value, "eval/loss": 1.0 - value})
     store.end_run(run_id, "finished")
@@ -47,7 +67,9 @@ def test_a_best_mean_inside_the_seed_spread_is_not_bold(store: SqlStore) -> None
     _add(store, "fedavg", 1, [0.0, 0.0718])
     markdown = render_markdown(build_report(store, ReportSpec(window=1, smooth=1)))
 
-    assert _cells(markdown, "fedpa")[0] == "17.89 ± 14.23" and _cells(markdown, "fedavg")[0] == "14.45 ± 10.28"
+    assert (
+        _cells(markdown, "fedpa")[0] == "17.89 ± 14.23" and _cells(markdown, "fedavg")[0] == "14.45 ± 10.28"
+    )
     assert "**" not in "".join(_cells(markdown, "fedpa") + _cells(markdown, "fedavg"))
     assert BOLD_RULE in markdown
 
@@ -60,12 +82,17 @@ def test_a_gap_beyond_the_spread_is_bold_and_ties_are_not(store: SqlStore) -> No
     _add(store, "fedavg", 0, [0.0, 0.4])
     _add(store, "fedavg", 1, [0.0, 0.6])
     markdown = render_markdown(build_report(store, ReportSpec(window=1, smooth=1)))
-    assert _cells(markdown, "fedpa")[0] == "**80.00 ± 0.00**" and _cells(markdown, "fedavg")[0] == "50.00 ± 14.14"
+    assert (
+        _cells(markdown, "fedpa")[0] == "**80.00 ± 0.00**"
+        and _cells(markdown, "fedavg")[0] == "50.00 ± 14.14"
+    )
 
     _add(store, "scaffold", 0, [0.0, 0.8])
     _add(store, "scaffold", 1, [0.0, 0.8])
     markdown = render_markdown(build_report(store, ReportSpec(window=1, smooth=1)))
-    assert _cells(markdown, "fedpa")[0] == "80.00 ± 0.00" and _cells(markdown, "scaffold")[0] == "80.00 ± 0.00"
+    assert (
+        _cells(markdown, "fedpa")[0] == "80.00 ± 0.00" and _cells(markdown, "scaffold")[0] == "80.00 ± 0.00"
+    )
 
 
 def test_groups_with_identical_curves_are_named_in_a_note(store: SqlStore) -> None:
@@ -83,8 +110,10 @@ def test_groups_with_identical_curves_are_named_in_a_note(store: SqlStore) -> No
     identical = [n for n in report.notes if "identical eval/accuracy curves" in n]
     assert identical == [n for n in identical if "**fedavg**, **fedpa**" in n] and len(identical) == 1
     assert "scaffold" not in identical[0]
-    assert f"Group **fedpa**: 2 of 2 run(s) ran a degenerate configuration (tag fedcli.degenerate): {message}" \
+    assert (
+        f"Group **fedpa**: 2 of 2 run(s) ran a degenerate configuration (tag fedcli.degenerate): {message}"
         in markdown
+    )
 
 
 def test_runs_with_a_known_shortfall_are_footnoted_with_its_message(store: SqlStore) -> None:
@@ -95,8 +124,10 @@ def test_runs_with_a_known_shortfall_are_footnoted_with_its_message(store: SqlSt
         _add(store, "fedavg", seed, [0.1, 0.7])
         _add(store, "fola-offline", seed, [0.1, 0.5], tags={"fedcli.shortfall": message})
     markdown = render_markdown(build_report(store, ReportSpec(window=1, smooth=1)))
-    assert (f"Group **fola-offline**: 2 of 2 run(s) ran where the algorithm is known to trail FedAvg "
-            f"(tag fedcli.shortfall): {message}") in markdown
+    assert (
+        f"Group **fola-offline**: 2 of 2 run(s) ran where the algorithm is known to trail FedAvg "
+        f"(tag fedcli.shortfall): {message}"
+    ) in markdown
     assert "Group **fedavg**: " not in markdown
 
 
@@ -105,8 +136,14 @@ def test_recommended_settings_are_marked_in_the_configuration_table(store: SqlSt
     1: the configuration table shows both values, marks fedpa's as recommended and says the groups ran at
     unequal settings."""
     _add(store, "fedavg", 0, [0.0, 0.4], epochs=1)
-    _add(store, "fedpa", 0, [0.0, 0.5], epochs=5,
-         tags={"fedcli.recommended": "hp.burn_in_rounds=1; train.local_epochs=5"})
+    _add(
+        store,
+        "fedpa",
+        0,
+        [0.0, 0.5],
+        epochs=5,
+        tags={"fedcli.recommended": "hp.burn_in_rounds=1; train.local_epochs=5"},
+    )
     markdown = render_markdown(build_report(store, ReportSpec(window=1, smooth=1)))
 
     row = next(line for line in markdown.splitlines() if line.startswith("| `local_epochs` |"))

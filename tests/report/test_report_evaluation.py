@@ -28,8 +28,16 @@ from fedcli.tracking.metric_defs import is_lower_better
 
 
 def _task(kind: str) -> Task:
-    return Task(name=f"crafted-{kind}", description="", source="", offline=True, kind=kind,
-                models=MappingProxyType({}), default_model="", load=lambda options: None)
+    return Task(
+        name=f"crafted-{kind}",
+        description="",
+        source="",
+        offline=True,
+        kind=kind,
+        models=MappingProxyType({}),
+        default_model="",
+        load=lambda options: None,
+    )
 
 
 def _scale_fns() -> ModelFunctions:
@@ -71,7 +79,9 @@ def test_perfectly_calibrated_bins_have_zero_ece() -> None:
     conf = torch.full((4,), 0.75, dtype=torch.float64)
     x = torch.stack([conf.log(), (1 - conf).log()], dim=1)
 
-    metrics = evaluate(_task("classification"), _scale_fns(), ONE, x, torch.tensor([0, 0, 0, 1]), calibration=True)
+    metrics = evaluate(
+        _task("classification"), _scale_fns(), ONE, x, torch.tensor([0, 0, 0, 1]), calibration=True
+    )
 
     assert metrics["eval/ece"] == pytest.approx(0.0, abs=1e-12)
 
@@ -96,14 +106,21 @@ def test_multilabel_f1_matches_scikit_learn_on_random_data() -> None:
     logits[:, :2], truth[:, :2] = -5.0, 0.0
     predicted = logits > 0
 
-    metrics = evaluate(_task("multilabel"), _scale_fns(), ONE, torch.from_numpy(logits), torch.from_numpy(truth),
-                       chunk=7)
+    metrics = evaluate(
+        _task("multilabel"), _scale_fns(), ONE, torch.from_numpy(logits), torch.from_numpy(truth), chunk=7
+    )
 
     top5 = np.argsort(-logits, axis=1)[:, :5]
     hits = np.take_along_axis(truth, top5, axis=1).sum()
-    assert metrics["eval/micro_f1"] == pytest.approx(f1_score(truth, predicted, average="micro", zero_division=0), abs=1e-12)
-    assert metrics["eval/macro_f1"] == pytest.approx(f1_score(truth, predicted, average="macro", zero_division=0), abs=1e-12)
-    assert metrics["eval/precision"] == pytest.approx((predicted & (truth > 0)).sum() / predicted.sum(), abs=1e-12)
+    assert metrics["eval/micro_f1"] == pytest.approx(
+        f1_score(truth, predicted, average="micro", zero_division=0), abs=1e-12
+    )
+    assert metrics["eval/macro_f1"] == pytest.approx(
+        f1_score(truth, predicted, average="macro", zero_division=0), abs=1e-12
+    )
+    assert metrics["eval/precision"] == pytest.approx(
+        (predicted & (truth > 0)).sum() / predicted.sum(), abs=1e-12
+    )
     assert metrics["eval/recall_at_5"] == pytest.approx(hits / truth.sum(), abs=1e-12)
 
 
@@ -120,8 +137,9 @@ def test_posterior_samples_are_mean_plus_std_times_seeded_noise() -> None:
         eps_b = torch.randn((1,), generator=gen, dtype=torch.float64)
         eps_w = torch.randn((2,), generator=gen, dtype=torch.float64)
         torch.testing.assert_close(member["b"], (0.5 + 0.0 * eps_b).float(), rtol=0, atol=1e-7)
-        torch.testing.assert_close(member["w"], (mean["w"].double() + var["w"].double().sqrt() * eps_w).float(),
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            member["w"], (mean["w"].double() + var["w"].double().sqrt() * eps_w).float(), rtol=0, atol=1e-6
+        )
     assert list(members[0]) == ["w", "b"]
 
 
@@ -130,7 +148,10 @@ def test_ensemble_predictive_averages_probabilities() -> None:
     and its NLL (the eval loss) is -log of that average at the label."""
     z = torch.tensor([[1.0, 0.0, -1.0], [0.2, 0.4, 0.0]], dtype=torch.float64)
     y = torch.tensor([0, 1])
-    members = [{"scale": torch.tensor(1.0, dtype=torch.float64)}, {"scale": torch.tensor(3.0, dtype=torch.float64)}]
+    members = [
+        {"scale": torch.tensor(1.0, dtype=torch.float64)},
+        {"scale": torch.tensor(3.0, dtype=torch.float64)},
+    ]
     task = _task("classification")
 
     predict = ensemble_predict(task, _scale_fns().apply_fn, members)
@@ -155,4 +176,6 @@ def test_summarize_clients_mean_std_and_worst_tenth() -> None:
     assert summary["client/loss_worst10"] == pytest.approx(10.0, abs=1e-12)
     assert summary["client/clients"] == 10
     eleven = summarize_clients([*per_client, {"eval/accuracy": 0.0, "eval/loss": 11.0}], is_lower_better)
-    assert eleven["client/accuracy_worst10"] == pytest.approx((0.0 + 0.1) / 2, abs=1e-12)  # ceil(1.1) = 2 clients
+    assert eleven["client/accuracy_worst10"] == pytest.approx(
+        (0.0 + 0.1) / 2, abs=1e-12
+    )  # ceil(1.1) = 2 clients

@@ -16,9 +16,17 @@ def _run(task: str, root: Path) -> None:
     from fedcli.tracking.sinks import Tracker
 
     url = f"sqlite:///{root / 'fedcli.db'}"
-    cfg = build_config(overrides={"data.task": task, "train.rounds": 2, "train.threads": 1, "tracking.store": url,
-                                  "tracking.root": str(root), "tracking.use_mlflow": False,
-                                  "tracking.experiment": task})
+    cfg = build_config(
+        overrides={
+            "data.task": task,
+            "train.rounds": 2,
+            "train.threads": 1,
+            "tracking.store": url,
+            "tracking.root": str(root),
+            "tracking.use_mlflow": False,
+            "tracking.experiment": task,
+        }
+    )
     with SqlStore(url) as store:
         train(cfg, tracker=Tracker(store))
 
@@ -31,9 +39,13 @@ def test_the_f1_table_names_the_decision_rule_the_run_recorded(tmp_path: Path) -
     with SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}") as store:
         run = store.list_runs(experiment="bibtex")[0]
         assert run.config["data"]["f1_rule"].startswith("the 2 highest-scoring tags of each example")
-        page = render_markdown(build_report(store, ReportSpec(experiments=("bibtex",), metric="eval/macro_f1")))
+        page = render_markdown(
+            build_report(store, ReportSpec(experiments=("bibtex",), metric="eval/macro_f1"))
+        )
         other = render_markdown(build_report(store, ReportSpec(experiments=("synthetic-1-1",))))
-    rule = ("F1 decision rule (micro_f1, macro_f1): the 2 highest-scoring tags of each example are predicted "
-            "(top-2); k = the training split's mean label cardinality 2.40, rounded (bibtex).")
+    rule = (
+        "F1 decision rule (micro_f1, macro_f1): the 2 highest-scoring tags of each example are predicted "
+        "(top-2); k = the training split's mean label cardinality 2.40, rounded (bibtex)."
+    )
     assert page.count(rule) == 2, page
     assert "F1 decision rule" not in other

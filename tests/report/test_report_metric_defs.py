@@ -84,7 +84,9 @@ def test_window_mean_is_mean_over_last_w_rounds_up_to_r() -> None:
     gappy = rounds != 8
 
     assert md.window_mean(rounds, values, at=10, window=4) == pytest.approx((7 + 8 + 9 + 10) / 4, abs=1e-15)
-    assert md.window_mean(rounds[gappy], values[gappy], at=10, window=4) == pytest.approx((7 + 9 + 10) / 3, abs=1e-15)
+    assert md.window_mean(rounds[gappy], values[gappy], at=10, window=4) == pytest.approx(
+        (7 + 9 + 10) / 3, abs=1e-15
+    )
 
 
 def test_window_mean_excludes_round_zero_and_needs_the_run_to_reach_r() -> None:
@@ -119,10 +121,19 @@ def test_summarize_seeds_mean_sample_std_and_counts() -> None:
     assert md.summarize_seeds([None, None]) == md.SeedSummary(None, None, 0, 2)
 
 
-@pytest.mark.parametrize(("key", "lower"), [
-    ("eval/accuracy", False), ("eval/loss", True), ("eval/dist_to_opt", True), ("comm/bytes_up", True),
-    ("time/round_s", True), ("eval/macro_f1", False), ("eval/ece", True), ("eval/perplexity", True),
-])
+@pytest.mark.parametrize(
+    ("key", "lower"),
+    [
+        ("eval/accuracy", False),
+        ("eval/loss", True),
+        ("eval/dist_to_opt", True),
+        ("comm/bytes_up", True),
+        ("time/round_s", True),
+        ("eval/macro_f1", False),
+        ("eval/ece", True),
+        ("eval/perplexity", True),
+    ],
+)
 def test_direction_of_metrics(key: str, lower: bool) -> None:
     assert md.is_lower_better(key) is lower
 
@@ -137,6 +148,7 @@ def test_cumulative_sums_rounds_one_to_t_at_every_logged_round() -> None:
     (round 0, the initial model, sends nothing even if a value is logged there)."""
     rounds, values = _curve([0, 1, 2, 4], [7.0, 10.0, 20.0, 40.0])
 
-    np.testing.assert_allclose(md.cumulative(rounds, values), [0.0, 10.0, 10.0 + 20.0, 10.0 + 20.0 + 40.0],
-                               rtol=0, atol=0)
+    np.testing.assert_allclose(
+        md.cumulative(rounds, values), [0.0, 10.0, 10.0 + 20.0, 10.0 + 20.0 + 40.0], rtol=0, atol=0
+    )
     assert md.cumulative(rounds, values)[-1] == md.cumulative_at(rounds, values)

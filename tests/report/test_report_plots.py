@@ -14,23 +14,43 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedcli.tracking.report.plots import axis_label, cost_curve, report_figures
 from fedcli.tracking.report.build import build_report
 from fedcli.tracking.report.model import ReportSpec
+from fedcli.tracking.report.plots import axis_label, cost_curve, report_figures
 from fedcli.tracking.store.sql_store import SqlStore
 
 
 def _add(store: SqlStore, algo: str, seed: int, accuracy: list[float], cumulative: bool) -> None:
-    config = {"seed": seed, "algorithm": {"name": algo, "hp": {}}, "data": {"task": "toy"}, "train": {"rounds": 6}}
-    run_id = store.start_run(experiment="exp", run_name=None, config=config, algo=algo, task="toy", seed=seed,
-                             tags={}, fedcli_version="t", torch_version="t", git_commit=None)
+    config = {
+        "seed": seed,
+        "algorithm": {"name": algo, "hp": {}},
+        "data": {"task": "toy"},
+        "train": {"rounds": 6},
+    }
+    run_id = store.start_run(
+        experiment="exp",
+        run_name=None,
+        config=config,
+        algo=algo,
+        task="toy",
+        seed=seed,
+        tags={},
+        fedcli_version="t",
+        torch_version="t",
+        git_commit=None,
+    )
     for round_idx, value in enumerate(accuracy):
         metrics = {"eval/accuracy": value, "eval/loss": 1.0 - value}
         if round_idx:
             metrics.update({"comm/bytes_up": 1000.0, "comm/bytes_down": 500.0, "time/round_s": 0.5})
             if cumulative:
-                metrics.update({"comm/cum_bytes_up": 1000.0 * round_idx, "comm/cum_bytes_down": 500.0 * round_idx,
-                                "time/cum_train_s": 0.5 * round_idx})
+                metrics.update(
+                    {
+                        "comm/cum_bytes_up": 1000.0 * round_idx,
+                        "comm/cum_bytes_down": 500.0 * round_idx,
+                        "time/cum_train_s": 0.5 * round_idx,
+                    }
+                )
         store.log_round(run_id, round_idx, metrics)
     store.end_run(run_id, "finished")
 
@@ -56,8 +76,12 @@ def test_figures_come_as_200_dpi_pngs_with_reproducible_svgs(store: SqlStore, tm
     second = report_figures(build_report(store, spec), tmp_path / "b" / "report.md")
 
     names = [path for _, path in first]
-    assert names == ["report-eval_accuracy.png", "report-eval_loss.png", "report-eval_accuracy-vs-bytes.png",
-                     "report-eval_accuracy-vs-time.png"]
+    assert names == [
+        "report-eval_accuracy.png",
+        "report-eval_loss.png",
+        "report-eval_accuracy-vs-bytes.png",
+        "report-eval_accuracy-vs-time.png",
+    ]
     assert first == second
     for name in names:
         svg = name.replace(".png", ".svg")
@@ -68,10 +92,14 @@ def test_figures_come_as_200_dpi_pngs_with_reproducible_svgs(store: SqlStore, tm
         assert "<dc:date>" not in (tmp_path / "a" / svg).read_text(encoding="utf-8")
 
 
-def test_accuracy_is_drawn_in_percent_with_thresholds_and_round_markers(store: SqlStore, tmp_path: Path) -> None:
+def test_accuracy_is_drawn_in_percent_with_thresholds_and_round_markers(
+    store: SqlStore, tmp_path: Path
+) -> None:
     """Accuracy 0.1..0.9 on a % axis has ticks like 80, never 0.8; the 0.5 threshold reads 50%."""
-    report_figures(build_report(store, ReportSpec(thresholds=(0.5,), at=(4, 6), window=2, smooth=2)),
-                   tmp_path / "report.md")
+    report_figures(
+        build_report(store, ReportSpec(thresholds=(0.5,), at=(4, 6), window=2, smooth=2)),
+        tmp_path / "report.md",
+    )
 
     texts = _texts(tmp_path / "report-eval_accuracy.svg")
     assert "eval accuracy (%)" in texts and "communication round" in texts
@@ -97,10 +125,15 @@ def test_cost_axes_use_cumulative_keys_else_sum_the_per_round_ones() -> None:
     """With comm/cum_bytes_*: x_r = cum_up_r + cum_down_r as logged. Without: the sum over
     rounds 1..r of bytes_up + bytes_down. Round 0 costs 0; a round with no value stays NaN."""
     rounds = np.array([1, 2, 4])
-    logged = {"comm/cum_bytes_up": (rounds, np.array([10.0, 25.0, 70.0])),
-              "comm/cum_bytes_down": (rounds, np.array([1.0, 2.0, 4.0]))}
-    per_round = {"comm/bytes_up": (rounds, np.array([10.0, 15.0, 45.0])),
-                 "comm/bytes_down": (rounds, np.array([1.0, 1.0, 2.0])), "time/round_s": (rounds, np.ones(3))}
+    logged = {
+        "comm/cum_bytes_up": (rounds, np.array([10.0, 25.0, 70.0])),
+        "comm/cum_bytes_down": (rounds, np.array([1.0, 2.0, 4.0])),
+    }
+    per_round = {
+        "comm/bytes_up": (rounds, np.array([10.0, 15.0, 45.0])),
+        "comm/bytes_down": (rounds, np.array([1.0, 1.0, 2.0])),
+        "time/round_s": (rounds, np.ones(3)),
+    }
 
     np.testing.assert_array_equal(cost_curve(logged, "bytes", 4), [0.0, 11.0, 27.0, np.nan, 74.0])
     np.testing.assert_array_equal(cost_curve(per_round, "bytes", 4), [0.0, 11.0, 27.0, np.nan, 74.0])

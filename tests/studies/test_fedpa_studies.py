@@ -66,8 +66,10 @@ def test_bias_study_smoke_writes_tables_figure_and_fedpa_bias_falls(tmp_path: Pa
     assert "![Fig. 3: bias and variance vs local steps and rho](fedpa-bias-fig3.png)" in text
     # the smoke numbers already show FedPA's bias falling with samples, on IASG and on exact samples
     assert "FedPA's bias (rho = 0.1) consistently falls with local steps (Fig. 3b): holds" in text
-    assert "On exact posterior samples the DP delta's bias (rho = 0.1) falls as l grows (Theorem 3): " \
+    assert (
+        "On exact posterior samples the DP delta's bias (rho = 0.1) falls as l grows (Theorem 3): "
         "holds" in text
+    )
 
 
 def test_table1_study_smoke_writes_tables_figure_and_dp_matches_dense(tmp_path: Path) -> None:
@@ -75,11 +77,15 @@ def test_table1_study_smoke_writes_tables_figure_and_dp_matches_dense(tmp_path: 
     fedpa_table1.run(out, smoke=True)
     text = out.read_text()
     assert text.startswith("# FedPA Table 1")
-    assert ("| d | FedAvg | FedPA DP | IASG (no DP) | FedPA exact | DP step alone | DP / FedAvg (min) | "
-            "DP / FedAvg (median) |") in text
+    assert (
+        "| d | FedAvg | FedPA DP | IASG (no DP) | FedPA exact | DP step alone | DP / FedAvg (min) | "
+        "DP / FedAvg (median) |"
+    ) in text
     assert "interleaved method by method" in text and "1 torch thread" in text  # issue 24's protocol
     assert "| d | FedPA-DP - FedAvg | IASG - FedAvg | FedPA-DP - IASG |" in text
     assert "| 100 | 72 | 91 +26% | 82 +12% |" in text  # the paper's row, verbatim
     assert (tmp_path / "fedpa-table1-time.png").stat().st_size > 0
-    assert "The DP delta equals the dense solve (Theorem 3): relative difference < 1e-4 in float32: " \
+    assert (
+        "The DP delta equals the dense solve (Theorem 3): relative difference < 1e-4 in float32: "
         "holds" in text
+    )

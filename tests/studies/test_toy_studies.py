@@ -74,10 +74,14 @@ def test_fola_mixture_density_matches_the_gaussian_pdf_and_case_a_mode_is_the_pr
     point: it is a critical point of q_mix and the mode the study finds."""
     case = fola_toy.CASES[0]
     points = np.random.default_rng(1).uniform(-1, 2, size=(5, 2))
-    comps = [torch.distributions.MultivariateNormal(torch.tensor(m), torch.diag(torch.tensor(v)))
-             for m, v in zip(case.means, case.variances, strict=True)]
+    comps = [
+        torch.distributions.MultivariateNormal(torch.tensor(m), torch.diag(torch.tensor(v)))
+        for m, v in zip(case.means, case.variances, strict=True)
+    ]
     pts = torch.tensor(points)
-    expected = torch.logsumexp(torch.stack([c.log_prob(pts) + np.log(a) for c, a in zip(comps, case.alpha, strict=True)]), 0)
+    expected = torch.logsumexp(
+        torch.stack([c.log_prob(pts) + np.log(a) for c, a in zip(comps, case.alpha, strict=True)]), 0
+    )
 
     torch.testing.assert_close(fola_toy.log_mixture(case, points), expected.numpy(), rtol=0, atol=1e-12)
     product = fola_toy.aggregates(case)["product"]
@@ -110,7 +114,7 @@ def test_full_covariance_bayesadmm_solves_ridge_in_one_round_only_from_the_prior
     gram = problem.x.T @ problem.x
     s_star = torch.kron(torch.eye(10, dtype=F64), gram) + problem.delta * torch.eye(90, dtype=F64)
 
-    (prior_mean, prior_prec), = bayesadmm_toys.run_ridge_bayes(problem, 1, problem.delta)
+    ((prior_mean, prior_prec),) = bayesadmm_toys.run_ridge_bayes(problem, 1, problem.delta)
     from_eye = bayesadmm_toys.run_ridge_bayes(problem, 3, 1.0)
 
     torch.testing.assert_close(prior_prec, s_star, rtol=1e-12, atol=1e-9)
@@ -135,18 +139,35 @@ def test_numpy_von_client_takes_bayesadmm_full_client_updates_steps(mc: bool) ->
     20 VON steps with separate mean/precision rates (b_m = 2 b_S, decayed 1/(1 + 0.1 t)), rho = 0.2, from a
     non-trivial (m_bar, S_bar, v, V); with the delta method and with one MC sample (the same draws eps_t)."""
     x, y, m_bar, s_bar, v, V, rng = fig4_client_problem(seed=3)
-    hp = bayesadmm_full.BayesADMMFullConfig(rho=0.2, dual_damping=1.0, delta=0.2, tau=1.0, step_size=0.02,
-                                            step_decay=0.1, mean_step_ratio=2.0, mc_samples=int(mc))
+    hp = bayesadmm_full.BayesADMMFullConfig(
+        rho=0.2,
+        dual_damping=1.0,
+        delta=0.2,
+        tau=1.0,
+        step_size=0.02,
+        step_decay=0.1,
+        mean_step_ratio=2.0,
+        mc_samples=int(mc),
+    )
     noise = rng.normal(size=(20, 1, 1, 3)) * float(mc)
     xt, yt = torch.tensor(x), torch.tensor(y)
-    ctx = bayesadmm_toys.full_batch_context(xt, yt, logistic_mean_loss, 20, 1,
-                                            noise={"von": torch.tensor(noise[:, 0])} if mc else None)
+    ctx = bayesadmm_toys.full_batch_context(
+        xt, yt, logistic_mean_loss, 20, 1, noise={"von": torch.tensor(noise[:, 0])} if mc else None
+    )
     bc = bayesadmm_full.Broadcast(mean={"w": torch.tensor(m_bar)}, precision=torch.tensor(s_bar))
 
-    m, s = bayesadmm_toys.von_client(bayesadmm_toys.pad_cohort([(xt, yt)]), m_bar[None], s_bar[None], v[None, None],
-                                     V[None, None], hp, noise)
-    out = bayesadmm_full.client_update(ctx, bc, bayesadmm_full.ClientState(v=torch.tensor(v), V=torch.tensor(V)), hp,
-                                       OptimConfig())
+    m, s = bayesadmm_toys.von_client(
+        bayesadmm_toys.pad_cohort([(xt, yt)]),
+        m_bar[None],
+        s_bar[None],
+        v[None, None],
+        V[None, None],
+        hp,
+        noise,
+    )
+    out = bayesadmm_full.client_update(
+        ctx, bc, bayesadmm_full.ClientState(v=torch.tensor(v), V=torch.tensor(V)), hp, OptimConfig()
+    )
 
     torch.testing.assert_close(torch.tensor(m[0, 0]), out.upload["mean"], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(torch.tensor(s[0, 0]), out.upload["precision"], rtol=1e-9, atol=1e-9)
@@ -162,9 +183,13 @@ def test_numpy_admm_client_takes_fedadmm_client_updates_steps() -> None:
     ctx = bayesadmm_toys.full_batch_context(torch.tensor(x), torch.tensor(y), logistic_mean_loss, 50, 1)
 
     theta, steps = bayesadmm_toys.admm_client(x, y, theta_bar, v, 0.2, 1e-3, 0.8, 50, 0.0)
-    out = fedadmm.client_update(ctx, fedadmm.Broadcast(params={"w": torch.tensor(theta_bar)}),
-                                fedadmm.ClientState(v={"w": torch.tensor(v)}), hp,
-                                OptimConfig(client_lr=1e-3 * len(y), client_momentum=0.8))
+    out = fedadmm.client_update(
+        ctx,
+        fedadmm.Broadcast(params={"w": torch.tensor(theta_bar)}),
+        fedadmm.ClientState(v={"w": torch.tensor(v)}),
+        hp,
+        OptimConfig(client_lr=1e-3 * len(y), client_momentum=0.8),
+    )
 
     assert steps == 50
     torch.testing.assert_close(torch.tensor(theta), out.upload["params"]["w"], rtol=1e-8, atol=0)

@@ -25,10 +25,12 @@ def test_a_bad_trial_is_pruned_at_its_round_listed_and_left_out_of_reports(tmp_p
     for lr in (0.05, 0.03, 1e-6):
         study.enqueue_trial({"client_lr": lr})
     spec = tmp_path / "prune.yaml"
-    spec.write_text(f"experiment: prune\nbase: {BASE % (6, 1)}\n"
-                    "search: {sampler: tpe, trials: 3, metric: loss, direction: min,\n"
-                    "         space: {client_lr: [0.05, 0.03, 0.000001]}}\n"
-                    "pruner: {type: median, warmup: 1, startup_trials: 2}\nreport: {metric: loss}\n")
+    spec.write_text(
+        f"experiment: prune\nbase: {BASE % (6, 1)}\n"
+        "search: {sampler: tpe, trials: 3, metric: loss, direction: min,\n"
+        "         space: {client_lr: [0.05, 0.03, 0.000001]}}\n"
+        "pruner: {type: median, warmup: 1, startup_trials: 2}\nreport: {metric: loss}\n"
+    )
     code, err = finish(sweep(tmp_path, spec))
     assert code == 0, err  # a pruned trial does not fail the sweep
     assert "2 finished, 1 pruned" in err
@@ -44,8 +46,9 @@ def test_a_bad_trial_is_pruned_at_its_round_listed_and_left_out_of_reports(tmp_p
     assert {r["id"]: (r["status"], r["rounds"]) for r in json.loads(listed.stdout)}[bad.id] == ("pruned", 2)
 
     report = tmp_path / "out" / "r.md"
-    result = CliRunner().invoke(app, ["report", "--experiment", "prune", "--root", str(tmp_path), "--output",
-                                      str(report)])
+    result = CliRunner().invoke(
+        app, ["report", "--experiment", "prune", "--root", str(tmp_path), "--output", str(report)]
+    )
     assert result.exit_code == 0, result.output
     text = report.read_text()
     assert bad.id not in text and "## Search" in text  # pruned runs are left out by default
@@ -54,8 +57,19 @@ def test_a_bad_trial_is_pruned_at_its_round_listed_and_left_out_of_reports(tmp_p
     assert "trials: 2 complete, 1 pruned" in text
     for name in ("r-search-history.png", "r-search-importances.png"):
         assert (report.parent / name).stat().st_size > 1000 and f"]({name})" in text
-    every = CliRunner().invoke(app, ["report", "--experiment", "prune", "--root", str(tmp_path),
-                                     "--include-unfinished", "--output", str(tmp_path / "all" / "r.md")])
+    every = CliRunner().invoke(
+        app,
+        [
+            "report",
+            "--experiment",
+            "prune",
+            "--root",
+            str(tmp_path),
+            "--include-unfinished",
+            "--output",
+            str(tmp_path / "all" / "r.md"),
+        ],
+    )
     assert every.exit_code == 0 and bad.id in (tmp_path / "all" / "r.md").read_text()
 
 
@@ -75,8 +89,18 @@ def test_an_older_store_takes_the_pruned_status(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     db = SqlStore(f"sqlite:///{path}")
-    run = db.start_run(experiment="e", run_name="r", config={}, algo="fedavg", task="lsq", seed=0, tags={},
-                       fedcli_version="t", torch_version="t", git_commit=None)
+    run = db.start_run(
+        experiment="e",
+        run_name="r",
+        config={},
+        algo="fedavg",
+        task="lsq",
+        seed=0,
+        tags={},
+        fedcli_version="t",
+        torch_version="t",
+        git_commit=None,
+    )
     db.end_run(run, "pruned", reason="pruned at round 3")
     assert db.get_run(run).status == "pruned"
     check = sqlite3.connect(path)

@@ -58,21 +58,33 @@ def ray_head() -> Iterator[str]:
         yield address
 
 
-def write_spec(folder: Path, experiment: str, rounds: int, algos: str, seeds: str, local_epochs: int = 1) -> Path:
+def write_spec(
+    folder: Path, experiment: str, rounds: int, algos: str, seeds: str, local_epochs: int = 1
+) -> Path:
     path = folder / f"{experiment}.yaml"
-    path.write_text(f"experiment: {experiment}\n"
-                    f"base: {{task: lsq, rounds: {rounds}, clients_per_round: 4, local_epochs: {local_epochs}, "
-                    f"batch_size: 5}}\ngrid: {{algo: [{algos}]{', hp.mu: [0.1]' if 'fedprox' in algos else ''}}}\n"
-                    f"seeds: [{seeds}]\n")  # hp.mu without fedprox would sweep nothing: refused (fedcli.sweep)
+    path.write_text(
+        f"experiment: {experiment}\n"
+        f"base: {{task: lsq, rounds: {rounds}, clients_per_round: 4, local_epochs: {local_epochs}, "
+        f"batch_size: 5}}\ngrid: {{algo: [{algos}]{', hp.mu: [0.1]' if 'fedprox' in algos else ''}}}\n"
+        f"seeds: [{seeds}]\n"
+    )  # hp.mu without fedprox would sweep nothing: refused (fedcli.sweep)
     return path
 
 
 def sweep(root: Path, spec: Path, *args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
     """Start `fedcli sweep SPEC --root ROOT ARGS` as its own process in `cwd` (default ROOT), output captured."""
-    env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")
+    }
     env.update(OMP_NUM_THREADS="1", COLUMNS="200")
-    return subprocess.Popen([sys.executable, "-m", "fedcli", "sweep", str(spec), "--root", str(root), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd or root)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedcli", "sweep", str(spec), "--root", str(root), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd or root,
+    )
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 240.0) -> tuple[int, str]:
@@ -84,7 +96,9 @@ def runs(root: Path) -> list[RunRecord]:
     return SqlStore(f"sqlite:///{root / 'fedcli.db'}").list_runs() if (root / "fedcli.db").exists() else []
 
 
-def test_ray_sweep_runs_trials_as_mlflow_children_and_a_rerun_trains_nothing(tmp_path: Path, ray_head: str) -> None:
+def test_ray_sweep_runs_trials_as_mlflow_children_and_a_rerun_trains_nothing(
+    tmp_path: Path, ray_head: str
+) -> None:
     """2 algorithms x 2 seeds, 2 rounds, on a 2-CPU head: 4 finished runs whose stored configs are
     the grid's, the MLflow parent run of the sweep with the 4 runs as its children; the rerun
     skips all 4 and adds no run to either store."""
@@ -95,11 +109,17 @@ def test_ray_sweep_runs_trials_as_mlflow_children_and_a_rerun_trains_nothing(tmp
     assert code == 0, err
     assert "sweep done: 4 finished." in err and "Traceback" not in err
     records = runs(tmp_path)
-    got = sorted((r.config["algorithm"]["name"], r.config["seed"], r.config["train"]["rounds"], r.status)
-                 for r in records)
+    got = sorted(
+        (r.config["algorithm"]["name"], r.config["seed"], r.config["train"]["rounds"], r.status)
+        for r in records
+    )
     assert got == [(a, s, 2, "finished") for a in ("fedavg", "fedprox") for s in (0, 1)]
-    assert {r.config["algorithm"]["hp"].get("mu") for r in records if r.config["algorithm"]["name"] == "fedprox"} == {0.1}
-    assert {r.config["train"]["workers"] for r in records} == {1}  # one CPU per trial (--cpus-per-trial default)
+    assert {
+        r.config["algorithm"]["hp"].get("mu") for r in records if r.config["algorithm"]["name"] == "fedprox"
+    } == {0.1}
+    assert {r.config["train"]["workers"] for r in records} == {
+        1
+    }  # one CPU per trial (--cpus-per-trial default)
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("rayx").experiment_id
@@ -138,8 +158,9 @@ def test_sigint_cancels_the_ray_trials_and_a_rerun_resumes_them(tmp_path: Path, 
     assert "sweep stopped by SIGINT" in err and "--backend ray" in err  # the rerun hint keeps the backend
     stopped = runs(tmp_path)
     assert {r.status for r in stopped} == {"interrupted"}, [(r.status, r.failure_reason) for r in stopped]
-    assert all("stopped by SIG" in (r.failure_reason or "") and db().checkpoints(r.id) for r in stopped), \
-        [r.failure_reason for r in stopped]
+    assert all("stopped by SIG" in (r.failure_reason or "") and db().checkpoints(r.id) for r in stopped), [
+        r.failure_reason for r in stopped
+    ]
     assert all((db().last_round(r.id) or 0) < rounds for r in stopped)
 
     code, err = finish(sweep(tmp_path, spec, "--backend", "ray", "--address", ray_head, "--no-mlflow"))
@@ -156,25 +177,34 @@ def test_unreachable_address_exits_2_with_one_line_and_writes_nothing(tmp_path: 
     pytest.importorskip("ray", reason=RAY_MISSING)
     spec = write_spec(tmp_path, "nowhere", rounds=2, algos="fedavg", seeds="0")
     root = tmp_path / "runs"
-    code, err = finish(sweep(root, spec, "--backend", "ray", "--address", f"127.0.0.1:{free_port()}", cwd=tmp_path),
-                       timeout=60)
+    code, err = finish(
+        sweep(root, spec, "--backend", "ray", "--address", f"127.0.0.1:{free_port()}", cwd=tmp_path),
+        timeout=60,
+    )
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("error: the Ray cluster at '127.0.0.1:") and "cannot be reached" in lines[0]
     assert not root.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["nowhere.yaml"]
 
 
-def test_without_ray_the_ray_backend_exits_2_naming_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_ray_the_ray_backend_exits_2_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = write_spec(tmp_path, "noray", rounds=2, algos="fedavg", seeds="0")
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    result = CliRunner().invoke(app, ["sweep", str(spec), "--root", str(tmp_path / "runs"), "--backend", "ray"])
+    result = CliRunner().invoke(
+        app, ["sweep", str(spec), "--root", str(tmp_path / "runs"), "--backend", "ray"]
+    )
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines() == [
-        "error: --backend ray needs Ray, which is not installed; install it with: pip install 'fedcli[ray]'"]
+        "error: --backend ray needs Ray, which is not installed; install it with: pip install 'fedcli[ray]'"
+    ]
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("flag", [["--address", "auto"], ["--cpus-per-trial", "2"], ["--gpus-per-trial", "1"]])
+@pytest.mark.parametrize(
+    "flag", [["--address", "auto"], ["--cpus-per-trial", "2"], ["--gpus-per-trial", "1"]]
+)
 def test_ray_options_need_the_ray_backend(tmp_path: Path, flag: list[str]) -> None:
     spec = write_spec(tmp_path, "local", rounds=2, algos="fedavg", seeds="0")
     result = CliRunner().invoke(app, ["sweep", str(spec), "--root", str(tmp_path / "runs"), *flag])
@@ -184,8 +214,15 @@ def test_ray_options_need_the_ray_backend(tmp_path: Path, flag: list[str]) -> No
 
 def nodes(*cpus_gpus: tuple[float, float]) -> list[dict[str, object]]:
     """Alive nodes as `ray.nodes()` lists them."""
-    return [{"NodeID": f"n{i}", "Alive": True, "NodeManagerHostname": f"host{i}", "Resources": {"CPU": c, "GPU": g}}
-            for i, (c, g) in enumerate(cpus_gpus)]
+    return [
+        {
+            "NodeID": f"n{i}",
+            "Alive": True,
+            "NodeManagerHostname": f"host{i}",
+            "Resources": {"CPU": c, "GPU": g},
+        }
+        for i, (c, g) in enumerate(cpus_gpus)
+    ]
 
 
 def test_multi_node_cluster_refuses_sqlite_stores_and_local_mlflow(tmp_path: Path) -> None:
@@ -195,12 +232,18 @@ def test_multi_node_cluster_refuses_sqlite_stores_and_local_mlflow(tmp_path: Pat
     pg, server = "postgresql+psycopg://me@db/fedcli", "http://mlflow:5000"
     check_cluster(nodes((2, 0)), TrackingConfig(root=str(tmp_path)), cpus=1, gpus=0)
     two = nodes((8, 0), (8, 0))
-    with pytest.raises(ConfigError, match=r"is a SQLite file, but the trials run on the 2 nodes .* --store postgresql"):
+    with pytest.raises(
+        ConfigError, match=r"is a SQLite file, but the trials run on the 2 nodes .* --store postgresql"
+    ):
         check_cluster(two, TrackingConfig(root=str(tmp_path)), cpus=1, gpus=0)
     with pytest.raises(ConfigError, match=r"SQLite file"):
-        check_cluster(two, TrackingConfig(store=f"sqlite:///{tmp_path / 'x.db'}", tracking_uri=server), cpus=1, gpus=0)
+        check_cluster(
+            two, TrackingConfig(store=f"sqlite:///{tmp_path / 'x.db'}", tracking_uri=server), cpus=1, gpus=0
+        )
     for uri in (f"sqlite:///{tmp_path / 'm.db'}", f"file://{tmp_path / 'mlruns'}", str(tmp_path / "mlruns")):
-        with pytest.raises(ConfigError, match=r"MLflow tracking URI .* is a local file, .* --tracking-uri http"):
+        with pytest.raises(
+            ConfigError, match=r"MLflow tracking URI .* is a local file, .* --tracking-uri http"
+        ):
             check_cluster(two, TrackingConfig(store=pg, tracking_uri=uri), cpus=1, gpus=0)
     check_cluster(two, TrackingConfig(store=pg, tracking_uri=server), cpus=1, gpus=0)
     check_cluster(two, TrackingConfig(store=pg, use_mlflow=False, root=str(tmp_path)), cpus=1, gpus=0)
@@ -208,18 +251,25 @@ def test_multi_node_cluster_refuses_sqlite_stores_and_local_mlflow(tmp_path: Pat
 
 def test_trial_resources_must_fit_a_node_and_set_the_default_workers() -> None:
     """Default --workers: per node floor(CPU / cpus) (and floor(GPU / gpus)), summed."""
-    cluster, shared = nodes((4, 2), (2, 0)), TrackingConfig(store="postgresql+psycopg://db/f", use_mlflow=False)
+    cluster, shared = (
+        nodes((4, 2), (2, 0)),
+        TrackingConfig(store="postgresql+psycopg://db/f", use_mlflow=False),
+    )
     check_cluster(cluster, shared, cpus=4, gpus=2)
     with pytest.raises(ConfigError, match=r"--cpus-per-trial 8 --gpus-per-trial 0 fits no node .* 4 CPUs"):
         check_cluster(cluster, shared, cpus=8, gpus=0)
     with pytest.raises(ConfigError, match=r"--gpus-per-trial 4 fits no node"):
         check_cluster(cluster, shared, cpus=1, gpus=4)
     assert RayCluster(None, cluster, cpus=1, gpus=0).default_workers() == 4 + 2
-    assert RayCluster(None, cluster, cpus=1, gpus=0.5).default_workers() == 4  # GPUs: 2 / 0.5 on node 0, none on 1
+    assert (
+        RayCluster(None, cluster, cpus=1, gpus=0.5).default_workers() == 4
+    )  # GPUs: 2 / 0.5 on node 0, none on 1
     assert RayCluster(None, cluster, cpus=3, gpus=0).default_workers() == 1
 
 
-def test_a_saved_ray_token_is_used_and_an_explicit_auth_mode_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_saved_ray_token_is_used_and_an_explicit_auth_mode_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ray >= 2.60's `ray start --head` turns token auth on and saves ~/.ray/auth_token, but a driver
     sends it only with RAY_AUTH_MODE=token (without it both Ray sweep tests failed with
     InvalidAuthToken). The sweep sets the mode, never the token, and only when the mode is unset."""

@@ -24,15 +24,39 @@ def test_search_with_pruning_on_ray(tmp_path: Path, ray_head: str) -> None:  # n
     for lr in (0.05, 0.03, 1e-6):  # run first, in order (one trial at a time): the last barely learns
         study.enqueue_trial({"client_lr": lr})
     spec = tmp_path / "s.yaml"
-    spec.write_text(f"experiment: ray-search\nbase: {BASE % (6, 1)}\n"
-                    "search: {sampler: random, trials: 4, metric: loss, direction: min,\n"
-                    "         space: {client_lr: {log_uniform: [0.000001, 0.1]}}}\n"
-                    "pruner: {type: median, warmup: 1, startup_trials: 2}\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    spec.write_text(
+        f"experiment: ray-search\nbase: {BASE % (6, 1)}\n"
+        "search: {sampler: random, trials: 4, metric: loss, direction: min,\n"
+        "         space: {client_lr: {log_uniform: [0.000001, 0.1]}}}\n"
+        "pruner: {type: median, warmup: 1, startup_trials: 2}\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")
+    }
     env.update(OMP_NUM_THREADS="1", COLUMNS="200")
-    proc = subprocess.Popen([sys.executable, "-m", "fedcli", "sweep", str(spec), "--root", str(tmp_path), "--no-mlflow",
-                             "--backend", "ray", "--address", ray_head, "--workers", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "sweep",
+            str(spec),
+            "--root",
+            str(tmp_path),
+            "--no-mlflow",
+            "--backend",
+            "ray",
+            "--address",
+            ray_head,
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     code, err = finish(proc, 360)
     assert code == 0, err
     trials = {t.number: t for t in study_of(url, "ray-search")}

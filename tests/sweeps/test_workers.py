@@ -51,13 +51,17 @@ def write_spec(folder: Path, name: str, base: str, grid: str, seeds: str = "[0]"
 def values(root: Path, run_id: str) -> dict[tuple[int, str], float]:
     """Every round metric of the run but wall-clock times: (round, key) -> value."""
     frame = store(root).metrics_frame([run_id])
-    return {(int(r), str(k)): float(v) for r, k, v in zip(frame["round_idx"], frame["key"], frame["value"], strict=True)
-            if not str(k).startswith(TIMING_KEYS)}
+    return {
+        (int(r), str(k)): float(v)
+        for r, k, v in zip(frame["round_idx"], frame["key"], frame["value"], strict=True)
+        if not str(k).startswith(TIMING_KEYS)
+    }
 
 
 def test_one_worker_runs_every_trial_as_its_own_run_bit_equal_to_fedcli_train(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path, "w-one", "task: lsq, rounds: 4, clients_per_round: 4", "algo: [fedavg, fedprox]",
-                      "[0, 1]")
+    spec = write_spec(
+        tmp_path, "w-one", "task: lsq, rounds: 4, clients_per_round: 4", "algo: [fedavg, fedprox]", "[0, 1]"
+    )
     code, err = finish(sweep(tmp_path, spec, "--workers", "1", "--no-mlflow"))
     assert code == 0, err
     records = runs(tmp_path)
@@ -73,10 +77,34 @@ def test_one_worker_runs_every_trial_as_its_own_run_bit_equal_to_fedcli_train(tm
     last = max(records, key=lambda r: r.created_at)
     alone = tmp_path / "alone"
     alone.mkdir()
-    train = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "lsq", "--rounds", "4",
-                            "--clients-per-round", "4", "--algo", last.algo, "--seed", str(last.seed),
-                            "--threads", str(threads), "--root", str(alone), "--no-mlflow"],
-                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    train = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "lsq",
+            "--rounds",
+            "4",
+            "--clients-per-round",
+            "4",
+            "--algo",
+            last.algo,
+            "--seed",
+            str(last.seed),
+            "--threads",
+            str(threads),
+            "--root",
+            str(alone),
+            "--no-mlflow",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert train.returncode == 0, train.stderr
     (single,) = runs(alone)
     assert single.config_hash == last.config_hash
@@ -86,8 +114,9 @@ def test_one_worker_runs_every_trial_as_its_own_run_bit_equal_to_fedcli_train(tm
 
 def test_workers_share_the_cores_and_a_trial_that_raises_costs_only_that_trial(tmp_path: Path) -> None:
     # client_lr 1e30 diverges in round 1: the engine raises, marks the run failed; the other trials finish
-    spec = write_spec(tmp_path, "w-raise", "task: lsq, rounds: 3, clients_per_round: 4",
-                      "client_lr: [0.01, 1.0e+30, 0.02]")
+    spec = write_spec(
+        tmp_path, "w-raise", "task: lsq, rounds: 3, clients_per_round: 4", "client_lr: [0.01, 1.0e+30, 0.02]"
+    )
     code, err = finish(sweep(tmp_path, spec, "--workers", "2", "--no-mlflow"))
     assert code == 1, err
     records = runs(tmp_path)
@@ -100,8 +129,12 @@ def test_workers_share_the_cores_and_a_trial_that_raises_costs_only_that_trial(t
 
 
 def test_a_sigkilled_worker_costs_its_trial_only_and_a_rerun_resumes_it(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path, "w-kill", "task: lsq, clients_per_round: 4, local_epochs: 2, batch_size: 5",
-                      f"rounds: [{ROUNDS_NEVER_REACHED}, 3]")
+    spec = write_spec(
+        tmp_path,
+        "w-kill",
+        "task: lsq, clients_per_round: 4, local_epochs: 2, batch_size: 5",
+        f"rounds: [{ROUNDS_NEVER_REACHED}, 3]",
+    )
     proc = sweep(tmp_path, spec, "--workers", "1", "--no-mlflow")
     try:
         long_run = wait_for("the long trial at round 2", run_at_round(tmp_path, 2))
@@ -122,8 +155,12 @@ def test_a_sigkilled_worker_costs_its_trial_only_and_a_rerun_resumes_it(tmp_path
 
 
 def test_sigterm_stops_the_sweep_in_order_and_a_rerun_trains_only_what_is_missing(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path, "w-term", "task: lsq, clients_per_round: 4, local_epochs: 2, batch_size: 5",
-                      f"rounds: [3, {ROUNDS_NEVER_REACHED}]")
+    spec = write_spec(
+        tmp_path,
+        "w-term",
+        "task: lsq, clients_per_round: 4, local_epochs: 2, batch_size: 5",
+        f"rounds: [3, {ROUNDS_NEVER_REACHED}]",
+    )
     proc = sweep(tmp_path, spec, "--workers", "1", "--no-mlflow")
     try:  # the 3-round trial runs first, in the same worker; the long one is stopped past its round 3
         long_run = wait_for("the long trial at round 4", run_at_round(tmp_path, 4))
@@ -185,8 +222,13 @@ def mirrors(ancestor: int) -> set[tuple[int, str]]:
 def test_one_mlflow_mirror_per_sweep_and_every_trial_a_nested_child(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    spec = write_spec(tmp_path, "w-mirror", "task: lsq, rounds: 3, clients_per_round: 4", "algo: [fedavg, fedprox]",
-                      "[0, 1]")
+    spec = write_spec(
+        tmp_path,
+        "w-mirror",
+        "task: lsq, rounds: 3, clients_per_round: 4",
+        "algo: [fedavg, fedprox]",
+        "[0, 1]",
+    )
     proc = sweep(tmp_path, spec, "--workers", "2")
     seen: set[tuple[int, str]] = set()
     while proc.poll() is None:
@@ -231,8 +273,9 @@ class ListSource:
         return None
 
 
-def test_the_scheduler_asks_its_source_for_trials_and_tells_it_each_outcome(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_scheduler_asks_its_source_for_trials_and_tells_it_each_outcome(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from fedcli.sweep.plan import NEW, Plan
     from fedcli.sweep.scheduler import TrialClaims
     from fedcli.sweep.spec import expand
@@ -240,13 +283,18 @@ def test_the_scheduler_asks_its_source_for_trials_and_tells_it_each_outcome(tmp_
     from fedcli.tracking.store.sql_store import SqlStore
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    body = {"experiment": "w-source", "base": {"task": "lsq", "rounds": 2, "clients_per_round": 4},
-            "grid": {"client_lr": [0.01, 1.0e30]}, "seeds": [0]}
+    body = {
+        "experiment": "w-source",
+        "base": {"task": "lsq", "rounds": 2, "clients_per_round": 4},
+        "grid": {"client_lr": [0.01, 1.0e30]},
+        "seeds": [0],
+    }
     trials = expand(body, {"tracking.root": str(tmp_path), "tracking.use_mlflow": False})
     source = ListSource([Plan(t, NEW) for t in trials])
     db = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
-    scheduler = WorkerScheduler([], workers=1, cores=1, threads=1, parent_run=None, source=source,
-                                claims=TrialClaims(db, "w-source"))
+    scheduler = WorkerScheduler(
+        [], workers=1, cores=1, threads=1, parent_run=None, source=source, claims=TrialClaims(db, "w-source")
+    )
     try:
         assert scheduler.run(lambda processes: None, tick_s=0.5) is None
     finally:
@@ -261,7 +309,8 @@ def test_the_scheduler_asks_its_source_for_trials_and_tells_it_each_outcome(tmp_
 
 
 def test_the_worker_started_early_runs_the_first_trial_with_the_urls_password_sent_over_its_pipe(
-        tmp_path: Path, pg_database, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    tmp_path: Path, pg_database, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
     """`spawn_early` (what `fedcli sweep` calls before it imports torch) starts a worker with the sweep's
     environment, which holds no FEDCLI_STORE; the scheduler adopts it for its first trial (the same
     process) and sends the store URL's password with each trial (`trial_secrets`), never on a command
@@ -281,12 +330,23 @@ def test_the_worker_started_early_runs_the_first_trial_with_the_urls_password_se
     spawn_early()
     early = _EARLY[0][0]
     assert PASSWORD.encode() not in Path(f"/proc/{early.pid}/environ").read_bytes()
-    body = {"experiment": "w-early", "base": {"task": "lsq", "rounds": 2, "clients_per_round": 4}, "seeds": [0, 1]}
-    trials = expand(body, {"tracking.root": str(tmp_path), "tracking.use_mlflow": False,
-                                  "tracking.store": store_url})
+    body = {
+        "experiment": "w-early",
+        "base": {"task": "lsq", "rounds": 2, "clients_per_round": 4},
+        "seeds": [0, 1],
+    }
+    trials = expand(
+        body, {"tracking.root": str(tmp_path), "tracking.use_mlflow": False, "tracking.store": store_url}
+    )
     db = SqlStore(store_url)
-    scheduler = WorkerScheduler([Plan(t, NEW) for t in trials], workers=1, cores=1, threads=1,
-                                parent_run=None, claims=TrialClaims(db, "w-early"))
+    scheduler = WorkerScheduler(
+        [Plan(t, NEW) for t in trials],
+        workers=1,
+        cores=1,
+        threads=1,
+        parent_run=None,
+        claims=TrialClaims(db, "w-early"),
+    )
     try:
         assert scheduler.run(lambda processes: None, tick_s=0.5) is None
         assert [w.proc.pid for w in scheduler.pool] == [early.pid] and _EARLY == []

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_one_ray_actor_runs_several_trials_each_its_own_run(tmp_path: Path, ray_head: str) -> None:  # noqa: F811
     spec = write_spec(tmp_path, "ray-actors", rounds=2, algos="fedavg", seeds="0, 1, 2")
-    code, err = finish(sweep(tmp_path, spec, "--backend", "ray", "--address", ray_head, "--workers", "1",
-                             "--no-mlflow"))
+    code, err = finish(
+        sweep(tmp_path, spec, "--backend", "ray", "--address", ray_head, "--workers", "1", "--no-mlflow")
+    )
     assert code == 0, err
     records = runs(tmp_path)
     assert len(records) == 3 and {r.status for r in records} == {"finished"}

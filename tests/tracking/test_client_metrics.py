@@ -19,9 +19,26 @@ from fedcli.tracking.store.sql_store import SqlStore
 
 
 def test_each_round_stores_its_clients_and_their_weighted_mean_is_the_round_metric(tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["-q", "train", "--task", "lsq", "--algo", "fedprox", "--hp", "mu=0.1",
-                                      "--rounds", "3", "--clients-per-round", "4", "--no-mlflow", "--root",
-                                      str(tmp_path)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "-q",
+            "train",
+            "--task",
+            "lsq",
+            "--algo",
+            "fedprox",
+            "--hp",
+            "mu=0.1",
+            "--rounds",
+            "3",
+            "--clients-per-round",
+            "4",
+            "--no-mlflow",
+            "--root",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     store = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
     run_id = result.stdout.split()[-1]
@@ -31,7 +48,9 @@ def test_each_round_stores_its_clients_and_their_weighted_mean_is_the_round_metr
     assert {"client/num_examples", "train/loss", "client/fedprox_drift"} <= set(clients["key"])
     assert sorted(set(clients["round_idx"])) == [1, 2, 3]
     for round_idx in (1, 2, 3):
-        rows = clients[clients["round_idx"] == round_idx].pivot(index="client_id", columns="key", values="value")
+        rows = clients[clients["round_idx"] == round_idx].pivot(
+            index="client_id", columns="key", values="value"
+        )
         assert len(rows) == 4 and rows.index.is_unique and (rows.index < 20).all()  # lsq: 20 clients
         weights = rows["client/num_examples"].to_numpy()
         assert (weights > 0).all() and np.allclose(weights, np.round(weights))
@@ -40,4 +59,5 @@ def test_each_round_stores_its_clients_and_their_weighted_mean_is_the_round_metr
         drift = float(np.average(rows["client/fedprox_drift"].to_numpy(), weights=weights))
         assert drift == pytest.approx(cohort_means.loc[round_idx, "client/fedprox_drift"], rel=1e-6)
     assert store.client_metrics_frame([run_id], keys=["client/num_examples"])["key"].unique().tolist() == [
-        "client/num_examples"]
+        "client/num_examples"
+    ]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 # the wrapper as earlier versions copied it into every logged model (tracking/mlflow_model.py then)
-LEGACY_WRAPPER = '''
+LEGACY_WRAPPER = """
 import mlflow
 import numpy as np
 from mlflow.pyfunc import PythonModel
@@ -35,7 +35,7 @@ class FedcliModel(PythonModel):
 
 
 mlflow.models.set_model(FedcliModel())
-'''
+"""
 
 
 def test_a_model_logged_with_the_earlier_wrapper_loads_and_predicts(tmp_path: Path) -> None:
@@ -45,20 +45,45 @@ def test_a_model_logged_with_the_earlier_wrapper_loads_and_predicts(tmp_path: Pa
     from fedcli.tracking.mlflow.sink import global_tracking_uri
 
     env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    trained = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "mnist", "--scheme", "iid",
-                              "--clients", "10", "--rounds", "1", "--root", str(tmp_path)],
-                             capture_output=True, text=True, env=env, timeout=170)
+    trained = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "mnist",
+            "--scheme",
+            "iid",
+            "--clients",
+            "10",
+            "--rounds",
+            "1",
+            "--root",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=170,
+    )
     assert trained.returncode == 0, trained.stderr
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("default")
     (logged,) = client.search_logged_models(experiment_ids=[experiment.experiment_id])
-    wrappers = [p for p in tmp_path.joinpath("mlartifacts").rglob("*.py") if "class FedcliModel" in p.read_text()]
+    wrappers = [
+        p for p in tmp_path.joinpath("mlartifacts").rglob("*.py") if "class FedcliModel" in p.read_text()
+    ]
     assert len(wrappers) == 1
     wrappers[0].write_text(LEGACY_WRAPPER)  # the logged model as an earlier fedcli wrote it
-    saved = torch.load(tmp_path / "runs" / trained.stdout.strip() / "model.pt", map_location="cpu",
-                       weights_only=True)
+    saved = torch.load(
+        tmp_path / "runs" / trained.stdout.strip() / "model.pt", map_location="cpu", weights_only=True
+    )
     with global_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):
         loaded = mlflow.pyfunc.load_model(logged.model_uri)
     rows = saved["example"]
-    assert torch.allclose(torch.as_tensor(loaded.predict(rows.numpy())), loaded.unwrap_python_model().module(rows))
+    assert torch.allclose(
+        torch.as_tensor(loaded.predict(rows.numpy())), loaded.unwrap_python_model().module(rows)
+    )
     assert loaded.predict(rows.numpy()).shape == (2, 10)

@@ -40,13 +40,27 @@ def test_a_run_adopts_the_early_mirror_and_mlflow_gets_the_run(tmp_path: Path) -
     mirror_handle.spawn_early()
     early = mirror_handle._EARLY[0]
     store = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
-    handle = MirrorHandle(tracking_uri=default_tracking_uri(tmp_path), experiment="early", store_url=store.url,
-                          runs_root=tmp_path / "runs").spawn()
+    handle = MirrorHandle(
+        tracking_uri=default_tracking_uri(tmp_path),
+        experiment="early",
+        store_url=store.url,
+        runs_root=tmp_path / "runs",
+    ).spawn()
     assert handle._proc is early and mirror_handle._EARLY == []
     cmdline = Path(f"/proc/{early.pid}/cmdline").read_bytes().split(b"\0")
     assert not any(b"sqlite" in part for part in cmdline), cmdline
-    run_id = store.start_run(experiment="early", run_name=None, config={"seed": 0}, algo="fedavg", task="lsq",
-                             seed=0, tags={}, fedcli_version="t", torch_version="t", git_commit=None)
+    run_id = store.start_run(
+        experiment="early",
+        run_name=None,
+        config={"seed": 0},
+        algo="fedavg",
+        task="lsq",
+        seed=0,
+        tags={},
+        fedcli_version="t",
+        torch_version="t",
+        git_commit=None,
+    )
     handle.start(run_id)
     for round_idx in range(3):
         store.log_round(run_id, round_idx, {"eval/loss": 1.0 / (round_idx + 1)}, ())
@@ -77,7 +91,9 @@ def test_mlflow_set_up_failing_after_the_check_is_one_warning_and_the_run_trains
     assert sorted(set(db.metrics_frame([run.id])["round_idx"])) == list(range(5))
 
 
-def test_a_config_without_mlflow_ends_the_mirror_train_started_before_it_read_the_config(tmp_path: Path) -> None:
+def test_a_config_without_mlflow_ends_the_mirror_train_started_before_it_read_the_config(
+    tmp_path: Path,
+) -> None:
     """`fedcli train` starts its mirror before it reads `--config`; a config with `tracking.use_mlflow:
     false` ends that mirror (`discard_early`) instead of leaving it idle while the run trains."""
     import os
@@ -85,10 +101,26 @@ def test_a_config_without_mlflow_ends_the_mirror_train_started_before_it_read_th
     import sys
 
     (tmp_path / "run.yaml").write_text("tracking: {use_mlflow: false}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "100000", "--config",
-                             str(tmp_path / "run.yaml"), "--root", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            *TINY,
+            "--rounds",
+            "100000",
+            "--config",
+            str(tmp_path / "run.yaml"),
+            "--root",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
     def mirrors() -> list[int]:  # live mirror children (not zombies waiting to be reaped)
         found = []
@@ -124,8 +156,12 @@ def test_a_sweep_mirror_is_not_started_without_the_tags_of_its_parent_run(tmp_pa
     a spec without them would search by no tag and nest the trials under any run of the experiment."""
     from fedcli.tracking.mlflow.sweep_mirror import SweepMirror
 
-    mirror = SweepMirror(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="x",
-                         store_url=f"sqlite:///{tmp_path / 'fedcli.db'}", runs_root=tmp_path / "runs")
+    mirror = SweepMirror(
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        experiment="x",
+        store_url=f"sqlite:///{tmp_path / 'fedcli.db'}",
+        runs_root=tmp_path / "runs",
+    )
     with pytest.raises(ValueError, match="the tags that find its parent run"):
         mirror.spawn({"experiment": "x", "grid": {"algo": ["fedavg"]}})
     assert mirror.pid is None  # nothing was started

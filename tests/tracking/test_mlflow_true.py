@@ -32,8 +32,9 @@ def env() -> dict[str, str]:
 
 
 def fedcli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedcli", *args], capture_output=True, text=True, timeout=300,
-                          env=env())
+    return subprocess.run(
+        [sys.executable, "-m", "fedcli", *args], capture_output=True, text=True, timeout=300, env=env()
+    )
 
 
 def mlflow_runs(root: Path) -> dict[str, tuple[str, int, int | None, int, int]]:
@@ -43,7 +44,8 @@ def mlflow_runs(root: Path) -> dict[str, tuple[str, int, int | None, int, int]]:
             "SELECT t.value, r.status, r.start_time, r.end_time, "
             "(SELECT count(*) FROM metrics m WHERE m.run_uuid = r.run_uuid), "
             "(SELECT count(DISTINCT m.key || '|' || m.step) FROM metrics m WHERE m.run_uuid = r.run_uuid) "
-            "FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND t.key = 'fedcli.run_id'").fetchall()
+            "FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND t.key = 'fedcli.run_id'"
+        ).fetchall()
     return {row[0]: tuple(row[1:]) for row in rows}  # type: ignore[misc]
 
 
@@ -62,13 +64,16 @@ def test_sync_keeps_the_stores_times_and_a_second_sync_is_silent(tmp_path: Path)
     sync; finished, with every point once and one logged model. A second sync prints nothing, adds
     no point, no model and no artifact, and leaves the times alone."""
     for seed in ("0", "1"):
-        done = fedcli("-q", "train", *TINY, "--rounds", "3", "--seed", seed, "--root", str(tmp_path), "--no-mlflow")
+        done = fedcli(
+            "-q", "train", *TINY, "--rounds", "3", "--seed", seed, "--root", str(tmp_path), "--no-mlflow"
+        )
         assert done.returncode == 0, done.stderr
     time.sleep(3)
     first = fedcli("sync", "--root", str(tmp_path))
     assert first.returncode == 0 and "pickle" not in first.stderr.lower(), first.stderr
     assert [line for line in first.stderr.splitlines() if line.strip()] == [
-        f"2 run(s) copied into MLflow at sqlite:///{tmp_path / 'mlflow.db'}"]
+        f"2 run(s) copied into MLflow at sqlite:///{tmp_path / 'mlflow.db'}"
+    ]
     db = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
     runs = mlflow_runs(tmp_path)
     for record in db.list_runs():
@@ -82,7 +87,10 @@ def test_sync_keeps_the_stores_times_and_a_second_sync_is_silent(tmp_path: Path)
     second = fedcli("sync", "--root", str(tmp_path))
     assert second.returncode == 0 and second.stdout == "" and second.stderr == "", second.stderr
     assert mlflow_runs(tmp_path) == runs and logged_models(tmp_path) == 2
-    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "mlartifacts").rglob("*") if p.is_file()) == artifacts
+    assert (
+        sorted(p.relative_to(tmp_path) for p in (tmp_path / "mlartifacts").rglob("*") if p.is_file())
+        == artifacts
+    )
 
 
 def test_a_run_with_mlflow_ends_there_when_the_store_says(tmp_path: Path) -> None:
@@ -100,8 +108,13 @@ def test_a_mirror_killed_during_the_run_is_restarted_and_mlflow_gets_every_round
     """SIGKILL to the MLflow mirror alone while the run trains: the run goes on and exits 0; its
     warning says the mirror was killed by SIGKILL and restarted; the MLflow run ends FINISHED with
     every point of the store exactly once and the final model."""
-    proc = subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "400", "--root",
-                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedcli", "-q", "train", *TINY, "--rounds", "400", "--root", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+    )
     mirror = None
     deadline = time.monotonic() + 200
     while mirror is None and time.monotonic() < deadline and proc.poll() is None:
@@ -138,11 +151,25 @@ def test_a_mirror_killed_after_the_last_round_is_restarted_before_the_run_exits(
     """The mirror dies after the last round was logged (no round left to notice it): `Tracker.finish`
     restarts it, waits for it, and warns with the signal; MLflow gets every round and FINISHED."""
     uri = default_tracking_uri(tmp_path)
-    mirror = MirrorHandle(tracking_uri=uri, experiment="killed", store_url=store.url.replace("***", ""),
-                          runs_root=tmp_path / "runs")
+    mirror = MirrorHandle(
+        tracking_uri=uri,
+        experiment="killed",
+        store_url=store.url.replace("***", ""),
+        runs_root=tmp_path / "runs",
+    )
     tracker = Tracker(store, mirror.spawn())
-    run_id = tracker.start(experiment="killed", run_name=None, config={"seed": 0}, algo="fedavg", task="lsq",
-                           seed=0, dataset="lsq", partitioner="natural", fedcli_version="t", torch_version="t")
+    run_id = tracker.start(
+        experiment="killed",
+        run_name=None,
+        config={"seed": 0},
+        algo="fedavg",
+        task="lsq",
+        seed=0,
+        dataset="lsq",
+        partitioner="natural",
+        fedcli_version="t",
+        torch_version="t",
+    )
     for round_idx in range(4):
         tracker.log_round(round_idx, {"eval/loss": 1.0 / (round_idx + 1)})
     first = mirror._proc
@@ -151,10 +178,15 @@ def test_a_mirror_killed_after_the_last_round_is_restarted_before_the_run_exits(
     first.wait(timeout=30)
     tracker.finish("finished")
     assert len(tracker.warnings) == 1, tracker.warnings
-    assert tracker.warnings[0].startswith(f"MLflow mirror (pid {first.pid}) was killed by SIGKILL; restarted it at "
-                                          "the run's end, which copied the run into MLflow")
+    assert tracker.warnings[0].startswith(
+        f"MLflow mirror (pid {first.pid}) was killed by SIGKILL; restarted it at "
+        "the run's end, which copied the run into MLflow"
+    )
     with sqlite3.connect(tmp_path / "mlflow.db") as conn:
-        (status,) = conn.execute("SELECT r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND "
-                                 "t.key = 'fedcli.run_id' WHERE t.value = ?", (run_id,)).fetchone()
+        (status,) = conn.execute(
+            "SELECT r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND "
+            "t.key = 'fedcli.run_id' WHERE t.value = ?",
+            (run_id,),
+        ).fetchone()
         steps = [s for (s,) in conn.execute("SELECT step FROM metrics WHERE key = 'eval/loss' ORDER BY step")]
     assert (status, steps) == ("FINISHED", [0, 1, 2, 3])

@@ -172,9 +172,25 @@ def private_pg() -> Iterator[PgServer]:
 
 def _train(store_url: str, root: Path, *args: str, **env: str) -> subprocess.Popen[str]:
     base = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    return subprocess.Popen([sys.executable, "-m", "fedcli", "-q", "train", "--store", store_url, "--root", str(root),
-                             "--no-mlflow", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**base, "OMP_NUM_THREADS": "1", **env})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--store",
+            store_url,
+            "--root",
+            str(root),
+            "--no-mlflow",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**base, "OMP_NUM_THREADS": "1", **env},
+    )
 
 
 def _wait_round(store_url: str, at_least: int, timeout: float = 240.0) -> str:
@@ -189,8 +205,9 @@ def _wait_round(store_url: str, at_least: int, timeout: float = 240.0) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_a_postgresql_restart_of_6_s_mid_run_is_retried_and_the_run_finishes(private_pg: PgServer,
-                                                                           tmp_path: Path) -> None:
+def test_a_postgresql_restart_of_6_s_mid_run_is_retried_and_the_run_finishes(
+    private_pg: PgServer, tmp_path: Path
+) -> None:
     """`fedcli train` on a PostgreSQL store whose server restarts for 6 s at round >= 10: the lost
     connection is retried (one warning line, one when it answers again) and the run finishes, every
     round stored once (before: exit 2 at once, "could not end run …: connection failed")."""
@@ -200,21 +217,33 @@ def test_a_postgresql_restart_of_6_s_mid_run_is_retried_and_the_run_finishes(pri
     private_pg.restart(down_s=6.0)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err
-    assert "lost the connection to the store" in err and "answers again after" in err and "Traceback" not in err
+    assert (
+        "lost the connection to the store" in err and "answers again after" in err and "Traceback" not in err
+    )
     with SqlStore(url) as store:
         assert store.get_run(run_id).status == "finished"
         assert sorted(set(store.metrics_frame([run_id])["round_idx"])) == list(range(401))
 
 
 @pytest.mark.timeout(600)
-def test_a_postgresql_server_down_past_the_retry_bound_stops_the_run_resumable(private_pg: PgServer,
-                                                                             tmp_path: Path) -> None:
+def test_a_postgresql_server_down_past_the_retry_bound_stops_the_run_resumable(
+    private_pg: PgServer, tmp_path: Path
+) -> None:
     """Down for 12 s with FEDCLI_STORE_RETRY_S=3: the run stops after ~3 s with one `error:` line that
     says so and how to resume, exit 2, no traceback; once the server is back the run reads
     `interrupted` and `--resume` finishes it under the same id."""
     url = private_pg.new_database()
-    proc = _train(url, tmp_path, "--task", "lsq", "--clients-per-round", "4", "--rounds", "600",
-                  FEDCLI_STORE_RETRY_S="3")
+    proc = _train(
+        url,
+        tmp_path,
+        "--task",
+        "lsq",
+        "--clients-per-round",
+        "4",
+        "--rounds",
+        "600",
+        FEDCLI_STORE_RETRY_S="3",
+    )
     run_id = _wait_round(url, 10)
     private_pg.restart(down_s=12.0)
     _, err = proc.communicate(timeout=120)

@@ -41,8 +41,12 @@ def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, flo
 
 def _mirror(uri: str, store: SqlStore, tmp_path: Path) -> MirrorHandle:
     """The real MLflow mirror process of a run (fedcli.tracking.mlflow.mirror)."""
-    return MirrorHandle(tracking_uri=uri, experiment="tracker", store_url=store.url.replace("***", ""),
-                        runs_root=tmp_path / "runs")
+    return MirrorHandle(
+        tracking_uri=uri,
+        experiment="tracker",
+        store_url=store.url.replace("***", ""),
+        runs_root=tmp_path / "runs",
+    )
 
 
 def _start_tracker(tracker: Tracker, **overrides: Any) -> str:
@@ -270,9 +274,29 @@ def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tm
     from fedcli.datasets.registry import resolve_task
 
     env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    trained = subprocess.run([sys.executable, "-m", "fedcli", "-q", "train", "--task", "mnist", "--scheme", "iid",
-                              "--clients", "10", "--rounds", "1", "--root", str(tmp_path)],
-                             capture_output=True, text=True, env=env, timeout=170)
+    trained = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedcli",
+            "-q",
+            "train",
+            "--task",
+            "mnist",
+            "--scheme",
+            "iid",
+            "--clients",
+            "10",
+            "--rounds",
+            "1",
+            "--root",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=170,
+    )
     assert trained.returncode == 0, trained.stderr
     fedcli_id = trained.stdout.strip()
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -282,7 +306,9 @@ def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tm
     saved = torch.load(tmp_path / "runs" / fedcli_id / "model.pt", map_location="cpu", weights_only=True)
     task = resolve_task("mnist", None, None)
     rows = saved["example"]
-    expected = torch.func.functional_call(task.models[saved["model"]]().eval(), saved["params"], (task.prepare(rows),))
+    expected = torch.func.functional_call(
+        task.models[saved["model"]]().eval(), saved["params"], (task.prepare(rows),)
+    )
 
     from fedcli.tracking.mlflow.sink import global_tracking_uri
 
@@ -302,7 +328,9 @@ def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tm
     assert client.get_experiment("0").lifecycle_stage == "deleted"
 
 
-def test_logging_a_model_leaves_the_environment_as_it_was(mlflow_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_logging_a_model_leaves_the_environment_as_it_was(
+    mlflow_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Model.log needs MLflow's global tracking URI, which mlflow.set_tracking_uri also writes to
     os.environ: an in-process log_model (`fedcli sync`) must not leave MLFLOW_TRACKING_URI behind
     for the processes started after it, nor drop a user's own."""
@@ -315,8 +343,16 @@ def test_logging_a_model_leaves_the_environment_as_it_was(mlflow_root: Path, mon
     sink.start_run(run_name="m", params={}, tags={})
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     weights = mlflow_root / "served-env.pt"
-    torch.save({"format": 1, "params": {"linear.weight": torch.zeros(1, 11)}, "task": "lsq", "model": "linear",
-                "data_file": None}, weights)
+    torch.save(
+        {
+            "format": 1,
+            "params": {"linear.weight": torch.zeros(1, 11)},
+            "task": "lsq",
+            "model": "linear",
+            "data_file": None,
+        },
+        weights,
+    )
     rows = torch.zeros(2, 11)
     sink.log_model(weights, example=rows, output=torch.zeros(2, 1), step=1, requirements=["torch"])
     assert "MLFLOW_TRACKING_URI" not in os.environ

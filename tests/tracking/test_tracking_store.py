@@ -174,7 +174,9 @@ def test_end_run_records_failure_and_reopen_clears_it(store: SqlStore) -> None:
         "non-finite metric values at round 4",
     )
     assert (reopened.status, reopened.ended_at, reopened.diverged_at_round) == ("running", None, None)
-    with pytest.raises(ValueError, match=r"status must be one of finished, failed, interrupted, pruned; got 'done'"):
+    with pytest.raises(
+        ValueError, match=r"status must be one of finished, failed, interrupted, pruned; got 'done'"
+    ):
         store.end_run(run_id, "done")
 
 

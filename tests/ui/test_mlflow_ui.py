@@ -39,8 +39,11 @@ def _script() -> ModuleType:
 UI = _script()
 BINARY = UI.chromium_binary()
 
-pytestmark = pytest.mark.skipif(BINARY is None, reason="no Chromium binary installed (apt-get install chromium, "
-                                "or set CHROMIUM=/path/to/chrome): the MLflow UI screenshot test needs a browser")
+pytestmark = pytest.mark.skipif(
+    BINARY is None,
+    reason="no Chromium binary installed (apt-get install chromium, "
+    "or set CHROMIUM=/path/to/chrome): the MLflow UI screenshot test needs a browser",
+)
 
 
 @pytest.mark.timeout(900)
@@ -54,20 +57,42 @@ def test_screenshots_show_the_runs_table_a_run_a_metric_chart_and_the_sweep(tmp_
     with UI.fedcli_ui(root, plan.experiment) as url:
         assert url.endswith("/runs?workflowType=machine_learning&viewStateShareKey=fedcli-compare")
         shots = UI.photograph(url, plan, tmp_path / "png", BINARY)
-        dumped = subprocess.run([BINARY, "--headless=new", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                                 "--window-size=1600,1000", "--virtual-time-budget=30000", url],
-                                capture_output=True, text=True, timeout=180)
+        dumped = subprocess.run(
+            [
+                BINARY,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--dump-dom",
+                "--window-size=1600,1000",
+                "--virtual-time-budget=30000",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
 
-    assert sorted(shots) == ["first-visit", "first-visit-mlflow-defaults", "metric-chart", "run-page", "runs-table",
-                             "sweep"]
+    assert sorted(shots) == [
+        "first-visit",
+        "first-visit-mlflow-defaults",
+        "metric-chart",
+        "run-page",
+        "runs-table",
+        "sweep",
+    ]
     for shot in shots.values():
         with Image.open(shot.png) as image:
             assert image.size == (1600, 1000), shot.name
             colours = image.convert("RGB").getcolors(maxcolors=1 << 16)
-        assert shot.png.stat().st_size > 20_000 and (colours is None or len(colours) > 50), f"{shot.name} looks blank"
+        assert shot.png.stat().st_size > 20_000 and (colours is None or len(colours) > 50), (
+            f"{shot.name} looks blank"
+        )
         assert "Judges" not in shot.text and "Evaluation runs" not in shot.text, f"{shot.name}: GenAI layout"
         assistant = "Ask questions about your experiments" in shot.text
-        assert assistant == shot.name.startswith("first-visit"), f"{shot.name}: Assistant panel open: {assistant}"
+        assert assistant == shot.name.startswith("first-visit"), (
+            f"{shot.name}: Assistant panel open: {assistant}"
+        )
 
     first, default = shots["first-visit"].text, shots["first-visit-mlflow-defaults"].text
     assert "You're viewing a shared view" in first and plan.metric in first and "algorithm.name" in first

@@ -47,12 +47,19 @@ def test_ui_writes_a_view_of_the_runs_keys_and_refreshes_it_only_when_they_chang
     refreshed = view(tmp_path)
 
     assert printed.exit_code == 0 and again.exit_code == 0, printed.output
-    assert printed.stdout.splitlines()[0].endswith("/runs?workflowType=machine_learning&viewStateShareKey=fedcli-compare")
+    assert printed.stdout.splitlines()[0].endswith(
+        "/runs?workflowType=machine_learning&viewStateShareKey=fedcli-compare"
+    )
     assert f"The URL opens the view '{VIEW_NAME}'" in printed.stderr and "Assistant" in printed.stderr
     assert first["name"] == VIEW_NAME and isinstance(first["createdAt"], int)
     columns = json.loads(first["state"])["selectedColumns"]
     assert columns[:3] == ["metrics.`eval/dist_to_opt`", "metrics.`eval/loss`", "metrics.`train/loss`"]
-    assert {"params.`algorithm.name`", "params.`data.task`", "params.`hp.mu`", "params.`train.client_lr`"} <= set(columns)
+    assert {
+        "params.`algorithm.name`",
+        "params.`data.task`",
+        "params.`hp.mu`",
+        "params.`train.client_lr`",
+    } <= set(columns)
     assert not any("tracking." in c or "threads" in c or "data_dir" in c for c in columns)
     assert unchanged == first
     assert refreshed["createdAt"] == first["createdAt"] and refreshed["updatedAt"] >= first["updatedAt"]

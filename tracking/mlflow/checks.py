@@ -43,15 +43,21 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
             raise ConfigError(mask_url(f"MLflow server {uri} is not reachable ({reason}); {fix}.")) from None
         _check_credentials(uri, timeout_s, fix)
         return
-    if uri.partition("://")[0].partition("+")[0] in ("sqlite", "postgresql", "mysql", "mssql"):  # a database URL
+    if uri.partition("://")[0].partition("+")[0] in (
+        "sqlite",
+        "postgresql",
+        "mysql",
+        "mssql",
+    ):  # a database URL
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError
 
         try:
             make_url(uri)
         except (ArgumentError, ValueError) as err:  # a port that is not a number: before the run is written
-            raise ConfigError(f"MLflow store {mask_url(uri)} is not a valid database URL "
-                              f"({mask_url(str(err))}); {fix}.") from None
+            raise ConfigError(
+                f"MLflow store {mask_url(uri)} is not a valid database URL ({mask_url(str(err))}); {fix}."
+            ) from None
     path = sqlite_path(uri)
     if path is None:
         return
@@ -65,8 +71,9 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(f"MLflow store {uri}: folder {folder} is not writable; {fix}.")
     full = None if path.exists() else _no_room(folder)  # a new store: MLflow's schema needs room
     if full:
-        raise ConfigError(f"MLflow store {uri}: No space left on device ({full} under {folder}); free space or "
-                          f"{fix}.")
+        raise ConfigError(
+            f"MLflow store {uri}: No space left on device ({full} under {folder}); free space or {fix}."
+        )
     if path.exists():
         half = half_migrated_tables(path)
         if half:
@@ -88,10 +95,16 @@ def _check_credentials(uri: str, timeout_s: float, fix: str) -> None:
     """
     import base64
 
-    request = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default")
-    user, password, token = (os.environ.get(f"MLFLOW_TRACKING_{key}") for key in ("USERNAME", "PASSWORD", "TOKEN"))
+    request = urllib.request.Request(
+        f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"
+    )
+    user, password, token = (
+        os.environ.get(f"MLFLOW_TRACKING_{key}") for key in ("USERNAME", "PASSWORD", "TOKEN")
+    )
     if user and password:
-        request.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+        request.add_header(
+            "Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        )
     elif token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
@@ -99,10 +112,13 @@ def _check_credentials(uri: str, timeout_s: float, fix: str) -> None:
             answer.read(64)
     except urllib.error.HTTPError as err:
         if err.code in (401, 403):
-            raise ConfigError(mask_url(
-                f"MLflow server {uri} refused the credentials (HTTP {err.code} {err.reason}): MLflow would not get "
-                "the run; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to "
-                f"ones it accepts, or {fix} (`fedcli sync` copies such a run into MLflow later).")) from None
+            raise ConfigError(
+                mask_url(
+                    f"MLflow server {uri} refused the credentials (HTTP {err.code} {err.reason}): MLflow would not get "
+                    "the run; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to "
+                    f"ones it accepts, or {fix} (`fedcli sync` copies such a run into MLflow later)."
+                )
+            ) from None
     except (urllib.error.URLError, OSError, ValueError):
         return
 

@@ -25,7 +25,9 @@ FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before lea
 STOP_POLL_S = 0.1  # how often the wait above looks for a stop signal (`MirrorHandle.stopping`)
 STOP_WAIT_S = 1.5  # after a stop signal, how long the run's end still waits for the mirror's copy
 MAX_RESTARTS = 3  # a mirror that dies alone is restarted at most this often per run
-ORPHAN_WAIT_S = 60.0  # how long a mirror whose training process is gone may still copy (`lifeline.watch_parent`)
+ORPHAN_WAIT_S = (
+    60.0  # how long a mirror whose training process is gone may still copy (`lifeline.watch_parent`)
+)
 PARENT_ENV = "FEDCLI_MIRROR_PARENT"  # the pid of the process that started a mirror, which it watches
 _DISK_FULL = ("database or disk is full", "No space left on device")  # a mirror that died so is not restarted
 
@@ -49,8 +51,15 @@ class MirrorHandle:
     (JSON), not as arguments: a password in them would show in `ps`.
     """
 
-    def __init__(self, *, tracking_uri: str, experiment: str, store_url: str, runs_root: Path,
-                 parent_run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tracking_uri: str,
+        experiment: str,
+        store_url: str,
+        runs_root: Path,
+        parent_run_id: str | None = None,
+    ) -> None:
         self.tracking_uri, self.experiment, self.store_url = tracking_uri, experiment, store_url
         self.runs_root, self.parent_run_id = runs_root, parent_run_id
         self.run_id: str | None = None
@@ -73,8 +82,15 @@ class MirrorHandle:
         self._proc = proc
         assert proc.stdin is not None
         # everything on stdin, nothing on the command line: a password in a URL would show in `ps`
-        first = json.dumps({"store": self.store_url, "tracking_uri": self.tracking_uri, "experiment": self.experiment,
-                            "runs_root": str(self.runs_root), "parent_run": self.parent_run_id})
+        first = json.dumps(
+            {
+                "store": self.store_url,
+                "tracking_uri": self.tracking_uri,
+                "experiment": self.experiment,
+                "runs_root": str(self.runs_root),
+                "parent_run": self.parent_run_id,
+            }
+        )
         with contextlib.suppress(OSError):  # it died at once: check/finish say why
             proc.stdin.write(f"{first}\n".encode())
             proc.stdin.flush()
@@ -84,7 +100,9 @@ class MirrorHandle:
         """End a spawned mirror that was never started (it has written nothing)."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            if self.run_id is None:  # SIGTERM: end of file would wait for its imports (seconds of CPU at nice 19)
+            if (
+                self.run_id is None
+            ):  # SIGTERM: end of file would wait for its imports (seconds of CPU at nice 19)
                 with contextlib.suppress(OSError):
                     proc.terminate()
             with contextlib.suppress(OSError, subprocess.TimeoutExpired):
@@ -149,19 +167,27 @@ class MirrorHandle:
         if failed is not None:
             return failed
         why = _death(proc)
-        if any(full in why for full in _DISK_FULL):  # a restart would fail the same way: one warning, not four
+        if any(
+            full in why for full in _DISK_FULL
+        ):  # a restart would fail the same way: one warning, not four
             self._proc = None
-            return (f"MLflow mirror (pid {proc.pid}) {why}; not restarted while the disk is full (the SQL store is "
-                    "complete; `fedcli sync` copies the run into MLflow once there is space)")
+            return (
+                f"MLflow mirror (pid {proc.pid}) {why}; not restarted while the disk is full (the SQL store is "
+                "complete; `fedcli sync` copies the run into MLflow once there is space)"
+            )
         if self.restarts >= MAX_RESTARTS:
             self._proc = None
-            return (f"MLflow mirror (pid {proc.pid}) {why}, the {self.restarts + 1}th time; not restarted again "
-                    "(the SQL store is complete; `fedcli sync` copies the run into MLflow later)")
+            return (
+                f"MLflow mirror (pid {proc.pid}) {why}, the {self.restarts + 1}th time; not restarted again "
+                "(the SQL store is complete; `fedcli sync` copies the run into MLflow later)"
+            )
         self.restarts += 1
         self.spawn(run_id=self.run_id)
         assert self._proc is not None
-        return (f"MLflow mirror (pid {proc.pid}) {why}; restarted it (pid {self._proc.pid}), which copies what "
-                "MLflow misses from the store")
+        return (
+            f"MLflow mirror (pid {proc.pid}) {why}; restarted it (pid {self._proc.pid}), which copies what "
+            "MLflow misses from the store"
+        )
 
     def finish(self, timeout_s: float = FINISH_WAIT_S) -> str | None:
         """Tell the mirror the run ended (close its stdin) and wait; return a warning, if any.
@@ -194,23 +220,32 @@ class MirrorHandle:
                     stop_at = now + STOP_WAIT_S
                 if now < deadline and (stop_at is None or now < stop_at):
                     continue
-                why = "this process was stopped by a signal" if stop_at is not None else \
-                    f"it was not done after {timeout_s:.0f} s"
-                return (f"{restarted + '; ' if restarted else ''}the MLflow mirror (pid {proc.pid}) still copies the "
-                        f"run in the background ({why}), for at most {ORPHAN_WAIT_S:.0f} s more; the SQL store is "
-                        "complete, and if MLflow misses part of the run, `fedcli sync` or the next `fedcli train "
-                        "--resume` completes the copy")
+                why = (
+                    "this process was stopped by a signal"
+                    if stop_at is not None
+                    else f"it was not done after {timeout_s:.0f} s"
+                )
+                return (
+                    f"{restarted + '; ' if restarted else ''}the MLflow mirror (pid {proc.pid}) still copies the "
+                    f"run in the background ({why}), for at most {ORPHAN_WAIT_S:.0f} s more; the SQL store is "
+                    "complete, and if MLflow misses part of the run, `fedcli sync` or the next `fedcli train "
+                    "--resume` completes the copy"
+                )
         if proc.returncode > 0 and not restarted and not (self.ready or b"ready" in (out or b"")):
             return _set_up_failed(_own_reason(err or b"") or f"exited with code {proc.returncode}")
         if proc.returncode != 0:
-            return (f"{restarted + '; then ' if restarted else ''}MLflow mirror (pid {proc.pid}) {_death(proc, err)} "
-                    "(the SQL store is complete; `fedcli sync` copies the run into MLflow later)")
+            return (
+                f"{restarted + '; then ' if restarted else ''}MLflow mirror (pid {proc.pid}) {_death(proc, err)} "
+                "(the SQL store is complete; `fedcli sync` copies the run into MLflow later)"
+            )
         return f"{restarted}, which copied the run into MLflow" if restarted else None
 
 
 def _set_up_failed(reason: str) -> str:
-    return (f"MLflow could not be set up for the run ({mask_url(reason)}); it trains on with the SQL store, which "
-            "keeps the whole run: `fedcli sync` copies it into MLflow once MLflow works")
+    return (
+        f"MLflow could not be set up for the run ({mask_url(reason)}); it trains on with the SQL store, which "
+        "keeps the whole run: `fedcli sync` copies it into MLflow once MLflow works"
+    )
 
 
 _EARLY: list[subprocess.Popen[bytes]] = []  # a mirror `spawn_early` started that no run adopted yet
@@ -253,8 +288,14 @@ def _adopt_early() -> subprocess.Popen[bytes] | None:
 
 
 def _popen(command: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=parent_env(), **own_process_group())
+    return subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=parent_env(),
+        **own_process_group(),
+    )
 
 
 def parent_env() -> dict[str, str]:

@@ -146,13 +146,18 @@ def read_urls(args: argparse.Namespace, line: str | None = None) -> bool:
         secrets = json.loads((sys.stdin.readline() if line is None else line) or "{}")
         args.store, args.tracking_uri = str(secrets["store"]), str(secrets["tracking_uri"])
     except (ValueError, KeyError, TypeError):
-        print("MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
-              "tracking_uri)", file=sys.stderr)
+        print(
+            "MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
+            "tracking_uri)",
+            file=sys.stderr,
+        )
         return False
     for name in ("experiment", "runs_root", "parent_run"):
         if getattr(args, name, None) is None and secrets.get(name) is not None:
             setattr(args, name, str(secrets[name]))
-    args.sweep_spec = secrets.get("sweep_spec")  # the sweep's mirror opens the sweep's parent run (sweep_mirror)
+    args.sweep_spec = secrets.get(
+        "sweep_spec"
+    )  # the sweep's mirror opens the sweep's parent run (sweep_mirror)
     args.parent_tags = secrets.get("parent_tags") or {}  # the tags that find it (the sweep computes them)
     return True
 

@@ -155,7 +155,9 @@ class Mirror:
 
         pid, started = owner
         same = (record.host, record.pid) == (HOSTNAME, pid)
-        return same and (None in (record.pid_start, started) or record.pid_start == started)  # not a reused pid
+        return same and (
+            None in (record.pid_start, started) or record.pid_start == started
+        )  # not a reused pid
 
     def open_run(self, running: bool = True) -> None:
         """Create the MLflow run, or reattach to the one the store names (resume, `fedcli sync`, a restart).
@@ -164,7 +166,9 @@ class Mirror:
         leaves its status alone until it sets the store's.
         """
         record = self.record
-        known = record.mlflow_run_id or self.sink.find_run(record.id)  # recorded, or made by a mirror killed early
+        known = record.mlflow_run_id or self.sink.find_run(
+            record.id
+        )  # recorded, or made by a mirror killed early
         if known is not None and self.sink.exists(known):
             _retry("reattach", lambda: self.sink.attach(known, running=running))
             self.mlflow_run_id = known
@@ -175,14 +179,26 @@ class Mirror:
             self.synced = -1 if record.mlflow_synced_round is None else record.mlflow_synced_round
             self.held = _retry("read", self.sink.logged_steps)
             return
-        tags = {**record.tags, "fedcli.algorithm": record.algo, "fedcli.task": record.task,
-                "fedcli.version": record.fedcli_version, "fedcli.run_id": record.id,
-                "fedcli.config_hash": record.config_hash}
+        tags = {
+            **record.tags,
+            "fedcli.algorithm": record.algo,
+            "fedcli.task": record.task,
+            "fedcli.version": record.fedcli_version,
+            "fedcli.run_id": record.id,
+            "fedcli.config_hash": record.config_hash,
+        }
         if record.git_commit:
             tags["mlflow.source.git.commit"] = record.git_commit
-        run_id = _retry("start", lambda: self.sink.start_run(
-            run_name=record.run_name, params=mlflow_params(record.config), tags=tags,
-            parent_run_id=self.args.parent_run, start_ms=int(record.created_at.timestamp() * 1000)))
+        run_id = _retry(
+            "start",
+            lambda: self.sink.start_run(
+                run_name=record.run_name,
+                params=mlflow_params(record.config),
+                tags=tags,
+                parent_run_id=self.args.parent_run,
+                start_ms=int(record.created_at.timestamp() * 1000),
+            ),
+        )
         self.mlflow_run_id = run_id  # written to the store when the run ends (no store writes before)
         from fedcli.tracking.store.common import canonical_json
 
@@ -202,8 +218,11 @@ class Mirror:
     def copy(self, upto: int) -> None:
         if upto <= self.synced:
             return
-        rows = [row for row in self.store.round_rows(self.record.id, self.synced, upto)
-                if row[0] > self.held.get(row[1], -1)]
+        rows = [
+            row
+            for row in self.store.round_rows(self.record.id, self.synced, upto)
+            if row[0] > self.held.get(row[1], -1)
+        ]
         if rows:
             _retry("log rounds", lambda: self.sink.log_rows(rows))
         self.synced = upto
@@ -233,8 +252,12 @@ class Mirror:
         _retry("tags", lambda: self.sink.set_tags(tags))
         _retry("end", lambda: self.sink.end_run(status, end_ms=end_ms(record)))
         if (record.mlflow_run_id, record.mlflow_synced_round) != (self.mlflow_run_id, self.synced):
-            _retry("record", lambda: self.store.set_run_fields(
-                self.record.id, mlflow_run_id=self.mlflow_run_id, mlflow_synced_round=self.synced))
+            _retry(
+                "record",
+                lambda: self.store.set_run_fields(
+                    self.record.id, mlflow_run_id=self.mlflow_run_id, mlflow_synced_round=self.synced
+                ),
+            )
 
     def in_line(self) -> bool:
         """True when MLflow already holds the ended run as the store says: nothing for `fedcli sync` to do.
@@ -253,8 +276,10 @@ class Mirror:
         self.mlflow_run_id = record.mlflow_run_id
         last = self.store.last_round(record.id) or 0
         return record.mlflow_synced_round >= self.safe_round(record.status) and (
-            record.status != "finished" or not (Path(self.args.run_dir) / "model.pt").is_file()
-            or last in self.sink.model_steps(record.mlflow_run_id))
+            record.status != "finished"
+            or not (Path(self.args.run_dir) / "model.pt").is_file()
+            or last in self.sink.model_steps(record.mlflow_run_id)
+        )
 
     def log_model(self, step: int) -> None:
         """Log the final model as an MLflow model (tracking/served.py); a warning if it cannot be.
@@ -280,15 +305,25 @@ class Mirror:
                 write_served(saved, weights)
                 # the parameters fit the task's model; user code it names: a run's own mirror runs what its train
                 # command named (trust_code absent); `fedcli sync` passes its --trust-code (datasets/yours/trust.py)
-                module = load_served(weights, trust=getattr(self.args, "trust_code", True),
-                                     fix="pass --trust-code to fedcli sync if you trust it")
+                module = load_served(
+                    weights,
+                    trust=getattr(self.args, "trust_code", True),
+                    fix="pass --trust-code to fedcli sync if you trust it",
+                )
                 with torch.no_grad():
                     output = None if example is None else module(example)
-                _retry("model", lambda: self.sink.log_model(weights, example=example, output=output, step=step,
-                                                            requirements=requirements))
+                _retry(
+                    "model",
+                    lambda: self.sink.log_model(
+                        weights, example=example, output=output, step=step, requirements=requirements
+                    ),
+                )
         except Exception as err:  # noqa: BLE001 - any failure here leaves the run complete
-            log.warning("the final model was not logged as an MLflow model (%s); model.pt is among the "
-                        "run's artifacts", str(err).splitlines()[0] if str(err) else type(err).__name__)
+            log.warning(
+                "the final model was not logged as an MLflow model (%s); model.pt is among the "
+                "run's artifacts",
+                str(err).splitlines()[0] if str(err) else type(err).__name__,
+            )
 
     def run_once(self) -> int:
         """Copy an ended (or dead) run once and end its MLflow run as the store says (`fedcli sync`)."""
@@ -308,7 +343,9 @@ class Mirror:
             self.run_once()
             return 0
         self.open_run()  # a few small writes: latency, not CPU
-        if not getattr(self.args, "restart", False):  # MirrorHandle.check reads it: a later death is not a set-up's
+        if not getattr(
+            self.args, "restart", False
+        ):  # MirrorHandle.check reads it: a later death is not a set-up's
             try:
                 print("ready", flush=True)
             except BrokenPipeError:  # the training process is gone (stopped during the set-up): copy anyway
@@ -332,8 +369,13 @@ class Mirror:
                 parent_gone = True  # EOF: re-read the status once more before deciding
 
     def _taken_over(self, record: Any) -> None:
-        log.warning("run %s was taken over by pid %s on %s; its mirror keeps MLflow in line, this one stops "
-                    "without ending the MLflow run", record.id[:8], record.pid, record.host)
+        log.warning(
+            "run %s was taken over by pid %s on %s; its mirror keeps MLflow in line, this one stops "
+            "without ending the MLflow run",
+            record.id[:8],
+            record.pid,
+            record.host,
+        )
 
 
 def end_ms(record: Any) -> int:
@@ -348,14 +390,18 @@ def main(argv: list[str] | None = None) -> int:
     "runs_root", "parent_run"} (secrets stay off the command line); then, unless --run is given, the
     run id. End of file before the first line: spawned early (`spawn_early`) for a command that
     ended without a run; it exits 0, having written nothing."""
-    parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mlflow.mirror", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m fedcli.tracking.mlflow.mirror", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--run", help="the run; default: read its id from stdin (spawned early)")
     parser.add_argument("--experiment", help="default: from stdin's first line")
     parser.add_argument("--run-dir")
     parser.add_argument("--runs-root")
     parser.add_argument("--parent-run")
     parser.add_argument("--once", action="store_true", help="copy an ended run once and exit (fedcli sync)")
-    parser.add_argument("--restart", action="store_true", help="take over a run that trains already (its mirror died)")
+    parser.add_argument(
+        "--restart", action="store_true", help="take over a run that trains already (its mirror died)"
+    )
     args = parser.parse_args(argv)
     if not args.once:  # the training process that spawned it: the run's owner while the store says so
         # the watcher first, at the training process's priority: it ends this mirror once that process is gone
@@ -387,8 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MLflow mirror: {mask_url(str(err))}", file=sys.stderr)
         return 1
     except Exception as err:  # noqa: BLE001 - one line the training process quotes, not a traceback
-        print(f"MLflow mirror: {type(err).__name__}: {first_cause_line(err)}; pass --tracking-uri with a "
-              "writable MLflow store or use --no-mlflow", file=sys.stderr)
+        print(
+            f"MLflow mirror: {type(err).__name__}: {first_cause_line(err)}; pass --tracking-uri with a "
+            "writable MLflow store or use --no-mlflow",
+            file=sys.stderr,
+        )
         return 1
 
 

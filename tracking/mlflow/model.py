@@ -29,7 +29,9 @@ class FedcliModel(PythonModel):
 
         config = getattr(context, "model_config", None) or {}
         # the loader's opt-in to the user's code: model_config, else (None) FEDCLI_TRUST_CODE=1
-        self.module = load_served(context.artifacts["weights"], trust=True if config.get("trust_code") is True else None)
+        self.module = load_served(
+            context.artifacts["weights"], trust=True if config.get("trust_code") is True else None
+        )
 
     def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:  # noqa: ANN001
         """Logits of the rows `model_input` (the data set's stored form, e.g. uint8 pixels)."""

@@ -47,9 +47,9 @@ KIND_TAG = "mlflow.experimentKind"  # MLflow 3's UI opens "custom_model_developm
 EXPERIMENT_TAGS = {
     KIND_TAG: "custom_model_development",
     "mlflow.note.content": "Federated-learning runs logged by fedcli: one run per `fedcli train`, metrics by "
-                           "communication round (step = round; round 0 is the initial model), params = the run's "
-                           "resolved config with the algorithm's hyperparameters as `hp.*`. The SQL results store "
-                           "is the source of truth; `fedcli report` turns it into tables.",
+    "communication round (step = round; round 0 is the initial model), params = the run's "
+    "resolved config with the algorithm's hyperparameters as `hp.*`. The SQL results store "
+    "is the source of truth; `fedcli report` turns it into tables.",
 }
 RUN_NAME_TAG = "mlflow.runName"
 DEFAULT_EXPERIMENT_ID = "0"  # MLflow's "Default", created with every new store
@@ -297,7 +297,11 @@ class MlflowSink:
     def artifact_sizes(self) -> dict[str, int | None]:
         """Name -> size of the files at the top of this run's artifacts (what an upload would replace)."""
         with self._errors(f"list the artifacts of run {self.run_id}"):
-            return {Path(f.path).name: f.file_size for f in self._client.list_artifacts(self.run_id) if not f.is_dir}
+            return {
+                Path(f.path).name: f.file_size
+                for f in self._client.list_artifacts(self.run_id)
+                if not f.is_dir
+            }
 
     def model_steps(self, run_id: str | None = None) -> set[int]:
         """The steps at which models were logged as outputs of `run_id` (default: this sink's run)."""
@@ -347,8 +351,15 @@ class MlflowSink:
         with self._errors(f"log artifact {artifact_file!r}"):
             self._client.log_text(self.run_id, text, artifact_file)
 
-    def log_model(self, weights: Path, *, example: object | None, output: object | None, step: int,
-                  requirements: Sequence[str]) -> str:
+    def log_model(
+        self,
+        weights: Path,
+        *,
+        example: object | None,
+        output: object | None,
+        step: int,
+        requirements: Sequence[str],
+    ) -> str:
         """Log the run's MLflow model `model`: a pyfunc model from code, nothing pickled.
 
         The code is tracking/mlflow/model.py (MLflow copies it and runs it on load); its one
@@ -372,14 +383,25 @@ class MlflowSink:
             signature = None if rows is None else infer_signature(rows, output.numpy())  # type: ignore[union-attr]
             # created here, in the run's experiment: Model.log alone would put it in the active
             # (Default) experiment under ./mlruns
-            logged = self._client.create_logged_model(experiment_id=self.experiment_id, name="model",
-                                                      source_run_id=self.run_id)
-            Model.log(None, name="model", flavor=mlflow.pyfunc, run_id=self.run_id, python_model=code,
-                      artifacts={"weights": str(weights)}, signature=signature, input_example=rows,
-                      pip_requirements=list(requirements), step=step, model_id=logged.model_id,
-                      # the loader's opt-in to import user code served.pt names: `mlflow.pyfunc.load_model(uri,
-                      # model_config={"trust_code": True})` (MLflow accepts only keys logged here; datasets/yours/trust.py)
-                      model_config={"trust_code": False})
+            logged = self._client.create_logged_model(
+                experiment_id=self.experiment_id, name="model", source_run_id=self.run_id
+            )
+            Model.log(
+                None,
+                name="model",
+                flavor=mlflow.pyfunc,
+                run_id=self.run_id,
+                python_model=code,
+                artifacts={"weights": str(weights)},
+                signature=signature,
+                input_example=rows,
+                pip_requirements=list(requirements),
+                step=step,
+                model_id=logged.model_id,
+                # the loader's opt-in to import user code served.pt names: `mlflow.pyfunc.load_model(uri,
+                # model_config={"trust_code": True})` (MLflow accepts only keys logged here; datasets/yours/trust.py)
+                model_config={"trust_code": False},
+            )
             return str(logged.model_id)
 
     def end_run(self, status: str, end_ms: int | None = None) -> None:
@@ -416,8 +438,11 @@ def _given_requirements() -> Iterator[None]:
     import mlflow.utils.environment
 
     name = "warn_dependency_requirement_mismatches"  # where saving, and loading back, look it up
-    held = [(module, getattr(module, name)) for module in (mlflow.utils.environment, mlflow.pyfunc)
-            if hasattr(module, name)]
+    held = [
+        (module, getattr(module, name))
+        for module in (mlflow.utils.environment, mlflow.pyfunc)
+        if hasattr(module, name)
+    ]
     for module, _ in held:
         setattr(module, name, lambda *_args, **_kwargs: None)
     try:

@@ -57,8 +57,15 @@ PARENT_NOT_ENDED = "MLflow could not end the sweep's run"
 class SweepMirror:
     """The sweep's handle on its one mirror process: `spawn`, `add(run_id)` per ended trial, `finish`."""
 
-    def __init__(self, *, tracking_uri: str, experiment: str, store_url: str, runs_root: Path,
-                 parent_run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tracking_uri: str,
+        experiment: str,
+        store_url: str,
+        runs_root: Path,
+        parent_run_id: str | None = None,
+    ) -> None:
         self.tracking_uri, self.experiment, self.store_url = tracking_uri, experiment, store_url
         self.runs_root, self.parent_run_id = runs_root, parent_run_id
         self.added: list[str] = []
@@ -68,20 +75,35 @@ class SweepMirror:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def spawn(self, spec: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None) -> SweepMirror:
+    def spawn(
+        self, spec: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None
+    ) -> SweepMirror:
         """Start the mirror; with the sweep's `spec` and the `tags` that find its MLflow parent run
         (`fedcli.sweep.rows.parent_tags`), it opens (or reuses) that run itself and nests the trials
         under it (`parent_run`): the sweep never imports MLflow."""
         if spec is not None and not tags:  # no tag to search by would find any run of the experiment
             raise ValueError("SweepMirror.spawn: a sweep's spec comes with the tags that find its parent run")
-        command = [sys.executable, "-m", "fedcli.tracking.mlflow.sweep_mirror", "--experiment", self.experiment,
-                   "--runs-root", str(self.runs_root)]
+        command = [
+            sys.executable,
+            "-m",
+            "fedcli.tracking.mlflow.sweep_mirror",
+            "--experiment",
+            self.experiment,
+            "--runs-root",
+            str(self.runs_root),
+        ]
         if self.parent_run_id:
             command += ["--parent-run", self.parent_run_id]
         # its own process group: a Ctrl-C in the terminal stops the sweep; the mirror finishes its copies
         # (not its own session: see `own_process_group`)
-        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, env=parent_env(), **own_process_group())
+        self._proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=parent_env(),
+            **own_process_group(),
+        )
         first: dict[str, Any] = {"store": self.store_url, "tracking_uri": self.tracking_uri}
         if spec is not None and tags:
             first["sweep_spec"], first["parent_tags"] = dict(spec), dict(tags)
@@ -105,7 +127,9 @@ class SweepMirror:
             self.added.append(run_id)
             self._write(run_id)
 
-    def finish(self, stopping: bool = False, timeout_s: float = FINISH_WAIT_S, status: str | None = None) -> str | None:
+    def finish(
+        self, stopping: bool = False, timeout_s: float = FINISH_WAIT_S, status: str | None = None
+    ) -> str | None:
         """Close its stdin (the sweep's end) and wait for the copies still to do; return a warning, if any.
 
         `status`: how the sweep ended (`finished`, `failed`, `interrupted`), which the mirror sets on the
@@ -124,16 +148,22 @@ class SweepMirror:
             except subprocess.TimeoutExpired:
                 if time.monotonic() < deadline:
                     continue
-                return (f"the sweep's MLflow mirror (pid {proc.pid}) still copies trials in the background; the SQL "
-                        "store is complete, and `fedcli sync` copies into MLflow what it misses")
+                return (
+                    f"the sweep's MLflow mirror (pid {proc.pid}) still copies trials in the background; the SQL "
+                    "store is complete, and `fedcli sync` copies into MLflow what it misses"
+                )
         if proc.returncode != 0:
             from fedcli.tracking.mlflow.handle import _death, _own_reason
 
             parent = _own_reason(err or b"")
-            if parent is not None and parent.startswith(PARENT_NOT_ENDED):  # the trials are copied: its own line
+            if parent is not None and parent.startswith(
+                PARENT_NOT_ENDED
+            ):  # the trials are copied: its own line
                 return parent
-            return (f"the sweep's MLflow mirror (pid {proc.pid}) {_death(proc, err)}; the SQL store is complete, "
-                    "`fedcli sync` copies the trials into MLflow later")
+            return (
+                f"the sweep's MLflow mirror (pid {proc.pid}) {_death(proc, err)}; the SQL store is complete, "
+                "`fedcli sync` copies the trials into MLflow later"
+            )
         return None
 
 
@@ -163,10 +193,13 @@ def parent_run(tracking_uri: str, spec: Mapping[str, Any], tags: Mapping[str, st
     match = " AND ".join(f"tags.`{key}` = '{_quoted(value)}'" for key, value in tags.items())
     try:
         found = MlflowClient(tracking_uri=tracking_uri).search_runs(
-            [sink.experiment_id], filter_string=match, order_by=["attributes.start_time ASC"], max_results=1)
+            [sink.experiment_id], filter_string=match, order_by=["attributes.start_time ASC"], max_results=1
+        )
     except MlflowException as err:
-        raise TrackingError(f"MLflow store {mask_url(tracking_uri)!r} could not be searched: {mask_url(str(err))}; "
-                            "pass --tracking-uri with a reachable MLflow store or use --no-mlflow") from err
+        raise TrackingError(
+            f"MLflow store {mask_url(tracking_uri)!r} could not be searched: {mask_url(str(err))}; "
+            "pass --tracking-uri with a reachable MLflow store or use --no-mlflow"
+        ) from err
     if found:
         sink.attach(found[0].info.run_id)
         return sink
@@ -179,9 +212,18 @@ def copy_run(args: argparse.Namespace, run_id: str) -> None:
     """Copy one ended run into MLflow (`Mirror.run_once`, nested under the sweep's parent run)."""
     from fedcli.tracking.mlflow.mirror import Mirror
 
-    Mirror(argparse.Namespace(store=args.store, run=run_id, tracking_uri=args.tracking_uri,
-                              experiment=args.experiment, parent_run=args.parent_run, once=True,
-                              run_dir=str(Path(args.runs_root) / run_id), lifeline=args.lifeline)).run_once()
+    Mirror(
+        argparse.Namespace(
+            store=args.store,
+            run=run_id,
+            tracking_uri=args.tracking_uri,
+            experiment=args.experiment,
+            parent_run=args.parent_run,
+            once=True,
+            run_dir=str(Path(args.runs_root) / run_id),
+            lifeline=args.lifeline,
+        )
+    ).run_once()
 
 
 def _read_lines(lines: queue.Queue[str | None], nice: int) -> None:
@@ -199,8 +241,10 @@ def _read_lines(lines: queue.Queue[str | None], nice: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The sweep's mirror process (module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m fedcli.tracking.mlflow.sweep_mirror",
-                                     description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m fedcli.tracking.mlflow.sweep_mirror",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
     parser.add_argument("--experiment", required=True)
     parser.add_argument("--runs-root", required=True)
     parser.add_argument("--parent-run")
@@ -222,14 +266,20 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_mlflow()
     parent = None
-    if args.sweep_spec is not None:  # the sweep's MLflow run: opened here, not in the sweep (2.3 s before trial 1)
+    if (
+        args.sweep_spec is not None
+    ):  # the sweep's MLflow run: opened here, not in the sweep (2.3 s before trial 1)
         try:
-            with args.lifeline.mlflow_set_up():  # the schema, under its lock: never cut short by `watch_parent`
+            with (
+                args.lifeline.mlflow_set_up()
+            ):  # the schema, under its lock: never cut short by `watch_parent`
                 parent = parent_run(args.tracking_uri, args.sweep_spec, args.parent_tags)
         except Exception as err:  # noqa: BLE001 - one line the sweep quotes; the SQL store has every trial
-            print(f"MLflow mirror: the sweep's MLflow run could not be opened ({type(err).__name__}: "
-                  f"{first_cause_line(err)}); pass --tracking-uri with a writable MLflow store or use --no-mlflow",
-                  file=sys.stderr)
+            print(
+                f"MLflow mirror: the sweep's MLflow run could not be opened ({type(err).__name__}: "
+                f"{first_cause_line(err)}); pass --tracking-uri with a writable MLflow store or use --no-mlflow",
+                file=sys.stderr,
+            )
             return 1
         args.parent_run = parent.run_id
     lines: queue.Queue[str | None] = queue.Queue()
@@ -246,13 +296,19 @@ def main(argv: list[str] | None = None) -> int:
             copy_run(args, run_id)
         except Exception as err:  # noqa: BLE001 - one run's failure leaves the others to copy
             failed += 1
-            print(f"MLflow mirror: run {run_id[:8]}: {type(err).__name__}: {first_cause_line(err)}", file=sys.stderr)
+            print(
+                f"MLflow mirror: run {run_id[:8]}: {type(err).__name__}: {first_cause_line(err)}",
+                file=sys.stderr,
+            )
     if parent is not None:
         try:
             parent.end_run(status)
         except Exception as err:  # noqa: BLE001 - the trials are copied; the parent stays open: one line
-            print(f"MLflow mirror: {PARENT_NOT_ENDED} ({first_cause_line(err)}); it stays open, and rerunning the sweep "
-                  "ends it.", file=sys.stderr)
+            print(
+                f"MLflow mirror: {PARENT_NOT_ENDED} ({first_cause_line(err)}); it stays open, and rerunning the sweep "
+                "ends it.",
+                file=sys.stderr,
+            )
             return 1
     with contextlib.suppress(Exception):
         sys.stdout.flush()

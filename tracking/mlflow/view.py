@@ -35,11 +35,26 @@ VIEW_ID = "fedcli-compare"  # the tag is mlflow.sharedViewState.fedcli-compare; 
 VIEW_NAME = "fedcli: compare runs"
 TAG_PREFIX = "mlflow.sharedViewState."
 SINCE = (3, 15)  # MLflow's first release with saved views (its 3.15.0 release notes, "Shareable table views")
-METRICS = ("eval/accuracy", "eval/dist_to_opt", "eval/loss", "train/loss")  # those the runs logged, in this order
+METRICS = (
+    "eval/accuracy",
+    "eval/dist_to_opt",
+    "eval/loss",
+    "train/loss",
+)  # those the runs logged, in this order
 PARAMS = ("algorithm.name", "data.task", "train.rounds", "train.local_epochs", "seed")  # always, where logged
 # never columns: resources, paths and bookkeeping (they differ between runs without changing a result)
-NOT_COMPARED = ("tracking.", "data.data_dir", "data.file", "partition.file", "train.threads", "train.workers",
-                "train.device", "train.checkpoint_every", "train.keep_checkpoints", "train.cohort_chunk")
+NOT_COMPARED = (
+    "tracking.",
+    "data.data_dir",
+    "data.file",
+    "partition.file",
+    "train.threads",
+    "train.workers",
+    "train.device",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.cohort_chunk",
+)
 MAX_PARAMS = 14  # params shown at most (the tag value stays far below MLflow's 5,000-character limit)
 MAX_RUNS = 500  # newest runs read to choose the columns
 
@@ -78,14 +93,32 @@ def page_state(columns: list[str], expanded: Iterable[str] = ()) -> dict[str, An
     """
     order = ["1", "attributes.`Run Name`", "runDateAndNestInfo", "duration", *columns]
     widths = {"attributes.`Run Name`": 230, **{c: 150 if c.startswith("metrics") else 130 for c in columns}}
-    return {"searchFilter": "", "orderByKey": "attributes.start_time", "orderByAsc": False, "startTime": "ALL",
-            "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
-            "selectedColumns": columns, "columnOrder": order, "columnWidths": widths,
-            "runsExpanded": dict.fromkeys(expanded, True), "runsPinned": [], "runsHidden": [],
-            "runsVisibilityMap": {}, "runsHiddenMode": "FIRST_10_RUNS", "viewMaximized": False,
-            "runListHidden": False, "isAccordionReordered": False, "useGroupedValuesInCharts": True,
-            "hideEmptyCharts": True, "groupBy": None, "groupsExpanded": {}, "autoRefreshEnabled": False,
-            "globalLineChartConfig": {"xAxisKey": "step", "lineSmoothness": 0, "selectedXAxisMetricKey": ""}}
+    return {
+        "searchFilter": "",
+        "orderByKey": "attributes.start_time",
+        "orderByAsc": False,
+        "startTime": "ALL",
+        "lifecycleFilter": "Active",
+        "datasetsFilter": [],
+        "modelVersionFilter": "All Runs",
+        "selectedColumns": columns,
+        "columnOrder": order,
+        "columnWidths": widths,
+        "runsExpanded": dict.fromkeys(expanded, True),
+        "runsPinned": [],
+        "runsHidden": [],
+        "runsVisibilityMap": {},
+        "runsHiddenMode": "FIRST_10_RUNS",
+        "viewMaximized": False,
+        "runListHidden": False,
+        "isAccordionReordered": False,
+        "useGroupedValuesInCharts": True,
+        "hideEmptyCharts": True,
+        "groupBy": None,
+        "groupsExpanded": {},
+        "autoRefreshEnabled": False,
+        "globalLineChartConfig": {"xAxisKey": "step", "lineSmoothness": 0, "selectedXAxisMetricKey": ""},
+    }
 
 
 def write_view(client: Any, experiment_id: str) -> list[str]:
@@ -110,6 +143,9 @@ def write_view(client: Any, experiment_id: str) -> list[str]:
             created = int(envelope.get("createdAt", now))
         except (ValueError, TypeError, AttributeError):
             pass  # not ours or damaged: replaced
-    client.set_experiment_tag(experiment_id, key, json.dumps({"name": VIEW_NAME, "createdAt": created,
-                                                              "updatedAt": now, "state": state}))
+    client.set_experiment_tag(
+        experiment_id,
+        key,
+        json.dumps({"name": VIEW_NAME, "createdAt": created, "updatedAt": now, "state": state}),
+    )
     return columns

@@ -54,7 +54,9 @@ def select_runs(store: SqlStore, spec: ReportSpec) -> list[RunRecord]:
     if spec.where and chosen:
         known = sorted(set().union(*(flatten_config(r.config) for r in chosen.values())))
         fields = {"id", "experiment", "run_name", "algo", "task", "seed", "status", "config_hash"}
-        where = {key if key in fields else resolve_key(key, known): value for key, value in spec.where.items()}
+        where = {
+            key if key in fields else resolve_key(key, known): value for key, value in spec.where.items()
+        }
         keep = {r.id for r in store.list_runs(where=where)}
         chosen = {k: v for k, v in chosen.items() if k in keep}
     if not chosen:
@@ -63,8 +65,10 @@ def select_runs(store: SqlStore, spec: ReportSpec) -> list[RunRecord]:
         finished = {k: v for k, v in chosen.items() if v.status == "finished"}
         if not finished:
             states = ", ".join(sorted({r.status for r in chosen.values()}))
-            raise ConfigError(f"none of the {len(chosen)} matching runs finished (status {states}); "
-                              "pass --include-unfinished to report them anyway.")
+            raise ConfigError(
+                f"none of the {len(chosen)} matching runs finished (status {states}); "
+                "pass --include-unfinished to report them anyway."
+            )
         chosen = finished
     return list(chosen.values())
 
@@ -82,9 +86,11 @@ def drop_repeats(records: Sequence[RunRecord]) -> tuple[list[RunRecord], list[st
     notes = []
     for record in records:
         if newest[record.config_hash].id != record.id:
-            notes.append(f"Run `{record.id[:8]}` repeats the config and seed of the newer run "
-                         f"`{newest[record.config_hash].id[:8]}` (config hash {record.config_hash[:10]}); "
-                         "only the newer one is counted.")
+            notes.append(
+                f"Run `{record.id[:8]}` repeats the config and seed of the newer run "
+                f"`{newest[record.config_hash].id[:8]}` (config hash {record.config_hash[:10]}); "
+                "only the newer one is counted."
+            )
     return kept, sorted(notes)
 
 
@@ -105,7 +111,9 @@ def group_label(keys: Sequence[str], values: Sequence[str | None]) -> str:
     return " ".join(parts) or "all runs"
 
 
-def group_runs(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> tuple[list[Group], dict[str, str], list[str]]:
+def group_runs(
+    records: Sequence[RunRecord], group_by: Sequence[str] | None
+) -> tuple[list[Group], dict[str, str], list[str]]:
     """Group runs; return (groups sorted by key values, common config, keys varying over runs).
 
     By default the groups are split by every key whose value differs between runs, except
@@ -119,7 +127,11 @@ def group_runs(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> 
     common = {k: configs[records[0].id][k] for k in everywhere if len({c[k] for c in configs.values()}) == 1}
     varying = [k for k in known if k not in common and k != "seed"]
     if group_by is None:
-        keys = [k for k in varying if k not in NON_RESULT_KEYS and len({_value(c, k) for c in configs.values() if k in c}) > 1]
+        keys = [
+            k
+            for k in varying
+            if k not in NON_RESULT_KEYS and len({_value(c, k) for c in configs.values() if k in c}) > 1
+        ]
         keys.sort(key=lambda k: k != "algorithm.name")  # groups sort by algorithm first, as they read
     else:
         keys = [resolve_key(k, known) for k in group_by]
@@ -149,8 +161,15 @@ def group_runs(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> 
 
 
 # read besides the metric and eval/*: the tables' inputs and the x-axes of the bytes and time figures
-REPORT_KEYS = ("comm/bytes_up", "comm/bytes_down", "time/round_s", "eval/loss", "comm/cum_bytes_up",
-               "comm/cum_bytes_down", "time/cum_train_s")
+REPORT_KEYS = (
+    "comm/bytes_up",
+    "comm/bytes_down",
+    "time/round_s",
+    "eval/loss",
+    "comm/cum_bytes_up",
+    "comm/cum_bytes_down",
+    "time/cum_train_s",
+)
 
 
 def logged_keys(store: SqlStore, ids: Sequence[str]) -> list[str]:
@@ -164,8 +183,9 @@ def logged_keys(store: SqlStore, ids: Sequence[str]) -> list[str]:
         return sorted(session.scalars(stmt))
 
 
-def _curves(store: SqlStore, ids: Sequence[str], keys: Sequence[str]
-            ) -> tuple[dict[str, dict[str, Curve]], dict[str, int]]:
+def _curves(
+    store: SqlStore, ids: Sequence[str], keys: Sequence[str]
+) -> tuple[dict[str, dict[str, Curve]], dict[str, int]]:
     """Curves of `keys` per run, and each run's last round (over `time/round_s` and the keys read)."""
     frame = store.metrics_frame(ids, keys=list(keys))
     curves: dict[str, dict[str, Curve]] = {run_id: {} for run_id in ids}
@@ -191,28 +211,45 @@ def _threshold_text(metric: str, threshold: float) -> str:
     return f"{threshold:g}"
 
 
-def make_tables(metric: str, at: Sequence[int], thresholds: Sequence[float], eval_keys: Sequence[str]
-                ) -> dict[str, list[Column]]:
+def make_tables(
+    metric: str, at: Sequence[int], thresholds: Sequence[float], eval_keys: Sequence[str]
+) -> dict[str, list[Column]]:
     """The columns of the four tables: main, communication, time, all eval metrics."""
     name, low = metric.rsplit("/", 1)[-1], md.is_lower_better(metric)
     unit = "pct" if _is_fraction(metric) else "value"
     main = [Column(f"at@{r}", f"{name} @{r}R", low, unit) for r in at]
-    main += [Column(f"rounds_to@{x!r}", f"rounds to {_threshold_text(metric, x)}", True, "rounds") for x in thresholds]
+    main += [
+        Column(f"rounds_to@{x!r}", f"rounds to {_threshold_text(metric, x)}", True, "rounds")
+        for x in thresholds
+    ]
     main += [Column("best", f"best {name}", low, unit), Column("final", f"final {name}", low, unit)]
     comm = []
     for x in thresholds:
         text = _threshold_text(metric, x)
-        comm += [Column(f"up_to@{x!r}", f"up to {text}", True, "bytes"),
-                 Column(f"down_to@{x!r}", f"down to {text}", True, "bytes")]
-    comm += [Column("up_total", "up, total", True, "bytes"), Column("down_total", "down, total", True, "bytes")]
+        comm += [
+            Column(f"up_to@{x!r}", f"up to {text}", True, "bytes"),
+            Column(f"down_to@{x!r}", f"down to {text}", True, "bytes"),
+        ]
+    comm += [
+        Column("up_total", "up, total", True, "bytes"),
+        Column("down_total", "down, total", True, "bytes"),
+    ]
     time_cols = [Column("round_s", "per round", True, "seconds"), Column("total_s", "total", True, "seconds")]
-    evals = [Column(f"eval@{k}", k.split("/", 1)[1], md.is_lower_better(k),
-                    "pct" if _is_fraction(k) else "value") for k in eval_keys]
+    evals = [
+        Column(f"eval@{k}", k.split("/", 1)[1], md.is_lower_better(k), "pct" if _is_fraction(k) else "value")
+        for k in eval_keys
+    ]
     return {"main": main, "comm": comm, "time": time_cols, "eval": evals}
 
 
-def run_values(curves: Mapping[str, Curve], last_round: int, metric: str, spec: ReportSpec, at: Sequence[int],
-               eval_keys: Sequence[str]) -> dict[str, float | None]:
+def run_values(
+    curves: Mapping[str, Curve],
+    last_round: int,
+    metric: str,
+    spec: ReportSpec,
+    at: Sequence[int],
+    eval_keys: Sequence[str],
+) -> dict[str, float | None]:
     """Every table cell of one run (column id -> value or None)."""
     empty: Curve = (np.zeros(0, np.int64), np.zeros(0))
     rounds, values = curves.get(metric, empty)
@@ -235,7 +272,9 @@ def run_values(curves: Mapping[str, Curve], last_round: int, metric: str, spec: 
     out["total_s"] = md.cumulative_at(*times) if times[0].size else None
     for key in eval_keys:
         k_rounds, k_values = curves.get(key, empty)
-        out[f"eval@{key}"] = md.window_mean(k_rounds, k_values, last_round, spec.window, last_round) if k_rounds.size else None
+        out[f"eval@{key}"] = (
+            md.window_mean(k_rounds, k_values, last_round, spec.window, last_round) if k_rounds.size else None
+        )
     return out
 
 
@@ -245,23 +284,47 @@ def build_report(store: SqlStore, spec: ReportSpec) -> Report:
     groups, common, varying = group_runs(records, spec.group_by)
     ids = [r.id for r in records]
     logged = logged_keys(store, ids)
-    metric = resolve_metric(spec.metric) if spec.metric else next(
-        (k for k in ("eval/accuracy", "eval/dist_to_opt", "eval/loss") if k in logged), "eval/accuracy")
+    metric = (
+        resolve_metric(spec.metric)
+        if spec.metric
+        else next(
+            (k for k in ("eval/accuracy", "eval/dist_to_opt", "eval/loss") if k in logged), "eval/accuracy"
+        )
+    )
     if metric not in logged:
         shown = ", ".join(k for k in logged if k.startswith("eval/")) or "none"
-        raise ConfigError(f"metric {metric!r} is not logged by the selected runs; their eval metrics: {shown}.")
+        raise ConfigError(
+            f"metric {metric!r} is not logged by the selected runs; their eval metrics: {shown}."
+        )
     missing = [k for k in spec.columns if k not in logged]
     if missing:
-        raise ConfigError(f"column {missing[0]!r} is not logged by the selected runs; logged keys: {', '.join(logged)}.")
-    eval_keys = [k for k in logged if k.startswith("eval/")] + [k for k in spec.columns if not k.startswith("eval/")]
+        raise ConfigError(
+            f"column {missing[0]!r} is not logged by the selected runs; logged keys: {', '.join(logged)}."
+        )
+    eval_keys = [k for k in logged if k.startswith("eval/")] + [
+        k for k in spec.columns if not k.startswith("eval/")
+    ]
     curves, last = _curves(store, ids, sorted({metric, *eval_keys, *(k for k in REPORT_KEYS if k in logged)}))
     rounds_run = min(last.values())
     at = tuple(spec.at) or (rounds_run,)
     asked = spec
-    spec = replace(spec, window=default_window(rounds_run) if spec.window is None else spec.window,
-                   smooth=default_smooth(rounds_run) if spec.smooth is None else spec.smooth)
-    report = Report(spec, store.url, metric, at, groups, make_tables(metric, at, spec.thresholds, eval_keys),
-                    common, varying, curves, last)
+    spec = replace(
+        spec,
+        window=default_window(rounds_run) if spec.window is None else spec.window,
+        smooth=default_smooth(rounds_run) if spec.smooth is None else spec.smooth,
+    )
+    report = Report(
+        spec,
+        store.url,
+        metric,
+        at,
+        groups,
+        make_tables(metric, at, spec.thresholds, eval_keys),
+        common,
+        varying,
+        curves,
+        last,
+    )
     columns = [c for cols in report.tables.values() for c in cols]
     for group in groups:
         per_run = [run_values(curves[r.id], last[r.id], metric, spec, at, eval_keys) for r in group.runs]
@@ -277,49 +340,70 @@ def _window_notes(asked: ReportSpec, rounds_run: int) -> list[str]:
     """Where the window and smoothing came from when defaulted; warnings for explicit ones
     longer than the rounds every run ran."""
     notes = []
-    defaulted = [f"{flag} {rule(rounds_run)}" for flag, value, rule in
-                 (("window", asked.window, default_window), ("smoothing", asked.smooth, default_smooth)) if value is None]
+    defaulted = [
+        f"{flag} {rule(rounds_run)}"
+        for flag, value, rule in (
+            ("window", asked.window, default_window),
+            ("smoothing", asked.smooth, default_smooth),
+        )
+        if value is None
+    ]
     if defaulted:
-        notes.append(f"{' and '.join(defaulted).capitalize()}: the default for runs of {rounds_run} rounds "
-                     "(window = max(1, min(100, R // 10)), smoothing = max(1, min(10, R // 10)), R = the last round "
-                     "every run reached); pass --window / --smooth to choose.")
+        notes.append(
+            f"{' and '.join(defaulted).capitalize()}: the default for runs of {rounds_run} rounds "
+            "(window = max(1, min(100, R // 10)), smoothing = max(1, min(10, R // 10)), R = the last round "
+            "every run reached); pass --window / --smooth to choose."
+        )
     if asked.window is not None and asked.window > rounds_run:
-        notes.append(f"Warning: --window {asked.window} exceeds the {rounds_run} rounds every run ran: metric@R "
-                     f"averages all rounds 1..R. Drop --window for the default "
-                     f"({default_window(rounds_run)} here: max(1, min(100, rounds // 10))).")
+        notes.append(
+            f"Warning: --window {asked.window} exceeds the {rounds_run} rounds every run ran: metric@R "
+            f"averages all rounds 1..R. Drop --window for the default "
+            f"({default_window(rounds_run)} here: max(1, min(100, rounds // 10)))."
+        )
     if asked.smooth is not None and asked.smooth > rounds_run:
-        notes.append(f"Warning: --smooth {asked.smooth} exceeds the {rounds_run} rounds every run ran: no "
-                     "running average is defined before round S, so rounds to a threshold is — for such runs. "
-                     f"Drop --smooth for the default ({default_smooth(rounds_run)} here).")
+        notes.append(
+            f"Warning: --smooth {asked.smooth} exceeds the {rounds_run} rounds every run ran: no "
+            "running average is defined before round S, so rounds to a threshold is — for such runs. "
+            f"Drop --smooth for the default ({default_smooth(rounds_run)} here)."
+        )
     return notes
 
 
 def _notes(report: Report) -> list[str]:
     notes = []
     for group in report.groups:
-        for tag, what in (("fedcli.degenerate", "ran a degenerate configuration"),
-                          ("fedcli.shortfall", "ran where the algorithm is known to trail FedAvg")):
+        for tag, what in (
+            ("fedcli.degenerate", "ran a degenerate configuration"),
+            ("fedcli.shortfall", "ran where the algorithm is known to trail FedAvg"),
+        ):
             found = sorted({d for r in group.runs for d in (r.tags.get(tag) or "").split(" | ") if d})
             if found:
                 count = sum(bool(r.tags.get(tag)) for r in group.runs)
-                notes.append(f"Group **{group.label}**: {count} of {len(group.runs)} run(s) {what} "
-                             f"(tag {tag}): {'; '.join(found)}")
+                notes.append(
+                    f"Group **{group.label}**: {count} of {len(group.runs)} run(s) {what} "
+                    f"(tag {tag}): {'; '.join(found)}"
+                )
         if group.mixed:
             shown = "; ".join(f"{k}: {', '.join(v)}" for k, v in group.mixed.items())
-            notes.append(f"Group **{group.label}** mixes runs whose configs differ in more than the seed ({shown}); "
-                         "pass --group-by with these keys to separate them.")
+            notes.append(
+                f"Group **{group.label}** mixes runs whose configs differ in more than the seed ({shown}); "
+                "pass --group-by with these keys to separate them."
+            )
         seeds = [r.seed for r in group.runs]
         if len(set(seeds)) < len(seeds):
             notes.append(f"Group **{group.label}** holds several runs with the same seed ({sorted(seeds)}).")
         odd = sorted({r.status for r in group.runs} - {"finished"})
         if odd:
-            notes.append(f"Group **{group.label}** includes runs that did not finish (status {', '.join(odd)}).")
+            notes.append(
+                f"Group **{group.label}** includes runs that did not finish (status {', '.join(odd)})."
+            )
     return notes + _identical_notes(report)
 
 
 def _identical_notes(report: Report) -> list[str]:
     """One note per set of groups whose metric curves are identical, run for run (seed order), every round:
     their rows and curves coincide (the curve drawn last hides the others)."""
+
     def signature(group: Group) -> tuple[tuple[bytes, bytes], ...] | None:
         curves = [report.curves[r.id].get(report.metric) for r in group.runs]
         present = [c for c in curves if c is not None and c[0].size]
@@ -332,7 +416,10 @@ def _identical_notes(report: Report) -> list[str]:
         key = signature(group)
         if key is not None:
             same.setdefault(key, []).append(group.label)
-    return [f"Groups {', '.join(f'**{g}**' for g in labels)} have identical {report.metric} curves (every run, every "
-            "round): they computed the same model, so their rows are equal and their curves overlap in the figures; "
-            "see their configuration differences and any degenerate-run note above."
-            for labels in same.values() if len(labels) > 1]
+    return [
+        f"Groups {', '.join(f'**{g}**' for g in labels)} have identical {report.metric} curves (every run, every "
+        "round): they computed the same model, so their rows are equal and their curves overlap in the figures; "
+        "see their configuration differences and any degenerate-run note above."
+        for labels in same.values()
+        if len(labels) > 1
+    ]

@@ -19,16 +19,35 @@ from fedcli.tracking.keys import flatten_config
 from fedcli.tracking.store.records import RunRecord
 
 Curve = tuple[np.ndarray, np.ndarray]  # (rounds int64 ascending, values float64)
-PERCENT_NAMES = ("accuracy", "precision", "recall", "f1")  # metrics whose name contains one: fractions shown as %
+PERCENT_NAMES = (
+    "accuracy",
+    "precision",
+    "recall",
+    "f1",
+)  # metrics whose name contains one: fractions shown as %
 _IGNORED_PREFIXES = ("tracking.",)  # where results are written, not what produced them
 # Settings that do not change results (how and where a run executes, like `--resume`'s
 # allowed overrides): never a default group key, never a reason to call a group mixed.
-NON_RESULT_KEYS = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.device", "train.executor",
-                             "train.cohort_chunk", "train.workers", "train.threads"})
+NON_RESULT_KEYS = frozenset(
+    {
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "train.device",
+        "train.executor",
+        "train.cohort_chunk",
+        "train.workers",
+        "train.threads",
+    }
+)
 # What the data turned out to be, recorded with the run (docs/your-data.md), not a setting: a synthetic
 # task's data follows the seed, so comparing it would split the seeds of one setting into groups.
 _IGNORED_KEYS = frozenset({"data.fingerprint"})
-_ALIASES = {"algo": "algorithm.name", "task": "data.task", "model": "data.model", "scheme": "partition.scheme"}
+_ALIASES = {
+    "algo": "algorithm.name",
+    "task": "data.task",
+    "model": "data.model",
+    "scheme": "partition.scheme",
+}
 _DISPLAY = {v: k for k, v in _ALIASES.items()}
 MISSING = "—"
 
@@ -48,7 +67,9 @@ class ReportSpec:
     smooth: int | None = None  # None = default_smooth(rounds run)
     command: str = "fedcli report"
     include_unfinished: bool = False  # False: only finished runs (interrupted/failed/running are left out)
-    columns: tuple[str, ...] = ()  # more logged keys for the last table (e.g. fedsparse/sparsity), final-window mean
+    columns: tuple[
+        str, ...
+    ] = ()  # more logged keys for the last table (e.g. fedsparse/sparsity), final-window mean
 
 
 def default_window(rounds_run: int) -> int:
@@ -132,7 +153,9 @@ def resolve_key(name: str, known: Sequence[str]) -> str:
     near = difflib.get_close_matches(name, sorted(names), n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
     which = f"; it names several keys: {', '.join(tails)}" if tails else ""
-    raise ConfigError(f"unknown config key {name!r}{hint}{which}; use a key such as algo, hp.rho or train.client_lr.")
+    raise ConfigError(
+        f"unknown config key {name!r}{hint}{which}; use a key such as algo, hp.rho or train.client_lr."
+    )
 
 
 def display_key(key: str) -> str:
@@ -140,15 +163,18 @@ def display_key(key: str) -> str:
     if key in _DISPLAY:
         return _DISPLAY[key]
     if key.startswith("algorithm.hp."):
-        return key[len("algorithm."):]
-    return key[len("train."):] if key.startswith("train.") else key
+        return key[len("algorithm.") :]
+    return key[len("train.") :] if key.startswith("train.") else key
 
 
 def run_config(record: RunRecord) -> dict[str, str]:
     """The run's flattened config without tracking keys and empty-mapping placeholders."""
     flat = flatten_config(record.config)
-    return {k: v for k, v in flat.items()
-            if not k.startswith(_IGNORED_PREFIXES) and k not in _IGNORED_KEYS and v != "{}"}
+    return {
+        k: v
+        for k, v in flat.items()
+        if not k.startswith(_IGNORED_PREFIXES) and k not in _IGNORED_KEYS and v != "{}"
+    }
 
 
 def _sort_value(value: str | None) -> tuple[int, float, str]:

@@ -30,12 +30,25 @@ __all__ = ["axis_label", "learning_curves", "metric_vs_cost", "partition_heatmap
 _DPI = 200
 _PNG_METADATA = {"Software": None}
 _SVG_METADATA = {"Date": None}
-_NAMES = {"accuracy": "accuracy", "loss": "loss", "dist_to_opt": "distance to optimum", "macro_f1": "macro F1",
-          "micro_f1": "micro F1", "nll": "NLL", "ece": "ECE", "brier": "Brier score", "perplexity": "perplexity"}
+_NAMES = {
+    "accuracy": "accuracy",
+    "loss": "loss",
+    "dist_to_opt": "distance to optimum",
+    "macro_f1": "macro F1",
+    "micro_f1": "micro F1",
+    "nll": "NLL",
+    "ece": "ECE",
+    "brier": "Brier score",
+    "perplexity": "perplexity",
+}
 # x-axes of metric_vs_cost: (cumulative keys, per-round keys they sum, axis title, unit kind)
 COSTS = {
-    "bytes": (("comm/cum_bytes_up", "comm/cum_bytes_down"), ("comm/bytes_up", "comm/bytes_down"),
-              "bytes sent, up + down, cumulative", "bytes"),
+    "bytes": (
+        ("comm/cum_bytes_up", "comm/cum_bytes_down"),
+        ("comm/bytes_up", "comm/bytes_down"),
+        "bytes sent, up + down, cumulative",
+        "bytes",
+    ),
     "time": (("time/cum_train_s",), ("time/round_s",), "training time, cumulative", "seconds"),
 }
 COST_KEYS = tuple(k for cumulative, per_round, _, _ in COSTS.values() for k in (*cumulative, *per_round))
@@ -109,12 +122,19 @@ def _thresholds(ax: Any, report: Report, key: str, scale: float) -> None:
     for x in report.spec.thresholds:
         ax.axhline(x * scale, color="0.35", linestyle="--", linewidth=0.9)
         text = f"{x * scale:g}%" if scale != 1 else f"{x:g}"
-        ax.annotate(f"threshold {text}", (0.005, x * scale), xycoords=("axes fraction", "data"), fontsize=7,
-                    color="0.3", va="bottom")
+        ax.annotate(
+            f"threshold {text}",
+            (0.005, x * scale),
+            xycoords=("axes fraction", "data"),
+            fontsize=7,
+            color="0.3",
+            va="bottom",
+        )
 
 
-def _smoothed(report: Report, group: Group, key: str, scale: float
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, int] | None:
+def _smoothed(
+    report: Report, group: Group, key: str, scale: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, int] | None:
     """(rounds x, per-round mean, running-average mean, its std or None, seeds) of a group, in display units."""
     curves = _group_curves(report, group, key)
     if not curves:
@@ -122,7 +142,9 @@ def _smoothed(report: Report, group: Group, key: str, scale: float
     smooth = report.spec.smooth or 1
     last = max(int(rounds[-1]) for rounds, _ in curves)
     points = _dense(curves, last) * scale
-    averages = _dense([(r, md.running_average(r, v, smooth, full_window=False)) for r, v in curves], last) * scale
+    averages = (
+        _dense([(r, md.running_average(r, v, smooth, full_window=False)) for r, v in curves], last) * scale
+    )
     mean_points, _ = _nan_stats(points, False)
     mean_avg, std_avg = _nan_stats(averages, len(curves) > 1)
     return np.arange(last + 1), mean_points, mean_avg, std_avg, len(curves)
@@ -153,19 +175,36 @@ def learning_curves(report: Report, key: str, path: Path) -> bool:
         ax.plot(x, mean_points, linestyle="none", marker="x", markersize=3, alpha=0.35, color=color)
         ax.plot(x[seen], mean_avg[seen], color=color, linewidth=1.6, label=f"{group.label} (n={n})")
         if std_avg is not None:
-            ax.fill_between(x[seen], (mean_avg - std_avg)[seen], (mean_avg + std_avg)[seen], color=color,
-                            alpha=0.18, linewidth=0)
+            ax.fill_between(
+                x[seen],
+                (mean_avg - std_avg)[seen],
+                (mean_avg + std_avg)[seen],
+                color=color,
+                alpha=0.18,
+                linewidth=0,
+            )
     if not seeds:
         return False
     for r in report.at:
         ax.axvline(r, color="0.5", linestyle=":", linewidth=0.9)
-        ax.annotate(f"R={r}", (r, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color="0.3",
-                    ha="right", va="top", rotation=90)
+        ax.annotate(
+            f"R={r}",
+            (r, 1.0),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            color="0.3",
+            ha="right",
+            va="top",
+            rotation=90,
+        )
     _thresholds(ax, report, key, scale)
     ax.set_xlabel("communication round")
     ax.set_ylabel(axis_label(key))
-    ax.set_title(f"{axis_label(key)} by round\n×: per-round mean over seeds; line: {report.spec.smooth}-round "
-                 f"running average; {_band_words(seeds)}", fontsize=9)
+    ax.set_title(
+        f"{axis_label(key)} by round\n×: per-round mean over seeds; line: {report.spec.smooth}-round "
+        f"running average; {_band_words(seeds)}",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     _save(fig, path)
@@ -209,17 +248,27 @@ def metric_vs_cost(report: Report, key: str, cost: str, path: Path) -> bool:
     lines, seeds = [], []
     for i, group in enumerate(report.groups):
         drawn = _smoothed(report, group, key, scale)
-        costs = [cost_curve(report.curves[r.id], cost, report.last_round[r.id]) for r in group.runs
-                 if key in report.curves[r.id]]
+        costs = [
+            cost_curve(report.curves[r.id], cost, report.last_round[r.id])
+            for r in group.runs
+            if key in report.curves[r.id]
+        ]
         if drawn is None or any(c is None for c in costs):
             continue
         x_rounds, _, mean_avg, std_avg, n = drawn
         last = len(x_rounds) - 1
-        stacked = np.stack([np.pad(c[: last + 1], (0, max(0, last + 1 - len(c))), constant_values=np.nan)
-                            for c in costs if c is not None])
+        stacked = np.stack(
+            [
+                np.pad(c[: last + 1], (0, max(0, last + 1 - len(c))), constant_values=np.nan)
+                for c in costs
+                if c is not None
+            ]
+        )
         mean_cost, _ = _nan_stats(stacked, False)
         seen = ~np.isnan(mean_avg) & ~np.isnan(mean_cost)
-        lines.append((i, group, mean_cost[seen], mean_avg[seen], None if std_avg is None else std_avg[seen], n))
+        lines.append(
+            (i, group, mean_cost[seen], mean_avg[seen], None if std_avg is None else std_avg[seen], n)
+        )
         seeds.append(n)
     if not lines:
         return False
@@ -229,14 +278,25 @@ def metric_vs_cost(report: Report, key: str, cost: str, path: Path) -> bool:
     ax = fig.add_subplot()
     for i, group, x, y, std, n in lines:
         color = f"C{i % 10}"
-        ax.plot(x / unit_scale, y, color=color, linewidth=1.6, marker=".", markersize=3, label=f"{group.label} (n={n})")
+        ax.plot(
+            x / unit_scale,
+            y,
+            color=color,
+            linewidth=1.6,
+            marker=".",
+            markersize=3,
+            label=f"{group.label} (n={n})",
+        )
         if std is not None:
             ax.fill_between(x / unit_scale, y - std, y + std, color=color, alpha=0.18, linewidth=0)
     _thresholds(ax, report, key, scale)
     ax.set_xlabel(f"{title} ({unit})")
     ax.set_ylabel(axis_label(key))
-    ax.set_title(f"{axis_label(key)} against {title}\nline: {report.spec.smooth}-round running average, mean "
-                 f"over seeds; {_band_words(seeds)}", fontsize=9)
+    ax.set_title(
+        f"{axis_label(key)} against {title}\nline: {report.spec.smooth}-round running average, mean "
+        f"over seeds; {_band_words(seeds)}",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     _save(fig, path)
@@ -247,7 +307,9 @@ def partition_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
     """Draw a [clients, labels] example-count matrix as a heatmap (clients on x, labels on y)."""
     fig = _figure(9.0, 4.0)
     ax = fig.add_subplot()
-    image = ax.imshow(np.asarray(counts).T, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower")
+    image = ax.imshow(
+        np.asarray(counts).T, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower"
+    )
     fig.colorbar(image, ax=ax, label="examples")
     ax.set_xlabel("client")
     ax.set_ylabel("label")
@@ -255,8 +317,9 @@ def partition_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
     _save(fig, path)
 
 
-def report_figures(report: Report, output: Path, counts: np.ndarray | None = None,
-                   counts_title: str = "") -> list[tuple[str, str]]:
+def report_figures(
+    report: Report, output: Path, counts: np.ndarray | None = None, counts_title: str = ""
+) -> list[tuple[str, str]]:
     """Draw the report's figures beside `output`; return (caption, PNG path relative to it) pairs.
 
     Files (each PNG with an SVG of the same stem): `<stem>-<metric>.png`, `<stem>-loss.png`
@@ -271,18 +334,29 @@ def report_figures(report: Report, output: Path, counts: np.ndarray | None = Non
     for key in keys:
         name = f"{stem}-{key.replace('/', '_')}.png"
         if learning_curves(report, key, folder / name):
-            figures.append((f"Learning curves of {key} (one line per group; {band}). SVG: "
-                            f"{Path(name).with_suffix('.svg')}.", name))
+            figures.append(
+                (
+                    f"Learning curves of {key} (one line per group; {band}). SVG: "
+                    f"{Path(name).with_suffix('.svg')}.",
+                    name,
+                )
+            )
     for cost, words in (("bytes", "bytes sent (up + down)"), ("time", "training time")):
         name = f"{stem}-{report.metric.replace('/', '_')}-vs-{cost}.png"
         if metric_vs_cost(report, report.metric, cost, folder / name):
-            figures.append((f"{report.metric} against cumulative {words} (one line per group; {band}). SVG: "
-                            f"{Path(name).with_suffix('.svg')}.", name))
+            figures.append(
+                (
+                    f"{report.metric} against cumulative {words} (one line per group; {band}). SVG: "
+                    f"{Path(name).with_suffix('.svg')}.",
+                    name,
+                )
+            )
     if counts is not None:
         name = f"{stem}-partition.png"
         partition_heatmap(counts, folder / name, counts_title)
-        figures.append((f"Partition shared by every run: {counts_title}. SVG: {Path(name).with_suffix('.svg')}.",
-                        name))
+        figures.append(
+            (f"Partition shared by every run: {counts_title}. SVG: {Path(name).with_suffix('.svg')}.", name)
+        )
     if report.search is not None:  # a search's history and importances (tracking/report/search.py)
         from fedcli.tracking.report.search import search_figures
 

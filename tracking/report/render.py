@@ -69,7 +69,10 @@ def _best_groups(report: Report, column: Column, scale: float) -> set[int]:
     for i, group in enumerate(report.groups):
         s = group.summary[column.id]
         if s.mean is not None and s.std is not None and s.count == s.total:
-            shown[i] = (float(format_number(s.mean, column.unit, scale)), float(format_number(s.std, column.unit, scale)))
+            shown[i] = (
+                float(format_number(s.mean, column.unit, scale)),
+                float(format_number(s.std, column.unit, scale)),
+            )
     if len(shown) < 2:
         return set()
     order = sorted(shown, key=lambda i: shown[i][0], reverse=not column.lower_is_better)
@@ -92,14 +95,21 @@ def markdown_table(report: Report, columns: Sequence[Column]) -> list[str]:
     headers = []
     for c in columns:
         arrow = "↓" if c.lower_is_better else "↑"
-        unit = {"pct": "%, ", "rounds": "#, ", "bytes": f"{scales.get(c.id, (1, 'B'))[1]}, ", "seconds": "s, "}.get(c.unit, "")
+        unit = {
+            "pct": "%, ",
+            "rounds": "#, ",
+            "bytes": f"{scales.get(c.id, (1, 'B'))[1]}, ",
+            "seconds": "s, ",
+        }.get(c.unit, "")
         headers.append(f"{c.header} ({unit}{arrow})")
     lines = ["| group | seeds | " + " | ".join(headers) + " |", "|---|---|" + "---:|" * len(columns)]
     best = {c.id: _best_groups(report, c, scales.get(c.id, (1.0, ""))[0]) for c in columns}
     for i, group in enumerate(report.groups):
         cells = []
         for c in columns:
-            text = format_cell(group.summary[c.id], c.unit, scales.get(c.id, (1.0, ""))[0], _rounds_run(group, report))
+            text = format_cell(
+                group.summary[c.id], c.unit, scales.get(c.id, (1.0, ""))[0], _rounds_run(group, report)
+            )
             cells.append(f"**{text}**" if i in best[c.id] else text)
         lines.append(f"| {group.label} | {len(group.runs)} | " + " | ".join(cells) + " |")
     return lines
@@ -107,12 +117,16 @@ def markdown_table(report: Report, columns: Sequence[Column]) -> list[str]:
 
 # --------------------------------------------------------------------------- renderers
 
-CONVENTIONS = ("cells are mean ± sample std (ddof 1) over the group's seeds; (k/n): only k of n seeds have a "
-               "value; **bold**: see the rule under each table; ↑/↓: higher/lower is better; — : no value "
-               "(footnote under each table)")
-BOLD_RULE = ("Bold: the best mean of a column, only where it beats the runner-up by more than the larger of their "
-             "two seed standard deviations (as shown; among groups where every seed has a value); no bold on ties "
-             "or when the spread covers the gap.")
+CONVENTIONS = (
+    "cells are mean ± sample std (ddof 1) over the group's seeds; (k/n): only k of n seeds have a "
+    "value; **bold**: see the rule under each table; ↑/↓: higher/lower is better; — : no value "
+    "(footnote under each table)"
+)
+BOLD_RULE = (
+    "Bold: the best mean of a column, only where it beats the runner-up by more than the larger of their "
+    "two seed standard deviations (as shown; among groups where every seed has a value); no bold on ties "
+    "or when the spread covers the gap."
+)
 _TITLES = {
     "main": "Table 3 layout",
     "comm": "Communication: bytes to each threshold and in total",
@@ -135,13 +149,16 @@ def f1_rules(report: Report) -> str:
         for record in group.runs:
             config = run_config(record)
             rules.setdefault(_value(config, F1_RULE_KEY) or THRESHOLD_RULE, set()).add(
-                _value(config, "data.task") or MISSING)
+                _value(config, "data.task") or MISSING
+            )
     shown = "; ".join(f"{rule} ({', '.join(sorted(tasks))})" for rule, tasks in sorted(rules.items()))
     return f"F1 decision rule (micro_f1, macro_f1): {shown}."
 
 
 def _has_f1(report: Report, table: str) -> bool:
-    return "f1" in report.metric if table == "main" else any("f1" in c.id for c in report.tables.get(table, ()))
+    return (
+        "f1" in report.metric if table == "main" else any("f1" in c.id for c in report.tables.get(table, ()))
+    )
 
 
 def _definitions(report: Report, table: str) -> str:
@@ -153,20 +170,26 @@ def _definitions_text(report: Report, table: str) -> str:
     spec, metric = report.spec, report.metric
     direction = "≤" if md.is_lower_better(metric) else "≥"
     if table == "main":
-        return (f"{metric} @R = mean of {metric} over the evaluated rounds r with R − {spec.window} < r ≤ R "
-                f"(window {spec.window}; round 0, the initial model, never counts); {MISSING} if the run stopped "
-                f"before R. Rounds to X = the first round t ≥ {spec.smooth} whose trailing {spec.smooth}-round running "
-                f"average of {metric} is {direction} X; {MISSING} (rounds run) if never. Best = best per-round value; "
-                "final = value at the last evaluated round.")
+        return (
+            f"{metric} @R = mean of {metric} over the evaluated rounds r with R − {spec.window} < r ≤ R "
+            f"(window {spec.window}; round 0, the initial model, never counts); {MISSING} if the run stopped "
+            f"before R. Rounds to X = the first round t ≥ {spec.smooth} whose trailing {spec.smooth}-round running "
+            f"average of {metric} is {direction} X; {MISSING} (rounds run) if never. Best = best per-round value; "
+            "final = value at the last evaluated round."
+        )
     if table == "comm":
-        return ("Bytes up/down to X = sum of comm/bytes_up / comm/bytes_down over rounds 1..t, t = the round the "
-                f"threshold is first reached (as above); {MISSING} (rounds run) if never. Total = over all rounds. "
-                "Units: SI (1 kB = 1000 B), one unit per column.")
+        return (
+            "Bytes up/down to X = sum of comm/bytes_up / comm/bytes_down over rounds 1..t, t = the round the "
+            f"threshold is first reached (as above); {MISSING} (rounds run) if never. Total = over all rounds. "
+            "Units: SI (1 kB = 1000 B), one unit per column."
+        )
     if table == "time":
         return "Per round = mean of time/round_s over rounds ≥ 1 (the first round includes warm-up); total = its sum."
-    return (f"Each eval/* metric (and each requested column) averaged over the last {spec.window} rounds of each run (r > last − {spec.window}). "
-            "F1 metrics: macro = mean over labels, micro = pooled over labels; a label with no positives and no "
-            f"predictions has F1 0. {MISSING}: the run logged no such value.")
+    return (
+        f"Each eval/* metric (and each requested column) averaged over the last {spec.window} rounds of each run (r > last − {spec.window}). "
+        "F1 metrics: macro = mean over labels, micro = pooled over labels; a label with no positives and no "
+        f"predictions has F1 0. {MISSING}: the run logged no such value."
+    )
 
 
 def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> str:
@@ -174,19 +197,37 @@ def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> 
     spec = report.spec
     experiments = sorted({r.experiment for g in report.groups for r in g.runs})
     runs = [r for g in report.groups for r in g.runs]
-    group_by = ", ".join(spec.group_by) if spec.group_by else "every config key that differs between runs, except seed"
-    lines = [f"# fedcli report: {report.metric}", "",
-             f"- command: `{mask_url(spec.command)}`", f"- store: `{shown_store(report.store_url)}`",
-             f"- runs: {len(runs)} in {len(report.groups)} group(s); experiments: {', '.join(experiments)}",
-             f"- metric: {report.metric} ({'↓' if md.is_lower_better(report.metric) else '↑'}); "
-             f"R = {', '.join(map(str, report.at))}; window {spec.window}; smoothing {spec.smooth}",
-             f"- grouped by: {group_by}", f"- conventions: {CONVENTIONS}", ""]
+    group_by = (
+        ", ".join(spec.group_by)
+        if spec.group_by
+        else "every config key that differs between runs, except seed"
+    )
+    lines = [
+        f"# fedcli report: {report.metric}",
+        "",
+        f"- command: `{mask_url(spec.command)}`",
+        f"- store: `{shown_store(report.store_url)}`",
+        f"- runs: {len(runs)} in {len(report.groups)} group(s); experiments: {', '.join(experiments)}",
+        f"- metric: {report.metric} ({'↓' if md.is_lower_better(report.metric) else '↑'}); "
+        f"R = {', '.join(map(str, report.at))}; window {spec.window}; smoothing {spec.smooth}",
+        f"- grouped by: {group_by}",
+        f"- conventions: {CONVENTIONS}",
+        "",
+    ]
     for name, columns in report.tables.items():
         if not columns:
             continue
         title = f"{report.metric} ({_TITLES[name]})" if name == "main" else _TITLES[name]
-        lines += [f"## {title}", "", *markdown_table(report, columns), "", _definitions(report, name), "",
-                  BOLD_RULE, ""]
+        lines += [
+            f"## {title}",
+            "",
+            *markdown_table(report, columns),
+            "",
+            _definitions(report, name),
+            "",
+            BOLD_RULE,
+            "",
+        ]
     if report.search is not None:
         from fedcli.tracking.report.search import search_markdown
 
@@ -194,14 +235,24 @@ def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> 
     if figures:
         lines += ["## Figures", ""]
         lines += [f"![{caption}]({path})\n\n{caption}\n" for caption, path in figures]
-    lines += ["## Runs", "", "| group | seed | run id | status | rounds | config hash | experiment |",
-              "|---|---:|---|---|---:|---|---|"]
+    lines += [
+        "## Runs",
+        "",
+        "| group | seed | run id | status | rounds | config hash | experiment |",
+        "|---|---:|---|---|---:|---|---|",
+    ]
     for g in report.groups:
         for r in g.runs:
             digest = r.tags.get("fedcli.config_hash", r.config_hash)[:12]
-            lines.append(f"| {g.label} | {r.seed} | `{r.id}` | {r.status} | {report.last_round[r.id]} | "
-                         f"`{digest}` | {r.experiment} |")
-    lines += ["", "Config hash: sha256 of the run's config without the tracking section (tag fedcli.config_hash).", ""]
+            lines.append(
+                f"| {g.label} | {r.seed} | `{r.id}` | {r.status} | {report.last_round[r.id]} | "
+                f"`{digest}` | {r.experiment} |"
+            )
+    lines += [
+        "",
+        "Config hash: sha256 of the run's config without the tracking section (tag fedcli.config_hash).",
+        "",
+    ]
     lines += _config_section(report)
     if report.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
@@ -224,23 +275,37 @@ def _config_section(report: Report) -> list[str]:
     result_keys = [k for k in report.varying if k not in NON_RESULT_KEYS]
     between = [k for k in result_keys if len({values(g, k) for g in report.groups}) > 1]
     if between:
-        lines += [f"What differs between groups ({MISSING}: key absent, e.g. another algorithm's hyperparameter; "
-                  "several values: they differ inside the group, see Notes):", "",
-                  "| key | " + " | ".join(g.label for g in report.groups) + " |",
-                  "|---|" + "---|" * len(report.groups)]
-        lines += [f"| `{display_key(k)}` | " + " | ".join(marked(g, k) for g in report.groups) + " |" for k in between]
+        lines += [
+            f"What differs between groups ({MISSING}: key absent, e.g. another algorithm's hyperparameter; "
+            "several values: they differ inside the group, see Notes):",
+            "",
+            "| key | " + " | ".join(g.label for g in report.groups) + " |",
+            "|---|" + "---|" * len(report.groups),
+        ]
+        lines += [
+            f"| `{display_key(k)}` | " + " | ".join(marked(g, k) for g in report.groups) + " |"
+            for k in between
+        ]
         lines.append("")
         if any(k in keys for k in between for keys in recommended.values()):
-            lines += ["(recommended): the value the algorithm (or the task) recommends, applied because the run did "
-                      "not set the key (tag fedcli.recommended, `fedcli list algos NAME`); where such a shared setting "
-                      "(e.g. `local_epochs`) differs, the groups ran at unequal settings: set it explicitly to compare "
-                      "at equal ones.", ""]
+            lines += [
+                "(recommended): the value the algorithm (or the task) recommends, applied because the run did "
+                "not set the key (tag fedcli.recommended, `fedcli list algos NAME`); where such a shared setting "
+                "(e.g. `local_epochs`) differs, the groups ran at unequal settings: set it explicitly to compare "
+                "at equal ones.",
+                "",
+            ]
     execution = [k for k in report.varying if k in NON_RESULT_KEYS]
     if execution:
-        shown = "; ".join(f"`{k}`: {', '.join(sorted({c.get(k, MISSING) for c in configs.values()}, key=_sort_value))}"
-                          for k in execution)
+        shown = "; ".join(
+            f"`{k}`: {', '.join(sorted({c.get(k, MISSING) for c in configs.values()}, key=_sort_value))}"
+            for k in execution
+        )
         lines += [f"Execution settings that differ between runs and do not change results: {shown}.", ""]
-    lines += ["Common to all runs (tracking.* omitted: it says where results go, not what produced them):", ""]
+    lines += [
+        "Common to all runs (tracking.* omitted: it says where results go, not what produced them):",
+        "",
+    ]
     lines += [f"- `{k}` = {v}" for k, v in report.common.items()]
     return [*lines, ""]
 
@@ -259,11 +324,29 @@ def _rows(report: Report) -> list[dict[str, Any]]:
             for c in columns:
                 s = g.summary[c.id]
                 for stat, value in (("mean", s.mean), ("std", s.std), ("count", s.count), ("total", s.total)):
-                    rows.append({"group": g.label, "run_id": "", "seed": "", "table": table, "column": c.id,
-                                 "statistic": stat, "value": value})
+                    rows.append(
+                        {
+                            "group": g.label,
+                            "run_id": "",
+                            "seed": "",
+                            "table": table,
+                            "column": c.id,
+                            "statistic": stat,
+                            "value": value,
+                        }
+                    )
                 for r, value in zip(g.runs, g.values[c.id], strict=True):
-                    rows.append({"group": g.label, "run_id": r.id, "seed": r.seed, "table": table, "column": c.id,
-                                 "statistic": "value", "value": value})
+                    rows.append(
+                        {
+                            "group": g.label,
+                            "run_id": r.id,
+                            "seed": r.seed,
+                            "table": table,
+                            "column": c.id,
+                            "statistic": "value",
+                            "value": value,
+                        }
+                    )
     return rows
 
 
@@ -273,8 +356,9 @@ def render_csv(report: Report) -> str:
     import io
 
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, ["group", "run_id", "seed", "table", "column", "statistic", "value"],
-                            lineterminator="\n")
+    writer = csv.DictWriter(
+        buffer, ["group", "run_id", "seed", "table", "column", "statistic", "value"], lineterminator="\n"
+    )
     writer.writeheader()
     for row in _rows(report):
         value = row["value"]
@@ -285,29 +369,70 @@ def render_csv(report: Report) -> str:
 def render_json(report: Report) -> str:
     """JSON: the request, the definitions, one object per group (summaries) and per run (values)."""
     spec = report.spec
-    groups = [{"label": g.label, "keys": g.keys, "seeds": [r.seed for r in g.runs], "runs": [r.id for r in g.runs],
-               "mixed": g.mixed,
-               "columns": {c: {"mean": s.mean, "std": s.std, "count": s.count, "total": s.total}
-                           for c, s in g.summary.items()}} for g in report.groups]
-    runs = [{"id": r.id, "name": r.run_name, "group": g.label, "seed": r.seed, "status": r.status,
-             "experiment": r.experiment, "rounds": report.last_round[r.id],
-             "config_hash": r.tags.get("fedcli.config_hash", r.config_hash),
-             "values": {c: v[i] for c, v in g.values.items()}}
-            for g in report.groups for i, r in enumerate(g.runs)]
-    doc = {"command": mask_url(spec.command), "store": shown_store(report.store_url), "metric": report.metric, "at": list(report.at),
-           "thresholds": list(spec.thresholds), "window": spec.window, "smooth": spec.smooth,
-           "columns": {t: [{"id": c.id, "header": c.header, "lower_is_better": c.lower_is_better, "unit": c.unit}
-                           for c in cols] for t, cols in report.tables.items()},
-           "groups": groups, "runs": runs, "common": report.common, "notes": report.notes}
+    groups = [
+        {
+            "label": g.label,
+            "keys": g.keys,
+            "seeds": [r.seed for r in g.runs],
+            "runs": [r.id for r in g.runs],
+            "mixed": g.mixed,
+            "columns": {
+                c: {"mean": s.mean, "std": s.std, "count": s.count, "total": s.total}
+                for c, s in g.summary.items()
+            },
+        }
+        for g in report.groups
+    ]
+    runs = [
+        {
+            "id": r.id,
+            "name": r.run_name,
+            "group": g.label,
+            "seed": r.seed,
+            "status": r.status,
+            "experiment": r.experiment,
+            "rounds": report.last_round[r.id],
+            "config_hash": r.tags.get("fedcli.config_hash", r.config_hash),
+            "values": {c: v[i] for c, v in g.values.items()},
+        }
+        for g in report.groups
+        for i, r in enumerate(g.runs)
+    ]
+    doc = {
+        "command": mask_url(spec.command),
+        "store": shown_store(report.store_url),
+        "metric": report.metric,
+        "at": list(report.at),
+        "thresholds": list(spec.thresholds),
+        "window": spec.window,
+        "smooth": spec.smooth,
+        "columns": {
+            t: [
+                {"id": c.id, "header": c.header, "lower_is_better": c.lower_is_better, "unit": c.unit}
+                for c in cols
+            ]
+            for t, cols in report.tables.items()
+        },
+        "groups": groups,
+        "runs": runs,
+        "common": report.common,
+        "notes": report.notes,
+    }
     return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 def shared_partition(report: Report) -> dict[str, str] | None:
     """The task and partition keys if every run shares them (scheme-made partitions also the seed)."""
     configs = [run_config(r) for g in report.groups for r in g.runs]
-    keys = sorted({k for c in configs for k in c if k.startswith("partition.")} | {"data.task", "data.data_dir", "seed"})
+    keys = sorted(
+        {k for c in configs for k in c if k.startswith("partition.")} | {"data.task", "data.data_dir", "seed"}
+    )
     shared = {k: configs[0].get(k, MISSING) for k in keys}
-    if shared.get("partition.scheme") == "natural" or shared.get("partition.file") not in (None, "None", MISSING):
+    if shared.get("partition.scheme") == "natural" or shared.get("partition.file") not in (
+        None,
+        "None",
+        MISSING,
+    ):
         shared.pop("seed")
     if any({k: c.get(k, MISSING) for k in shared} != shared for c in configs):
         return None
@@ -322,7 +447,7 @@ def shown_store(url: str) -> str:
     prefix = "sqlite:///"
     if not url.startswith(prefix):
         return mask_url(url)
-    path = Path(url[len(prefix):])
+    path = Path(url[len(prefix) :])
     try:
         return prefix + str(path.relative_to(Path.cwd())) if path.is_absolute() else url
     except ValueError:

@@ -54,30 +54,59 @@ def search_summary(url: str, records: Sequence[Any]) -> SearchSummary | None:
     best = None
     if complete:
         b = study.best_trial
-        best = {"number": b.number, "value": b.value, "params": dict(b.params), "run_id": b.user_attrs.get("fedcli.run_id")}
-    full = max((int((r.config.get("train") or {}).get("rounds") or 0) for r in records), default=0)  # a trial's rounds
-    ended = [t for t in trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
-    run = sum(full if t.state == optuna.trial.TrialState.COMPLETE else max(t.intermediate_values, default=0)
-              for t in ended)
-    return SearchSummary(names[0], str(study.user_attrs.get("fedcli.metric", "value")), study.direction.name.lower(),
-                         counts, best, run, full * len(ended), study)
+        best = {
+            "number": b.number,
+            "value": b.value,
+            "params": dict(b.params),
+            "run_id": b.user_attrs.get("fedcli.run_id"),
+        }
+    full = max(
+        (int((r.config.get("train") or {}).get("rounds") or 0) for r in records), default=0
+    )  # a trial's rounds
+    ended = [
+        t for t in trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    ]
+    run = sum(
+        full if t.state == optuna.trial.TrialState.COMPLETE else max(t.intermediate_values, default=0)
+        for t in ended
+    )
+    return SearchSummary(
+        names[0],
+        str(study.user_attrs.get("fedcli.metric", "value")),
+        study.direction.name.lower(),
+        counts,
+        best,
+        run,
+        full * len(ended),
+        study,
+    )
 
 
 def search_markdown(summary: SearchSummary) -> list[str]:
     """The report's "Search" section (markdown lines)."""
     counts = ", ".join(f"{n} {state}" for state, n in sorted(summary.counts.items()))
-    lines = ["## Search", "", f"- study: `{summary.study}` ({summary.direction} {summary.metric} at a trial's last "
-             f"round); trials: {counts}"]
+    lines = [
+        "## Search",
+        "",
+        f"- study: `{summary.study}` ({summary.direction} {summary.metric} at a trial's last "
+        f"round); trials: {counts}",
+    ]
     if summary.rounds_budget:
         saved = 1 - summary.rounds_run / summary.rounds_budget
-        lines.append(f"- trial-rounds trained: {summary.rounds_run} of {summary.rounds_budget} "
-                     f"({saved:.1%} saved by pruning)")
+        lines.append(
+            f"- trial-rounds trained: {summary.rounds_run} of {summary.rounds_budget} "
+            f"({saved:.1%} saved by pruning)"
+        )
     if summary.best is not None:
         best = summary.best
-        params = ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}"
-                           for k, v in sorted(best["params"].items()))
-        lines.append(f"- best trial: #{best['number']}, {summary.metric} = {best['value']:.4f}, run "
-                     f"`{best['run_id'] or '—'}`; {params}")
+        params = ", ".join(
+            f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}"
+            for k, v in sorted(best["params"].items())
+        )
+        lines.append(
+            f"- best trial: #{best['number']}, {summary.metric} = {best['value']:.4f}, run "
+            f"`{best['run_id'] or '—'}`; {params}"
+        )
     return [*lines, ""]
 
 
@@ -93,16 +122,32 @@ def search_figures(summary: SearchSummary, output: Path) -> list[tuple[str, str]
     from optuna.visualization import matplotlib as vis
 
     stem, folder, figures = output.stem, output.parent, []
-    complete = [t for t in summary.handle.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
-    plots = [("history", "Optimisation history of the search (Optuna): each completed trial's "
-                         f"{summary.metric} and the best so far.", lambda: vis.plot_optimization_history(
-                             summary.handle, target_name=summary.metric))]
+    complete = [
+        t for t in summary.handle.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE
+    ]
+    plots = [
+        (
+            "history",
+            "Optimisation history of the search (Optuna): each completed trial's "
+            f"{summary.metric} and the best so far.",
+            lambda: vis.plot_optimization_history(summary.handle, target_name=summary.metric),
+        )
+    ]
     if len(complete) >= 2 and len({tuple(sorted(t.params.items())) for t in complete}) >= 2:
-        plots.append(("importances", "Parameter importances of the search (Optuna, fANOVA with seed 0 over the "
-                                     "completed trials).", lambda: vis.plot_param_importances(
-                                         summary.handle, evaluator=_evaluator(), target_name=summary.metric)))
+        plots.append(
+            (
+                "importances",
+                "Parameter importances of the search (Optuna, fANOVA with seed 0 over the completed trials).",
+                lambda: vis.plot_param_importances(
+                    summary.handle, evaluator=_evaluator(), target_name=summary.metric
+                ),
+            )
+        )
     for name, caption, draw in plots:
-        with warnings.catch_warnings(), matplotlib.rc_context():  # Optuna sets a pyplot style: kept to its plots
+        with (
+            warnings.catch_warnings(),
+            matplotlib.rc_context(),
+        ):  # Optuna sets a pyplot style: kept to its plots
             warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
             axes = draw()
             fig = axes.get_figure(root=True)

@@ -32,7 +32,10 @@ _WAL_SWITCH_S = 30.0  # how long opening a new file retries its switch to WAL (`
 HEARTBEAT_S = 10.0  # a live run refreshes runs.heartbeat_at this often (fedcli.engine.lifecycle)
 STALE_S = 60.0  # a `running` run of another host whose heartbeat is older than this reads as `interrupted`
 RETRY_S = 60.0  # how long a write waits for a locked SQLite file, or any call for a lost PostgreSQL server
-STALE_ENV, RETRY_ENV = "FEDCLI_STALE_S", "FEDCLI_STORE_RETRY_S"  # override the two (seconds; tests use short ones)
+STALE_ENV, RETRY_ENV = (
+    "FEDCLI_STALE_S",
+    "FEDCLI_STORE_RETRY_S",
+)  # override the two (seconds; tests use short ones)
 TAKEN_OVER_EXIT = 75  # exit code of a process whose run another process took over (EX_TEMPFAIL)
 HOSTNAME = socket.gethostname()
 _LOCK_KEY = 0x66656463  # "fedc": the PostgreSQL advisory-lock key of schema setup
@@ -91,7 +94,9 @@ def _env_seconds(name: str, default: float) -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name} must be a number of seconds > 0; got {raw!r}. Unset it to use {default:g} s.")
+        raise ConfigError(
+            f"{name} must be a number of seconds > 0; got {raw!r}. Unset it to use {default:g} s."
+        )
     return value
 
 
@@ -114,8 +119,10 @@ class RunTakenOver(TrackingError):
     exit_code = TAKEN_OVER_EXIT
 
     def __init__(self, run_id: str, pid: int | None, host: str | None) -> None:
-        super().__init__(f"run {run_id[:8]} was taken over by pid {pid} on host {host}; this process stopped "
-                         "writing (its rounds after the takeover are the other process's to log)")
+        super().__init__(
+            f"run {run_id[:8]} was taken over by pid {pid} on host {host}; this process stopped "
+            "writing (its rounds after the takeover are the other process's to log)"
+        )
         self.run_id, self.pid, self.host = run_id, pid, host
 
 

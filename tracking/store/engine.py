@@ -34,11 +34,14 @@ from fedcli.tracking.urls import mask_url, sqlite_path
 
 def _sqlite_connect_hook(busy_ms: int) -> Any:
     """The engine's "connect" listener: `_on_sqlite_connect` with this busy timeout (ms)."""
-    return lambda dbapi_connection, connection_record: _on_sqlite_connect(dbapi_connection, connection_record,
-                                                                          busy_ms)
+    return lambda dbapi_connection, connection_record: _on_sqlite_connect(
+        dbapi_connection, connection_record, busy_ms
+    )
 
 
-def _on_sqlite_connect(dbapi_connection: Any, connection_record: Any, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> None:
+def _on_sqlite_connect(
+    dbapi_connection: Any, connection_record: Any, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS
+) -> None:
     """Per-connection SQLite settings; hand transaction control to SQLAlchemy."""
     dbapi_connection.isolation_level = None  # the driver emits no BEGIN; `_on_sqlite_begin` does
     cursor = dbapi_connection.cursor()
@@ -116,7 +119,10 @@ def _pg_session_args(parsed: URL, busy_ms: int) -> dict[str, str]:
     process, which `SqlStore._holder` reads back from pg_stat_activity."""
     if parsed.get_driver_name() not in ("psycopg", "psycopg2"):
         return {}
-    args = {"options": f"-c lock_timeout={busy_ms}", "application_name": f"fedcli pid {os.getpid()} on {HOSTNAME}"[:63]}
+    args = {
+        "options": f"-c lock_timeout={busy_ms}",
+        "application_name": f"fedcli pid {os.getpid()} on {HOSTNAME}"[:63],
+    }
     return {key: value for key, value in args.items() if key not in parsed.query}
 
 
@@ -139,8 +145,11 @@ def _create_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Eng
         except OSError as err:
             raise TrackingError(f"store {shown!r} is not writable: {err}; {_STORE_FIX}") from err
     try:  # pool_pre_ping: a connection that a restarted server dropped is replaced before use
-        engine = create_engine(parsed, connect_args={"timeout": busy_ms / 1000}) if is_sqlite \
+        engine = (
+            create_engine(parsed, connect_args={"timeout": busy_ms / 1000})
+            if is_sqlite
             else create_engine(parsed, pool_pre_ping=True, connect_args=_pg_session_args(parsed, busy_ms))
+        )
     except (ArgumentError, NoSuchModuleError, ImportError) as err:
         raise TrackingError(f"store {shown!r} cannot be used: {_first_line(err)}; {_STORE_FIX}") from err
     if is_sqlite:

@@ -35,7 +35,7 @@ def process_start(pid: int | None = None) -> int | None:
 
 
 def _pid_state(pid: int, started: int | None = None) -> str:
-    """"alive", "stopped" (SIGSTOP, a suspended job: alive) or "gone" (absent, a zombie, a reused pid).
+    """ "alive", "stopped" (SIGSTOP, a suspended job: alive) or "gone" (absent, a zombie, a reused pid).
 
     From /proc when it shows the process; else (no /proc, or another user's process hidden by
     `hidepid`) the kernel's answer to signal 0 decides, without the start-time check.

@@ -54,7 +54,9 @@ class StoreQueries(StoreSession):
             if run is None:
                 run = self._unique_match(session, ref, select(Run).where(Run.run_name == ref), "run name")
             if run is None:  # the id MLflow shows for the run
-                run = self._unique_match(session, ref, select(Run).where(Run.mlflow_run_id == ref), "MLflow run id")
+                run = self._unique_match(
+                    session, ref, select(Run).where(Run.mlflow_run_id == ref), "MLflow run id"
+                )
             if run is None and _HEX_RE.match(ref.lower()):
                 run = self._unique_match(
                     session, ref, select(Run).where(Run.id.startswith(ref.lower())), "run id prefix"
@@ -101,11 +103,18 @@ class StoreQueries(StoreSession):
             if self._read_columns is None:
                 rows = session.execute(stmt.order_by(Run.created_at, Run.id)).all()
             else:  # an older store, read without upgrading it (`reader`): its columns, as transient rows
-                older = select(*self._read_columns, Experiment.name).join(Experiment, Run.experiment_id == Experiment.id)
+                older = select(*self._read_columns, Experiment.name).join(
+                    Experiment, Run.experiment_id == Experiment.id
+                )
                 if experiment is not None:
                     older = older.where(Experiment.name == experiment)
-                rows = [(Run(**{c.name: value for c, value in zip(self._read_columns, row[:-1], strict=True)}), row[-1])
-                        for row in session.execute(older.order_by(Run.created_at, Run.id))]
+                rows = [
+                    (
+                        Run(**{c.name: value for c, value in zip(self._read_columns, row[:-1], strict=True)}),
+                        row[-1],
+                    )
+                    for row in session.execute(older.order_by(Run.created_at, Run.id))
+                ]
             records = [_to_record(run, name) for run, name in rows]
         return _filter_where(records, where) if where else records
 
@@ -119,15 +128,22 @@ class StoreQueries(StoreSession):
         """
         import pandas as pd
 
-        stmt = select(ClientMetric.run_id, ClientMetric.round_idx, ClientMetric.client_id, ClientMetric.key,
-                      ClientMetric.value).where(ClientMetric.run_id.in_(list(run_ids)))
+        stmt = select(
+            ClientMetric.run_id,
+            ClientMetric.round_idx,
+            ClientMetric.client_id,
+            ClientMetric.key,
+            ClientMetric.value,
+        ).where(ClientMetric.run_id.in_(list(run_ids)))
         if keys is not None:
             stmt = stmt.where(ClientMetric.key.in_([check_metric_key(key) for key in keys]))
         with self._session("read client metrics", write=False) as session:
             rows = [tuple(row) for row in session.execute(stmt)]
         frame = pd.DataFrame(rows, columns=["run_id", "round_idx", "client_id", "key", "value"])
         frame = frame.astype({"round_idx": "int64", "client_id": "int64", "value": "float64"})
-        return frame.sort_values(["run_id", "key", "round_idx", "client_id"], kind="stable", ignore_index=True)
+        return frame.sort_values(
+            ["run_id", "key", "round_idx", "client_id"], kind="stable", ignore_index=True
+        )
 
     @_retried
     def metrics_frame(self, run_ids: Sequence[str], keys: Sequence[str] | None = None) -> pd.DataFrame:

@@ -103,8 +103,12 @@ class Run(Base):
     pid: Mapped[int | None]  # its process id
     mlflow_synced_round: Mapped[int | None]  # highest round the MLflow mirror has written
     requested_json: Mapped[str | None] = mapped_column(Text)  # the config as asked for (config_json: as run)
-    lease: Mapped[str | None] = mapped_column(String(32))  # token of the process that owns the run (one writer)
-    pid_start: Mapped[int | None] = mapped_column(BigInteger())  # that process's start time (a reused pid differs)
+    lease: Mapped[str | None] = mapped_column(
+        String(32)
+    )  # token of the process that owns the run (one writer)
+    pid_start: Mapped[int | None] = mapped_column(
+        BigInteger()
+    )  # that process's start time (a reused pid differs)
 
 
 class StoreMeta(Base):
@@ -226,8 +230,15 @@ def _status_check_current(conn: Any) -> bool:
     if conn.dialect.name == "sqlite":
         sql = conn.scalar(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'runs'")) or ""
     elif conn.dialect.name == "postgresql":
-        sql = conn.scalar(text("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'ck_runs_status'"
-                               " AND conrelid = 'runs'::regclass")) or ""
+        sql = (
+            conn.scalar(
+                text(
+                    "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'ck_runs_status'"
+                    " AND conrelid = 'runs'::regclass"
+                )
+            )
+            or ""
+        )
     else:
         return True
     return all(f"'{status}'" in sql for status in RUN_STATUSES)
@@ -243,7 +254,9 @@ def _widen_status_check(conn: Any) -> None:
         return
     if conn.dialect.name == "postgresql":
         conn.execute(text("ALTER TABLE runs DROP CONSTRAINT IF EXISTS ck_runs_status"))
-        conn.execute(text(f"ALTER TABLE runs ADD CONSTRAINT ck_runs_status CHECK (status IN {RUN_STATUSES!r})"))
+        conn.execute(
+            text(f"ALTER TABLE runs ADD CONSTRAINT ck_runs_status CHECK (status IN {RUN_STATUSES!r})")
+        )
     elif conn.dialect.name == "sqlite":
         sql = conn.scalar(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'runs'"))
         widened = sql.replace(repr(_OLD_STATUSES), repr(RUN_STATUSES))
@@ -252,12 +265,16 @@ def _widen_status_check(conn: Any) -> None:
             return
         version = conn.scalar(text("PRAGMA schema_version"))
         conn.execute(text("PRAGMA writable_schema = ON"))
-        conn.execute(text("UPDATE sqlite_master SET sql = :sql WHERE type = 'table' AND name = 'runs'"),
-                     {"sql": widened})
+        conn.execute(
+            text("UPDATE sqlite_master SET sql = :sql WHERE type = 'table' AND name = 'runs'"),
+            {"sql": widened},
+        )
         conn.execute(text(f"PRAGMA schema_version = {int(version) + 1}"))
         conn.execute(text("PRAGMA writable_schema = OFF"))
-    log.info("store: runs.status now also takes %s (store made by an older fedcli)",
-             ", ".join(s for s in RUN_STATUSES if s not in _OLD_STATUSES))
+    log.info(
+        "store: runs.status now also takes %s (store made by an older fedcli)",
+        ", ".join(s for s in RUN_STATUSES if s not in _OLD_STATUSES),
+    )
 
 
 def _setup_schema(conn: Any) -> None:
@@ -278,7 +295,9 @@ def _setup_schema(conn: Any) -> None:
             log.info("store: added column %s.%s (store made by an older fedcli)", table, column)
     _widen_status_check(conn)
     if conn.scalar(select(StoreMeta.value).where(StoreMeta.key == SECRETS_MASKED)) is None:
-        if conn.dialect.name == "sqlite":  # the old rows' bytes overwritten in the file, not left in freed pages
+        if (
+            conn.dialect.name == "sqlite"
+        ):  # the old rows' bytes overwritten in the file, not left in freed pages
             conn.execute(text("PRAGMA secure_delete = ON"))
         masked = _mask_stored_secrets(conn)
         if conn.dialect.name == "sqlite":
@@ -286,8 +305,12 @@ def _setup_schema(conn: Any) -> None:
         files = _mask_run_files(conn)
         conn.execute(insert(StoreMeta).values(key=SECRETS_MASKED, value=_utcnow().isoformat()))
         if masked or files:
-            log.warning("store: masked the passwords of store URLs that %d run(s) and %d checkpoint or model file(s) "
-                        "written by an older fedcli held in clear (docs/architecture.md, \"Security\")", masked, files)
+            log.warning(
+                "store: masked the passwords of store URLs that %d run(s) and %d checkpoint or model file(s) "
+                'written by an older fedcli held in clear (docs/architecture.md, "Security")',
+                masked,
+                files,
+            )
 
 
 # StoreMeta key: the stored rows, checkpoints and model files hold no password (`_mask_stored_secrets`,
@@ -318,8 +341,11 @@ def _mask_stored_secrets(conn: Any) -> int:
     config. Part of `_setup_schema`'s transaction, so it is done once, whole, under the lock.
     """
     maybe = [getattr(Run, name).like("%://%") for name in _SECRET_COLUMNS]  # has_password decides
-    rows = conn.execute(select(Run.id, Run.config_hash, *(getattr(Run, n) for n in _SECRET_COLUMNS))
-                        .where(maybe[0] | maybe[1] | maybe[2] | maybe[3])).all()
+    rows = conn.execute(
+        select(Run.id, Run.config_hash, *(getattr(Run, n) for n in _SECRET_COLUMNS)).where(
+            maybe[0] | maybe[1] | maybe[2] | maybe[3]
+        )
+    ).all()
     changed = 0
     for row in rows:
         values: dict[str, str] = {}
@@ -327,13 +353,20 @@ def _mask_stored_secrets(conn: Any) -> int:
             stored = getattr(row, name)
             if not stored or not has_password(stored):
                 continue
-            values[name] = mask_url(stored) if name == "failure_reason" else canonical_json(_masked(json.loads(stored)))
+            values[name] = (
+                mask_url(stored) if name == "failure_reason" else canonical_json(_masked(json.loads(stored)))
+            )
         if not values:
             continue
-        if "config_json" in values and row.config_hash == hashlib.sha256(row.config_json.encode("utf-8")).hexdigest():
+        if (
+            "config_json" in values
+            and row.config_hash == hashlib.sha256(row.config_json.encode("utf-8")).hexdigest()
+        ):
             tags = json.loads(values.get("tags_json") or row.tags_json or "{}")
-            values["config_hash"] = tags.get("fedcli.config_hash") or \
-                hashlib.sha256(values["config_json"].encode("utf-8")).hexdigest()
+            values["config_hash"] = (
+                tags.get("fedcli.config_hash")
+                or hashlib.sha256(values["config_json"].encode("utf-8")).hexdigest()
+            )
         conn.execute(sql_update(Run).where(Run.id == row.id).values(**values))
         changed += 1
     return changed
@@ -391,7 +424,9 @@ def _mask_file(path: Path) -> bool:
     masked = _masked(payload)
     if _same(masked, payload):
         return False
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # the engine's atomic_save temp prefix
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{path.name}.", dir=path.parent
+    )  # the engine's atomic_save temp prefix
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(masked, fh)

@@ -87,15 +87,19 @@ class StoreSession:
             raise TrackingError(f"store {self.url!r} could not {what}: {_first_line(err)}") from err
 
     def _transient(self, err: SQLAlchemyError) -> str | None:
-        """"locked" (SQLite's write lock is held elsewhere), "lost" (the server connection), else None."""
+        """ "locked" (SQLite's write lock is held elsewhere), "lost" (the server connection), else None."""
         if self._sqlite:
             message = str(getattr(err, "orig", None) or err).lower()
-            return "locked" if isinstance(err, OperationalError) and ("locked" in message or "busy" in message) \
+            return (
+                "locked"
+                if isinstance(err, OperationalError) and ("locked" in message or "busy" in message)
                 else None
+            )
         if getattr(getattr(err, "orig", None), "sqlstate", None) == "55P03":  # lock_timeout: a row lock held
             return "locked"
-        if isinstance(err, (OperationalError, InterfaceError, DisconnectionError)) \
-                or getattr(err, "connection_invalidated", False):
+        if isinstance(err, (OperationalError, InterfaceError, DisconnectionError)) or getattr(
+            err, "connection_invalidated", False
+        ):
             return "lost"
         return None
 
@@ -120,7 +124,9 @@ class StoreSession:
                     result = call()
                 except _Transient as err:
                     if err.kind not in kinds:
-                        raise TrackingError(f"store {self.url!r} could not {err.what}: {err}; {_STORE_FIX}") from err
+                        raise TrackingError(
+                            f"store {self.url!r} could not {err.what}: {err}; {_STORE_FIX}"
+                        ) from err
                     if not waiting:
                         waiting = True
                         if time.monotonic() - self._announced > self.retry_s:  # once per outage, all threads
@@ -148,10 +154,13 @@ class StoreSession:
         pid, host = (sqlite_lock_holder(self._db_file) if self._db_file is not None else None), HOSTNAME
         if not self._sqlite:
             with contextlib.suppress(Exception), self._engine.connect() as conn:
-                name = conn.execute(text(
-                    "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%' "
-                    "AND application_name LIKE 'fedcli pid %' ORDER BY xact_start LIMIT 1")).scalar()
+                name = conn.execute(
+                    text(
+                        "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() "
+                        "AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%' "
+                        "AND application_name LIKE 'fedcli pid %' ORDER BY xact_start LIMIT 1"
+                    )
+                ).scalar()
                 words = str(name or "").split()
                 if len(words) >= 5:
                     pid, host = int(words[2]), words[4]
@@ -160,9 +169,13 @@ class StoreSession:
         if pid is None:
             return None, "another process"
         what: str | None = None
-        with contextlib.suppress(Exception), Session(self._engine) as session:  # a read: the lock does not block it
-            found = session.scalars(select(Run.id).where(Run.host == HOSTNAME, Run.pid == pid,
-                                                        Run.status == "running")).first()
+        with (
+            contextlib.suppress(Exception),
+            Session(self._engine) as session,
+        ):  # a read: the lock does not block it
+            found = session.scalars(
+                select(Run.id).where(Run.host == HOSTNAME, Run.pid == pid, Run.status == "running")
+            ).first()
             what = f"running run {found[:8]}" if found else None
         if what is None:  # the program's name only: a command line may hold a password
             with contextlib.suppress(OSError):
@@ -172,20 +185,26 @@ class StoreSession:
 
     def _waiting(self, err: _Transient) -> str:
         if err.kind == "locked":
-            return (f"store {self.url} is locked by {self._holder()[1]}; waiting up to {self.retry_s:.0f} s to "
-                    f"{err.what}")
+            return (
+                f"store {self.url} is locked by {self._holder()[1]}; waiting up to {self.retry_s:.0f} s to "
+                f"{err.what}"
+            )
         return f"lost the connection to the store {self.url} ({err}); retrying for up to {self.retry_s:.0f} s"
 
     def _gave_up(self, err: _Transient, waited: float) -> str:
         if err.kind == "locked":
             pid, holder = self._holder()
             who = "PID" if pid is None else str(pid)
-            return (f"store {self.url} is locked by {holder} and stayed locked for {waited:.0f} s, so this "
-                    f"process could not {err.what}; let that process finish (`kill -CONT {who}` if it is stopped) "
-                    f"or end it, then retry ({RETRY_ENV} sets how long to wait)")
-        return (f"the store {self.url} cannot be reached ({err}) and did not come back within {waited:.0f} s, so "
-                f"this process could not {err.what}; check the database server, then retry ({RETRY_ENV} sets "
-                "how long to wait)")
+            return (
+                f"store {self.url} is locked by {holder} and stayed locked for {waited:.0f} s, so this "
+                f"process could not {err.what}; let that process finish (`kill -CONT {who}` if it is stopped) "
+                f"or end it, then retry ({RETRY_ENV} sets how long to wait)"
+            )
+        return (
+            f"the store {self.url} cannot be reached ({err}) and did not come back within {waited:.0f} s, so "
+            f"this process could not {err.what}; check the database server, then retry ({RETRY_ENV} sets "
+            "how long to wait)"
+        )
 
     def _own(self, session: Session, run_id: str, now: datetime | None = None) -> Run:
         """The run, checked in this transaction to be still this process's (when it holds its lease).
@@ -201,7 +220,9 @@ class StoreSession:
         if token is None:  # not a run this process owns (a test, `fedcli evaluate`, the mirror)
             return self._require_run(session, run_id)
         result = session.execute(
-            sql_update(Run).where(Run.id == run_id, Run.lease == token).values(heartbeat_at=now or _utcnow())
+            sql_update(Run)
+            .where(Run.id == run_id, Run.lease == token)
+            .values(heartbeat_at=now or _utcnow())
             .execution_options(synchronize_session=False)
         )
         run = self._require_run(session, run_id)

@@ -129,7 +129,9 @@ class SqlStore(StoreWrites, StoreQueries):
                 self._retry("set up the store", self._setup_schema, kinds=("locked",))
         except SQLAlchemyError as err:
             self._engine.dispose()
-            raise TrackingError(f"store {self.url!r} cannot be opened: {_first_line(err)}; {_STORE_FIX}") from err
+            raise TrackingError(
+                f"store {self.url!r} cannot be opened: {_first_line(err)}; {_STORE_FIX}"
+            ) from err
         except TrackingError:
             self._engine.dispose()
             raise
@@ -159,7 +161,9 @@ class SqlStore(StoreWrites, StoreQueries):
                 present = {c["name"] for c in inspector.get_columns(Run.__tablename__)}
         except SQLAlchemyError as err:
             store.close()
-            raise TrackingError(f"store {store.url!r} cannot be read: {_first_line(err)}; {_STORE_FIX}") from err
+            raise TrackingError(
+                f"store {store.url!r} cannot be read: {_first_line(err)}; {_STORE_FIX}"
+            ) from err
         if not {c.name for c in Run.__table__.columns} <= present:
             store._read_columns = [c for c in Run.__table__.columns if c.name in present]
         return store
@@ -172,7 +176,9 @@ class SqlStore(StoreWrites, StoreQueries):
             kind = self._transient(err)
             if kind is not None:
                 raise _Transient(kind, "set up the store", err) from err
-            raise TrackingError(f"store {self.url!r} is not writable: {_first_line(err)}; {_STORE_FIX}") from err
+            raise TrackingError(
+                f"store {self.url!r} is not writable: {_first_line(err)}; {_STORE_FIX}"
+            ) from err
 
     def __enter__(self) -> SqlStore:
         return self
@@ -308,8 +314,11 @@ class SqlStore(StoreWrites, StoreQueries):
             status, _ = _liveness(run, now)
             if status == "running" and not (run.host == HOSTNAME and run.pid == os.getpid()):
                 stopped = run.host == HOSTNAME and run.pid is not None and _pid_state(run.pid) == "stopped"
-                how = (f"; the process is stopped: `kill -CONT {run.pid}` continues it, `kill {run.pid}` ends it"
-                       if stopped else "")
+                how = (
+                    f"; the process is stopped: `kill -CONT {run.pid}` continues it, `kill {run.pid}` ends it"
+                    if stopped
+                    else ""
+                )
                 raise ConfigError(
                     f"run {run_id[:8]} is still running (pid {run.pid} on {run.host}, heartbeat "
                     f"{(now - (run.heartbeat_at or now)).total_seconds():.0f} s ago{how}); stop it first "
@@ -345,17 +354,30 @@ class SqlStore(StoreWrites, StoreQueries):
             process that runs it ("running elsewhere").
         """
         now, me = _utcnow(), self._me()
-        row = {"experiment": experiment, "config_hash": config_hash, **me, "claimed_at": now, "heartbeat_at": now}
+        row = {
+            "experiment": experiment,
+            "config_hash": config_hash,
+            **me,
+            "claimed_at": now,
+            "heartbeat_at": now,
+        }
         with self._session("claim a sweep trial", write=True) as session:
             insert = (sqlite if self._sqlite else postgresql).insert(TrialClaim).values(**row)
-            inserted = session.execute(insert.on_conflict_do_nothing(index_elements=["experiment", "config_hash"]))
+            inserted = session.execute(
+                insert.on_conflict_do_nothing(index_elements=["experiment", "config_hash"])
+            )
             if cast("CursorResult[Any]", inserted).rowcount == 1:
                 return None
-            claim = session.scalars(select(TrialClaim).where(TrialClaim.experiment == experiment,
-                                                             TrialClaim.config_hash == config_hash)
-                                    .with_for_update()).one()
-            if (claim.host, claim.pid, claim.pid_start) != (me["host"], me["pid"], me["pid_start"]) \
-                    and _claim_alive(claim, now):
+            claim = session.scalars(
+                select(TrialClaim)
+                .where(TrialClaim.experiment == experiment, TrialClaim.config_hash == config_hash)
+                .with_for_update()
+            ).one()
+            if (claim.host, claim.pid, claim.pid_start) != (
+                me["host"],
+                me["pid"],
+                me["pid_start"],
+            ) and _claim_alive(claim, now):
                 return Claim(experiment, config_hash, claim.host, claim.pid, claim.claimed_at)
             for name, value in row.items():  # ours already, or its owner is gone: take it
                 setattr(claim, name, value)
@@ -366,18 +388,30 @@ class SqlStore(StoreWrites, StoreQueries):
         """Drop this process's claim on a sweep trial (its process ended, or it was not started)."""
         me = self._me()
         with self._session("release a sweep trial", write=True) as session:
-            session.execute(delete(TrialClaim).where(
-                TrialClaim.experiment == experiment, TrialClaim.config_hash == config_hash,
-                TrialClaim.host == me["host"], TrialClaim.pid == me["pid"]))
+            session.execute(
+                delete(TrialClaim).where(
+                    TrialClaim.experiment == experiment,
+                    TrialClaim.config_hash == config_hash,
+                    TrialClaim.host == me["host"],
+                    TrialClaim.pid == me["pid"],
+                )
+            )
 
     @_retried
     def refresh_claims(self, experiment: str) -> None:
         """Refresh the heartbeat of this process's claims (what tells other hosts it is alive)."""
         me = self._me()
         with self._session("refresh sweep claims", write=True) as session:
-            session.execute(sql_update(TrialClaim).where(
-                TrialClaim.experiment == experiment, TrialClaim.host == me["host"], TrialClaim.pid == me["pid"])
-                .values(heartbeat_at=_utcnow()).execution_options(synchronize_session=False))
+            session.execute(
+                sql_update(TrialClaim)
+                .where(
+                    TrialClaim.experiment == experiment,
+                    TrialClaim.host == me["host"],
+                    TrialClaim.pid == me["pid"],
+                )
+                .values(heartbeat_at=_utcnow())
+                .execution_options(synchronize_session=False)
+            )
 
     @_retried
     def live_claims(self, experiment: str) -> dict[str, Claim]:
@@ -385,12 +419,16 @@ class SqlStore(StoreWrites, StoreQueries):
         now, me = _utcnow(), self._me()
         with self._session("read sweep claims", write=False) as session:
             rows = session.scalars(select(TrialClaim).where(TrialClaim.experiment == experiment)).all()
-            return {c.config_hash: Claim(c.experiment, c.config_hash, c.host, c.pid, c.claimed_at) for c in rows
-                    if (c.host, c.pid) != (me["host"], me["pid"]) and _claim_alive(c, now)}
+            return {
+                c.config_hash: Claim(c.experiment, c.config_hash, c.host, c.pid, c.claimed_at)
+                for c in rows
+                if (c.host, c.pid) != (me["host"], me["pid"]) and _claim_alive(c, now)
+            }
 
     @_retried
-    def update_config(self, run_id: str, config: Mapping[str, Any], hash_: str,
-                      requested: Mapping[str, Any] | None = None) -> None:
+    def update_config(
+        self, run_id: str, config: Mapping[str, Any], hash_: str, requested: Mapping[str, Any] | None = None
+    ) -> None:
         """Replace a run's stored config and hash (a resume that changes what the run trains, e.g. rounds)."""
         with self._session(f"update run {run_id}", write=True) as session:
             run = self._own(session, run_id)

@@ -25,8 +25,13 @@ class StoreWrites(StoreSession):
     """Writes of rounds, client metrics, checkpoints and evaluations, and reads by run: `SqlStore` inherits them."""
 
     @_retried
-    def log_round(self, run_id: str, round_idx: int, metrics: Mapping[str, float],
-                  clients: Iterable[tuple[int, str, float]] = ()) -> None:
+    def log_round(
+        self,
+        run_id: str,
+        round_idx: int,
+        metrics: Mapping[str, float],
+        clients: Iterable[tuple[int, str, float]] = (),
+    ) -> None:
         """Write one round's metrics, and its per-client rows `(client_id, key, value)`, in one
         transaction; existing rows of the same keys are overwritten. A client value that is not
         finite is left out (that client's round metrics are not a divergence of the run).
@@ -42,14 +47,27 @@ class StoreWrites(StoreSession):
             {"run_id": run_id, "round_idx": round_idx, "key": key, "value": value, "logged_ms": logged_ms}
             for key, value in values.items()
         ]
-        client_rows = [{"run_id": run_id, "round_idx": round_idx, "client_id": int(client), "key": check_metric_key(key),
-                        "value": float(value)} for client, key, value in clients if math.isfinite(value)]
+        client_rows = [
+            {
+                "run_id": run_id,
+                "round_idx": round_idx,
+                "client_id": int(client),
+                "key": check_metric_key(key),
+                "value": float(value),
+            }
+            for client, key, value in clients
+            if math.isfinite(value)
+        ]
         with self._session(f"log round {round_idx} of run {run_id}", write=True) as session:
             if run_id in self._leases:
                 self._own(session, run_id, now)  # first: a run taken over gets none of this round
             else:
-                session.execute(sql_update(Run).where(Run.id == run_id).values(heartbeat_at=now)
-                                .execution_options(synchronize_session=False))
+                session.execute(
+                    sql_update(Run)
+                    .where(Run.id == run_id)
+                    .values(heartbeat_at=now)
+                    .execution_options(synchronize_session=False)
+                )
             self._upsert(session, RoundMetric, rows, update=("value", "logged_ms"))
             if client_rows:
                 self._upsert(session, ClientMetric, client_rows, update=("value",))

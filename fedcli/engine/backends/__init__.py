@@ -72,8 +72,12 @@ class Workload:
     compile: bool  # train.compile
     graph: bool  # train.graph
     augment: bool = False  # data.augment crops / flips training batches (engine/cohort.py make_context)
-    slots: int = 1  # processes the process back end would run: min(train.workers or the usable cores, the cohort)
-    client_bytes: int = 0  # one client's training step under vmap, estimated (engine/footprint.py); 0: not estimated
+    slots: int = (
+        1  # processes the process back end would run: min(train.workers or the usable cores, the cohort)
+    )
+    client_bytes: int = (
+        0  # one client's training step under vmap, estimated (engine/footprint.py); 0: not estimated
+    )
 
     @property
     def has_conv(self) -> bool:
@@ -106,8 +110,12 @@ class BackendInfo(NamedTuple):
 
     name: str  # the --executor value, or value + flag ("vmap + compile")
     summary: str  # what it does, one line (docs/architecture.md §3 "Back ends")
-    refuses: Callable[[Workload], str | None]  # why it cannot run this workload (one line with the fix), or None
-    prefers: Callable[[Workload], str | None] | None  # auto's rule: why to pick it here, or None; None: opt-in
+    refuses: Callable[
+        [Workload], str | None
+    ]  # why it cannot run this workload (one line with the fix), or None
+    prefers: (
+        Callable[[Workload], str | None] | None
+    )  # auto's rule: why to pick it here, or None; None: opt-in
     build: Callable[[BackendSetup], CohortBackend]
 
 

@@ -49,30 +49,62 @@ class CompiledVmap:
         inputs = pad_steps(job.inputs, self.bucket, self.max_steps)
         plan, chunk_size = inputs.plan, job.chunk_size
         stateful = inputs.states is not None
-        key = (len(plan.num_examples), plan.num_epochs, plan.steps_per_epoch, chunk_size or 0, int(stateful),
-               round_key(job.alg, job.hp, job.round_idx))
+        key = (
+            len(plan.num_examples),
+            plan.num_epochs,
+            plan.steps_per_epoch,
+            chunk_size or 0,
+            int(stateful),
+            round_key(job.alg, job.hp, job.round_idx),
+        )
         fn = self.compiled.get(key)
         first = fn is None
         if fn is None:
-            alg, fns, hp, opt, round_no = job.alg, job.fns, job.hp, job.opt, job.round_idx  # constants of the graph
+            alg, fns, hp, opt, round_no = (
+                job.alg,
+                job.fns,
+                job.hp,
+                job.opt,
+                job.round_idx,
+            )  # constants of the graph
             epochs, steps = plan.num_epochs, plan.steps_per_epoch
 
-            def cohort(bc: Any, index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
-                       noise: dict[str, Tensor], states: Any) -> Any:
+            def cohort(
+                bc: Any,
+                index: Tensor,
+                weight: Tensor,
+                step_mask: Tensor,
+                keys: Tensor,
+                num_examples: Tensor,
+                noise: dict[str, Tensor],
+                states: Any,
+            ) -> Any:
                 one = client_fn(alg, fns, bc, hp, opt, epochs, steps, round_no)
-                return torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None),
-                                       chunk_size=chunk_size)(index, weight, step_mask, keys, num_examples, noise,
-                                                              states)
+                return torch.func.vmap(
+                    one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None), chunk_size=chunk_size
+                )(index, weight, step_mask, keys, num_examples, noise, states)
 
             fn = self.compiled[key] = torch.compile(own_code(cohort), dynamic=False, backend=self.backend)
         start = time.perf_counter()
-        upload, state, metrics = fn(job.broadcast, plan.index, plan.weight, plan.step_mask, inputs.keys,
-                                    plan.num_examples, inputs.noise, inputs.states)
+        upload, state, metrics = fn(
+            job.broadcast,
+            plan.index,
+            plan.weight,
+            plan.step_mask,
+            inputs.keys,
+            plan.num_examples,
+            inputs.noise,
+            inputs.states,
+        )
         if first:
             seconds = time.perf_counter() - start
             self.compile_s += seconds
-            log.info("compiled the client update for %d clients x %d steps per epoch in %.1f s",
-                     key[0], key[2], seconds)
+            log.info(
+                "compiled the client update for %d clients x %d steps per epoch in %.1f s",
+                key[0],
+                key[2],
+                seconds,
+            )
         return ClientOut(upload=upload, state=state if stateful else None, metrics=metrics)
 
     def close(self) -> None:
@@ -82,7 +114,9 @@ class CompiledVmap:
 def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Return fn with a copy of its code object, so that dynamo's per-code cache (and its
     recompile limit) is this function's alone, not shared with every closure of the same def."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
     copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     return copy
 
@@ -99,5 +133,11 @@ def build(setup: BackendSetup) -> CompiledVmap:
     return CompiledVmap(max_steps=-(-int(setup.fed.sizes.max(initial=1)) // setup.cfg.train.batch_size))
 
 
-INFO = BackendInfo(name="vmap + compile", summary="the vmapped cohort compiled by torch.compile, one graph per shape "
-                   "and round key (opt-in: --compile)", refuses=refuses, prefers=None, build=build)
+INFO = BackendInfo(
+    name="vmap + compile",
+    summary="the vmapped cohort compiled by torch.compile, one graph per shape "
+    "and round key (opt-in: --compile)",
+    refuses=refuses,
+    prefers=None,
+    build=build,
+)

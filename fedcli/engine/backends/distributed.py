@@ -51,7 +51,10 @@ class DistributedBackend:
         if not self.bound:
             self.peers.post([("config", self.cfg, self.inner_name)] * self.processes, during)
             self.bound = True
-        work = [("work", job.broadcast, take_clients(inputs, rows), round_idx, job.chunk_size) for rows in groups[1:]]
+        work = [
+            ("work", job.broadcast, take_clients(inputs, rows), round_idx, job.chunk_size)
+            for rows in groups[1:]
+        ]
         self.peers.post([None, *work] + [("idle",)] * (self.processes - len(groups)), during)
         device = inputs.keys.device
         try:
@@ -112,8 +115,9 @@ def _serve(peers: Peers, build: Callable[..., ServedRun]) -> None:
             try:
                 run = build(message[1], peers=peers)
                 backend = run.backend
-                assert isinstance(backend, DistributedBackend) and backend.inner_name == message[2], \
+                assert isinstance(backend, DistributedBackend) and backend.inner_name == message[2], (
                     "every rank chooses the same back end for the same config"
+                )
                 inner = backend.inner
             except Exception:  # noqa: BLE001 - reported to rank 0 with the first round's reply
                 failure = f"could not build the run on rank {peers.rank}:\n{traceback.format_exc()}"
@@ -126,7 +130,9 @@ def _serve(peers: Peers, build: Callable[..., ServedRun]) -> None:
             continue
         _, broadcast, inputs, round_idx, chunk_size = message
         try:
-            out = inner.run(CohortJob(run.alg, run.fns, broadcast, inputs, run.hp, run.opt, round_idx, chunk_size))
+            out = inner.run(
+                CohortJob(run.alg, run.fns, broadcast, inputs, run.hp, run.opt, round_idx, chunk_size)
+            )
             reply: tuple[str, Any] = ("ok", out)
         except Exception:  # noqa: BLE001 - reported to rank 0, which raises RankError
             reply = ("error", traceback.format_exc())
@@ -138,6 +144,11 @@ def refuses(w: Workload) -> str | None:
     return None
 
 
-INFO = BackendInfo(name="distributed", summary="one run over torchrun's ranks: rank 0 runs the round loop; one scatter "
-                   "and one gather per round, an in-process back end inside each rank", refuses=refuses, prefers=None,
-                   build=DistributedBackend)
+INFO = BackendInfo(
+    name="distributed",
+    summary="one run over torchrun's ranks: rank 0 runs the round loop; one scatter "
+    "and one gather per round, an in-process back end inside each rank",
+    refuses=refuses,
+    prefers=None,
+    build=DistributedBackend,
+)

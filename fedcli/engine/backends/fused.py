@@ -60,7 +60,9 @@ from fedcli.engine.model import ModelFunctions
 class DenseSpec:
     """A chain of affine layers with one activation between them, ending in class logits."""
 
-    layers: tuple[tuple[str, str | None], ...]  # (weight name [out, in], bias name [out] or None), input first
+    layers: tuple[
+        tuple[str, str | None], ...
+    ]  # (weight name [out, in], bias name [out] or None), input first
     activation: str  # between layers: relu | sigmoid | identity
 
 
@@ -73,7 +75,9 @@ def dense_spec(model: nn.Module) -> DenseSpec | None:
         activation = "relu" if isinstance(model, models.MLP) else "sigmoid"
         return DenseSpec(tuple((f"{n}.weight", f"{n}.bias") for n in names), activation)
     if isinstance(model, models.Linear) and not model.squeeze:
-        return DenseSpec((("linear.weight", "linear.bias" if model.linear.bias is not None else None),), "identity")
+        return DenseSpec(
+            (("linear.weight", "linear.bias" if model.linear.bias is not None else None),), "identity"
+        )
     return None
 
 
@@ -94,9 +98,19 @@ def _backprop_activation(d: Tensor, h: Tensor, activation: str) -> Tensor:
     return d
 
 
-def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Callable[[Tensor], Tensor],
-                    start: Params, plan: CohortPlan, opt: OptimConfig, *, average_epochs: bool,
-                    prox_mu: float = 0.0, linear: Params | None = None) -> LocalResult:
+def dense_local_sgd(
+    spec: DenseSpec,
+    data_x: Tensor,
+    data_y: Tensor,
+    prepare: Callable[[Tensor], Tensor],
+    start: Params,
+    plan: CohortPlan,
+    opt: OptimConfig,
+    *,
+    average_epochs: bool,
+    prox_mu: float = 0.0,
+    linear: Params | None = None,
+) -> LocalResult:
     """Run E epochs of local SGD(+momentum) for every client of `plan` from `start`; see the module doc.
 
     `start` holds each client's starting point ([C, ...] in plan order; an expanded view when
@@ -147,9 +161,19 @@ def dense_local_sgd(spec: DenseSpec, data_x: Tensor, data_y: Tensor, prepare: Ca
     return pytree.tree_map(RowIndex(np.argsort(order, kind="stable")), result)
 
 
-def _step(spec: DenseSpec, params: Params, velocity: Params, x: Tensor, y: Tensor, w: Tensor, n: int,
-          lr: float, momentum: float, prox: tuple[float, Params] | None = None,
-          linear: Params | None = None) -> Tensor:
+def _step(
+    spec: DenseSpec,
+    params: Params,
+    velocity: Params,
+    x: Tensor,
+    y: Tensor,
+    w: Tensor,
+    n: int,
+    lr: float,
+    momentum: float,
+    prox: tuple[float, Params] | None = None,
+    linear: Params | None = None,
+) -> Tensor:
     """One SGD step of the first n clients in place; returns their minibatch losses [n]."""
     hs = [x]  # inputs of each layer
     for i, (wname, bname) in enumerate(spec.layers):
@@ -171,7 +195,7 @@ def _step(spec: DenseSpec, params: Params, velocity: Params, x: Tensor, y: Tenso
     for i in range(len(spec.layers) - 1, -1, -1):
         wname, bname = spec.layers[i]
         h = hs[i]
-        d_prev = (_backprop_activation(torch.bmm(d, params[wname][:n]), h, spec.activation) if i > 0 else None)
+        d_prev = _backprop_activation(torch.bmm(d, params[wname][:n]), h, spec.activation) if i > 0 else None
         _update(params, velocity, wname, n, d.transpose(1, 2), h, lr, momentum, prox, linear)
         if bname is not None:
             _update(params, velocity, bname, n, d, None, lr, momentum, prox, linear)
@@ -180,8 +204,18 @@ def _step(spec: DenseSpec, params: Params, velocity: Params, x: Tensor, y: Tenso
     return loss
 
 
-def _update(params: Params, velocity: Params, name: str, n: int, d: Tensor, h: Tensor | None, lr: float,
-            momentum: float, prox: tuple[float, Params] | None = None, linear: Params | None = None) -> None:
+def _update(
+    params: Params,
+    velocity: Params,
+    name: str,
+    n: int,
+    d: Tensor,
+    h: Tensor | None,
+    lr: float,
+    momentum: float,
+    prox: tuple[float, Params] | None = None,
+    linear: Params | None = None,
+) -> None:
     """theta <- theta - lr g (or heavy ball) with g = d h (a weight, [n, out, B] x [n, B, in]) or sum_B d (a
     bias), plus mu (theta - anchor) under FedProx's proximal term (theta before this step) and the
     per-client constant linear_c under SCAFFOLD's correction."""
@@ -220,8 +254,9 @@ def block_size(params: Params, *, momentum: bool, average_epochs: bool) -> int:
     return max(1, BLOCK_BYTES // max(per_client, 1))
 
 
-def cohort_local_sgd(spec: DenseSpec, fns: ModelFunctions, request: LocalSGD, inputs: CohortInputs,
-                     opt: OptimConfig) -> LocalResult:
+def cohort_local_sgd(
+    spec: DenseSpec, fns: ModelFunctions, request: LocalSGD, inputs: CohortInputs, opt: OptimConfig
+) -> LocalResult:
     """dense_local_sgd for the cohort's request (start and linear [C, ...]), in blocks of similar-length
     clients that fit in cache.
 
@@ -233,15 +268,29 @@ def cohort_local_sgd(spec: DenseSpec, fns: ModelFunctions, request: LocalSGD, in
     plan = inputs.plan
 
     def train(sub: CohortPlan, start: Params, linear: Params | None) -> LocalResult:
-        return dense_local_sgd(spec, fns.data.x, fns.data.y, fns.prepare, start, sub, opt,
-                               average_epochs=request.average_epochs, prox_mu=request.prox_mu, linear=linear)
+        return dense_local_sgd(
+            spec,
+            fns.data.x,
+            fns.data.y,
+            fns.prepare,
+            start,
+            sub,
+            opt,
+            average_epochs=request.average_epochs,
+            prox_mu=request.prox_mu,
+            linear=linear,
+        )
 
     one = {k: v[0] for k, v in request.start.items()}
-    size, num_clients = block_size(one, momentum=opt.client_momentum != 0.0,
-                                   average_epochs=request.average_epochs), len(plan.num_examples)
+    size, num_clients = (
+        block_size(one, momentum=opt.client_momentum != 0.0, average_epochs=request.average_epochs),
+        len(plan.num_examples),
+    )
     if num_clients <= size:
         return train(plan, request.start, request.linear)
-    order = np.argsort(-plan.steps_per_client, kind="stable")  # each block is longest first: no rows move in it
+    order = np.argsort(
+        -plan.steps_per_client, kind="stable"
+    )  # each block is longest first: no rows move in it
     out: Any = None
     for first in range(0, num_clients, size):
         rows = order[first : first + size]
@@ -262,20 +311,42 @@ def cohort_request(job: CohortJob) -> LocalSGD:
     inputs, plan = job.inputs, job.inputs.plan
     seen: list[LocalSGD] = []
 
-    def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
-            noise: dict[str, Tensor], state: Any) -> tuple[Params, Params]:
-        ctx = make_context(job.fns, index, weight, step_mask, keys, num_examples, noise, plan.num_epochs,
-                           plan.steps_per_epoch, job.round_idx)
+    def one(
+        index: Tensor,
+        weight: Tensor,
+        step_mask: Tensor,
+        keys: Tensor,
+        num_examples: Tensor,
+        noise: dict[str, Tensor],
+        state: Any,
+    ) -> tuple[Params, Params]:
+        ctx = make_context(
+            job.fns,
+            index,
+            weight,
+            step_mask,
+            keys,
+            num_examples,
+            noise,
+            plan.num_epochs,
+            plan.steps_per_epoch,
+            job.round_idx,
+        )
         request = local.request(ctx, job.broadcast, state, job.hp, job.opt)
         seen.append(request)
         return request.start, ({} if request.linear is None else request.linear)
 
     batched = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, None if inputs.states is None else 0))
-    start, linear = batched(plan.index, plan.weight, plan.step_mask, inputs.keys, plan.num_examples, inputs.noise,
-                            inputs.states)
+    start, linear = batched(
+        plan.index, plan.weight, plan.step_mask, inputs.keys, plan.num_examples, inputs.noise, inputs.states
+    )
     static = seen[0]
-    return LocalSGD(start=start, prox_mu=static.prox_mu, linear=None if static.linear is None else linear,
-                    average_epochs=static.average_epochs)
+    return LocalSGD(
+        start=start,
+        prox_mu=static.prox_mu,
+        linear=None if static.linear is None else linear,
+        average_epochs=static.average_epochs,
+    )
 
 
 class FusedBackend:
@@ -296,10 +367,28 @@ class FusedBackend:
         plan = job.inputs.plan
         result = cohort_local_sgd(self.spec, job.fns, cohort_request(job), job.inputs, job.opt)
 
-        def one(index: Tensor, weight: Tensor, step_mask: Tensor, keys: Tensor, num_examples: Tensor,
-                noise: dict[str, Tensor], state: Any, trained: LocalResult) -> tuple[Any, Any, Any]:
-            ctx = make_context(job.fns, index, weight, step_mask, keys, num_examples, noise, plan.num_epochs,
-                               plan.steps_per_epoch, job.round_idx)
+        def one(
+            index: Tensor,
+            weight: Tensor,
+            step_mask: Tensor,
+            keys: Tensor,
+            num_examples: Tensor,
+            noise: dict[str, Tensor],
+            state: Any,
+            trained: LocalResult,
+        ) -> tuple[Any, Any, Any]:
+            ctx = make_context(
+                job.fns,
+                index,
+                weight,
+                step_mask,
+                keys,
+                num_examples,
+                noise,
+                plan.num_epochs,
+                plan.steps_per_epoch,
+                job.round_idx,
+            )
             out = local.finish(ctx, job.broadcast, state, job.hp, job.opt, trained)
             return out.upload, ({} if out.state is None else out.state), out.metrics
 
@@ -325,16 +414,20 @@ def refuses(w: Workload) -> str | None:
     if not w.alg.supports_vmap:
         return f"{w.alg.name} does not support --executor fused; use --executor loop or auto."
     if w.augment:
-        return "--executor fused gathers its own batches and does not augment them; drop data.augment or use " \
-               "--executor auto (or vmap, loop)."
+        return (
+            "--executor fused gathers its own batches and does not augment them; drop data.augment or use "
+            "--executor auto (or vmap, loop)."
+        )
     if w.alg.local is None:
         why = f"{w.alg.name} trains its own local objective (no Algorithm.local)"
     elif w.has_batchnorm or task_spec(w.task, w.model) is None or w.precision == "bf16":
         why = "this model/task is not a dense classifier with cross-entropy (or --precision is bf16)"
     else:
         return None
-    return f"--executor fused trains {FUSED_MODELS} for algorithms that declare their local SGD; {why}. " \
-           "Use --executor auto (or vmap)."
+    return (
+        f"--executor fused trains {FUSED_MODELS} for algorithms that declare their local SGD; {why}. "
+        "Use --executor auto (or vmap)."
+    )
 
 
 def prefers(w: Workload) -> str | None:
@@ -348,8 +441,10 @@ def prefers(w: Workload) -> str | None:
     if w.device.type == "cuda" and w.clients_per_round > CUDA_FUSED_MAX_CLIENTS:
         return None
     where = "on the GPU" if w.device.type != "cpu" else "(all cores as threads)"
-    return ("dense classifier: the cohort's local SGD in stacked GEMMs, each layer's gradient fused into its update, "
-            f"no padded steps {where}")
+    return (
+        "dense classifier: the cohort's local SGD in stacked GEMMs, each layer's gradient fused into its update, "
+        f"no padded steps {where}"
+    )
 
 
 def build(setup: BackendSetup) -> FusedBackend:
@@ -359,6 +454,11 @@ def build(setup: BackendSetup) -> FusedBackend:
     return FusedBackend(spec)
 
 
-INFO = BackendInfo(name="fused", summary="dense classifiers: the cohort's declared local SGD as hand-derived stacked "
-                   "GEMMs, no padded steps, then the algorithm's finish vmapped", refuses=refuses, prefers=prefers,
-                   build=build)
+INFO = BackendInfo(
+    name="fused",
+    summary="dense classifiers: the cohort's declared local SGD as hand-derived stacked "
+    "GEMMs, no padded steps, then the algorithm's finish vmapped",
+    refuses=refuses,
+    prefers=prefers,
+    build=build,
+)

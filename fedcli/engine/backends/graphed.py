@@ -109,8 +109,14 @@ class GraphedVmap:
     name = "vmap + graph"
     processes = None
 
-    def __init__(self, device: torch.device, bucket: int = 4, max_steps: int | None = None,
-                 capture: bool | None = None, trace: bool | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        bucket: int = 4,
+        max_steps: int | None = None,
+        capture: bool | None = None,
+        trace: bool | None = None,
+    ) -> None:
         self.device, self.bucket, self.max_steps = device, bucket, max_steps
         self.capture = device.type == "cuda" if capture is None else capture
         # a capture records the eager function's kernels directly (one eager run, not a trace of
@@ -126,23 +132,41 @@ class GraphedVmap:
             return chunked
         alg = job.alg
         if keyed_every_round(alg, job.hp, job.round_idx):
-            self._warn_once(f"{alg.name}'s round_key changes every round, so each round would need its own "
-                            "program; --graph runs those rounds eagerly (vmap) instead")
+            self._warn_once(
+                f"{alg.name}'s round_key changes every round, so each round would need its own "
+                "program; --graph runs those rounds eagerly (vmap) instead"
+            )
             return vmap_clients(job_client_fn(job), job.inputs)
         inputs = pad_steps(job.inputs, self.bucket, self.max_steps)
         plan = inputs.plan
         stateful = inputs.states is not None
-        args = (job.broadcast, plan.index, plan.weight, plan.step_mask, inputs.keys, plan.num_examples,
-                inputs.noise, inputs.states)
+        args = (
+            job.broadcast,
+            plan.index,
+            plan.weight,
+            plan.step_mask,
+            inputs.keys,
+            plan.num_examples,
+            inputs.noise,
+            inputs.states,
+        )
         leaves, spec = pytree.tree_flatten(args)
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         tensors = [leaves[i] for i in slots]
         statics = tuple((i, _hashable(leaf)) for i, leaf in enumerate(leaves) if not isinstance(leaf, Tensor))
-        key = (str(spec), statics, tuple((tuple(t.shape), t.dtype, t.device) for t in tensors),
-               plan.num_epochs, plan.steps_per_epoch, stateful, round_key(alg, job.hp, job.round_idx))
+        key = (
+            str(spec),
+            statics,
+            tuple((tuple(t.shape), t.dtype, t.device) for t in tensors),
+            plan.num_epochs,
+            plan.steps_per_epoch,
+            stateful,
+            round_key(alg, job.hp, job.round_idx),
+        )
         if key not in self.programs:
-            self.programs[key] = self._build(job, leaves, slots, spec, stateful, plan.num_epochs,
-                                             plan.steps_per_epoch, tensors)
+            self.programs[key] = self._build(
+                job, leaves, slots, spec, stateful, plan.num_epochs, plan.steps_per_epoch, tensors
+            )
         program = self.programs[key]
         if program is None:
             return vmap_clients(job_client_fn(job), job.inputs)
@@ -152,8 +176,17 @@ class GraphedVmap:
     def close(self) -> None:
         """Nothing to release (programs and graphs go with the object)."""
 
-    def _build(self, job: CohortJob, leaves: list[Any], slots: list[int], spec: pytree.TreeSpec, stateful: bool,
-               epochs: int, steps: int, tensors: list[Tensor]) -> Program | None:
+    def _build(
+        self,
+        job: CohortJob,
+        leaves: list[Any],
+        slots: list[int],
+        spec: pytree.TreeSpec,
+        stateful: bool,
+        epochs: int,
+        steps: int,
+        tensors: list[Tensor],
+    ) -> Program | None:
         layout = Layout()
         alg, fns, hp, opt, round_idx = job.alg, job.fns, job.hp, job.opt, job.round_idx
 
@@ -161,10 +194,13 @@ class GraphedVmap:
             flat = list(leaves)
             for slot, t in zip(slots, inputs, strict=True):
                 flat[slot] = t
-            bc, index, weight, step_mask, keys, num_examples, noise, states = pytree.tree_unflatten(flat, spec)
+            bc, index, weight, step_mask, keys, num_examples, noise, states = pytree.tree_unflatten(
+                flat, spec
+            )
             one = client_fn(alg, fns, bc, hp, opt, epochs, steps, round_idx)
-            upload, state, metrics = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None))(
-                index, weight, step_mask, keys, num_examples, noise, states)
+            upload, state, metrics = torch.func.vmap(
+                one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None)
+            )(index, weight, step_mask, keys, num_examples, noise, states)
             outs, layout.spec = pytree.tree_flatten((upload, state if stateful else None, metrics))
             layout.static = [(i, leaf) for i, leaf in enumerate(outs) if not isinstance(leaf, Tensor)]
             return [leaf for leaf in outs if isinstance(leaf, Tensor)]
@@ -177,8 +213,10 @@ class GraphedVmap:
             try:
                 module = trace(cohort, tensors)
             except Exception as error:  # noqa: BLE001 - any failure to trace means: run this key eagerly
-                self._warn_once(f"--graph: {alg.name}'s client update could not be traced into one program "
-                                f"({type(error).__name__}: {_first_line(error)}); running it eagerly (vmap)")
+                self._warn_once(
+                    f"--graph: {alg.name}'s client update could not be traced into one program "
+                    f"({type(error).__name__}: {_first_line(error)}); running it eagerly (vmap)"
+                )
                 return None
             ops = f", {sum(1 for n in module.graph.nodes if n.op == 'call_function')} ops"  # type: ignore[attr-defined]
         program = Program(module, layout)
@@ -187,16 +225,25 @@ class GraphedVmap:
                 capture(program, tensors)
             except Exception as error:  # noqa: BLE001 - without a graph: the traced program, or eager vmap
                 program.graph = program.static_in = program.static_out = None
-                fallback = "replaying the traced program uncaptured" if self.trace else "running it eagerly (vmap)"
-                self._warn_once(f"--graph: the {alg.name} cohort update could not be captured in a CUDA graph "
-                                f"({type(error).__name__}: {_first_line(error)}); {fallback}")
+                fallback = (
+                    "replaying the traced program uncaptured" if self.trace else "running it eagerly (vmap)"
+                )
+                self._warn_once(
+                    f"--graph: the {alg.name} cohort update could not be captured in a CUDA graph "
+                    f"({type(error).__name__}: {_first_line(error)}); {fallback}"
+                )
                 if not self.trace:
                     return None
         seconds = time.perf_counter() - start
         self.build_s += seconds
-        log.info("--graph: built the %s program for %s (%s%s) in %.1f s", alg.name, where,
-                 "traced" if self.trace else "eager", ops + (", captured" if program.graph is not None else ""),
-                 seconds)
+        log.info(
+            "--graph: built the %s program for %s (%s%s) in %.1f s",
+            alg.name,
+            where,
+            "traced" if self.trace else "eager",
+            ops + (", captured" if program.graph is not None else ""),
+            seconds,
+        )
         return program
 
     def _warn_once(self, message: str) -> None:
@@ -209,11 +256,16 @@ def capture(program: Program, tensors: list[Tensor]) -> None:
     """Capture `program` into a CUDA graph over static copies of `tensors` (torch.cuda.graphs:
     warm-up on a side stream, then capture on it); sets graph, static_in and static_out."""
     devices = {t.device for t in tensors}
-    constants = {t.device for t in _constants(program.module)} if isinstance(program.module, torch.fx.GraphModule) \
+    constants = (
+        {t.device for t in _constants(program.module)}
+        if isinstance(program.module, torch.fx.GraphModule)
         else set()
+    )
     if any(d.type != "cuda" for d in devices | constants) or len(devices | constants) != 1:
-        raise Untraceable(f"its tensors live on {sorted(map(str, devices | constants))}; "
-                          "a CUDA graph replays the work of one GPU")
+        raise Untraceable(
+            f"its tensors live on {sorted(map(str, devices | constants))}; "
+            "a CUDA graph replays the work of one GPU"
+        )
     with torch.cuda.device(devices.pop()):
         _capture_on_current_device(program, tensors)
 
@@ -277,15 +329,25 @@ def refuses(w: Workload) -> str | None:
     if not w.alg.supports_vmap:
         return f"{w.alg.name} does not run vmapped, which --graph needs; drop --graph."
     if w.has_batchnorm:
-        return ("the model has BatchNorm layers, whose running statistics vmap (and so --graph) cannot keep per "
-                "client; use GroupNorm in the model, or drop --graph.")
+        return (
+            "the model has BatchNorm layers, whose running statistics vmap (and so --graph) cannot keep per "
+            "client; use GroupNorm in the model, or drop --graph."
+        )
     return None
 
 
 def build(setup: BackendSetup) -> GraphedVmap:
     """Programs keyed by shape and round key; K padded towards the largest client's batch count."""
-    return GraphedVmap(setup.device, max_steps=-(-int(setup.fed.sizes.max(initial=1)) // setup.cfg.train.batch_size))
+    return GraphedVmap(
+        setup.device, max_steps=-(-int(setup.fed.sizes.max(initial=1)) // setup.cfg.train.batch_size)
+    )
 
 
-INFO = BackendInfo(name="vmap + graph", summary="the vmapped cohort built once per shape and replayed: a CUDA graph "
-                   "on CUDA, a traced ATen graph on a CPU (opt-in: --graph)", refuses=refuses, prefers=None, build=build)
+INFO = BackendInfo(
+    name="vmap + graph",
+    summary="the vmapped cohort built once per shape and replayed: a CUDA graph "
+    "on CUDA, a traced ATen graph on a CPU (opt-in: --graph)",
+    refuses=refuses,
+    prefers=None,
+    build=build,
+)

@@ -34,14 +34,36 @@ class LoopBackend:
             job.at_safe_point()
             own = plan.for_client(c)
             k = own.steps_per_epoch
-            one = client_fn(job.alg, job.fns, job.broadcast, job.hp, job.opt, plan.num_epochs, k, job.round_idx,
-                            self.trainer)
-            noise = {name: trim_steps(v[c], plan.num_epochs, plan.steps_per_epoch, k) for name, v in inputs.noise.items()}
+            one = client_fn(
+                job.alg,
+                job.fns,
+                job.broadcast,
+                job.hp,
+                job.opt,
+                plan.num_epochs,
+                k,
+                job.round_idx,
+                self.trainer,
+            )
+            noise = {
+                name: trim_steps(v[c], plan.num_epochs, plan.steps_per_epoch, k)
+                for name, v in inputs.noise.items()
+            }
             keys = trim_steps(inputs.keys[c], plan.num_epochs, plan.steps_per_epoch, k)
             state = None if inputs.states is None else pytree.tree_map(lambda t, c=c: t[c], inputs.states)
             buffers = None if inputs.buffers is None else {name: v[c] for name, v in inputs.buffers.items()}
-            results.append(one(own.index[0], own.weight[0], own.step_mask[0], keys, own.num_examples[0], noise, state,
-                               buffers))
+            results.append(
+                one(
+                    own.index[0],
+                    own.weight[0],
+                    own.step_mask[0],
+                    keys,
+                    own.num_examples[0],
+                    noise,
+                    state,
+                    buffers,
+                )
+            )
         upload, state, metrics = pytree.tree_map(lambda *xs: torch.stack(xs), *results)
         return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
 
@@ -59,13 +81,19 @@ def prefers(w: Workload) -> str | None:
     if not w.alg.supports_vmap:
         return f"{w.alg.name} has no vmap"
     if w.has_rnn and w.device.type == "cpu":  # the loop at least matched vmap on a GRU (docs/benchmarks.md)
-        return ("RNNs run PyTorch's fused kernel client by client on a CPU, and under vmap a step-by-step "
-                "recurrence (datasets/stock_layers.py)")
+        return (
+            "RNNs run PyTorch's fused kernel client by client on a CPU, and under vmap a step-by-step "
+            "recurrence (datasets/stock_layers.py)"
+        )
     if w.has_conv and w.device.type == "cpu":  # the loop beat vmap on Reddi's CNN (docs/benchmarks.md)
         return "convolutions run faster client by client than as vmap's grouped convolutions on a CPU"
     return None
 
 
-INFO = BackendInfo(name="loop", summary="client by client, each on its own unpadded plan: the reference; any model",
-                   refuses=refuses, prefers=prefers,
-                   build=lambda setup: LoopBackend(compile=setup.cfg.train.compile))
+INFO = BackendInfo(
+    name="loop",
+    summary="client by client, each on its own unpadded plan: the reference; any model",
+    refuses=refuses,
+    prefers=prefers,
+    build=lambda setup: LoopBackend(compile=setup.cfg.train.compile),
+)

@@ -138,7 +138,9 @@ class WorkerSpec:
     y: Tensor
     client_indices: Sequence[np.ndarray]
     inner: str  # the in-process back end for a slice: fused | vmap | loop
-    user_data: Any = None  # a data object's or function's tensors (datasets/yours/data.py); None for a file or task
+    user_data: Any = (
+        None  # a data object's or function's tensors (datasets/yours/data.py); None for a file or task
+    )
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,9 @@ def worker_functions(spec: WorkerSpec) -> Bound:
     from fedcli.datasets.registry import resolve_task
 
     cfg, cpu = spec.cfg, torch.device("cpu")
-    if spec.user_data is not None:  # the parent's materialised data: never reloaded, never a Python object here
+    if (
+        spec.user_data is not None
+    ):  # the parent's materialised data: never reloaded, never a Python object here
         from fedcli.datasets.yours.data import register
 
         assert cfg.data.file is not None  # user_data is shipped only for a data reference (_ensure_bound)
@@ -173,8 +177,13 @@ def worker_functions(spec: WorkerSpec) -> Bound:
     if transforms.random:
         fns = replace(fns, augment=augmentation.augmenter(transforms))
     backend = IN_PROCESS[spec.inner].build(BackendSetup(cfg=cfg, model=model, fed=fed, device=cpu))
-    return Bound(ALGORITHMS[cfg.algorithm.name], fns, make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp),
-                 cfg.train.optim(task.client_lr), backend)
+    return Bound(
+        ALGORITHMS[cfg.algorithm.name],
+        fns,
+        make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp),
+        cfg.train.optim(task.client_lr),
+        backend,
+    )
 
 
 def _worker_main(conn: Any) -> None:
@@ -203,8 +212,9 @@ def _worker_main(conn: Any) -> None:
             assert arena_in is not None, "the first run message carries the arena"
             bc, inputs, round_idx, chunk = unpack(data, arena_in, copy=False)
             assert bound is not None, "the parent binds a run before its first round"
-            out = bound.backend.run(CohortJob(bound.alg, bound.fns, bc, inputs, bound.hp, bound.opt, round_idx,
-                                              chunk))
+            out = bound.backend.run(
+                CohortJob(bound.alg, bound.fns, bc, inputs, bound.hp, bound.opt, round_idx, chunk)
+            )
             new_out, arena_out, reply = pack(out, arena_out)
             conn.send(("ok", new_out, reply))
         except Exception:  # noqa: BLE001 - reported to the parent, which raises WorkerError
@@ -225,9 +235,11 @@ class _Worker:
             return self.conn.recv()
         except (EOFError, OSError):
             self.process.join(timeout=1.0)
-            raise WorkerError(f"worker process {self.process.pid} exited unexpectedly (exit code "
-                              f"{self.process.exitcode}); rerun with --executor vmap to see the error "
-                              "in the main process.") from None
+            raise WorkerError(
+                f"worker process {self.process.pid} exited unexpectedly (exit code "
+                f"{self.process.exitcode}); rerun with --executor vmap to see the error "
+                "in the main process."
+            ) from None
 
     def stop(self) -> None:
         try:
@@ -307,9 +319,14 @@ class ProcessBackend:
         if self.pool.bound_token == self.token:
             return
         cfg = replace(self.cfg, train=replace(self.cfg.train, executor=self.inner, workers=1))
-        spec = WorkerSpec(cfg=cfg, x=self.fed.x.share_memory_(), y=self.fed.y.share_memory_(),
-                          client_indices=self.fed.client_indices, inner=self.inner,
-                          user_data=shipped(cfg.data.file))
+        spec = WorkerSpec(
+            cfg=cfg,
+            x=self.fed.x.share_memory_(),
+            y=self.fed.y.share_memory_(),
+            client_indices=self.fed.client_indices,
+            inner=self.inner,
+            user_data=shipped(cfg.data.file),
+        )
         self.pool.bind(spec, self.token)
 
     def run(self, job: CohortJob) -> ClientOut:
@@ -360,13 +377,17 @@ def refuses(w: Workload) -> str | None:
     `python script.py` whose top level calls fedcli.train without an `if __name__ == "__main__":` guard
     cannot have workers: `spawn` re-runs the script in each of them (they would train again)."""
     if w.device.type != "cpu":
-        return (f"train.executor='process' splits the cohort over CPU processes; got device {w.device}. "
-                "Use --executor vmap (or auto) on a GPU.")
+        return (
+            f"train.executor='process' splits the cohort over CPU processes; got device {w.device}. "
+            "Use --executor vmap (or auto) on a GPU."
+        )
     script = unguarded_main_script()
     if script is not None:
-        return (f"train.executor='process' spawns worker processes, which re-run {script}: its top level has no "
-                "`if __name__ == \"__main__\":` guard. Put the fedcli.train call under that guard, or use "
-                "--executor loop or vmap.")
+        return (
+            f"train.executor='process' spawns worker processes, which re-run {script}: its top level has no "
+            '`if __name__ == "__main__":` guard. Put the fedcli.train call under that guard, or use '
+            "--executor loop or vmap."
+        )
     return None
 
 
@@ -395,11 +416,17 @@ def unguarded_main_script() -> str | None:
             return False
         sides = [test.left, *test.comparators]
         return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and any(
-            isinstance(x, ast.Constant) and x.value == "__main__" for x in sides)
+            isinstance(x, ast.Constant) and x.value == "__main__" for x in sides
+        )
 
     return None if any(is_guard(node) for node in tree.body) else path
 
 
-INFO = BackendInfo(name="process", summary="CPU: the cohort split over persistent worker processes (one thread each, "
-                   "shared-memory transport), an in-process back end inside each (auto for convolutional models on 2+ cores)", refuses=refuses,
-                   prefers=None, build=ProcessBackend)
+INFO = BackendInfo(
+    name="process",
+    summary="CPU: the cohort split over persistent worker processes (one thread each, "
+    "shared-memory transport), an in-process back end inside each (auto for convolutional models on 2+ cores)",
+    refuses=refuses,
+    prefers=None,
+    build=ProcessBackend,
+)

@@ -42,6 +42,11 @@ def prefers(w: Workload) -> str | None:
     return "the whole cohort in one vmapped computation"
 
 
-INFO = BackendInfo(name="vmap", summary="the cohort as one torch.func.vmap over the padded plan; --cohort-chunk N "
-                   "runs chunks of similar-length clients", refuses=refuses, prefers=prefers,
-                   build=lambda setup: VmapBackend())
+INFO = BackendInfo(
+    name="vmap",
+    summary="the cohort as one torch.func.vmap over the padded plan; --cohort-chunk N "
+    "runs chunks of similar-length clients",
+    refuses=refuses,
+    prefers=prefers,
+    build=lambda setup: VmapBackend(),
+)
