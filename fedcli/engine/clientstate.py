@@ -370,7 +370,7 @@ class ClientStateStore:
                 os.close(fd)
         except OSError as err:
             path.unlink(missing_ok=True)
-            raise TrackingError(_message(err, self.folder)) from err
+            raise state_write_error(err, self.folder) from err
         return [SpilledSlot(path, row * size, size) for row in range(len(clients))]
 
     def close(self, remove: bool = False) -> None:
@@ -431,7 +431,7 @@ class ClientStateStore:
                 spill.unlink(missing_ok=True)
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # a run's slots start empty
         except OSError as err:
-            raise TrackingError(_message(err, self.folder)) from err
+            raise state_write_error(err, self.folder) from err
 
     def _read_slot(self, client: int) -> np.ndarray:
         assert self._fd is not None and self.layout is not None and self.folder is not None
@@ -453,7 +453,7 @@ class ClientStateStore:
             if written != size:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as err:
-            raise TrackingError(_message(err, self.folder)) from err
+            raise state_write_error(err, self.folder) from err
 
 
 def make_store(
@@ -478,10 +478,13 @@ def make_store(
     return ClientStateStore(init_fn, folder=folder, cache_mb=cache_mb, precision=precision)
 
 
-def _message(err: OSError, folder: Path) -> str:
-    if err.errno == errno.ENOSPC:
-        return (
+def state_write_error(err: OSError, folder: Path) -> TrackingError:
+    """The one-line error of a failed write of client states under `folder` (a full disk: exit 2)."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return TrackingError(
             f"no space left on device: could not write client states to {folder}; free disk space, then resume "
             "with `fedcli train --resume RUN` (the previous checkpoint is intact)"
         )
-    return f"could not write client states to {folder}: {err.strerror or err}; check the folder's permissions"
+    return TrackingError(
+        f"could not write client states to {folder}: {err.strerror or err}; check the folder's permissions"
+    )

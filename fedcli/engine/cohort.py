@@ -35,6 +35,7 @@ from fedcli.algorithms.base import (
     tree_nbytes,
 )
 from fedcli.datasets.federated import CohortPlan
+from fedcli.engine.clientstate import state_write_error
 from fedcli.engine.local import CarryingStats, Trainer, eager_train_local, run_client
 from fedcli.engine.model import ModelFunctions
 
@@ -543,8 +544,12 @@ class SpilledStates:
     """
 
     def __init__(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        self.file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115  # closed with this object
+        self.folder = folder
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115  # closed with this object
+        except OSError as err:
+            raise state_write_error(err, folder) from err
         self.spec: Any = None
         self.meta: list[
             tuple[torch.dtype, tuple[int, ...], int]
@@ -564,9 +569,14 @@ class SpilledStates:
                 offset + sum(m[2] for m in self.meta[:i]) * len(rows) + j * self.meta[i][2]
                 for i in range(len(leaves))
             ]
-        for leaf in leaves:
-            self.file.write(leaf.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-        self.file.flush()
+        try:  # a full disk here is one line, exit 2 (the round is lost, the last checkpoint intact)
+            for leaf in leaves:
+                self.file.write(
+                    leaf.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                )
+            self.file.flush()
+        except OSError as err:
+            raise state_write_error(err, self.folder) from err
 
     def __len__(self) -> int:
         return len(self.where) if self.order is None else len(self.order)

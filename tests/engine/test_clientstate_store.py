@@ -311,6 +311,22 @@ def test_a_full_disk_under_the_disk_store_is_one_line_naming_its_folder(tiny_dis
     assert "\n" not in message
 
 
+def test_a_full_disk_while_a_round_spills_its_new_states_is_one_line_naming_the_folder(
+    tiny_disk: Path,
+) -> None:
+    """stream_cohort writes each group's new client states to an unlinked file beside the slots
+    (SpilledStates); a disk that fills up there is the same one line as the store's, not a traceback."""
+    from fedcli.engine.cohort import SpilledStates
+
+    spill = SpilledStates(tiny_disk / "client-state")
+    spill.write(np.arange(2), {"w": torch.ones(2, 64, 1024)})  # 512 KiB: fits
+    with pytest.raises(TrackingError) as err:
+        spill.write(np.arange(2, 6), {"w": torch.ones(4, 64, 1024)})  # 1 MiB more: does not
+    message = str(err.value)
+    assert "no space left on device" in message and str(tiny_disk / "client-state") in message
+    assert "\n" not in message
+
+
 def test_a_checkpoint_spills_the_evicted_changed_states_and_writes_them_as_they_were(tmp_path: Path) -> None:
     """cache_mb=0: every changed state is evicted to its slot, so take_changes copies the slots into the
     checkpoint's spill file (one slot in memory at a time) instead of holding them all. The next rounds
