@@ -130,6 +130,12 @@ class SlotLayout:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+# checkpoint compaction (ClientStateStore._compact_due): when the files a manifest names hold more than
+# COMPACT_FACTOR rows per live state, and at least COMPACT_MIN_BYTES, the next checkpoint writes every state
+COMPACT_FACTOR = 2
+COMPACT_MIN_BYTES = 1 << 30
+
+
 @dataclass
 class ClientDelta:
     """The client states a checkpoint writes: those changed since the previous checkpoint.
@@ -238,6 +244,8 @@ class ClientStateStore:
         self._changed: set[int] = set()  # clients changed since the last checkpoint
         self._index: dict[int, tuple[str, int]] = {}  # the last checkpoint's manifest
         self._full_next = False  # the next checkpoint writes every state (after a load from an older format)
+        self._file_rows: dict[str, int] = {}  # rows of each .clients.npy file this store's checkpoints wrote
+        self.compact_min_bytes = COMPACT_MIN_BYTES
         if folder is not None:
             self._open()
 
@@ -341,7 +349,7 @@ class ClientStateStore:
         next rounds may overwrite the slots. The writer removes the spill file once written.
         """
         file = delta_file_name(round_idx)
-        if self._full_next:
+        if self._full_next or self._compact_due():
             self._changed = set(self._cache.states.keys() | self._on_disk)
             self._index = {}
             self._full_next = False
@@ -354,7 +362,29 @@ class ClientStateStore:
             **{c: (file, row) for row, c in enumerate(clients)},
         }
         self._changed = set()
+        named = {name for name, _ in self._index.values()}
+        self._file_rows = {name: n for name, n in self._file_rows.items() if name in named}
+        self._file_rows[file] = len(clients)
         return ClientDelta(clients, states, file, dict(self._index), self.layout)
+
+    def _compact_due(self) -> bool:
+        """True when the checkpoint files the manifest would name hold more than COMPACT_FACTOR rows per
+        live client state (and at least `compact_min_bytes`): most of their rows have been superseded
+        by later checkpoints, but each file stays while one client's latest state is in it. The next
+        checkpoint then writes every state (as after a load) and the old files go once no kept
+        checkpoint names them: the checkpoints' files stay within COMPACT_FACTOR x the live states
+        (plus the older kept checkpoints'), and each state is rewritten after at least as many
+        bytes of deltas as the live states hold (docs/architecture.md, "Checkpoints")."""
+        if self.layout is None or not self._file_rows:
+            return False
+        named: dict[str, int] = {}  # file -> its rows that stay live after this checkpoint
+        for client, (name, _) in self._index.items():
+            if client not in self._changed:
+                named[name] = named.get(name, 0) + 1
+        # a file of an earlier process (a resumed run) counts as wholly live: its superseded rows are unknown
+        rows = sum(self._file_rows.get(name, n) for name, n in named.items()) + len(self._changed)
+        live_rows = sum(named.values()) + len(self._changed)
+        return rows > COMPACT_FACTOR * live_rows and rows * self.layout.slot_bytes >= self.compact_min_bytes
 
     def _spill(self, clients: list[int], round_idx: int) -> list[SpilledSlot]:
         """Copy `clients`' slots, one at a time, into this checkpoint's spill file."""

@@ -352,3 +352,41 @@ def test_a_checkpoint_spills_the_evicted_changed_states_and_writes_them_as_they_
     assert (run_dir / "client-state" / spill_name(5)).exists()  # never written: removed on close
     disk.close(remove=True)
     assert not (run_dir / "client-state").exists()
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_checkpoint_files_stay_within_twice_the_live_states_by_compaction(
+    tmp_path: Path, compact: bool
+) -> None:
+    """40 clients, 6 a round, a checkpoint every round, 1 kept: without compaction the .clients.npy files
+    the kept checkpoint names hold ever more superseded rows (a file stays while one client's latest state
+    is in it); with it (compact_min_bytes 0) a checkpoint writes every state once the files hold more than
+    COMPACT_FACTOR rows per live state, so they stay within COMPACT_FACTOR x live + one cohort, and every
+    checkpoint still reads back as the store was at its round."""
+    from fedcli.engine.clientstate import COMPACT_FACTOR
+
+    run_dir = tmp_path / "runs" / ("e" * 32)
+    store = ClientStateStore(fresh, folder=run_dir / "client-state", cache_mb=0)
+    store.compact_min_bytes = 0 if compact else 1 << 62
+    w = writer(run_dir, keep=1)
+    worst, full = 0.0, 0
+
+    def checkpoint(round_idx: int) -> None:
+        nonlocal worst, full
+        delta = store.take_changes(round_idx)
+        full += len(delta.clients) == len(delta.index) > 6
+        at = store.state_dict()
+        w.submit(round_idx, {"x": torch.ones(3)}, delta, CONFIG, 0)
+        w.wait()
+        assert_same_states(load(run_dir, round_idx).to_dict(), at)
+        rows = sum(
+            np.load(p, mmap_mode="r").shape[0] for p in (run_dir / "checkpoints").glob("round-*.clients.npy")
+        )
+        worst = max(worst, rows / len(delta.index))
+
+    run_rounds([store], rounds=60, on_round=checkpoint)
+    w.close()
+    if compact:
+        assert full >= 1 and worst <= COMPACT_FACTOR + 6 / 40 + 1e-9
+    else:
+        assert full == 0 and worst > COMPACT_FACTOR + 6 / 40
