@@ -7,7 +7,7 @@ tasks as `TASKS: tuple[Task, ...]`; `fedcli.datasets.registry.TASKS` gathers the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,8 @@ class TaskData:
 
     x: Tensor  # [N, ...] stored form (uint8 images or float features)
     y: Tensor  # [N] labels / targets
-    client_indices: list[np.ndarray]  # natural partition: client k -> example indices
+    # natural partition: client k -> example indices (a list, or a disk store's ClientIndex)
+    client_indices: Sequence[np.ndarray]
     client_names: list[str]
     test_x: Tensor
     test_y: Tensor
@@ -42,7 +43,7 @@ class TaskData:
     fingerprint: str = ""  # sha256 over the training tensors (partition files check it)
     num_classes: int | None = None  # classes (or tags / vocabulary) of y; None = not a class target
     # per-client test examples: client k -> indices into test_x (None = the task has none); `fedcli evaluate --per-client`
-    test_client_indices: list[np.ndarray] | None = None
+    test_client_indices: Sequence[np.ndarray] | None = None
     store: str | None = (
         None  # the disk store's folder when the tensors are its memory maps (datasets/formats/diskstore.py)
     )

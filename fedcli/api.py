@@ -122,7 +122,8 @@ class Run:
                 "data"
             ) or {}  # what the MLflow model records (write_served)
             buffers = saved.get("buffers")
-            stored = record.config.get("data") if isinstance(record.config.get("data"), Mapping) else {}
+            stored = record.config.get("data")
+            stored = stored if isinstance(stored, Mapping) else {}
             trust = self.trust_code if trust_code is None else trust_code
             return served_model(
                 saved["params"],

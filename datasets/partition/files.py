@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ def _canonical(doc: dict[str, Any]) -> str:
 
 def save_partition(
     path: Path,
-    clients: list[np.ndarray],
+    clients: Sequence[np.ndarray],
     *,
     spec: PartitionSpec,
     dataset: str,

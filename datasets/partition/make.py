@@ -61,6 +61,7 @@ imports this module; import each name from the module that defines it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -82,7 +83,7 @@ log = logging.getLogger(__name__)
 
 
 def make_partition(
-    spec: PartitionSpec, *, labels: np.ndarray, natural: list[np.ndarray] | None
+    spec: PartitionSpec, *, labels: np.ndarray, natural: Sequence[np.ndarray] | None
 ) -> list[np.ndarray]:
     """Return client -> sorted example indices for `spec`; ConfigError on impossible requests.
 
@@ -99,40 +100,9 @@ def make_partition(
     y = class_labels(labels, spec.scheme) if spec.scheme in LABEL_SCHEMES else labels
     if spec.scheme == "natural":
         clients = natural_partition(natural, num_clients=k)
-    elif spec.scheme == "iid":
-        clients = iid_partition(n, num_clients=k, rng=rng)
-    elif spec.scheme == "dirichlet" and spec.balanced:
-        clients = balanced_dirichlet(y, num_clients=k, alpha=spec.alpha, rng=rng)
-    elif spec.scheme == "dirichlet":
-        clients = dirichlet_label_skew(
-            y, num_clients=k, alpha=spec.alpha, min_size=spec.min_size, max_tries=spec.max_tries, rng=rng
-        )
-    elif spec.scheme == "shards":
-        clients = shard_partition(y, num_clients=k, shards_per_client=spec.shards_per_client, rng=rng)
-    elif spec.scheme == "labels":
-        clients = labels_per_client_partition(
-            y, num_clients=k, labels_per_client=spec.labels_per_client, rng=rng
-        )
-    elif spec.scheme == "quantity":
-        clients = quantity_skew(
-            n,
-            num_clients=k,
-            alpha=spec.alpha,
-            sigma=spec.sigma,
-            min_size=spec.min_size,
-            max_tries=spec.max_tries,
-            rng=rng,
-        )
     else:
-        clients = two_level_dirichlet(
-            y,
-            num_clients=k,
-            alpha=spec.alpha,
-            size_alpha=spec.size_alpha,
-            min_size=spec.min_size,
-            max_tries=spec.max_tries,
-            rng=rng,
-        )
+        assert k is not None  # PartitionSpec._check_needed: every scheme but natural needs num_clients
+        clients = _split(spec, y, n=n, k=k, rng=rng)
     clients = [np.sort(np.asarray(c, dtype=np.int64)) for c in clients]
     empty = [i for i, c in enumerate(clients) if len(c) == 0]
     if empty:
@@ -141,3 +111,48 @@ def make_partition(
             f"(first: client {empty[0]}); lower --clients or choose less extreme parameters."
         )
     return clients
+
+
+def _split(
+    spec: PartitionSpec, y: np.ndarray, *, n: int, k: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """`make_partition`'s dispatch for every scheme but natural: k clients from n examples (y: class ids)."""
+    # PartitionSpec._check_needed guarantees each scheme's required parameter (asserted below):
+    # alpha for dirichlet and two-level, shards_per_client for shards, labels_per_client for labels.
+    if spec.scheme == "iid":
+        return iid_partition(n, num_clients=k, rng=rng)
+    if spec.scheme == "dirichlet":
+        assert spec.alpha is not None
+        if spec.balanced:
+            return balanced_dirichlet(y, num_clients=k, alpha=spec.alpha, rng=rng)
+        return dirichlet_label_skew(
+            y, num_clients=k, alpha=spec.alpha, min_size=spec.min_size, max_tries=spec.max_tries, rng=rng
+        )
+    if spec.scheme == "shards":
+        assert spec.shards_per_client is not None
+        return shard_partition(y, num_clients=k, shards_per_client=spec.shards_per_client, rng=rng)
+    if spec.scheme == "labels":
+        assert spec.labels_per_client is not None
+        return labels_per_client_partition(
+            y, num_clients=k, labels_per_client=spec.labels_per_client, rng=rng
+        )
+    if spec.scheme == "quantity":
+        return quantity_skew(
+            n,
+            num_clients=k,
+            alpha=spec.alpha,
+            sigma=spec.sigma,
+            min_size=spec.min_size,
+            max_tries=spec.max_tries,
+            rng=rng,
+        )
+    assert spec.alpha is not None  # two-level, the last scheme
+    return two_level_dirichlet(
+        y,
+        num_clients=k,
+        alpha=spec.alpha,
+        size_alpha=spec.size_alpha,
+        min_size=spec.min_size,
+        max_tries=spec.max_tries,
+        rng=rng,
+    )

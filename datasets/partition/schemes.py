@@ -8,6 +8,7 @@ only through the `rng` argument.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -266,7 +267,7 @@ def two_level_dirichlet(
     )
 
 
-def natural_partition(natural: list[np.ndarray] | None, *, num_clients: int | None) -> list[np.ndarray]:
+def natural_partition(natural: Sequence[np.ndarray] | None, *, num_clients: int | None) -> list[np.ndarray]:
     """The data's own owners in sorted-id order; num_clients keeps the first num_clients."""
     if not natural:
         raise ConfigError(

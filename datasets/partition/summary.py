@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ class PartitionSummary:
 
 
 def label_histograms(
-    clients: list[np.ndarray], labels: np.ndarray, num_classes: int | None = None
+    clients: Sequence[np.ndarray], labels: np.ndarray, num_classes: int | None = None
 ) -> np.ndarray | None:
     """Return [K, C] per-client label counts (tag counts for multi-hot), or None if no classes."""
     labels = np.asarray(labels)

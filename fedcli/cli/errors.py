@@ -77,15 +77,30 @@ class OneLineUsageErrors(TyperGroup):
     def main(
         self,
         args: Sequence[str] | None = None,
-        prog_name: str | None = None,  # type: ignore[override]
+        prog_name: str | None = None,
         complete_var: str | None = None,
         standalone_mode: bool = True,
+        windows_expand_args: bool = True,
         **extra: Any,
     ) -> Any:
         if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            return super().main(
+                args,
+                prog_name,
+                complete_var,
+                standalone_mode=False,
+                windows_expand_args=windows_expand_args,
+                **extra,
+            )
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            code = super().main(
+                args,
+                prog_name,
+                complete_var,
+                standalone_mode=False,
+                windows_expand_args=windows_expand_args,
+                **extra,
+            )
         except click_errors.NoArgsIsHelpError as exc:  # the help was printed already
             sys.exit(exc.exit_code)
         except FedcliError as exc:  # raised before a command runs (resolve_command's empty paths)

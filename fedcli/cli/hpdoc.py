@@ -152,7 +152,7 @@ def algo_detail_rows(name: str) -> list[dict[str, Any]]:
     ]
 
 
-EXAMPLE_RUN = {
+EXAMPLE_RUN: dict[str, Any] = {  # RunFacts' fields (fedcli/algorithms/base.py), passed as keywords
     "task": "femnist",
     "kind": "classification",
     "model": "mlp",

@@ -394,12 +394,9 @@ def record_model_source(cfg: RunConfig) -> RunConfig:
     own = (
         MODELS if cfg.data.file is not None else TASKS[cfg.data.task].models if cfg.data.task in TASKS else {}
     )
-    if (
-        cfg.data.model in model_plugins() and cfg.data.model not in own
-    ):  # a plugin's model: recorded by reference
-        cfg = dataclasses.replace(
-            cfg, data=dataclasses.replace(cfg.data, model=model_plugins()[cfg.data.model][0])
-        )
+    plugin = cfg.data.model  # None (the task's default model) is never a plugin's name
+    if plugin is not None and plugin in model_plugins() and plugin not in own:  # recorded by reference
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, model=model_plugins()[plugin][0]))
     if not is_reference(cfg.data.model):
         if cfg.data.model_sha256 is not None or cfg.data.model_args is not None:
             raise ConfigError(

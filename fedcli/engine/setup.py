@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,7 +62,7 @@ class Setup:
     device: torch.device
     backend: CohortBackend  # runs each round's local training (engine/backends/)
     init_params: dict[str, torch.Tensor]
-    partition: list[np.ndarray] | None = None  # client -> example indices actually used
+    partition: Sequence[np.ndarray] | None = None  # client -> example indices actually used
     partition_spec: PartitionSpec | None = None  # the PartitionSpec that produced it
     executor_reason: str = ""  # why the back end was chosen (logged, tagged)
     opt: OptimConfig = field(
@@ -89,7 +90,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def client_partition(cfg: RunConfig, data: TaskData, name: str | None = None) -> tuple[list[np.ndarray], Any]:
+def client_partition(
+    cfg: RunConfig, data: TaskData, name: str | None = None
+) -> tuple[Sequence[np.ndarray], Any]:
     """Return (client -> example indices, PartitionSpec) from a partition file or the scheme.
 
     A partition file must have been made for this data (its fingerprint is checked). A scheme

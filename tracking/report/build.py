@@ -250,16 +250,19 @@ def run_values(
     at: Sequence[int],
     eval_keys: Sequence[str],
 ) -> dict[str, float | None]:
-    """Every table cell of one run (column id -> value or None)."""
+    """Every table cell of one run (column id -> value or None); `spec` has its window and smooth resolved."""
+    window, smooth = spec.window, spec.smooth
+    # build_report fills both (default_window/default_smooth) before it calls this
+    assert window is not None and smooth is not None
     empty: Curve = (np.zeros(0, np.int64), np.zeros(0))
     rounds, values = curves.get(metric, empty)
     low = md.is_lower_better(metric)
     out: dict[str, float | None] = {}
     for r in at:
-        out[f"at@{r}"] = md.window_mean(rounds, values, r, spec.window, last_round) if rounds.size else None
+        out[f"at@{r}"] = md.window_mean(rounds, values, r, window, last_round) if rounds.size else None
     up, down = curves.get("comm/bytes_up", empty), curves.get("comm/bytes_down", empty)
     for x in spec.thresholds:
-        hit = md.rounds_to_threshold(rounds, values, x, spec.smooth, low) if rounds.size else None
+        hit = md.rounds_to_threshold(rounds, values, x, smooth, low) if rounds.size else None
         out[f"rounds_to@{x!r}"] = None if hit is None else float(hit)
         out[f"up_to@{x!r}"] = None if hit is None or not up[0].size else md.cumulative_at(*up, hit)
         out[f"down_to@{x!r}"] = None if hit is None or not down[0].size else md.cumulative_at(*down, hit)
@@ -273,7 +276,7 @@ def run_values(
     for key in eval_keys:
         k_rounds, k_values = curves.get(key, empty)
         out[f"eval@{key}"] = (
-            md.window_mean(k_rounds, k_values, last_round, spec.window, last_round) if k_rounds.size else None
+            md.window_mean(k_rounds, k_values, last_round, window, last_round) if k_rounds.size else None
         )
     return out
 

@@ -90,7 +90,7 @@ def markdown_table(report: Report, columns: Sequence[Column]) -> list[str]:
     scales = {}
     for c in columns:
         if c.unit == "bytes":
-            means = [g.summary[c.id].mean for g in report.groups if g.summary[c.id].mean is not None]
+            means = [m for g in report.groups if (m := g.summary[c.id].mean) is not None]
             scales[c.id] = byte_unit(max(means, default=0.0))
     headers = []
     for c in columns:

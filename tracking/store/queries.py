@@ -100,8 +100,9 @@ class StoreQueries(StoreSession):
                         f"unknown experiment {experiment!r}{hint}; `fedcli list runs` shows them"
                     )
                 stmt = stmt.where(Experiment.name == experiment)
-            if self._read_columns is None:
-                rows = session.execute(stmt.order_by(Run.created_at, Run.id)).all()
+            rows: Sequence[tuple[Run, str]]
+            if self._read_columns is None:  # tuples(): the same rows, typed as (Run, experiment name)
+                rows = session.execute(stmt.order_by(Run.created_at, Run.id)).tuples().all()
             else:  # an older store, read without upgrading it (`reader`): its columns, as transient rows
                 older = select(*self._read_columns, Experiment.name).join(
                     Experiment, Run.experiment_id == Experiment.id
