@@ -55,7 +55,7 @@ def eager_train_local(ctx: ClientContext, request: LocalSGD, opt: OptimConfig) -
     Outside vmap the two run the same kernels, so the result is bit-equal (tests/engine/
     test_workers.py), but torch.func.grad wraps every operation of the forward and backward in its
     transform layer: on the CNN (FEMNIST, 10 clients, one thread) the loop's round was 6 % faster
-    with this trainer (docs/architecture.md §3, "Which back ends stay"). The leaves are detached
+    with this trainer (docs/benchmarks.md, "Back ends: which stay"). The leaves are detached
     aliases of the iterate; the graph is freed by autograd.grad before MaskedSGD updates the
     iterate in place. Never under vmap (the loop back end only).
     """

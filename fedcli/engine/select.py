@@ -9,8 +9,8 @@ and whose rule `prefers` it; on a CPU with two or more cores for the cohort, a c
 model the loop took runs on `process` (loop inside each worker: `_spreads`). The other back ends
 (distributed, vmap + compile, vmap + graph, process elsewhere) are opt-in. The choice and its reason are logged and recorded
 (`train.executor` in the resolved config, tags fedcli.executor and fedcli.executor_reason).
-Which back ends `auto` may choose, and the figures behind each decision, are in
-docs/architecture.md §3, "Which back ends stay".
+Which back ends `auto` may choose is in docs/architecture.md §3, "Which back ends stay"; the figures
+behind each decision in docs/benchmarks.md, "Back ends: which stay, and auto's CPU rules".
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _spreads(w: Workload, obstacle: str | None) -> bool:
     """auto's one use of the process back end: the loop chosen for convolutions on a CPU with two or
     more cores for the cohort (train.workers or the usable cores, at most the cohort), where one
     single-threaded process per core beat the loop with intra-op threads, and the plain PyTorch loop,
-    on the CNN round of `make bench` on 2 cores (docs/architecture.md §3, "Which back ends stay").
+    on the CNN round of `make bench` on 2 cores (docs/benchmarks.md, "Back ends: which stay").
     BatchNorm too (each worker trains its clients on batch statistics, as the loop does). Never for an
     algorithm without vmap or a model vmap cannot run: the loop chose itself for those, and they stay
     in one process."""

@@ -8,7 +8,7 @@ local loop is unrolled, so compiling takes tens of seconds to minutes (docs/benc
 "Last full run"); the time is logged and kept in `compile_s`. Inductor's on-disk cache
 (TORCHINDUCTOR_CACHE_DIR, by default under the system temp folder) makes later runs of the same
 shapes compile faster. Opt-in: it stays slower than `fused` on the MLP even after its
-compilation (docs/architecture.md §3, "Which back ends stay").
+compilation (docs/benchmarks.md, "Back ends: which stay").
 
 Each graph is compiled from its own copy of the cohort function's code object: dynamo keeps its
 cache per code object with a limit of 8 entries (torch._dynamo.config.recompile_limit), so
