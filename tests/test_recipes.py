@@ -93,6 +93,7 @@ def test_list_recipes_shows_every_recipe_with_its_paper() -> None:
     assert any("[Al-Shedivat et al. 2021, Table 3a]" in line for line in lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", recipe_names())
 def test_recipe_smoke_run_writes_its_report(name: str, tmp_path: Path) -> None:
     out = tmp_path / "report" / f"{name}.md"

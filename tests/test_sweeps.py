@@ -45,6 +45,7 @@ def test_unknown_keys_are_named() -> None:
         load_spec(None, "nope")
 
 
+@pytest.mark.slow
 def test_sweep_runs_then_skips_finished_trials(tmp_path: Path) -> None:
     spec = tmp_path / "s.yaml"
     spec.write_text(
@@ -114,6 +115,7 @@ def test_plan_matches_trials_to_runs_of_their_config_hash(tmp_path: Path) -> Non
     assert plans[2].run_id == newest and "SIGTERM" in plans[2].note
 
 
+@pytest.mark.slow
 def test_failed_trial_exits_1_with_its_last_stderr_line_and_is_not_retried(tmp_path: Path) -> None:
     """client_lr = 1e5 on least squares diverges: the sweep exits 1 naming the trial and quoting the
     trial's error line; a rerun does not train it again (same config and seed diverge again)."""

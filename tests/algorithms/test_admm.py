@@ -113,6 +113,7 @@ def admm_reference(
     return theta_bar, sum(v)
 
 
+@pytest.mark.slow
 def test_fedadmm_two_rounds_match_the_admm_recursion() -> None:
     """Two rounds of FedADMM with rho = 3, delta = 2, gamma = 0.5 rho (damping 0.5) equal
     `admm_reference` (exact argmins, prior-delta server form, unweighted client mean)."""
@@ -158,6 +159,7 @@ def test_fedadmm_ridge_solution_is_a_fixed_point() -> None:
     torch.testing.assert_close(state.params["w"], star, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_fedadmm_converges_to_the_exact_ridge_solution() -> None:
     """From theta_bar = 0 and v_k = 0, ADMM converges linearly to theta*; `admm_reference` shows an
     error of 2.8e-5 after 15 rounds at rho = 40 on these clients, so FedADMM must be within 1e-4."""

@@ -90,6 +90,7 @@ def assert_identical(a: object, b: object, what: str) -> None:
         assert (x is None and y is None) if x is None or y is None else torch.equal(x, y), what
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
 def test_rounds_with_equal_round_keys_give_identical_client_outputs(algo: str) -> None:
     setup, bc, inputs = round_setup(algo)
@@ -123,6 +124,7 @@ def test_an_undeclared_dependence_on_the_round_fails_the_check() -> None:
         assert_identical(outs[0], outs[1], "fola: it declares no round_key")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", sorted(name for name, alg in ALGORITHMS.items() if alg.local is not None))
 def test_declared_local_training_is_what_client_update_computes(algo: str) -> None:
     setup, bc, inputs = round_setup(algo)

@@ -177,6 +177,7 @@ def test_server_adagrad_beta1_is_validated() -> None:
         OptimConfig(server_adagrad_beta1=1.0)
 
 
+@pytest.mark.slow
 def test_fedavg_on_least_squares_converges_to_its_fixed_point() -> None:
     """FedAvg with K local GD steps on f_i = 1/2 (theta - mu_i)^T A_i (theta - mu_i) and server SGD
     lr 1 has the fixed point theta_bar = (sum q_i M_i)^-1 sum q_i M_i mu_i, M_i = I - (I - lr A_i)^K,

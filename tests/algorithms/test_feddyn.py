@@ -148,6 +148,7 @@ def test_feddyn_fixed_point_is_the_minimiser_of_the_mean_client_loss() -> None:
     assert float(out.clients_seen) == 3.0
 
 
+@pytest.mark.slow
 def test_feddyn_equals_fedadmm_without_prior_on_equal_clients() -> None:
     """With N_k = N for all k, FedADMM(delta = 0, rho = alpha N) on l_k = N f_k has duals
     v_admm = N v_dyn and the same client argmin and server step, so the iterates coincide."""
@@ -175,6 +176,7 @@ def fedlap_reference(clients, delta: float, damping: float, rounds: int) -> torc
     return w_g
 
 
+@pytest.mark.slow
 def test_fedlap_round_one_is_the_mean_of_local_map_solutions() -> None:
     """From w_g = 0 with damping 1/K: w_k = (A_k + delta I)^-1 b_k (local MAP under the prior) and
     w_g = (1/K) Sum_k w_k, the unweighted mean; a second round follows `fedlap_reference`."""

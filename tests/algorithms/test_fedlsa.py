@@ -131,6 +131,7 @@ def np_solution(a_bar, b_bar, q=None) -> torch.Tensor:  # noqa: ANN001
     return torch.from_numpy(np.linalg.solve(np.einsum("c,cde->de", w, a), w @ b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weighting", ["uniform", "examples"])
 def test_fedlsa_fixed_point_is_the_closed_form_bias(weighting: str) -> None:
     """Heterogeneous Abar^c, H = 5, eta = 0.2, n = (1, 3, 2): after 25 rounds from 0 the iterate
@@ -240,6 +241,7 @@ def test_fedlsa_bias_finite_horizon_and_one_shot_limit() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weighting", ["uniform", "examples"])
 def test_scafflsa_fixed_point_is_the_true_solution(weighting: str) -> None:
     """Same heterogeneity as the FedLSA test (H = 5, eta = 0.2). The corrected SCAFFLSA's fixed
@@ -308,6 +310,7 @@ def garnet_setup(algo: str, executor: str, **overrides: object):  # noqa: ANN201
     return setup, state, store
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["fedlsa", "scafflsa"])
 def test_loop_and_vmap_executors_agree_on_garnet(algo: str) -> None:
     """Loop and vmap give the same theta and per-agent state on garnet-het-n10 (float64),
@@ -324,6 +327,7 @@ def test_loop_and_vmap_executors_agree_on_garnet(algo: str) -> None:
     torch.testing.assert_close(results["vmap"][1], results["loop"][1], rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.slow
 def test_engine_fedlsa_on_garnet_matches_the_deterministic_recursion() -> None:
     """Through the engine and the task's TD surrogate: one full-pool batch per step (B = 1000 = n)
     makes every step the empirical LSA step with Ahat^c, bhat^c (pool means), so with E = 3

@@ -114,6 +114,7 @@ def exact_moment_samples(mean: torch.Tensor, sigma: torch.Tensor, rho: float) ->
     return list((mean[:, None] + chol @ z).T)
 
 
+@pytest.mark.slow
 def test_fedpa_with_exact_moments_converges_to_global_optimum_fedavg_is_biased() -> None:
     """Least-squares clients f_i = 1/2 (theta - mu_i)^T A_i (theta - mu_i), weights q_i = n_i (unequal).
     With exact moments the FedPA client delta is A_i (theta - mu_i) (Prop. 2), so the server iteration is
@@ -233,6 +234,7 @@ def test_float32_dot_products_of_the_dp_are_accurate_to_float32_rounding(dim: in
     assert float((_dot(a, b) - exact).abs()) <= 1e-7 * float(scale)
 
 
+@pytest.mark.slow
 def test_float32_dp_delta_matches_the_float64_dp() -> None:
     """posterior_delta on the float32 samples of an MLP-sized client (d = 209,662, l = 4) equals
     the same DP run on their float64 copies to 1e-5 relative (the float32 path is what training runs)."""

@@ -499,6 +499,7 @@ def sparsity_after(hp: FedSparseConfig, rounds: int = 1, d: int = 200) -> tuple[
     return float(diag["fedsparse/sparsity"]), [float(m.mean()) for m in state.alive.values()]
 
 
+@pytest.mark.slow
 def test_paper_lambda0_prunes_the_groups_whose_l0_cost_beats_the_cross_entropy() -> None:
     """The classifier is 0 and y = 0, so the data term has no gradient and w never moves: only
     terms (3)-(4) act on the gates. One gate per group, so with P = R(z_g > 0)
@@ -517,6 +518,7 @@ def test_paper_lambda0_prunes_the_groups_whose_l0_cost_beats_the_cross_entropy()
     assert sparsity == pytest.approx(16 * 201 / (16 * 201 + 8 * 17 + 9))
 
 
+@pytest.mark.slow
 def test_sparsity_grows_with_lambda0() -> None:
     """As above, pruning needs lambda0 |g| > c log 99 = 4.6e-4. App. A's low lambda0 = 5e-7 prunes
     no group of |g| <= 201; the high 5e-5 prunes |g| > 9.2, both layers. With mid (above):
@@ -531,6 +533,7 @@ def test_sparsity_grows_with_lambda0() -> None:
     assert high[0] == pytest.approx((16 * 201 + 8 * 17) / (16 * 201 + 8 * 17 + 9))
 
 
+@pytest.mark.slow
 def test_fedcli_defaults_push_only_wide_units_and_prune_them_over_several_rounds() -> None:
     """fedcli's defaults (docstring: lambda0 1.5e-6, server gate lr 5e-3, not App. A's 5e-6 / 1e-2).
     Without a data gradient a group is pushed off iff lambda0 |g| > c log 99 = 4.6e-4, |g| > 307:

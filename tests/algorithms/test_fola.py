@@ -535,6 +535,7 @@ def test_toy_equal_covariances_product_is_the_average_in_the_valley() -> None:
     assert toy["density"]["avg"] < 0.1 * toy["density"]["mu1"]
 
 
+@pytest.mark.slow
 def test_posterior_is_the_eq9_gaussian_product() -> None:
     """Eq. 9 makes the global posterior the product of the clients' Gaussians N(a_n, A_n^-1) with
     weights alpha_n: precision sum alpha_n A_n, mean (sum alpha_n A_n)^-1 sum alpha_n A_n a_n (exact

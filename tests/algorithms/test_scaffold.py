@@ -156,6 +156,7 @@ def test_option_one_is_the_full_local_gradient_over_unequal_batches() -> None:
     assert float(out.upload["first_visit"]) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["I", "II"])
 def test_converges_to_the_global_optimum_where_fedavg_is_biased(option: str) -> None:
     """Exact gradients, K = 5 steps, full participation, q = n = (1, 2, 5). SCAFFOLD's fixed

@@ -117,6 +117,7 @@ class NoisyNet(nn.Module):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_model_with_random_ops_trains_on_vmap_and_repeats_bit_for_bit(tmp_path: Path) -> None:
     """Same command, same seed, twice, on the loop and on vmap: bit-identical metrics and model

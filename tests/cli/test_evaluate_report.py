@@ -141,6 +141,7 @@ def _report(url: str, out: Path, *extra: str) -> str:
     return out.read_text(encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_report_tables_match_metrics_recomputed_from_the_store(
     trained: tuple[str, Path, dict[str, str]],
 ) -> None:
@@ -168,6 +169,7 @@ def test_report_tables_match_metrics_recomputed_from_the_store(
     assert comm["fedavg"][1].startswith(f"{np.mean(ups) / scale:.2f}")
 
 
+@pytest.mark.slow
 def test_report_is_byte_identical_and_draws_valid_pngs(trained: tuple[str, Path, dict[str, str]]) -> None:
     url, root, _ = trained
     first = _report(url, root / "a" / "report.md", "--thresholds", "2.0")
@@ -209,6 +211,7 @@ def test_report_json_and_csv_carry_the_same_numbers(trained: tuple[str, Path, di
     assert "fedpa,,,main,final,mean," in text
 
 
+@pytest.mark.slow
 def test_report_says_which_keys_differ_inside_a_forced_group(
     trained: tuple[str, Path, dict[str, str]],
 ) -> None:
@@ -375,6 +378,7 @@ def test_ensemble_predictor_of_a_bayesian_algorithm() -> None:
     torch.testing.assert_close(torch.softmax(noisy(x), -1), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_ui_prints_the_loopback_url_and_refuses_missing_stores(tmp_path: Path) -> None:
     (tmp_path / "mlflow.db").touch()
 

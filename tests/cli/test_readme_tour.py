@@ -108,6 +108,7 @@ def test_tour_lists_the_commands_it_promises() -> None:
     assert any("--resume" in argv for argv in commands) and any(argv[1] == "sweep" for argv in commands)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_every_tour_command_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -129,6 +129,7 @@ def test_interrupt_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     assert fa[keep]["value"].tolist() == fb[~fb["key"].str.startswith("time/")]["value"].tolist()
 
 
+@pytest.mark.slow
 def test_run_metrics_identical_in_sql_store_and_mlflow(tmp_path: Path) -> None:
     """Every round's metrics reach both stores: MLflow's history of each key has one point per
     logged round (step = round) with the same value as the SQL store; params and tags are set."""
@@ -187,6 +188,7 @@ def test_unusable_mlflow_store_fails_the_run_with_one_line(tmp_path: Path) -> No
     assert not (tmp_path / "s.db").exists() and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_client_lr_defaults_to_the_tasks_and_the_run_records_it(tmp_path: Path) -> None:
     """No --client-lr: each task's tuned default runs (0.1 on femnist and mnist, where 0.01 learnt
     nothing in 50 rounds; 0.01 on lsq, where 0.1 diverges) and the resolved config records it,
@@ -221,6 +223,7 @@ def test_client_lr_defaults_to_the_tasks_and_the_run_records_it(tmp_path: Path) 
         assert run.requested["train"]["client_lr"] == (0.03 if extra[:1] == ["--client-lr"] else None)
 
 
+@pytest.mark.slow
 def test_train_takes_every_partition_option(tmp_path: Path) -> None:
     """--size-alpha (two-level), --sigma (quantity) and --balanced (dirichlet) reach the partition
     and the stored config, as with `fedcli partition`."""

@@ -81,6 +81,7 @@ def _tiny_clients(data, per_client: int = 4) -> list[np.ndarray]:  # noqa: ANN00
     return [np.arange(per_client), np.arange(per_client, 2 * per_client - 1)]  # unequal sizes 4 and 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BUNDLED + FIXTURES)
 def test_one_round(name: str, tmp_path: Path) -> None:
     task = TASKS[name]

@@ -238,6 +238,7 @@ def test_bf16_carries_them_under_vmap_as_on_the_loop() -> None:
         torch.testing.assert_close(global_vmap[k], global_loop[k], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["loop", "vmap"])
 def test_a_round_made_a_group_at_a_time_carries_them_alike(backend: str) -> None:
     """--cohort-chunk 1 (the round's inputs made a group of clients at a time, engine/cohort.py
@@ -352,6 +353,7 @@ def test_a_model_without_batchnorm_carries_nothing() -> None:
 # ---- the CLI, as a user runs it ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("option", ["aggregate", "local"])
 def test_sigkill_then_resume_equals_the_uninterrupted_run_with_carried_stats(
@@ -396,6 +398,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_with_carried_stats(
     assert metrics(root, run_id) == metrics(tmp_path / "ref", ref_id)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fedcli_train_with_each_bn_stats_option(tmp_path: Path) -> None:
     """`fedcli train --model file.py:factory` with a BatchNorm + Dropout CNN under each --bn-stats:
@@ -453,6 +456,7 @@ def test_fedcli_train_with_each_bn_stats_option(tmp_path: Path) -> None:
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_process_workers_carry_them_as_the_loop_and_evaluate_reads_them(tmp_path: Path) -> None:
     """--executor process (2 workers; what auto picks for a CNN on a multi-core CPU) gives the loop's

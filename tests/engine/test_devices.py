@@ -163,6 +163,7 @@ def test_precision_on_a_cpu_leaves_the_cuda_flags_alone() -> None:
 # ----------------------------------------------------------------------------- --compile across rounds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("algo", "graphs"), [("fedavg", 1), ("fedpa", 2), ("fola", 10)])
 def test_compiled_cohort_compiles_once_per_key_over_ten_rounds(algo: str, graphs: int) -> None:
     """Ten rounds of the same cohort shapes through CompiledVmap (dynamo with the `eager` backend:

@@ -99,6 +99,7 @@ def pick_task(algo: str) -> str:
     return "lsq"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["vmap", "process"])
 @pytest.mark.parametrize("algo", [name for name, rec in ALGORITHMS.items() if rec.supports_vmap])
 def test_loop_and_vmap_agree(algo: str, executor: str, request: pytest.FixtureRequest) -> None:
@@ -118,6 +119,7 @@ def test_loop_and_vmap_agree(algo: str, executor: str, request: pytest.FixtureRe
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["vmap", "process"])
 def test_loop_and_vmap_agree_on_femnist_cnn_with_dropout(
     executor: str, request: pytest.FixtureRequest
@@ -163,6 +165,7 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("executor", ["loop", "vmap", "vmap+graph"])

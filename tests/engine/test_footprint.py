@@ -36,6 +36,7 @@ def _setup(so_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **opti
     return build(cfg)
 
 
+@pytest.mark.slow
 def test_large_lstm_cohort_runs_on_the_loop_and_says_why(
     so_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -50,6 +51,7 @@ def test_large_lstm_cohort_runs_on_the_loop_and_says_why(
     assert asked.backend.name == "vmap"
 
 
+@pytest.mark.slow
 def test_estimate_grows_with_the_batch_and_leaves_the_rng_alone(
     so_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -100,6 +100,7 @@ def test_one_step_of_softmax_regression_is_the_closed_form_gradient_step() -> No
     ],
     ids=["relu-mlp", "sigmoid-mlp", "logreg", "logreg-no-bias"],
 )
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "momentum,mu,linear",
     [
@@ -191,6 +192,7 @@ def test_hand_derived_training_equals_autograd_local_sgd_client_by_client(
         torch.testing.assert_close(fused.mean_loss[c], ref.mean_loss, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", FUSED)
 @pytest.mark.parametrize("task,model", [("femnist", "mlp"), ("synthetic-1-1", "logreg")])
 def test_fused_agrees_with_the_loop(algo: str, task: str, model: str) -> None:
@@ -208,6 +210,7 @@ def test_fused_agrees_with_the_loop(algo: str, task: str, model: str) -> None:
         torch.testing.assert_close(fused_params[key], loop_params[key], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", FUSED)
 def test_fused_in_chunks_and_in_worker_processes_agrees_with_the_loop(algo: str) -> None:
     """`--cohort-chunk 3` regroups the cohort of 4 by length; `--executor process` runs `fused` in

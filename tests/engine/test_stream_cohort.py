@@ -101,6 +101,7 @@ def assert_close_trees(a: object, b: object) -> None:
         assert (x is None and y is None) if x is None else torch.allclose(x, y, rtol=1e-5, atol=1e-7), (x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("algo", "executor", "task"),
     [("scaffold", "vmap", "lsq"), ("fedpa", "vmap", "lsq"), ("scaffold", "fused", "synthetic-1-1")],

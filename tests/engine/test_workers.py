@@ -210,6 +210,7 @@ def test_pack_round_trips_nested_values_and_grows_the_arena() -> None:
     assert again is None  # fits: the arena is reused
 
 
+@pytest.mark.slow
 def test_process_backend_matches_vmap_and_carries_client_states(pool: WorkerPool) -> None:
     cfg, setup, bc, inputs = lsq_round("scaffold")
     runner = process_backend(cfg, setup, pool)
@@ -232,6 +233,7 @@ def test_failures_are_reported_and_leave_the_pool_usable(pool: WorkerPool) -> No
     assert_trees_close(runner.run(job(setup, bc, inputs)), want)  # pipes still in step
 
 
+@pytest.mark.slow
 def test_closing_stops_every_worker() -> None:
     cfg, setup, _, _ = lsq_round("fedavg", cohort_size=2, epochs=1)
     runner = process_backend(cfg, setup)
@@ -389,6 +391,7 @@ def test_padding_steps_per_epoch_with_masked_steps_changes_nothing() -> None:
     assert pad_steps(inputs, 8, max_steps=k + 1).plan.steps_per_epoch == k + 1  # the federation's longest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("algo", "backend"),
     [("fedavg", "inductor"), ("fedpa", "inductor"), ("fedprox", "aot_eager"), ("scaffold", "aot_eager")],
@@ -419,6 +422,7 @@ def test_compiled_client_step_equals_the_eager_loop(algo: str, backend: str) -> 
     assert len(trainer.compiled) == 1  # one graph for 6 clients x 2 rounds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", [name for name, alg in ALGORITHMS.items() if alg.local is not None])
 def test_the_loops_autograd_trainer_is_bit_equal_to_torch_func_grad(algo: str) -> None:
     """The loop back end takes its declared-local-SGD gradients from torch.autograd on leaf copies

@@ -332,6 +332,7 @@ def run_cli(case: Mistake, cwd: Path) -> str:
     return result.stderr.strip().removeprefix("error: ")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", list(CASES))
 def test_coercion_is_one_line_exit_2_and_writes_nothing(name: str, workdir: Path) -> None:  # noqa: F811
@@ -585,6 +586,7 @@ def test_data_ref_argument_types(options: dict, message: str, workdir: Path) -> 
     assert snapshot(workdir) == {}
 
 
+@pytest.mark.slow
 def test_integer_client_ids_and_names_still_work(workdir: Path) -> None:  # noqa: F811
     """The refusals above leave the documented forms alone: integer ids and names, as an .npz and in Python."""
     np.savez(workdir / "ok.npz", x=X20, y=Y20, client=np.array(["a", "b"] * 10))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fedcli.config.build import build_config
 from fedcli.tracking.report.build import build_report
 from fedcli.tracking.report.model import ReportSpec
@@ -31,6 +33,7 @@ def _run(task: str, root: Path) -> None:
         train(cfg, tracker=Tracker(store))
 
 
+@pytest.mark.slow
 def test_the_f1_table_names_the_decision_rule_the_run_recorded(tmp_path: Path) -> None:
     """A bibtex run records data.f1_rule (top-2); the report's macro-F1 table and its eval table say it, once
     each; a report of a classification run (no F1 anywhere) says nothing about F1 decisions."""

@@ -69,6 +69,7 @@ def _texts(svg: Path) -> list[str]:
     return re.findall(r"<!-- (.*?) -->", svg.read_text(encoding="utf-8"))
 
 
+@pytest.mark.slow
 def test_figures_come_as_200_dpi_pngs_with_reproducible_svgs(store: SqlStore, tmp_path: Path) -> None:
     spec = ReportSpec(thresholds=(0.5,), at=(4, 6), window=2, smooth=2)
 
@@ -92,6 +93,7 @@ def test_figures_come_as_200_dpi_pngs_with_reproducible_svgs(store: SqlStore, tm
         assert "<dc:date>" not in (tmp_path / "a" / svg).read_text(encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_accuracy_is_drawn_in_percent_with_thresholds_and_round_markers(
     store: SqlStore, tmp_path: Path
 ) -> None:
@@ -112,6 +114,7 @@ def test_accuracy_is_drawn_in_percent_with_thresholds_and_round_markers(
     assert "training time, cumulative (s)" in _texts(tmp_path / "report-eval_accuracy-vs-time.svg")
 
 
+@pytest.mark.slow
 def test_one_seed_per_group_promises_no_band(store: SqlStore, tmp_path: Path) -> None:
     report = build_report(store, ReportSpec(where={"algo": "fedpa"}, at=(4,), window=2, smooth=2))
 

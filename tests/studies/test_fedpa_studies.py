@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from fedcli.algorithms import fedpa
@@ -55,6 +56,7 @@ def test_bias_is_debiased_for_the_number_of_runs_and_variance_is_the_frobenius_n
     torch.testing.assert_close(variance, torch.tensor(2.0 / 25, dtype=torch.float64), rtol=1e-12, atol=0.0)
 
 
+@pytest.mark.slow
 def test_bias_study_smoke_writes_tables_figure_and_fedpa_bias_falls(tmp_path: Path) -> None:
     out = tmp_path / "fedpa-bias.md"
     fedpa_bias.run(out, smoke=True)
@@ -72,6 +74,7 @@ def test_bias_study_smoke_writes_tables_figure_and_fedpa_bias_falls(tmp_path: Pa
     )
 
 
+@pytest.mark.slow
 def test_table1_study_smoke_writes_tables_figure_and_dp_matches_dense(tmp_path: Path) -> None:
     out = tmp_path / "fedpa-table1.md"
     fedpa_table1.run(out, smoke=True)

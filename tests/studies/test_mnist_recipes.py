@@ -21,6 +21,7 @@ ALGOS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ALGOS))
 def test_mnist_recipe_smoke_report_has_a_row_per_algorithm(name: str, tmp_path: Path) -> None:
     body = read_recipe(name)

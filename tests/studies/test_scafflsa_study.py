@@ -12,6 +12,7 @@ from fedcli.studies.scafflsa_garnet import Setup, simulate
 TINY = Setup(agents=(100,), local_steps=(1, 1000), budget=10_000, min_rounds=10, reps=2)
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_the_report_and_its_figure(tmp_path: Path) -> None:
     out = tmp_path / "scafflsa.md"
 
@@ -26,6 +27,7 @@ def test_smoke_run_writes_the_report_and_its_figure(tmp_path: Path) -> None:
     assert "fedcli sweep --recipe scafflsa-garnet --smoke" in text
 
 
+@pytest.mark.slow
 def test_fedlsa_sits_on_its_closed_form_bias_and_scafflsa_has_none() -> None:
     """H = 1: Theorem 4.1's rho = (1/N) sum_c eta Abar^c (theta*^c - theta*) = eta (mean_c bbar^c - Abar theta*) = 0,
     so the bias is 0; and SCAFFLSA's round theta - eta mean_c (A^c theta - b^c - xi^c) equals FedLSA's because

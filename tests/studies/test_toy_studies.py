@@ -34,6 +34,7 @@ def logistic_mean_loss(params, batch):
 # ------------------------------------------------------------------------------ fola_toy
 
 
+@pytest.mark.slow
 def test_fola_toy_smoke_writes_the_report_and_every_check_holds(tmp_path) -> None:
     out = tmp_path / "fola-toy.md"
 
@@ -92,6 +93,7 @@ def test_fola_mixture_density_matches_the_gaussian_pdf_and_case_a_mode_is_the_pr
 # ------------------------------------------------------------------------------ bayesadmm_toys
 
 
+@pytest.mark.slow
 def test_bayesadmm_toys_smoke_writes_the_report_and_figures(tmp_path) -> None:
     out = tmp_path / "bayesadmm-toys.md"
 
@@ -195,6 +197,7 @@ def test_numpy_admm_client_takes_fedadmm_client_updates_steps() -> None:
     torch.testing.assert_close(torch.tensor(theta), out.upload["params"]["w"], rtol=1e-8, atol=0)
 
 
+@pytest.mark.slow
 def test_vb_estimate_is_stationary_under_monte_carlo() -> None:
     """The Gaussian VB optimum satisfies E_q[grad] + delta m = 0 and S = E_q[Hessian] + delta I (summed loss,
     q = N(m, S^-1)); checked with 100,000 independent draws in 5 chunks (Hessian standard error ~0.03; the

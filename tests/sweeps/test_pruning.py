@@ -17,6 +17,7 @@ from tests.sweeps.test_search import BASE, finish, study_of, sweep
 optuna = pytest.importorskip("optuna")
 
 
+@pytest.mark.slow
 def test_a_bad_trial_is_pruned_at_its_round_listed_and_left_out_of_reports(tmp_path: Path) -> None:
     """Trials enqueued by hand run first, in order: two good learning rates, then one that barely learns,
     which the median pruner (2 start-up trials, no pruning in round 1) stops at round 2."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 from typer.testing import CliRunner
 
@@ -33,6 +34,7 @@ def view(root: Path) -> dict:
     return json.loads(experiment.tags[TAG_PREFIX + VIEW_ID])
 
 
+@pytest.mark.slow
 def test_ui_writes_a_view_of_the_runs_keys_and_refreshes_it_only_when_they_change(tmp_path: Path) -> None:
     assert has_saved_views(), "the installed MLflow predates saved views (3.15)"
     train(tmp_path, "--algo", "fedprox", "--hp", "mu=0.01")
