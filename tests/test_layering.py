@@ -272,6 +272,7 @@ def cli_importers(root: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_only_the_cli_imports_the_cli() -> None:
     """The Python API, the run layer (fedcli/runs/), the sweep, the engine and the lower layers never import
     fedcli.cli: what both front ends need lives in fedcli/runs/ (docs/architecture.md §1)."""

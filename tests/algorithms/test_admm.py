@@ -133,6 +133,7 @@ def ridge_solution(clients, delta: float) -> torch.Tensor:
     return torch.linalg.solve(a, sum(x.T @ y for x, y in clients))
 
 
+@pytest.mark.slow
 def test_fedadmm_ridge_solution_is_a_fixed_point() -> None:
     """At theta_bar = theta*, v_k = -grad l_k(theta*) = b_k - A_k theta* (so Sum v_k = delta theta*):
     the client argmin is theta* (its gradient A_k theta - b_k + v_k + rho (theta - theta*) vanishes

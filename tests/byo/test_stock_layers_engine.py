@@ -331,6 +331,7 @@ def test_model_check_carries_batchnorm_statistics_as_training_does(tmp_path: Pat
     assert _check(nets.BNCNN(6, shape), precision="bf16") is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_model_that_fails_only_when_carrying_statistics_is_refused_before_anything_is_written(
     tmp_path: Path,
@@ -373,6 +374,7 @@ class _Encoder(nn.Module):
 # ---- the CLI, as a user runs it ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model", ["GRUNet", "BNCNN"])
 def test_same_seed_twice_bit_identical_on_loop_and_vmap(tmp_path: Path, model: str) -> None:
@@ -389,6 +391,7 @@ def test_same_seed_twice_bit_identical_on_loop_and_vmap(tmp_path: Path, model: s
         assert mv[k] == pytest.approx(value, rel=1e-4, abs=1e-5), k
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bf16_batchnorm_trains_on_vmap_as_on_the_loop(tmp_path: Path) -> None:
     """--precision bf16, the Conv1d + BatchNorm + Dropout CNN: vmap trains it (it crashed with a
@@ -431,6 +434,7 @@ def test_bf16_batchnorm_trains_on_vmap_as_on_the_loop(tmp_path: Path) -> None:
         torch.testing.assert_close(v, saved_loop["buffers"][k], atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_auto_picks_before_the_run_and_sends_what_vmap_cannot_run_to_the_loop(tmp_path: Path) -> None:
     """auto: the GRU runs client by client on a CPU (PyTorch's kernel) and says so; `.item()` in forward
@@ -471,6 +475,7 @@ def test_auto_picks_before_the_run_and_sends_what_vmap_cannot_run_to_the_loop(tm
     assert not (tmp_path / "refused").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("model", "executor"), [("BNCNN", "vmap"), ("GRUNet", "loop")])
 def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path: Path, model: str, executor: str) -> None:

@@ -148,6 +148,7 @@ def cells() -> list[object]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "algo"), cells())
 def test_algorithm_on_stock_model(tmp_path: Path, tiny: Path, model: str, algo: str) -> None:
     refusal = REFUSALS.get((algo, model))
@@ -186,6 +187,7 @@ def test_algorithm_on_stock_model(tmp_path: Path, tiny: Path, model: str, algo: 
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model",
     [
@@ -210,6 +212,7 @@ def test_same_seed_twice_is_bit_identical(tmp_path: Path, tiny: Path, model: str
     assert first.metrics()["eval/loss"].iloc[-1] == second.metrics()["eval/loss"].iloc[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["bn_cnn", pytest.param("resnet18", marks=pytest.mark.wide)])
 def test_fola_batch_sq_trains_where_per_sample_is_refused(tmp_path: Path, tiny: Path, model: str) -> None:
     """The alternative FOLA's refusal names trains the BatchNorm models."""

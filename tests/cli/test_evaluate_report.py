@@ -197,6 +197,7 @@ def test_report_is_byte_identical_and_draws_valid_pngs(trained: tuple[str, Path,
         assert f"`{run_id}`" in first
 
 
+@pytest.mark.slow
 def test_report_json_and_csv_carry_the_same_numbers(trained: tuple[str, Path, dict[str, str]]) -> None:
     url, root, ids = trained
     frame = _frame(url, ids)

@@ -342,6 +342,7 @@ def test_partition_for_other_data_is_rejected(tmp_path) -> None:  # noqa: ANN001
         load_partition(tmp_path / "missing.json", dataset="toy", fingerprint="f" * 64)
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(tmp_path) -> None:  # noqa: ANN001
     clients = make_partition(PartitionSpec("labels", 10, labels_per_client=2), labels=SKEW_DATA, natural=None)
     plot_partition(clients, SKEW_DATA, 10, tmp_path / "plot.png")

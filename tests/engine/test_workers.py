@@ -220,6 +220,7 @@ def test_process_backend_matches_vmap_and_carries_client_states(pool: WorkerPool
     assert pool.bound_token == runner.token and all(w.process.is_alive() for w in pool.workers)
 
 
+@pytest.mark.slow
 def test_failures_are_reported_and_leave_the_pool_usable(pool: WorkerPool) -> None:
     cfg, setup, bc, inputs = lsq_round("fedavg")
     want = vmap_run(setup, bc, inputs)
@@ -380,6 +381,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns(
     assert len(warned) == (0 if native else 1)
 
 
+@pytest.mark.slow
 def test_padding_steps_per_epoch_with_masked_steps_changes_nothing() -> None:
     """Extra steps at the end of every epoch have mask 0: exact no-ops (tree_where)."""
     _, setup, bc, inputs = lsq_round("fedavg", epochs=2)

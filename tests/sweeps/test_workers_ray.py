@@ -14,6 +14,7 @@ from tests.sweeps.test_ray_backend import finish, ray_head, runs, sweep, write_s
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_one_ray_actor_runs_several_trials_each_its_own_run(tmp_path: Path, ray_head: str) -> None:  # noqa: F811
     spec = write_spec(tmp_path, "ray-actors", rounds=2, algos="fedavg", seeds="0, 1, 2")
     code, err = finish(
