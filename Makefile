@@ -76,7 +76,7 @@ reproduce: $(STAMP)
 # The gates CI runs before the tests (.ci/run); each fails the build. mypy checks the installed layout
 # (fedcli.algorithms is algorithms/, fedcli.datasets datasets/, fedcli.tracking tracking/: pyproject.toml's
 # package-dir), which it cannot read from the folders themselves: build/typecheck/fedcli links them under one
-# package, so every module is checked with its imports resolved (docs/testing.md "Gates").
+# package, so every module is checked with its imports resolved (docs/testing.md "Tiers and gates").
 TYPECHECK := build/typecheck
 lint: $(STAMP)
 	$(BIN)/ruff format --check fedcli algorithms datasets tracking tests
