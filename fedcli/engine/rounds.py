@@ -46,6 +46,7 @@ from fedcli.engine.cohort import (
 )
 from fedcli.engine.evaluation import eval_sample_index, evaluate, resolve_eval_sample
 from fedcli.engine.lifecycle import GracefulSignals
+from fedcli.engine.machine import release_free_memory
 from fedcli.engine.seeding import Stream, numpy_rngs, sample_cohort, step_keys, torch_generator
 from fedcli.engine.setup import Setup
 from fedcli.errors import FedcliError
@@ -412,6 +413,7 @@ class RoundLoop:
                 state, metrics = aggregate(setup, self.state, self.store, trained, round_idx, self.timing)
                 started, clients = trained.start, trained.clients
                 del trained  # the cohort's uploads: not held through evaluation and the next round
+                release_free_memory()  # the round's freed client states and uploads, off the C heap
                 if round_idx % cfg.train.eval_every == 0 or round_idx == cfg.train.rounds:
                     eval_start = time.perf_counter()
                     metrics.update(self._evaluate(state))

@@ -72,3 +72,16 @@ def test_budget_applies_to_cpus_only() -> None:
     why = vmap_too_big(VMAP_CPU_BUDGET // 10, 11, cpu)
     assert why is not None and "11 clients" in why and "loop" in why
     assert vmap_too_big(VMAP_CPU_BUDGET, 50, cuda) is None
+
+
+def test_the_round_loop_can_give_the_c_heaps_free_pages_back_on_glibc() -> None:
+    """release_free_memory (called once a round) is glibc's malloc_trim where the C library is glibc,
+    not a silent no-op there."""
+    import platform
+
+    from fedcli.engine.machine import _libc_trim, release_free_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc: release_free_memory is a no-op here")
+    assert _libc_trim() is not None
+    release_free_memory()
