@@ -4,11 +4,9 @@ datasets/yours/trust.py (datasets/code_trust.py keeps that path)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 # the wrapper as earlier versions copied it into every logged model (tracking/mlflow_model.py then)
@@ -38,48 +36,20 @@ mlflow.models.set_model(FedcliModel())
 """
 
 
+@pytest.mark.slow  # a `fedcli train` process (tests/tracking/logged_model.py)
 def test_a_model_logged_with_the_earlier_wrapper_loads_and_predicts(tmp_path: Path) -> None:
     import mlflow
-    from mlflow import MlflowClient
 
     from fedcli.tracking.mlflow.sink import global_tracking_uri
+    from tests.tracking.logged_model import train_and_log
 
-    env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    trained = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fedcli",
-            "-q",
-            "train",
-            "--task",
-            "mnist",
-            "--scheme",
-            "iid",
-            "--clients",
-            "10",
-            "--rounds",
-            "1",
-            "--root",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=170,
-    )
-    assert trained.returncode == 0, trained.stderr
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("default")
-    (logged,) = client.search_logged_models(experiment_ids=[experiment.experiment_id])
+    _, _, logged, fedcli_id = train_and_log(tmp_path)
     wrappers = [
         p for p in tmp_path.joinpath("mlartifacts").rglob("*.py") if "class FedcliModel" in p.read_text()
     ]
     assert len(wrappers) == 1
     wrappers[0].write_text(LEGACY_WRAPPER)  # the logged model as an earlier fedcli wrote it
-    saved = torch.load(
-        tmp_path / "runs" / trained.stdout.strip() / "model.pt", map_location="cpu", weights_only=True
-    )
+    saved = torch.load(tmp_path / "runs" / fedcli_id / "model.pt", map_location="cpu", weights_only=True)
     with global_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):
         loaded = mlflow.pyfunc.load_model(logged.model_uri)
     rows = saved["example"]

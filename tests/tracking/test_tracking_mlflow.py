@@ -18,6 +18,9 @@ from fedcli.tracking.sinks import Tracker
 from fedcli.tracking.store.common import config_hash, default_store_url
 from fedcli.tracking.store.sql_store import SqlStore
 
+# MLflow with a real backend store, mirror processes and a `fedcli train` (tests/tracking/logged_model.py): seconds a test
+pytestmark = pytest.mark.slow
+
 CONFIG = {
     "seed": 4,
     "algorithm": {"name": "fedpa", "rho": 0.01, "burn_in_rounds": 2},
@@ -264,45 +267,13 @@ def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tm
     module with model.pt's parameters on prepared inputs (computed here with torch.func, not with
     fedcli's served wrapper), and `unwrap_python_model().module` is that module; its signature is
     uint8 (-1, 28, 28) -> float32 (-1, 10); the empty "Default" experiment of the new store is deleted."""
-    import os
-    import subprocess
-    import sys
-
     import mlflow
     import torch
 
     from fedcli.datasets.registry import resolve_task
+    from tests.tracking.logged_model import train_and_log
 
-    env = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    trained = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fedcli",
-            "-q",
-            "train",
-            "--task",
-            "mnist",
-            "--scheme",
-            "iid",
-            "--clients",
-            "10",
-            "--rounds",
-            "1",
-            "--root",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=170,
-    )
-    assert trained.returncode == 0, trained.stderr
-    fedcli_id = trained.stdout.strip()
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("default")
-    (run,) = client.search_runs([experiment.experiment_id])
-    (logged,) = client.search_logged_models(experiment_ids=[experiment.experiment_id])
+    client, run, logged, fedcli_id = train_and_log(tmp_path)
     saved = torch.load(tmp_path / "runs" / fedcli_id / "model.pt", map_location="cpu", weights_only=True)
     task = resolve_task("mnist", None, None)
     rows = saved["example"]
