@@ -1,31 +1,32 @@
 """`fedcli sweep`: run a grid of configurations x seeds; a rerun continues it (fedcli.sweep).
 
-Over the 150-line budget of docs/style.md rule 1 by the live table and the end-of-sweep report:
-both are output of this command only; planning, processes and signals are in fedcli.sweep,
-the Ray backend (`--backend ray`, docs/scaling.md) in fedcli.sweep.ray_runner.
+This module holds the command (its options, the spec's checks, `--list-recipes`, `study:` recipes, the Ray
+connection, the rerun hint); the run of the trials is in fedcli/cli/sweep_run.py, the tables in
+fedcli/cli/sweep_tables.py, the end-of-sweep report in fedcli/cli/sweep_report.py, a search's set-up in
+fedcli/cli/sweep_search.py. Planning, processes and signals are in fedcli.sweep, the Ray backend
+(`--backend ray`, docs/scaling.md) in fedcli.sweep.ray_runner.
 """
 
 from __future__ import annotations
 
 import shlex
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from fedcli.cli.common import DataStore, Panel
 from fedcli.cli.errors import user_errors
+from fedcli.cli.sweep_report import report_output
+from fedcli.cli.sweep_run import run_plans
+from fedcli.cli.sweep_tables import show_estimates, show_plan
 from fedcli.errors import ConfigError
 from fedcli.runs.outputs import check_output
 from fedcli.runs.progress import console
 from fedcli.runs.stores import open_store
-
-PLAIN_EVERY_S = 10.0  # progress line period when stderr is not a terminal
 
 
 class Backend(str, Enum):
@@ -317,334 +318,6 @@ def run_study(body: Mapping[str, Any], root: Path | None, dry_run: bool, smoke: 
     console().print(f"study {body['study']} ({body.get('description', '')}) ...", highlight=False)
     load_study(body["study"])(path, smoke=smoke)
     typer.echo(str(path))
-
-
-def run_plans(
-    db: Any,
-    body: Mapping[str, Any],
-    plans: list,
-    workers: int | None,
-    hint: str,
-    report_path: Path | None,
-    cluster: Any = None,
-    source: Any = None,
-    track: Any = None,
-) -> int:
-    """Run what the plans say, showing the trials; print results and report; return the exit code.
-
-    `cluster`: a fedcli.sweep.ray_runner.RayCluster to run the trials on, else local processes. `source`: a
-    trial source (a search's fedcli.sweep.search.SearchSource) the scheduler asks instead of `plans`
-    (then empty), with the trials' `track`ing config.
-    """
-    from fedcli.engine.machine import available_cores
-    from fedcli.runs.stores import check_mlflow
-    from fedcli.sweep.plan import NEW, RESUME, Plan, plan_trials
-    from fedcli.sweep.rows import METRIC_KEYS, experiment_runs, trial_rows
-    from fedcli.sweep.scheduler import TrialClaims
-    from fedcli.tracking.report.model import resolve_metric
-
-    track, todo = track or plans[0].trial.config.tracking, [p for p in plans if p.action in (NEW, RESUME)]
-    todo = todo or ([True] if source is not None and not source.exhausted else [])
-    if track.use_mlflow and todo:  # the sweep's MLflow parent run is the mirror's to open and end
-        check_mlflow(track, optional=False)
-    keys = (
-        [resolve_metric(body["report"]["metric"])]
-        if (body.get("report") or {}).get("metric")
-        else list(METRIC_KEYS)
-    )
-
-    def recheck(plan: Plan) -> Plan:  # right before a trial starts: has another process taken it?
-        return plan_trials([plan.trial], experiment_runs(db, track.experiment))[0]
-
-    def read(stopped: bool = False) -> tuple[list[Any], str]:
-        return trial_rows(db, track.experiment, scheduler.plans, scheduler.processes, keys, stopped)
-
-    mirror = sweep_mirror(track, body) if todo else None  # one per sweep (docs/sweeps.md)
-    if cluster is None:
-        from fedcli.sweep.worker_pool import WorkerScheduler
-
-        # each trial's share of the CPU: its intra-op threads and train.workers (docs/sweeps.md, "Workers")
-        cores = max(1, available_cores() // (workers or 1))
-        scheduler = WorkerScheduler(
-            plans,
-            workers=workers or 1,
-            cores=cores,
-            threads=cores,
-            parent_run=None,
-            recheck=recheck,
-            claims=TrialClaims(db, track.experiment),
-            mirror=mirror,
-            source=source,
-        )
-    else:
-        scheduler = cluster.scheduler(
-            plans,
-            workers=workers,
-            parent_run=None,
-            recheck=recheck,
-            read_runs=lambda: experiment_runs(db, track.experiment),
-            track=track,
-            claims=TrialClaims(db, track.experiment),
-            mirror=mirror,
-            source=source,
-        )
-    status, quiet = (
-        "failed",
-        True,
-    )  # what the sweep's MLflow run ends as; a failure's own line stays the only one
-    try:
-        try:
-            with live_display(read) as tick:
-                signum = scheduler.run(tick)
-            rows, key = read(signum is not None)  # before cleanup: a failed trial's row quotes its stderr
-        finally:
-            scheduler.cleanup()
-        failed = show_results(rows, key, signum)
-        status, quiet = "interrupted" if signum else "failed" if failed else "finished", False
-        if report_path is not None and any(r.status.startswith("finished") for r in rows):
-            write_report(
-                db,
-                body,
-                [r.run_id for r in rows if r.status.startswith("finished") and r.run_id],
-                report_path,
-            )
-            typer.echo(str(report_path))
-    finally:  # the store or the disk may have failed under the sweep (a full disk: its one line follows)
-        if (
-            mirror is not None
-        ):  # the copies still to do (the trials never waited for them), then the parent run
-            warning = mirror.finish(stopping=scheduler.signum is not None, status=status)
-            if warning and not quiet:
-                console().print(f"warning: {warning}", highlight=False, soft_wrap=True)
-    return summary(rows, signum, hint, len(failed))
-
-
-def sweep_mirror(track: Any, spec: Mapping[str, Any]) -> Any:
-    """The sweep's one MLflow mirror (tracking/mlflow/sweep_mirror.py), or None with --no-mlflow.
-
-    It opens (or reuses) the sweep's MLflow parent run found by `spec`'s tags (fedcli.sweep.rows.parent_tags), nests the
-    trials under it and ends it as `SweepMirror.finish` says: the sweep process never imports MLflow
-    (that import and MLflow's schema set-up held trial 1 back 2.3 s, issue 27).
-    """
-    if not track.use_mlflow:
-        return None
-    from fedcli.sweep.rows import parent_tags
-    from fedcli.tracking.mlflow.sweep_mirror import SweepMirror
-
-    return SweepMirror(
-        tracking_uri=track.mlflow_uri,
-        experiment=track.experiment,
-        store_url=track.store_url,
-        runs_root=Path(track.root).resolve() / "runs",
-    ).spawn(spec, parent_tags(spec))
-
-
-def show_results(rows: Sequence[Any], key: str, signum: int | None) -> list[Any]:
-    """Print the results table and one line per trial that did not finish; return those rows."""
-    console().print(rows_table(rows, key, "results"))
-    bad = ("failed", "diverged (skip)") if signum else ("failed", "diverged (skip)", "interrupted")
-    failed = [
-        r for r in rows if r.status in bad
-    ]  # interrupted without a stop of the sweep: killed from outside
-    for row in failed:
-        console().print(f"[red]{row.status}:[/] {row.name}: {row.note}", markup=True, highlight=False)
-    return failed
-
-
-def summary(rows: Sequence[Any], signum: int | None, hint: str, failed: int) -> int:
-    """Print the one-line outcome; return 128 + signal when stopped, 1 when a trial did not finish, else 0.
-
-    Trials running in another process are not this sweep's to finish: they do not fail it.
-    """
-    import signal
-
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row.status] = counts.get(row.status, 0) + 1
-    text = ", ".join(f"{n} {status}" for status, n in counts.items())
-    if signum is not None:
-        console().print(
-            f"sweep stopped by {signal.Signals(signum).name}: {text}. "
-            f"Stopped trials are checkpointed; continue with: {hint}",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return 128 + signum
-    elsewhere = counts.get("running elsewhere", 0)
-    later = f" Rerun when the {elsewhere} running elsewhere end to include them: {hint}" if elsewhere else ""
-    console().print(f"sweep done: {text}.{later}", highlight=False, soft_wrap=True)
-    return 1 if failed else 0
-
-
-@contextmanager
-def live_display(read: Callable[..., tuple[list, str]]) -> Iterator[Callable[[list], None]]:
-    """A live table of the trials on a terminal (stderr); else a progress line every PLAIN_EVERY_S."""
-    out = console()
-    if not out.is_terminal:
-        last, announced = [time.monotonic()], set()
-
-        def plain(processes: list) -> None:
-            for p in processes:
-                if p.ended is not None and id(p) not in announced:
-                    announced.add(id(p))
-                    why = f": {p.last_error()}" if p.status == "failed" else ""
-                    out.print(
-                        f"trial {p.plan.trial.name} {p.status} after {p.elapsed_s:.0f}s{why}", highlight=False
-                    )
-            if time.monotonic() - last[0] >= PLAIN_EVERY_S:
-                last[0] = time.monotonic()
-                rows = read()[0]
-                running = [r for r in rows if r.status == "running"]
-                waiting = sum(r.status == "waiting" for r in rows)
-                if running or waiting:
-                    done = sum(
-                        r.status.startswith(("finished", "failed", "diverged", "interrupted", "pruned"))
-                        for r in rows
-                    )
-                    out.print(
-                        f"sweep: {done}/{len(rows)} done; "
-                        + "; ".join(f"{r.name} {r.round_idx or 0}/{r.rounds}" for r in running)
-                        + f"; {waiting} waiting",
-                        highlight=False,
-                    )
-
-        yield plain
-        return
-    from rich.live import Live
-
-    with Live(console=out, auto_refresh=False, transient=True) as live:  # refreshed by the caller: no thread
-        yield lambda processes: live.update(rows_table(*read(), "trials"), refresh=True)
-
-
-def show_plan(plans: Sequence[Any]) -> None:
-    table = Table("trial", "config hash", "plan", "why", title=f"{len(plans)} trials")
-    for plan in plans:
-        action = {
-            "new": "to run",
-            "resume": f"resume {(plan.run_id or '')[:8]}",
-            "skip": "finished (skip)",
-            "diverged": "diverged (skip)",
-        }.get(plan.action, plan.action)
-        table.add_row(plan.trial.name, plan.trial.config.config_hash[:10], action, plan.note)
-    console().print(table)
-
-
-def show_estimates(trials: Sequence[Any], body: Mapping[str, Any]) -> None:
-    """Each trial's federation, estimated peak memory and time per round, from a measured probe."""
-    from fedcli.sweep.estimate import PROBE_ROUNDS, estimate_trials, fmt_bytes, fmt_seconds
-
-    source = (body.get("data") or {}).get("source")
-    if source:
-        console().print(f"data: {source}", highlight=False, soft_wrap=True, markup=False)
-    console().print(
-        f"probing {len(trials)} trial(s): {PROBE_ROUNDS} rounds each, nothing stored ...", highlight=False
-    )
-    table = Table(
-        "trial",
-        "clients",
-        "examples (train/test)",
-        "largest client",
-        "params",
-        "set-up",
-        "s/round",
-        "host peak (est.)",
-        "device peak",
-        "full run (est.)",
-        title='estimates on this machine (docs/scaling.md, "paper scale")',
-    )
-    plain = not console().is_terminal  # a pipe or a log: one line per trial, never cut to a width
-    for e in estimate_trials(trials):
-        if e.error is not None:
-            cells = [e.trial, "probe failed: " + e.error]
-            table.add_row(*cells, *[""] * 8)
-        else:
-            cells = [
-                e.trial,
-                f"{e.clients:,}",
-                f"{e.train_examples:,} / {e.test_examples:,}",
-                f"{e.largest_client:,}",
-                f"{e.params:,}",
-                fmt_seconds(e.setup_s),
-                f"{e.round_s:.2f}",
-                fmt_bytes(e.host_peak_bytes),
-                fmt_bytes(e.device_peak_bytes),
-                fmt_seconds(e.full_run_s),
-            ]
-            table.add_row(*cells)
-        if plain:
-            names = [str(c.header) for c in table.columns]
-            typer.echo(
-                f"{cells[0]}: " + "; ".join(f"{n} {v}" for n, v in zip(names[1:], cells[1:], strict=False))
-            )
-    if not plain:
-        console().print(table)
-
-
-def rows_table(rows: Sequence[Any], key: str, title: str) -> Table:
-    table = Table("trial", "status", "round", key, "elapsed", "run", title=title)
-    for r in rows:
-        table.add_row(
-            r.name,
-            r.status,
-            f"{r.round_idx if r.round_idx is not None else '—'}/{r.rounds}",
-            "—" if r.metric is None else f"{r.metric:.4g}",
-            "—" if r.elapsed_s is None else f"{r.elapsed_s:.0f}s",
-            (r.run_id or "—")[:8],
-        )
-    return table
-
-
-def report_output(body: Mapping[str, Any], root: str, *, always: bool = False) -> Path | None:
-    """Where the spec's `report:` block writes: its `output`, else <root>/reports/<experiment>.md."""
-    block = body.get("report")
-    if not block and not always:
-        return None
-    block = block or {}
-    return Path(block.get("output") or Path(root) / "reports" / f"{body['experiment']}.md")
-
-
-def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Path) -> None:
-    """Write the `fedcli report` markdown (and figures) of the sweep's finished runs."""
-    from fedcli.runs.outputs import output_error, write_output
-    from fedcli.tracking.report.build import build_report
-    from fedcli.tracking.report.model import ReportSpec
-    from fedcli.tracking.report.plots import report_figures
-    from fedcli.tracking.report.render import render_markdown, shown_store
-
-    block = body["report"]
-    numbers = lambda key: tuple(block.get(key) or ())  # noqa: E731
-    group_by = block.get("group_by")
-    command = shlex.join(
-        ["fedcli", "report", "--runs", ",".join(i[:8] for i in run_ids), "--store", shown_store(db.url)]
-    )
-    spec = ReportSpec(
-        runs=tuple(run_ids),
-        metric=block.get("metric"),
-        thresholds=numbers("thresholds"),
-        at=numbers("at"),
-        window=block.get("window"),
-        smooth=block.get("smooth"),
-        group_by=tuple(group_by.split(",")) if isinstance(group_by, str) else group_by,
-        command=command,
-        columns=tuple(block.get("columns") or ()),
-    )
-    built = build_report(db, spec)
-    try:
-        drawn = report_figures(built, path, None, "")  # PNGs beside the markdown, as `fedcli report --output`
-    except OSError as exc:
-        raise output_error(path, "report.output", exc) from None
-    write_output(path, recipe_preamble(body, render_markdown(built, drawn)), "report.output")
-
-
-def recipe_preamble(body: Mapping[str, Any], markdown: str) -> str:
-    """Put the sweep's description and the paper claim it reruns under the report's title."""
-    lines = markdown.split("\n")
-    extra = [
-        f"**{body['description']}**" if body.get("description") else "",
-        f"Reruns: {body['paper']}." if body.get("paper") else "",
-    ]
-    extra = [line for line in extra if line]
-    return "\n".join([lines[0], "", "\n\n".join(extra), *lines[1:]]) if extra else markdown
 
 
 def rerun_hint(ctx: typer.Context, spec: Path | None, recipe: str | None) -> str:

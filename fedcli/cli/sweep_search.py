@@ -2,7 +2,7 @@
 
 The trials come from an Optuna study in the store's database (fedcli/sweep/search.py `SearchSource`)
 and run through the same scheduler, workers, claims, live table and report as a grid's
-(fedcli/cli/sweep.py `run_plans`).
+(fedcli/cli/sweep_run.py `run_plans`).
 """
 
 from __future__ import annotations
