@@ -21,6 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import fedcli.tracking  # noqa: F401 - sets MLflow's defaults (no telemetry) before a run imports MLflow
 from fedcli.errors import ConfigError, FedcliError
+from fedcli.runs.arguments import (
+    check_bool,
+    check_report_arguments,
+    check_train_arguments,
+    kind_of,
+    number_list,
+    path_argument,
+    split_settings,
+    store_settings,
+)
 from fedcli.runs.objects import live_model, record_object_source, warn
 from fedcli.runs.run import StoppedBeforeStart, preserved_state, run_config
 
@@ -42,8 +52,6 @@ __all__ = [
     "run_config",
     "train",
 ]
-
-SECTIONS = ("train", "tracking", "partition")  # settings that may be given as a mapping of the section's keys
 
 
 @dataclasses.dataclass
@@ -109,7 +117,7 @@ class Run:
         from fedcli.tracking.served import read_model_file, served_model
 
         if trust_code is not None:
-            _check_bool("trust_code", trust_code)  # trust_code="no" was truthy: the code ran
+            check_bool("trust_code", trust_code)  # trust_code="no" was truthy: the code ran
         record = self.record()
         if not record.model_path or not Path(record.model_path).exists():
             raise ConfigError(
@@ -205,7 +213,9 @@ def train(
             (continue it with `resume=`).
         FedcliError: other user-facing failures (data, store, MLflow).
     """
-    _check_train_arguments(
+    if isinstance(resume, Run):
+        resume = resume.id
+    check_train_arguments(
         algo=algo,
         task=task,
         config=config,
@@ -221,12 +231,13 @@ def train(
         from fedcli.datasets.yours.data import data_ref
         from fedcli.datasets.yours.model import model_reference
         from fedcli.runs.outputs import check_path_value
+        from fedcli.runs.request import TrainOptions
         from fedcli.runs.run import resolve_config
 
         for name in ("root", "data_dir", "partition"):  # "" (an unset variable) is the CLI's line, not "."
             check_path_value(name, settings.get(name))
 
-        options, sections = _split_settings(settings)
+        options, sections = split_settings(settings)
         if (
             isinstance(options.get("partition"), (str, Path))
             and Path(options["partition"]).expanduser().is_file()
@@ -247,11 +258,11 @@ def train(
         if options["data"] is not None and not isinstance(data, (str, Path)):
             record_object_source(options["data"], data)
         cfg, resume_id = resolve_config(
-            options,
+            TrainOptions.from_settings(options),  # an unknown name: one line naming the closest option
             config=config,
             hp=hp,
             sections=sections,
-            resume=resume.id if isinstance(resume, Run) else resume,
+            resume=resume,
             warn=warn,
             trust_code=trust_code,
         )
@@ -290,10 +301,10 @@ def load_run(
 
     if not isinstance(ref, str) or not ref.strip():  # None found some run; an int was an AttributeError
         raise ConfigError(
-            f"ref must be a run id, id prefix or name (str); got {_kind(ref)}. `fedcli list runs` shows them."
+            f"ref must be a run id, id prefix or name (str); got {kind_of(ref)}. `fedcli list runs` shows them."
         )
-    _check_bool("trust_code", trust_code)
-    url = tracking_config(_store_settings(store, root)).store_url
+    check_bool("trust_code", trust_code)
+    url = tracking_config(store_settings(store, root)).store_url
     db = open_store(url, must_exist=True)
     try:
         record = db.get_run(ref)
@@ -343,7 +354,7 @@ def report(
 
     if format not in {f.value for f in Format}:
         raise ConfigError(f"format must be one of md, csv, json; got {format!r}.")
-    _check_report_arguments(
+    check_report_arguments(
         experiment=experiment,
         where=where,
         group_by=group_by,
@@ -352,18 +363,18 @@ def report(
         include_unfinished=include_unfinished,
         partition_heatmap=partition_heatmap,
     )
-    output = _path_argument("output", output)
-    settings = _store_settings(store, root)
+    output = path_argument("output", output)
+    settings = store_settings(store, root)
     if isinstance(runs, str):  # one reference, not its characters as references
         runs = [runs]
     bad = next((r for r in runs or () if not isinstance(r, (Run, str))), None)
     if bad is not None:
-        raise ConfigError(f"runs must be a list of runs (Run) or run references (str); got {_kind(bad)}.")
+        raise ConfigError(f"runs must be a list of runs (Run) or run references (str); got {kind_of(bad)}.")
     if isinstance(columns, str):  # "a,b" as the CLI's --columns, not one column per character
         columns = parse_list("columns", [columns], "metric key")
     for name, value in (("window", window), ("smooth", smooth)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name} must be an integer number of rounds >= 1; got {_kind(value)}.")
+            raise ConfigError(f"{name} must be an integer number of rounds >= 1; got {kind_of(value)}.")
     refs = [r.id if isinstance(r, Run) else str(r) for r in runs or ()]
     if store is None and root is None:
         settings["tracking.store"] = next((r.store for r in runs or () if isinstance(r, Run)), None)
@@ -377,8 +388,8 @@ def report(
             p.strip() for p in (group_by.split(",") if isinstance(group_by, str) else group_by) if p.strip()
         ),
         metric=parse_metric(metric),
-        thresholds=_numbers("thresholds", thresholds, float),
-        at=_numbers("at", at, int),
+        thresholds=number_list("thresholds", thresholds, float),
+        at=number_list("at", at, int),
         window=window,
         smooth=smooth,
         include_unfinished=include_unfinished,
@@ -397,165 +408,3 @@ def report(
     if path is None and format == "md":  # the CLI's note about figures names --output: not said here
         return render_markdown(built, [])
     return write_report(built, path, Format(format), partition_heatmap)
-
-
-def _numbers(name: str, values: Any, kind: type) -> tuple[Any, ...]:
-    """`report`'s `at` (integers >= 1, never truncated) or `thresholds` (finite numbers), checked as the CLI does."""
-    import math
-    import numbers
-
-    items = list(values) if isinstance(values, (list, tuple)) else [values]
-    for value in items:
-        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-        real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        if (kind is int and not (whole and value >= 1)) or (kind is float and not real):
-            what = "round numbers (integers >= 1)" if kind is int else "finite numbers"
-            raise ConfigError(f"{name} must be a list of {what}; got {_kind(value)} in {name}={values!r}.")
-    return tuple(kind(v) for v in items)
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):  # a str "no" is truthy
-        raise ConfigError(f"{name} must be True or False; got {_kind(value)}.")
-
-
-def _path_argument(name: str, value: Any) -> str | None:
-    """A path argument (`root`, `output`) as text: a str or a Path, not empty; an int or a list was str()-ed."""
-    import os
-
-    from fedcli.runs.outputs import check_path_value
-
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
-        raise ConfigError(f"{name} must be a path (str or pathlib.Path); got {_kind(value)}.")
-    check_path_value(name, value)  # "" (an unset variable): the CLI's line, not the working folder
-    return str(os.fspath(value))
-
-
-def _store_settings(store: Any, root: Any) -> dict[str, Any]:
-    """`store=` / `root=` of load_run and report as tracking overrides, checked as `train`'s are."""
-    if store is not None and not isinstance(store, str):  # a Path is no URL: it was str()-ed, then refused
-        raise ConfigError(
-            f"store must be a SQLAlchemy URL (str) such as 'sqlite:////abs/path/fedcli.db'; got "
-            f"{_kind(store)}. Pass root= for the store of a folder."
-        )
-    if store is not None and not store.strip():
-        raise ConfigError(
-            f"tracking.store must be a SQLAlchemy URL; got {store!r}. Pass --store a value, or leave it "
-            "out for the default."
-        )
-    return {"tracking.store": store, "tracking.root": _path_argument("root", root)}
-
-
-def _names(name: str, value: Any) -> None:
-    """A name or a list of names (str): an int was iterated (TypeError) or a list's int str()-ed."""
-    if value is None or isinstance(value, str):
-        return
-    bad = (
-        next((v for v in value if not isinstance(v, str)), None)
-        if isinstance(value, (list, tuple))
-        else value
-    )
-    if bad is not None:
-        raise ConfigError(f"{name} must be a name (str) or a list of names; got {_kind(bad)}.")
-
-
-def _check_report_arguments(
-    *,
-    experiment: Any,
-    where: Any,
-    group_by: Any,
-    metric: Any,
-    columns: Any,
-    include_unfinished: Any,
-    partition_heatmap: Any,
-) -> None:
-    """`report`'s arguments other than runs/at/thresholds/window/smooth: one ConfigError line naming the
-    argument (an int experiment or group_by was a TypeError, a str where= an AttributeError)."""
-    _names("experiment", experiment)
-    _names("group_by", group_by)
-    _names("columns", columns)
-    if metric is not None and not isinstance(metric, str):
-        raise ConfigError(f"metric must be a metric name (str) such as 'accuracy'; got {_kind(metric)}.")
-    if where is not None:
-        if not isinstance(where, Mapping):
-            raise ConfigError(
-                f"where must be a mapping such as where={{'algo': 'fedpa'}}; got {_kind(where)}."
-            )
-        for key, value in where.items():
-            if not isinstance(key, str):
-                raise ConfigError(f"where keys must be config keys (str) such as 'algo'; got {_kind(key)}.")
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):  # a list was str()-ed
-                raise ConfigError(f"where[{key!r}] must be a str or a number; got {_kind(value)}.")
-    _check_bool("include_unfinished", include_unfinished)
-    _check_bool("partition_heatmap", partition_heatmap)
-
-
-def _kind(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-def _check_train_arguments(
-    *,
-    algo: Any,
-    task: Any,
-    config: Any,
-    hp: Any,
-    data_options: Any,
-    resume: Any,
-    mlflow_optional: Any,
-    progress: Any,
-    trust_code: Any,
-    settings: Mapping[str, Any],
-) -> None:
-    """The types of `train`'s arguments, before anything runs: one ConfigError line naming the argument
-    (a str `hp="rho=0.1"` was a bare "dictionary update sequence" ValueError, a str `progress` a
-    "'str' object is not callable" TypeError once the run had started)."""
-    for name, value in (("algo", algo), ("task", task)):
-        if value is not None and not isinstance(value, str):
-            raise ConfigError(f"{name} must be a name (str); got {_kind(value)}.")
-    if config is not None and not isinstance(config, (str, Path, Mapping)):
-        raise ConfigError(
-            f"config must be a YAML file, a shipped config's name or a mapping of sections; got "
-            f"{_kind(config)}."
-        )
-    for name, value, example in (
-        ("hp", hp, "hp={'rho': 0.1}"),
-        ("data_options", data_options, "data_options={'client': 'writer_id'}"),
-    ):
-        if value is not None and not isinstance(value, Mapping):
-            raise ConfigError(f"{name} must be a mapping such as {example}; got {_kind(value)}.")
-        bad = next((k for k in value or {} if not isinstance(k, str)), None)
-        if bad is not None:
-            raise ConfigError(f"{name} keys must be names (str); got {_kind(bad)}.")
-    if resume is not None and not isinstance(resume, (str, Run)):
-        raise ConfigError(f"resume must be a run id, id prefix or name (str), or a Run; got {_kind(resume)}.")
-    if not isinstance(mlflow_optional, bool):
-        raise ConfigError(f"mlflow_optional must be True or False; got {_kind(mlflow_optional)}.")
-    if not isinstance(progress, bool) and not callable(progress):
-        raise ConfigError(
-            f"progress must be True, False or a function f(round, metrics); got {_kind(progress)}."
-        )
-    _check_bool("trust_code", trust_code)  # trust_code="no" was truthy: a resumed run's code ran
-    for name in SECTIONS:
-        if name == "partition" and isinstance(settings.get(name), (str, Path)):
-            continue  # `partition="p.json"`: the --partition file
-        if name in settings and settings[name] is not None and not isinstance(settings[name], Mapping):
-            raise ConfigError(
-                f"{name}= must be a mapping of the {name} section's config keys, such as "
-                f"{name}={{...}}; got {_kind(settings[name])}."
-            )
-
-
-def _split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Keyword settings -> (options by name, dotted overrides from the section mappings)."""
-    options: dict[str, Any] = {}
-    sections: dict[str, Any] = {}
-    for name, value in settings.items():
-        if name in SECTIONS and isinstance(value, Mapping):
-            sections.update({f"{name}.{key}": v for key, v in value.items()})
-        else:
-            options[name] = value
-    return options, sections

@@ -1,31 +1,24 @@
 """`fedcli train`: train one algorithm on one task, logging every round.
 
 Longer than the 150-line budget of docs/style.md rule 1 because the option list is the
-user-facing contract of docs/architecture.md §9 (every option with its help and default); the body
-is a thin layer over the Python API's run path (fedcli/runs/run.py: `resolve_config`, `prepared_run`,
-shared with `fedcli.train`): it adds the progress bar, the printed lines and the exit codes.
+user-facing contract of docs/architecture.md §9 (every option with its help and default). The body
+builds the typed request (`TrainOptions`, fedcli/runs/request.py) from the options that set a config
+key and hands it to fedcli/cli/train_run.py, a thin layer over the Python API's run path
+(fedcli/runs/run.py: `resolve_config`, `prepared_run`, shared with `fedcli.train`) that adds the
+progress bar, the printed lines and the exit codes.
 """
 
 from __future__ import annotations
 
-import contextlib
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from fedcli.cli.common import (
-    DataStore,
-    Panel,
-    Scheme,
-    stdout_is_terminal,
-    store_options,
-    summarise_run,
-)
-from fedcli.cli.errors import user_errors
-from fedcli.runs.progress import train_progress
-from fedcli.runs.run import OPTION_KEYS
+from fedcli.cli.common import DataStore, Panel, Scheme
+from fedcli.cli.train_run import run_training
+from fedcli.runs.request import TrainOptions
 
 
 class ServerOpt(str, Enum):
@@ -429,9 +422,6 @@ def train(
 
     Example: fedcli train --algo fedpa --rounds 30 --local-epochs 5 --hp burn_in_rounds=10
     """
-    options = {
-        name: value for name, value in locals().items() if name in OPTION_KEYS
-    }  # the config keys' options
     if not no_mlflow and executor is not Executor.distributed:  # MLflow's import starts now, on an idle core
         from fedcli.tracking.mlflow.handle import spawn_early
 
@@ -439,98 +429,67 @@ def train(
     if data is not None:  # a file as an absolute path, a function reference as given (datasets/yours/data.py)
         from fedcli.datasets.yours.data import normalise
 
-        options["data"] = normalise(data)
-    from fedcli.engine.lifecycle import GracefulSignals
-
-    signals = GracefulSignals(immediate=True)  # the set-up writes nothing: a signal there stops it at once
-    signals.install()
-    try:  # restored last, after the run id is printed: a signal once the run ended changes nothing
-        debug = bool(ctx.obj and ctx.obj.get("debug"))
-        with user_errors(debug), contextlib.ExitStack() as group:
-            try:  # the imports too: a signal while they load (the first second) is a stop in the set-up
-                from fedcli.config.checks import parse_assignments
-                from fedcli.engine import distributed
-                from fedcli.engine.train import serve
-                from fedcli.errors import ConfigError
-                from fedcli.runs.progress import console
-                from fedcli.runs.run import prepared_run, resolve_config
-
-                peers = (
-                    group.enter_context(distributed.process_group())
-                    if executor is Executor.distributed
-                    else None
-                )
-                if (
-                    peers is not None and not peers.is_leader
-                ):  # ranks 1..K-1 train slices of rank 0's run, write nothing
-                    signals.restore()  # serve sets what the ranks do with signals
-                    serve(peers)
-                    return
-                cfg, resume_id = resolve_config(
-                    options,
-                    config=config,
-                    hp=parse_assignments(hp or [], "--hp"),
-                    resume=resume,
-                    warn=lambda line: console().print(f"warning: {line}", markup=False, soft_wrap=True),
-                    trust_code=trust_code,
-                )
-                if cfg.train.executor == "distributed" and peers is None:  # from --config or the resumed run
-                    raise ConfigError(
-                        f"train.executor='distributed' needs `--executor distributed` on the command "
-                        f"line. {distributed.NOT_LAUNCHED}"
-                    )
-                # the id on stdout as soon as the run exists (a script gets it even if the run is then stopped);
-                # on a terminal at the end instead, where it would land on the live progress bar
-                on_terminal = stdout_is_terminal()
-                prepared = group.enter_context(
-                    prepared_run(
-                        cfg,
-                        resume_run_id=resume_id,
-                        parent_run=parent_run,
-                        mlflow_optional=mlflow_optional,
-                        signals=signals,
-                        peers=peers,
-                        on_run=None if on_terminal else typer.echo,
-                    )
-                )
-            except (
-                BaseException
-            ) as exc:  # a stop signal in the set-up (options, data, executor): nothing written
-                if signals.pending is None or isinstance(exc, typer.Exit):
-                    raise
-                from fedcli.runs.progress import console
-                from fedcli.runs.run import StoppedBeforeStart  # (again, if the signal cut its import short)
-
-                console().print(str(StoppedBeforeStart(signals.pending)))
-                raise typer.Exit(128 + signals.pending) from None
-            quiet = bool(ctx.obj and ctx.obj.get("quiet"))
-            try:
-                with train_progress(cfg, quiet=quiet) as progress:
-                    result = prepared.run(progress)
-            except KeyboardInterrupt as stop:
-                stopped(cfg, prepared.run_id, stop)
-            except distributed.RankLost as lost:
-                raise distributed.lost_hint(
-                    lost, prepared.run_id, peers.world_size if peers else 1, store_options(cfg)
-                ) from None
-            if not quiet:  # -q: warnings and errors only
-                summarise_run(cfg, result)
-            if on_terminal:
-                typer.echo(result.run_id)
-    finally:
-        signals.restore()
-
-
-def stopped(cfg: object, run_id: str | None, stop: KeyboardInterrupt) -> None:
-    """Say how the run ended and how to continue it; exit 128 + the signal (130 for Ctrl-C)."""
-    from fedcli.cli.common import resume_hint
-    from fedcli.runs.progress import console
-
-    code = getattr(stop, "exit_code", 130)
-    if run_id:
-        console().print(
-            f"run {run_id[:8]} interrupted; its last completed round is checkpointed. "
-            f"Continue it with: {resume_hint(cfg, run_id)}",
-            soft_wrap=True,
-        )  # one pasteable line
-    raise typer.Exit(code)
+        data = normalise(data)
+    options = TrainOptions(
+        algo=algo,
+        task=task,
+        model=model,
+        data_dir=data_dir,
+        data=data,
+        download=download,
+        max_clients=max_clients,
+        data_store=data_store,
+        partition=partition,
+        scheme=scheme,
+        alpha=alpha,
+        clients=clients,
+        shards_per_client=shards_per_client,
+        labels_per_client=labels_per_client,
+        min_size=min_size,
+        balanced=balanced,
+        sigma=sigma,
+        size_alpha=size_alpha,
+        rounds=rounds,
+        clients_per_round=clients_per_round,
+        local_epochs=local_epochs,
+        batch_size=batch_size,
+        client_lr=client_lr,
+        client_momentum=client_momentum,
+        server_opt=server_opt,
+        server_lr=server_lr,
+        server_momentum=server_momentum,
+        device=device,
+        executor=executor,
+        cohort_chunk=cohort_chunk,
+        workers=workers,
+        threads=threads,
+        compile=compile,
+        graph=graph,
+        precision=precision,
+        eval_every=eval_every,
+        eval_sample=eval_sample,
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=keep_checkpoints,
+        state_store=state_store,
+        state_cache_mb=state_cache_mb,
+        state_precision=state_precision,
+        bn_stats=bn_stats,
+        seed=seed,
+        experiment=experiment,
+        run_name=run_name,
+        root=root,
+        store=store,
+        tracking_uri=tracking_uri,
+        no_mlflow=no_mlflow,
+    )  # the options that set a config key
+    run_training(
+        ctx,
+        options,
+        config=config,
+        hp=hp,
+        resume=resume,
+        trust_code=trust_code,
+        mlflow_optional=mlflow_optional,
+        parent_run=parent_run,
+        distributed_executor=executor is Executor.distributed,
+    )

@@ -1,6 +1,6 @@
 """One training run in this process, as `fedcli train` and `fedcli.train` start it (docs/python-api.md).
 
-    cfg, resume_id = resolve_config(options, config=..., hp=..., resume=...)   options -> RunConfig
+    cfg, resume_id = resolve_config(options, config=..., hp=..., resume=...)   TrainOptions -> RunConfig
     result = run_config(cfg, resume_run_id=resume_id)                          validate, store, train
 
 `run_config` is the one path from a `RunConfig` to a finished (or stopped) run: check MLflow, spawn
@@ -23,7 +23,6 @@ import dataclasses
 import random
 import signal
 from collections.abc import Callable, Iterator, Mapping
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,78 +33,18 @@ if TYPE_CHECKING:
     from fedcli.engine.rounds import ProgressFn
     from fedcli.engine.setup import Setup
     from fedcli.engine.train import RunResult
+    from fedcli.runs.request import TrainOptions
     from fedcli.tracking.mlflow.handle import MirrorHandle
     from fedcli.tracking.sinks import Tracker
 
 __all__ = [
-    "OPTION_KEYS",
     "PreparedRun",
     "StoppedBeforeStart",
-    "overrides_of",
     "prepared_run",
     "preserved_state",
     "resolve_config",
     "run_config",
 ]
-
-# The options of `fedcli train` (as Python names) -> the config keys they set (docs/python-api.md, "Settings").
-OPTION_KEYS: dict[str, str] = {
-    "algo": "algorithm.name",
-    "task": "data.task",
-    "model": "data.model",
-    "data_dir": "data.data_dir",
-    "data": "data.file",
-    "download": "data.download",
-    "max_clients": "data.max_clients",
-    "data_store": "data.data_store",
-    "partition": "partition.file",
-    "scheme": "partition.scheme",
-    "alpha": "partition.alpha",
-    "clients": "partition.num_clients",
-    "shards_per_client": "partition.shards_per_client",
-    "labels_per_client": "partition.labels_per_client",
-    "min_size": "partition.min_size",
-    "balanced": "partition.balanced",
-    "sigma": "partition.sigma",
-    "size_alpha": "partition.size_alpha",
-    "rounds": "train.rounds",
-    "clients_per_round": "train.clients_per_round",
-    "local_epochs": "train.local_epochs",
-    "batch_size": "train.batch_size",
-    "client_lr": "train.client_lr",
-    "client_momentum": "train.client_momentum",
-    "server_opt": "train.server_opt",
-    "server_lr": "train.server_lr",
-    "server_momentum": "train.server_momentum",
-    "device": "train.device",
-    "executor": "train.executor",
-    "cohort_chunk": "train.cohort_chunk",
-    "workers": "train.workers",
-    "threads": "train.threads",
-    "compile": "train.compile",
-    "graph": "train.graph",
-    "precision": "train.precision",
-    "eval_every": "train.eval_every",
-    "eval_sample": "train.eval_sample",
-    "checkpoint_every": "train.checkpoint_every",
-    "keep_checkpoints": "train.keep_checkpoints",
-    "state_store": "train.state_store",
-    "state_cache_mb": "train.state_cache_mb",
-    "state_precision": "train.state_precision",
-    "bn_stats": "train.bn_stats",
-    "seed": "seed",
-    "experiment": "tracking.experiment",
-    "run_name": "tracking.run_name",
-    "root": "tracking.root",
-    "store": "tracking.store",
-    "tracking_uri": "tracking.tracking_uri",
-    "no_mlflow": "tracking.use_mlflow",
-    "augment": "data.augment",  # the API's: per-example augmentation, e.g. ["crop:4", "flip"] (docs/python-api.md)
-}
-FLAGS = frozenset(
-    {"download", "balanced", "compile", "graph", "no_mlflow"}
-)  # switch on only: False = not given
-PATH_SETTINGS = frozenset({"data_dir", "data", "partition", "root"})  # the settings a pathlib.Path may give
 
 
 class StoppedBeforeStart(KeyboardInterrupt):
@@ -118,46 +57,6 @@ class StoppedBeforeStart(KeyboardInterrupt):
 
     def __str__(self) -> str:
         return f"stopped by {signal.Signals(self.signum).name} before the run started; nothing was written."
-
-
-def overrides_of(options: Mapping[str, Any]) -> dict[str, Any]:
-    """`fedcli train`'s options (Python names, None = not given) -> dotted config overrides.
-
-    Enums give their value and paths their text; a flag set to False counts as not given
-    (as on the command line), and `no_mlflow=True` sets `tracking.use_mlflow` to False.
-
-    Raises:
-        ConfigError: a name that is no option, with the closest option named.
-    """
-    from fedcli.config.checks import suggest
-    from fedcli.errors import ConfigError
-
-    out: dict[str, Any] = {}
-    for name, value in options.items():
-        if name not in OPTION_KEYS:
-            raise ConfigError(
-                f"unknown setting {name!r}{suggest(name, list(OPTION_KEYS))}; the settings are "
-                '`fedcli train`\'s options (docs/python-api.md, "Settings").'
-            )
-        if name in FLAGS:
-            if value is not None and not isinstance(value, bool):  # no_mlflow="no" was truthy: MLflow off
-                raise ConfigError(f"{name} must be True or False; got {type(value).__name__} {value!r}.")
-            value = (False if name == "no_mlflow" else True) if value else None
-        elif isinstance(value, Enum):
-            value = value.value
-        elif isinstance(value, Path):
-            if name not in PATH_SETTINGS:  # store=Path("x.db") was str()-ed into a URL SQLAlchemy refused
-                hint = (
-                    " (a URL such as sqlite:////abs/path/fedcli.db)"
-                    if name in ("store", "tracking_uri")
-                    else ""
-                )
-                raise ConfigError(
-                    f"{name} must be str{hint}, not a path; got {type(value).__name__} {str(value)!r}."
-                )
-            value = str(value)
-        out[OPTION_KEYS[name]] = value
-    return out
 
 
 def config_file(config: str | Path | None) -> Path | None:
@@ -183,7 +82,7 @@ def config_file(config: str | Path | None) -> Path | None:
 
 
 def resolve_config(
-    options: Mapping[str, Any],
+    options: TrainOptions,
     *,
     config: str | Path | Mapping[str, Any] | None = None,
     hp: Mapping[str, Any] | None = None,
@@ -195,7 +94,7 @@ def resolve_config(
     """Build a run's config as `fedcli train` does: (RunConfig, the full id of the run to resume or None).
 
     Args:
-        options: `fedcli train`'s options by Python name (`overrides_of`); None = not given.
+        options: `fedcli train`'s options (`TrainOptions`, fedcli/runs/request.py).
         config: a YAML file, a packaged config's name (`demo`) or the config as a mapping; the options win.
         hp: algorithm hyperparameters (win over the config's `algorithm.hp`).
         resume: a run id, id prefix or run name: its stored config, with the options allowed to change.
@@ -211,7 +110,7 @@ def resolve_config(
     from fedcli.errors import ConfigError
     from fedcli.runs.stores import find_run
 
-    overrides = {**overrides_of(options), **dict(sections or {})}
+    overrides = {**options.overrides(), **dict(sections or {})}
     if resume is not None and (not isinstance(resume, str) or not resume.strip()):
         # `--resume "$RUN"` with RUN empty would otherwise train a fresh run from scratch
         raise ConfigError(

@@ -1,8 +1,9 @@
-"""The configs shipped inside the package (`fedcli train --config demo`, `fedcli demo`) and the option
-table the CLI and the Python API share (fedcli/runs/run.py OPTION_KEYS)."""
+"""The configs shipped inside the package (`fedcli train --config demo`, `fedcli demo`) and the typed
+request the CLI and the Python API share (fedcli/runs/request.py `TrainOptions`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import pytest
 from fedcli.cli.train import train
 from fedcli.configs import config_names, packaged_config
 from fedcli.errors import ConfigError
-from fedcli.runs.run import OPTION_KEYS, config_file, overrides_of, resolve_config
+from fedcli.runs.request import TrainOptions
+from fedcli.runs.run import config_file, resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +31,7 @@ def test_the_packaged_demo_is_the_examples_copy_and_resolves_by_name(tmp_path: P
         ConfigError, match=r"--config 'nope.yaml' is neither a YAML file nor a config shipped"
     ):
         config_file("nope.yaml")
-    cfg, resume = resolve_config({"rounds": 2}, config=packaged_config("demo"))
+    cfg, resume = resolve_config(TrainOptions(rounds=2), config=packaged_config("demo"))
     assert (cfg.algorithm.name, cfg.data.task, cfg.train.rounds, cfg.tracking.experiment, resume) == (
         "fedpa",
         "femnist",
@@ -50,11 +52,11 @@ def test_every_option_of_fedcli_train_that_sets_a_config_key_is_an_api_setting()
         "parent_run",
         "trust_code",
     }  # arguments of their own
-    assert params - not_keys == set(OPTION_KEYS) & params
-    assert set(OPTION_KEYS) - params <= {"augment"}  # API-only settings
-    assert overrides_of({"no_mlflow": True, "compile": False, "root": Path("x")}) == {
-        "tracking.use_mlflow": False,
-        "train.compile": None,
+    fields = {f.name for f in dataclasses.fields(TrainOptions)}
+    assert params - not_keys == fields & params
+    assert fields - params <= {"augment"}  # API-only settings
+    assert TrainOptions(no_mlflow=True, compile=False, root=Path("x")).overrides() == {
+        "tracking.use_mlflow": False,  # a switch set to False is not given
         "tracking.root": "x",
     }
 

@@ -10,6 +10,7 @@ import torch
 from fedcli.datasets.formats.generate import generate
 from fedcli.engine.footprint import VMAP_CPU_BUDGET, client_step_bytes, vmap_too_big
 from fedcli.engine.setup import build
+from fedcli.runs.request import TrainOptions
 from fedcli.runs.run import resolve_config
 
 
@@ -24,14 +25,14 @@ def so_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _setup(so_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **options: object):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("FEDCLI_DATA_CACHE", str(tmp_path / "cache"))
     cfg = resolve_config(
-        {
-            "task": "stackoverflow-nwp",
-            "data_dir": str(so_dir),
-            "data_store": "disk",
-            "no_mlflow": True,
-            "root": str(tmp_path / "runs"),
-            **options,
-        }
+        TrainOptions(
+            task="stackoverflow-nwp",
+            data_dir=str(so_dir),
+            data_store="disk",
+            no_mlflow=True,
+            root=str(tmp_path / "runs"),
+            **options,  # type: ignore[arg-type]
+        )
     )[0]
     return build(cfg)
 
