@@ -283,9 +283,10 @@ class Algorithm(NamedTuple):
     # "Every algorithm on your model"); vmap_obstacle: why the model cannot run under torch.func.vmap, as the
     # engine's model check found (None: it can). None: every model the back end runs.
     check_model: Callable[[torch.nn.Module, Any, str | None], str | None] | None = None
-    # (upload[G], broadcast, hp) -> a pytree of tensors without the client axis whose sum over groups of
-    # clients is what server_update reads of the cohort's uploads (BayesADMM: Sum s_k, Sum s_k m_k, the dual
-    # increments' sums). Set, rounds the engine streams (engine/rounds.py stream_group) reduce each group's
+    # (upload[G], weights[G], broadcast, hp) -> a pytree of tensors without the client axis whose sum over
+    # groups of clients is what server_update reads of the cohort's uploads (BayesADMM: Sum s_k, Sum s_k m_k,
+    # the dual increments' sums; SCAFFOLD: Sum q_i (x - y_i), Sum q_i Delta c_i); weights are server_update's
+    # (the clients' example counts) for the group's clients. Set, rounds the engine streams (engine/rounds.py stream_group) reduce each group's
     # uploads as it ends and pass server_update an UploadSums instead of the stacked [C, ...] uploads, so
     # they hold O(group) of uploads; server_update must take both (docs/architecture.md, "Back ends").
     upload_sums: Callable[..., Any] | None = None

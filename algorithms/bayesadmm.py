@@ -297,10 +297,11 @@ def client_update(
 
 
 def upload_sums(
-    upload: dict[str, Params | Tensor], bc: Broadcast, hp: BayesADMMConfig
+    upload: dict[str, Params | Tensor], weights: Tensor, bc: Broadcast, hp: BayesADMMConfig
 ) -> dict[str, Params | Tensor]:
     """Algorithm.upload_sums: what server_update reads of a group's uploads [G, ...], summed over the group:
-    Sum s_k, Sum s_k m_k, the dual increments' sums (increment_sums) and Sum first_visit.
+    Sum s_k, Sum s_k m_k, the dual increments' sums (increment_sums) and Sum first_visit. Unweighted
+    (Alg. 1 averages over clients): `weights` is not read.
 
     One [G, ...] temporary at a time; summed over the groups of a cohort it equals the whole cohort's up to
     float rounding (summation order): the engine then never holds the cohort's [C, P] uploads
@@ -334,7 +335,7 @@ def server_update(
     if isinstance(outs.upload, UploadSums):
         sums, num = outs.upload.sums, outs.upload.count
     else:
-        sums = upload_sums(outs.upload, broadcast(state, hp), hp)
+        sums = upload_sums(outs.upload, weights, broadcast(state, hp), hp)
         num = next(iter(outs.upload["mean"].values())).shape[0]
     m = sums["weighted_mean"]  # only its keys below
     alpha = hp.server_alpha or 1.0 / (1.0 + hp.rho * num)

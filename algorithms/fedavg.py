@@ -87,7 +87,13 @@ def apply_pseudo_gradient(
     state: ServerState, cohort_delta: Params, weights: Tensor, opt: OptimConfig
 ) -> tuple[ServerState, Diagnostics]:
     """Average deltas with weights q_i / sum q and take one server optimiser step."""
-    pseudo_grad = weighted_mean(cohort_delta, weights)
+    return step_on_pseudo_gradient(state, weighted_mean(cohort_delta, weights), opt)
+
+
+def step_on_pseudo_gradient(
+    state: ServerState, pseudo_grad: Params, opt: OptimConfig
+) -> tuple[ServerState, Diagnostics]:
+    """One server optimiser step on the (already averaged) pseudo-gradient mean_q(x - y_i)."""
     params, opt_state = server_opt_step(state.params, pseudo_grad, state.opt_state, opt)
     return (
         ServerState(params=params, opt_state=opt_state),

@@ -48,6 +48,7 @@ from fedcli.algorithms.base import (
     OptimConfig,
     Params,
     ServerOptState,
+    UploadSums,
     require,
     tree_norm,
     tree_sub,
@@ -175,20 +176,54 @@ def aggregation_weights(weights: Tensor, hp: ScaffoldConfig) -> Tensor:
     return weights if hp.weighting == "examples" else torch.ones_like(weights)
 
 
+def upload_sums(
+    upload: dict[str, Params | Tensor], weights: Tensor, bc: Broadcast, hp: ScaffoldConfig
+) -> dict[str, Params | Tensor]:
+    """Algorithm.upload_sums: what server_update reads of a group's uploads [G, ...], summed over the group:
+    Sum q_i (x - y_i), Sum q_i Delta c_i, Sum q_i first_visit_i and Sum q_i.
+
+    Summed over the groups of a cohort it equals the cohort's up to float rounding (summation order), so a
+    streamed round never holds the cohort's [C, P] uploads (two models per client; docs/scaling.md, "Client
+    state").
+    """
+    q = aggregation_weights(weights, hp)
+    delta, delta_control, first = upload["delta"], upload["delta_control"], upload["first_visit"]
+    assert isinstance(delta, dict) and isinstance(delta_control, dict) and isinstance(first, Tensor)
+    return {
+        "delta": {k: torch.tensordot(q.to(v.dtype), v, dims=([0], [0])) for k, v in delta.items()},
+        "delta_control": {
+            k: torch.tensordot(q.to(v.dtype), v, dims=([0], [0])) for k, v in delta_control.items()
+        },
+        "first_visit": (q.to(first.dtype) * first).sum(),
+        "weight": q.sum(),
+    }
+
+
 def server_update(
     state: ServerState, outs: ClientOut, weights: Tensor, hp: ScaffoldConfig, opt: OptimConfig
 ) -> tuple[ServerState, Diagnostics]:
-    """x <- server step on mean_q(x - y_i); sum_q c += sum_i q_i Delta c_i (Alg. 1 lines 16-17)."""
-    q = aggregation_weights(weights, hp)
-    moved, diagnostics = fedavg.apply_pseudo_gradient(
-        fedavg.ServerState(state.params, state.opt_state), outs.upload["delta"], q, opt
-    )
-    control_sum = {
-        k: v + torch.tensordot(q.to(v.dtype), outs.upload["delta_control"][k], dims=([0], [0]))
-        for k, v in state.control_sum.items()
-    }
-    first = outs.upload["first_visit"].to(state.visited_weight.dtype)
-    visited_weight = state.visited_weight + (q.to(first.dtype) * first).sum()
+    """x <- server step on mean_q(x - y_i); sum_q c += sum_i q_i Delta c_i (Alg. 1 lines 16-17).
+
+    outs.upload: the cohort's stacked uploads [C, ...], or an UploadSums the engine summed a group at a time
+    (upload_sums); from stacked uploads the arithmetic is the weighted mean's (fedavg), unchanged.
+    """
+    server = fedavg.ServerState(state.params, state.opt_state)
+    if isinstance(outs.upload, UploadSums):
+        sums = outs.upload.sums
+        total = sums["weight"]
+        mean = {k: v / total.to(v.dtype) for k, v in sums["delta"].items()}
+        moved, diagnostics = fedavg.step_on_pseudo_gradient(server, mean, opt)
+        control_sum = {k: v + sums["delta_control"][k] for k, v in state.control_sum.items()}
+        visited_weight = state.visited_weight + sums["first_visit"].to(state.visited_weight.dtype)
+    else:
+        q = aggregation_weights(weights, hp)
+        moved, diagnostics = fedavg.apply_pseudo_gradient(server, outs.upload["delta"], q, opt)
+        control_sum = {
+            k: v + torch.tensordot(q.to(v.dtype), outs.upload["delta_control"][k], dims=([0], [0]))
+            for k, v in state.control_sum.items()
+        }
+        first = outs.upload["first_visit"].to(state.visited_weight.dtype)
+        visited_weight = state.visited_weight + (q.to(first.dtype) * first).sum()
     new_state = ServerState(moved.params, moved.opt_state, control_sum, visited_weight)
     diagnostics["scaffold/server_control_norm"] = tree_norm(broadcast(new_state, hp).control)
     return new_state, diagnostics
@@ -205,5 +240,6 @@ ALGORITHM = Algorithm(
     global_params=fedavg.global_params,
     init_client_state=init_client_state,
     local=LOCAL,
+    upload_sums=upload_sums,
     description="Control variates c_i, c correct client drift (options I/II of Alg. 1).",
 )

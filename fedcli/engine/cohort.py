@@ -429,7 +429,7 @@ def stream_cohort(
     noise_of: Callable[[np.ndarray], dict[str, Tensor]],
     states_of: Callable[[np.ndarray], Any],
     spill_dir: Path | None = None,
-    reduce: Callable[[Any], Any] | None = None,
+    reduce: Callable[[Any, Tensor], Any] | None = None,
 ) -> ClientOut:
     """The cohort's local training in groups of `group_size` similar-length clients (longest first:
     in_chunks' groups), each group's noise and client states made only when it runs.
@@ -442,7 +442,8 @@ def stream_cohort(
     in_chunks' (the same groups, inputs and per-group back-end calls), and the loop's
     whatever the groups. Bounds a round's memory to one group's inputs plus the cohort's uploads.
 
-    With `reduce` (the algorithm's upload_sums on this round's broadcast) each group's uploads are
+    With `reduce(uploads, weights)` (the algorithm's upload_sums on this round's broadcast; weights the
+    group's examples per client, aggregate's) each group's uploads are
     summed as the group ends, its non-finite clients left out (finite_rows, as aggregate does), and
     the upload returned is an UploadSums: O(group) of uploads instead of O(cohort). Sums over groups
     differ from one sum over the cohort by float rounding only (summation order).
@@ -467,6 +468,7 @@ def stream_cohort(
         sub = replace(sub, noise=noise, states=states_of(rows))
         del noise
         out = run(replace(job, inputs=sub, chunk_size=None))
+        weights = sub.plan.num_examples  # the group's [G] aggregation weights (aggregate's, per client)
         del sub
         if reduce is not None:
             keep = finite_rows(out.upload, len(rows))
@@ -475,10 +477,11 @@ def stream_cohort(
                 job.alg.upload_nbytes(out.upload) if job.alg.upload_nbytes else tree_nbytes(out.upload)
             )
             if keep.any():
-                part = reduce(
-                    out.upload
+                kept = torch.from_numpy(np.flatnonzero(keep))
+                part = (
+                    reduce(out.upload, weights)
                     if keep.all()
-                    else take_rows(out.upload, torch.from_numpy(np.flatnonzero(keep)))
+                    else reduce(take_rows(out.upload, kept), weights[kept.to(weights.device)])
                 )
                 sums = part if sums is None else pytree.tree_map(torch.add, sums, part)
                 del part

@@ -246,7 +246,9 @@ def train_cohort(
     )
     job = CohortJob(alg, fns, bc, inputs, hp, setup.opt, round_idx, cfg.train.cohort_chunk, interrupt)
     upload_sums = alg.upload_sums
-    reduce = None if upload_sums is None else (lambda up: upload_sums(up, bc, hp))  # uploads summed per group
+    reduce = (
+        None if upload_sums is None else (lambda up, w: upload_sums(up, w, bc, hp))
+    )  # uploads summed per group
     outs = (
         setup.backend.run(job)
         if group is None

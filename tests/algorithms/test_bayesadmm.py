@@ -1256,7 +1256,9 @@ def group_sums(outs: ClientOut, bc, hp, groups: list[range]) -> UploadSums:
     total = None
     for rows in groups:
         idx = torch.tensor(list(rows))
-        part = DIAG.upload_sums(pytree.tree_map(lambda t, i=idx: t.index_select(0, i), outs.upload), bc, hp)
+        part = DIAG.upload_sums(
+            pytree.tree_map(lambda t, i=idx: t.index_select(0, i), outs.upload), None, bc, hp
+        )
         total = part if total is None else pytree.tree_map(torch.add, total, part)
     num = sum(len(r) for r in groups)
     return UploadSums(sums=total, count=num, finite=np.ones(num, dtype=bool), nbytes=0.0)

@@ -331,3 +331,44 @@ def test_invalid_hyperparameters_are_refused_with_the_value() -> None:
         scaffold.ScaffoldConfig(num_clients=5)
     with pytest.raises(HyperparameterError, match=r"hp.num_clients must be >= 0; got -1\."):
         scaffold.ScaffoldConfig(weighting="uniform", num_clients=-1)
+
+
+@pytest.mark.parametrize("weighting", ["examples", "uniform"])
+def test_server_step_from_group_sums_is_the_closed_form(weighting: str) -> None:
+    """A streamed round (engine/cohort.py stream_cohort) passes server_update the uploads summed a group at a
+    time (upload_sums, groups {0, 1}, {2, 3}, {4}); the step must be Alg. 1 lines 16-17 all the same:
+    x+ = x - eta_g sum_i q_i d_i / sum_i q_i (server sgd), control_sum+ = control_sum + sum_i q_i Delta c_i,
+    visited+ = visited + sum_i q_i first_i, with q_i = n_i ("examples") or 1 ("uniform"); and equal (float64
+    rounding) to the step from the stacked uploads."""
+    from fedcli.algorithms.base import UploadSums
+
+    g = torch.Generator().manual_seed(3)
+    num = 5
+    delta, dc = torch.randn(num, D, generator=g, dtype=DT), torch.randn(num, D, generator=g, dtype=DT)
+    first = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=DT)
+    upload = {"delta": {"w": delta}, "delta_control": {"w": dc}, "first_visit": first}
+    examples = torch.tensor([3.0, 1.0, 4.0, 1.0, 5.0], dtype=DT)
+    q = examples if weighting == "examples" else torch.ones(num, dtype=DT)
+    hp, opt = scaffold.ScaffoldConfig(weighting=weighting), OptimConfig(server_lr=0.7)
+    x, c = torch.tensor([1.0, -2.0, 0.5], dtype=DT), torch.tensor([0.3, -0.2, 0.1], dtype=DT)
+    state = scaffold_state(x, c, weight=2.0)
+    bc = scaffold.broadcast(state, hp)
+    sums = None
+    for rows in ([0, 1], [2, 3], [4]):
+        idx = torch.tensor(rows)
+        part = scaffold.upload_sums(
+            pytree.tree_map(lambda t, i=idx: t.index_select(0, i), upload), examples[idx], bc, hp
+        )
+        sums = part if sums is None else pytree.tree_map(torch.add, sums, part)
+    reduced = ClientOut(upload=UploadSums(sums, num, None, 0.0), state=None, metrics={})
+    got, _ = scaffold.server_update(state, reduced, examples, hp, opt)
+    want, _ = scaffold.server_update(
+        state, ClientOut(upload=upload, state=None, metrics={}), examples, hp, opt
+    )
+
+    closed_x = x - 0.7 * (q[:, None] * delta).sum(0) / q.sum()
+    torch.testing.assert_close(got.params["w"], closed_x, rtol=0.0, atol=1e-12)
+    torch.testing.assert_close(got.control_sum["w"], 2.0 * c + (q[:, None] * dc).sum(0), rtol=0.0, atol=1e-12)
+    torch.testing.assert_close(got.visited_weight, torch.tensor(2.0, dtype=DT) + (q * first).sum())
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+from fedcli.algorithms.base import UploadSums
 from fedcli.config.build import build_config
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.cohort import CohortInputs, CohortJob, SpilledStates, take_rows
@@ -69,24 +70,26 @@ def assert_equal_trees(a: object, b: object) -> None:
         assert (x is None and y is None) if x is None else torch.equal(x, y), (x, y)
 
 
-@pytest.mark.parametrize("algo", ["scaffold", "bayesadmm"])
+@pytest.mark.parametrize("algo", ["scaffold", "bayesadmm", "feddyn"])
 @pytest.mark.parametrize("store", ["ram", "disk"])
 def test_streamed_loop_equals_the_whole_cohort(algo: str, store: str, tmp_path: Path) -> None:
     """loop without --cohort-chunk (the cohort's noise and states at once) against groups of 2 of a
-    cohort of 5 (SCAFFOLD: control variates; BayesADMM: IVON noise and duals), both state stores.
-    BayesADMM's streamed server step sums its uploads a group at a time (Algorithm.upload_sums): the
-    same up to float32 summation order, so within 1e-5 relative, not bit for bit."""
+    cohort of 5 (SCAFFOLD: control variates; BayesADMM: IVON noise and duals; FedDyn: gradient state),
+    both state stores. FedDyn's must be bit for bit. SCAFFOLD's and BayesADMM's streamed server steps
+    sum their uploads a group at a time (Algorithm.upload_sums): the same up to float32 summation
+    order, so within 1e-5 relative, not bit for bit."""
     folder = None if store == "ram" else tmp_path / "cs"
     whole = two_rounds(algo, "loop", {}, folder)
     streamed = two_rounds(
         algo, "loop", {"train.cohort_chunk": 2}, None if folder is None else tmp_path / "cs2"
     )
-    same = assert_equal_trees if algo != "bayesadmm" else assert_close_trees
+    reduced = algo != "feddyn"  # upload_sums
+    same = assert_close_trees if reduced else assert_equal_trees
     same(whole[0], streamed[0])
     assert whole[1].keys() == streamed[1].keys() and len(whole[1]) > 5  # states of clients from both rounds
     for client in whole[1]:
         same(whole[1][client], streamed[1][client])
-    if algo != "bayesadmm":
+    if not reduced:
         assert whole[2] == streamed[2]
     else:
         assert whole[2][0].keys() == streamed[2][0].keys()
@@ -108,7 +111,9 @@ def assert_close_trees(a: object, b: object) -> None:
 )
 def test_streamed_chunks_equal_in_chunks(algo: str, executor: str, task: str) -> None:
     """--cohort-chunk 2 on vmap/fused: train_cohort's streamed groups give exactly the outputs of the
-    back end's own in_chunks over the whole cohort's inputs (the path before streaming)."""
+    back end's own in_chunks over the whole cohort's inputs (the path before streaming): the states
+    and metrics bit for bit; SCAFFOLD's uploads are summed a group at a time (upload_sums), equal to
+    upload_sums of in_chunks' stacked uploads up to float32 summation order."""
     setup, init = make(algo, executor, {"train.cohort_chunk": 2}, task)
     store = ClientStateStore(init)
     state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
@@ -129,7 +134,15 @@ def test_streamed_chunks_equal_in_chunks(algo: str, executor: str, task: str) ->
     )
     streamed = train_cohort(setup, state, store, 1)
     assert np.array_equal(streamed.cohort, planned.cohort)
-    assert_equal_trees(before, streamed.outs)
+    if setup.alg.upload_sums is None:
+        assert_equal_trees(before, streamed.outs)
+        return
+    got = streamed.outs.upload
+    assert isinstance(got, UploadSums) and got.count == len(planned.cohort)
+    want = setup.alg.upload_sums(before.upload, plan.num_examples, streamed.broadcast, setup.hp)
+    assert_close_trees(got.sums, want)
+    assert_equal_trees(before.state, streamed.outs.state)
+    assert_equal_trees(before.metrics, streamed.outs.metrics)
 
 
 def test_loop_streams_when_the_noise_is_large() -> None:
@@ -183,7 +196,7 @@ def test_spilled_states_of_a_dropped_client_are_not_stored(tmp_path: Path) -> No
 
     stored = []
     for extra, folder in (({"train.cohort_chunk": 2}, tmp_path / "cs"), ({}, None)):
-        setup, init = make("scaffold", "loop", extra)
+        setup, init = make("feddyn", "loop", extra)  # stateful; its uploads are not reduced per group
         store = ClientStateStore(init, folder=folder, cache_mb=0)
         state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
         trained = train_cohort(setup, state, store, 1)

@@ -55,7 +55,9 @@ def test_a_streamed_bayesadmm_round_sums_its_uploads_a_group_at_a_time() -> None
     got = trained.outs.upload
     assert isinstance(got, UploadSums) and got.count == 5 and bool(got.finite.all())
     assert got.nbytes == float(tree_nbytes(upload))
-    assert_close_sums(got.sums, setup.alg.upload_sums(upload, trained.broadcast, setup.hp))
+    assert_close_sums(
+        got.sums, setup.alg.upload_sums(upload, trained.plan.num_examples, trained.broadcast, setup.hp)
+    )
     _, metrics = aggregate(setup, state, store, trained, 1, Timing())
     assert metrics["comm/bytes_up"] == float(tree_nbytes(upload))
     assert metrics["client/dropped_nonfinite"] == 0.0
@@ -90,7 +92,9 @@ def test_a_non_finite_client_is_left_out_of_the_group_sums() -> None:
     bad = int(np.flatnonzero(~got.finite)[0])
     keep = torch.tensor([i for i in range(5) if i != bad])
     kept = pytree.tree_map(lambda t: t.index_select(0, keep), upload)
-    assert_close_sums(got.sums, setup.alg.upload_sums(kept, trained.broadcast, setup.hp))
+    assert_close_sums(
+        got.sums, setup.alg.upload_sums(kept, trained.plan.num_examples[keep], trained.broadcast, setup.hp)
+    )
     new_state, metrics = aggregate(setup, state, store, trained, 1, Timing())
     assert metrics["client/dropped_nonfinite"] == 1.0
     assert all(torch.isfinite(p).all() for p in setup.alg.global_params(new_state).values())
