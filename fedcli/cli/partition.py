@@ -81,7 +81,7 @@ def partition(
 
     Example: fedcli partition --dataset mnist --scheme dirichlet --alpha 0.1 --clients 10 --out mnist-dir01.json
     """
-    from fedcli.config.checks import require_max_clients_support
+    from fedcli.config.validation import require_max_clients_support
     from fedcli.datasets.partition.files import save_partition
     from fedcli.datasets.partition.make import make_partition
     from fedcli.datasets.partition.spec import PartitionSpec, check_unused_defaults

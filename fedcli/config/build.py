@@ -24,9 +24,7 @@ from fedcli.config.checks import (
     build_section,
     make_hyperparameters,
     read_yaml,
-    record_model_source,
     suggest,
-    validate,
 )
 from fedcli.config.sections import (
     HP_ADDED,
@@ -37,6 +35,7 @@ from fedcli.config.sections import (
     TrainConfig,
     canonical_json,
 )
+from fedcli.config.validation import record_model_source, validate
 from fedcli.errors import ConfigError
 
 # --------------------------------------------------------------------------- recommended settings, degeneracy
