@@ -31,8 +31,9 @@ slot layout), and the client states changed since the previous checkpoint go to
 `round-NNNNNN.clients.npy` beside it (a numpy array of [changed clients, slot bytes], the
 slots of engine/clientstate.py; read with `allow_pickle=False` and `os.pread`, never run).
 A checkpoint thus writes O(cohort x rounds since the last one) bytes, not O(clients visited).
-Now and then one writes every state instead, so that the files stay within twice the live
-states (compaction: `ClientStateStore._compact_due`, docs/scaling.md "Client state").
+A checkpoint also rewrites the live states of the most superseded files when the files hold
+more than twice the live states, so that they stay within that (compaction:
+`ClientStateStore._to_compact`, docs/scaling.md "Client state").
 The `.clients.npy` file is written (temp file, fsync, rename) before the `.pt` that names it,
 so a `.pt` in place always has its files; a file no kept checkpoint names is deleted when the
 old checkpoints are pruned. Formats 1 and 2 (every client state in the `.pt`) still load.

@@ -130,8 +130,9 @@ class SlotLayout:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
-# checkpoint compaction (ClientStateStore._compact_due): when the files a manifest names hold more than
-# COMPACT_FACTOR rows per live state, and at least COMPACT_MIN_BYTES, the next checkpoint writes every state
+# checkpoint compaction (ClientStateStore._to_compact): when the files a manifest names hold more than
+# COMPACT_FACTOR rows per live state, and at least COMPACT_MIN_BYTES, the next checkpoint also rewrites the
+# live states of the files with the fewest live rows (most superseded first) until they no longer do
 COMPACT_FACTOR = 2
 COMPACT_MIN_BYTES = 1 << 30
 
@@ -349,10 +350,12 @@ class ClientStateStore:
         next rounds may overwrite the slots. The writer removes the spill file once written.
         """
         file = delta_file_name(round_idx)
-        if self._full_next or self._compact_due():
+        if self._full_next:
             self._changed = set(self._cache.states.keys() | self._on_disk)
             self._index = {}
             self._full_next = False
+        else:
+            self._changed |= self._to_compact()
         clients = sorted(self._changed)
         evicted = [c for c in clients if c not in self._cache.states]
         spilled = dict(zip(evicted, self._spill(evicted, round_idx), strict=True)) if evicted else {}
@@ -367,24 +370,37 @@ class ClientStateStore:
         self._file_rows[file] = len(clients)
         return ClientDelta(clients, states, file, dict(self._index), self.layout)
 
-    def _compact_due(self) -> bool:
-        """True when the checkpoint files the manifest would name hold more than COMPACT_FACTOR rows per
-        live client state (and at least `compact_min_bytes`): most of their rows have been superseded
-        by later checkpoints, but each file stays while one client's latest state is in it. The next
-        checkpoint then writes every state (as after a load) and the old files go once no kept
-        checkpoint names them: the checkpoints' files stay within COMPACT_FACTOR x the live states
-        (plus the older kept checkpoints'), and each state is rewritten after at least as many
-        bytes of deltas as the live states hold (docs/architecture.md, "Checkpoints")."""
+    def _to_compact(self) -> set[int]:
+        """The unchanged clients whose states this checkpoint rewrites to compact the files (segment
+        cleaning, as log-structured stores do).
+
+        A file stays while one client's latest state is in it, so with random sampling the files a
+        manifest names fill up with superseded rows. While they hold more than COMPACT_FACTOR rows per
+        live client state (and at least `compact_min_bytes`), the file with the fewest live rows per row
+        is taken: its live states go into this checkpoint's file, and it goes once no kept checkpoint
+        names it. The files then stay within COMPACT_FACTOR x the live states plus one checkpoint's
+        file (and the older kept checkpoints'), and each checkpoint writes O(cohort) rows: the file
+        taken is at most 1/COMPACT_FACTOR live, so the rows copied are at most the superseded rows
+        freed, about a cohort a checkpoint (docs/architecture.md, "Checkpoints")."""
         if self.layout is None or not self._file_rows:
-            return False
-        named: dict[str, int] = {}  # file -> its rows that stay live after this checkpoint
+            return set()
+        live: dict[str, list[int]] = {}  # file -> its clients whose latest state stays in it
         for client, (name, _) in self._index.items():
             if client not in self._changed:
-                named[name] = named.get(name, 0) + 1
+                live.setdefault(name, []).append(client)
         # a file of an earlier process (a resumed run) counts as wholly live: its superseded rows are unknown
-        rows = sum(self._file_rows.get(name, n) for name, n in named.items()) + len(self._changed)
-        live_rows = sum(named.values()) + len(self._changed)
-        return rows > COMPACT_FACTOR * live_rows and rows * self.layout.slot_bytes >= self.compact_min_bytes
+        size = {name: self._file_rows.get(name, len(clients)) for name, clients in live.items()}
+        rows = sum(size.values()) + len(self._changed)
+        live_rows = sum(len(c) for c in live.values()) + len(self._changed)
+        taken: set[int] = set()
+        for name in sorted(live, key=lambda n: (len(live[n]) / size[n], n)):
+            if rows <= COMPACT_FACTOR * live_rows or rows * self.layout.slot_bytes < self.compact_min_bytes:
+                break
+            if len(live[name]) >= size[name]:  # no superseded rows left to free
+                break
+            taken.update(live[name])
+            rows -= size[name] - len(live[name])  # the file goes; its live rows move to this checkpoint's
+        return taken
 
     def _spill(self, clients: list[int], round_idx: int) -> list[SpilledSlot]:
         """Copy `clients`' slots, one at a time, into this checkpoint's spill file."""
