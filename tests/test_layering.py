@@ -353,3 +353,93 @@ def test_the_datasets_rule_finds_a_sideways_import(tmp_path: Path) -> None:
         "fedcli.datasets.formats.leaf -> fedcli.datasets.bundled.femnist",
         "fedcli.datasets.tasks -> fedcli.datasets.yours.model",
     ]
+
+
+# ----------------------------------------------------------------------------- the engine and its store
+
+ENGINE_STORE_BANNED = ("fedcli.tracking.store.sql_store", "sqlalchemy")  # prefixes
+
+
+def test_the_engine_reaches_the_store_through_its_protocol() -> None:
+    """fedcli/engine/ imports neither the SQL store (`fedcli.tracking.store.sql_store`) nor SQLAlchemy: it
+    writes a run through `RunStore` (tracking/store/protocol.py), what a run's process needs of the store."""
+    assert (ROOT / "tracking" / "store" / "protocol.py").exists()
+    assert banned_imports(ROOT / "fedcli" / "engine", ENGINE_STORE_BANNED) == []
+
+
+def test_the_engine_store_rule_finds_lazy_and_type_only_imports(tmp_path: Path) -> None:
+    """The rule can fail: a lazy SqlStore import, `from fedcli.tracking.store import sql_store` and a
+    SQLAlchemy import under TYPE_CHECKING are found; the protocol and the store's other modules are not."""
+    (tmp_path / "engine" / "backends").mkdir(parents=True)
+    (tmp_path / "engine" / "train.py").write_text(
+        "from fedcli.tracking.store.protocol import RunStore\n"
+        "from fedcli.tracking.store.common import RunTakenOver\n"
+        "def f():\n    from fedcli.tracking.store.sql_store import SqlStore\n"
+    )
+    (tmp_path / "engine" / "backends" / "x.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sqlalchemy.orm import Session\n"
+    )
+    (tmp_path / "engine" / "y.py").write_text("from fedcli.tracking.store import sql_store\n")
+    assert banned_imports(tmp_path / "engine", ENGINE_STORE_BANNED) == [
+        "engine/backends/x.py: sqlalchemy.orm",
+        "engine/train.py: fedcli.tracking.store.sql_store",
+        "engine/y.py: fedcli.tracking.store.sql_store",
+    ]
+
+
+def protocol_mismatches(protocol: type, implementation: type) -> list[str]:
+    """Each member of `protocol` that `implementation` lacks or defines with another signature (names,
+    kinds, defaults and annotations of the parameters, the return annotation), and each annotated
+    attribute of `protocol` that `implementation` does not declare with the same annotation."""
+    import inspect
+
+    found = []
+    for name, member in vars(protocol).items():
+        if name.startswith("_") or not callable(member):
+            continue
+        theirs = getattr(implementation, name, None)
+        if theirs is None:
+            found.append(f"{name}: missing")
+        elif inspect.signature(member) != inspect.signature(theirs):  # follows functools.wraps
+            found.append(f"{name}: {inspect.signature(theirs)} is not {inspect.signature(member)}")
+    declared: dict[str, object] = {}
+    for cls in reversed(implementation.__mro__):
+        declared.update(getattr(cls, "__annotations__", {}))
+    for name, annotation in getattr(protocol, "__annotations__", {}).items():
+        if declared.get(name) != annotation:
+            found.append(f"{name}: declared {declared.get(name)!r}, not {annotation!r}")
+    return found
+
+
+def test_the_sql_store_is_a_run_store_with_the_same_signatures() -> None:
+    """RunStore's methods are copies of SqlStore's (and its mixins'), so the engine's calls mean the same
+    thing whatever the annotation says; mypy checks the rest (`SqlStore` passed where a `RunStore` is
+    expected, tracking/store/protocol.py)."""
+    from fedcli.tracking.store.protocol import RunStore
+    from fedcli.tracking.store.sql_store import SqlStore
+
+    assert {"start_run", "log_round", "end_run", "heartbeat", "checkpoints"} <= set(vars(RunStore))
+    assert protocol_mismatches(RunStore, SqlStore) == []
+
+
+def test_the_signature_check_finds_a_changed_default_and_a_missing_method() -> None:
+    """The check can fail: another default, a renamed parameter, a missing method or attribute."""
+    from typing import Protocol
+
+    class Wanted(Protocol):
+        retry_s: float
+
+        def a(self, run_id: str, n: int = 1) -> None: ...
+        def b(self, ref: str) -> str: ...
+        def c(self) -> None: ...
+
+    class Given:
+        def a(self, run_id: str, n: int = 2) -> None: ...
+        def b(self, name: str) -> str: ...
+
+    assert protocol_mismatches(Wanted, Given) == [
+        "a: (self, run_id: 'str', n: 'int' = 2) -> 'None' is not (self, run_id: 'str', n: 'int' = 1) -> 'None'",
+        "b: (self, name: 'str') -> 'str' is not (self, ref: 'str') -> 'str'",
+        "c: missing",
+        "retry_s: declared None, not 'float'",
+    ]

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 from fedcli.tracking.keys import check_metrics
 from fedcli.tracking.store.records import RunRecord
-from fedcli.tracking.store.sql_store import SqlStore
 
 if TYPE_CHECKING:
     from fedcli.tracking.mlflow.handle import MirrorHandle
+    from fedcli.tracking.store.protocol import RunStore
 
 __all__ = ["Tracker"]
 
@@ -40,7 +40,8 @@ class Tracker:
     """Fan-out of one run's tracking to the SQL store and (optionally) its MLflow mirror.
 
     Args:
-        store: The results store (source of truth for reports).
+        store: The results store (source of truth for reports): what the run needs of it
+            (`RunStore`, tracking/store/protocol.py), e.g. a `SqlStore`.
         mirror: Starts and ends the run's MLflow mirror, or None for `--no-mlflow`.
 
     `on_run`, when set, is called with the run id as soon as the run exists in the store
@@ -49,7 +50,7 @@ class Tracker:
     is stopped.
     """
 
-    def __init__(self, store: SqlStore, mirror: MirrorHandle | None = None) -> None:
+    def __init__(self, store: RunStore, mirror: MirrorHandle | None = None) -> None:
         self.store = store
         self.mirror = mirror
         self._run_id: str | None = None

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fedcli.tracking.store.common import HEARTBEAT_S, RunTakenOver, stale_s
-from fedcli.tracking.store.sql_store import SqlStore
+from fedcli.tracking.store.protocol import RunStore
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Heartbeat:
     `RunTakenOver` in `lost` (the round loop's next write raises it too).
     """
 
-    def __init__(self, store: SqlStore, run_id: str, every_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, store: RunStore, run_id: str, every_s: float = HEARTBEAT_S) -> None:
         self._store, self._run_id, self._every = store, run_id, min(every_s, stale_s() / 4)
         self.lost: RunTakenOver | None = None
         self._stop = threading.Event()

@@ -38,7 +38,7 @@ from fedcli.engine.rounds import CUMULATIVE, DivergenceError, EvalHook, Progress
 from fedcli.engine.setup import Setup, build
 from fedcli.errors import ConfigError, FedcliError
 from fedcli.tracking.store.common import RunTakenOver, StoreUnavailable
-from fedcli.tracking.store.sql_store import SqlStore
+from fedcli.tracking.store.protocol import RunStore
 
 if TYPE_CHECKING:
     from fedcli.tracking.sinks import Tracker
@@ -209,7 +209,7 @@ def _stop_without_store(tracker: Tracker, exc: StoreUnavailable) -> None:
         tracker.finish("interrupted", reason=f"store unreachable: {exc}"[:500])
 
 
-def _cumulative(store: SqlStore, run_id: str, completed: int) -> dict[str, float]:
+def _cumulative(store: RunStore, run_id: str, completed: int) -> dict[str, float]:
     """The cumulative totals a resumed run continues from (its round `completed`)."""
     if completed <= 0:
         return {}

@@ -10,6 +10,8 @@ that defines a name (this package imports nothing):
 - `session` — transactions, retries and lease checks (the `StoreSession` mixin);
 - `engine` — SQLite/PostgreSQL connection settings, the SQLite lock holder;
 - `records` — `RunRecord`, `Claim`, `where` filters;
+- `protocol` — `RunStore`, what a run's process needs of the store (the engine and `Tracker` are typed
+  with it; `SqlStore` satisfies it);
 - `liveness` — whether a run's or a claim's process is alive;
 - `schema` — the tables, their set-up and upgrade, secrets masking;
 - `common` — constants, canonical JSON and hashes (`canonical_json`, `config_hash`),
