@@ -177,7 +177,7 @@ def check_arrays(path: Path, arrays: Arrays) -> None:
             "Fill them, or drop the client column and partition with --scheme iid/dirichlet."
         )
     if client is not None:
-        from fedcli.datasets.yours.data import check_client_ids
+        from fedcli.datasets.yours.convert import check_client_ids
 
         check_client_ids(client, name, "client")  # 1.5 and 1.2 are not one client, nor is 1.0 a name
     for key in ("x", "x_test"):
