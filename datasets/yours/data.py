@@ -254,7 +254,7 @@ def load_function(ref: str) -> tuple[Callable[[], Any], str]:
         )
     source = getattr(module, "__file__", None)
     digest = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
-    from fedcli.datasets.yours.model import remember_import
+    from fedcli.datasets.yours.user_code import remember_import
 
     remember_import(ref, digest)  # imported here: later gates of the same code pass (datasets/yours/trust.py)
     return fn, digest

@@ -26,23 +26,30 @@ datasets/yours/trust.py `allow_code` let it (docs/architecture.md, "Security").
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import inspect
 import json
 import logging
-import sys
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from fedcli.datasets.yours.user_code import (
+    _IMPORTED,
+    _find_spec,
+    _first_line,
+    _import_file,
+    _sha,
+    remember_import,
+    source_sha256,
+)
 from fedcli.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -55,33 +62,6 @@ _VMAP_OBSTACLES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDict
 def is_reference(model: object) -> bool:
     """True for a user model reference (`module:factory` or `file.py:factory`), False for a built-in name."""
     return isinstance(model, str) and ":" in model
-
-
-def model_plugins() -> Mapping[str, tuple[str, str]]:
-    """Models of installed plugins: name -> (reference `module:factory`, package), read from the
-    entry-point group ``fedcli.models`` without importing them (docs/bring-your-own.md, "Plugins").
-    A name that is not a `module:attr` reference is left out with a warning."""
-    global _PLUGINS
-    if _PLUGINS is None:
-        from importlib.metadata import entry_points
-
-        found: dict[str, tuple[str, str]] = {}
-        for ep in entry_points(group="fedcli.models"):
-            package = ep.dist.name if ep.dist is not None else "?"
-            if not is_reference(ep.value) or ep.name in found:
-                log.warning(
-                    "model plugin %r of %s is left out: %r is not a unique 'module:factory'",
-                    ep.name,
-                    package,
-                    ep.value,
-                )
-                continue
-            found[ep.name] = (ep.value.replace(" ", ""), package)
-        _PLUGINS = MappingProxyType(dict(sorted(found.items())))
-    return _PLUGINS
-
-
-_PLUGINS: Mapping[str, tuple[str, str]] | None = None
 
 
 def model_reference(model: Any, *, base: Path | None = None) -> str:
@@ -120,7 +100,7 @@ def model_reference(model: Any, *, base: Path | None = None) -> str:
             )
         model = f"{module}:{qual}"
     if not is_reference(model):
-        return model  # a name: the task's own model, else a model plugin's (fedcli/config/checks.py record_model_source)
+        return model  # a name: the task's own model, else a model plugin's (fedcli/config/validation.py record_model_source)
     target, _, attr = model.rpartition(":")
     if not target or not attr:
         raise ConfigError(
@@ -144,63 +124,6 @@ def model_reference(model: Any, *, base: Path | None = None) -> str:
         if spec is None or (spec.origin and Path(spec.origin).resolve() == local.resolve()):
             return f"{local.resolve()}:{attr}"
     return model
-
-
-def _source_file(ref: str) -> Path:
-    target = ref.rpartition(":")[0]
-    if target.endswith(".py"):
-        return Path(target)
-    spec = _find_spec(ref, target)
-    if spec is None:
-        raise ConfigError(
-            f"data.model {ref!r}: module {target!r} is not importable here; install it or put its "
-            "folder on PYTHONPATH, or pass the file: 'path/to/file.py:Name'."
-        )
-    if not spec.origin or not Path(spec.origin).is_file():
-        raise ConfigError(
-            f"data.model {ref!r}: module {target!r} has no source file to record; define the model in "
-            "a .py module."
-        )
-    return Path(spec.origin)
-
-
-def _find_spec(ref: str, target: str) -> Any:
-    try:
-        return importlib.util.find_spec(target)
-    except (ImportError, ValueError) as err:
-        raise ConfigError(
-            f"data.model {ref!r}: module {target!r} cannot be found ({err}); install it or put "
-            "its folder on PYTHONPATH, or pass the file: 'path/to/file.py:Name'."
-        ) from None
-
-
-def source_sha256(ref: str) -> str:
-    """sha256 (hex) of the source file of the module a reference names."""
-    path = _source_file(ref)
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError as err:
-        raise ConfigError(f"data.model {ref!r}: {path} cannot be read ({err.strerror}).") from None
-
-
-def _import_file(path: Path) -> ModuleType:
-    """Import a .py file once per process and content, under a name unique to its path and source (a
-    long-lived sweep worker imports an edited file again)."""
-    key = hashlib.sha256(str(path).encode() + path.read_bytes()).hexdigest()[:16]
-    name = f"fedcli_user_model_{path.stem}_{key}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{path} cannot be imported as a Python module; give a .py file.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 def load_factory(ref: str) -> Callable[..., nn.Module]:
@@ -249,30 +172,6 @@ def load_factory(ref: str) -> Callable[..., nn.Module]:
             "what builds the model."
         )
     return obj  # type: ignore[no-any-return]
-
-
-_IMPORTED: dict[str, str] = {}  # module -> sha256 of its source when this process imported it
-# (reference, sha256 of its source) of the user code (models, data functions) this process imported or
-# allowed: datasets/yours/trust.py lets the same code run again without another opt-in
-IMPORTED_CODE: set[tuple[str, str]] = set()
-
-
-def remember_import(ref: str, sha256: str) -> None:
-    """Record that this process imported (or was allowed to import) `ref` with this source's sha256."""
-    if sha256:
-        IMPORTED_CODE.add((ref, sha256))
-
-
-def _sha(path: str) -> str:
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return ""
-
-
-def _first_line(err: BaseException) -> str:
-    text = (str(err).strip().splitlines() or [""])[0][:200]
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def factory_kwargs(factory: Callable[..., Any], facts: Mapping[str, Any]) -> dict[str, Any]:

@@ -59,7 +59,8 @@ def recorded_code(
     `data_file` / `data_sha256` override the section's `file` / `source_sha256` (served.pt keeps them apart).
     """
     from fedcli.datasets.yours.data import PYTHON_PREFIX, is_data_ref
-    from fedcli.datasets.yours.model import is_reference, model_plugins
+    from fedcli.datasets.yours.model import is_reference
+    from fedcli.datasets.yours.plugins import model_plugins
 
     data = data if isinstance(data, Mapping) else {}
     out = []
@@ -78,20 +79,20 @@ def recorded_code(
 def source_sha256(ref: str) -> str:
     """sha256 of the source file of the module a reference names (a dotted module is looked up: only
     call it once the code is allowed)."""
-    from fedcli.datasets.yours.model import source_sha256 as model_source_sha256
+    from fedcli.datasets.yours.user_code import source_sha256 as model_source_sha256
 
     return model_source_sha256(ref)
 
 
 def remember(ref: str, sha256: str) -> None:
     """Record that this process imported (or allowed) `ref` with this source: later gates of the same code pass."""
-    from fedcli.datasets.yours.model import remember_import
+    from fedcli.datasets.yours.user_code import remember_import
 
     remember_import(ref, sha256)
 
 
 def _remembered(ref: str) -> bool:
-    from fedcli.datasets.yours.model import IMPORTED_CODE as _ALLOWED
+    from fedcli.datasets.yours.user_code import IMPORTED_CODE as _ALLOWED
 
     target = ref.rpartition(":")[0]
     if not any(r == ref for r, _ in _ALLOWED):

@@ -322,7 +322,7 @@ def model_rows(**_: Any) -> list[dict[str, Any]]:
     """Models by name: each task's own (package fedcli, or the task plugin's) and the model plugins'
     (entry-point group fedcli.models: any task, `--model NAME`; docs/bring-your-own.md, "Plugins")."""
     from fedcli.datasets.registry import TASK_SOURCES, TASKS
-    from fedcli.datasets.yours.model import model_plugins
+    from fedcli.datasets.yours.plugins import model_plugins
 
     own: dict[tuple[str, str], list[str]] = {}
     for task in TASKS.values():

@@ -24,7 +24,8 @@ from fedcli.config.sections import (
     PartitionConfig,
     RunConfig,
 )
-from fedcli.datasets.yours.model import is_reference, model_plugins
+from fedcli.datasets.yours.model import is_reference
+from fedcli.datasets.yours.plugins import model_plugins
 from fedcli.errors import ConfigError
 
 
@@ -186,7 +187,8 @@ def record_model_source(cfg: RunConfig) -> RunConfig:
     """
     from fedcli.datasets.registry import TASKS
     from fedcli.datasets.yours.files import MODELS
-    from fedcli.datasets.yours.model import model_reference, source_sha256
+    from fedcli.datasets.yours.model import model_reference
+    from fedcli.datasets.yours.user_code import source_sha256
 
     own = (
         MODELS if cfg.data.file is not None else TASKS[cfg.data.task].models if cfg.data.task in TASKS else {}
