@@ -89,13 +89,8 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "fedcli.engine.rounds": {
         "_PREFETCH": "one process-wide prefetch thread, started on first use: a resource of the process "
-        "like a thread pool, holding no run's data between calls (rounds.py is not edited here; "
-        "`functools.cache` on a factory would hold it without a module-level name)",
-    },
-    "fedcli.engine.setup": {
-        "DATA_CACHE": "a sweep worker's task data, shared by its trials (fedcli/sweep/worker.py sets it); "
-        "None everywhere else. To remove: a `data_cache` argument from the worker through "
-        "run_config/prepared_run (fedcli/runs/run.py) to build()",
+        "like a thread pool, holding no run's data between calls. To remove: `@functools.cache` on "
+        "`prefetcher()`",
     },
     "fedcli.sweep.process": {
         "_EARLY": "the worker `fedcli sweep` spawns before it imports torch, handed to the WorkerScheduler "
@@ -107,6 +102,11 @@ ALLOWED: dict[str, dict[str, str]] = {
         "(its imports overlap the run's): adopted by the run's MirrorHandle.spawn through the CLI, the "
         "run layer and open_tracker, or ended by discard_early/atexit; one process handed off, emptied "
         "on adoption",
+    },
+    "fedcli.engine.setup": {
+        "DATA_CACHE": "a sweep worker's task data, shared by its trials (fedcli/sweep/worker.py sets it); "
+        "None everywhere else. To remove: the worker's own dict passed as a `data_cache` argument "
+        "through run_config and prepared_run (fedcli/runs/run.py) to build()",
     },
 }
 
