@@ -21,5 +21,10 @@ class DataError(FedcliError):
     """Missing, corrupt or incompatible data (exit code 2: the user points at data)."""
 
 
+class CheckpointError(DataError):
+    """A checkpoint or model file fedcli will not use: unreadable, needing code to load, or another
+    run's or round's. The message is one line naming the file and the reason."""
+
+
 class TrackingError(FedcliError):
     """The results store or MLflow cannot be used (exit code 2: the user picks the store)."""

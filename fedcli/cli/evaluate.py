@@ -245,6 +245,7 @@ def load_model(
     from fedcli.datasets.yours.trust import allow_code, recorded_code, same_reference
     from fedcli.engine import checkpoint as ckpt
     from fedcli.engine.setup import build
+    from fedcli.errors import CheckpointError
 
     doc = {k: dict(v) if isinstance(v, dict) else v for k, v in (record.requested or record.config).items()}
     if task is not None:  # another task's data: its own natural clients, no cohort-size check against them
@@ -328,7 +329,7 @@ def load_model(
             )
             round_idx = checkpoint
             buffers, source = extras.get("buffers"), f"checkpoint of round {checkpoint}"
-    except ckpt.CheckpointError as err:
+    except CheckpointError as err:
         raise (misfit if task is not None and "does not fit" in str(err) else err) from None
     if (
         setup.fns.client_stats is not None

@@ -32,7 +32,7 @@ from fedcli.engine.backends.fused import FusedBackend
 from fedcli.engine.backends.graphed import GraphedVmap
 from fedcli.engine.backends.loop import LoopBackend
 from fedcli.engine.backends.vmap import VmapBackend
-from fedcli.engine.checkpoint import CheckpointWriter
+from fedcli.engine.checkpoint_writer import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.cohort import (
     STATS_PREFIX,

@@ -28,15 +28,17 @@ from fedcli.config.sections import RunConfig
 from fedcli.datasets.tasks import data_record
 from fedcli.engine import checkpoint as ckpt
 from fedcli.engine.backends.distributed import serve as serve_slices
-from fedcli.engine.checkpoint import CheckpointWriter
+from fedcli.engine.checkpoint_writer import CheckpointWriter
+from fedcli.engine.client_files import StoredClientStates
 from fedcli.engine.clientstate import ClientStateStore, make_store
 from fedcli.engine.distributed import Peers
 from fedcli.engine.evaluation import resolve_eval_sample
 from fedcli.engine.lifecycle import GracefulSignals, Heartbeat, RunInterrupted, graceful_signals, signal_name
 from fedcli.engine.model import final_buffers
+from fedcli.engine.plain import to_plain
 from fedcli.engine.rounds import CUMULATIVE, DivergenceError, EvalHook, ProgressFn, RoundLoop, Timing
 from fedcli.engine.setup import Setup, build
-from fedcli.errors import ConfigError, FedcliError
+from fedcli.errors import CheckpointError, ConfigError, FedcliError
 from fedcli.tracking.store.common import RunTakenOver, StoreUnavailable
 from fedcli.tracking.store.protocol import RunStore
 
@@ -351,7 +353,7 @@ def _save_model(tracker: Tracker, run_dir: Path, setup: Setup, state: Any) -> Pa
             "run_id": tracker.run_id,
             "config_hash": setup.cfg.config_hash,
             "params": params,
-            "server_state": ckpt.to_plain(ckpt.to_cpu(state)),
+            "server_state": to_plain(ckpt.to_cpu(state)),
             "config": setup.cfg.to_dict(),
             "task": setup.task.name,
             "algorithm": setup.alg.name,
@@ -379,7 +381,7 @@ def _restore_stats(setup: Setup, buffers: dict[str, torch.Tensor] | None, what: 
     try:
         carried.load(buffers, what)
     except ConfigError as err:
-        raise ckpt.CheckpointError(str(err)) from None
+        raise CheckpointError(str(err)) from None
 
 
 def _restore(
@@ -419,13 +421,13 @@ def _restore(
                 extras=extras,
             )
             if isinstance(
-                client_states, ckpt.StoredClientStates
+                client_states, StoredClientStates
             ):  # format 3: the next checkpoint builds on it
                 store.load_state_dict(client_states, index=client_states.index)
             else:
                 store.load_state_dict(client_states)
             _restore_stats(setup, extras.get("buffers"), f"checkpoint of round {round_idx} ({path})")
-        except ckpt.CheckpointError as err:
+        except CheckpointError as err:
             log.warning("%s; trying an older one", err)
             continue
         tracker.resume(

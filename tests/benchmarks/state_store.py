@@ -189,7 +189,7 @@ def probe(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
     from fedcli.config.build import build_config
-    from fedcli.engine.checkpoint import CheckpointWriter
+    from fedcli.engine.checkpoint_writer import CheckpointWriter
     from fedcli.engine.clientstate import ClientStateStore
     from fedcli.engine.rounds import Timing, run_round
     from fedcli.engine.setup import build

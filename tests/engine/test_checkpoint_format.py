@@ -18,6 +18,8 @@ from fedcli.algorithms.base import OptimConfig
 from fedcli.config.build import build_config
 from fedcli.config.checks import make_hyperparameters
 from fedcli.engine import checkpoint as ckpt
+from fedcli.engine.plain import from_plain, to_plain
+from fedcli.errors import CheckpointError
 from fedcli.tracking.urls import has_password, is_masked, mask_url
 
 PARAMS = {"linear.weight": torch.zeros(2, 3), "linear.bias": torch.zeros(2)}
@@ -58,9 +60,9 @@ def test_every_algorithms_states_round_trip_through_a_weights_only_file(name: st
     the template gives the state back, types included (every NamedTuple rebuilt)."""
     server, client = states(name, seed=1)
     template, client_template = states(name, seed=2)
-    assert_same_tree(ckpt.from_plain(through_file(ckpt.to_plain(server)), template, "f"), server)
+    assert_same_tree(from_plain(through_file(to_plain(server)), template, "f"), server)
     if client is not None:
-        assert_same_tree(ckpt.from_plain(through_file(ckpt.to_plain(client)), client_template, "f"), client)
+        assert_same_tree(from_plain(through_file(to_plain(client)), client_template, "f"), client)
 
 
 def test_a_state_of_another_algorithm_or_model_is_refused() -> None:
@@ -68,17 +70,17 @@ def test_a_state_of_another_algorithm_or_model_is_refused() -> None:
     shapes names the shapes; neither is half-used."""
     fedavg, _ = states("fedavg", 0)
     scaffold, _ = states("scaffold", 0)
-    with pytest.raises(ckpt.CheckpointError, match="fedavg.ServerState'.*does not have"):
-        ckpt.from_plain(ckpt.to_plain(fedavg), scaffold, "f")
+    with pytest.raises(CheckpointError, match="fedavg.ServerState'.*does not have"):
+        from_plain(to_plain(fedavg), scaffold, "f")
     bigger = ALGORITHMS["fedavg"].server_init(
         {"linear.weight": torch.zeros(2, 4), "linear.bias": torch.zeros(2)},
         make_hyperparameters("fedavg", {}),
         OptimConfig(client_lr=0.1),
     )
     with pytest.raises(
-        ckpt.CheckpointError, match=r"a tensor of \(2, 4\) torch.float32 where the run has \(2, 3\)"
+        CheckpointError, match=r"a tensor of \(2, 4\) torch.float32 where the run has \(2, 3\)"
     ):
-        ckpt.from_plain(ckpt.to_plain(bigger), fedavg, "f")
+        from_plain(to_plain(bigger), fedavg, "f")
 
 
 def test_a_checkpoint_must_be_its_runs_rounds_and_configs() -> None:
@@ -105,17 +107,17 @@ def test_a_checkpoint_must_be_its_runs_rounds_and_configs() -> None:
 
     check(payload)
     check(payload, config_hash=longer.config_hash, requested=longer.to_dict())  # resumed with more rounds
-    with pytest.raises(ckpt.CheckpointError, match="lacks 'client_states'"):
+    with pytest.raises(CheckpointError, match="lacks 'client_states'"):
         check({k: v for k, v in payload.items() if k != "client_states"})
-    with pytest.raises(ckpt.CheckpointError, match="belongs to run bbbbbbbb, not aaaaaaaa"):
+    with pytest.raises(CheckpointError, match="belongs to run bbbbbbbb, not aaaaaaaa"):
         check({**payload, "run_id": "b" * 32})
-    with pytest.raises(ckpt.CheckpointError, match="holds round 4, not 5"):
+    with pytest.raises(CheckpointError, match="holds round 4, not 5"):
         check(payload, round_idx=5)
     with pytest.raises(
-        ckpt.CheckpointError, match=f"config hash {cfg.config_hash[:10]}.*another configuration"
+        CheckpointError, match=f"config hash {cfg.config_hash[:10]}.*another configuration"
     ):
         check(payload, config_hash=other.config_hash, requested=other.to_dict())
-    with pytest.raises(ckpt.CheckpointError, match="format 4"):
+    with pytest.raises(CheckpointError, match="format 4"):
         check({**payload, "format_version": 4})
 
 
@@ -131,7 +133,7 @@ def test_load_checkpoint_refuses_a_file_that_needs_code_and_runs_none(tmp_path: 
     path = tmp_path / "round-000001.pt"
     torch.save({"format_version": 2, "server_state": Payload()}, path)
     server, _ = states("fedavg", 0)
-    with pytest.raises(ckpt.CheckpointError) as err:
+    with pytest.raises(CheckpointError) as err:
         ckpt.load_checkpoint(
             path,
             "checkpoint of round 1",

@@ -21,6 +21,7 @@ from fedcli.config.build import build_config
 from fedcli.config.checks import make_hyperparameters
 from fedcli.config.sections import config_hash_of
 from fedcli.engine import checkpoint as ckpt
+from fedcli.engine.checkpoint_writer import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore, SlotLayout, make_store
 from fedcli.errors import TrackingError
 
@@ -124,8 +125,8 @@ def test_every_stateful_algorithms_client_state_round_trips_through_a_slot(name:
     assert spec == want_spec and all(torch.equal(x, y) for x, y in zip(leaves, want, strict=True))
 
 
-def writer(run_dir: Path, keep: int = 2) -> ckpt.CheckpointWriter:
-    return ckpt.CheckpointWriter(
+def writer(run_dir: Path, keep: int = 2) -> CheckpointWriter:
+    return CheckpointWriter(
         run_dir, record=lambda r, p: None, forget=lambda rounds: None, existing=[], every=1, keep=keep
     )
 

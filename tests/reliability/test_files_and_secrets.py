@@ -22,7 +22,8 @@ import pytest
 import torch
 from sqlalchemy.engine import make_url
 
-from fedcli.engine import checkpoint as ckpt
+from fedcli.engine.client_files import StoredClientStates
+from fedcli.engine.plain import from_plain
 from fedcli.tracking.store.sql_store import SqlStore
 
 TINY = ["--task", "lsq", "--clients-per-round", "4"]  # 20 clients, 11 parameters: rounds take milliseconds
@@ -195,8 +196,8 @@ def test_checkpoints_of_the_previous_format_still_load_and_resume_bit_exact(tmp_
         "round_idx": 4,
         "seed": new["seed"],
         "config": new["config"],
-        "server_state": ckpt.from_plain(new["server_state"], template, "test"),
-        "client_states": ckpt.StoredClientStates.of(
+        "server_state": from_plain(new["server_state"], template, "test"),
+        "client_states": StoredClientStates.of(
             path.parent, new["client_index"], client_template, "test"
         ).to_dict(),
     }  # format 3: the .clients.npy files
@@ -214,7 +215,7 @@ def test_checkpoints_of_the_previous_format_still_load_and_resume_bit_exact(tmp_
     saved = torch.load(model, weights_only=True)
     torch.save(
         {k: v for k, v in saved.items() if k not in ("format_version", "run_id", "config_hash")}
-        | {"server_state": ckpt.from_plain(saved["server_state"], template, "test")},
+        | {"server_state": from_plain(saved["server_state"], template, "test")},
         model,
     )
     first = fedcli("sync", "--root", str(root))

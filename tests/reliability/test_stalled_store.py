@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from fedcli.config.build import build_config
-from fedcli.engine.checkpoint import AUTO_BUDGET, CheckpointWriter
+from fedcli.engine.checkpoint_writer import AUTO_BUDGET, CheckpointWriter
 from fedcli.tracking.store.sql_store import SqlStore
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from fedcli.engine import checkpoint as ckpt
+from fedcli.engine.client_files import StoredClientStates
 from fedcli.tracking.store.sql_store import SqlStore
 
 TINY = ["--task", "lsq", "--clients-per-round", "4", "--no-mlflow"]  # 20 clients: rounds take milliseconds
@@ -146,7 +147,7 @@ def test_a_checkpoint_of_the_old_format_resumes_exactly(tmp_path: Path) -> None:
         requested=record.requested,
         round_idx=6,
     )
-    assert isinstance(clients, ckpt.StoredClientStates) and len(clients) > 4
+    assert isinstance(clients, StoredClientStates) and len(clients) > 4
     old = ckpt.checkpoint_payload(
         round_idx=6,
         server_state=server,
