@@ -232,7 +232,7 @@ def sweep(
                     cluster.check(track)
                 if dry_run:
                     return
-                from fedcli.sweep.search import SearchSource
+                from fedcli.sweep.search_source import SearchSource
 
                 db = open_store(track.store_url)
                 source = SearchSource(body, {k: v for k, v in tracking.items() if v is not None}, db)

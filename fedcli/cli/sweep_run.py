@@ -30,7 +30,7 @@ def run_plans(
     """Run what the plans say, showing the trials; print results and report; return the exit code.
 
     `cluster`: a fedcli.sweep.ray_runner.RayCluster to run the trials on, else local processes. `source`: a
-    trial source (a search's fedcli.sweep.search.SearchSource) the scheduler asks instead of `plans`
+    trial source (a search's fedcli.sweep.search_source.SearchSource) the scheduler asks instead of `plans`
     (then empty), with the trials' `track`ing config.
     """
     from fedcli.engine.machine import available_cores

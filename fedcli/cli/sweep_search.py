@@ -1,6 +1,6 @@
 """`fedcli sweep` of a spec with a `search:` block: check it, show its plan, run it (docs/sweeps.md, "Search").
 
-The trials come from an Optuna study in the store's database (fedcli/sweep/search.py `SearchSource`)
+The trials come from an Optuna study in the store's database (fedcli/sweep/search_source.py `SearchSource`)
 and run through the same scheduler, workers, claims, live table and report as a grid's
 (fedcli/cli/sweep_run.py `run_plans`).
 """

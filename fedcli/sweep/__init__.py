@@ -39,6 +39,7 @@ and environment) -> `scheduler` (`TrialProcess`, `TrialClaims`, `Scheduler`, `Tr
 `TrialSource`) -> `rows` (the live table's rows, `parent_tags`); `process` starts sweep workers so that
 they end with the sweep; the long-lived workers that run the trials are `worker_pool` (the sweep's
 side, `WorkerScheduler`) and `worker` (the worker process); `search_spec` checks a spec's `search:`
-and `pruner:` blocks and `search` runs them with Optuna; `estimate` is `fedcli sweep --dry-run`'s
-probe; `ray_runner` (`RayScheduler`) and `ray_actor` (what runs on a Ray node) are `--backend ray`.
+and `pruner:` blocks, `search` sets up the Optuna study and `search_source` (`SearchSource`) runs it;
+`estimate` is `fedcli sweep --dry-run`'s probe; `ray_runner` (`RayScheduler`) and `ray_actor` (what
+runs on a Ray node) are `--backend ray`.
 """

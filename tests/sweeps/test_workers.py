@@ -253,7 +253,7 @@ def test_one_mlflow_mirror_per_sweep_and_every_trial_a_nested_child(tmp_path: Pa
 
 
 class ListSource:
-    """A trial source of fixed plans (the shape of fedcli.sweep.search.SearchSource): ask, tell, hook."""
+    """A trial source of fixed plans (the shape of fedcli.sweep.search_source.SearchSource): ask, tell, hook."""
 
     def __init__(self, plans: list) -> None:
         self.left, self.told, self.asked = list(plans), [], 0
