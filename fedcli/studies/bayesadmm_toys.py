@@ -43,8 +43,9 @@ Deviations:
   training split; the reference is one batch IVON run, not batch VON to convergence.
 Layout: this module (the paper, the deviations above, `run`) re-exports the public names of its
 parts, one per figure: bayesadmm_toys_fig3b, bayesadmm_toys_fig4, bayesadmm_toys_fig3a (each the
-computation, then its report section), and bayesadmm_toys_shared (cohorts, sizes, table and axis
-helpers). Each part stays under 500 lines and each function under 50.
+computation, then its report section; Fig. 4's report section is its own module,
+bayesadmm_toys_fig4_report, imported from there), and bayesadmm_toys_shared (cohorts, sizes, table
+and axis helpers). Each part stays under 500 lines and each function under 50.
 """
 
 from __future__ import annotations
@@ -89,24 +90,17 @@ from fedcli.studies.bayesadmm_toys_fig4 import (
     admm_client,
     boundary_disagreement,
     fig4_bayes_config,
-    fig4_checks,
     fig4_clients,
-    fig4_figure,
     fig4_numbers,
-    fig4_rows,
-    fig4_section,
     map_estimate,
-    plot_boundaries,
-    plt_color,
-    reach_text,
     relative_error,
     run_fig4_admm,
     run_fig4_bayes,
     sigmoid,
-    spread,
     vb_estimate,
     von_client,
 )
+from fedcli.studies.bayesadmm_toys_fig4_report import fig4_section
 from fedcli.studies.bayesadmm_toys_shared import (
     F64,
     OPT,
@@ -150,12 +144,8 @@ __all__ = [
     "fig3b_numbers",
     "fig3b_section",
     "fig4_bayes_config",
-    "fig4_checks",
     "fig4_clients",
-    "fig4_figure",
     "fig4_numbers",
-    "fig4_rows",
-    "fig4_section",
     "first_round",
     "full_batch_context",
     "integer_rounds",
@@ -163,10 +153,7 @@ __all__ = [
     "map_estimate",
     "neg_elbo",
     "pad_cohort",
-    "plot_boundaries",
-    "plt_color",
     "polyak_heavy_ball",
-    "reach_text",
     "relative_error",
     "ridge_loss",
     "ridge_objective",
@@ -182,7 +169,6 @@ __all__ = [
     "sigmoid",
     "softmax_grad",
     "softmax_problem",
-    "spread",
     "stack_tree",
     "vb_estimate",
     "von_client",

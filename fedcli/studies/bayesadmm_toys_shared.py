@@ -1,7 +1,7 @@
 """BayesADMM toys, shared parts: the full-batch client context, vmapped cohorts, the study's sizes, table and plot helpers.
 
 Part of the `bayesadmm_toys` study (fedcli.studies.bayesadmm_toys: the paper, the deviations,
-`run`); the figures' modules (bayesadmm_toys_fig3b, _fig4, _fig3a) import from here.
+`run`); the figures' modules (bayesadmm_toys_fig3b, _fig4, _fig4_report, _fig3a) import from here.
 """
 
 from __future__ import annotations
