@@ -83,7 +83,7 @@ class ClientOut(NamedTuple):
 @dataclass
 class UploadSums:
     """server_update's `outs.upload` where the engine reduced the cohort's uploads a group at a time
-    (Algorithm.upload_sums; engine/cohort.py stream_cohort): no [C, ...] upload is ever held.
+    (Algorithm.upload_sums; engine/streaming.py stream_cohort): no [C, ...] upload is ever held.
 
     `sums` is the sum over the groups of upload_sums(group) over the clients kept (finite uploads),
     `count` how many were kept, `finite` (numpy bool [C]) which cohort rows were, `nbytes` the bytes
@@ -286,7 +286,7 @@ class Algorithm(NamedTuple):
     # (upload[G], weights[G], broadcast, hp) -> a pytree of tensors without the client axis whose sum over
     # groups of clients is what server_update reads of the cohort's uploads (BayesADMM: Sum s_k, Sum s_k m_k,
     # the dual increments' sums; SCAFFOLD: Sum q_i (x - y_i), Sum q_i Delta c_i); weights are server_update's
-    # (the clients' example counts) for the group's clients. Set, rounds the engine streams (engine/rounds.py stream_group) reduce each group's
+    # (the clients' example counts) for the group's clients. Set, rounds the engine streams (engine/streaming.py stream_group) reduce each group's
     # uploads as it ends and pass server_update an UploadSums instead of the stacked [C, ...] uploads, so
     # they hold O(group) of uploads; server_update must take both (docs/architecture.md, "Back ends").
     upload_sums: Callable[..., Any] | None = None

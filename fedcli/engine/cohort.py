@@ -5,8 +5,9 @@ the cohort's `CohortInputs` (plan rows, step keys, noise, stacked client states)
 returns the cohort's stacked `ClientOut` in cohort order (engine/backends/). Shared here:
 one client's function (`client_fn`, which composes declared local training through
 engine/local.py), vmapping it, slicing a cohort into groups and merging their results
-(`take_clients`, `merge_outs`, `split_cohort`, `balanced_groups`), chunks (`in_chunks`), and
-padding steps (`pad_steps`).
+(`take_clients`, `merge_outs`, `split_cohort`, `balanced_groups`), chunks (`in_chunks`),
+padding steps (`pad_steps`), and the new states a streamed round spills to a file (`SpilledStates`;
+engine/streaming.py streams a round).
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from fedcli.algorithms.base import (
     ClientContext,
     ClientOut,
     OptimConfig,
-    UploadSums,
-    tree_nbytes,
 )
 from fedcli.datasets.federated import CohortPlan
 from fedcli.engine.clientstate import state_write_error
@@ -420,122 +419,6 @@ def take_rows(tree: Any, rows: Tensor) -> Any:
         ),
         tree,
     )
-
-
-def stream_cohort(
-    job: CohortJob,
-    run: Callable[[CohortJob], ClientOut],
-    group_size: int,
-    noise_of: Callable[[np.ndarray], dict[str, Tensor]],
-    states_of: Callable[[np.ndarray], Any],
-    spill_dir: Path | None = None,
-    reduce: Callable[[Any, Tensor], Any] | None = None,
-) -> ClientOut:
-    """The cohort's local training in groups of `group_size` similar-length clients (longest first:
-    in_chunks' groups), each group's noise and client states made only when it runs.
-
-    `job.inputs` carries the plan and keys (noise {} and states None); `noise_of(rows)` draws the
-    noise of cohort rows `rows` at the cohort's padded length and `states_of(rows)` gathers their
-    states. Each group's outputs go into one [C, ...] tensor per uploaded leaf and metric (no
-    merge copy; the group's own tensors are freed as it ends); with `spill_dir` the new client
-    states are written to an unlinked file there (SpilledStates) instead of RAM. Results equal
-    in_chunks' (the same groups, inputs and per-group back-end calls), and the loop's
-    whatever the groups. Bounds a round's memory to one group's inputs plus the cohort's uploads.
-
-    With `reduce(uploads, weights)` (the algorithm's upload_sums on this round's broadcast; weights the
-    group's examples per client, aggregate's) each group's uploads are
-    summed as the group ends, its non-finite clients left out (finite_rows, as aggregate does), and
-    the upload returned is an UploadSums: O(group) of uploads instead of O(cohort). Sums over groups
-    differ from one sum over the cohort by float rounding only (summation order).
-    """
-    inputs = job.inputs
-    plan = inputs.plan
-    num_clients, epochs, padded = len(plan.num_examples), plan.num_epochs, plan.steps_per_epoch
-    order = np.argsort(-plan.steps_per_client, kind="stable")
-    merged: list[Tensor | None] | None = None
-    spec: Any = None
-    sums: Any = None
-    finite, nbytes = np.ones(num_clients, dtype=bool), 0.0
-    states: SpilledStates | list[tuple[np.ndarray, Any]] = (
-        [] if spill_dir is None else SpilledStates(spill_dir)
-    )
-    for start in range(0, num_clients, group_size):
-        rows = order[start : start + group_size]
-        job.at_safe_point()
-        sub = take_clients(inputs, rows)  # plan, keys (and what else rides per client) of the group
-        own = sub.plan.steps_per_epoch
-        noise = {k: trim_rows(v, epochs, padded, own) for k, v in noise_of(rows).items()}
-        sub = replace(sub, noise=noise, states=states_of(rows))
-        del noise
-        out = run(replace(job, inputs=sub, chunk_size=None))
-        weights = sub.plan.num_examples  # the group's [G] aggregation weights (aggregate's, per client)
-        del sub
-        if reduce is not None:
-            keep = finite_rows(out.upload, len(rows))
-            finite[rows] = keep
-            nbytes += float(
-                job.alg.upload_nbytes(out.upload) if job.alg.upload_nbytes else tree_nbytes(out.upload)
-            )
-            if keep.any():
-                kept = torch.from_numpy(np.flatnonzero(keep))
-                part = (
-                    reduce(out.upload, weights)
-                    if keep.all()
-                    else reduce(take_rows(out.upload, kept), weights[kept.to(weights.device)])
-                )
-                sums = part if sums is None else pytree.tree_map(torch.add, sums, part)
-                del part
-            out = out._replace(upload={})
-        leaves, spec = pytree.tree_flatten((out.upload, out.metrics))
-        if merged is None:
-            merged = [
-                None
-                if leaf is None
-                else torch.empty((num_clients, *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
-                for leaf in leaves
-            ]
-        take = RowIndex(rows)
-        for into, leaf in zip(merged, leaves, strict=True):
-            if into is not None:
-                into.index_copy_(0, take.on(into.device), leaf)
-        if out.state is not None:
-            if isinstance(states, SpilledStates):
-                states.write(rows, out.state)
-            else:
-                states.append((rows, out.state))
-        del out, leaves
-    assert merged is not None
-    upload, metrics = pytree.tree_unflatten(merged, spec)
-    if reduce is not None:
-        upload = UploadSums(sums=sums, count=int(finite.sum()), finite=finite, nbytes=nbytes)
-    if not states:  # a stateless algorithm
-        return ClientOut(upload=upload, state=None, metrics=metrics)
-    if isinstance(states, SpilledStates):
-        return ClientOut(upload=upload, state=states, metrics=metrics)
-    take = RowIndex(np.argsort(np.concatenate([r for r, _ in states]), kind="stable"))  # as merge_outs
-    state = pytree.tree_map(
-        lambda *xs: None if xs[0] is None else take(torch.cat(xs)), *[s for _, s in states]
-    )
-    return ClientOut(upload=upload, state=state, metrics=metrics)
-
-
-def scatter_states(store: Any, cohort: np.ndarray, states: Any, group: int = 8) -> None:
-    """store.scatter the cohort's new states; SpilledStates are read back and stored `group` clients at a
-    time (the store's cache then never holds more than its budget plus one group)."""
-    if not isinstance(states, SpilledStates):
-        store.scatter(cohort, states)
-        return
-    for start in range(0, len(cohort), group):
-        rows = np.arange(start, min(start + group, len(cohort)))
-        store.scatter(cohort[rows], states.rows(rows))
-
-
-def trim_rows(t: Tensor, num_epochs: int, padded: int, own: int) -> Tensor:
-    """Keep the first `own` of `padded` steps per epoch of a [C, E * padded, ...] tensor."""
-    if own == padded:
-        return t
-    t = t.reshape(t.shape[0], num_epochs, padded, *t.shape[2:])[:, :, :own]
-    return t.reshape(t.shape[0], num_epochs * own, *t.shape[3:])
 
 
 class SpilledStates:

@@ -28,10 +28,6 @@ import torch
 
 from fedcli.algorithms.base import ClientOut, UploadSums, tree_nbytes
 from fedcli.datasets.federated import CohortPlan
-from fedcli.engine.backends.fused import FusedBackend
-from fedcli.engine.backends.graphed import GraphedVmap
-from fedcli.engine.backends.loop import LoopBackend
-from fedcli.engine.backends.vmap import VmapBackend
 from fedcli.engine.checkpoint_writer import CheckpointWriter
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.cohort import (
@@ -40,8 +36,6 @@ from fedcli.engine.cohort import (
     CohortJob,
     RoundPlan,
     finite_rows,
-    scatter_states,
-    stream_cohort,
     take_rows,
 )
 from fedcli.engine.evaluation import eval_sample_index, evaluate, resolve_eval_sample
@@ -49,6 +43,7 @@ from fedcli.engine.lifecycle import GracefulSignals
 from fedcli.engine.machine import release_free_memory
 from fedcli.engine.seeding import Stream, numpy_rngs, sample_cohort, step_keys, torch_generator
 from fedcli.engine.setup import Setup
+from fedcli.engine.streaming import scatter_states, stream_cohort, stream_group
 from fedcli.errors import FedcliError
 
 if TYPE_CHECKING:
@@ -157,39 +152,6 @@ def draw_noise(
         ]
         out[name] = torch.stack(draws).to(setup.device)
     return out
-
-
-STREAM_BUDGET = (
-    64 * 2**20
-)  # bytes: the loop makes a round's per-client inputs and outputs this many at a time
-
-
-def stream_group(
-    setup: Setup, store: ClientStateStore, params: dict[str, torch.Tensor], num_clients: int, num_steps: int
-) -> int | None:
-    """How many clients' noise and states a round makes at once (cohort.stream_cohort), or None: the
-    whole cohort's, the back end's own path. --cohort-chunk N on the in-process back ends that chunk
-    (vmap, fused, graph): N, their own chunks, so results are unchanged; the loop (whose clients run
-    one by one, so any grouping gives the same results): N, or else as many clients as fit
-    STREAM_BUDGET when the whole cohort's do not (a client's noise, e.g. BayesADMM's IVON draws of
-    S steps x the model, twice its state and one model of upload)."""
-    chunk, backend = setup.cfg.train.cohort_chunk, setup.backend
-    group: int | None
-    if isinstance(backend, LoopBackend):
-        shapes = setup.alg.noise_shapes(params, setup.hp, num_steps) if setup.alg.noise_shapes else {}
-        layout = store.layout
-        state = (
-            0
-            if layout is None
-            else sum(int(np.prod(s)) * d.itemsize for s, d in zip(layout.shapes, layout.dtypes, strict=True))
-        )
-        per_client = 4 * sum(int(np.prod(s)) for s in shapes.values()) + 2 * state + tree_nbytes(params)
-        group = chunk or max(1, STREAM_BUDGET // max(per_client, 1))
-    elif isinstance(backend, VmapBackend | FusedBackend | GraphedVmap):
-        group = chunk
-    else:  # compiled vmap (chunks inside one program), worker processes: the back end's own path
-        return None
-    return group if group is not None and group < num_clients else None
 
 
 def overlaps_host_work(device: torch.device) -> bool:

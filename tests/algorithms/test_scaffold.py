@@ -335,7 +335,7 @@ def test_invalid_hyperparameters_are_refused_with_the_value() -> None:
 
 @pytest.mark.parametrize("weighting", ["examples", "uniform"])
 def test_server_step_from_group_sums_is_the_closed_form(weighting: str) -> None:
-    """A streamed round (engine/cohort.py stream_cohort) passes server_update the uploads summed a group at a
+    """A streamed round (engine/streaming.py stream_cohort) passes server_update the uploads summed a group at a
     time (upload_sums, groups {0, 1}, {2, 3}, {4}); the step must be Alg. 1 lines 16-17 all the same:
     x+ = x - eta_g sum_i q_i d_i / sum_i q_i (server sgd), control_sum+ = control_sum + sum_i q_i Delta c_i,
     visited+ = visited + sum_i q_i first_i, with q_i = n_i ("examples") or 1 ("uniform"); and equal (float64

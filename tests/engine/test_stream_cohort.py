@@ -1,4 +1,4 @@
-"""A round's inputs made a group of clients at a time (cohort.stream_cohort, issue 32): the same
+"""A round's inputs made a group of clients at a time (engine/streaming.py stream_cohort): the same
 results bit for bit as the whole cohort's, and the new states of a disk-store run kept out of RAM.
 
 The loop trains clients one by one, so any grouping must give its exact numbers; `--cohort-chunk`
@@ -20,8 +20,9 @@ from fedcli.algorithms.base import UploadSums
 from fedcli.config.build import build_config
 from fedcli.engine.clientstate import ClientStateStore
 from fedcli.engine.cohort import CohortInputs, CohortJob, SpilledStates, take_rows
-from fedcli.engine.rounds import Timing, draw_noise, plan_round, run_round, stream_group, train_cohort
+from fedcli.engine.rounds import Timing, draw_noise, plan_round, run_round, train_cohort
 from fedcli.engine.setup import build
+from fedcli.engine.streaming import stream_group
 from tests.engine.test_equivalence import required_hyperparameters
 
 
