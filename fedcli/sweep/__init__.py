@@ -40,6 +40,6 @@ and environment) -> `scheduler` (`TrialProcess`, `TrialClaims`, `Scheduler`, `Tr
 they end with the sweep; the long-lived workers that run the trials are `worker_pool` (the sweep's
 side, `WorkerScheduler`) and `worker` (the worker process); `search_spec` checks a spec's `search:`
 and `pruner:` blocks, `search` sets up the Optuna study and `search_source` (`SearchSource`) runs it;
-`estimate` is `fedcli sweep --dry-run`'s probe; `ray_runner` (`RayScheduler`) and `ray_actor` (what
-runs on a Ray node) are `--backend ray`.
+`estimate` is `fedcli sweep --dry-run`'s probe; `ray_runner` (`RayScheduler`), `ray_checks` (what a
+cluster must offer) and `ray_actor` (what runs on a Ray node) are `--backend ray`.
 """

@@ -112,7 +112,8 @@ def test_what_goes_to_ray_holds_no_password() -> None:
     or without the masking: this is the check that fails if a password is passed): the actors' environment and
     a trial message with its pruning hook and a resumed trial's overrides, masked; the URLs without one, as given."""
     from fedcli.config.sections import TrackingConfig
-    from fedcli.sweep.ray_runner import masked_message, secret_env
+    from fedcli.sweep.ray_checks import secret_env
+    from fedcli.sweep.ray_runner import masked_message
 
     url = f"postgresql+psycopg://fed%40cli:{ENCODED}@127.0.0.1:5432/db"
     query = f"postgresql+psycopg://me@127.0.0.1:5432/db?password={ENCODED}"

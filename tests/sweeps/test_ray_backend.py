@@ -29,7 +29,8 @@ from typer.testing import CliRunner
 from fedcli.cli.main import app
 from fedcli.config.sections import TrackingConfig
 from fedcli.errors import ConfigError
-from fedcli.sweep.ray_runner import RayCluster, check_cluster, use_token_if_there
+from fedcli.sweep.ray_checks import check_cluster, use_token_if_there
+from fedcli.sweep.ray_runner import RayCluster
 from fedcli.tracking.store.records import RunRecord
 from fedcli.tracking.store.sql_store import SqlStore
 from tests.ray_head import free_port, ray_head_on_loopback
