@@ -25,7 +25,7 @@ Format 3 (the current format) is incremental: `round-NNNNNN.pt` holds the server
 and a manifest (`client_index`: client -> (file, row) for every client with a state, and the
 slot layout), and the client states changed since the previous checkpoint go to
 `round-NNNNNN.clients.npy` beside it (a numpy array of [changed clients, slot bytes], the
-slots of engine/clientstate.py; read with `allow_pickle=False` and `os.pread`, never run).
+slots of engine/slots.py; read with `allow_pickle=False` and `os.pread`, never run).
 A checkpoint thus writes O(cohort x rounds since the last one) bytes, not O(clients visited).
 A checkpoint also rewrites the live states of the most superseded files when the files hold
 more than twice the live states, so that they stay within that (compaction:

@@ -32,8 +32,8 @@ from fedcli.engine.checkpoint import (
     read_file,
     remove_temp_files,
 )
-from fedcli.engine.clientstate import ClientDelta, SpilledSlot, delta_file_name
 from fedcli.engine.plain import to_plain
+from fedcli.engine.slots import ClientDelta, SpilledSlot, delta_file_name
 from fedcli.errors import CheckpointError
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fedcli.engine.clientstate import SlotLayout
+from fedcli.engine.slots import SlotLayout
 from fedcli.errors import CheckpointError
 
 

@@ -22,7 +22,8 @@ from fedcli.config.checks import make_hyperparameters
 from fedcli.config.sections import config_hash_of
 from fedcli.engine import checkpoint as ckpt
 from fedcli.engine.checkpoint_writer import CheckpointWriter
-from fedcli.engine.clientstate import ClientStateStore, SlotLayout, make_store
+from fedcli.engine.clientstate import ClientStateStore, make_store
+from fedcli.engine.slots import SlotLayout
 from fedcli.errors import TrackingError
 
 
@@ -333,7 +334,7 @@ def test_a_checkpoint_spills_the_evicted_changed_states_and_writes_them_as_they_
     checkpoint's spill file (one slot in memory at a time) instead of holding them all. The next rounds
     overwrite the slots before the write; the checkpoint still holds the states as they were at
     take_changes, bit for bit, and the spill file is gone once written (and on close(remove=True))."""
-    from fedcli.engine.clientstate import SpilledSlot, spill_name
+    from fedcli.engine.slots import SpilledSlot, spill_name
 
     run_dir, ram = tmp_path / "runs" / ("d" * 32), ClientStateStore(fresh)
     disk = ClientStateStore(fresh, folder=run_dir / "client-state", cache_mb=0)
