@@ -10,10 +10,10 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from sqlalchemy import inspect, select, text
 from sqlalchemy import update as sql_update
@@ -39,13 +39,18 @@ from fedcli.tracking.store.engine import sqlite_lock_holder
 from fedcli.tracking.store.liveness import _pid_state
 from fedcli.tracking.store.schema import Base, Run
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_S = TypeVar("_S", bound="StoreSession")
 
-def _retried(method: Any) -> Any:
-    """A public `SqlStore` method, retried whole while the store is locked or its server gone (`_retry`)."""
+
+def _retried(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """A public `SqlStore` method, retried whole while the store is locked or its server gone (`_retry`);
+    typed as the method itself, so that mypy checks its callers (and `RunStore`, tracking/store/protocol.py)."""
 
     @functools.wraps(method)
-    def retried(self: StoreSession, *args: Any, **kwargs: Any) -> Any:
-        return self._retry(method.__name__, lambda: method(self, *args, **kwargs))
+    def retried(self: _S, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return cast("_R", self._retry(method.__name__, lambda: method(self, *args, **kwargs)))
 
     return retried
 

@@ -441,8 +441,8 @@ class SqlStore(StoreWrites, StoreQueries):
                 run.tags_json = canonical_json(tags)
 
     @_retried
-    def set_run_fields(self, run_id: str, **fields: str | None) -> None:
-        """Set some of `model_path`, `mlflow_run_id`, `git_commit` on a run."""
+    def set_run_fields(self, run_id: str, **fields: str | int | None) -> None:
+        """Set some of `model_path`, `mlflow_run_id`, `git_commit`, `mlflow_synced_round` (an int) on a run."""
         unknown = sorted(set(fields) - SETTABLE_RUN_FIELDS)
         if unknown:
             raise ValueError(f"set_run_fields accepts {sorted(SETTABLE_RUN_FIELDS)}; got {unknown}.")
