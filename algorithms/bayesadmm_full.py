@@ -287,7 +287,7 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
         "train.batch_size": Advice(
             FULL_BATCH,
             "App. C.4's client solves are full-batch Newton steps (the "
-            "paper's toys); minibatches of 20 diverge (issue 36); full batch on vehicle",
+            "paper's toys); minibatches of 20 diverge (docs/out-of-the-box.md); full batch on vehicle",
         )
     }
     if run.kind == "regression":
@@ -347,7 +347,7 @@ ALGORITHM = Algorithm(
         "3b's ridge-regression toy's (delta = 25, VON steps b_t = 0.2 / (1 + 0.1 t) as main_onestep.py; Newton steps "
         "b = 1 on regression tasks, where they are exact), made for full-batch "
         "solves: unless --batch-size is set it trains on batches of 1,024 (with the default 20 the client "
-        "iterates diverged on synthetic-iid, issue 36). A step whose precision target is indefinite is "
+        "iterates diverged on synthetic-iid; docs/out-of-the-box.md). A step whose precision target is indefinite is "
         "shortened; a round where most steps give non-finite values stops with an error naming hp.step_size."
     ),
     description="BayesADMM, full covariance (Newton-like, VON local solver); small models only.",

@@ -137,7 +137,7 @@ def recommend(run: RunFacts) -> dict[str, Advice]:
         "train.local_epochs": Advice(
             1,
             f"{run.task}'s client lr 0.1 suits one epoch: at the released "
-            "configs' 10 it trails FedAvg by 6-8 points, at 1 it meets it (issue 36)",
+            "configs' 10 it trails FedAvg by 6-8 points, at 1 it meets it (docs/out-of-the-box.md)",
         )
         if run.task in SHORTFALLS
         else Advice(
