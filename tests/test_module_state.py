@@ -87,11 +87,6 @@ ALLOWED: dict[str, dict[str, str]] = {
         "_PLUGINS": "the installed model plugins' entry points, read once per process (a read-only "
         "mapping once set; datasets/yours/, as above)",
     },
-    "fedcli.engine.rounds": {
-        "_PREFETCH": "one process-wide prefetch thread, started on first use: a resource of the process "
-        "like a thread pool, holding no run's data between calls. To remove: `@functools.cache` on "
-        "`prefetcher()`",
-    },
     "fedcli.sweep.process": {
         "_EARLY": "the worker `fedcli sweep` spawns before it imports torch, handed to the WorkerScheduler "
         "that adopts it for its first trial many calls later: the handoff of one process, emptied on "
@@ -102,11 +97,6 @@ ALLOWED: dict[str, dict[str, str]] = {
         "(its imports overlap the run's): adopted by the run's MirrorHandle.spawn through the CLI, the "
         "run layer and open_tracker, or ended by discard_early/atexit; one process handed off, emptied "
         "on adoption",
-    },
-    "fedcli.engine.setup": {
-        "DATA_CACHE": "a sweep worker's task data, shared by its trials (fedcli/sweep/worker.py sets it); "
-        "None everywhere else. To remove: the worker's own dict passed as a `data_cache` argument "
-        "through run_config and prepared_run (fedcli/runs/run.py) to build()",
     },
 }
 

@@ -16,6 +16,7 @@ checkpoint writer, the model); engine/setup.py builds what the loop runs on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -119,14 +120,11 @@ def plan_round(setup: Setup, round_idx: int, on_host: bool = False) -> RoundPlan
     return RoundPlan(cohort, plan, keys if on_host else keys.to(setup.device))
 
 
-_PREFETCH: list[ThreadPoolExecutor] = []
-
-
+@functools.cache
 def prefetcher() -> ThreadPoolExecutor:
-    """The one background thread that builds the disk store's next plan (reads its cohort's examples)."""
-    if not _PREFETCH:
-        _PREFETCH.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedcli-prefetch"))
-    return _PREFETCH[0]
+    """The one background thread that builds the disk store's next plan (reads its cohort's examples),
+    started on first use."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedcli-prefetch")
 
 
 def prefetched(setup: Setup, round_idx: int) -> RoundPlan | None:

@@ -129,10 +129,17 @@ def client_partition(
     return make_partition(spec, labels=data.y.numpy(), natural=data.client_indices or None), spec
 
 
-def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "refuse") -> Setup:
+def build(
+    cfg: RunConfig,
+    *,
+    peers: Peers | None = None,
+    model_change: str = "refuse",
+    data_cache: dict[tuple[Any, ...], TaskData] | None = None,
+) -> Setup:
     """Load data, build the model, the algorithm and the back end; data-dependent checks.
 
     `peers` is this process's place in the torchrun group under `--executor distributed`.
+    `data_cache`: the caller's store of task data across runs (a sweep worker's, `load_data`).
     `model_change`: what a user model whose source changed since its recorded sha256 gets,
     "refuse" (a run, its resume) or "warn" (`fedcli evaluate`; docs/bring-your-own.md).
     """
@@ -152,6 +159,7 @@ def build(cfg: RunConfig, *, peers: Peers | None = None, model_change: str = "re
             max_clients=cfg.data.max_clients,
             data_store=cfg.data.data_store,
         ),
+        data_cache,
     )
     store = choose_store(cfg.data.data_store, data.x.nbytes + data.y.nbytes, data.store is not None)
     if (
@@ -283,20 +291,19 @@ DISK_EXECUTORS = (
 )  # back ends that read each round's batches from job.fns (CohortPlan.data)
 
 
-# A long-lived sweep worker's task data (fedcli/sweep/worker.py sets it to {}): None, the default, loads per run
-DATA_CACHE: dict[tuple[Any, ...], TaskData] | None = None
-
-
-def load_data(task: Task, cfg: RunConfig, options: TaskOptions) -> TaskData:
-    """`task.load(options)`, kept in DATA_CACHE when a sweep worker set one, keyed by the task, its data
-    file and every loader option (the seed included: synthetic tasks draw from it). Training reads
-    the tensors and never writes them, so trials share them."""
-    if DATA_CACHE is None:
+def load_data(
+    task: Task, cfg: RunConfig, options: TaskOptions, cache: dict[tuple[Any, ...], TaskData] | None = None
+) -> TaskData:
+    """`task.load(options)`, kept in `cache` when the caller keeps one (a long-lived sweep worker,
+    fedcli/sweep/worker.py), keyed by the task, its data file and every loader option (the seed
+    included: synthetic tasks draw from it). Training reads the tensors and never writes them, so
+    trials share them. None, the default, loads per run."""
+    if cache is None:
         return task.load(options)
     key = (task.name, cfg.data.task, cfg.data.file, cfg.data.model, options)
-    if key not in DATA_CACHE:
-        DATA_CACHE[key] = task.load(options)
-    return DATA_CACHE[key]
+    if key not in cache:
+        cache[key] = task.load(options)
+    return cache[key]
 
 
 PLAN_LIMIT = (

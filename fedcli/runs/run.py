@@ -289,6 +289,7 @@ def prepared_run(
     signals: GracefulSignals | None = None,
     peers: Peers | None = None,
     on_run: Callable[[str], None] | None = None,
+    data_cache: dict[tuple[Any, ...], Any] | None = None,
     **engine_kwargs: Any,
 ) -> Iterator[PreparedRun]:
     """Validate and build `cfg`'s run, open its store; on the way out close what was opened here.
@@ -299,7 +300,8 @@ def prepared_run(
     store opened. A stop signal during that set-up raises `StoppedBeforeStart`; afterwards signals
     are recorded and stop the run at its next safe point (`RunInterrupted`). `tracker`: the caller's
     (e.g. a sweep worker's, with one mirror per sweep); it is used as it is and not closed. Runs
-    under `preserved_state()`.
+    under `preserved_state()`. `data_cache`: the caller's task data kept across runs (a sweep
+    worker's; `fedcli.engine.setup.load_data`).
 
     Raises:
         ConfigError, DataError, TrackingError: invalid input; nothing was written.
@@ -327,7 +329,7 @@ def prepared_run(
                     mirror.stopping = lambda: (
                         held.pending is not None
                     )  # a stop cuts the waits for MLflow short
-            setup = build(cfg, peers=peers)
+            setup = build(cfg, peers=peers, data_cache=data_cache)
             signals.defer()  # the store is written from here on: a signal stops the run at its next safe point
         except BaseException:
             if (
@@ -354,6 +356,7 @@ def run_config(
     signals: GracefulSignals | None = None,
     peers: Peers | None = None,
     on_run: Callable[[str], None] | None = None,
+    data_cache: dict[tuple[Any, ...], Any] | None = None,
     **engine_kwargs: Any,
 ) -> RunResult:
     """Train `cfg`'s run (or resume `resume_run_id`) to its end in this process; return its result.
@@ -376,6 +379,7 @@ def run_config(
         signals=signals,
         peers=peers,
         on_run=on_run,
+        data_cache=data_cache,
         **engine_kwargs,
     ) as prepared:
         return prepared.run(progress)

@@ -2,7 +2,7 @@
 
 Why (issue 27): a trial as its own `fedcli train` process paid Python + torch imports, the
 data load and an MLflow mirror process per trial, 92 % of a 6-trial FEMNIST sweep's wall
-time. A worker imports once, keeps each task's data (`fedcli.engine.setup.DATA_CACHE`, keyed
+time. A worker imports once, keeps each task's data (`Worker.data`, passed to run_config, keyed
 by the task and every loader option) and calls `fedcli.api.run_config` (what `fedcli train`
 runs: validation, set-up, the engine's `train`) for each trial with a store-only `Tracker`; each
 trial is still a complete run in the store (own id, config hash, lifecycle, checkpoints,
@@ -125,9 +125,9 @@ class Worker:
 
     def __init__(self) -> None:
         import fedcli.api  # noqa: F401 - what each trial runs: imported before the first (spawn_early)
-        from fedcli.engine import setup
 
-        setup.DATA_CACHE = {}  # a task's data is loaded once per worker (keyed by every loader option)
+        # a task's data, loaded once per worker (keyed by every loader option): run_config(data_cache=...)
+        self.data: dict[tuple[Any, ...], Any] = {}
         self.stores: dict[str, Any] = {}
         self.state = ProcessState.capture()
         self.stop: int | None = None  # a stop signal that arrived while idle
@@ -206,6 +206,7 @@ class Worker:
                 tracker=tracker,
                 signals=signals,
                 on_run=lambda run_id: send({"event": "started", "run_id": run_id}),
+                data_cache=self.data,
                 **extra,
             )
             return {
