@@ -110,7 +110,7 @@ def summarise_run(cfg: RunConfig, result: RunResult) -> None:
         f"{k}={metrics[k]:.4f}" for k in ("eval/accuracy", "eval/loss", "eval/dist_to_opt") if k in metrics
     ]
     split = result.timing.per_round()
-    # the training time (issue 27): the rounds' own seconds (time/cum_train_s, resumed runs included), not
+    # the training time: the rounds' own seconds (time/cum_train_s, resumed runs included), not
     # the process's set-up or its MLflow mirror's waits, which the second figure adds
     trained = metrics.get("time/cum_train_s")
     took = (

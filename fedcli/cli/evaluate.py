@@ -379,7 +379,7 @@ def ensemble_note(
     setup: Any, state: Any, params: dict[str, Any], ensemble: dict[str, float], split: str
 ) -> str | None:
     """One line when the posterior ensemble is worse than the mean model on accuracy or loss, and why:
-    the share of weights whose posterior standard deviation exceeds their mean (issue 24)."""
+    the share of weights whose posterior standard deviation exceeds their mean (docs/out-of-the-box.md)."""
     from fedcli.engine.evaluation import evaluate_split
 
     mean = evaluate_split(

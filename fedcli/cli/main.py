@@ -106,7 +106,7 @@ app.command("report")(report)
 app.command("ui")(ui)
 app.command("sync")(sync)
 
-try:  # `fedcli partition` lives in its own module (issue 3)
+try:  # `fedcli partition` lives in its own module
     from fedcli.cli.partition import partition
 
     app.command("partition")(partition)

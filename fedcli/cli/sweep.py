@@ -255,7 +255,7 @@ def sweep(
             body.get("report") or {}, trials
         )  # a bad report block fails now, not after the trials
         track, report_path = trials[0].config.tracking, report_output(body, trials[0].config.tracking.root)
-        aliases = short_keys()  # issue 24: degenerate trials and swept keys without effect, one line each
+        aliases = short_keys()  # degenerate trials and swept keys without effect, one line each
         swept = [k if k.startswith("hp.") or "." in k else aliases.get(k, k) for k in body.get("grid") or {}]
         for line in warn_degenerate([t.config for t in trials], swept):
             console().print(f"warning: {line}", markup=False, soft_wrap=True)

@@ -9,7 +9,7 @@ a sweep spec (fedcli.sweep) with three more keys:
   rot: `base` and `report` are merged key by key, `grid` key by key, `seeds` and `variants` replaced;
   the experiment gets the suffix `-smoke` so smoke runs never mix with real ones;
 - `study`: instead of training runs, a computation on a closed-form problem (fedcli.studies);
-- `data` (paper-scale recipes, issue 32): `{source: where the files come from, generate: {format,
+- `data` (paper-scale recipes; docs/scaling.md, "The recipes and their files"): `{source: where the files come from, generate: {format,
   clients, mean_size}}`. The files are not bundled: the recipe runs on `--data-dir`; its `--smoke`
   without `--data-dir` writes a small federation in the same format (fedcli.datasets.formats.generate)
   under <root>/smoke-data/ and runs on that. `--dry-run` probes its trials (fedcli.sweep.estimate);

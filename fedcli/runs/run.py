@@ -136,7 +136,7 @@ def resolve_config(
         hp=hp,
         doc=doc,
     )
-    for line in warn_degenerate([cfg]):  # issue 24: a config that makes the algorithm another one
+    for line in warn_degenerate([cfg]):  # a config that makes the algorithm another one
         if warn is not None:
             warn(line)
     return cfg, None

@@ -13,7 +13,7 @@ with d features (500 points, App. A's problem size, so batch 5; x ~ N(0, I / d),
   IASG     -> FedAvg's local SGD plus the per-epoch iterate means (optim.local_sgd, average_epochs):
               FedPA's sampling without the DP, so IASG - FedAvg is the averaging's cost;
   DP step  -> fedpa.posterior_delta alone on l = 5 vectors (what the DP adds beyond IASG's averaging).
-Protocol (issue 24: timings on a shared machine move by up to 2x within minutes): one intra-op thread;
+Protocol (timings on a shared machine move by up to 2x within minutes): one intra-op thread;
 each method gets one untimed warm-up call (at the smallest d), then REPEATS = 7 time.perf_counter()
 readings per d (5x as many for the DP step alone), interleaved method by method within each
 repetition, so every method meets the same machine; the tables give the minimum (the least
@@ -45,7 +45,7 @@ from fedcli.studies.fedpa_bias import lsq_context
 
 EPOCHS, STEPS_PER_EPOCH, NUM_POINTS, RHO = 5, 100, 500, 0.1  # Table 1: 5 epochs x 100 steps; Table 6 rho
 DP_STEP_CALLS = 5  # timed calls of the cheap DP step per repeat
-REPEATS = 7  # interleaved repetitions per d (the minimum of 7 readings: issue 24's protocol)
+REPEATS = 7  # interleaved repetitions per d (the minimum of 7 readings: the protocol above)
 PAPER = [
     ("100", "72", "91 +26%", "82 +12%"),
     ("1K", "76", "92 +21%", "104 +36%"),

@@ -1,7 +1,7 @@
 """What a sweep does with each trial (`Plan`: new, resume, skip, running elsewhere, diverged) and the command and environment that run it.
 
-Split out of fedcli/sweep/__init__.py (issue 25: no module over ~500 lines), whose docstring describes
-how a sweep owns its trials and which re-exports every name here.
+Part of fedcli.sweep; fedcli/sweep/__init__.py describes how a sweep owns its trials and the
+package's layout.
 """
 
 from __future__ import annotations

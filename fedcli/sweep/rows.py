@@ -1,7 +1,7 @@
 """What the store says about a sweep's trials (the live table's rows) and the sweep's MLflow parent run.
 
-Split out of fedcli/sweep/__init__.py (issue 25: no module over ~500 lines), whose docstring describes
-how a sweep owns its trials and which re-exports every name here.
+Part of fedcli.sweep; fedcli/sweep/__init__.py describes how a sweep owns its trials and the
+package's layout.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def _check_credentials(uri: str, timeout_s: float, fix: str) -> None:
     """Raise ConfigError when the MLflow server refuses the credentials MLflow would send (HTTP 401 or 403).
 
     `/health` answers anyone; this asks for an experiment with what MLflow's client sends
-    (`MLFLOW_TRACKING_USERNAME` and `MLFLOW_TRACKING_PASSWORD`, else `MLFLOW_TRACKING_TOKEN`). Issue 35: a
+    (`MLFLOW_TRACKING_USERNAME` and `MLFLOW_TRACKING_PASSWORD`, else `MLFLOW_TRACKING_TOKEN`). Before this check a
     wrong password trained, exited 0, and MLflow never got the run with no line saying so: the mirror
     that would have said it was still waiting for a core (at idle priority) when the run ended. Any
     other answer (the experiment, "does not exist", an error) is left to the mirror.

@@ -430,7 +430,7 @@ def _given_requirements() -> Iterator[None]:
 
     `log_model` passes them (`torch==` and `fedcli==` the versions this process runs), so they
     hold by construction; the check maps every installed distribution to its modules, 1.4 of
-    the 2.3 s the mirror spent ending a run, while `fedcli train` waited (issue 27), and it runs
+    the 2.3 s the mirror spent ending a run, while `fedcli train` waited, and it runs
     twice (saving the model, and loading it back to check the input example). The name is
     MLflow's private helper: where a module lacks it, the check runs there as before.
     """

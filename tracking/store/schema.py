@@ -314,8 +314,8 @@ def _setup_schema(conn: Any) -> None:
 
 
 # StoreMeta key: the stored rows, checkpoints and model files hold no password (`_mask_stored_secrets`,
-# `_mask_run_files`). "secrets_masked" was the key of the first masking (issue 23), which missed passwords
-# holding "/" and `?password=` URLs (issue 35): a store that has only that key is masked again.
+# `_mask_run_files`). "secrets_masked" was the key of the first masking, which missed passwords
+# holding "/" and `?password=` URLs: a store that has only that key is masked again.
 SECRETS_MASKED = "secrets_masked_2"
 
 
@@ -330,7 +330,7 @@ _SECRET_COLUMNS = ("config_json", "requested_json", "tags_json", "failure_reason
 def _mask_stored_secrets(conn: Any) -> int:
     """Mask the passwords that rows written before the secrets fix hold; return how many runs changed.
 
-    fedcli before issue 23 stored `--store`/`--tracking-uri` URLs in full in `config_json`,
+    fedcli before its first masking stored `--store`/`--tracking-uri` URLs in full in `config_json`,
     `requested_json` (and could quote them in `failure_reason`); tags never held a URL, but are
     checked too. Each JSON value is parsed, every string in it masked (`mask_url`) and written
     back as canonical JSON, so running it twice changes nothing. Runs stored before the config
