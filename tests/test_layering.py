@@ -422,6 +422,53 @@ def test_the_sql_store_is_a_run_store_with_the_same_signatures() -> None:
     assert protocol_mismatches(RunStore, SqlStore) == []
 
 
+def runner_mismatches(protocol: type, implementation: type) -> list[str]:
+    """`protocol_mismatches`, plus each read-only property of `protocol` (an attribute the sweep's driver
+    reads) that `implementation` does not declare at class level (its MRO's annotations)."""
+    declared: set[str] = set()
+    for cls in implementation.__mro__:
+        declared |= set(getattr(cls, "__annotations__", {}))
+    return protocol_mismatches(protocol, implementation) + [
+        f"{name}: not declared"
+        for name, member in vars(protocol).items()
+        if isinstance(member, property) and name not in declared
+    ]
+
+
+def test_both_trial_runners_have_the_protocols_signatures() -> None:
+    """`fedcli sweep`'s driver (fedcli/cli/sweep_run.py, annotated `TrialRunner`) gets the same calls from the
+    local worker scheduler and the Ray one: the methods it calls with the same signatures, the attributes
+    it reads declared; mypy checks their types."""
+    from fedcli.sweep.ray_runner import RayScheduler
+    from fedcli.sweep.scheduler import TrialRunner
+    from fedcli.sweep.worker_pool import WorkerScheduler
+
+    assert {"run", "cleanup", "plans", "processes", "signum"} <= set(vars(TrialRunner))
+    assert runner_mismatches(TrialRunner, WorkerScheduler) == []
+    assert runner_mismatches(TrialRunner, RayScheduler) == []
+
+
+def test_the_trial_runner_check_finds_another_signature_and_an_undeclared_attribute() -> None:
+    """The check above can fail: a runner whose `run` takes another default, one without `cleanup`, one
+    that does not declare `signum`."""
+    from collections.abc import Callable
+
+    from fedcli.sweep.scheduler import TrialRunner
+
+    class Slow:
+        plans: list[object]
+        processes: list[object]
+
+        def run(self, tick: Callable[..., None], tick_s: float = 5.0) -> int | None: ...
+
+    assert runner_mismatches(TrialRunner, Slow) == [
+        "run: (self, tick: 'Callable[..., None]', tick_s: 'float' = 5.0) -> 'int | None' is not "
+        "(self, tick: 'Callable[[list[TrialProcess]], None]', tick_s: 'float' = 1.0) -> 'int | None'",
+        "cleanup: missing",
+        "signum: not declared",
+    ]
+
+
 def test_the_signature_check_finds_a_changed_default_and_a_missing_method() -> None:
     """The check can fail: another default, a renamed parameter, a missing method or attribute."""
     from typing import Protocol

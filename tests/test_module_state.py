@@ -87,16 +87,12 @@ ALLOWED: dict[str, dict[str, str]] = {
         "_PLUGINS": "the installed model plugins' entry points, read once per process (a read-only "
         "mapping once set; datasets/yours/, as above)",
     },
-    "fedcli.sweep.process": {
-        "_EARLY": "the worker `fedcli sweep` spawns before it imports torch, handed to the WorkerScheduler "
-        "that adopts it for its first trial many calls later: the handoff of one process, emptied on "
-        "adoption; an argument would go through the CLI (fedcli/cli/sweep.py, sweep_run.py)",
-    },
-    "fedcli.tracking.mlflow.handle": {
-        "_EARLY": "the MLflow mirror `fedcli train` spawns first thing, before it has parsed its config "
-        "(its imports overlap the run's): adopted by the run's MirrorHandle.spawn through the CLI, the "
-        "run layer and open_tracker, or ended by discard_early/atexit; one process handed off, emptied "
-        "on adoption",
+    "fedcli.children": {
+        "_EARLY": "kind -> the child a command spawns first thing, before it parsed its input, so that its "
+        "imports overlap the command's: the sweep's first worker (fedcli/sweep/process.py, adopted by the "
+        "WorkerScheduler) and the run's MLflow mirror (tracking/mlflow/handle.py, adopted by "
+        "MirrorHandle.spawn or ended by discard_early/atexit). One process per kind handed off, emptied on "
+        "adoption; an argument would go through the CLI, the run layer and open_tracker",
     },
 }
 

@@ -37,7 +37,7 @@ def run_plans(
     from fedcli.runs.stores import check_mlflow
     from fedcli.sweep.plan import NEW, RESUME, Plan, plan_trials
     from fedcli.sweep.rows import METRIC_KEYS, experiment_runs, trial_rows
-    from fedcli.sweep.scheduler import TrialClaims
+    from fedcli.sweep.scheduler import TrialClaims, TrialRunner
     from fedcli.tracking.report.model import resolve_metric
 
     track, todo = track or plans[0].trial.config.tracking, [p for p in plans if p.action in (NEW, RESUME)]
@@ -57,6 +57,7 @@ def run_plans(
         return trial_rows(db, track.experiment, scheduler.plans, scheduler.processes, keys, stopped)
 
     mirror = sweep_mirror(track, body) if todo else None  # one per sweep (docs/sweeps.md)
+    scheduler: TrialRunner
     if cluster is None:
         from fedcli.sweep.worker_pool import WorkerScheduler
 

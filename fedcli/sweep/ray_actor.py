@@ -3,9 +3,9 @@
 `fedcli sweep --backend ray` (fedcli/sweep/ray_runner.py, docs/scaling.md) creates at most `--workers`
 actors and sends each its trials one at a time; an actor runs them in one sweep worker process
 (fedcli/sweep/worker.py) on its node, which dies with the actor (PR_SET_PDEATHSIG:
-fedcli.sweep.process.die_with_parent).
+fedcli.children.die_with_parent).
 
-Standard library only (and fedcli.sweep.process, which is too): a Ray worker imports this module
+Standard library only (and fedcli.children, which is too): a Ray worker imports this module
 to create the actor, and importing the sweep's planning (torch) there would cost every worker
 seconds and memory for nothing.
 """
@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from fedcli.sweep.process import die_with_parent
+from fedcli.children import death, die_with_parent
 
 KILL_AFTER_S = 180.0  # as fedcli.sweep.scheduler.KILL_AFTER_S: an idle worker still running this long after close is killed
 TAIL_LINES = 20
@@ -84,7 +84,6 @@ class TrialActor:
             elif event.get("event") == "ended":
                 return {**event, "host": socket.gethostname(), "pid": self.proc.pid}
         code = self.proc.wait()
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         tail = _tail_of(self.stderr)
         return {
             "event": "died",
@@ -92,8 +91,8 @@ class TrialActor:
             "run_id": run_id,
             "round": None,
             "metrics": {},
-            "reason": f"its sweep worker (pid {self.proc.pid} on {socket.gethostname()}) {how}"
-            + (f" ({tail[-1][:300]})" if tail and code > 0 else ""),
+            "reason": f"its sweep worker (pid {self.proc.pid} on {socket.gethostname()}) "
+            + death(code, tail[-1][:300] if tail else None),
             "host": socket.gethostname(),
             "pid": self.proc.pid,
         }

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from fedcli.tracking.store.records import Claim, RunRecord
 
+from fedcli.children import die_with_parent
 from fedcli.sweep.plan import ELSEWHERE, NEW, RESUME, Plan, trial_command, trial_env
-from fedcli.sweep.process import die_with_parent
 
 # --------------------------------------------------------------------------- the trial processes
 
@@ -158,6 +158,30 @@ class TrialClaims:
         self.held.clear()
 
 
+class TrialRunner(Protocol):
+    """What `fedcli sweep`'s driver (fedcli/cli/sweep_run.py `run_plans`) uses of whatever runs its trials:
+    the local `WorkerScheduler` (fedcli/sweep/worker_pool.py) or a Ray cluster's `RayScheduler`
+    (fedcli/sweep/ray_runner.py), both `Scheduler`s. tests/test_layering.py checks both against it."""
+
+    @property
+    def plans(self) -> list[Plan]:
+        """Every trial's plan, as planned or asked, each replaced by its recheck when its turn came."""
+
+    @property
+    def processes(self) -> Sequence[Any]:
+        """The trials started (running or ended), as the live table and the result rows read them."""
+
+    @property
+    def signum(self) -> int | None:
+        """The stop signal that arrived, else None."""
+
+    def run(self, tick: Callable[[list[TrialProcess]], None], tick_s: float = 1.0) -> int | None:
+        """Run the trials, calling `tick(processes)` as they change; return the stop signal, else None."""
+
+    def cleanup(self) -> None:
+        """End what is left of the trials' processes and give back their claims and temporary files."""
+
+
 class Scheduler:
     """Run planned trials, at most `workers` at once, as children of this (main) thread.
 
@@ -171,6 +195,10 @@ class Scheduler:
     `threads`: each trial's intra-op threads (train.threads unless its config sets it), recorded
     in its resolved config; None leaves it to `fedcli train` (all the process's cores).
     """
+
+    plans: list[Plan]  # what a `TrialRunner` reads (set in __init__)
+    processes: list[TrialProcess]
+    signum: int | None
 
     def __init__(
         self,
@@ -192,8 +220,8 @@ class Scheduler:
         )
         self.claims = claims
         self.workers, self.cores, self.parent_run = workers, cores, parent_run
-        self.processes: list[TrialProcess] = []
-        self.signum: int | None = None
+        self.processes = []
+        self.signum = None
         self._forwarded_at: float | None = None
         self._tmp = Path(tempfile.mkdtemp(prefix="fedcli-sweep-"))
 

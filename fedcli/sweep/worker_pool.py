@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedcli import children
 from fedcli.sweep.plan import RESUME, Plan, trial_config_text, trial_env, trial_secrets
-from fedcli.sweep.process import adopt_early, die_with_parent
+from fedcli.sweep.process import KIND as EARLY_KIND
 from fedcli.sweep.scheduler import (
     KILL_AFTER_S,
     Scheduler,
@@ -61,12 +62,10 @@ class SweepWorker:
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=err,
-                    preexec_fn=die_with_parent(os.getpid()),
+                    preexec_fn=children.die_with_parent(os.getpid()),
                     env=env,
                 )
-        self.proc = (
-            proc  # `proc`: one started early (fedcli.sweep.worker.spawn_early), whose stderr is `stderr`
-        )
+        self.proc = proc  # one started early (fedcli.sweep.process.spawn_early), whose stderr is `stderr`
         self.stderr = stderr
         self.trial: WorkerTrial | None = None
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -98,17 +97,8 @@ class SweepWorker:
 
     def death(self) -> str:
         """How the ended worker process ended, with its last stderr line."""
-        code = self.proc.returncode
-        if code is not None and code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
-        else:
-            how = f"exited with code {code}"
-        lines = (
-            [x.strip() for x in self.stderr.read_text(errors="replace").splitlines() if x.strip()]
-            if self.stderr.exists()
-            else []
-        )
-        return how + (f" ({lines[-1][:300]})" if lines and code not in (0, None) and (code or 0) > 0 else "")
+        reason = children.own_line(self.stderr.read_text(errors="replace")) if self.stderr.exists() else None
+        return children.death(self.proc.returncode, reason[:300] if reason else None)
 
 
 @dataclass
@@ -191,9 +181,9 @@ class WorkerScheduler(Scheduler):
             if worker.trial is None and worker.proc.poll() is None:
                 return worker
         self._spawned += 1
-        early = adopt_early()
-        if early is not None:  # started before the sweep imported torch (its secrets come with each trial)
-            worker = SweepWorker(None, early[1], proc=early[0])
+        early = children.adopt_early(EARLY_KIND)
+        if early is not None and early[1] is not None:  # started before the sweep imported torch (its
+            worker = SweepWorker(None, early[1], proc=early[0])  # secrets come with each trial)
         else:
             worker = SweepWorker(
                 trial_env(plan.trial.config.tracking), self._tmp / f"worker-{self._spawned}.stderr"

@@ -316,8 +316,9 @@ def test_the_worker_started_early_runs_the_first_trial_with_the_urls_password_se
     process) and sends the store URL's password with each trial (`trial_secrets`), never on a command
     line: trials against a PostgreSQL store whose URL carries a password finish there (without it the
     worker would stop with "tracking.store must carry its password")."""
+    from fedcli import children
     from fedcli.sweep.plan import NEW, Plan
-    from fedcli.sweep.process import _EARLY, spawn_early
+    from fedcli.sweep.process import KIND, spawn_early
     from fedcli.sweep.scheduler import TrialClaims
     from fedcli.sweep.spec import expand
     from fedcli.sweep.worker_pool import WorkerScheduler
@@ -328,7 +329,8 @@ def test_the_worker_started_early_runs_the_first_trial_with_the_urls_password_se
     monkeypatch.delenv("FEDCLI_STORE", raising=False)
     store_url = secret(pg_database())
     spawn_early()
-    early = _EARLY[0][0]
+    early = children.early(KIND)
+    assert early is not None
     assert PASSWORD.encode() not in Path(f"/proc/{early.pid}/environ").read_bytes()
     body = {
         "experiment": "w-early",
@@ -349,7 +351,7 @@ def test_the_worker_started_early_runs_the_first_trial_with_the_urls_password_se
     )
     try:
         assert scheduler.run(lambda processes: None, tick_s=0.5) is None
-        assert [w.proc.pid for w in scheduler.pool] == [early.pid] and _EARLY == []
+        assert [w.proc.pid for w in scheduler.pool] == [early.pid] and children.early(KIND) is None
         assert PASSWORD.encode() not in Path(f"/proc/{early.pid}/cmdline").read_bytes()
     finally:
         scheduler.cleanup()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fedcli import children
 from fedcli.tracking.mlflow import handle as mirror_handle
 from fedcli.tracking.mlflow.handle import MirrorHandle
 from fedcli.tracking.mlflow.sink import default_tracking_uri
@@ -25,8 +26,9 @@ def test_a_mirror_started_early_and_never_adopted_exits_0_in_silence() -> None:
     without a run, e.g. bad input) ends it with exit 0 and nothing on stderr (it knows no store to
     write: the URLs come with the first line, which never came)."""
     mirror_handle.spawn_early()
-    (proc,) = mirror_handle._EARLY
-    mirror_handle._EARLY.clear()
+    proc = children.early(mirror_handle.KIND)
+    assert proc is not None
+    children._EARLY.pop(mirror_handle.KIND)
     assert proc.stdin is not None
     proc.stdin.close()
     assert proc.wait(timeout=120) == 0
@@ -38,7 +40,7 @@ def test_a_run_adopts_the_early_mirror_and_mlflow_gets_the_run(tmp_path: Path) -
     and the experiment on stdin (not its command line, which holds no URL), and that mirror copies
     the run into MLflow: FINISHED, the store's points."""
     mirror_handle.spawn_early()
-    early = mirror_handle._EARLY[0]
+    early = children.early(mirror_handle.KIND)
     store = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
     handle = MirrorHandle(
         tracking_uri=default_tracking_uri(tmp_path),
@@ -46,7 +48,7 @@ def test_a_run_adopts_the_early_mirror_and_mlflow_gets_the_run(tmp_path: Path) -
         store_url=store.url,
         runs_root=tmp_path / "runs",
     ).spawn()
-    assert handle._proc is early and mirror_handle._EARLY == []
+    assert early is not None and handle._proc is early and children.early(mirror_handle.KIND) is None
     cmdline = Path(f"/proc/{early.pid}/cmdline").read_bytes().split(b"\0")
     assert not any(b"sqlite" in part for part in cmdline), cmdline
     run_id = store.start_run(

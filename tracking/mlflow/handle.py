@@ -11,14 +11,13 @@ import contextlib
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from fedcli import children
 from fedcli.tracking.urls import mask_url
 
 FINISH_WAIT_S = 120.0  # how long a finished run waits for its mirror before leaving it to finish alone
@@ -73,7 +72,8 @@ class MirrorHandle:
     def spawn(self, *, run_id: str | None = None) -> MirrorHandle:
         """Start the mirror process (or adopt the one `spawn_early` started); with `run_id`, one
         that takes over the run at once (a restart)."""
-        proc = _adopt_early() if run_id is None else None
+        early = children.adopt_early(KIND) if run_id is None else None
+        proc = None if early is None else early[0]
         if proc is None:
             command = [sys.executable, "-m", "fedcli.tracking.mlflow.mirror"]
             if run_id is not None:
@@ -145,12 +145,9 @@ class MirrorHandle:
         """
         if proc.poll() is None or self._read_ready(proc) or proc.returncode <= 0:
             return None
-        try:
-            _, err = proc.communicate(timeout=5)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            err = b""
+        err = children.stderr_of(proc)
         self._proc = None
-        return _set_up_failed(_own_reason(err or b"") or f"exited with code {proc.returncode}")
+        return _set_up_failed(_own_reason(err) or f"exited with code {proc.returncode}")
 
     def check(self) -> str | None:
         """If the mirror died while the run trains, restart it; return a warning saying so (else None).
@@ -248,7 +245,7 @@ def _set_up_failed(reason: str) -> str:
     )
 
 
-_EARLY: list[subprocess.Popen[bytes]] = []  # a mirror `spawn_early` started that no run adopted yet
+KIND = "mirror"  # its key in fedcli.children's early-spawn holder
 
 
 def spawn_early() -> None:
@@ -264,27 +261,17 @@ def spawn_early() -> None:
     (issue 35: each rejected `fedcli train` left an idle-priority mirror behind for as long as the
     machine stayed busy).
     """
-    if not _EARLY:
-        _EARLY.append(_popen([sys.executable, "-m", "fedcli.tracking.mlflow.mirror"]))
+    if children.spawn_early(
+        KIND, lambda: (_popen([sys.executable, "-m", "fedcli.tracking.mlflow.mirror"]), None)
+    ):
         atexit.register(discard_early)  # a no-op once a run adopted it
 
 
 def discard_early() -> None:
     """End the mirror `spawn_early` started when the run turns out to need none (`tracking.use_mlflow:
     false` in a config file, MLflow dropped by `--mlflow-optional`), instead of leaving it idle as
-    long as the run trains. SIGTERM: it has read nothing and written nothing (end of file alone
-    would wait for its imports, seconds of CPU at nice 19)."""
-    while _EARLY:
-        proc = _EARLY.pop()
-        with contextlib.suppress(OSError):
-            proc.terminate()
-            if proc.stdin is not None:
-                proc.stdin.close()
-
-
-def _adopt_early() -> subprocess.Popen[bytes] | None:
-    proc = _EARLY.pop() if _EARLY else None
-    return proc if proc is not None and proc.poll() is None else None
+    long as the run trains (fedcli.children.discard_early: SIGTERM, stdin closed)."""
+    children.discard_early(KIND)
 
 
 def _popen(command: list[str]) -> subprocess.Popen[bytes]:
@@ -294,7 +281,7 @@ def _popen(command: list[str]) -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=parent_env(),
-        **own_process_group(),
+        **children.own_process_group(),  # not its own session: see there
     )
 
 
@@ -304,40 +291,12 @@ def parent_env() -> dict[str, str]:
     return {**os.environ, PARENT_ENV: str(os.getpid())}
 
 
-def own_process_group() -> dict[str, Any]:
-    """Popen arguments that start a mirror in its own process group of this session.
-
-    Its own group: a Ctrl-C in the terminal (sent to the foreground group) stops the training,
-    while the mirror finishes copying and marks the MLflow run as the store says. Not its own
-    session (`start_new_session`, before issue 27): Linux's autogroup scheduler
-    (`/proc/sys/kernel/sched_autogroup_enabled`) shares the CPU equally between sessions first,
-    so a SCHED_IDLE mirror (before issue 35; now nice 19) in a session of its own took a full share
-    while it imported MLflow:
-    20 MLP rounds trained in 1.3-2.6 s instead of 0.5 s.
-    """
-    if sys.version_info >= (3, 11):
-        return {"process_group": 0}
-    return {"preexec_fn": os.setpgrp}  # pragma: no cover - Python 3.10
-
-
 def _own_reason(err: bytes) -> str | None:
     """The mirror's own last error line ("MLflow mirror: ..."), not MLflow's log lines."""
-    lines = [x.strip() for x in err.decode(errors="replace").splitlines() if x.strip()]
-    own = [x.removeprefix("MLflow mirror: ") for x in lines if x.startswith("MLflow mirror: ")]
-    return own[-1] if own else None
+    return children.own_line(err, "MLflow mirror: ")
 
 
 def _death(proc: subprocess.Popen[bytes], err: bytes | None = None) -> str:
     """How a mirror process ended: "was killed by SIGKILL", "exited with code 1 (reason)"."""
-    if err is None:
-        try:
-            _, err = proc.communicate(timeout=5)  # a dead process: only its stderr left to read
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            err = b""
-    code = proc.returncode
-    if code is not None and code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
-    reason = _own_reason(err or b"")
-    return f"exited with code {code}" + (f" ({mask_url(reason)})" if reason else "")
+    reason = _own_reason(children.stderr_of(proc) if err is None else err)
+    return children.death(proc.returncode, mask_url(reason) if reason else None)

@@ -36,11 +36,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedcli import children
 from fedcli.tracking.mlflow.handle import (
     FINISH_WAIT_S,
     STOP_POLL_S,
     STOP_WAIT_S,
-    own_process_group,
+    _death,
+    _own_reason,
     parent_env,
 )
 from fedcli.tracking.urls import mask_url
@@ -95,14 +97,14 @@ class SweepMirror:
         if self.parent_run_id:
             command += ["--parent-run", self.parent_run_id]
         # its own process group: a Ctrl-C in the terminal stops the sweep; the mirror finishes its copies
-        # (not its own session: see `own_process_group`)
+        # (not its own session: see fedcli.children.own_process_group)
         self._proc = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=parent_env(),
-            **own_process_group(),
+            **children.own_process_group(),
         )
         first: dict[str, Any] = {"store": self.store_url, "tracking_uri": self.tracking_uri}
         if spec is not None and tags:
@@ -153,8 +155,6 @@ class SweepMirror:
                     "store is complete, and `fedcli sync` copies into MLflow what it misses"
                 )
         if proc.returncode != 0:
-            from fedcli.tracking.mlflow.handle import _death, _own_reason
-
             parent = _own_reason(err or b"")
             if parent is not None and parent.startswith(
                 PARENT_NOT_ENDED
