@@ -27,12 +27,14 @@ from typing import Any
 
 
 def field_descriptions(config_cls: type) -> dict[str, str]:
-    """{field name: its comment} of a hyperparameter dataclass and its bases ("" where none)."""
+    """{field name: its description} of a config dataclass and its bases ("" where none): the field's
+    metadata `description` where it declares one (the run config's sections, fedcli/config/sections.py
+    `opt`), else its comment."""
     out: dict[str, str] = {}
     for cls in reversed(config_cls.__mro__):
         if cls is not object:
             out.update(_class_comments(cls))
-    return {f.name: out.get(f.name, "") for f in fields(config_cls)}
+    return {f.name: f.metadata.get("description") or out.get(f.name, "") for f in fields(config_cls)}
 
 
 def hyperparameter_rows(config_cls: type) -> list[dict[str, Any]]:

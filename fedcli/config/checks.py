@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import yaml
 
 from fedcli.algorithms.base import HyperparameterError
@@ -130,70 +134,125 @@ INT_MAX = (
     2**31 - 1
 )  # the largest integer setting: the stores keep seeds and rounds as 32-bit integers on PostgreSQL
 NAME_MAX_BYTES = 200  # experiment and run names (UTF-8): both stores and MLflow keep them; a report file is named after one
-THREADS_MAX = 1024  # train.threads and train.workers: more is a typo, not a machine
 
 
-def coerce(key: str, annotation: object, value: Any) -> Any:
-    """Check `value` against a dataclass field annotation (as written); int -> float is allowed.
+@functools.cache
+def _adapter(cls: type) -> pydantic.TypeAdapter[Any]:
+    return pydantic.TypeAdapter(cls)
 
-    Numbers must also be storable: a float finite, an int within +-INT_MAX (docs/architecture.md §8).
+
+def validated(prefix: str, cls: type, values: Mapping[str, Any]) -> Any:
+    """`cls(**values)` for a config dataclass (a section, an algorithm's hyperparameters), validated by
+    pydantic against the fields' types and the bounds in their metadata (sections.py `opt`).
+
+    The one validation path of a config's values; the keys must be fields of `cls` (the callers name
+    an unknown key). On top of pydantic's checks, a value is never cast: int -> float is allowed, and
+    a number written as text ('5e-5', which YAML 1.1 reads as a string) for a float, but '5' or 5.0
+    for an int, or 1 for a bool, are refused. A number must be storable: a float finite, an int within
+    +-INT_MAX (docs/architecture.md §8). A field's `choices` (metadata) are checked last.
+
+    Raises:
+        ConfigError: the first problem as one line (`config_error`).
     """
-    checked = _coerce(key, annotation, value)
-    if isinstance(checked, float) and not math.isfinite(checked):
-        raise ConfigError(f"{key} must be a finite number; got {value!r}.")
-    if isinstance(checked, int) and not isinstance(checked, bool) and abs(checked) > INT_MAX:
-        raise ConfigError(f"{key} must be at most {INT_MAX} (2**31 - 1) in size; got {value!r}.")
-    return checked
-
-
-def _coerce(key: str, annotation: object, value: Any) -> Any:
-    text = str(annotation)
-    if value is None:
-        if "None" in text:
-            return None
-        raise ConfigError(f"{key} must be set; got None.")
-    kinds = {part.strip() for part in text.split("|")}
-    if isinstance(value, bool):
-        if "bool" in kinds:
-            return value
-    elif isinstance(value, int) and ("int" in kinds or "float" in kinds):
-        return value if "int" in kinds else float(value)
-    elif isinstance(value, float) and "float" in kinds:
-        return value
-    elif isinstance(value, str) and "float" in kinds and _is_number(value):
-        return float(value)  # YAML 1.1 reads 5e-5 (no dot) as a string
-    elif isinstance(value, str) and "str" in kinds:
-        return value
-    elif isinstance(value, Mapping) and any(k.startswith("Mapping") or k.startswith("dict") for k in kinds):
-        return dict(value)
-    elif "tuple[str, ...]" in kinds and isinstance(value, (str, list, tuple)):  # a list, or "a,b" on the CLI
-        items = value.split(",") if isinstance(value, str) else value
-        if all(isinstance(v, str) for v in items):  # data.augment: [crop:4, flip] in YAML
-            return tuple(v.strip() for v in items if v.strip()) or None
-    expected = " or ".join(sorted(k for k in kinds if k != "None"))
-    raise ConfigError(f"{key} must be {expected}; got {value!r}.")
-
-
-def _is_number(text: str) -> bool:
+    for key, value in values.items():  # before the class's own checks (__post_init__) see a NaN
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}.{key} must be a finite number; got {value!r}.")
     try:
-        float(text)
-    except ValueError:
+        out = _adapter(cls).validate_python(dict(values))
+    except pydantic.ValidationError as exc:
+        raise config_error(prefix, cls, exc, values) from None
+    for item in dataclasses.fields(cls):
+        if item.name not in values:
+            continue
+        key, value, checked = f"{prefix}.{item.name}", values[item.name], getattr(out, item.name)
+        if _cast(value, checked):
+            raise ConfigError(f"{key} must be {type(checked).__name__}; got {value!r}.")
+        if isinstance(checked, float) and not math.isfinite(checked):
+            raise ConfigError(f"{key} must be a finite number; got {value!r}.")
+        if isinstance(checked, int) and not isinstance(checked, bool) and abs(checked) > INT_MAX:
+            raise ConfigError(f"{key} must be at most {INT_MAX} (2**31 - 1) in size; got {value!r}.")
+        choices = item.metadata.get("choices")
+        if choices and checked not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {checked!r}.")
+    return out
+
+
+def _cast(value: Any, checked: Any) -> bool:
+    """Whether pydantic's lax mode turned `value` into `checked` by a cast fedcli refuses."""
+    if isinstance(checked, bool) or isinstance(value, bool):
+        return type(value) is not type(checked)
+    if isinstance(checked, int):
+        return not isinstance(value, int)
+    if isinstance(checked, float):
+        return not isinstance(value, (int, float, str))
+    if isinstance(checked, str):
+        return not isinstance(value, str)
+    return False
+
+
+BOUNDS = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}
+
+
+def config_error(
+    prefix: str, cls: type, exc: pydantic.ValidationError, values: Mapping[str, Any]
+) -> ConfigError:
+    """The first error of a pydantic validation of `cls` as the one line of docs/style.md rule 11:
+    `{prefix}.{key} must be ...; got {value!r}.` (the value as given), or the message of the
+    HyperparameterError the class's own checks raised."""
+    first = exc.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else ""
+    key, ctx = f"{prefix}.{name}", first.get("ctx") or {}
+    if isinstance(ctx.get("error"), HyperparameterError):
+        return ConfigError(str(ctx["error"]))
+    if first["type"] == "missing":
+        flag = f"--hp {name}=VALUE" if prefix == "hp" else f"`{name}: VALUE` in the {prefix} section"
+        return ConfigError(f"{key} must be given (it has no default); got none. Pass it with {flag}.")
+    value = values.get(name)
+    if first["type"] in BOUNDS:
+        if _not_finite(value):  # 'inf' given as text, past a bound
+            return ConfigError(f"{key} must be a finite number; got {value!r}.")
+        meta: Mapping[str, Any] = next((f.metadata for f in dataclasses.fields(cls) if f.name == name), {})
+        name_of_bound = next(iter(ctx))  # ge, le, gt, lt: as declared (pydantic gives 0.0 for a float's 0)
+        bound = meta.get(name_of_bound, ctx[name_of_bound])
+        fix = meta.get("fix", "") if first["type"] == "less_than_equal" else ""  # what to do past the top
+        return ConfigError(
+            f"{key} must be {BOUNDS[first['type']]} {bound}; got {value!r}." + (f" {fix}" if fix else "")
+        )
+    if value is None:
+        return ConfigError(f"{key} must be set; got None.")
+    return ConfigError(f"{key} must be {type_names(cls, name)}; got {value!r}.")
+
+
+def _not_finite(value: Any) -> bool:
+    try:
+        return not math.isfinite(float(value))
+    except (TypeError, ValueError, OverflowError):
         return False
-    return True
+
+
+def type_names(cls: type, name: str) -> str:
+    """A field's type as written, None left out: `int`, `tuple[str, ...]`, `Mapping[str, Any]`."""
+    try:
+        hint = typing.get_type_hints(cls)[name]
+    except (NameError, KeyError, TypeError):  # annotations that do not resolve: pydantic named the problem
+        return "a valid value"
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = [k for k in (typing.get_args(hint) if union else (hint,)) if k is not type(None)]
+
+    def spelled(kind: Any) -> str:
+        text = kind.__name__ if isinstance(kind, type) else str(kind)
+        return text.replace("collections.abc.", "").replace("typing.", "")
+
+    return " or ".join(sorted(spelled(k) for k in kinds))
 
 
 def build_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
-    """Construct one frozen section from a mapping, naming unknown keys and bad types."""
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
+    """Construct one frozen section from a mapping, naming unknown keys and bad types (`validated`)."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
         if key not in known:
-            raise ConfigError(f"unknown config key '{name}.{key}'{suggest(key, list(known))}.")
-        kwargs[key] = coerce(f"{name}.{key}", known[key].type, value)
-    try:
-        return cls(**kwargs)
-    except HyperparameterError as exc:
-        raise ConfigError(str(exc)) from None
+            raise ConfigError(f"unknown config key '{name}.{key}'{suggest(str(key), known)}.")
+    return validated(name, cls, values)
 
 
 def make_hyperparameters(algo_name: str, values: Mapping[str, Any]) -> Any:
@@ -206,22 +265,15 @@ def make_hyperparameters(algo_name: str, values: Mapping[str, Any]) -> Any:
             f"choose one of: {', '.join(ALGORITHMS)}."
         )
     cls = ALGORITHMS[algo_name].config_cls
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
         if key not in known:
             valid = ", ".join(known) or "none"
             raise ConfigError(
-                f"unknown hyperparameter 'hp.{key}' for {algo_name}{suggest(key, list(known))}; "
+                f"unknown hyperparameter 'hp.{key}' for {algo_name}{suggest(str(key), known)}; "
                 f"valid: {valid}."
             )
-        kwargs[key] = coerce(f"hp.{key}", known[key].type, value)
-    try:
-        return cls(**kwargs)
-    except HyperparameterError as exc:
-        raise ConfigError(str(exc)) from None
-    except TypeError as exc:  # a required hyperparameter is missing
-        raise ConfigError(f"{algo_name}: {exc}; pass it with --hp KEY=VALUE.") from None
+    return validated("hp", cls, values)
 
 
 def check_name(key: str, value: str, flag: str) -> None:

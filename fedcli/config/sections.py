@@ -3,7 +3,10 @@
 Part of the package fedcli.config (fedcli/config/__init__.py).
 Also the tracking URLs' resolution from the environment (`given_url`: FEDCLI_STORE,
 MLFLOW_TRACKING_URI), which the TrackingConfig properties read. Imports no other part of
-fedcli.config. The field comments are the options' descriptions (fedcli/cli/hpdoc.py reads them).
+fedcli.config. Each field is declared once with `opt`: its default, its help text, and where it
+has them its choices and bounds, in the field's metadata. pydantic reads that metadata: the values
+of a config are validated against it (fedcli/config/checks.py `validated`) and the JSON Schema of a
+run config is generated from it (fedcli/config/schema.py, docs/schema/run-config.schema.json).
 """
 
 from __future__ import annotations
@@ -12,112 +15,230 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fedcli.algorithms.base import OptimConfig
+from pydantic import BeforeValidator, ConfigDict
+
+from fedcli.algorithms.base import SERVER_OPTIMIZERS, OptimConfig
 from fedcli.errors import ConfigError
 from fedcli.tracking.urls import is_masked, mask_url
 
 EXECUTORS = ("auto", "loop", "vmap", "fused", "process", "distributed")  # distributed: under torchrun
 PRECISIONS = ("fp32", "tf32", "bf16")  # issue 7: reduced precision only when asked for
 SCHEMES = ("natural", "iid", "dirichlet", "shards", "labels", "quantity", "two-level")
+THREADS_MAX = 1024  # train.threads and train.workers: more is a typo, not a machine
+
+
+def opt(
+    default: Any = MISSING,
+    doc: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    choices: tuple[str, ...] = (),
+    ge: int | float | None = None,
+    le: int | float | None = None,
+    fix: str = "",
+    **extra: Any,
+) -> Any:
+    """A config field: its default (or default `factory`), help text `doc`, allowed `choices`, bounds
+    `ge`/`le`, and `fix` (the sentence an error past `le` ends with), kept in the field's metadata.
+
+    pydantic reads `description`, `ge`, `le` and `json_schema_extra` from a stdlib dataclass field's
+    metadata (validation and JSON Schema); `choices` and `fix` are read by fedcli/config/checks.py.
+    `extra` goes to the JSON Schema only (e.g. a `pattern` that is checked by hand).
+    """
+    meta: dict[str, Any] = {"description": doc} if doc else {}
+    meta.update({k: v for k, v in (("ge", ge), ("le", le)) if v is not None})
+    if choices:
+        meta["choices"] = choices
+        extra = {"enum": list(choices), **extra}
+    if extra:
+        meta["json_schema_extra"] = extra
+    if fix:
+        meta["fix"] = fix
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _items(value: Any) -> Any:
+    """data.augment: a list of names, or "a,b" on the CLI -> a tuple (None when empty); else unchanged."""
+    items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)) and all(isinstance(v, str) for v in items):
+        return tuple(v.strip() for v in items if v.strip()) or None
+    return value
+
+
+SECTION = ConfigDict(extra="forbid")  # pydantic: a key the section does not declare is refused
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    task: str = "femnist"  # a name from `fedcli list tasks`
-    model: str | None = (
-        None  # None = the task's default model; `pkg.mod:factory` / `file.py:factory`: your own
+    __pydantic_config__ = SECTION
+    task: str = opt("femnist", "a name from `fedcli list tasks`")
+    model: str | None = opt(
+        None,
+        "None = the task's default model; `pkg.mod:factory` / `file.py:factory`: your own",
     )
-    # your own model (datasets/yours/model.py): sha256 of its module's source, filled in when the config is built
-    model_sha256: str | None = None
-    model_args: str | None = (
-        None  # your own model: JSON of the keyword arguments its factory got (recorded by the run)
+    model_sha256: str | None = opt(
+        None,
+        "your own model (datasets/yours/model.py): sha256 of its module's source, filled in when the config is built",
     )
-    data_dir: str | None = None  # None = the bundled / default copy of the data
-    file: str | None = None  # bring your own data: .npz/.csv/.parquet (see `fedcli train --help`)
-    download: bool = False  # fetch missing public files into data_dir (needs a network)
-    max_clients: int | None = None  # natural-client data sets: read only the first N clients
-    data_store: str = (
-        "auto"  # auto | memory | disk: where the examples live (datasets/federated.py, docs/scaling.md)
+    model_args: str | None = opt(
+        None, "your own model: JSON of the keyword arguments its factory got (recorded by the run)"
     )
-    # per-example transforms, e.g. ["crop:4", "flip", "normalize:0.5:0.25"] (datasets/augment.py); None = none
-    augment: tuple[str, ...] | None = None
+    data_dir: str | None = opt(None, "None = the bundled / default copy of the data")
+    file: str | None = opt(None, "bring your own data: .npz/.csv/.parquet (see `fedcli train --help`)")
+    download: bool = opt(False, "fetch missing public files into data_dir (needs a network)")
+    max_clients: int | None = opt(None, "natural-client data sets: read only the first N clients")
+    data_store: str = opt(
+        "auto",
+        "auto | memory | disk: where the examples live (datasets/federated.py, docs/scaling.md)",
+        choices=("auto", "memory", "disk"),
+    )
+    augment: Annotated[tuple[str, ...] | None, BeforeValidator(_items)] = opt(
+        None,
+        'per-example transforms, e.g. ["crop:4", "flip", "normalize:0.5:0.25"] (datasets/augment.py); None = none',
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class PartitionConfig:
-    scheme: str = "natural"  # natural = the data's own owners (writers, users, subjects)
-    num_clients: int | None = None  # None = every natural client
-    alpha: float | None = None  # Dirichlet concentration (dirichlet, two-level)
-    shards_per_client: int | None = None  # pathological shards
-    labels_per_client: int | None = None  # NIID-Bench noniid-#labelK
-    sigma: float | None = None  # quantity skew: log-normal sigma of client sizes
-    size_alpha: float = 1.0  # two-level: Dirichlet alpha of client shares (Bayesian-ADMM paper)
-    balanced: bool = False  # dirichlet: equal client sizes (FedLab's balanced variant)
-    min_size: int = 10  # minimum examples per client (NIID-Bench redraw)
-    file: str | None = None  # a partition file written by `fedcli partition`
+    __pydantic_config__ = SECTION
+    scheme: str = opt(
+        "natural", "natural = the data's own owners (writers, users, subjects)", choices=SCHEMES
+    )
+    num_clients: int | None = opt(None, "None = every natural client")
+    alpha: float | None = opt(None, "Dirichlet concentration (dirichlet, two-level)")
+    shards_per_client: int | None = opt(None, "pathological shards")
+    labels_per_client: int | None = opt(None, "NIID-Bench noniid-#labelK")
+    sigma: float | None = opt(None, "quantity skew: log-normal sigma of client sizes")
+    size_alpha: float = opt(1.0, "two-level: Dirichlet alpha of client shares (Bayesian-ADMM paper)")
+    balanced: bool = opt(False, "dirichlet: equal client sizes (FedLab's balanced variant)")
+    min_size: int = opt(10, "minimum examples per client (NIID-Bench redraw)")
+    file: str | None = opt(None, "a partition file written by `fedcli partition`")
 
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    name: str = "fedavg"
-    hp: Mapping[str, Any] = field(default_factory=dict)  # resolved hyperparameters (defaults filled)
+    __pydantic_config__ = SECTION
+    name: str = opt("fedavg", "a name from `fedcli list algos`")
+    hp: Mapping[str, Any] = opt(
+        factory=dict, doc="resolved hyperparameters (defaults filled); `fedcli list algos NAME` lists them"
+    )
+
+
+def _workers_fix(flag: str) -> str:
+    return f"Give the cores to use ({flag} N), or leave it out for the cores this process may use."
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    rounds: int = 50  # R; communication rounds
-    clients_per_round: int = 10  # M; sampled uniformly without replacement each round
-    batch_size: int = 20  # B; Reddi et al. EMNIST default
-    local_epochs: int = 1  # E
-    client_lr: float | None = None  # eta_l; None = the task's tuned default (Task.client_lr: 0.1 on the
-    # FEMNIST and MNIST image tasks, 0.01 elsewhere; docs/architecture.md §5), recorded in the resolved config
-    client_momentum: float = 0.0
-    server_opt: str = "sgd"
-    server_lr: float = 1.0  # eta_g
-    server_momentum: float = 0.9
-    server_beta1: float = 0.9
-    server_beta2: float = 0.99
-    server_tau: float = 1e-3
-    server_bias_correction: bool = False  # Adam/Yogi: divide moments by 1 - beta^t (PyTorch's Adam form)
-    server_adagrad_beta1: float = (
-        0.0  # FedAdagrad momentum b1: 0 = Reddi et al.'s code (Keras Adagrad), 0.9 = Alg. 2
+    __pydantic_config__ = SECTION
+    rounds: int = opt(50, "R; communication rounds", ge=1)
+    clients_per_round: int = opt(10, "M; sampled uniformly without replacement each round", ge=1)
+    batch_size: int = opt(20, "B; Reddi et al. EMNIST default", ge=1)
+    local_epochs: int = opt(1, "E", ge=1)
+    client_lr: float | None = opt(
+        None,
+        "eta_l; None = the task's tuned default (Task.client_lr: 0.1 on the FEMNIST and MNIST image tasks, "
+        "0.01 elsewhere; docs/architecture.md §5), recorded in the resolved config",
+        exclusiveMinimum=0,
     )
-    eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
-    eval_sample: int | None = None  # evaluate on a fixed sample of N test examples; None = the task's paper
-    # default (StackOverflow: 10,000; fedcli/engine/evaluation.py PAPER_EVAL_SAMPLE), 0 = the whole test split
-    checkpoint_every: int | None = None  # rounds between checkpoints; None = auto (every round while a
-    # checkpoint costs <= 3 % of a round, else spaced to cost that); 0 = only at the end and on a stop
-    keep_checkpoints: int = 3  # newest checkpoints kept per run (older ones are deleted)
-    executor: str = "auto"  # auto | loop | vmap | process (cohort split across CPU worker processes)
-    cohort_chunk: int | None = None  # vmap chunk size, clients grouped by length; None = whole cohort
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    client_momentum: float = opt(0.0, "client SGD momentum", minimum=0, exclusiveMaximum=1)
+    server_opt: str = opt("sgd", "sgd | momentum | adam | adagrad | yogi", choices=SERVER_OPTIMIZERS)
+    server_lr: float = opt(1.0, "eta_g", exclusiveMinimum=0)
+    server_momentum: float = opt(0.9, "server momentum (server_opt momentum)", minimum=0, exclusiveMaximum=1)
+    server_beta1: float = opt(0.9, "Adam/Yogi beta1", minimum=0, exclusiveMaximum=1)
+    server_beta2: float = opt(0.99, "Adam/Yogi/Adagrad beta2", minimum=0, exclusiveMaximum=1)
+    server_tau: float = opt(
+        1e-3, "adaptivity tau of FedAdam/FedYogi/FedAdagrad (Reddi et al. §3)", exclusiveMinimum=0
+    )
+    server_bias_correction: bool = opt(False, "Adam/Yogi: divide moments by 1 - beta^t (PyTorch's Adam form)")
+    server_adagrad_beta1: float = opt(
+        0.0,
+        "FedAdagrad momentum b1: 0 = Reddi et al.'s code (Keras Adagrad), 0.9 = Alg. 2",
+        minimum=0,
+        exclusiveMaximum=1,
+    )
+    eval_every: int = opt(1, "rounds between evaluations (the last round is always evaluated)", ge=1)
+    eval_sample: int | None = opt(
+        None,
+        "evaluate on a fixed sample of N test examples; None = the task's paper default (StackOverflow: "
+        "10,000; fedcli/engine/evaluation.py PAPER_EVAL_SAMPLE), 0 = the whole test split",
+        ge=0,
+    )
+    checkpoint_every: int | None = opt(
+        None,
+        "rounds between checkpoints; None = auto (every round while a checkpoint costs <= 3 % of a round, "
+        "else spaced to cost that); 0 = only at the end and on a stop",
+        ge=0,
+    )
+    keep_checkpoints: int = opt(3, "newest checkpoints kept per run (older ones are deleted)", ge=1)
+    executor: str = opt(
+        "auto",
+        "auto | loop | vmap | process (cohort split across CPU worker processes)",
+        choices=EXECUTORS,
+    )
+    cohort_chunk: int | None = opt(
+        None, "vmap chunk size, clients grouped by length; None = whole cohort", ge=1
+    )
+    device: str = opt(
+        "auto", "auto | cpu | cuda | cuda:N | mps", pattern=r"^(auto|cpu|cuda|mps|cuda:[0-9]+)$"
+    )
     # --- issue 7 (speed)
-    workers: int | None = (
-        None  # process executor: processes training clients, main included; None = CPU cores
+    workers: int | None = opt(
+        None,
+        "process executor: processes training clients, main included; None = CPU cores",
+        ge=1,
+        le=THREADS_MAX,
+        fix=_workers_fix("--workers"),
     )
-    threads: int | None = (
-        None  # intra-op threads of this process; None = the cores it may use (affinity, quota)
+    threads: int | None = opt(
+        None,
+        "intra-op threads of this process; None = the cores it may use (affinity, quota)",
+        ge=1,
+        le=THREADS_MAX,
+        fix=_workers_fix("--threads"),
     )
-    compile: bool = False  # torch.compile: vmap -> the cohort's update; loop/process -> each client's step
-    graph: bool = False  # vmap's cohort update built once per shape and replayed: a CUDA graph on CUDA, a trace on CPU (engine/backends/graphed.py)
-    precision: str = "fp32"  # fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run
+    compile: bool = opt(
+        False, "torch.compile: vmap -> the cohort's update; loop/process -> each client's step"
+    )
+    graph: bool = opt(
+        False,
+        "vmap's cohort update built once per shape and replayed: a CUDA graph on CUDA, a trace on CPU "
+        "(engine/backends/graphed.py)",
+    )
+    precision: str = opt(
+        "fp32",
+        "fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run",
+        choices=PRECISIONS,
+    )
     # --- issue 32 (client state out of RAM; docs/architecture.md §3, its client-state store)
-    state_store: str = (
-        "auto"  # auto | ram | disk; auto = disk when every client's state would exceed the cache
+    state_store: str = opt(
+        "auto",
+        "auto | ram | disk; auto = disk when every client's state would exceed the cache",
+        choices=("auto", "ram", "disk"),
     )
-    state_cache_mb: int = 512  # disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)
-    state_precision: str = (
-        "state"  # state (each leaf's own dtype) | bf16 | fp16: how client states are stored
+    state_cache_mb: int = opt(
+        512, "disk store: MiB of client states kept in RAM (an LRU, the cohort's at least)", ge=0
     )
-    # --- issue 37 (BatchNorm): aggregate = the clients carry the running statistics, the server averages them
-    # (example-weighted); local = each client keeps its own (FedBN); estimate = the server re-estimates them
-    # before each evaluation (engine/model.py)
-    bn_stats: str = "aggregate"
+    state_precision: str = opt(
+        "state",
+        "state (each leaf's own dtype) | bf16 | fp16: how client states are stored",
+        choices=("state", "bf16", "fp16"),
+    )
+    # --- issue 37 (BatchNorm)
+    bn_stats: str = opt(
+        "aggregate",
+        "aggregate = the clients carry the running statistics, the server averages them (example-weighted); "
+        "local = each client keeps its own (FedBN); estimate = the server re-estimates them before each "
+        "evaluation (engine/model.py)",
+        choices=("aggregate", "local", "estimate"),
+    )
 
     def optim(self, default_client_lr: float) -> OptimConfig:
         """The optimiser settings algorithms receive; client_lr None takes `default_client_lr`
@@ -131,12 +252,13 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrackingConfig:
-    root: str = "fedcli-runs"  # folder of the default stores, models and checkpoints
-    store: str | None = None  # SQLAlchemy URL; None = FEDCLI_STORE or sqlite under root
-    tracking_uri: str | None = None  # MLflow URI; None = MLFLOW_TRACKING_URI or sqlite under root
-    use_mlflow: bool = True
-    experiment: str = "default"
-    run_name: str | None = None
+    __pydantic_config__ = SECTION
+    root: str = opt("fedcli-runs", "folder of the default stores, models and checkpoints")
+    store: str | None = opt(None, "SQLAlchemy URL; None = FEDCLI_STORE or sqlite under root")
+    tracking_uri: str | None = opt(None, "MLflow URI; None = MLFLOW_TRACKING_URI or sqlite under root")
+    use_mlflow: bool = opt(True, "mirror the run to MLflow")
+    experiment: str = opt("default", "experiment name")
+    run_name: str | None = opt(None, "run name; None = one made from the algorithm and settings")
 
     @property
     def store_url(self) -> str:
@@ -174,16 +296,23 @@ def given_url(key: str, value: str | None, env_name: str, flag: str) -> str | No
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    seed: int = 0  # root of every random stream (cohorts, batch order, init, noise)
-    data: DataConfig = field(default_factory=DataConfig)
-    partition: PartitionConfig = field(default_factory=PartitionConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    # key -> "value: why" of every setting filled in by a recommendation (the algorithm's or the task's,
-    # `resolve_recommended`) rather than by the user; kept out of to_dict and the hash (the values are in
-    # the sections), recorded as the run's tag fedcli.recommended
-    recommended: Mapping[str, str] = field(default_factory=dict, compare=False)
+    __pydantic_config__ = SECTION
+    seed: int = opt(0, "root of every random stream (cohorts, batch order, init, noise)", ge=0, le=2**31 - 1)
+    data: DataConfig = opt(factory=DataConfig, doc="the data set and model")
+    partition: PartitionConfig = opt(factory=PartitionConfig, doc="how the data is split into clients")
+    algorithm: AlgorithmConfig = opt(factory=AlgorithmConfig, doc="the algorithm and its hyperparameters")
+    train: TrainConfig = opt(factory=TrainConfig, doc="rounds, cohorts, optimisers, executor and resources")
+    tracking: TrackingConfig = opt(factory=TrackingConfig, doc="where runs are stored and mirrored")
+    # kept out of to_dict and the hash (the values are in the sections), recorded as the run's tag
+    # fedcli.recommended
+    recommended: Mapping[str, str] = field(
+        default_factory=dict,
+        compare=False,
+        metadata={
+            "description": 'key -> "value: why" of every setting filled in by a recommendation (the '
+            "algorithm's or the task's, `resolve_recommended`) rather than by the user"
+        },
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as plain nested dicts (the stored, resolved form)."""

@@ -15,11 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from fedcli.algorithms.base import HyperparameterError
-from fedcli.config.checks import THREADS_MAX, suggest, validate_tracking
+from fedcli.config.checks import suggest, validate_tracking
 from fedcli.config.sections import (
-    EXECUTORS,
-    PRECISIONS,
-    SCHEMES,
     DataConfig,
     PartitionConfig,
     RunConfig,
@@ -33,42 +30,7 @@ def validate(cfg: RunConfig) -> None:
     """Cross-field and range checks that do not need data; ConfigError on the first problem."""
     from fedcli.datasets.registry import TASKS
 
-    t = cfg.train
-    for key, value, low in (
-        ("rounds", t.rounds, 1),
-        ("clients_per_round", t.clients_per_round, 1),
-        ("batch_size", t.batch_size, 1),
-        ("eval_every", t.eval_every, 1),
-        ("checkpoint_every", 0 if t.checkpoint_every is None else t.checkpoint_every, 0),
-        ("keep_checkpoints", t.keep_checkpoints, 1),
-        ("eval_sample", 0 if t.eval_sample is None else t.eval_sample, 0),
-    ):
-        if value < low:
-            raise ConfigError(f"train.{key} must be >= {low}; got {value!r}.")
-    if t.executor not in EXECUTORS:
-        raise ConfigError(f"train.executor must be one of {', '.join(EXECUTORS)}; got {t.executor!r}.")
-    if t.state_store not in ("auto", "ram", "disk"):
-        raise ConfigError(f"train.state_store must be auto, ram or disk; got {t.state_store!r}.")
-    if t.state_precision not in ("state", "bf16", "fp16"):
-        raise ConfigError(f"train.state_precision must be state, bf16 or fp16; got {t.state_precision!r}.")
-    if t.bn_stats not in ("aggregate", "local", "estimate"):
-        raise ConfigError(f"train.bn_stats must be aggregate, local or estimate; got {t.bn_stats!r}.")
-    if t.state_cache_mb < 0:
-        raise ConfigError(f"train.state_cache_mb must be >= 0; got {t.state_cache_mb!r}.")
-    if t.cohort_chunk is not None and t.cohort_chunk < 1:
-        raise ConfigError(f"train.cohort_chunk must be >= 1; got {t.cohort_chunk!r}.")
-    if t.workers is not None and t.workers < 1:
-        raise ConfigError(f"train.workers must be >= 1; got {t.workers!r}.")
-    if t.threads is not None and t.threads < 1:
-        raise ConfigError(f"train.threads must be >= 1; got {t.threads!r}.")
-    for key, count in (("workers", t.workers), ("threads", t.threads)):
-        if count is not None and count > THREADS_MAX:
-            raise ConfigError(
-                f"train.{key} must be <= {THREADS_MAX}; got {count!r}. Give the cores to use "
-                f"(--{key} N), or leave it out for the cores this process may use."
-            )
-    if t.precision not in PRECISIONS:
-        raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}; got {t.precision!r}.")
+    t = cfg.train  # types, bounds and choices: checked as the sections were built (checks.py `validated`)
     if not (t.device in ("auto", "cpu", "cuda", "mps") or t.device.startswith("cuda:")):
         raise ConfigError(f"train.device must be auto, cpu, cuda, cuda:N or mps; got {t.device!r}.")
     try:
@@ -160,12 +122,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"data.model must be one of {', '.join([*task.models, *model_plugins()])} for task "
             f"{task.name}, or your own 'module:factory' / 'file.py:factory'; got {cfg.data.model!r}."
-        )
-    if cfg.data.data_store not in ("auto", "memory", "disk"):
-        raise ConfigError(f"data.data_store must be auto, memory or disk; got {cfg.data.data_store!r}.")
-    if cfg.partition.scheme not in SCHEMES:
-        raise ConfigError(
-            f"partition.scheme must be one of {', '.join(SCHEMES)}; got {cfg.partition.scheme!r}."
         )
     if cfg.data.augment is not None:
         from fedcli.datasets.augment import parse
