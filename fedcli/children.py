@@ -1,5 +1,5 @@
 """What fedcli's child processes share: ending with their parent, their own process group, the child
-spawned before the command parsed its input, and why one died.
+spawned before the command parsed its input, why one died, and framed messages over its pipes.
 
 The sweep's workers (fedcli/sweep/worker_pool.py, scheduler.py, ray_actor.py), the run's MLflow mirror
 (tracking/mlflow/handle.py) and the sweep's (tracking/mlflow/sweep_mirror.py) start theirs with it
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +128,49 @@ def stderr_of(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> bytes:
     except (OSError, ValueError, subprocess.TimeoutExpired):
         err = b""
     return err or b""
+
+
+# ------------------------------------------------------------------ messages over a child's stdin and stdout
+
+
+class Channel:
+    """The parent's side of a child's messages: JSON objects over its stdin and stdout, each one framed
+    (length-prefixed) by `multiprocessing.connection.Connection`, so no line is ever read by hand. The
+    Connections own copies of the pipes' descriptors (the Popen's own pipe objects are closed): `close`
+    is the child's end of file."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self._out = Connection(os.dup(proc.stdin.fileno()), readable=False)
+        self._in = Connection(os.dup(proc.stdout.fileno()), writable=False)
+        proc.stdin.close()
+        proc.stdout.close()
+
+    def send(self, message: Mapping[str, Any]) -> bool:
+        """Send one message; False when the child is gone (or the channel closed)."""
+        try:
+            self._out.send_bytes(json.dumps(dict(message)).encode())
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def receive(self) -> dict[str, Any] | None:
+        """The child's next message (waits for it); None once its output ended (it exited)."""
+        try:
+            return dict(json.loads(self._in.recv_bytes()))
+        except (EOFError, OSError):
+            return None
+
+    def close(self) -> None:
+        """End of file on the child's stdin (an idle sweep worker exits)."""
+        with contextlib.suppress(OSError):
+            self._out.close()
+
+
+def child_channel() -> tuple[Connection, Connection]:
+    """A child's side of its `Channel`: (what it reads from its stdin, what it writes to its stdout). Its
+    file descriptor 1 then goes to stderr, so that nothing else written to stdout (a `print` in a trial, a
+    C library's output) can break a message."""
+    out = os.dup(1)
+    os.dup2(2, 1)
+    return Connection(os.dup(0), writable=False), Connection(out, readable=False)

@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from fedcli.children import death, die_with_parent
+from fedcli.children import Channel, death, die_with_parent
 
 KILL_AFTER_S = 180.0  # as fedcli.sweep.scheduler.KILL_AFTER_S: an idle worker still running this long after close is killed
 TAIL_LINES = 20
@@ -52,6 +52,7 @@ class TrialActor:
             env={**os.environ, **env},
             preexec_fn=die_with_parent(os.getpid()),
         )
+        self.channel = Channel(self.proc)  # framed messages over its stdin and stdout
 
     def where(self) -> tuple[str, int]:
         """(host, worker pid)."""
@@ -59,9 +60,6 @@ class TrialActor:
 
     def run(self, message: Mapping[str, Any]) -> dict[str, Any]:
         """Run one trial; return the worker's `ended` event (with `host`), or how the worker died."""
-        import json
-
-        assert self.proc.stdin is not None and self.proc.stdout is not None
         hook = message.get("hook")
         if isinstance(hook, Mapping) and _masked(hook.get("storage")) and os.environ.get("FEDCLI_STORE"):
             message = {
@@ -69,16 +67,8 @@ class TrialActor:
                 "hook": {**hook, "storage": os.environ["FEDCLI_STORE"]},
             }  # through a pipe only
         run_id = message.get("resume")
-        try:
-            self.proc.stdin.write((json.dumps(dict(message)) + "\n").encode())
-            self.proc.stdin.flush()
-        except OSError:
-            pass  # it died: the read below says how
-        for raw in self.proc.stdout:
-            try:
-                event = json.loads(raw)
-            except ValueError:
-                continue
+        self.channel.send(message)  # False: it died, the read below says how
+        while (event := self.channel.receive()) is not None:
             if event.get("event") == "started":
                 run_id = event.get("run_id") or run_id
             elif event.get("event") == "ended":
@@ -104,9 +94,7 @@ class TrialActor:
 
     def close(self) -> None:
         """End an idle worker (its stdin closed); kill it after KILL_AFTER_S."""
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
+        self.channel.close()
         try:
             self.proc.wait(timeout=KILL_AFTER_S)
         except subprocess.TimeoutExpired:

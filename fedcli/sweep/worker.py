@@ -8,7 +8,9 @@ runs: validation, set-up, the engine's `train`) for each trial with a store-only
 trial is still a complete run in the store (own id, config hash, lifecycle, checkpoints,
 resume, stop signals, leases) exactly as `fedcli train --config` would make it.
 
-The protocol (the sweep's side is fedcli/sweep/worker_pool.py), one JSON object per line:
+The protocol (the sweep's side is fedcli/sweep/worker_pool.py), one JSON object per message, each framed by
+`multiprocessing.connection.Connection` (fedcli.children `Channel`, `child_channel`; stdout is the
+protocol's alone: what else a trial prints goes to stderr):
 
 - stdin, one per trial: `{"config": YAML text, "run_name": NAME}` (a new run: `fedcli train --config
   FILE --run-name NAME`) or
@@ -36,11 +38,13 @@ import json
 import logging
 import os
 import random
-import select
 import signal
 import sys
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
+
+from fedcli.children import child_channel
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 log = logging.getLogger("fedcli.sweep.worker")
@@ -114,16 +118,11 @@ def _flags() -> dict[str, Any]:
     }
 
 
-def send(event: dict[str, Any]) -> None:
-    """One JSON line to the sweep (stdout is the protocol's; logs go to stderr)."""
-    sys.stdout.write(json.dumps(event) + "\n")
-    sys.stdout.flush()
-
-
 class Worker:
     """Runs trials one after another in this process; one SqlStore per store URL."""
 
-    def __init__(self) -> None:
+    def __init__(self, channel: tuple[Connection, Connection]) -> None:
+        self.inbox, self.outbox = channel  # the sweep's messages, and this worker's (fedcli.children.Channel)
         import fedcli.api  # noqa: F401 - what each trial runs: imported before the first (spawn_early)
 
         # a task's data, loaded once per worker (keyed by every loader option): run_config(data_cache=...)
@@ -140,32 +139,30 @@ class Worker:
         while True:
             for signum in STOP_SIGNALS:
                 signal.signal(signum, self._idle_signal)
-            line = self._next_line()
-            if line is None:
+            message = self._next_message()
+            if message is None:
                 return 0 if self.stop is None else 128 + self.stop
-            outcome = self.run_trial(json.loads(line))
-            send({"event": "ended", **outcome})
+            outcome = self.run_trial(json.loads(message))
+            self.send({"event": "ended", **outcome})
             if outcome.get("signal"):  # the sweep is stopping: this worker ends with the trial
                 return 128 + int(outcome["signal"])
 
-    def _next_line(self) -> str | None:
-        buffer = b""
+    def _next_message(self) -> bytes | None:
+        """The sweep's next message; None at the end of its stdin or once a stop signal arrived (idle)."""
         while self.stop is None:
             try:
-                readable, _, _ = select.select([sys.stdin], [], [], 0.2)
+                if not self.inbox.poll(0.2):
+                    continue
+                return self.inbox.recv_bytes()
             except InterruptedError:
                 continue
-            if not readable:
-                continue
-            chunk = os.read(
-                sys.stdin.fileno(), 1
-            )  # byte by byte up to the newline: nothing read ahead is lost
-            if not chunk:
+            except EOFError:
                 return None
-            if chunk == b"\n":
-                return buffer.decode()
-            buffer += chunk
         return None
+
+    def send(self, event: dict[str, Any]) -> None:
+        """One message to the sweep."""
+        self.outbox.send_bytes(json.dumps(event).encode())
 
     def store(self, url: str) -> Any:
         from fedcli.tracking.store.sql_store import SqlStore
@@ -205,7 +202,7 @@ class Worker:
                 resume_run_id=resume_id,
                 tracker=tracker,
                 signals=signals,
-                on_run=lambda run_id: send({"event": "started", "run_id": run_id}),
+                on_run=lambda run_id: self.send({"event": "started", "run_id": run_id}),
                 data_cache=self.data,
                 **extra,
             )
@@ -291,7 +288,7 @@ def _run_id(tracker: Any) -> str | None:
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="fedcli worker: %(message)s", stream=sys.stderr)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    worker = Worker()
+    worker = Worker(child_channel())
     try:
         return worker.serve()
     finally:

@@ -8,7 +8,7 @@ signals, the live table.
 
 - A worker is started like a trial process was: from the sweep's main thread, in its process
   group, with PR_SET_PDEATHSIG=SIGTERM and the environment of `trial_env` (URLs with a password
-  travel there, never on a command line); its stdout is read by one thread per worker.
+  travel there, never on a command line); its messages (fedcli.children `Channel`) are read by one thread per worker.
 - A trial that raises is marked failed by the engine and reported; the worker goes on. A worker
   that dies (SIGKILL, out of memory, a crash in C) costs the trial it ran: the trial reads
   `failed` with how the worker ended (its run reads `interrupted` in the store and a rerun
@@ -22,7 +22,6 @@ signals, the live table.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import signal
@@ -67,33 +66,24 @@ class SweepWorker:
                 )
         self.proc = proc  # one started early (fedcli.sweep.process.spawn_early), whose stderr is `stderr`
         self.stderr = stderr
+        self.channel = children.Channel(self.proc)  # framed messages over its stdin and stdout
         self.trial: WorkerTrial | None = None
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.reader = threading.Thread(target=self._read, name=f"sweep-worker-{self.proc.pid}", daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            with contextlib.suppress(ValueError):
-                self.events.put(json.loads(raw))
+        while (event := self.channel.receive()) is not None:
+            self.events.put(event)
         self.events.put(None)  # end of its output: it exited
 
     def send(self, message: dict[str, Any]) -> bool:
         """Hand the worker a trial; False when it is gone."""
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write((json.dumps(message) + "\n").encode())
-            self.proc.stdin.flush()
-            return True
-        except (OSError, ValueError):
-            return False
+        return self.channel.send(message)
 
     def close(self) -> None:
         """Its stdin closed: an idle worker exits."""
-        with contextlib.suppress(OSError, ValueError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
+        self.channel.close()
 
     def death(self) -> str:
         """How the ended worker process ended, with its last stderr line."""
