@@ -204,6 +204,8 @@ def config_error(
     key, ctx = f"{prefix}.{name}", first.get("ctx") or {}
     if isinstance(ctx.get("error"), HyperparameterError):
         return ConfigError(str(ctx["error"]))
+    if isinstance(ctx.get("error"), Exception) and not first["loc"]:  # another ValueError of __post_init__
+        return ConfigError(f"{prefix}: {ctx['error']}")
     if first["type"] == "missing":
         flag = f"--hp {name}=VALUE" if prefix == "hp" else f"`{name}: VALUE` in the {prefix} section"
         return ConfigError(f"{key} must be given (it has no default); got none. Pass it with {flag}.")
@@ -211,6 +213,9 @@ def config_error(
     if first["type"] in BOUNDS:
         if _not_finite(value):  # 'inf' given as text, past a bound
             return ConfigError(f"{key} must be a finite number; got {value!r}.")
+        names = type_names(cls, name)  # a cast value out of bounds ('0' or 0.0 for an int): its type first
+        if isinstance(value, bool) or isinstance(value, (str, float)) and "float" not in names:
+            return ConfigError(f"{key} must be {names}; got {value!r}.")
         meta: Mapping[str, Any] = next((f.metadata for f in dataclasses.fields(cls) if f.name == name), {})
         name_of_bound = next(iter(ctx))  # ge, le, gt, lt: as declared (pydantic gives 0.0 for a float's 0)
         bound = meta.get(name_of_bound, ctx[name_of_bound])

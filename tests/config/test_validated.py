@@ -30,6 +30,8 @@ class Probe:
     def __post_init__(self) -> None:
         if self.steps == 13:
             raise HyperparameterError("steps must not be 13; got 13.")
+        if self.steps == 7:
+            raise ValueError("steps 7 is unlucky")
 
 
 @pytest.mark.parametrize(
@@ -45,6 +47,9 @@ class Probe:
         ({"steps": None}, "p.steps must be set; got None."),
         ({"steps": 2**31}, "p.steps must be at most 2147483647 (2**31 - 1) in size; got 2147483648."),
         ({"steps": 1, "scale": -1}, "p.scale must be >= 0; got -1."),
+        ({"steps": 1, "scale": "-1"}, "p.scale must be >= 0; got '-1'."),
+        ({"steps": 1, "scale": False}, "p.scale must be float; got False."),
+        ({"steps": 1, "scale": True}, "p.scale must be float; got True."),
         ({"steps": 1, "scale": 11}, "p.scale must be <= 10; got 11. Pick 10 or less."),
         ({"steps": 1, "scale": float("nan")}, "p.scale must be a finite number; got nan."),
         ({"steps": 1, "scale": "inf"}, "p.scale must be a finite number; got 'inf'."),
@@ -52,6 +57,7 @@ class Probe:
         ({"steps": 1, "tags": [1]}, "p.tags must be Mapping[str, Any]; got [1]."),
         ({"steps": 1, "mode": "c"}, "p.mode must be one of a, b; got 'c'."),
         ({"steps": 13}, "steps must not be 13; got 13."),
+        ({"steps": 7}, "p: steps 7 is unlucky"),
     ],
 )
 def test_each_kind_of_pydantic_error_is_one_line(values: dict[str, Any], message: str) -> None:
@@ -86,6 +92,10 @@ def test_sections_and_hyperparameters_share_the_path() -> None:
         ConfigError, match=r"^train.state_precision must be one of state, bf16, fp16; got 'fp8'\.$"
     ):
         build_section("train", TrainConfig, {"state_precision": "fp8"})
+    with pytest.raises(ConfigError, match=r"^train.rounds must be int; got '0'\.$"):
+        build_section("train", TrainConfig, {"rounds": "0"})  # its type is named before its bound
+    with pytest.raises(ConfigError, match=r"^train.rounds must be int; got 0\.0\.$"):
+        build_section("train", TrainConfig, {"rounds": 0.0})
     with pytest.raises(ConfigError, match=r"^hp.mu must be float; got 'big'\.$"):
         make_hyperparameters("fedprox", {"mu": "big"})
     assert make_hyperparameters("fedprox", {"mu": 1}).mu == 1.0
