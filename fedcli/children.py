@@ -136,8 +136,8 @@ def stderr_of(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> bytes:
 class Channel:
     """The parent's side of a child's messages: JSON objects over its stdin and stdout, each one framed
     (length-prefixed) by `multiprocessing.connection.Connection`, so no line is ever read by hand. The
-    Connections own copies of the pipes' descriptors (the Popen's own pipe objects are closed): `close`
-    is the child's end of file."""
+    Connections own copies of the pipes' descriptors (the Popen's own pipe objects are closed and
+    dropped): `close` is the child's end of file."""
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdin is not None and proc.stdout is not None
@@ -145,6 +145,7 @@ class Channel:
         self._in = Connection(os.dup(proc.stdout.fileno()), writable=False)
         proc.stdin.close()
         proc.stdout.close()
+        proc.stdin = proc.stdout = None  # the Connections' now (`communicate` reads its stderr alone)
 
     def send(self, message: Mapping[str, Any]) -> bool:
         """Send one message; False when the child is gone (or the channel closed)."""
