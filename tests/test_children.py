@@ -70,3 +70,19 @@ def test_the_early_child_is_adopted_once_and_a_dead_one_not_at_all() -> None:
     started[2].kill()
     started[2].wait(timeout=60)
     assert children.adopt_early("test") is None  # dead: not adopted
+
+
+def test_a_process_backend_worker_that_was_killed_says_so() -> None:
+    """The process back end's worker (fedcli/engine/backends/process.py) reports its death with `death`."""
+    import pytest
+    import torch
+
+    from fedcli.engine.backends.process import WorkerError, _Worker
+
+    worker = _Worker(torch.multiprocessing.get_context("spawn"))
+    try:
+        worker.process.kill()
+        with pytest.raises(WorkerError, match=r"exited unexpectedly \(was killed by SIGKILL\); rerun with"):
+            worker.receive()
+    finally:
+        worker.process.join(timeout=10)

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
+from fedcli.children import death
 from fedcli.datasets import augment as augmentation
 from fedcli.datasets.federated import MemoryData
 from fedcli.datasets.yours.data import shipped
@@ -236,9 +237,8 @@ class _Worker:
         except (EOFError, OSError):
             self.process.join(timeout=1.0)
             raise WorkerError(
-                f"worker process {self.process.pid} exited unexpectedly (exit code "
-                f"{self.process.exitcode}); rerun with --executor vmap to see the error "
-                "in the main process."
+                f"worker process {self.process.pid} exited unexpectedly ({death(self.process.exitcode)}); "
+                "rerun with --executor vmap to see the error in the main process."
             ) from None
 
     def stop(self) -> None:
