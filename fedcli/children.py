@@ -140,11 +140,12 @@ class Channel:
     dropped): `close` is the child's end of file."""
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdin is not None
         self._out = Connection(os.dup(proc.stdin.fileno()), readable=False)
-        self._in = Connection(os.dup(proc.stdout.fileno()), writable=False)
+        self._in = None if proc.stdout is None else Connection(os.dup(proc.stdout.fileno()), writable=False)
         proc.stdin.close()
-        proc.stdout.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
         proc.stdin = proc.stdout = None  # the Connections' now (`communicate` reads its stderr alone)
 
     def send(self, message: Mapping[str, Any]) -> bool:
@@ -156,7 +157,10 @@ class Channel:
             return False
 
     def receive(self) -> dict[str, Any] | None:
-        """The child's next message (waits for it); None once its output ended (it exited)."""
+        """The child's next message (waits for it); None once its output ended (it exited), or when its
+        stdout was no pipe (a child that only reads)."""
+        if self._in is None:
+            return None
         try:
             return dict(json.loads(self._in.recv_bytes()))
         except (EOFError, OSError):
@@ -168,10 +172,15 @@ class Channel:
             self._out.close()
 
 
+def child_inbox() -> Connection:
+    """A child's side of a `Channel` it only reads (its stdout is not the parent's)."""
+    return Connection(os.dup(0), writable=False)
+
+
 def child_channel() -> tuple[Connection, Connection]:
     """A child's side of its `Channel`: (what it reads from its stdin, what it writes to its stdout). Its
     file descriptor 1 then goes to stderr, so that nothing else written to stdout (a `print` in a trial, a
     C library's output) can break a message."""
     out = os.dup(1)
     os.dup2(2, 1)
-    return Connection(os.dup(0), writable=False), Connection(out, readable=False)
+    return child_inbox(), Connection(out, readable=False)

@@ -6,7 +6,7 @@ hands it each trial's run id as the trial ends (`SweepMirror.add`). It copies th
 does (`Mirror.run_once`: rounds, files, model, status, nested under the sweep's parent run) and takes
 the next. No trial ever waits for it; the sweep's end waits for the copies still to do
 (`SweepMirror.finish`, at most FINISH_WAIT_S; after a stop signal STOP_WAIT_S, then it goes on alone
-in its own process group); once the sweep's stdin ends it leaves nice 19 to catch up (where the
+in its own process group); once the sweep's messages end it leaves nice 19 to catch up (where the
 system lets it). Once the sweep process is gone (exited, killed) it has ORPHAN_WAIT_S to finish, then
 ends (`fedcli.tracking.mlflow.lifeline.watch_parent`). What it could not copy, `fedcli sync` copies
 later (the store has it all). The cost: MLflow shows a trial once it ended, not round by round.
@@ -15,10 +15,11 @@ It also opens the sweep's MLflow parent run (`parent_run`: the experiment's run 
 sweep hands it, so a rerun reuses it) and ends it once every trial is copied, as the sweep's last line
 says: the sweep process never imports MLflow, and this module imports nothing of the sweep's.
 
-Its stdin: the first line JSON {"store": URL, "tracking_uri": URI, "sweep_spec": {...}, "parent_tags":
-{...}} (secrets stay off the command line, docs/architecture.md "Security"), then one run id per line,
-then `end:<status>` (finished, failed, interrupted); end of file: copy what is left, end the parent
-run (`interrupted` without an `end:` line: the sweep died) and exit.
+Its stdin carries JSON messages framed by `multiprocessing.connection.Connection` (fedcli.children
+`Channel`, `child_inbox`): first {"store": URL, "tracking_uri": URI, "sweep_spec": {...}, "parent_tags":
+{...}} (secrets stay off the command line, docs/architecture.md "Security"), then {"run": RUN_ID} per
+ended trial, then {"end": STATUS} (finished, failed, interrupted); end of file: copy what is left, end
+the parent run (`interrupted` without an `end` message: the sweep died) and exit.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-END_PREFIX = "end:"  # the sweep's last stdin line, "end:finished": the status of its MLflow parent run
+END_PREFIX = "end:"  # a queued "end:finished" (from the sweep's last message): its MLflow parent run's status
 PARENT_NOT_ENDED = "MLflow could not end the sweep's run"
 
 
@@ -72,6 +74,7 @@ class SweepMirror:
         self.runs_root, self.parent_run_id = runs_root, parent_run_id
         self.added: list[str] = []
         self._proc: subprocess.Popen[bytes] | None = None
+        self._channel: children.Channel | None = None
 
     @property
     def pid(self) -> int | None:
@@ -106,42 +109,39 @@ class SweepMirror:
             env=parent_env(),
             **children.own_process_group(),
         )
+        self._channel = children.Channel(self._proc)
         first: dict[str, Any] = {"store": self.store_url, "tracking_uri": self.tracking_uri}
-        if spec is not None and tags:
-            first["sweep_spec"], first["parent_tags"] = dict(spec), dict(tags)
-        self._write(json.dumps(first, default=str))
+        if spec is not None and tags:  # JSON-able as the spec's YAML reads back (dates as text)
+            first["sweep_spec"], first["parent_tags"] = (
+                json.loads(json.dumps(dict(spec), default=str)),
+                dict(tags),
+            )
+        self._send(first)
         return self
 
-    def _write(self, line: str) -> bool:
-        proc = self._proc
-        if proc is None or proc.stdin is None:
-            return False
-        try:
-            proc.stdin.write(f"{line}\n".encode())
-            proc.stdin.flush()
-            return True
-        except OSError:
-            return False
+    def _send(self, message: Mapping[str, Any]) -> bool:
+        return self._channel is not None and self._channel.send(message)
 
     def add(self, run_id: str) -> None:
         """Hand an ended trial's run to the mirror (it copies it in the background)."""
         if run_id not in self.added:
             self.added.append(run_id)
-            self._write(run_id)
+            self._send({"run": run_id})
 
     def finish(
         self, stopping: bool = False, timeout_s: float = FINISH_WAIT_S, status: str | None = None
     ) -> str | None:
-        """Close its stdin (the sweep's end) and wait for the copies still to do; return a warning, if any.
+        """End its messages (the sweep's end) and wait for the copies still to do; return a warning, if any.
 
         `status`: how the sweep ended (`finished`, `failed`, `interrupted`), which the mirror sets on the
         sweep's MLflow parent run once every trial is copied (without one: `interrupted`).
         """
         if status is not None:
-            self._write(f"{END_PREFIX}{status}")
-        proc, self._proc = self._proc, None
-        if proc is None:
+            self._send({"end": status})
+        proc, self._proc, channel, self._channel = self._proc, None, self._channel, None
+        if proc is None or channel is None:
             return None
+        channel.close()
         deadline = time.monotonic() + (STOP_WAIT_S if stopping else timeout_s)
         while True:
             try:
@@ -226,13 +226,19 @@ def copy_run(args: argparse.Namespace, run_id: str) -> None:
     ).run_once()
 
 
-def _read_lines(lines: queue.Queue[str | None], nice: int) -> None:
-    """Queue the run ids (and the `end:` status line) the sweep sends, then None at the end of its stdin."""
+def _read_lines(inbox: Connection, lines: queue.Queue[str | None], nice: int) -> None:
+    """Queue the run ids (and "end:STATUS") the sweep sends, then None at the end of its stdin."""
     from fedcli.tracking.mlflow.lifeline import normal_priority
 
-    for line in sys.stdin:
-        if line.strip():
-            lines.put(line.strip())
+    while True:
+        try:
+            message = json.loads(inbox.recv_bytes())
+        except (EOFError, OSError):
+            break
+        if message.get("run"):
+            lines.put(str(message["run"]))
+        elif message.get("end"):
+            lines.put(f"{END_PREFIX}{message['end']}")
     # no trial trains any more, and the sweep's end waits for these copies: back to the sweep's nice value
     # now (every thread: Linux schedules threads), where the system lets it, not after the copies queued
     normal_priority(nice)
@@ -260,7 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     args.lifeline = watch_parent()  # the sweep gone: at most ORPHAN_WAIT_S to copy what it can, then it ends
     nice = low_priority()  # even MLflow's import yields a core the trials want
     logging.basicConfig(level=logging.WARNING, format="fedcli sweep mirror: %(message)s")
-    if not read_urls(args):
+    inbox = children.child_inbox()
+    try:
+        first = inbox.recv_bytes().decode()
+    except (EOFError, OSError):
+        first = ""  # spawned for a sweep that ended before it sent anything: read_urls says so
+    if not read_urls(args, first):
         return 2
     import fedcli.tracking.mlflow.sink  # noqa: F401 - the slow import, while the first trials train
 
@@ -283,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         args.parent_run = parent.run_id
     lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(lines, nice), daemon=True).start()
-    failed, status = 0, "interrupted"  # no `end:` line: the sweep died
+    threading.Thread(target=_read_lines, args=(inbox, lines, nice), daemon=True).start()
+    failed, status = 0, "interrupted"  # no `end` message: the sweep died
     while True:
         run_id = lines.get()
         if run_id is None:  # the sweep ended (or died); the reader left nice 19 then (it waits for these)
