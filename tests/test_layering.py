@@ -459,7 +459,8 @@ def test_the_trial_runner_check_finds_another_signature_and_an_undeclared_attrib
         plans: list[object]
         processes: list[object]
 
-        def run(self, tick: Callable[..., None], tick_s: float = 5.0) -> int | None: ...
+        def run(self, tick: Callable[..., None], tick_s: float = 5.0) -> int | None:
+            return None
 
     assert runner_mismatches(TrialRunner, Slow) == [
         "run: (self, tick: 'Callable[..., None]', tick_s: 'float' = 5.0) -> 'int | None' is not "
