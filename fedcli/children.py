@@ -49,9 +49,9 @@ def own_process_group() -> dict[str, Any]:
 
     Its own group: a Ctrl-C in the terminal (sent to the foreground group) stops the training,
     while an MLflow mirror finishes copying and marks the MLflow run as the store says. Not its own
-    session (`start_new_session`, before issue 27): Linux's autogroup scheduler
+    session (`start_new_session`, as before): Linux's autogroup scheduler
     (`/proc/sys/kernel/sched_autogroup_enabled`) shares the CPU equally between sessions first,
-    so a SCHED_IDLE mirror (before issue 35; now nice 19) in a session of its own took a full share
+    so a SCHED_IDLE mirror (as before; now nice 19) in a session of its own took a full share
     while it imported MLflow:
     20 MLP rounds trained in 1.3-2.6 s instead of 0.5 s.
     """

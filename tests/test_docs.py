@@ -7,7 +7,7 @@
   that starts with Name, and `docs/style.md rule N` (or `rules N and M`, `rule N/M`) a
   `### Rule N:` heading;
 - relative links between the docs (files and `#anchors`) resolve;
-- docstrings and comments under algorithms/, datasets/ and fedcli/engine/ cite no issue number.
+- docstrings and comments under algorithms/, datasets/, fedcli/ and tracking/ cite no issue number.
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ ISSUE = re.compile(r"[Ii]ssue \d+")
 NO_ISSUE_DIRS = (
     "algorithms/",
     "datasets/",
-    "fedcli/engine/",
+    "fedcli/",
+    "tracking/",
 )  # docstrings and comments cite docs/, not issues
 
 
@@ -179,7 +180,7 @@ def test_issue_citations_are_found_in_docstrings_and_comments_only() -> None:
 
 
 def test_no_docstring_or_comment_cites_an_issue_number() -> None:
-    """Docstrings and comments under algorithms/, datasets/ and fedcli/engine/ explain the code in words and
+    """Docstrings and comments under algorithms/, datasets/, fedcli/ and tracking/ explain the code in words and
     cite docs/ (docs/benchmarks.md for timings), never an issue number."""
     files = [p for p in python_files() if p.relative_to(ROOT).as_posix().startswith(NO_ISSUE_DIRS)]
     assert files, "no .py files found under " + ", ".join(NO_ISSUE_DIRS)

@@ -122,7 +122,7 @@ def sweep_mirror(track: Any, spec: Mapping[str, Any]) -> Any:
 
     It opens (or reuses) the sweep's MLflow parent run found by `spec`'s tags (fedcli.sweep.rows.parent_tags), nests the
     trials under it and ends it as `SweepMirror.finish` says: the sweep process never imports MLflow
-    (that import and MLflow's schema set-up held trial 1 back 2.3 s, issue 27).
+    (that import and MLflow's schema set-up held trial 1 back 2.3 s; docs/benchmarks.md).
     """
     if not track.use_mlflow:
         return None

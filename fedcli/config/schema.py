@@ -1,4 +1,4 @@
-"""JSON Schemas of a run config and of a sweep spec, generated from their declarations (issue 33).
+"""JSON Schemas of a run config and of a sweep spec, generated from their declarations.
 
 `python -m fedcli.config.schema` writes docs/schema/run-config.schema.json (from RunConfig,
 fedcli/config/sections.py: each field's help as its description, choices as enums, bounds and

@@ -27,7 +27,7 @@ from fedcli.errors import ConfigError
 from fedcli.tracking.urls import is_masked, mask_url
 
 EXECUTORS = ("auto", "loop", "vmap", "fused", "process", "distributed")  # distributed: under torchrun
-PRECISIONS = ("fp32", "tf32", "bf16")  # issue 7: reduced precision only when asked for
+PRECISIONS = ("fp32", "tf32", "bf16")  # reduced precision only when asked for
 SCHEMES = ("natural", "iid", "dirichlet", "shards", "labels", "quantity", "two-level")
 THREADS_MAX = 1024  # train.threads and train.workers: more is a typo, not a machine
 
@@ -189,7 +189,7 @@ class TrainConfig:
     device: str = opt(
         "auto", "auto | cpu | cuda | cuda:N | mps", pattern=r"^(auto|cpu|cuda|mps|cuda:[0-9]+)$"
     )
-    # --- issue 7 (speed)
+    # --- speed (docs/scaling.md)
     workers: int | None = opt(
         None,
         "process executor: processes training clients, main included; None = CPU cores",
@@ -217,7 +217,7 @@ class TrainConfig:
         "fp32 | tf32 (CUDA matmul/conv) | bf16 (autocast); recorded with the run",
         choices=PRECISIONS,
     )
-    # --- issue 32 (client state out of RAM; docs/architecture.md §3, its client-state store)
+    # --- client state out of RAM (docs/architecture.md §3, its client-state store)
     state_store: str = opt(
         "auto",
         "auto | ram | disk; auto = disk when every client's state would exceed the cache",
@@ -231,7 +231,7 @@ class TrainConfig:
         "state (each leaf's own dtype) | bf16 | fp16: how client states are stored",
         choices=("state", "bf16", "fp16"),
     )
-    # --- issue 37 (BatchNorm)
+    # --- BatchNorm statistics (docs/bring-your-own.md, "BatchNorm")
     bn_stats: str = opt(
         "aggregate",
         "aggregate = the clients carry the running statistics, the server averages them (example-weighted); "
@@ -376,7 +376,7 @@ HASHED_UNLESS_DEFAULT: Mapping[str, object] = {
     "eval_sample": None,
     "bn_stats": "aggregate",
 }
-# hyperparameters added after runs were stored, with the value that reproduces those runs (issue 24): left
+# hyperparameters added after runs were stored, with the value that reproduces those runs: left
 # out of the hash at that value, and given to a stored config that lacks the key (`resume_config`), so an
 # earlier run resumes as it ran and keeps its hash
 HP_ADDED: Mapping[str, Mapping[str, object]] = {"bayesadmm": {"dual_scope": "seen"}}

@@ -21,7 +21,7 @@ KIND = "worker"  # its key in fedcli.children's early-spawn holder
 def spawn_early() -> None:
     """Start one worker now, before the sweep imports torch and reads its spec (`fedcli sweep` calls
     it first thing on the local backend): its own imports of torch and fedcli (~2 s of CPU) run on
-    the core the sweep leaves idle meanwhile, instead of after the plan (issue 27). The
+    the core the sweep leaves idle meanwhile, instead of after the plan. The
     `WorkerScheduler` adopts it for its first trial (`children.adopt_early(KIND)`), sending what the
     sweep's environment would have given it (`trial_secrets`) with each trial; a sweep that ends without
     a trial (bad input, nothing to do) closes its stdin by exiting, and it exits."""

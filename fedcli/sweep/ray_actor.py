@@ -29,7 +29,7 @@ TAIL_LINES = 20
 
 
 class TrialActor:
-    """A long-lived Ray actor (issue 27): one sweep worker process on its node (`python -m
+    """A long-lived Ray actor: one sweep worker process on its node (`python -m
     fedcli.sweep.worker`, fedcli/sweep/worker.py) that runs many trials, one `run` call each.
 
     Created with `max_concurrency=2`, so that `stop` (SIGTERM to the worker: its trial checkpoints

@@ -2,7 +2,7 @@
 
 The sweep plans as with the local backend (fedcli.sweep: `plan_trials`, the MLflow parent
 run, the live table read from the store); only where a trial's `fedcli train` process runs
-changes. `RayScheduler` is the local `Scheduler` with long-lived Ray actors for workers (issue 27):
+changes. `RayScheduler` is the local `Scheduler` with long-lived Ray actors for workers (docs/sweeps.md):
 each actor (fedcli.sweep.ray_actor.TrialActor) holds `--cpus-per-trial` CPUs and `--gpus-per-trial`
 GPUs and runs one sweep worker (fedcli/sweep/worker.py) on its node, which trains many trials
 in-process (imports and data once per actor), each trial's `train.workers` and `train.threads`

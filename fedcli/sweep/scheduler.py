@@ -1,7 +1,7 @@
 """The trial processes of a local sweep: claims in the store, the `Scheduler` that starts them and forwards stop signals.
 
-Split out of fedcli/sweep/__init__.py (issue 25: no module over ~500 lines), whose docstring describes
-how a sweep owns its trials and which re-exports every name here.
+Part of fedcli.sweep; fedcli/sweep/__init__.py describes how a sweep owns its trials and the
+package's layout.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A long-lived sweep worker: `python -m fedcli.sweep.worker` runs many trials of one sweep, in-process.
 
-Why (issue 27): a trial as its own `fedcli train` process paid Python + torch imports, the
+Why: a trial as its own `fedcli train` process paid Python + torch imports, the
 data load and an MLflow mirror process per trial, 92 % of a 6-trial FEMNIST sweep's wall
 time. A worker imports once, keeps each task's data (`Worker.data`, passed to run_config, keyed
 by the task and every loader option) and calls `fedcli.api.run_config` (what `fedcli train`

@@ -112,7 +112,7 @@ class MirrorHandle:
         """Hand the run to the mirror and return at once: round 1 never waits for MLflow.
 
         The mirror sets MLflow up (schema, the MLflow run) at nice 19 while the run
-        trains and answers "ready"; `check` reads that answer. Before issue 27 this waited for
+        trains and answers "ready"; `check` reads that answer. This used to wait for
         "ready" (up to 300 s), which put MLflow's import and schema set-up (2.8 s of a 5 s
         start on 2 cores) before round 1. Whether MLflow can be used is checked before anything
         is written (`preflight`: the URL, the folder, the disk, the server); a set-up that
@@ -253,12 +253,12 @@ def spawn_early() -> None:
 
     `fedcli train` calls it first thing: the mirror imports MLflow and torch (3 s of CPU) at nice
     19 on the core the training process leaves idle while it imports torch and reads its
-    config, instead of after (issue 27: its set-up had ended 2 s after the last round of a
+    config, instead of after (before, its set-up had ended 2 s after the last round of a
     short run). The run's `MirrorHandle.spawn` adopts it and sends what it needs on its stdin; a
     command that ends without a run (bad input, an exception, `--no-mlflow` in a config file) ends it
     as this process exits (`discard_early`, registered with atexit), and were this process killed,
     the mirror sees its parent gone and exits (`watch_parent`), in both cases having written nothing
-    (issue 35: each rejected `fedcli train` left an idle-priority mirror behind for as long as the
+    (before, each rejected `fedcli train` left an idle-priority mirror behind for as long as the
     machine stayed busy).
     """
     if children.spawn_early(

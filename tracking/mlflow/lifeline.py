@@ -38,7 +38,7 @@ PARENT_POLL_S = 0.5  # how often the mirror looks whether the process that start
 def low_priority() -> int:
     """Lower this thread (and the threads it starts) to nice 19; return the nice value it had.
 
-    Nice 19 (SCHED_OTHER), not SCHED_IDLE (before issue 35): an idle-priority task runs only when a
+    Nice 19 (SCHED_OTHER), not SCHED_IDLE (as it was first): an idle-priority task runs only when a
     core would otherwise idle, so on a machine kept busy by other work it never ran (8 runs that
     ended with 0 of 8 in MLflow; mirrors left behind for hours by commands long gone). At nice 19 it
     has 1.5 % of a core against one busy task at nice 0, and always progresses. The cost on round
@@ -167,7 +167,7 @@ def exit_now(code: int) -> None:
 
     Everything is written by then (each SQL write committed, MLflow's queue flushed by
     `end_run`, artifacts copied), and the teardown (MLflow's exit hooks, freeing torch's and
-    MLflow's modules) took 1.4 s, which the training process waited for at its end (issue 27).
+    MLflow's modules) took 1.4 s, which the training process waited for at its end.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
