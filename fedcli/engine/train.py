@@ -420,9 +420,7 @@ def _restore(
                 round_idx=round_idx,
                 extras=extras,
             )
-            if isinstance(
-                client_states, StoredClientStates
-            ):  # format 3: the next checkpoint builds on it
+            if isinstance(client_states, StoredClientStates):  # format 3: the next checkpoint builds on it
                 store.load_state_dict(client_states, index=client_states.index)
             else:
                 store.load_state_dict(client_states)

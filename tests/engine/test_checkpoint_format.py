@@ -113,9 +113,7 @@ def test_a_checkpoint_must_be_its_runs_rounds_and_configs() -> None:
         check({**payload, "run_id": "b" * 32})
     with pytest.raises(CheckpointError, match="holds round 4, not 5"):
         check(payload, round_idx=5)
-    with pytest.raises(
-        CheckpointError, match=f"config hash {cfg.config_hash[:10]}.*another configuration"
-    ):
+    with pytest.raises(CheckpointError, match=f"config hash {cfg.config_hash[:10]}.*another configuration"):
         check(payload, config_hash=other.config_hash, requested=other.to_dict())
     with pytest.raises(CheckpointError, match="format 4"):
         check({**payload, "format_version": 4})
