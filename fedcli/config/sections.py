@@ -18,13 +18,16 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict
 
 from fedcli.algorithms.base import SERVER_OPTIMIZERS, OptimConfig
 from fedcli.errors import ConfigError
 from fedcli.tracking.urls import is_masked, mask_url
+
+if TYPE_CHECKING:
+    from fedcli.datasets.partition.spec import PartitionSpec
 
 EXECUTORS = ("auto", "loop", "vmap", "fused", "process", "distributed")  # distributed: under torchrun
 PRECISIONS = ("fp32", "tf32", "bf16")  # reduced precision only when asked for
@@ -120,6 +123,23 @@ class PartitionConfig:
     balanced: bool = opt(False, "dirichlet: equal client sizes (FedLab's balanced variant)")
     min_size: int = opt(10, "minimum examples per client (NIID-Bench redraw)")
     file: str | None = opt(None, "a partition file written by `fedcli partition`")
+
+    def spec(self, seed: int = 0) -> PartitionSpec:
+        """The partition these settings draw (`file` aside), with the partition stream's `seed`."""
+        from fedcli.datasets.partition.spec import PartitionSpec
+
+        return PartitionSpec(
+            scheme=self.scheme,
+            num_clients=self.num_clients,
+            alpha=self.alpha,
+            shards_per_client=self.shards_per_client,
+            labels_per_client=self.labels_per_client,
+            min_size=self.min_size,
+            seed=seed,
+            balanced=self.balanced,
+            sigma=self.sigma,
+            size_alpha=self.size_alpha,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -198,7 +198,7 @@ def validate_partition(part: PartitionConfig, data: DataConfig) -> None:
     partition but stored `scheme: iid, num_clients: 5` with the run.
     """
     from fedcli.datasets.partition.files import check_partition_file
-    from fedcli.datasets.partition.spec import PartitionSpec, check_unused_defaults
+    from fedcli.datasets.partition.spec import check_unused_defaults
 
     defaults = PartitionConfig()
     if part.file is not None:
@@ -212,16 +212,4 @@ def validate_partition(part: PartitionConfig, data: DataConfig) -> None:
             )
         check_partition_file(Path(part.file), dataset=data.task if data.file is None else None)
         return
-    check_unused_defaults(
-        PartitionSpec(
-            scheme=part.scheme,
-            num_clients=part.num_clients,
-            alpha=part.alpha,
-            shards_per_client=part.shards_per_client,
-            labels_per_client=part.labels_per_client,
-            min_size=part.min_size,
-            balanced=part.balanced,
-            sigma=part.sigma,
-            size_alpha=part.size_alpha,
-        )
-    )
+    check_unused_defaults(part.spec())

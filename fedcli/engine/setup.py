@@ -100,23 +100,11 @@ def client_partition(
     """
     from fedcli.datasets.partition.files import load_partition
     from fedcli.datasets.partition.make import make_partition
-    from fedcli.datasets.partition.spec import PartitionSpec
 
     part, task = cfg.partition, name or cfg.data.task  # name: the resolved task's (byo-<name> for your data)
     if part.file is not None:
         return load_partition(Path(part.file), dataset=task, fingerprint=data.fingerprint)
-    spec = PartitionSpec(
-        scheme=part.scheme,
-        num_clients=part.num_clients,
-        alpha=part.alpha,
-        shards_per_client=part.shards_per_client,
-        labels_per_client=part.labels_per_client,
-        min_size=part.min_size,
-        seed=derive_seed(cfg.seed, Stream.PARTITION) % (2**31),
-        balanced=part.balanced,
-        sigma=part.sigma,
-        size_alpha=part.size_alpha,
-    )
+    spec = part.spec(seed=derive_seed(cfg.seed, Stream.PARTITION) % (2**31))
     if part.scheme == "natural":
         if not data.client_indices:
             raise ConfigError(f"task {task} has no natural clients; choose --scheme iid|dirichlet|... .")
