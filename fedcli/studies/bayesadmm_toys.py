@@ -41,11 +41,11 @@ Deviations:
   h0 = 0, beta2 = 0.9995, lr 0.002 with a cosine over each solve; optim.ivon_step on an analytic softmax
   gradient, all clients at once) at 6 rounds x 151 steps instead of 26 x 1251 (time budget), on the bundled
   training split; the reference is one batch IVON run, not batch VON to convergence.
-Layout: this module (the paper, the deviations above, `run`) re-exports the public names of its
-parts, one per figure: bayesadmm_toys_fig3b, bayesadmm_toys_fig4, bayesadmm_toys_fig3a (each the
+Layout: this module holds the paper, the deviations above and `run` (the recipe's entry point); the
+parts are one module per figure: bayesadmm_toys_fig3b, bayesadmm_toys_fig4, bayesadmm_toys_fig3a (each the
 computation, then its report section; Fig. 4's report section is its own module,
-bayesadmm_toys_fig4_report, imported from there), and bayesadmm_toys_shared (cohorts, sizes, table
-and axis helpers). Each part stays under 500 lines and each function under 50.
+bayesadmm_toys_fig4_report), and bayesadmm_toys_shared (cohorts, sizes, table and axis helpers); import
+each name from the module that defines it. Each part stays under 500 lines and each function under 50.
 """
 
 from __future__ import annotations
@@ -55,124 +55,11 @@ from pathlib import Path
 
 import torch
 
-from fedcli.studies.bayesadmm_toys_fig3a import (
-    FIG3A_METHODS,
-    Softmax,
-    batch_vb,
-    fig3a_checks,
-    fig3a_figure,
-    fig3a_section,
-    ivon_solve,
-    neg_elbo,
-    run_fig3a_method,
-    softmax_grad,
-    softmax_problem,
-)
-from fedcli.studies.bayesadmm_toys_fig3b import (
-    RIDGE_NAMES,
-    Ridge,
-    fig3b_checks,
-    fig3b_numbers,
-    fig3b_section,
-    polyak_heavy_ball,
-    ridge_loss,
-    ridge_objective,
-    ridge_optimum,
-    ridge_problem,
-    run_ridge_admm,
-    run_ridge_bayes,
-)
-from fedcli.studies.bayesadmm_toys_fig4 import (
-    BOUNDARY_TOL,
-    FIG4_DELTA,
-    FIG4_RHO,
-    FIG4_WINDOW,
-    admm_client,
-    boundary_disagreement,
-    fig4_bayes_config,
-    fig4_clients,
-    fig4_numbers,
-    map_estimate,
-    relative_error,
-    run_fig4_admm,
-    run_fig4_bayes,
-    sigmoid,
-    vb_estimate,
-    von_client,
-)
+from fedcli.studies.bayesadmm_toys_fig3a import fig3a_section
+from fedcli.studies.bayesadmm_toys_fig3b import fig3b_section
 from fedcli.studies.bayesadmm_toys_fig4_report import fig4_section
-from fedcli.studies.bayesadmm_toys_shared import (
-    F64,
-    OPT,
-    SMOKE,
-    Cohort,
-    Sizes,
-    cell,
-    cohort_round,
-    first_round,
-    full_batch_context,
-    integer_rounds,
-    pad_cohort,
-    semilogy,
-    stack_tree,
-)
+from fedcli.studies.bayesadmm_toys_shared import SMOKE, Sizes
 from fedcli.studies.common import write_report
-
-__all__ = [
-    "BOUNDARY_TOL",
-    "F64",
-    "FIG3A_METHODS",
-    "FIG4_DELTA",
-    "FIG4_RHO",
-    "FIG4_WINDOW",
-    "OPT",
-    "RIDGE_NAMES",
-    "SMOKE",
-    "Cohort",
-    "Ridge",
-    "Sizes",
-    "Softmax",
-    "admm_client",
-    "batch_vb",
-    "boundary_disagreement",
-    "cell",
-    "cohort_round",
-    "fig3a_checks",
-    "fig3a_figure",
-    "fig3a_section",
-    "fig3b_checks",
-    "fig3b_numbers",
-    "fig3b_section",
-    "fig4_bayes_config",
-    "fig4_clients",
-    "fig4_numbers",
-    "first_round",
-    "full_batch_context",
-    "integer_rounds",
-    "ivon_solve",
-    "map_estimate",
-    "neg_elbo",
-    "pad_cohort",
-    "polyak_heavy_ball",
-    "relative_error",
-    "ridge_loss",
-    "ridge_objective",
-    "ridge_optimum",
-    "ridge_problem",
-    "run",
-    "run_fig3a_method",
-    "run_fig4_admm",
-    "run_fig4_bayes",
-    "run_ridge_admm",
-    "run_ridge_bayes",
-    "semilogy",
-    "sigmoid",
-    "softmax_grad",
-    "softmax_problem",
-    "stack_tree",
-    "vb_estimate",
-    "von_client",
-]
 
 
 def run(out: Path, *, smoke: bool = False) -> None:

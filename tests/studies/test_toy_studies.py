@@ -21,6 +21,18 @@ import torch
 from fedcli.algorithms import bayesadmm_full, fedadmm
 from fedcli.algorithms.base import OptimConfig
 from fedcli.studies import bayesadmm_toys, fola_toy
+from fedcli.studies.bayesadmm_toys_fig3b import ridge_optimum, ridge_problem, run_ridge_bayes
+from fedcli.studies.bayesadmm_toys_fig4 import (
+    admm_client,
+    boundary_disagreement,
+    fig4_clients,
+    map_estimate,
+    relative_error,
+    sigmoid,
+    vb_estimate,
+    von_client,
+)
+from fedcli.studies.bayesadmm_toys_shared import full_batch_context, pad_cohort
 
 F64 = torch.float64
 
@@ -111,13 +123,13 @@ def test_bayesadmm_toys_smoke_writes_the_report_and_figures(tmp_path) -> None:
 def test_full_covariance_bayesadmm_solves_ridge_in_one_round_only_from_the_prior() -> None:
     """Module docstring: from S_bar = delta I one round of exact client solves gives S* = delta I + Sum A_k and
     m_bar = W*; from S_bar = I the precision error is (1 - delta)/2 after round 1 and halves every round."""
-    problem = bayesadmm_toys.ridge_problem(120, 3)
-    w_star = bayesadmm_toys.ridge_optimum(problem)
+    problem = ridge_problem(120, 3)
+    w_star = ridge_optimum(problem)
     gram = problem.x.T @ problem.x
     s_star = torch.kron(torch.eye(10, dtype=F64), gram) + problem.delta * torch.eye(90, dtype=F64)
 
-    ((prior_mean, prior_prec),) = bayesadmm_toys.run_ridge_bayes(problem, 1, problem.delta)
-    from_eye = bayesadmm_toys.run_ridge_bayes(problem, 3, 1.0)
+    ((prior_mean, prior_prec),) = run_ridge_bayes(problem, 1, problem.delta)
+    from_eye = run_ridge_bayes(problem, 3, 1.0)
 
     torch.testing.assert_close(prior_prec, s_star, rtol=1e-12, atol=1e-9)
     torch.testing.assert_close(prior_mean, w_star, rtol=0, atol=1e-10)
@@ -130,7 +142,7 @@ def test_full_covariance_bayesadmm_solves_ridge_in_one_round_only_from_the_prior
 def fig4_client_problem(seed: int):
     """Client 1 of Fig. 4 and a server q_bar = N(m_bar, S_bar^-1) with duals (v, V) as after some rounds."""
     rng = np.random.default_rng(seed)
-    x, y = bayesadmm_toys.fig4_clients()[0]
+    x, y = fig4_clients()[0]
     a, b = rng.normal(size=(3, 3)), rng.normal(size=(3, 3))
     return x, y, 0.3 * rng.normal(size=3), a @ a.T + 2 * np.eye(3), rng.normal(size=3), 0.3 * b @ b.T, rng
 
@@ -153,13 +165,13 @@ def test_numpy_von_client_takes_bayesadmm_full_client_updates_steps(mc: bool) ->
     )
     noise = rng.normal(size=(20, 1, 1, 3)) * float(mc)
     xt, yt = torch.tensor(x), torch.tensor(y)
-    ctx = bayesadmm_toys.full_batch_context(
+    ctx = full_batch_context(
         xt, yt, logistic_mean_loss, 20, 1, noise={"von": torch.tensor(noise[:, 0])} if mc else None
     )
     bc = bayesadmm_full.Broadcast(mean={"w": torch.tensor(m_bar)}, precision=torch.tensor(s_bar))
 
-    m, s = bayesadmm_toys.von_client(
-        bayesadmm_toys.pad_cohort([(xt, yt)]),
+    m, s = von_client(
+        pad_cohort([(xt, yt)]),
         m_bar[None],
         s_bar[None],
         v[None, None],
@@ -182,9 +194,9 @@ def test_numpy_admm_client_takes_fedadmm_client_updates_steps() -> None:
     x, y, _, _, v, _, rng = fig4_client_problem(seed=4)
     theta_bar = 0.2 * rng.normal(size=3)
     hp = fedadmm.FedADMMConfig(rho=0.2, delta=0.2)
-    ctx = bayesadmm_toys.full_batch_context(torch.tensor(x), torch.tensor(y), logistic_mean_loss, 50, 1)
+    ctx = full_batch_context(torch.tensor(x), torch.tensor(y), logistic_mean_loss, 50, 1)
 
-    theta, steps = bayesadmm_toys.admm_client(x, y, theta_bar, v, 0.2, 1e-3, 0.8, 50, 0.0)
+    theta, steps = admm_client(x, y, theta_bar, v, 0.2, 1e-3, 0.8, 50, 0.0)
     out = fedadmm.client_update(
         ctx,
         fedadmm.Broadcast(params={"w": torch.tensor(theta_bar)}),
@@ -202,25 +214,25 @@ def test_vb_estimate_is_stationary_under_monte_carlo() -> None:
     """The Gaussian VB optimum satisfies E_q[grad] + delta m = 0 and S = E_q[Hessian] + delta I (summed loss,
     q = N(m, S^-1)); checked with 100,000 independent draws in 5 chunks (Hessian standard error ~0.03; the
     Laplace precision at the MAP differs from S by up to 0.35)."""
-    clients = bayesadmm_toys.fig4_clients()
+    clients = fig4_clients()
     x, y = np.vstack([c[0] for c in clients]), np.concatenate([c[1] for c in clients])
-    m, s = bayesadmm_toys.vb_estimate(clients, 0.2)
+    m, s = vb_estimate(clients, 0.2)
     rng, chol = np.random.default_rng(5), np.linalg.cholesky(np.linalg.inv(s))
 
     grad, curvature = np.zeros(3), np.zeros(len(y))
     for _ in range(5):
-        p = bayesadmm_toys.sigmoid((m + rng.normal(size=(20_000, 3)) @ chol.T) @ x.T)  # [M, N]
+        p = sigmoid((m + rng.normal(size=(20_000, 3)) @ chol.T) @ x.T)  # [M, N]
         grad, curvature = grad + ((p - y) @ x).mean(0) / 5, curvature + (p * (1 - p)).mean(0) / 5
 
     assert np.linalg.norm(grad + 0.2 * m) < 1e-3 * np.linalg.norm(x.T @ y)
     torch.testing.assert_close((x.T * curvature) @ x + 0.2 * np.eye(3), s, rtol=0, atol=0.1)
-    assert bayesadmm_toys.relative_error(m, bayesadmm_toys.map_estimate(clients, 0.2)) > 0.01
+    assert relative_error(m, map_estimate(clients, 0.2)) > 0.01
 
 
 def test_boundary_disagreement_compares_lines_not_scales() -> None:
     """sign(c theta^T x) = sign(theta^T x) for c > 0, so scaling changes nothing; -theta flips every point."""
     theta = np.array([-2.0, -2.5, -2.3])
 
-    assert bayesadmm_toys.boundary_disagreement(3.0 * theta, theta) == 0.0
-    assert bayesadmm_toys.boundary_disagreement(-theta, theta) == 1.0
-    assert 0.0 < bayesadmm_toys.boundary_disagreement(theta + np.array([0.0, 0.0, 1.0]), theta) < 1.0
+    assert boundary_disagreement(3.0 * theta, theta) == 0.0
+    assert boundary_disagreement(-theta, theta) == 1.0
+    assert 0.0 < boundary_disagreement(theta + np.array([0.0, 0.0, 1.0]), theta) < 1.0
