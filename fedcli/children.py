@@ -150,26 +150,37 @@ class Channel:
 
     def send(self, message: Mapping[str, Any]) -> bool:
         """Send one message; False when the child is gone (or the channel closed)."""
-        try:
-            self._out.send_bytes(json.dumps(dict(message)).encode())
-            return True
-        except (OSError, ValueError):
-            return False
+        return send(self._out, message)
 
-    def receive(self) -> dict[str, Any] | None:
-        """The child's next message (waits for it); None once its output ended (it exited), or when its
-        stdout was no pipe (a child that only reads)."""
-        if self._in is None:
-            return None
-        try:
-            return dict(json.loads(self._in.recv_bytes()))
-        except (EOFError, OSError):
-            return None
+    def receive(self, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """The child's next message (`receive`); None also when its stdout was no pipe (a child that only
+        reads)."""
+        return None if self._in is None else receive(self._in, timeout_s)
 
     def close(self) -> None:
         """End of file on the child's stdin (an idle sweep worker exits)."""
         with contextlib.suppress(OSError):
             self._out.close()
+
+
+def send(conn: Connection, message: Mapping[str, Any]) -> bool:
+    """Send one JSON message over `conn`; False when the other side is gone (or `conn` closed)."""
+    try:
+        conn.send_bytes(json.dumps(dict(message)).encode())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def receive(conn: Connection, timeout_s: float | None = None) -> dict[str, Any] | None:
+    """The next JSON message on `conn` (waits for it, or at most `timeout_s`); None at its end of file
+    (the other side closed it or exited), or when none came within `timeout_s`."""
+    try:
+        if timeout_s is not None and not conn.poll(timeout_s):
+            return None
+        return dict(json.loads(conn.recv_bytes()))
+    except (EOFError, OSError):
+        return None
 
 
 def child_inbox() -> Connection:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
-import select
 import subprocess
 import sys
 import time
@@ -46,8 +44,8 @@ class MirrorHandle:
     anything. `check()` (every round) restarts a mirror that died alone (one that failed its
     set-up is not restarted: one warning); `finish()` ends it, restarting it first if it died.
 
-    The store URL and the tracking URI go to the process as the first line of its stdin
-    (JSON), not as arguments: a password in them would show in `ps`.
+    The store URL and the tracking URI go to the process as the first message on its stdin
+    (fedcli.children `Channel`), not as arguments: a password in them would show in `ps`.
     """
 
     def __init__(
@@ -64,6 +62,7 @@ class MirrorHandle:
         self.run_id: str | None = None
         self.restarts = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        self._channel: children.Channel | None = None  # framed messages over its stdin and stdout
         # True once a stop signal arrived (`fedcli train` sets it to its GracefulSignals): the wait
         # for the final copy then ends within a second or two
         self.stopping: Callable[[], bool] = lambda: False
@@ -73,38 +72,31 @@ class MirrorHandle:
         """Start the mirror process (or adopt the one `spawn_early` started); with `run_id`, one
         that takes over the run at once (a restart)."""
         early = children.adopt_early(KIND) if run_id is None else None
-        proc = None if early is None else early[0]
-        if proc is None:
-            command = [sys.executable, "-m", "fedcli.tracking.mlflow.mirror"]
-            if run_id is not None:
-                command += ["--run", run_id, "--restart"]
-            proc = _popen(command)
-        self._proc = proc
-        assert proc.stdin is not None
-        # everything on stdin, nothing on the command line: a password in a URL would show in `ps`
-        first = json.dumps(
+        proc = _popen() if early is None else early[0]
+        self._proc, self._channel = proc, children.Channel(proc)
+        # everything on stdin, nothing on the command line: a password in a URL would show in `ps`;
+        # a mirror that died at once: check/finish say why
+        self._channel.send(
             {
                 "store": self.store_url,
                 "tracking_uri": self.tracking_uri,
                 "experiment": self.experiment,
                 "runs_root": str(self.runs_root),
                 "parent_run": self.parent_run_id,
+                "run": run_id,
             }
         )
-        with contextlib.suppress(OSError):  # it died at once: check/finish say why
-            proc.stdin.write(f"{first}\n".encode())
-            proc.stdin.flush()
         return self
 
     def abort(self) -> None:
         """End a spawned mirror that was never started (it has written nothing)."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            if (
-                self.run_id is None
-            ):  # SIGTERM: end of file would wait for its imports (seconds of CPU at nice 19)
+        proc, self._proc, channel, self._channel = self._proc, None, self._channel, None
+        if proc is not None and channel is not None:
+            # SIGTERM: end of file would wait for its imports (seconds of CPU at nice 19)
+            if self.run_id is None:
                 with contextlib.suppress(OSError):
                     proc.terminate()
+            channel.close()
             with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 proc.communicate(timeout=10)
 
@@ -121,20 +113,13 @@ class MirrorHandle:
         if self._proc is None:
             self.spawn()
         self.run_id = run_id
-        proc = self._proc
-        assert proc is not None and proc.stdin is not None
-        try:
-            proc.stdin.write(f"{run_id}\n".encode())
-            proc.stdin.flush()
-        except OSError:
-            pass  # it died: `check` or `finish` says why
+        assert self._channel is not None
+        self._channel.send({"run": run_id})  # False when it died: `check` or `finish` says why
 
-    def _read_ready(self, proc: subprocess.Popen[bytes]) -> bool:
-        """True once the mirror said "ready" (MLflow set up for the run); reads without waiting."""
-        if not self.ready and proc.stdout is not None:
-            readable, _, _ = select.select([proc.stdout], [], [], 0)
-            if readable:
-                self.ready = proc.stdout.readline().strip() == b"ready"
+    def _read_ready(self) -> bool:
+        """True once the mirror said {"ready": true} (MLflow set up for the run); reads without waiting."""
+        if not self.ready and self._channel is not None:
+            self.ready = bool((self._channel.receive(timeout_s=0) or {}).get("ready"))
         return self.ready
 
     def _failed_set_up(self, proc: subprocess.Popen[bytes]) -> str | None:
@@ -143,10 +128,10 @@ class MirrorHandle:
         Such a mirror is not restarted: a new one would fail the same way (a server that refuses
         the password, a disk that filled since `preflight`).
         """
-        if proc.poll() is None or self._read_ready(proc) or proc.returncode <= 0:
+        if proc.poll() is None or self._read_ready() or proc.returncode <= 0:
             return None
         err = children.stderr_of(proc)
-        self._proc = None
+        self._proc = self._channel = None
         return _set_up_failed(_own_reason(err) or f"exited with code {proc.returncode}")
 
     def check(self) -> str | None:
@@ -187,7 +172,7 @@ class MirrorHandle:
         )
 
     def finish(self, timeout_s: float = FINISH_WAIT_S) -> str | None:
-        """Tell the mirror the run ended (close its stdin) and wait; return a warning, if any.
+        """Tell the mirror the run ended (end of file on its stdin) and wait; return a warning, if any.
 
         A mirror that died since the last `check` is restarted first, so that MLflow gets the
         whole run before this process exits. After a stop signal (`stopping`, before or during
@@ -204,12 +189,13 @@ class MirrorHandle:
             self.spawn(run_id=self.run_id)
             restarted = f"MLflow mirror (pid {dead.pid}) {_death(dead)}; restarted it at the run's end"
         proc, self._proc = self._proc, None
-        if proc is None:
+        if proc is None or self._channel is None:
             return None
+        self._channel.close()  # end of file on its stdin: its cue that the run ended
         deadline, stop_at = time.monotonic() + timeout_s, None
         while True:
-            try:  # communicate closes the mirror's stdin: its cue that the run ended
-                out, err = proc.communicate(timeout=STOP_POLL_S)
+            try:
+                _, err = proc.communicate(timeout=STOP_POLL_S)
                 break
             except subprocess.TimeoutExpired:
                 now = time.monotonic()
@@ -228,7 +214,7 @@ class MirrorHandle:
                     "complete, and if MLflow misses part of the run, `fedcli sync` or the next `fedcli train "
                     "--resume` completes the copy"
                 )
-        if proc.returncode > 0 and not restarted and not (self.ready or b"ready" in (out or b"")):
+        if proc.returncode > 0 and not restarted and not self._read_ready():
             return _set_up_failed(_own_reason(err or b"") or f"exited with code {proc.returncode}")
         if proc.returncode != 0:
             return (
@@ -261,9 +247,7 @@ def spawn_early() -> None:
     (before, each rejected `fedcli train` left an idle-priority mirror behind for as long as the
     machine stayed busy).
     """
-    if children.spawn_early(
-        KIND, lambda: (_popen([sys.executable, "-m", "fedcli.tracking.mlflow.mirror"]), None)
-    ):
+    if children.spawn_early(KIND, lambda: (_popen(), None)):
         atexit.register(discard_early)  # a no-op once a run adopted it
 
 
@@ -274,9 +258,9 @@ def discard_early() -> None:
     children.discard_early(KIND)
 
 
-def _popen(command: list[str]) -> subprocess.Popen[bytes]:
+def _popen() -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        command,
+        [sys.executable, "-m", "fedcli.tracking.mlflow.mirror"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -1,6 +1,6 @@
 """The mirror processes' own life (`python -m fedcli.tracking.mlflow.mirror`, `...sweep_mirror`).
 
-What both mirror processes do around their copying: the URLs from stdin's first line (`read_urls`:
+What both mirror processes do around their copying: the URLs from stdin's first message (`read_urls`:
 never the command line, where `ps` would show a password), nice 19 while the training or the sweep
 needs the cores (`low_priority`, `normal_priority`), a bounded life once the process that started
 them is gone (`watch_parent`, with `Lifeline.mlflow_set_up` marking MLflow's schema set-up, which is
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from fedcli.tracking.mlflow.handle import ORPHAN_WAIT_S, PARENT_ENV
 
@@ -138,27 +138,22 @@ def watch_parent(wait_s: float = ORPHAN_WAIT_S) -> Lifeline:
     return life
 
 
-def read_urls(args: argparse.Namespace, line: str | None = None) -> bool:
-    """Set args.store and args.tracking_uri (and experiment, runs_root, parent_run where the command
-    line left them unset) from stdin's first line, or `line`: JSON, never the command line, where
-    `ps` would show a password. False, after one line on stderr, when it holds no store and URI."""
-    try:
-        secrets = json.loads((sys.stdin.readline() if line is None else line) or "{}")
-        args.store, args.tracking_uri = str(secrets["store"]), str(secrets["tracking_uri"])
-    except (ValueError, KeyError, TypeError):
+def read_urls(args: argparse.Namespace, message: dict[str, Any] | None) -> bool:
+    """Set args.store and args.tracking_uri (and experiment, runs_root, parent_run where the command line
+    left them unset) from the mirror's first message (fedcli.children framing), never the command line,
+    where `ps` would show a password. False, after one line on stderr, when it holds no store and URI."""
+    if message is None or not {"store", "tracking_uri"} <= message.keys():
         print(
-            "MLflow mirror: no store and tracking URI on stdin (the first line: JSON with store and "
-            "tracking_uri)",
+            "MLflow mirror: no store and tracking URI on stdin (its first message: store and tracking_uri)",
             file=sys.stderr,
         )
         return False
+    args.store, args.tracking_uri = str(message["store"]), str(message["tracking_uri"])
     for name in ("experiment", "runs_root", "parent_run"):
-        if getattr(args, name, None) is None and secrets.get(name) is not None:
-            setattr(args, name, str(secrets[name]))
-    args.sweep_spec = secrets.get(
-        "sweep_spec"
-    )  # the sweep's mirror opens the sweep's parent run (sweep_mirror)
-    args.parent_tags = secrets.get("parent_tags") or {}  # the tags that find it (the sweep computes them)
+        if getattr(args, name, None) is None:
+            setattr(args, name, None if message.get(name) is None else str(message[name]))
+    args.sweep_spec = message.get("sweep_spec")  # the sweep's mirror opens the sweep's parent run
+    args.parent_tags = message.get("parent_tags") or {}  # the tags that find it (the sweep computes them)
     return True
 
 

@@ -42,13 +42,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import select
 import sys
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from fedcli import children
 from fedcli.errors import TrackingError
 from fedcli.tracking.mlflow.checks import (
     mlflow_params,
@@ -124,11 +125,6 @@ class Mirror:
         from fedcli.tracking.store.sql_store import SqlStore
 
         self.args = args
-        if args.run is None:  # spawned early: MLflow is imported; wait for the run (EOF: never started)
-            line = sys.stdin.readline().strip()
-            if not line:
-                raise SystemExit(0)
-            args.run = line
         if getattr(args, "run_dir", None) is None:
             args.run_dir = str(Path(args.runs_root) / args.run)
         # never take the store's write lock while the run trains: at nice 19 the mirror
@@ -338,18 +334,12 @@ class Mirror:
         self.finish(record.status)
         return 1
 
-    def run(self) -> int:
-        if self.args.once:
-            self.run_once()
-            return 0
+    def run(self, inbox: Connection, outbox: Connection) -> int:
+        """Keep MLflow in line with the run while it trains (the mirror process, `main`): `inbox` ends when
+        its training process ended the run or died; `outbox` carries {"ready": true} once MLflow is set up."""
         self.open_run()  # a few small writes: latency, not CPU
-        if not getattr(
-            self.args, "restart", False
-        ):  # MirrorHandle.check reads it: a later death is not a set-up's
-            try:
-                print("ready", flush=True)
-            except BrokenPipeError:  # the training process is gone (stopped during the set-up): copy anyway
-                sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
+        if not self.args.restart:  # MirrorHandle.check reads it: a later death is not a set-up's
+            children.send(outbox, {"ready": True})  # False: the training process is gone; copy anyway
         parent_gone = False
         while True:
             record = self.store.get_run(self.record.id)
@@ -364,9 +354,8 @@ class Mirror:
             if parent_gone:  # the training process died without ending the run (SIGKILL)
                 self.finish("interrupted")
                 return 0
-            readable, _, _ = select.select([sys.stdin], [], [], POLL_S)
-            if readable and not os.read(sys.stdin.fileno(), 4096):
-                parent_gone = True  # EOF: re-read the status once more before deciding
+            if inbox.poll(POLL_S) and children.receive(inbox) is None:
+                parent_gone = True  # end of file: re-read the status once more before deciding
 
     def _taken_over(self, record: Any) -> None:
         log.warning(
@@ -385,33 +374,24 @@ def end_ms(record: Any) -> int:
     return int(ended.timestamp() * 1000) if ended is not None else int(time.time() * 1000)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The mirror process. Its first stdin line is JSON {"store": URL, "tracking_uri": URI, "experiment",
-    "runs_root", "parent_run"} (secrets stay off the command line); then, unless --run is given, the
-    run id. End of file before the first line: spawned early (`spawn_early`) for a command that
-    ended without a run; it exits 0, having written nothing."""
-    parser = argparse.ArgumentParser(
-        prog="python -m fedcli.tracking.mlflow.mirror", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--run", help="the run; default: read its id from stdin (spawned early)")
-    parser.add_argument("--experiment", help="default: from stdin's first line")
-    parser.add_argument("--run-dir")
-    parser.add_argument("--runs-root")
-    parser.add_argument("--parent-run")
-    parser.add_argument("--once", action="store_true", help="copy an ended run once and exit (fedcli sync)")
-    parser.add_argument(
-        "--restart", action="store_true", help="take over a run that trains already (its mirror died)"
-    )
-    args = parser.parse_args(argv)
-    if not args.once:  # the training process that spawned it: the run's owner while the store says so
-        # the watcher first, at the training process's priority: it ends this mirror once that process is gone
-        args.lifeline = watch_parent()
-        from fedcli.tracking.store.liveness import process_start
+def main() -> int:
+    """The mirror process. Its stdin carries messages framed by fedcli.children (`child_channel`), never
+    its command line (a password in a URL would show in `ps`): first {"store": URL, "tracking_uri": URI,
+    "experiment", "runs_root", "parent_run", "run"}, where "run" is set only for a mirror that takes over
+    a run that trains already (its mirror died); else the run comes next, {"run": RUN_ID}. End of file
+    before the run: spawned early (`spawn_early`) for a command that ended without a run; it exits 0,
+    having written nothing. End of file later: the run ended, or its training process died."""
+    inbox, outbox = children.child_channel()
+    args = argparse.Namespace()
+    # the watcher first, at the training process's priority: it ends this mirror once that process is gone
+    args.lifeline = watch_parent()
+    from fedcli.tracking.store.liveness import process_start
 
-        args.owner = (os.getppid(), process_start(os.getppid()))
-        # the run trains (or is about to): MLflow's import and set-up must not compete with its rounds;
-        # they take the cores the training process leaves idle (its own imports, the data load)
-        low_priority()
+    # the training process that spawned it: the run's owner while the store says so
+    args.owner = (os.getppid(), process_start(os.getppid()))
+    # the run trains (or is about to): MLflow's import and set-up must not compete with its rounds;
+    # they take the cores the training process leaves idle (its own imports, the data load)
+    low_priority()
     logging.basicConfig(level=logging.WARNING, format="fedcli mirror: %(message)s")
     # the slow imports first (spawned early, while the training process imports torch and reads its
     # config): MLflow, and torch for the final model (`log_model`)
@@ -419,16 +399,18 @@ def main(argv: list[str] | None = None) -> int:
     import fedcli.tracking.served  # noqa: F401
 
     quiet_mlflow()
-    first = sys.stdin.readline()
-    if not first.strip():
+    first = children.receive(inbox)
+    if first is None:
         return 0  # never adopted: the command ended without a run
     if not read_urls(args, first):
         return 2
-    if args.experiment is None:
-        print("MLflow mirror: no experiment (--experiment, or in stdin's first line)", file=sys.stderr)
-        return 2
+    args.restart = first.get("run") is not None
+    run = first if args.restart else children.receive(inbox)  # spawned early: wait for the run
+    if run is None or not run.get("run"):
+        return 0  # end of file: the command ended before its run started
+    args.run = str(run["run"])
     try:
-        return Mirror(args).run()
+        return Mirror(args).run(inbox, outbox)
     except TrackingError as err:
         print(f"MLflow mirror: {mask_url(str(err))}", file=sys.stderr)
         return 1

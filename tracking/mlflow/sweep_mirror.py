@@ -230,11 +230,7 @@ def _read_lines(inbox: Connection, lines: queue.Queue[str | None], nice: int) ->
     """Queue the run ids (and "end:STATUS") the sweep sends, then None at the end of its stdin."""
     from fedcli.tracking.mlflow.lifeline import normal_priority
 
-    while True:
-        try:
-            message = json.loads(inbox.recv_bytes())
-        except (EOFError, OSError):
-            break
+    while (message := children.receive(inbox)) is not None:
         if message.get("run"):
             lines.put(str(message["run"]))
         elif message.get("end"):
@@ -267,11 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     nice = low_priority()  # even MLflow's import yields a core the trials want
     logging.basicConfig(level=logging.WARNING, format="fedcli sweep mirror: %(message)s")
     inbox = children.child_inbox()
-    try:
-        first = inbox.recv_bytes().decode()
-    except (EOFError, OSError):
-        first = ""  # spawned for a sweep that ended before it sent anything: read_urls says so
-    if not read_urls(args, first):
+    # None: spawned for a sweep that ended before it sent anything; read_urls says so
+    if not read_urls(args, children.receive(inbox)):
         return 2
     import fedcli.tracking.mlflow.sink  # noqa: F401 - the slow import, while the first trials train
 
