@@ -9,7 +9,9 @@
 - the docs (docs/*.md, docs/decisions/*.md) are held to the same citation rules, and their relative
   links (files and `#anchors`) resolve;
 - docstrings and comments under algorithms/, datasets/, fedcli/ and tracking/ cite no issue number,
-  nor does docs/architecture.md (the reference; history is in docs/decisions/).
+  nor does docs/architecture.md (the reference; history is in docs/decisions/);
+- the decision records are numbered without gaps, indexed, and each has its context, decision and
+  consequences.
 """
 
 from __future__ import annotations
@@ -209,3 +211,23 @@ def test_no_docstring_or_comment_cites_an_issue_number() -> None:
     assert not bad, "say what the issue decided, or cite the docs/ section that describes it:\n" + "\n".join(
         bad
     )
+
+
+def test_decision_records_are_numbered_indexed_and_complete() -> None:
+    """docs/decisions/NNNN-title.md: numbered from 0001 without gaps, each with its context, decision and
+    consequences, each listed in docs/decisions/README.md."""
+    records = sorted(p for p in (DOCS / "decisions").glob("*.md") if p.name != "README.md")
+    numbers = [
+        int(m.group(1)) if (m := re.match(r"(\d{4})-[a-z0-9-]+\.md$", p.name)) else -1 for p in records
+    ]
+    assert numbers == list(range(1, len(records) + 1)), [p.name for p in records]
+    index = (DOCS / "decisions" / "README.md").read_text(encoding="utf-8")
+    bad = [p.name for p in records if f"]({p.name})" not in index]
+    for p in records:
+        text = p.read_text(encoding="utf-8")
+        bad += [
+            f"{p.name}: no {part}"
+            for part in ("**Context.**", "**Decision.**", "**Consequences.**")
+            if part not in text
+        ]
+    assert not bad, "\n".join(bad)
