@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 OLD_NOTES = re.compile(r"\b(?:DESIGN|STYLE)\.md\b")  # the notes outside the repo (not docs/*.md)
 DOC_PATH = re.compile(r"\bdocs/[A-Za-z0-9_./-]+?\.md\b")
-ARCH_SECTION = re.compile(r"docs/architecture\.md,?\s*§\s*(\d+)")
-ARCH_NAMED = re.compile(r"docs/architecture\.md,?\s*\(?\"([^\"]+)\"")
-STYLE_RULES = re.compile(r"docs/style\.md\s+rules?\s+(\d+(?:\s*(?:,|/|and)\s*\d+)*)")
+ARCH_SECTION = re.compile(r"\barchitecture\.md,?\s*§\s*(\d+)")
+ARCH_NAMED = re.compile(r"\barchitecture\.md,?\s*\(?\"([^\"]+)\"")
+STYLE_RULES = re.compile(r"\bstyle\.md\s+rules?\s+(\d+(?:\s*(?:,|/|and)\s*\d+)*)")
 SKIP_DIRS = {".git", ".venv", "build", "fedcli-runs", "mlruns", "__pycache__", "node_modules"}
 
 
