@@ -30,7 +30,6 @@ from torch import Tensor
 from fedcli.datasets.tasks import Task
 from fedcli.errors import ConfigError
 
-OPERATIONS = ("crop", "flip", "normalize")
 _MASK62 = (1 << 62) - 1
 # SplitMix64's constants as signed int64 (torch multiplies int64 with two's-complement wraparound)
 _GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))

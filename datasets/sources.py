@@ -13,7 +13,6 @@ import logging
 import shutil
 import tarfile
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,15 +47,6 @@ def first_existing(folder: Path, *names: str) -> Path | None:
     return None
 
 
-def sha256_file(path: Path) -> str:
-    """Return the hex SHA-256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def download(url: str, dest: Path, *, md5: str | None = None) -> Path:
     """Fetch url to dest atomically (temp + rename); DataError on a network or checksum failure."""
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -84,12 +74,6 @@ def extract_tar(archive: Path, folder: Path) -> None:
             tar.extractall(folder, filter="data")
     except (tarfile.TarError, OSError) as exc:
         raise DataError(f"cannot unpack {archive}: {exc}; delete it and download again.") from None
-
-
-def fetch_if_asked(options: TaskOptions, ready: Callable[[], bool], fetch: Callable[[], None]) -> None:
-    """Run fetch() when the data is not ready and the user asked for a download."""
-    if not ready() and options.download:
-        fetch()
 
 
 def align_clients(

@@ -66,12 +66,6 @@ class GarnetMDP:
     def num_agents(self) -> int:
         return self.rewards.shape[0]
 
-    @property
-    def stability_constant(self) -> float:
-        """a = (1 - gamma) min_c lambda_min(sum_s mu^c(s) phi phi^T) / 2 (the authors' constant)."""
-        gram = np.einsum("cs,sd,se->cde", self.stationary, self.features, self.features)
-        return float((1 - self.gamma) * np.linalg.eigvalsh(gram)[:, 0].min() / 2)
-
 
 def make_garnet(
     *,

@@ -51,7 +51,6 @@ COSTS = {
     ),
     "time": (("time/cum_train_s",), ("time/round_s",), "training time, cumulative", "seconds"),
 }
-COST_KEYS = tuple(k for cumulative, per_round, _, _ in COSTS.values() for k in (*cumulative, *per_round))
 
 
 def is_percent(key: str) -> bool:
