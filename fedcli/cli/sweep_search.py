@@ -45,8 +45,8 @@ def prepare_search(body: Mapping[str, Any], tracking: Mapping[str, Any], report_
 
 def show_search(body: Mapping[str, Any], track: Any) -> None:
     """The search's plan: sampler, budget, metric, space, pruner, and how far its study is (read only)."""
-    from fedcli.sweep.search import _metric, study_name
-    from fedcli.sweep.search_spec import budget
+    from fedcli.sweep.search import search_metric, study_name
+    from fedcli.sweep.spec import budget
 
     search, pruner = body["search"], body.get("pruner")
     done = study_progress(
@@ -56,7 +56,7 @@ def show_search(body: Mapping[str, Any], track: Any) -> None:
     out.print(
         f"search {study_name(body['experiment'])}: sampler {search.get('sampler', 'tpe')} "
         f"(seed {search.get('seed', 0)}), {budget(search)} trials, "
-        f"{search.get('direction', 'max')}imise {_metric(search, body)} at the last round, "
+        f"{search.get('direction', 'max')}imise {search_metric(search, body)} at the last round, "
         f"seed {body.get('seeds', [0])[0]} per trial",
         highlight=False,
         soft_wrap=True,

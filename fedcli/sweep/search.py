@@ -4,8 +4,8 @@
              space: {client_lr: {log_uniform: [1e-3, 1]}, hp.rho: [0.01, 0.1, 1], local_epochs: {int: [1, 5]}}}
     pruner: {type: median, warmup: 5}
 
-- `check_search(spec)` (fedcli/sweep/search_spec.py): the blocks checked whole before anything runs
-  (ConfigError: exit 2, one line).
+- `SearchBlock`, `PrunerBlock` (fedcli/sweep/spec.py): the blocks declared and checked whole before
+  anything runs (ConfigError: exit 2, one line).
 - here: the study's name, sampler, pruner and storage (the store's own SQL database), a sampled
   config as a trial (`trial_of`, `suggest_params`) and the space's checks (`check_space_configs`,
   `unnamed_code`).
@@ -30,7 +30,7 @@ from typing import Any
 from fedcli.config.build import build_config
 from fedcli.config.checks import NAME_MAX_BYTES
 from fedcli.errors import ConfigError
-from fedcli.sweep.spec import Trial, _dotted, _has_hp, check_hp_keys, short_keys
+from fedcli.sweep.spec import Trial, check_hp_keys, dotted_key, has_hp, short_keys
 
 
 def study_name(experiment: str) -> str:
@@ -95,7 +95,7 @@ def storage(url: str) -> Any:
     raise AssertionError("unreachable")
 
 
-def _metric(search: Mapping[str, Any], spec: Mapping[str, Any]) -> str:
+def search_metric(search: Mapping[str, Any], spec: Mapping[str, Any]) -> str:
     from fedcli.tracking.report.model import resolve_metric
 
     return resolve_metric(search.get("metric") or (spec.get("report") or {}).get("metric") or "accuracy")
@@ -121,10 +121,10 @@ def trial_of(
 ) -> Trial:
     """The fedcli trial (name `#3 client_lr=0.0123 rho=0.1 s0`, validated RunConfig) of sampled params."""
     aliases = short_keys()
-    values = {_dotted(k, aliases): v for k, v in (spec.get("base") or {}).items()}
-    values.update({_dotted(k, aliases): v for k, v in params.items()})
+    values = {dotted_key(k, aliases): v for k, v in (spec.get("base") or {}).items()}
+    values.update({dotted_key(k, aliases): v for k, v in params.items()})
     algo = values.get("algorithm.name", "fedavg")
-    hp = {k[3:]: v for k, v in values.items() if k.startswith("hp.") and _has_hp(algo, k[3:])}
+    hp = {k[3:]: v for k, v in values.items() if k.startswith("hp.") and has_hp(algo, k[3:])}
     overrides = {k: v for k, v in values.items() if not k.startswith("hp.")}
     seed = spec.get("seeds", [0])[0]
     cfg = build_config(
@@ -158,7 +158,7 @@ def unnamed_code(spec: Mapping[str, Any], params: Mapping[str, Any]) -> str | No
 
     def dotted(key: str) -> str | None:
         try:
-            return _dotted(key, aliases)
+            return dotted_key(key, aliases)
         except ConfigError:
             return None
 
@@ -192,8 +192,8 @@ def check_space_configs(spec: Mapping[str, Any], tracking: Mapping[str, Any] | N
     space = spec["search"]["space"]
     aliases = short_keys()
     check_hp_keys(
-        {_dotted(k, aliases): v for k, v in (spec.get("base") or {}).items()},
-        {_dotted(k, aliases): v if isinstance(v, list) else [] for k, v in space.items()},
+        {dotted_key(k, aliases): v for k, v in (spec.get("base") or {}).items()},
+        {dotted_key(k, aliases): v if isinstance(v, list) else [] for k, v in space.items()},
         [{}],
     )
     lows = {k: v[0] if isinstance(v, list) else next(iter(v.values()))[0] for k, v in space.items()}

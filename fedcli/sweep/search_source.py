@@ -21,17 +21,16 @@ from typing import Any, Literal
 from fedcli.errors import ConfigError
 from fedcli.sweep.plan import DIVERGED, NEW, RESUME, SKIP, Plan, plan_trials
 from fedcli.sweep.search import (
-    _metric,
     make_pruner,
     make_sampler,
+    search_metric,
     storage,
     study_name,
     suggest_params,
     trial_of,
     unnamed_code,
 )
-from fedcli.sweep.search_spec import budget
-from fedcli.sweep.spec import Trial
+from fedcli.sweep.spec import Trial, budget
 from fedcli.tracking.urls import connect_url
 
 TRIAL_TAG, STUDY_TAG = "fedcli.search_trial", "fedcli.search_study"
@@ -56,7 +55,7 @@ class SearchSource:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.spec, self.search, self.tracking, self.db = spec, spec["search"], dict(tracking), db
-        self.metric = _metric(self.search, spec)
+        self.metric = search_metric(self.search, spec)
         self.maximize = self.search.get("direction", "max") == "max"
         self.budget = budget(self.search)
         self.experiment = spec["experiment"]

@@ -1,4 +1,11 @@
-"""A sweep spec: reading it (YAML or a recipe), checking its keys and values, expanding it into trials.
+"""A sweep spec: its keys declared once, reading and checking it (YAML or a recipe), expanding it into trials.
+
+`SweepSpec` (with its `report:`, `search:` and `pruner:` blocks) declares what a spec may hold: each
+key's type, bounds, help (the JSON Schema's description, docs/schema/sweep-spec.schema.json, written
+by fedcli/config/schema.py) and what its value `must` be (the phrase of the error line). `check_spec`
+validates a spec with pydantic against it (strict: a spec is data, nothing is coerced) and
+`spec_error` turns the first problem into the one line of docs/style.md rule 11; the rules that
+relate keys are the blocks' `__post_init__`. A spec is used as the mapping it was read as.
 
 Part of fedcli.sweep; fedcli/sweep/__init__.py describes how a sweep owns its trials and the
 package's layout.
@@ -14,44 +21,336 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any, Literal, get_args
+
+import pydantic
+from pydantic import Field, StrictFloat, StrictInt, StrictStr, StringConstraints
 
 from fedcli.config.build import build_config
-from fedcli.config.checks import NAME_MAX_BYTES, read_yaml, suggest
+from fedcli.config.checks import INT_MAX, NAME_MAX_BYTES, check_name, read_yaml, suggest
 from fedcli.config.sections import SECTIONS, AlgorithmConfig, RunConfig
 from fedcli.errors import ConfigError
 
-if TYPE_CHECKING:
-    pass
-
-
-SPEC_KEYS = (
-    "experiment",
-    "base",
-    "grid",
-    "variants",
-    "seeds",
-    "report",
-    "description",
-    "paper",
-    "smoke",
-    "study",
-    "max_trials",
-    "search",
-    "pruner",
-    "data",
-)  # search, pruner: fedcli/sweep/search_spec.py; data: fedcli/recipes
-REPORT_KEYS = (
-    "metric",
-    "thresholds",
-    "at",
-    "window",
-    "smooth",
-    "group_by",
-    "output",
-    "columns",
-)  # `fedcli report` options
 MAX_TRIALS = 1000  # trials a spec may expand to unless it says `max_trials: N` (checked before expanding)
+SPEC = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)  # an undeclared key is refused
+Text = Annotated[str, StringConstraints(strict=True, pattern=r"\S")]  # not blank
+Texts = Annotated[list[Text], Field(min_length=1)]
+Sampler = Literal["tpe", "random", "grid"]
+Pruner = Literal["median", "successive_halving", "hyperband"]
+PRUNERS: dict[Pruner, tuple[str, ...]] = {  # type -> its options (besides `type`)
+    "median": ("warmup", "startup_trials", "interval"),
+    "successive_halving": ("warmup", "reduction_factor", "min_early_stopping_rate"),
+    "hyperband": ("warmup", "reduction_factor"),
+}
+RANGES = ("uniform", "log_uniform", "int")
+
+
+def spec_key(default: Any = dataclasses.MISSING, doc: str = "", must: str = "", **pydantic_args: Any) -> Any:
+    """A spec key: its default, help `doc`, what its value `must` be (`spec_error`; a key without it is
+    reported as its block) and pydantic's field arguments (`ge`, `le`, `json_schema_extra`)."""
+    meta = {"description": doc, **({"must": must} if must else {}), **pydantic_args}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportBlock:
+    """`report:`, the `fedcli report` options of the sweep's table (checked before any trial runs)."""
+
+    __pydantic_config__ = SPEC
+    metric: Text = spec_key(
+        None, "the metric compared, e.g. accuracy or eval/loss", "a metric name such as accuracy or eval/loss"
+    )
+    thresholds: Annotated[list[StrictFloat], Field(min_length=1)] | None = spec_key(
+        None, "report the round each trial first reaches these values", "finite numbers"
+    )
+    at: Annotated[list[Annotated[StrictInt, Field(ge=1)]], Field(min_length=1)] | None = spec_key(
+        None, "rounds to report the metric at, e.g. [100, 200]", "round numbers >= 1"
+    )
+    window: StrictInt | None = spec_key(
+        None, "rounds averaged at each `at` round", "an integer number of rounds >= 1", ge=1
+    )
+    smooth: StrictInt | None = spec_key(
+        None, "rounds of the moving average of the curves", "an integer number of rounds >= 1", ge=1
+    )
+    group_by: Annotated[str, StringConstraints(strict=True, pattern=r"[^ ,]")] | Texts | None = spec_key(
+        None,
+        'config keys the rows are grouped by: "algo,hp.rho" or [algo, hp.rho]',
+        'config keys such as "algo,hp.rho" or [algo, hp.rho]',
+    )
+    output: Text = spec_key(None, "a file the report is written to", "a file path")
+    columns: Texts | None = spec_key(
+        None,
+        "logged metric keys shown as extra columns, e.g. [fedsparse/sparsity]",
+        "a list of logged metric keys such as [fedsparse/sparsity]",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchBlock:
+    """`search:`, an Optuna search instead of a grid (docs/sweeps.md; run by fedcli/sweep/search.py)."""
+
+    __pydantic_config__ = SPEC
+    sampler: Sampler = spec_key("tpe", "Optuna sampler", f"one of {', '.join(get_args(Sampler))}")
+    trials: StrictInt | None = spec_key(
+        None, "trials to run (required unless sampler: grid)", "an integer >= 1", ge=1
+    )
+    metric: Text = spec_key(
+        None,
+        "the metric optimised, e.g. accuracy or eval/loss",
+        "a metric name such as accuracy or eval/loss",
+    )
+    direction: Literal["max", "min"] = spec_key("max", "max or min", "max or min")
+    seed: StrictInt = spec_key(0, "the sampler's seed", "an integer >= 0 (the sampler's seed)", ge=0)
+    space: Annotated[Mapping[str, Any], Field(min_length=1)] = spec_key(
+        doc="config key -> a list of choices, or one of {uniform: [low, high]}, {log_uniform: [low, high]}, "
+        "{int: [low, high]}",
+        must="a mapping of config keys to ranges such as {client_lr: {log_uniform: [0.001, 1]}, hp.rho: "
+        "[0.01, 0.1]}",
+        json_schema_extra={
+            "additionalProperties": {
+                "anyOf": [
+                    {"type": "array", "minItems": 1},
+                    *(
+                        {
+                            "type": "object",
+                            "properties": {k: {"type": "array", "minItems": 2, "maxItems": 2}},
+                            "required": [k],
+                            "additionalProperties": False,
+                        }
+                        for k in RANGES
+                    ),
+                ]
+            }
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name, value in self.space.items():
+            check_range(name, value, self.sampler)
+        if self.trials is None and self.sampler != "grid":
+            raise ConfigError("search.trials is required: the number of trials to run, e.g. trials: 50.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrunerBlock:
+    """`pruner:`, which stops search trials early. median takes warmup, startup_trials, interval;
+    successive_halving warmup, reduction_factor, min_early_stopping_rate; hyperband warmup, reduction_factor."""
+
+    __pydantic_config__ = SPEC
+    type: Pruner = spec_key(doc="the Optuna pruner")
+    warmup: StrictInt = spec_key(None, "rounds before a trial may be pruned", "an integer >= 0", ge=0)
+    startup_trials: StrictInt = spec_key(
+        None, "median: trials that run unpruned first", "an integer >= 0", ge=0
+    )
+    interval: StrictInt = spec_key(None, "median: rounds between checks", "an integer >= 1", ge=1)
+    reduction_factor: StrictInt = spec_key(
+        None, "successive_halving, hyperband: the reduction factor", "an integer >= 2", ge=2
+    )
+    min_early_stopping_rate: StrictInt = spec_key(
+        None, "successive_halving: the minimum early-stopping rate", "an integer >= 0", ge=0
+    )
+
+    def __post_init__(self) -> None:
+        valid = PRUNERS[self.type]
+        for name in (f.name for f in dataclasses.fields(self)):
+            if name != "type" and getattr(self, name) is not None and name not in valid:
+                raise ConfigError(
+                    f"unknown pruner key {name!r} for type {self.type}{suggest(name, valid)}; "
+                    f"valid: {', '.join(valid)}."
+                )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepSpec:
+    """A sweep spec (docs/sweeps.md); fedcli/recipes adds `study`, `paper` and `data`."""
+
+    __pydantic_config__ = SPEC
+    experiment: StrictStr = spec_key(
+        doc="the experiment the trials are stored under (a name, at most 200 bytes)", must="a name (text)"
+    )
+    base: Mapping[str, Any] | None = spec_key(
+        None,
+        "config keys and values every trial shares: dotted (train.rounds) or short (rounds, task, algo)",
+        "a mapping of config keys to values such as {task: lsq, rounds: 20}",
+    )
+    grid: Mapping[str, Any] | None = spec_key(
+        None,
+        "config key -> list of values; the trials are the product of the lists",
+        "a mapping of config keys to values such as {algo: [fedavg, fedprox], hp.mu: [0.01, 0.1]}",
+    )
+    variants: list[Mapping[str, Any]] | None = spec_key(
+        None,
+        "a list of settings, each a mapping of config keys (with an optional label), crossed with the grid",
+        "a list of mappings such as [{label: FedAvg-1E, algo: fedavg, local_epochs: 1}]",
+    )
+    seeds: Annotated[list[StrictInt], Field(min_length=1)] = spec_key(
+        (0,),
+        "seeds each setting runs with (distinct)",
+        "a non-empty list of integer seeds such as [0, 1, 2]",
+        json_schema_extra={"uniqueItems": True},
+    )
+    report: ReportBlock | None = spec_key(
+        None,
+        "the `fedcli report` options of the sweep's table",
+        "a mapping such as {metric: accuracy, thresholds: [0.8]}",
+    )
+    description: StrictStr | None = spec_key(None, "one line on what the sweep compares", "text")
+    paper: StrictStr | None = spec_key(None, "the paper and figure or table it reproduces", "text")
+    smoke: Mapping[str, Any] | None = spec_key(
+        None,
+        "overrides of these keys for `--smoke` (a few rounds on little data), e.g. {base: {rounds: 2}}",
+        "a mapping such as {base: {rounds: 2}, seeds: [0]}",
+    )
+    study: StrictStr | None = spec_key(
+        None, "a study that runs the recipe instead of trials (fedcli/recipes)", "text"
+    )
+    max_trials: StrictInt = spec_key(
+        MAX_TRIALS, "the most trials the spec may expand to", "an integer >= 1", ge=1, le=INT_MAX
+    )
+    search: SearchBlock | None = spec_key(
+        None,
+        "an Optuna search instead of a grid (docs/sweeps.md)",
+        "a mapping such as {sampler: tpe, trials: 50, space: {client_lr: {log_uniform: [0.001, 1]}}}",
+    )
+    pruner: PrunerBlock | None = spec_key(
+        None,
+        "stops search trials early; needs search",
+        f"a mapping with type: {' | '.join(PRUNERS)}, e.g. {{type: median, warmup: 5}}",
+    )
+    data: Mapping[str, Any] | None = spec_key(
+        None,
+        "paper-scale recipes: {source: where the files come from, generate: {format, clients, mean_size}}",
+        "a mapping such as {source: URL, generate: {format: emnist, clients: 12}}",
+    )
+
+    def __post_init__(self) -> None:
+        check_name("experiment", self.experiment, "`experiment:`")
+        for name, values in (self.grid or {}).items():
+            if values == []:
+                raise ConfigError(
+                    f"grid key {name} must have at least one value; got []. Give its values, or drop it."
+                )
+            if isinstance(values, Mapping):
+                raise ConfigError(
+                    f"grid key {name} must be a list of values such as [0.01, 0.1]; got {values!r}."
+                )
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(
+                f"seeds must not repeat a seed (a repeated seed is the same run); got {self.seeds!r}."
+            )
+        if self.search is None:
+            if self.pruner is not None:
+                raise ConfigError(
+                    "pruner needs a `search:` block (pruning stops search trials); add search: {...}, "
+                    "or drop pruner."
+                )
+            return
+        for name in ("grid", "variants"):
+            if getattr(self, name):
+                raise ConfigError(
+                    f"a spec with `search:` takes no `{name}:`; move its keys into search.space "
+                    "(a list of values is a categorical choice), or drop search."
+                )
+        if len(self.seeds) != 1:
+            raise ConfigError(
+                f"search trials run one seed each; got seeds: {self.seeds!r}. Give one seed, e.g. seeds: [0]."
+            )
+        if self.search.trials is not None and self.search.trials > self.max_trials:
+            raise ConfigError(
+                f"search.trials = {self.search.trials} is more than max_trials = {self.max_trials}; "
+                f"raise the limit with `max_trials: {self.search.trials}` in the spec."
+            )
+
+
+SPEC_KEYS = tuple(f.name for f in dataclasses.fields(SweepSpec))
+REPORT_KEYS = tuple(f.name for f in dataclasses.fields(ReportBlock))  # `fedcli report` options
+SEARCH_KEYS = tuple(f.name for f in dataclasses.fields(SearchBlock))
+BLOCKS: dict[str, type] = {"report": ReportBlock, "search": SearchBlock, "pruner": PrunerBlock}
+
+
+def check_spec(spec: Any) -> None:
+    """Validate a spec against `SweepSpec`; ConfigError: its first problem as one line (`spec_error`)."""
+    try:
+        pydantic.TypeAdapter(SweepSpec).validate_python(spec)
+    except pydantic.ValidationError as exc:
+        raise spec_error(exc, spec) from None
+
+
+def spec_error(exc: pydantic.ValidationError, spec: Any) -> ConfigError:
+    """The first problem pydantic found in a spec (an unknown or missing key first) as one line: `unknown
+    sweep key 'gird' (did you mean 'grid'?); valid: ...`, `a sweep spec needs `experiment: NAME``, or
+    `KEY must be WHAT; got VALUE.` with WHAT the `must` of the deepest key on the error's path that has one."""
+    unknown = ("unexpected_keyword_argument", "invalid_key")  # a key not declared; one not text
+    first = min(exc.errors(), key=lambda e: e["type"] not in (*unknown, "missing"))
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] == "missing" and len(loc) == 1:
+        return ConfigError(f"a sweep spec needs `{loc[0]}: NAME`.")
+    cls: type | None = SweepSpec
+    path: list[str] = []
+    said = None
+    for part in loc:
+        item = next((f for f in dataclasses.fields(cls) if f.name == part), None) if cls else None
+        if item is None:
+            break
+        path.append(part)
+        said = (".".join(path), item.metadata["must"]) if "must" in item.metadata else said
+        cls = BLOCKS.get(part)
+    if first["type"] in unknown and cls is not None:
+        name, valid, kind = loc[len(path)], [f.name for f in dataclasses.fields(cls)], ""
+        if cls is PrunerBlock and spec["pruner"].get("type") in tuple(PRUNERS):  # the options of its type
+            kind, valid = f" for type {spec['pruner']['type']}", list(PRUNERS[spec["pruner"]["type"]])
+        return ConfigError(
+            f"unknown {path[-1] if path else 'sweep'} key {name!r}{kind}{suggest(name, valid)}; "
+            f"valid: {', '.join(valid)}."
+        )
+    if said is None:
+        return ConfigError(
+            f"a sweep spec must be a mapping of {', '.join(SPEC_KEYS)}; got {type(spec).__name__}."
+        )
+    value = spec
+    for part in said[0].split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return ConfigError(f"{said[0]} must be {said[1]}; got {value!r}.")
+
+
+def check_range(name: str, value: Any, sampler: str) -> None:
+    """One `search.space` entry: a list of choices, or {uniform|log_uniform|int: [low, high]}."""
+    where = f"search.space.{name}"
+
+    def fail(what: str, got: Any, at: str = where) -> ConfigError:
+        return ConfigError(f"{at} must be {what}; got {got!r}.")
+
+    if isinstance(value, list):
+        if not value or len({repr(v) for v in value}) != len(value):
+            raise fail("a non-empty list of distinct choices such as [0.01, 0.1, 1]", value)
+        if not all(v is None or isinstance(v, (str, int, float, bool)) for v in value):
+            raise fail("a list of numbers or names", value)
+        return
+    if sampler == "grid":
+        raise fail("a list of values with sampler: grid (a grid has no continuous range)", value)
+    if not (isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in RANGES):
+        raise fail(
+            "a list of choices or one of {uniform: [low, high]}, {log_uniform: [low, high]}, {int: [low, high]}",
+            value,
+        )
+    kind, bounds = next(iter(value.items()))
+    numbers = isinstance(bounds, list) and len(bounds) == 2
+    numbers = numbers and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bounds
+    )
+    if not (numbers and bounds[0] < bounds[1]):
+        raise fail("[low, high] with low < high", bounds, f"{where}.{kind}")
+    if kind == "log_uniform" and bounds[0] <= 0:
+        raise fail("[low, high] with 0 < low (a log scale)", bounds, f"{where}.log_uniform")
+    if kind == "int" and not all(isinstance(b, int) for b in bounds):
+        raise fail("[low, high] of integers", bounds, f"{where}.int")
+
+
+def budget(search: Mapping[str, Any]) -> int:
+    """The number of trials of a search: `trials`, or with sampler: grid the size of the grid."""
+    if search.get("trials") is not None:
+        return int(search["trials"])
+    return math.prod(len(v) for v in search["space"].values())
 
 
 @dataclass(frozen=True)
@@ -82,9 +381,9 @@ def short_keys() -> dict[str, str]:
 
 
 def load_spec(path: Path | None, recipe: str | None, *, smoke: bool = False) -> dict[str, Any]:
-    """Read a spec file or a built-in recipe (fedcli.recipes); check its top-level keys.
+    """Read a spec file or a built-in recipe (fedcli.recipes) and check it (`check_spec`).
 
-    `smoke` applies the spec's `smoke:` overrides (fedcli.recipes.smoke_spec).
+    `smoke` applies the spec's `smoke:` overrides (fedcli.recipes.smoke_spec), then checks it again.
     """
     from fedcli import recipes
 
@@ -100,146 +399,15 @@ def load_spec(path: Path | None, recipe: str | None, *, smoke: bool = False) -> 
         spec = read_yaml(path)
     else:
         raise ConfigError("fedcli sweep needs a SPEC.yaml or --recipe NAME.")
-    if not isinstance(spec, Mapping):
-        raise ConfigError(
-            f"a sweep spec must be a mapping of {', '.join(SPEC_KEYS)}; got {type(spec).__name__}."
-        )
-    for key in spec:
-        if key not in SPEC_KEYS:
-            raise ConfigError(
-                f"unknown sweep key {key!r}{suggest(key, list(SPEC_KEYS))}; valid: {', '.join(SPEC_KEYS)}."
-            )
-    if "experiment" not in spec:
-        raise ConfigError("a sweep spec needs `experiment: NAME`.")
-    if spec.get("smoke") is not None and not isinstance(spec["smoke"], Mapping):
-        raise ConfigError(
-            f"smoke must be a mapping such as {{base: {{rounds: 2}}, seeds: [0]}}; got {spec['smoke']!r}."
-        )
+    check_spec(spec)
     if smoke:
         if not spec.get("smoke") and not spec.get("study"):
             raise ConfigError(
                 "--smoke needs a spec with a `smoke:` block (e.g. {base: {rounds: 2}, seeds: [0]})."
             )
         spec = recipes.smoke_spec(spec)
-    check_spec_values(spec)
-    variants = spec.get("variants")
-    if variants is not None and not (
-        isinstance(variants, list) and all(isinstance(v, Mapping) for v in variants)
-    ):
-        raise ConfigError(
-            "variants must be a list of mappings such as [{label: FedAvg-1E, algo: fedavg, "
-            f"local_epochs: 1}}]; got {variants!r}."
-        )
-    report = spec.get("report")
-    if report is not None and not isinstance(report, Mapping):
-        raise ConfigError(
-            f"report must be a mapping such as {{metric: accuracy, thresholds: [0.8]}}; got {report!r}."
-        )
-    for key in report or {}:
-        if key not in REPORT_KEYS:
-            raise ConfigError(
-                f"unknown report key {key!r}{suggest(key, list(REPORT_KEYS))}; "
-                f"valid: {', '.join(REPORT_KEYS)}."
-            )
-    check_report_values(report or {})
-    if spec.get("search") is not None or spec.get("pruner") is not None:
-        from fedcli.sweep.search_spec import check_search
-
-        check_search(spec)
+        check_spec(spec)
     return spec
-
-
-def check_spec_values(spec: Mapping[str, Any]) -> None:
-    """The type of every top-level value (a spec is data, not code: nothing is coerced)."""
-    from fedcli.config.checks import INT_MAX, check_name
-
-    if not isinstance(spec["experiment"], str):
-        raise ConfigError(f"experiment must be a name (text); got {spec['experiment']!r}.")
-    check_name("experiment", spec["experiment"], "`experiment:`")
-    for key in ("base", "grid"):
-        if spec.get(key) is not None and not isinstance(spec[key], Mapping):
-            example = (
-                "{task: lsq, rounds: 20}"
-                if key == "base"
-                else "{algo: [fedavg, fedprox], hp.mu: [0.01, 0.1]}"
-            )
-            raise ConfigError(
-                f"{key} must be a mapping of config keys to values such as {example}; got {spec[key]!r}."
-            )
-    for key, values in (spec.get("grid") or {}).items():
-        if isinstance(values, list) and not values:
-            raise ConfigError(
-                f"grid key {key} must have at least one value; got []. Give its values, or drop it."
-            )
-        if isinstance(values, Mapping):
-            raise ConfigError(f"grid key {key} must be a list of values such as [0.01, 0.1]; got {values!r}.")
-    seeds = spec.get("seeds", [0])
-    if not (
-        isinstance(seeds, list)
-        and seeds
-        and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
-    ):
-        raise ConfigError(
-            f"seeds must be a non-empty list of integer seeds such as [0, 1, 2]; got {seeds!r}."
-        )
-    if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"seeds must not repeat a seed (a repeated seed is the same run); got {seeds!r}.")
-    for key in ("description", "paper", "study"):
-        if spec.get(key) is not None and not isinstance(spec[key], str):
-            raise ConfigError(f"{key} must be text; got {spec[key]!r}.")
-    limit = spec.get("max_trials", MAX_TRIALS)
-    if not (isinstance(limit, int) and not isinstance(limit, bool) and 1 <= limit <= INT_MAX):
-        raise ConfigError(f"max_trials must be an integer >= 1; got {limit!r}.")
-
-
-def check_report_values(block: Mapping[str, Any]) -> None:
-    """The values of a spec's `report:` block, as `fedcli report` checks its options (before any trial runs)."""
-
-    def fail(key: str, what: str) -> ConfigError:
-        return ConfigError(f"report.{key} must be {what}; got {block[key]!r}.")
-
-    def numbers(key: str, kind: type) -> None:
-        values = block.get(key)
-        if values is None:
-            return
-        if not isinstance(values, list) or not values:
-            raise fail(
-                key,
-                f"a list of {'round numbers' if kind is int else 'numbers'} such as "
-                f"{'[100, 200]' if kind is int else '[0.7, 0.8]'}",
-            )
-        for value in values:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if kind is int:
-                ok = ok and isinstance(value, int) and value >= 1
-            if not ok or not math.isfinite(value):
-                raise fail(key, "finite numbers" if kind is float else "round numbers >= 1")
-
-    for key in ("metric", "output"):
-        if key in block and not (isinstance(block[key], str) and block[key].strip()):
-            raise fail(
-                key, "a metric name such as accuracy or eval/loss" if key == "metric" else "a file path"
-            )
-    numbers("thresholds", float)
-    numbers("at", int)
-    for key in ("window", "smooth"):
-        value = block.get(key)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise fail(key, "an integer number of rounds >= 1")
-    group_by = block.get("group_by")
-    if group_by is not None and not (
-        isinstance(group_by, str)
-        and group_by.strip(" ,")
-        or isinstance(group_by, list)
-        and group_by
-        and all(isinstance(k, str) and k.strip() for k in group_by)
-    ):
-        raise fail("group_by", 'config keys such as "algo,hp.rho" or [algo, hp.rho]')
-    columns = block.get("columns")
-    if columns is not None and not (
-        isinstance(columns, list) and columns and all(isinstance(k, str) and k.strip() for k in columns)
-    ):
-        raise fail("columns", "a list of logged metric keys such as [fedsparse/sparsity]")
 
 
 def check_report_keys(block: Mapping[str, Any], trials: Sequence[Trial]) -> None:
@@ -287,14 +455,16 @@ def expand(spec: Mapping[str, Any], tracking: Mapping[str, Any] | None = None) -
     with the grid and the seeds; a variant's keys win over the grid's, the grid's over `base`.
     """
     aliases = short_keys()
-    base = {_dotted(k, aliases): v for k, v in (spec.get("base") or {}).items()}
+    base = {dotted_key(k, aliases): v for k, v in (spec.get("base") or {}).items()}
     grid = {
-        _dotted(k, aliases): v if isinstance(v, list) else [v] for k, v in (spec.get("grid") or {}).items()
+        dotted_key(k, aliases): v if isinstance(v, list) else [v] for k, v in (spec.get("grid") or {}).items()
     }
-    short = {_dotted(k, aliases): k for k in (spec.get("grid") or {})}  # the names the user wrote, for labels
+    short = {
+        dotted_key(k, aliases): k for k in (spec.get("grid") or {})
+    }  # the names the user wrote, for labels
     seeds = spec.get("seeds", [0])
     variants = [
-        (v.get("label"), {_dotted(k, aliases): x for k, x in v.items() if k != "label"})
+        (v.get("label"), {dotted_key(k, aliases): x for k, x in v.items() if k != "label"})
         for v in spec.get("variants") or [{}]
     ]
     count = len(variants) * math.prod(len(values) for values in grid.values()) * len(seeds)
@@ -311,7 +481,7 @@ def expand(spec: Mapping[str, Any], tracking: Mapping[str, Any] | None = None) -
     for (label, variant), combo in itertools.product(variants, itertools.product(*grid.values())):
         values = {**base, **dict(zip(grid, combo, strict=True)), **variant}
         algo = values.get("algorithm.name", "fedavg")
-        hp = {k[3:]: v for k, v in values.items() if k.startswith("hp.") and _has_hp(algo, k[3:])}
+        hp = {k[3:]: v for k, v in values.items() if k.startswith("hp.") and has_hp(algo, k[3:])}
         overrides = {k: v for k, v in values.items() if not k.startswith("hp.")}
         for seed in seeds:
             cfg = build_config(
@@ -386,7 +556,7 @@ def spec_hash(spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _dotted(key: str, aliases: Mapping[str, str]) -> str:
+def dotted_key(key: str, aliases: Mapping[str, str]) -> str:
     if key.startswith("hp.") or key == "seed" or "." in key:
         return key
     if key not in aliases:
@@ -397,7 +567,7 @@ def _dotted(key: str, aliases: Mapping[str, str]) -> str:
     return aliases[key]
 
 
-def _has_hp(algo: str, name: str) -> bool:
+def has_hp(algo: str, name: str) -> bool:
     from fedcli.algorithms import ALGORITHMS
 
     record = ALGORITHMS.get(algo)

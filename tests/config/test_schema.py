@@ -20,20 +20,19 @@ import yaml
 
 from fedcli.cli.hpdoc import field_descriptions
 from fedcli.config.build import build_config
-from fedcli.config.schema import (
-    RUN_CONFIG,
-    SWEEP_SPEC,
+from fedcli.config.schema import RUN_CONFIG, SWEEP_SPEC, run_config_schema, sweep_spec_schema
+from fedcli.config.sections import SECTIONS, RunConfig, TrainConfig
+from fedcli.errors import ConfigError
+from fedcli.sweep.spec import (
+    PRUNERS,
+    REPORT_KEYS,
+    SEARCH_KEYS,
+    SPEC_KEYS,
     PrunerBlock,
     ReportBlock,
     SearchBlock,
     SweepSpec,
-    run_config_schema,
-    sweep_spec_schema,
 )
-from fedcli.config.sections import SECTIONS, RunConfig, TrainConfig
-from fedcli.errors import ConfigError
-from fedcli.sweep.search_spec import PRUNERS, SEARCH_KEYS
-from fedcli.sweep.spec import REPORT_KEYS, SPEC_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "docs" / "schema"
