@@ -34,12 +34,12 @@ A sweep owns its trials:
   whose trials are nested children; a rerun reuses it. The sweep's MLflow mirror opens it.
 
 Layout (no module imports one below it back; import each name from the module that defines it):
-`spec` (reading, checking and expanding a spec) -> `plan` (`Plan`, `plan_trials`, a trial's command
-and environment) -> `scheduler` (`TrialProcess`, `TrialClaims`, `Scheduler`, `TrialOutcome`,
-`TrialSource`) -> `rows` (the live table's rows, `parent_tags`); `process` starts sweep workers so that
-they end with the sweep; the long-lived workers that run the trials are `worker_pool` (the sweep's
-side, `WorkerScheduler`) and `worker` (the worker process); `search_spec` checks a spec's `search:`
-and `pruner:` blocks, `search` sets up the Optuna study and `search_source` (`SearchSource`) runs it;
-`estimate` is `fedcli sweep --dry-run`'s probe; `ray_runner` (`RayScheduler`), `ray_checks` (what a
-cluster must offer) and `ray_actor` (what runs on a Ray node) are `--backend ray`.
+`spec` (a spec's declared keys; reading, checking and expanding it) -> `plan` (`Plan`, `plan_trials`,
+a trial's command and environment) -> `scheduler` (`TrialProcess`, `TrialClaims`, `Scheduler`,
+`TrialOutcome`, `TrialSource`) -> `rows` (the live table's rows, `parent_tags`); `process` starts sweep
+workers so that they end with the sweep; the long-lived workers that run the trials are `worker_pool`
+(the sweep's side, `WorkerScheduler`) and `worker` (the worker process); `search` sets up the Optuna
+study and `search_source` (`SearchSource`) runs it; `estimate` is `fedcli sweep --dry-run`'s probe;
+`ray_runner` (`RayScheduler`), `ray_checks` (what a cluster must offer) and `ray_actor` (what runs on a
+Ray node) are `--backend ray`.
 """
