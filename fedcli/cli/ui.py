@@ -4,8 +4,9 @@ The server runs with one worker (MLflow's default of 4 processes is too many bes
 training run on a laptop), and the URL is printed only once the server answers `/health`,
 pointing at the runs table of the experiment of interest, on fedcli's saved view (the metrics
 and params runs are compared by, tracking/mlflow/view.py) where MLflow has saved views; stderr
-says what that page shows. SIGINT or SIGTERM stops the server's whole process group before this
-command exits, so no worker is left behind.
+says what that page shows. The server runs in its own process group (fedcli.children), which SIGINT or
+SIGTERM stops as a whole before this command exits, so no worker is left behind; were this command
+killed, the server gets SIGTERM (`die_with_parent`).
 
 Over the 150-line budget of docs/style.md rule 1: starting, waiting for and stopping a server
 process, and choosing the page it opens on, are this command's whole job, and it has no engine
@@ -28,6 +29,7 @@ from typing import Annotated, Any
 
 import typer
 
+from fedcli import children
 from fedcli.cli.common import Panel
 from fedcli.cli.errors import user_errors
 from fedcli.errors import ConfigError, TrackingError
@@ -167,7 +169,9 @@ def comparison_view(uri: str, experiment: str) -> bool:
         "hp.*) to compare runs by."
     )
     if not mlflow_view.has_saved_views():
-        out.print(f"MLflow {mlflow_version()} has no saved views (3.15+): {default}", soft_wrap=True)
+        from importlib.metadata import version
+
+        out.print(f"MLflow {version('mlflow')} has no saved views (3.15+): {default}", soft_wrap=True)
         return False
     try:
         columns = mlflow_view.write_view(MlflowClient(tracking_uri=uri), experiment)
@@ -191,12 +195,6 @@ def comparison_view(uri: str, experiment: str) -> bool:
         markup=False,
     )
     return True
-
-
-def mlflow_version() -> str:
-    from importlib.metadata import version
-
-    return version("mlflow")
 
 
 def experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
@@ -289,9 +287,14 @@ def serve(
         out: Any = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # a captured stderr (tests): keep the server's
         out = None
-    server = subprocess.Popen(
-        command, start_new_session=True, stdout=out, env=env
-    )  # own group: stopped as a whole
+    server = subprocess.Popen(  # its own group, stopped as a whole; no terminal input for a background group
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        env=env,
+        preexec_fn=children.die_with_parent(os.getpid()),
+        **children.own_process_group(),
+    )
 
     def stop(signum: int, frame: Any) -> None:
         raise _Stop
@@ -322,8 +325,8 @@ def wait_ready(health: str, server: subprocess.Popen[bytes], timeout_s: float = 
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise TrackingError(
-                f"the MLflow server exited with code {server.returncode} before it answered "
-                f"{health}; its messages are above."
+                f"the MLflow server {children.death(server.returncode)} before it answered {health}; "
+                "its messages are above."
             )
         try:
             with urllib.request.urlopen(health, timeout=2) as response:  # noqa: S310 - loopback http
@@ -337,8 +340,6 @@ def wait_ready(health: str, server: subprocess.Popen[bytes], timeout_s: float = 
 
 def stop_group(server: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     """SIGTERM the server's process group, SIGKILL what is left after `grace_s`, and reap the server."""
-    import os
-
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(server.pid, sig)
@@ -353,8 +354,6 @@ def stop_group(server: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
-    import os
-
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
