@@ -108,7 +108,7 @@ class Run:
         A run of your own model or data function needs its code imported: that happens only with
         `trust_code=True` (default: `load_run`'s `trust_code`), the source's sha256 the one the
         run recorded, or when this process imported that code already (e.g. `fedcli.train` named
-        it); docs/architecture.md, "Security".
+        it); docs/operations.md, "Security".
 
         Raises:
             ConfigError: the run has no final model (it did not finish), the file is unreadable, or
@@ -192,7 +192,7 @@ def train(
         resume: a run (id, prefix, name or `Run`) to continue from its newest checkpoint; only
             `rounds`, checkpointing, `device` and tracking settings may change. A run whose config
             names your model or data function resumes when you name the same `model=` / `data=`
-            again, or pass `trust_code=True` (docs/architecture.md, "Security").
+            again, or pass `trust_code=True` (docs/operations.md, "Security").
         mlflow_optional: MLflow unreachable -> warn and train with the SQL store only.
         trust_code: `resume=` may import the user code the resumed run's stored config names (its
             source's sha256 must be the recorded one). Default: only code named here.
@@ -292,7 +292,7 @@ def load_run(
         store: the SQL store's URL. Default: FEDCLI_STORE, else `<root>/fedcli.db`.
         root: the folder of the default store. Default: ./fedcli-runs.
         trust_code: `Run.model()` may import the user code (your model, a data function) the run
-            recorded, if its source's sha256 is the recorded one (docs/architecture.md, "Security").
+            recorded, if its source's sha256 is the recorded one (docs/operations.md, "Security").
 
     Raises:
         ConfigError: no store there, or no such run (the CLI's message).

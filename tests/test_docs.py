@@ -3,8 +3,8 @@
 - no tracked .py file cites the design notes that lived outside the repository (their
   content is in docs/architecture.md and docs/style.md, with the same numbering);
 - every `docs/<name>.md` a .py file names exists;
-- `docs/architecture.md §N` has a `## N.` heading, `docs/architecture.md, "Name"` a heading
-  that starts with Name, and `docs/style.md rule N` (or `rules N and M`, `rule N/M`) a
+- `docs/architecture.md §N` has a `## N.` heading, `docs/architecture.md, "Name"` (or
+  `docs/operations.md, "Name"`) a heading that starts with Name, and `docs/style.md rule N` (or `rules N and M`, `rule N/M`) a
   `### Rule N:` heading;
 - the docs (docs/*.md, docs/decisions/*.md) are held to the same citation rules, and their relative
   links (files and `#anchors`) resolve;
@@ -30,7 +30,7 @@ DOCS = ROOT / "docs"
 OLD_NOTES = re.compile(r"\b(?:DESIGN|STYLE)\.md\b")  # the notes outside the repo (not docs/*.md)
 DOC_PATH = re.compile(r"\bdocs/[A-Za-z0-9_./-]+?\.md\b")
 ARCH_SECTION = re.compile(r"\barchitecture\.md,?\s*§\s*(\d+)")
-ARCH_NAMED = re.compile(r"\barchitecture\.md,?\s*\(?\"([^\"]+)\"")
+NAMED = re.compile(r"\b(architecture|operations)\.md,?\s*\(?\"([^\"]+)\"")  # the references cited by name
 STYLE_RULES = re.compile(r"\bstyle\.md\s+rules?\s+(\d+(?:\s*(?:,|/|and)\s*\d+)*)")
 SKIP_DIRS = {".git", ".venv", "build", "fedcli-runs", "mlruns", "__pycache__", "node_modules"}
 
@@ -106,19 +106,20 @@ def test_cited_docs_exist() -> None:
 def test_cited_sections_and_rules_exist() -> None:
     arch, style = headings(DOCS / "architecture.md"), headings(DOCS / "style.md")
     sections = {m.group(1) for h in arch if (m := re.match(r"(\d+)\.\s", h))}
-    names = [re.sub(r"^\d+\.\s*", "", h).lower() for h in arch]
+    names = {
+        doc: [re.sub(r"^\d+\.\s*", "", h).lower() for h in headings(DOCS / f"{doc}.md")]
+        for doc in ("architecture", "operations")
+    }
     rules = {m.group(1) for h in style if (m := re.match(r"Rule (\d+):", h))}
     bad = []
     for path, text in citations():
         for m in ARCH_SECTION.finditer(text):
             if m.group(1) not in sections:
                 bad.append(where(path, text, m.start()) + f": no '## {m.group(1)}.' in docs/architecture.md")
-        for m in ARCH_NAMED.finditer(text):
-            cited = " ".join(m.group(1).lower().split())  # a name may wrap across lines
-            if not any(name.startswith(cited) for name in names):
-                bad.append(
-                    where(path, text, m.start()) + f": no heading {m.group(1)!r} in docs/architecture.md"
-                )
+        for m in NAMED.finditer(text):
+            cited = " ".join(m.group(2).lower().split())  # a name may wrap across lines
+            if not any(name.startswith(cited) for name in names[m.group(1)]):
+                bad.append(where(path, text, m.start()) + f": no heading {m.group(2)!r} in docs/{m.group(1)}.md")
         for m in STYLE_RULES.finditer(text):
             for number in re.findall(r"\d+", m.group(1)):
                 if number not in rules:

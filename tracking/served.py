@@ -7,7 +7,7 @@ uint8 pixels -> floats in [0, 1]), so that `module(x)` on rows of the data set g
 logits fedcli evaluates.
 
 The MLflow mirror logs it as the run's MLflow model without pickling code
-(docs/architecture.md, "Security"): a pyfunc model from code (tracking/mlflow/model.py,
+(docs/operations.md, "Security"): a pyfunc model from code (tracking/mlflow/model.py,
 MLflow's "models from code") whose one artifact, `served.pt`, holds the parameters and the
 names of the task and model in plain containers (`write_served`); loading it
 (`load_served`, `torch.load(weights_only=True)`) rebuilds the module through the task

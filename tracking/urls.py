@@ -2,7 +2,7 @@
 
 A store or MLflow URL may carry a password (`postgresql+psycopg://user:PASSWORD@host/db`,
 `postgresql+psycopg://user@host/db?password=PASSWORD`, `http://user:PASSWORD@mlflow:5000`).
-fedcli never writes it anywhere (docs/architecture.md, "Security"): stored configs,
+fedcli never writes it anywhere (docs/operations.md, "Security"): stored configs,
 checkpoints, `model.pt`, MLflow artifacts, reports, hints, logs and the command lines of the
 processes it starts hold the URL with the password replaced by `***` (`user:***@host`,
 `?password=***`). The password itself travels only in memory, in the environment a user set
@@ -167,7 +167,7 @@ def connect_url(store: Any) -> str:
     """The URL to connect to an open `SqlStore`'s database with, password included (`store.url` is the one
     shown, masked): for Optuna's storage of a search's study (fedcli/sweep/search.py, the report's search
     section). Kept in memory and passed over the sweep workers' pipes, never written nor put on a command
-    line (docs/architecture.md, "Security")."""
+    line (docs/operations.md, "Security")."""
     return str(store._engine.url.render_as_string(hide_password=False))
 
 

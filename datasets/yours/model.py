@@ -21,7 +21,7 @@ Recorded with the run: the reference, `data.model_sha256` (sha256 of the module'
 `source_sha256`) and `data.model_args` (the JSON of the keyword arguments given). Importing a
 user's module runs its code: that is what the user asked for by naming it. A reference read
 back (model.pt, served.pt, a store row, an Optuna trial) is imported only after
-datasets/yours/trust.py `allow_code` let it (docs/architecture.md, "Security").
+datasets/yours/trust.py `allow_code` let it (docs/operations.md, "Security").
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ be imported only when
   already ran here, e.g. `fedcli.train(model=...)` then `run.model()`).
 
 Otherwise a `ConfigError` says in one line what would be imported and how to allow it
-(docs/architecture.md, "Security"). Built-in models, tasks and installed plugins (entry points)
+(docs/operations.md, "Security"). Built-in models, tasks and installed plugins (entry points)
 are installed code and need no opt-in. Nothing here imports the user's module: a dotted
 module's file is looked up only once the user allowed it (finding `pkg.mod` imports `pkg`).
 """
@@ -155,5 +155,5 @@ def allow_code(
 
 
 def trusted_by_env() -> bool:
-    """FEDCLI_TRUST_CODE=1 (the MLflow model's loader only; docs/architecture.md, "Security")."""
+    """FEDCLI_TRUST_CODE=1 (the MLflow model's loader only; docs/operations.md, "Security")."""
     return os.environ.get(TRUST_ENV) == "1"

@@ -65,7 +65,7 @@ def store_options(cfg: Any) -> str:
     store's URL with an absolute path, also for the default root (`./fedcli-runs` is another
     folder wherever the hint is pasted), so every printed hint works pasted in any folder.
 
-    A password in the URL is shown masked (`user:***@host`, docs/architecture.md, "Security"):
+    A password in the URL is shown masked (`user:***@host`, docs/operations.md, "Security"):
     the hint then works as it is where FEDCLI_STORE holds the full URL, else the user puts the
     password back in.
     """

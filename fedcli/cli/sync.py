@@ -110,7 +110,7 @@ def check_code(records: list[Any], runs_dir: Path) -> None:
 
     Logging a run's MLflow model rebuilds its module (tracking/served.py), which imports your
     model's module and calls your data function: code a store row names, which runs only when
-    the user passes --trust-code (datasets/yours/trust.py; docs/architecture.md, "Security").
+    the user passes --trust-code (datasets/yours/trust.py; docs/operations.md, "Security").
     """
     from fedcli.datasets.yours.trust import allow_code, recorded_code
     from fedcli.tracking.served import read_model_file

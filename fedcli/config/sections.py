@@ -296,7 +296,7 @@ class TrackingConfig:
 def given_url(key: str, value: str | None, env_name: str, flag: str) -> str | None:
     """The URL a tracking key gives, or the environment's when it gives none.
 
-    A stored config holds a URL's password masked (`user:***@host`, docs/architecture.md,
+    A stored config holds a URL's password masked (`user:***@host`, docs/operations.md,
     "Security"), so a masked value (a resumed or evaluated run's, or one pasted from a hint)
     stands for the URL with its password, which only the environment can give back.
 
@@ -342,7 +342,7 @@ class RunConfig:
         for key in (
             "store",
             "tracking_uri",
-        ):  # never a password in what is stored (docs/architecture.md, "Security")
+        ):  # never a password in what is stored (docs/operations.md, "Security")
             out["tracking"][key] = out["tracking"][key] and mask_url(out["tracking"][key])
         return out
 

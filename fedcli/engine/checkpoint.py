@@ -5,7 +5,7 @@ or kill never leaves a half-written checkpoint; a temporary file left by a kill 
 write is removed when the run starts or resumes. Tensors are saved on CPU so a
 checkpoint written on a GPU loads anywhere.
 
-Files never run code (docs/architecture.md, "Security"). Checkpoints and `model.pt` hold
+Files never run code (docs/operations.md, "Security"). Checkpoints and `model.pt` hold
 tensors in plain containers only (dicts, lists, tuples, numbers, strings): an algorithm's
 NamedTuple (or dataclass) states are written as `{TYPE_KEY: name, "fields": {...}}`
 (engine/plain.py `to_plain`) and rebuilt on load from the types of the run's own freshly built state
@@ -17,7 +17,7 @@ be the run's own state NamedTuples, which are allowed for that load and cannot r
 
 A checkpoint also says whose it is: run id, round and config hash, checked against the
 store's row before it is used (`check_identity`); one that does not match is skipped like
-an unreadable one (docs/architecture.md, "Checkpoints").
+an unreadable one (docs/operations.md, "Checkpoints").
 
 The writer the round loop uses is engine/checkpoint_writer.py; the plain-container form of
 state pytrees is engine/plain.py.

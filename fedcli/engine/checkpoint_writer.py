@@ -1,4 +1,4 @@
-"""`CheckpointWriter`: what the round loop uses to write checkpoints (docs/architecture.md, "Checkpoints").
+"""`CheckpointWriter`: what the round loop uses to write checkpoints (docs/operations.md, "Checkpoints").
 
 Checkpoints are on by default, written on a background thread from a snapshot taken between
 rounds, kept `keep` at a time (older files and rows are pruned), and in the default `auto` cadence

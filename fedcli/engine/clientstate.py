@@ -232,7 +232,7 @@ class ClientStateStore:
         names it. The files then stay within COMPACT_FACTOR x the live states plus one checkpoint's
         file (and the older kept checkpoints'), and each checkpoint writes O(cohort) rows: the file
         taken is at most 1/COMPACT_FACTOR live, so the rows copied are at most the superseded rows
-        freed, about a cohort a checkpoint (docs/architecture.md, "Checkpoints")."""
+        freed, about a cohort a checkpoint (docs/operations.md, "Checkpoints")."""
         if self.layout is None or not self._file_rows:
             return set()
         live: dict[str, list[int]] = {}  # file -> its clients whose latest state stays in it

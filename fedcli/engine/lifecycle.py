@@ -3,7 +3,7 @@
 - `Heartbeat`: a daemon thread that refreshes `runs.heartbeat_at` every `HEARTBEAT_S`
   seconds (rounds refresh it too), so that a run whose process was killed reads as
   `interrupted` everywhere once the heartbeat is older than `STALE_S` (at once on the
-  same host, where the store checks the pid); see docs/architecture.md, "Run lifecycle".
+  same host, where the store checks the pid); see docs/operations.md, "Run lifecycle".
 - `graceful_signals`: SIGTERM (what schedulers and `kill` send) and SIGHUP (a closed
   terminal) end a run like Ctrl-C: the handler records the signal, the round loop stops at
   its next safe point (between rounds, clients or cohort chunks: `GracefulSignals.check`),
@@ -90,7 +90,7 @@ class GracefulSignals:
     command exits as soon as it can; `defer()` switches to recording before the first write.
     A second signal while a stop is pending or under way is ignored (with a warning), so it
     cannot cut the final checkpoint short; SIGKILL stops at once. How long a stop may take:
-    docs/architecture.md, "Run lifecycle".
+    docs/operations.md, "Run lifecycle".
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

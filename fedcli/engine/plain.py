@@ -1,6 +1,6 @@
 """State pytrees as plain containers, and back: how checkpoints and `model.pt` hold an algorithm's states.
 
-Files never run code (docs/architecture.md, "Security"): an algorithm's NamedTuple (or dataclass)
+Files never run code (docs/operations.md, "Security"): an algorithm's NamedTuple (or dataclass)
 states are written as `{TYPE_KEY: "module.QualName", "fields": {...}}` (`to_plain`) and rebuilt on
 load from the types of the run's own freshly built state (`from_plain`), never from a name in the
 file; `check_like` refuses a loaded tree whose structure or shapes differ from the run's.

@@ -1,7 +1,7 @@
 """A client state as bytes: `SlotLayout` packs a state pytree into one fixed-size slot (and back), and
 what a checkpoint takes of the store (`ClientDelta`: the states changed since the previous one;
 `SpilledSlot`: a changed state the cache had evicted, copied aside). engine/clientstate.py keeps the
-slots; engine/checkpoint_writer.py writes a delta (docs/architecture.md, "Checkpoints").
+slots; engine/checkpoint_writer.py writes a delta (docs/operations.md, "Checkpoints").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A run's life (docs/architecture.md §6, "Run lifecycle"): start or resume it, train its rounds
+"""A run's life (docs/operations.md, "Run lifecycle"): start or resume it, train its rounds
 (engine/rounds.py) under stop signals, heartbeats and background checkpoints, save the model, end it.
 
     train(cfg, tracker)                                  rank 0, or the only process
@@ -75,7 +75,7 @@ def train(
     `setup` is `build(cfg)` when the caller built it already (the CLI does, to validate the
     data and the options before it opens any store); `signals`, stop-signal handlers the
     caller installed already (the CLI does, before its set-up), else this installs its own.
-    The run's life (docs/architecture.md, "Run lifecycle"): a heartbeat while it trains;
+    The run's life (docs/operations.md, "Run lifecycle"): a heartbeat while it trains;
     SIGINT/SIGTERM/SIGHUP stop it at the next safe point (between rounds, clients or cohort
     chunks), abandon the round in flight, checkpoint the last completed round and mark it
     `interrupted`; a signal after the last round lets it finish; checkpoints in the
@@ -408,7 +408,7 @@ def _restore(
     )
     for round_idx, path in reversed(tracker.store.checkpoints(run_id)):
         extras: dict[str, Any] = {}
-        try:  # read without running code, checked against the run's row and state (docs/architecture.md, "Checkpoints")
+        try:  # read without running code, checked against the run's row and state (docs/operations.md, "Checkpoints")
             server_state, client_states = ckpt.load_checkpoint(
                 Path(path),
                 f"checkpoint of round {round_idx} ({path})",

@@ -144,7 +144,7 @@ def partition_counts(built: Report, load_data: bool) -> tuple[np.ndarray | None,
     if any(c.what == "data function" for c in code):
         built.notes.append(
             "No partition heatmap: the runs' data comes from a data function, user code that fedcli "
-            'report does not import (docs/architecture.md, "Security").'
+            'report does not import (docs/operations.md, "Security").'
         )  # a row names it
         return None, ""
     if code:  # the runs' own model is user code: the data and partition do not depend on the model, the default does

@@ -130,7 +130,7 @@ def trial_config_text(plan: Plan, cores: int, threads: int | None = None) -> str
 def trial_env(track: Any) -> dict[str, str] | None:
     """The environment of a trial process: this one's, plus FEDCLI_STORE / MLFLOW_TRACKING_URI where the
     sweep's URLs carry a password, which the trial's config file and command line hold masked
-    (docs/architecture.md, "Security"); None (inherit) when neither does."""
+    (docs/operations.md, "Security"); None (inherit) when neither does."""
     extra = trial_secrets(track)
     return {**os.environ, **extra} if extra else None
 

@@ -150,7 +150,7 @@ def unnamed_code(spec: Mapping[str, Any], params: Mapping[str, Any]) -> str | No
     """`key=value` of the first trial parameter that names user code (a model or data function reference)
     the spec's `base` or search space does not name, or None. An Optuna trial's parameters come from the
     study in the store, which anyone who can write the store can fill: a sweep adopts only trials whose
-    code its spec names (docs/architecture.md, "Security"). Nothing is imported here."""
+    code its spec names (docs/operations.md, "Security"). Nothing is imported here."""
     from fedcli.datasets.yours.data import is_data_ref
     from fedcli.datasets.yours.model import is_reference
 

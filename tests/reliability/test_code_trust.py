@@ -1,4 +1,4 @@
-"""No code runs from a file or a row the user did not name (issue 35; docs/architecture.md, "Security").
+"""No code runs from a file or a row the user did not name (issue 35; docs/operations.md, "Security").
 
 A planted module (`planted.py`: a model factory and a data function) appends a line to a marker
 file when it is imported. User A trains with it (named on the command line: it runs). Then every

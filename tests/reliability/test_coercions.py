@@ -4,7 +4,7 @@ Each case runs the real CLI in a fresh working directory and must exit 2 with on
 naming the problem, no traceback, nothing on stdout and nothing written (test_bad_input.check).
 The Python API gets the same input and must raise a fedcli.errors exception whose message is that
 line (after "error: "). A model whose output is NaN from round 0 is the documented divergence:
-one line, exit 2, the run marked `failed` with diverged_at_round 0 (docs/architecture.md,
+one line, exit 2, the run marked `failed` with diverged_at_round 0 (docs/operations.md,
 "Run lifecycle", Failures).
 """
 

@@ -4,7 +4,7 @@ Real processes on fresh roots, as a user runs them: `fedcli train`, `--resume`, 
 `evaluate --checkpoint`, `sync`, `report`, `sweep`; the password test uses the real
 PostgreSQL server of tests/pg.py (trust authentication: the planted password in the URL is
 accepted and ignored, so every command works and any copy of it shows).
-docs/architecture.md, "Security" and "Checkpoints" say what these check.
+docs/operations.md, "Security" and "Checkpoints" say what these check.
 """
 
 from __future__ import annotations

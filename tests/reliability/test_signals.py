@@ -1,7 +1,7 @@
 """SIGTERM wherever it lands ends a run cleanly: real `python -m fedcli train` processes, real signals.
 
 The handler only records the signal and the round loop stops at its next safe point
-(fedcli/engine/lifecycle.py, docs/architecture.md "Run lifecycle"): before round 0, between
+(fedcli/engine/lifecycle.py, docs/operations.md, "Run lifecycle"): before round 0, between
 rounds, between the clients (`loop`) or cohort chunks (`--cohort-chunk`) of a round, after a
 cohort's local training. Before the run is written (options, imports, data, executor set-up)
 a signal stops the command at once.

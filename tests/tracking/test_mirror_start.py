@@ -2,7 +2,7 @@
 trains, and a set-up that fails after `preflight` is one warning, not a failed run.
 
 Real `fedcli` processes and mirror processes, a real SQLite MLflow store read back with sqlite3.
-docs/architecture.md §6 (the MLflow mirror) describes the behaviour checked here.
+docs/operations.md, "The MLflow mirror" describes the behaviour checked here.
 """
 
 from __future__ import annotations

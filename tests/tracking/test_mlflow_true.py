@@ -2,7 +2,7 @@
 nothing to do; a mirror process that dies alone is restarted and MLflow still gets every round.
 
 Real `fedcli` processes, a real SQLite-backed MLflow store read back with sqlite3, real SIGKILLs.
-docs/architecture.md §6 (the MLflow mirror) says what these check.
+docs/operations.md, "The MLflow mirror" says what these check.
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ def test_tracker_without_mlflow_writes_the_store_only(tmp_path: Path) -> None:
 def test_train_logs_the_final_model_as_an_mlflow_model_in_the_runs_experiment(tmp_path: Path) -> None:
     """A real `fedcli train` (mnist, 1 round, MLflow on): the run's experiment holds one READY
     logged model whose source is the run, linked as the run's output at the last round; it is a
-    pyfunc model from code with no pickled file (docs/architecture.md, "Security"); loaded with
+    pyfunc model from code with no pickled file (docs/operations.md, "Security"); loaded with
     `mlflow.pyfunc.load_model` it maps stored rows (uint8 pixels) to the same logits as the task's
     module with model.pt's parameters on prepared inputs (computed here with torch.func, not with
     fedcli's served wrapper), and `unwrap_python_model().module` is that module; its signature is

@@ -30,7 +30,7 @@ truth; MLflow is a copy that this process keeps up to date:
   its next round, and once more at the run's end if it died after the last round
   (`MirrorHandle.check`, `finish`), with a warning naming the signal or exit code;
 - the store and MLflow URLs reach it over its stdin, never on its command line: a password
-  in them would be visible to every user in `ps` (docs/architecture.md, "Security").
+  in them would be visible to every user in `ps` (docs/operations.md, "Security").
 
 `MirrorHandle` (tracking/mlflow/handle.py) is the training process's side; `preflight`
 (tracking/mlflow/checks.py, with `schema_lock` and `mlflow_params`) checks a tracking URI
@@ -116,7 +116,7 @@ class Mirror:
     """Copy one run from the SQL store into MLflow (runs inside the mirror process).
 
     Only while the store names its training process as the run's owner: after a takeover
-    (another process resumed the run, docs/architecture.md "Run lifecycle"), that process's
+    (another process resumed the run, docs/operations.md, "Run lifecycle"), that process's
     mirror keeps MLflow in line, and this one stops without ending the MLflow run.
     """
 

@@ -1,4 +1,4 @@
-"""A fedcli run's MLflow model: a pyfunc "model from code" (docs/architecture.md, "Security").
+"""A fedcli run's MLflow model: a pyfunc "model from code" (docs/operations.md, "Security").
 
 MLflow copies this file into the logged model and runs it when the model is loaded
 (`mlflow.pyfunc.load_model`), instead of unpickling a module: nothing of the model is
@@ -8,7 +8,7 @@ module through fedcli's task registry, so loading needs fedcli installed (the mo
 requirements name the version) and, for your own model (`--model module:factory`) or data function,
 its module importable where the model is loaded and the loader's opt-in to run it:
 `mlflow.pyfunc.load_model(uri, model_config={"trust_code": True})` or FEDCLI_TRUST_CODE=1, with
-the source's sha256 the one recorded (docs/architecture.md, "Security"); without it, loading
+the source's sha256 the one recorded (docs/operations.md, "Security"); without it, loading
 fails with one line naming the code. `predict(rows)` maps stored rows (e.g. uint8 pixels) to the
 logits fedcli evaluates; `unwrap_python_model().module` is the `nn.Module`.
 

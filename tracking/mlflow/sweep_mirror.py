@@ -17,7 +17,7 @@ says: the sweep process never imports MLflow, and this module imports nothing of
 
 Its stdin carries JSON messages framed by `multiprocessing.connection.Connection` (fedcli.children
 `Channel`, `child_inbox`): first {"store": URL, "tracking_uri": URI, "sweep_spec": {...}, "parent_tags":
-{...}} (secrets stay off the command line, docs/architecture.md "Security"), then {"run": RUN_ID} per
+{...}} (secrets stay off the command line, docs/operations.md, "Security"), then {"run": RUN_ID} per
 ended trial, then {"end": STATUS} (finished, failed, interrupted); end of file: copy what is left, end
 the parent run (`interrupted` without an `end` message: the sweep died) and exit.
 """

@@ -18,7 +18,7 @@ view returns to its own columns). What a view cannot carry: expanded parent runs
 `runsExpanded` out of shared state; a sweep's trials stay folded under its parent run until its
 expander is clicked) and the Assistant panel, which MLflow opens by itself on a browser's first
 visit to a server on localhost, 127.0.0.1 or ::1 (its x closes it for good in that browser).
-docs/architecture.md §6, "Browsing runs".
+docs/operations.md, "Browsing runs".
 """
 
 from __future__ import annotations

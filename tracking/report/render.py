@@ -443,7 +443,7 @@ def shown_store(url: str) -> str:
     """A SQLite store URL as a report shows it: relative to the working folder when the file lies
     under it (`sqlite:///reproductions/runs/fedcli.db`), so that a committed report names no
     machine's paths and its command reruns from the same folder; any other URL with its password
-    masked (`user:***@host`; the recorded command line likewise: docs/architecture.md, "Security")."""
+    masked (`user:***@host`; the recorded command line likewise: docs/operations.md, "Security")."""
     prefix = "sqlite:///"
     if not url.startswith(prefix):
         return mask_url(url)

@@ -1,4 +1,4 @@
-"""Is a run's or a claim's process still there: /proc start times, signal 0, heartbeats (docs/architecture.md,
+"""Is a run's or a claim's process still there: /proc start times, signal 0, heartbeats (docs/operations.md,
 "Run lifecycle").
 
 Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.

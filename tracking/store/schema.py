@@ -2,7 +2,7 @@
 
 `_setup_schema` creates missing tables and columns in one locked transaction and, once per store,
 masks the passwords that rows, checkpoints and `model.pt` files written by an older fedcli held
-(docs/architecture.md, "Security").
+(docs/operations.md, "Security").
 
 Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose docstring gives the layout.
 """
@@ -307,7 +307,7 @@ def _setup_schema(conn: Any) -> None:
         if masked or files:
             log.warning(
                 "store: masked the passwords of store URLs that %d run(s) and %d checkpoint or model file(s) "
-                'written by an older fedcli held in clear (docs/architecture.md, "Security")',
+                'written by an older fedcli held in clear (docs/operations.md, "Security")',
                 masked,
                 files,
             )

@@ -15,7 +15,7 @@ that several `fedcli train … &` processes can write the same file at once:
 Metrics are stored in long form, one row per (run, round, key), written one transaction
 per round; re-logging a (run, round, key) overwrites it, which `--resume` relies on.
 
-One writer per run and per trial (docs/architecture.md, "Run lifecycle"): the process that
+One writer per run and per trial (docs/operations.md, "Run lifecycle"): the process that
 starts or resumes a run holds its **lease** (`runs.lease`, a random token); every write it
 makes to that run is an `UPDATE … WHERE lease = <its token>` in the write's own transaction,
 so a process whose run was taken over writes nothing more and gets `RunTakenOver`. A run is
