@@ -2,8 +2,8 @@
 spawned before the command parsed its input, why one died, and framed messages over its pipes.
 
 The sweep's workers (fedcli/sweep/worker_pool.py, scheduler.py, ray_actor.py), the run's MLflow mirror
-(tracking/mlflow/handle.py) and the sweep's (tracking/mlflow/sweep_mirror.py) start theirs with it
-(docs/architecture.md, "Child processes"). Standard library only, and nothing of fedcli: `fedcli sweep`
+(tracking/mlflow/handle.py), the sweep's (tracking/mlflow/sweep_mirror.py) and `fedcli ui`'s server
+(fedcli/cli/ui.py) start theirs with it (docs/architecture.md, "Child processes"). Standard library only, and nothing of fedcli: `fedcli sweep`
 and `fedcli train` call `spawn_early` first thing, before they import torch, and a Ray worker imports it.
 """
 

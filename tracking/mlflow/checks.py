@@ -3,7 +3,7 @@
 Part of `fedcli.tracking.mlflow` (tracking/mlflow/mirror.py describes the mirror). `preflight` checks a tracking URI cheaply (no MLflow import) before
 anything is written; `schema_lock` makes N runs that start together on a fresh root set
 MLflow's schema up once (a lock file beside a SQLite database, an advisory lock on PostgreSQL);
-`mlflow_params` is what a run's MLflow params are.
+`mlflow_params` is what a run's MLflow params are; `first_cause_line` is what an MLflow failure says.
 """
 
 from __future__ import annotations
@@ -203,3 +203,25 @@ def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
         if tracking.get(key) is not None:
             params[f"tracking.{key}"] = str(tracking[key])
     return params
+
+
+# --------------------------------------------------------------------------- what an MLflow failure says
+
+
+def causes(err: BaseException) -> Iterator[BaseException]:
+    """`err` and the chain of exceptions it was raised from (a database error under MLflow's)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+
+
+def first_cause_line(err: BaseException) -> str:
+    """The first line of the innermost cause of `err`, masked: SQLite's "database or disk is full",
+    not the note on autoflush that MLflow's SQLAlchemy session wraps it in."""
+    *_, inner = causes(err)
+    lines = str(inner).strip().splitlines()
+    return mask_url(lines[0] if lines else type(inner).__name__)

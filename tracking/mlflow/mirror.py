@@ -44,17 +44,13 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from fedcli import children
 from fedcli.errors import TrackingError
-from fedcli.tracking.mlflow.checks import (
-    mlflow_params,
-    schema_lock,
-)
+from fedcli.tracking.mlflow.checks import causes, first_cause_line, mlflow_params, schema_lock
 from fedcli.tracking.mlflow.lifeline import (
     Lifeline,
     exit_now,
@@ -65,7 +61,7 @@ from fedcli.tracking.mlflow.lifeline import (
 )
 from fedcli.tracking.urls import mask_url
 
-__all__ = ["Mirror", "first_cause_line", "main"]
+__all__ = ["Mirror", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -86,30 +82,11 @@ def _retry(what: str, call: Any) -> Any:
         try:
             return call()
         except TrackingError as err:
-            if time.monotonic() > deadline or any(disk_full(cause) for cause in _causes(err)):
+            if time.monotonic() > deadline or any(disk_full(cause) for cause in causes(err)):
                 raise
             log.debug("mirror: %s failed; retrying", what)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
-
-
-def _causes(err: BaseException) -> Iterator[BaseException]:
-    """`err` and the chain of exceptions it was raised from (a database error under MLflow's)."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        orig = getattr(current, "orig", None)
-        current = orig if isinstance(orig, BaseException) else current.__cause__
-
-
-def first_cause_line(err: BaseException) -> str:
-    """The first line of the innermost cause of `err`, masked: SQLite's "database or disk is full",
-    not the note on autoflush that MLflow's SQLAlchemy session wraps it in."""
-    *_, inner = _causes(err)
-    lines = str(inner).strip().splitlines()
-    return mask_url(lines[0] if lines else type(inner).__name__)
 
 
 class Mirror:

@@ -32,6 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from fedcli.errors import TrackingError
 from fedcli.tracking.keys import check_metrics
+from fedcli.tracking.mlflow.checks import first_cause_line
 from fedcli.tracking.urls import mask_url, sqlite_path
 
 __all__ = ["MlflowSink", "default_tracking_uri"]
@@ -78,21 +79,6 @@ def _local_root(tracking_uri: str) -> Path | None:
     if "://" not in tracking_uri:  # a bare path is MLflow's file store
         return Path(tracking_uri).expanduser().resolve().parent
     return None
-
-
-def _innermost_line(err: BaseException) -> str:
-    """The first line of the innermost cause of `err`: SQLite's "database or disk is full", not the
-    note on autoflush ("raised as a result of Query-invoked autoflush; ...") that MLflow's SQLAlchemy
-    session wraps it in (the issue's disk-full warning quoted only that note)."""
-    seen: set[int] = set()
-    while id(err) not in seen:  # `raise ... from` and a database error's `orig`; not an unrelated context
-        seen.add(id(err))
-        cause = getattr(err, "orig", None) or err.__cause__
-        if not isinstance(cause, BaseException):
-            break
-        err = cause
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
 
 
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
@@ -147,7 +133,7 @@ class MlflowSink:
         try:
             yield
         except (MlflowException, SQLAlchemyError, OSError) as err:
-            reason = _innermost_line(err)
+            reason = first_cause_line(err)
             raise TrackingError(
                 mask_url(f"MLflow store {self.tracking_uri!r} could not {what}: {reason}; {_MLFLOW_FIX}")
             ) from err

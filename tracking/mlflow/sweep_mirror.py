@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-END_PREFIX = "end:"  # a queued "end:finished" (from the sweep's last message): its MLflow parent run's status
 PARENT_NOT_ENDED = "MLflow could not end the sweep's run"
 
 
@@ -219,26 +218,22 @@ def copy_run(args: argparse.Namespace, run_id: str) -> None:
             tracking_uri=args.tracking_uri,
             experiment=args.experiment,
             parent_run=args.parent_run,
-            once=True,
             run_dir=str(Path(args.runs_root) / run_id),
             lifeline=args.lifeline,
         )
     ).run_once()
 
 
-def _read_lines(inbox: Connection, lines: queue.Queue[str | None], nice: int) -> None:
-    """Queue the run ids (and "end:STATUS") the sweep sends, then None at the end of its stdin."""
+def _read_messages(inbox: Connection, messages: queue.Queue[dict[str, Any] | None], nice: int) -> None:
+    """Queue the messages the sweep sends ({"run": ...}, {"end": ...}), then None at the end of its stdin."""
     from fedcli.tracking.mlflow.lifeline import normal_priority
 
     while (message := children.receive(inbox)) is not None:
-        if message.get("run"):
-            lines.put(str(message["run"]))
-        elif message.get("end"):
-            lines.put(f"{END_PREFIX}{message['end']}")
+        messages.put(message)
     # no trial trains any more, and the sweep's end waits for these copies: back to the sweep's nice value
     # now (every thread: Linux schedules threads), where the system lets it, not after the copies queued
     normal_priority(nice)
-    lines.put(None)
+    messages.put(None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-root", required=True)
     parser.add_argument("--parent-run")
     args = parser.parse_args(argv)
+    from fedcli.tracking.mlflow.checks import first_cause_line
     from fedcli.tracking.mlflow.lifeline import (
         low_priority,
         quiet_mlflow,
         read_urls,
         watch_parent,
     )
-    from fedcli.tracking.mlflow.mirror import first_cause_line
 
     args.lifeline = watch_parent()  # the sweep gone: at most ORPHAN_WAIT_S to copy what it can, then it ends
     nice = low_priority()  # even MLflow's import yields a core the trials want
@@ -286,16 +281,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         args.parent_run = parent.run_id
-    lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(inbox, lines, nice), daemon=True).start()
+    messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    threading.Thread(target=_read_messages, args=(inbox, messages, nice), daemon=True).start()
     failed, status = 0, "interrupted"  # no `end` message: the sweep died
-    while True:
-        run_id = lines.get()
-        if run_id is None:  # the sweep ended (or died); the reader left nice 19 then (it waits for these)
-            break
-        if run_id.startswith(END_PREFIX):
-            status = run_id.removeprefix(END_PREFIX)
+    # None: the sweep ended (or died); the reader left nice 19 then (it waits for these)
+    while (message := messages.get()) is not None:
+        if message.get("end"):
+            status = str(message["end"])
+        if not message.get("run"):
             continue
+        run_id = str(message["run"])
         try:
             copy_run(args, run_id)
         except Exception as err:  # noqa: BLE001 - one run's failure leaves the others to copy
