@@ -281,7 +281,7 @@ def spec_error(exc: pydantic.ValidationError, spec: Any) -> ConfigError:
     sweep key 'gird' (did you mean 'grid'?); valid: ...`, `a sweep spec needs `experiment: NAME``, or
     `KEY must be WHAT; got VALUE.` with WHAT the `must` of the deepest key on the error's path that has one."""
     unknown = ("unexpected_keyword_argument", "invalid_key")  # a key not declared; one not text
-    first = min(exc.errors(), key=lambda e: e["type"] not in (*unknown, "missing"))
+    first = min(exc.errors(), key=lambda e: (e["type"] not in unknown, e["type"] != "missing"))
     loc = [str(part) for part in first["loc"]]
     if first["type"] == "missing" and len(loc) == 1:
         return ConfigError(f"a sweep spec needs `{loc[0]}: NAME`.")
