@@ -6,7 +6,7 @@ rejected `fedcli train` left its early mirror behind (alive 37 min later), and a
 mirror never finished. Now (docs/architecture.md, "Tracking"): the mirror runs at nice 19;
 a command that ends without a run ends its early mirror as it exits (`discard_early`, atexit); a
 mirror whose training process is gone ends within ORPHAN_WAIT_S (`watch_parent`), and what it did not
-copy `fedcli sync` copies from the store.
+copy `fedcli sync` copies from the store. A SIGKILLed `fedcli ui` takes its MLflow server with it.
 
 Real `python -m fedcli` processes and real signals; the processes a command started are found by a
 marker in their environment (inherited by every descendant), read from /proc. The trainer runs
@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -266,3 +267,59 @@ def test_a_sigkilled_trainer_leaves_no_mirror_and_sync_completes_mlflow(
         rounds,
     )  # round 5 trained, 4 checkpointed
     assert (status, steps) == ("KILLED", rounds)
+
+
+def test_a_sigkilled_fedcli_ui_leaves_no_mlflow_server(tmp_path: Path) -> None:
+    """`fedcli ui` SIGKILLed once its server answers: within 20 s MLflow's server (its CLI, uvicorn, its job
+    runner) is gone and the port is free. The CLI gets SIGTERM from the kernel as its parent dies
+    (fedcli.children `die_with_parent`) and stops the rest; started in a session of its own (before), the
+    server served on, alive 20 s later. Not checked: the job runner's Huey consumers, which MLflow lets
+    outlive it (they end only with the process group, which a SIGKILLed `fedcli ui` cannot stop)."""
+    from mlflow import MlflowClient
+
+    marker, database = uuid.uuid4().hex, tmp_path / "mlflow.db"
+    MlflowClient(f"sqlite:///{database}").search_experiments()  # an MLflow store for the UI to open
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with open(tmp_path / "ui.err", "w") as err:
+        ui = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedcli",
+                "ui",
+                "--tracking-uri",
+                f"sqlite:///{database}",
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=marked_env(marker),
+        )
+    try:
+        assert ui.stdout is not None
+        url = ui.stdout.readline().strip()  # printed once the server answers /health
+        servers = [pid for pid, _ in alive_with(marker) if pid != ui.pid]
+        assert url.startswith(f"http://127.0.0.1:{port}/") and servers, (
+            url,
+            (tmp_path / "ui.err").read_text(),
+        )
+    finally:
+        ui.kill()
+        ui.wait(timeout=30)
+    began = time.monotonic()
+    while (
+        left := [p for p in alive_with(marker) if "huey_consumer" not in p[1]]
+    ) and time.monotonic() - began < 20:
+        time.sleep(0.5)
+    waited = time.monotonic() - began
+    with socket.socket() as probe:
+        serving = probe.connect_ex(("127.0.0.1", port)) == 0
+    for pid, _ in alive_with(marker):  # what this test started, by pid
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    print(f"{len(servers)} server processes; {len(left)} alive {waited:.1f} s after fedcli ui was SIGKILLed")
+    assert left == [] and not serving, (left, serving)
