@@ -52,6 +52,8 @@ def keyed_dropout(h: Tensor, key: Tensor | None, p: float, salt: int) -> Tensor:
 class MLP(nn.Module):
     """Fully connected ReLU network, e.g. 784-200-200-62 (the 2NN of McMahan et al. 2017)."""
 
+    activation = "relu"  # torch.<activation> between layers (the fused back end reads it too)
+
     def __init__(self, in_features: int, hidden: tuple[int, ...], num_classes: int) -> None:
         super().__init__()
         sizes = (in_features, *hidden)
@@ -61,7 +63,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, key: Tensor | None = None) -> Tensor:
         h = x.flatten(start_dim=1)
         for layer in self.hidden:
-            h = torch.relu(layer(h))
+            h = getattr(torch, self.activation)(layer(h))
         return self.out(h)
 
 
@@ -112,22 +114,15 @@ def num_parameters(model: nn.Module) -> int:
 # Appended for the data tasks (mnist, cifar10/100, shakespeare, stackoverflow, har, sent140).
 
 
-class SigmoidMLP(nn.Module):
+class SigmoidMLP(MLP):
     """Bayes-ADMM MLP (reference/bayes_admm.md §9.2): hidden (200, 100), sigmoid activations."""
+
+    activation = "sigmoid"
 
     def __init__(
         self, in_features: int = 784, hidden: tuple[int, ...] = (200, 100), num_classes: int = 10
     ) -> None:
-        super().__init__()
-        sizes = (in_features, *hidden)
-        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=True))
-        self.out = nn.Linear(sizes[-1], num_classes)
-
-    def forward(self, x: Tensor, key: Tensor | None = None) -> Tensor:
-        h = x.flatten(start_dim=1)
-        for layer in self.hidden:
-            h = torch.sigmoid(layer(h))
-        return self.out(h)
+        super().__init__(in_features, hidden, num_classes)
 
 
 class McMahanCNN(nn.Module):

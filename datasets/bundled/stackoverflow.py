@@ -91,15 +91,7 @@ def _so_records(
     options: TaskOptions, fields: tuple[str, ...]
 ) -> tuple[Path, list[str], list[dict[str, np.ndarray]], list[str], list[dict[str, np.ndarray]]]:
     """Train clients (first max_clients by id) and the test records of the same users."""
-    folder = data_dir(options, "stackoverflow")
-    if not ensure_files(options, folder, SO_FILES, SO_ARCHIVES):
-        raise missing_data(
-            "StackOverflow",
-            folder,
-            ", ".join(SO_FILES),
-            "pass --data-dir holding the TFF files "
-            f"(from {TFF_URL}stackoverflow*.tar.bz2) or add --download (several GB).",
-        )
+    folder = _so_folder(options)
     ids, train = read_tff_h5(folder / SO_FILES[0], fields, max_clients=options.max_clients)
     test_ids, test = read_tff_h5(folder / SO_FILES[1], fields, keep=set(ids))
     return folder, ids, train, test_ids, test

@@ -64,19 +64,7 @@ def _load_emnist(options: TaskOptions) -> TaskData:
             options,
             62,
         )
-    ids, train, test_ids, test = _read_pair(folder, "fed_emnist", ("pixels", "label"), options.max_clients)
-    x, natural = stack_field(train, "pixels")
-    test_x, test_natural = stack_field(test, "pixels")
-    data = image_task_data(
-        _ink(x),
-        stack_field(train, "label")[0],
-        _ink(test_x),
-        stack_field(test, "label")[0],
-        num_classes=62,
-        natural=natural,
-        names=ids,
-    )
-    return dataclasses.replace(data, test_client_indices=align_clients(ids, test_ids, test_natural))
+    return _read_images(folder, "fed_emnist", "pixels", _ink, 62, options.max_clients)
 
 
 def _image_rows(field: str, convert: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...]) -> Encode:
@@ -98,13 +86,29 @@ def _ink(pixels: np.ndarray) -> np.ndarray:
     return np.rint((1.0 - pixels) * 255.0).clip(0, 255).astype(np.uint8)
 
 
-def _read_pair(
-    folder: Path, stem: str, fields: tuple[str, ...], max_clients: int | None
-) -> tuple[list[str], list[dict[str, np.ndarray]], list[str], list[dict[str, np.ndarray]]]:
-    """Train clients (first max_clients by id) and the test records of those clients."""
-    ids, train = read_tff_h5(folder / f"{stem}_train.h5", fields, max_clients=max_clients)
-    test_ids, test = read_tff_h5(folder / f"{stem}_test.h5", fields, keep=set(ids))
-    return ids, train, test_ids, test
+def _read_images(
+    folder: Path,
+    stem: str,
+    field: str,
+    convert: Callable[[np.ndarray], np.ndarray],
+    num_classes: int,
+    max_clients: int | None,
+) -> TaskData:
+    """Train clients (first max_clients by id) and the test records of those clients, images converted."""
+    ids, train = read_tff_h5(folder / f"{stem}_train.h5", (field, "label"), max_clients=max_clients)
+    test_ids, test = read_tff_h5(folder / f"{stem}_test.h5", (field, "label"), keep=set(ids))
+    x, natural = stack_field(train, field)
+    test_x, test_natural = stack_field(test, field)
+    data = image_task_data(
+        convert(x),
+        stack_field(train, "label")[0],
+        convert(test_x),
+        stack_field(test, "label")[0],
+        num_classes=num_classes,
+        natural=natural,
+        names=ids,
+    )
+    return dataclasses.replace(data, test_client_indices=align_clients(ids, test_ids, test_natural))
 
 
 EMNIST = Task(
@@ -150,19 +154,7 @@ def _load_cifar100(options: TaskOptions) -> TaskData:
             options,
             100,
         )
-    ids, train, test_ids, test = _read_pair(folder, "fed_cifar100", ("image", "label"), options.max_clients)
-    x, natural = stack_field(train, "image")
-    test_x, test_natural = stack_field(test, "image")
-    data = image_task_data(
-        _chw(x),
-        stack_field(train, "label")[0],
-        _chw(test_x),
-        stack_field(test, "label")[0],
-        num_classes=100,
-        natural=natural,
-        names=ids,
-    )
-    return dataclasses.replace(data, test_client_indices=align_clients(ids, test_ids, test_natural))
+    return _read_images(folder, "fed_cifar100", "image", _chw, 100, options.max_clients)
 
 
 def _chw(images: np.ndarray) -> np.ndarray:

@@ -24,7 +24,8 @@ from fedcli.studies.bayesadmm_toys_shared import (
     integer_rounds,
     pad_cohort,
 )
-from fedcli.studies.common import check_line, figure, markdown_table, save_figure
+from fedcli.studies.common import check_line, markdown_table, save_figure
+from fedcli.tracking.report.plots import figure
 
 
 class Softmax(NamedTuple):

@@ -26,7 +26,8 @@ from fedcli.studies.bayesadmm_toys_shared import (
     semilogy,
     stack_tree,
 )
-from fedcli.studies.common import check_line, figure, markdown_table, save_figure
+from fedcli.studies.common import check_line, markdown_table, save_figure
+from fedcli.tracking.report.plots import figure
 
 
 class Ridge(NamedTuple):
@@ -83,25 +84,8 @@ def run_ridge_bayes(problem: Ridge, rounds: int, init_precision: float) -> list[
         v_sum=start.v_sum,
         V_sum=start.V_sum,
     )
-    cohort = pad_cohort(problem.clients)
-    client_states = stack_tree([bayesadmm_full.init_client_state(params, hp) for _ in problem.clients])
-    history = []
-    for r in range(1, rounds + 1):
-        outs = cohort_round(
-            bayesadmm_full.client_update,
-            cohort,
-            bayesadmm_full.broadcast(state, hp),
-            client_states,
-            hp,
-            OPT,
-            ridge_loss,
-            1,
-            r,
-        )
-        client_states = outs.state
-        state, _ = bayesadmm_full.server_update(state, outs, cohort.num_examples, hp, OPT)
-        history.append((state.mean["w"].clone(), state.precision.clone()))
-    return history
+    states = _ridge_rounds(bayesadmm_full, problem, params, state, hp, OPT, 1, rounds)
+    return [(state.mean["w"].clone(), state.precision.clone()) for state in states]
 
 
 def polyak_heavy_ball(problem: Ridge, rho: float) -> OptimConfig:
@@ -119,26 +103,26 @@ def run_ridge_admm(problem: Ridge, rounds: int, rho: float, steps: int) -> list[
     hp = fedadmm.FedADMMConfig(rho=rho, delta=problem.delta, dual_damping=1.0)
     opt = polyak_heavy_ball(problem, rho)
     params = {"w": torch.zeros(10, problem.x.shape[1], dtype=F64)}
-    state = fedadmm.server_init(params, hp, OPT)
+    states = _ridge_rounds(
+        fedadmm, problem, params, fedadmm.server_init(params, hp, OPT), hp, opt, steps, rounds
+    )
+    return [state.params["w"].clone() for state in states]
+
+
+def _ridge_rounds(
+    algo: Any, problem: Ridge, params: Params, state: Any, hp: Any, opt: OptimConfig, steps: int, rounds: int
+) -> list[Any]:
+    """The server state after each of `rounds` rounds of `algo` (all clients, `steps` client steps)."""
     cohort = pad_cohort(problem.clients)
-    client_states = stack_tree([fedadmm.init_client_state(params, hp) for _ in problem.clients])
-    means = []
+    client_states = stack_tree([algo.init_client_state(params, hp) for _ in problem.clients])
+    states = []
     for r in range(1, rounds + 1):
-        outs = cohort_round(
-            fedadmm.client_update,
-            cohort,
-            fedadmm.broadcast(state, hp),
-            client_states,
-            hp,
-            opt,
-            ridge_loss,
-            steps,
-            r,
-        )
+        bc = algo.broadcast(state, hp)
+        outs = cohort_round(algo.client_update, cohort, bc, client_states, hp, opt, ridge_loss, steps, r)
         client_states = outs.state
-        state, _ = fedadmm.server_update(state, outs, cohort.num_examples, hp, OPT)
-        means.append(state.params["w"].clone())
-    return means
+        state, _ = algo.server_update(state, outs, cohort.num_examples, hp, OPT)
+        states.append(state)
+    return states
 
 
 # ------------------------------------------------------------------------------------------ report section

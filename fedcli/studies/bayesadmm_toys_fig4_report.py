@@ -20,7 +20,8 @@ from fedcli.studies.bayesadmm_toys_shared import (
     first_round,
     semilogy,
 )
-from fedcli.studies.common import check_line, figure, markdown_table, save_figure
+from fedcli.studies.common import check_line, markdown_table, save_figure
+from fedcli.tracking.report.plots import figure
 
 
 def plot_boundaries(

@@ -1,4 +1,7 @@
-"""What every study shares: figures in the report style, the markdown file, the check line."""
+"""What every study shares: figure files in the report style, the markdown file, the check line.
+
+Studies draw on `fedcli.tracking.report.plots.figure` (an Agg canvas, no pyplot).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +11,12 @@ from pathlib import Path
 from typing import Any
 
 
-def figure(width: float = 6.0, height: float = 4.0) -> Any:
-    """A matplotlib Figure on an Agg canvas (no pyplot, no global state), as in fedcli reports."""
-    from fedcli.tracking.report.plots import _figure
-
-    return _figure(width, height)
-
-
 def save_figure(fig: Any, out: Path, name: str) -> str:
     """Write `<out stem>-<name>.png` (200 dpi) and .svg beside `out`; return the PNG's file name."""
-    from fedcli.tracking.report.plots import _save
+    from fedcli.tracking.report.plots import write_figure
 
     path = out.with_name(f"{out.stem}-{name}.png")
-    _save(fig, path)
+    write_figure(fig, path)
     return path.name
 
 

@@ -47,7 +47,8 @@ from fedcli.algorithms.base import Batch, ClientContext, OptimConfig, Params
 from fedcli.algorithms.optim import local_sgd
 from fedcli.datasets.bundled.synthetic import make_least_squares
 from fedcli.engine.seeding import Stream, numpy_rng, torch_generator
-from fedcli.studies.common import check_line, figure, markdown_table, save_figure, write_report
+from fedcli.studies.common import check_line, markdown_table, save_figure, write_report
+from fedcli.tracking.report.plots import figure
 
 
 @dataclass(frozen=True, kw_only=True)

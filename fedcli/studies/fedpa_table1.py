@@ -40,8 +40,9 @@ from fedcli.algorithms import fedavg, fedpa
 from fedcli.algorithms.base import Batch, ClientContext, ClientOut, OptimConfig, flatten
 from fedcli.algorithms.optim import local_sgd
 from fedcli.engine.seeding import Stream, torch_generator
-from fedcli.studies.common import check_line, figure, markdown_table, save_figure, write_report
+from fedcli.studies.common import check_line, markdown_table, save_figure, write_report
 from fedcli.studies.fedpa_bias import lsq_context
+from fedcli.tracking.report.plots import figure
 
 EPOCHS, STEPS_PER_EPOCH, NUM_POINTS, RHO = 5, 100, 500, 0.1  # Table 1: 5 epochs x 100 steps; Table 6 rho
 DP_STEP_CALLS = 5  # timed calls of the cheap DP step per repeat

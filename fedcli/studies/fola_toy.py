@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from fedcli.algorithms.fola import aggregate
-from fedcli.studies.common import check_line, figure, markdown_table, save_figure, write_report
+from fedcli.studies.common import check_line, markdown_table, save_figure, write_report
+from fedcli.tracking.report.plots import figure
 
 
 class Case(NamedTuple):

@@ -60,7 +60,8 @@ from torch import Tensor
 from fedcli.algorithms.fedlsa import fedlsa_bias
 from fedcli.datasets.bundled.garnet import GEN_SEED, GarnetMDP, make_garnet
 from fedcli.engine.seeding import Stream, torch_generator
-from fedcli.studies.common import check_line, figure, markdown_table, save_figure, write_report
+from fedcli.studies.common import check_line, markdown_table, save_figure, write_report
+from fedcli.tracking.report.plots import figure
 
 RECIPE = "scafflsa-garnet"
 COLORS = {

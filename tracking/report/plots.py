@@ -24,6 +24,7 @@ from fedcli.tracking import metric_defs as md
 
 if TYPE_CHECKING:
     from fedcli.tracking.report.model import Group, Report
+    from fedcli.tracking.report.search import SearchSummary
 
 __all__ = ["axis_label", "learning_curves", "metric_vs_cost", "partition_heatmap", "report_figures"]
 
@@ -67,7 +68,8 @@ def axis_label(key: str) -> str:
     return f"{shown} (%)" if is_percent(key) else shown
 
 
-def _figure(width: float, height: float) -> Any:
+def figure(width: float, height: float) -> Any:
+    """A matplotlib Figure on an Agg canvas (no pyplot, no global state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -76,7 +78,7 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def _save(fig: Any, path: Path) -> None:
+def write_figure(fig: Any, path: Path) -> None:
     """Write `path` (PNG) and the SVG beside it, both reproducible byte for byte."""
     import matplotlib
 
@@ -115,10 +117,11 @@ def _band_words(counts: Sequence[int]) -> str:
     return "band: ±1 std over seeds (groups with 2+)"
 
 
-def _thresholds(ax: Any, report: Report, key: str, scale: float) -> None:
-    if key != report.metric:
-        return
-    for x in report.spec.thresholds:
+def _finish(
+    fig: Any, ax: Any, report: Report, key: str, scale: float, xlabel: str, title: str, path: Path
+) -> None:
+    """The threshold lines (of the report's metric), labels, title, grid and legend; write the figure."""
+    for x in report.spec.thresholds if key == report.metric else ():
         ax.axhline(x * scale, color="0.35", linestyle="--", linewidth=0.9)
         text = f"{x * scale:g}%" if scale != 1 else f"{x:g}"
         ax.annotate(
@@ -129,6 +132,12 @@ def _thresholds(ax: Any, report: Report, key: str, scale: float) -> None:
             color="0.3",
             va="bottom",
         )
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(axis_label(key))
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    write_figure(fig, path)
 
 
 def _smoothed(
@@ -161,7 +170,7 @@ def learning_curves(report: Report, key: str, path: Path) -> bool:
         False (and writes nothing) when no run logged `key`.
     """
     scale = 100.0 if is_percent(key) else 1.0
-    fig = _figure(7.5, 4.5)
+    fig = figure(7.5, 4.5)
     ax = fig.add_subplot()
     seeds = []
     for i, group in enumerate(report.groups):
@@ -196,17 +205,11 @@ def learning_curves(report: Report, key: str, path: Path) -> bool:
             va="top",
             rotation=90,
         )
-    _thresholds(ax, report, key, scale)
-    ax.set_xlabel("communication round")
-    ax.set_ylabel(axis_label(key))
-    ax.set_title(
+    title = (
         f"{axis_label(key)} by round\n×: per-round mean over seeds; line: {report.spec.smooth}-round "
-        f"running average; {_band_words(seeds)}",
-        fontsize=9,
+        f"running average; {_band_words(seeds)}"
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    _save(fig, path)
+    _finish(fig, ax, report, key, scale, "communication round", title, path)
     return True
 
 
@@ -273,7 +276,7 @@ def metric_vs_cost(report: Report, key: str, cost: str, path: Path) -> bool:
         return False
     _, _, title, kind = COSTS[cost]
     unit_scale, unit = _cost_unit(kind, max(float(np.max(x, initial=0.0)) for _, _, x, _, _, _ in lines))
-    fig = _figure(7.5, 4.5)
+    fig = figure(7.5, 4.5)
     ax = fig.add_subplot()
     for i, group, x, y, std, n in lines:
         color = f"C{i % 10}"
@@ -288,23 +291,17 @@ def metric_vs_cost(report: Report, key: str, cost: str, path: Path) -> bool:
         )
         if std is not None:
             ax.fill_between(x / unit_scale, y - std, y + std, color=color, alpha=0.18, linewidth=0)
-    _thresholds(ax, report, key, scale)
-    ax.set_xlabel(f"{title} ({unit})")
-    ax.set_ylabel(axis_label(key))
-    ax.set_title(
+    caption = (
         f"{axis_label(key)} against {title}\nline: {report.spec.smooth}-round running average, mean "
-        f"over seeds; {_band_words(seeds)}",
-        fontsize=9,
+        f"over seeds; {_band_words(seeds)}"
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    _save(fig, path)
+    _finish(fig, ax, report, key, scale, f"{title} ({unit})", caption, path)
     return True
 
 
 def partition_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
     """Draw a [clients, labels] example-count matrix as a heatmap (clients on x, labels on y)."""
-    fig = _figure(9.0, 4.0)
+    fig = figure(9.0, 4.0)
     ax = fig.add_subplot()
     image = ax.imshow(
         np.asarray(counts).T, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower"
@@ -313,7 +310,7 @@ def partition_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
     ax.set_xlabel("client")
     ax.set_ylabel("label")
     ax.set_title(title, fontsize=9)
-    _save(fig, path)
+    write_figure(fig, path)
 
 
 def report_figures(
@@ -357,7 +354,61 @@ def report_figures(
             (f"Partition shared by every run: {counts_title}. SVG: {Path(name).with_suffix('.svg')}.", name)
         )
     if report.search is not None:  # a search's history and importances (tracking/report/search.py)
-        from fedcli.tracking.report.search import search_figures
-
         figures += search_figures(report.search, output)
     return figures
+
+
+def search_figures(summary: SearchSummary, output: Path) -> list[tuple[str, str]]:
+    """Optuna's optimisation history and parameter importances, PNG (and SVG) beside `output`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import optuna
+    from optuna.visualization import matplotlib as vis
+
+    stem, folder, figures = output.stem, output.parent, []
+    complete = [
+        t for t in summary.handle.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE
+    ]
+    plots = [
+        (
+            "history",
+            "Optimisation history of the search (Optuna): each completed trial's "
+            f"{summary.metric} and the best so far.",
+            lambda: vis.plot_optimization_history(summary.handle, target_name=summary.metric),
+        )
+    ]
+    if len(complete) >= 2 and len({tuple(sorted(t.params.items())) for t in complete}) >= 2:
+        plots.append(
+            (
+                "importances",
+                "Parameter importances of the search (Optuna, fANOVA with seed 0 over the completed trials).",
+                lambda: vis.plot_param_importances(
+                    summary.handle, evaluator=_evaluator(), target_name=summary.metric
+                ),
+            )
+        )
+    for name, caption, draw in plots:
+        with (
+            warnings.catch_warnings(),
+            matplotlib.rc_context(),
+        ):  # Optuna sets a pyplot style: kept to its plots
+            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+            axes = draw()
+            fig = axes.get_figure(root=True)
+            path = folder / f"{stem}-search-{name}.png"
+            write_figure(fig, path)
+            plt.close(fig)
+        figures.append((f"{caption} SVG: {path.with_suffix('.svg').name}.", path.name))
+    return figures
+
+
+def _evaluator() -> Any:
+    import optuna
+
+    try:
+        import sklearn  # noqa: F401 - fANOVA's random forest
+    except ImportError:
+        return optuna.importance.PedAnovaImportanceEvaluator()
+    return optuna.importance.FanovaImportanceEvaluator(seed=0)

@@ -4,8 +4,9 @@ Runs of a `search:` sweep carry the tags `fedcli.search_study` and `fedcli.searc
 (fedcli/sweep/search.py). When the selected runs do, `search_summary` reads their Optuna study from
 the same database (read only: no table is created) and the report gains the best trial (its
 parameters, metric and run), the trials by state, the share of trial-rounds the pruner saved, and two
-figures drawn by Optuna's matplotlib visualisation: the optimisation history and the parameter
-importances (fANOVA, seed 0, which needs scikit-learn; without it Optuna's PED-ANOVA evaluator).
+figures drawn by Optuna's matplotlib visualisation (tracking/report/plots.py `search_figures`): the
+optimisation history and the parameter importances (fANOVA, seed 0, which needs scikit-learn; without it
+Optuna's PED-ANOVA evaluator).
 Optuna is imported only for such runs.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 STUDY_TAG, TRIAL_TAG = "fedcli.search_study", "fedcli.search_trial"
@@ -108,71 +108,3 @@ def search_markdown(summary: SearchSummary) -> list[str]:
             f"`{best['run_id'] or '—'}`; {params}"
         )
     return [*lines, ""]
-
-
-def search_figures(summary: SearchSummary, output: Path) -> list[tuple[str, str]]:
-    """Optuna's optimisation history and parameter importances, PNG (and SVG) beside `output`."""
-    import warnings
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import optuna
-    from optuna.visualization import matplotlib as vis
-
-    stem, folder, figures = output.stem, output.parent, []
-    complete = [
-        t for t in summary.handle.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE
-    ]
-    plots = [
-        (
-            "history",
-            "Optimisation history of the search (Optuna): each completed trial's "
-            f"{summary.metric} and the best so far.",
-            lambda: vis.plot_optimization_history(summary.handle, target_name=summary.metric),
-        )
-    ]
-    if len(complete) >= 2 and len({tuple(sorted(t.params.items())) for t in complete}) >= 2:
-        plots.append(
-            (
-                "importances",
-                "Parameter importances of the search (Optuna, fANOVA with seed 0 over the completed trials).",
-                lambda: vis.plot_param_importances(
-                    summary.handle, evaluator=_evaluator(), target_name=summary.metric
-                ),
-            )
-        )
-    for name, caption, draw in plots:
-        with (
-            warnings.catch_warnings(),
-            matplotlib.rc_context(),
-        ):  # Optuna sets a pyplot style: kept to its plots
-            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
-            axes = draw()
-            fig = axes.get_figure(root=True)
-            path = folder / f"{stem}-search-{name}.png"
-            _save(fig, path)
-            plt.close(fig)
-        figures.append((f"{caption} SVG: {path.with_suffix('.svg').name}.", path.name))
-    return figures
-
-
-def _evaluator() -> Any:
-    import optuna
-
-    try:
-        import sklearn  # noqa: F401 - fANOVA's random forest
-    except ImportError:
-        return optuna.importance.PedAnovaImportanceEvaluator()
-    return optuna.importance.FanovaImportanceEvaluator(seed=0)
-
-
-def _save(fig: Any, path: Path) -> None:
-    """PNG and SVG, reproducible byte for byte, as tracking/report/plots.py saves its figures."""
-    import matplotlib
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=200, metadata={"Software": None})
-    with matplotlib.rc_context({"svg.hashsalt": "fedcli-report"}):
-        fig.savefig(path.with_suffix(".svg"), metadata={"Date": None})

@@ -70,10 +70,9 @@ def dense_spec(model: nn.Module) -> DenseSpec | None:
     """Return the DenseSpec of an MLP, SigmoidMLP or (unsqueezed) Linear model, else None."""
     from fedcli.datasets import models
 
-    if isinstance(model, models.MLP | models.SigmoidMLP):
+    if isinstance(model, models.MLP):  # SigmoidMLP too
         names = [f"hidden.{i}" for i in range(len(model.hidden))] + ["out"]
-        activation = "relu" if isinstance(model, models.MLP) else "sigmoid"
-        return DenseSpec(tuple((f"{n}.weight", f"{n}.bias") for n in names), activation)
+        return DenseSpec(tuple((f"{n}.weight", f"{n}.bias") for n in names), model.activation)
     if isinstance(model, models.Linear) and not model.squeeze:
         return DenseSpec(
             (("linear.weight", "linear.bias" if model.linear.bias is not None else None),), "identity"
