@@ -23,7 +23,6 @@ Everything here imports only torch and the standard library (docs/style.md rule 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, NamedTuple
@@ -401,13 +400,3 @@ def tree_nbytes(tree: Any) -> int:
     if isinstance(tree, (tuple, list)):
         return sum(tree_nbytes(v) for v in tree)
     return 0
-
-
-def mean_metric(values: Tensor, mask: Tensor) -> Tensor:
-    """Return the mean of values over entries where mask is 1 (0 if none)."""
-    return (values * mask).sum() / mask.sum().clamp_min(1.0)
-
-
-def isclose_zero(x: float) -> bool:
-    """True when a Python float hyperparameter is exactly zero (static branching)."""
-    return math.isclose(x, 0.0, abs_tol=0.0)

@@ -51,16 +51,6 @@ from fedcli.algorithms.base import (
 )
 
 
-def sgd_step(
-    params: Params, grads: Params, velocity: Params, lr: float, momentum: float
-) -> tuple[Params, Params]:
-    """Return one SGD step: v' = m v + g, theta' = theta - lr v' (v unused when m = 0)."""
-    if momentum == 0.0:
-        return {k: p - lr * grads[k] for k, p in params.items()}, velocity
-    new_velocity = {k: momentum * velocity[k] + grads[k] for k in params}
-    return {k: p - lr * new_velocity[k] for k, p in params.items()}, new_velocity
-
-
 def server_opt_init(params: Params) -> ServerOptState:
     """Return zero moments and step 0 for any server optimiser."""
     return ServerOptState(
@@ -118,8 +108,8 @@ class LocalResult(NamedTuple):
 class MaskedSGD:
     """Masked SGD(+momentum) on an iterate it owns, `v <- m v + g; theta <- theta - lr v`.
 
-    A step with mask 0 leaves parameters and momentum unchanged; a step with mask 1 is
-    sgd_step. Steps take the *scaled* gradient s = -lr * mask * g (`coef(mask) * g`): callers
+    A step with mask 0 leaves parameters and momentum unchanged; a step with mask 1 is one
+    SGD(+momentum) step. Steps take the *scaled* gradient s = -lr * mask * g (`coef(mask) * g`): callers
     that differentiate coef * loss get it from the backward pass for free. The velocity is
     kept scaled too, u = -lr v, so a step is `u <- keep u + s; theta <- theta + mask u` with
     keep = m for a real step and 1 for a masked one (s = 0 there).
