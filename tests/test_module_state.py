@@ -78,7 +78,7 @@ ALLOWED: dict[str, dict[str, str]] = {
         "it never keeps a model alive (datasets/yours/, as above)",
     },
     "fedcli.datasets.yours.user_code": {
-        "_IMPORTED": "module -> sha256 of the user code this process imported, filled by yours/model.py: "
+        "IMPORTED": "module -> sha256 of the user code this process imported, filled by yours/model.py: "
         "Python's module cache cannot import a changed file twice (datasets/yours/, as above)",
         "IMPORTED_CODE": "the (reference, sha256) of every user code file this process imported: a fact "
         "about the process (Python's own import cache), read by yours/trust.py (datasets/yours/, as above)",

@@ -23,7 +23,7 @@ from fedcli.errors import ConfigError, DataError
 MAX_BYTES = 8 * 2**30  # training tensors of one materialised data object: 8 GiB (docs/your-data.md, "Memory")
 
 
-def _check_names(*, name: Any, x: Any, y: Any) -> None:
+def check_names(*, name: Any, x: Any, y: Any) -> None:
     """name, x and y name things (str): an int or a Path name was str()-ed, an empty one defaulted."""
 
     def kind(value: Any) -> str:
@@ -50,12 +50,12 @@ def _check_names(*, name: Any, x: Any, y: Any) -> None:
             )
 
 
-def _slug(text: str) -> str:
+def slugify(text: str) -> str:
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(text)).strip("-").lower()[:60]
     return slug or "data"
 
 
-def _is_hf(obj: Any) -> bool:
+def is_hf(obj: Any) -> bool:
     return (
         type(obj).__module__.startswith("datasets.")
         and hasattr(obj, "column_names")
@@ -63,13 +63,13 @@ def _is_hf(obj: Any) -> bool:
     )
 
 
-def _is_torch_dataset(obj: Any) -> bool:
+def is_torch_dataset(obj: Any) -> bool:
     return isinstance(obj, torch.utils.data.Dataset) or (
         hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, Mapping))
     )
 
 
-def _is_partitioner(obj: Any) -> bool:
+def is_partitioner(obj: Any) -> bool:
     return type(obj).__module__.startswith("flwr_datasets.") and hasattr(obj, "load_partition")
 
 
@@ -83,7 +83,7 @@ def _check_size(label: str, n: int, example_bytes: int) -> None:
         )
 
 
-def _torch_arrays(ds: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
+def torch_arrays(ds: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
     """(x, y) of a map-style Dataset: TensorDataset's tensors directly, else each example read once."""
     n = len(ds)
     if n == 0:
@@ -130,7 +130,7 @@ def _torch_arrays(ds: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
     return (xs.transpose(0, 3, 1, 2).copy() if pil and xs.ndim == 4 else xs), ys
 
 
-def _hf_arrays(
+def hf_arrays(
     ds: Any, x: str | Sequence[str] | None, y: str, client: Any, label: str
 ) -> tuple[np.ndarray, np.ndarray, Any]:
     """(x, y, client) of a Hugging Face Dataset read as NumPy columns (batched, no per-row Python)."""
@@ -177,7 +177,7 @@ def _hf_arrays(
     return xs, np.asarray(table[y]), owners
 
 
-def _client_ids(owners: Any, n: int, label: str) -> np.ndarray:
+def client_ids(owners: Any, n: int, label: str) -> np.ndarray:
     """One owner per example as 0..K-1 (sorted order of the ids); ids must be integers or names, of one kind.
 
     Refused, never cast: float ids (0.5 and 0.7 are not two writers' numbers), booleans, and a
@@ -248,7 +248,7 @@ def check_client_ids(ids: np.ndarray, label: str, column: str) -> None:
     )
 
 
-def _partition_ids(partition: Any, n: int, label: str) -> np.ndarray:
+def partition_ids(partition: Any, n: int, label: str) -> np.ndarray:
     """Client k -> indices as one owner per example (-1 = no client); an example in two clients is refused."""
     owner = np.full(n, -1, dtype=np.int64)
     for k, part in enumerate(partition):
@@ -275,7 +275,7 @@ def _partition_ids(partition: Any, n: int, label: str) -> np.ndarray:
     return owner
 
 
-def _partitioner_dataset(partitioner: Any) -> Any:
+def partitioner_dataset(partitioner: Any) -> Any:
     if not getattr(partitioner, "is_dataset_assigned", lambda: False)():
         raise ConfigError(
             "the flwr-datasets partitioner has no dataset; set partitioner.dataset = ds, or pass "
@@ -284,9 +284,9 @@ def _partitioner_dataset(partitioner: Any) -> Any:
     return partitioner.dataset
 
 
-def _flwr_partition(partitioner: Any, ds: Any) -> list[np.ndarray]:
+def flwr_partition(partitioner: Any, ds: Any) -> list[np.ndarray]:
     """A flwr-datasets partitioner's partitions as index arrays into `ds` (read from a row-number column)."""
-    if not _is_hf(ds):
+    if not is_hf(ds):
         raise ConfigError(
             "a flwr-datasets partitioner partitions a Hugging Face Dataset; got "
             f"{type(ds).__name__}. Convert it with datasets.Dataset.from_dict."

@@ -38,17 +38,17 @@ import torch
 from torch import Tensor
 
 from fedcli.datasets.yours.convert import (
-    _check_names,
-    _client_ids,
-    _flwr_partition,
-    _hf_arrays,
-    _is_hf,
-    _is_partitioner,
-    _is_torch_dataset,
-    _partition_ids,
-    _partitioner_dataset,
-    _slug,
-    _torch_arrays,
+    check_names,
+    client_ids,
+    flwr_partition,
+    hf_arrays,
+    is_hf,
+    is_partitioner,
+    is_torch_dataset,
+    partition_ids,
+    partitioner_dataset,
+    slugify,
+    torch_arrays,
 )
 from fedcli.errors import ConfigError, DataError
 
@@ -271,23 +271,25 @@ def materialise(
     test: Any = None,
 ) -> UserData:
     """One data object as tensors (`data_ref` documents the arguments)."""
-    _check_names(name=name, x=x, y=y)
-    if _is_partitioner(partition) or _is_partitioner(data):
-        partitioner = partition if _is_partitioner(partition) else data
-        if not _is_partitioner(partition):  # data is the partitioner: its dataset is the data
-            data = _partitioner_dataset(partitioner)
-        partition = _flwr_partition(partitioner, data)
-    if _is_hf(data):
-        label = f"Hugging Face Dataset {name or _slug(getattr(data.info, 'dataset_name', None) or 'dataset')}"
-        xs, ys, owners = _hf_arrays(data, x, y, client, label)
+    check_names(name=name, x=x, y=y)
+    if is_partitioner(partition) or is_partitioner(data):
+        partitioner = partition if is_partitioner(partition) else data
+        if not is_partitioner(partition):  # data is the partitioner: its dataset is the data
+            data = partitioner_dataset(partitioner)
+        partition = flwr_partition(partitioner, data)
+    if is_hf(data):
+        label = (
+            f"Hugging Face Dataset {name or slugify(getattr(data.info, 'dataset_name', None) or 'dataset')}"
+        )
+        xs, ys, owners = hf_arrays(data, x, y, client, label)
         kind = "hf"
-    elif _is_torch_dataset(data):
+    elif is_torch_dataset(data):
         label = f"torch Dataset {type(data).__name__}"
         if x is not None or y != "label":
             raise ConfigError(
                 f"{label}: x= and y= name Hugging Face columns; a torch Dataset gives (x, y) pairs."
             )
-        xs, ys = _torch_arrays(data, label)
+        xs, ys = torch_arrays(data, label)
         owners, kind = client, "torch"
     else:
         raise ConfigError(
@@ -297,20 +299,18 @@ def materialise(
     if owners is not None and partition is not None:
         raise ConfigError(f"{label}: give client ids or a partition, not both.")
     n = len(ys)
-    owner = _client_ids(owners, n, label) if owners is not None else None
+    owner = client_ids(owners, n, label) if owners is not None else None
     if partition is not None:
-        owner = _partition_ids(partition, n, label)
+        owner = partition_ids(partition, n, label)
     x_test = y_test = None
     if test is not None:
         tx, ty = (
-            _hf_arrays(test, x, y, None, label)[:2]
-            if _is_hf(test)
-            else _torch_arrays(test, f"{label} (test)")
+            hf_arrays(test, x, y, None, label)[:2] if is_hf(test) else torch_arrays(test, f"{label} (test)")
         )
         x_test, y_test = torch.from_numpy(tx), torch.from_numpy(ty)
     default_name = (getattr(data.info, "dataset_name", None) or "hf") if kind == "hf" else type(data).__name__
     return UserData(
-        _slug(name or default_name),
+        slugify(name or default_name),
         torch.from_numpy(xs),
         torch.from_numpy(ys),
         owner,

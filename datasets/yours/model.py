@@ -42,12 +42,12 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedcli.datasets.yours.user_code import (
-    _IMPORTED,
-    _find_spec,
+    IMPORTED,
     _first_line,
-    _import_file,
-    _sha,
+    find_spec,
+    import_file,
     remember_import,
+    sha,
     source_sha256,
 )
 from fedcli.errors import ConfigError
@@ -120,7 +120,7 @@ def model_reference(model: Any, *, base: Path | None = None) -> str:
         base / f"{target}.py"
     )  # a module of the working directory: recorded by its file, found from anywhere
     if "." not in target and local.is_file():
-        spec = _find_spec(model, target)
+        spec = find_spec(model, target)
         if spec is None or (spec.origin and Path(spec.origin).resolve() == local.resolve()):
             return f"{local.resolve()}:{attr}"
     return model
@@ -140,15 +140,15 @@ def load_factory(ref: str) -> Callable[..., nn.Module]:
                     f"model file {target} no longer exists (data.model {ref!r}); restore it, or start "
                     "a new run with the model's current location."
                 )
-            module = _import_file(Path(target))
+            module = import_file(Path(target))
         else:
             module = importlib.import_module(target)
             source = getattr(module, "__file__", None)
-            if source and _IMPORTED.setdefault(target, _sha(source)) != _sha(
+            if source and IMPORTED.setdefault(target, sha(source)) != sha(
                 source
             ):  # edited since imported here
                 module = importlib.reload(module)
-                _IMPORTED[target] = _sha(source)
+                IMPORTED[target] = sha(source)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - any error of the user's module is reported in one line
@@ -157,7 +157,7 @@ def load_factory(ref: str) -> Callable[..., nn.Module]:
             "check that it is importable here (PYTHONPATH, installed package)."
         ) from None
     source = getattr(module, "__file__", None)
-    remember_import(ref, _sha(source) if source else "")  # imported here: later gates of the same code pass
+    remember_import(ref, sha(source) if source else "")  # imported here: later gates of the same code pass
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):

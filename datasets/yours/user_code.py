@@ -2,7 +2,7 @@
 references (datasets/yours/model.py) and data functions (datasets/yours/data.py).
 
 `source_sha256` hashes the source file a `module:factory` or `file.py:factory` reference names
-(what a run records as `data.model_sha256`); `_import_file` imports a .py file once per process and
+(what a run records as `data.model_sha256`); `import_file` imports a .py file once per process and
 content. `IMPORTED_CODE` holds the (reference, sha256) of the user code this process imported or
 was allowed to import (`remember_import`): datasets/yours/trust.py lets the same code run again
 without another opt-in.
@@ -25,7 +25,7 @@ def _source_file(ref: str) -> Path:
     target = ref.rpartition(":")[0]
     if target.endswith(".py"):
         return Path(target)
-    spec = _find_spec(ref, target)
+    spec = find_spec(ref, target)
     if spec is None:
         raise ConfigError(
             f"data.model {ref!r}: module {target!r} is not importable here; install it or put its "
@@ -39,7 +39,7 @@ def _source_file(ref: str) -> Path:
     return Path(spec.origin)
 
 
-def _find_spec(ref: str, target: str) -> Any:
+def find_spec(ref: str, target: str) -> Any:
     try:
         return importlib.util.find_spec(target)
     except (ImportError, ValueError) as err:
@@ -58,7 +58,7 @@ def source_sha256(ref: str) -> str:
         raise ConfigError(f"data.model {ref!r}: {path} cannot be read ({err.strerror}).") from None
 
 
-def _import_file(path: Path) -> ModuleType:
+def import_file(path: Path) -> ModuleType:
     """Import a .py file once per process and content, under a name unique to its path and source (a
     long-lived sweep worker imports an edited file again)."""
     key = hashlib.sha256(str(path).encode() + path.read_bytes()).hexdigest()[:16]
@@ -78,7 +78,7 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
-_IMPORTED: dict[str, str] = {}  # module -> sha256 of its source when this process imported it
+IMPORTED: dict[str, str] = {}  # module -> sha256 of its source when this process imported it
 # (reference, sha256 of its source) of the user code (models, data functions) this process imported or
 # allowed: datasets/yours/trust.py lets the same code run again without another opt-in
 IMPORTED_CODE: set[tuple[str, str]] = set()
@@ -90,7 +90,7 @@ def remember_import(ref: str, sha256: str) -> None:
         IMPORTED_CODE.add((ref, sha256))
 
 
-def _sha(path: str) -> str:
+def sha(path: str) -> str:
     try:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:

@@ -61,7 +61,7 @@ def intra_op_threads(count: int) -> Iterator[None]:
 
 
 @functools.cache
-def _libc_trim() -> Any:
+def libc_trim() -> Any:
     """glibc's malloc_trim, or None (another C library, another OS)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -76,6 +76,6 @@ def release_free_memory() -> None:
     A round frees many tensors of a few MB (client states, gradients) that glibc keeps in its heap
     below its mmap threshold; over the rounds the freed pages, fragmented, stay resident. The
     round loop calls this once a round (docs/scaling.md, "Client state")."""
-    trim = _libc_trim()
+    trim = libc_trim()
     if trim is not None:
         trim(0)

@@ -64,7 +64,7 @@ def _bar(cfg: RunConfig, out: Console) -> Iterator[ProgressFn]:
         TextColumn("[bold]{task.description}"),
         TextColumn("{task.fields[metrics]}"),
     )
-    with Progress(*columns, console=out, transient=False, expand=False) as progress, _logs_through(out):
+    with Progress(*columns, console=out, transient=False, expand=False) as progress, logs_through(out):
         bar = progress.add_task(f"{cfg.algorithm.name}/{cfg.data.task}", total=cfg.train.rounds, metrics="")
         shown: dict[str, float] = {}
 
@@ -76,7 +76,7 @@ def _bar(cfg: RunConfig, out: Console) -> Iterator[ProgressFn]:
 
 
 @contextmanager
-def _logs_through(out: Console) -> Iterator[None]:
+def logs_through(out: Console) -> Iterator[None]:
     """Print log records through `out`, the live bar's console, while the bar is shown.
 
     The log handler's own console writes to the real stderr (rich unwraps the bar's stderr

@@ -52,13 +52,13 @@ def test_log_records_under_the_live_bar_go_through_the_bar_console() -> None:
     from rich.console import Console
     from rich.logging import RichHandler
 
-    from fedcli.runs.progress import _logs_through
+    from fedcli.runs.progress import logs_through
 
     own, bar = Console(file=io.StringIO()), Console(file=io.StringIO(), width=80)
     handler = RichHandler(console=own)
     logging.getLogger().addHandler(handler)
     try:
-        with _logs_through(bar):
+        with logs_through(bar):
             logging.getLogger("fedcli.test").warning("run abc finished")
         logging.getLogger("fedcli.test").warning("after the bar")
     finally:

@@ -80,9 +80,9 @@ def test_the_round_loop_can_give_the_c_heaps_free_pages_back_on_glibc() -> None:
     not a silent no-op there."""
     import platform
 
-    from fedcli.engine.machine import _libc_trim, release_free_memory
+    from fedcli.engine.machine import libc_trim, release_free_memory
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc: release_free_memory is a no-op here")
-    assert _libc_trim() is not None
+    assert libc_trim() is not None
     release_free_memory()

@@ -23,15 +23,15 @@ from fedcli.tracking.report.model import (
     Group,
     Report,
     ReportSpec,
-    _fixed,
-    _sort_value,
-    _value,
+    config_value,
     default_smooth,
     default_window,
     display_key,
+    fixed,
     resolve_key,
     resolve_metric,
     run_config,
+    sort_value,
 )
 from fedcli.tracking.report.search import STUDY_TAG, search_summary
 from fedcli.tracking.store.records import RunRecord
@@ -130,7 +130,7 @@ def group_runs(
         keys = [
             k
             for k in varying
-            if k not in NON_RESULT_KEYS and len({_value(c, k) for c in configs.values() if k in c}) > 1
+            if k not in NON_RESULT_KEYS and len({config_value(c, k) for c in configs.values() if k in c}) > 1
         ]
         keys.sort(key=lambda k: k != "algorithm.name")  # groups sort by algorithm first, as they read
     else:
@@ -138,14 +138,14 @@ def group_runs(
     buckets: dict[tuple[str | None, ...], list[RunRecord]] = {}
     for record in records:
         cfg = {**configs[record.id], "seed": str(record.seed)}
-        buckets.setdefault(tuple(_value(cfg, k) for k in keys), []).append(record)
+        buckets.setdefault(tuple(config_value(cfg, k) for k in keys), []).append(record)
     groups = []
-    for values in sorted(buckets, key=lambda vs: [_sort_value(v) for v in vs]):
+    for values in sorted(buckets, key=lambda vs: [sort_value(v) for v in vs]):
         runs = sorted(buckets[values], key=lambda r: (r.seed, r.id))
         label_keys = {display_key(k): v for k, v in zip(keys, values, strict=True) if v is not None}
         mixed = {}
         for key in varying:
-            seen = sorted({_value(configs[r.id], key) or MISSING for r in runs}, key=_sort_value)
+            seen = sorted({config_value(configs[r.id], key) or MISSING for r in runs}, key=sort_value)
             if len(seen) > 1 and key not in keys and key not in NON_RESULT_KEYS:
                 mixed[key] = seen
         algos = {configs[r.id].get("algorithm.name") for r in runs}
@@ -207,7 +207,7 @@ def _is_fraction(key: str) -> bool:
 
 def _threshold_text(metric: str, threshold: float) -> str:
     if _is_fraction(metric):
-        return f"{_fixed(threshold * 100, 2).rstrip('0').rstrip('.')}%"
+        return f"{fixed(threshold * 100, 2).rstrip('0').rstrip('.')}%"
     return f"{threshold:g}"
 
 

@@ -177,7 +177,7 @@ def run_config(record: RunRecord) -> dict[str, str]:
     }
 
 
-def _sort_value(value: str | None) -> tuple[int, float, str]:
+def sort_value(value: str | None) -> tuple[int, float, str]:
     if value is None:
         return (2, 0.0, "")
     try:
@@ -186,13 +186,13 @@ def _sort_value(value: str | None) -> tuple[int, float, str]:
         return (1, 0.0, value)
 
 
-def _value(config: Mapping[str, str], key: str) -> str | None:
+def config_value(config: Mapping[str, str], key: str) -> str | None:
     """A flattened config value, with an unset key (`data.file=None`) the same as an absent one."""
     value = config.get(key)
     return None if value == "None" else value
 
 
-def _fixed(value: float, decimals: int) -> str:
+def fixed(value: float, decimals: int) -> str:
     """`value` with `decimals` fixed decimals, never `-0.00`."""
     text = f"{value:.{decimals}f}"
     return text[1:] if text.startswith("-") and float(text) == 0 else text

@@ -18,11 +18,11 @@ from fedcli.tracking.report.model import (
     Column,
     Group,
     Report,
-    _fixed,
-    _sort_value,
-    _value,
+    config_value,
     display_key,
+    fixed,
     run_config,
+    sort_value,
 )
 from fedcli.tracking.store.records import RunRecord
 from fedcli.tracking.urls import mask_url
@@ -38,12 +38,12 @@ def byte_unit(columns_max: float) -> tuple[float, str]:
 def format_number(value: float, unit: str, scale: float = 1.0) -> str:
     """Fixed decimals per unit: % and values 2/4, rounds 0, bytes 2 (in `scale`), seconds 3."""
     if unit == "pct":
-        return _fixed(value * 100, 2)
+        return fixed(value * 100, 2)
     if unit == "rounds":
-        return _fixed(value, 0) if float(value).is_integer() else _fixed(value, 1)
+        return fixed(value, 0) if float(value).is_integer() else fixed(value, 1)
     if unit == "bytes":
-        return _fixed(value / scale, 2)
-    return _fixed(value, 3 if unit == "seconds" else 4)
+        return fixed(value / scale, 2)
+    return fixed(value, 3 if unit == "seconds" else 4)
 
 
 def format_cell(summary: md.SeedSummary, unit: str, scale: float, rounds_run: str) -> str:
@@ -148,8 +148,8 @@ def f1_rules(report: Report) -> str:
     for group in report.groups:
         for record in group.runs:
             config = run_config(record)
-            rules.setdefault(_value(config, F1_RULE_KEY) or THRESHOLD_RULE, set()).add(
-                _value(config, "data.task") or MISSING
+            rules.setdefault(config_value(config, F1_RULE_KEY) or THRESHOLD_RULE, set()).add(
+                config_value(config, "data.task") or MISSING
             )
     shown = "; ".join(f"{rule} ({', '.join(sorted(tasks))})" for rule, tasks in sorted(rules.items()))
     return f"F1 decision rule (micro_f1, macro_f1): {shown}."
@@ -266,7 +266,9 @@ def _config_section(report: Report) -> list[str]:
     recommended = {r.id: recommended_keys(r) for g in report.groups for r in g.runs}
 
     def values(group: Group, key: str) -> str:
-        return ", ".join(sorted({_value(configs[r.id], key) or MISSING for r in group.runs}, key=_sort_value))
+        return ", ".join(
+            sorted({config_value(configs[r.id], key) or MISSING for r in group.runs}, key=sort_value)
+        )
 
     def marked(group: Group, key: str) -> str:
         taken = any(key in recommended[r.id] for r in group.runs)
@@ -298,7 +300,7 @@ def _config_section(report: Report) -> list[str]:
     execution = [k for k in report.varying if k in NON_RESULT_KEYS]
     if execution:
         shown = "; ".join(
-            f"`{k}`: {', '.join(sorted({c.get(k, MISSING) for c in configs.values()}, key=_sort_value))}"
+            f"`{k}`: {', '.join(sorted({c.get(k, MISSING) for c in configs.values()}, key=sort_value))}"
             for k in execution
         )
         lines += [f"Execution settings that differ between runs and do not change results: {shown}.", ""]

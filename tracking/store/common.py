@@ -28,7 +28,7 @@ RUN_STATUSES = ("running", "finished", "failed", "interrupted", "pruned")
 END_STATUSES = ("finished", "failed", "interrupted", "pruned")
 SETTABLE_RUN_FIELDS = frozenset({"model_path", "mlflow_run_id", "git_commit", "mlflow_synced_round"})
 SQLITE_BUSY_TIMEOUT_MS = 5_000  # one attempt at SQLite's write lock (at most a quarter of the retry bound)
-_WAL_SWITCH_S = 30.0  # how long opening a new file retries its switch to WAL (`_enable_wal`)
+WAL_SWITCH_S = 30.0  # how long opening a new file retries its switch to WAL (`_enable_wal`)
 HEARTBEAT_S = 10.0  # a live run refreshes runs.heartbeat_at this often (fedcli.engine.lifecycle)
 STALE_S = 60.0  # a `running` run of another host whose heartbeat is older than this reads as `interrupted`
 RETRY_S = 60.0  # how long a write waits for a locked SQLite file, or any call for a lost PostgreSQL server
@@ -38,11 +38,11 @@ STALE_ENV, RETRY_ENV = (
 )  # override the two (seconds; tests use short ones)
 TAKEN_OVER_EXIT = 75  # exit code of a process whose run another process took over (EX_TEMPFAIL)
 HOSTNAME = socket.gethostname()
-_LOCK_KEY = 0x66656463  # "fedc": the PostgreSQL advisory-lock key of schema setup
-_BEGIN_OPTION = "fedcli_sqlite_begin"  # execution option read by the SQLite "begin" hook
-_RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
-_HEX_RE = re.compile(r"^[0-9a-f]+$")
-_STORE_FIX = "pass --store with a writable path or set FEDCLI_STORE"
+LOCK_KEY = 0x66656463  # "fedc": the PostgreSQL advisory-lock key of schema setup
+BEGIN_OPTION = "fedcli_sqlite_begin"  # execution option read by the SQLite "begin" hook
+RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+HEX_RE = re.compile(r"^[0-9a-f]+$")
+STORE_FIX = "pass --store with a writable path or set FEDCLI_STORE"
 
 
 def canonical_json(obj: Any) -> str:
@@ -76,11 +76,11 @@ def default_store_url(root: Path = Path("fedcli-runs")) -> str:
     return f"sqlite:///{path.as_posix()}"
 
 
-def _utcnow() -> datetime:
+def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _env_seconds(name: str, default: float) -> float:
+def env_seconds(name: str, default: float) -> float:
     """A duration in seconds from the environment variable `name` (default when unset).
 
     Raises:
@@ -102,12 +102,12 @@ def _env_seconds(name: str, default: float) -> float:
 
 def stale_s() -> float:
     """`STALE_S`, or `FEDCLI_STALE_S` when set: heartbeat age after which another host's run is gone."""
-    return _env_seconds(STALE_ENV, STALE_S)
+    return env_seconds(STALE_ENV, STALE_S)
 
 
 def retry_s() -> float:
     """`RETRY_S`, or `FEDCLI_STORE_RETRY_S` when set: how long a locked or unreachable store is retried."""
-    return _env_seconds(RETRY_ENV, RETRY_S)
+    return env_seconds(RETRY_ENV, RETRY_S)
 
 
 class RunTakenOver(TrackingError):
@@ -130,7 +130,7 @@ class StoreUnavailable(TrackingError):
     """The store stayed locked, or its server unreachable, for longer than `retry_s()`."""
 
 
-class _Transient(TrackingError):
+class Transient(TrackingError):
     """A failure worth retrying: `kind` is "locked" (SQLite's write lock) or "lost" (the server connection)."""
 
     def __init__(self, kind: str, what: str, err: BaseException) -> None:
@@ -144,13 +144,13 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _check_round_idx(round_idx: int) -> int:
+def check_round_idx(round_idx: int) -> int:
     if isinstance(round_idx, bool) or not isinstance(round_idx, int) or round_idx < 0:
         raise ValueError(f"round_idx must be an int >= 0; got {round_idx!r}.")
     return round_idx
 
 
-def _check_str_mapping(name: str, mapping: Mapping[str, str]) -> dict[str, str]:
+def check_str_mapping(name: str, mapping: Mapping[str, str]) -> dict[str, str]:
     bad = {
         key: value for key, value in mapping.items() if not isinstance(key, str) or not isinstance(value, str)
     }

@@ -22,11 +22,11 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from fedcli.errors import TrackingError
 from fedcli.tracking.store.common import (
-    _BEGIN_OPTION,
-    _STORE_FIX,
-    _WAL_SWITCH_S,
+    BEGIN_OPTION,
     HOSTNAME,
     SQLITE_BUSY_TIMEOUT_MS,
+    STORE_FIX,
+    WAL_SWITCH_S,
     _first_line,
 )
 from fedcli.tracking.urls import mask_url, sqlite_path
@@ -61,7 +61,7 @@ def _enable_wal(cursor: Any) -> None:
     locked" at once, without its busy handler, when another connection is opening the same new
     file at that moment (four processes creating one store); retry within the busy timeout.
     """
-    deadline = time.monotonic() + _WAL_SWITCH_S
+    deadline = time.monotonic() + WAL_SWITCH_S
     while True:
         try:
             if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
@@ -75,7 +75,7 @@ def _enable_wal(cursor: Any) -> None:
 
 def _on_sqlite_begin(conn: Any) -> None:
     """Emit BEGIN IMMEDIATE for write connections, a deferred BEGIN for reads."""
-    mode = conn.get_execution_options().get(_BEGIN_OPTION, "DEFERRED")
+    mode = conn.get_execution_options().get(BEGIN_OPTION, "DEFERRED")
     conn.exec_driver_sql(f"BEGIN {mode}")
 
 
@@ -126,7 +126,7 @@ def _pg_session_args(parsed: URL, busy_ms: int) -> dict[str, str]:
     return {key: value for key, value in args.items() if key not in parsed.query}
 
 
-def _create_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Engine, str]:
+def open_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Engine, str]:
     """Parse `url`, prepare a SQLite file's directory, build the engine with its hooks
     (`busy_ms`: SQLite's busy timeout of one attempt at its write lock)."""
     try:
@@ -143,7 +143,7 @@ def _create_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Eng
         try:
             db_file.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise TrackingError(f"store {shown!r} is not writable: {err}; {_STORE_FIX}") from err
+            raise TrackingError(f"store {shown!r} is not writable: {err}; {STORE_FIX}") from err
     try:  # pool_pre_ping: a connection that a restarted server dropped is replaced before use
         engine = (
             create_engine(parsed, connect_args={"timeout": busy_ms / 1000})
@@ -151,7 +151,7 @@ def _create_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Eng
             else create_engine(parsed, pool_pre_ping=True, connect_args=_pg_session_args(parsed, busy_ms))
         )
     except (ArgumentError, NoSuchModuleError, ImportError) as err:
-        raise TrackingError(f"store {shown!r} cannot be used: {_first_line(err)}; {_STORE_FIX}") from err
+        raise TrackingError(f"store {shown!r} cannot be used: {_first_line(err)}; {STORE_FIX}") from err
     if is_sqlite:
         event.listen(engine, "connect", _sqlite_connect_hook(busy_ms))
         event.listen(engine, "begin", _on_sqlite_begin)

@@ -34,7 +34,7 @@ def process_start(pid: int | None = None) -> int | None:
     return None if stat is None else stat[1]
 
 
-def _pid_state(pid: int, started: int | None = None) -> str:
+def pid_state(pid: int, started: int | None = None) -> str:
     """ "alive", "stopped" (SIGSTOP, a suspended job: alive) or "gone" (absent, a zombie, a reused pid).
 
     From /proc when it shows the process; else (no /proc, or another user's process hidden by
@@ -48,7 +48,7 @@ def _pid_state(pid: int, started: int | None = None) -> str:
     return "stopped" if stat[0] in ("T", "t") else "alive"
 
 
-def _liveness(run: Run, now: datetime) -> tuple[str, str | None]:
+def liveness(run: Run, now: datetime) -> tuple[str, str | None]:
     """(status, reason) of a run as it stands now: a `running` run whose process is gone is `interrupted`.
 
     On this host the process decides: the run is alive while its pid exists with the start
@@ -59,7 +59,7 @@ def _liveness(run: Run, now: datetime) -> tuple[str, str | None]:
     if run.status != "running":
         return run.status, run.failure_reason
     if run.host == HOSTNAME and run.pid is not None:
-        if _pid_state(run.pid, run.pid_start) == "gone":
+        if pid_state(run.pid, run.pid_start) == "gone":
             return "interrupted", f"process {run.pid} on {run.host} is gone (killed)"
         return "running", None
     age = (now - (run.heartbeat_at or run.created_at)).total_seconds()
@@ -68,10 +68,10 @@ def _liveness(run: Run, now: datetime) -> tuple[str, str | None]:
     return "running", None
 
 
-def _claim_alive(claim: TrialClaim, now: datetime) -> bool:
+def claim_alive(claim: TrialClaim, now: datetime) -> bool:
     """A claim's owner is alive: its pid on this host, else a heartbeat younger than `stale_s()`."""
     if claim.host == HOSTNAME:
-        return _pid_state(claim.pid, claim.pid_start) != "gone"
+        return pid_state(claim.pid, claim.pid_start) != "gone"
     return (now - claim.heartbeat_at).total_seconds() <= stale_s()
 
 

@@ -14,10 +14,10 @@ from sqlalchemy.orm import Session
 
 from fedcli.errors import ConfigError
 from fedcli.tracking.keys import check_metric_key
-from fedcli.tracking.store.common import _HEX_RE
-from fedcli.tracking.store.records import RunRecord, _filter_where, _to_record
+from fedcli.tracking.store.common import HEX_RE
+from fedcli.tracking.store.records import RunRecord, filter_where, to_record
 from fedcli.tracking.store.schema import ClientMetric, Evaluation, Experiment, RoundMetric, Run
-from fedcli.tracking.store.session import StoreSession, _retried
+from fedcli.tracking.store.session import StoreSession, retrying
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class StoreQueries(StoreSession):
     """Finding runs and reading metrics and evaluations as frames: `SqlStore` inherits them."""
 
-    @_retried
+    @retrying
     def evaluations_frame(self, run_ids: Sequence[str]) -> pd.DataFrame:
         """Evaluations of the runs: columns run_id, round_idx, split, key, value, options_json, created_at."""
         import pandas as pd
@@ -41,7 +41,7 @@ class StoreQueries(StoreSession):
             rows = [tuple(row) for row in session.execute(stmt)]
         return pd.DataFrame(rows, columns=columns)
 
-    @_retried
+    @retrying
     def get_run(self, ref: str) -> RunRecord:
         """Find one run by exact id, run name, MLflow run id, then unique id prefix.
 
@@ -57,13 +57,13 @@ class StoreQueries(StoreSession):
                 run = self._unique_match(
                     session, ref, select(Run).where(Run.mlflow_run_id == ref), "MLflow run id"
                 )
-            if run is None and _HEX_RE.match(ref.lower()):
+            if run is None and HEX_RE.match(ref.lower()):
                 run = self._unique_match(
                     session, ref, select(Run).where(Run.id.startswith(ref.lower())), "run id prefix"
                 )
             if run is None:
                 raise ConfigError(f"unknown run {ref!r}; `fedcli list runs` shows the ids")
-            return _to_record(run, session.get_one(Experiment, run.experiment_id).name)
+            return to_record(run, session.get_one(Experiment, run.experiment_id).name)
 
     @staticmethod
     def _unique_match(session: Session, ref: str, stmt: Any, what: str) -> Run | None:
@@ -73,7 +73,7 @@ class StoreQueries(StoreSession):
             raise ConfigError(f"{what} {ref!r} matches several runs ({shown}); pass a longer id")
         return matches[0] if matches else None
 
-    @_retried
+    @retrying
     def list_runs(
         self, experiment: str | None = None, where: Mapping[str, str] | None = None
     ) -> list[RunRecord]:
@@ -116,10 +116,10 @@ class StoreQueries(StoreSession):
                     )
                     for row in session.execute(older.order_by(Run.created_at, Run.id))
                 ]
-            records = [_to_record(run, name) for run, name in rows]
-        return _filter_where(records, where) if where else records
+            records = [to_record(run, name) for run, name in rows]
+        return filter_where(records, where) if where else records
 
-    @_retried
+    @retrying
     def client_metrics_frame(self, run_ids: Sequence[str], keys: Sequence[str] | None = None) -> pd.DataFrame:
         """Per-client training metrics of full run ids in long form (the clients of each round's cohort).
 
@@ -146,7 +146,7 @@ class StoreQueries(StoreSession):
             ["run_id", "key", "round_idx", "client_id"], kind="stable", ignore_index=True
         )
 
-    @_retried
+    @retrying
     def metrics_frame(self, run_ids: Sequence[str], keys: Sequence[str] | None = None) -> pd.DataFrame:
         """Round metrics of full run ids in long form.
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from fedcli.errors import ConfigError
 from fedcli.tracking.keys import flatten_config
-from fedcli.tracking.store.common import _utcnow
-from fedcli.tracking.store.liveness import _liveness
+from fedcli.tracking.store.common import utcnow
+from fedcli.tracking.store.liveness import liveness
 from fedcli.tracking.store.schema import Run
 
 
@@ -92,8 +92,8 @@ _WHERE_FIELDS = (
 )
 
 
-def _to_record(run: Run, experiment: str, now: datetime | None = None) -> RunRecord:
-    status, reason = _liveness(run, now or _utcnow())
+def to_record(run: Run, experiment: str, now: datetime | None = None) -> RunRecord:
+    status, reason = liveness(run, now or utcnow())
     return RunRecord(
         id=run.id,
         experiment=experiment,
@@ -144,7 +144,7 @@ def _same_value(actual: str, wanted: str) -> bool:
         return False
 
 
-def _filter_where(records: list[RunRecord], where: Mapping[str, str]) -> list[RunRecord]:
+def filter_where(records: list[RunRecord], where: Mapping[str, str]) -> list[RunRecord]:
     views = [_where_view(record) for record in records]
     known = set().union(*views)
     for key in where:

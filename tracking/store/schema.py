@@ -1,6 +1,6 @@
 """The store's tables (SQLAlchemy 2 typed models) and their set-up and upgrade, secrets masking included.
 
-`_setup_schema` creates missing tables and columns in one locked transaction and, once per store,
+`upgrade_schema` creates missing tables and columns in one locked transaction and, once per store,
 masks the passwords that rows, checkpoints and `model.pt` files written by an older fedcli held
 (docs/operations.md, "Security").
 
@@ -35,7 +35,7 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from fedcli.tracking.store.common import _LOCK_KEY, RUN_STATUSES, _utcnow, canonical_json, log
+from fedcli.tracking.store.common import LOCK_KEY, RUN_STATUSES, canonical_json, log, utcnow
 from fedcli.tracking.urls import has_password, mask_url
 
 
@@ -192,7 +192,7 @@ class Evaluation(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime())
 
 
-# Columns added after the first release: (table, column, SQL type). `_setup_schema` adds the
+# Columns added after the first release: (table, column, SQL type). `upgrade_schema` adds the
 # missing ones to an older store, in the same locked transaction that creates the tables.
 _ADDED_COLUMNS = (
     ("runs", "heartbeat_at", "TIMESTAMP"),
@@ -206,7 +206,7 @@ _ADDED_COLUMNS = (
 )
 
 
-def _schema_current(conn: Any) -> bool:
+def schema_current(conn: Any) -> bool:
     """True when every table and added column exists: a read, which takes no lock (`SqlStore` then
     skips the locked set-up, so readers never wait for, nor take, SQLite's write lock)."""
     inspector = inspect(conn)
@@ -245,7 +245,7 @@ def _status_check_current(conn: Any) -> bool:
 
 
 def _widen_status_check(conn: Any) -> None:
-    """Let an older store's runs.status take the statuses added since (`pruned`), inside `_setup_schema`'s
+    """Let an older store's runs.status take the statuses added since (`pruned`), inside `upgrade_schema`'s
     locked transaction. PostgreSQL: drop and add the constraint. SQLite cannot alter a constraint; its
     documented way for a change that leaves the stored rows valid (sqlite.org/lang_altertable.html,
     "Making Other Kinds Of Table Schema Changes") is to edit the table's CREATE statement in
@@ -277,7 +277,7 @@ def _widen_status_check(conn: Any) -> None:
     )
 
 
-def _setup_schema(conn: Any) -> None:
+def upgrade_schema(conn: Any) -> None:
     """Create missing tables and columns, once, however many processes open the store together.
 
     One transaction under the database's own lock: `BEGIN IMMEDIATE` on SQLite (the write
@@ -286,7 +286,7 @@ def _setup_schema(conn: Any) -> None:
     transactional on both, so a process killed half-way leaves no half-made schema.
     """
     if conn.dialect.name == "postgresql":
-        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": LOCK_KEY})
     Base.metadata.create_all(conn)
     inspector = inspect(conn)
     for table, column, sql_type in _ADDED_COLUMNS:
@@ -303,7 +303,7 @@ def _setup_schema(conn: Any) -> None:
         if conn.dialect.name == "sqlite":
             conn.execute(text("PRAGMA secure_delete = OFF"))
         files = _mask_run_files(conn)
-        conn.execute(insert(StoreMeta).values(key=SECRETS_MASKED, value=_utcnow().isoformat()))
+        conn.execute(insert(StoreMeta).values(key=SECRETS_MASKED, value=utcnow().isoformat()))
         if masked or files:
             log.warning(
                 "store: masked the passwords of store URLs that %d run(s) and %d checkpoint or model file(s) "
@@ -338,7 +338,7 @@ def _mask_stored_secrets(conn: Any) -> int:
     `config_json` *with* the tracking section, password included: the column then takes the
     run's `fedcli.config_hash` tag, the hash of the config without the tracking section that
     every newer run's column holds (and what sweeps match on), else the sha256 of the masked
-    config. Part of `_setup_schema`'s transaction, so it is done once, whole, under the lock.
+    config. Part of `upgrade_schema`'s transaction, so it is done once, whole, under the lock.
     """
     maybe = [getattr(Run, name).like("%://%") for name in _SECRET_COLUMNS]  # has_password decides
     rows = conn.execute(

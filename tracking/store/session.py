@@ -24,19 +24,19 @@ from sqlalchemy.orm import Session
 
 from fedcli.errors import ConfigError, TrackingError
 from fedcli.tracking.store.common import (
-    _STORE_FIX,
     HOSTNAME,
     RETRY_ENV,
+    STORE_FIX,
     RunTakenOver,
     StoreUnavailable,
+    Transient,
     _first_line,
-    _Transient,
-    _utcnow,
     disk_full,
     log,
+    utcnow,
 )
 from fedcli.tracking.store.engine import sqlite_lock_holder
-from fedcli.tracking.store.liveness import _pid_state
+from fedcli.tracking.store.liveness import pid_state
 from fedcli.tracking.store.schema import Base, Run
 
 _P = ParamSpec("_P")
@@ -44,7 +44,7 @@ _R = TypeVar("_R")
 _S = TypeVar("_S", bound="StoreSession")
 
 
-def _retried(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+def retrying(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
     """A public `SqlStore` method, retried whole while the store is locked or its server gone (`_retry`);
     typed as the method itself, so that mypy checks its callers (and `RunStore`, tracking/store/protocol.py)."""
 
@@ -74,7 +74,7 @@ class StoreSession:
 
     @contextlib.contextmanager
     def _session(self, what: str, *, write: bool) -> Iterator[Session]:
-        """One transaction; database failures become `TrackingError` naming `what` (`_Transient`
+        """One transaction; database failures become `TrackingError` naming `what` (`Transient`
         for a locked file or a lost server, which the public methods retry)."""
         engine = self._write_engine if write else self._engine
         try:
@@ -88,7 +88,7 @@ class StoreSession:
                 ) from err
             kind = self._transient(err)
             if kind is not None:
-                raise _Transient(kind, what, err) from err
+                raise Transient(kind, what, err) from err
             raise TrackingError(f"store {self.url!r} could not {what}: {_first_line(err)}") from err
 
     def _transient(self, err: SQLAlchemyError) -> str | None:
@@ -127,10 +127,10 @@ class StoreSession:
             while True:
                 try:
                     result = call()
-                except _Transient as err:
+                except Transient as err:
                     if err.kind not in kinds:
                         raise TrackingError(
-                            f"store {self.url!r} could not {err.what}: {err}; {_STORE_FIX}"
+                            f"store {self.url!r} could not {err.what}: {err}; {STORE_FIX}"
                         ) from err
                     if not waiting:
                         waiting = True
@@ -185,10 +185,10 @@ class StoreSession:
         if what is None:  # the program's name only: a command line may hold a password
             with contextlib.suppress(OSError):
                 what = Path(f"/proc/{pid}/comm").read_text().strip() or None
-        details = ", ".join(x for x in (what, "stopped" if _pid_state(pid) == "stopped" else None) if x)
+        details = ", ".join(x for x in (what, "stopped" if pid_state(pid) == "stopped" else None) if x)
         return pid, f"pid {pid}" + (f" ({details})" if details else "")
 
-    def _waiting(self, err: _Transient) -> str:
+    def _waiting(self, err: Transient) -> str:
         if err.kind == "locked":
             return (
                 f"store {self.url} is locked by {self._holder()[1]}; waiting up to {self.retry_s:.0f} s to "
@@ -196,7 +196,7 @@ class StoreSession:
             )
         return f"lost the connection to the store {self.url} ({err}); retrying for up to {self.retry_s:.0f} s"
 
-    def _gave_up(self, err: _Transient, waited: float) -> str:
+    def _gave_up(self, err: Transient, waited: float) -> str:
         if err.kind == "locked":
             pid, holder = self._holder()
             who = "PID" if pid is None else str(pid)
@@ -227,7 +227,7 @@ class StoreSession:
         result = session.execute(
             sql_update(Run)
             .where(Run.id == run_id, Run.lease == token)
-            .values(heartbeat_at=now or _utcnow())
+            .values(heartbeat_at=now or utcnow())
             .execution_options(synchronize_session=False)
         )
         run = self._require_run(session, run_id)

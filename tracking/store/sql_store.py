@@ -54,35 +54,35 @@ from sqlalchemy.orm import Session
 
 from fedcli.errors import ConfigError, TrackingError
 from fedcli.tracking.store.common import (
-    _BEGIN_OPTION,
-    _RUN_ID_RE,
-    _STORE_FIX,
+    BEGIN_OPTION,
     END_STATUSES,
     HOSTNAME,
     RETRY_ENV,
     RETRY_S,
+    RUN_ID_RE,
     SETTABLE_RUN_FIELDS,
     SQLITE_BUSY_TIMEOUT_MS,
-    _check_str_mapping,
-    _env_seconds,
+    STORE_FIX,
+    Transient,
     _first_line,
-    _Transient,
-    _utcnow,
     canonical_json,
+    check_str_mapping,
+    env_seconds,
     log,
+    utcnow,
 )
-from fedcli.tracking.store.engine import _create_engine
-from fedcli.tracking.store.liveness import _claim_alive, _liveness, _pid_state, process_start
+from fedcli.tracking.store.engine import open_engine
+from fedcli.tracking.store.liveness import claim_alive, liveness, pid_state, process_start
 from fedcli.tracking.store.queries import StoreQueries
 from fedcli.tracking.store.records import Claim
 from fedcli.tracking.store.schema import (
     Experiment,
     Run,
     TrialClaim,
-    _schema_current,
-    _setup_schema,
+    schema_current,
+    upgrade_schema,
 )
-from fedcli.tracking.store.session import _retried
+from fedcli.tracking.store.session import retrying
 from fedcli.tracking.store.writes import StoreWrites
 from fedcli.tracking.urls import sqlite_path
 
@@ -111,9 +111,9 @@ class SqlStore(StoreWrites, StoreQueries):
     """
 
     def __init__(self, url: str, *, setup_schema: bool = True, retry_s: float | None = None) -> None:
-        self.retry_s = _env_seconds(RETRY_ENV, RETRY_S) if retry_s is None else retry_s
-        self._engine, self.url = _create_engine(url, int(min(SQLITE_BUSY_TIMEOUT_MS, self.retry_s * 250)))
-        self._write_engine = self._engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+        self.retry_s = env_seconds(RETRY_ENV, RETRY_S) if retry_s is None else retry_s
+        self._engine, self.url = open_engine(url, int(min(SQLITE_BUSY_TIMEOUT_MS, self.retry_s * 250)))
+        self._write_engine = self._engine.execution_options(**{BEGIN_OPTION: "IMMEDIATE"})
         self._sqlite = self._engine.dialect.name == "sqlite"
         self._db_file = sqlite_path(self._engine.url)
         self._leases: dict[str, str] = {}  # run id -> the lease token this process holds on it
@@ -124,13 +124,13 @@ class SqlStore(StoreWrites, StoreQueries):
             return
         try:
             with self._engine.connect() as conn:  # a read: no lock, answered while a writer is stopped
-                current = _schema_current(conn)
+                current = schema_current(conn)
             if not current:
                 self._retry("set up the store", self._setup_schema, kinds=("locked",))
         except SQLAlchemyError as err:
             self._engine.dispose()
             raise TrackingError(
-                f"store {self.url!r} cannot be opened: {_first_line(err)}; {_STORE_FIX}"
+                f"store {self.url!r} cannot be opened: {_first_line(err)}; {STORE_FIX}"
             ) from err
         except TrackingError:
             self._engine.dispose()
@@ -162,7 +162,7 @@ class SqlStore(StoreWrites, StoreQueries):
         except SQLAlchemyError as err:
             store.close()
             raise TrackingError(
-                f"store {store.url!r} cannot be read: {_first_line(err)}; {_STORE_FIX}"
+                f"store {store.url!r} cannot be read: {_first_line(err)}; {STORE_FIX}"
             ) from err
         if not {c.name for c in Run.__table__.columns} <= present:
             store._read_columns = [c for c in Run.__table__.columns if c.name in present]
@@ -171,13 +171,13 @@ class SqlStore(StoreWrites, StoreQueries):
     def _setup_schema(self) -> None:
         try:
             with self._write_engine.begin() as conn:
-                _setup_schema(conn)
+                upgrade_schema(conn)
         except SQLAlchemyError as err:
             kind = self._transient(err)
             if kind is not None:
-                raise _Transient(kind, "set up the store", err) from err
+                raise Transient(kind, "set up the store", err) from err
             raise TrackingError(
-                f"store {self.url!r} is not writable: {_first_line(err)}; {_STORE_FIX}"
+                f"store {self.url!r} is not writable: {_first_line(err)}; {STORE_FIX}"
             ) from err
 
     def __enter__(self) -> SqlStore:
@@ -221,10 +221,10 @@ class SqlStore(StoreWrites, StoreQueries):
             ValueError: Malformed `run_id`, or tags that are not str -> str.
             TrackingError: The id already exists or the store cannot be written.
         """
-        if run_id is not None and not _RUN_ID_RE.match(run_id):
+        if run_id is not None and not RUN_ID_RE.match(run_id):
             raise ValueError(f"run_id must be 32 lowercase hex characters; got {run_id!r}.")
         run_id, token = run_id or uuid.uuid4().hex, uuid.uuid4().hex  # both kept across retries
-        config_text, now = canonical_json(config), _utcnow()
+        config_text, now = canonical_json(config), utcnow()
         fields = dict(
             id=run_id,
             run_name=run_name or f"{algo}-{task}-s{seed}-{run_id[:6]}",
@@ -239,7 +239,7 @@ class SqlStore(StoreWrites, StoreQueries):
             fedcli_version=fedcli_version,
             torch_version=torch_version,
             git_commit=git_commit,
-            tags_json=canonical_json(_check_str_mapping("tags", tags)),
+            tags_json=canonical_json(check_str_mapping("tags", tags)),
             heartbeat_at=now,
             host=HOSTNAME,
             pid=os.getpid(),
@@ -273,7 +273,7 @@ class SqlStore(StoreWrites, StoreQueries):
         session.flush()
         return row.id
 
-    @_retried
+    @retrying
     def end_run(
         self, run_id: str, status: str, *, reason: str | None = None, diverged_at_round: int | None = None
     ) -> None:
@@ -289,10 +289,10 @@ class SqlStore(StoreWrites, StoreQueries):
             raise ValueError(f"status must be one of {', '.join(END_STATUSES)}; got {status!r}.")
         with self._session(f"end run {run_id}", write=True) as session:
             run = self._own(session, run_id)
-            run.status, run.ended_at = status, _utcnow()
+            run.status, run.ended_at = status, utcnow()
             run.failure_reason, run.diverged_at_round = reason, diverged_at_round
 
-    @_retried
+    @retrying
     def mark_running(self, run_id: str) -> None:
         """Take the run over for `--resume`: status back to `running`, owned (leased) by this process.
 
@@ -310,10 +310,10 @@ class SqlStore(StoreWrites, StoreQueries):
             run = session.scalars(select(Run).where(Run.id == run_id).with_for_update()).first()
             if run is None:
                 raise ConfigError(f"unknown run {run_id!r}; `fedcli list runs` shows the ids")
-            now = _utcnow()
-            status, _ = _liveness(run, now)
+            now = utcnow()
+            status, _ = liveness(run, now)
             if status == "running" and not (run.host == HOSTNAME and run.pid == os.getpid()):
-                stopped = run.host == HOSTNAME and run.pid is not None and _pid_state(run.pid) == "stopped"
+                stopped = run.host == HOSTNAME and run.pid is not None and pid_state(run.pid) == "stopped"
                 how = (
                     f"; the process is stopped: `kill -CONT {run.pid}` continues it, `kill {run.pid}` ends it"
                     if stopped
@@ -330,18 +330,18 @@ class SqlStore(StoreWrites, StoreQueries):
             run.lease = token
         self._leases[run_id] = token
 
-    @_retried
+    @retrying
     def heartbeat(self, run_id: str) -> None:
         """Record that the run's process is alive now (`fedcli.engine.lifecycle` calls it every few s)."""
         with self._session(f"heartbeat run {run_id}", write=True) as session:
             run = self._own(session, run_id)
-            run.heartbeat_at = _utcnow()
+            run.heartbeat_at = utcnow()
 
     @staticmethod
     def _me() -> dict[str, Any]:
         return {"host": HOSTNAME, "pid": os.getpid(), "pid_start": process_start()}
 
-    @_retried
+    @retrying
     def claim_trial(self, experiment: str, config_hash: str) -> Claim | None:
         """Claim the sweep trial (experiment, config hash) for this process, atomically.
 
@@ -353,7 +353,7 @@ class SqlStore(StoreWrites, StoreQueries):
             None when the trial is this process's to run now, else the live claim of the
             process that runs it ("running elsewhere").
         """
-        now, me = _utcnow(), self._me()
+        now, me = utcnow(), self._me()
         row = {
             "experiment": experiment,
             "config_hash": config_hash,
@@ -377,13 +377,13 @@ class SqlStore(StoreWrites, StoreQueries):
                 me["host"],
                 me["pid"],
                 me["pid_start"],
-            ) and _claim_alive(claim, now):
+            ) and claim_alive(claim, now):
                 return Claim(experiment, config_hash, claim.host, claim.pid, claim.claimed_at)
             for name, value in row.items():  # ours already, or its owner is gone: take it
                 setattr(claim, name, value)
         return None
 
-    @_retried
+    @retrying
     def release_trial(self, experiment: str, config_hash: str) -> None:
         """Drop this process's claim on a sweep trial (its process ended, or it was not started)."""
         me = self._me()
@@ -397,7 +397,7 @@ class SqlStore(StoreWrites, StoreQueries):
                 )
             )
 
-    @_retried
+    @retrying
     def refresh_claims(self, experiment: str) -> None:
         """Refresh the heartbeat of this process's claims (what tells other hosts it is alive)."""
         me = self._me()
@@ -409,23 +409,23 @@ class SqlStore(StoreWrites, StoreQueries):
                     TrialClaim.host == me["host"],
                     TrialClaim.pid == me["pid"],
                 )
-                .values(heartbeat_at=_utcnow())
+                .values(heartbeat_at=utcnow())
                 .execution_options(synchronize_session=False)
             )
 
-    @_retried
+    @retrying
     def live_claims(self, experiment: str) -> dict[str, Claim]:
         """Config hash -> the live claim of another process, for the trials of an experiment."""
-        now, me = _utcnow(), self._me()
+        now, me = utcnow(), self._me()
         with self._session("read sweep claims", write=False) as session:
             rows = session.scalars(select(TrialClaim).where(TrialClaim.experiment == experiment)).all()
             return {
                 c.config_hash: Claim(c.experiment, c.config_hash, c.host, c.pid, c.claimed_at)
                 for c in rows
-                if (c.host, c.pid) != (me["host"], me["pid"]) and _claim_alive(c, now)
+                if (c.host, c.pid) != (me["host"], me["pid"]) and claim_alive(c, now)
             }
 
-    @_retried
+    @retrying
     def update_config(
         self, run_id: str, config: Mapping[str, Any], hash_: str, requested: Mapping[str, Any] | None = None
     ) -> None:
@@ -440,7 +440,7 @@ class SqlStore(StoreWrites, StoreQueries):
                 tags["fedcli.config_hash"] = hash_
                 run.tags_json = canonical_json(tags)
 
-    @_retried
+    @retrying
     def set_run_fields(self, run_id: str, **fields: str | int | None) -> None:
         """Set some of `model_path`, `mlflow_run_id`, `git_commit`, `mlflow_synced_round` (an int) on a run."""
         unknown = sorted(set(fields) - SETTABLE_RUN_FIELDS)
@@ -451,10 +451,10 @@ class SqlStore(StoreWrites, StoreQueries):
             for name, value in fields.items():
                 setattr(run, name, value)
 
-    @_retried
+    @retrying
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         """Add or overwrite string tags of a run."""
-        new_tags = _check_str_mapping("tags", tags)
+        new_tags = check_str_mapping("tags", tags)
         with self._session(f"tag run {run_id}", write=True) as session:
             run = self._own(session, run_id)
             run.tags_json = canonical_json({**json.loads(run.tags_json), **new_tags})

@@ -16,15 +16,15 @@ from sqlalchemy import update as sql_update
 from sqlalchemy.engine import CursorResult
 
 from fedcli.tracking.keys import NonFiniteMetricsError, check_metric_key, check_metrics
-from fedcli.tracking.store.common import _check_round_idx, _utcnow, canonical_json, log
+from fedcli.tracking.store.common import canonical_json, check_round_idx, log, utcnow
 from fedcli.tracking.store.schema import Checkpoint, ClientMetric, Evaluation, RoundMetric, Run
-from fedcli.tracking.store.session import StoreSession, _retried
+from fedcli.tracking.store.session import StoreSession, retrying
 
 
 class StoreWrites(StoreSession):
     """Writes of rounds, client metrics, checkpoints and evaluations, and reads by run: `SqlStore` inherits them."""
 
-    @_retried
+    @retrying
     def log_round(
         self,
         run_id: str,
@@ -40,8 +40,8 @@ class StoreWrites(StoreSession):
             ValueError: Bad key or round index.
             NonFiniteMetricsError: Some round value is NaN/inf; nothing was written.
         """
-        values = check_metrics(metrics, _check_round_idx(round_idx))
-        now = _utcnow()
+        values = check_metrics(metrics, check_round_idx(round_idx))
+        now = utcnow()
         logged_ms = int(now.timestamp() * 1000)
         rows = [
             {"run_id": run_id, "round_idx": round_idx, "key": key, "value": value, "logged_ms": logged_ms}
@@ -72,7 +72,7 @@ class StoreWrites(StoreSession):
             if client_rows:
                 self._upsert(session, ClientMetric, client_rows, update=("value",))
 
-    @_retried
+    @retrying
     def round_rows(self, run_id: str, after: int, upto: int) -> list[tuple[int, str, float, int | None]]:
         """Rows `(round_idx, key, value, logged_ms)` of rounds in (after, upto], by round then key."""
         stmt = (
@@ -83,10 +83,10 @@ class StoreWrites(StoreSession):
         with self._session(f"read run {run_id}", write=False) as session:
             return [tuple(row) for row in session.execute(stmt)]  # type: ignore[misc]
 
-    @_retried
+    @retrying
     def log_client_metrics(self, run_id: str, round_idx: int, rows: Iterable[tuple[int, str, float]]) -> None:
         """Write per-client metrics of one round, rows of `(client_id, key, value)`, in one transaction."""
-        _check_round_idx(round_idx)
+        check_round_idx(round_idx)
         records: list[dict[str, Any]] = []
         for client_id, key, value in rows:
             check_metric_key(key)
@@ -111,13 +111,13 @@ class StoreWrites(StoreSession):
                 self._own(session, run_id)
             self._upsert(session, ClientMetric, records, update=("value",))
 
-    @_retried
+    @retrying
     def last_round(self, run_id: str) -> int | None:
         """The highest round with logged metrics, or None if there is none."""
         with self._session(f"read run {run_id}", write=False) as session:
             return session.scalar(select(func.max(RoundMetric.round_idx)).where(RoundMetric.run_id == run_id))
 
-    @_retried
+    @retrying
     def delete_rounds_after(self, run_id: str, round_idx: int) -> int:
         """Drop round metrics, client metrics and checkpoint rows with round > `round_idx` (resume).
 
@@ -128,7 +128,7 @@ class StoreWrites(StoreSession):
             The number of round-metric rows deleted.
         """
         if round_idx != -1:
-            _check_round_idx(round_idx)
+            check_round_idx(round_idx)
         with self._session(f"truncate run {run_id}", write=True) as session:
             self._own(session, run_id)
             result = session.execute(
@@ -140,21 +140,21 @@ class StoreWrites(StoreSession):
         log.debug("store: dropped %d metric rows of run %s after round %d", deleted, run_id, round_idx)
         return deleted
 
-    @_retried
+    @retrying
     def add_checkpoint(self, run_id: str, round_idx: int, path: str | Path) -> None:
         """Record (or replace) the checkpoint file written after `round_idx`."""
         row = {
             "run_id": run_id,
-            "round_idx": _check_round_idx(round_idx),
+            "round_idx": check_round_idx(round_idx),
             "path": str(path),
-            "created_at": _utcnow(),
+            "created_at": utcnow(),
         }
         with self._session(f"record checkpoint {round_idx} of run {run_id}", write=True) as session:
             if run_id in self._leases:
                 self._own(session, run_id)
             self._upsert(session, Checkpoint, [row], update=("path", "created_at"))
 
-    @_retried
+    @retrying
     def delete_checkpoints(self, run_id: str, rounds: Sequence[int]) -> None:
         """Forget the checkpoints of these rounds (retention; the files are removed by the caller)."""
         if not rounds:
@@ -166,14 +166,14 @@ class StoreWrites(StoreSession):
                 delete(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.round_idx.in_(list(rounds)))
             )
 
-    @_retried
+    @retrying
     def checkpoints(self, run_id: str) -> list[tuple[int, str]]:
         """All checkpoints of a run as `(round_idx, path)`, by round."""
         stmt = select(Checkpoint.round_idx, Checkpoint.path).where(Checkpoint.run_id == run_id)
         with self._session(f"read checkpoints of run {run_id}", write=False) as session:
             return [(row.round_idx, row.path) for row in session.execute(stmt.order_by(Checkpoint.round_idx))]
 
-    @_retried
+    @retrying
     def add_evaluation(
         self,
         run_id: str,
@@ -193,7 +193,7 @@ class StoreWrites(StoreSession):
             options: Evaluation options (e.g. `{"predictive": "ensemble", "samples": 8}`).
         """
         values = check_metrics(metrics, round_idx)
-        options_text, now = canonical_json(dict(options or {})), _utcnow()
+        options_text, now = canonical_json(dict(options or {})), utcnow()
         with self._session(f"record an evaluation of run {run_id}", write=True) as session:
             self._require_run(session, run_id)
             session.add_all(
