@@ -185,8 +185,8 @@ def _load_femnist(options: TaskOptions) -> TaskData:
     )
 
 
-def _images(x: Tensor) -> Tensor:
-    """uint8 [..., 28, 28] -> float32 [..., 1, 28, 28] in [0, 1]."""
+def grey_images(x: Tensor) -> Tensor:
+    """uint8 [..., 28, 28] -> float32 [..., 1, 28, 28] in [0, 1] (every grey-image task's `prepare`)."""
     return (x.to(torch.float32) / 255.0).unsqueeze(-3)
 
 
@@ -204,7 +204,7 @@ FEMNIST = Task(
     ),
     default_model="mlp",
     load=_load_femnist,
-    prepare=_images,
+    prepare=grey_images,
     # 0.1: the top of FedPA's client-lr grid for EMNIST (Al-Shedivat et al. Table 5). The old default 0.01
     # (Table 6, with momentum 0.9) learnt nothing as plain SGD on the default run (docs/architecture.md §5).
     client_lr=0.1,

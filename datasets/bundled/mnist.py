@@ -21,10 +21,9 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from fedcli.datasets import models
-from fedcli.datasets.bundled.femnist import verify_checksums
+from fedcli.datasets.bundled.femnist import grey_images, verify_checksums
 from fedcli.datasets.sources import first_existing, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
@@ -137,11 +136,6 @@ def image_task_data(
         fingerprint=fingerprint(x, y),
         num_classes=num_classes,
     )
-
-
-def grey_images(x: Tensor) -> Tensor:
-    """uint8 [..., 28, 28] -> float32 [..., 1, 28, 28] in [0, 1]."""
-    return (x.to(torch.float32) / 255.0).unsqueeze(-3)
 
 
 def _load_mnist(options: TaskOptions) -> TaskData:

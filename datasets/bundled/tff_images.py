@@ -18,7 +18,8 @@ from types import MappingProxyType
 import numpy as np
 
 from fedcli.datasets import models
-from fedcli.datasets.bundled.mnist import grey_images, image_task_data
+from fedcli.datasets.bundled.femnist import grey_images
+from fedcli.datasets.bundled.mnist import image_task_data
 from fedcli.datasets.bundled.torchvision_sources import (
     CIFAR100_DIR,
     cifar_images,

@@ -28,10 +28,10 @@ import torch
 from torch import Tensor
 
 from fedcli.datasets import models
+from fedcli.datasets.bundled.femnist import grey_images
 from fedcli.datasets.bundled.mnist import (
     MNIST_MODELS,
     find_idx_split,
-    grey_images,
     image_task_data,
     load_idx_dataset,
     torchvision_download,
