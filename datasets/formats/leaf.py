@@ -83,12 +83,7 @@ def read_leaf_file(path: Path, *, exact_counts: bool = True) -> dict[str, Any]:
 
 def read_leaf_dir(directory: Path, *, exact_counts: bool = True) -> dict[str, dict[str, list[Any]]]:
     """Merge every *.json / *.json.gz file of a LEAF split folder: user -> {x, y}."""
-    files = sorted(list(directory.glob("*.json")) + list(directory.glob("*.json.gz")))
-    if not files:
-        raise DataError(
-            f"no LEAF *.json or *.json.gz files in {directory}; "
-            "point --data-dir at LEAF's data/<task>/data folder."
-        )
+    files = leaf_files(directory)
     merged: dict[str, dict[str, list[Any]]] = {}
     for path in files:
         doc = read_leaf_file(path, exact_counts=exact_counts)
