@@ -192,28 +192,14 @@ class MirrorHandle:
         if proc is None or self._channel is None:
             return None
         self._channel.close()  # end of file on its stdin: its cue that the run ended
-        deadline, stop_at = time.monotonic() + timeout_s, None
-        while True:
-            try:
-                _, err = proc.communicate(timeout=STOP_POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                now = time.monotonic()
-                if stop_at is None and self.stopping():
-                    stop_at = now + STOP_WAIT_S
-                if now < deadline and (stop_at is None or now < stop_at):
-                    continue
-                why = (
-                    "this process was stopped by a signal"
-                    if stop_at is not None
-                    else f"it was not done after {timeout_s:.0f} s"
-                )
-                return (
-                    f"{restarted + '; ' if restarted else ''}the MLflow mirror (pid {proc.pid}) still copies the "
-                    f"run in the background ({why}), for at most {ORPHAN_WAIT_S:.0f} s more; the SQL store is "
-                    "complete, and if MLflow misses part of the run, `fedcli sync` or the next `fedcli train "
-                    "--resume` completes the copy"
-                )
+        err, why = wait_ended(proc, timeout_s, self.stopping)
+        if why is not None:
+            return (
+                f"{restarted + '; ' if restarted else ''}the MLflow mirror (pid {proc.pid}) still copies the "
+                f"run in the background ({why}), for at most {ORPHAN_WAIT_S:.0f} s more; the SQL store is "
+                "complete, and if MLflow misses part of the run, `fedcli sync` or the next `fedcli train "
+                "--resume` completes the copy"
+            )
         if proc.returncode > 0 and not restarted and not self._read_ready():
             return _set_up_failed(_own_reason(err or b"") or f"exited with code {proc.returncode}")
         if proc.returncode != 0:
@@ -222,6 +208,24 @@ class MirrorHandle:
                 "(the SQL store is complete; `fedcli sync` copies the run into MLflow later)"
             )
         return f"{restarted}, which copied the run into MLflow" if restarted else None
+
+
+def wait_ended(
+    proc: subprocess.Popen[bytes], timeout_s: float, stopping: Callable[[], bool] = lambda: False
+) -> tuple[bytes, str | None]:
+    """Wait for a mirror to exit: (its stderr, None), or (b"", why it still runs) after `timeout_s`, or
+    STOP_WAIT_S once `stopping()` (a stop signal arrived, before or during the wait)."""
+    deadline, stop_at = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            return proc.communicate(timeout=STOP_POLL_S)[1] or b"", None
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if stop_at is None and stopping():
+                stop_at = now + STOP_WAIT_S
+            if now >= deadline or (stop_at is not None and now >= stop_at):
+                stopped = "this process was stopped by a signal" if stop_at is not None else None
+                return b"", stopped or f"it was not done after {timeout_s:.0f} s"
 
 
 def _set_up_failed(reason: str) -> str:

@@ -32,7 +32,6 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -41,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 from fedcli import children
 from fedcli.tracking.mlflow.handle import (
     FINISH_WAIT_S,
-    STOP_POLL_S,
     STOP_WAIT_S,
     _death,
     _own_reason,
     parent_env,
+    wait_ended,
 )
 from fedcli.tracking.urls import mask_url
 
@@ -141,18 +140,12 @@ class SweepMirror:
         if proc is None or channel is None:
             return None
         channel.close()
-        deadline = time.monotonic() + (STOP_WAIT_S if stopping else timeout_s)
-        while True:
-            try:
-                _, err = proc.communicate(timeout=STOP_POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() < deadline:
-                    continue
-                return (
-                    f"the sweep's MLflow mirror (pid {proc.pid}) still copies trials in the background; the SQL "
-                    "store is complete, and `fedcli sync` copies into MLflow what it misses"
-                )
+        err, late = wait_ended(proc, STOP_WAIT_S if stopping else timeout_s)
+        if late is not None:
+            return (
+                f"the sweep's MLflow mirror (pid {proc.pid}) still copies trials in the background; the SQL "
+                "store is complete, and `fedcli sync` copies into MLflow what it misses"
+            )
         if proc.returncode != 0:
             parent = _own_reason(err or b"")
             if parent is not None and parent.startswith(
