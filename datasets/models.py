@@ -151,15 +151,22 @@ class LeNet5(nn.Module):
     """LeNet-5-style CIFAR CNN: Conv(6, 5x5) -> pool -> Conv(16, 5x5) -> pool -> 120 -> 84 -> K.
 
     62,006 parameters for CIFAR-10 (ReLU and max-pooling, as in most FL CIFAR baselines).
+    `widths`: the two convolutions' channels and the two hidden layers' sizes (32x32 inputs).
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
+    def __init__(
+        self,
+        num_classes: int = 10,
+        in_channels: int = 3,
+        widths: tuple[int, int, int, int] = (6, 16, 120, 84),
+    ) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, 6, 5)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, num_classes)
+        c1, c2, h1, h2 = widths
+        self.conv1 = nn.Conv2d(in_channels, c1, 5)
+        self.conv2 = nn.Conv2d(c1, c2, 5)
+        self.fc1 = nn.Linear(c2 * 5 * 5, h1)
+        self.fc2 = nn.Linear(h1, h2)
+        self.fc3 = nn.Linear(h2, num_classes)
 
     def forward(self, x: Tensor, key: Tensor | None = None) -> Tensor:
         h = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
@@ -193,25 +200,14 @@ class ZenkeCNN(nn.Module):
         return self.fc2(h)
 
 
-class AcarCNN(nn.Module):
-    """FedDyn CIFAR CNN of Acar et al. (reference/bayes_admm.md §9.2), no dropout.
+class AcarCNN(LeNet5):
+    """FedDyn CIFAR CNN of Acar et al. (reference/bayes_admm.md §9.2), no dropout: LeNet5's layers, wider.
 
     conv5x5(64)-ReLU-pool2, conv5x5(64)-ReLU-pool2, FC 1600 -> 384 -> 192 -> K with ReLU.
     """
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, 64, 5)
-        self.conv2 = nn.Conv2d(64, 64, 5)
-        self.fc1 = nn.Linear(1600, 384)
-        self.fc2 = nn.Linear(384, 192)
-        self.fc3 = nn.Linear(192, num_classes)
-
-    def forward(self, x: Tensor, key: Tensor | None = None) -> Tensor:
-        h = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
-        h = torch.max_pool2d(torch.relu(self.conv2(h)), 2)
-        h = torch.relu(self.fc1(h.flatten(start_dim=1)))
-        return self.fc3(torch.relu(self.fc2(h)))
+        super().__init__(num_classes, in_channels, widths=(64, 64, 384, 192))
 
 
 class _BasicBlock(nn.Module):
