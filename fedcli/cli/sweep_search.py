@@ -46,7 +46,7 @@ def prepare_search(body: Mapping[str, Any], tracking: Mapping[str, Any], report_
 def show_search(body: Mapping[str, Any], track: Any) -> None:
     """The search's plan: sampler, budget, metric, space, pruner, and how far its study is (read only)."""
     from fedcli.sweep.search import search_metric, study_name
-    from fedcli.sweep.spec import budget
+    from fedcli.sweep.spec_keys import budget
 
     search, pruner = body["search"], body.get("pruner")
     done = study_progress(

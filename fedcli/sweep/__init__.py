@@ -34,7 +34,8 @@ A sweep owns its trials:
   whose trials are nested children; a rerun reuses it. The sweep's MLflow mirror opens it.
 
 Layout (no module imports one below it back; import each name from the module that defines it):
-`spec` (a spec's declared keys; reading, checking and expanding it) -> `plan` (`Plan`, `plan_trials`,
+`spec_keys` (a spec's declared keys and their checks) -> `spec` (reading a spec, expanding it
+into trials) -> `plan` (`Plan`, `plan_trials`,
 a trial's command and environment) -> `scheduler` (`TrialProcess`, `TrialClaims`, `Scheduler`,
 `TrialOutcome`, `TrialSource`) -> `rows` (the live table's rows, `parent_tags`); `process` starts sweep
 workers so that they end with the sweep; the long-lived workers that run the trials are `worker_pool`

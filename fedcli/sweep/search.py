@@ -4,7 +4,7 @@
              space: {client_lr: {log_uniform: [1e-3, 1]}, hp.rho: [0.01, 0.1, 1], local_epochs: {int: [1, 5]}}}
     pruner: {type: median, warmup: 5}
 
-- `SearchBlock`, `PrunerBlock` (fedcli/sweep/spec.py): the blocks declared and checked whole before
+- `SearchBlock`, `PrunerBlock` (fedcli/sweep/spec_keys.py): the blocks declared and checked whole before
   anything runs (ConfigError: exit 2, one line).
 - here: the study's name, sampler, pruner and storage (the store's own SQL database), a sampled
   config as a trial (`trial_of`, `suggest_params`) and the space's checks (`check_space_configs`,

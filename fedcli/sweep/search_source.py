@@ -30,7 +30,8 @@ from fedcli.sweep.search import (
     trial_of,
     unnamed_code,
 )
-from fedcli.sweep.spec import Trial, budget
+from fedcli.sweep.spec import Trial
+from fedcli.sweep.spec_keys import budget
 from fedcli.tracking.urls import connect_url
 
 TRIAL_TAG, STUDY_TAG = "fedcli.search_trial", "fedcli.search_study"

@@ -23,7 +23,7 @@ from fedcli.config.build import build_config
 from fedcli.config.schema import RUN_CONFIG, SWEEP_SPEC, run_config_schema, sweep_spec_schema
 from fedcli.config.sections import SECTIONS, RunConfig, TrainConfig
 from fedcli.errors import ConfigError
-from fedcli.sweep.spec import (
+from fedcli.sweep.spec_keys import (
     PRUNERS,
     REPORT_KEYS,
     SEARCH_KEYS,

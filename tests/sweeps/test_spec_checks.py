@@ -1,4 +1,4 @@
-"""A sweep spec is checked against its declaration (fedcli/sweep/spec.py `SweepSpec`, docs/sweeps.md):
+"""A sweep spec is checked against its declaration (fedcli/sweep/spec_keys.py `SweepSpec`, docs/sweeps.md):
 the one line each mistake gets, nothing coerced, an unknown key named before anything else, and
 every key declared with its help and the phrase of its error."""
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from fedcli.errors import ConfigError
-from fedcli.sweep.spec import BLOCKS, SweepSpec, load_spec
+from fedcli.sweep.spec import load_spec
+from fedcli.sweep.spec_keys import BLOCKS, SweepSpec
 
 SPEC = "experiment: e\nbase: {task: lsq}\n"
 SEARCH = "search: {trials: 2, space: {client_lr: [0.1]}}\n"
