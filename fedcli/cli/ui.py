@@ -129,7 +129,15 @@ def ui(
             base,
             lambda: landing_url(base, uri, experiment, cfg.store_url),
             open_browser,
-            env={**os.environ, "MLFLOW_BACKEND_STORE_URI": uri} if secret else None,
+            env={
+                **os.environ,
+                # the job runner (GenAI jobs) starts Huey consumers that outlive a killed server; runs
+                # are browsed without it (MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true turns it back on)
+                "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get(
+                    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"
+                ),
+                **({"MLFLOW_BACKEND_STORE_URI": uri} if secret else {}),
+            },
         )
     raise typer.Exit(code)
 
