@@ -119,7 +119,9 @@ def test_cited_sections_and_rules_exist() -> None:
         for m in NAMED.finditer(text):
             cited = " ".join(m.group(2).lower().split())  # a name may wrap across lines
             if not any(name.startswith(cited) for name in names[m.group(1)]):
-                bad.append(where(path, text, m.start()) + f": no heading {m.group(2)!r} in docs/{m.group(1)}.md")
+                bad.append(
+                    where(path, text, m.start()) + f": no heading {m.group(2)!r} in docs/{m.group(1)}.md"
+                )
         for m in STYLE_RULES.finditer(text):
             for number in re.findall(r"\d+", m.group(1)):
                 if number not in rules:
