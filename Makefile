@@ -29,8 +29,9 @@ demo: $(STAMP)
 	@echo "  $(BIN)/fedcli ui        # MLflow UI on http://127.0.0.1:5000"
 	@echo "(.venv/bin is not on your PATH: 'source .venv/bin/activate' lets you type plain 'fedcli')"
 
+# on every core, at most 4 workers (pytest-xdist); groups that must share a worker: tests/conftest.py
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadgroup
 
 # the cross products left out of `make test` (marker `wide`; docs/testing.md)
 test-wide: $(STAMP)

@@ -62,14 +62,30 @@ STARTS_PROCESSES = re.compile(
 )
 
 
+# `make test` runs the suite on several workers (pytest-xdist, `--dist loadgroup`). A group runs on one
+# worker in collection order: the Ray tests (each starts a head; test_ray_secrets.py finds its head's
+# session folder among /tmp/rt*), and each task's cells of the short matrix (fedavg first: the other
+# algorithms compare with its curve, kept per worker).
+USES_RAY = re.compile(
+    r"^\s*(?:import|from)\s+(?:tests\.ray_head|tests\.sweeps\.test_ray_backend|ray)\b", re.M
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    starts: dict[Path, bool] = {}
+    starts: dict[Path, tuple[bool, bool]] = {}
     for item in items:
         path = item.path
         if path not in starts:
-            starts[path] = bool(STARTS_PROCESSES.search(path.read_text()))
-        if starts[path]:
+            text = path.read_text()
+            starts[path] = (bool(STARTS_PROCESSES.search(text)), bool(USES_RAY.search(text)))
+        processes, ray = starts[path]
+        if processes:
             item.add_marker(pytest.mark.slow)
+        if ray:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        params = getattr(item, "callspec", None)
+        if path.name == "test_out_of_the_box.py" and params is not None and "task" in params.params:
+            item.add_marker(pytest.mark.xdist_group(f"matrix-{params.params['task']}"))
 
 
 def pin_auto_device_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
