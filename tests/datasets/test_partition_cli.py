@@ -28,7 +28,10 @@ MNIST_SCHEMES = [
 @pytest.mark.parametrize("args", MNIST_SCHEMES, ids=lambda a: "-".join(a[1:4:2]))
 def test_every_scheme_on_bundled_mnist(tmp_path: Path, args: list[str]) -> None:
     out = tmp_path / "p.json"
-    result = RUNNER.invoke(app, ["partition", "--dataset", "mnist", *args, "--out", str(out)])
+    # wide enough that neither the table nor the path wraps (a pytest-xdist worker's tmp_path is longer)
+    result = RUNNER.invoke(
+        app, ["partition", "--dataset", "mnist", *args, "--out", str(out)], env={"COLUMNS": "300"}
+    )
     assert result.exit_code == 0, result.output
     clients = int(args[args.index("--clients") + 1])
     doc = json.loads(out.read_text())

@@ -61,14 +61,14 @@ def env(**extra: str) -> dict[str, str]:
     return {**base, "OMP_NUM_THREADS": "1", "COLUMNS": "200", **extra}
 
 
-def spawn(*args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
-    """`python -m fedcli ARGS`, output captured."""
+def spawn(*args: str, cwd: Path | None = None, **extra: str) -> subprocess.Popen[str]:
+    """`python -m fedcli ARGS`, output captured; `extra`: environment variables to set."""
     return subprocess.Popen(
         [sys.executable, "-m", "fedcli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env(),
+        env=env(**extra),
         cwd=cwd,
     )
 
@@ -353,7 +353,9 @@ def test_mlflows_set_up_held_delays_no_round_and_a_stop_then_ends_train_at_once(
     root.mkdir()
     with open(root / "mlflow.db.lock", "a+") as lock:  # mirror.schema_lock's file
         fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = spawn("-q", "train", *TINY, "--rounds", "5", "--root", str(root))
+        # the mirror's set-up and copy after the run ended take well under a minute alone, longer beside
+        # other tests (parallel workers): the bound is not what this checks
+        proc = spawn("-q", "train", *TINY, "--rounds", "5", "--root", str(root), FEDCLI_ORPHAN_WAIT_S="300")
         run_id = wait_for("the run in the store", lambda: the_run(root))
         mirror = wait_for("the mirror", lambda: mirror_of(proc.pid))
         wait_for(

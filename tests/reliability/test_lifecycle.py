@@ -433,3 +433,24 @@ def test_an_mlflow_store_left_half_migrated_is_named_with_its_fix(tmp_path: Path
     assert proc.returncode == 2 and "half-migrated" in message and "_alembic_tmp_params" in message
     assert "mv " in message and "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_an_mlflow_set_up_under_way_is_not_taken_for_a_half_migrated_store(tmp_path: Path) -> None:
+    """Alembic's temporary tables exist while another run's mirror migrates the store (it holds the schema
+    lock): `preflight` lets the run start (its mirror waits on the lock), and names the store half-migrated
+    only once no process holds the lock. Before, a run or resume started during another's set-up was refused
+    with the half-migrated line (seen with two test workers: a resume refused for the wrong reason)."""
+    import fcntl
+
+    from fedcli.errors import ConfigError
+    from fedcli.tracking.mlflow.checks import preflight
+
+    store = tmp_path / "mlflow.db"
+    with sqlite3.connect(store) as conn:
+        conn.execute("CREATE TABLE _alembic_tmp_params (key TEXT)")
+    with open(f"{store}.lock", "a+") as lock:  # schema_lock's file, held as a migrating mirror holds it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        preflight(f"sqlite:///{store}")
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    with pytest.raises(ConfigError, match="half-migrated"):
+        preflight(f"sqlite:///{store}")

@@ -74,7 +74,7 @@ def preflight(uri: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(
             f"MLflow store {uri}: No space left on device ({full} under {folder}); free space or {fix}."
         )
-    if path.exists():
+    if path.exists() and not set_up_in_progress(path):  # a set-up under way has its tables half-made
         half = half_migrated_tables(path)
         if half:
             raise ConfigError(
@@ -152,6 +152,21 @@ def half_migrated_tables(path: Path) -> list[str]:
     except sqlite3.Error:
         return []
     return sorted(name for (name,) in rows)
+
+
+def set_up_in_progress(path: Path) -> bool:
+    """True while a process holds `schema_lock` on the SQLite store at `path` (its schema is being set up
+    now: alembic's temporary tables are expected, not left behind). Creates nothing."""
+    try:
+        with open(f"{path}.lock") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    except OSError:  # no lock file: no set-up ever started here
+        return False
+    return False
 
 
 @contextlib.contextmanager

@@ -25,8 +25,18 @@ MAX_RESTARTS = 3  # a mirror that dies alone is restarted at most this often per
 ORPHAN_WAIT_S = (
     60.0  # how long a mirror whose training process is gone may still copy (`lifeline.watch_parent`)
 )
+ORPHAN_ENV = "FEDCLI_ORPHAN_WAIT_S"  # overrides ORPHAN_WAIT_S (seconds; tests on a loaded machine give more)
 PARENT_ENV = "FEDCLI_MIRROR_PARENT"  # the pid of the process that started a mirror, which it watches
 _DISK_FULL = ("database or disk is full", "No space left on device")  # a mirror that died so is not restarted
+
+
+def orphan_wait_s() -> float:
+    """ORPHAN_WAIT_S, or `FEDCLI_ORPHAN_WAIT_S` when set to a number > 0."""
+    try:
+        value = float(os.environ.get(ORPHAN_ENV, ""))
+    except ValueError:
+        return ORPHAN_WAIT_S
+    return value if value > 0 else ORPHAN_WAIT_S
 
 
 # --------------------------------------------------------------------------- the training process's side
@@ -196,7 +206,7 @@ class MirrorHandle:
         if why is not None:
             return (
                 f"{restarted + '; ' if restarted else ''}the MLflow mirror (pid {proc.pid}) still copies the "
-                f"run in the background ({why}), for at most {ORPHAN_WAIT_S:.0f} s more; the SQL store is "
+                f"run in the background ({why}), for at most {orphan_wait_s():.0f} s more; the SQL store is "
                 "complete, and if MLflow misses part of the run, `fedcli sync` or the next `fedcli train "
                 "--resume` completes the copy"
             )

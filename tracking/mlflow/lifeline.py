@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from fedcli.tracking.mlflow.handle import ORPHAN_WAIT_S, PARENT_ENV
+from fedcli.tracking.mlflow.handle import PARENT_ENV, orphan_wait_s
 
 
 def quiet_mlflow() -> None:
@@ -99,7 +99,7 @@ class Lifeline:
                     exit_now(3)
 
 
-def watch_parent(wait_s: float = ORPHAN_WAIT_S) -> Lifeline:
+def watch_parent(wait_s: float | None = None) -> Lifeline:
     """Start a thread that ends this mirror within a bounded time once the process that started it is
     gone; return the `Lifeline` it watches.
 
@@ -108,11 +108,12 @@ def watch_parent(wait_s: float = ORPHAN_WAIT_S) -> Lifeline:
     not begun MLflow's set-up (`Lifeline.mlflow_set_up`: e.g. the command ended without a run, or was
     killed while the mirror imported MLflow) exits at once, having written nothing; one that has goes
     back to the nice value this thread has now (before `low_priority`) where the system lets it, and
-    has `wait_s` seconds to finish its copy (ending the MLflow run KILLED), then exits, at once or as
-    soon as a schema set-up in progress is done. What it has not copied, `fedcli sync` or `fedcli train
+    has `wait_s` seconds (default `orphan_wait_s()`) to finish its copy (ending the MLflow run KILLED),
+    then exits, at once or as soon as a schema set-up in progress is done. What it has not copied, `fedcli sync` or `fedcli train
     --resume` copies: the SQL store has the whole run. Without it, mirrors of rejected or killed
     commands lived on for hours.
     """
+    bound = orphan_wait_s() if wait_s is None else wait_s
     life = Lifeline()
     nice = os.getpriority(os.PRIO_PROCESS, 0)
     try:
@@ -128,7 +129,7 @@ def watch_parent(wait_s: float = ORPHAN_WAIT_S) -> Lifeline:
             if not life.begun:
                 os._exit(0)
         normal_priority(nice)
-        time.sleep(wait_s)
+        time.sleep(bound)
         with life.lock:
             if not life.setting_up:
                 os._exit(3)
