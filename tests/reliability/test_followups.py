@@ -330,6 +330,14 @@ def records(err: str) -> list[str]:
     return [" ".join(line.split()) for line in out if line]
 
 
+def holds_open(pid: int, path: str) -> bool:
+    """True when process `pid` has the file `path` open (its /proc fd links)."""
+    try:
+        return any(os.readlink(fd) == path for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
 def stop_and_time(proc: subprocess.Popen[str], limit_s: float = 30.0) -> tuple[float, str]:
     """SIGTERM `proc`; return (seconds until it exited, its stderr); fail if it takes over `limit_s`."""
     proc.send_signal(signal.SIGTERM)
@@ -358,6 +366,9 @@ def test_mlflows_set_up_held_delays_no_round_and_a_stop_then_ends_train_at_once(
         proc = spawn("-q", "train", *TINY, "--rounds", "5", "--root", str(root), FEDCLI_ORPHAN_WAIT_S="300")
         run_id = wait_for("the run in the store", lambda: the_run(root))
         mirror = wait_for("the mirror", lambda: mirror_of(proc.pid))
+        # at nice 19 beside other tests the mirror may still be importing when the run ends; one whose trainer
+        # is gone before its set-up began writes nothing, by design: wait until it waits on the lock
+        wait_for("the mirror at MLflow's schema lock", lambda: holds_open(int(mirror), lock.name))
         wait_for(
             "every round trained while MLflow's set-up is held",
             lambda: sqlite_store(root).get_run(run_id).stored_status == "finished",
