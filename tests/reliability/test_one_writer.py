@@ -18,6 +18,7 @@ store's write lock is the stalled-store case of test_stalled_store.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,26 @@ pytestmark = pytest.mark.timeout(600)
 START_S = 240.0  # a process's start-up on a loaded 2-core box (importing torch, MLflow)
 
 
+STARTED: list[subprocess.Popen[str]] = []  # this test's processes, ended after it (`_end_started`)
+
+
+@pytest.fixture(autouse=True)
+def _end_started() -> Iterator[None]:
+    """A test that fails midway leaves no process behind (a SIGSTOPped trainer would live on for good)."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.communicate()
+
+
 def spawn(args: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
     """`python -m fedcli ARGS` with output captured; FEDCLI_STORE/MLFLOW_TRACKING_URI from the caller dropped."""
     base = {k: v for k, v in os.environ.items() if k not in ("FEDCLI_STORE", "MLFLOW_TRACKING_URI")}
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "fedcli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -50,6 +67,8 @@ def spawn(args: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
         cwd=cwd,
         env={**base, "OMP_NUM_THREADS": "1", "COLUMNS": "200", **env},
     )
+    STARTED.append(proc)
+    return proc
 
 
 def wait_for(what: str, probe: Callable[[], object], timeout: float = START_S) -> object:
