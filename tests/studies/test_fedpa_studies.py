@@ -42,7 +42,10 @@ def test_dp_delta_on_samples_with_the_exact_moments_tends_to_the_exact_delta() -
         sigma_hat = rho_l * torch.eye(dim, dtype=a.dtype) + (1 - rho_l) * torch.linalg.inv(a)
         want = torch.linalg.solve(sigma_hat, theta - mu)
         torch.testing.assert_close(fedpa.posterior_delta(theta, samples, rho), want, rtol=1e-8, atol=1e-8)
-    torch.testing.assert_close(fedpa.posterior_delta(theta, samples, 1e9), exact, rtol=1e-5, atol=1e-5)
+    # The gap to the exact delta shrinks as rho_l (about 1/rho): 100x from rho = 1e4 to 1e6. Past about 1e7 the
+    # recursion's rounding (about rho times machine epsilon, and machine-dependent) outgrows it, so rho stays at 1e6.
+    gaps = [(fedpa.posterior_delta(theta, samples, rho) - exact).abs().max() for rho in (1e4, 1e6)]
+    assert gaps[1] < 1e-5 and gaps[0] / gaps[1] > 50
     assert (theta - mu - exact).norm() > 0.1 * exact.norm()  # the identity covariance (FedAvg) is far off
 
 
