@@ -128,7 +128,7 @@ class SearchSource:
         if not running:
             return []
         from fedcli.tracking.store.common import HOSTNAME
-        from fedcli.tracking.store.liveness import _pid_alive
+        from fedcli.tracking.store.liveness import pid_alive
 
         claims = self.db.live_claims(self.experiment)
         alive = {r.tags.get("fedcli.config_hash") or r.config_hash for r in self._runs() if r.is_alive}
@@ -144,7 +144,7 @@ class SearchSource:
             if key in claims or key in alive:
                 continue
             # the sweep that asked (or adopted) it: on this host, gone; elsewhere, no claim nor run for ORPHAN_S
-            if not _pid_alive(int(pid)) if host == HOSTNAME and pid.isdigit() else old:
+            if not pid_alive(int(pid)) if host == HOSTNAME and pid.isdigit() else old:
                 out.append(t)
         return out
 

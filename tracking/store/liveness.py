@@ -42,7 +42,7 @@ def pid_state(pid: int, started: int | None = None) -> str:
     """
     stat = _proc_stat(pid)
     if stat is None:
-        return "alive" if _pid_alive(pid) else "gone"
+        return "alive" if pid_alive(pid) else "gone"
     if stat[0] in ("Z", "X") or (started is not None and stat[1] != started):
         return "gone"
     return "stopped" if stat[0] in ("T", "t") else "alive"
@@ -75,7 +75,7 @@ def claim_alive(claim: TrialClaim, now: datetime) -> bool:
     return (now - claim.heartbeat_at).total_seconds() <= stale_s()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
