@@ -73,14 +73,14 @@ def _start_tracker(tracker: Tracker, **overrides: Any) -> str:
 
 def test_sink_logs_params_tags_and_one_point_per_step(mlflow_root: Path) -> None:
     """150 params (two batches of <= 100) and the tags are stored verbatim; after end_run every
-    metric has exactly one point per round at step = round_idx with the logged value."""
+    metric has exactly one point per round at step = round_idx with the logged value (rows as the
+    mirror copies them from the store, `log_rows`)."""
     uri = default_tracking_uri(mlflow_root)
     params = {f"group.p{i:03d}": str(i * 0.5) for i in range(150)}
     sink = MlflowSink(uri, "sink-basic")
 
     run_id = sink.start_run(run_name="fedpa-femnist-s0", params=params, tags={"fedcli.algorithm": "fedpa"})
-    for round_idx in range(4):
-        sink.log_round(round_idx, _values(round_idx))
+    sink.log_rows([(r, key, value, None) for r in range(4) for key, value in _values(r).items()])
     sink.end_run("finished")
 
     client = MlflowClient(uri)
@@ -114,19 +114,18 @@ def test_nested_run_gets_parent_tag_and_statuses_map(mlflow_root: Path) -> None:
     assert client.get_run(parent_id).info.status == "KILLED"
 
 
-def test_sink_rejects_bad_keys_and_non_finite_values_before_logging(mlflow_root: Path) -> None:
-    """The MLflow sink applies the same key and finiteness rules as the store and queues nothing."""
-    uri = default_tracking_uri(mlflow_root)
-    sink = MlflowSink(uri, "sink-checks")
-    run_id = sink.start_run(run_name="checks", params={}, tags={})
-
-    with pytest.raises(ValueError, match=r"must be made of"):
-        sink.log_round(0, {"eval|acc": 0.5})
-    with pytest.raises(NonFiniteMetricsError, match=r"eval/loss=inf"):
-        sink.log_round(0, {"eval/accuracy": 0.5, "eval/loss": math.inf})
-    sink.end_run("finished")
-
-    assert MlflowClient(uri).get_run(run_id).data.metrics == {}
+def test_tracker_rejects_bad_keys_and_non_finite_values_before_logging(tmp_path: Path) -> None:
+    """The metrics MLflow gets come from the store, which applies the key and finiteness rules and
+    writes nothing of a rejected round (MLflow's copy: `log_rows` of the store's rows)."""
+    with SqlStore(default_store_url(tmp_path)) as store:
+        tracker = Tracker(store)
+        run_id = _start_tracker(tracker)
+        with pytest.raises(ValueError, match=r"must be made of"):
+            tracker.log_round(0, {"eval|acc": 0.5})
+        with pytest.raises(NonFiniteMetricsError, match=r"eval/loss=inf"):
+            tracker.log_round(0, {"eval/accuracy": 0.5, "eval/loss": math.inf})
+        tracker.finish("finished")
+        assert store.last_round(run_id) is None
 
 
 def test_unusable_tracking_uri_is_a_tracking_error(tmp_path: Path) -> None:

@@ -4,11 +4,9 @@ docs/style.md rule 15: explicit run ids only (no fluent `mlflow.log_*`, no activ
 params are the flattened config, logged once at start in batches of at most 100; metrics
 are logged with `step = round_idx` in batches of at most 1000.
 
-Metric batches are logged with `log_batch(..., synchronous=False)`: a synchronous batch
-on a SQLite-backed store costs milliseconds per call (more with several processes on one
-file), an enqueue a fraction of a millisecond (docs/architecture.md §6). The returned futures are
-kept and waited on by `flush()`, which `end_run` calls first and the `Tracker` calls at
-every checkpoint, so nothing is lost or reported late.
+Metrics reach it from the mirror process (tracking/mlflow/mirror.py) as the SQL store's rows
+(`log_rows`, synchronous), each stamped with the time the store logged its round, so a row
+copied twice is the same point twice (docs/architecture.md §6).
 
 Importing this module imports MLflow (slow); import it only when MLflow is enabled.
 """
@@ -27,11 +25,9 @@ from typing import TypeVar
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from mlflow.utils.async_logging.run_operations import RunOperations
 from sqlalchemy.exc import SQLAlchemyError
 
 from fedcli.errors import TrackingError
-from fedcli.tracking.keys import check_metrics
 from fedcli.tracking.mlflow.checks import first_cause_line
 from fedcli.tracking.urls import mask_url, sqlite_path
 
@@ -43,7 +39,6 @@ MAX_PARAMS_TAGS_PER_BATCH = 100  # MLflow per-request limits (mlflow.utils.valid
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VAL_LENGTH = 6000
 MAX_TAG_VAL_LENGTH = 8000
-MAX_PENDING_BATCHES = 256  # wait on queued batches after this many, so futures do not pile up
 KIND_TAG = "mlflow.experimentKind"  # MLflow 3's UI opens "custom_model_development" on the runs table
 EXPERIMENT_TAGS = {
     KIND_TAG: "custom_model_development",
@@ -120,7 +115,6 @@ class MlflowSink:
         self.experiment = experiment
         self._root = _local_root(tracking_uri)
         self._run_id: str | None = None
-        self._pending: list[RunOperations] = []
         with self._errors("open"):
             if self._root is not None:
                 self._root.mkdir(parents=True, exist_ok=True)
@@ -303,30 +297,6 @@ class MlflowSink:
             for chunk in _chunks(tag_list, MAX_PARAMS_TAGS_PER_BATCH):
                 self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
 
-    def log_round(self, round_idx: int, metrics: Mapping[str, float]) -> None:
-        """Queue one round's metrics with `step = round_idx` (asynchronous; see `flush`).
-
-        Raises:
-            ValueError: Bad key; `NonFiniteMetricsError` for NaN/inf (nothing queued).
-        """
-        values = check_metrics(metrics, round_idx)
-        timestamp_ms = int(time.time() * 1000)
-        batch = [Metric(key, value, timestamp_ms, round_idx) for key, value in values.items()]
-        with self._errors(f"log round {round_idx} of run {self.run_id}"):
-            for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
-                operations = self._client.log_batch(self.run_id, metrics=chunk, synchronous=False)
-                if operations is not None:
-                    self._pending.append(operations)
-        if len(self._pending) >= MAX_PENDING_BATCHES:
-            self.flush()
-
-    def flush(self) -> None:
-        """Wait until every queued metric batch is written; raise if any failed."""
-        pending, self._pending = self._pending, []
-        with self._errors(f"write queued metrics of run {self._run_id}"):
-            for operations in pending:
-                operations.wait()
-
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a local file or directory to the run's artifacts."""
         with self._errors(f"log artifact {str(path)!r}"):
@@ -391,7 +361,7 @@ class MlflowSink:
             return str(logged.model_id)
 
     def end_run(self, status: str, end_ms: int | None = None) -> None:
-        """Flush queued metrics, then terminate the run.
+        """Terminate the run.
 
         Args:
             status: fedcli status `finished`, `failed` or `interrupted` (-> MLflow
@@ -400,13 +370,10 @@ class MlflowSink:
         """
         if status not in MLFLOW_STATUS:
             raise ValueError(f"status must be one of {', '.join(MLFLOW_STATUS)}; got {status!r}.")
-        try:
-            self.flush()
-        finally:
-            with self._errors(f"end run {self.run_id}"):
-                self._client.set_terminated(
-                    self.run_id, status=MLFLOW_STATUS[status], end_time=end_ms or int(time.time() * 1000)
-                )
+        with self._errors(f"end run {self.run_id}"):
+            self._client.set_terminated(
+                self.run_id, status=MLFLOW_STATUS[status], end_time=end_ms or int(time.time() * 1000)
+            )
         log.debug("mlflow: ended run %s as %s", self.run_id, MLFLOW_STATUS[status])
 
 
