@@ -144,19 +144,15 @@ def ui(
 
 def landing_url(base: str, uri: str, name: str | None, store_url: str) -> str:
     """The URL to open: the runs table of experiment `name` (default: the newest run's), on fedcli's
-    saved view where MLflow has saved views; what the page shows is said on stderr."""
-    found = experiment_id(uri, name, store_url)
-    return runs_url(base, found, view=found is not None and comparison_view(uri, found))
-
-
-def runs_url(base: str, experiment: str | None, view: bool = False) -> str:
-    """The runs table of `experiment` (an MLflow experiment id), on fedcli's saved view if `view`, or
-    the UI's start page. MLflow 3.15+ keeps `viewStateShareKey` only on the `/runs` route."""
+    saved view where MLflow has saved views (what the page shows is said on stderr), or the UI's start
+    page. MLflow 3.15+ keeps `viewStateShareKey` only on the `/runs` route."""
     from fedcli.tracking.mlflow.view import VIEW_ID, has_saved_views
 
-    if not experiment:
+    found = experiment_id(uri, name, store_url)
+    if not found:
         return base
-    route = f"{experiment}/runs" if has_saved_views() else experiment
+    view = comparison_view(uri, found)
+    route = f"{found}/runs" if has_saved_views() else found
     return f"{base}/#/experiments/{route}?workflowType=machine_learning" + (
         f"&viewStateShareKey={VIEW_ID}" if view else ""
     )
@@ -214,8 +210,35 @@ def experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
     Raises:
         ConfigError: `name` is not an experiment of the MLflow store.
     """
+    from fedcli.config.checks import store_file
+
     try:
-        return _experiment_id(uri, name, store_url)
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        client = MlflowClient(tracking_uri=uri)
+        if name is not None:
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                known = sorted(e.name for e in client.search_experiments())
+                raise ConfigError(
+                    f"--experiment must name an MLflow experiment of {uri}; got {name!r}. "
+                    f"It has: {', '.join(known) or 'none'}."
+                )
+            return str(found.experiment_id)
+        path = store_file(store_url)
+        runs = open_store(store_url).list_runs() if path is None or path.is_file() else []
+        newest = runs[-1] if runs else None
+        if newest is not None and newest.mlflow_run_id:
+            try:
+                return str(client.get_run(newest.mlflow_run_id).info.experiment_id)
+            except MlflowException:  # a run mirrored to another MLflow store: fall back to the name
+                pass
+        found = client.get_experiment_by_name(newest.experiment) if newest is not None else None
+        if found is None:
+            recent = client.search_experiments(max_results=1, order_by=["last_update_time DESC"])
+            found = recent[0] if recent else None
+        return None if found is None else str(found.experiment_id)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - only the URL's precision depends on it
@@ -229,43 +252,6 @@ def experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
         return None
 
 
-def _experiment_id(uri: str, name: str | None, store_url: str) -> str | None:
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    client = MlflowClient(tracking_uri=uri)
-    if name is not None:
-        found = client.get_experiment_by_name(name)
-        if found is None:
-            known = sorted(e.name for e in client.search_experiments())
-            raise ConfigError(
-                f"--experiment must name an MLflow experiment of {uri}; got {name!r}. "
-                f"It has: {', '.join(known) or 'none'}."
-            )
-        return str(found.experiment_id)
-    newest = _newest_run(store_url)
-    if newest is not None and newest.mlflow_run_id:
-        try:
-            return str(client.get_run(newest.mlflow_run_id).info.experiment_id)
-        except MlflowException:  # a run mirrored to another MLflow store: fall back to the name
-            pass
-    found = client.get_experiment_by_name(newest.experiment) if newest is not None else None
-    if found is None:
-        recent = client.search_experiments(max_results=1, order_by=["last_update_time DESC"])
-        found = recent[0] if recent else None
-    return None if found is None else str(found.experiment_id)
-
-
-def _newest_run(store_url: str) -> Any:
-    from fedcli.config.checks import store_file
-
-    path = store_file(store_url)
-    if path is not None and not path.is_file():
-        return None
-    runs = open_store(store_url).list_runs()
-    return runs[-1] if runs else None
-
-
 def require_free_port(port: int) -> None:
     """ConfigError when something listens on 127.0.0.1:port (its /health would look like ours)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -276,18 +262,14 @@ def require_free_port(port: int) -> None:
             )
 
 
-class _Stop(Exception):
-    """SIGINT or SIGTERM arrived: stop the server and exit."""
-
-
 def serve(
     command: list[str],
     base: str,
     find_url: Callable[[], str],
     open_browser: bool,
-    env: dict[str, str] | None = None,
+    env: dict[str, str],
 ) -> int:
-    """Run the server (`env`: its environment, default this one's), print the runs URL once /health
+    """Run the server (`env`: its environment), print the runs URL once /health
     answers, and stop it on SIGINT/SIGTERM."""
     import webbrowser
 
@@ -304,10 +286,8 @@ def serve(
         **children.own_process_group(),
     )
 
-    def stop(signum: int, frame: Any) -> None:
-        raise _Stop
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGINT or SIGTERM: KeyboardInterrupt, which stops the server and exits
+    previous = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         console().print("starting MLflow UI…")
         url = find_url()
@@ -317,7 +297,7 @@ def serve(
         if open_browser:
             webbrowser.open(url)
         return server.wait()
-    except _Stop:
+    except KeyboardInterrupt:
         return 0
     finally:
         for sig, handler in previous.items():
@@ -355,18 +335,13 @@ def stop_group(server: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
             break
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            if server.poll() is not None and not _group_alive(server.pid):
-                return
+            if server.poll() is not None:
+                try:
+                    os.killpg(server.pid, 0)
+                except ProcessLookupError:  # the server and every process of its group are gone
+                    return
             time.sleep(0.1)
     server.wait()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def runs_tracking_uri(store_url: str) -> str | None:
