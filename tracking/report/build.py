@@ -17,7 +17,6 @@ from fedcli.tracking.keys import flatten_config
 from fedcli.tracking.report.model import (
     MISSING,
     NON_RESULT_KEYS,
-    PERCENT_NAMES,
     Column,
     Curve,
     Group,
@@ -28,6 +27,7 @@ from fedcli.tracking.report.model import (
     default_window,
     display_key,
     fixed,
+    is_percent,
     resolve_key,
     resolve_metric,
     run_config,
@@ -200,13 +200,8 @@ def _curves(
     return curves, last
 
 
-def _is_fraction(key: str) -> bool:
-    name = key.rsplit("/", 1)[-1]
-    return any(part in name for part in PERCENT_NAMES)
-
-
 def _threshold_text(metric: str, threshold: float) -> str:
-    if _is_fraction(metric):
+    if is_percent(metric):
         return f"{fixed(threshold * 100, 2).rstrip('0').rstrip('.')}%"
     return f"{threshold:g}"
 
@@ -216,7 +211,7 @@ def make_tables(
 ) -> dict[str, list[Column]]:
     """The columns of the four tables: main, communication, time, all eval metrics."""
     name, low = metric.rsplit("/", 1)[-1], md.is_lower_better(metric)
-    unit = "pct" if _is_fraction(metric) else "value"
+    unit = "pct" if is_percent(metric) else "value"
     main = [Column(f"at@{r}", f"{name} @{r}R", low, unit) for r in at]
     main += [
         Column(f"rounds_to@{x!r}", f"rounds to {_threshold_text(metric, x)}", True, "rounds")
@@ -236,7 +231,7 @@ def make_tables(
     ]
     time_cols = [Column("round_s", "per round", True, "seconds"), Column("total_s", "total", True, "seconds")]
     evals = [
-        Column(f"eval@{k}", k.split("/", 1)[1], md.is_lower_better(k), "pct" if _is_fraction(k) else "value")
+        Column(f"eval@{k}", k.split("/", 1)[1], md.is_lower_better(k), "pct" if is_percent(k) else "value")
         for k in eval_keys
     ]
     return {"main": main, "comm": comm, "time": time_cols, "eval": evals}
@@ -266,13 +261,15 @@ def run_values(
         out[f"rounds_to@{x!r}"] = None if hit is None else float(hit)
         out[f"up_to@{x!r}"] = None if hit is None or not up[0].size else md.cumulative_at(*up, hit)
         out[f"down_to@{x!r}"] = None if hit is None or not down[0].size else md.cumulative_at(*down, hit)
-    out["best"] = md.best_value(rounds, values, low)
-    out["final"] = md.final_value(rounds, values)
-    out["up_total"] = md.cumulative_at(*up) if up[0].size else None
-    out["down_total"] = md.cumulative_at(*down) if down[0].size else None
     times = curves.get("time/round_s", empty)
-    out["round_s"] = float(times[1][times[0] >= 1].mean()) if (times[0] >= 1).any() else None
-    out["total_s"] = md.cumulative_at(*times) if times[0].size else None
+    out.update(
+        best=md.best_value(rounds, values, low),
+        final=md.final_value(rounds, values),
+        up_total=md.cumulative_at(*up) if up[0].size else None,
+        down_total=md.cumulative_at(*down) if down[0].size else None,
+        round_s=float(times[1][times[0] >= 1].mean()) if (times[0] >= 1).any() else None,
+        total_s=md.cumulative_at(*times) if times[0].size else None,
+    )
     for key in eval_keys:
         k_rounds, k_values = curves.get(key, empty)
         out[f"eval@{key}"] = (

@@ -129,6 +129,11 @@ class Report:
 # --------------------------------------------------------------------------- keys
 
 
+def is_percent(key: str) -> bool:
+    """True for fractions the report shows in % (accuracy, precision, recall, F1): tables and figures."""
+    return any(part in key.rsplit("/", 1)[-1] for part in PERCENT_NAMES)
+
+
 def resolve_metric(name: str) -> str:
     """`accuracy` -> `eval/accuracy`; keys with a `/` are taken as given."""
     return name if "/" in name else f"eval/{name}"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedcli.tracking import metric_defs as md
+from fedcli.tracking.report.model import is_percent
 
 if TYPE_CHECKING:
     from fedcli.tracking.report.model import Group, Report
@@ -52,13 +53,6 @@ COSTS = {
     ),
     "time": (("time/cum_train_s",), ("time/round_s",), "training time, cumulative", "seconds"),
 }
-
-
-def is_percent(key: str) -> bool:
-    """True for fractions the report shows in % (the tables' rule: accuracy, precision, recall, F1)."""
-    from fedcli.tracking.report.model import PERCENT_NAMES
-
-    return any(part in key.rsplit("/", 1)[-1] for part in PERCENT_NAMES)
 
 
 def axis_label(key: str) -> str:

@@ -105,11 +105,6 @@ def stale_s() -> float:
     return env_seconds(STALE_ENV, STALE_S)
 
 
-def retry_s() -> float:
-    """`RETRY_S`, or `FEDCLI_STORE_RETRY_S` when set: how long a locked or unreachable store is retried."""
-    return env_seconds(RETRY_ENV, RETRY_S)
-
-
 class RunTakenOver(TrackingError):
     """This process lost its lease on a run: another process resumed it. Nothing more was written.
 
@@ -127,7 +122,7 @@ class RunTakenOver(TrackingError):
 
 
 class StoreUnavailable(TrackingError):
-    """The store stayed locked, or its server unreachable, for longer than `retry_s()`."""
+    """The store stayed locked, or its server unreachable, for longer than its `retry_s` (`FEDCLI_STORE_RETRY_S`, else `RETRY_S`)."""
 
 
 class Transient(TrackingError):
