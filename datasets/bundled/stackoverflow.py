@@ -12,6 +12,7 @@ ids are stored as int16 there and widened per batch by the task.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -23,6 +24,7 @@ from torch import Tensor
 from fedcli.datasets import models
 from fedcli.datasets.formats.tff_h5 import (
     TFF_URL,
+    Encode,
     ensure_files,
     read_tff_h5,
     stack_field,
@@ -75,28 +77,6 @@ def read_tag_count(path: Path, size: int) -> dict[str, int]:
     return {t: i for i, t in enumerate(list(tags)[:size])}
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-def nwp_ids(tokens: str, vocab: dict[str, int]) -> np.ndarray:
-    """[BOS, w_1..w_20, EOS] padded to 21 ids (pad 0, words 1..V, OOV V+1); TFF to_ids."""
-    words = tokens.split(" ")[:NWP_LENGTH]
-    ids = [BOS] + [vocab[w] + 1 if w in vocab else OOV for w in words] + [EOS]
-    ids = ids[: NWP_LENGTH + 1]
-    return np.array(ids + [PAD] * (NWP_LENGTH + 1 - len(ids)), dtype=np.int64)
-
-
-def _so_records(
-    options: TaskOptions, fields: tuple[str, ...]
-) -> tuple[Path, list[str], list[dict[str, np.ndarray]], list[str], list[dict[str, np.ndarray]]]:
-    """Train clients (first max_clients by id) and the test records of the same users."""
-    folder = _so_folder(options)
-    ids, train = read_tff_h5(folder / SO_FILES[0], fields, max_clients=options.max_clients)
-    test_ids, test = read_tff_h5(folder / SO_FILES[1], fields, keep=set(ids))
-    return folder, ids, train, test_ids, test
-
-
 def _so_folder(options: TaskOptions) -> Path:
     folder = data_dir(options, "stackoverflow")
     if not ensure_files(options, folder, SO_FILES, SO_ARCHIVES):
@@ -128,7 +108,8 @@ def _lookup(words: Any, vocab: dict[str, int]) -> np.ndarray:
 
 
 def nwp_rows(texts: list[Any], vocab: dict[str, int]) -> np.ndarray:
-    """`nwp_ids` of many sentences at once (vectorised with pyarrow): [n, 21] int16."""
+    """[BOS, w_1..w_20, EOS] padded to 21 ids (pad 0, words 1..V, OOV V+1; TFF to_ids) of each sentence,
+    split on single spaces (Python's str.split(" ")), vectorised with pyarrow: [n, 21] int16."""
     import pyarrow.compute as pc
 
     n = len(texts)
@@ -149,53 +130,78 @@ def nwp_rows(texts: list[Any], vocab: dict[str, int]) -> np.ndarray:
     return out
 
 
-def _stream_nwp(folder: Path, options: TaskOptions) -> TaskData:
+def _load_so(
+    options: TaskOptions,
+    what: str,
+    fields: tuple[str, ...],
+    make_encode: Callable[[Path], Encode],
+    counts: tuple[str, ...],
+    num_classes: int,
+    dtypes: dict[str, Any],
+    ragged: tuple[str, ...] = (),
+) -> TaskData:
+    """A StackOverflow task: train clients (first max_clients by id) and the test records of the same
+    users, encoded by `make_encode(folder)` a batch of clients at a time. Streamed into a disk store
+    (--data-store, `wants_disk`), else held in memory as `dtypes` (int64 token ids)."""
+    folder = _so_folder(options)
+    encode = make_encode(folder)
+    train_file, test_file = folder / SO_FILES[0], folder / SO_FILES[1]
+    if wants_disk(options, [train_file, test_file]):
+        return stream_to_store(
+            what,
+            train_file,
+            test_file,
+            fields,
+            encode,
+            tuple(folder / name for name in counts),
+            options,
+            num_classes,
+            ragged=ragged,
+            fingerprint_as=dtypes,
+        )
+    ids, train = read_tff_h5(train_file, fields, max_clients=options.max_clients)
+    test_ids, test = read_tff_h5(test_file, fields, keep=set(ids))
+
+    def tensors(records: list[dict[str, np.ndarray]]) -> tuple[Tensor, Tensor, list[np.ndarray]]:
+        rows = encode(records)
+        x, y = (torch.from_numpy(np.ascontiguousarray(rows[k], dtype=dtypes[k])) for k in ("x", "y"))
+        return x, y, stack_field(records, fields[0])[1]
+
+    x, y, natural = tensors(train)
+    test_x, test_y, test_natural = tensors(test)
+    return TaskData(
+        x=x,
+        y=y,
+        client_indices=natural,
+        client_names=ids,
+        test_x=test_x,
+        test_y=test_y,
+        fingerprint=fingerprint(x, y),
+        num_classes=num_classes,
+        test_client_indices=align_clients(ids, test_ids, test_natural),
+    )
+
+
+def _nwp_encode(folder: Path) -> Encode:
+    """Each sentence's `nwp_rows` ids over the 10,000 most frequent words: x = ids[:20], y = ids[1:21]."""
     vocab = read_word_count(folder / SO_FILES[2], NWP_VOCAB)
 
     def encode(records: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         seqs = nwp_rows([t for r in records for t in r["tokens"]], vocab)
         return {"x": seqs[:, :-1], "y": seqs[:, 1:]}
 
-    return stream_to_store(
-        "stackoverflow-nwp",
-        folder / SO_FILES[0],
-        folder / SO_FILES[1],
-        ("tokens",),
-        encode,
-        (folder / SO_FILES[2],),
-        options,
-        EOS + 1,
-        fingerprint_as={"x": np.int64, "y": np.int64},
-    )
+    return encode
 
 
 def _load_nwp(options: TaskOptions) -> TaskData:
-    folder = _so_folder(options)
-    if wants_disk(options, [folder / SO_FILES[0], folder / SO_FILES[1]]):
-        return _stream_nwp(folder, options)
-    folder, ids, train, test_ids, test = _so_records(options, ("tokens",))
-    vocab = read_word_count(folder / SO_FILES[2], NWP_VOCAB)
-
-    def encode(records: list[dict[str, np.ndarray]]) -> tuple[Tensor, list[np.ndarray]]:
-        seqs = [[nwp_ids(_text(t), vocab) for t in r["tokens"]] for r in records]
-        flat, natural = stack_field(
-            [{"s": np.stack(s) if s else np.zeros((0, NWP_LENGTH + 1), np.int64)} for s in seqs], "s"
-        )
-        return torch.from_numpy(flat), natural
-
-    train_seqs, natural = encode(train)
-    test_seqs, test_natural = encode(test)
-    x, y = train_seqs[:, :-1].contiguous(), train_seqs[:, 1:].contiguous()
-    return TaskData(
-        x=x,
-        y=y,
-        client_indices=natural,
-        client_names=ids,
-        test_x=test_seqs[:, :-1].contiguous(),
-        test_y=test_seqs[:, 1:].contiguous(),
-        fingerprint=fingerprint(x, y),
-        num_classes=EOS + 1,
-        test_client_indices=align_clients(ids, test_ids, test_natural),
+    return _load_so(
+        options,
+        "stackoverflow-nwp",
+        ("tokens",),
+        _nwp_encode,
+        (SO_FILES[2],),
+        EOS + 1,
+        {"x": np.int64, "y": np.int64},
     )
 
 
@@ -220,22 +226,11 @@ def bag_of_words(x: Tensor, vocab_size: int = LR_VOCAB) -> Tensor:
     return counts[:, :vocab_size] / valid.sum(dim=-1, keepdim=True).clamp_min(1.0)
 
 
-def lr_example(
-    tokens: str, title: str, tags: str, vocab: dict[str, int], tag_ids: dict[str, int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of "tokens title" (OOV = V) and the multi-hot of the known tags."""
-    words = f"{tokens} {title}".split(" ")
-    ids = np.array([vocab.get(w, LR_VOCAB) for w in words], dtype=np.int64)
-    target = np.zeros(LR_TAGS, dtype=np.float32)
-    target[[tag_ids[t] for t in tags.split("|") if t in tag_ids]] = 1.0
-    return ids, target
-
-
 def lr_rows(
     tokens: list[Any], titles: list[Any], tags: list[Any], vocab: dict[str, int], tag_ids: dict[str, int]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`lr_example` of many examples at once (pyarrow): ids [n, widest] int16 padded with -1, multi-hot
-    tags [n, 500] uint8."""
+    """Token ids of "tokens title" (OOV = V) and the multi-hot of the known tags, many examples at once
+    (pyarrow): ids [n, widest] int16 padded with -1, multi-hot tags [n, 500] uint8."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -262,7 +257,8 @@ def lr_rows(
     return x, y
 
 
-def _stream_lr(folder: Path, options: TaskOptions) -> TaskData:
+def _lr_encode(folder: Path) -> Encode:
+    """`lr_rows` of each example over the 10,000 most frequent words and the 500 most frequent tags."""
     vocab, tag_ids = (
         read_word_count(folder / SO_FILES[2], LR_VOCAB),
         read_tag_count(folder / SO_FILES[3], LR_TAGS),
@@ -278,56 +274,19 @@ def _stream_lr(folder: Path, options: TaskOptions) -> TaskData:
         )
         return {"x": x, "y": y}
 
-    return stream_to_store(
-        "stackoverflow-lr",
-        folder / SO_FILES[0],
-        folder / SO_FILES[1],
-        ("tokens", "title", "tags"),
-        encode,
-        (folder / SO_FILES[2], folder / SO_FILES[3]),
-        options,
-        LR_TAGS,
-        ragged=("x",),
-        fingerprint_as={"x": np.int64, "y": np.float32},
-    )
+    return encode
 
 
 def _load_lr(options: TaskOptions) -> TaskData:
-    folder = _so_folder(options)
-    if wants_disk(options, [folder / SO_FILES[0], folder / SO_FILES[1]]):
-        return _stream_lr(folder, options)
-    folder, ids, train, test_ids, test = _so_records(options, ("tokens", "title", "tags"))
-    vocab, tag_ids = (
-        read_word_count(folder / SO_FILES[2], LR_VOCAB),
-        read_tag_count(folder / SO_FILES[3], LR_TAGS),
-    )
-
-    def encode(records: list[dict[str, np.ndarray]]) -> tuple[Tensor, Tensor, list[np.ndarray]]:
-        rows = [
-            lr_example(_text(a), _text(b), _text(c), vocab, tag_ids)
-            for r in records
-            for a, b, c in zip(r["tokens"], r["title"], r["tags"], strict=True)
-        ]
-        width = max((len(w) for w, _ in rows), default=1)
-        x = np.full((len(rows), width), -1, dtype=np.int64)
-        for i, (w, _) in enumerate(rows):
-            x[i, : len(w)] = w
-        y = np.stack([t for _, t in rows]) if rows else np.zeros((0, LR_TAGS), np.float32)
-        natural = stack_field([{"t": r["tags"]} for r in records], "t")[1]
-        return torch.from_numpy(x), torch.from_numpy(y), natural
-
-    x, y, natural = encode(train)
-    test_x, test_y, test_natural = encode(test)
-    return TaskData(
-        x=x,
-        y=y,
-        client_indices=natural,
-        client_names=ids,
-        test_x=test_x,
-        test_y=test_y,
-        fingerprint=fingerprint(x, y),
-        num_classes=LR_TAGS,
-        test_client_indices=align_clients(ids, test_ids, test_natural),
+    return _load_so(
+        options,
+        "stackoverflow-lr",
+        ("tokens", "title", "tags"),
+        _lr_encode,
+        (SO_FILES[2], SO_FILES[3]),
+        LR_TAGS,
+        {"x": np.int64, "y": np.float32},
+        ragged=("x",),
     )
 
 

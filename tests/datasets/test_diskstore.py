@@ -27,7 +27,17 @@ import pytest
 import torch
 
 from fedcli.config.build import build_config
-from fedcli.datasets.bundled.stackoverflow import lr_example, lr_rows, nwp_ids, nwp_rows
+from fedcli.datasets.bundled.stackoverflow import (
+    BOS,
+    EOS,
+    LR_TAGS,
+    LR_VOCAB,
+    NWP_LENGTH,
+    OOV,
+    PAD,
+    lr_rows,
+    nwp_rows,
+)
 from fedcli.datasets.federated import DiskData, MemoryData
 from fedcli.datasets.formats import diskstore
 from fedcli.datasets.formats.generate import generate
@@ -278,6 +288,24 @@ def test_tff_tasks_stream_into_a_store_with_the_in_memory_examples(
     again = TASKS[task].load(TaskOptions(data_dir=tmp_path / fmt, data_store="disk"))
     assert again.store == disk.store  # reused, not rebuilt
     assert json.loads((Path(disk.store) / "meta.json").read_text())["built_by"] == os.getpid()
+
+
+def nwp_ids(tokens: str, vocab: dict[str, int]) -> np.ndarray:
+    """The per-sentence reference: [BOS, w_1..w_20, EOS] padded to 21 ids (pad 0, words 1..V, OOV V+1)."""
+    words = tokens.split(" ")[:NWP_LENGTH]
+    ids = [BOS] + [vocab[w] + 1 if w in vocab else OOV for w in words] + [EOS]
+    ids = ids[: NWP_LENGTH + 1]
+    return np.array(ids + [PAD] * (NWP_LENGTH + 1 - len(ids)), dtype=np.int64)
+
+
+def lr_example(
+    tokens: str, title: str, tags: str, vocab: dict[str, int], tag_ids: dict[str, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The per-example reference: token ids of "tokens title" (OOV = V) and the multi-hot of the known tags."""
+    ids = np.array([vocab.get(w, LR_VOCAB) for w in f"{tokens} {title}".split(" ")], dtype=np.int64)
+    target = np.zeros(LR_TAGS, dtype=np.float32)
+    target[[tag_ids[t] for t in tags.split("|") if t in tag_ids]] = 1.0
+    return ids, target
 
 
 def test_vectorised_stackoverflow_preprocessing_matches_the_per_sentence_one() -> None:
