@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,11 +80,8 @@ class Run:
         """The run's row in the store, read now."""
         from fedcli.runs.stores import open_store
 
-        db = open_store(self.store, must_exist=True)
-        try:
+        with closing(open_store(self.store, must_exist=True)) as db:
             return db.get_run(self.id)
-        finally:
-            db.close()
 
     def metrics(self) -> pd.DataFrame:
         """The logged round metrics: index `round` (0 = the initial model), one column per metric key
@@ -91,11 +89,8 @@ class Run:
         (e.g. between evaluations with `eval_every` > 1)."""
         from fedcli.runs.stores import open_store
 
-        db = open_store(self.store, must_exist=True)
-        try:
+        with closing(open_store(self.store, must_exist=True)) as db:
             long = db.metrics_frame([self.id])
-        finally:
-            db.close()
         wide = long.pivot_table(index="round_idx", columns="key", values="value", aggfunc="last")
         wide.index.name, wide.columns.name = "round", None
         return wide.sort_index()
@@ -132,7 +127,6 @@ class Run:
             buffers = saved.get("buffers")
             stored = record.config.get("data")
             stored = stored if isinstance(stored, Mapping) else {}
-            trust = self.trust_code if trust_code is None else trust_code
             return served_model(
                 saved["params"],
                 saved["task"],
@@ -142,7 +136,7 @@ class Run:
                 data.get("model_sha256"),
                 buffers if isinstance(buffers, Mapping) else None,
                 data.get("augment"),
-                trust=trust,
+                trust=self.trust_code if trust_code is None else trust_code,
                 data_sha256=stored.get("source_sha256"),
                 source=f"the final model of run {self.id[:8]} ({record.model_path})",
                 fix=f"pass trust_code=True (fedcli.load_run({self.id[:8]!r}, trust_code=True) or "
@@ -266,16 +260,14 @@ def train(
             warn=warn,
             trust_code=trust_code,
         )
-        if progress is True:
-            from fedcli.runs.progress import train_progress
+        from fedcli.runs.progress import train_progress
 
-            with train_progress(cfg) as shown:
-                result = run_config(
-                    cfg, resume_run_id=resume_id, mlflow_optional=mlflow_optional, progress=shown
-                )
-        else:
+        with train_progress(cfg, quiet=progress is not True) as shown:  # quiet: shows nothing
             result = run_config(
-                cfg, resume_run_id=resume_id, mlflow_optional=mlflow_optional, progress=progress or None
+                cfg,
+                resume_run_id=resume_id,
+                mlflow_optional=mlflow_optional,
+                progress=shown if progress is True else progress or None,
             )
     run = load_run(result.run_id, store=cfg.tracking.store_url)
     run.result = result
@@ -305,11 +297,8 @@ def load_run(
         )
     check_bool("trust_code", trust_code)
     url = tracking_config(store_settings(store, root)).store_url
-    db = open_store(url, must_exist=True)
-    try:
+    with closing(open_store(url, must_exist=True)) as db:
         record = db.get_run(ref)
-    finally:
-        db.close()
     return Run(
         id=record.id, status=record.status, config=dict(record.config), store=url, trust_code=trust_code
     )
@@ -400,11 +389,8 @@ def report(
     check_output(path, "output")  # before any work: a rejected report writes nothing
     url = tracking_config(settings).store_url
     require_store(url)
-    db = open_store(url)
-    try:
+    with closing(open_store(url)) as db:
         built = build_report(db, spec)
-    finally:
-        db.close()
     if path is None and format == "md":  # the CLI's note about figures names --output: not said here
         return render_markdown(built, [])
     return write_report(built, path, Format(format), partition_heatmap)

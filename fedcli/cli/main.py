@@ -12,6 +12,7 @@ import fedcli.tracking  # noqa: F401 - sets MLflow's defaults (no telemetry) bef
 from fedcli.cli.errors import OneLineUsageErrors
 from fedcli.cli.evaluate import evaluate
 from fedcli.cli.listing import list_command
+from fedcli.cli.partition import partition
 from fedcli.cli.report import report
 from fedcli.cli.sweep import sweep
 from fedcli.cli.sync import sync
@@ -105,13 +106,7 @@ app.command("evaluate")(evaluate)
 app.command("report")(report)
 app.command("ui")(ui)
 app.command("sync")(sync)
-
-try:  # `fedcli partition` lives in its own module
-    from fedcli.cli.partition import partition
-
-    app.command("partition")(partition)
-except ImportError:  # pragma: no cover - only while the module is being written
-    pass
+app.command("partition")(partition)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -19,9 +19,6 @@ from fedcli.cli.errors import user_errors
 from fedcli.runs.outputs import check_output
 from fedcli.runs.reports import Format, parse_list, parse_metric, parse_numbers, parse_where, write_report
 from fedcli.runs.stores import open_store, tracking_config
-
-if TYPE_CHECKING:
-    pass
 
 SELECT, TABLES = "Selection", "Tables"
 

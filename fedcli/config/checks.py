@@ -332,17 +332,13 @@ def check_blank_tracking(track: TrackingConfig) -> None:
             )
 
 
-def in_memory_sqlite(url: str) -> bool:
-    """`sqlite://`, `sqlite:///`, `sqlite:///:memory:`, `?mode=memory`: a database each connection sees empty."""
-    if not url.lower().startswith("sqlite"):
-        return False
-    database = url.split("://", 1)[-1].removeprefix("/").split("?", 1)[0]
-    return database in ("", ":memory:") or "mode=memory" in url.lower()
-
-
 def check_not_in_memory(key: str, url: str | None, source: str) -> None:
-    """An in-memory SQLite URL keeps nothing past its connection (a run trained, then failed on "no such table")."""
-    if url and in_memory_sqlite(url):
+    """An in-memory SQLite URL keeps nothing past its connection (a run trained, then failed on "no such table"):
+    `sqlite://`, `sqlite:///`, `sqlite:///:memory:`, `?mode=memory`, a database each connection sees empty."""
+    if not url or not url.lower().startswith("sqlite"):
+        return
+    database = url.split("://", 1)[-1].removeprefix("/").split("?", 1)[0]
+    if database in ("", ":memory:") or "mode=memory" in url.lower():
         raise ConfigError(
             f"{key} must be a database that outlives the command; got {mask_url(url)!r} (from "
             f"{source}), an in-memory SQLite database. Pass a file such as sqlite:////abs/path/fedcli.db, "

@@ -152,8 +152,7 @@ def check_train_arguments(
         raise ConfigError(
             f"resume must be a run id, id prefix or name (str), or a Run; got {kind_of(resume)}."
         )
-    if not isinstance(mlflow_optional, bool):
-        raise ConfigError(f"mlflow_optional must be True or False; got {kind_of(mlflow_optional)}.")
+    check_bool("mlflow_optional", mlflow_optional)
     if not isinstance(progress, bool) and not callable(progress):
         raise ConfigError(
             f"progress must be True, False or a function f(round, metrics); got {kind_of(progress)}."
