@@ -83,14 +83,13 @@ def drop_repeats(records: Sequence[RunRecord]) -> tuple[list[RunRecord], list[st
     for record in sorted(records, key=lambda r: (r.created_at, r.id)):
         newest[record.config_hash] = record
     kept = [r for r in records if newest[r.config_hash].id == r.id]
-    notes = []
-    for record in records:
-        if newest[record.config_hash].id != record.id:
-            notes.append(
-                f"Run `{record.id[:8]}` repeats the config and seed of the newer run "
-                f"`{newest[record.config_hash].id[:8]}` (config hash {record.config_hash[:10]}); "
-                "only the newer one is counted."
-            )
+    notes = [
+        f"Run `{record.id[:8]}` repeats the config and seed of the newer run "
+        f"`{newest[record.config_hash].id[:8]}` (config hash {record.config_hash[:10]}); "
+        "only the newer one is counted."
+        for record in records
+        if newest[record.config_hash].id != record.id
+    ]
     return kept, sorted(notes)
 
 
@@ -252,9 +251,9 @@ def run_values(
     empty: Curve = (np.zeros(0, np.int64), np.zeros(0))
     rounds, values = curves.get(metric, empty)
     low = md.is_lower_better(metric)
-    out: dict[str, float | None] = {}
-    for r in at:
-        out[f"at@{r}"] = md.window_mean(rounds, values, r, window, last_round) if rounds.size else None
+    out: dict[str, float | None] = {
+        f"at@{r}": md.window_mean(rounds, values, r, window, last_round) if rounds.size else None for r in at
+    }
     up, down = curves.get("comm/bytes_up", empty), curves.get("comm/bytes_down", empty)
     for x in spec.thresholds:
         hit = md.rounds_to_threshold(rounds, values, x, smooth, low) if rounds.size else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -155,15 +156,13 @@ def f1_rules(report: Report) -> str:
     return f"F1 decision rule (micro_f1, macro_f1): {shown}."
 
 
-def _has_f1(report: Report, table: str) -> bool:
-    return (
-        "f1" in report.metric if table == "main" else any("f1" in c.id for c in report.tables.get(table, ()))
-    )
-
-
 def _definitions(report: Report, table: str) -> str:
+    """The definitions under a table, with the F1 decision rule where the table shows F1."""
     text = _definitions_text(report, table)
-    return f"{text} {f1_rules(report)}" if table in ("main", "eval") and _has_f1(report, table) else text
+    shows_f1 = {"main": "f1" in report.metric, "eval": any("f1" in c.id for c in report.tables["eval"])}
+    if shows_f1.get(table):
+        return f"{text} {f1_rules(report)}"
+    return text
 
 
 def _definitions_text(report: Report, table: str) -> str:
@@ -324,31 +323,15 @@ def _rows(report: Report) -> list[dict[str, Any]]:
     for table, columns in report.tables.items():
         for g in report.groups:
             for c in columns:
-                s = g.summary[c.id]
-                for stat, value in (("mean", s.mean), ("std", s.std), ("count", s.count), ("total", s.total)):
-                    rows.append(
-                        {
-                            "group": g.label,
-                            "run_id": "",
-                            "seed": "",
-                            "table": table,
-                            "column": c.id,
-                            "statistic": stat,
-                            "value": value,
-                        }
-                    )
-                for r, value in zip(g.runs, g.values[c.id], strict=True):
-                    rows.append(
-                        {
-                            "group": g.label,
-                            "run_id": r.id,
-                            "seed": r.seed,
-                            "table": table,
-                            "column": c.id,
-                            "statistic": "value",
-                            "value": value,
-                        }
-                    )
+                cell = {"group": g.label, "table": table, "column": c.id}
+                rows += [
+                    {**cell, "run_id": "", "seed": "", "statistic": stat, "value": value}
+                    for stat, value in asdict(g.summary[c.id]).items()
+                ]
+                rows += [
+                    {**cell, "run_id": r.id, "seed": r.seed, "statistic": "value", "value": value}
+                    for r, value in zip(g.runs, g.values[c.id], strict=True)
+                ]
     return rows
 
 
@@ -378,10 +361,7 @@ def render_json(report: Report) -> str:
             "seeds": [r.seed for r in g.runs],
             "runs": [r.id for r in g.runs],
             "mixed": g.mixed,
-            "columns": {
-                c: {"mean": s.mean, "std": s.std, "count": s.count, "total": s.total}
-                for c, s in g.summary.items()
-            },
+            "columns": {c: asdict(s) for c, s in g.summary.items()},
         }
         for g in report.groups
     ]
