@@ -177,7 +177,7 @@ def recommended_rows(record: Any) -> list[dict[str, Any]]:
 def algo_detail(row: dict[str, Any]) -> Any:
     """A rich renderable of one algorithm: paper, description, executors, its hyperparameters table."""
     from rich.console import Group
-    from rich.table import Table
+    from rich.table import Column, Table
     from rich.text import Text
 
     head = Text.assemble(
@@ -189,22 +189,25 @@ def algo_detail(row: dict[str, Any]) -> Any:
     details = row["hyperparameter_details"]
     if not details:
         return Group(head, Text("\nno hyperparameters of its own (the shared train.* options apply)"))
-    table = Table(title=f"{row['name']} hyperparameters (--hp KEY=VALUE)", title_justify="left")
-    table.add_column("name", no_wrap=True)
-    table.add_column("default", no_wrap=True)
-    table.add_column("type", no_wrap=True)
-    table.add_column("meaning; source of the default", overflow="fold")
+    table = Table(
+        Column("name", no_wrap=True),
+        Column("default", no_wrap=True),
+        Column("type", no_wrap=True),
+        Column("meaning; source of the default", overflow="fold"),
+        title=f"{row['name']} hyperparameters (--hp KEY=VALUE)",
+        title_justify="left",
+    )
     for hp in details:
         table.add_row(hp["name"], str(hp["default"]), hp["type"], hp["description"] or "—")
     parts: list[Any] = [head, Text(""), table]
     if row.get("recommended"):
         advice = Table(
+            Column("key", no_wrap=True),
+            Column("default run", no_wrap=True),
+            Column("rule; source", overflow="fold"),
             title="recommended for a run that does not set them (applied, recorded as fedcli.recommended)",
             title_justify="left",
         )
-        advice.add_column("key", no_wrap=True)
-        advice.add_column("default run", no_wrap=True)
-        advice.add_column("rule; source", overflow="fold")
         for item in row["recommended"]:
             advice.add_row(item["key"], str(item["default_run"]), item["why"])
         parts += [Text(""), advice, Text("default run: femnist, 50 rounds, 10 clients per round")]

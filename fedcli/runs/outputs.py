@@ -19,26 +19,22 @@ from pathlib import Path
 
 from fedcli.errors import ConfigError
 
+# the line of an OSError on an output file by its errno (`output_error`); any other: "not writable"
+OUTPUT_ERRORS = {
+    errno.ENOSPC: "no space left on device: {path}; free some space or pass {flag} a path on another disk.",
+    errno.EACCES: "permission denied: {path}; pass {flag} a path in a directory you can write.",
+    errno.EPERM: "permission denied: {path}; pass {flag} a path in a directory you can write.",
+    errno.EISDIR: "{flag} must be a file path; got {name!r}, which is a directory. Name a file inside it.",
+    errno.ENOTDIR: "{flag} must be a path under a directory; got {name!r}: not a directory (a parent is a "
+    "file). Pick another path.",
+}
+
 
 def output_error(path: Path, flag: str, exc: OSError) -> ConfigError:
     """The one-line ConfigError for an OSError on an output file the user named."""
-    code = exc.errno
-    if code == errno.ENOSPC:
-        return ConfigError(
-            f"no space left on device: {path}; free some space or pass {flag} a path on another disk."
-        )
-    if code in (errno.EACCES, errno.EPERM):
-        return ConfigError(f"permission denied: {path}; pass {flag} a path in a directory you can write.")
-    if code == errno.EISDIR:
-        return ConfigError(
-            f"{flag} must be a file path; got {str(path)!r}, which is a directory. Name a file inside it."
-        )
-    if code == errno.ENOTDIR:
-        return ConfigError(
-            f"{flag} must be a path under a directory; got {str(path)!r}: not a directory "
-            "(a parent is a file). Pick another path."
-        )
-    why = "" if code == errno.ENOENT else f" ({exc.strerror or exc})"  # ENOENT here: /proc and the like
+    if exc.errno in OUTPUT_ERRORS:
+        return ConfigError(OUTPUT_ERRORS[exc.errno].format(path=path, flag=flag, name=str(path)))
+    why = "" if exc.errno == errno.ENOENT else f" ({exc.strerror or exc})"  # ENOENT here: /proc and the like
     return ConfigError(f"{path}: not writable{why}; pass {flag} a path in a writable directory.")
 
 
