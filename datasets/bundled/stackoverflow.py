@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from fedcli.datasets import models
+from fedcli.datasets.formats.diskstore import wants_disk
 from fedcli.datasets.formats.tff_h5 import (
     TFF_URL,
     Encode,
@@ -29,7 +30,6 @@ from fedcli.datasets.formats.tff_h5 import (
     read_tff_h5,
     stack_field,
     stream_to_store,
-    wants_disk,
 )
 from fedcli.datasets.metrics import MetricFns, next_token
 from fedcli.datasets.sources import align_clients, data_dir, missing_data

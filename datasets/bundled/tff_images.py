@@ -26,13 +26,13 @@ from fedcli.datasets.bundled.torchvision_sources import (
     load_cifar,
     load_emnist_torchvision,
 )
+from fedcli.datasets.formats.diskstore import wants_disk
 from fedcli.datasets.formats.tff_h5 import (
     Encode,
     ensure_files,
     read_tff_h5,
     stack_field,
     stream_to_store,
-    wants_disk,
 )
 from fedcli.datasets.sources import align_clients, data_dir, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions

@@ -115,10 +115,6 @@ class StoreWriter:
         if name not in self.files:
             self.append(name, np.zeros((0, *row_shape), dtype=dtype))
 
-    def declare_like(self, name: str, like: np.ndarray) -> None:
-        """Create `name` with `like`'s dtype and row shape if nothing was appended to it."""
-        self.declare(name, like.dtype, like.shape[1:])
-
     def append_ragged(self, name: str, rows: np.ndarray) -> None:
         """Append rows [n, w] whose width w varies between calls; `pad_ragged` pads them to the widest."""
         rows = np.ascontiguousarray(rows)
@@ -168,11 +164,11 @@ class StoreWriter:
 
     def close(self) -> dict[str, Any]:
         """Flush and fsync every array; return their dtypes and shapes for meta.json."""
+        specs = self.specs()
         for fh in self.files.values():
-            fh.flush()
             os.fsync(fh.fileno())
             fh.close()
-        return {name: {"dtype": d, "shape": [n, *s]} for name, (d, s, n) in self.shapes.items()}
+        return specs
 
     def abort(self) -> None:
         for fh in self.files.values():
@@ -288,7 +284,7 @@ def stream_fingerprint(
     `as_dtype`: name -> the dtype the in-memory loader holds it in (e.g. int64 token ids stored as int16)."""
     digest, dtypes = hashlib.sha256(), as_dtype or {}
     for name in names:
-        array = _memmap(folder, name, arrays[name])
+        array = open_array(folder, name, arrays[name])
         digest.update(str(tuple(array.shape)).encode())
         rows = max(1, chunk_bytes // max(1, array[:1].nbytes * 8))
         for start in range(0, len(array), rows):
@@ -333,11 +329,7 @@ def progress(total: int, what: str) -> Iterator[Callable[[int], None]]:
 
 
 def open_array(folder: Path, name: str, spec: dict[str, Any]) -> np.ndarray:
-    """One array of a store (or of one being built) as a read-only memory map."""
-    return _memmap(folder, name, spec)
-
-
-def _memmap(folder: Path, name: str, spec: dict[str, Any]) -> np.ndarray:
+    """One array of a store (or of one being built) as a copy-on-write memory map (never written back)."""
     shape = tuple(spec["shape"])
     if shape[0] == 0:
         return np.zeros(shape, dtype=np.dtype(spec["dtype"]))
@@ -345,7 +337,8 @@ def _memmap(folder: Path, name: str, spec: dict[str, Any]) -> np.ndarray:
 
 
 class ClientIndex(Sequence[np.ndarray]):
-    """client k -> its example indices, read from a store's flat index on demand (no per-client arrays)."""
+    """client k -> its example indices, read from a store's flat index on demand (no per-client arrays);
+    iteration and truth value come from `Sequence` (`__getitem__` and `__len__`)."""
 
     def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
         self.flat, self.offsets = flat, offsets
@@ -371,15 +364,6 @@ class ClientIndex(Sequence[np.ndarray]):
             raise IndexError(k)
         return np.asarray(self.flat[self.offsets[k] : self.offsets[k + 1]], dtype=np.int64)
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        return (self[k] for k in range(len(self)))
-
-    def sizes(self) -> np.ndarray:
-        return np.diff(self.offsets).astype(np.int64)
-
-    def __bool__(self) -> bool:
-        return len(self) > 0
-
 
 @dataclass(frozen=True)
 class Opened:
@@ -394,7 +378,7 @@ def open_store(folder: Path) -> Opened:
     """Open a built store's arrays as memory maps; DataError if it is not a complete store."""
     try:
         meta = json.loads((folder / META).read_text(encoding="utf-8"))
-        arrays = {name: _memmap(folder, name, spec) for name, spec in meta["arrays"].items()}
+        arrays = {name: open_array(folder, name, spec) for name, spec in meta["arrays"].items()}
     except (OSError, ValueError, KeyError) as exc:
         raise DataError(
             f"the disk store {folder} is unreadable ({exc}); delete that folder to rebuild it."

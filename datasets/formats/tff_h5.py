@@ -19,13 +19,13 @@ datasets/scale/tff_images.py (EMNIST, CIFAR-100) and datasets/scale/stackoverflo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedcli.datasets.sources import download, extract_tar
+from fedcli.datasets.sources import consecutive, download, extract_tar
 from fedcli.datasets.tasks import TaskData, TaskOptions
 from fedcli.errors import DataError
 
@@ -92,13 +92,6 @@ def _one_line(exc: BaseException) -> str:
 CLIENT_BATCH = 1024  # clients read and preprocessed together when streaming into a disk store
 
 
-def wants_disk(options: TaskOptions, paths: Sequence[Path]) -> bool:
-    """--data-store disk, or auto with source files above AUTO_DISK_BYTES (docs/scaling.md)."""
-    from fedcli.datasets.formats.diskstore import wants_disk as disk
-
-    return disk(options, paths)
-
-
 Encode = Callable[[list[dict[str, np.ndarray]]], dict[str, np.ndarray]]
 
 
@@ -144,11 +137,11 @@ def stream_to_store(
         for name in encode([]):  # a split without examples still has its arrays
             for split in ("", "test_"):
                 if name not in ragged:
-                    writer.declare_like(f"{split}{name}", encode([])[name])
+                    empty = encode([])[name]
+                    writer.declare(f"{split}{name}", empty.dtype, empty.shape[1:])
         for name in ragged:
             for split in ("", "test_"):
                 writer.pad_ragged(f"{split}{name}")
-        writer.flush()
         return {
             "client_names": ids,
             "num_classes": num_classes,
@@ -194,14 +187,7 @@ def _stream_split(
 def stack_field(records: list[dict[str, np.ndarray]], field: str) -> tuple[np.ndarray, list[np.ndarray]]:
     """Concatenate a field over clients; return it and client -> example indices."""
     parts = [r[field] for r in records]
-    sizes = np.array([len(p) for p in parts])
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return np.concatenate(parts), [np.arange(s, s + n) for s, n in zip(starts, sizes, strict=True)]
-
-
-def _fetch_tff(folder: Path, archive: str) -> None:
-    path = download(TFF_URL + archive, folder / archive)
-    extract_tar(path, folder)
+    return np.concatenate(parts), consecutive([len(p) for p in parts])
 
 
 def ensure_files(
@@ -212,6 +198,6 @@ def ensure_files(
         return True
     if options.download:
         for archive in archives:
-            _fetch_tff(folder, archive)
+            extract_tar(download(TFF_URL + archive, folder / archive), folder)
         return all((folder / f).exists() for f in files)
     return False
