@@ -7,6 +7,7 @@ Part of the `fedcli.tracking.store` package (docs/architecture.md §6), whose do
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -30,13 +31,6 @@ from fedcli.tracking.store.common import (
     _first_line,
 )
 from fedcli.tracking.urls import mask_url, sqlite_path
-
-
-def _sqlite_connect_hook(busy_ms: int) -> Any:
-    """The engine's "connect" listener: `_on_sqlite_connect` with this busy timeout (ms)."""
-    return lambda dbapi_connection, connection_record: _on_sqlite_connect(
-        dbapi_connection, connection_record, busy_ms
-    )
 
 
 def _on_sqlite_connect(
@@ -153,7 +147,7 @@ def open_engine(url: str, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> tuple[Engine
     except (ArgumentError, NoSuchModuleError, ImportError) as err:
         raise TrackingError(f"store {shown!r} cannot be used: {_first_line(err)}; {STORE_FIX}") from err
     if is_sqlite:
-        event.listen(engine, "connect", _sqlite_connect_hook(busy_ms))
+        event.listen(engine, "connect", functools.partial(_on_sqlite_connect, busy_ms=busy_ms))
         event.listen(engine, "begin", _on_sqlite_begin)
     else:  # psycopg's own warning about a lost connection repeats the store's one line (`SqlStore._retry`)
         logging.getLogger("psycopg").setLevel(logging.ERROR)

@@ -2,8 +2,7 @@
 
 The engine (fedcli/engine/train.py, lifecycle.py) and the `Tracker` (tracking/sinks.py) reach the
 store only through this protocol: starting or resuming a run, writing its rounds and checkpoints,
-its heartbeat and its end, and the few reads a resume makes. `SqlStore` (sql_store.py and its
-`writes`/`queries` mixins) satisfies it structurally: the signatures here are copies of its own
+its heartbeat and its end, and the few reads a resume makes. `SqlStore` (sql_store.py) satisfies it structurally: the signatures here are copies of its own
 (tests/test_layering.py compares them), and mypy checks SqlStore against it where the run layer
 hands one to a `Tracker` (fedcli/runs/stores.py). The engine never imports `sql_store` or SQLAlchemy
 (docs/architecture.md §6).

@@ -213,12 +213,9 @@ def schema_current(conn: Any) -> bool:
     tables = set(inspector.get_table_names())
     if not set(Base.metadata.tables) <= tables:
         return False
-    columns: dict[str, set[str]] = {}
-    for table, column, _ in _ADDED_COLUMNS:
-        if table not in columns:
-            columns[table] = {c["name"] for c in inspector.get_columns(table)}
-        if column not in columns[table]:
-            return False
+    present = {(t, c["name"]) for t in {t for t, _, _ in _ADDED_COLUMNS} for c in inspector.get_columns(t)}
+    if not {(table, column) for table, column, _ in _ADDED_COLUMNS} <= present:
+        return False
     return _status_check_current(conn) and _secrets_masked(conn)
 
 
@@ -294,7 +291,7 @@ def upgrade_schema(conn: Any) -> None:
             conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
             log.info("store: added column %s.%s (store made by an older fedcli)", table, column)
     _widen_status_check(conn)
-    if conn.scalar(select(StoreMeta.value).where(StoreMeta.key == SECRETS_MASKED)) is None:
+    if not _secrets_masked(conn):
         if (
             conn.dialect.name == "sqlite"
         ):  # the old rows' bytes overwritten in the file, not left in freed pages
