@@ -52,9 +52,11 @@ def command_name() -> str:
     import shutil
 
     on_path = shutil.which("fedcli")
-    here = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0].endswith("fedcli") else None
-    if here is None:
-        here = Path(sys.executable).with_name("fedcli")
+    here = (
+        Path(sys.argv[0]).resolve()
+        if sys.argv and sys.argv[0].endswith("fedcli")
+        else Path(sys.executable).with_name("fedcli")
+    )
     if on_path and Path(on_path).resolve() == here.resolve():
         return "fedcli"
     return str(here) if here.exists() else "fedcli"
@@ -81,8 +83,6 @@ def resume_hint(cfg: Any, run_id: str) -> str:
     """The command that continues `run_id`, with the store options it needs (a distributed run:
     under torchrun again, or in one process with another executor)."""
     resume = f"train --resume {run_id[:8]}{store_options(cfg)}"
-    import shlex
-
     from fedcli.datasets.yours.trust import recorded_code
 
     for code in recorded_code(
@@ -137,11 +137,3 @@ def summarise_run(cfg: RunConfig, result: RunResult) -> None:
             f'(or put {Path(fedcli).parent} on PATH: export PATH="{Path(fedcli).parent}:$PATH")',
             soft_wrap=True,
         )
-
-
-def stdout_is_terminal() -> bool:
-    return sys.stdout.isatty()
-
-
-def resolve(path: Path | None) -> str | None:
-    return None if path is None else str(path.resolve())

@@ -6,10 +6,11 @@ the printed lines and the exit codes (128 + the signal of a stop).
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import typer
 
-from fedcli.cli.common import stdout_is_terminal, store_options, summarise_run
+from fedcli.cli.common import store_options, summarise_run
 from fedcli.cli.errors import user_errors
 from fedcli.runs.progress import train_progress
 from fedcli.runs.request import TrainOptions
@@ -69,7 +70,7 @@ def run_training(
                     )
                 # the id on stdout as soon as the run exists (a script gets it even if the run is then stopped);
                 # on a terminal at the end instead, where it would land on the live progress bar
-                on_terminal = stdout_is_terminal()
+                on_terminal = sys.stdout.isatty()
                 prepared = group.enter_context(
                     prepared_run(
                         cfg,

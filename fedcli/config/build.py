@@ -232,13 +232,9 @@ def build_config(
                 f"{doc[name]!r}. Write it as `{name}: {{key: value}}`."
             )
     merged: dict[str, dict[str, Any]] = {name: dict(doc.get(name) or {}) for name in SECTIONS}
-    seed = doc.get("seed", 0)
-    for dotted, value in (overrides or {}).items():
-        if value is None:
-            continue
-        if dotted == "seed":
-            seed = value
-            continue
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    seed = given.pop("seed", doc.get("seed", 0))
+    for dotted, value in given.items():
         section, _, key = dotted.partition(".")
         merged[section][key] = value
     file_hp = merged["algorithm"].pop("hp", None) or {}
@@ -328,6 +324,8 @@ def resume_config(stored: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ru
             "change. Start a new run instead, or drop those options."
         )
     doc = {k: dict(v) if isinstance(v, Mapping) else v for k, v in stored.items()}
-    hp = dict(doc["algorithm"].pop("hp", {}) or {})
-    hp = {**HP_ADDED.get(str(doc["algorithm"].get("name", AlgorithmConfig.name)), {}), **hp}
+    hp = {
+        **HP_ADDED.get(str(doc["algorithm"].get("name", AlgorithmConfig.name)), {}),
+        **dict(doc["algorithm"].pop("hp", {}) or {}),
+    }
     return build_config(doc=doc, overrides=overrides, hp=hp)

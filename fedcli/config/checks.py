@@ -100,33 +100,28 @@ def suggest(name: str, options: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def parse_value(text: str, flag: str = "value") -> Any:
-    """Parse a CLI value ('0.1', 'true', '[1,2]') as YAML; fall back to the string.
-
-    Raises:
-        ConfigError: a mapping that gives a key twice (`{a: 1, a: 2}`), or nesting too deep to read.
-    """
-    try:
-        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except (DuplicateKeyError, RecursionError):
-        return load_yaml(text, f"{flag} {text[:60]!r}")  # raises the one line
-    except yaml.YAMLError:
-        return text
-
-
 def parse_assignments(items: list[str], flag: str) -> dict[str, Any]:
-    """Parse ['key=value', ...] into {key: typed value}; ConfigError on a malformed item."""
+    """Parse ['key=value', ...] into {key: typed value}; ConfigError on a malformed item.
+
+    Each value is read as YAML ('0.1', 'true', '[1,2]'), falling back to the string; a mapping that
+    gives a key twice (`{a: 1, a: 2}`) or nesting too deep to read is a ConfigError.
+    """
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
             raise ConfigError(f"{flag} must be KEY=VALUE; got {item!r}.")
-        if key.strip() in out:
+        if key in out:
             raise ConfigError(
-                f"{flag} {key.strip()} must be given once; got {key.strip()}={out[key.strip()]!r} and "
-                f"{item!r}. Keep one."
+                f"{flag} {key} must be given once; got {key}={out[key]!r} and {item!r}. Keep one."
             )
-        out[key.strip()] = parse_value(value.strip(), flag)
+        try:
+            out[key] = yaml.load(value, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        except (DuplicateKeyError, RecursionError):
+            out[key] = load_yaml(value, f"{flag} {value[:60]!r}")  # raises the one line
+        except yaml.YAMLError:
+            out[key] = value
     return out
 
 
