@@ -364,6 +364,10 @@ class ClientIndex(Sequence[np.ndarray]):
             raise IndexError(k)
         return np.asarray(self.flat[self.offsets[k] : self.offsets[k + 1]], dtype=np.int64)
 
+    def sizes(self) -> np.ndarray:
+        """Every client's example count, from the offsets alone (federated.DiskData reads it)."""
+        return np.diff(self.offsets).astype(np.int64)
+
 
 @dataclass(frozen=True)
 class Opened:

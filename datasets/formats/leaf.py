@@ -83,15 +83,7 @@ def read_leaf_file(path: Path, *, exact_counts: bool = True) -> dict[str, Any]:
 
 def read_leaf_dir(directory: Path, *, exact_counts: bool = True) -> dict[str, dict[str, list[Any]]]:
     """Merge every *.json / *.json.gz file of a LEAF split folder: user -> {x, y}."""
-    files = leaf_files(directory)
-    merged: dict[str, dict[str, list[Any]]] = {}
-    for path in files:
-        doc = read_leaf_file(path, exact_counts=exact_counts)
-        for user in doc["users"]:
-            if user in merged:
-                raise DataError(f"user {user!r} appears in two files of {directory}.")
-            merged[user] = doc["user_data"][user]
-    return merged
+    return {user: record for _, user, record in iter_leaf_users(directory, exact_counts=exact_counts)}
 
 
 class _DuplicateKey(DataError, ValueError):
@@ -230,7 +222,6 @@ def stream_leaf_store(
                 total += len(rows["y"])
             advance(1)
         users = sorted(ranges)[:max_clients] if keep is None else [u for u in keep if u in ranges]
-        writer.flush()
         specs = writer.specs()
         for array in ("x", "y"):
             raw = diskstore.open_array(writer.folder, f"raw_{prefix}{array}", specs[f"raw_{prefix}{array}"])
@@ -240,11 +231,10 @@ def stream_leaf_store(
                 writer.append(f"{prefix}{array}", np.asarray(raw[start : start + count]))
             del raw
             writer.drop(f"raw_{prefix}{array}")
-        if keep is None:
-            diskstore.write_consecutive(writer, prefix, [ranges[u][1] for u in users])
-        else:
-            present = {u: ranges[u][1] for u in users}
-            diskstore.write_consecutive(writer, prefix, [present.get(u, 0) for u in keep])
+        sizes = {u: ranges[u][1] for u in users}  # test users: the train users' order, 0 for one without
+        diskstore.write_consecutive(
+            writer, prefix, [sizes.get(u, 0) for u in (users if keep is None else keep)]
+        )
         return users
 
     def fill(writer: diskstore.StoreWriter) -> dict[str, Any]:
