@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -116,8 +117,6 @@ class CheckpointWriter:
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self._write_s: float | None = None  # seconds of the last write (auto cadence)
-        self._round_s = 0.0  # mean wall seconds of a round (kept for reference; the cadence uses medians)
-        self._rounds_seen = 0
         self._writes: deque[float] = deque(maxlen=self.WRITES_WINDOW)  # recent write times (auto cadence)
         self._rounds: deque[float] = deque(maxlen=self.ROUNDS_WINDOW)  # recent round times (auto cadence)
         self._sampled: float | None = None  # the `_write_s` object last put in `_writes`
@@ -146,7 +145,7 @@ class CheckpointWriter:
             return self.every
         if not self._writes or not self._rounds:
             return 1
-        write_s, round_s = _lower_median(self._writes), _lower_median(self._rounds)
+        write_s, round_s = statistics.median_low(self._writes), statistics.median_low(self._rounds)
         if round_s <= 0:
             return 1
         most = max(1, int(self.MAX_GAP_S / round_s))
@@ -154,8 +153,6 @@ class CheckpointWriter:
 
     def due(self, round_idx: int, round_s: float) -> bool:
         """Account one finished round (`round_s`: its wall seconds); True when it should be checkpointed."""
-        self._rounds_seen += 1
-        self._round_s += (round_s - self._round_s) / self._rounds_seen
         self._rounds.append(round_s)
         written = self._write_s  # set by the writer thread; each write stores a new float object
         if written is not None and written is not self._sampled:
@@ -261,9 +258,3 @@ class CheckpointWriter:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-
-
-def _lower_median(values: Any) -> float:
-    """The median of a non-empty collection of numbers; the lower middle value for an even count."""
-    ordered = sorted(values)
-    return float(ordered[(len(ordered) - 1) // 2])

@@ -30,7 +30,6 @@ import errno
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +37,9 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from fedcli.engine.slots import PRECISIONS, ClientDelta, SlotLayout, SpilledSlot, delta_file_name, spill_name
-from fedcli.errors import ConfigError, TrackingError
+from fedcli.engine.slots import ClientDelta, SlotLayout, SpilledSlot, delta_file_name, spill_name
+from fedcli.errors import TrackingError
 
-STORES = ("auto", "ram", "disk")
 SLOTS_FILE = "slots.bin"
 
 
@@ -50,13 +48,6 @@ SLOTS_FILE = "slots.bin"
 # live states of the files with the fewest live rows (most superseded first) until they no longer do
 COMPACT_FACTOR = 2
 COMPACT_MIN_BYTES = 1 << 30
-
-
-@dataclass
-class _Cache:
-    budget: int  # bytes; < 0: unbounded
-    states: OrderedDict[int, Any] = field(default_factory=OrderedDict)  # least recently used first
-    dirty: set[int] = field(default_factory=set)  # cached states not yet in their slot
 
 
 class ClientStateStore:
@@ -81,17 +72,15 @@ class ClientStateStore:
         cache_mb: float = 512.0,
         precision: str = "state",
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ConfigError(
-                f"train.state_precision must be one of {', '.join(PRECISIONS)}; got {precision!r}."
-            )
         self._init_fn = init_fn
         self._storage = torch.device(storage_device)
         self._precision = precision
         self._layout: SlotLayout | None = None
         self.folder = folder
         self._fd: int | None = None
-        self._cache = _Cache(budget=-1 if folder is None else int(cache_mb * 2**20))
+        self._budget = -1 if folder is None else int(cache_mb * 2**20)  # the cache's bytes; < 0: unbounded
+        self._states: OrderedDict[int, Any] = OrderedDict()  # the cached states, least recently used first
+        self._dirty: set[int] = set()  # cached states not yet in their slot
         self._on_disk: set[int] = set()  # clients whose current state is in their slot
         self._changed: set[int] = set()  # clients changed since the last checkpoint
         self._index: dict[int, tuple[str, int]] = {}  # the last checkpoint's manifest
@@ -100,10 +89,6 @@ class ClientStateStore:
         self.compact_min_bytes = COMPACT_MIN_BYTES
         if folder is not None:
             self._open()
-
-    @property
-    def stateful(self) -> bool:
-        return self._init_fn is not None
 
     @property
     def on_disk(self) -> bool:
@@ -116,10 +101,10 @@ class ClientStateStore:
         return self._layout
 
     def __len__(self) -> int:
-        return len(self._cache.states.keys() | self._on_disk)
+        return len(self._states.keys() | self._on_disk)
 
     def __contains__(self, client: object) -> bool:
-        return client in self._cache.states or client in self._on_disk
+        return client in self._states or client in self._on_disk
 
     def gather(self, cohort: np.ndarray, device: torch.device) -> Any:
         """Return the cohort's states stacked on a leading axis, on `device` (None if stateless)."""
@@ -163,11 +148,10 @@ class ClientStateStore:
         if layout is None:
             return {}
         out = {
-            c: layout.widen(self._get(c, cache=False))
-            for c in sorted(self._cache.states.keys() | self._on_disk)
+            c: layout.widen(self._get(c, cache=False)) for c in sorted(self._states.keys() | self._on_disk)
         }
         if self._precision == "state":  # the stored objects themselves, as the dict form always gave them
-            out.update({c: s for c, s in self._cache.states.items()})
+            out.update({c: s for c, s in self._states.items()})
         return out
 
     def load_state_dict(
@@ -178,8 +162,8 @@ class ClientStateStore:
         `index`: the manifest of the checkpoint they come from (format 3): the next checkpoint
         then writes only what changes from here on. Without it the next one writes them all.
         """
-        self._cache.states.clear()
-        self._cache.dirty.clear()
+        self._states.clear()
+        self._dirty.clear()
         self._on_disk.clear()
         if self.folder is not None:
             self._open()
@@ -202,15 +186,15 @@ class ClientStateStore:
         """
         file = delta_file_name(round_idx)
         if self._full_next:
-            self._changed = set(self._cache.states.keys() | self._on_disk)
+            self._changed = set(self._states.keys() | self._on_disk)
             self._index = {}
             self._full_next = False
         else:
             self._changed |= self._to_compact()
         clients = sorted(self._changed)
-        evicted = [c for c in clients if c not in self._cache.states]
+        evicted = [c for c in clients if c not in self._states]
         spilled = dict(zip(evicted, self._spill(evicted, round_idx), strict=True)) if evicted else {}
-        states = [self._cache.states[c] if c in self._cache.states else spilled[c] for c in clients]
+        states = [self._states[c] if c in self._states else spilled[c] for c in clients]
         self._index = {
             **{c: v for c, v in self._index.items() if c not in self._changed},
             **{c: (file, row) for row, c in enumerate(clients)},
@@ -287,10 +271,10 @@ class ClientStateStore:
     def _get(self, client: int, cache: bool = True) -> Any:
         layout = self.layout
         assert layout is not None and self._init_fn is not None
-        if client in self._cache.states:
+        if client in self._states:
             if cache:
-                self._cache.states.move_to_end(client)
-            return self._cache.states[client]
+                self._states.move_to_end(client)
+            return self._states[client]
         if client in self._on_disk:
             state = layout.unpack(self._read_slot(client))
             if cache:
@@ -300,21 +284,21 @@ class ClientStateStore:
         return layout.round(self._init_fn(), self._storage)  # never visited: a fresh state (not stored)
 
     def _put(self, client: int, state: Any, dirty: bool) -> None:
-        self._cache.states[client] = state
-        self._cache.states.move_to_end(client)
+        self._states[client] = state
+        self._states.move_to_end(client)
         if dirty:
-            self._cache.dirty.add(client)
+            self._dirty.add(client)
 
     def _evict(self, keep: int = 0) -> None:
         """Write back and drop least recently used states beyond the budget (the newest `keep` stay)."""
-        if self._cache.budget < 0 or self.layout is None:
+        if self._budget < 0 or self.layout is None:
             return
-        room = max(0, self._cache.budget // self.layout.slot_bytes)
-        while len(self._cache.states) > max(room, keep):
-            client, state = self._cache.states.popitem(last=False)
-            if client in self._cache.dirty:
+        room = max(0, self._budget // self.layout.slot_bytes)
+        while len(self._states) > max(room, keep):
+            client, state = self._states.popitem(last=False)
+            if client in self._dirty:
                 self._write_slot(client, self.layout.pack(state))
-                self._cache.dirty.discard(client)
+                self._dirty.discard(client)
             self._on_disk.add(client)
 
     def _open(self) -> None:
@@ -364,8 +348,6 @@ def make_store(
 ) -> ClientStateStore:
     """The run's store: on disk under `folder` when `kind` is "disk", or "auto" and every client's
     state would take more than `cache_mb`; else in RAM (faster: no packing, no file)."""
-    if kind not in STORES:
-        raise ConfigError(f"train.state_store must be one of {', '.join(STORES)}; got {kind!r}.")
     if init_fn is None or kind == "ram":
         return ClientStateStore(init_fn, precision=precision)
     if kind == "auto":

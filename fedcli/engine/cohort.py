@@ -245,9 +245,7 @@ def take_clients(inputs: CohortInputs, rows: np.ndarray) -> CohortInputs:
     take = RowIndex(rows)
 
     def cut(t: Tensor) -> Tensor:  # [C, E*K, ...] -> [c, E*k, ...]
-        t = take(t)
-        t = t.reshape(len(rows), epochs, padded, *t.shape[2:])[:, :, :own]
-        return t.reshape(len(rows), epochs * own, *t.shape[3:])
+        return trim_steps(take(t), epochs, padded, own, dim=1)
 
     sliced = CohortPlan(
         index=cut(plan.index),
@@ -339,10 +337,12 @@ def merge_outs(groups: list[np.ndarray], outs: list[ClientOut]) -> ClientOut:
     return pytree.tree_map(lambda *xs: None if xs[0] is None else take(torch.cat(xs)), *outs)
 
 
-def trim_steps(t: Tensor, num_epochs: int, padded: int, own: int) -> Tensor:
-    """Keep the first `own` of `padded` steps per epoch of a [S, ...] tensor."""
-    t = t.reshape(num_epochs, padded, *t.shape[1:])[:, :own]
-    return t.reshape(num_epochs * own, *t.shape[2:])
+def trim_steps(t: Tensor, num_epochs: int, padded: int, own: int, dim: int = 0) -> Tensor:
+    """Keep the first `own` of `padded` steps per epoch of the epoch-major step axis `dim` (E * padded
+    long): of a [S, ...] tensor (dim 0) or a [C, S, ...] one (dim 1)."""
+    if own == padded:
+        return t
+    return t.unflatten(dim, (num_epochs, padded)).narrow(dim + 1, 0, own).flatten(dim, dim + 1)
 
 
 def pad_steps(inputs: CohortInputs, multiple: int, max_steps: int | None = None) -> CohortInputs:

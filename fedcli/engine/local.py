@@ -60,15 +60,9 @@ def eager_train_local(ctx: ClientContext, request: LocalSGD, opt: OptimConfig) -
     iterate in place. Never under vmap (the loop back end only).
     """
     objective = scaled_objective(local_objective(ctx.loss_fn, request))
-
-    def grad_step(params: Params, batch: Batch, coef: torch.Tensor) -> tuple[Params, torch.Tensor]:
-        leaves = {k: p.detach().requires_grad_(True) for k, p in params.items()}
-        with torch.enable_grad():
-            scaled, loss = objective(leaves, batch, coef)
-            grads = torch.autograd.grad(scaled, list(leaves.values()))
-        return dict(zip(leaves, grads, strict=True)), loss
-
-    return local_sgd(ctx, request.start, opt, average_epochs=request.average_epochs, grad_step=grad_step)
+    return local_sgd(
+        ctx, request.start, opt, average_epochs=request.average_epochs, grad_step=eager_grad(objective)
+    )
 
 
 class CompiledStep:

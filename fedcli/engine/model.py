@@ -65,8 +65,6 @@ def model_functions(
     stock = needs_stock_layers(model)
     modal = stock or any(isinstance(m, (_BatchNorm, _DropoutNd)) for m in model.modules())
     norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
-    if bn_stats not in BN_STATS:
-        raise ConfigError(f"train.bn_stats must be one of {', '.join(BN_STATS)}; got {bn_stats!r}.")
     for m in norms:
         m.track_running_stats = (
             False  # batch statistics, no buffer written, unless a client carries them (ClientStats)
@@ -105,7 +103,6 @@ def model_functions(
     )
 
 
-BN_STATS = ("aggregate", "local", "estimate")  # train.bn_stats (docs/bring-your-own.md, "BatchNorm")
 RUNNING = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -346,17 +343,15 @@ def with_precision(fns: ModelFunctions, precision: str, device: torch.device) ->
             "PyTorch emulates it, and its convolutions fall back to a slow reference kernel (8x slower "
             "than fp32 in make bench on such a CPU); use --precision fp32 here."
         )
-    loss_fn, apply_fn = fns.loss_fn, fns.apply_fn
 
-    def bf16_loss(params: dict[str, Tensor], batch: Any) -> Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            return loss_fn(params, batch).float()
+    def bf16(fn: Callable[[Params, Any], Tensor]) -> Callable[[Params, Any], Tensor]:
+        def autocast(params: Params, arg: Any) -> Tensor:  # arg: a Batch (loss_fn) or inputs (apply_fn)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return fn(params, arg).float()
 
-    def bf16_apply(params: dict[str, Tensor], x: Tensor) -> Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            return apply_fn(params, x).float()
+        return autocast
 
-    return replace(fns, loss_fn=bf16_loss, apply_fn=bf16_apply)
+    return replace(fns, loss_fn=bf16(fns.loss_fn), apply_fn=bf16(fns.apply_fn))
 
 
 def cuda_tf32_flags(precision: str) -> None:

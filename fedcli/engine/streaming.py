@@ -26,7 +26,16 @@ from fedcli.engine.backends.graphed import GraphedVmap
 from fedcli.engine.backends.loop import LoopBackend
 from fedcli.engine.backends.vmap import VmapBackend
 from fedcli.engine.clientstate import ClientStateStore
-from fedcli.engine.cohort import CohortJob, RowIndex, SpilledStates, finite_rows, take_clients, take_rows
+from fedcli.engine.cohort import (
+    CohortJob,
+    RowIndex,
+    SpilledStates,
+    finite_rows,
+    merge_outs,
+    take_clients,
+    take_rows,
+    trim_steps,
+)
 from fedcli.engine.setup import Setup
 
 STREAM_BUDGET = (
@@ -104,7 +113,7 @@ def stream_cohort(
         job.at_safe_point()
         sub = take_clients(inputs, rows)  # plan, keys (and what else rides per client) of the group
         own = sub.plan.steps_per_epoch
-        noise = {k: trim_rows(v, epochs, padded, own) for k, v in noise_of(rows).items()}
+        noise = {k: trim_steps(v, epochs, padded, own, dim=1) for k, v in noise_of(rows).items()}
         sub = replace(sub, noise=noise, states=states_of(rows))
         del noise
         out = run(replace(job, inputs=sub, chunk_size=None))
@@ -152,10 +161,7 @@ def stream_cohort(
         return ClientOut(upload=upload, state=None, metrics=metrics)
     if isinstance(states, SpilledStates):
         return ClientOut(upload=upload, state=states, metrics=metrics)
-    take = RowIndex(np.argsort(np.concatenate([r for r, _ in states]), kind="stable"))  # as merge_outs
-    state = pytree.tree_map(
-        lambda *xs: None if xs[0] is None else take(torch.cat(xs)), *[s for _, s in states]
-    )
+    state = merge_outs([r for r, _ in states], [s for _, s in states])
     return ClientOut(upload=upload, state=state, metrics=metrics)
 
 
@@ -168,11 +174,3 @@ def scatter_states(store: Any, cohort: np.ndarray, states: Any, group: int = 8) 
     for start in range(0, len(cohort), group):
         rows = np.arange(start, min(start + group, len(cohort)))
         store.scatter(cohort[rows], states.rows(rows))
-
-
-def trim_rows(t: Tensor, num_epochs: int, padded: int, own: int) -> Tensor:
-    """Keep the first `own` of `padded` steps per epoch of a [C, E * padded, ...] tensor."""
-    if own == padded:
-        return t
-    t = t.reshape(t.shape[0], num_epochs, padded, *t.shape[2:])[:, :, :own]
-    return t.reshape(t.shape[0], num_epochs * own, *t.shape[3:])

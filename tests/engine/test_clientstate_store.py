@@ -85,7 +85,7 @@ def test_disk_store_with_a_tiny_cache_gives_the_ram_stores_states_bit_for_bit(tm
     slot = disk.layout.slot_bytes  # type: ignore[union-attr]
     assert slot == 192  # 5 float32 (32 B aligned), 35 float32 (144 B), an int64 (16 B)
     run_rounds([ram, disk], rounds=12)
-    assert len(disk._cache.states) <= 6 and len(disk) == len(ram) > 6  # evicted to the file, not lost
+    assert len(disk._states) <= 6 and len(disk) == len(ram) > 6  # evicted to the file, not lost
     assert (tmp_path / "cs" / "slots.bin").stat().st_size <= 40 * slot
     got, want = disk.state_dict(), ram.state_dict()
     assert sorted(got) == sorted(want)

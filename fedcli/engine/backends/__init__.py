@@ -59,6 +59,15 @@ class CohortBackend(Protocol):
         ...
 
 
+class InProcess:
+    """What the back ends that train in this process share: no processes of their own, nothing to release."""
+
+    processes: int | None = None
+
+    def close(self) -> None:
+        """Nothing to release (what a back end built, compiled graphs included, goes with the object)."""
+
+
 @dataclass(frozen=True)
 class Workload:
     """What the refusals and `auto` know before the first round."""

@@ -28,17 +28,16 @@ import torch
 from torch import Tensor
 
 from fedcli.algorithms.base import ClientOut
-from fedcli.engine.backends import BackendInfo, BackendSetup, Workload, round_key
+from fedcli.engine.backends import BackendInfo, BackendSetup, InProcess, Workload, round_key
 from fedcli.engine.cohort import CohortJob, client_fn, pad_steps
 
 log = logging.getLogger(__name__)
 
 
-class CompiledVmap:
+class CompiledVmap(InProcess):
     """The `vmap` back end with each key's cohort function compiled once (see the module doc)."""
 
     name = "vmap + compile"
-    processes = None
 
     def __init__(self, bucket: int = 4, max_steps: int | None = None, backend: str = "inductor") -> None:
         self.bucket, self.max_steps, self.backend = bucket, max_steps, backend
@@ -106,9 +105,6 @@ class CompiledVmap:
                 seconds,
             )
         return ClientOut(upload=upload, state=state if stateful else None, metrics=metrics)
-
-    def close(self) -> None:
-        """Nothing to release (compiled graphs go with the object)."""
 
 
 def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -42,8 +42,7 @@ from torch.utils import _pytree as pytree
 from fedcli.algorithms.base import ClientOut, LocalSGD, OptimConfig, Params
 from fedcli.algorithms.optim import LocalResult
 from fedcli.datasets.federated import CohortPlan
-from fedcli.datasets.tasks import Task
-from fedcli.engine.backends import BackendInfo, BackendSetup, Workload
+from fedcli.engine.backends import BackendInfo, BackendSetup, InProcess, Workload
 from fedcli.engine.cohort import (
     CohortInputs,
     CohortJob,
@@ -348,11 +347,10 @@ def cohort_request(job: CohortJob) -> LocalSGD:
     )
 
 
-class FusedBackend:
+class FusedBackend(InProcess):
     """request (vmapped) -> cohort_local_sgd -> finish (vmapped over the results)."""
 
     name = "fused"
-    processes = None
 
     def __init__(self, spec: DenseSpec) -> None:
         self.spec = spec
@@ -393,19 +391,9 @@ class FusedBackend:
 
         return vmap_clients(one, job.inputs, result)
 
-    def close(self) -> None:
-        """Nothing to release."""
-
 
 FUSED_MODELS = "dense classifiers (mlp, logreg, linear) in fp32"
 CUDA_FUSED_MAX_CLIENTS = 32  # on CUDA, fused up to this cohort size, vmap above (see `prefers`)
-
-
-def task_spec(task: Task, model: nn.Module) -> DenseSpec | None:
-    """The DenseSpec of a classifier trained with cross-entropy (the task's own loss), else None."""
-    if task.kind != "classification" or task.example_loss is not None:
-        return None
-    return dense_spec(model)
 
 
 def refuses(w: Workload) -> str | None:
@@ -419,7 +407,13 @@ def refuses(w: Workload) -> str | None:
         )
     if w.alg.local is None:
         why = f"{w.alg.name} trains its own local objective (no Algorithm.local)"
-    elif w.has_batchnorm or task_spec(w.task, w.model) is None or w.precision == "bf16":
+    elif (
+        w.has_batchnorm
+        or w.task.kind != "classification"
+        or w.task.example_loss is not None  # not cross-entropy, the task's own loss
+        or dense_spec(w.model) is None
+        or w.precision == "bf16"
+    ):
         why = "this model/task is not a dense classifier with cross-entropy (or --precision is bf16)"
     else:
         return None

@@ -52,7 +52,14 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms.base import ClientOut
-from fedcli.engine.backends import BackendInfo, BackendSetup, Workload, keyed_every_round, round_key
+from fedcli.engine.backends import (
+    BackendInfo,
+    BackendSetup,
+    InProcess,
+    Workload,
+    keyed_every_round,
+    round_key,
+)
 from fedcli.engine.cohort import CohortJob, client_fn, in_chunks, job_client_fn, pad_steps, vmap_clients
 
 log = logging.getLogger(__name__)
@@ -101,13 +108,12 @@ class Program:
         return pytree.tree_unflatten(outs, self.layout.spec)
 
 
-class GraphedVmap:
+class GraphedVmap(InProcess):
     """The `vmap` back end with each key's cohort function traced once and (CUDA) captured, then
     replayed (`--graph`); see the module docstring. `programs` maps keys to Programs (None for a
     key that runs eagerly); `build_s` is the time spent tracing and capturing."""
 
     name = "vmap + graph"
-    processes = None
 
     def __init__(
         self,
@@ -172,9 +178,6 @@ class GraphedVmap:
             return vmap_clients(job_client_fn(job), job.inputs)
         upload, state, metrics = program(tensors)
         return ClientOut(upload=upload, state=state if stateful else None, metrics=metrics)
-
-    def close(self) -> None:
-        """Nothing to release (programs and graphs go with the object)."""
 
     def _build(
         self,
@@ -267,20 +270,16 @@ def capture(program: Program, tensors: list[Tensor]) -> None:
             "a CUDA graph replays the work of one GPU"
         )
     with torch.cuda.device(devices.pop()):
-        _capture_on_current_device(program, tensors)
-
-
-def _capture_on_current_device(program: Program, tensors: list[Tensor]) -> None:
-    static_in = [t.clone() for t in tensors]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(WARMUP_RUNS):
-            program.module(*static_in)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = list(program.module(*static_in))
+        static_in = [t.clone() for t in tensors]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                program.module(*static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = list(program.module(*static_in))
     program.graph, program.static_in, program.static_out = graph, static_in, static_out
 
 

@@ -13,15 +13,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fedcli.algorithms.base import ClientOut
-from fedcli.engine.backends import BackendInfo, Workload
+from fedcli.engine.backends import BackendInfo, InProcess, Workload
 from fedcli.engine.cohort import CohortJob, client_fn, trim_steps
 from fedcli.engine.local import CompiledStep, Trainer, eager_train_local
 
 
-class LoopBackend:
+class LoopBackend(InProcess):
     """Clients one by one; a stop signal is acted on between them (job.at_safe_point)."""
-
-    processes = None
 
     def __init__(self, compile: bool = False) -> None:
         self.trainer: Trainer = CompiledStep() if compile else eager_train_local
@@ -66,9 +64,6 @@ class LoopBackend:
             )
         upload, state, metrics = pytree.tree_map(lambda *xs: torch.stack(xs), *results)
         return ClientOut(upload=upload, state=None if inputs.states is None else state, metrics=metrics)
-
-    def close(self) -> None:
-        """Nothing to release."""
 
 
 def refuses(w: Workload) -> str | None:

@@ -8,24 +8,20 @@ uneven clients would otherwise compute.
 from __future__ import annotations
 
 from fedcli.algorithms.base import ClientOut
-from fedcli.engine.backends import BackendInfo, Workload
+from fedcli.engine.backends import BackendInfo, InProcess, Workload
 from fedcli.engine.cohort import CohortJob, in_chunks, job_client_fn, vmap_clients
 
 
-class VmapBackend:
+class VmapBackend(InProcess):
     """The cohort vmapped in the main process; a stop signal is acted on between chunks."""
 
     name = "vmap"
-    processes = None
 
     def run(self, job: CohortJob) -> ClientOut:
         chunked = in_chunks(job, self.run)
         if chunked is not None:
             return chunked
         return vmap_clients(job_client_fn(job), job.inputs)
-
-    def close(self) -> None:
-        """Nothing to release."""
 
 
 def refuses(w: Workload) -> str | None:
