@@ -34,6 +34,7 @@ from fedcli.runs.arguments import (
 )
 from fedcli.runs.objects import live_model, record_object_source, warn
 from fedcli.runs.run import StoppedBeforeStart, preserved_state, run_config
+from fedcli.runs.stores import open_store, tracking_config
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -78,8 +79,6 @@ class Run:
 
     def record(self) -> RunRecord:
         """The run's row in the store, read now."""
-        from fedcli.runs.stores import open_store
-
         with closing(open_store(self.store, must_exist=True)) as db:
             return db.get_run(self.id)
 
@@ -87,8 +86,6 @@ class Run:
         """The logged round metrics: index `round` (0 = the initial model), one column per metric key
         (`eval/accuracy`, `train/loss`, `time/round_s`, ...); NaN where a round did not log a key
         (e.g. between evaluations with `eval_every` > 1)."""
-        from fedcli.runs.stores import open_store
-
         with closing(open_store(self.store, must_exist=True)) as db:
             long = db.metrics_frame([self.id])
         wide = long.pivot_table(index="round_idx", columns="key", values="value", aggfunc="last")
@@ -289,8 +286,6 @@ def load_run(
     Raises:
         ConfigError: no store there, or no such run (the CLI's message).
     """
-    from fedcli.runs.stores import open_store, tracking_config
-
     if not isinstance(ref, str) or not ref.strip():  # None found some run; an int was an AttributeError
         raise ConfigError(
             f"ref must be a run id, id prefix or name (str); got {kind_of(ref)}. `fedcli list runs` shows them."
@@ -336,7 +331,6 @@ def report(
     from fedcli.config.checks import require_store
     from fedcli.runs.outputs import check_output
     from fedcli.runs.reports import Format, parse_list, parse_metric, parse_where, write_report
-    from fedcli.runs.stores import open_store, tracking_config
     from fedcli.tracking.report.build import build_report
     from fedcli.tracking.report.model import ReportSpec
     from fedcli.tracking.report.render import render_markdown

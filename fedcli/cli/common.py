@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedcli.runs.progress import console
+from fedcli.tracking.urls import mask_url
 
 if TYPE_CHECKING:
     from fedcli.config.sections import RunConfig
@@ -71,7 +72,6 @@ def store_options(cfg: Any) -> str:
     the hint then works as it is where FEDCLI_STORE holds the full URL, else the user puts the
     password back in.
     """
-    from fedcli.tracking.urls import mask_url
 
     url = cfg.tracking.store_url
     if url.startswith("sqlite:///") and not url.startswith("sqlite:////") and url != "sqlite:///:memory:":
@@ -102,7 +102,6 @@ def resume_hint(cfg: Any, run_id: str) -> str:
 
 def summarise_run(cfg: RunConfig, result: RunResult) -> None:
     """Print the end-of-run summary: final metrics, where the run is stored, what to run next."""
-    from fedcli.tracking.urls import mask_url
 
     out = console()
     metrics = result.final_metrics

@@ -203,7 +203,9 @@ def evaluate(
         log_to_mlflow(record, tracking_uri, metrics, round_idx)
     if worse:
         console().print(f"warning: {worse}", markup=False, soft_wrap=True)
-    if as_json:
+    if not as_json:
+        print_table(record, round_idx, split.value, options, metrics)
+    else:
         typer.echo(
             json.dumps(
                 {
@@ -219,8 +221,6 @@ def evaluate(
                 sort_keys=True,
             )
         )
-        return
-    print_table(record, round_idx, split.value, options, metrics)
 
 
 def load_model(
@@ -281,11 +281,6 @@ def load_model(
         "pick a task with the same inputs and classes."
     )
     template = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
-    client_template = (
-        None
-        if setup.alg.init_client_state is None
-        else setup.alg.init_client_state(setup.init_params, setup.hp)
-    )
     try:
         if checkpoint is None:
             if not record.model_path or not Path(record.model_path).exists():
@@ -293,21 +288,23 @@ def load_model(
                     f"run {record.id} has no stored final model (status {record.status}); "
                     "evaluate one of its checkpoints with --checkpoint ROUND."
                 )
+            source = f"the final model of run {record.id[:8]}"
             saved = ckpt.load_model(
-                Path(record.model_path),
-                f"the final model of run {record.id[:8]} ({record.model_path})",
-                server_template=template,
+                Path(record.model_path), f"{source} ({record.model_path})", server_template=template
             )
             ckpt.check_identity(
                 saved,
-                f"the final model of run {record.id[:8]} ({record.model_path})",
+                f"{source} ({record.model_path})",
                 ckpt.MODEL_KEYS,
                 run_id=record.id,
                 config_hash=record.config_hash,
                 requested=record.requested,
             )
-            server_state, round_idx = saved["server_state"], db.last_round(record.id)
-            buffers, source = saved.get("buffers"), f"the final model of run {record.id[:8]}"
+            server_state, round_idx, buffers = (
+                saved["server_state"],
+                db.last_round(record.id),
+                saved.get("buffers"),
+            )
         else:
             points = dict(db.checkpoints(record.id))
             if checkpoint not in points:
@@ -320,15 +317,20 @@ def load_model(
                 Path(points[checkpoint]),
                 f"checkpoint of round {checkpoint} ({points[checkpoint]})",
                 server_template=template,
-                client_template=client_template,
+                client_template=None
+                if setup.alg.init_client_state is None
+                else setup.alg.init_client_state(setup.init_params, setup.hp),
                 run_id=record.id,
                 config_hash=record.config_hash,
                 requested=record.requested,
                 round_idx=checkpoint,
                 extras=extras,
             )
-            round_idx = checkpoint
-            buffers, source = extras.get("buffers"), f"checkpoint of round {checkpoint}"
+            round_idx, buffers, source = (
+                checkpoint,
+                extras.get("buffers"),
+                f"checkpoint of round {checkpoint}",
+            )
     except CheckpointError as err:
         raise (misfit if task is not None and "does not fit" in str(err) else err) from None
     if (

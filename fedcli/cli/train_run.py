@@ -12,7 +12,7 @@ import typer
 
 from fedcli.cli.common import store_options, summarise_run
 from fedcli.cli.errors import user_errors
-from fedcli.runs.progress import train_progress
+from fedcli.runs.progress import console, train_progress
 from fedcli.runs.request import TrainOptions
 
 
@@ -45,7 +45,6 @@ def run_training(
                 from fedcli.engine import distributed
                 from fedcli.engine.train import serve
                 from fedcli.errors import ConfigError
-                from fedcli.runs.progress import console
                 from fedcli.runs.run import prepared_run, resolve_config
 
                 peers = group.enter_context(distributed.process_group()) if distributed_executor else None
@@ -87,7 +86,6 @@ def run_training(
             ) as exc:  # a stop signal in the set-up (options, data, executor): nothing written
                 if signals.pending is None or isinstance(exc, typer.Exit):
                     raise
-                from fedcli.runs.progress import console
                 from fedcli.runs.run import StoppedBeforeStart  # (again, if the signal cut its import short)
 
                 console().print(str(StoppedBeforeStart(signals.pending)))
@@ -113,7 +111,6 @@ def run_training(
 def stopped(cfg: object, run_id: str | None, stop: KeyboardInterrupt) -> None:
     """Say how the run ended and how to continue it; exit 128 + the signal (130 for Ctrl-C)."""
     from fedcli.cli.common import resume_hint
-    from fedcli.runs.progress import console
 
     code = getattr(stop, "exit_code", 130)
     if run_id:

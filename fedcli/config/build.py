@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedcli.algorithms import ALGORITHMS
 from fedcli.config.checks import (
     INT_MAX,
     build_section,
@@ -78,7 +79,6 @@ def resolve_recommended(
     which becomes `RunConfig.recommended` (the run's tag fedcli.recommended). A name that is not a task
     or an algorithm fills nothing (validation names it later).
     """
-    from fedcli.algorithms import ALGORITHMS
     from fedcli.datasets.registry import TASKS
 
     filled: dict[str, str] = {}
@@ -125,7 +125,6 @@ def shortfalls(cfg: RunConfig) -> list[Any]:
 
 def _flagged(cfg: RunConfig) -> list[Any]:
     """Every record the algorithm's `degenerate` hook returns for a validated config."""
-    from fedcli.algorithms import ALGORITHMS
     from fedcli.datasets.registry import TASKS
 
     record = ALGORITHMS[cfg.algorithm.name]

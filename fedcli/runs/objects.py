@@ -9,6 +9,7 @@ class by its source file and hash (`record_object_source`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,6 @@ def _source_file(obj: Any) -> str | None:
 
     inspect.getsourcefile, except for a class: its module's `__file__` is the running program's for a class of
     `__main__` (a notebook kernel's launcher), so the file of the code of its own methods decides."""
-    import inspect
 
     code = getattr(obj, "__code__", None)
     if isinstance(obj, type):
@@ -113,7 +113,6 @@ def _source_file(obj: Any) -> str | None:
 
 def _check_rebuildable(cls: type, qual: str) -> None:
     """An instance's class must be callable with only the facts fedcli passes (num_classes, input_shape)."""
-    import inspect
 
     try:
         params = inspect.signature(cls).parameters.values()

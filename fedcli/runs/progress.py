@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -36,7 +37,6 @@ def train_progress(cfg: RunConfig, quiet: bool = False) -> Iterator[ProgressFn |
     if quiet:
         yield None
         return
-    import logging
 
     engine_log = logging.getLogger("fedcli.engine.rounds")
     previous = engine_log.level
@@ -84,7 +84,6 @@ def logs_through(out: Console) -> Iterator[None]:
     ("... s/round 0.06383[15:40:50] INFO") and the bar was drawn again below it. Through the
     bar's console the record goes above the bar and the bar stays one line.
     """
-    import logging
 
     from rich.logging import RichHandler
 

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedcli.errors import ConfigError
+
 if TYPE_CHECKING:
     from fedcli.config.sections import RunConfig
     from fedcli.engine.distributed import Peers
@@ -66,7 +68,6 @@ def config_file(config: str | Path | None) -> Path | None:
         ConfigError: neither a file nor a packaged config's name.
     """
     from fedcli.configs import config_names, packaged_config
-    from fedcli.errors import ConfigError
 
     if config is None:
         return None
@@ -107,7 +108,6 @@ def resolve_config(
         ConfigError: anything invalid; nothing is written.
     """
     from fedcli.config.build import build_config, resume_config, warn_degenerate
-    from fedcli.errors import ConfigError
     from fedcli.runs.stores import find_run
 
     overrides = {**options.overrides(), **dict(sections or {})}

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedcli.errors import ConfigError
+
 if TYPE_CHECKING:
     from fedcli.config.sections import TrackingConfig
     from fedcli.tracking.mlflow.handle import MirrorHandle
@@ -19,7 +21,6 @@ if TYPE_CHECKING:
 
 def open_store(url: str, must_exist: bool = False) -> SqlStore:
     """Open the SQL results store at url (creates it, unless `must_exist`: then a missing file is an error)."""
-    from fedcli.errors import ConfigError
     from fedcli.tracking.store.sql_store import SqlStore
     from fedcli.tracking.urls import sqlite_path
 
@@ -81,7 +82,6 @@ def check_mlflow(cfg: TrackingConfig, optional: bool) -> TrackingConfig:
     import dataclasses
     import logging
 
-    from fedcli.errors import ConfigError
     from fedcli.tracking.mlflow.checks import preflight
 
     if not cfg.use_mlflow:
