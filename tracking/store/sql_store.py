@@ -948,11 +948,7 @@ class SqlStore:
             if self._read_columns is None:  # tuples(): the same rows, typed as (Run, experiment name)
                 rows = session.execute(stmt.order_by(Run.created_at, Run.id)).tuples().all()
             else:  # an older store, read without upgrading it (`reader`): its columns, as transient rows
-                older = select(*self._read_columns, Experiment.name).join(
-                    Experiment, Run.experiment_id == Experiment.id
-                )
-                if experiment is not None:
-                    older = older.where(Experiment.name == experiment)
+                older = stmt.with_only_columns(*self._read_columns, Experiment.name)  # same join and filter
                 rows = [
                     (
                         Run(**{c.name: value for c, value in zip(self._read_columns, row[:-1], strict=True)}),
