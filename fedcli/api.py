@@ -33,7 +33,7 @@ from fedcli.runs.arguments import (
     store_settings,
 )
 from fedcli.runs.objects import live_model, record_object_source, warn
-from fedcli.runs.run import StoppedBeforeStart, preserved_state, run_config
+from fedcli.runs.run import StoppedBeforeStart, preserved_state, resolve_config, run_config
 from fedcli.runs.stores import open_store, tracking_config
 
 if TYPE_CHECKING:
@@ -223,7 +223,6 @@ def train(
         from fedcli.datasets.yours.model import model_reference
         from fedcli.runs.outputs import check_path_value
         from fedcli.runs.request import TrainOptions
-        from fedcli.runs.run import resolve_config
 
         for name in ("root", "data_dir", "partition"):  # "" (an unset variable) is the CLI's line, not "."
             check_path_value(name, settings.get(name))

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from fedcli.cli.common import DataStore, Panel
 from fedcli.cli.errors import user_errors
-from fedcli.errors import ConfigError
+from fedcli.errors import CheckpointError, ConfigError
 from fedcli.runs.progress import console
 from fedcli.runs.stores import open_store, tracking_config
 
@@ -245,7 +245,6 @@ def load_model(
     from fedcli.datasets.yours.trust import allow_code, recorded_code, same_reference
     from fedcli.engine import checkpoint as ckpt
     from fedcli.engine.setup import build
-    from fedcli.errors import CheckpointError
 
     doc = {k: dict(v) if isinstance(v, dict) else v for k, v in (record.requested or record.config).items()}
     if task is not None:  # another task's data: its own natural clients, no cohort-size check against them

@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from fedcli.cli.common import store_options, summarise_run
+from fedcli.cli.common import resume_hint, store_options, summarise_run
 from fedcli.cli.errors import user_errors
 from fedcli.runs.progress import console, train_progress
 from fedcli.runs.request import TrainOptions
@@ -110,8 +110,6 @@ def run_training(
 
 def stopped(cfg: object, run_id: str | None, stop: KeyboardInterrupt) -> None:
     """Say how the run ended and how to continue it; exit 128 + the signal (130 for Ctrl-C)."""
-    from fedcli.cli.common import resume_hint
-
     code = getattr(stop, "exit_code", 130)
     if run_id:
         console().print(

@@ -172,17 +172,20 @@ def validated(prefix: str, cls: type, values: Mapping[str, Any]) -> Any:
     return out
 
 
+# a validated value's type -> the types it may be given as (a float also as text, '5e-5'); others: any
+GIVEN_AS: tuple[tuple[type, type | tuple[type, ...]], ...] = (
+    (int, int),
+    (float, (int, float, str)),
+    (str, str),
+)
+
+
 def _cast(value: Any, checked: Any) -> bool:
     """Whether pydantic's lax mode turned `value` into `checked` by a cast fedcli refuses."""
     if isinstance(checked, bool) or isinstance(value, bool):
         return type(value) is not type(checked)
-    if isinstance(checked, int):
-        return not isinstance(value, int)
-    if isinstance(checked, float):
-        return not isinstance(value, (int, float, str))
-    if isinstance(checked, str):
-        return not isinstance(value, str)
-    return False
+    allowed = next((given for kind, given in GIVEN_AS if isinstance(checked, kind)), object)
+    return not isinstance(value, allowed)
 
 
 BOUNDS = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}

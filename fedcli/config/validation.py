@@ -21,7 +21,7 @@ from fedcli.config.sections import (
     PartitionConfig,
     RunConfig,
 )
-from fedcli.datasets.yours.model import is_reference
+from fedcli.datasets.yours.model import is_reference, model_reference
 from fedcli.datasets.yours.plugins import model_plugins
 from fedcli.errors import ConfigError
 
@@ -143,7 +143,6 @@ def record_model_source(cfg: RunConfig) -> RunConfig:
     """
     from fedcli.datasets.registry import TASKS
     from fedcli.datasets.yours.files import MODELS
-    from fedcli.datasets.yours.model import model_reference
     from fedcli.datasets.yours.user_code import source_sha256
 
     own = (
