@@ -144,10 +144,8 @@ def test_delete_rounds_after_drops_later_rounds_clients_and_checkpoints(
     """Resume from the round-2 checkpoint: rows of rounds 3..5 go, rounds 0..2 stay untouched."""
     run_id = _start(store)
     for round_idx in range(6):
-        store.log_round(run_id, round_idx, _round_values(round_idx))
-        store.log_client_metrics(
-            run_id, round_idx, [(7, "client/loss", round_idx + 0.5), (3, "client/loss", 1.0)]
-        )
+        clients = [(7, "client/loss", round_idx + 0.5), (3, "client/loss", 1.0)]
+        store.log_round(run_id, round_idx, _round_values(round_idx), clients)
     for round_idx in (2, 4):
         store.add_checkpoint(run_id, round_idx, tmp_path / f"ckpt-{round_idx}.pt")
 
@@ -157,6 +155,7 @@ def test_delete_rounds_after_drops_later_rounds_clients_and_checkpoints(
     assert store.last_round(run_id) == 2
     assert store.checkpoints(run_id) == [(2, str(tmp_path / "ckpt-2.pt"))]
     assert sorted(store.metrics_frame([run_id])["round_idx"].unique().tolist()) == [0, 1, 2]
+    assert sorted(store.client_metrics_frame([run_id])["round_idx"].unique().tolist()) == [0, 1, 2]
 
 
 def test_end_run_records_failure_and_reopen_clears_it(store: SqlStore) -> None:

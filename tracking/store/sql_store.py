@@ -62,7 +62,7 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError,
 from sqlalchemy.orm import Session
 
 from fedcli.errors import ConfigError, TrackingError
-from fedcli.tracking.keys import NonFiniteMetricsError, check_metric_key, check_metrics
+from fedcli.tracking.keys import check_metric_key, check_metrics
 from fedcli.tracking.store.common import (
     BEGIN_OPTION,
     END_STATUSES,
@@ -741,34 +741,6 @@ class SqlStore:
         )
         with self._session(f"read run {run_id}", write=False) as session:
             return [tuple(row) for row in session.execute(stmt)]  # type: ignore[misc]
-
-    @retrying
-    def log_client_metrics(self, run_id: str, round_idx: int, rows: Iterable[tuple[int, str, float]]) -> None:
-        """Write per-client metrics of one round, rows of `(client_id, key, value)`, in one transaction."""
-        check_round_idx(round_idx)
-        records: list[dict[str, Any]] = []
-        for client_id, key, value in rows:
-            check_metric_key(key)
-            records.append(
-                {
-                    "run_id": run_id,
-                    "round_idx": round_idx,
-                    "client_id": int(client_id),
-                    "key": key,
-                    "value": float(value),
-                }
-            )
-        bad = {
-            f"{row['key']}@client{row['client_id']}": row["value"]
-            for row in records
-            if not math.isfinite(row["value"])
-        }
-        if bad:
-            raise NonFiniteMetricsError(bad, bad, round_idx)
-        with self._session(f"log client metrics of round {round_idx}", write=True) as session:
-            if run_id in self._leases:
-                self._own(session, run_id)
-            self._upsert(session, ClientMetric, records, update=("value",))
 
     @retrying
     def last_round(self, run_id: str) -> int | None:
