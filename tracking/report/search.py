@@ -12,6 +12,7 @@ Optuna is imported only for such runs.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +48,7 @@ def search_summary(url: str, records: Sequence[Any]) -> SearchSummary | None:
     except KeyError:
         return None
     trials = [t for t in study.get_trials(deepcopy=False) if "fedcli.void" not in t.user_attrs]
-    counts: dict[str, int] = {}
-    for t in trials:
-        counts[t.state.name.lower()] = counts.get(t.state.name.lower(), 0) + 1
+    counts = dict(Counter(t.state.name.lower() for t in trials))  # in the order states first appear
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     best = None
     if complete:
