@@ -130,8 +130,6 @@ class OptimConfig:
     )
 
     def __post_init__(self) -> None:
-        require(self.client_lr > 0, "train.client_lr", "> 0", self.client_lr)
-        require(0 <= self.client_momentum < 1, "train.client_momentum", "in [0, 1)", self.client_momentum)
         require(self.local_epochs >= 1, "train.local_epochs", ">= 1", self.local_epochs)
         require(
             self.server_opt in SERVER_OPTIMIZERS,
@@ -139,17 +137,16 @@ class OptimConfig:
             f"one of {', '.join(SERVER_OPTIMIZERS)}",
             self.server_opt,
         )
-        require(self.server_lr > 0, "train.server_lr", "> 0", self.server_lr)
-        require(0 <= self.server_momentum < 1, "train.server_momentum", "in [0, 1)", self.server_momentum)
-        require(0 <= self.server_beta1 < 1, "train.server_beta1", "in [0, 1)", self.server_beta1)
-        require(0 <= self.server_beta2 < 1, "train.server_beta2", "in [0, 1)", self.server_beta2)
-        require(
-            0 <= self.server_adagrad_beta1 < 1,
-            "train.server_adagrad_beta1",
-            "in [0, 1)",
-            self.server_adagrad_beta1,
-        )
-        require(self.server_tau > 0, "train.server_tau", "> 0", self.server_tau)
+        for key in ("client_lr", "server_lr", "server_tau"):
+            require(getattr(self, key) > 0, f"train.{key}", "> 0", getattr(self, key))
+        for key in (
+            "client_momentum",
+            "server_momentum",
+            "server_beta1",
+            "server_beta2",
+            "server_adagrad_beta1",
+        ):
+            require(0 <= getattr(self, key) < 1, f"train.{key}", "in [0, 1)", getattr(self, key))
 
 
 SERVER_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "yogi")
@@ -293,20 +290,12 @@ class Algorithm(NamedTuple):
 
 def hyperparameter_defaults(config_cls: type) -> dict[str, object]:
     """Return {name: default} of a hyperparameter dataclass ('required' if none)."""
-    out: dict[str, object] = {}
-    for f in fields(config_cls):
-        out[f.name] = f.default if f.default is not MISSING else "required"
-    return out
+    return {f.name: f.default if f.default is not MISSING else "required" for f in fields(config_cls)}
 
 
 # ---------------------------------------------------------------------------------------
 # Pytree math on Params (shared once here, docs/style.md rule 1)
 # ---------------------------------------------------------------------------------------
-
-
-def tree_map(fn: Callable[..., Tensor], tree: Params, *rest: Params) -> Params:
-    """Apply fn leaf-wise over dicts with the same keys."""
-    return {k: fn(v, *(r[k] for r in rest)) for k, v in tree.items()}
 
 
 def tree_sub(a: Params, b: Params) -> Params:
@@ -362,13 +351,8 @@ def flatten(a: Params) -> Tensor:
 
 def unflatten(vector: Tensor, like: Params) -> Params:
     """Split a vector [D] back into a tree shaped like `like`."""
-    out: Params = {}
-    offset = 0
-    for k, v in like.items():
-        n = v.numel()
-        out[k] = vector[offset : offset + n].reshape(v.shape)
-        offset += n
-    return out
+    parts = vector.split([v.numel() for v in like.values()])
+    return {k: part.reshape(v.shape) for (k, v), part in zip(like.items(), parts, strict=True)}
 
 
 def weighted_mean(cohort_tree: Params, weights: Tensor) -> Params:

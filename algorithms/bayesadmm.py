@@ -107,18 +107,19 @@ class BayesADMMConfig:
         require(0 <= self.beta1 < 1, "hp.beta1", "in [0, 1)", self.beta1)
         require(0 <= self.beta2 < 1, "hp.beta2", "in [0, 1)", self.beta2)
         require(self.mc_samples >= 1, "hp.mc_samples", ">= 1", self.mc_samples)
-        require(self.ivon_state in ("reset", "carry"), "hp.ivon_state", "reset or carry", self.ivon_state)
-        require(self.start in ("prior", "init"), "hp.start", "prior or init", self.start)
         require(0 <= self.server_alpha <= 1, "hp.server_alpha", "in [0, 1]", self.server_alpha)
-        require(
-            self.dual_coordinates in ("natural", "expectation"),
-            "hp.dual_coordinates",
-            "natural or expectation",
-            self.dual_coordinates,
-        )
         require(self.cosine_rounds >= 0, "hp.cosine_rounds", ">= 0", self.cosine_rounds)
         require(0 < self.precision_floor <= 1, "hp.precision_floor", "in (0, 1]", self.precision_floor)
-        require(self.dual_scope in ("seen", "cohort"), "hp.dual_scope", "seen or cohort", self.dual_scope)
+        for key, choices in CHOICES.items():
+            require(getattr(self, key) in choices, f"hp.{key}", " or ".join(choices), getattr(self, key))
+
+
+CHOICES = {  # the string hyperparameters' values, in the order their error message names them
+    "ivon_state": ("reset", "carry"),
+    "start": ("prior", "init"),
+    "dual_coordinates": ("natural", "expectation"),
+    "dual_scope": ("seen", "cohort"),
+}
 
 
 class ServerState(NamedTuple):

@@ -63,7 +63,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fedcli.algorithms import fedadmm
+from fedcli.algorithms import bayesadmm, fedadmm
 from fedcli.algorithms.base import (
     Advice,
     Algorithm,
@@ -163,8 +163,9 @@ def broadcast(state: ServerState, hp: BayesADMMFullConfig) -> Broadcast:
 
 def noise_shapes(params: Params, hp: BayesADMMFullConfig, num_steps: int) -> dict[str, tuple[int, ...]]:
     """von -> (S, M, D) standard-normal draws (none with the delta method)."""
-    d = sum(p.numel() for p in params.values())
-    return {"von": (num_steps, hp.mc_samples, d)} if hp.mc_samples else {}
+    return (
+        {"von": (num_steps, hp.mc_samples, sum(p.numel() for p in params.values()))} if hp.mc_samples else {}
+    )
 
 
 def client_update(
@@ -262,13 +263,12 @@ def server_update(
     }
     if rejected is not None:
         diagnostics["bayesadmm_full/rejected_steps"] = rejected.sum()
-    new = ServerState(
+    return ServerState(
         mean=unflatten(mean.to(dtype), state.mean),
         precision=precision.to(dtype),
         v_sum=v_sum.to(dtype),
         V_sum=V_sum.to(dtype),
-    )
-    return new, diagnostics
+    ), diagnostics
 
 
 def max_step(S: Tensor, target: Tensor) -> Tensor:
@@ -312,11 +312,6 @@ def require_solvable(rejected: Tensor, steps: Tensor, hp: BayesADMMFullConfig) -
         )
 
 
-def global_params(state: ServerState) -> Params:
-    """Return m_bar."""
-    return state.mean
-
-
 def posterior_covariance(state: ServerState) -> tuple[Tensor, Tensor]:
     """Return q_bar as (flat mean [D], covariance S_bar^-1 [D, D])."""
     return flatten(state.mean), torch.linalg.inv(state.precision)
@@ -337,7 +332,7 @@ ALGORITHM = Algorithm(
     broadcast=broadcast,
     client_update=client_update,
     server_update=server_update,
-    global_params=global_params,
+    global_params=bayesadmm.global_params,  # m_bar
     init_client_state=init_client_state,
     noise_shapes=noise_shapes,
     posterior=posterior,

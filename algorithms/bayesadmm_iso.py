@@ -62,10 +62,7 @@ def _admm_hp(hp: BayesADMMIsoConfig) -> fedadmm.FedADMMConfig:
 
 def server_init(params: Params, hp: BayesADMMIsoConfig, opt: OptimConfig) -> fedadmm.ServerState:
     """Return m_bar = the initial parameters and a zero dual sum (as FedADMM)."""
-    fedadmm.require_closed_form_server(opt, "bayesadmm-iso")
-    return fedadmm.ServerState(
-        params=dict(params), dual_sum={k: torch.zeros_like(p) for k, p in params.items()}
-    )
+    return fedadmm.server_init(params, hp, opt, name="bayesadmm-iso")
 
 
 def noise_shapes(params: Params, hp: BayesADMMIsoConfig, num_steps: int) -> dict[str, tuple[int, ...]]:

@@ -106,9 +106,9 @@ def require_closed_form_server(opt: OptimConfig, name: str) -> None:
     )
 
 
-def server_init(params: Params, hp: FedADMMConfig, opt: OptimConfig) -> ServerState:
-    """Return theta_bar = the initial parameters and a zero dual sum."""
-    require_closed_form_server(opt, "fedadmm")
+def server_init(params: Params, hp: object, opt: OptimConfig, name: str = "fedadmm") -> ServerState:
+    """Return theta_bar = the initial parameters and a zero dual sum (`name`: the algorithm the checks name)."""
+    require_closed_form_server(opt, name)
     return ServerState(params=dict(params), dual_sum=tree_zeros_like(params))
 
 

@@ -69,18 +69,17 @@ class ClientState(NamedTuple):
 def server_init(params: Params, hp: FedDynConfig, opt: OptimConfig) -> ServerState:
     """Return theta^0 = the initial parameters, h^0 = 0, m = 0."""
     fedadmm.require_closed_form_server(opt, "feddyn")
-    device = next(iter(params.values())).device
     return ServerState(
         params=dict(params),
         dual_sum=tree_zeros_like(params),
-        clients_seen=torch.zeros((), dtype=torch.float64, device=device),
+        clients_seen=torch.zeros((), dtype=torch.float64, device=next(iter(params.values())).device),
     )
 
 
 def init_client_state(params: Params, hp: FedDynConfig) -> ClientState:
     """Return v_k = 0 and an unvisited flag."""
-    first = next(iter(params.values()))
-    return ClientState(v=tree_zeros_like(params), visited=torch.zeros((), dtype=first.dtype))
+    dtype = next(iter(params.values())).dtype
+    return ClientState(v=tree_zeros_like(params), visited=torch.zeros((), dtype=dtype))
 
 
 def client_update(

@@ -115,11 +115,6 @@ def server_update(
     return ServerState(params=params, start=params), {"fedlap/global_norm": tree_norm(params)}
 
 
-def global_params(state: ServerState) -> Params:
-    """Return w_g."""
-    return state.params
-
-
 def recommend(run: RunFacts) -> dict[str, Advice]:
     """rho = 1/C for a cohort of C clients: the code's 1/K rule (mnist_heterog: K = 100, rho = 0.01), under
     which round 1's w_g = Sum_k rho w_k is the cohort's mean model; with rho = 0.01 and C = 10 it is 0.1 x
@@ -184,7 +179,7 @@ ALGORITHM = Algorithm(
     broadcast=broadcast,
     client_update=client_update,
     server_update=server_update,
-    global_params=global_params,
+    global_params=fedadmm.global_params,  # w_g
     init_client_state=fedadmm.init_client_state,
     download_nbytes=download_nbytes,
     recommend=recommend,

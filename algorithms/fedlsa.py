@@ -83,18 +83,13 @@ def server_init(params: Params, hp: FedLSAConfig, opt: OptimConfig) -> fedavg.Se
     return fedavg.server_init(params, hp, opt)
 
 
-def aggregation_weights(weights: Tensor, weighting: str) -> Tensor:
-    """Return q_c [C]: 1 ("uniform", the paper) or n_c ("examples")."""
-    return weights if weighting == "examples" else torch.ones_like(weights)
-
-
 def server_update(
     state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: FedLSAConfig, opt: OptimConfig
 ) -> tuple[fedavg.ServerState, Diagnostics]:
-    """theta_{t+1} = theta_t - server step on mean_q(theta_t - theta^c_{t,H})."""
-    return fedavg.apply_pseudo_gradient(
-        state, outs.upload["delta"], aggregation_weights(weights, hp.weighting), opt
-    )
+    """theta_{t+1} = theta_t - server step on mean_q(theta_t - theta^c_{t,H}), q_c = 1 ("uniform", the paper)
+    or n_c ("examples")."""
+    q = weights if hp.weighting == "examples" else torch.ones_like(weights)  # [C]
+    return fedavg.apply_pseudo_gradient(state, outs.upload["delta"], q, opt)
 
 
 def lsa_solution(a_bar: Tensor, b_bar: Tensor, weights: Tensor | None = None) -> Tensor:
@@ -140,8 +135,11 @@ def fedlsa_bias(
 
 
 def _normalised(weights: Tensor | None, like: Tensor) -> Tensor:
-    n = like.shape[0]
-    q = torch.ones(n, dtype=like.dtype, device=like.device) if weights is None else weights.to(like.dtype)
+    q = (
+        torch.ones(like.shape[0], dtype=like.dtype, device=like.device)
+        if weights is None
+        else weights.to(like.dtype)
+    )
     return q / q.sum()
 
 

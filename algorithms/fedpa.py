@@ -173,8 +173,7 @@ def finish(
     if not sampling_round(hp, ctx.round_idx):
         return fedavg.finish(ctx, bc, client_state, hp, opt, local)
     samples = [flatten(s) for s in local.epoch_means[first_sample_epoch(hp, opt) :]]
-    x0 = flatten(bc.params)
-    delta = unflatten(posterior_delta(x0, samples, hp.rho), bc.params)
+    delta = unflatten(posterior_delta(flatten(bc.params), samples, hp.rho), bc.params)
     fedavg_delta = tree_sub(bc.params, local.params)
     metrics = {
         "train_loss": local.mean_loss,
@@ -209,9 +208,8 @@ BURN_IN_DIVISOR = 15  # Table 6 / Table 3a: T_burn = 100 of the 1,500 EMNIST-62 
 
 def degenerate(hp: FedPAConfig, opt: OptimConfig, run: RunFacts) -> list[Degeneracy]:
     """FedAvg when no round samples; one sample per round (l = 1) makes rho inert (footnote 5)."""
-    out = []
     if hp.burn_in_rounds >= run.rounds:
-        out.append(
+        return [
             Degeneracy(
                 "fedpa:all-burn-in",
                 f"hp.burn_in_rounds={hp.burn_in_rounds} >= train.rounds="
@@ -219,9 +217,9 @@ def degenerate(hp: FedPAConfig, opt: OptimConfig, run: RunFacts) -> list[Degener
                 f"--hp burn_in_rounds (e.g. {math.ceil(run.rounds / BURN_IN_DIVISOR)}) or raise --rounds.",
                 ("hp.rho", "hp.burn_in_epochs"),
             )
-        )
-    elif num_samples(hp, opt) == 1:
-        out.append(
+        ]
+    if num_samples(hp, opt) == 1:
+        return [
             Degeneracy(
                 "fedpa:one-sample",
                 f"l = {num_samples(hp, opt)} IASG sample per round "
@@ -230,16 +228,16 @@ def degenerate(hp: FedPAConfig, opt: OptimConfig, run: RunFacts) -> list[Degener
                 f"--local-epochs {hp.burn_in_epochs + 2} or more (Table 6: 5).",
                 ("hp.rho", "hp.burn_in_epochs") if opt.local_epochs == 1 else ("hp.rho",),
             )
-        )
-    elif hp.rho == 0:
-        out.append(
+        ]
+    if hp.rho == 0:
+        return [
             Degeneracy(
                 "fedpa:rho-zero",
                 "hp.rho=0 makes Sigma_hat = I: the delta is FedAvg's on the mean of "
                 "the l samples (no covariance); use --hp rho=0.1 (Table 6, EMNIST-62).",
             )
-        )
-    return out
+        ]
+    return []
 
 
 def sampling_round(hp: FedPAConfig, round_idx: int) -> bool:
@@ -256,14 +254,12 @@ def server_update(
     diagnostics: Diagnostics = {"server/nonfinite_client_frac": 1.0 - finite.double().mean()}
     if not bool(finite.any()):
         return state, diagnostics  # TFF: skip the server update when the aggregate is not finite
-    safe_delta = {k: torch.where(_expand(finite, v), v, torch.zeros_like(v)) for k, v in cohort_delta.items()}
+    safe_delta = {  # the [C] mask reshaped to broadcast against each [C, ...] leaf
+        k: torch.where(finite.reshape((-1,) + (1,) * (v.dim() - 1)), v, torch.zeros_like(v))
+        for k, v in cohort_delta.items()
+    }
     new_state, server_diag = fedavg.apply_pseudo_gradient(state, safe_delta, weights * finite, opt)
     return new_state, {**diagnostics, **server_diag}
-
-
-def _expand(mask: Tensor, like: Tensor) -> Tensor:
-    """Reshape a [C] mask to broadcast against a [C, ...] tensor."""
-    return mask.reshape((-1,) + (1,) * (like.dim() - 1))
 
 
 ALGORITHM = Algorithm(

@@ -129,7 +129,6 @@ class FedSparseConfig:
 
     def __post_init__(self) -> None:
         require(self.lambda0 >= 0, "hp.lambda0", ">= 0", self.lambda0, "App. A uses 5e-7, 5e-6, 5e-5.")
-        require(self.temperature > 0, "hp.temperature", "> 0", self.temperature)
         require(0 < self.init_inclusion <= 1, "hp.init_inclusion", "in (0, 1]", self.init_inclusion)
         require(
             0 <= self.prune_threshold < self.init_inclusion,
@@ -139,8 +138,8 @@ class FedSparseConfig:
         )
         require(self.ce_scale >= 0, "hp.ce_scale", ">= 0", self.ce_scale)
         require(self.drift >= 0, "hp.drift", ">= 0", self.drift)
-        require(self.gate_lr > 0, "hp.gate_lr", "> 0", self.gate_lr)
-        require(self.server_gate_lr > 0, "hp.server_gate_lr", "> 0", self.server_gate_lr)
+        for key in ("temperature", "gate_lr", "server_gate_lr"):
+            require(getattr(self, key) > 0, f"hp.{key}", "> 0", getattr(self, key))
 
     @property
     def gates_forced_on(self) -> bool:

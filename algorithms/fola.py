@@ -214,11 +214,10 @@ def per_sample_obstacle(
             f"{name}'s default Fisher (hp.fisher=per_sample) needs one gradient per example, which this model's "
             f"BatchNorm ({where}: {kind}{more}) does not have: it normalises over the batch; {fix}."
         )
-    obstacle = vmap_obstacle
-    if obstacle is not None:
+    if vmap_obstacle is not None:
         return (
             f"{name}'s default Fisher (hp.fisher=per_sample) takes per-example gradients under torch.func.vmap, "
-            f"which this model cannot run ({obstacle}); use --hp fisher=batch_sq (the square of the minibatch "
+            f"which this model cannot run ({vmap_obstacle}); use --hp fisher=batch_sq (the square of the minibatch "
             "gradient)."
         )
     return None
@@ -245,15 +244,11 @@ class LocalFit(NamedTuple):
     prior_loss: Tensor  # [] mean lam * c_r * 1/2 sum P_S (theta - mu_S)^2 over the real steps
 
 
-def prior_coefficient(spec: Spec, round_idx: int) -> float:
-    """c_r in the prior lam * c_r * 1/2 sum P_S (theta - mu_S)^2: 1 (Alg. 1) or 1/r (code)."""
-    return 1.0 if spec.prior_form == "paper" else 1.0 / round_idx
-
-
 def local_train(ctx: ClientContext, bc: Broadcast, spec: Spec, opt: OptimConfig) -> LocalFit:
     """Alg. 1 ClientUpdate: SGD on L_task + prior from mu_S, accumulating the online Fisher."""
     grad_and_loss = torch.func.grad_and_value(ctx.loss_fn)
-    coef = spec.lam * prior_coefficient(spec, ctx.round_idx)
+    # c_r in the prior lam * c_r * 1/2 sum P_S (theta - mu_S)^2: 1 (Alg. 1) or 1/r (code)
+    coef = spec.lam * (1.0 if spec.prior_form == "paper" else 1.0 / ctx.round_idx)
     stiffness = prior_stiffness(bc.precision, coef, opt.client_lr)
     sgd = MaskedSGD(bc.mean, opt.client_lr, opt.client_momentum)
     fisher = tree_zeros_like(bc.mean)
@@ -288,9 +283,9 @@ def prior_stiffness(precision: Params, coef: float, lr: float) -> Params:
 
 def client_precision(fisher: Params, prior: Params, round_idx: int, prior_form: str) -> Params:
     """Eq. 17: P_n = F_n / r + (r-1)/r P_S ("paper"); the code's Omega_n = Omega_S + F_n ("code")."""
-    r = round_idx
     if prior_form == "code":
         return tree_add(prior, fisher)
+    r = round_idx
     return {k: fisher[k] / r + (r - 1) / r * prior[k] for k in fisher}
 
 

@@ -75,7 +75,7 @@ def server_opt_step(
         direction = first if a1 else pseudo_grad
         second = {k: second[k] + pseudo_grad[k] ** 2 for k in params}
         new = {k: p - lr * direction[k] / (second[k].sqrt() + tau) for k, p in params.items()}
-    elif kind in ("adam", "yogi"):
+    else:  # adam or yogi (OptimConfig admits only SERVER_OPTIMIZERS)
         b1, b2 = opt.server_beta1, opt.server_beta2
         first = {k: b1 * first[k] + (1 - b1) * pseudo_grad[k] for k in params}
         second = {k: _second_moment(kind, second[k], pseudo_grad[k], b2) for k in params}
@@ -84,8 +84,6 @@ def server_opt_step(
             t = int(state.step) + 1  # the server step runs outside vmap, so a Python int is fine
             c1, c2 = 1.0 - b1**t, 1.0 - b2**t
         new = {k: p - lr * (first[k] / c1) / ((second[k] / c2).sqrt() + tau) for k, p in params.items()}
-    else:  # pragma: no cover - OptimConfig validates the name
-        raise ValueError(f"unknown server optimiser {kind!r}")
     return new, ServerOptState(first=first, second=second, step=state.step + 1)
 
 
@@ -382,11 +380,10 @@ def local_ivon(
     beta2: float,
     mc_samples: int,
     debias: bool = True,
-    noise_prefix: str = "ivon.",
 ) -> tuple[IvonState, Tensor]:
     """Run the E x K masked IVON steps of a round on ctx.loss_fn; return (state, mean loss).
 
-    The standard-normal draws come from ctx.noise[noise_prefix + name][step, sample]
+    The standard-normal draws come from ctx.noise["ivon." + name][step, sample]
     (declare shapes (S, mc_samples, *param.shape)). A masked step leaves the state unchanged.
     The returned loss is the mean over real steps of the mean over samples of the minibatch loss.
     """
@@ -398,7 +395,7 @@ def local_ivon(
         grad_eps = {k: torch.zeros_like(m) for k, m in state.mean.items()}
         loss = torch.zeros((), dtype=loss_sum.dtype, device=loss_sum.device)
         for j in range(mc_samples):
-            eps = {k: ctx.noise[noise_prefix + k][step, j].to(m.dtype) for k, m in state.mean.items()}
+            eps = {k: ctx.noise["ivon." + k][step, j].to(m.dtype) for k, m in state.mean.items()}
             g, value = grad_and_loss(ivon_sample(state, target, eps), batch)
             grad = {k: grad[k] + g[k] / mc_samples for k in grad}
             grad_eps = {k: grad_eps[k] + g[k] * eps[k] / mc_samples for k in grad}

@@ -19,7 +19,7 @@ Its noise-free fixed point is theta* with xi^c = Abar^c theta* - bbar^c, and
 sum_c xi^c_t = 0 for all t (no server control variate is needed).
 
 Implements: the corrected recursion above -> local_request (the local steps, declared as
-local SGD with the linear correction -xi^c), finish (the xi update) and server_update (averaging). Agents keep xi^c private; they upload theta^c_{t,H} (as the
+local SGD with the linear correction -xi^c), finish (the xi update) and fedlsa.server_update (averaging). Agents keep xi^c private; they upload theta^c_{t,H} (as the
 delta theta_t - theta^c_{t,H}) and download theta_t, as in the paper.
 Notation: xi^c -> ClientState.xi, theta^c_{t,H} -> ClientState.last, H -> ClientState.steps
 (the client's real local steps), eta -> opt.client_lr.
@@ -49,7 +49,6 @@ from fedcli.algorithms.base import (
     Algorithm,
     ClientContext,
     ClientOut,
-    Diagnostics,
     Local,
     LocalSGD,
     OptimConfig,
@@ -141,15 +140,6 @@ LOCAL = Local(request=local_request, finish=finish)
 client_update = local_update(LOCAL)
 
 
-def server_update(
-    state: fedavg.ServerState, outs: ClientOut, weights: Tensor, hp: SCAFFLSAConfig, opt: OptimConfig
-) -> tuple[fedavg.ServerState, Diagnostics]:
-    """theta_{t+1} = sum_c q_c theta^c_{t,H} / sum_c q_c."""
-    return fedavg.apply_pseudo_gradient(
-        state, outs.upload["delta"], fedlsa.aggregation_weights(weights, hp.weighting), opt
-    )
-
-
 def recommend(run: RunFacts) -> dict[str, Advice]:
     """Full participation, the paper's setting (all N agents every round, Sec. 5 / Fig. 1), where the task
     fixes N before loading (the Garnet tasks). Under partial participation each agent applies its xi update
@@ -174,7 +164,7 @@ ALGORITHM = Algorithm(
     server_init=server_init,
     broadcast=fedavg.broadcast,
     client_update=client_update,
-    server_update=server_update,
+    server_update=fedlsa.server_update,  # theta_{t+1} = sum_c q_c theta^c_{t,H} / sum_c q_c
     global_params=fedavg.global_params,
     init_client_state=init_client_state,
     local=LOCAL,

@@ -171,11 +171,6 @@ LOCAL = Local(request=local_request, finish=finish)
 client_update = local_update(LOCAL)
 
 
-def aggregation_weights(weights: Tensor, hp: ScaffoldConfig) -> Tensor:
-    """Return q_i: n_i ("examples") or 1 ("uniform") per cohort client [C]."""
-    return weights if hp.weighting == "examples" else torch.ones_like(weights)
-
-
 def upload_sums(
     upload: dict[str, Params | Tensor], weights: Tensor, bc: Broadcast, hp: ScaffoldConfig
 ) -> dict[str, Params | Tensor]:
@@ -186,7 +181,7 @@ def upload_sums(
     streamed round never holds the cohort's [C, P] uploads (two models per client; docs/scaling.md, "Client
     state").
     """
-    q = aggregation_weights(weights, hp)
+    q = weights if hp.weighting == "examples" else torch.ones_like(weights)  # q_i: n_i or 1 ("uniform") [C]
     delta, delta_control, first = upload["delta"], upload["delta_control"], upload["first_visit"]
     assert isinstance(delta, dict) and isinstance(delta_control, dict) and isinstance(first, Tensor)
     return {
@@ -205,25 +200,18 @@ def server_update(
     """x <- server step on mean_q(x - y_i); sum_q c += sum_i q_i Delta c_i (Alg. 1 lines 16-17).
 
     outs.upload: the cohort's stacked uploads [C, ...], or an UploadSums the engine summed a group at a time
-    (upload_sums); from stacked uploads the arithmetic is the weighted mean's (fedavg), unchanged.
+    (upload_sums); stacked uploads are summed by upload_sums here, the same arithmetic as fedavg's weighted mean.
     """
-    server = fedavg.ServerState(state.params, state.opt_state)
     if isinstance(outs.upload, UploadSums):
         sums = outs.upload.sums
-        total = sums["weight"]
-        mean = {k: v / total.to(v.dtype) for k, v in sums["delta"].items()}
-        moved, diagnostics = fedavg.step_on_pseudo_gradient(server, mean, opt)
-        control_sum = {k: v + sums["delta_control"][k] for k, v in state.control_sum.items()}
-        visited_weight = state.visited_weight + sums["first_visit"].to(state.visited_weight.dtype)
-    else:
-        q = aggregation_weights(weights, hp)
-        moved, diagnostics = fedavg.apply_pseudo_gradient(server, outs.upload["delta"], q, opt)
-        control_sum = {
-            k: v + torch.tensordot(q.to(v.dtype), outs.upload["delta_control"][k], dims=([0], [0]))
-            for k, v in state.control_sum.items()
-        }
-        first = outs.upload["first_visit"].to(state.visited_weight.dtype)
-        visited_weight = state.visited_weight + (q.to(first.dtype) * first).sum()
+    else:  # the cohort's stacked uploads [C, ...]
+        sums = upload_sums(outs.upload, weights, broadcast(state, hp), hp)
+    total = sums["weight"]
+    mean = {k: v / total.to(v.dtype) for k, v in sums["delta"].items()}
+    server = fedavg.ServerState(state.params, state.opt_state)
+    moved, diagnostics = fedavg.step_on_pseudo_gradient(server, mean, opt)
+    control_sum = {k: v + sums["delta_control"][k] for k, v in state.control_sum.items()}
+    visited_weight = state.visited_weight + sums["first_visit"].to(state.visited_weight.dtype)
     new_state = ServerState(moved.params, moved.opt_state, control_sum, visited_weight)
     diagnostics["scaffold/server_control_norm"] = tree_norm(broadcast(new_state, hp).control)
     return new_state, diagnostics
