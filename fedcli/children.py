@@ -1,7 +1,7 @@
 """What fedcli's child processes share: ending with their parent, their own process group, the child
 spawned before the command parsed its input, why one died, and framed messages over its pipes.
 
-The sweep's workers (fedcli/sweep/worker_pool.py, scheduler.py, ray_actor.py), the run's MLflow mirror
+The sweep's workers (fedcli/sweep/worker_pool.py, process.py, ray_actor.py), the run's MLflow mirror
 (tracking/mlflow/handle.py), the sweep's (tracking/mlflow/sweep_mirror.py) and `fedcli ui`'s server
 (fedcli/cli/ui.py) start theirs with it (docs/architecture.md, "Child processes"). Standard library only, and nothing of fedcli: `fedcli sweep`
 and `fedcli train` call `spawn_early` first thing, before they import torch, and a Ray worker imports it.

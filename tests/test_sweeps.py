@@ -144,7 +144,7 @@ def test_scheduler_plans_a_trial_again_right_before_starting_it() -> None:
 
     trial = expand({"experiment": "r", "base": {"task": "lsq", "rounds": 2}})[0]
     taken = Plan(trial, ELSEWHERE, "f" * 32, "pid 1 on another host")
-    scheduler = Scheduler([Plan(trial, NEW)], workers=1, cores=1, parent_run=None, recheck=lambda plan: taken)
+    scheduler = Scheduler([Plan(trial, NEW)], workers=1, cores=1, recheck=lambda plan: taken)
 
     stopped_by = scheduler.run(lambda processes: None)
     scheduler.cleanup()

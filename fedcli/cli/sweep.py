@@ -225,11 +225,7 @@ def sweep(
             if backend is not Backend.local:  # trials run on other nodes: their root must be absolute there
                 tracking["tracking.root"] = str(Path(root or "fedcli-runs").resolve())
             track = prepare_search(body, tracking, report_output(body, str(root or "fedcli-runs")))
-            with cluster_of(
-                backend, address, cpus_per_trial, gpus_per_trial, track
-            ) as cluster:  # before anything is written
-                if cluster is not None:
-                    cluster.check(track)
+            with cluster_of(backend, address, cpus_per_trial, gpus_per_trial, track) as cluster:
                 if dry_run:
                     return
                 from fedcli.sweep.search_source import SearchSource
@@ -260,14 +256,11 @@ def sweep(
         for line in warn_degenerate([t.config for t in trials], swept):
             console().print(f"warning: {line}", markup=False, soft_wrap=True)
         check_output(report_path, "report.output")
-        with cluster_of(
-            backend, address, cpus_per_trial, gpus_per_trial, track
-        ) as cluster:  # before anything is written
+        with cluster_of(backend, address, cpus_per_trial, gpus_per_trial, track) as cluster:
             if cluster is not None:
                 from fedcli.sweep.ray_runner import absolute_root
 
                 trials = absolute_root(trials)
-                cluster.check(track)
             if (
                 dry_run
             ):  # writes nothing on any store, not even its schema: a store without one holds no trials
@@ -292,10 +285,10 @@ def sweep(
 
 
 def cluster_of(
-    backend: Backend, address: str | None, cpus: int | None, gpus: float | None, track: Any = None
+    backend: Backend, address: str | None, cpus: int | None, gpus: float | None, track: Any
 ) -> AbstractContextManager[Any]:
-    """The connected Ray cluster for --backend ray (fedcli.sweep.ray_runner.connect; `track`'s URLs with a password
-    reach the workers through their environment), else None."""
+    """The connected Ray cluster for --backend ray (fedcli.sweep.ray_runner.connect: checked before anything
+    is written; `track`'s URLs with a password reach the workers through their environment), else None."""
     if backend is Backend.local:
         return nullcontext(None)
     from fedcli.sweep.ray_runner import connect
@@ -307,9 +300,7 @@ def run_study(body: Mapping[str, Any], root: Path | None, dry_run: bool, smoke: 
     """A `study:` recipe: compute and write its report (fedcli.studies); no runs, no store."""
     from fedcli.studies import load_study
 
-    path = report_output(
-        {**body, "report": body.get("report") or {}}, str(root or "fedcli-runs"), always=True
-    )
+    path = report_output(body, str(root or "fedcli-runs"), always=True)
     assert path is not None  # always=True
     check_output(path, "report.output")
     if dry_run:

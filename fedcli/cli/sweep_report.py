@@ -15,8 +15,7 @@ def report_output(body: Mapping[str, Any], root: str, *, always: bool = False) -
     block = body.get("report")
     if not block and not always:
         return None
-    block = block or {}
-    return Path(block.get("output") or Path(root) / "reports" / f"{body['experiment']}.md")
+    return Path((block or {}).get("output") or Path(root) / "reports" / f"{body['experiment']}.md")
 
 
 def write_report(db: Any, body: Mapping[str, Any], run_ids: list[str], path: Path) -> None:

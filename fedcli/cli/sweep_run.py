@@ -5,6 +5,7 @@ the command and plans; the tables are in fedcli/cli/sweep_tables.py, the report 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,17 +69,18 @@ def run_plans(
             workers=workers or 1,
             cores=cores,
             threads=cores,
-            parent_run=None,
             recheck=recheck,
             claims=TrialClaims(db, track.experiment),
             mirror=mirror,
             source=source,
         )
     else:
-        scheduler = cluster.scheduler(
+        from fedcli.sweep.ray_runner import RayScheduler
+
+        scheduler = RayScheduler(
             plans,
+            cluster=cluster,
             workers=workers,
-            parent_run=None,
             recheck=recheck,
             read_runs=lambda: experiment_runs(db, track.experiment),
             track=track,
@@ -144,9 +146,7 @@ def summary(rows: Sequence[Any], signum: int | None, hint: str, failed: int) -> 
     """
     import signal
 
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row.status] = counts.get(row.status, 0) + 1
+    counts = Counter(row.status for row in rows)  # in the rows' order
     text = ", ".join(f"{n} {status}" for status, n in counts.items())
     if signum is not None:
         console().print(

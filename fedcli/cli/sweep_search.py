@@ -7,6 +7,7 @@ and run through the same scheduler, workers, claims, live table and report as a 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,7 +46,7 @@ def prepare_search(body: Mapping[str, Any], tracking: Mapping[str, Any], report_
 
 def show_search(body: Mapping[str, Any], track: Any) -> None:
     """The search's plan: sampler, budget, metric, space, pruner, and how far its study is (read only)."""
-    from fedcli.sweep.search import search_metric, study_name
+    from fedcli.sweep.search import search_metric, study_name, trial_of
     from fedcli.sweep.spec_keys import budget
 
     search, pruner = body["search"], body.get("pruner")
@@ -72,7 +73,7 @@ def show_search(body: Mapping[str, Any], track: Any) -> None:
         options = ", ".join(f"{k} {v}" for k, v in pruner.items() if k != "type")
         out.print(
             f"pruner: {pruner['type']}{f' ({options})' if options else ''}, at evaluation rounds "
-            f"(every {sample_eval_every(body)} rounds)",
+            f"(every {trial_of(body, {}, 0).config.train.eval_every} rounds)",
             highlight=False,
             soft_wrap=True,
         )
@@ -80,12 +81,6 @@ def show_search(body: Mapping[str, Any], track: Any) -> None:
         out.print("pruner: none (every trial runs all its rounds)", highlight=False)
     if done:
         out.print("study so far: " + ", ".join(f"{n} {state}" for state, n in done.items()), highlight=False)
-
-
-def sample_eval_every(body: Mapping[str, Any]) -> int:
-    from fedcli.sweep.search import trial_of
-
-    return trial_of(body, {}, 0).config.train.eval_every
 
 
 def study_progress(url: str, experiment: str) -> dict[str, int]:
@@ -114,10 +109,7 @@ def study_progress(url: str, experiment: str) -> dict[str, int]:
             SQLAlchemyError,
         ):  # none yet, or another sweep is creating Optuna's tables right now
             return {}
-        counts: dict[str, int] = {}
-        for trial in study.get_trials(deepcopy=False):
-            if "fedcli.void" not in trial.user_attrs:
-                counts[trial.state.name.lower()] = counts.get(trial.state.name.lower(), 0) + 1
-        return counts
+        trials = study.get_trials(deepcopy=False)
+        return Counter(t.state.name.lower() for t in trials if "fedcli.void" not in t.user_attrs)
     finally:
         reader.close()

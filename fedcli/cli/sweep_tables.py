@@ -109,7 +109,6 @@ def show_estimates(trials: Sequence[Any], body: Mapping[str, Any]) -> None:
     for e in estimate_trials(trials):
         if e.error is not None:
             cells = [e.trial, "probe failed: " + e.error]
-            table.add_row(*cells, *[""] * 8)
         else:
             cells = [
                 e.trial,
@@ -123,7 +122,7 @@ def show_estimates(trials: Sequence[Any], body: Mapping[str, Any]) -> None:
                 fmt_bytes(e.device_peak_bytes),
                 fmt_seconds(e.full_run_s),
             ]
-            table.add_row(*cells)
+        table.add_row(*cells, *[""] * (len(table.columns) - len(cells)))
         if plain:
             names = [str(c.header) for c in table.columns]
             typer.echo(

@@ -36,7 +36,7 @@ A sweep owns its trials:
 Layout (no module imports one below it back; import each name from the module that defines it):
 `spec_keys` (a spec's declared keys and their checks) -> `spec` (reading a spec, expanding it
 into trials) -> `plan` (`Plan`, `plan_trials`,
-a trial's command and environment) -> `scheduler` (`TrialProcess`, `TrialClaims`, `Scheduler`,
+a trial's config and environment) -> `scheduler` (`TrialProcess`, `TrialClaims`, `Scheduler`,
 `TrialOutcome`, `TrialSource`) -> `rows` (the live table's rows, `parent_tags`); `process` starts sweep
 workers so that they end with the sweep; the long-lived workers that run the trials are `worker_pool`
 (the sweep's side, `WorkerScheduler`) and `worker` (the worker process); `search` sets up the Optuna

@@ -1,4 +1,4 @@
-"""What a sweep does with each trial (`Plan`: new, resume, skip, running elsewhere, diverged) and the command and environment that run it.
+"""What a sweep does with each trial (`Plan`: new, resume, skip, running elsewhere, diverged) and the config and environment that run it.
 
 Part of fedcli.sweep; fedcli/sweep/__init__.py describes how a sweep owns its trials and the
 package's layout.
@@ -7,16 +7,14 @@ package's layout.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fedcli.tracking.urls import has_password, mask_url
+from fedcli.tracking.urls import has_password
 
 if TYPE_CHECKING:
     from fedcli.tracking.store.records import RunRecord
@@ -48,7 +46,7 @@ def plan_trials(trials: Sequence[Trial], records: Sequence[RunRecord]) -> list[P
     """
     by_hash: dict[str, list[RunRecord]] = {}
     for record in records:
-        by_hash.setdefault(record.tags.get("fedcli.config_hash") or record.config_hash, []).append(record)
+        by_hash.setdefault(hash_of(record), []).append(record)
     plans = []
     for trial in trials:
         runs = by_hash.get(trial.config.config_hash, [])
@@ -72,6 +70,17 @@ def plan_trials(trials: Sequence[Trial], records: Sequence[RunRecord]) -> list[P
     return plans
 
 
+def hash_of(record: RunRecord) -> str:
+    """The config hash a run trains: its tag fedcli.config_hash, else its row's."""
+    return record.tags.get("fedcli.config_hash") or record.config_hash
+
+
+def run_of(trial: Trial, records: Sequence[RunRecord]) -> RunRecord | None:
+    """The newest run of the trial's config hash among `records` (oldest first), if any."""
+    same = [r for r in records if hash_of(r) == trial.config.config_hash]
+    return same[-1] if same else None
+
+
 SETTLE_S = 5.0  # how long a sweep waits for runs alive elsewhere to end before it plans them as running
 
 
@@ -91,33 +100,8 @@ def plan_settled(
         time.sleep(0.5)
 
 
-def trial_command(
-    plan: Plan, config_path: Path, cores: int, parent_run: str | None, threads: int | None = None
-) -> list[str]:
-    """The `fedcli train` command line of a planned trial (a new run, or `--resume` of its run).
-
-    `cores`: the trial's share of the CPU, given as train.workers unless its config sets it
-    (so N trials at once do not each start a worker per core); not part of the config hash.
-    `threads` (the Ray backend): train.threads likewise; None leaves it to `fedcli train`.
-    A new run's config is written to `config_path` (trial_config_text).
-    """
-    text = trial_config_text(plan, cores, threads)
-    if text is not None:
-        config_path.write_text(text)
-    return [
-        sys.executable,
-        "-m",
-        "fedcli",
-        "-q",
-        "train",
-        *trial_args(plan, config_path, cores, parent_run, threads),
-    ]
-
-
-def trial_config_text(plan: Plan, cores: int, threads: int | None = None) -> str | None:
-    """The YAML config a new trial's `fedcli train --config` reads; None for a resumed one."""
-    if plan.action == RESUME:
-        return None
+def trial_config_text(plan: Plan, cores: int, threads: int | None = None) -> str:
+    """The YAML config of a new trial, as `fedcli train --config` reads it."""
     body = plan.trial.config.to_dict()
     if plan.trial.config.recommended:  # which values were recommended: the trial's tag fedcli.recommended
         body["recommended"] = dict(plan.trial.config.recommended)
@@ -129,7 +113,7 @@ def trial_config_text(plan: Plan, cores: int, threads: int | None = None) -> str
 
 def trial_env(track: Any) -> dict[str, str] | None:
     """The environment of a trial process: this one's, plus FEDCLI_STORE / MLFLOW_TRACKING_URI where the
-    sweep's URLs carry a password, which the trial's config file and command line hold masked
+    sweep's URLs carry a password, which the trial's config holds masked
     (docs/operations.md, "Security"); None (inherit) when neither does."""
     extra = trial_secrets(track)
     return {**os.environ, **extra} if extra else None
@@ -142,40 +126,3 @@ def trial_secrets(track: Any) -> dict[str, str]:
         for name, url in (("FEDCLI_STORE", track.store_url), ("MLFLOW_TRACKING_URI", track.mlflow_uri))
         if has_password(url)
     }
-
-
-def trial_args(
-    plan: Plan, config_path: Path | str, cores: int, parent_run: str | None, threads: int | None = None
-) -> list[str]:
-    """The arguments after `fedcli train` of trial_command."""
-    cfg = plan.trial.config
-    workers = cfg.train.workers or cores
-    if plan.action == RESUME:
-        assert plan.run_id is not None
-        command = ["--resume", plan.run_id, "--root", cfg.tracking.root, "--workers", str(workers)]
-        if threads is not None:
-            command += ["--threads", str(cfg.train.threads or threads)]
-        if cfg.tracking.store:  # a password masked: the trial gets the URL from its environment (trial_env)
-            command += ["--store", mask_url(cfg.tracking.store)]
-        if cfg.tracking.tracking_uri:
-            command += ["--tracking-uri", mask_url(cfg.tracking.tracking_uri)]
-        if not cfg.tracking.use_mlflow:
-            command.append("--no-mlflow")
-        command += named_code(cfg)
-    else:
-        command = ["--config", str(config_path), "--run-name", plan.trial.name]
-    if parent_run is not None:
-        command += ["--parent-run", parent_run]
-    return command
-
-
-def named_code(cfg: Any) -> list[str]:
-    """`--model REF` / `--data REF` for the user code a trial's config names (the sweep spec named it): a
-    resumed trial's run imports its recorded code only when named again (datasets/yours/trust.py)."""
-    from fedcli.datasets.yours.trust import recorded_code
-
-    return [
-        arg
-        for code in recorded_code({"model": cfg.data.model, "file": cfg.data.file})
-        for arg in ("--model" if code.what == "model" else "--data", code.ref)
-    ]

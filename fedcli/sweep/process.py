@@ -6,7 +6,6 @@ Imports nothing of fedcli's but that: `fedcli sweep` calls `spawn_early` first t
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import subprocess
 import sys
@@ -38,10 +37,5 @@ def _start() -> children.Early:
             stderr=err,
             preexec_fn=children.die_with_parent(os.getpid()),
         )
-    atexit.register(_remove, Path(name))
+    atexit.register(Path(name).unlink, missing_ok=True)
     return proc, Path(name)
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()

@@ -22,10 +22,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from fedcli.children import Channel, death, die_with_parent
-
-KILL_AFTER_S = 180.0  # as fedcli.sweep.scheduler.KILL_AFTER_S: an idle worker still running this long after close is killed
-TAIL_LINES = 20
+from fedcli.children import Channel, death, die_with_parent, own_line
 
 
 class TrialActor:
@@ -54,10 +51,6 @@ class TrialActor:
         )
         self.channel = Channel(self.proc)  # framed messages over its stdin and stdout
 
-    def where(self) -> tuple[str, int]:
-        """(host, worker pid)."""
-        return socket.gethostname(), self.proc.pid
-
     def run(self, message: Mapping[str, Any]) -> dict[str, Any]:
         """Run one trial; return the worker's `ended` event (with `host`), or how the worker died."""
         hook = message.get("hook")
@@ -74,7 +67,7 @@ class TrialActor:
             elif event.get("event") == "ended":
                 return {**event, "host": socket.gethostname(), "pid": self.proc.pid}
         code = self.proc.wait()
-        tail = _tail_of(self.stderr)
+        reason = own_line(_tail_of(self.stderr))
         return {
             "event": "died",
             "status": "failed",
@@ -82,7 +75,7 @@ class TrialActor:
             "round": None,
             "metrics": {},
             "reason": f"its sweep worker (pid {self.proc.pid} on {socket.gethostname()}) "
-            + death(code, tail[-1][:300] if tail else None),
+            + death(code, reason[:300] if reason else None),
             "host": socket.gethostname(),
             "pid": self.proc.pid,
         }
@@ -92,23 +85,14 @@ class TrialActor:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGTERM)
 
-    def close(self) -> None:
-        """End an idle worker (its stdin closed); kill it after KILL_AFTER_S."""
-        self.channel.close()
-        try:
-            self.proc.wait(timeout=KILL_AFTER_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
 
 def _masked(value: object) -> bool:
     """A URL whose password was masked by fedcli.tracking.urls.mask_url (`:***@`, `password=***`)."""
     return isinstance(value, str) and ("***" in value or "%2A%2A%2A" in value.upper())
 
 
-def _tail_of(file: Any) -> list[str]:
-    """The last lines of an open file another process writes (pread: its shared offset stays put)."""
+def _tail_of(file: Any) -> bytes:
+    """The last 64 KiB of an open file another process writes (pread: its shared offset stays put)."""
     size = os.fstat(file.fileno()).st_size
     start = max(0, size - 65536)
-    lines = os.pread(file.fileno(), size - start, start).decode(errors="replace").splitlines()
-    return [line for line in lines if line.strip()][-TAIL_LINES:]
+    return os.pread(file.fileno(), size - start, start)

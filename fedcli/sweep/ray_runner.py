@@ -18,14 +18,14 @@ Results go to the store and MLflow URIs the driver resolved, passed to each tria
 node must reach them: on a cluster of more than one node a SQLite store or a file-based
 MLflow URI is refused before anything is written (`check_cluster`, fedcli/sweep/ray_checks.py). A stop (SIGINT, SIGTERM,
 SIGHUP) asks each busy actor to stop: it sends SIGTERM to its worker, whose trial checkpoints
-and reads `interrupted`; actors still busy `KILL_AFTER_S` later are killed.
+and reads `interrupted`; actors still busy `RayScheduler.kill_after_s` later are killed.
 
 A URL's password never travels as a Ray argument (Ray keeps task and actor arguments in its GCS and
 may log them): actors get the store and MLflow URIs, and the pruning hook its storage, masked
 (`user:***@host`), and take the real ones from FEDCLI_STORE / MLFLOW_TRACKING_URI in their own
 process environment. `connect` exports them before `ray.init`, so a Ray instance it starts on this
 machine passes them on to its workers; on a running cluster they must be set where `ray start` ran,
-which `RayCluster.check` verifies (comparing masked forms) before anything is written.
+which `connect` verifies (comparing masked forms) before anything is written.
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ import contextlib
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +51,7 @@ from fedcli.sweep.ray_checks import (
     secret_env,
     use_token_if_there,
 )
-from fedcli.sweep.scheduler import KILL_AFTER_S as TRIAL_KILL_AFTER_S
-from fedcli.sweep.scheduler import Scheduler, TrialClaims, TrialOutcome
+from fedcli.sweep.scheduler import Scheduler, TrialClaims, TrialOutcome, TrialProcess
 from fedcli.sweep.spec import Trial
 
 if TYPE_CHECKING:
@@ -61,9 +59,6 @@ if TYPE_CHECKING:
     from fedcli.tracking.store.records import RunRecord
 
 INSTALL = "pip install 'fedcli[ray]'"
-KILL_AFTER_S = (
-    TRIAL_KILL_AFTER_S + 30.0
-)  # a stop's wait before busy actors are killed: the local one's and a margin
 
 
 @dataclass
@@ -74,12 +69,6 @@ class RayCluster:
     nodes: list[dict[str, Any]]
     cpus: int
     gpus: float
-
-    def check(self, track: TrackingConfig) -> None:
-        """Refuse stores the trials cannot share, trials no node can hold (check_cluster), and a URL with a
-        password that the cluster's workers do not have in their environment (check_secrets)."""
-        check_cluster(self.nodes, track, self.cpus, self.gpus)
-        check_secrets(self.ray, secret_env(track))
 
     def default_workers(self) -> int:
         """Trials the cluster holds at once: per node, its CPUs (and GPUs) over one trial's, summed."""
@@ -92,60 +81,22 @@ class RayCluster:
             total += fit
         return max(1, total)
 
-    def scheduler(
-        self,
-        plans: Sequence[Plan],
-        *,
-        workers: int | None,
-        parent_run: str | None,
-        recheck: Callable[[Plan], Plan],
-        read_runs: Callable[[], list[RunRecord]],
-        track: TrackingConfig,
-        claims: TrialClaims | None = None,
-        mirror: Any = None,
-        source: Any = None,
-    ) -> RayScheduler:
-        from fedcli.tracking.urls import mask_url
-
-        env = {"FEDCLI_STORE": track.store_url}
-        if track.use_mlflow:
-            env["MLFLOW_TRACKING_URI"] = track.mlflow_uri
-        env = {
-            key: mask_url(value) for key, value in env.items()
-        }  # the actors read the password from their env
-        return RayScheduler(
-            plans,
-            cluster=self,
-            workers=workers or self.default_workers(),
-            parent_run=parent_run,
-            recheck=recheck,
-            read_runs=read_runs,
-            env=env,
-            cwd=str(Path.cwd()),
-            claims=claims,
-            mirror=mirror,
-            source=source,
-        )
-
 
 @contextmanager
-def connect(
-    address: str | None, cpus: int, gpus: float, track: TrackingConfig | None = None
-) -> Iterator[RayCluster]:
+def connect(address: str | None, cpus: int, gpus: float, track: TrackingConfig) -> Iterator[RayCluster]:
     """Connect to the Ray cluster at `address` for the duration of the block (None: Ray's default,
     RAY_ADDRESS, else the cluster `ray start` started on this machine, else a new local instance).
 
     `track`: its URLs that hold a password are exported to this process's environment first, so that a
     Ray instance `ray.init` starts here hands them to its workers (never as arguments: module docstring).
+    Before anything is written, the cluster is refused when its nodes cannot share the stores or hold a
+    trial (check_cluster), or its workers lack a URL with a password in their environment (check_secrets).
 
     Raises:
-        ConfigError: Ray is not installed, or the cluster cannot be reached.
+        ConfigError: Ray is not installed, the cluster cannot be reached, or it is refused.
     """
     use_token_if_there()  # before Ray reads its config
-    if track is not None:
-        os.environ.update(
-            secret_env(track)
-        )  # inherited by the raylet and workers of an instance started here
+    os.environ.update(secret_env(track))  # inherited by the raylet and workers of an instance started here
     try:
         import ray
     except ImportError:
@@ -165,7 +116,10 @@ def connect(
             "start one with `ray start --head` or pass --address of a running cluster."
         ) from None
     try:
-        yield RayCluster(ray, [n for n in ray.nodes() if n.get("Alive")], cpus, gpus)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        check_cluster(nodes, track, cpus, gpus)
+        check_secrets(ray, secret_env(track))
+        yield RayCluster(ray, nodes, cpus, gpus)
     finally:
         ray.shutdown()
 
@@ -210,47 +164,12 @@ class Actor:
     busy: RayTrial | None = None
 
 
-@dataclass
-class RayTrial:
-    """A submitted (or ended) trial; read by the sweep's tables as a TrialProcess."""
+@dataclass(kw_only=True)
+class RayTrial(TrialProcess):
+    """A submitted (or ended) trial."""
 
-    plan: Plan
     ref: Any  # the ObjectRef of its TrialActor.run call
-    actor: Actor | None = None
-    started: float = field(default_factory=time.monotonic)
-    ended: float | None = None
-    run_id: str | None = None
-    stopped: bool = False  # ended by the sweep's stop
-    result: dict[str, Any] | None = None  # what TrialActor.run returned (always with a `status`)
-    error: str | None = None  # the Ray error that ended the task instead (cancelled, worker died)
-
-    @property
-    def elapsed_s(self) -> float:
-        return (self.ended or time.monotonic()) - self.started
-
-    @property
-    def status(self) -> str:
-        if self.ended is None:
-            return "running"
-        if self.result is None:  # the Ray call failed (the actor or its node died, or it was cancelled)
-            return "interrupted" if self.stopped else "failed"
-        status = str(self.result["status"])
-        return "interrupted" if self.stopped and status == "failed" else status
-
-    def last_error(self) -> str:
-        """The trial's reason, else the Ray error, else its exit code."""
-        if self.result is not None and self.result.get("reason"):
-            return str(self.result["reason"])
-        return self.error or f"exit code {None if self.result is None else self.result.get('code')}"
-
-    def locate(self, records: Sequence[RunRecord]) -> str | None:
-        """The id of the run this trial trains: the one its worker reported, else the run of its config
-        hash (planned new right before it was submitted, so none of that hash existed then)."""
-        if self.run_id is not None:
-            return self.run_id
-        key = self.plan.trial.config.config_hash
-        found = [r.id for r in records if (r.tags.get("fedcli.config_hash") or r.config_hash) == key]
-        return found[-1] if found else None
+    actor: Actor
 
 
 class RayScheduler(Scheduler):
@@ -263,41 +182,45 @@ class RayScheduler(Scheduler):
     new actor is placed there when none is idle. An actor whose worker or node died costs its trial
     (`failed`, with how it died; its run reads `interrupted`, and a rerun resumes it) and is
     replaced. A stop asks each busy actor to stop its trial (SIGTERM to its worker: checkpointed,
-    `interrupted`); actors still busy KILL_AFTER_S later are killed. `mirror`: the sweep's one
-    MLflow mirror (tracking/mlflow/sweep_mirror.py), given each ended trial's run.
+    `interrupted`); actors still busy `kill_after_s` later are killed. `mirror`: the sweep's one
+    MLflow mirror (tracking/mlflow/sweep_mirror.py), given each ended trial's run. `workers` None: as
+    many as the cluster holds (`RayCluster.default_workers`).
     """
+
+    kill_after_s = Scheduler.kill_after_s + 30.0  # a stop's wait before busy actors are killed: a margin more
 
     def __init__(
         self,
         plans: Sequence[Plan],
         *,
         cluster: RayCluster,
-        workers: int,
-        parent_run: str | None,
+        workers: int | None,
         recheck: Callable[[Plan], Plan],
         read_runs: Callable[[], list[RunRecord]],
-        env: Mapping[str, str],
-        cwd: str,
+        track: TrackingConfig,
         claims: TrialClaims | None = None,
         mirror: Any = None,
         source: Any = None,
     ) -> None:
+        from fedcli.tracking.urls import mask_url
+
         super().__init__(
             plans,
-            workers=workers,
+            workers=workers or cluster.default_workers(),
             cores=cluster.cpus,
-            parent_run=parent_run,
             recheck=recheck,
             claims=claims,
             source=source,
             threads=cluster.cpus,
+            mirror=mirror,
         )
-        self.cluster, self.read_runs, self.env, self.cwd = cluster, read_runs, dict(env), cwd
+        self.cluster, self.read_runs, self.cwd = cluster, read_runs, str(Path.cwd())
+        self.env = {"FEDCLI_STORE": mask_url(track.store_url)}  # the actors read the password from their env
+        if track.use_mlflow:
+            self.env["MLFLOW_TRACKING_URI"] = mask_url(track.mlflow_uri)
         self.processes: list[RayTrial] = []  # type: ignore[assignment]
         self.actors: list[Actor] = []
-        self.mirror = mirror
         self._actor_class = cluster.ray.remote(TrialActor)
-        self._killed = False
 
     def _actor(self, plan: Plan) -> Actor:
         """An idle actor (on the resumed run's host when there is one), else a new one."""
@@ -330,7 +253,7 @@ class RayScheduler(Scheduler):
         actor = self._actor(plan)
         hook = self.source.hook(plan) if self.source is not None else None
         ref = actor.handle.run.remote(masked_message(trial_message(plan, self.cores, self.cores, hook)))
-        trial = RayTrial(plan, ref, actor=actor, run_id=plan.run_id)
+        trial = RayTrial(plan, ref=ref, actor=actor, run_id=plan.run_id)
         actor.busy = trial
         self.processes.append(trial)
         return trial
@@ -341,44 +264,40 @@ class RayScheduler(Scheduler):
             return None
         return next((r.host for r in self.read_runs() if r.id == plan.run_id), None)
 
-    @property
-    def running(self) -> list[RayTrial]:  # type: ignore[override]
-        return [p for p in self.processes if p.ended is None]
-
     def _reap(self) -> bool:
-        by_ref = {p.ref: p for p in self.running}
+        by_ref = {p.ref: p for p in self.processes if p.ended is None}
         if not by_ref:
             return False
         ray = self.cluster.ray
         ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
         for ref in ready:
-            trial = by_ref[ref]
-            actor = trial.actor
+            trial, error = by_ref[ref], None
             try:
-                trial.result = ray.get(ref)
+                result = ray.get(ref)
             except ray.exceptions.RayError as err:  # the actor or its node died, fedcli missing there
-                trial.error = first_line(err)
-            result = trial.result or {}
+                result, error = {}, first_line(err)
             trial.run_id = result.get("run_id") or trial.run_id
-            trial.ended = time.monotonic()
-            if actor is not None:
-                actor.busy, actor.host = None, result.get("host") or actor.host
-                if trial.result is None or result.get("event") == "died" or result.get("signal"):
-                    self._drop(
-                        actor
-                    )  # its worker is gone (or stopping with the sweep): a new actor replaces it
-            self._told(
-                trial.plan,
+            trial.actor.busy, trial.actor.host = None, result.get("host") or trial.actor.host
+            if error is not None or result.get("event") == "died" or result.get("signal"):
+                self._drop(
+                    trial.actor
+                )  # its worker is gone (or stopping with the sweep): a new actor replaces it
+            if error is not None:  # the Ray call failed (the actor or its node died, or it was cancelled)
+                status = "interrupted" if trial.stopped else "failed"
+            else:
+                status = str(result["status"])
+                status = "interrupted" if trial.stopped and status == "failed" else status
+            reason = result.get("reason") or error or f"exit code {result.get('code')}"
+            self._end(
+                trial,
                 TrialOutcome(
-                    trial.status,
+                    status,
                     trial.run_id,
-                    "" if trial.status == "finished" else trial.last_error(),
+                    "" if status == "finished" else reason,
                     result.get("round"),
                     dict(result.get("metrics") or {}),
                 ),
             )
-            if self.mirror is not None and trial.run_id is not None:
-                self.mirror.add(trial.run_id)
         return bool(ready)
 
     def _drop(self, actor: Actor) -> None:
@@ -387,20 +306,12 @@ class RayScheduler(Scheduler):
         with contextlib.suppress(Exception):
             self.cluster.ray.kill(actor.handle, no_restart=True)
 
-    def _stop(self) -> None:
-        """Ask the busy actors to stop their trials once; kill the actors still busy after KILL_AFTER_S."""
-        now = time.monotonic()
-        if self._forwarded_at is None:
-            self._forwarded_at = now
-            for trial in self.running:
-                trial.stopped = True
-                if trial.actor is not None:
-                    trial.actor.handle.stop.remote()
-        elif now - self._forwarded_at > KILL_AFTER_S and not self._killed:
-            self._killed = True
-            for trial in self.running:
-                if trial.actor is not None:
-                    self._drop(trial.actor)
+    def _ask_stop(self, trial: TrialProcess) -> None:
+        """SIGTERM to the actor's worker: its trial checkpoints and reads `interrupted`."""
+        trial.actor.handle.stop.remote()  # type: ignore[attr-defined]
+
+    def _kill(self, trial: TrialProcess) -> None:
+        self._drop(trial.actor)  # type: ignore[attr-defined]
 
     def cleanup(self) -> None:
         """End the actors (their idle workers exit), then the Scheduler's cleanup."""

@@ -15,9 +15,9 @@ from fedcli.errors import ConfigError
 if TYPE_CHECKING:
     from fedcli.tracking.store.records import RunRecord
 
-from fedcli.sweep.plan import DIVERGED, ELSEWHERE, NEW, RESUME, SKIP, Plan
+from fedcli.sweep.plan import DIVERGED, ELSEWHERE, NEW, RESUME, SKIP, Plan, run_of
 from fedcli.sweep.scheduler import TrialProcess
-from fedcli.sweep.spec import Trial, spec_hash
+from fedcli.sweep.spec import spec_hash
 
 # --------------------------------------------------------------------------- what the store says
 
@@ -47,17 +47,14 @@ def trial_rows(
     metric_keys: Sequence[str],
     stopped: bool = False,
 ) -> tuple[list[TrialRow], str]:
-    """Rows of every planned trial, rounds and metric read from the store; and the metric key shown.
-
-    `processes`: TrialProcess, or any object with its attributes (fedcli.sweep.ray_runner.RayTrial).
-    """
+    """Rows of every planned trial, rounds and metric read from the store; and the metric key shown."""
     records = experiment_runs(store, experiment)
     for started in processes:
-        if started.run_id is None:  # a new run: the store knows it by the trial process's pid
-            started.run_id = started.locate(records)
+        if started.run_id is None:  # a new run its worker did not name yet: the only run of its config hash
+            started.run_id = getattr(run_of(started.plan.trial, records), "id", None)
     by_plan = {id(p.plan): p for p in processes}
     elsewhere = {
-        id(p): _run_of(p.trial, records) for p in plans if p.action == ELSEWHERE and id(p) not in by_plan
+        id(p): run_of(p.trial, records) for p in plans if p.action == ELSEWHERE and id(p) not in by_plan
     }
     ids = [
         i
@@ -94,14 +91,6 @@ def trial_rows(
             )
         )
     return rows, key
-
-
-def _run_of(trial: Trial, records: Sequence[RunRecord]) -> RunRecord | None:
-    """The newest run of the trial's config hash, if any."""
-    same = [
-        r for r in records if (r.tags.get("fedcli.config_hash") or r.config_hash) == trial.config.config_hash
-    ]
-    return same[-1] if same else None
 
 
 def experiment_runs(store: Any, experiment: str) -> list[RunRecord]:

@@ -1,4 +1,4 @@
-"""The trial processes of a local sweep: claims in the store, the `Scheduler` that starts them and forwards stop signals.
+"""A sweep's trials: claims in the store, the `Scheduler` both backends share (it starts the trials and stops them).
 
 Part of fedcli.sweep; fedcli/sweep/__init__.py describes how a sweep owns its trials and the
 package's layout.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -18,10 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from fedcli.tracking.store.records import Claim, RunRecord
+    from fedcli.tracking.store.records import Claim
 
-from fedcli.children import die_with_parent
-from fedcli.sweep.plan import ELSEWHERE, NEW, RESUME, Plan, trial_command, trial_env
+from fedcli.sweep.plan import ELSEWHERE, NEW, RESUME, Plan
 
 # --------------------------------------------------------------------------- the trial processes
 
@@ -32,15 +30,16 @@ KILL_AFTER_S = 180.0  # a stopped trial still running this long after SIGTERM is
 
 @dataclass
 class TrialProcess:
-    """A running (or ended) trial: its plan, process, log files and what the store says about it."""
+    """A started (or ended) trial, as the live table and the result rows read it: its plan, its run and
+    how it ended. Each backend's kind adds what runs it (fedcli.sweep.worker_pool.WorkerTrial: its sweep
+    worker; fedcli.sweep.ray_runner.RayTrial: its Ray actor and call)."""
 
     plan: Plan
-    proc: subprocess.Popen[bytes]
-    folder: Path
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
     run_id: str | None = None
     stopped: bool = False  # ended by the sweep's stop
+    outcome: TrialOutcome | None = None  # set when it ended (`Scheduler._end`)
 
     @property
     def elapsed_s(self) -> float:
@@ -48,37 +47,11 @@ class TrialProcess:
 
     @property
     def status(self) -> str:
-        code = self.proc.returncode
-        if code is None:
-            return "running"
-        if code == 0:
-            return "finished"
-        return "interrupted" if self.stopped or code in {128 + s for s in STOP_SIGNALS} else "failed"
+        return "running" if self.outcome is None else self.outcome.status
 
     def last_error(self) -> str:
-        """The trial's last non-empty stderr line (why it failed), else its exit code."""
-        path = self.folder / "stderr.txt"
-        lines = (
-            [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
-            if path.exists()
-            else []
-        )
-        return lines[-1] if lines else f"exit code {self.proc.returncode}"
-
-    def locate(self, records: Sequence[RunRecord]) -> str | None:
-        """The id of the run this process trains: the store's run of its host, pid and config hash,
-        else the id it printed."""
-        from fedcli.tracking.store.common import HOSTNAME
-
-        key = (HOSTNAME, self.proc.pid, self.plan.trial.config.config_hash)
-        found = [r.id for r in records if (r.host, r.pid, r.tags.get("fedcli.config_hash")) == key]
-        return found[-1] if found else self.printed_run_id()
-
-    def printed_run_id(self) -> str | None:
-        """The run id `fedcli train` printed on stdout (only once it finished)."""
-        path = self.folder / "stdout.txt"
-        words = path.read_text(errors="replace").split() if path.exists() else []
-        return words[-1] if words and len(words[-1]) == 32 else None
+        """Why the trial ended (its outcome's reason), else its status."""
+        return self.outcome.reason if self.outcome is not None and self.outcome.reason else self.status
 
 
 @dataclass(frozen=True)
@@ -183,22 +156,26 @@ class TrialRunner(Protocol):
 
 
 class Scheduler:
-    """Run planned trials, at most `workers` at once, as children of this (main) thread.
+    """Run planned trials, at most `workers` at once, from this (main) thread; each backend's subclass
+    starts them (`start`), notes their ends (`_reap`, then `_end`) and stops them (`_ask_stop`, `_kill`).
 
     `run(tick)` calls `tick(processes)` about every `tick_s` seconds and after each start
-    and exit. A stop signal forwards SIGTERM to the running trials (once; `fedcli train`
-    then checkpoints its last round and exits 128 + 15), starts nothing new and returns
-    the signal number once every trial has exited. With `claims`, each trial is claimed
+    and exit. A stop signal asks the running trials to stop (once; each then checkpoints its
+    last round and reads `interrupted`), starts nothing new and returns the signal number once
+    every trial has ended. With `claims`, each trial is claimed
     before it starts (then `recheck`ed) and released when its process ends; a trial another
     live sweep claimed is planned ELSEWHERE and not started. With `source` (a `TrialSource`),
     the trials come from its `ask` instead of the plans, and each ended one is `tell`-ed back.
     `threads`: each trial's intra-op threads (train.threads unless its config sets it), recorded
     in its resolved config; None leaves it to `fedcli train` (all the process's cores).
+    `mirror`: the sweep's MLflow mirror (tracking/mlflow/sweep_mirror.py `SweepMirror`): each ended
+    trial's run is handed to it; None with --no-mlflow.
     """
 
     plans: list[Plan]  # what a `TrialRunner` reads (set in __init__)
     processes: list[TrialProcess]
     signum: int | None
+    kill_after_s = KILL_AFTER_S  # a stop's wait before the trials still running are killed
 
     def __init__(
         self,
@@ -206,44 +183,32 @@ class Scheduler:
         *,
         workers: int,
         cores: int,
-        parent_run: str | None,
         recheck: Callable[[Plan], Plan] | None = None,
         claims: TrialClaims | None = None,
         source: TrialSource | None = None,
         threads: int | None = None,
+        mirror: Any = None,
     ) -> None:
         self.plans = list(plans)  # as planned, each replaced by its recheck when its turn comes
         self.pending = [p for p in plans if p.action in (NEW, RESUME)]
-        self.source, self.threads = source, threads
+        self.source, self.threads, self.mirror = source, threads, mirror
         self.recheck = (
             recheck  # plans a trial again right before it starts (another process may have taken it)
         )
         self.claims = claims
-        self.workers, self.cores, self.parent_run = workers, cores, parent_run
+        self.workers, self.cores = workers, cores
         self.processes = []
         self.signum = None
         self._forwarded_at: float | None = None
+        self._killed = False
         self._tmp = Path(tempfile.mkdtemp(prefix="fedcli-sweep-"))
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signum = self.signum or signum
 
     def start(self, plan: Plan) -> TrialProcess:
-        folder = self._tmp / f"trial-{len(self.processes)}"
-        folder.mkdir()
-        command = trial_command(plan, folder / "run.yaml", self.cores, self.parent_run, self.threads)
-        with open(folder / "stdout.txt", "wb") as out, open(folder / "stderr.txt", "wb") as err:
-            proc = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                preexec_fn=die_with_parent(os.getpid()),
-                env=trial_env(plan.trial.config.tracking),
-            )
-        process = TrialProcess(plan, proc, folder, run_id=plan.run_id)
-        self.processes.append(process)
-        return process
+        """Start the trial (each backend's own)."""
+        raise NotImplementedError
 
     def run(self, tick: Callable[[list[TrialProcess]], None], tick_s: float = 1.0) -> int | None:
         in_main = threading.current_thread() is threading.main_thread()  # only it may set handlers
@@ -266,7 +231,7 @@ class Scheduler:
 
     @property
     def running(self) -> list[TrialProcess]:
-        return [p for p in self.processes if p.proc.returncode is None]
+        return [p for p in self.processes if p.ended is None]
 
     def _step(self) -> bool:
         """Reap exited trials, forward a stop, start pending trials; True when something changed."""
@@ -302,9 +267,13 @@ class Scheduler:
             self.plans.append(plan)
         return plan
 
-    def _told(self, plan: Plan, outcome: TrialOutcome) -> None:
+    def _end(self, trial: TrialProcess, outcome: TrialOutcome) -> None:
+        """The trial ended: the source is told, its run goes to the sweep's MLflow mirror."""
+        trial.outcome, trial.ended = outcome, time.monotonic()
         if self.source is not None:
-            self.source.tell(plan, outcome)
+            self.source.tell(trial.plan, outcome)
+        if self.mirror is not None and trial.run_id is not None:
+            self.mirror.add(trial.run_id)
 
     def _take(self, plan: Plan) -> Plan:
         """The trial's plan right before it starts: claimed first (claims), then planned again
@@ -320,41 +289,30 @@ class Scheduler:
         return fresh
 
     def _reap(self) -> bool:
-        """Note the trials that exited since the last step; True when one did."""
-        changed = False
-        for process in self.running:
-            if process.proc.poll() is not None:
-                process.ended, changed = time.monotonic(), True
-                self._told(
-                    process.plan,
-                    TrialOutcome(
-                        process.status,
-                        process.run_id,
-                        "" if process.status == "finished" else process.last_error(),
-                    ),
-                )
-        return changed
+        """Note the trials that ended since the last step (`_end`); True when one did (each backend's own)."""
+        return False
 
     def _stop(self) -> None:
-        """Forward SIGTERM once (a second signal while a trial checkpoints would cut its checkpoint short).
-
-        A Ctrl-C in the terminal already reached every process of the foreground group, the
-        trials included, so a SIGINT is forwarded only when the sweep is not that group.
-        """
-        now = time.monotonic()
+        """Ask the running trials to stop once (a second signal while a trial checkpoints would cut its
+        checkpoint short); kill those still running `kill_after_s` later."""
         if self._forwarded_at is None:
-            self._forwarded_at = now
-            forward = not (self.signum == signal.SIGINT and in_terminal_foreground())
-            for process in self.running:
-                process.stopped = True
-                if forward:
-                    with_suppressed_lookup(process.proc.send_signal, signal.SIGTERM)
-        elif now - self._forwarded_at > KILL_AFTER_S:
-            for process in self.running:
-                with_suppressed_lookup(process.proc.kill)
+            self._forwarded_at = time.monotonic()
+            for trial in self.running:
+                trial.stopped = True
+                self._ask_stop(trial)
+        elif time.monotonic() - self._forwarded_at > self.kill_after_s and not self._killed:
+            self._killed = True
+            for trial in self.running:
+                self._kill(trial)
+
+    def _ask_stop(self, trial: TrialProcess) -> None:
+        """Ask a running trial to stop in order (each backend's own)."""
+
+    def _kill(self, trial: TrialProcess) -> None:
+        """End a trial that did not stop in time (each backend's own)."""
 
     def cleanup(self) -> None:
-        """Give back the claims still held; remove the trials' temporary files (configs, captured output)."""
+        """Give back the claims still held; remove the sweep's temporary files (its workers' stderr)."""
         import shutil
 
         if self.claims is not None:
@@ -372,20 +330,7 @@ class Scheduler:
 def in_terminal_foreground() -> bool:
     """True when this process's group is the foreground group of its controlling terminal."""
     try:
-        fd = os.open("/dev/tty", os.O_RDONLY)
+        with open("/dev/tty", "rb", buffering=0) as tty:
+            return os.tcgetpgrp(tty.fileno()) == os.getpgrp()
     except OSError:
         return False
-    try:
-        return os.tcgetpgrp(fd) == os.getpgrp()
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def with_suppressed_lookup(call: Callable[..., object], *args: object) -> None:
-    """Signal a process that may just have exited."""
-    try:
-        call(*args)
-    except ProcessLookupError:
-        pass

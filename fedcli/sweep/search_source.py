@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from fedcli.errors import ConfigError
-from fedcli.sweep.plan import DIVERGED, NEW, RESUME, SKIP, Plan, plan_trials
+from fedcli.sweep.plan import DIVERGED, NEW, RESUME, SKIP, Plan, hash_of, plan_trials, run_of
 from fedcli.sweep.search import (
     make_pruner,
     make_sampler,
@@ -131,7 +131,7 @@ class SearchSource:
         from fedcli.tracking.store.liveness import pid_alive
 
         claims = self.db.live_claims(self.experiment)
-        alive = {r.tags.get("fedcli.config_hash") or r.config_hash for r in self._runs() if r.is_alive}
+        alive = {hash_of(r) for r in self._runs() if r.is_alive}
         out = []
         for t in running:
             key, owner = t.user_attrs.get("fedcli.config_hash"), str(t.user_attrs.get("fedcli.owner", ":"))
@@ -304,12 +304,8 @@ class SearchSource:
         if (
             run_id is None
         ):  # a trial process that ended before the scheduler learnt its run: the store knows it
-            runs = [
-                r
-                for r in self._runs()
-                if (r.tags.get("fedcli.config_hash") or r.config_hash) == plan.trial.config.config_hash
-            ]
-            run_id, status = (runs[-1].id, runs[-1].status) if runs else (None, status)
+            last = run_of(plan.trial, self._runs())
+            run_id, status = (last.id, last.status) if last is not None else (None, status)
         if run_id is not None:
             self._tell_run(number, status, run_id)
         else:

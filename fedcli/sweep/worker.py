@@ -149,15 +149,10 @@ class Worker:
 
     def _next_message(self) -> bytes | None:
         """The sweep's next message; None at the end of its stdin or once a stop signal arrived (idle)."""
-        while self.stop is None:
-            try:
-                if not self.inbox.poll(0.2):
-                    continue
-                return self.inbox.recv_bytes()
-            except InterruptedError:
-                continue
-            except EOFError:
-                return None
+        with contextlib.suppress(EOFError):  # a signal does not interrupt poll (PEP 475): it sets self.stop
+            while self.stop is None:
+                if self.inbox.poll(0.2):
+                    return self.inbox.recv_bytes()
         return None
 
     def send(self, event: dict[str, Any]) -> None:
@@ -191,11 +186,9 @@ class Worker:
             tracker = Tracker(
                 self.store(cfg.tracking.store_url), None
             )  # MLflow: the sweep's one mirror copies it
-            extra: dict[str, Any] = {}
-            if message.get("hook") is not None:
-                from fedcli.sweep.search import make_on_eval  # type: ignore[import-not-found, unused-ignore]
+            from fedcli.sweep.search import make_on_eval  # type: ignore[import-not-found, unused-ignore]
 
-                extra["on_eval"] = make_on_eval(message["hook"])
+            hook = message.get("hook")
             # fedcli train's own path (fedcli/runs/run.py): validate and build, then train under preserved_state
             result = run_config(
                 cfg,
@@ -204,7 +197,7 @@ class Worker:
                 signals=signals,
                 on_run=lambda run_id: self.send({"event": "started", "run_id": run_id}),
                 data_cache=self.data,
-                **extra,
+                on_eval=None if hook is None else make_on_eval(hook),
             )
             return {
                 "status": result.status,
@@ -217,31 +210,14 @@ class Worker:
             KeyboardInterrupt
         ) as stop:  # RunInterrupted: the run (if it started) is checkpointed, interrupted
             signum = getattr(stop, "signum", int(signal.SIGINT))
-            return {
-                "status": "interrupted",
-                "run_id": _run_id(tracker),
-                "signal": signum,
-                "reason": f"stopped by {signal.Signals(signum).name}",
-                "round": None,
-                "metrics": {},
-            }
+            return _ended("interrupted", tracker, f"stopped by {signal.Signals(signum).name}", signal=signum)
         except FedcliError as err:  # the line `fedcli train` would end with
-            return {
-                "status": "failed",
-                "run_id": _run_id(tracker),
-                "reason": "error: " + (str(err).splitlines()[0] if str(err) else type(err).__name__),
-                "round": None,
-                "metrics": {},
-            }
+            return _ended(
+                "failed", tracker, "error: " + (str(err).splitlines()[0] if str(err) else type(err).__name__)
+            )
         except Exception as err:  # noqa: BLE001 - a trial's crash costs that trial only; train() marked it failed
             log.debug("trial failed", exc_info=True)
-            return {
-                "status": "failed",
-                "run_id": _run_id(tracker),
-                "reason": f"{type(err).__name__}: {err}"[:500],
-                "round": None,
-                "metrics": {},
-            }
+            return _ended("failed", tracker, f"{type(err).__name__}: {err}"[:500])
         finally:
             signals.restore()
             self.state.restore()
@@ -281,8 +257,10 @@ class Worker:
         ), None
 
 
-def _run_id(tracker: Any) -> str | None:
-    return getattr(tracker, "_run_id", None)
+def _ended(status: str, tracker: Any, reason: str, **extra: Any) -> dict[str, Any]:
+    """The `ended` event's fields of a trial that did not finish (its run, if it started, is the tracker's)."""
+    run_id = getattr(tracker, "_run_id", None)
+    return {"status": status, "run_id": run_id, "reason": reason, "round": None, "metrics": {}, **extra}
 
 
 def main() -> int:

@@ -30,20 +30,14 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedcli import children
 from fedcli.sweep.plan import RESUME, Plan, trial_config_text, trial_env, trial_secrets
 from fedcli.sweep.process import KIND as EARLY_KIND
-from fedcli.sweep.scheduler import (
-    KILL_AFTER_S,
-    Scheduler,
-    TrialOutcome,
-    in_terminal_foreground,
-    with_suppressed_lookup,
-)
+from fedcli.sweep.scheduler import Scheduler, TrialOutcome, TrialProcess, in_terminal_foreground
 
 END_WAIT_S = 10.0  # how long the sweep's end waits for an idle worker to exit after its stdin closed
 
@@ -77,45 +71,12 @@ class SweepWorker:
             self.events.put(event)
         self.events.put(None)  # end of its output: it exited
 
-    def send(self, message: dict[str, Any]) -> bool:
-        """Hand the worker a trial; False when it is gone."""
-        return self.channel.send(message)
 
-    def close(self) -> None:
-        """Its stdin closed: an idle worker exits."""
-        self.channel.close()
+@dataclass(kw_only=True)
+class WorkerTrial(TrialProcess):
+    """A trial a worker runs."""
 
-    def death(self) -> str:
-        """How the ended worker process ended, with its last stderr line."""
-        reason = children.own_line(self.stderr.read_text(errors="replace")) if self.stderr.exists() else None
-        return children.death(self.proc.returncode, reason[:300] if reason else None)
-
-
-@dataclass
-class WorkerTrial:
-    """A trial a worker runs (the attributes of `TrialProcess` that the live table and the rows read)."""
-
-    plan: Plan
     worker: SweepWorker
-    started: float = field(default_factory=time.monotonic)
-    ended: float | None = None
-    run_id: str | None = None
-    stopped: bool = False
-    outcome: TrialOutcome | None = None
-
-    @property
-    def elapsed_s(self) -> float:
-        return (self.ended or time.monotonic()) - self.started
-
-    @property
-    def status(self) -> str:
-        return "running" if self.outcome is None else self.outcome.status
-
-    def last_error(self) -> str:
-        return self.outcome.reason if self.outcome is not None and self.outcome.reason else self.status
-
-    def locate(self, records: Sequence[Any]) -> str | None:
-        return self.run_id  # the worker said which run it trains
 
 
 def trial_message(plan: Plan, cores: int, threads: int | None, hook: dict[str, Any] | None) -> dict[str, Any]:
@@ -148,22 +109,13 @@ def trial_message(plan: Plan, cores: int, threads: int | None, hook: dict[str, A
 
 
 class WorkerScheduler(Scheduler):
-    """`Scheduler` whose trials run in long-lived worker processes (`SweepWorker`), at most `workers` at once.
+    """`Scheduler` whose trials run in long-lived worker processes (`SweepWorker`), at most `workers` at once."""
 
-    `mirror`: the sweep's MLflow mirror (tracking/mlflow/sweep_mirror.py `SweepMirror`): each ended
-    trial's run is handed to it; None with --no-mlflow.
-    """
-
-    def __init__(self, plans: Sequence[Plan], *, mirror: Any = None, **kwargs: Any) -> None:
+    def __init__(self, plans: Sequence[Plan], **kwargs: Any) -> None:
         super().__init__(plans, **kwargs)
-        self.mirror = mirror
         self.pool: list[SweepWorker] = []
-        self._env: dict[str, str] | None = None
         self._spawned = 0
-
-    @property
-    def running(self) -> list[WorkerTrial]:  # type: ignore[override]
-        return [p for p in self.processes if p.outcome is None]  # type: ignore[attr-defined, misc]
+        self._forward = True  # a stop's SIGTERM goes to the busy workers (not a Ctrl-C that reached them)
 
     def _worker(self, plan: Plan) -> SweepWorker:
         """An idle live worker, else a new one."""
@@ -181,22 +133,20 @@ class WorkerScheduler(Scheduler):
         self.pool.append(worker)
         return worker
 
-    def start(self, plan: Plan) -> WorkerTrial:  # type: ignore[override]
+    def start(self, plan: Plan) -> WorkerTrial:
         worker = self._worker(plan)
-        trial = WorkerTrial(plan, worker, run_id=plan.run_id)
+        trial = WorkerTrial(plan, worker=worker, run_id=plan.run_id)
         worker.trial = trial
-        self.processes.append(trial)  # type: ignore[arg-type]
-        if not worker.send(self.message(plan)):
-            self._died(worker)
-        return trial
-
-    def message(self, plan: Plan) -> dict[str, Any]:
+        self.processes.append(trial)
         # `env`: what trial_env puts in a worker's environment (URLs with a password), for a worker started
         # early with the sweep's own environment; over the pipe, never on a command line
-        return {
+        message = {
             **trial_message(plan, self.cores, self.threads, self.source.hook(plan) if self.source else None),
             "env": trial_secrets(plan.trial.config.tracking),
         }
+        if not worker.channel.send(message):
+            self._died(worker)
+        return trial
 
     def _reap(self) -> bool:
         changed = False
@@ -207,8 +157,6 @@ class WorkerScheduler(Scheduler):
                 except queue.Empty:
                     break
                 if event is None:  # its output ended: it exited (or is about to)
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        worker.proc.wait(timeout=5)
                     changed = self._died(worker) or changed
                     break
                 changed = self._event(worker, event) or changed
@@ -216,13 +164,10 @@ class WorkerScheduler(Scheduler):
 
     def _event(self, worker: SweepWorker, event: dict[str, Any]) -> bool:
         trial = worker.trial
-        if trial is None:
+        if trial is None or event.get("event") not in ("started", "ended"):
             return False
-        if event.get("event") == "started":
-            trial.run_id = event.get("run_id") or trial.run_id
-            return True
-        if event.get("event") == "ended":
-            trial.run_id = event.get("run_id") or trial.run_id
+        trial.run_id = event.get("run_id") or trial.run_id
+        if event["event"] == "ended":
             self._end(
                 trial,
                 TrialOutcome(
@@ -234,8 +179,7 @@ class WorkerScheduler(Scheduler):
                 ),
             )
             worker.trial = None
-            return True
-        return False
+        return True
 
     def _died(self, worker: SweepWorker) -> bool:
         """The worker exited: its trial (if any) ends with how it died; the pool loses it."""
@@ -247,49 +191,50 @@ class WorkerScheduler(Scheduler):
         trial, worker.trial = worker.trial, None
         if trial is None:
             return False
-        why = f"its sweep worker (pid {worker.proc.pid}) {worker.death()}"
-        status = "interrupted" if trial.stopped else "failed"
+        said = (  # its last stderr line
+            children.own_line(worker.stderr.read_text(errors="replace")) if worker.stderr.exists() else None
+        )
+        why = f"its sweep worker (pid {worker.proc.pid}) " + children.death(
+            worker.proc.returncode, said and said[:300]
+        )
+        rerun = "; rerun the sweep to resume it" if trial.run_id else ""
         self._end(
-            trial,
-            TrialOutcome(
-                status, trial.run_id, why + ("; rerun the sweep to resume it" if trial.run_id else "")
-            ),
+            trial, TrialOutcome("interrupted" if trial.stopped else "failed", trial.run_id, why + rerun)
         )
         return True
 
-    def _end(self, trial: WorkerTrial, outcome: TrialOutcome) -> None:
-        trial.outcome, trial.ended = outcome, time.monotonic()
-        self._told(trial.plan, outcome)
-        if self.mirror is not None and trial.run_id is not None:
-            self.mirror.add(trial.run_id)
-
     def _stop(self) -> None:
-        """Forward SIGTERM to the busy workers once (not a Ctrl-C that reached them already); end idle ones."""
-        now = time.monotonic()
+        """As the Scheduler's, with SIGTERM to the busy workers and idle ones ended at once.
+
+        A Ctrl-C in the terminal already reached every process of the foreground group, the
+        workers included, so a SIGINT is forwarded only when the sweep is not that group.
+        """
         if self._forwarded_at is None:
-            self._forwarded_at = now
-            forward = not (self.signum == signal.SIGINT and in_terminal_foreground())
+            self._forward = not (self.signum == signal.SIGINT and in_terminal_foreground())
             for worker in self.pool:
                 if worker.trial is None:
-                    worker.close()
-                    continue
-                worker.trial.stopped = True
-                if forward:
-                    with_suppressed_lookup(worker.proc.send_signal, signal.SIGTERM)
-        elif now - self._forwarded_at > KILL_AFTER_S:
-            for worker in self.pool:
-                if worker.trial is not None:
-                    with_suppressed_lookup(worker.proc.kill)
+                    worker.channel.close()
+        super()._stop()
+
+    def _ask_stop(self, trial: TrialProcess) -> None:
+        if self._forward:
+            with contextlib.suppress(ProcessLookupError):
+                trial.worker.proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+
+    def _kill(self, trial: TrialProcess) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            trial.worker.proc.kill()  # type: ignore[attr-defined]
 
     def cleanup(self) -> None:
         """End the workers (stdin closed: they exit; killed after END_WAIT_S), then the Scheduler's cleanup."""
         for worker in self.pool:
-            worker.close()
+            worker.channel.close()
         deadline = time.monotonic() + END_WAIT_S
         for worker in self.pool:
             try:
                 worker.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with_suppressed_lookup(worker.proc.kill)
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.kill()
                 worker.proc.wait()
         super().cleanup()

@@ -460,20 +460,28 @@ def test_sweep_keeps_passwords_secret_soak(tmp_path: Path, pg_database) -> None:
 
 
 def test_a_sweep_passes_passwords_to_its_trials_by_environment(tmp_path: Path) -> None:
-    """The trial processes of a sweep get a credential-carrying URL in their environment, their
-    config file and command line hold it masked (fedcli.sweep.plan.trial_env, trial_args); a URL
-    without a password changes nothing (the environment is inherited)."""
+    """The worker processes of a sweep get a credential-carrying URL in their environment, a new trial's
+    config holds it masked (fedcli.sweep.plan.trial_env, trial_config_text), a resumed trial's message
+    sent to a Ray actor too (fedcli.sweep.ray_runner.masked_message); a URL without a password changes
+    nothing (the environment is inherited)."""
     from fedcli.config.build import build_config
-    from fedcli.sweep.plan import NEW, RESUME, Plan, trial_args, trial_config_text, trial_env
+    from fedcli.sweep.plan import NEW, RESUME, Plan, trial_config_text, trial_env
+    from fedcli.sweep.ray_runner import masked_message
     from fedcli.sweep.spec import Trial
+    from fedcli.sweep.worker_pool import trial_message
 
     url = f"postgresql+psycopg://me:{PASSWORD}@db.example/runs"
     cfg = build_config(overrides={"data.task": "lsq", "tracking.store": url, "tracking.tracking_uri": url})
     new = Plan(Trial("t", cfg), NEW, None, "")
     resume = Plan(Trial("t", cfg), RESUME, "0" * 32, "")
-    text = trial_config_text(new, cores=1) or ""
-    args = trial_args(resume, tmp_path / "run.yaml", 1, None)
-    assert PASSWORD not in text + " ".join(args)
-    assert "me:***@db.example" in text and "postgresql+psycopg://me:***@db.example/runs" in args
+    text = trial_config_text(new, cores=1)
+    overrides = masked_message(trial_message(resume, 1, None, None))["overrides"]
+    assert PASSWORD not in text + repr(overrides)
+    assert "me:***@db.example" in text
+    assert (
+        overrides["tracking.store"]
+        == overrides["tracking.tracking_uri"]
+        == "postgresql+psycopg://me:***@db.example/runs"
+    )
     assert trial_env(cfg.tracking) == {**os.environ, "FEDCLI_STORE": url, "MLFLOW_TRACKING_URI": url}
     assert trial_env(build_config(overrides={"data.task": "lsq"}).tracking) is None

@@ -293,7 +293,7 @@ def test_the_scheduler_asks_its_source_for_trials_and_tells_it_each_outcome(
     source = ListSource([Plan(t, NEW) for t in trials])
     db = SqlStore(f"sqlite:///{tmp_path / 'fedcli.db'}")
     scheduler = WorkerScheduler(
-        [], workers=1, cores=1, threads=1, parent_run=None, source=source, claims=TrialClaims(db, "w-source")
+        [], workers=1, cores=1, threads=1, source=source, claims=TrialClaims(db, "w-source")
     )
     try:
         assert scheduler.run(lambda processes: None, tick_s=0.5) is None
@@ -346,7 +346,6 @@ def test_the_worker_started_early_runs_the_first_trial_with_the_urls_password_se
         workers=1,
         cores=1,
         threads=1,
-        parent_run=None,
         claims=TrialClaims(db, "w-early"),
     )
     try:
