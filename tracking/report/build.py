@@ -43,10 +43,7 @@ from fedcli.tracking.urls import connect_url
 
 def select_runs(store: SqlStore, spec: ReportSpec) -> list[RunRecord]:
     """Runs named by `--runs` plus those of each `--experiment` (all runs if neither), then `--where`."""
-    chosen: dict[str, RunRecord] = {}
-    for ref in spec.runs:
-        record = store.get_run(ref)
-        chosen[record.id] = record
+    chosen = {record.id: record for record in map(store.get_run, spec.runs)}
     for name in spec.experiments:
         chosen.update({r.id: r for r in store.list_runs(experiment=name)})
     if not spec.runs and not spec.experiments:

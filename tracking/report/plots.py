@@ -241,7 +241,7 @@ def metric_vs_cost(report: Report, key: str, cost: str, path: Path) -> bool:
         False (and writes nothing) when no run logged both `key` and the cost.
     """
     scale = 100.0 if is_percent(key) else 1.0
-    lines, seeds = [], []
+    lines = []
     for i, group in enumerate(report.groups):
         drawn = _smoothed(report, group, key, scale)
         costs = [
@@ -265,7 +265,6 @@ def metric_vs_cost(report: Report, key: str, cost: str, path: Path) -> bool:
         lines.append(
             (i, group, mean_cost[seen], mean_avg[seen], None if std_avg is None else std_avg[seen], n)
         )
-        seeds.append(n)
     if not lines:
         return False
     _, _, title, kind = COSTS[cost]
@@ -287,7 +286,7 @@ def metric_vs_cost(report: Report, key: str, cost: str, path: Path) -> bool:
             ax.fill_between(x / unit_scale, y - std, y + std, color=color, alpha=0.18, linewidth=0)
     caption = (
         f"{axis_label(key)} against {title}\nline: {report.spec.smooth}-round running average, mean "
-        f"over seeds; {_band_words(seeds)}"
+        f"over seeds; {_band_words([n for *_, n in lines])}"
     )
     _finish(fig, ax, report, key, scale, f"{title} ({unit})", caption, path)
     return True
@@ -318,8 +317,7 @@ def report_figures(
     is given.
     """
     stem, folder, figures = output.stem, output.parent, []
-    seeds = [len(g.runs) for g in report.groups]
-    band = _band_words(seeds)
+    band = _band_words([len(g.runs) for g in report.groups])
     keys = [report.metric] + (["eval/loss"] if report.metric != "eval/loss" else [])
     for key in keys:
         name = f"{stem}-{key.replace('/', '_')}.png"
