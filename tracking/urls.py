@@ -56,10 +56,6 @@ def _is_secret_key(key: str) -> bool:
     return key.lower() in _SECRET_KEYS
 
 
-def _maybe_secret(text: str) -> bool:
-    return "@" in text or _SECRET_PARAM.search(text) is not None
-
-
 def _mask_params(text: str) -> str:
     """`key=value` pairs of password-like keys with the value masked (a closing quote or bracket kept)."""
 
@@ -141,7 +137,7 @@ def mask_url(text: str) -> str:
     any text holding URLs (a command line, an error message, a summary); text without a password
     comes back unchanged, SQLite paths included.
     """
-    if not text or not _maybe_secret(text):
+    if not text or ("@" not in text and _SECRET_PARAM.search(text) is None):  # no credential to mask
         return text
     if not any(c.isspace() for c in text):
         return _mask_token(text) if _SCHEME.search(text) else _mask_one(text)
