@@ -108,7 +108,6 @@ def summarise_run(cfg: RunConfig, result: RunResult) -> None:
     shown = [
         f"{k}={metrics[k]:.4f}" for k in ("eval/accuracy", "eval/loss", "eval/dist_to_opt") if k in metrics
     ]
-    split = result.timing.per_round()
     # the training time: the rounds' own seconds (time/cum_train_s, resumed runs included), not
     # the process's set-up or its MLflow mirror's waits, which the second figure adds
     trained = metrics.get("time/cum_train_s")
@@ -121,7 +120,9 @@ def summarise_run(cfg: RunConfig, result: RunResult) -> None:
         f"[bold green]run {result.run_id[:8]} finished[/] after {result.rounds_completed} rounds "
         f"{took} ({result.executor} executor): " + "  ".join(shown)
     )
-    out.print("per round: " + "  ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
+    out.print(
+        "per round: " + "  ".join(f"{k} {v * 1000:.0f} ms" for k, v in result.timing.per_round().items())
+    )
     out.print(f"store:   {mask_url(cfg.tracking.store_url)}", soft_wrap=True)
     if result.model_path:
         out.print(f"model:   {Path(result.model_path).resolve()}", soft_wrap=True)

@@ -184,10 +184,10 @@ def evaluate(
         )
         worse = ensemble_note(setup, state, params, result.metrics, split.value) if ensemble else None
         prefix = split.value + ("/ensemble" if ensemble else "")
-        metrics = {f"{prefix}/{k.split('/', 1)[1]}": v for k, v in result.metrics.items()}
-        metrics.update(
-            {f"{result.client_split}/clients/{k.split('/', 1)[1]}": v for k, v in result.clients.items()}
-        )
+        metrics = {
+            **{f"{prefix}/{k.split('/', 1)[1]}": v for k, v in result.metrics.items()},
+            **{f"{result.client_split}/clients/{k.split('/', 1)[1]}": v for k, v in result.clients.items()},
+        }
         options = {
             "checkpoint": checkpoint,
             "task": setup.task.name,

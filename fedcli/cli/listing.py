@@ -297,25 +297,22 @@ def task_rows(**_: Any) -> list[dict[str, Any]]:
     from fedcli.datasets.models import num_parameters
     from fedcli.datasets.registry import TASK_SOURCES, TASKS
 
-    rows = []
-    for task in TASKS.values():
-        params = num_parameters(task.models[task.default_model]())
-        rows.append(
-            {
-                "id": task.name,
-                "name": task.name,
-                "model": task.default_model,
-                "models": ", ".join(task.models),
-                "params": params,
-                "client_lr": task.client_lr,
-                "source": task.source,
-                "package": TASK_SOURCES[task.name],
-                "offline": task.offline,
-                "kind": task.kind,
-                "description": task.description,
-            }
-        )
-    return rows
+    return [
+        {
+            "id": task.name,
+            "name": task.name,
+            "model": task.default_model,
+            "models": ", ".join(task.models),
+            "params": num_parameters(task.models[task.default_model]()),
+            "client_lr": task.client_lr,
+            "source": task.source,
+            "package": TASK_SOURCES[task.name],
+            "offline": task.offline,
+            "kind": task.kind,
+            "description": task.description,
+        }
+        for task in TASKS.values()
+    ]
 
 
 def model_rows(**_: Any) -> list[dict[str, Any]]:
@@ -328,11 +325,10 @@ def model_rows(**_: Any) -> list[dict[str, Any]]:
     for task in TASKS.values():
         for name in task.models:
             own.setdefault((name, TASK_SOURCES[task.name]), []).append(task.name)
-    rows = [
+    return [
         {"id": name, "name": name, "package": package, "tasks": ", ".join(tasks), "reference": None}
         for (name, package), tasks in sorted(own.items())
-    ]
-    rows += [
+    ] + [
         {
             "id": name,
             "name": name,
@@ -342,7 +338,6 @@ def model_rows(**_: Any) -> list[dict[str, Any]]:
         }
         for name, (ref, package) in model_plugins().items()
     ]
-    return rows
 
 
 def recipe_rows(**_: Any) -> list[dict[str, Any]]:

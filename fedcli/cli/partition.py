@@ -123,12 +123,11 @@ def partition(
                 )
             except OSError as exc:
                 raise output_error(out, "--out", exc) from None
-            try:
-                if plot is not None:
+            if plot is not None:
+                try:
                     plot_partition(parts, labels, data.num_classes, plot)
-            except OSError as exc:
-                assert plot is not None  # only plot_partition writes here
-                raise output_error(plot, "--plot", exc) from None
+                except OSError as exc:
+                    raise output_error(plot, "--plot", exc) from None
     Console().print(summary_table(f"{task.name} / {scheme.value}", summary))
     Console(stderr=True).print(f"wrote {out}" + (f" and {plot}" if plot is not None else ""))
 

@@ -271,10 +271,9 @@ def make_hyperparameters(algo_name: str, values: Mapping[str, Any]) -> Any:
     known = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key not in known:
-            valid = ", ".join(known) or "none"
             raise ConfigError(
                 f"unknown hyperparameter 'hp.{key}' for {algo_name}{suggest(str(key), known)}; "
-                f"valid: {valid}."
+                f"valid: {', '.join(known) or 'none'}."
             )
     return validated("hp", cls, values)
 

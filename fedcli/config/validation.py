@@ -66,23 +66,18 @@ def validate(cfg: RunConfig) -> None:
                 "Save your arrays with numpy.savez or your table as CSV/Parquet."
             )
         defaults = DataConfig()
-        ignored = [
-            (k, flag)
-            for k, flag in (
-                ("task", "--task"),
-                ("data_dir", "--data-dir"),
-                ("download", "--download"),
-                ("max_clients", "--max-clients"),
-            )
-            if getattr(cfg.data, k) != getattr(defaults, k)
-        ]
-        if ignored:
-            key, flag = ignored[0]
-            raise ConfigError(
-                f"data.{key} must be left unset with data.file; got data.{key}="
-                f"{getattr(cfg.data, key)!r} and data.file={cfg.data.file!r}. Drop {flag}: "
-                "--data is the whole data set."
-            )
+        for key, flag in (
+            ("task", "--task"),
+            ("data_dir", "--data-dir"),
+            ("download", "--download"),
+            ("max_clients", "--max-clients"),
+        ):
+            if getattr(cfg.data, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"data.{key} must be left unset with data.file; got data.{key}="
+                    f"{getattr(cfg.data, key)!r} and data.file={cfg.data.file!r}. Drop {flag}: "
+                    "--data is the whole data set."
+                )
         if (
             cfg.data.model is not None
             and cfg.data.model not in MODELS

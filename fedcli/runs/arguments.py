@@ -131,14 +131,18 @@ def check_train_arguments(
     """The types of `train`'s arguments, before anything runs: one ConfigError line naming the argument
     (a str `hp="rho=0.1"` was a bare "dictionary update sequence" ValueError, a str `progress` a
     "'str' object is not callable" TypeError once the run had started)."""
-    for name, value in (("algo", algo), ("task", task)):
-        if value is not None and not isinstance(value, str):
-            raise ConfigError(f"{name} must be a name (str); got {kind_of(value)}.")
-    if config is not None and not isinstance(config, (str, Path, Mapping)):
-        raise ConfigError(
-            f"config must be a YAML file, a shipped config's name or a mapping of sections; got "
-            f"{kind_of(config)}."
-        )
+    for name, value, kinds, what in (
+        ("algo", algo, str, "a name (str)"),
+        ("task", task, str, "a name (str)"),
+        (
+            "config",
+            config,
+            (str, Path, Mapping),
+            "a YAML file, a shipped config's name or a mapping of sections",
+        ),
+    ):
+        if value is not None and not isinstance(value, kinds):
+            raise ConfigError(f"{name} must be {what}; got {kind_of(value)}.")
     for name, value, example in (
         ("hp", hp, "hp={'rho': 0.1}"),
         ("data_options", data_options, "data_options={'client': 'writer_id'}"),

@@ -112,8 +112,7 @@ def _plain_lines(cfg: RunConfig, out: Console, every_s: float = 10.0) -> Progres
         if round_idx < total and now - last[0] < every_s:
             return
         last[0] = now
-        done = max(round_idx, 1)
-        eta = (now - start) / done * (total - round_idx)
+        eta = (now - start) / max(round_idx, 1) * (total - round_idx)
         out.print(
             f"round {round_idx}/{total} ({100 * round_idx // total} %)  {_metrics_text(shown, 200)}"
             f"  ETA {eta:.0f} s",
