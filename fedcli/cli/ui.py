@@ -104,11 +104,10 @@ def ui(
             raise ConfigError(
                 "--open needs the server running; got --open with --print-only. Drop one of them."
             )
-        mlflow = shutil.which("mlflow") or str(Path(sys.executable).with_name("mlflow"))
         # a password goes to the server in its environment, never on its command line (`ps` shows that)
         secret = has_password(uri)
         command = [
-            mlflow,
+            shutil.which("mlflow") or str(Path(sys.executable).with_name("mlflow")),
             "ui",
             *([] if secret else ["--backend-store-uri", uri]),
             "--host",
@@ -349,18 +348,16 @@ def runs_tracking_uri(store_url: str) -> str | None:
     from fedcli.config.checks import require_store
 
     require_store(store_url)
-    uris: Counter[str] = Counter()
-    for record in open_store(store_url).list_runs():
-        saved = record.config.get("tracking", {})
-        if record.mlflow_run_id and saved:
-            uris[
-                tracking_config(
-                    {
-                        "tracking.root": stored_root(saved.get("root"), store_url),
-                        "tracking.tracking_uri": saved.get("tracking_uri"),
-                    }
-                ).mlflow_uri
-            ] += 1
+    uris = Counter(
+        tracking_config(
+            {
+                "tracking.root": stored_root(record.config["tracking"].get("root"), store_url),
+                "tracking.tracking_uri": record.config["tracking"].get("tracking_uri"),
+            }
+        ).mlflow_uri
+        for record in open_store(store_url).list_runs()
+        if record.mlflow_run_id and record.config.get("tracking", {})
+    )
     if not uris:
         return None
     (uri, count), *others = sorted(uris.items(), key=lambda item: (-item[1], item[0]))

@@ -112,19 +112,11 @@ def resolve_recommended(
     return filled
 
 
-def degeneracies(cfg: RunConfig) -> list[Any]:
-    """The `Degeneracy` records of a validated config: where the algorithm is another one or a key is inert."""
-    return [d for d in _flagged(cfg) if d.kind != "shortfall"]
-
-
-def shortfalls(cfg: RunConfig) -> list[Any]:
-    """The `Degeneracy` records of kind "shortfall": the algorithm acts as itself but is measured to trail
-    FedAvg under this config (docs/out-of-the-box.md, "Known shortfalls")."""
-    return [d for d in _flagged(cfg) if d.kind == "shortfall"]
-
-
-def _flagged(cfg: RunConfig) -> list[Any]:
-    """Every record the algorithm's `degenerate` hook returns for a validated config."""
+def degeneracies(cfg: RunConfig, shortfalls: bool = False) -> list[Any]:
+    """The `Degeneracy` records the algorithm's `degenerate` hook returns for a validated config: where the
+    algorithm is another one or a key is inert; with `shortfalls`, those of kind "shortfall" instead (the
+    algorithm acts as itself but is measured to trail FedAvg under this config; docs/out-of-the-box.md,
+    "Known shortfalls")."""
     from fedcli.datasets.registry import TASKS
 
     record = ALGORITHMS[cfg.algorithm.name]
@@ -137,7 +129,8 @@ def _flagged(cfg: RunConfig) -> list[Any]:
     }
     facts = _facts(cfg.algorithm.name, merged, frozenset())
     opt = cfg.train.optim(task.client_lr if task is not None else 0.01)
-    return list(record.degenerate(make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp), opt, facts))
+    found = record.degenerate(make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp), opt, facts)
+    return [d for d in found if (d.kind == "shortfall") == shortfalls]
 
 
 def run_tags(cfg: RunConfig) -> dict[str, str]:
@@ -151,7 +144,10 @@ def run_tags(cfg: RunConfig) -> dict[str, str]:
         tags["fedcli.recommended"] = "; ".join(
             f"{k}={v.split(':', 1)[0]}" for k, v in sorted(cfg.recommended.items())
         )
-    for tag, found in (("fedcli.degenerate", degeneracies(cfg)), ("fedcli.shortfall", shortfalls(cfg))):
+    for tag, found in (
+        ("fedcli.degenerate", degeneracies(cfg)),
+        ("fedcli.shortfall", degeneracies(cfg, shortfalls=True)),
+    ):
         if found:
             tags[tag] = " | ".join(f"{d.code}: {d.message}" for d in found)[:4000]
     return tags
@@ -174,7 +170,7 @@ def warn_degenerate(cfgs: Sequence[RunConfig], swept: Sequence[str] = ()) -> lis
     inert: dict[str, list[str]] = {}
     optimiser_keys = {k for keys in SERVER_OPT_KEYS.values() for k in keys}
     for cfg in cfgs:
-        for d in shortfalls(cfg):
+        for d in degeneracies(cfg, shortfalls=True):
             lines[f"{cfg.algorithm.name} is known to trail FedAvg here: {d.message}"] = None
         for d in degeneracies(cfg):
             lines[f"{cfg.algorithm.name} is degenerate here: {d.message}"] = None

@@ -25,7 +25,6 @@ from fedcli.config.build import (
     degeneracies,
     resume_config,
     run_tags,
-    shortfalls,
     warn_degenerate,
 )
 from fedcli.tracking.store.sql_store import SqlStore
@@ -190,7 +189,7 @@ def test_a_known_shortfall_is_one_warning_line_and_its_own_tag_not_a_degeneracy(
     own (the paper's offline ablation; the released configs' 10 epochs at a one-epoch lr), the run warns
     before it starts ("is known to trail FedAvg here") and records tag fedcli.shortfall, not fedcli.degenerate."""
     cfg = build_config(overrides={"algorithm.name": algo, "data.task": task, **overrides})
-    assert degeneracies(cfg) == [] and [d.code for d in shortfalls(cfg)] == [code]
+    assert degeneracies(cfg) == [] and [d.code for d in degeneracies(cfg, shortfalls=True)] == [code]
     lines = warn_degenerate([cfg])
     assert (
         len(lines) == 1
@@ -211,7 +210,7 @@ def test_no_shortfall_where_the_matrix_met_the_targets() -> None:
         ("bayesadmm", "bibtex"),
     ):
         cfg = build_config(overrides={"algorithm.name": algo, "data.task": task})
-        assert shortfalls(cfg) == [] and warn_degenerate([cfg]) == [], (algo, task)
+        assert degeneracies(cfg, shortfalls=True) == [] and warn_degenerate([cfg]) == [], (algo, task)
 
 
 def test_fedlap_recommends_one_epoch_on_the_shifted_synthetic_sets_and_ten_elsewhere() -> None:
