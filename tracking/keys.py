@@ -1,9 +1,9 @@
 """Metric-key and metric-value checks shared by both sinks, and config flattening.
 
 docs/style.md rule 15: metric keys are `<split>/<name>` made of `[A-Za-z0-9_./ -]`, with no
-`//` and no leading `/`; NaN and inf are never logged. Both the SQL store and the MLflow
-sink call `check_metrics`, so a key or value MLflow would reject (or silently mangle) is
-also rejected by the store, and the two stores never disagree.
+`//` and no leading `/`; NaN and inf are never logged. The SQL store calls
+`check_metrics` on every round it writes, so a key or value MLflow would reject (or silently
+mangle) never reaches the mirror's copy, and the two stores never disagree.
 
 This module imports no MLflow and no SQLAlchemy.
 """

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedcli.tracking.keys import check_metrics
 from fedcli.tracking.store.records import RunRecord
 
 if TYPE_CHECKING:
@@ -160,7 +159,7 @@ class Tracker:
             NonFiniteMetricsError: (a `ValueError`) if any round value is NaN/inf; nothing is written.
             ValueError: For a malformed metric key.
         """
-        self.store.log_round(self.run_id, round_idx, check_metrics(metrics, round_idx), clients)
+        self.store.log_round(self.run_id, round_idx, metrics, clients)  # which checks keys and values
         if self.mirror is not None:  # one waitpid: a mirror that died alone is restarted, never waited for
             self._warn(self.mirror.check())
 

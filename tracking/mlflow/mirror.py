@@ -59,6 +59,7 @@ from fedcli.tracking.mlflow.lifeline import (
     read_urls,
     watch_parent,
 )
+from fedcli.tracking.store.common import HOSTNAME, canonical_json, disk_full
 from fedcli.tracking.urls import mask_url
 
 __all__ = ["Mirror", "main"]
@@ -75,8 +76,6 @@ RETRY_S = 60.0  # how long a failing MLflow write is retried (a busy SQLite file
 def _retry(what: str, call: Any) -> Any:
     """Call `call()`, retrying transient failures for up to RETRY_S seconds (a full disk is not
     retried: it does not clear in seconds, and the training process would wait for it at its end)."""
-    from fedcli.tracking.store.common import disk_full
-
     deadline, delay = time.monotonic() + RETRY_S, 0.2
     while True:
         try:
@@ -124,8 +123,6 @@ class Mirror:
         owner = getattr(self.args, "owner", None)
         if owner is None:
             return True
-        from fedcli.tracking.store.common import HOSTNAME
-
         pid, started = owner
         same = (record.host, record.pid) == (HOSTNAME, pid)
         return same and (
@@ -173,8 +170,6 @@ class Mirror:
             ),
         )
         self.mlflow_run_id = run_id  # written to the store when the run ends (no store writes before)
-        from fedcli.tracking.store.common import canonical_json
-
         _retry("config", lambda: self.sink.log_text(canonical_json(record.config), "config.json"))
 
     def safe_round(self, status: str) -> int:

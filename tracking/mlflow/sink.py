@@ -139,7 +139,6 @@ class MlflowSink:
             if self._root is not None:
                 slug = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
                 location = (self._root / "mlartifacts" / slug).as_uri()
-            if self._root is not None:
                 self._hide_empty_default()
             try:
                 return self._client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
@@ -325,16 +324,13 @@ class MlflowSink:
         `requirements` are given, so MLflow does not infer them (that imports the module in a
         subprocess: seconds). Returns the MLflow model id (`models:/<id>` loads it).
         """
-        import importlib.util
-
         import mlflow.pyfunc
         from mlflow.models import Model, infer_signature
 
-        spec = importlib.util.find_spec("fedcli.tracking.mlflow.model")
-        code = spec.origin if spec is not None else None
+        code = str(
+            Path(__file__).with_name("model.py")
+        )  # fedcli.tracking.mlflow.model, installed beside this file
         with self._errors("log the model"), global_tracking_uri(self.tracking_uri), _given_requirements():
-            if code is None:
-                raise OSError("fedcli.tracking.mlflow.model is not installed")
             rows = None if example is None else example.numpy()  # type: ignore[attr-defined]
             signature = None if rows is None else infer_signature(rows, output.numpy())  # type: ignore[union-attr]
             # created here, in the run's experiment: Model.log alone would put it in the active
@@ -364,12 +360,10 @@ class MlflowSink:
         """Terminate the run.
 
         Args:
-            status: fedcli status `finished`, `failed` or `interrupted` (-> MLflow
-                FINISHED, FAILED, KILLED).
+            status: A status of the store's (`RUN_STATUSES` but `running`; the callers pass the
+                store's or the sweep's), MLflow's per MLFLOW_STATUS.
             end_ms: The run's end (ms since the epoch), as the SQL store says; default now.
         """
-        if status not in MLFLOW_STATUS:
-            raise ValueError(f"status must be one of {', '.join(MLFLOW_STATUS)}; got {status!r}.")
         with self._errors(f"end run {self.run_id}"):
             self._client.set_terminated(
                 self.run_id, status=MLFLOW_STATUS[status], end_time=end_ms or int(time.time() * 1000)

@@ -3,7 +3,7 @@
 Sweep workers (fedcli/sweep/worker.py) train with the SQL store only; the sweep starts this one
 process, at nice 19 (it yields a busy core to the trials and still progresses: not SCHED_IDLE), and
 hands it each trial's run id as the trial ends (`SweepMirror.add`). It copies the run as `fedcli sync`
-does (`Mirror.run_once`: rounds, files, model, status, nested under the sweep's parent run) and takes
+does (`Mirror.run_once`, in `main`: rounds, files, model, status, nested under the sweep's parent run) and takes
 the next. No trial ever waits for it; the sweep's end waits for the copies still to do
 (`SweepMirror.finish`, at most FINISH_WAIT_S; after a stop signal STOP_WAIT_S, then it goes on alone
 in its own process group); once the sweep's messages end it leaves nice 19 to catch up (where the
@@ -25,7 +25,6 @@ the parent run (`interrupted` without an `end` message: the sweep died) and exit
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import queue
@@ -45,6 +44,14 @@ from fedcli.tracking.mlflow.handle import (
     _own_reason,
     parent_env,
     wait_ended,
+)
+from fedcli.tracking.mlflow.lifeline import (
+    exit_now,
+    low_priority,
+    normal_priority,
+    quiet_mlflow,
+    read_urls,
+    watch_parent,
 )
 from fedcli.tracking.urls import mask_url
 
@@ -200,27 +207,8 @@ def parent_run(tracking_uri: str, spec: Mapping[str, Any], tags: Mapping[str, st
     return sink
 
 
-def copy_run(args: argparse.Namespace, run_id: str) -> None:
-    """Copy one ended run into MLflow (`Mirror.run_once`, nested under the sweep's parent run)."""
-    from fedcli.tracking.mlflow.mirror import Mirror
-
-    Mirror(
-        argparse.Namespace(
-            store=args.store,
-            run=run_id,
-            tracking_uri=args.tracking_uri,
-            experiment=args.experiment,
-            parent_run=args.parent_run,
-            run_dir=str(Path(args.runs_root) / run_id),
-            lifeline=args.lifeline,
-        )
-    ).run_once()
-
-
 def _read_messages(inbox: Connection, messages: queue.Queue[dict[str, Any] | None], nice: int) -> None:
     """Queue the messages the sweep sends ({"run": ...}, {"end": ...}), then None at the end of its stdin."""
-    from fedcli.tracking.mlflow.lifeline import normal_priority
-
     while (message := children.receive(inbox)) is not None:
         messages.put(message)
     # no trial trains any more, and the sweep's end waits for these copies: back to the sweep's nice value
@@ -240,12 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-run")
     args = parser.parse_args(argv)
     from fedcli.tracking.mlflow.checks import first_cause_line
-    from fedcli.tracking.mlflow.lifeline import (
-        low_priority,
-        quiet_mlflow,
-        read_urls,
-        watch_parent,
-    )
+    from fedcli.tracking.mlflow.mirror import Mirror
 
     args.lifeline = watch_parent()  # the sweep gone: at most ORPHAN_WAIT_S to copy what it can, then it ends
     nice = low_priority()  # even MLflow's import yields a core the trials want
@@ -284,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         if not message.get("run"):
             continue
         run_id = str(message["run"])
-        try:
-            copy_run(args, run_id)
+        try:  # copied as `fedcli sync` does, nested under the sweep's parent run
+            Mirror(argparse.Namespace(**vars(args), run=run_id)).run_once()  # its folder: runs_root/run
         except Exception as err:  # noqa: BLE001 - one run's failure leaves the others to copy
             failed += 1
             print(
@@ -302,12 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-    return 1 if failed else 0
+    return 1 if failed else 0  # exit_now flushes stdout and stderr
 
 
 if __name__ == "__main__":
-    from fedcli.tracking.mlflow.lifeline import exit_now
-
     exit_now(main())  # all copied: skip the interpreter's teardown (1.4 s the sweep would wait for)
