@@ -122,8 +122,7 @@ class Run:
                 "data"
             ) or {}  # what the MLflow model records (write_served)
             buffers = saved.get("buffers")
-            stored = record.config.get("data")
-            stored = stored if isinstance(stored, Mapping) else {}
+            stored = record.config["data"] if isinstance(record.config.get("data"), Mapping) else {}
             return served_model(
                 saved["params"],
                 saved["task"],

@@ -445,9 +445,6 @@ def print_table(
     how = "" if options["predictive"] == "mean" else f", ensemble of {options['samples']} posterior samples"
     how += f", a fixed sample of {options['eval_sample']:,} examples" if options.get("eval_sample") else ""
     title = f"run {record.id[:8]} ({record.algo}, {options['task']}): {model} (round {round_idx}), {split} split{how}"
-    table = Table("metric", "value")
-    for key in sorted(metrics):
-        table.add_row(key, f"{metrics[key]:.0f}" if key.endswith("/clients") else f"{metrics[key]:.4f}")
     notes = [
         "ECE: 15 equal-width confidence bins." if any(k.endswith("/ece") for k in metrics) else "",
         "Per-client: unweighted over clients; worst10 = mean of the worst 10% of clients."
@@ -460,8 +457,9 @@ def print_table(
         if options["client_split"] == "train" and split == "test"
         else "",
     ]
-    table.caption = " ".join(n for n in notes if n) or None
-    table.caption_justify = "left"
+    table = Table("metric", "value", caption=" ".join(n for n in notes if n) or None, caption_justify="left")
+    for key in sorted(metrics):
+        table.add_row(key, f"{metrics[key]:.0f}" if key.endswith("/clients") else f"{metrics[key]:.4f}")
     out = Console(highlight=False)
     out.print(title, markup=False)
     out.print(table)

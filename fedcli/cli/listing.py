@@ -113,8 +113,10 @@ WIDE = {
 
 def plain_table(what: What, rows: list[dict[str, Any]]) -> Table:
     """One row per item; long cells wrap (fold), never cut."""
-    caption = "fedcli list algos NAME: each hyperparameter's meaning" if what is What.algos else None
-    table = Table(title=f"fedcli {what.value}", caption=caption)
+    table = Table(
+        title=f"fedcli {what.value}",
+        caption="fedcli list algos NAME: each hyperparameter's meaning" if what is What.algos else None,
+    )
     for column in COLUMNS[what]:
         table.add_column(column, overflow="fold")
     for row in rows:

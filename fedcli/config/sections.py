@@ -283,14 +283,16 @@ class TrackingConfig:
     @property
     def store_url(self) -> str:
         """`store`, else FEDCLI_STORE, else `sqlite:///<root>/fedcli.db`; with its password (see `given_url`)."""
-        url = given_url("tracking.store", self.store, "FEDCLI_STORE", "--store")
-        return url or f"sqlite:///{Path(self.root).resolve() / 'fedcli.db'}"
+        return given_url("tracking.store", self.store, "FEDCLI_STORE", "--store") or (
+            f"sqlite:///{Path(self.root).resolve() / 'fedcli.db'}"
+        )
 
     @property
     def mlflow_uri(self) -> str:
         """`tracking_uri`, else MLFLOW_TRACKING_URI, else `sqlite:///<root>/mlflow.db`; with its password."""
-        url = given_url("tracking.tracking_uri", self.tracking_uri, "MLFLOW_TRACKING_URI", "--tracking-uri")
-        return url or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"
+        return given_url(
+            "tracking.tracking_uri", self.tracking_uri, "MLFLOW_TRACKING_URI", "--tracking-uri"
+        ) or (f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}")
 
 
 def given_url(key: str, value: str | None, env_name: str, flag: str) -> str | None:

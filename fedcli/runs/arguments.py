@@ -90,9 +90,8 @@ def check_report_arguments(
 ) -> None:
     """`report`'s arguments other than runs/at/thresholds/window/smooth: one ConfigError line naming the
     argument (an int experiment or group_by was a TypeError, a str where= an AttributeError)."""
-    check_names("experiment", experiment)
-    check_names("group_by", group_by)
-    check_names("columns", columns)
+    for name, value in (("experiment", experiment), ("group_by", group_by), ("columns", columns)):
+        check_names(name, value)
     if metric is not None and not isinstance(metric, str):
         raise ConfigError(f"metric must be a metric name (str) such as 'accuracy'; got {kind_of(metric)}.")
     if where is not None:
