@@ -159,8 +159,7 @@ class HyperparameterError(ValueError):
 def require(ok: bool, key: str, constraint: str, value: object, fix: str = "") -> None:
     """Raise HyperparameterError '<key> must be <constraint>; got <value>.' unless ok."""
     if not ok:
-        message = f"{key} must be {constraint}; got {value!r}."
-        raise HyperparameterError(f"{message} {fix}".strip())
+        raise HyperparameterError(f"{key} must be {constraint}; got {value!r}. {fix}".strip())
 
 
 class LocalSGD(NamedTuple):

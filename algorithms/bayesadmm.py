@@ -232,10 +232,8 @@ def increment_sums(
 
 def round_lr(opt: OptimConfig, hp: BayesADMMConfig, round_idx: int) -> float:
     """Return IVON's lr in this round: constant, or the code's cosine over hp.cosine_rounds."""
-    if hp.cosine_rounds == 0:
-        return opt.client_lr
-    r = min(round_idx - 1, hp.cosine_rounds)
-    return opt.client_lr * 0.5 * (1 + math.cos(math.pi * r / hp.cosine_rounds))
+    r = schedule_position(hp, round_idx)  # 0 without the cosine: cos 0 = 1 gives client_lr exactly
+    return opt.client_lr * 0.5 * (1 + math.cos(math.pi * r / max(hp.cosine_rounds, 1)))
 
 
 def schedule_position(hp: BayesADMMConfig, round_idx: int) -> int:

@@ -96,9 +96,12 @@ class Spec(NamedTuple):
 def validate_common(lam: float, fisher: str, fisher_norm: str, prior_form: str, clip_norm: float) -> None:
     """Check the hyperparameters shared by fola, fola-offline and fedcurv."""
     require(lam >= 0, "hp.lam", ">= 0", lam, "lam = 0 is aggregation only (no prior loss).")
-    require(fisher in FISHER_MODES, "hp.fisher", f"one of {', '.join(FISHER_MODES)}", fisher)
-    require(fisher_norm in FISHER_NORMS, "hp.fisher_norm", f"one of {', '.join(FISHER_NORMS)}", fisher_norm)
-    require(prior_form in PRIOR_FORMS, "hp.prior_form", f"one of {', '.join(PRIOR_FORMS)}", prior_form)
+    for key, value, choices in (
+        ("fisher", fisher, FISHER_MODES),
+        ("fisher_norm", fisher_norm, FISHER_NORMS),
+        ("prior_form", prior_form, PRIOR_FORMS),
+    ):
+        require(value in choices, f"hp.{key}", f"one of {', '.join(choices)}", value)
     require(clip_norm >= 0, "hp.clip_norm", ">= 0 (0 = no clipping)", clip_norm)
 
 

@@ -76,16 +76,10 @@ def smoke_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The spec with its `smoke` overrides applied (see the module docstring)."""
     out = {k: v for k, v in spec.items() if k != "smoke"}
     smoke = spec.get("smoke") or {}
-    for key in (
-        "base",
-        "grid",
-        "report",
-        "search",
-    ):  # search: a `search:` sweep's smoke budget (docs/sweeps.md)
-        if key in smoke:
-            out[key] = {**(out.get(key) or {}), **smoke[key]}
-    for key in ("seeds", "variants"):
-        if key in smoke:
-            out[key] = smoke[key]
+    # merged key by key; search: a `search:` sweep's smoke budget (docs/sweeps.md)
+    out.update(
+        {k: {**(out.get(k) or {}), **smoke[k]} for k in ("base", "grid", "report", "search") if k in smoke}
+    )
+    out.update({key: smoke[key] for key in ("seeds", "variants") if key in smoke})
     out["experiment"] = f"{spec['experiment']}{SMOKE_SUFFIX}"
     return out

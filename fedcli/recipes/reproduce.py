@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     fedcli = Path(sys.executable).with_name("fedcli")
-    rows, failed = [], []
+    rows, failed = [], False
     for name in names:
         report = args.out / name / f"{name}.md"
         command = [
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         code = subprocess.call(command)
         wall = time.perf_counter() - started
         rows.append(f"| {name} | {wall / 60:.1f} | {code} |")
-        if code:
-            failed.append(name)
+        failed = failed or code != 0
     host = f"{platform.machine()}, {os.cpu_count()} CPUs"
     table = [
         "# Recipe wall times",

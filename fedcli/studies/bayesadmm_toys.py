@@ -76,12 +76,12 @@ def run(out: Path, *, smoke: bool = False) -> None:
         sections = [fig3b_section(out, sizes), fig4_section(out, sizes), fig3a_section(out, sizes)]
     finally:
         torch.set_num_threads(threads)
-    intro = [
+    lines = [
         "Möllenhoff, Swaroop, Doshi-Velez, Khan. Federated ADMM from Bayesian Duality. arXiv:2506.13150 (v1), "
         "§4 and App. F; toy code team-approx-bayes/bayes-admm (toyexamples/). Everything runs on CPU, float64.",
         "",
+        *(line for section in sections for line in [*section, ""]),
     ]
-    lines = intro + [line for section in sections for line in [*section, ""]]
     write_report(
         out,
         "BayesADMM toys: Figs. 3b, 4 and 3a",

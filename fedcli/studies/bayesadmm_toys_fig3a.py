@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from fedcli.algorithms import bayesadmm
 from fedcli.algorithms.base import ClientOut
-from fedcli.studies.bayesadmm_toys_fig3b import ridge_problem
+from fedcli.algorithms.optim import IvonState, IvonTarget, ivon_precision, ivon_sample, ivon_step
+from fedcli.studies.bayesadmm_toys_fig3b import Ridge, ridge_problem
 from fedcli.studies.bayesadmm_toys_shared import (
     F64,
     OPT,
@@ -28,19 +30,6 @@ from fedcli.studies.common import check_line, markdown_table, save_figure
 from fedcli.tracking.report.plots import figure
 
 
-class Softmax(NamedTuple):
-    cohort: Cohort  # class-pair clients: x [C, N_max, P], one-hot y [C, N_max, 10]
-    x: Tensor  # [N, P] all inputs
-    y: Tensor  # [N, 10] one-hot
-    delta: float  # prior precision (main_elbo.py: 10)
-
-
-def softmax_problem(count: int, side: int, delta: float = 10.0) -> Softmax:
-    """First `count` images of the bundled training split, side x side, K = 5 class-pair clients (main_elbo.py)."""
-    ridge = ridge_problem(count, side, delta)
-    return Softmax(pad_cohort(ridge.clients), ridge.x, ridge.y, delta)
-
-
 def softmax_grad(theta: Tensor, cohort: Cohort) -> Tensor:
     """Gradient of each client's mean cross-entropy, (softmax(X W^T) - Y)^T X / N_k: [C, 10, P]."""
     probs = torch.softmax(cohort.x @ theta.transpose(1, 2), dim=-1)  # [C, N, 10]
@@ -48,7 +37,7 @@ def softmax_grad(theta: Tensor, cohort: Cohort) -> Tensor:
     return residual.transpose(1, 2) @ cohort.x / cohort.num_examples[:, None, None]
 
 
-def neg_elbo(problem: Softmax, mean: Tensor, precision: Tensor, eps: Tensor) -> float:
+def neg_elbo(problem: Ridge, mean: Tensor, precision: Tensor, eps: Tensor) -> float:
     """main_elbo.py's objective of q = N(m, diag(1/s)): E_q[Sum_i l_i] (MC over eps [M, 10, P]) + delta/2 ||m||^2
     + 1/2 Sum log s + 1/2 Sum delta / s (the KL to the prior N(0, 1/delta) up to a constant)."""
     thetas = mean + eps / precision.sqrt()  # [M, 10, P]
@@ -63,8 +52,6 @@ def ivon_solve(
 ) -> tuple[Tensor, Tensor]:
     """A fresh IVON per client (main_elbo.py: h0, 1 MC sample, full batch, steps + 1 updates with the
     cosine lr(t) = lr (1 + cos(pi t / steps)) / 2), by optim.ivon_step; returns (m_k, s_k) [C, 10, P]."""
-    from fedcli.algorithms.optim import IvonState, ivon_precision, ivon_sample, ivon_step
-
     state = IvonState(
         mean={"w": start},
         hess={"w": torch.full_like(start, hp.h0)},
@@ -88,17 +75,14 @@ def ivon_solve(
 
 
 def run_fig3a_method(
-    problem: Softmax, hp: Any, rounds: int, steps: int, lr: float, eps: Tensor, generator: torch.Generator
+    problem: Ridge, hp: Any, rounds: int, steps: int, lr: float, eps: Tensor, generator: torch.Generator
 ) -> list[float]:
     """Diagonal BayesADMM and its relatives (hp: bayesadmm.BayesADMMConfig) with IVON clients; neg-ELBO per round.
 
     Client step as bayesadmm.client_update (ess N_k/(rho tau), multipliers (tau/N_k) v_k, (tau/N_k) u_k, prior
     q_bar), duals by bayesadmm.dual_increments, server by bayesadmm.server_update; clients start at m_bar.
     """
-    from fedcli.algorithms import bayesadmm
-    from fedcli.algorithms.optim import IvonTarget
-
-    cohort = problem.cohort
+    cohort = pad_cohort(problem.clients)  # class-pair clients: x [C, N_max, P], one-hot y [C, N_max, 10]
     shape = (10, problem.x.shape[1])
     state = bayesadmm.server_init({"w": torch.zeros(shape, dtype=F64)}, hp, OPT)
     k = len(cohort.num_examples)
@@ -127,11 +111,9 @@ def run_fig3a_method(
 
 
 def batch_vb(
-    problem: Softmax, hp: Any, steps: int, lr: float, eps: Tensor, generator: torch.Generator
+    problem: Ridge, hp: Any, steps: int, lr: float, eps: Tensor, generator: torch.Generator
 ) -> float:
     """The reference: one IVON on all N examples (ess N, prior N(0, 1/delta)) for `steps` steps; its neg-ELBO."""
-    from fedcli.algorithms.optim import IvonTarget
-
     pooled = pad_cohort([(problem.x, problem.y)])
     n = pooled.num_examples[:, None, None]
     zeros = torch.zeros(1, 10, problem.x.shape[1], dtype=F64)
@@ -194,9 +176,8 @@ def fig3a_checks(curves: dict[str, list[float]]) -> list[str]:
 
 def fig3a_section(out: Path, sizes: Sizes) -> list[str]:
     """Fig. 3a at a reduced scale: diagonal BayesADMM, BregmanADMM, PVI and damped PVI with IVON clients."""
-    from fedcli.algorithms import bayesadmm
-
-    problem = softmax_problem(sizes.elbo_count, sizes.elbo_side)
+    # the first elbo_count images of the bundled training split, K = 5 class-pair clients, delta 10 (main_elbo.py)
+    problem = ridge_problem(sizes.elbo_count, sizes.elbo_side, delta=10.0)
     generator = torch.Generator().manual_seed(0)
     eps = torch.randn(32, 10, problem.x.shape[1], generator=generator, dtype=F64)
     common: dict[str, Any] = {

@@ -31,6 +31,8 @@ from fedcli.tracking.report.plots import figure
 
 
 class Ridge(NamedTuple):
+    """MNIST class-pair clients: Fig. 3b's ridge problem and, with delta = 10, Fig. 3a's softmax problem."""
+
     clients: list[tuple[Tensor, Tensor]]  # (x_k [N_k, P], one-hot y_k [N_k, 10]) per class pair
     x: Tensor  # [N, P] all inputs
     y: Tensor  # [N, 10]
@@ -77,15 +79,11 @@ def run_ridge_bayes(problem: Ridge, rounds: int, init_precision: float) -> list[
         rho=1 / k, dual_damping=1.0, delta=problem.delta, tau=1.0, max_params=dim, step_size=1.0
     )  # a Newton step: the exact client solve
     params = {"w": torch.zeros(10, problem.x.shape[1], dtype=F64)}
-    start = bayesadmm_full.server_init(params, hp, OPT)
-    state = bayesadmm_full.ServerState(
-        mean=start.mean,
-        precision=init_precision * torch.eye(dim, dtype=F64),
-        v_sum=start.v_sum,
-        V_sum=start.V_sum,
+    state = bayesadmm_full.server_init(params, hp, OPT)._replace(
+        precision=init_precision * torch.eye(dim, dtype=F64)
     )
     states = _ridge_rounds(bayesadmm_full, problem, params, state, hp, OPT, 1, rounds)
-    return [(state.mean["w"].clone(), state.precision.clone()) for state in states]
+    return [(s.mean["w"].clone(), s.precision.clone()) for s in states]
 
 
 def polyak_heavy_ball(problem: Ridge, rho: float) -> OptimConfig:

@@ -32,6 +32,8 @@ def plot_boundaries(
     title: str,
 ) -> None:
     """Fig. 4's picture: both clients' points and the server's decision lines theta^T [x, 1] = 0 per iteration."""
+    from matplotlib import colormaps
+
     for c, (x, y) in enumerate(clients):
         for label, marker in ((1, "o"), (0, "s")):
             pts = x[y == label]
@@ -49,7 +51,7 @@ def plot_boundaries(
         ax.plot(
             xs,
             -(theta[0] * xs + theta[2]) / theta[1],
-            color=plt_color(r, len(thetas)),
+            color=colormaps["viridis"](0.9 - 0.8 * (r - 1) / max(len(thetas) - 1, 1)),  # light to dark
             lw=1.2,
             label=f"iter {r}",
         )
@@ -58,13 +60,6 @@ def plot_boundaries(
     ax.set_ylim(FIG4_WINDOW[2:])
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=6, loc="lower right", ncol=2)
-
-
-def plt_color(r: int, total: int) -> tuple[float, float, float, float]:
-    """Colour of iteration r of total (light to dark)."""
-    from matplotlib import colormaps
-
-    return colormaps["viridis"](0.9 - 0.8 * (r - 1) / max(total - 1, 1))
 
 
 def spread(values: list[float]) -> str:
@@ -79,23 +74,24 @@ def reach_text(count: int | None) -> str:
 def fig4_rows(n: dict[str, Any]) -> list[list[Any]]:
     """One row per server iteration."""
     rounds = max(len(n["admm"]), len(n["mc"][0]))
-    rows = []
-    for r in range(rounds):
-        mc = [run[r] for run in n["mc_area"]] if r < len(n["mc"][0]) else None
-        rows.append(
-            [
-                r + 1,
-                cell(n["admm_rel"], r),
-                cell(n["admm_area"], r),
-                spread([run[r] for run in n["mc_rel"]]) if mc else "—",
-                spread(mc) if mc else "—",
-                spread([run[r] for run in n["mc_prec"]]) if mc else "—",
-                cell(n["laplace_rel"], r),
-                cell(n["laplace_area"], r),
-                cell(n["laplace_prec"], r),
-            ]
-        )
-    return rows
+
+    def mc(key: str, r: int) -> str:  # the MC runs' spread at round r, "—" past their last round
+        return spread([run[r] for run in n[key]]) if r < len(n["mc"][0]) else "—"
+
+    return [
+        [
+            r + 1,
+            cell(n["admm_rel"], r),
+            cell(n["admm_area"], r),
+            mc("mc_rel", r),
+            mc("mc_area", r),
+            mc("mc_prec", r),
+            cell(n["laplace_rel"], r),
+            cell(n["laplace_area"], r),
+            cell(n["laplace_prec"], r),
+        ]
+        for r in range(rounds)
+    ]
 
 
 def fig4_figure(n: dict[str, Any], out: Path) -> str:

@@ -21,16 +21,27 @@ OPT = OptimConfig()  # server steps are closed form (sgd, lr 1); client rates ar
 
 
 def full_batch_context(
-    x: Tensor, y: Tensor, loss_fn: Any, steps: int, round_idx: int, noise: dict[str, Tensor] | None = None
+    x: Tensor,
+    y: Tensor,
+    loss_fn: Any,
+    steps: int,
+    round_idx: int,
+    noise: dict[str, Tensor] | None = None,
+    weight: Tensor | None = None,
+    num_examples: Tensor | None = None,
 ) -> ClientContext:
-    """A client context whose every step sees all N_k examples (the toys are full batch)."""
-    batch = Batch(x=x, y=y, weight=torch.ones(len(y), dtype=F64), key=torch.zeros((), dtype=torch.int64))
+    """A client context whose every step sees all N_k examples (the toys are full batch).
+
+    weight [N] (default: every example real) and num_examples (default: N) describe a padded client.
+    """
+    weight = torch.ones(len(y), dtype=F64) if weight is None else weight  # default: every example real
+    batch = Batch(x=x, y=y, weight=weight, key=torch.zeros((), dtype=torch.int64))
     return ClientContext(
         loss_fn=loss_fn,
         apply_fn=lambda p, z: z,
         batch=lambda step: batch,
         step_mask=torch.ones(steps, dtype=F64),
-        num_examples=torch.tensor(float(len(y)), dtype=F64),
+        num_examples=torch.tensor(float(len(y)), dtype=F64) if num_examples is None else num_examples,
         num_epochs=1,
         steps_per_epoch=steps,
         round_idx=round_idx,
@@ -80,18 +91,7 @@ def cohort_round(
     """Run update(ctx, bc, state, hp, opt) for every client at once with torch.func.vmap (as the engine does)."""
 
     def one(x: Tensor, y: Tensor, w: Tensor, n: Tensor, state: Any) -> tuple[Any, Any]:
-        batch = Batch(x=x, y=y, weight=w, key=torch.zeros((), dtype=torch.int64))
-        ctx = ClientContext(
-            loss_fn=loss_fn,
-            apply_fn=lambda p, z: z,
-            batch=lambda step: batch,
-            step_mask=torch.ones(steps, dtype=F64),
-            num_examples=n,
-            num_epochs=1,
-            steps_per_epoch=steps,
-            round_idx=round_idx,
-            noise={},
-        )
+        ctx = full_batch_context(x, y, loss_fn, steps, round_idx, weight=w, num_examples=n)
         out = update(ctx, bc, state, hp, opt)
         return out.upload, out.state
 

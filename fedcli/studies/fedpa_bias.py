@@ -258,19 +258,22 @@ def run(out: Path, *, smoke: bool = False) -> None:
         *[f"FedPA rho={r:g}" for r in s.rhos],
         f"FedPA exact samples rho={s.fixed_rho:g}",
     ]
-    tables = {}
-    for k, name in enumerate(("bias", "variance")):
-        rows = [
+    tables = {
+        name: markdown_table(
+            header,
             [
-                steps[g],
-                counts[g],
-                float(est.fedavg[k][g]),
-                *map(float, est.fedpa[k][g]),
-                float(est.oracle[k][g]),
-            ]
-            for g in range(len(steps))
-        ]
-        tables[name] = markdown_table(header, rows)
+                [
+                    steps[g],
+                    counts[g],
+                    float(est.fedavg[k][g]),
+                    *map(float, est.fedpa[k][g]),
+                    float(est.oracle[k][g]),
+                ]
+                for g in range(len(steps))
+            ],
+        )
+        for k, name in enumerate(("bias", "variance"))
+    }
     png = save_figure(_plot(est, s, steps), out, "fig3")
     lines = [
         "**Claim** (FedPA, App. A.1, Fig. 3): with more local steps FedAvg's delta bias grows and its "

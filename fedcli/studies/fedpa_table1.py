@@ -68,11 +68,6 @@ def exact_client_update(
     return torch.cholesky_solve((flatten(bc.params) - mean)[:, None], torch.linalg.cholesky(sigma))[:, 0]
 
 
-def exact_fits(dim: int) -> bool:
-    """True if three d x d float32 buffers fit in half of the physical memory."""
-    return 3 * 4 * dim**2 < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
-
-
 def time_dim(
     dim: int, *, repeats: int, steps_per_epoch: int, warm_up: bool, seed: int
 ) -> tuple[dict[str, list[float]], float]:
@@ -100,7 +95,9 @@ def time_dim(
         "IASG": lambda: local_sgd(ctx, bc.params, opt, average_epochs=True).params,
         "DP step": lambda: fedpa.posterior_delta(bc.params["w"], samples, RHO),
     }
-    if exact_fits(dim):
+    if (
+        3 * 4 * dim**2 < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
+    ):  # 3 d x d float32 fit in half the memory
         methods["exact"] = lambda: exact_client_update(ctx, bc, hp, opt)
     outputs = {name: fn() for name, fn in methods.items() if warm_up}
     readings: dict[str, list[float]] = {name: [] for name in methods}

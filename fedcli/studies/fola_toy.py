@@ -277,11 +277,8 @@ def run(out: Path, *, smoke: bool = False) -> None:
     """Compute the three cases, write the table, the contour figure and the checks."""
     started = time.perf_counter()
     grid_size = 61 if smoke else 401
-    points, rows = [], []
-    for case in CASES:
-        pts, case_table = case_rows(case, grid_size)
-        points.append(pts)
-        rows.extend(case_table)
+    results = [case_rows(case, grid_size) for case in CASES]
+    points, rows = [pts for pts, _ in results], [row for _, table in results for row in table]
     png = save_figure(plot(CASES, points, grid_size), out, "mixtures")
     lines = [
         "**Claim (Liu & Zheng, arXiv:2102.01936 v1, Fig. 1 and Sec. 3.1).** With heterogeneous clients the mixture of "
