@@ -158,37 +158,30 @@ def f1_rules(report: Report) -> str:
 
 def _definitions(report: Report, table: str) -> str:
     """The definitions under a table, with the F1 decision rule where the table shows F1."""
-    text = _definitions_text(report, table)
-    shows_f1 = {"main": "f1" in report.metric, "eval": any("f1" in c.id for c in report.tables["eval"])}
-    if shows_f1.get(table):
-        return f"{text} {f1_rules(report)}"
-    return text
-
-
-def _definitions_text(report: Report, table: str) -> str:
     spec, metric = report.spec, report.metric
     direction = "≤" if md.is_lower_better(metric) else "≥"
-    if table == "main":
-        return (
+    texts = {
+        "main": (
             f"{metric} @R = mean of {metric} over the evaluated rounds r with R − {spec.window} < r ≤ R "
             f"(window {spec.window}; round 0, the initial model, never counts); {MISSING} if the run stopped "
             f"before R. Rounds to X = the first round t ≥ {spec.smooth} whose trailing {spec.smooth}-round running "
             f"average of {metric} is {direction} X; {MISSING} (rounds run) if never. Best = best per-round value; "
             "final = value at the last evaluated round."
-        )
-    if table == "comm":
-        return (
+        ),
+        "comm": (
             "Bytes up/down to X = sum of comm/bytes_up / comm/bytes_down over rounds 1..t, t = the round the "
             f"threshold is first reached (as above); {MISSING} (rounds run) if never. Total = over all rounds. "
             "Units: SI (1 kB = 1000 B), one unit per column."
-        )
-    if table == "time":
-        return "Per round = mean of time/round_s over rounds ≥ 1 (the first round includes warm-up); total = its sum."
-    return (
-        f"Each eval/* metric (and each requested column) averaged over the last {spec.window} rounds of each run (r > last − {spec.window}). "
-        "F1 metrics: macro = mean over labels, micro = pooled over labels; a label with no positives and no "
-        f"predictions has F1 0. {MISSING}: the run logged no such value."
-    )
+        ),
+        "time": "Per round = mean of time/round_s over rounds ≥ 1 (the first round includes warm-up); total = its sum.",
+        "eval": (
+            f"Each eval/* metric (and each requested column) averaged over the last {spec.window} rounds of each run (r > last − {spec.window}). "
+            "F1 metrics: macro = mean over labels, micro = pooled over labels; a label with no positives and no "
+            f"predictions has F1 0. {MISSING}: the run logged no such value."
+        ),
+    }
+    shows_f1 = {"main": "f1" in metric, "eval": any("f1" in c.id for c in report.tables["eval"])}
+    return f"{texts[table]} {f1_rules(report)}" if shows_f1.get(table) else texts[table]
 
 
 def render_markdown(report: Report, figures: Sequence[tuple[str, str]] = ()) -> str:
