@@ -87,8 +87,9 @@ class Run:
         (`eval/accuracy`, `train/loss`, `time/round_s`, ...); NaN where a round did not log a key
         (e.g. between evaluations with `eval_every` > 1)."""
         with closing(open_store(self.store, must_exist=True)) as db:
-            long = db.metrics_frame([self.id])
-        wide = long.pivot_table(index="round_idx", columns="key", values="value", aggfunc="last")
+            wide = db.metrics_frame([self.id]).pivot_table(
+                index="round_idx", columns="key", values="value", aggfunc="last"
+            )
         wide.index.name, wide.columns.name = "round", None
         return wide.sort_index()
 

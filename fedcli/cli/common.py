@@ -92,9 +92,8 @@ def resume_hint(cfg: Any, run_id: str) -> str:
     if cfg.train.executor == "distributed":
         from fedcli.engine.distributed import launch_env
 
-        world = (launch_env() or (0, 2))[1]
         return (
-            f"torchrun --nproc-per-node {world} -m fedcli {resume} --executor distributed "
+            f"torchrun --nproc-per-node {(launch_env() or (0, 2))[1]} -m fedcli {resume} --executor distributed "
             f"(or in one process: {command_name()} {resume} --executor auto)"
         )
     return f"{command_name()} {resume}"

@@ -352,8 +352,9 @@ def load_model(
             setup.fns = replace(setup.fns, apply_fn=estimate.apply_fn, client_stats=None)
     state = ckpt.to_device(server_state, setup.device)
     params = setup.alg.global_params(state)
-    shapes = {k: tuple(v.shape) for k, v in setup.init_params.items()}
-    if shapes != {k: tuple(v.shape) for k, v in params.items()}:
+    if {k: tuple(v.shape) for k, v in setup.init_params.items()} != {
+        k: tuple(v.shape) for k, v in params.items()
+    }:
         raise misfit
     return setup, state, params, round_idx
 

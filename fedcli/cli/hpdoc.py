@@ -170,8 +170,10 @@ def recommended_rows(record: Any) -> list[dict[str, Any]]:
 
     if record.recommend is None:
         return []
-    advice = record.recommend(RunFacts(**EXAMPLE_RUN))
-    return [{"key": key, "default_run": a.value, "why": a.why} for key, a in sorted(advice.items())]
+    return [
+        {"key": key, "default_run": a.value, "why": a.why}
+        for key, a in sorted(record.recommend(RunFacts(**EXAMPLE_RUN)).items())
+    ]
 
 
 def algo_detail(row: dict[str, Any]) -> Any:

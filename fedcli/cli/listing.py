@@ -272,8 +272,8 @@ def run_rows(*, experiment: str | None, store: str | None, root: Path | None) ->
     rows = []
     for run in db.list_runs(experiment=experiment):
         hp = flatten_config(run.config.get("algorithm", {}).get("hp") or {})
-        last = db.metrics_frame([run.id], keys=["eval/accuracy", "eval/loss"])
-        final = {k: float(g.sort_values("round_idx")["value"].iloc[-1]) for k, g in last.groupby("key")}
+        last = db.metrics_frame([run.id], keys=["eval/accuracy", "eval/loss"]).groupby("key")
+        final = {k: float(g.sort_values("round_idx")["value"].iloc[-1]) for k, g in last}
         rows.append(
             {
                 "id": run.id,

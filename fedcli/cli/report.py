@@ -153,8 +153,7 @@ def report(
         check_output(output, "--output")  # before any work: a rejected report writes nothing
         url = tracking_config({"tracking.store": store, "tracking.root": root and str(root)}).store_url
         require_store(url)
-        built = build_report(open_store(url), spec)
-        text = write_report(built, output, output_format, partition_heatmap)
+        text = write_report(build_report(open_store(url), spec), output, output_format, partition_heatmap)
     if output is None:
         typer.echo(text, nl=False)
         return

@@ -38,8 +38,7 @@ def run_training(
     signals = GracefulSignals(immediate=True)  # the set-up writes nothing: a signal there stops it at once
     signals.install()
     try:  # restored last, after the run id is printed: a signal once the run ended changes nothing
-        debug = bool(ctx.obj and ctx.obj.get("debug"))
-        with user_errors(debug), contextlib.ExitStack() as group:
+        with user_errors(bool(ctx.obj and ctx.obj.get("debug"))), contextlib.ExitStack() as group:
             try:  # the imports too: a signal while they load (the first second) is a stop in the set-up
                 from fedcli.config.checks import parse_assignments
                 from fedcli.engine import distributed

@@ -127,9 +127,11 @@ def degeneracies(cfg: RunConfig, shortfalls: bool = False) -> list[Any]:
         "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if v is not None},
         "train": {"rounds": cfg.train.rounds, "clients_per_round": cfg.train.clients_per_round},
     }
-    facts = _facts(cfg.algorithm.name, merged, frozenset())
-    opt = cfg.train.optim(task.client_lr if task is not None else 0.01)
-    found = record.degenerate(make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp), opt, facts)
+    found = record.degenerate(
+        make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp),
+        cfg.train.optim(task.client_lr if task is not None else 0.01),
+        _facts(cfg.algorithm.name, merged, frozenset()),
+    )
     return [d for d in found if (d.kind == "shortfall") == shortfalls]
 
 

@@ -154,8 +154,12 @@ def record_model_source(cfg: RunConfig) -> RunConfig:
             )
         return cfg
     ref = model_reference(cfg.data.model)
-    sha = cfg.data.model_sha256 or source_sha256(ref)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, model=ref, model_sha256=sha))
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(
+            cfg.data, model=ref, model_sha256=cfg.data.model_sha256 or source_sha256(ref)
+        ),
+    )
 
 
 def require_max_clients_support(task: Any, max_clients: int | None) -> None:

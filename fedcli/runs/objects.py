@@ -77,9 +77,12 @@ def live_model(model: Any) -> Any:
             f"{what} is defined {where}, which no worker process, resume=, fedcli evaluate or MLflow "
             f"model can import again; {fix}."
         )
-    top = sys.modules.get(module)
     out: Any = model
-    if source is not None and "." not in module and getattr(top, "__package__", "") in ("", None):
+    if (
+        source is not None
+        and "." not in module
+        and getattr(sys.modules.get(module), "__package__", "") in ("", None)
+    ):
         out = f"{source}:{qual}"  # a top-level module: its file, importable from any folder and process
     if given is not model:
         _check_rebuildable(model, qual)
