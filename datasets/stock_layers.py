@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from fedcli.datasets.models import keyed_uniform
-from fedcli.datasets.stock_random import RANDOM_HANDLERS
+from fedcli.datasets.stock_random import RANDOM_HANDLERS, next_uniform
 
 SALT = (
     1 << 20
@@ -68,19 +67,13 @@ class StockLayers(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         return handler(self, func, *args, **(kwargs or {}))
 
-    def keep(self, shape: Sequence[int], device: torch.device, p: float) -> Tensor:
-        """The keep mask (bool) of the next dropout call: keyed_uniform(key, salted by the call's number) >= p."""
-        assert self.key is not None
-        salt = SALT + self.calls
-        self.calls += 1
-        return keyed_uniform(self.key * 7919 + salt, torch.Size(shape), device) >= p
-
     def dropout(self, x: Tensor, p: float, *, feature: bool = False, alpha: bool = False) -> Tensor:
         """Inverted dropout of `x` (feature: one mask value per [N, C] channel) from the keyed mask."""
         shape = (*x.shape[:2], *([1] * (x.dim() - 2))) if feature else x.shape
         if p >= 1.0:
             return x * 0.0
-        keep = self.keep(shape, x.device, p).to(x.dtype)
+        # the keep mask: keyed_uniform(key, salted by SALT + the call's number) >= p
+        keep = (next_uniform(self, shape, x.device, SALT) >= p).to(x.dtype)
         if not alpha:
             return x * keep / (1.0 - p)
         a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))  # PyTorch's _dropout_impl, alpha form
@@ -91,46 +84,25 @@ def _off(mode: StockLayers, training: bool, p: float) -> bool:
     return not training or p == 0.0 or mode.key is None
 
 
-def _dropout(
-    mode: StockLayers, func: Any, input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
-) -> Tensor:
-    if _off(mode, training, p):
-        return func(input, p, training, inplace)  # type: ignore[no-any-return]
-    return mode.dropout(input, p)
-
-
-def _alpha_dropout(
-    mode: StockLayers, func: Any, input: Tensor, p: float = 0.5, training: bool = False, inplace: bool = False
-) -> Tensor:
-    if _off(mode, training, p):
-        return func(input, p, training, inplace)
-    return mode.dropout(input, p, alpha=True)
-
-
-def _feature_alpha_dropout(
-    mode: StockLayers, func: Any, input: Tensor, p: float = 0.5, training: bool = False, inplace: bool = False
-) -> Tensor:
-    if _off(mode, training, p):
-        return func(input, p, training, inplace)
-    return mode.dropout(input, p, feature=True, alpha=True)
-
-
-def _channel_dropout(batched_dim: int) -> Callable[..., Tensor]:
-    """F.dropout1d (batched: 3-D), dropout3d (5-D): an unbatched input gets a batch of one; dropout2d: as is."""
+def _functional_dropout(
+    train_default: bool, *, feature: bool = False, alpha: bool = False, batched_dim: int = 0
+) -> Callable[..., Tensor]:
+    """F.dropout (`training` defaults to True), F.alpha_dropout, F.feature_alpha_dropout (False) and F.dropout1d
+    (batched: 3-D), dropout3d (5-D), where an unbatched input gets a batch of one, and dropout2d (as is)."""
 
     def handler(
         mode: StockLayers,
         func: Any,
         input: Tensor,
         p: float = 0.5,
-        training: bool = True,
+        training: bool = train_default,
         inplace: bool = False,
     ) -> Tensor:
         if _off(mode, training, p):
-            return func(input, p, training, inplace)
+            return func(input, p, training, inplace)  # type: ignore[no-any-return]
         if batched_dim and input.dim() == batched_dim - 1:
             return mode.dropout(input.unsqueeze(0), p, feature=True).squeeze(0)
-        return mode.dropout(input, p, feature=True)
+        return mode.dropout(input, p, feature=feature, alpha=alpha)
 
     return handler
 
@@ -290,12 +262,12 @@ def _composite(func: Any) -> Callable[..., Any]:
 
 _HANDLERS: dict[Any, Callable[..., Any]] = {
     F.multi_head_attention_forward: _composite(F.multi_head_attention_forward),
-    F.dropout: _dropout,
-    F.alpha_dropout: _alpha_dropout,
-    F.feature_alpha_dropout: _feature_alpha_dropout,
-    F.dropout1d: _channel_dropout(3),
-    F.dropout2d: _channel_dropout(0),
-    F.dropout3d: _channel_dropout(5),
+    F.dropout: _functional_dropout(True),
+    F.alpha_dropout: _functional_dropout(False, alpha=True),
+    F.feature_alpha_dropout: _functional_dropout(False, feature=True, alpha=True),
+    F.dropout1d: _functional_dropout(True, feature=True, batched_dim=3),
+    F.dropout2d: _functional_dropout(True, feature=True),
+    F.dropout3d: _functional_dropout(True, feature=True, batched_dim=5),
     torch.dropout: _vf_dropout(False, False),
     torch.feature_dropout: _vf_dropout(True, False),
     torch.alpha_dropout: _vf_dropout(False, True),

@@ -52,10 +52,12 @@ def _size(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(n) for n in args)
 
 
-def _uniform(mode: StockLayers, shape: Sequence[int], device: torch.device | str | None) -> Tensor:
-    """U[0, 1) float32 of `shape` from the mode's key, the next call's stream."""
+def next_uniform(
+    mode: StockLayers, shape: Sequence[int], device: torch.device | str | None, base: int = RANDOM_SALT
+) -> Tensor:
+    """U[0, 1) float32 of `shape` from the mode's key, the next call's stream (salt `base` + the call's number)."""
     assert mode.key is not None
-    salt = RANDOM_SALT + mode.calls
+    salt = base + mode.calls
     mode.calls += 1
     where = torch.device(device) if device is not None else mode.key.device
     return keyed_uniform(mode.key * 7919 + salt, torch.Size(shape), where)
@@ -63,8 +65,8 @@ def _uniform(mode: StockLayers, shape: Sequence[int], device: torch.device | str
 
 def _normal(mode: StockLayers, shape: Sequence[int], device: torch.device | str | None) -> Tensor:
     """N(0, 1) float32 of `shape` by Box-Muller."""
-    u1 = _uniform(mode, shape, device) + _TINY
-    u2 = _uniform(mode, shape, device)
+    u1 = next_uniform(mode, shape, device) + _TINY
+    u2 = next_uniform(mode, shape, device)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
 
 
@@ -113,7 +115,7 @@ def _randint_bounds(args: Sequence[Any]) -> tuple[int, int, Sequence[Any]]:
 def _draw_int(
     mode: StockLayers, low: int, high: int, shape: Sequence[int], device: Any, dtype: torch.dtype
 ) -> Tensor:
-    u = _uniform(mode, shape, device).to(torch.float64)
+    u = next_uniform(mode, shape, device).to(torch.float64)
     ints = torch.floor(low + u * (high - low)).clamp(max=high - 1)
     return ints.to(dtype)
 
@@ -141,7 +143,7 @@ def _bernoulli(mode: StockLayers, func: Any, input: Tensor, *args: Any, **kwargs
     if not _keyed(mode, kwargs) or "out" in kwargs:
         return func(input, *args, **kwargs)  # type: ignore[no-any-return]
     p = args[0] if args else kwargs.get("p", input)
-    u = _uniform(mode, input.shape, input.device)
+    u = next_uniform(mode, input.shape, input.device)
     return (u < p).to(input.dtype)
 
 
@@ -169,7 +171,7 @@ def _inplace_uniform(mode: StockLayers, func: Any, self: Tensor, *args: Any, **k
         return func(self, *args, **kwargs)  # type: ignore[no-any-return]
     low = args[0] if args else kwargs.get("from", 0.0)
     high = args[1] if len(args) > 1 else kwargs.get("to", 1.0)
-    u = _uniform(mode, self.shape, self.device)
+    u = next_uniform(mode, self.shape, self.device)
     with torch.no_grad():
         return self.copy_(low + (high - low) * u)
 
@@ -187,15 +189,15 @@ def _inplace_bernoulli(mode: StockLayers, func: Any, self: Tensor, *args: Any, *
     if not _keyed(mode, kwargs):
         return func(self, *args, **kwargs)  # type: ignore[no-any-return]
     p = args[0] if args else kwargs.get("p", 0.5)
-    u = _uniform(mode, self.shape, self.device)
+    u = next_uniform(mode, self.shape, self.device)
     with torch.no_grad():
         return self.copy_((u < p).to(self.dtype))
 
 
 RANDOM_HANDLERS: dict[Any, Callable[..., Any]] = {
-    torch.rand: _fresh(_uniform),
+    torch.rand: _fresh(next_uniform),
     torch.randn: _fresh(_normal),
-    torch.rand_like: _like(_uniform),
+    torch.rand_like: _like(next_uniform),
     torch.randn_like: _like(_normal),
     torch.randint: _randint,
     torch.randint_like: _randint_like,
