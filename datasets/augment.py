@@ -27,12 +27,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from fedcli.datasets.models import splitmix64
 from fedcli.datasets.tasks import Task
 from fedcli.errors import ConfigError
 
 _MASK62 = (1 << 62) - 1
-# SplitMix64's constants as signed int64 (torch multiplies int64 with two's-complement wraparound)
-_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # SplitMix64's increment as signed int64 (wraparound)
 _SALT = 0x5DEECE66D  # separates the augmentation draw from the dropout draw of the same key
 
 
@@ -115,17 +115,10 @@ def with_normalisation(task: Task, spec: AugmentSpec) -> Task:
     return replace(task, prepare=normalised)
 
 
-def _mix(z: Tensor) -> Tensor:
-    """SplitMix64's finaliser on int64 tensors (logical shifts by masking the arithmetic ones)."""
-    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX1
-    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX2
-    return z ^ ((z >> 31) & ((1 << 33) - 1))
-
-
 def draws(key: Tensor, batch: int) -> Tensor:
     """[B] non-negative int64 draws of a step key for each example slot 0..B-1 (a pure function)."""
     slots = torch.arange(1, batch + 1, dtype=torch.int64, device=key.device)
-    return _mix((key.to(torch.int64) ^ _SALT) + slots * _GOLDEN) & _MASK62
+    return splitmix64((key.to(torch.int64) ^ _SALT) + slots * _GOLDEN) & _MASK62
 
 
 def augmenter(spec: AugmentSpec) -> Callable[[Tensor, Tensor], Tensor] | None:

@@ -26,15 +26,13 @@ def _shift_right(z: Tensor, n: int) -> Tensor:
 
 def keyed_uniform(key: Tensor, shape: torch.Size, device: torch.device) -> Tensor:
     """Return U[0, 1) float32 of `shape`, a pure function of (key, position) (splitmix64)."""
-    count = 1
-    for n in shape:
-        count *= n
-    stream = _mix(key * _GOLDEN + _GOLDEN)  # decorrelate neighbouring keys first
-    z = _mix(stream + torch.arange(1, count + 1, device=device, dtype=torch.int64) * _GOLDEN)
+    count = shape.numel()
+    stream = splitmix64(key * _GOLDEN + _GOLDEN)  # decorrelate neighbouring keys first
+    z = splitmix64(stream + torch.arange(1, count + 1, device=device, dtype=torch.int64) * _GOLDEN)
     return (_shift_right(z, 40).to(torch.float32) / float(1 << 24)).reshape(shape)
 
 
-def _mix(z: Tensor) -> Tensor:
+def splitmix64(z: Tensor) -> Tensor:
     """The splitmix64 finaliser on int64 (wrapping multiplication)."""
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
