@@ -50,6 +50,7 @@ from fedcli.datasets.yours.convert import (
     slugify,
     torch_arrays,
 )
+from fedcli.datasets.yours.user_code import import_file, remember_import
 from fedcli.errors import ConfigError, DataError
 
 PYTHON_PREFIX = "python:"
@@ -225,10 +226,7 @@ def load_function(ref: str) -> tuple[Callable[[], Any], str]:
             path = Path(module_name).expanduser().resolve()
             if not path.is_file():
                 raise ConfigError(f"data function file {path} does not exist; give path/to/file.py:function.")
-            spec = importlib.util.spec_from_file_location(f"fedcli_user_data_{path.stem}", path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = import_file(path)
         else:
             cwd = str(Path.cwd())
             added = cwd not in sys.path
@@ -254,8 +252,6 @@ def load_function(ref: str) -> tuple[Callable[[], Any], str]:
         )
     source = getattr(module, "__file__", None)
     digest = hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
-    from fedcli.datasets.yours.user_code import remember_import
-
     remember_import(ref, digest)  # imported here: later gates of the same code pass (datasets/yours/trust.py)
     return fn, digest
 

@@ -194,7 +194,7 @@ def make_model(ref: str, kwargs: Mapping[str, Any]) -> nn.Module:
     except Exception as err:  # noqa: BLE001 - the user's constructor: one line, no traceback
         raise ConfigError(
             f"data.model {ref!r}: building the model failed ({_first_line(err)}); called with "
-            f"{_describe(args)}. Fix the factory."
+            f"{', '.join(f'{k}={v!r}' for k, v in args.items()) or 'no arguments'}. Fix the factory."
         ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(
@@ -203,10 +203,6 @@ def make_model(ref: str, kwargs: Mapping[str, Any]) -> nn.Module:
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"data.model {ref!r} has no parameters to train; return a module with parameters.")
     return model
-
-
-def _describe(args: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in args.items()) or "no arguments"
 
 
 def shape_facts(prepare: Callable[[Tensor], Tensor], x: Tensor, num_classes: int | None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ be imported only when
 - the user passes an explicit opt-in (`trust`: `--trust-code`, `trust_code=True`, the MLflow
   model's `model_config={"trust_code": True}` or FEDCLI_TRUST_CODE=1), and then only if the
   source file's sha256 is the one recorded with the run (a file swapped since is refused), or
-- this process already imported the same reference with the same source (`remember`: code that
+- this process already imported the same reference with the same source (`remember_import`: code that
   already ran here, e.g. `fedcli.train(model=...)` then `run.model()`).
 
 Otherwise a `ConfigError` says in one line what would be imported and how to allow it
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedcli.datasets.yours.user_code import IMPORTED_CODE, remember_import, source_sha256
 from fedcli.errors import ConfigError
 
 TRUST_ENV = "FEDCLI_TRUST_CODE"  # "1": the MLflow model's loader may import the code its served.pt names
@@ -76,33 +77,16 @@ def recorded_code(
     return out
 
 
-def source_sha256(ref: str) -> str:
-    """sha256 of the source file of the module a reference names (a dotted module is looked up: only
-    call it once the code is allowed)."""
-    from fedcli.datasets.yours.user_code import source_sha256 as model_source_sha256
-
-    return model_source_sha256(ref)
-
-
-def remember(ref: str, sha256: str) -> None:
-    """Record that this process imported (or allowed) `ref` with this source: later gates of the same code pass."""
-    from fedcli.datasets.yours.user_code import remember_import
-
-    remember_import(ref, sha256)
-
-
 def _remembered(ref: str) -> bool:
-    from fedcli.datasets.yours.user_code import IMPORTED_CODE as _ALLOWED
-
     target = ref.rpartition(":")[0]
-    if not any(r == ref for r, _ in _ALLOWED):
+    if not any(r == ref for r, _ in IMPORTED_CODE):
         return False
     if target.endswith(".py"):  # the file as it is now must be the one imported
         try:
             now = hashlib.sha256(Path(target).read_bytes()).hexdigest()
         except OSError:
             return False
-        return (ref, now) in _ALLOWED
+        return (ref, now) in IMPORTED_CODE
     return True  # a module imported here stays imported (sys.modules); load_factory reloads an edited one
 
 
@@ -144,7 +128,7 @@ def allow_code(
                     "given does not cover it; restore the file, or name the code yourself on this "
                     "command to run it as it is now."
                 )
-            remember(item.ref, now)
+            remember_import(item.ref, now)
             continue
         if _remembered(item.ref):
             continue
