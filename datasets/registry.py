@@ -100,11 +100,8 @@ def _load() -> tuple[Mapping[str, Task], Mapping[str, str]]:
     return MappingProxyType(dict(sorted(records.items()))), MappingProxyType(sources)
 
 
-_LOADED = _load()
-TASKS: Mapping[str, Task] = _LOADED[0]
-TASK_SOURCES: Mapping[str, str] = _LOADED[
-    1
-]  # task name -> the package that provides it ("fedcli" for built-ins)
+# every task by name, and task name -> the package that provides it ("fedcli" for built-ins)
+TASKS, TASK_SOURCES = _load()
 
 
 def resolve_task(task: str, model: str | None, data_file: str | None, model_args: str | None = None) -> Task:

@@ -26,7 +26,7 @@ from fedcli.datasets import models
 from fedcli.datasets.bundled.femnist import verify_checksums
 from fedcli.datasets.formats import diskstore
 from fedcli.datasets.formats.leaf import read_leaf_dir, stream_leaf_store
-from fedcli.datasets.sources import align_clients
+from fedcli.datasets.sources import align_clients, consecutive
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
@@ -55,17 +55,17 @@ def encode(texts: list[str], where: str) -> np.ndarray:
     return ids.astype(np.uint8).reshape(len(texts), -1)
 
 
+def _rows(record: dict[str, list[str]], where: str) -> dict[str, np.ndarray]:
+    """One role's windows as letter ids uint8 [n, 80] and next letters int64 [n] (memory and disk store)."""
+    return {"x": encode(record["x"], where), "y": encode(record["y"], where).reshape(-1).astype(np.int64)}
+
+
 def _split(
     users: dict[str, dict[str, list[str]]], roles: list[str], where: str
 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    xs, ys, natural, start = [], [], [], 0
-    for role in roles:
-        record = users[role]
-        xs.append(encode(record["x"], f"{where}, role {role}"))
-        ys.append(encode(record["y"], f"{where}, role {role}").reshape(-1))
-        natural.append(np.arange(start, start + len(record["y"])))
-        start += len(record["y"])
-    return np.concatenate(xs), np.concatenate(ys).astype(np.int64), natural
+    rows = [_rows(users[role], f"{where}, role {role}") for role in roles]
+    x, y = (np.concatenate([r[k] for r in rows]) for k in ("x", "y"))
+    return x, y, consecutive([len(r["y"]) for r in rows])
 
 
 def load_shakespeare(options: TaskOptions) -> TaskData:
@@ -78,17 +78,10 @@ def load_shakespeare(options: TaskOptions) -> TaskData:
         )
     verify_checksums(folder)
     if diskstore.wants_disk(options, sorted(folder.rglob("*.json*"))):  # one JSON file in memory at a time
-
-        def rows(record: dict[str, list[str]], where: str) -> dict[str, np.ndarray]:
-            return {
-                "x": encode(record["x"], where),
-                "y": encode(record["y"], where).reshape(-1).astype(np.int64),
-            }
-
         return stream_leaf_store(
             "shakespeare",
             folder,
-            rows,
+            _rows,
             num_classes=len(ALL_LETTERS),
             max_clients=options.max_clients,
             exact_counts=False,

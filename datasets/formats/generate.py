@@ -122,6 +122,12 @@ class Joiner:
         return [raw[a : b - self.sep] for a, b in zip(begins.tolist(), ends.tolist(), strict=True)]
 
 
+def split_clients(values: dict[str, Any], counts: np.ndarray) -> list[dict[str, Any]]:
+    """Client k's slice of every value (arrays or lists of one row per example): the k-th run of counts[k] rows."""
+    ends = np.cumsum(counts).tolist()
+    return [{k: v[a:b] for k, v in values.items()} for a, b in zip([0, *ends][:-1], ends, strict=True)]
+
+
 def zipf_ids(rng: np.random.Generator, n: int, vocab: int, exponent: float = 1.1) -> np.ndarray:
     """n ranks in [0, vocab) with P(r) ~ (r + 1)^-exponent."""
     cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -exponent)
@@ -152,12 +158,7 @@ class StackOverflowText:
             fields["title"] = self.sentences(rng, total, 8.0, 20)
             ntags = rng.integers(1, 4, total)
             fields["tags"] = self.tag_join.join(zipf_ids(rng, int(ntags.sum()), len(self.tags), 1.0), ntags)
-        out, start = [], 0
-        for c in counts:
-            s = slice(start, start + int(c))
-            out.append({k: v[s] for k, v in fields.items()})
-            start += int(c)
-        return out
+        return split_clients(fields, counts)
 
     def write_counts(self, out: Path) -> None:
         ranks = np.arange(1, len(self.words) + 1, dtype=np.float64)
@@ -196,18 +197,13 @@ class Images:
         ink = np.clip(ink + rng.normal(0.0, 0.15, ink.shape), 0.0, 1.0).astype(np.float32)
         return ink, labels
 
-    def split(self, values: dict[str, np.ndarray], counts: np.ndarray) -> list[dict[str, Any]]:
-        ends = np.cumsum(counts)
-        starts = ends - counts
-        return [{k: v[a:b] for k, v in values.items()} for a, b in zip(starts, ends, strict=True)]
-
 
 def _emnist_make(images: Images) -> Callable[[np.random.Generator, np.ndarray], list[dict[str, Any]]]:
     def make(rng: np.random.Generator, counts: np.ndarray) -> list[dict[str, Any]]:
         ink, labels = images.draw(rng, int(counts.sum()))
         # TFF/LEAF convention: 1.0 = white background, so pixels = 1 - ink, quantised to 1/255
         pixels = (1.0 - np.rint(ink * 255.0) / 255.0).astype(np.float32)
-        return images.split({"pixels": pixels, "label": labels.astype(np.int32)}, counts)
+        return split_clients({"pixels": pixels, "label": labels.astype(np.int32)}, counts)
 
     return make
 
@@ -216,7 +212,7 @@ def _cifar_make(images: Images) -> Callable[[np.random.Generator, np.ndarray], l
     def make(rng: np.random.Generator, counts: np.ndarray) -> list[dict[str, Any]]:
         ink, labels = images.draw(rng, int(counts.sum()))
         image = np.rint(ink * 255.0).astype(np.uint8)
-        return images.split(
+        return split_clients(
             {
                 "image": image,
                 "label": labels.astype(np.int64),
