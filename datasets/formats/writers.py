@@ -8,6 +8,7 @@ Used by datasets/formats/generate.py, which makes the clients' content.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,56 +22,23 @@ BATCH = 2048  # clients generated (and written) together
 # ----------------------------------------------------------------------------- progress
 
 
-class Progress:
-    """A rich progress bar over clients (silent with quiet=True or when stderr is not a TTY)."""
+@contextlib.contextmanager
+def progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar over clients on stderr (silent with quiet=True or when stderr is not a TTY); yields
+    advance(n)."""
+    if quiet:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    def __init__(self, total: int, label: str, quiet: bool) -> None:
-        self.bar: Any = None
-        if not quiet:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-            from rich.progress import (
-                Progress as Bar,
-            )
-
-            self.bar = Bar(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-            self.bar.start()
-            self.task = self.bar.add_task(label, total=total)
-
-    def advance(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.task, n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
-def batches(n: int) -> Iterator[tuple[int, int]]:
-    for a in range(0, n, BATCH):
-        yield a, min(n, a + BATCH)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 # ----------------------------------------------------------------------------- TFF h5
-
-
-def _h5_writer(path: Path) -> Any:
-    import h5py
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # libver="latest": new-style groups index their links in a B-tree, so 342k clients stay fast
-    return h5py.File(path, "w", libver="latest")
 
 
 def _put(group: Any, name: str, value: np.ndarray | list[bytes]) -> None:
@@ -91,20 +59,23 @@ def write_tff(
     quiet: bool,
 ) -> None:
     """One h5 file per split name: files maps file name -> per-client counts (0 = client absent)."""
+    import h5py
+
+    out.mkdir(parents=True, exist_ok=True)
     for split, (name, counts) in enumerate(files.items()):
         tmp = out / f".{name}.partial"
-        progress = Progress(len(ids), f"{name}", quiet)
-        with _h5_writer(tmp) as h5:
+        # libver="latest": new-style groups index their links in a B-tree, so 342k clients stay fast
+        with progress(len(ids), f"{name}", quiet) as advance, h5py.File(tmp, "w", libver="latest") as h5:
             examples = h5.create_group("examples")
-            for a, b in batches(len(ids)):
+            for a in range(0, len(ids), BATCH):
+                b = min(len(ids), a + BATCH)
                 rng = np.random.default_rng([seed, split, a])
                 present = [k for k in range(a, b) if counts[k] > 0]
                 for k, fields in zip(present, make(rng, counts[present]), strict=True):
                     group = examples.create_group(ids[k])
                     for field, value in fields.items():
                         _put(group, field, value)
-                progress.advance(b - a)
-        progress.close()
+                advance(b - a)
         tmp.replace(out / name)  # a killed run leaves only the .partial file
 
 
@@ -126,28 +97,27 @@ def write_leaf(
     for split, (name, counts) in enumerate(splits.items()):
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
-        progress = Progress(len(ids), f"{stem} {name}", quiet)
-        for f, a in enumerate(range(0, len(ids), LEAF_USERS_PER_FILE)):
-            b = min(len(ids), a + LEAF_USERS_PER_FILE)
-            users = [k for k in range(a, b) if counts[k] > 0]
-            path = folder / f"all_data_{f}_niid_0_keep_0_{name}_9.json"
-            tmp = folder / f".{path.name}.partial"
-            rng = np.random.default_rng([seed, split, a])
-            with tmp.open("wb") as fh:
-                fh.write(b'{"users": ' + json.dumps([ids[k] for k in users]).encode())
-                fh.write(b', "num_samples": ' + json.dumps([int(counts[k]) for k in users]).encode())
-                fh.write(b', "user_data": {')
-                for i, ((x, y), k) in enumerate(zip(make_user(rng, counts[users]), users, strict=True)):
-                    fh.write(
-                        (b", " if i else b"")
-                        + json.dumps(ids[k]).encode()
-                        + b': {"x": '
-                        + x
-                        + b', "y": '
-                        + y
-                        + b"}"
-                    )
-                fh.write(b"}}")
-            tmp.replace(path)
-            progress.advance(b - a)
-        progress.close()
+        with progress(len(ids), f"{stem} {name}", quiet) as advance:
+            for f, a in enumerate(range(0, len(ids), LEAF_USERS_PER_FILE)):
+                b = min(len(ids), a + LEAF_USERS_PER_FILE)
+                users = [k for k in range(a, b) if counts[k] > 0]
+                path = folder / f"all_data_{f}_niid_0_keep_0_{name}_9.json"
+                tmp = folder / f".{path.name}.partial"
+                rng = np.random.default_rng([seed, split, a])
+                with tmp.open("wb") as fh:
+                    fh.write(b'{"users": ' + json.dumps([ids[k] for k in users]).encode())
+                    fh.write(b', "num_samples": ' + json.dumps([int(counts[k]) for k in users]).encode())
+                    fh.write(b', "user_data": {')
+                    for i, ((x, y), k) in enumerate(zip(make_user(rng, counts[users]), users, strict=True)):
+                        fh.write(
+                            (b", " if i else b"")
+                            + json.dumps(ids[k]).encode()
+                            + b': {"x": '
+                            + x
+                            + b', "y": '
+                            + y
+                            + b"}"
+                        )
+                    fh.write(b"}}")
+                tmp.replace(path)
+                advance(b - a)
