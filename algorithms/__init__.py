@@ -37,10 +37,8 @@ _BUILTIN_MODULES = (
 
 
 def _load() -> Mapping[str, Algorithm]:
-    records: dict[str, Algorithm] = {}
-    for module in _BUILTIN_MODULES:
-        record = import_module(f"fedcli.algorithms.{module}").ALGORITHM
-        records[record.name] = record
+    builtin = [import_module(f"fedcli.algorithms.{module}").ALGORITHM for module in _BUILTIN_MODULES]
+    records: dict[str, Algorithm] = {record.name: record for record in builtin}
     for ep in entry_points(group="fedcli.algorithms"):
         record = ep.load()
         if isinstance(record, Algorithm) and record.name not in records:

@@ -378,11 +378,10 @@ def global_params(state: ServerState) -> Params:
 def posterior(state: ServerState) -> tuple[Params, Params]:
     """Return N(mu_S, 1 / (n P_S + delta_l)): the cohort's Laplace posterior with Eq. 18's prior (docstring)."""
     n = max(state.num_examples, 1.0)
-    var = {
+    return state.mean, {  # the variances
         k: 1.0 / (n * p + 1.0 / state.mean[k].pow(2).mean().clamp_min(torch.finfo(p.dtype).tiny))
         for k, p in state.precision.items()
     }
-    return state.mean, var
 
 
 ALGORITHM = Algorithm(

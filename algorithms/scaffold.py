@@ -114,8 +114,7 @@ def init_client_state(params: Params, hp: ScaffoldConfig) -> ClientState:
 def broadcast(state: ServerState, hp: ScaffoldConfig) -> Broadcast:
     """Return (x, c) with c = control_sum / (N or the visited weight)."""
     denominator = hp.num_clients if hp.num_clients > 0 else state.visited_weight.clamp_min(1e-30)
-    control = {k: v / denominator for k, v in state.control_sum.items()}
-    return Broadcast(params=state.params, control=control)
+    return Broadcast(params=state.params, control={k: v / denominator for k, v in state.control_sum.items()})
 
 
 def full_local_gradient(ctx: ClientContext, params: Params) -> Params:

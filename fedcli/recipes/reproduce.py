@@ -68,11 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - started
         rows.append(f"| {name} | {wall / 60:.1f} | {code} |")
         failed = failed or code != 0
-    host = f"{platform.machine()}, {os.cpu_count()} CPUs"
     table = [
         "# Recipe wall times",
         "",
-        f"`make reproduce` on {host}; minutes per recipe, including its runs' "
+        f"`make reproduce` on {platform.machine()}, {os.cpu_count()} CPUs; minutes per recipe, including its runs' "
         "start-up and report (a rerun skips finished trials, so only a first run's times count).",
         "",
         "| recipe | minutes | exit code |",
