@@ -62,8 +62,7 @@ MAX_RUNS = 500  # newest runs read to choose the columns
 def has_saved_views() -> bool:
     """Whether the installed MLflow's UI reads saved views (>= 3.15)."""
     try:
-        parts = version("mlflow").split(".")[:2]
-        return tuple(int(p) for p in parts) >= SINCE
+        return tuple(int(part) for part in version("mlflow").split(".")[:2]) >= SINCE
     except (PackageNotFoundError, ValueError):
         return False
 

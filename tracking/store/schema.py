@@ -374,10 +374,8 @@ def _masked(value: Any) -> Any:
     string masked; other leaves (numbers, tensors) as they are."""
     if isinstance(value, str):
         return mask_url(value)
-    if isinstance(value, list):
-        return [_masked(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_masked(item) for item in value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_masked(item) for item in value)
     if isinstance(value, dict):
         return {key: _masked(item) for key, item in value.items()}
     return value
