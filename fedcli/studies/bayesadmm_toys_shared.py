@@ -91,8 +91,9 @@ def cohort_round(
     """Run update(ctx, bc, state, hp, opt) for every client at once with torch.func.vmap (as the engine does)."""
 
     def one(x: Tensor, y: Tensor, w: Tensor, n: Tensor, state: Any) -> tuple[Any, Any]:
-        ctx = full_batch_context(x, y, loss_fn, steps, round_idx, weight=w, num_examples=n)
-        out = update(ctx, bc, state, hp, opt)
+        out = update(
+            full_batch_context(x, y, loss_fn, steps, round_idx, weight=w, num_examples=n), bc, state, hp, opt
+        )
         return out.upload, out.state
 
     upload, new_states = torch.func.vmap(one)(cohort.x, cohort.y, cohort.weight, cohort.num_examples, states)
