@@ -46,11 +46,6 @@ class MetricFns(NamedTuple):
 THRESHOLD_RULE = "a tag is predicted when sigmoid(logit) > 0.5"
 
 
-def top_k_rule(top_k: int) -> str:
-    """The words of the top-k decision rule (what `fedcli report` prints with the F1 table)."""
-    return f"the {top_k} highest-scoring tags of each example are predicted (top-{top_k})"
-
-
 def decide(logits: Tensor, top_k: int | None = None) -> Tensor:
     """The predicted tags [N, L] (bool): logit > 0 (sigmoid > 0.5), or the `top_k` largest logits per row."""
     if top_k is None:
@@ -115,7 +110,7 @@ def multilabel(top_k: int | None = None) -> MetricFns:
     return MetricFns(
         stats=lambda out, y: multilabel_stats(out, y, top_k=top_k),
         finish=multilabel_finish,
-        rule=top_k_rule(top_k),
+        rule=f"the {top_k} highest-scoring tags of each example are predicted (top-{top_k})",
     )
 
 

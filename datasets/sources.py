@@ -84,6 +84,13 @@ def align_clients(
     return [np.asarray(by_name.get(n, np.zeros(0, dtype=np.int64)), dtype=np.int64) for n in names]
 
 
+def holdout(n: int, num_test: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, test) indices of n examples: the test ones are the last num_test of the fixed
+    permutation `np.random.default_rng(0).permutation(n)`, the same split on every run."""
+    order = np.random.default_rng(0).permutation(n)
+    return np.sort(order[: n - num_test]), np.sort(order[n - num_test :])
+
+
 def consecutive(sizes: list[int] | np.ndarray) -> list[np.ndarray]:
     """Client k -> the k-th run of consecutive indices, for clients stored one after another."""
     sizes = np.asarray(sizes, dtype=np.int64)

@@ -24,7 +24,7 @@ import torch
 
 from fedcli.datasets import models
 from fedcli.datasets.bundled.femnist import grey_images, verify_checksums
-from fedcli.datasets.sources import first_existing, missing_data
+from fedcli.datasets.sources import first_existing, holdout, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
@@ -99,8 +99,7 @@ def load_bundled() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The bundled MNIST test set split 8,000 / 2,000 by a fixed permutation."""
     verify_checksums(BUNDLED_DIR)
     x, y = read_idx_pair(BUNDLED_DIR / "t10k-images-idx3-ubyte.gz", BUNDLED_DIR / "t10k-labels-idx1-ubyte.gz")
-    order = np.random.default_rng(0).permutation(len(y))
-    train, test = np.sort(order[:BUNDLED_TRAIN]), np.sort(order[BUNDLED_TRAIN:])
+    train, test = holdout(len(y), len(y) - BUNDLED_TRAIN)
     return x[train], y[train], x[test], y[test]
 
 

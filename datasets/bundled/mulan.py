@@ -43,6 +43,7 @@ from fedcli.datasets import models
 from fedcli.datasets.bundled.femnist import verify_checksums
 from fedcli.datasets.bundled.stackoverflow import multilabel_loss
 from fedcli.datasets.metrics import multilabel
+from fedcli.datasets.sources import holdout
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
@@ -136,9 +137,7 @@ def _load_bibtex(options: TaskOptions) -> TaskData:
         )
     verify_checksums(folder)
     features, tags, _ = load_mulan(arff, folder / "bibtex.xml")
-    order = np.random.default_rng(0).permutation(len(tags))
-    cut = len(tags) - int(round(TEST_FRACTION * len(tags)))
-    train, test = np.sort(order[:cut]), np.sort(order[cut:])
+    train, test = holdout(len(tags), int(round(TEST_FRACTION * len(tags))))
     x, y = torch.from_numpy(features[train]), torch.from_numpy(tags[train])
     return TaskData(
         x=x,

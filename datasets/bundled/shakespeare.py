@@ -20,10 +20,10 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from fedcli.datasets import models
 from fedcli.datasets.bundled.femnist import verify_checksums
+from fedcli.datasets.bundled.stackoverflow import token_ids
 from fedcli.datasets.formats import diskstore
 from fedcli.datasets.formats.leaf import read_leaf_dir, stream_leaf_store
 from fedcli.datasets.sources import align_clients, consecutive
@@ -106,11 +106,6 @@ def load_shakespeare(options: TaskOptions) -> TaskData:
     )
 
 
-def _ids(x: Tensor) -> Tensor:
-    """uint8 letter ids -> int64 for the embedding."""
-    return x.to(torch.int64)
-
-
 SHAKESPEARE = Task(
     name="shakespeare",
     description="LEAF Shakespeare next character (80 letters), natural clients = speaking roles (bundled: 10)",
@@ -120,7 +115,7 @@ SHAKESPEARE = Task(
     models=MappingProxyType({"lstm": lambda: models.CharLSTM(len(ALL_LETTERS))}),
     default_model="lstm",
     load=load_shakespeare,
-    prepare=_ids,
+    prepare=token_ids,  # uint8 letter ids -> int64 for the embedding
     reads_max_clients=True,  # the loader keeps the first --max-clients clients
 )
 

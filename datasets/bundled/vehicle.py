@@ -23,7 +23,7 @@ import torch
 
 from fedcli.datasets import models
 from fedcli.datasets.formats.leaf import read_leaf_dir, read_leaf_file
-from fedcli.datasets.sources import consecutive, data_dir, first_existing, missing_data
+from fedcli.datasets.sources import consecutive, data_dir, first_existing, holdout, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
@@ -75,9 +75,7 @@ def load_vehicle(options: TaskOptions) -> TaskData:
     for sensor in sensors:
         x, y = _arrays(train[sensor], f"{folder} sensor {sensor}")
         if test is None:
-            order = np.random.default_rng(0).permutation(len(y))
-            cut = len(y) - int(round(HOLDOUT * len(y)))
-            keep, held = np.sort(order[:cut]), np.sort(order[cut:])
+            keep, held = holdout(len(y), int(round(HOLDOUT * len(y))))
             tx, ty, x, y = x[held], y[held], x[keep], y[keep]
         elif sensor in test:
             tx, ty = _arrays(test[sensor], f"{folder} test sensor {sensor}")

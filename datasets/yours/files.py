@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from fedcli.datasets import models
+from fedcli.datasets.sources import holdout
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
 from fedcli.errors import ConfigError, DataError
 
@@ -240,11 +241,7 @@ def _split(arrays: Arrays) -> Arrays:
     if "x_test" in arrays:
         return arrays
     n = len(arrays["y"])
-    order = np.random.default_rng(0).permutation(n)
-    keep, held = (
-        np.sort(order[: n - int(round(TEST_FRACTION * n))]),
-        np.sort(order[n - int(round(TEST_FRACTION * n)) :]),
-    )
+    keep, held = holdout(n, int(round(TEST_FRACTION * n)))
     out = {k: v[keep] for k, v in arrays.items()}
     return {**out, "x_test": arrays["x"][held], "y_test": arrays["y"][held]}
 
