@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from fedcli.cli.common import Panel
@@ -128,9 +128,7 @@ def records(what: What, rows: list[dict[str, Any]]) -> Table:
     """The narrow layout: each item's name in bold beside its paper or description, then one
     indented line per field, its value wrapped in the width the labels leave (about 60
     characters at 80 columns)."""
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(no_wrap=True)
-    grid.add_column(overflow="fold")
+    grid = Table.grid(Column(no_wrap=True), Column(overflow="fold"), padding=(0, 1))
     head, fields = RECORD_FIELDS[what]
     for i, row in enumerate(rows):
         if i:
@@ -166,13 +164,13 @@ def runs_table(rows: list[dict[str, Any]], width: int) -> Table:
     cut with an ellipsis. `--json` keeps every field and the full ids.
     """
     shorts = short_ids([row["id"] for row in rows])
-    cells = {c: [_cell(row.get(c)) for row in rows] for c in COLUMNS[What.runs]}
-    cells.update(
-        id=[shorts[row["id"]] for row in rows],
-        hp=[
+    cells = {
+        **{c: [_cell(row.get(c)) for row in rows] for c in COLUMNS[What.runs]},
+        "id": [shorts[row["id"]] for row in rows],
+        "hp": [
             " ".join(f"{k}={v}" for k, v in row["non_default_hyperparameters"].items()) or "—" for row in rows
         ],
-    )
+    }
     sizes = {c: max([len(c), *map(len, v)]) for c, v in cells.items()}
     claim = {**sizes, "hp": min(sizes["hp"], 16)}
     shown, used = ["name"], 1 + min(sizes["name"], 12) + 3  # left border; the name keeps >= 12 characters
@@ -189,15 +187,19 @@ def runs_table(rows: list[dict[str, Any]], width: int) -> Table:
         for c in ("id", "name", "status", "algo", "hp", "task", "experiment", "seed", "rounds", "accuracy")
         if c in shown
     ]
-    table = Table(title="fedcli runs")
-    for column in order:
-        table.add_column(
-            column,
-            no_wrap=column != "hp",
-            overflow="ellipsis" if column == "name" else "fold",
-            max_width={"name": sizes["name"], "hp": claim["hp"]}.get(column),
-            justify="right" if column in ("seed", "rounds", "accuracy") else "left",
-        )
+    table = Table(
+        *(
+            Column(
+                column,
+                no_wrap=column != "hp",
+                overflow="ellipsis" if column == "name" else "fold",
+                max_width={"name": sizes["name"], "hp": claim["hp"]}.get(column),
+                justify="right" if column in ("seed", "rounds", "accuracy") else "left",
+            )
+            for column in order
+        ),
+        title="fedcli runs",
+    )
     for i in range(len(rows)):
         table.add_row(*(cells[c][i] for c in order))
     return table

@@ -59,10 +59,15 @@ def root(
     from rich.console import Console
 
     # logs go to stderr (stdout carries only results, e.g. the run id); no wrapping without a terminal
-    handler = RichHandler(
-        console=Console(stderr=True, soft_wrap=True), show_path=False, rich_tracebacks=False
+    logging.basicConfig(
+        level=level,
+        format="%(message)s",
+        datefmt="[%X]",
+        handlers=[
+            RichHandler(console=Console(stderr=True, soft_wrap=True), show_path=False, rich_tracebacks=False)
+        ],
+        force=True,
     )
-    logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]", handlers=[handler], force=True)
     for noisy in ("alembic", "mlflow", "urllib3", "matplotlib", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     ctx.obj = {"debug": debug, "quiet": quiet}

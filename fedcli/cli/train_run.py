@@ -12,8 +12,10 @@ import typer
 
 from fedcli.cli.common import resume_hint, store_options, summarise_run
 from fedcli.cli.errors import user_errors
+from fedcli.errors import ConfigError
 from fedcli.runs.progress import console, train_progress
 from fedcli.runs.request import TrainOptions
+from fedcli.runs.run import StoppedBeforeStart, prepared_run, resolve_config
 
 
 def run_training(
@@ -43,8 +45,6 @@ def run_training(
                 from fedcli.config.checks import parse_assignments
                 from fedcli.engine import distributed
                 from fedcli.engine.train import serve
-                from fedcli.errors import ConfigError
-                from fedcli.runs.run import prepared_run, resolve_config
 
                 peers = group.enter_context(distributed.process_group()) if distributed_executor else None
                 if (
@@ -85,8 +85,6 @@ def run_training(
             ) as exc:  # a stop signal in the set-up (options, data, executor): nothing written
                 if signals.pending is None or isinstance(exc, typer.Exit):
                     raise
-                from fedcli.runs.run import StoppedBeforeStart  # (again, if the signal cut its import short)
-
                 console().print(str(StoppedBeforeStart(signals.pending)))
                 raise typer.Exit(128 + signals.pending) from None
             quiet = bool(ctx.obj and ctx.obj.get("quiet"))

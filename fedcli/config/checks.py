@@ -241,12 +241,8 @@ def type_names(cls: type, name: str) -> str:
         return "a valid value"
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     kinds = [k for k in (typing.get_args(hint) if union else (hint,)) if k is not type(None)]
-
-    def spelled(kind: Any) -> str:
-        text = kind.__name__ if isinstance(kind, type) else str(kind)
-        return text.replace("collections.abc.", "").replace("typing.", "")
-
-    return " or ".join(sorted(spelled(k) for k in kinds))
+    names = (k.__name__ if isinstance(k, type) else str(k) for k in kinds)
+    return " or ".join(sorted(n.replace("collections.abc.", "").replace("typing.", "") for n in names))
 
 
 def build_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:

@@ -57,14 +57,19 @@ def train_progress(cfg: RunConfig, quiet: bool = False) -> Iterator[ProgressFn |
 def _bar(cfg: RunConfig, out: Console) -> Iterator[ProgressFn]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (
-        MofNCompleteColumn(),
-        TimeRemainingColumn(compact=True, elapsed_when_finished=True),
-        BarColumn(bar_width=None if out.width >= 120 else 12),
-        TextColumn("[bold]{task.description}"),
-        TextColumn("{task.fields[metrics]}"),
-    )
-    with Progress(*columns, console=out, transient=False, expand=False) as progress, logs_through(out):
+    with (
+        Progress(
+            MofNCompleteColumn(),
+            TimeRemainingColumn(compact=True, elapsed_when_finished=True),
+            BarColumn(bar_width=None if out.width >= 120 else 12),
+            TextColumn("[bold]{task.description}"),
+            TextColumn("{task.fields[metrics]}"),
+            console=out,
+            transient=False,
+            expand=False,
+        ) as progress,
+        logs_through(out),
+    ):
         bar = progress.add_task(f"{cfg.algorithm.name}/{cfg.data.task}", total=cfg.train.rounds, metrics="")
         shown: dict[str, float] = {}
 
