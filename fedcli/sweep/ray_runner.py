@@ -278,15 +278,13 @@ class RayScheduler(Scheduler):
                 result, error = {}, first_line(err)
             trial.run_id = result.get("run_id") or trial.run_id
             trial.actor.busy, trial.actor.host = None, result.get("host") or trial.actor.host
+            # its worker is gone (or stopping with the sweep): a new actor replaces it
             if error is not None or result.get("event") == "died" or result.get("signal"):
-                self._drop(
-                    trial.actor
-                )  # its worker is gone (or stopping with the sweep): a new actor replaces it
-            if error is not None:  # the Ray call failed (the actor or its node died, or it was cancelled)
-                status = "interrupted" if trial.stopped else "failed"
-            else:
-                status = str(result["status"])
-                status = "interrupted" if trial.stopped and status == "failed" else status
+                self._drop(trial.actor)
+            # an error: the Ray call failed (the actor or its node died, or it was cancelled)
+            status = "failed" if error is not None else str(result["status"])
+            if trial.stopped and status == "failed":
+                status = "interrupted"
             reason = result.get("reason") or error or f"exit code {result.get('code')}"
             self._end(
                 trial,

@@ -267,14 +267,10 @@ class SearchSource:
             self.in_flight[trial.config.config_hash] = number
             self._ids.setdefault(number, self._trial_id(number))
             return plan
-        if (
-            plan.action == SKIP and plan.run_id is not None
-        ):  # the same config ran before: its result, no training
-            record = self.db.get_run(plan.run_id)
-            self._tell_run(number, record.status, plan.run_id)
-            return None
-        if plan.action == DIVERGED and plan.run_id is not None:  # the same config diverges again: a failure
-            self._tell_run(number, "failed", plan.run_id)
+        if plan.action in (SKIP, DIVERGED) and plan.run_id is not None:
+            # the same config ran before: its result, no training (one that diverged diverges again: a failure)
+            status = self.db.get_run(plan.run_id).status if plan.action == SKIP else "failed"
+            self._tell_run(number, status, plan.run_id)
             return None
         self._void(number, f"duplicate of a trial {plan.action} ({plan.note})")  # running now: not counted
         return None
@@ -301,11 +297,9 @@ class SearchSource:
         status, run_id = getattr(outcome, "status", None), getattr(outcome, "run_id", None)
         if number is None or status not in ("finished", "pruned", "failed"):
             return
-        if (
-            run_id is None
-        ):  # a trial process that ended before the scheduler learnt its run: the store knows it
-            last = run_of(plan.trial, self._runs())
-            run_id, status = (last.id, last.status) if last is not None else (None, status)
+        # a trial that ended before the scheduler learnt its run: the store knows it
+        if run_id is None and (last := run_of(plan.trial, self._runs())) is not None:
+            run_id, status = last.id, last.status
         if run_id is not None:
             self._tell_run(number, status, run_id)
         else:

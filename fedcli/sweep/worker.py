@@ -73,7 +73,15 @@ class ProcessState:
             torch.get_rng_state(),
             np.random.get_state(),
             random.getstate(),
-            _flags(),
+            {
+                "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+                "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+                "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                "matmul_precision": torch.get_float32_matmul_precision(),
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "deterministic_warn": torch.is_deterministic_algorithms_warn_only_enabled(),
+            },
             {s: signal.getsignal(s) for s in STOP_SIGNALS},
         )
 
@@ -102,20 +110,6 @@ class ProcessState:
             )
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
-
-
-def _flags() -> dict[str, Any]:
-    import torch
-
-    return {
-        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "matmul_precision": torch.get_float32_matmul_precision(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn": torch.is_deterministic_algorithms_warn_only_enabled(),
-    }
 
 
 class Worker:
