@@ -214,13 +214,11 @@ def make_tables(
         for x in thresholds
     ]
     main += [Column("best", f"best {name}", low, unit), Column("final", f"final {name}", low, unit)]
-    comm = []
-    for x in thresholds:
-        text = _threshold_text(metric, x)
-        comm += [
-            Column(f"up_to@{x!r}", f"up to {text}", True, "bytes"),
-            Column(f"down_to@{x!r}", f"down to {text}", True, "bytes"),
-        ]
+    comm = [
+        Column(f"{way}_to@{x!r}", f"{way} to {_threshold_text(metric, x)}", True, "bytes")
+        for x in thresholds
+        for way in ("up", "down")
+    ]
     comm += [
         Column("up_total", "up, total", True, "bytes"),
         Column("down_total", "down, total", True, "bytes"),

@@ -561,10 +561,6 @@ class SqlStore:
             run = self._own(session, run_id)
             run.heartbeat_at = utcnow()
 
-    @staticmethod
-    def _me() -> dict[str, Any]:
-        return {"host": HOSTNAME, "pid": os.getpid(), "pid_start": process_start()}
-
     @retrying
     def claim_trial(self, experiment: str, config_hash: str) -> Claim | None:
         """Claim the sweep trial (experiment, config hash) for this process, atomically.
@@ -577,7 +573,7 @@ class SqlStore:
             None when the trial is this process's to run now, else the live claim of the
             process that runs it ("running elsewhere").
         """
-        now, me = utcnow(), self._me()
+        now, me = utcnow(), {"host": HOSTNAME, "pid": os.getpid(), "pid_start": process_start()}
         row = {
             "experiment": experiment,
             "config_hash": config_hash,
@@ -610,28 +606,26 @@ class SqlStore:
     @retrying
     def release_trial(self, experiment: str, config_hash: str) -> None:
         """Drop this process's claim on a sweep trial (its process ended, or it was not started)."""
-        me = self._me()
         with self._session("release a sweep trial", write=True) as session:
             session.execute(
                 delete(TrialClaim).where(
                     TrialClaim.experiment == experiment,
                     TrialClaim.config_hash == config_hash,
-                    TrialClaim.host == me["host"],
-                    TrialClaim.pid == me["pid"],
+                    TrialClaim.host == HOSTNAME,
+                    TrialClaim.pid == os.getpid(),
                 )
             )
 
     @retrying
     def refresh_claims(self, experiment: str) -> None:
         """Refresh the heartbeat of this process's claims (what tells other hosts it is alive)."""
-        me = self._me()
         with self._session("refresh sweep claims", write=True) as session:
             session.execute(
                 sql_update(TrialClaim)
                 .where(
                     TrialClaim.experiment == experiment,
-                    TrialClaim.host == me["host"],
-                    TrialClaim.pid == me["pid"],
+                    TrialClaim.host == HOSTNAME,
+                    TrialClaim.pid == os.getpid(),
                 )
                 .values(heartbeat_at=utcnow())
                 .execution_options(synchronize_session=False)
@@ -640,13 +634,13 @@ class SqlStore:
     @retrying
     def live_claims(self, experiment: str) -> dict[str, Claim]:
         """Config hash -> the live claim of another process, for the trials of an experiment."""
-        now, me = utcnow(), self._me()
+        now = utcnow()
         with self._session("read sweep claims", write=False) as session:
             rows = session.scalars(select(TrialClaim).where(TrialClaim.experiment == experiment)).all()
             return {
                 c.config_hash: Claim(c.experiment, c.config_hash, c.host, c.pid, c.claimed_at)
                 for c in rows
-                if (c.host, c.pid) != (me["host"], me["pid"]) and claim_alive(c, now)
+                if (c.host, c.pid) != (HOSTNAME, os.getpid()) and claim_alive(c, now)
             }
 
     @retrying
