@@ -100,9 +100,9 @@ def running_average(
     present[rounds[keep]] = 1.0
     padded_sum = np.concatenate([np.zeros(smooth), dense])
     padded_cnt = np.concatenate([np.zeros(smooth), present])
-    windows = np.lib.stride_tricks.sliding_window_view(padded_sum, smooth)[1:]  # window ending at round t
+    # [1:]: the window ending at round t
+    sums = np.lib.stride_tricks.sliding_window_view(padded_sum, smooth)[1:].sum(axis=1)
     counts = np.lib.stride_tricks.sliding_window_view(padded_cnt, smooth)[1:].sum(axis=1)
-    sums = windows.sum(axis=1)
     defined = (rounds >= (smooth if full_window else 1)) & (counts[rounds] > 0)
     out[defined] = sums[rounds[defined]] / counts[rounds[defined]]
     return out

@@ -102,10 +102,7 @@ def served_model(
             f"the parameters do not fit model {model!r}: missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}"
         )
-    module = ServedModel(net, resolved.prepare).eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module
+    return ServedModel(net, resolved.prepare).eval().requires_grad_(False)
 
 
 def read_model_file(path: Path) -> dict[str, Any]:

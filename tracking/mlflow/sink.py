@@ -228,11 +228,7 @@ class MlflowSink:
 
     def exists(self, run_id: str) -> bool:
         """True when the tracking store has a run with this id."""
-        try:
-            self._client.get_run(run_id)
-        except MlflowException:
-            return False
-        return True
+        return self.run_state(run_id) is not None
 
     def log_rows(self, rows: Sequence[tuple[int, str, float, int | None]]) -> None:
         """Write `(round_idx, key, value, logged_ms)` rows synchronously (the mirror's copy of the store).
