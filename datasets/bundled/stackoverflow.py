@@ -22,18 +22,15 @@ import torch
 from torch import Tensor
 
 from fedcli.datasets import models
-from fedcli.datasets.formats.diskstore import wants_disk
 from fedcli.datasets.formats.tff_h5 import (
     TFF_URL,
     Encode,
     ensure_files,
-    read_tff_h5,
-    stack_field,
-    stream_to_store,
+    load_tff,
 )
 from fedcli.datasets.metrics import MetricFns, next_token
-from fedcli.datasets.sources import align_clients, data_dir, missing_data
-from fedcli.datasets.tasks import Task, TaskData, TaskOptions, fingerprint
+from fedcli.datasets.sources import data_dir, missing_data
+from fedcli.datasets.tasks import Task, TaskData, TaskOptions
 from fedcli.errors import DataError
 
 NWP_VOCAB, NWP_LENGTH = 10000, 20  # Reddi et al. Table 7
@@ -140,45 +137,21 @@ def _load_so(
     dtypes: dict[str, Any],
     ragged: tuple[str, ...] = (),
 ) -> TaskData:
-    """A StackOverflow task: train clients (first max_clients by id) and the test records of the same
-    users, encoded by `make_encode(folder)` a batch of clients at a time. Streamed into a disk store
-    (--data-store, `wants_disk`), else held in memory as `dtypes` (int64 token ids)."""
+    """A StackOverflow task (`load_tff`): train clients (first max_clients by id) and the test records
+    of the same users, encoded by `make_encode(folder)` a batch of clients at a time; held in memory as
+    `dtypes` (int64 token ids) or streamed into a disk store."""
     folder = _so_folder(options)
-    encode = make_encode(folder)
-    train_file, test_file = folder / SO_FILES[0], folder / SO_FILES[1]
-    if wants_disk(options, [train_file, test_file]):
-        return stream_to_store(
-            what,
-            train_file,
-            test_file,
-            fields,
-            encode,
-            tuple(folder / name for name in counts),
-            options,
-            num_classes,
-            ragged=ragged,
-            fingerprint_as=dtypes,
-        )
-    ids, train = read_tff_h5(train_file, fields, max_clients=options.max_clients)
-    test_ids, test = read_tff_h5(test_file, fields, keep=set(ids))
-
-    def tensors(records: list[dict[str, np.ndarray]]) -> tuple[Tensor, Tensor, list[np.ndarray]]:
-        rows = encode(records)
-        x, y = (torch.from_numpy(np.ascontiguousarray(rows[k], dtype=dtypes[k])) for k in ("x", "y"))
-        return x, y, stack_field(records, fields[0])[1]
-
-    x, y, natural = tensors(train)
-    test_x, test_y, test_natural = tensors(test)
-    return TaskData(
-        x=x,
-        y=y,
-        client_indices=natural,
-        client_names=ids,
-        test_x=test_x,
-        test_y=test_y,
-        fingerprint=fingerprint(x, y),
-        num_classes=num_classes,
-        test_client_indices=align_clients(ids, test_ids, test_natural),
+    return load_tff(
+        what,
+        folder / SO_FILES[0],
+        folder / SO_FILES[1],
+        fields,
+        make_encode(folder),
+        tuple(folder / name for name in counts),
+        options,
+        num_classes,
+        ragged,
+        dtypes,
     )
 
 

@@ -10,9 +10,7 @@ Deviations: Paper: images randomly cropped to 24x24 (CIFAR-100; Reddi et al. 202
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
@@ -26,15 +24,12 @@ from fedcli.datasets.bundled.torchvision_sources import (
     load_cifar,
     load_emnist_torchvision,
 )
-from fedcli.datasets.formats.diskstore import wants_disk
 from fedcli.datasets.formats.tff_h5 import (
     Encode,
     ensure_files,
-    read_tff_h5,
-    stack_field,
-    stream_to_store,
+    load_tff,
 )
-from fedcli.datasets.sources import align_clients, data_dir, missing_data
+from fedcli.datasets.sources import data_dir, missing_data
 from fedcli.datasets.tasks import Task, TaskData, TaskOptions
 
 # ----------------------------------------------------------------------------- EMNIST
@@ -54,18 +49,16 @@ def _load_emnist(options: TaskOptions) -> TaskData:
             "or torchvision's EMNIST/raw/emnist-byclass-*",
             "pass --data-dir or add --download.",
         )
-    if wants_disk(options, [folder / f for f in files]):
-        return stream_to_store(
-            "emnist",
-            folder / files[0],
-            folder / files[1],
-            ("pixels", "label"),
-            _image_rows("pixels", _ink, (28, 28)),
-            (),
-            options,
-            62,
-        )
-    return _read_images(folder, "fed_emnist", "pixels", _ink, 62, options.max_clients)
+    return load_tff(
+        "emnist",
+        folder / files[0],
+        folder / files[1],
+        ("pixels", "label"),
+        _image_rows("pixels", _ink, (28, 28)),
+        (),
+        options,
+        62,
+    )
 
 
 def _image_rows(field: str, convert: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...]) -> Encode:
@@ -85,31 +78,6 @@ def _image_rows(field: str, convert: Callable[[np.ndarray], np.ndarray], shape: 
 def _ink(pixels: np.ndarray) -> np.ndarray:
     """TFF/LEAF pixels (1.0 = white background) -> uint8 with ink = 255, background = 0."""
     return np.rint((1.0 - pixels) * 255.0).clip(0, 255).astype(np.uint8)
-
-
-def _read_images(
-    folder: Path,
-    stem: str,
-    field: str,
-    convert: Callable[[np.ndarray], np.ndarray],
-    num_classes: int,
-    max_clients: int | None,
-) -> TaskData:
-    """Train clients (first max_clients by id) and the test records of those clients, images converted."""
-    ids, train = read_tff_h5(folder / f"{stem}_train.h5", (field, "label"), max_clients=max_clients)
-    test_ids, test = read_tff_h5(folder / f"{stem}_test.h5", (field, "label"), keep=set(ids))
-    x, natural = stack_field(train, field)
-    test_x, test_natural = stack_field(test, field)
-    data = image_task_data(
-        convert(x),
-        stack_field(train, "label")[0],
-        convert(test_x),
-        stack_field(test, "label")[0],
-        num_classes=num_classes,
-        natural=natural,
-        names=ids,
-    )
-    return dataclasses.replace(data, test_client_indices=align_clients(ids, test_ids, test_natural))
 
 
 EMNIST = Task(
@@ -144,18 +112,16 @@ def _load_cifar100(options: TaskOptions) -> TaskData:
             f"or torchvision's {CIFAR100_DIR}/",
             "pass --data-dir or add --download.",
         )
-    if wants_disk(options, [folder / f for f in files]):
-        return stream_to_store(
-            "cifar100",
-            folder / files[0],
-            folder / files[1],
-            ("image", "label"),
-            _image_rows("image", _chw, (32, 32, 3)),
-            (),
-            options,
-            100,
-        )
-    return _read_images(folder, "fed_cifar100", "image", _chw, 100, options.max_clients)
+    return load_tff(
+        "cifar100",
+        folder / files[0],
+        folder / files[1],
+        ("image", "label"),
+        _image_rows("image", _chw, (32, 32, 3)),
+        (),
+        options,
+        100,
+    )
 
 
 def _chw(images: np.ndarray) -> np.ndarray:

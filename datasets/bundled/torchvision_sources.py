@@ -119,26 +119,22 @@ def cifar_images(x: Tensor) -> Tensor:
     return x.to(torch.float32) / 255.0
 
 
-def load_cifar_data(options: TaskOptions, num_classes: int) -> TaskData:
-    """CIFAR-10/100 from data_dir (torchvision layout), downloading only if asked."""
-    folder = data_dir(options, f"cifar{num_classes}")
-    name = CIFAR10_DIR if num_classes == 10 else CIFAR100_DIR
-    if options.download and not (folder / name).exists():
-        torchvision_download("CIFAR10" if num_classes == 10 else "CIFAR100", folder)
-    return image_task_data(*load_cifar(folder, num_classes=num_classes), num_classes=num_classes)
-
-
-def load_emnist_idx(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """EMNIST ByClass from torchvision's layout, images transposed back to upright."""
-    train_x, train_y, test_x, test_y = load_idx_dataset(
-        folder, name="EMNIST ByClass", train="emnist-byclass-train", test="emnist-byclass-test"
-    )
-    return train_x.transpose(0, 2, 1), train_y, test_x.transpose(0, 2, 1), test_y
+def _load_cifar10(options: TaskOptions) -> TaskData:
+    """CIFAR-10 from data_dir (torchvision layout), downloading only if asked."""
+    folder = data_dir(options, "cifar10")
+    if options.download and not (folder / CIFAR10_DIR).exists():
+        torchvision_download("CIFAR10", folder)
+    return image_task_data(*load_cifar(folder, num_classes=10), num_classes=10)
 
 
 def load_emnist_torchvision(folder: Path) -> TaskData:
-    """EMNIST-62 without writers, from torchvision's layout under folder."""
-    return image_task_data(*load_emnist_idx(folder), num_classes=62)
+    """EMNIST-62 without writers, from torchvision's layout under folder; images transposed back to upright."""
+    train_x, train_y, test_x, test_y = load_idx_dataset(
+        folder, name="EMNIST ByClass", train="emnist-byclass-train", test="emnist-byclass-test"
+    )
+    return image_task_data(
+        train_x.transpose(0, 2, 1), train_y, test_x.transpose(0, 2, 1), test_y, num_classes=62
+    )
 
 
 def _load_fashion(options: TaskOptions) -> TaskData:
@@ -174,7 +170,7 @@ CIFAR10 = Task(
         }
     ),
     default_model="lenet5",
-    load=lambda options: load_cifar_data(options, 10),
+    load=_load_cifar10,
     prepare=cifar_images,
 )
 

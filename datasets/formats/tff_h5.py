@@ -24,9 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from torch import Tensor
 
-from fedcli.datasets.sources import consecutive, download, extract_tar
-from fedcli.datasets.tasks import TaskData, TaskOptions
+from fedcli.datasets.formats.diskstore import wants_disk
+from fedcli.datasets.sources import align_clients, consecutive, download, extract_tar
+from fedcli.datasets.tasks import TaskData, TaskOptions, fingerprint
 from fedcli.errors import DataError
 
 TFF_URL = "https://storage.googleapis.com/tff-datasets-public/"
@@ -93,6 +96,50 @@ CLIENT_BATCH = 1024  # clients read and preprocessed together when streaming int
 
 
 Encode = Callable[[list[dict[str, np.ndarray]]], dict[str, np.ndarray]]
+
+
+def load_tff(
+    what: str,
+    train: Path,
+    test: Path,
+    fields: tuple[str, ...],
+    encode: Encode,
+    extra: tuple[Path, ...],
+    options: TaskOptions,
+    num_classes: int,
+    ragged: tuple[str, ...] = (),
+    dtypes: dict[str, Any] | None = None,
+) -> TaskData:
+    """A TFF train/test pair as TaskData: the train clients in sorted-id order (the first max_clients)
+    and the test records of the same clients, each batch of clients' records turned into arrays of
+    rows by `encode`. Streamed into a disk store (`stream_to_store`) with --data-store disk (auto:
+    source files above AUTO_DISK_BYTES), else held in memory as `dtypes` (name -> the dtype an
+    array is held in; None: as encoded)."""
+    if wants_disk(options, [train, test]):
+        return stream_to_store(what, train, test, fields, encode, extra, options, num_classes, ragged, dtypes)
+    ids, train_records = read_tff_h5(train, fields, max_clients=options.max_clients)
+    test_ids, test_records = read_tff_h5(test, fields, keep=set(ids))
+
+    def tensors(records: list[dict[str, np.ndarray]]) -> tuple[Tensor, Tensor, list[np.ndarray]]:
+        rows = encode(records)
+        x, y = (
+            torch.from_numpy(np.ascontiguousarray(rows[k], dtype=(dtypes or {}).get(k))) for k in ("x", "y")
+        )
+        return x, y, stack_field(records, fields[0])[1]
+
+    x, y, natural = tensors(train_records)
+    test_x, test_y, test_natural = tensors(test_records)
+    return TaskData(
+        x=x,
+        y=y,
+        client_indices=natural,
+        client_names=ids,
+        test_x=test_x,
+        test_y=test_y,
+        fingerprint=fingerprint(x, y),
+        num_classes=num_classes,
+        test_client_indices=align_clients(ids, test_ids, test_natural),
+    )
 
 
 def stream_to_store(
