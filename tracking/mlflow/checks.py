@@ -159,13 +159,12 @@ def set_up_in_progress(path: Path) -> bool:
     now: alembic's temporary tables are expected, not left behind). Creates nothing."""
     try:
         with open(f"{path}.lock") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             fcntl.flock(handle, fcntl.LOCK_UN)
+    except BlockingIOError:  # held exclusively: the set-up is under way
+        return True
     except OSError:  # no lock file: no set-up ever started here
-        return False
+        pass
     return False
 
 
