@@ -145,18 +145,25 @@ def _task(name: str):  # noqa: ANN202 - a fedcli.datasets.tasks.Task
 
 def summary_table(title: str, summary) -> Table:  # noqa: ANN001 - a PartitionSummary
     """The heterogeneity summary as a rich table (label rows only when the data has classes)."""
-    table = Table("statistic", "value", title=title)
-    table.add_row("clients", str(summary.num_clients))
-    table.add_row("examples assigned", f"{summary.num_assigned} of {summary.num_examples}")
-    table.add_row(
-        "client size min / median / max", f"{summary.size_min} / {summary.size_median:g} / {summary.size_max}"
-    )
+    rows = [
+        ("clients", str(summary.num_clients)),
+        ("examples assigned", f"{summary.num_assigned} of {summary.num_examples}"),
+        (
+            "client size min / median / max",
+            f"{summary.size_min} / {summary.size_median:g} / {summary.size_max}",
+        ),
+    ]
     if summary.entropy is not None:
-        table.add_row("classes", str(summary.num_classes))
-        table.add_row(
-            "label entropy per client, bits (min / mean / max)",
-            f"{summary.entropy.min():.3f} / {summary.mean_entropy:.3f} / {summary.entropy.max():.3f}",
-        )
-        table.add_row("global label entropy, bits", f"{summary.global_entropy:.3f}")
-        table.add_row("mean TV (= EMD, 0/1 ground metric) to global labels", f"{summary.mean_tv:.3f}")
+        rows += [
+            ("classes", str(summary.num_classes)),
+            (
+                "label entropy per client, bits (min / mean / max)",
+                f"{summary.entropy.min():.3f} / {summary.mean_entropy:.3f} / {summary.entropy.max():.3f}",
+            ),
+            ("global label entropy, bits", f"{summary.global_entropy:.3f}"),
+            ("mean TV (= EMD, 0/1 ground metric) to global labels", f"{summary.mean_tv:.3f}"),
+        ]
+    table = Table("statistic", "value", title=title)
+    for row in rows:
+        table.add_row(*row)
     return table

@@ -392,8 +392,8 @@ def require_store(url: str) -> None:
     path = store_file(url)
     if path is None or path.is_file():
         return
-    what = "a directory" if path.is_dir() else "no such file"
     raise ConfigError(
-        f"tracking.store must be an existing results store; got {url!r} ({what}). Train a run "
+        f"tracking.store must be an existing results store; got {url!r} "
+        f"({'a directory' if path.is_dir() else 'no such file'}). Train a run "
         "into it first (fedcli train), or pass --store / set FEDCLI_STORE to the store you trained into."
     )

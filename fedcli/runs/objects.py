@@ -121,12 +121,11 @@ def _check_rebuildable(cls: type, qual: str) -> None:
         params = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):
         return
-    facts = ("num_classes", "input_shape")
     missing = [
         p.name
         for p in params
         if p.default is inspect.Parameter.empty
-        and p.name not in facts
+        and p.name not in ("num_classes", "input_shape")  # the facts fedcli passes
         and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)
     ]
     if missing:
@@ -154,8 +153,7 @@ def record_object_source(ref: str, data: Any) -> None:
     source = _source_file(cls)
     if source is None and cls.__module__ not in ("__main__", None):
         return  # a library's class (a Hugging Face Dataset, torchvision's): its package names it
-    record = dict(held.record)
-    record["object_source"] = f"{source or '<notebook>'}:{qual}"
+    record = {**held.record, "object_source": f"{source or '<notebook>'}:{qual}"}
     if source is not None:
         record["object_source_sha256"] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
     user_data.register(ref, dataclasses.replace(held, record=record))

@@ -49,11 +49,9 @@ def tracking_config(overrides: Mapping[str, Any]) -> TrackingConfig:
 
 def spawn_mirror(cfg: TrackingConfig, parent_run_id: str | None = None) -> MirrorHandle | None:
     """Start the run's MLflow mirror process now (it imports MLflow, writes nothing), unless --no-mlflow."""
-    from fedcli.tracking.mlflow.handle import MirrorHandle
+    from fedcli.tracking.mlflow.handle import MirrorHandle, discard_early
 
     if not cfg.use_mlflow:
-        from fedcli.tracking.mlflow.handle import discard_early
-
         discard_early()  # `fedcli train` started one before it knew (tracking.use_mlflow: false in a config)
         return None
     return MirrorHandle(
