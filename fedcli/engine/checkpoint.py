@@ -359,14 +359,11 @@ def checkpoint_path(run_dir: Path, round_idx: int) -> Path:
 
 def remove_temp_files(folder: Path) -> int:
     """Delete temporary files a killed write left in `folder`; return how many."""
-    if not folder.is_dir():
-        return 0
-    removed = 0
-    for pattern in (f"{TEMP_PREFIX}*.pt.*", f"{TEMP_PREFIX}*.clients.npy.*"):
-        for path in folder.glob(pattern):
-            path.unlink(missing_ok=True)
-            removed += 1
-    return removed
+    patterns = (f"{TEMP_PREFIX}*.pt.*", f"{TEMP_PREFIX}*.clients.npy.*")
+    stale = [path for pattern in patterns for path in folder.glob(pattern)]  # none in a missing folder
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
 
 
 def cpu_copy(t: Any) -> Any:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -115,7 +114,6 @@ class CheckpointWriter:
         self._kept = [round_idx for round_idx, _ in existing]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedcli-checkpoint")
         self._pending: Future[None] | None = None
-        self._lock = threading.Lock()
         self._write_s: float | None = None  # seconds of the last write (auto cadence)
         self._writes: deque[float] = deque(maxlen=self.WRITES_WINDOW)  # recent write times (auto cadence)
         self._rounds: deque[float] = deque(maxlen=self.ROUNDS_WINDOW)  # recent round times (auto cadence)
@@ -219,10 +217,10 @@ class CheckpointWriter:
         log.debug(
             "checkpoint of round %d: %d bytes (%d client states)", round_idx, written, len(delta.clients)
         )
-        with self._lock:
-            self._files[round_idx] = set(manifest["files"])
-            self._kept = sorted(set(self._kept) | {round_idx})
-            old, self._kept = self._kept[: -self.keep], self._kept[-self.keep :]
+        # _files and _kept are this thread's alone (one write at a time, all on the pool's one thread)
+        self._files[round_idx] = set(manifest["files"])
+        self._kept = sorted(set(self._kept) | {round_idx})
+        old, self._kept = self._kept[: -self.keep], self._kept[-self.keep :]
         if old:
             self._forget(old)
             for stale in old:

@@ -74,8 +74,8 @@ class ClientStateStore:
     ) -> None:
         self._init_fn = init_fn
         self._storage = torch.device(storage_device)
-        self._precision = precision
-        self._layout: SlotLayout | None = None
+        # where each leaf of a state sits in its slot (the storage dtypes), from a fresh state; None: stateless
+        self.layout = None if init_fn is None else SlotLayout(init_fn(), precision)
         self.folder = folder
         self._fd: int | None = None
         self._budget = -1 if folder is None else int(cache_mb * 2**20)  # the cache's bytes; < 0: unbounded
@@ -94,12 +94,6 @@ class ClientStateStore:
     def on_disk(self) -> bool:
         return self.folder is not None
 
-    @property
-    def layout(self) -> SlotLayout | None:
-        if self._layout is None and self._init_fn is not None:
-            self._layout = SlotLayout(self._init_fn(), self._precision)
-        return self._layout
-
     def __len__(self) -> int:
         return len(self._states.keys() | self._on_disk)
 
@@ -108,24 +102,20 @@ class ClientStateStore:
 
     def gather(self, cohort: np.ndarray, device: torch.device) -> Any:
         """Return the cohort's states stacked on a leading axis, on `device` (None if stateless)."""
-        if self._init_fn is None:
+        if self.layout is None:  # the algorithm keeps no client state
             return None
-        layout = self.layout
-        assert layout is not None
         stored = [self._get(int(c)) for c in cohort]
         columns = zip(*(pytree.tree_leaves(s) for s in stored), strict=True)
         leaves = [
             torch.stack(col).to(device=device, dtype=dtype)
-            for col, dtype in zip(columns, layout.dtypes, strict=True)
+            for col, dtype in zip(columns, self.layout.dtypes, strict=True)
         ]
-        return pytree.tree_unflatten(leaves, layout.spec)
+        return pytree.tree_unflatten(leaves, self.layout.spec)
 
     def scatter(self, cohort: np.ndarray, stacked: Any) -> None:
         """Store each client's new state (rounded to the storage dtypes, on the storage device)."""
-        if self._init_fn is None:
+        if self.layout is None:
             return
-        layout = self.layout
-        assert layout is not None
         leaves = pytree.tree_leaves(stacked)
         for row, client in enumerate(cohort):
             # a copy: a row of the stacked output is a view that would keep (and checkpoint) the whole
@@ -134,9 +124,9 @@ class ClientStateStore:
             state = pytree.tree_unflatten(
                 [
                     leaf[row].detach().to(device=self._storage, dtype=dtype, copy=True)
-                    for leaf, dtype in zip(leaves, layout.stored, strict=True)
+                    for leaf, dtype in zip(leaves, self.layout.stored, strict=True)
                 ],
-                layout.spec,
+                self.layout.spec,
             )
             self._put(int(client), state, dirty=True)
             self._changed.add(int(client))
@@ -144,14 +134,16 @@ class ClientStateStore:
 
     def state_dict(self) -> dict[int, Any]:
         """Every client's state in its own dtypes (reads all slots from disk: for tests and small runs)."""
-        layout = self.layout
-        if layout is None:
+        if self.layout is None:
             return {}
         out = {
-            c: layout.widen(self._get(c, cache=False)) for c in sorted(self._states.keys() | self._on_disk)
+            c: self.layout.widen(self._get(c, cache=False))
+            for c in sorted(self._states.keys() | self._on_disk)
         }
-        if self._precision == "state":  # the stored objects themselves, as the dict form always gave them
-            out.update({c: s for c, s in self._states.items()})
+        if (
+            self.layout.precision == "state"
+        ):  # the stored objects themselves, as the dict form always gave them
+            out.update(self._states)
         return out
 
     def load_state_dict(
@@ -167,11 +159,10 @@ class ClientStateStore:
         self._on_disk.clear()
         if self.folder is not None:
             self._open()
-        layout = self.layout
         for client, state in states.items():
-            if layout is None:
+            if self.layout is None:
                 raise TypeError("client states given to a store of an algorithm that keeps none")
-            self._put(int(client), layout.round(state, self._storage), dirty=True)
+            self._put(int(client), self.layout.round(state, self._storage), dirty=True)
             self._evict()
         self._changed = set()
         self._index = dict(index or {})
@@ -201,8 +192,10 @@ class ClientStateStore:
         }
         self._changed = set()
         named = {name for name, _ in self._index.values()}
-        self._file_rows = {name: n for name, n in self._file_rows.items() if name in named}
-        self._file_rows[file] = len(clients)
+        self._file_rows = {
+            **{name: n for name, n in self._file_rows.items() if name in named},
+            file: len(clients),
+        }
         return ClientDelta(clients, states, file, dict(self._index), self.layout)
 
     def _to_compact(self) -> set[int]:
@@ -269,19 +262,18 @@ class ClientStateStore:
     # --- the cache and the slots
 
     def _get(self, client: int, cache: bool = True) -> Any:
-        layout = self.layout
-        assert layout is not None and self._init_fn is not None
+        assert self.layout is not None and self._init_fn is not None
         if client in self._states:
             if cache:
                 self._states.move_to_end(client)
             return self._states[client]
         if client in self._on_disk:
-            state = layout.unpack(self._read_slot(client))
+            state = self.layout.unpack(self._read_slot(client))
             if cache:
                 self._put(client, state, dirty=False)
                 self._evict(keep=1)
             return state
-        return layout.round(self._init_fn(), self._storage)  # never visited: a fresh state (not stored)
+        return self.layout.round(self._init_fn(), self._storage)  # never visited: a fresh state (not stored)
 
     def _put(self, client: int, state: Any, dirty: bool) -> None:
         self._states[client] = state
@@ -350,10 +342,8 @@ def make_store(
     state would take more than `cache_mb`; else in RAM (faster: no packing, no file)."""
     if init_fn is None or kind == "ram":
         return ClientStateStore(init_fn, precision=precision)
-    if kind == "auto":
-        slot = SlotLayout(init_fn(), precision).slot_bytes
-        if num_clients * slot <= cache_mb * 2**20:
-            return ClientStateStore(init_fn, precision=precision)
+    if kind == "auto" and num_clients * SlotLayout(init_fn(), precision).slot_bytes <= cache_mb * 2**20:
+        return ClientStateStore(init_fn, precision=precision)
     return ClientStateStore(init_fn, folder=folder, cache_mb=cache_mb, precision=precision)
 
 

@@ -77,9 +77,7 @@ Predict = Callable[[Tensor], Tensor]  # prepared inputs [B, ...] -> outputs [B, 
 
 def resolve_eval_sample(requested: int | None, task_name: str) -> int:
     """train.eval_sample as it runs: None -> the task's paper default (PAPER_EVAL_SAMPLE), else 0 (whole split)."""
-    if requested is None:
-        return PAPER_EVAL_SAMPLE.get(task_name, 0)
-    return requested
+    return PAPER_EVAL_SAMPLE.get(task_name, 0) if requested is None else requested
 
 
 @functools.lru_cache(maxsize=8)
@@ -183,9 +181,7 @@ class _MadeBytes(TorchFunctionMode):
     summed, views included). A torch-function mode, not a dispatch mode: entering a TorchDispatchMode
     imports ~900 more modules of torch (+150 MiB resident, measured on the demo run), this one nothing."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
+    bytes = 0  # counted by each instance (`+=` makes it the instance's own)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -213,10 +209,8 @@ class _Accumulator:
             self.correct += int((output.argmax(dim=-1) == yb).sum())
         elif self.kind_fns is not None:
             self.kind_stats = add_stats(self.kind_stats, self.kind_fns.stats(output, yb))
-        if self.calibration:
-            self._update_calibration(output, yb)
-
-    def _update_calibration(self, output: Tensor, yb: Tensor) -> None:
+        if not self.calibration:  # the sums below: nll, brier and the ECE bins
+            return
         log_probs = torch.log_softmax(output.to(torch.float64), dim=-1)  # [B, K]
         probs = log_probs.exp()
         self.nll_sum += float(-log_probs.gather(-1, yb[:, None]).sum())

@@ -129,9 +129,7 @@ class GracefulSignals:
                 library turned it into another exception that was handled).
         """
         self._immediate = False
-        if self.pending is not None and not self._stopping:
-            self._stopping = True
-            raise RunInterrupted(self.pending)
+        self.check()  # the set-up runs outside critical()
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -64,8 +64,7 @@ def intra_op_threads(count: int) -> Iterator[None]:
 def libc_trim() -> Any:
     """glibc's malloc_trim, or None (another C library, another OS)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
 

@@ -6,6 +6,7 @@ slots; engine/checkpoint_writer.py writes a delta (docs/operations.md, "Checkpoi
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,13 +55,12 @@ class SlotLayout:
         self.dtypes = [leaf.dtype for leaf in leaves]  # the state's own dtypes
         self.stored = [storage_dtype(leaf.dtype, precision) for leaf in leaves]
         self.shapes = [tuple(leaf.shape) for leaf in leaves]
-        self.offsets: list[int] = []
-        offset = 0
-        for shape, dtype in zip(self.shapes, self.stored, strict=True):
-            self.offsets.append(offset)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            offset += -(-nbytes // ALIGN) * ALIGN
-        self.slot_bytes = max(offset, ALIGN)
+        aligned = [  # each leaf's bytes, rounded up to a multiple of ALIGN
+            -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGN) * ALIGN
+            for shape, dtype in zip(self.shapes, self.stored, strict=True)
+        ]
+        *self.offsets, end = itertools.accumulate(aligned, initial=0)  # where each leaf starts; the end
+        self.slot_bytes = max(end, ALIGN)
 
     def describe(self) -> dict[str, Any]:
         """The layout as plain values (recorded in a checkpoint's manifest and compared on load)."""
@@ -94,10 +94,12 @@ class SlotLayout:
         raw = (
             torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
         )
-        leaves = []
-        for shape, dtype, offset in zip(self.shapes, self.stored, self.offsets, strict=True):
-            count = int(np.prod(shape, dtype=np.int64))
-            leaves.append(raw[offset : offset + count * dtype.itemsize].view(dtype).reshape(shape))
+        leaves = [
+            raw[offset : offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
+            .view(dtype)
+            .reshape(shape)
+            for shape, dtype, offset in zip(self.shapes, self.stored, self.offsets, strict=True)
+        ]
         return pytree.tree_unflatten(leaves, self.spec)
 
     def widen(self, stored: Any) -> Any:

@@ -56,11 +56,13 @@ def stream_group(
     group: int | None
     if isinstance(backend, LoopBackend):
         shapes = setup.alg.noise_shapes(params, setup.hp, num_steps) if setup.alg.noise_shapes else {}
-        layout = store.layout
         state = (
             0
-            if layout is None
-            else sum(int(np.prod(s)) * d.itemsize for s, d in zip(layout.shapes, layout.dtypes, strict=True))
+            if store.layout is None
+            else sum(
+                int(np.prod(s)) * d.itemsize
+                for s, d in zip(store.layout.shapes, store.layout.dtypes, strict=True)
+            )
         )
         per_client = 4 * sum(int(np.prod(s)) for s in shapes.values()) + 2 * state + tree_nbytes(params)
         group = chunk or max(1, STREAM_BUDGET // max(per_client, 1))
@@ -97,8 +99,7 @@ def stream_cohort(
     the upload returned is an UploadSums: O(group) of uploads instead of O(cohort). Sums over groups
     differ from one sum over the cohort by float rounding only (summation order).
     """
-    inputs = job.inputs
-    plan = inputs.plan
+    inputs, plan = job.inputs, job.inputs.plan
     num_clients, epochs, padded = len(plan.num_examples), plan.num_epochs, plan.steps_per_epoch
     order = np.argsort(-plan.steps_per_client, kind="stable")
     merged: list[Tensor | None] | None = None

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,9 +96,8 @@ def train(
         state = setup.alg.server_init(setup.init_params, setup.hp, setup.opt)
     except HyperparameterError as exc:
         raise ConfigError(str(exc)) from None
-    init_fn = None
-    if setup.alg.init_client_state is not None:
-        init_fn = lambda: setup.alg.init_client_state(setup.init_params, setup.hp)  # noqa: E731
+    init_client_state = setup.alg.init_client_state
+    init_fn = None if init_client_state is None else partial(init_client_state, setup.init_params, setup.hp)
     with graceful_signals(signals) as signals:
         run_id = start_tracking(tracker, cfg, setup) if resume_run_id is None else resume_run_id
         run_dir = Path(cfg.tracking.root) / "runs" / run_id
@@ -262,13 +262,13 @@ def resolved_config(setup: Setup) -> dict[str, Any]:
     out["data"].update(
         data_record(setup.task, setup.data)
     )  # its own name and fingerprint, never the default task (docs/your-data.md)
-    out["train"]["device"] = str(setup.device)
-    out["train"]["executor"] = setup.executor
-    out["train"]["threads"] = torch.get_num_threads()
-    out["train"]["client_lr"] = setup.opt.client_lr
-    out["train"]["eval_sample"] = resolve_eval_sample(
-        cfg.train.eval_sample, setup.task.name
-    )  # 0 = whole split
+    out["train"].update(
+        device=str(setup.device),
+        executor=setup.executor,
+        threads=torch.get_num_threads(),
+        client_lr=setup.opt.client_lr,
+        eval_sample=resolve_eval_sample(cfg.train.eval_sample, setup.task.name),  # 0 = whole split
+    )
     if setup.model is not None and any(
         isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in setup.model.modules()
     ):

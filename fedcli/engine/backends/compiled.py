@@ -56,9 +56,8 @@ class CompiledVmap(InProcess):
             int(stateful),
             round_key(job.alg, job.hp, job.round_idx),
         )
-        fn = self.compiled.get(key)
-        first = fn is None
-        if fn is None:
+        first = key not in self.compiled
+        if first:
             alg, fns, hp, opt, round_no = (
                 job.alg,
                 job.fns,
@@ -83,9 +82,9 @@ class CompiledVmap(InProcess):
                     one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None), chunk_size=chunk_size
                 )(index, weight, step_mask, keys, num_examples, noise, states)
 
-            fn = self.compiled[key] = torch.compile(own_code(cohort), dynamic=False, backend=self.backend)
+            self.compiled[key] = torch.compile(own_code(cohort), dynamic=False, backend=self.backend)
         start = time.perf_counter()
-        upload, state, metrics = fn(
+        upload, state, metrics = self.compiled[key](
             job.broadcast,
             plan.index,
             plan.weight,

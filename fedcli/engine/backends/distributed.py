@@ -87,12 +87,12 @@ class ServedRun(Protocol):
 def serve(peers: Peers, build: Callable[..., ServedRun]) -> None:
     """Ranks 1..K-1: build each run rank 0 announces (`build(cfg, peers=peers)`) and train its slices
     until rank 0 says stop."""
-    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
-        _serve(peers, build)
-        return
     # Ctrl-C, and the SIGTERM torchrun forwards to every rank, are rank 0's: it stops the run in order, then us
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stops}
+    on_main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
+    previous = {
+        signum: signal.signal(signum, signal.SIG_IGN)
+        for signum in ((signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if on_main else ())
+    }
     try:
         _serve(peers, build)
     finally:

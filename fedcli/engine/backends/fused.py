@@ -334,8 +334,7 @@ def cohort_request(job: CohortJob) -> LocalSGD:
         seen.append(request)
         return request.start, ({} if request.linear is None else request.linear)
 
-    batched = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, None if inputs.states is None else 0))
-    start, linear = batched(
+    start, linear = torch.func.vmap(one, in_dims=(0, 0, 0, 0, 0, 0, None if inputs.states is None else 0))(
         plan.index, plan.weight, plan.step_mask, inputs.keys, plan.num_examples, inputs.noise, inputs.states
     )
     static = seen[0]

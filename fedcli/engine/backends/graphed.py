@@ -72,22 +72,18 @@ class Untraceable(Exception):
 
 
 @dataclass
-class Layout:
-    """Where a cohort function's outputs go: their pytree, and the non-tensor outputs (None, Python
-    numbers) that are constants of the program (under tracing and capture they cannot depend on
-    tensor values), kept beside it instead of returned by it. Filled by the first call."""
-
-    spec: pytree.TreeSpec | None = None
-    static: list[tuple[int, Any]] = field(default_factory=list)
-
-
-@dataclass
 class Program:
     """One cohort function over the round's flat input tensors (a traced GraphModule, or the eager
-    function itself) and, on CUDA, its captured graph with static input/output buffers."""
+    function itself) and, on CUDA, its captured graph with static input/output buffers.
+
+    `spec` and `static` say where the function's outputs go: their pytree, and the non-tensor
+    outputs (None, Python numbers) that are constants of the program (under tracing and capture
+    they cannot depend on tensor values), kept beside it instead of returned by it. Filled by the
+    function's first call."""
 
     module: Callable[..., list[Tensor]]
-    layout: Layout
+    spec: pytree.TreeSpec | None = None
+    static: list[tuple[int, Any]] = field(default_factory=list)
     graph: Any = None  # torch.cuda.CUDAGraph
     static_in: list[Tensor] | None = None
     static_out: list[Tensor] | None = None
@@ -102,10 +98,10 @@ class Program:
             self.graph.replay()
             # the next replay overwrites static_out (and an output may be a static input passed through)
             outs = [t.clone() for t in self.static_out]
-        for position, value in self.layout.static:
+        for position, value in self.static:
             outs.insert(position, value)
-        assert self.layout.spec is not None, "filled by the trace, the warm-up or the call above"
-        return pytree.tree_unflatten(outs, self.layout.spec)
+        assert self.spec is not None, "filled by the trace, the warm-up or the call above"
+        return pytree.tree_unflatten(outs, self.spec)
 
 
 class GraphedVmap(InProcess):
@@ -190,7 +186,6 @@ class GraphedVmap(InProcess):
         steps: int,
         tensors: list[Tensor],
     ) -> Program | None:
-        layout = Layout()
         alg, fns, hp, opt, round_idx = job.alg, job.fns, job.hp, job.opt, job.round_idx
 
         def cohort(*inputs: Tensor) -> list[Tensor]:
@@ -204,25 +199,25 @@ class GraphedVmap(InProcess):
             upload, state, metrics = torch.func.vmap(
                 one, in_dims=(0, 0, 0, 0, 0, 0, 0 if stateful else None)
             )(index, weight, step_mask, keys, num_examples, noise, states)
-            outs, layout.spec = pytree.tree_flatten((upload, state if stateful else None, metrics))
-            layout.static = [(i, leaf) for i, leaf in enumerate(outs) if not isinstance(leaf, Tensor)]
+            outs, program.spec = pytree.tree_flatten((upload, state if stateful else None, metrics))
+            program.static = [(i, leaf) for i, leaf in enumerate(outs) if not isinstance(leaf, Tensor)]
             return [leaf for leaf in outs if isinstance(leaf, Tensor)]
+
+        program = Program(cohort)  # the eager function, or (self.trace) its trace
 
         where = f"{len(job.inputs.plan.num_examples)} clients x {epochs} epoch(s) x {steps} steps"
         start = time.perf_counter()
-        module: Callable[..., list[Tensor]] = cohort
         ops = ""
         if self.trace:
             try:
-                module = trace(cohort, tensors)
+                program.module = trace(cohort, tensors)
             except Exception as error:  # noqa: BLE001 - any failure to trace means: run this key eagerly
                 self._warn_once(
                     f"--graph: {alg.name}'s client update could not be traced into one program "
                     f"({type(error).__name__}: {_first_line(error)}); running it eagerly (vmap)"
                 )
                 return None
-            ops = f", {sum(1 for n in module.graph.nodes if n.op == 'call_function')} ops"  # type: ignore[attr-defined]
-        program = Program(module, layout)
+            ops = f", {sum(1 for n in program.module.graph.nodes if n.op == 'call_function')} ops"  # type: ignore[attr-defined]
         if self.capture:
             try:
                 capture(program, tensors)
@@ -301,13 +296,8 @@ def trace(cohort: Callable[..., list[Tensor]], tensors: list[Tensor]) -> torch.f
 def _constants(module: torch.fx.GraphModule) -> list[Tensor]:
     """The tensors a traced program holds as attributes (the federated data, constant tables),
     except 0-d ones (scalars, passed to kernels by value)."""
-    out = []
-    for node in module.graph.nodes:
-        if node.op == "get_attr":
-            value = getattr(module, str(node.target))
-            if isinstance(value, Tensor) and value.dim() > 0:
-                out.append(value)
-    return out
+    values = (getattr(module, str(node.target)) for node in module.graph.nodes if node.op == "get_attr")
+    return [value for value in values if isinstance(value, Tensor) and value.dim() > 0]
 
 
 def _hashable(value: Any) -> Hashable:

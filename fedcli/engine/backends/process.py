@@ -38,7 +38,7 @@ import os
 import pickle
 import signal
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -46,14 +46,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedcli.algorithms.base import Algorithm, ClientOut, OptimConfig
+from fedcli.algorithms.base import ClientOut
 from fedcli.children import death
 from fedcli.datasets import augment as augmentation
 from fedcli.datasets.federated import MemoryData
 from fedcli.datasets.yours.data import shipped
-from fedcli.engine.backends import BackendInfo, BackendSetup, CohortBackend, Workload
+from fedcli.engine.backends import BackendInfo, BackendSetup, Workload
 from fedcli.engine.backends.inprocess import IN_PROCESS
 from fedcli.engine.cohort import (
+    CohortInputs,
     CohortJob,
     balanced_groups,
     merge_outs,
@@ -61,7 +62,7 @@ from fedcli.engine.cohort import (
     take_clients,
 )
 from fedcli.engine.machine import intra_op_threads
-from fedcli.engine.model import ModelFunctions, model_functions, with_precision
+from fedcli.engine.model import model_functions, with_precision
 from fedcli.errors import FedcliError
 
 if TYPE_CHECKING:
@@ -102,8 +103,7 @@ class _Unpacker(pickle.Unpickler):
 
     def persistent_load(self, pid: tuple[int, torch.dtype, tuple[int, ...]]) -> Tensor:
         offset, dtype, shape = pid
-        numel = int(np.prod(shape, dtype=np.int64))
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         t = self.arena.narrow(0, offset, nbytes).view(dtype).view(shape)
         return t.clone() if self.copy else t
 
@@ -117,8 +117,7 @@ def pack(obj: Any, arena: Tensor | None) -> tuple[Tensor | None, Tensor, bytes]:
     if arena is None or arena.numel() < packer.size:
         new = arena = torch.empty(max(_MIN_ARENA, packer.size * 3 // 2), dtype=torch.uint8).share_memory_()
     for offset, t in packer.tensors:
-        nbytes = t.numel() * t.element_size()
-        arena.narrow(0, offset, nbytes).view(t.dtype).view(t.shape).copy_(t.detach())
+        arena.narrow(0, offset, t.nbytes).view(t.dtype).view(t.shape).copy_(t.detach())
     return new, arena, buffer.getvalue()
 
 
@@ -144,19 +143,9 @@ class WorkerSpec:
     )
 
 
-@dataclass(frozen=True)
-class Bound:
-    """What a worker built from a WorkerSpec: the run's functions and its in-process back end."""
-
-    alg: Algorithm
-    fns: ModelFunctions
-    hp: Any
-    opt: OptimConfig
-    backend: CohortBackend
-
-
-def worker_functions(spec: WorkerSpec) -> Bound:
-    """Build the algorithm, model functions, hyperparameters, optimiser settings and back end of a spec."""
+def worker_functions(spec: WorkerSpec) -> Callable[[Any, CohortInputs, int, int | None], ClientOut]:
+    """Build the algorithm, model functions, hyperparameters, optimiser settings and back end of a spec;
+    return what trains a slice: (broadcast, its CohortInputs, round, chunk size) -> its ClientOut."""
     from fedcli.algorithms import ALGORITHMS
     from fedcli.config.checks import make_hyperparameters
     from fedcli.datasets.registry import resolve_task
@@ -178,13 +167,13 @@ def worker_functions(spec: WorkerSpec) -> Bound:
     if transforms.random:
         fns = replace(fns, augment=augmentation.augmenter(transforms))
     backend = IN_PROCESS[spec.inner].build(BackendSetup(cfg=cfg, model=model, fed=fed, device=cpu))
-    return Bound(
-        ALGORITHMS[cfg.algorithm.name],
-        fns,
-        make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp),
-        cfg.train.optim(task.client_lr),
-        backend,
-    )
+    alg, hp = ALGORITHMS[cfg.algorithm.name], make_hyperparameters(cfg.algorithm.name, cfg.algorithm.hp)
+    opt = cfg.train.optim(task.client_lr)
+
+    def train_slice(bc: Any, inputs: CohortInputs, round_idx: int, chunk: int | None) -> ClientOut:
+        return backend.run(CohortJob(alg, fns, bc, inputs, hp, opt, round_idx, chunk))
+
+    return train_slice
 
 
 def _worker_main(conn: Any) -> None:
@@ -192,7 +181,7 @@ def _worker_main(conn: Any) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the parent stops the run, then us
         signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)
-    bound: Bound | None = None
+    train_slice: Callable[[Any, CohortInputs, int, int | None], ClientOut] | None = None
     arena_in: Tensor | None = None
     arena_out: Tensor | None = None
     while True:
@@ -205,18 +194,15 @@ def _worker_main(conn: Any) -> None:
         try:
             if message[0] == "bind":
                 spec: WorkerSpec = message[1]
-                bound = worker_functions(spec)
+                train_slice = worker_functions(spec)
                 conn.send(("ok", None, b""))
                 continue
             _, new_in, data = message
             arena_in = new_in if new_in is not None else arena_in
             assert arena_in is not None, "the first run message carries the arena"
             bc, inputs, round_idx, chunk = unpack(data, arena_in, copy=False)
-            assert bound is not None, "the parent binds a run before its first round"
-            out = bound.backend.run(
-                CohortJob(bound.alg, bound.fns, bc, inputs, bound.hp, bound.opt, round_idx, chunk)
-            )
-            new_out, arena_out, reply = pack(out, arena_out)
+            assert train_slice is not None, "the parent binds a run before its first round"
+            new_out, arena_out, reply = pack(train_slice(bc, inputs, round_idx, chunk), arena_out)
             conn.send(("ok", new_out, reply))
         except Exception:  # noqa: BLE001 - reported to the parent, which raises WorkerError
             conn.send(("error", None, traceback.format_exc().encode()))
