@@ -58,14 +58,12 @@ def _loader(alpha: float, beta: float, iid: bool):  # noqa: ANN202 - returns a T
     def load(options: TaskOptions) -> TaskData:
         rng = np.random.default_rng(options.seed)
         xs, ys = generate_synthetic(alpha=alpha, beta=beta, iid=iid, rng=rng)
-        train_x, train_y, test_x, test_y = [], [], [], []
+        parts: list[tuple[np.ndarray, ...]] = []  # (train x, train y, test x, test y) per user
         for x, y in zip(xs, ys, strict=True):
             order = rng.permutation(len(y))
             cut = int(0.9 * len(y))
-            train_x.append(x[order[:cut]])
-            train_y.append(y[order[:cut]])
-            test_x.append(x[order[cut:]])
-            test_y.append(y[order[cut:]])
+            parts.append((x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]))
+        train_x, train_y, test_x, test_y = zip(*parts, strict=True)
         xt = torch.as_tensor(np.concatenate(train_x), dtype=torch.float32)
         yt = torch.as_tensor(np.concatenate(train_y), dtype=torch.int64)
         return TaskData(

@@ -395,22 +395,18 @@ def task_data_of(opened: Opened) -> Any:
     from fedcli.datasets.tasks import TaskData
 
     a, meta = opened.arrays, opened.meta
-
-    def tensor(name: str) -> torch.Tensor:
-        return torch.from_numpy(a[name])
-
     test_clients = (
         ClientIndex(a["test_clients"], np.asarray(a["test_client_offsets"]))
         if "test_client_offsets" in a
         else None
     )
     return TaskData(
-        x=tensor("x"),
-        y=tensor("y"),
+        x=torch.from_numpy(a["x"]),
+        y=torch.from_numpy(a["y"]),
         client_indices=ClientIndex(a["clients"], np.asarray(a["client_offsets"])),
         client_names=list(meta.get("client_names", [])),
-        test_x=tensor("test_x"),
-        test_y=tensor("test_y"),
+        test_x=torch.from_numpy(a["test_x"]),
+        test_y=torch.from_numpy(a["test_y"]),
         fingerprint=meta["fingerprint"],
         num_classes=meta.get("num_classes"),
         test_client_indices=test_clients,
@@ -436,8 +432,7 @@ def store_task_data(data: Any, what: str, root: Path | None = None) -> Any:
 
     def fill(writer: StoreWriter) -> dict[str, Any]:
         for name in ("x", "y", "test_x", "test_y"):
-            t = getattr(data, name).contiguous().cpu()
-            writer.append(name, t.numpy())
+            writer.append(name, getattr(data, name).contiguous().cpu().numpy())
         write_clients(writer, "", data.client_indices)
         if data.test_client_indices is not None:
             write_clients(writer, "test_", data.test_client_indices)

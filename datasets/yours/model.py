@@ -26,13 +26,14 @@ datasets/yours/trust.py `allow_code` let it (docs/operations.md, "Security").
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import json
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -429,7 +430,8 @@ def _probe_training(
         model.train(training)
 
 
-class tracking:  # noqa: N801  (a context manager named for what it does)
+@contextlib.contextmanager
+def tracking(norms: list[_BatchNorm], on: bool) -> Iterator[None]:
     """BatchNorm writes its running statistics (track_running_stats) inside the block, when `on`.
 
     Inside it each BatchNorm's input is cast to its running statistics' dtype (float32) when it
@@ -440,24 +442,17 @@ class tracking:  # noqa: N801  (a context manager named for what it does)
     op casts back to bfloat16). Used by training (engine/model.py `model_functions`) and by the
     model check's training steps (`check_model`), so the check runs what training runs.
     """
-
-    def __init__(self, norms: list[_BatchNorm], on: bool) -> None:
-        self.norms, self.on = norms, on
-        self.hooks: list[Any] = []
-
-    def __enter__(self) -> None:
-        if self.on:
-            for m in self.norms:
-                m.track_running_stats = True
-                self.hooks.append(m.register_forward_pre_hook(_stats_dtype))
-
-    def __exit__(self, *exc: object) -> None:
-        if self.on:
-            for m in self.norms:
-                m.track_running_stats = False
-            for hook in self.hooks:
-                hook.remove()
-            self.hooks = []
+    active = norms if on else []
+    hooks = [m.register_forward_pre_hook(_stats_dtype) for m in active]
+    for m in active:
+        m.track_running_stats = True
+    try:
+        yield
+    finally:
+        for m in active:
+            m.track_running_stats = False
+        for hook in hooks:
+            hook.remove()
 
 
 def _stats_dtype(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
