@@ -23,14 +23,13 @@ from fedcli.errors import DataError
 log = logging.getLogger(__name__)
 
 
-def default_dir(name: str) -> Path:
-    """Return the default cache folder of a data set: ~/.cache/fedcli/<name>."""
-    return Path("~/.cache/fedcli").expanduser() / name
-
-
 def data_dir(options: TaskOptions, name: str) -> Path:
-    """Return options.data_dir, or the default cache folder of `name`."""
-    return Path(options.data_dir) if options.data_dir is not None else default_dir(name)
+    """Return options.data_dir, or the default cache folder of `name`: ~/.cache/fedcli/<name>."""
+    return (
+        Path(options.data_dir)
+        if options.data_dir is not None
+        else Path("~/.cache/fedcli").expanduser() / name
+    )
 
 
 def missing_data(name: str, folder: Path, expected: str, how: str) -> DataError:

@@ -149,15 +149,16 @@ def _stack(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xs, ys, ws = [], [], []
     for k, writer in enumerate(writers):
-        x = np.asarray(split[writer]["x"], dtype=np.float32).reshape(-1, 28, 28)
-        xs.append(np.rint((1.0 - x) * 255.0).clip(0, 255).astype(np.uint8))
-        ys.append(np.asarray(split[writer]["y"], dtype=np.int64))
-        ws.append(np.full(len(ys[-1]), k, dtype=np.int64))
+        rows = _user_rows(split[writer], writer)
+        xs.append(rows["x"])
+        ys.append(rows["y"])
+        ws.append(np.full(len(rows["y"]), k, dtype=np.int64))
     return np.concatenate(xs), np.concatenate(ys), np.concatenate(ws)
 
 
 def _user_rows(record: dict[str, list[object]], where: str) -> dict[str, np.ndarray]:
-    """One writer's LEAF record as `_stack` encodes it (disk store, datasets/formats/leaf.py stream_leaf_store)."""
+    """One writer's LEAF record: images uint8 with ink = 255, labels int64 (`_stack`, and the disk store:
+    datasets/formats/leaf.py stream_leaf_store)."""
     x = np.asarray(record["x"], dtype=np.float32).reshape(-1, 28, 28)
     return {
         "x": np.rint((1.0 - x) * 255.0).clip(0, 255).astype(np.uint8),
