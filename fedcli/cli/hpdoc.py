@@ -22,6 +22,7 @@ import inspect
 import io
 import textwrap
 import tokenize
+from collections import ChainMap
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -30,11 +31,9 @@ def field_descriptions(config_cls: type) -> dict[str, str]:
     """{field name: its description} of a config dataclass and its bases ("" where none): the field's
     metadata `description` where it declares one (the run config's sections, fedcli/config/sections.py
     `opt`), else its comment."""
-    out: dict[str, str] = {}
-    for cls in reversed(config_cls.__mro__):
-        if cls is not object:
-            out.update(_class_comments(cls))
-    return {f.name: f.metadata.get("description") or out.get(f.name, "") for f in fields(config_cls)}
+    # the class's own comments first, then its bases' (method resolution order)
+    comments = ChainMap(*(_class_comments(cls) for cls in config_cls.__mro__ if cls is not object))
+    return {f.name: f.metadata.get("description") or comments.get(f.name, "") for f in fields(config_cls)}
 
 
 def hyperparameter_rows(config_cls: type) -> list[dict[str, Any]]:

@@ -223,10 +223,10 @@ def short_ids(ids: list[str], minimum: int = 8) -> dict[str, str]:
     ordered = sorted(set(ids))
     out = {}
     for i, run_id in enumerate(ordered):
-        shared = 0
-        for other in ordered[max(i - 1, 0) : i + 2]:  # sorted: the longest common prefix is with a neighbour
-            if other != run_id:
-                shared = max(shared, len(os.path.commonprefix([run_id, other])))
+        shared = max(  # sorted: the longest common prefix is with a neighbour
+            (len(os.path.commonprefix([run_id, o])) for o in ordered[max(i - 1, 0) : i + 2] if o != run_id),
+            default=0,
+        )
         out[run_id] = run_id[: max(minimum, shared + 1)]
     return out
 
