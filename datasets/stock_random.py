@@ -166,32 +166,35 @@ def _normal_fn(mode: StockLayers, func: Any, *args: Any, **kwargs: Any) -> Tenso
     return (mean + std * _normal(mode, shape, device)).to(dtype)
 
 
-def _inplace_uniform(mode: StockLayers, func: Any, self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    if not _keyed(mode, kwargs):
-        return func(self, *args, **kwargs)  # type: ignore[no-any-return]
+def _inplace(
+    value: Callable[[StockLayers, Tensor, tuple[Any, ...], dict[str, Any]], Any],
+) -> Callable[..., Tensor]:
+    """`Tensor.uniform_` / `normal_` / `bernoulli_`: `self` overwritten, outside autograd, with `value`'s keyed draw."""
+
+    def handler(mode: StockLayers, func: Any, self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if not _keyed(mode, kwargs):
+            return func(self, *args, **kwargs)  # type: ignore[no-any-return]
+        with torch.no_grad():
+            return self.copy_(value(mode, self, args, kwargs))
+
+    return handler
+
+
+def _uniform_value(mode: StockLayers, self: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     low = args[0] if args else kwargs.get("from", 0.0)
     high = args[1] if len(args) > 1 else kwargs.get("to", 1.0)
-    u = next_uniform(mode, self.shape, self.device)
-    with torch.no_grad():
-        return self.copy_(low + (high - low) * u)
+    return low + (high - low) * next_uniform(mode, self.shape, self.device)
 
 
-def _inplace_normal(mode: StockLayers, func: Any, self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    if not _keyed(mode, kwargs):
-        return func(self, *args, **kwargs)  # type: ignore[no-any-return]
+def _normal_value(mode: StockLayers, self: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     mean = args[0] if args else kwargs.get("mean", 0.0)
     std = args[1] if len(args) > 1 else kwargs.get("std", 1.0)
-    with torch.no_grad():
-        return self.copy_(mean + std * _normal(mode, self.shape, self.device))
+    return mean + std * _normal(mode, self.shape, self.device)
 
 
-def _inplace_bernoulli(mode: StockLayers, func: Any, self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    if not _keyed(mode, kwargs):
-        return func(self, *args, **kwargs)  # type: ignore[no-any-return]
+def _bernoulli_value(mode: StockLayers, self: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     p = args[0] if args else kwargs.get("p", 0.5)
-    u = next_uniform(mode, self.shape, self.device)
-    with torch.no_grad():
-        return self.copy_((u < p).to(self.dtype))
+    return (next_uniform(mode, self.shape, self.device) < p).to(self.dtype)
 
 
 RANDOM_HANDLERS: dict[Any, Callable[..., Any]] = {
@@ -204,7 +207,7 @@ RANDOM_HANDLERS: dict[Any, Callable[..., Any]] = {
     torch.bernoulli: _bernoulli,
     Tensor.bernoulli: _bernoulli,
     torch.normal: _normal_fn,
-    Tensor.uniform_: _inplace_uniform,
-    Tensor.normal_: _inplace_normal,
-    Tensor.bernoulli_: _inplace_bernoulli,
+    Tensor.uniform_: _inplace(_uniform_value),
+    Tensor.normal_: _inplace(_normal_value),
+    Tensor.bernoulli_: _inplace(_bernoulli_value),
 }
