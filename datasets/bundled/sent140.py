@@ -41,9 +41,8 @@ def tweet_text(x: Any, where: str) -> str:
     return x[4]
 
 
-def build_vocab(texts: list[str], size: int = VOCAB_SIZE) -> dict[str, int]:
-    """The `size` most frequent words (ties alphabetical) -> ids 0..size-1."""
-    counts = Counter(w for t in texts for w in _WORD.findall(t))
+def build_vocab(counts: Counter[str], size: int = VOCAB_SIZE) -> dict[str, int]:
+    """The `size` most frequent words of the word counts (ties alphabetical) -> ids 0..size-1."""
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
     return {w: i for i, (w, _) in enumerate(ranked)}
 
@@ -63,8 +62,7 @@ def _stream_sent140(folder: Path, max_clients: int | None) -> TaskData:
     for path, user, record in iter_leaf_users(folder / "train"):
         if user in users:
             counts.update(w for x in record["x"] for w in _WORD.findall(tweet_text(x, f"{path} user {user}")))
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:VOCAB_SIZE]  # = build_vocab
-    vocab = {w: i for i, (w, _) in enumerate(ranked)}
+    vocab = build_vocab(counts)
 
     def rows(record: dict[str, list[Any]], where: str) -> dict[str, np.ndarray]:
         labels = [int(v) for v in record["y"]]
@@ -95,7 +93,7 @@ def load_sent140(options: TaskOptions) -> TaskData:
     test = read_leaf_dir(folder / "test")
     users = sorted(train)[: options.max_clients]
     texts = {u: [tweet_text(x, f"{folder / 'train'} user {u}") for x in train[u]["x"]] for u in users}
-    vocab = build_vocab([t for u in users for t in texts[u]])
+    vocab = build_vocab(Counter(w for u in users for t in texts[u] for w in _WORD.findall(t)))
 
     def encode(
         split: dict[str, dict[str, list[Any]]], names: list[str], where: str
