@@ -197,20 +197,16 @@ class Images:
         ink = np.clip(ink + rng.normal(0.0, 0.15, ink.shape), 0.0, 1.0).astype(np.float32)
         return ink, labels
 
-
-def _emnist_make(images: Images) -> Callable[[np.random.Generator, np.ndarray], list[dict[str, Any]]]:
-    def make(rng: np.random.Generator, counts: np.ndarray) -> list[dict[str, Any]]:
-        ink, labels = images.draw(rng, int(counts.sum()))
+    def emnist(self, rng: np.random.Generator, counts: np.ndarray) -> list[dict[str, Any]]:
+        """TFF EMNIST clients: `pixels` float32 (1.0 = white background) and `label` int32."""
+        ink, labels = self.draw(rng, int(counts.sum()))
         # TFF/LEAF convention: 1.0 = white background, so pixels = 1 - ink, quantised to 1/255
         pixels = (1.0 - np.rint(ink * 255.0) / 255.0).astype(np.float32)
         return split_clients({"pixels": pixels, "label": labels.astype(np.int32)}, counts)
 
-    return make
-
-
-def _cifar_make(images: Images) -> Callable[[np.random.Generator, np.ndarray], list[dict[str, Any]]]:
-    def make(rng: np.random.Generator, counts: np.ndarray) -> list[dict[str, Any]]:
-        ink, labels = images.draw(rng, int(counts.sum()))
+    def cifar(self, rng: np.random.Generator, counts: np.ndarray) -> list[dict[str, Any]]:
+        """TFF CIFAR-100 clients: `image` uint8, `label` and `coarse_label` int64."""
+        ink, labels = self.draw(rng, int(counts.sum()))
         image = np.rint(ink * 255.0).astype(np.uint8)
         return split_clients(
             {
@@ -220,8 +216,6 @@ def _cifar_make(images: Images) -> Callable[[np.random.Generator, np.ndarray], l
             },
             counts,
         )
-
-    return make
 
 
 # ----------------------------------------------------------------------------- LEAF JSON
@@ -330,11 +324,11 @@ def generate(
     elif fmt == "emnist":
         ids = [f"f{k}_{int(k) % 100:02d}" for k in client_ids(clients)]
         splits = {"fed_emnist_train.h5": train, "fed_emnist_test.h5": test}
-        write_tff(out, splits, ids, _emnist_make(Images(seed, 62, (28, 28))), seed, quiet)
+        write_tff(out, splits, ids, Images(seed, 62, (28, 28)).emnist, seed, quiet)
     elif fmt == "cifar100":
         ids = client_ids(clients)
         splits = {"fed_cifar100_train.h5": train, "fed_cifar100_test.h5": test}
-        write_tff(out, splits, ids, _cifar_make(Images(seed, 100, (32, 32, 3))), seed, quiet)
+        write_tff(out, splits, ids, Images(seed, 100, (32, 32, 3)).cifar, seed, quiet)
     elif fmt == "leaf-femnist":
         ids = [f"f{k}_{int(k) % 100:02d}" for k in client_ids(clients)]
         splits = {"train": train, "test": test}
