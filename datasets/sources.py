@@ -39,11 +39,8 @@ def missing_data(name: str, folder: Path, expected: str, how: str) -> DataError:
 
 def first_existing(folder: Path, *names: str) -> Path | None:
     """Return the first of folder/name (also tried with .gz appended) that exists."""
-    for name in names:
-        for candidate in (folder / name, folder / f"{name}.gz"):
-            if candidate.exists():
-                return candidate
-    return None
+    candidates = (path for name in names for path in (folder / name, folder / f"{name}.gz"))
+    return next((path for path in candidates if path.exists()), None)
 
 
 def download(url: str, dest: Path, *, md5: str | None = None) -> Path:

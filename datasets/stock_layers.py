@@ -292,10 +292,7 @@ _STOCK = (
 def needs_stock_layers(model: nn.Module) -> bool:
     """True when the model has stock dropout, RNN or attention layers, or code of its own (a forward
     that may call F.dropout): fedcli's built-in models (keyed dropout of their own) run without the mode."""
-    for m in model.modules():
-        if isinstance(m, _STOCK):
-            return True
-        module = type(m).__module__
-        if not (module.startswith("torch.") or module.startswith("fedcli.")):
-            return True
-    return False
+    return any(
+        isinstance(m, _STOCK) or not type(m).__module__.startswith(("torch.", "fedcli."))
+        for m in model.modules()
+    )

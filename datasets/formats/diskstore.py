@@ -74,9 +74,9 @@ def wants_disk(options: Any, paths: Sequence[Path]) -> bool:
     """A streaming loader's choice: --data-store disk, or auto with source files above AUTO_DISK_BYTES."""
     from fedcli.datasets.federated import AUTO_DISK_BYTES
 
-    if options.data_store == "disk":
-        return True
-    return options.data_store == "auto" and sum(p.stat().st_size for p in paths) > AUTO_DISK_BYTES
+    return options.data_store == "disk" or (
+        options.data_store == "auto" and sum(p.stat().st_size for p in paths) > AUTO_DISK_BYTES
+    )
 
 
 def store_key(*parts: Any) -> str:

@@ -241,10 +241,7 @@ def ensure_files(
     options: TaskOptions, folder: Path, files: tuple[str, ...], archives: tuple[str, ...]
 ) -> bool:
     """True when every file is present (downloading the archives first if asked)."""
-    if all((folder / f).exists() for f in files):
-        return True
-    if options.download:
+    if options.download and not all((folder / f).exists() for f in files):
         for archive in archives:
             extract_tar(download(TFF_URL + archive, folder / archive), folder)
-        return all((folder / f).exists() for f in files)
-    return False
+    return all((folder / f).exists() for f in files)
