@@ -11,6 +11,7 @@ ids are stored as int16 there and widened per batch by the task.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -50,14 +51,9 @@ SO_ARCHIVES = ("stackoverflow.tar.bz2", "stackoverflow.word_count.tar.bz2", "sta
 
 def read_word_count(path: Path, size: int) -> dict[str, int]:
     """Top `size` words of stackoverflow.word_count -> rank 0..size-1."""
-    words: list[str] = []
     try:
-        with path.open(encoding="utf-8") as fh:
-            for line in fh:
-                if len(words) == size:
-                    break
-                if line.strip():
-                    words.append(line.split()[0])
+        with path.open(encoding="utf-8") as fh:  # read only as far as the size-th word
+            words = list(itertools.islice((line.split()[0] for line in fh if line.strip()), size))
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"cannot read word counts {path}: {exc}") from None
     return {w: i for i, w in enumerate(words)}
