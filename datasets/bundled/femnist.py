@@ -173,11 +173,10 @@ def _load_femnist(options: TaskOptions) -> TaskData:
         return stream_leaf_store("femnist", directory, _user_rows, num_classes=None)
     arrays = load_femnist(options.data_dir or BUNDLED_DIR)
     x, y = torch.from_numpy(arrays.train_x), torch.from_numpy(arrays.train_y)
-    indices = [np.flatnonzero(arrays.train_writer == k) for k in range(len(arrays.writers))]
     return TaskData(
         x=x,
         y=y,
-        client_indices=indices,
+        client_indices=[np.flatnonzero(arrays.train_writer == k) for k in range(len(arrays.writers))],
         client_names=arrays.writers,
         test_x=torch.from_numpy(arrays.test_x),
         test_y=torch.from_numpy(arrays.test_y),

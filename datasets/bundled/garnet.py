@@ -212,11 +212,10 @@ def load_garnet(
     optimum = torch.linalg.solve(a_hat.sum(0), b_hat.sum(0))  # uniform agents, as the paper
     dim = x.shape[-1]
     x_flat, y_flat = x_t.reshape(-1, dim), y_t.reshape(-1)
-    indices = [np.arange(c * train_per_agent, (c + 1) * train_per_agent) for c in range(num_agents)]
     return TaskData(
         x=x_flat,
         y=y_flat,
-        client_indices=indices,
+        client_indices=[np.arange(c * train_per_agent, (c + 1) * train_per_agent) for c in range(num_agents)],
         client_names=[f"agent{c}" for c in range(num_agents)],
         test_x=torch.as_tensor(test_x.reshape(-1, dim), dtype=torch.float64),
         test_y=torch.as_tensor(test_y.reshape(-1), dtype=torch.float64),

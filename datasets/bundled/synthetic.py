@@ -62,15 +62,20 @@ def make_least_squares(
 
 
 def _load_lsq(options: TaskOptions) -> TaskData:
-    rng = np.random.default_rng(options.seed)
-    data = make_least_squares(num_clients=20, dim=10, mean_size=50, heterogeneity=1.0, noise=0.1, rng=rng)
+    data = make_least_squares(
+        num_clients=20,
+        dim=10,
+        mean_size=50,
+        heterogeneity=1.0,
+        noise=0.1,
+        rng=np.random.default_rng(options.seed),
+    )
     x = torch.as_tensor(data.x, dtype=torch.float32)
     y = torch.as_tensor(data.y, dtype=torch.float32)
-    indices = [np.flatnonzero(data.client == k) for k in range(20)]
     return TaskData(
         x=x,
         y=y,
-        client_indices=indices,
+        client_indices=[np.flatnonzero(data.client == k) for k in range(20)],
         client_names=[f"client{k}" for k in range(20)],
         test_x=torch.as_tensor(data.test_x, dtype=torch.float32),
         test_y=torch.as_tensor(data.test_y, dtype=torch.float32),

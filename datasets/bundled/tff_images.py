@@ -38,8 +38,9 @@ from fedcli.datasets.tasks import Task, TaskData, TaskOptions
 def _load_emnist(options: TaskOptions) -> TaskData:
     folder = data_dir(options, "emnist")
     files = ("fed_emnist_train.h5", "fed_emnist_test.h5")
-    has_torchvision = any(folder.glob("*/raw/emnist-byclass-train-images-idx3-ubyte*"))
-    if not all((folder / f).exists() for f in files) and has_torchvision:
+    if not all((folder / f).exists() for f in files) and any(
+        folder.glob("*/raw/emnist-byclass-train-images-idx3-ubyte*")  # torchvision's EMNIST
+    ):
         return load_emnist_torchvision(folder)
     if not ensure_files(options, folder, files, ("fed_emnist.tar.bz2",)):
         raise missing_data(
