@@ -253,13 +253,11 @@ def _fsync_dir(path: Path) -> None:
 
 def write_clients(writer: StoreWriter, prefix: str, indices: Sequence[np.ndarray]) -> None:
     """Write client -> example indices as one flat array plus offsets ([C + 1] int64)."""
-    offsets = np.zeros(len(indices) + 1, dtype=np.int64)
     writer.declare(f"{prefix}clients", np.int64, ())
-    for k, ix in enumerate(indices):
-        ix = np.asarray(ix, dtype=np.int64)
-        writer.append(f"{prefix}clients", ix)
-        offsets[k + 1] = offsets[k] + len(ix)
-    writer.append(f"{prefix}client_offsets", offsets)
+    for ix in indices:
+        writer.append(f"{prefix}clients", np.asarray(ix, dtype=np.int64))
+    sizes = np.array([len(ix) for ix in indices], dtype=np.int64)
+    writer.append(f"{prefix}client_offsets", np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
 
 
 def write_consecutive(writer: StoreWriter, prefix: str, sizes: Sequence[int]) -> None:
