@@ -167,9 +167,6 @@ class Tracker:
         """Record a checkpoint written after `round_idx` (MLflow may now copy rounds up to it)."""
         self.store.add_checkpoint(self.run_id, round_idx, path)
 
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        """Files in the run's folder reach MLflow when the mirror ends the run; nothing to do now."""
-
     def finish(self, status: str, reason: str | None = None, diverged_at_round: int | None = None) -> None:
         """End the run in the SQL store, then let the mirror copy the rest and end the MLflow run.
 

@@ -115,7 +115,7 @@ def train(
         if resume_run_id is not None:
             state, start_round = _restore(tracker, run_id, setup, state, store)
         if start_round == 1:
-            _save_partition(tracker, run_dir, setup)
+            _save_partition(run_dir, setup)
         heartbeat = Heartbeat(tracker.store, run_id)
         writer = CheckpointWriter(
             run_dir,
@@ -313,7 +313,7 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def _save_partition(tracker: Tracker, run_dir: Path, setup: Setup) -> None:
+def _save_partition(run_dir: Path, setup: Setup) -> None:
     """Keep the run's client partition beside it (and in MLflow) so reports and reruns can share it."""
     from fedcli.datasets.partition.files import save_partition
 
@@ -341,7 +341,6 @@ def _save_partition(tracker: Tracker, run_dir: Path, setup: Setup) -> None:
         fingerprint=setup.data.fingerprint,
         labels=labels,
     )
-    tracker.log_artifact(path)
 
 
 def _save_model(tracker: Tracker, run_dir: Path, setup: Setup, state: Any) -> Path:
@@ -364,7 +363,6 @@ def _save_model(tracker: Tracker, run_dir: Path, setup: Setup, state: Any) -> Pa
         path,
     )  # BatchNorm statistics or None
     tracker.store.set_run_fields(tracker.run_id, model_path=str(path.resolve()))
-    tracker.log_artifact(path)
     return path
 
 
