@@ -106,7 +106,9 @@ def run_training(
 
 
 def stopped(cfg: object, run_id: str | None, stop: KeyboardInterrupt) -> None:
-    """Say how the run ended and how to continue it; exit 128 + the signal (130 for Ctrl-C)."""
+    """Say how the run ended and how to continue it; exit 128 + the signal (130 for Ctrl-C). A stop
+    after the set-up but before the run was created in the store (the engine's first safe point)
+    says so, like a stop in the set-up: before, it exited 143 without a line."""
     code = getattr(stop, "exit_code", 130)
     if run_id:
         console().print(
@@ -114,4 +116,6 @@ def stopped(cfg: object, run_id: str | None, stop: KeyboardInterrupt) -> None:
             f"Continue it with: {resume_hint(cfg, run_id)}",
             soft_wrap=True,
         )  # one pasteable line
+    else:
+        console().print(str(StoppedBeforeStart(code - 128)))
     raise typer.Exit(code)

@@ -273,3 +273,29 @@ def test_unchunked_executors_stop_after_the_cohorts_local_training(tmp_path: Pat
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=600)
     assert outcome(tmp_path, proc.returncode, out, err) == "interrupted"
+
+
+def test_a_stop_after_the_set_up_but_before_the_run_exists_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM once the set-up ended (signals are recorded from then on) but before the engine created the
+    run: its first safe point stops it with no run in the store. `fedcli train` says so in the set-up's
+    line and exits 143 (it exited 143 without a line: 3 of 25 deliveries 1.6-1.9 s into a run)."""
+    from typer.testing import CliRunner
+
+    from fedcli.cli.main import app
+    from fedcli.runs import stores
+
+    opened = stores.open_tracker
+
+    def open_then_stop(*args: object, **kwargs: object) -> object:
+        tracker = opened(*args, **kwargs)  # type: ignore[arg-type]
+        os.kill(os.getpid(), signal.SIGTERM)
+        return tracker
+
+    monkeypatch.setattr(stores, "open_tracker", open_then_stop)
+    result = CliRunner().invoke(
+        app, ["-q", "train", "--root", str(tmp_path), "--task", "lsq", "--rounds", "3", "--no-mlflow"]
+    )
+    assert result.exit_code == 143, result.output
+    assert outcome(tmp_path, 143, result.stdout, result.stderr) == "set-up"
