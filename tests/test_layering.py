@@ -357,7 +357,13 @@ def test_the_datasets_rule_finds_a_sideways_import(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- the engine and its store
 
-ENGINE_STORE_BANNED = ("fedcli.tracking.store.sql_store", "sqlalchemy")  # prefixes
+ENGINE_STORE_BANNED = (
+    "fedcli.tracking.store.sql_store",
+    "fedcli.tracking.store.session",
+    "fedcli.tracking.store.writes",
+    "fedcli.tracking.store.queries",
+    "sqlalchemy",
+)  # prefixes
 
 
 def test_the_engine_reaches_the_store_through_its_protocol() -> None:
